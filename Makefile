@@ -1,0 +1,48 @@
+# myq — one file, stdlib only. See README.md.
+PYTHON ?= python3
+VENV   ?= .venv
+SPOOL  ?= $(CURDIR)/demo
+PREFIX ?= /usr
+DESTDIR ?=
+
+.PHONY: demo test lint bench dist install clean
+
+# A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
+demo:
+	@rm -rf "$(SPOOL)"
+	$(PYTHON) myq.py --spool "$(SPOOL)" init
+	@mkdir -p "$(SPOOL)-handlers"
+	@printf '#!/bin/sh\necho "hello, $$(cat)" >> "$(SPOOL)-handlers/greeted.txt"\n' > "$(SPOOL)-handlers/greet"
+	@printf '#!/bin/sh\necho "bad payload: $$(cat)" >&2\nexit 65\n' > "$(SPOOL)-handlers/fragile"
+	@chmod +x "$(SPOOL)-handlers/greet" "$(SPOOL)-handlers/fragile"
+	$(PYTHON) myq.py --spool "$(SPOOL)" enqueue greet '"world"'
+	$(PYTHON) myq.py --spool "$(SPOOL)" enqueue greet '"edge box"'
+	$(PYTHON) myq.py --spool "$(SPOOL)" enqueue fragile '{"n": 1}'
+	$(PYTHON) myq.py --spool "$(SPOOL)" worker --handlers "$(SPOOL)-handlers" --drain
+	$(PYTHON) myq.py --spool "$(SPOOL)" stats
+	$(PYTHON) myq.py --spool "$(SPOOL)" list
+	@cat "$(SPOOL)-handlers/greeted.txt"
+
+$(VENV)/.stamp:
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check pytest hypothesis
+	@touch $@
+
+test: $(VENV)/.stamp
+	$(VENV)/bin/python -m pytest -q tests
+
+lint:
+	$(PYTHON) -m py_compile myq.py
+	shellcheck -s sh init.d/myq
+
+bench:
+	$(PYTHON) bench/run.py
+
+dist:
+	$(PYTHON) build/dist.py
+
+install:
+	$(PYTHON) build/dist.py --install "$(DESTDIR)" --prefix "$(PREFIX)"
+
+clean:
+	rm -rf $(VENV) dist demo demo-handlers .pytest_cache tests/__pycache__

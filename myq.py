@@ -1,0 +1,2883 @@
+#!/usr/bin/env python3
+"""myq - a job queue worker for small Linux devices, in one file.
+
+    myq [--spool DIR] init | enqueue TYPE [PAYLOAD] | worker | supervise |
+                      stats | list | show | retry | delete | reap | prune |
+                      check | version
+
+One spool directory is one queue; every state is a directory and every job
+one JSON file, so `ls` and `cat` show everything.  CPython 3.7-3.13, standard
+library only; at import time only modules of OpenWrt's python3-light.
+
+The spool protocol (every step is one rename(2), so a crash leaves each job
+in exactly one place):
+
+- enqueue: create tmp/NAME exclusively (O_EXCL|O_NOFOLLOW), write, fsync,
+  then link(2) (explicit id: EEXIST means duplicate) or rename(2) it to
+  incoming/ID.json, fsync incoming/.  The file's mtime is its
+  `available_at`: the directory itself is the schedule, and a scan needs no
+  open().  A byte written to the FIFO locks/wake wakes an idle worker.
+- claim: rename incoming/ID.json -> processing/ID+TOKEN.json.  The token
+  names the worker (locks/workers/WID.json: pid, process start time, boot
+  id) and is unique per claim; a worker whose claim was taken back finds its
+  own name gone, so it can never finish, retry or move the new owner's claim.
+  The lease is appended to the file as one JSON line (no rewrite, no fsync).
+- finish: success writes the idempotency record locks/ok/ID, then renames
+  the claim to done/ID.json; directory fsyncs are group-committed (a power
+  cut may re-run a job, never lose one).  Retry and dead-letter write the
+  new job to tmp/ (fsync), rename the claim to ID+TOKEN.fin (ownership),
+  rename the new file into incoming/ (mtime = next attempt) or dlq/, then
+  unlink the .fin.
+- liveness: a claim whose worker is gone (no record, pid dead, pid reused,
+  other boot) is taken back at once; a live owner on this host is never
+  robbed unless its heartbeat (the record's mtime, on the monotonic clock)
+  stopped for longer than its lease; the wall-clock lease decides only where
+  liveness cannot be checked (another host or pid namespace, no /proc).
+- recovery: a .fin or claim left by a dead worker is requeued (counting the
+  attempt it recorded) or removed when its job already sits elsewhere.
+- time: stored times are wall clock; every duration and sleep is monotonic.
+  A file whose ctime lies in the future (the clock went back) gets its mtime
+  moved to now + the delay it had left.
+"""
+
+import errno
+import json
+import os
+import re
+import stat
+import sys
+import time
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MyqError", "UsageError", "InvalidJob", "NoSuchJob", "DuplicateJob",
+    "SpoolFull", "SpoolBusy", "ConfigError", "PermanentError", "RetryLater",
+    "Spool", "Worker", "enqueue", "main", "__version__",
+]
+
+DEFAULT_SPOOL = "/var/spool/myq"
+SUBDIRS = ("tmp", "incoming", "processing", "done", "dlq", "failed", "locks")
+STATES = ("ready", "scheduled", "processing", "done", "dead", "failed")
+STATE_DIRS = {"ready": "incoming", "scheduled": "incoming",
+              "processing": "processing", "done": "done", "dead": "dlq",
+              "failed": "failed"}
+
+# Guards and retention (SPEC 4); every one is also a MYQ_<OPTION> variable.
+DEFAULTS = {
+    "min_free": 1 << 20, "min_free_inodes": 64, "max_job_bytes": 256 << 10,
+    "dedupe_window": 7 * 86400.0, "keep_done": 86400.0, "keep_done_max": 1000,
+    "keep_dead": 30 * 86400.0, "keep_failed": 30 * 86400.0, "keep_tmp": 3600.0,
+}
+
+EX_OK, EX_USAGE, EX_DATAERR, EX_NOINPUT = 0, 64, 65, 66
+EX_OSERR, EX_CANTCREAT, EX_TEMPFAIL, EX_CONFIG = 71, 73, 75, 78
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+STDERR_TAIL = 2000          # bytes of a handler's stderr kept for last_error
+ERROR_MAX = 1000            # characters of last_error stored
+
+
+# Errors ######################################################################
+
+class MyqError(Exception):
+    """Base of myq's errors.  `code` is the exit status (sysexits.h)."""
+    code = 1
+
+
+class UsageError(MyqError):
+    code = EX_USAGE
+
+
+class InvalidJob(MyqError, ValueError):
+    code = EX_DATAERR
+
+
+class NoSuchJob(MyqError, LookupError):
+    code = EX_NOINPUT
+
+
+class DuplicateJob(MyqError):
+    code = EX_CANTCREAT
+
+
+class SpoolFull(MyqError):
+    code = EX_TEMPFAIL
+
+
+class SpoolBusy(MyqError):
+    code = EX_TEMPFAIL
+
+
+class ConfigError(MyqError):
+    code = EX_CONFIG
+
+
+class PermanentError(Exception):
+    """Raised by a handler: the job goes to dlq/ at once."""
+
+
+class RetryLater(Exception):
+    """Raised by a handler: run the job again after `seconds`."""
+
+    def __init__(self, seconds=None, message=""):
+        self.seconds = None if seconds is None else max(0.0, float(seconds))
+        Exception.__init__(self, message or (
+            "retry later" if seconds is None else "retry in %gs" % self.seconds))
+
+
+class _Timeout(BaseException):
+    """Raised inside an in-process handler that ran past its time limit."""
+
+
+class _Shutdown(BaseException):
+    """Raised inside an in-process handler when the shutdown grace is over."""
+
+
+# Small helpers ###############################################################
+
+def _now():
+    return time.time()
+
+
+def _mono():
+    return time.monotonic()
+
+
+def iso(t=None, frac=True):
+    """ISO 8601 UTC ending in Z, with milliseconds unless frac is false."""
+    t = _now() if t is None else t
+    s = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t))
+    if frac:
+        s += ".%03d" % int((t % 1) * 1000)
+    return s + "Z"
+
+
+def parse_size(text):
+    """'256K' -> 262144.  Binary suffixes K, M, G; a plain number is bytes."""
+    m = re.match(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)[iI]?[bB]?\s*\Z", str(text))
+    if not m:
+        raise ValueError("not a size (use e.g. 512K, 1M, 2G): %r" % text)
+    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+    return int(float(m.group(1)) * mult)
+
+
+def parse_seconds(text):
+    v = float(text)
+    if not v >= 0 or v == float("inf"):
+        raise ValueError("not a number of seconds >= 0: %r" % text)
+    return v
+
+
+def _rand_hex(n=4):
+    return os.urandom(n).hex()
+
+
+def _uniform():
+    """A float in [0, 1) without importing random (it pulls in hashlib)."""
+    return int.from_bytes(os.urandom(7), "big") / float(1 << 56)
+
+
+def _kv(value):
+    """A log value: bare when it has no blanks or quotes, else JSON-quoted."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        value = "%.3f" % value
+    s = str(value)
+    if not s or any(c in s for c in ' "=\n\t\\') or not s.isprintable():
+        return json.dumps(s)
+    return s
+
+
+def _read_small(path, limit=4096):
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+_BOOT_ID = None
+
+
+def boot_id():
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        data = _read_small("/proc/sys/kernel/random/boot_id")
+        _BOOT_ID = data.decode().strip() if data else ""
+    return _BOOT_ID
+
+
+def proc_start(pid):
+    """The process's start time in clock ticks since boot (field 22 of
+    /proc/PID/stat), or None when there is no such process (or no /proc)."""
+    data = _read_small("/proc/%d/stat" % pid, 1024)
+    if not data:
+        return None
+    try:
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def pid_namespace():
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _pid_alive(pid, start):
+    """True when `pid` runs and is the process that started at `start`."""
+    s = proc_start(pid)
+    return s is not None and s == start
+
+
+# Filesystem steps ############################################################
+#
+# Every mutating step goes through one of these, so that the crash and fault
+# tests can stop or fail the program just before or just after any of them:
+# `_hook(op, path, "before"|"after")` may call os._exit() or raise OSError.
+
+_hook = None
+
+
+def _step(op, path, when):
+    if _hook is not None:
+        _hook(op, path, when)
+
+
+def _create(path, data, sync=True, mtime=None, mode=0o640):
+    """Write a new file: exclusively, never through a symlink; fsync when the
+    file must survive a power cut before it is renamed into place."""
+    _step("create", path, "before")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
+                 | O_CLOEXEC, mode)
+    _step("create", path, "after")
+    try:
+        if data:
+            _step("write", path, "before")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            _step("write", path, "after")
+        if sync:
+            _step("fsync", path, "before")
+            os.fsync(fd)
+            _step("fsync", path, "after")
+    except BaseException:
+        os.close(fd)
+        _quiet_unlink(path)
+        raise
+    os.close(fd)
+    if mtime is not None:
+        try:
+            _utime(path, mtime)
+        except BaseException:
+            _quiet_unlink(path)
+            raise
+
+
+def _rename(src, dst):
+    _step("rename", dst, "before")
+    os.rename(src, dst)
+    _step("rename", dst, "after")
+
+
+def _link(src, dst):
+    _step("link", dst, "before")
+    os.link(src, dst)
+    _step("link", dst, "after")
+
+
+def _unlink(path):
+    _step("unlink", path, "before")
+    os.unlink(path)
+    _step("unlink", path, "after")
+
+
+def _quiet_unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _utime(path, t):
+    _step("utime", path, "before")
+    os.utime(path, (t, t))
+    _step("utime", path, "after")
+
+
+def _append(path, data, fd=None):
+    """Append one record with a single O_APPEND write."""
+    _step("append", path, "before")
+    if fd is None:
+        fd2 = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                      | O_NOFOLLOW | O_CLOEXEC, 0o640)
+        try:
+            os.write(fd2, data)
+        finally:
+            os.close(fd2)
+    else:
+        os.write(fd, data)
+    _step("append", path, "after")
+
+
+def _fsync_dir(path):
+    """Commit the directory's entries (the renames into it) to disk."""
+    _step("fsync", path + "/", "before")
+    fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _step("fsync", path + "/", "after")
+
+
+def _space_error(exc):
+    return isinstance(exc, OSError) and exc.errno in (
+        errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+# The job model ###############################################################
+
+def _reject_constant(name):
+    raise ValueError("%s is not valid JSON" % name)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def dumps(job):
+    """The bytes of a job file: one line of UTF-8 JSON."""
+    try:
+        return (json.dumps(job, ensure_ascii=False, allow_nan=False,
+                           separators=(",", ":")) + "\n").encode("utf-8")
+    except (ValueError, TypeError, RecursionError, UnicodeError) as e:
+        raise InvalidJob("job cannot be stored as JSON: %s" % e)
+
+
+def parse(data):
+    """Split a job file into (job object, [trailer records]).
+
+    The job is the first JSON value; what follows are the lines a worker
+    appended (`{"lease": …}`, `{"handler": …}`).  Anything else after the
+    job makes the file invalid.  Raises InvalidJob."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeError as e:
+        raise InvalidJob("not UTF-8: %s" % e)
+    try:
+        obj, end = _DECODER.raw_decode(text, _WS.match(text).end())
+    except RecursionError:
+        raise InvalidJob("JSON nested too deep")
+    except ValueError as e:
+        raise InvalidJob("not JSON: %s" % e)
+    trailers = []
+    for line in text[end:].splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            rec = None
+        if not (isinstance(rec, dict) and len(rec) == 1
+                and ("lease" in rec or "handler" in rec)):
+            raise InvalidJob("unexpected data after the job object")
+        trailers.append(rec)
+    return obj, trailers
+
+
+def _check_name(value, what):
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise InvalidJob("bad %s %s: 1-128 characters of A-Z a-z 0-9 . _ -, "
+                         "not starting with '.'" % (what, json.dumps(value)[:140]))
+
+
+def _is_num(v):
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v == v and abs(v) != float("inf"))
+
+
+def normalize(obj, stem=None, mtime=None):
+    """Validate a job object and fill in the defaults of SPEC 3.
+
+    `stem` is the file name without .json (the id when the job has none);
+    `mtime` stands in for a missing created_at (a shell producer's file)."""
+    if not isinstance(obj, dict):
+        raise InvalidJob("a job is a JSON object, not %s" % type(obj).__name__)
+    job = dict(obj)
+    if job.get("id") is None:
+        if stem is None:
+            raise InvalidJob("job has no id")
+        job["id"] = stem
+    _check_name(job["id"], "id")
+    if stem is not None and job["id"] != stem:
+        raise InvalidJob("id %s does not match the file name %s.json"
+                         % (job["id"], stem))
+    if "type" not in job:
+        raise InvalidJob("job has no type")
+    _check_name(job["type"], "type")
+    job.setdefault("payload", None)
+    a = job.setdefault("attempts", 0)
+    if not (isinstance(a, int) and not isinstance(a, bool) and a >= 0):
+        raise InvalidJob("attempts must be an integer >= 0")
+    m = job.get("max_attempts")
+    if m is not None and not (isinstance(m, int) and not isinstance(m, bool)
+                              and m >= 1):
+        raise InvalidJob("max_attempts must be an integer >= 1")
+    for key in ("created_at", "available_at", "updated_at"):
+        if job.get(key) is not None and not _is_num(job[key]):
+            raise InvalidJob("%s must be a number (epoch seconds)" % key)
+    if job.get("created_at") is None:
+        job["created_at"] = mtime if mtime is not None else _now()
+    if job.get("available_at") is None:
+        job["available_at"] = job["created_at"]
+    if job.get("updated_at") is None:
+        job["updated_at"] = job["created_at"]
+    t = job.get("timeout")
+    if t is not None and not (_is_num(t) and t > 0):
+        raise InvalidJob("timeout must be a number of seconds > 0")
+    e = job.setdefault("last_error", None)
+    if e is not None and not isinstance(e, str):
+        job["last_error"] = str(e)
+    return job
+
+
+def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
+            timeout=None, now=None):
+    """A fresh job object, validated (raises InvalidJob)."""
+    now = _now() if now is None else now
+    if id is None:
+        id = "%013d-%s" % (int(now * 1000), _rand_hex(4))
+    if not (_is_num(delay) and delay >= 0):
+        raise InvalidJob("delay must be a number of seconds >= 0")
+    job = {"id": id, "type": type, "payload": payload, "attempts": 0}
+    if max_attempts is not None:
+        job["max_attempts"] = max_attempts
+    job.update(available_at=now + delay, created_at=now, updated_at=now)
+    if timeout is not None:
+        job["timeout"] = timeout
+    job["last_error"] = None
+    return normalize(job)
+
+
+def _lease_of(trailers):
+    for rec in reversed(trailers):
+        if "lease" in rec and isinstance(rec["lease"], dict):
+            return rec["lease"]
+    return None
+
+
+def _handler_of(trailers):
+    for rec in reversed(trailers):
+        if "handler" in rec and isinstance(rec["handler"], dict):
+            return rec["handler"]
+    return None
+
+
+def _effective_available(job, now):
+    """available_at, capped at now + the intended delay when the producer's
+    clock was ahead (created_at in the future)."""
+    avail = job["available_at"]
+    created = job["created_at"]
+    if avail > now and created > now:
+        avail = min(avail, now + max(0.0, avail - created))
+    return avail
+
+
+def _split_claim(name):
+    """'ID+WID.SEQ.json' -> (ID, WID, 'json'); None for other names."""
+    base, dot, ext = name.rpartition(".")
+    if not dot or ext not in ("json", "fin") or "+" not in base:
+        return None
+    jid, _, token = base.partition("+")
+    wid = token.rpartition(".")[0]
+    if not jid or not wid:
+        return None
+    return jid, wid, ext
+
+
+# The spool ###################################################################
+
+class Identity:
+    """Who holds a claim: locks/workers/WID.json (pid, process start time,
+    boot id, pid namespace, host, lease).  The file's mtime is the last
+    heartbeat on the monotonic clock, comparable across processes of one
+    boot and immune to wall-clock jumps."""
+
+    def __init__(self, spool, lease=60.0, kind="w"):
+        self.spool = spool
+        self.pid = os.getpid()
+        self.start = proc_start(self.pid)
+        self.lease = float(lease)
+        self.wid = "%s-%d-%s" % (kind, self.pid, _rand_hex(3))
+        self.path = spool.d("locks", "workers", self.wid + ".json")
+        self.seq = 0
+        self.registered = False
+
+    def token(self):
+        self.seq += 1
+        return "%s.%d" % (self.wid, self.seq)
+
+    def record(self):
+        return {"worker": self.wid, "pid": self.pid, "start": self.start,
+                "boot_id": boot_id(), "pidns": pid_namespace(),
+                "host": os.uname()[1], "lease": self.lease,
+                "started_at": _now()}
+
+    def register(self):
+        _create(self.path, dumps(self.record()), sync=False)
+        self.registered = True
+        self.beat()
+
+    def beat(self):
+        _utime(self.path, _mono())
+
+    def unregister(self):
+        if self.registered:
+            _quiet_unlink(self.path)
+            self.registered = False
+
+
+class Claim(object):
+    """A job this process has claimed: processing/ID+TOKEN.json."""
+    __slots__ = ("jid", "name", "path", "job", "attempt", "token", "fd",
+                 "trailers", "max_attempts")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+
+def _noop_log(event, **kv):
+    pass
+
+
+class Spool(object):
+    """One queue: the directory layout and every move of a job file."""
+
+    def __init__(self, path=None, log=None, **options):
+        self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
+                                    or DEFAULT_SPOOL)
+        self.name = os.path.basename(self.path.rstrip("/")) or "myq"
+        self.opt = dict(DEFAULTS)
+        for k, v in options.items():
+            if k not in DEFAULTS:
+                raise TypeError("unknown spool option %r" % k)
+            if v is not None:
+                self.opt[k] = v
+        self.log = log or _noop_log
+        self._free_checked = (-1e9, True)
+        self._seq = 0
+
+    def d(self, *parts):
+        return os.path.join(self.path, *parts)
+
+    # Layout ------------------------------------------------------------------
+
+    def init(self, owner=None):
+        """Create the spool and its layout (idempotent)."""
+        try:
+            os.makedirs(self.path, 0o750, exist_ok=True)
+            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
+                p = self.d(sub)
+                if not os.path.isdir(p):
+                    _step("mkdir", p, "before")
+                    os.mkdir(p, 0o750)
+                    _step("mkdir", p, "after")
+            wake = self.d("locks", "wake")
+            if not os.path.exists(wake) and hasattr(os, "mkfifo"):
+                os.mkfifo(wake, 0o660)
+        except OSError as e:
+            raise ConfigError("cannot create the spool %s: %s; check the path "
+                              "and its permissions" % (self.path, e.strerror))
+        self.check_filesystem()
+        if owner:
+            self._chown(owner)
+        return self
+
+    def _chown(self, owner):
+        import pwd
+        import grp
+        user, _, group = owner.partition(":")
+        try:
+            pw = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
+            gid = pw.pw_gid
+            if group:
+                gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        except (KeyError, ValueError):
+            raise ConfigError("no such user or group %r; give --owner USER[:GROUP]"
+                              % owner)
+        for sub in ("",) + SUBDIRS + ("locks/ok", "locks/workers", "locks/wake"):
+            try:
+                os.chown(self.d(sub), pw.pw_uid, gid)
+            except OSError as e:
+                raise ConfigError("cannot chown %s to %s: %s (run init as root)"
+                                  % (self.d(sub), owner, e.strerror))
+
+    def require(self):
+        """Raise ConfigError unless the spool exists and is initialised."""
+        for sub in SUBDIRS:
+            if not os.path.isdir(self.d(sub)):
+                if not os.path.isdir(self.path):
+                    raise ConfigError("spool %s does not exist; create it with: "
+                                      "myq --spool %s init" % (self.path, self.path))
+                raise ConfigError("spool %s is not initialised (no %s/); run: "
+                                  "myq --spool %s init" % (self.path, sub, self.path))
+        return self
+
+    def check_filesystem(self):
+        dev = os.stat(self.path).st_dev
+        for sub in SUBDIRS + ("locks/ok",):
+            if os.stat(self.d(sub)).st_dev != dev:
+                raise ConfigError(
+                    "%s is on a different filesystem than %s: rename() between "
+                    "them would not be atomic; keep the whole spool on one "
+                    "filesystem (unmount or move %s)" % (self.d(sub), self.path,
+                                                          self.d(sub)))
+
+    # Producers ---------------------------------------------------------------
+
+    def free_problem(self):
+        """None, or why the disk-free guard refuses writes now."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return None
+        free = st.f_bavail * st.f_frsize
+        if free < self.opt["min_free"]:
+            return ("only %d KiB free on the spool's filesystem (--min-free is "
+                    "%d KiB); free some space or lower --min-free"
+                    % (free // 1024, self.opt["min_free"] // 1024))
+        if st.f_files and st.f_favail < self.opt["min_free_inodes"]:
+            return ("only %d inodes free on the spool's filesystem "
+                    "(--min-free-inodes is %d); remove files or prune"
+                    % (st.f_favail, self.opt["min_free_inodes"]))
+        return None
+
+    def low_on_space(self):
+        """The guard, checked at most once a second (for the worker)."""
+        t, problem = self._free_checked
+        if _mono() - t > 1.0:
+            problem = self.free_problem()
+            self._free_checked = (_mono(), problem)
+        return problem
+
+    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
+                timeout=None, sync=True):
+        """Add one job; returns its id.  Durable when it returns (sync)."""
+        return self.enqueue_many([{
+            "type": type, "payload": payload, "id": id, "delay": delay,
+            "max_attempts": max_attempts, "timeout": timeout}], sync=sync)[0]
+
+    def enqueue_many(self, specs, sync=True):
+        """Add many jobs with one directory fsync.  All are validated before
+        any is written; jobs placed before an error stay queued."""
+        self.require()
+        now = _now()
+        todo = []
+        for spec in specs:
+            spec = dict(spec)
+            explicit = spec.get("id") is not None
+            job = new_job(spec.pop("type", None), now=now, **spec)
+            data = dumps(job)
+            if len(data) > self.opt["max_job_bytes"]:
+                raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
+                                 "(%d); send a reference to the data instead"
+                                 % (job["id"], len(data), self.opt["max_job_bytes"]))
+            todo.append((job, data, explicit, spec.get("delay") or 0))
+        problem = self.free_problem()
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        done = []
+        try:
+            for job, data, explicit, delay in todo:
+                self._place_new(job, data, explicit, delay, sync)
+                done.append(job["id"])
+        finally:
+            if done:
+                if sync:
+                    _fsync_dir(self.d("incoming"))
+                self.poke()
+        return done
+
+    def _tmpname(self, jid):
+        self._seq += 1
+        return self.d("tmp", "%s.%d.%d.new" % (jid, os.getpid(), self._seq))
+
+    def _place_new(self, job, data, explicit, delay, sync):
+        jid = job["id"]
+        if explicit:
+            where = self.find_id(jid)
+            if where:
+                raise DuplicateJob("job id %s already exists (%s); pick another "
+                                   "id or delete the old job" % (jid, where))
+        tmp = self._tmpname(jid)
+        dst = self.d("incoming", jid + ".json")
+        try:
+            _create(tmp, data, sync=sync,
+                    mtime=job["available_at"] if delay else None)
+            if not explicit:
+                _rename(tmp, dst)
+                return
+            try:
+                _link(tmp, dst)         # EEXIST: the id is queued right now
+            except OSError as e:
+                if e.errno == errno.EEXIST:
+                    raise DuplicateJob("job id %s is already queued; pick another"
+                                       " id" % jid)
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
+                                   errno.EMLINK, errno.EXDEV):
+                    raise
+                if os.path.lexists(dst):    # no hard links (vfat): check, rename
+                    raise DuplicateJob("job id %s is already queued" % jid)
+                _rename(tmp, dst)
+                return
+            _unlink(tmp)
+        except MyqError:
+            _quiet_unlink(tmp)
+            raise
+        except OSError as e:
+            _quiet_unlink(tmp)
+            if _space_error(e):
+                raise SpoolFull("spool %s is full (%s); nothing was enqueued; "
+                                "free space or prune" % (self.path, e.strerror))
+            raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
+                            % (jid, self.path, e.strerror))
+
+    def poke(self):
+        """Wake an idle worker: one byte into the FIFO locks/wake."""
+        try:
+            fd = os.open(self.d("locks", "wake"),
+                         os.O_WRONLY | os.O_NONBLOCK | O_CLOEXEC)
+        except OSError:         # ENXIO: no worker is listening
+            return
+        try:
+            os.write(fd, b"!")
+        except OSError:         # EAGAIN: the pipe is full, it is awake anyway
+            pass
+        finally:
+            os.close(fd)
+
+    def find_id(self, jid, now=None):
+        """Where an id lives for de-duplication: a state name or None."""
+        if os.path.lexists(self.d("incoming", jid + ".json")):
+            return "queued"
+        if os.path.lexists(self.d("dlq", jid + ".json")):
+            return "dead"
+        prefix = jid + "+"
+        try:
+            for name in os.listdir(self.d("processing")):
+                if name.startswith(prefix):
+                    return "processing"
+        except OSError:
+            pass
+        if self.ok_fresh(jid, now):
+            return "done within the de-duplication window"
+        return None
+
+    # Idempotency records -------------------------------------------------------
+
+    def ok_fresh(self, jid, now=None):
+        try:
+            st = os.stat(self.d("locks", "ok", jid))
+        except OSError:
+            return False
+        now = _now() if now is None else now
+        return st.st_mtime + self.opt["dedupe_window"] > now or st.st_mtime > now
+
+    def mark_ok(self, jid):
+        path = self.d("locks", "ok", jid)
+        try:
+            _create(path, b"", sync=False)
+        except OSError as e:
+            if e.errno != errno.EEXIST:
+                raise
+            _utime(path, _now())
+
+    # Reading -------------------------------------------------------------------
+
+    def read_file(self, path, limit=None):
+        """(bytes, stat) of a regular file; never follows a symlink, never
+        blocks on a FIFO, never opens a device.  Raises InvalidJob."""
+        limit = self.opt["max_job_bytes"] if limit is None else limit
+        st = os.lstat(path)
+        kind = _file_kind(st.st_mode)
+        if kind:
+            raise InvalidJob("not a regular file (%s)" % kind)
+        if st.st_size > limit:
+            raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
+                             % (st.st_size, limit))
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if _file_kind(st.st_mode):
+                raise InvalidJob("not a regular file")
+            data = os.read(fd, limit + 1 + 4096)
+        finally:
+            os.close(fd)
+        if len(data) > limit + 4096:
+            raise InvalidJob("too large")
+        return data, st
+
+    def load(self, path, stem=None):
+        """(job, trailers, stat) of a job file, normalised."""
+        data, st = self.read_file(path, self.opt["max_job_bytes"] + 4096)
+        obj, trailers = parse(data)
+        return normalize(obj, stem, st.st_mtime), trailers, st
+
+    def locate(self, jid):
+        """(state, path) of a job id, or raise NoSuchJob."""
+        if isinstance(jid, str) and "/" not in jid and jid not in (".", ".."):
+            p = self.d("incoming", jid + ".json")
+            try:
+                st = os.lstat(p)
+                return ("scheduled" if st.st_mtime > _now() else "ready"), p
+            except OSError:
+                pass
+            prefix = jid + "+"
+            for name in _listdir(self.d("processing")):
+                if name.startswith(prefix) and _split_claim(name):
+                    return "processing", self.d("processing", name)
+            for state, sub in (("dead", "dlq"), ("done", "done")):
+                p = self.d(sub, jid + ".json")
+                if os.path.lexists(p):
+                    return state, p
+            for name in (jid, jid + ".json"):
+                p = self.d("failed", name)
+                if not name.endswith(".reason") and os.path.lexists(p):
+                    return "failed", p
+        raise NoSuchJob("no job %s in %s; see: myq --spool %s list"
+                        % (jid, self.path, self.path))
+
+    def show(self, jid):
+        state, path = self.locate(jid)
+        return self._describe(state, path)
+
+    def _describe(self, state, path):
+        name = os.path.basename(path)
+        if state == "failed":
+            reason = _read_small(path + ".reason")
+            info = {"id": name[:-5] if name.endswith(".json") else name,
+                    "state": "failed", "type": None, "attempts": 0,
+                    "available_at": None, "file": path,
+                    "last_error": reason.decode("utf-8", "replace").strip()
+                    if reason else None}
+            try:
+                info["content"] = self.read_file(path)[0].decode("utf-8", "replace")
+            except (OSError, InvalidJob):
+                pass
+            return info
+        stem = name[:-5] if state != "processing" else _split_claim(name)[0]
+        job, trailers, st = self.load(path, stem)
+        lease = _lease_of(trailers)
+        if lease:
+            job["attempts"] = lease.get("attempt", job["attempts"])
+            if state == "processing":
+                job["lease"] = lease
+        if state in ("ready", "scheduled"):
+            due = max(st.st_mtime, job["available_at"])
+            state = "scheduled" if due > _now() else "ready"
+        job["state"] = state
+        return job
+
+    def list(self, state=None):
+        """Jobs as dicts (with `state`), in order of availability."""
+        states = [state] if state else list(STATES)
+        if state is not None and state not in STATES:
+            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
+        seen_incoming = False
+        rows = []
+        for st_name in states:
+            sub = STATE_DIRS[st_name]
+            if sub == "incoming":
+                if seen_incoming:
+                    continue
+                seen_incoming = True
+            for name in _listdir(self.d(sub)):
+                if not name.endswith(".json") and not (
+                        sub == "failed" and not name.endswith(".reason")) and not (
+                        sub == "processing" and name.endswith(".fin")):
+                    continue
+                if sub == "processing" and not _split_claim(name):
+                    continue
+                guess = "ready" if sub == "incoming" else st_name
+                path = self.d(sub, name)
+                try:
+                    row = self._describe(guess, path)
+                except (OSError, InvalidJob) as e:
+                    if isinstance(e, OSError) and e.errno == errno.ENOENT:
+                        continue        # it moved while we looked
+                    row = {"id": name[:-5], "type": None, "state": guess,
+                           "attempts": None, "available_at": None,
+                           "last_error": "unreadable: %s" % e}
+                if state and row["state"] != state:
+                    continue
+                rows.append(row)
+        rows.sort(key=lambda r: (STATES.index(r["state"]),
+                                 r.get("available_at") or 0, r["id"]))
+        return iter(rows)
+
+    def stats(self, now=None):
+        """The counters of the status line (SPEC 6), from the directories."""
+        now = _now() if now is None else now
+        ready = scheduled = 0
+        oldest = None
+        for e in _scandir(self.d("incoming")):
+            if not e.name.endswith(".json"):
+                continue
+            try:
+                m = e.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            if m <= now:
+                ready += 1
+                oldest = m if oldest is None or m < oldest else oldest
+            else:
+                scheduled += 1
+        processing = sum(1 for n in _listdir(self.d("processing"))
+                         if _split_claim(n))
+        done = _count(self.d("done"), ".json")
+        dead = _count(self.d("dlq"), ".json")
+        failed = sum(1 for n in _listdir(self.d("failed"))
+                     if not n.endswith(".reason"))
+        try:
+            st = os.statvfs(self.path)
+            free_kb = st.f_bavail * st.f_frsize // 1024
+        except OSError:
+            free_kb = 0
+        return {"queue": self.name, "ready": ready, "processing": processing,
+                "done": done, "dead": dead,
+                "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
+                "retries_1m": self.retries_1m(now), "scheduled": scheduled,
+                "failed": failed, "free_kb": int(free_kb)}
+
+    def status_line(self, now=None):
+        now = _now() if now is None else now
+        s = self.stats(now)
+        return iso(now, frac=False) + " queue=" + s["queue"] + "".join(
+            " %s=%d" % (k, s[k]) for k in (
+                "ready", "processing", "done", "dead", "oldest_ready_s",
+                "retries_1m", "scheduled", "failed", "free_kb"))
+
+    def retries_1m(self, now=None):
+        now = _now() if now is None else now
+        try:
+            with open(self.d("locks", "retries"), "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - 65536))
+                data = f.read()
+        except OSError:
+            return 0
+        n = 0
+        for line in data.split(b"\n")[::-1]:
+            try:
+                t = float(line)
+            except ValueError:
+                continue
+            if now - 60 < t <= now + 1:
+                n += 1
+            elif t <= now - 60:
+                break
+        return n
+
+    def note_retry(self, now=None):
+        try:
+            _append(self.d("locks", "retries"),
+                    b"%d\n" % int(_now() if now is None else now))
+        except OSError:
+            pass        # a statistic, never worth failing a job for
+
+    # Claiming and finishing ----------------------------------------------------
+
+    def claim(self, name, me, default_max_attempts=5):
+        """Take incoming/NAME for `me`.  Returns a Claim, or None when the job
+        was lost to another worker, quarantined, deferred or already done."""
+        if not name.endswith(".json"):
+            return None
+        stem = name[:-5]
+        src = self.d("incoming", name)
+        if not NAME_RE.match(stem):
+            try:
+                self.quarantine(src, name, "bad file name: a job file is ID.json, "
+                                "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
+            except OSError:
+                pass
+            return None
+        token = me.token()
+        cname = "%s+%s.json" % (stem, token)
+        path = self.d("processing", cname)
+        try:
+            _rename(src, path)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return None             # another worker was faster
+            raise
+        fd = None
+        try:
+            st = os.lstat(path)
+            kind = _file_kind(st.st_mode)
+            if kind:
+                raise InvalidJob("not a regular file (%s)" % kind)
+            if st.st_size > self.opt["max_job_bytes"]:
+                raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
+                                 % (st.st_size, self.opt["max_job_bytes"]))
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | O_NOFOLLOW
+                         | os.O_NONBLOCK | O_CLOEXEC)
+            if _file_kind(os.fstat(fd).st_mode):
+                raise InvalidJob("not a regular file")
+            chunks = []
+            while True:
+                b = os.read(fd, 65536)
+                if not b:
+                    break
+                chunks.append(b)
+                if sum(map(len, chunks)) > self.opt["max_job_bytes"]:
+                    raise InvalidJob("too large (--max-job-bytes is %d)"
+                                     % self.opt["max_job_bytes"])
+            obj, trailers = parse(b"".join(chunks))
+            job = normalize(obj, stem, st.st_mtime)
+        except (InvalidJob, OSError) as e:
+            if fd is not None:
+                os.close(fd)
+            if isinstance(e, OSError) and e.errno not in (
+                    errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV):
+                raise
+            self.quarantine(path, name, str(e))
+            return None
+        c = Claim(jid=stem, name=cname, path=path, job=job, token=token, fd=fd,
+                  trailers=trailers,
+                  max_attempts=job.get("max_attempts") or default_max_attempts)
+        now = _now()
+        due = _effective_available(job, now)
+        if due > now + 0.5:
+            # The producer's clock was ahead, or it wrote available_at
+            # without the mtime: put it back with the mtime that schedules it.
+            job["available_at"] = due
+            self.move_on(c, job, "incoming", me)
+            self.log("deferred", id=stem, until=iso(due))
+            return None
+        if self.ok_fresh(stem, now):
+            self.log("skipped", id=stem, why="already done (idempotency record)")
+            self.complete(c)
+            return None
+        c.attempt = job["attempts"] + 1
+        lease = {"worker": me.wid, "pid": me.pid, "start": me.start,
+                 "boot_id": boot_id(), "token": token, "attempt": c.attempt,
+                 "leased_until": round(now + me.lease, 3)}
+        _append(path, dumps({"lease": lease}), fd)
+        return c
+
+    def note_handler(self, c, pid, start):
+        """Record the handler's process group, so a reaper can kill it."""
+        try:
+            _append(c.path, dumps({"handler": {"pid": pid, "start": start}}), c.fd)
+        except OSError:
+            pass
+
+    def _close(self, c):
+        if c.fd is not None:
+            try:
+                os.close(c.fd)
+            except OSError:
+                pass
+            c.fd = None
+
+    def complete(self, c):
+        """Success: idempotency record first, then the rename to done/.
+        Returns False when the claim was taken back meanwhile."""
+        self._close(c)
+        self.mark_ok(c.jid)
+        try:
+            _rename(c.path, self.d("done", c.jid + ".json"))
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def move_on(self, c, job, dest, me, fin=None):
+        """Put a new version of a claimed job into incoming/ (mtime =
+        available_at) or dlq/.  The claim is first renamed to ID+TOKEN.fin:
+        when that fails, the claim is no longer ours and nothing moves."""
+        self._close(c)
+        job = dict(job)
+        job["updated_at"] = _now()
+        job.pop("lease", None)
+        job.pop("state", None)
+        data = dumps(job)
+        tmp = self.d("tmp", "%s+%s.new" % (c.jid, c.token))
+        _create(tmp, data, sync=True,
+                mtime=job["available_at"] if dest == "incoming" else None)
+        if fin is None:
+            fin = c.path[:-5] + ".fin"
+            try:
+                _rename(c.path, fin)
+            except OSError as e:
+                _quiet_unlink(tmp)
+                if e.errno == errno.ENOENT:
+                    return False
+                raise
+        _rename(tmp, self.d(dest, c.jid + ".json"))
+        _unlink(fin)
+        if dest == "incoming":
+            self.poke()
+        return True
+
+    def quarantine(self, path, name, reason):
+        """Move a file that is not a valid job to failed/, reason beside it."""
+        name = name.replace("/", "_") or "unnamed"
+        dst = self.d("failed", name)
+        if os.path.lexists(dst) or os.path.lexists(dst + ".reason"):
+            dst = self.d("failed", "%s.%s.json" % (name, _rand_hex(3)))
+        _rename(path, dst)
+        line = "%s %s\n" % (iso(), reason.replace("\n", " "))
+        try:
+            _create(dst + ".reason", line.encode("utf-8", "replace"), sync=False)
+        except OSError:
+            pass
+        self.log("quarantined", file=os.path.basename(dst), reason=reason)
+
+    # Recovery ----------------------------------------------------------------
+
+    def owner_gone(self, wid, path, cache, now, mono):
+        """None when the claim's owner is (or may be) alive, else why not."""
+        if wid not in cache:
+            rp = self.d("locks", "workers", wid + ".json")
+            try:
+                data, st = self.read_file(rp, 65536)
+                rec = json.loads(data.decode("utf-8"))
+                rec["_beat"] = st.st_mtime
+            except (OSError, ValueError, InvalidJob):
+                rec = None
+            cache[wid] = rec
+        rec = cache[wid]
+        if rec is None:
+            if not os.path.lexists(self.d("locks", "workers", wid + ".json")):
+                return "worker %s is gone" % wid
+            rec = {}
+        host = os.uname()[1]
+        same_host = rec.get("host") == host
+        if same_host and rec.get("boot_id") and boot_id() \
+                and rec.get("boot_id") != boot_id():
+            return "worker %s died (the system rebooted)" % wid
+        if (same_host and rec.get("pidns") == pid_namespace()
+                and proc_start(os.getpid()) is not None
+                and isinstance(rec.get("pid"), int)):
+            if not _pid_alive(rec["pid"], rec.get("start")):
+                return "worker %s (pid %d) died" % (wid, rec["pid"])
+            if path.endswith(".fin"):
+                return None
+            lease = rec.get("lease") or 60.0
+            if mono - rec.get("_beat", mono) > lease:
+                return ("worker %s (pid %d) stopped heartbeating for %ds (hung)"
+                        % (wid, rec["pid"], mono - rec["_beat"]))
+            return None
+        # Liveness cannot be checked: the wall-clock lease decides.
+        until = 0.0
+        try:
+            until = os.lstat(path).st_mtime
+            _, trailers = parse(self.read_file(path)[0])
+            lease = _lease_of(trailers)
+            if lease and _is_num(lease.get("leased_until")):
+                until = max(until, lease["leased_until"])
+        except (OSError, InvalidJob):
+            pass
+        if until < now:
+            return "lease of worker %s expired at %s" % (wid, iso(until))
+        return None
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back claims whose owner is gone (or whose lease expired where
+        liveness cannot be checked).  Returns how many were taken back."""
+        self.require()
+        mine = me is None and not dry_run
+        if mine:
+            me = Identity(self, kind="r")
+            me.register()
+        try:
+            cache = {}
+            now, mono = _now(), _mono()
+            n = 0
+            for name in sorted(_listdir(self.d("processing"))):
+                parts = _split_claim(name)
+                if not parts or (me is not None and parts[1] == me.wid):
+                    continue
+                path = self.d("processing", name)
+                why = self.owner_gone(parts[1], path, cache, now, mono)
+                if why is None:
+                    continue
+                if dry_run:
+                    n += 1
+                elif self.take_back(path, parts[0], me, why, max_attempts):
+                    n += 1
+            return n
+        finally:
+            if mine:
+                me.unregister()
+
+    def take_back(self, path, jid, me, why, max_attempts=5):
+        token = me.token()
+        fin = self.d("processing", "%s+%s.fin" % (jid, token))
+        try:
+            _rename(path, fin)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        try:
+            job, trailers, _ = self.load(fin, jid)
+        except InvalidJob as e:
+            self.quarantine(fin, jid + ".json", "taken back from a dead worker "
+                            "but unreadable: %s" % e)
+            return True
+        handler = _handler_of(trailers)
+        if handler and isinstance(handler.get("pid"), int) \
+                and _pid_alive(handler["pid"], handler.get("start")):
+            _killpg(handler["pid"], 9)
+        c = Claim(jid=jid, path=fin, token=token, job=job, name=None, fd=None)
+        if self.ok_fresh(jid):
+            _rename(fin, self.d("done", jid + ".json"))
+            self.log("recovered", id=jid, why=why, to="done")
+            return True
+        if (os.path.lexists(self.d("incoming", jid + ".json"))
+                or os.path.lexists(self.d("dlq", jid + ".json"))):
+            _unlink(fin)                # a finish that crashed after its move
+            self.log("recovered", id=jid, why=why, to="-")
+            return True
+        lease = _lease_of(trailers)
+        dest = "incoming"
+        if lease:
+            attempt = lease.get("attempt")
+            if not isinstance(attempt, int):
+                attempt = job["attempts"] + 1
+            job["attempts"] = attempt
+            job["last_error"] = "%s during attempt %d" % (why, attempt)
+            if attempt >= (job.get("max_attempts") or max_attempts):
+                dest = "dlq"
+                job["failed_at"] = _now()
+        job["available_at"] = _now()
+        self.move_on(c, job, dest, me, fin=fin)
+        self.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
+        return True
+
+    # Operator moves ----------------------------------------------------------
+
+    def retry(self, ids=(), all=False):
+        """Bring dead (or repaired failed) jobs back, attempts reset."""
+        self.require()
+        ids = list(ids)
+        if all:
+            ids += [n[:-5] for n in sorted(_listdir(self.d("dlq")))
+                    if n.endswith(".json")]
+        missing, n = [], 0
+        for jid in ids:
+            try:
+                state, path = self.locate(jid)
+            except NoSuchJob:
+                missing.append(jid)
+                continue
+            if state == "dead":
+                job, _, _ = self.load(path, jid)
+                job.update(attempts=0, available_at=_now(), updated_at=_now())
+                job.pop("failed_at", None)
+                tmp = self._tmpname(jid)
+                _create(tmp, dumps(job), sync=True)
+                try:
+                    _link(tmp, self.d("incoming", jid + ".json"))
+                except OSError as e:
+                    _quiet_unlink(tmp)
+                    if e.errno == errno.EEXIST:
+                        raise DuplicateJob("job %s is already queued" % jid)
+                    raise
+                _unlink(tmp)
+                _unlink(path)
+            elif state == "failed":
+                name = os.path.basename(path)
+                if not name.endswith(".json"):
+                    name += ".json"
+                _rename(path, self.d("incoming", name))
+                _quiet_unlink(path + ".reason")
+            else:
+                missing.append(jid)
+                continue
+            n += 1
+        if n:
+            _fsync_dir(self.d("incoming"))
+            self.poke()
+        if missing:
+            raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
+                            "from dlq/ and failed/)" % (", ".join(missing), self.path))
+        return n
+
+    def delete(self, ids, force=False):
+        self.require()
+        missing, n = [], 0
+        for jid in ids:
+            try:
+                state, path = self.locate(jid)
+            except NoSuchJob:
+                missing.append(jid)
+                continue
+            if state == "processing":
+                if not force:
+                    raise SpoolBusy("job %s is running; wait for it, or delete "
+                                    "it with --force (its handler is killed)" % jid)
+                try:
+                    _, trailers = parse(self.read_file(path)[0])
+                    h = _handler_of(trailers)
+                    if h and _pid_alive(h.get("pid"), h.get("start")):
+                        _killpg(h["pid"], 15)
+                except (OSError, InvalidJob):
+                    pass
+            try:
+                _unlink(path)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            if state == "failed":
+                _quiet_unlink(path + ".reason")
+            n += 1
+        if missing:
+            raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
+        return n
+
+    def prune(self, now=None):
+        """Apply retention: done/, dlq/, failed/, tmp/, idempotency records,
+        records of dead workers.  Returns counts of what was removed."""
+        self.require()
+        import heapq
+        now = _now() if now is None else now
+        o = self.opt
+        out = dict(done=0, dead=0, failed=0, tmp=0, ok=0, workers=0)
+
+        def gone(path, key):
+            try:
+                _unlink(path)
+                out[key] += 1
+            except OSError:
+                pass
+
+        keep = []           # the newest keep_done_max, bounded heap
+        for e in _scandir(self.d("done")):
+            try:
+                t = e.stat(follow_symlinks=False).st_ctime
+            except OSError:
+                continue
+            if now - t > o["keep_done"]:
+                gone(e.path, "done")
+                continue
+            heapq.heappush(keep, (t, e.name))
+            if len(keep) > o["keep_done_max"]:
+                gone(self.d("done", heapq.heappop(keep)[1]), "done")
+        for e in _scandir(self.d("dlq")):
+            try:
+                if now - e.stat(follow_symlinks=False).st_ctime > o["keep_dead"]:
+                    gone(e.path, "dead")
+            except OSError:
+                pass
+        for e in _scandir(self.d("failed")):
+            if e.name.endswith(".reason"):
+                continue
+            try:
+                if now - e.stat(follow_symlinks=False).st_ctime > o["keep_failed"]:
+                    if os.path.isdir(e.path) and not os.path.islink(e.path):
+                        import shutil
+                        shutil.rmtree(e.path, ignore_errors=True)
+                        out["failed"] += 1
+                    else:
+                        gone(e.path, "failed")
+                    _quiet_unlink(e.path + ".reason")
+            except OSError:
+                pass
+        for e in _scandir(self.d("failed")):      # reasons left alone
+            if e.name.endswith(".reason") and not os.path.lexists(e.path[:-7]):
+                _quiet_unlink(e.path)
+        for e in _scandir(self.d("tmp")):
+            try:
+                st = e.stat(follow_symlinks=False)
+                if now - min(st.st_mtime, st.st_ctime) > o["keep_tmp"]:
+                    gone(e.path, "tmp")
+            except OSError:
+                pass
+        for e in _scandir(self.d("locks", "ok")):
+            try:
+                if e.stat(follow_symlinks=False).st_mtime + o["dedupe_window"] < now:
+                    gone(e.path, "ok")
+            except OSError:
+                pass
+        owners = set(p[1] for p in map(_split_claim, _listdir(self.d("processing")))
+                     if p)
+        cache, mono = {}, _mono()
+        for name in _listdir(self.d("locks", "workers")):
+            wid = name[:-5]
+            if name.endswith(".json") and wid not in owners:
+                why = self.owner_gone(wid, self.d("locks", "workers", name),
+                                      cache, now, mono)
+                if why and "lease" not in why and "hung" not in why:
+                    gone(self.d("locks", "workers", name), "workers")
+        self._compact_retries(now)
+        return out
+
+    def _compact_retries(self, now):
+        path = self.d("locks", "retries")
+        try:
+            if os.path.getsize(path) < 65536:
+                return
+            with open(path, "rb") as f:
+                lines = [l for l in f.read().split(b"\n")
+                         if l.strip().isdigit() and int(l) > now - 120]
+            tmp = self._tmpname("retries")
+            _create(tmp, b"".join(l + b"\n" for l in lines), sync=False)
+            _rename(tmp, path)
+        except OSError:
+            pass
+
+    def check(self):
+        """Health problems, one line each; [] when healthy."""
+        problems = []
+        try:
+            self.require()
+        except ConfigError as e:
+            return [str(e)]
+        try:
+            self.check_filesystem()
+        except ConfigError as e:
+            problems.append(str(e))
+        for sub in SUBDIRS + ("locks/ok", "locks/workers"):
+            p = self.d(sub)
+            if not os.path.isdir(p):
+                problems.append("%s is missing; run: myq --spool %s init"
+                                % (p, self.path))
+            elif not os.access(p, os.W_OK | os.X_OK):
+                problems.append("%s is not writable by uid %d; fix its owner "
+                                "(myq init --owner USER)" % (p, os.getuid()))
+        wake = self.d("locks", "wake")
+        try:
+            if not stat.S_ISFIFO(os.lstat(wake).st_mode):
+                problems.append("%s is not a FIFO; remove it and run myq init"
+                                % wake)
+        except OSError:
+            problems.append("%s is missing (workers poll instead of waking); "
+                            "run myq init" % wake)
+        problem = self.free_problem()
+        if problem:
+            problems.append(problem)
+        stale = self.reap(dry_run=True)
+        if stale:
+            problems.append("%d claim(s) in processing/ belong to dead workers or "
+                            "expired leases; run: myq --spool %s reap"
+                            % (stale, self.path))
+        return problems
+
+
+def _file_kind(mode):
+    """None for a regular file, else what it is."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _scandir(path):
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                yield e
+    except OSError:
+        return
+
+
+def _count(path, suffix):
+    return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
+
+
+def _killpg(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except OSError:
+        return False
+
+
+def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
+            timeout=None):
+    """Add a job to the spool durably; returns its id (SPEC 7)."""
+    return Spool(spool).enqueue(type, payload, id=id, delay=delay,
+                                max_attempts=max_attempts, timeout=timeout)
+
+
+# Logging #####################################################################
+
+class Log(object):
+    """`TIMESTAMP event=NAME key=value …` lines to stderr, a file (reopened
+    on SIGHUP, for logrotate) or syslog.  No `logging`: python3-light lacks it."""
+
+    def __init__(self, path=None, syslog=False, facility="daemon", tag="myq",
+                 stream=None):
+        self.path, self.use_syslog = path, syslog
+        self.stream = stream
+        self._file = None
+        self._syslog = None
+        if syslog:
+            import syslog as _syslog
+            fac = getattr(_syslog, "LOG_" + str(facility).upper(), None)
+            if fac is None:
+                raise UsageError("unknown syslog facility %r (daemon, user, "
+                                 "local0 … local7)" % facility)
+            _syslog.openlog(tag, _syslog.LOG_PID, fac)
+            self._syslog = _syslog
+        elif path:
+            self.reopen()
+
+    def reopen(self):
+        if self.path:
+            try:
+                f = open(self.path, "a", buffering=1, encoding="utf-8",
+                         errors="replace")
+            except OSError as e:
+                raise ConfigError("cannot open log file %s: %s" % (self.path,
+                                                                   e.strerror))
+            old, self._file = self._file, f
+            if old:
+                old.close()
+
+    def write(self, line, warning=False):
+        if self._syslog:
+            self._syslog.syslog(self._syslog.LOG_WARNING if warning
+                                else self._syslog.LOG_INFO, line)
+            return
+        out = self._file or self.stream or sys.stderr
+        try:
+            out.write(line + "\n")
+            out.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __call__(self, event, **kv):
+        warn = event in ("error", "dead", "timeout", "quarantined", "disk_low",
+                         "lost", "retry")
+        self.write(iso() + " event=" + event + "".join(
+            " %s=%s" % (k, _kv(v)) for k, v in kv.items()), warn)
+
+
+# Handlers ####################################################################
+
+def load_module(path):
+    """Load a --module FILE.py; its functions become handlers."""
+    import importlib.util
+    name = "myq_handlers_" + re.sub(r"\W", "_",
+                                    os.path.splitext(os.path.basename(path))[0])
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or not os.path.isfile(path):
+        raise ConfigError("--module %s: no such Python file" % path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        raise ConfigError("--module %s failed to load: %s: %s"
+                          % (path, type(e).__name__, e))
+    return mod
+
+
+def _retry_after(value, now=None):
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        from email.utils import parsedate_to_datetime
+        dt = parsedate_to_datetime(value)
+        return max(0.0, dt.timestamp() - (_now() if now is None else now))
+    except (ImportError, TypeError, ValueError, IndexError, OverflowError):
+        return None
+
+
+def http_handler(job, headers=None, backoff_max=3600.0, timeout=None):
+    """The built-in `http` type (SPEC 5.3).  urllib and ssl are imported here
+    only: python3-light has neither."""
+    p = job.get("payload")
+    if not isinstance(p, dict) or not isinstance(p.get("url"), str):
+        raise PermanentError("http: the payload must be an object with a url")
+    url = p["url"]
+    scheme = url.partition(":")[0].lower()
+    if scheme not in ("http", "https"):
+        raise PermanentError("http: unsupported URL scheme in %r" % url[:200])
+    try:
+        import urllib.request
+        import urllib.error
+        import http.client
+    except ImportError:
+        raise PermanentError("http: Python's urllib is not installed "
+                             "(OpenWrt: opkg install python3-urllib)")
+    if scheme == "https":
+        try:
+            import ssl  # noqa: F401
+        except ImportError:
+            raise PermanentError("http: https needs Python's ssl module "
+                                 "(OpenWrt: opkg install python3-openssl)")
+    method = str(p.get("method") or "POST").upper()
+    hdrs = {}
+    extra = p.get("headers") or {}
+    if not isinstance(extra, dict):
+        raise PermanentError("http: headers must be an object")
+    for k, v in extra.items():
+        hdrs[str(k)] = str(v)
+    data = None
+    if p.get("body") is not None:
+        body = p["body"]
+        if isinstance(body, str):
+            data = body.encode("utf-8")
+            ctype = "text/plain; charset=utf-8"
+        else:
+            data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+            ctype = "application/json"
+        if not any(k.lower() == "content-type" for k in hdrs):
+            hdrs["Content-Type"] = ctype
+    hdrs["Idempotency-Key"] = job["id"]
+    for k, v in (headers or {}).items():        # configured headers win
+        for old in [h for h in hdrs if h.lower() == k.lower()]:
+            del hdrs[old]
+        hdrs[k] = v
+    t = p.get("timeout") or job.get("timeout") or timeout or 30.0
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            if req.get_method() in ("GET", "HEAD", "OPTIONS", "PUT", "DELETE",
+                                    "TRACE"):
+                return urllib.request.HTTPRedirectHandler.redirect_request(
+                    self, req, fp, code, msg, headers, newurl)
+            return None     # urllib then raises HTTPError(code)
+
+    opener = urllib.request.build_opener(NoRedirect)
+    req = urllib.request.Request(url, data=data, headers=hdrs, method=method)
+    try:
+        resp = opener.open(req, timeout=t)
+        try:
+            status = resp.status
+            head = resp.read(1 << 20)
+            while resp.read(1 << 16):
+                pass
+        finally:
+            resp.close()
+        resp_headers = resp.headers
+    except urllib.error.HTTPError as e:
+        status, resp_headers = e.code, e.headers
+        try:
+            head = e.read(512)
+        except Exception:
+            head = b""
+    except (urllib.error.URLError, http.client.HTTPException, OSError,
+            ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise RuntimeError("http: %s %s: %s" % (method, url[:200], reason))
+    text = head[:200].decode("utf-8", "replace").strip()
+    msg = "http %d: %s" % (status, text)
+    if 200 <= status < 300:
+        return
+    if status in (408, 425, 429) or 500 <= status <= 599:
+        ra = _retry_after(resp_headers.get("Retry-After") if resp_headers else None)
+        if ra is not None:
+            raise RetryLater(min(ra, backoff_max), msg)
+        raise RuntimeError(msg)
+    raise PermanentError(msg)
+
+
+class _Run(object):
+    """One job in flight in this worker."""
+    __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
+                 "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
+                 "thread", "result", "fn")
+
+    def __init__(self, claim, kind):
+        for k in self.__slots__:
+            setattr(self, k, None)
+        self.claim, self.kind = claim, kind
+        self.err = bytearray()
+        self.timed_out = self.released = False
+
+
+# The worker ##################################################################
+
+class Worker(object):
+    """Claims ready jobs and runs them through their handlers."""
+
+    def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
+                 concurrency=1, lease=60.0, timeout=300.0, max_attempts=5,
+                 backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
+                 stats_interval=60.0, grace=10.0, pass_env=(), http_headers=None,
+                 scan_cache=2048, log=None, reap_interval=None,
+                 prune_interval=60.0, **spool_options):
+        self.log = log or Log()
+        if isinstance(spool, Spool):
+            self.spool = spool
+        else:
+            self.spool = Spool(spool, **spool_options)
+        self.spool.log = self.log
+        self.handlers_dir = handlers_dir
+        self.handlers = dict(handlers or {})
+        self.module = load_module(module) if module else None
+        if self.module is not None:
+            table = getattr(self.module, "HANDLERS", None)
+            if isinstance(table, dict):
+                for k, v in table.items():
+                    self.handlers.setdefault(k, v)
+        if concurrency < 1:
+            raise UsageError("--concurrency must be at least 1")
+        self.concurrency = int(concurrency)
+        self.lease, self.timeout = float(lease), float(timeout)
+        self.max_attempts = int(max_attempts)
+        self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
+        self.jitter, self.poll = float(jitter), max(0.01, float(poll))
+        self.stats_interval, self.grace = float(stats_interval), float(grace)
+        self.pass_env = list(pass_env or ())
+        self.http_headers = dict(http_headers or {})
+        self.scan_cache = max(1, int(scan_cache))
+        self.reap_interval = reap_interval or max(0.5, min(self.lease / 2, 10.0))
+        self.prune_interval = prune_interval
+        self.runs = []
+        self.cache, self.cache_full, self.dirty = [], False, True
+        self.next_due = None
+        self.stopping = self.hard_stop = False
+        self.stop_deadline = None
+        self.me = None
+        self._inline = None
+        self._dir_key = None
+        self._pending = 0
+        self._pending_since = 0.0
+        self._stuck = []            # finishes that failed on I/O, to retry
+        self._io_pause_until = 0.0
+        self._io_backoff = 0.5
+        self._low_logged = False
+        self._clock_offset = _now() - _mono()
+
+    # Handlers ----------------------------------------------------------------
+
+    def resolve(self, type):
+        """('exec', path) or ('py', function) or (None, why not)."""
+        if self.handlers_dir:
+            path = os.path.join(self.handlers_dir, type)
+            if os.path.isfile(path):
+                if os.access(path, os.X_OK):
+                    return "exec", path
+                return None, ("handler %s is not executable (chmod +x %s)"
+                              % (path, path))
+        fn = self.handlers.get(type)
+        if fn is None and self.module is not None and not type.startswith("_"):
+            fn = getattr(self.module, type, None)
+        if callable(fn):
+            return "py", fn
+        if type == "http":
+            return "py", self._http
+        return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
+                      % (type, "--handlers " + self.handlers_dir
+                         if self.handlers_dir else "no --handlers",
+                         "--module" if self.module else "no --module"))
+
+    def _http(self, job):
+        return http_handler(job, self.http_headers, self.backoff_max,
+                            job.get("timeout") or self.timeout)
+
+    def backoff(self, n):
+        d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
+        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
+
+    # The loop ------------------------------------------------------------------
+
+    def run(self, once=False, drain=False):
+        """Work until stopped (or, with once/drain, until that is done)."""
+        import select
+        import signal
+        import threading
+        self._select, self._signal = select, signal
+        sp = self.spool
+        sp.require()
+        sp.check_filesystem()
+        self.me = Identity(sp, self.lease)
+        self.me.register()
+        self._pipe = os.pipe()
+        for fd in self._pipe:
+            os.set_blocking(fd, False)
+        self._main = threading.current_thread() is threading.main_thread()
+        self._wake_fds = self._open_wake()
+        saved = self._install_signals() if self._main else None
+        self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
+                 concurrency=self.concurrency, version=__version__)
+        try:
+            self._reap()
+            self._loop(once, drain)
+        finally:
+            for run in list(self.runs):
+                self._kill(run, 9)
+                self._release(run)
+            self._retry_stuck(final=True)
+            self._commit()
+            if saved:
+                self._restore_signals(saved)
+            for fd in self._wake_fds + list(self._pipe):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.me.unregister()
+            self.log("stop", worker=self.me.wid)
+        return 0
+
+    def _open_wake(self):
+        path = self.spool.d("locks", "wake")
+        try:
+            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC)
+        except OSError:
+            return []
+        if not stat.S_ISFIFO(os.fstat(r).st_mode):
+            os.close(r)
+            return []
+        # Our own write end keeps the FIFO from reporting EOF forever after
+        # the first producer closed it.
+        w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | O_CLOEXEC)
+        return [r, w]
+
+    def _install_signals(self):
+        signal = self._signal
+        saved = {}
+        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
+                        (signal.SIGHUP, self._on_hup), (signal.SIGCHLD, self._on_nothing),
+                        (signal.SIGALRM, self._on_alarm)):
+            saved[sig] = signal.signal(sig, fn)
+        saved["wakeup"] = signal.set_wakeup_fd(self._pipe[1])
+        return saved
+
+    def _restore_signals(self, saved):
+        signal = self._signal
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.set_wakeup_fd(saved.pop("wakeup"))
+        for sig, fn in saved.items():
+            signal.signal(sig, fn)
+
+    def _on_stop(self, signum, frame):
+        if self.stopping:
+            self.hard_stop = True
+            if self._inline is not None:
+                self._inline = None
+                raise _Shutdown()
+            return
+        self.stopping = True
+        self.stop_deadline = _mono() + self.grace
+        self.log("stopping", signal=signum, grace=self.grace,
+                 running=len(self.runs) + (self._inline is not None))
+
+    def _on_hup(self, signum, frame):
+        try:
+            self.log.reopen()
+        except MyqError as e:
+            self.log("error", error=str(e))
+
+    def _on_nothing(self, signum, frame):
+        pass
+
+    def _on_alarm(self, signum, frame):
+        run = self._inline
+        if run is None:
+            return
+        now = _mono()
+        if now >= self._next_beat:
+            self._heartbeat()
+        if now >= run.deadline:
+            self._inline = None
+            run.timed_out = True
+            raise _Timeout()
+        if self.stopping and now >= self.stop_deadline:
+            self._inline = None
+            raise _Shutdown()
+
+    def _loop(self, once, drain):
+        sp = self.spool
+        select = self._select
+        started = 0
+        now = _mono()
+        self._next_beat = now + self.lease / 3
+        next_stats = now + self.stats_interval
+        next_reap = now + self.reap_interval
+        next_prune = now + min(self.prune_interval, 5.0)
+        next_poll = now + self.poll
+        while True:
+            now = _mono()
+            if self.stopping:
+                if not self.runs:
+                    break
+                if self.hard_stop or now >= self.stop_deadline:
+                    for run in self.runs:
+                        if not run.released:
+                            run.released = True
+                            self._kill(run, 9)
+            elif not (once and started) and now >= self._io_pause_until:
+                while len(self.runs) < self.concurrency and not self.stopping:
+                    low = sp.low_on_space()
+                    if low:
+                        if not self._low_logged:
+                            self.log("disk_low", problem=low)
+                            self._low_logged = True
+                        break
+                    self._low_logged = False
+                    try:
+                        c = self._next_claim(force=(once or drain) and not self.runs)
+                    except OSError as e:
+                        self._io_error("claim", e)
+                        break
+                    if c is None:
+                        break
+                    started += 1
+                    self._start(c)
+                    if once:
+                        break
+            if not self.runs and not self._stuck:
+                if once or (drain and not self._ready_now()) or (
+                        self.stopping):
+                    break
+            # Housekeeping, all on the monotonic clock.
+            now = _mono()
+            if now >= self._next_beat:
+                self._heartbeat()
+            if now >= next_reap:
+                self._reap()
+                next_reap = now + self.reap_interval
+            if now >= next_stats and self.stats_interval > 0:
+                try:
+                    self.log.write(sp.status_line())
+                except OSError:
+                    pass
+                next_stats = now + self.stats_interval
+            if now >= next_prune and self.prune_interval:
+                try:
+                    sp.prune()
+                except (OSError, MyqError) as e:
+                    self.log("error", during="prune", error=str(e))
+                next_prune = now + self.prune_interval
+            if self._stuck:
+                self._retry_stuck()
+            if not self.runs or self._pending >= 64 or (
+                    self._pending and now - self._pending_since > 1.0):
+                self._commit()
+            # Wait for something to happen.
+            deadlines = [self._next_beat, next_reap, next_poll]
+            if self.stats_interval > 0:
+                deadlines.append(next_stats)
+            if self._stuck or self._io_pause_until > now:
+                deadlines.append(max(self._io_pause_until, now + 0.5))
+            if self.stopping:
+                deadlines.append(self.stop_deadline)
+            if self.next_due is not None:
+                deadlines.append(now + max(0.0, self.next_due - _now()))
+            for run in self.runs:
+                deadlines.append(run.kill_at or run.deadline)
+            if self._pending:
+                deadlines.append(self._pending_since + 1.0)
+            if self.runs and not self._main:
+                deadlines.append(now + 0.02)
+            wait = max(0.0, min(deadlines) - now)
+            if len(self.runs) >= self.concurrency or self.stopping:
+                pass
+            elif (self.dirty and self.cache) or (self.cache and
+                                                 self.cache[-1][0] <= _now()):
+                wait = 0.0
+            rl = [self._pipe[0]] + self._wake_fds[:1]
+            wl = []
+            for run in self.runs:
+                if run.err_fd is not None:
+                    rl.append(run.err_fd)
+                if run.stdin_fd is not None:
+                    wl.append(run.stdin_fd)
+            try:
+                r, w, _ = select.select(rl, wl, [], wait)
+            except InterruptedError:
+                r, w = [], []
+            now = _mono()
+            if self._pipe[0] in r:
+                _drain(self._pipe[0])
+            if self._wake_fds and self._wake_fds[0] in r:
+                _drain(self._wake_fds[0])
+                self.dirty = True
+            if now >= next_poll:
+                next_poll = now + self.poll
+                self._check_incoming()
+            for run in list(self.runs):
+                if run.stdin_fd is not None and run.stdin_fd in w:
+                    self._feed(run)
+                if run.err_fd is not None and run.err_fd in r:
+                    self._read_err(run)
+            self._collect()
+
+    def _check_incoming(self):
+        """On each poll tick: rescan only when incoming/ changed (a shell
+        producer's mv does not poke the FIFO) or the wall clock jumped."""
+        try:
+            st = os.stat(self.spool.d("incoming"))
+            key = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            key = None
+        if key != self._dir_key:
+            self._dir_key = key
+            self.dirty = True
+        offset = _now() - _mono()
+        if abs(offset - self._clock_offset) > 2.0:
+            self.log("clock_jump", seconds=offset - self._clock_offset)
+            self._clock_offset = offset
+            self.dirty = True
+            self.next_due = None
+
+    # Scheduling ----------------------------------------------------------------
+
+    def _rescan(self):
+        """Refill the scan cache with the N earliest jobs of incoming/ (by
+        mtime = available_at, then name): memory stays bounded whatever the
+        depth of the queue."""
+        import heapq
+        sp = self.spool
+        now = _now()
+        inc = sp.d("incoming")
+        bad = []
+
+        def entries():
+            for e in _scandir(inc):
+                name = e.name
+                if not name.endswith(".json"):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    bad.append((name, _file_kind(st.st_mode)))
+                    continue
+                m = st.st_mtime
+                if st.st_ctime > now + 5 and m > now:
+                    # The clock went back since this file was scheduled:
+                    # keep the delay it had left, not the old date.
+                    m = now + max(0.0, m - st.st_ctime)
+                    try:
+                        _utime(e.path, m)
+                    except OSError:
+                        pass
+                yield (m, name)
+
+        best = heapq.nsmallest(self.scan_cache, entries())
+        for name, kind in bad:
+            try:
+                sp.quarantine(os.path.join(inc, name), name,
+                              "not a regular file (%s)" % kind)
+            except OSError:
+                pass
+        best.reverse()
+        self.cache = best
+        self.cache_full = len(best) >= self.scan_cache
+        self.dirty = False
+        self.next_due = None
+
+    def _next_claim(self, force=False):
+        forced = False
+        while True:
+            if not self.cache:
+                if not (self.dirty or self.cache_full or (force and not forced)):
+                    return None
+                forced = True
+                self._rescan()
+                if not self.cache:
+                    return None
+            m, name = self.cache[-1]
+            if m > _now():
+                if self.dirty or (force and not forced):
+                    forced = True
+                    self._rescan()
+                    continue
+                self.next_due = m
+                return None
+            self.cache.pop()
+            c = self.spool.claim(name, self.me, self.max_attempts)
+            if c is not None:
+                return c
+
+    def _ready_now(self):
+        """For --drain: is any job ready now (after a fresh scan)?"""
+        if self.cache and self.cache[-1][0] <= _now():
+            return True
+        self._rescan()
+        return bool(self.cache) and self.cache[-1][0] <= _now()
+
+    # Running -------------------------------------------------------------------
+
+    def _job_for_handler(self, c):
+        job = dict(c.job)
+        job["attempts"] = c.attempt
+        if job.get("max_attempts") is None:
+            job["max_attempts"] = c.max_attempts
+        return job
+
+    def _start(self, c):
+        kind, target = self.resolve(c.job["type"])
+        run = _Run(c, kind)
+        run.started = _mono()
+        limit = c.job.get("timeout") or self.timeout
+        run.deadline = run.started + limit
+        self.log("start", id=c.jid, type=c.job["type"], attempt=c.attempt)
+        if kind is None:
+            self._finish(run, "dead", target)
+        elif kind == "exec":
+            self._spawn(run, target)
+        elif self.concurrency == 1 and self._main:
+            self._run_inline(run, target)
+        else:
+            self._run_thread(run, target)
+
+    def _env(self, c):
+        env = {}
+        for k, v in os.environ.items():
+            if k in ("PATH", "HOME", "LANG", "TZ") or k.startswith("LC_") \
+                    or k in self.pass_env:
+                env[k] = v
+        env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        env.update(MYQ_JOB_ID=c.jid, MYQ_JOB_TYPE=c.job["type"],
+                   MYQ_ATTEMPT=str(c.attempt), MYQ_MAX_ATTEMPTS=str(c.max_attempts),
+                   MYQ_SPOOL=self.spool.path)
+        return env
+
+    def _spawn(self, run, path):
+        import subprocess
+        c = run.claim
+        try:
+            proc = subprocess.Popen(
+                [path], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, env=self._env(c), close_fds=True,
+                start_new_session=True)
+        except OSError as e:
+            self._finish(run, "retry", "cannot run %s: %s" % (path, e.strerror))
+            return
+        run.proc = proc
+        self.spool.note_handler(c, proc.pid, proc_start(proc.pid))
+        run.stdin_fd = proc.stdin.fileno()
+        run.err_fd = proc.stderr.fileno()
+        os.set_blocking(run.stdin_fd, False)
+        os.set_blocking(run.err_fd, False)
+        run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8") + b"\n")
+        self.runs.append(run)
+        self._feed(run)
+
+    def _feed(self, run):
+        try:
+            while run.stdin:
+                n = os.write(run.stdin_fd, run.stdin)
+                run.stdin = run.stdin[n:]
+        except BlockingIOError:
+            return
+        except OSError:         # EPIPE: the handler did not read it all
+            pass
+        run.proc.stdin.close()
+        run.stdin_fd = None
+
+    def _read_err(self, run, final=False):
+        try:
+            while True:
+                b = os.read(run.err_fd, 65536)
+                if not b:
+                    break
+                run.err += b
+                del run.err[:-STDERR_TAIL]
+        except (BlockingIOError, InterruptedError):
+            if not final:
+                return
+        except OSError:
+            pass
+        run.proc.stderr.close()
+        run.err_fd = None
+
+    def _kill(self, run, sig):
+        if run.proc is not None and run.proc.returncode is None:
+            _killpg(run.proc.pid, sig)
+
+    def _collect(self):
+        """Finish the runs that ended; enforce time limits."""
+        now = _mono()
+        for run in list(self.runs):
+            if run.kind == "exec":
+                rc = run.proc.poll()
+                if rc is None:
+                    if run.kill_at is not None and now >= run.kill_at:
+                        self._kill(run, 9)
+                        run.kill_at = now + 1.0
+                    elif run.kill_at is None and now >= run.deadline:
+                        run.timed_out = True
+                        self._kill(run, 15)
+                        run.kill_at = now + 2.0
+                        self.log("timeout", id=run.claim.jid, pid=run.proc.pid)
+                    continue
+                if run.timed_out or run.released:
+                    _killpg(run.proc.pid, 9)    # no descendant survives
+                if run.stdin_fd is not None:
+                    run.proc.stdin.close()
+                    run.stdin_fd = None
+                if run.err_fd is not None:
+                    self._read_err(run, final=True)
+                self.runs.remove(run)
+                self._exec_outcome(run, rc)
+            else:
+                if run.result is not None:
+                    self.runs.remove(run)
+                    if run.released:
+                        self._release(run)
+                    else:
+                        self._finish(run, *run.result)
+                elif run.released:
+                    self.runs.remove(run)       # a thread cannot be killed
+                    self._release(run)
+                elif now >= run.deadline:
+                    self.runs.remove(run)
+                    self.log("timeout", id=run.claim.jid)
+                    self._finish(run, "retry", "timed out after %gs (the thread "
+                                 "was abandoned)" % (run.deadline - run.started))
+
+    def _exec_outcome(self, run, rc):
+        if run.released:
+            self._release(run)
+            return
+        tail = bytes(run.err).decode("utf-8", "replace").strip()
+        if run.timed_out:
+            why = "timed out after %gs (process group killed)" % (
+                run.deadline - run.started)
+            self._finish(run, "retry", why + (": " + tail if tail else ""))
+        elif rc == 0:
+            self._finish(run, "done")
+        else:
+            why = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
+            if tail:
+                why += ": " + tail
+            if rc in (EX_TEMPFAIL, EX_OSERR) or not 64 <= rc <= 78:
+                self._finish(run, "retry", why)
+            else:
+                self._finish(run, "dead", why)
+
+    def _call(self, run, fn):
+        """Run an in-process handler; returns (outcome, error[, delay])."""
+        try:
+            fn(self._job_for_handler(run.claim))
+            return ("done",)
+        except PermanentError as e:
+            return ("dead", _exc_text(e))
+        except RetryLater as e:
+            return ("retry", _exc_text(e), e.seconds)
+        except Exception as e:
+            return ("retry", _exc_text(e))
+
+    def _run_inline(self, run, fn):
+        """concurrency 1 in the main thread: call the handler right here;
+        SIGALRM ticks heartbeat it and enforce the time limit (raising
+        _Timeout into the handler) and the shutdown grace."""
+        signal = self._signal
+        tick = min(0.5, self.lease / 3, max(0.01, run.deadline - run.started))
+        self._inline = run
+        result = None
+        try:
+            signal.setitimer(signal.ITIMER_REAL, tick, tick)
+            result = self._call(run, fn)
+            self._inline = None
+        except _Timeout:
+            result = ("retry", "timed out after %gs (interrupted)"
+                      % (run.deadline - run.started))
+        except _Shutdown:
+            run.released = True
+        finally:
+            self._inline = None
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if run.released:
+            self._release(run)
+        else:
+            if run.timed_out:
+                self.log("timeout", id=run.claim.jid)
+            self._finish(run, *result)
+
+    def _run_thread(self, run, fn):
+        import threading
+
+        def main():
+            run.result = self._call(run, fn)
+            try:
+                os.write(self._pipe[1], b"t")
+            except OSError:
+                pass
+
+        run.thread = threading.Thread(target=main, name="myq-" + run.claim.jid)
+        run.thread.daemon = True
+        self.runs.append(run)
+        run.thread.start()
+
+    # Finishing -----------------------------------------------------------------
+
+    def _finish(self, run, outcome, error=None, delay=None):
+        c = run.claim
+        ms = int((_mono() - run.started) * 1000)
+        job = dict(c.job)
+        kv = {"id": c.jid, "type": job["type"], "attempt": c.attempt, "ms": ms}
+        if outcome == "done":
+            step = ("complete", None, None)
+        else:
+            error = (error or "failed")[-ERROR_MAX:]
+            job["attempts"] = c.attempt
+            job["last_error"] = error
+            if outcome == "retry" and c.attempt >= c.max_attempts:
+                outcome = "dead"
+            if outcome == "dead":
+                job["failed_at"] = _now()
+                step = ("move", job, "dlq")
+            else:
+                d = self.backoff(c.attempt) if delay is None else min(
+                    delay, self.backoff_max)
+                job["available_at"] = _now() + d
+                kv["retry_in"] = round(d, 3)
+                step = ("move", job, "incoming")
+            kv["error"] = error
+        kv["event"] = outcome
+        self._do(c, step, kv)
+
+    def _release(self, run):
+        """Shutdown: back to incoming/, ready now, the attempt not counted."""
+        c = run.claim
+        job = dict(c.job)
+        job["available_at"] = _now()
+        self._do(c, ("move", job, "incoming"),
+                 {"event": "released", "id": c.jid, "type": job["type"]})
+
+    def _do(self, c, step, kv):
+        sp = self.spool
+        try:
+            if step[0] == "complete":
+                ok = sp.complete(c)
+                if ok:
+                    if not self._pending:
+                        self._pending_since = _mono()
+                    self._pending += 1
+            else:
+                ok = sp.move_on(c, step[1], step[2], self.me)
+                if ok and step[2] == "incoming":
+                    self.dirty = True
+                    if kv["event"] == "retry":
+                        sp.note_retry()
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append((c, step, kv))
+            return
+        event = kv.pop("event")
+        if not ok:
+            self.log("lost", id=c.jid, why="the claim was taken back (this "
+                     "worker was considered dead or hung)")
+        else:
+            self.log(event, **kv)
+
+    def _retry_stuck(self, final=False):
+        if not final and _mono() < self._io_pause_until:
+            return
+        stuck, self._stuck = self._stuck, []
+        for c, step, kv in stuck:
+            self._do(c, step, kv)
+
+    def _io_error(self, during, e, **kv):
+        self.log("error", during=during, error=e.strerror or str(e), **kv)
+        self._io_pause_until = _mono() + self._io_backoff
+        self._io_backoff = min(30.0, self._io_backoff * 2)
+
+    def _commit(self):
+        """Group commit: one fsync of done/ and locks/ok/ for many jobs."""
+        if not self._pending:
+            return
+        try:
+            _fsync_dir(self.spool.d("locks", "ok"))
+            _fsync_dir(self.spool.d("done"))
+            self._pending = 0
+            self._io_backoff = 0.5
+        except OSError as e:
+            self._io_error("commit", e)
+
+    def _heartbeat(self):
+        self._next_beat = _mono() + self.lease / 3
+        until = _now() + self.lease
+        try:
+            self.me.beat()
+            for run in self.runs + ([self._inline] if self._inline else []):
+                try:
+                    _utime(run.claim.path, until)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise
+        except OSError as e:
+            self.log("error", during="heartbeat", error=e.strerror)
+
+    def _reap(self):
+        try:
+            self.spool.reap(self.me, self.max_attempts)
+        except (OSError, MyqError) as e:
+            self.log("error", during="reap", error=str(e))
+
+
+def _exc_text(e):
+    msg = str(e)
+    return "%s: %s" % (type(e).__name__, msg) if msg else type(e).__name__
+
+
+def _drain(fd):
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+
+
+# Supervision #################################################################
+
+def supervise(spool, workers, worker_args, log, python=None):
+    """Keep `workers` worker processes running (for the init script): a
+    worker that dies is restarted with a backoff (1 s doubling to 30 s,
+    reset after 60 s of uptime); SIGTERM/SIGINT stop them all and return 0;
+    SIGHUP is forwarded (the workers reopen their logs)."""
+    import select
+    import signal
+    import subprocess
+    argv = [python or sys.executable, os.path.abspath(__file__),
+            "--spool", spool.path, "worker"] + list(worker_args)
+    pipe = os.pipe()
+    for fd in pipe:
+        os.set_blocking(fd, False)
+    state = {"stop": 0, "hup": False}
+
+    def on_stop(signum, frame):
+        state["stop"] += 1
+
+    def on_hup(signum, frame):
+        state["hup"] = True
+
+    for sig, fn in ((signal.SIGTERM, on_stop), (signal.SIGINT, on_stop),
+                    (signal.SIGHUP, on_hup), (signal.SIGCHLD, lambda s, f: None)):
+        signal.signal(sig, fn)
+    signal.set_wakeup_fd(pipe[1])
+    slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0}
+             for _ in range(workers)]
+    log("supervise", workers=workers, pid=os.getpid(), spool=spool.path)
+    stopping_sent = 0
+    while True:
+        now = _mono()
+        if state["hup"]:
+            state["hup"] = False
+            try:
+                log.reopen()
+            except MyqError:
+                pass
+            for s in slots:
+                if s["proc"] is not None:
+                    s["proc"].send_signal(signal.SIGHUP)
+        for i, s in enumerate(slots):
+            p = s["proc"]
+            if p is not None and p.poll() is not None:
+                up = now - s["since"]
+                if up >= 60:
+                    s["backoff"] = 1.0
+                s["at"] = now + s["backoff"]
+                log("worker_exit", slot=i, pid=p.pid, status=p.returncode,
+                    uptime=round(up, 1), restart_in=None if state["stop"]
+                    else s["backoff"])
+                s["backoff"] = min(30.0, s["backoff"] * 2)
+                s["proc"] = None
+        if state["stop"]:
+            alive = [s["proc"] for s in slots if s["proc"] is not None]
+            if not alive:
+                break
+            if state["stop"] > stopping_sent:
+                sig = signal.SIGTERM if state["stop"] == 1 else signal.SIGKILL
+                for p in alive:
+                    try:
+                        p.send_signal(sig)
+                    except OSError:
+                        pass
+                stopping_sent = state["stop"]
+        else:
+            for i, s in enumerate(slots):
+                if s["proc"] is None and now >= s["at"]:
+                    try:
+                        s["proc"] = subprocess.Popen(argv, close_fds=True)
+                        s["since"] = now
+                        log("worker_start", slot=i, pid=s["proc"].pid)
+                    except OSError as e:
+                        log("error", during="start worker", error=e.strerror)
+                        s["at"] = now + s["backoff"]
+                        s["backoff"] = min(30.0, s["backoff"] * 2)
+        waits = [s["at"] - now for s in slots if s["proc"] is None]
+        wait = max(0.05, min(waits)) if waits and not state["stop"] else 5.0
+        try:
+            select.select([pipe[0]], [], [], wait)
+        except InterruptedError:
+            pass
+        _drain(pipe[0])
+    log("supervise_stop", pid=os.getpid())
+    return 0
+
+
+# Command line ################################################################
+
+def _seconds(text):
+    return parse_seconds(text)
+
+
+def _posint(text):
+    v = int(text)
+    if v < 1:
+        raise ValueError("must be at least 1")
+    return v
+
+
+def _natural(text):
+    v = int(text)
+    if v < 0:
+        raise ValueError("must be >= 0")
+    return v
+
+
+def _fraction(text):
+    v = float(text)
+    if not 0 <= v <= 1:
+        raise ValueError("must be between 0 and 1")
+    return v
+
+
+def _flag(text):
+    v = str(text).strip().lower()
+    if v in ("1", "yes", "true", "on"):
+        return True
+    if v in ("", "0", "no", "false", "off"):
+        return False
+    raise ValueError("not a boolean (use 1 or 0)")
+
+
+# (flag, type, default, help); `type` None means a switch.
+GUARD_OPTIONS = [
+    ("--min-free", parse_size, DEFAULTS["min_free"], "refuse work below this free space"),
+    ("--min-free-inodes", _natural, DEFAULTS["min_free_inodes"], "... or below these free inodes"),
+    ("--max-job-bytes", parse_size, DEFAULTS["max_job_bytes"], "largest job file"),
+    ("--dedupe-window", _seconds, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
+    ("--keep-done", _seconds, DEFAULTS["keep_done"], "retention of done/ (seconds)"),
+    ("--keep-done-max", _natural, DEFAULTS["keep_done_max"], "at most this many in done/"),
+    ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "retention of dlq/"),
+    ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "retention of failed/"),
+]
+WORKER_OPTIONS = [
+    ("--handlers", str, None, "directory of executable handlers"),
+    ("--module", str, None, "Python file of handler functions"),
+    ("--concurrency", _posint, 1, "handlers run at once by this worker"),
+    ("--lease", _seconds, 60.0, "claim lease (seconds), renewed by heartbeats"),
+    ("--timeout", _seconds, 300.0, "handler time limit (seconds)"),
+    ("--max-attempts", _posint, 5, "attempts for jobs that do not say"),
+    ("--backoff-base", _seconds, 5.0, "first retry delay (seconds)"),
+    ("--backoff-max", _seconds, 3600.0, "longest retry delay (seconds)"),
+    ("--jitter", _fraction, 0.1, "spread of retry delays (fraction)"),
+    ("--poll", _seconds, 1.0, "how often to look for files dropped without a wake-up"),
+    ("--stats-interval", _seconds, 60.0, "seconds between status lines (0: never)"),
+    ("--grace", _seconds, 10.0, "seconds running jobs get at shutdown"),
+    ("--scan-cache", _posint, 2048, "ready jobs remembered per directory scan"),
+    ("--once", None, False, "run at most one job, then exit"),
+    ("--drain", None, False, "run until nothing is ready, then exit"),
+    ("--pass-env", "append", [], "pass this variable to exec handlers"),
+    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP)"),
+    ("--syslog", None, False, "log to syslog"),
+    ("--syslog-facility", str, "daemon", "syslog facility"),
+    ("--syslog-tag", str, "myq", "syslog tag"),
+    ("--http-header", "append", [], "'Name: value' added to every http job"),
+    ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
+]
+
+
+def _parser():
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise UsageError("%s (see: myq %s--help)" % (
+                message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
+
+    def add(p, table):
+        for flag, typ, default, help in table:
+            dest = flag[2:].replace("-", "_")
+            if typ is None:
+                p.add_argument(flag, dest=dest, action="store_const", const=True,
+                               default=None, help=help)
+            elif typ == "append":
+                p.add_argument(flag, dest=dest, action="append", default=None,
+                               metavar=dest.upper().rsplit("_", 1)[-1], help=help)
+            else:
+                p.add_argument(flag, dest=dest, default=None, help=help,
+                               metavar="N" if typ in (_posint, _natural) else
+                               "S" if typ is _seconds else dest.split("_")[-1].upper())
+
+    top = Parser(prog="myq", description="A job queue worker for small Linux "
+                 "devices: one spool directory, one file per job.")
+    top.add_argument("--spool", help="the spool directory (default $MYQ_SPOOL "
+                     "or %s)" % DEFAULT_SPOOL)
+    top.add_argument("--version", action="version", version="myq " + __version__)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def cmd(name, help, guards=False, worker=False):
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
+        if worker:
+            add(p, WORKER_OPTIONS)
+        if guards:
+            add(p, GUARD_OPTIONS)
+        return p
+
+    p = cmd("init", "create the spool and its layout (idempotent)")
+    p.add_argument("--owner", help="chown the layout to USER[:GROUP]")
+    p = cmd("enqueue", "add a job; prints its id", guards=True)
+    p.add_argument("type")
+    p.add_argument("payload", nargs="?", default="null",
+                   help="JSON text, or - for standard input (default null)")
+    p.add_argument("--id")
+    p.add_argument("--delay", type=float, default=0)
+    p.add_argument("--max-attempts", type=int)
+    p.add_argument("--timeout", type=float)
+    cmd("worker", "run jobs", guards=True, worker=True)
+    p = cmd("supervise", "run and restart N workers (for the init script)",
+            guards=True, worker=True)
+    p.add_argument("--workers", default=None, metavar="N")
+    p = cmd("stats", "print the status line")
+    p.add_argument("--json", action="store_true")
+    p = cmd("list", "list jobs")
+    p.add_argument("state", nargs="?", choices=STATES)
+    p.add_argument("--json", action="store_true")
+    p = cmd("show", "print one job as JSON")
+    p.add_argument("id")
+    p = cmd("retry", "bring dead (or repaired failed) jobs back")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    p.add_argument("--all", action="store_true")
+    p = cmd("delete", "remove jobs")
+    p.add_argument("ids", nargs="+", metavar="ID")
+    p.add_argument("--force", action="store_true")
+    cmd("reap", "requeue claims of dead workers and expired leases")
+    cmd("prune", "apply retention now", guards=True)
+    cmd("check", "health check", guards=True)
+    cmd("version", "print the version")
+    return top
+
+
+def _resolve(args, table, env):
+    """Option values: the flag, else MYQ_<OPTION>, else the default."""
+    out = {}
+    for flag, typ, default, _ in table:
+        dest = flag[2:].replace("-", "_")
+        value = getattr(args, dest, None)
+        name = "MYQ_" + dest.upper()
+        if value is None and env.get(name, "") != "":
+            raw = env[name]
+            if typ == "append":
+                value = raw.split()
+            elif typ is None:
+                try:
+                    value = _flag(raw)
+                except ValueError as e:
+                    raise UsageError("%s=%s: %s" % (name, raw, e))
+            else:
+                value = raw
+            source = "%s=%s" % (name, raw)
+        else:
+            source = "%s %s" % (flag, value)
+        if value is None:
+            value = default
+        elif typ not in (None, "append", str):
+            try:
+                value = typ(value)
+            except (ValueError, TypeError) as e:
+                raise UsageError("bad value %s: %s" % (source, e))
+        out[dest] = value
+    return out
+
+
+def _header_lines(lines, source):
+    headers = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip() or " " in name.strip():
+            raise UsageError("bad http header %r in %s: use 'Name: value'"
+                             % (line, source))
+        headers[name.strip()] = value.strip()
+    return headers
+
+
+def _make_log(o):
+    return Log(path=o.get("log"), syslog=o.get("syslog"),
+               facility=o.get("syslog_facility"), tag=o.get("syslog_tag"))
+
+
+def _worker_from(spool, o):
+    headers = {}
+    if o["http_headers_file"]:
+        try:
+            with open(o["http_headers_file"], encoding="utf-8") as f:
+                headers.update(_header_lines(f, o["http_headers_file"]))
+        except OSError as e:
+            raise ConfigError("cannot read --http-headers-file %s: %s"
+                              % (o["http_headers_file"], e.strerror))
+    headers.update(_header_lines(o["http_header"], "--http-header"))
+    if o["handlers"] and not os.path.isdir(o["handlers"]):
+        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
+    return Worker(spool, handlers_dir=o["handlers"], module=o["module"],
+                  concurrency=o["concurrency"], lease=o["lease"],
+                  timeout=o["timeout"], max_attempts=o["max_attempts"],
+                  backoff_base=o["backoff_base"], backoff_max=o["backoff_max"],
+                  jitter=o["jitter"], poll=o["poll"],
+                  stats_interval=o["stats_interval"], grace=o["grace"],
+                  pass_env=o["pass_env"], http_headers=headers,
+                  scan_cache=o["scan_cache"], log=_make_log(o))
+
+
+def _print(line):
+    sys.stdout.write(line + "\n")
+
+
+def main(argv=None):
+    """The command line; returns the exit status (never calls sys.exit)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    env = os.environ
+    try:
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as e:         # --help, --version
+            return e.code if isinstance(e.code, int) else 0
+        path = getattr(args, "spool_sub", None) or args.spool \
+            or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
+        guards = {}
+        if args.command in ("enqueue", "worker", "supervise", "prune", "check"):
+            guards = _resolve(args, GUARD_OPTIONS, env)
+        spool = Spool(path, **guards)
+        c = args.command
+        if c == "version":
+            _print("myq " + __version__)
+        elif c == "init":
+            spool.init(owner=args.owner)
+        elif c == "enqueue":
+            text = sys.stdin.read() if args.payload == "-" else args.payload
+            try:
+                payload = _DECODER.decode(text.strip() or "null")
+            except RecursionError:
+                raise InvalidJob("payload nested too deep")
+            except ValueError as e:
+                raise InvalidJob("payload is not JSON (%s); quote a string as "
+                                 "'\"text\"'" % e)
+            if args.max_attempts is not None and args.max_attempts < 1:
+                raise InvalidJob("--max-attempts must be at least 1")
+            if args.timeout is not None and not args.timeout > 0:
+                raise InvalidJob("--timeout must be > 0")
+            _print(spool.enqueue(args.type, payload, id=args.id,
+                                 delay=args.delay, max_attempts=args.max_attempts,
+                                 timeout=args.timeout))
+        elif c == "worker":
+            o = _resolve(args, WORKER_OPTIONS, env)
+            spool.require()
+            w = _worker_from(spool, o)
+            return w.run(once=o["once"], drain=o["drain"])
+        elif c == "supervise":
+            o = _resolve(args, WORKER_OPTIONS, env)
+            spool.require()
+            _worker_from(spool, o)      # validate the options once, here
+            n = args.workers or env.get("MYQ_WORKERS") or "1"
+            try:
+                n = _posint(n)
+            except ValueError:
+                raise UsageError("bad --workers %r: a number >= 1" % n)
+            rest = argv[argv.index("supervise") + 1:]
+            wargs, skip = [], False
+            for i, a in enumerate(rest):
+                if skip:
+                    skip = False
+                    continue
+                if a == "--workers":
+                    skip = True
+                    continue
+                if a.startswith("--workers="):
+                    continue
+                wargs.append(a)
+            return supervise(spool, n, wargs, _make_log(o))
+        elif c == "stats":
+            spool.require()
+            if args.json:
+                _print(json.dumps(spool.stats(), sort_keys=False))
+            else:
+                _print(spool.status_line())
+        elif c == "list":
+            spool.require()
+            for job in spool.list(args.state):
+                if args.json:
+                    _print(json.dumps(job, ensure_ascii=False))
+                else:
+                    line = "%s %s %s attempts=%s" % (
+                        job["id"], job["state"], job.get("type") or "-",
+                        job.get("attempts") if job.get("attempts") is not None else "-")
+                    if job.get("available_at"):
+                        line += " available_at=" + iso(job["available_at"], False)
+                    if job.get("last_error"):
+                        line += " last_error=" + _kv(job["last_error"])
+                    _print(line)
+        elif c == "show":
+            spool.require()
+            _print(json.dumps(spool.show(args.id), ensure_ascii=False, indent=1))
+        elif c == "retry":
+            if not args.ids and not args.all:
+                raise UsageError("retry needs job ids or --all")
+            _print("retried=%d" % spool.retry(args.ids, all=args.all))
+        elif c == "delete":
+            _print("deleted=%d" % spool.delete(args.ids, force=args.force))
+        elif c == "reap":
+            _print("requeued=%d" % spool.reap())
+        elif c == "prune":
+            out = spool.prune()
+            _print(" ".join("%s=%d" % kv for kv in out.items()))
+        elif c == "check":
+            problems = spool.check()
+            for p in problems:
+                _print(p)
+            if problems:
+                return 1
+            _print("ok spool=%s" % spool.path)
+        return 0
+    except MyqError as e:
+        msg = str(e).replace("\n", " ")
+        sys.stderr.write("myq: %s\n" % msg)
+        return e.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    # A --module handler file that does `import myq` must get THIS module
+    # (the same PermanentError and RetryLater classes), not a second copy.
+    sys.modules.setdefault("myq", sys.modules[__name__])
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Small helpers shared by the core black-box tests (SPEC §2-§7).
+
+Everything here drives myq from the outside: the CLI as a subprocess, or the
+files of the spool. Waiting is always "poll a condition until a deadline".
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MYQ = os.path.join(ROOT, "myq.py")
+
+STATES = ("ready", "scheduled", "processing", "done", "dead", "failed")
+STATUS_RE = re.compile(
+    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ queue=\S+ ready=\d+ processing=\d+"
+    r" done=\d+ dead=\d+ oldest_ready_s=\d+ retries_1m=\d+( \w+=\S+)*$")
+LOG_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z( [\w.-]+=\S*)+")
+
+# Fast, deterministic worker defaults: a failed job stays scheduled (backoff
+# 60 s, no jitter) unless a test says otherwise.
+FAST = ("--poll", "0.05", "--jitter", "0", "--backoff-base", "60")
+
+
+def clean_env(extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
+    env.update(extra or {})
+    return env
+
+
+def wait_for(pred, timeout=15.0, interval=0.02, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for " + what)
+        time.sleep(interval)
+
+
+def ls(spool, sub):
+    try:
+        return sorted(os.listdir(os.path.join(spool, sub)))
+    except FileNotFoundError:
+        return []
+
+
+def one_line_error(cp):
+    """Every error is ONE line on stderr (SPEC §4)."""
+    err = cp.stderr.strip("\n")
+    assert err, "expected an error message on stderr"
+    assert "\n" not in err, "error is not one line: %r" % cp.stderr
+    return err
+
+
+def enqueue(run_myq, spool, type_, payload=None, *opts, **kw):
+    args = ["--spool", spool, "enqueue", type_]
+    if payload is not None:
+        args.append(payload)
+    cp = run_myq(*(args + list(opts)), **kw)
+    assert cp.returncode == 0, (cp.returncode, cp.stderr)
+    return cp.stdout.strip()
+
+
+def show(run_myq, spool, job_id):
+    cp = run_myq("--spool", spool, "show", job_id)
+    assert cp.returncode == 0, (job_id, cp.returncode, cp.stderr)
+    return json.loads(cp.stdout)
+
+
+def state(run_myq, spool, job_id):
+    return show(run_myq, spool, job_id)["state"]
+
+
+def worker(run_myq, spool, *opts, handlers=None, mode="--drain", env=None,
+           timeout=60, fast=True):
+    args = ["--spool", spool, "worker"]
+    if mode:
+        args.append(mode)
+    if handlers:
+        args += ["--handlers", handlers]
+    if fast:
+        args += list(FAST)
+    args += list(opts)
+    return run_myq(*args, env=env, timeout=timeout)
+
+
+def start_worker(spool, *opts, env=None, stderr=None, python=None):
+    """A worker in the background (own session, so the test can kill it)."""
+    return subprocess.Popen(
+        [python or sys.executable, MYQ, "--spool", spool, "worker"] + list(opts),
+        stdout=subprocess.DEVNULL,
+        stderr=stderr if stderr is not None else subprocess.DEVNULL,
+        env=clean_env(env), start_new_session=True)
+
+
+def stop(proc, sig=signal.SIGTERM, timeout=15):
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
+def write_incoming(spool, name, obj, raw=None):
+    """What a shell producer does: write in tmp/, then rename into incoming/."""
+    tmp = os.path.join(spool, "tmp", name + ".part")
+    data = raw if raw is not None else json.dumps(obj).encode()
+    with open(tmp, "wb") as f:
+        f.write(data)
+    final = os.path.join(spool, "incoming", name)
+    os.rename(tmp, final)
+    return final
+
+
+def blocking_handler(tmp_path):
+    """sh body: touch started/$MYQ_JOB_ID, wait for the release file (deadline)."""
+    started = tmp_path / "started"
+    started.mkdir(exist_ok=True)
+    release = tmp_path / "release"
+    body = (
+        'echo $$ > "%s/$MYQ_JOB_ID.pid"\n'
+        'touch "%s/$MYQ_JOB_ID"\n'
+        'i=0\n'
+        'while [ ! -e "%s" ]; do\n'
+        '  sleep 0.02; i=$((i+1))\n'
+        '  if [ $i -gt 1500 ]; then exit 1; fi\n'
+        'done\n'
+        'echo "$MYQ_JOB_ID" >> "%s/finished"\n'
+        'exit 0' % (started, started, release, tmp_path))
+    return body, started, release
+
+
+def procs_with_cmdline(argv):
+    """pids whose argv is exactly `argv` (list of str)."""
+    want = ("\0".join(argv) + "\0").encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as f:
+                if f.read() == want:
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def kill_quiet(pid, sig=signal.SIGKILL):
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass

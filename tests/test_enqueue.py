@@ -1,0 +1,233 @@
+"""SPEC §3, §4 `enqueue`, §7 `myq.enqueue`: writing jobs and refusing bad ones."""
+import json
+import os
+import re
+import stat
+import time
+
+import pytest
+
+from _core import (FAST, blocking_handler, enqueue, ls, one_line_error, show,
+                   start_worker, stop, wait_for, worker)
+
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def job_file(spool, job_id):
+    with open(os.path.join(spool, "incoming", job_id + ".json")) as f:
+        return json.load(f)
+
+
+def assert_nothing_written(spool):
+    assert ls(spool, "tmp") == []
+    assert ls(spool, "incoming") == []
+
+
+def test_enqueue_prints_the_id_alone(run_myq, spool):
+    cp = run_myq("--spool", spool, "enqueue", "greet", '{"name": "x"}')
+    assert cp.returncode == 0, cp.stderr
+    lines = cp.stdout.splitlines()
+    assert len(lines) == 1 and cp.stdout.endswith("\n"), repr(cp.stdout)
+    job_id = lines[0]
+    assert ID_RE.match(job_id) and not job_id.startswith("."), job_id
+    job = job_file(spool, job_id)
+    assert job["id"] == job_id
+    assert job["type"] == "greet"
+    assert job["payload"] == {"name": "x"}
+    assert job["attempts"] == 0
+    assert ls(spool, "tmp") == []
+
+
+def test_payload_defaults_to_null_and_dash_reads_stdin(run_myq, spool):
+    a = enqueue(run_myq, spool, "t")
+    assert job_file(spool, a)["payload"] is None
+    b = enqueue(run_myq, spool, "t", "-", input='{"from": "stdin", "n": [1, 2]}')
+    assert job_file(spool, b)["payload"] == {"from": "stdin", "n": [1, 2]}
+
+
+def test_options_id_max_attempts_timeout(run_myq, spool):
+    job_id = enqueue(run_myq, spool, "t", "1", "--id", "job-1.a_B",
+                     "--max-attempts", "3", "--timeout", "2.5")
+    assert job_id == "job-1.a_B"
+    job = job_file(spool, job_id)
+    assert job["max_attempts"] == 3
+    assert job["timeout"] == 2.5
+    assert job["payload"] == 1
+    s = show(run_myq, spool, job_id)
+    assert s["state"] == "ready"
+
+
+def test_delay_makes_it_scheduled(run_myq, spool):
+    t0 = time.time()
+    job_id = enqueue(run_myq, spool, "t", "null", "--delay", "100.5")
+    t1 = time.time()
+    s = show(run_myq, spool, job_id)
+    assert s["state"] == "scheduled"
+    assert t0 + 100.5 - 0.01 <= s["available_at"] <= t1 + 100.5 + 0.01
+
+
+def test_job_file_mode_0640(run_myq, spool):
+    old = os.umask(0o022)
+    try:
+        job_id = enqueue(run_myq, spool, "t")
+    finally:
+        os.umask(old)
+    st = os.stat(os.path.join(spool, "incoming", job_id + ".json"))
+    assert stat.S_IMODE(st.st_mode) == 0o640, oct(st.st_mode)
+
+
+def test_generated_ids_sort_in_creation_order(myq, spool, run_myq):
+    ids = [myq.enqueue(spool, "t", i) for i in range(60)]
+    assert len(set(ids)) == 60
+    assert sorted(ids) == ids
+    cli = [enqueue(run_myq, spool, "t") for _ in range(3)]
+    assert sorted(cli) == cli and cli[0] > ids[-1]
+    for i in ids + cli:
+        assert ID_RE.match(i) and not i.startswith("."), i
+
+
+@pytest.mark.parametrize("payload", ["{bad", "{'a': 1}", "", "[1,", "nan-ish"])
+def test_invalid_json_payload_is_65_and_writes_nothing(run_myq, spool, payload):
+    cp = run_myq("--spool", spool, "enqueue", "t", payload)
+    assert cp.returncode == 65, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+    assert_nothing_written(spool)
+
+
+def test_invalid_json_on_stdin_is_65(run_myq, spool):
+    cp = run_myq("--spool", spool, "enqueue", "t", "-", input="{not json")
+    assert cp.returncode == 65, (cp.returncode, cp.stderr)
+    assert_nothing_written(spool)
+
+
+@pytest.mark.parametrize("bad", ["../x", ".x", "a" * 129, "a b", "a/b", "x\n",
+                                 "é", ""])
+def test_bad_id_is_65_and_writes_nothing(run_myq, spool, bad):
+    cp = run_myq("--spool", spool, "enqueue", "t", "--id", bad)
+    assert cp.returncode == 65, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+    assert_nothing_written(spool)
+
+
+def test_id_of_128_chars_is_fine(run_myq, spool):
+    long_id = "a" * 128
+    assert enqueue(run_myq, spool, "t", "--id", long_id) == long_id
+
+
+@pytest.mark.parametrize("bad", ["../h", ".h", "h h", "a" * 129, "h/x"])
+def test_bad_type_is_65_and_writes_nothing(run_myq, spool, bad):
+    cp = run_myq("--spool", spool, "enqueue", bad, "{}")
+    assert cp.returncode == 65, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+    assert_nothing_written(spool)
+
+
+def test_too_large_is_65(run_myq, spool):
+    big = json.dumps({"blob": "x" * 2000})
+    cp = run_myq("--spool", spool, "enqueue", "t", big, "--max-job-bytes", "1K")
+    assert cp.returncode == 65, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+    assert_nothing_written(spool)
+    small = json.dumps({"blob": "x" * 100})
+    assert enqueue(run_myq, spool, "t", small, "--max-job-bytes", "1K")
+
+
+def test_disk_free_guard_is_75(run_myq, spool):
+    cp = run_myq("--spool", spool, "enqueue", "t", "{}", "--min-free", "1000G")
+    assert cp.returncode == 75, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+    assert_nothing_written(spool)
+    cp = run_myq("--spool", spool, "enqueue", "t", "{}",
+                 "--min-free-inodes", str(2 ** 62))
+    assert cp.returncode == 75, (cp.returncode, cp.stderr)
+    assert_nothing_written(spool)
+
+
+def test_duplicate_while_queued_is_73(run_myq, spool, myq):
+    enqueue(run_myq, spool, "t", "1", "--id", "dup")
+    cp = run_myq("--spool", spool, "enqueue", "t", "2", "--id", "dup")
+    assert cp.returncode == 73, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+    assert job_file(spool, "dup")["payload"] == 1
+    with pytest.raises(myq.DuplicateJob):
+        myq.enqueue(spool, "t", 3, id="dup")
+    assert ls(spool, "tmp") == []
+
+
+def test_duplicate_while_done_or_dead_is_73(run_myq, spool, handlers_dir, myq):
+    handlers_dir("ok", "exit 0")
+    handlers_dir("bad", "exit 65")
+    enqueue(run_myq, spool, "ok", "--id", "was-done")
+    enqueue(run_myq, spool, "bad", "--id", "was-dead")
+    cp = worker(run_myq, spool, handlers=handlers_dir.path)
+    assert cp.returncode == 0, cp.stderr
+    assert show(run_myq, spool, "was-done")["state"] == "done"
+    assert show(run_myq, spool, "was-dead")["state"] == "dead"
+    for job_id in ("was-done", "was-dead"):
+        cp = run_myq("--spool", spool, "enqueue", "ok", "--id", job_id)
+        assert cp.returncode == 73, (job_id, cp.returncode, cp.stderr)
+        with pytest.raises(myq.DuplicateJob):
+            myq.enqueue(spool, "ok", id=job_id)
+    assert ls(spool, "incoming") == []
+
+
+def test_duplicate_while_processing_is_73(run_myq, spool, handlers_dir, tmp_path):
+    body, started, release = blocking_handler(tmp_path)
+    handlers_dir("block", body)
+    enqueue(run_myq, spool, "block", "--id", "busy")
+    w = start_worker(spool, "--drain", "--handlers", handlers_dir.path, *FAST)
+    try:
+        wait_for(lambda: (started / "busy").exists(), what="handler start")
+        cp = run_myq("--spool", spool, "enqueue", "block", "--id", "busy")
+        assert cp.returncode == 73, (cp.returncode, cp.stderr)
+        assert ls(spool, "incoming") == []
+    finally:
+        release.touch()
+        stop_rc = w.wait(30)
+    assert stop_rc == 0
+
+
+def test_api_enqueue_returns_id_and_raises_myq_errors(myq, spool):
+    job_id = myq.enqueue(spool, "t", {"a": 1})
+    with open(os.path.join(spool, "incoming", job_id + ".json")) as f:
+        assert json.load(f)["payload"] == {"a": 1}
+    assert myq.enqueue(spool, "t", None, id="given") == "given"
+    j = myq.enqueue(spool, "t", None, id="later", delay=50, max_attempts=2,
+                    timeout=1.5)
+    with open(os.path.join(spool, "incoming", j + ".json")) as f:
+        d = json.load(f)
+    assert (d["max_attempts"], d["timeout"]) == (2, 1.5)
+    assert d["available_at"] > time.time() + 45
+    for cls in ("DuplicateJob", "InvalidJob", "SpoolFull"):
+        assert issubclass(getattr(myq, cls), myq.MyqError), cls
+    with pytest.raises(myq.InvalidJob):
+        myq.enqueue(spool, "t", None, id="../x")
+    with pytest.raises(myq.InvalidJob):
+        myq.enqueue(spool, "bad type", None)
+    with pytest.raises(myq.InvalidJob):
+        myq.enqueue(spool, "t", {"not": object()})
+    assert ls(spool, "tmp") == []
+    assert sorted(ls(spool, "incoming")) == sorted(
+        [job_id + ".json", "given.json", "later.json"])
+
+
+def test_api_enqueue_spool_full(myq, spool, monkeypatch):
+    real = os.statvfs
+
+    class Tiny:
+        def __init__(self, st):
+            self.__st = st
+
+        def __getattr__(self, name):
+            if name in ("f_bavail", "f_bfree", "f_favail", "f_ffree"):
+                return 0
+            return getattr(self.__st, name)
+
+        def __getitem__(self, i):
+            return (0 if i in (3, 4, 6, 7) else self.__st[i])
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny(real(p)))
+    with pytest.raises(myq.SpoolFull):
+        myq.enqueue(spool, "t", 1)
+    monkeypatch.undo()
+    assert ls(spool, "incoming") == [] and ls(spool, "tmp") == []

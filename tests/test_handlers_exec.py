@@ -1,0 +1,202 @@
+"""SPEC §5.1: executable handlers under --handlers DIR."""
+import json
+import os
+import time
+
+import pytest
+
+from _core import (enqueue, ls, procs_with_cmdline, show, wait_for, worker,
+                   write_incoming)
+
+
+def run_one(run_myq, spool, handlers_dir, body, *enqueue_opts, worker_opts=(),
+            env=None, payload="{}"):
+    handlers_dir("h", body)
+    job_id = enqueue(run_myq, spool, "h", payload, *enqueue_opts)
+    cp = worker(run_myq, spool, *worker_opts, handlers=handlers_dir.path, env=env)
+    assert cp.returncode == 0, cp.stderr
+    return show(run_myq, spool, job_id)
+
+
+def test_exit_0_is_done(run_myq, spool, handlers_dir):
+    job = run_one(run_myq, spool, handlers_dir, "exit 0")
+    assert job["state"] == "done"
+    assert job["attempts"] == 1
+
+
+@pytest.mark.parametrize("code", [75, 71, 1, 2, 70 + 30, 255])
+def test_temporary_failures_retry(run_myq, spool, handlers_dir, code):
+    job = run_one(run_myq, spool, handlers_dir, "exit %d" % code)
+    assert job["state"] == "scheduled", job
+    assert job["attempts"] == 1
+    assert job["available_at"] > time.time() + 30  # backoff-base 60
+
+
+@pytest.mark.parametrize("code", [64, 65, 66, 70, 73, 74, 76, 77, 78])
+def test_sysexits_other_than_71_75_are_dead_at_once(run_myq, spool, handlers_dir, code):
+    job = run_one(run_myq, spool, handlers_dir, "exit %d" % code)
+    assert job["state"] == "dead", job
+    assert job["attempts"] == 1
+    assert isinstance(job["failed_at"], (int, float))
+
+
+@pytest.mark.parametrize("code", [1, 75, 71])
+def test_retryable_failure_on_last_attempt_is_dead(run_myq, spool, handlers_dir, code):
+    job = run_one(run_myq, spool, handlers_dir, "exit %d" % code,
+                  "--max-attempts", "1")
+    assert job["state"] == "dead", job
+    assert job["attempts"] == 1
+
+
+@pytest.mark.parametrize("sig", ["KILL", "TERM", "SEGV"])
+def test_death_by_signal_retries(run_myq, spool, handlers_dir, sig):
+    job = run_one(run_myq, spool, handlers_dir, "kill -%s $$" % sig)
+    assert job["state"] == "scheduled", job
+    assert job["attempts"] == 1
+    assert job["last_error"]
+
+
+def test_stderr_tail_becomes_last_error(run_myq, spool, handlers_dir):
+    body = ("i=0; while [ $i -lt 20000 ]; do echo \"noise line $i\" >&2; "
+            "i=$((i+1)); done\necho 'the-real-reason-42' >&2\nexit 1")
+    job = run_one(run_myq, spool, handlers_dir, body)
+    assert job["state"] == "scheduled"
+    assert "the-real-reason-42" in job["last_error"]
+    assert "noise line 0\n" not in job["last_error"]  # the tail, not the head
+
+
+def test_permanent_failure_keeps_stderr_in_dlq(run_myq, spool, handlers_dir):
+    job = run_one(run_myq, spool, handlers_dir, "echo 'bad payload xyz' >&2; exit 65")
+    assert job["state"] == "dead"
+    assert "bad payload xyz" in job["last_error"]
+    assert ls(spool, "dlq") == [job["id"] + ".json"]
+
+
+def test_environment(run_myq, spool, handlers_dir, tmp_path):
+    envf = tmp_path / "env"
+    job = run_one(run_myq, spool, handlers_dir, 'env > "%s"' % envf,
+                  "--id", "env-job", "--max-attempts", "3",
+                  env={"FOO": "bar", "SECRET_TOKEN": "s3"})
+    assert job["state"] == "done"
+    env = dict(l.split("=", 1) for l in envf.read_text().splitlines() if "=" in l)
+    assert env["MYQ_JOB_ID"] == "env-job"
+    assert env["MYQ_JOB_TYPE"] == "h"
+    assert env["MYQ_ATTEMPT"] == "1"
+    assert env["MYQ_MAX_ATTEMPTS"] == "3"
+    assert os.path.realpath(env["MYQ_SPOOL"]) == os.path.realpath(spool)
+    assert env["PATH"]
+    assert "FOO" not in env
+    assert "SECRET_TOKEN" not in env
+
+
+def test_max_attempts_env_falls_back_to_worker_default(run_myq, spool, handlers_dir, tmp_path):
+    envf = tmp_path / "env"
+    job = run_one(run_myq, spool, handlers_dir, 'env > "%s"' % envf,
+                  worker_opts=("--max-attempts", "7"))
+    assert job["state"] == "done"
+    assert "MYQ_MAX_ATTEMPTS=7\n" in envf.read_text()
+
+
+def test_pass_env(run_myq, spool, handlers_dir, tmp_path):
+    envf = tmp_path / "env"
+    job = run_one(run_myq, spool, handlers_dir, 'env > "%s"' % envf,
+                  worker_opts=("--pass-env", "FOO", "--pass-env", "BAZ"),
+                  env={"FOO": "bar", "BAZ": "q x", "OTHER": "no"})
+    assert job["state"] == "done"
+    text = envf.read_text().splitlines()
+    assert "FOO=bar" in text
+    assert "BAZ=q x" in text
+    assert not any(l.startswith("OTHER=") for l in text)
+
+
+def test_attempt_counts_up(run_myq, spool, handlers_dir, tmp_path):
+    log = tmp_path / "attempts"
+    handlers_dir("h", 'echo "$MYQ_ATTEMPT" >> "%s"\n[ "$MYQ_ATTEMPT" -ge 3 ]' % log)
+    job_id = enqueue(run_myq, spool, "h")
+
+    def finished():
+        cp = worker(run_myq, spool, "--backoff-base", "0.01",
+                    handlers=handlers_dir.path)
+        assert cp.returncode == 0, cp.stderr
+        return show(run_myq, spool, job_id)["state"] == "done"
+
+    wait_for(finished, timeout=30, what="job done")
+    assert log.read_text().split() == ["1", "2", "3"]
+    assert show(run_myq, spool, job_id)["attempts"] == 3
+
+
+def test_payload_on_stdin(run_myq, spool, handlers_dir, tmp_path):
+    out = tmp_path / "stdin"
+    payload = {"a": [1, 2.5, "é"], "b": None, "c": {"d": True}}
+    job = run_one(run_myq, spool, handlers_dir, 'cat > "%s"' % out,
+                  payload=json.dumps(payload))
+    assert job["state"] == "done"
+    assert json.loads(out.read_text(encoding="utf-8")) == payload
+
+
+@pytest.mark.parametrize("where", ["worker", "job"])
+def test_timeout_kills_the_process_group(run_myq, spool, handlers_dir, tmp_path, where):
+    secs = "30.%d%d" % (os.getpid() % 1000, 1 if where == "worker" else 2)
+    pidf = tmp_path / "sh.pid"
+    body = 'echo $$ > "%s"\nsleep %s\necho survived' % (pidf, secs)
+    if where == "worker":
+        job = run_one(run_myq, spool, handlers_dir, body,
+                      worker_opts=("--timeout", "0.5"))
+    else:
+        job = run_one(run_myq, spool, handlers_dir, body, "--timeout", "0.5")
+    assert job["state"] == "scheduled", job
+    assert job["attempts"] == 1
+    assert "time" in (job["last_error"] or "").lower(), job["last_error"]
+    try:
+        wait_for(lambda: not procs_with_cmdline(["sleep", secs]), timeout=5,
+                 what="the handler's sleep to be gone")
+    finally:
+        for pid in procs_with_cmdline(["sleep", secs]):
+            os.kill(pid, 9)
+    assert pidf.read_text().strip().isdigit()  # the handler did start
+
+
+def test_type_without_handler_is_dead(run_myq, spool, handlers_dir):
+    handlers_dir("other", "exit 0")
+    job_id = enqueue(run_myq, spool, "nohandler")
+    cp = worker(run_myq, spool, handlers=handlers_dir.path)
+    assert cp.returncode == 0, cp.stderr
+    job = show(run_myq, spool, job_id)
+    assert job["state"] == "dead"
+    assert "handler" in job["last_error"].lower()
+    assert "nohandler" in job["last_error"]
+
+
+def test_non_executable_file_or_directory_is_not_a_handler(run_myq, spool, handlers_dir, tmp_path):
+    d = handlers_dir("ok", "exit 0")
+    marker = tmp_path / "ran"
+    p = os.path.join(d, "plain")
+    with open(p, "w") as f:
+        f.write('#!/bin/sh\ntouch "%s"\n' % marker)
+    os.chmod(p, 0o644)
+    os.mkdir(os.path.join(d, "adir"))
+    a = enqueue(run_myq, spool, "plain")
+    b = enqueue(run_myq, spool, "adir")
+    cp = worker(run_myq, spool, handlers=d)
+    assert cp.returncode == 0, cp.stderr
+    assert show(run_myq, spool, a)["state"] == "dead"
+    assert show(run_myq, spool, b)["state"] == "dead"
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("type_", ["../evil", "..", "sub/../../evil", "/bin/true"])
+def test_type_never_resolves_outside_handlers_dir(run_myq, spool, handlers_dir, tmp_path, type_):
+    marker = tmp_path / "evil-ran"
+    evil = tmp_path / "evil"
+    evil.write_text('#!/bin/sh\ntouch "%s"\n' % marker)
+    evil.chmod(0o755)
+    d = handlers_dir("ok", "exit 0")
+    os.mkdir(os.path.join(d, "sub"))
+    write_incoming(spool, "evil-job.json", {"type": type_, "payload": None})
+    cp = worker(run_myq, spool, handlers=d)
+    assert cp.returncode == 0, cp.stderr
+    assert not marker.exists()
+    assert ls(spool, "done") == []
+    assert ls(spool, "incoming") == []
+    # quarantined as invalid (failed/) or dead: never run
+    assert ls(spool, "failed") or ls(spool, "dlq")

@@ -1,0 +1,328 @@
+"""SPEC §4 operator commands and §6 the status line."""
+import calendar
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from _core import (FAST, STATUS_RE, blocking_handler, enqueue, kill_quiet, ls,
+                   one_line_error, show, start_worker, stop, wait_for, worker,
+                   write_incoming)
+
+
+def populate(run_myq, spool, handlers_dir):
+    """done: ok1; dead: bad1; then ready: r1 r2; scheduled: s1."""
+    h = handlers_dir("ok", "exit 0")
+    handlers_dir("bad", "echo 'bad-reason' >&2; exit 65")
+    enqueue(run_myq, spool, "ok", "--id", "ok1")
+    enqueue(run_myq, spool, "bad", "--id", "bad1")
+    cp = worker(run_myq, spool, handlers=h)
+    assert cp.returncode == 0, cp.stderr
+    enqueue(run_myq, spool, "ok", "--id", "r1")
+    enqueue(run_myq, spool, "ok", "--id", "r2")
+    enqueue(run_myq, spool, "ok", "--id", "s1", "--delay", "300")
+    return h
+
+
+def stats_fields(line):
+    return dict(kv.split("=", 1) for kv in line.split()[1:])
+
+
+def test_stats_line_format_and_counts(run_myq, spool, handlers_dir):
+    populate(run_myq, spool, handlers_dir)
+    cp = run_myq("--spool", spool, "stats")
+    assert cp.returncode == 0, cp.stderr
+    lines = cp.stdout.splitlines()
+    assert len(lines) == 1, cp.stdout
+    line = lines[0]
+    assert STATUS_RE.match(line), line
+    ts = calendar.timegm(time.strptime(line.split()[0], "%Y-%m-%dT%H:%M:%SZ"))
+    assert abs(ts - time.time()) < 30
+    f = stats_fields(line)
+    assert f["queue"] == "spool"
+    assert (f["ready"], f["processing"], f["done"], f["dead"]) == ("2", "0", "1", "1")
+    assert int(f["oldest_ready_s"]) < 30
+    assert f["retries_1m"] == "0"
+    assert line.split()[1:8] == [
+        "queue=spool", "ready=2", "processing=0", "done=1", "dead=1",
+        "oldest_ready_s=" + f["oldest_ready_s"], "retries_1m=0"]
+
+
+def test_stats_json(run_myq, spool, handlers_dir):
+    populate(run_myq, spool, handlers_dir)
+    cp = run_myq("--spool", spool, "stats", "--json")
+    assert cp.returncode == 0, cp.stderr
+    assert len(cp.stdout.strip().splitlines()) == 1
+    d = json.loads(cp.stdout)
+    assert d["queue"] == "spool"
+    for k in ("ready", "processing", "done", "dead", "oldest_ready_s", "retries_1m"):
+        assert type(d[k]) is int, (k, d[k])
+    assert (d["ready"], d["processing"], d["done"], d["dead"]) == (2, 0, 1, 1)
+
+
+def test_queue_is_the_spool_basename(run_myq, tmp_path):
+    spool = str(tmp_path / "edge-box.q_1")
+    assert run_myq("--spool", spool, "init").returncode == 0
+    cp = run_myq("--spool", spool + "/", "stats", "--json")
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(cp.stdout)["queue"] == "edge-box.q_1"
+
+
+def test_oldest_ready_s(run_myq, spool):
+    old = time.time() - 100
+    p = write_incoming(spool, "old.json", {"type": "t", "available_at": old,
+                                           "created_at": old})
+    os.utime(p, (old, old))
+    enqueue(run_myq, spool, "t")
+    d = json.loads(run_myq("--spool", spool, "stats", "--json").stdout)
+    assert 100 <= d["oldest_ready_s"] < 130, d
+    assert d["ready"] == 2
+
+
+def test_retries_1m_counts_scheduled_retries(run_myq, spool, handlers_dir):
+    h = handlers_dir("f", "exit 1")
+    enqueue(run_myq, spool, "f")
+    enqueue(run_myq, spool, "f")
+    handlers_dir("p", "exit 65")
+    enqueue(run_myq, spool, "p")  # permanent: not a retry
+    cp = worker(run_myq, spool, handlers=h)
+    assert cp.returncode == 0, cp.stderr
+    d = json.loads(run_myq("--spool", spool, "stats", "--json").stdout)
+    assert d["retries_1m"] == 2, d
+    assert d["dead"] == 1 and d["ready"] == 0
+
+
+def test_list_and_list_state(run_myq, spool, handlers_dir):
+    populate(run_myq, spool, handlers_dir)
+
+    def ids(*args):
+        cp = run_myq("--spool", spool, "list", *args)
+        assert cp.returncode == 0, cp.stderr
+        return sorted(l.split()[0] for l in cp.stdout.splitlines())
+
+    assert ids() == ["bad1", "ok1", "r1", "r2", "s1"]
+    assert ids("ready") == ["r1", "r2"]
+    assert ids("scheduled") == ["s1"]
+    assert ids("done") == ["ok1"]
+    assert ids("dead") == ["bad1"]
+    assert ids("processing") == []
+    assert ids("failed") == []
+
+
+def test_list_json(run_myq, spool, handlers_dir):
+    populate(run_myq, spool, handlers_dir)
+    cp = run_myq("--spool", spool, "list", "--json")
+    assert cp.returncode == 0, cp.stderr
+    rows = {}
+    for line in cp.stdout.splitlines():
+        d = json.loads(line)
+        for k in ("id", "type", "state", "attempts", "available_at", "last_error"):
+            assert k in d, (k, d)
+        rows[d["id"]] = d
+    assert {k: v["state"] for k, v in rows.items()} == {
+        "ok1": "done", "bad1": "dead", "r1": "ready", "r2": "ready",
+        "s1": "scheduled"}
+    assert rows["bad1"]["type"] == "bad"
+    assert rows["bad1"]["attempts"] == 1
+    assert "bad-reason" in rows["bad1"]["last_error"]
+    assert rows["r1"]["attempts"] == 0 and rows["r1"]["last_error"] is None
+    cp = run_myq("--spool", spool, "list", "dead", "--json")
+    assert [json.loads(l)["id"] for l in cp.stdout.splitlines()] == ["bad1"]
+
+
+def test_list_unknown_state_is_64(run_myq, spool):
+    cp = run_myq("--spool", spool, "list", "bogus")
+    assert cp.returncode == 64, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+
+
+def test_show(run_myq, spool, handlers_dir):
+    populate(run_myq, spool, handlers_dir)
+    cp = run_myq("--spool", spool, "show", "bad1")
+    assert cp.returncode == 0, cp.stderr
+    d = json.loads(cp.stdout)
+    assert (d["id"], d["type"], d["state"]) == ("bad1", "bad", "dead")
+    assert "failed_at" in d
+    assert show(run_myq, spool, "s1")["state"] == "scheduled"
+    cp = run_myq("--spool", spool, "show", "nope")
+    assert cp.returncode == 66, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+    assert cp.stdout == ""
+
+
+def test_delete(run_myq, spool, handlers_dir):
+    populate(run_myq, spool, handlers_dir)
+    cp = run_myq("--spool", spool, "delete", "r1", "bad1", "ok1", "s1")
+    assert cp.returncode == 0, cp.stderr
+    for i in ("r1", "bad1", "ok1", "s1"):
+        assert run_myq("--spool", spool, "show", i).returncode == 66, i
+    assert show(run_myq, spool, "r2")["state"] == "ready"
+    cp = run_myq("--spool", spool, "delete", "missing")
+    assert cp.returncode == 66, (cp.returncode, cp.stderr)
+    one_line_error(cp)
+
+
+def test_delete_processing_needs_force(run_myq, spool, handlers_dir, tmp_path):
+    body, started, release = blocking_handler(tmp_path)
+    handlers_dir("block", body)
+    enqueue(run_myq, spool, "block", "--id", "busy")
+    w = start_worker(spool, "--drain", "--handlers", handlers_dir.path, *FAST)
+    try:
+        wait_for(lambda: (started / "busy").exists(), what="handler start")
+        assert show(run_myq, spool, "busy")["state"] == "processing"
+        cp = run_myq("--spool", spool, "delete", "busy")
+        assert cp.returncode == 75, (cp.returncode, cp.stderr)
+        one_line_error(cp)
+        assert show(run_myq, spool, "busy")["state"] == "processing"
+        cp = run_myq("--spool", spool, "delete", "--force", "busy")
+        assert cp.returncode == 0, cp.stderr
+        assert run_myq("--spool", spool, "show", "busy").returncode == 66
+    finally:
+        release.touch()
+        assert w.wait(30) == 0
+    cp = run_myq("--spool", spool, "list", "--json")
+    states = [json.loads(l)["state"] for l in cp.stdout.splitlines()]
+    assert not set(states) & {"ready", "scheduled", "processing"}, states
+
+
+def test_reap_and_check_after_a_worker_died(run_myq, spool, handlers_dir, tmp_path):
+    body, started, release = blocking_handler(tmp_path)
+    handlers_dir("block", body)
+    enqueue(run_myq, spool, "block", "--id", "orphan")
+    cp = run_myq("--spool", spool, "reap")
+    assert (cp.returncode, cp.stdout.strip()) == (0, "requeued=0")
+    w = start_worker(spool, "--drain", "--handlers", handlers_dir.path, *FAST)
+    try:
+        wait_for(lambda: (started / "orphan").exists(), what="handler start")
+        w.kill()
+        w.wait(10)
+        kill_quiet(int((started / "orphan.pid").read_text()))
+        assert show(run_myq, spool, "orphan")["state"] == "processing"
+        cp = run_myq("--spool", spool, "check")
+        assert cp.returncode == 1, (cp.returncode, cp.stdout, cp.stderr)
+        cp = run_myq("--spool", spool, "reap")
+        assert cp.returncode == 0, cp.stderr
+        assert cp.stdout.strip() == "requeued=1"
+        assert show(run_myq, spool, "orphan")["state"] == "ready"
+        assert ls(spool, "processing") == []
+        cp = run_myq("--spool", spool, "check")
+        assert cp.returncode == 0, (cp.stdout, cp.stderr)
+    finally:
+        release.touch()
+        stop(w, signal.SIGKILL)
+
+
+def done_jobs(run_myq, spool, handlers_dir, n):
+    h = handlers_dir("ok", "exit 0")
+    ids = [enqueue(run_myq, spool, "ok", "--id", "j%02d" % i) for i in range(n)]
+    cp = worker(run_myq, spool, handlers=h)
+    assert cp.returncode == 0, cp.stderr
+    assert len(ls(spool, "done")) == n
+    return ids
+
+
+def prune_counts(cp):
+    assert cp.returncode == 0, cp.stderr
+    out = cp.stdout.strip()
+    assert re.match(r"^\w+=\d+( \w+=\d+)*$", out), out
+    return {k: int(v) for k, v in (kv.split("=") for kv in out.split())}
+
+
+def test_prune_keep_done_max(run_myq, spool, handlers_dir):
+    done_jobs(run_myq, spool, handlers_dir, 5)
+    counts = prune_counts(run_myq("--spool", spool, "prune", "--keep-done-max", "2"))
+    assert counts.get("done") == 3, counts
+    assert len(ls(spool, "done")) == 2
+    assert ls(spool, "done") == ["j03.json", "j04.json"]  # the newest are kept
+
+
+def test_prune_keep_done_age(run_myq, spool, handlers_dir):
+    done_jobs(run_myq, spool, handlers_dir, 3)
+    counts = prune_counts(run_myq("--spool", spool, "prune", "--keep-done", "3600"))
+    assert counts.get("done", 0) == 0, counts
+    assert len(ls(spool, "done")) == 3
+    counts = prune_counts(run_myq("--spool", spool, "prune", "--keep-done", "0.001"))
+    assert counts.get("done") == 3, counts
+    assert ls(spool, "done") == []
+
+
+def test_prune_orphaned_tmp_files(run_myq, spool):
+    old = os.path.join(spool, "tmp", "orphan.part")
+    new = os.path.join(spool, "tmp", "writing.part")
+    for p in (old, new):
+        with open(p, "w") as f:
+            f.write("{")
+    t = time.time() - 2 * 3600
+    os.utime(old, (t, t))
+    prune_counts(run_myq("--spool", spool, "prune"))
+    assert ls(spool, "tmp") == ["writing.part"]
+
+
+def test_check_healthy_and_unhealthy(run_myq, spool):
+    cp = run_myq("--spool", spool, "check")
+    assert cp.returncode == 0, (cp.stdout, cp.stderr)
+    cp = run_myq("--spool", spool, "check", "--min-free", "1000G")
+    assert cp.returncode == 1, (cp.returncode, cp.stdout, cp.stderr)
+    out = (cp.stdout + cp.stderr).strip().splitlines()
+    assert len(out) == 1, out
+    assert re.search(r"free|space|disk", out[0], re.I), out
+
+
+def test_check_reports_a_missing_layout_dir(run_myq, spool):
+    os.rmdir(os.path.join(spool, "locks"))
+    cp = run_myq("--spool", spool, "check", "--min-free", "1000G")
+    assert cp.returncode in (1, 78), (cp.returncode, cp.stdout, cp.stderr)
+    text = cp.stdout + cp.stderr
+    assert "locks" in text
+    if cp.returncode == 1:
+        assert len(text.strip().splitlines()) >= 2, text  # one line per problem
+
+
+def test_check_reports_an_unusable_dir(run_myq, spool):
+    if os.geteuid() == 0:
+        pytest.skip("root ignores directory permissions")
+    d = os.path.join(spool, "done")
+    os.chmod(d, 0)
+    try:
+        cp = run_myq("--spool", spool, "check")
+    finally:
+        os.chmod(d, 0o750)
+    assert cp.returncode == 1, (cp.returncode, cp.stdout, cp.stderr)
+    assert "done" in cp.stdout + cp.stderr
+
+
+def test_version(run_myq, myq):
+    cp = run_myq("version")
+    assert cp.returncode == 0, cp.stderr
+    assert re.match(r"^myq \d+\.\d+\.\d+\n$", cp.stdout), cp.stdout
+    assert cp.stdout.split()[1] == myq.__version__
+
+
+@pytest.mark.parametrize("args", [
+    ("frobnicate",),
+    ("stats", "--bogus"),
+    ("list", "--nope"),
+    ("worker", "--lease", "abc"),
+    ("worker", "--concurrency", "two"),
+    ("worker", "--poll", "abc"),
+    ("enqueue", "t", "{}", "--delay", "soon"),
+    ("enqueue", "t", "{}", "--max-attempts", "x"),
+    ("enqueue", "t", "{}", "--min-free", "12Q"),
+    ("enqueue",),
+    ("show",),
+], ids=lambda a: "_".join(a))
+def test_usage_errors_are_64_and_one_line(run_myq, spool, args):
+    before = {d: ls(spool, d) for d in ("tmp", "incoming", "locks")}
+    cp = run_myq("--spool", spool, *args, timeout=20)
+    assert cp.returncode == 64, (cp.returncode, cp.stdout, cp.stderr)
+    one_line_error(cp)
+    assert {d: ls(spool, d) for d in ("tmp", "incoming", "locks")} == before
+
+
+def test_no_command_is_64(run_myq, spool):
+    cp = run_myq("--spool", spool)
+    assert cp.returncode == 64, (cp.returncode, cp.stderr)
+    one_line_error(cp)

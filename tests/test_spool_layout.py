@@ -1,0 +1,102 @@
+"""SPEC §2 and §4 `init`: the spool layout, and refusing a missing spool."""
+import os
+import stat
+import subprocess
+
+import pytest
+
+from _core import clean_env, enqueue, ls, one_line_error
+
+LAYOUT = ("tmp", "incoming", "processing", "done", "dlq", "failed", "locks")
+
+
+def test_init_creates_the_seven_dirs_mode_0750(run_myq, tmp_path):
+    spool = str(tmp_path / "a" / "b" / "q")  # parents are created too
+    old = os.umask(0o022)
+    try:
+        cp = run_myq("--spool", spool, "init")
+    finally:
+        os.umask(old)
+    assert cp.returncode == 0, cp.stderr
+    for d in LAYOUT:
+        st = os.stat(os.path.join(spool, d))
+        assert stat.S_ISDIR(st.st_mode), d
+        assert stat.S_IMODE(st.st_mode) == 0o750, (d, oct(st.st_mode))
+
+
+def test_init_is_idempotent_and_keeps_jobs(run_myq, spool):
+    job = enqueue(run_myq, spool, "t", '{"k": 1}', "--id", "keep-me")
+    for _ in range(2):
+        cp = run_myq("--spool", spool, "init")
+        assert cp.returncode == 0, cp.stderr
+    assert ls(spool, "incoming") == ["keep-me.json"]
+    assert job == "keep-me"
+    for d in LAYOUT:
+        assert os.path.isdir(os.path.join(spool, d))
+
+
+def test_myq_spool_env_selects_the_spool(run_myq, tmp_path):
+    spool = str(tmp_path / "envq")
+    assert run_myq("init", env={"MYQ_SPOOL": spool}).returncode == 0
+    assert os.path.isdir(os.path.join(spool, "incoming"))
+    cp = run_myq("enqueue", "t", env={"MYQ_SPOOL": spool})
+    assert cp.returncode == 0, cp.stderr
+    assert ls(spool, "incoming") == [cp.stdout.strip() + ".json"]
+
+
+COMMANDS = [
+    ("enqueue", "t", "{}"),
+    ("worker", "--once"),
+    ("worker", "--drain"),
+    ("stats",),
+    ("stats", "--json"),
+    ("list",),
+    ("show", "x"),
+    ("retry", "x"),
+    ("retry", "--all"),
+    ("delete", "x"),
+    ("reap",),
+    ("prune",),
+    ("check",),
+]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: "-".join(c))
+def test_missing_spool_exits_78_and_creates_nothing(run_myq, tmp_path, cmd):
+    spool = str(tmp_path / "nope")
+    cp = run_myq("--spool", spool, *cmd, timeout=20)
+    assert cp.returncode == 78, (cp.returncode, cp.stdout, cp.stderr)
+    assert not os.path.exists(spool)
+    err = one_line_error(cp)
+    assert "init" in err, err  # says how to fix it: `myq init`
+
+
+@pytest.mark.parametrize("cmd", [("enqueue", "t"), ("worker", "--once"),
+                                 ("stats",), ("list",)],
+                         ids=lambda c: "-".join(c))
+def test_uninitialised_spool_exits_78_and_creates_nothing(run_myq, tmp_path, cmd):
+    spool = tmp_path / "empty"
+    spool.mkdir()
+    cp = run_myq("--spool", str(spool), *cmd, timeout=20)
+    assert cp.returncode == 78, (cp.returncode, cp.stdout, cp.stderr)
+    assert os.listdir(str(spool)) == []
+    assert "init" in one_line_error(cp)
+
+
+def test_layout_on_two_filesystems_is_refused(run_myq, spool):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs inside the spool")
+    done = os.path.join(spool, "done")
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", done],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if m.returncode != 0:
+        pytest.skip("cannot mount tmpfs here: %s" % m.stderr.decode().strip())
+    try:
+        cp = run_myq("--spool", spool, "init")
+        assert cp.returncode == 78, (cp.returncode, cp.stderr)
+        one_line_error(cp)
+        cp = run_myq("--spool", spool, "worker", "--once", timeout=20)
+        assert cp.returncode == 78, (cp.returncode, cp.stderr)
+        one_line_error(cp)
+    finally:
+        subprocess.run(["umount", done])
