@@ -451,12 +451,27 @@ def normalize(obj, stem=None, mtime=None):
     return job
 
 
+_LAST_ID = [0, 0]
+
+
+def _new_id(now):
+    """Millisecond time, then a random suffix that counts up within one
+    process and millisecond, so that ids sort in creation order."""
+    ms = int(now * 1000)
+    if ms <= _LAST_ID[0]:
+        ms, n = _LAST_ID[0], _LAST_ID[1] + 1
+    else:
+        n = int.from_bytes(os.urandom(4), "big") >> 2
+    _LAST_ID[:] = [ms, n]
+    return "%013d-%08x" % (ms, n)
+
+
 def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
             timeout=None, now=None):
     """A fresh job object, validated (raises InvalidJob)."""
     now = _now() if now is None else now
     if id is None:
-        id = "%013d-%s" % (int(now * 1000), _rand_hex(4))
+        id = _new_id(now)
     if not (_is_num(delay) and delay >= 0):
         raise InvalidJob("delay must be a number of seconds >= 0")
     job = {"id": id, "type": type, "payload": payload, "attempts": 0}
@@ -1443,11 +1458,16 @@ class Spool(object):
 
     def check(self):
         """Health problems, one line each; [] when healthy."""
+        if not os.path.isdir(self.path):
+            self.require()              # exit 78: there is no spool at all
         problems = []
-        try:
-            self.require()
-        except ConfigError as e:
-            return [str(e)]
+        for sub in SUBDIRS:
+            if not os.path.isdir(self.d(sub)):
+                problems.append("%s/ is missing; run: myq --spool %s init"
+                                % (self.d(sub), self.path))
+        if problems:
+            problem = self.free_problem()
+            return problems + ([problem] if problem else [])
         try:
             self.check_filesystem()
         except ConfigError as e:
@@ -1677,9 +1697,14 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None):
         resp = opener.open(req, timeout=t)
         try:
             status = resp.status
-            head = resp.read(1 << 20)
-            while resp.read(1 << 16):
-                pass
+            head = b""
+            while True:
+                chunk = resp.read(65536)
+                if not chunk:
+                    break
+                head = head or chunk
+            if resp.length:     # the server closed before the announced end
+                raise http.client.IncompleteRead(head, resp.length)
         finally:
             resp.close()
         resp_headers = resp.headers
@@ -2784,7 +2809,7 @@ def main(argv=None):
         elif c == "enqueue":
             text = sys.stdin.read() if args.payload == "-" else args.payload
             try:
-                payload = _DECODER.decode(text.strip() or "null")
+                payload = _DECODER.decode(text.strip())
             except RecursionError:
                 raise InvalidJob("payload nested too deep")
             except ValueError as e:

@@ -153,6 +153,8 @@ def spool_files_containing(spool, needle):
     for d, _, files in os.walk(spool):
         for f in files:
             p = os.path.join(d, f)
+            if not os.path.isfile(p) or os.path.islink(p):
+                continue            # locks/wake is a FIFO: opening it blocks
             try:
                 with open(p, "rb") as fh:
                     if needle.encode() in fh.read():

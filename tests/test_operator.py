@@ -2,6 +2,7 @@
 import calendar
 import json
 import os
+import shutil
 import re
 import signal
 import time
@@ -272,7 +273,7 @@ def test_check_healthy_and_unhealthy(run_myq, spool):
 
 
 def test_check_reports_a_missing_layout_dir(run_myq, spool):
-    os.rmdir(os.path.join(spool, "locks"))
+    shutil.rmtree(os.path.join(spool, "locks"))
     cp = run_myq("--spool", spool, "check", "--min-free", "1000G")
     assert cp.returncode in (1, 78), (cp.returncode, cp.stdout, cp.stderr)
     text = cp.stdout + cp.stderr
