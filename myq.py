@@ -1720,6 +1720,9 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None):
         raise RuntimeError("http: %s %s: %s" % (method, url[:200], reason))
     text = head[:200].decode("utf-8", "replace").strip()
     msg = "http %d: %s" % (status, text)
+    if 300 <= status < 400 and resp_headers and resp_headers.get("Location"):
+        msg = "http %d: redirect to %s (not followed for %s)" % (
+            status, resp_headers.get("Location")[:200], method)
     if 200 <= status < 300:
         return
     if status in (408, 425, 429) or 500 <= status <= 599:
