@@ -1088,7 +1088,15 @@ class Spool(object):
         lease = {"worker": me.wid, "pid": me.pid, "start": me.start,
                  "boot_id": boot_id(), "token": token, "attempt": c.attempt,
                  "leased_until": round(now + me.lease, 3)}
-        _append(path, dumps({"lease": lease}), fd)
+        try:
+            _append(path, dumps({"lease": lease}), fd)
+        except OSError:
+            self._close(c)
+            try:                        # give it back untouched
+                _rename(path, src)
+            except OSError:
+                pass
+            raise
         return c
 
     def note_handler(self, c, pid, start):
@@ -1130,8 +1138,11 @@ class Spool(object):
         job.pop("state", None)
         data = dumps(job)
         tmp = self.d("tmp", "%s+%s.new" % (c.jid, c.token))
+        _quiet_unlink(tmp)              # left by an earlier failed try
         _create(tmp, data, sync=True,
                 mtime=job["available_at"] if dest == "incoming" else None)
+        if fin is None and c.path.endswith(".fin"):
+            fin = c.path                # an earlier try got this far
         if fin is None:
             fin = c.path[:-5] + ".fin"
             try:
@@ -1141,7 +1152,12 @@ class Spool(object):
                 if e.errno == errno.ENOENT:
                     return False
                 raise
-        _rename(tmp, self.d(dest, c.jid + ".json"))
+            c.path = fin
+        try:
+            _rename(tmp, self.d(dest, c.jid + ".json"))
+        except OSError:
+            _quiet_unlink(tmp)
+            raise
         _unlink(fin)
         if dest == "incoming":
             self.poke()
@@ -1365,9 +1381,10 @@ class Spool(object):
             raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
         return n
 
-    def prune(self, now=None):
+    def prune(self, now=None, full=True):
         """Apply retention: done/, dlq/, failed/, tmp/, idempotency records,
-        records of dead workers.  Returns counts of what was removed."""
+        records of dead workers.  Returns counts of what was removed.
+        `full=False` (the worker's frequent pass) does done/ and tmp/ only."""
         self.require()
         import heapq
         now = _now() if now is None else now
@@ -1393,6 +1410,15 @@ class Spool(object):
             heapq.heappush(keep, (t, e.name))
             if len(keep) > o["keep_done_max"]:
                 gone(self.d("done", heapq.heappop(keep)[1]), "done")
+        for e in _scandir(self.d("tmp")):
+            try:
+                st = e.stat(follow_symlinks=False)
+                if now - min(st.st_mtime, st.st_ctime) > o["keep_tmp"]:
+                    gone(e.path, "tmp")
+            except OSError:
+                pass
+        if not full:
+            return out
         for e in _scandir(self.d("dlq")):
             try:
                 if now - e.stat(follow_symlinks=False).st_ctime > o["keep_dead"]:
@@ -1416,13 +1442,6 @@ class Spool(object):
         for e in _scandir(self.d("failed")):      # reasons left alone
             if e.name.endswith(".reason") and not os.path.lexists(e.path[:-7]):
                 _quiet_unlink(e.path)
-        for e in _scandir(self.d("tmp")):
-            try:
-                st = e.stat(follow_symlinks=False)
-                if now - min(st.st_mtime, st.st_ctime) > o["keep_tmp"]:
-                    gone(e.path, "tmp")
-            except OSError:
-                pass
         for e in _scandir(self.d("locks", "ok")):
             try:
                 if e.stat(follow_symlinks=False).st_mtime + o["dedupe_window"] < now:
@@ -1949,6 +1968,7 @@ class Worker(object):
         next_stats = now + self.stats_interval
         next_reap = now + self.reap_interval
         next_prune = now + min(self.prune_interval, 5.0)
+        next_full_prune = next_prune
         next_poll = now + self.poll
         while True:
             now = _mono()
@@ -1998,11 +2018,14 @@ class Worker(object):
                     pass
                 next_stats = now + self.stats_interval
             if now >= next_prune and self.prune_interval:
+                full = now >= next_full_prune
                 try:
-                    sp.prune()
+                    sp.prune(full=full)
                 except (OSError, MyqError) as e:
                     self.log("error", during="prune", error=str(e))
                 next_prune = now + self.prune_interval
+                if full:
+                    next_full_prune = now + 15 * self.prune_interval
             if self._stuck:
                 self._retry_stuck()
             if not self.runs or self._pending >= 64 or (
@@ -2025,11 +2048,6 @@ class Worker(object):
             if self.runs and not self._main:
                 deadlines.append(now + 0.02)
             wait = max(0.0, min(deadlines) - now)
-            if len(self.runs) >= self.concurrency or self.stopping:
-                pass
-            elif (self.dirty and self.cache) or (self.cache and
-                                                 self.cache[-1][0] <= _now()):
-                wait = 0.0
             rl = [self._pipe[0]] + self._wake_fds[:1]
             wl = []
             for run in self.runs:
