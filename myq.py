@@ -147,13 +147,18 @@ def _mono():
     return time.monotonic()
 
 
+_ISO_CACHE = [None, ""]
+
+
 def iso(t=None, frac=True):
     """ISO 8601 UTC ending in Z, with milliseconds unless frac is false."""
     t = _now() if t is None else t
-    s = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t))
+    sec = int(t // 1)
+    if _ISO_CACHE[0] != sec:        # strftime once a second, not per line
+        _ISO_CACHE[:] = [sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))]
     if frac:
-        s += ".%03d" % int((t % 1) * 1000)
-    return s + "Z"
+        return "%s.%03dZ" % (_ISO_CACHE[1], int((t - sec) * 1000))
+    return _ISO_CACHE[1] + "Z"
 
 
 def parse_size(text):
@@ -181,6 +186,9 @@ def _uniform():
     return int.from_bytes(os.urandom(7), "big") / float(1 << 56)
 
 
+_BARE = re.compile(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z")
+
+
 def _kv(value):
     """A log value: bare when it has no blanks or quotes, else JSON-quoted."""
     if value is None:
@@ -188,9 +196,9 @@ def _kv(value):
     if isinstance(value, float):
         value = "%.3f" % value
     s = str(value)
-    if not s or any(c in s for c in ' "=\n\t\\') or not s.isprintable():
-        return json.dumps(s)
-    return s
+    if _BARE.match(s):
+        return s
+    return json.dumps(s, ensure_ascii=False)
 
 
 def _read_small(path, limit=4096):
@@ -567,9 +575,11 @@ class Claim(object):
     __slots__ = ("jid", "name", "path", "job", "attempt", "token", "fd",
                  "trailers", "max_attempts")
 
-    def __init__(self, **kw):
-        for k in self.__slots__:
-            setattr(self, k, kw.get(k))
+    def __init__(self, jid=None, name=None, path=None, job=None, token=None,
+                 fd=None, trailers=None, max_attempts=None, attempt=None):
+        self.jid, self.name, self.path, self.job = jid, name, path, job
+        self.token, self.fd, self.trailers = token, fd, trailers
+        self.max_attempts, self.attempt = max_attempts, attempt
 
 
 def _noop_log(event, **kv):
@@ -590,6 +600,10 @@ class Spool(object):
             if v is not None:
                 self.opt[k] = v
         self.log = log or _noop_log
+        self._incoming = os.path.join(self.path, "incoming", "")
+        self._processing = os.path.join(self.path, "processing", "")
+        self._done = os.path.join(self.path, "done", "")
+        self._ok = os.path.join(self.path, "locks", "ok", "")
         self._free_checked = (-1e9, True)
         self._seq = 0
 
@@ -803,14 +817,14 @@ class Spool(object):
 
     def ok_fresh(self, jid, now=None):
         try:
-            st = os.stat(self.d("locks", "ok", jid))
+            st = os.stat(self._ok + jid)
         except OSError:
             return False
         now = _now() if now is None else now
         return st.st_mtime + self.opt["dedupe_window"] > now or st.st_mtime > now
 
     def mark_ok(self, jid):
-        path = self.d("locks", "ok", jid)
+        path = self._ok + jid
         try:
             _create(path, b"", sync=False)
         except OSError as e:
@@ -1019,7 +1033,7 @@ class Spool(object):
         if not name.endswith(".json"):
             return None
         stem = name[:-5]
-        src = self.d("incoming", name)
+        src = self._incoming + name
         if not NAME_RE.match(stem):
             try:
                 self.quarantine(src, name, "bad file name: a job file is ID.json, "
@@ -1029,7 +1043,7 @@ class Spool(object):
             return None
         token = me.token()
         cname = "%s+%s.json" % (stem, token)
-        path = self.d("processing", cname)
+        path = self._processing + cname
         try:
             _rename(src, path)
         except OSError as e:
@@ -1045,20 +1059,15 @@ class Spool(object):
             if st.st_size > self.opt["max_job_bytes"]:
                 raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
                                  % (st.st_size, self.opt["max_job_bytes"]))
+            # The name is ours alone (unique token) and lstat said regular;
+            # O_NOFOLLOW|O_NONBLOCK still guard against a swap meanwhile.
             fd = os.open(path, os.O_RDWR | os.O_APPEND | O_NOFOLLOW
                          | os.O_NONBLOCK | O_CLOEXEC)
-            if _file_kind(os.fstat(fd).st_mode):
-                raise InvalidJob("not a regular file")
-            chunks = []
-            while True:
-                b = os.read(fd, 65536)
-                if not b:
-                    break
-                chunks.append(b)
-                if sum(map(len, chunks)) > self.opt["max_job_bytes"]:
-                    raise InvalidJob("too large (--max-job-bytes is %d)"
-                                     % self.opt["max_job_bytes"])
-            obj, trailers = parse(b"".join(chunks))
+            data = os.read(fd, st.st_size + 65536)
+            if len(data) > self.opt["max_job_bytes"]:
+                raise InvalidJob("too large (--max-job-bytes is %d)"
+                                 % self.opt["max_job_bytes"])
+            obj, trailers = parse(data)
             job = normalize(obj, stem, st.st_mtime)
         except (InvalidJob, OSError) as e:
             if fd is not None:
@@ -1120,7 +1129,7 @@ class Spool(object):
         self._close(c)
         self.mark_ok(c.jid)
         try:
-            _rename(c.path, self.d("done", c.jid + ".json"))
+            _rename(c.path, self._done + c.jid + ".json")
         except OSError as e:
             if e.errno == errno.ENOENT:
                 return False
@@ -2186,7 +2195,6 @@ class Worker(object):
         run.started = _mono()
         limit = c.job.get("timeout") or self.timeout
         run.deadline = run.started + limit
-        self.log("start", id=c.jid, type=c.job["type"], attempt=c.attempt)
         if kind is None:
             self._finish(run, "dead", target)
         elif kind == "exec":
