@@ -557,7 +557,11 @@ class Identity:
                 "started_at": _now()}
 
     def register(self):
-        _create(self.path, dumps(self.record()), sync=False)
+        # Through tmp/: a record is never seen half-written (an empty record
+        # could not be judged and would never be pruned).
+        tmp = self.spool.d("tmp", self.wid + ".worker")
+        _create(tmp, dumps(self.record()), sync=False)
+        _rename(tmp, self.path)
         self.registered = True
         self.beat()
 
@@ -731,12 +735,27 @@ class Spool(object):
             for job, data, explicit, delay in todo:
                 self._place_new(job, data, explicit, delay, sync)
                 done.append(job["id"])
-        finally:
-            if done:
-                if sync:
-                    _fsync_dir(self.d("incoming"))
-                self.poke()
+        except BaseException:
+            if done and sync:
+                self._fsync_or_withdraw(done)
+            raise
+        if done:
+            if sync:
+                self._fsync_or_withdraw(done)
+            self.poke()
         return done
+
+    def _fsync_or_withdraw(self, ids):
+        """Commit incoming/; when that fails the jobs are not durable, so
+        take them back (an error must mean: nothing enqueued)."""
+        try:
+            _fsync_dir(self.d("incoming"))
+        except OSError as e:
+            for jid in ids:
+                _quiet_unlink(self.d("incoming", jid + ".json"))
+            cls = SpoolFull if _space_error(e) else SpoolBusy
+            raise cls("cannot commit to %s: %s; nothing was enqueued"
+                      % (self.path, e.strerror))
 
     def _tmpname(self, jid):
         self._seq += 1
@@ -770,7 +789,7 @@ class Spool(object):
                     raise DuplicateJob("job id %s is already queued" % jid)
                 _rename(tmp, dst)
                 return
-            _unlink(tmp)
+            _quiet_unlink(tmp)      # queued already; tmp/ orphans are pruned
         except MyqError:
             _quiet_unlink(tmp)
             raise
@@ -1319,6 +1338,21 @@ class Spool(object):
             ids += [n[:-5] for n in sorted(_listdir(self.d("dlq")))
                     if n.endswith(".json")]
         missing, n = [], 0
+        try:
+            n = self._retry(ids, missing)
+        finally:
+            if self._retry_me is not None:
+                self._retry_me.unregister()
+                self._retry_me = None
+        if missing:
+            raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
+                            "from dlq/ and failed/)" % (", ".join(missing), self.path))
+        return n
+
+    _retry_me = None
+
+    def _retry(self, ids, missing):
+        n, me = 0, None
         for jid in ids:
             try:
                 state, path = self.locate(jid)
@@ -1326,20 +1360,28 @@ class Spool(object):
                 missing.append(jid)
                 continue
             if state == "dead":
+                if os.path.lexists(self.d("incoming", jid + ".json")):
+                    raise DuplicateJob("job %s is already queued; delete one "
+                                       "of them first" % jid)
                 job, _, _ = self.load(path, jid)
-                job.update(attempts=0, available_at=_now(), updated_at=_now())
+                job.update(attempts=0, available_at=_now())
                 job.pop("failed_at", None)
-                tmp = self._tmpname(jid)
-                _create(tmp, dumps(job), sync=True)
+                if me is None:
+                    me = self._retry_me = Identity(self, kind="r")
+                    me.register()
+                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
+                # finish: a crash leaves it where a reaper requeues it.
+                token = me.token()
+                fin = self.d("processing", "%s+%s.fin" % (jid, token))
                 try:
-                    _link(tmp, self.d("incoming", jid + ".json"))
+                    _rename(path, fin)
                 except OSError as e:
-                    _quiet_unlink(tmp)
-                    if e.errno == errno.EEXIST:
-                        raise DuplicateJob("job %s is already queued" % jid)
-                    raise
-                _unlink(tmp)
-                _unlink(path)
+                    if e.errno != errno.ENOENT:
+                        raise
+                    missing.append(jid)
+                    continue
+                self.move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                             job, "incoming", me, fin=fin)
             elif state == "failed":
                 name = os.path.basename(path)
                 if not name.endswith(".json"):
@@ -1353,9 +1395,6 @@ class Spool(object):
         if n:
             _fsync_dir(self.d("incoming"))
             self.poke()
-        if missing:
-            raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
-                            "from dlq/ and failed/)" % (", ".join(missing), self.path))
         return n
 
     def delete(self, ids, force=False):
@@ -1990,7 +2029,8 @@ class Worker(object):
                             run.released = True
                             self._kill(run, 9)
             elif not (once and started) and now >= self._io_pause_until:
-                while len(self.runs) < self.concurrency and not self.stopping:
+                while len(self.runs) < self.concurrency and not self.stopping \
+                        and _mono() >= self._io_pause_until:
                     low = sp.low_on_space()
                     if low:
                         if not self._low_logged:
@@ -2924,6 +2964,11 @@ def main(argv=None):
         msg = str(e).replace("\n", " ")
         sys.stderr.write("myq: %s\n" % msg)
         return e.code
+    except OSError as e:
+        where = (" (%s)" % e.filename) if getattr(e, "filename", None) else ""
+        sys.stderr.write("myq: %s%s; nothing was changed by the failing step, "
+                         "try again\n" % (e.strerror or e, where))
+        return EX_TEMPFAIL
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -413,7 +413,7 @@ op("worker-last-attempt", jobs=J)(lambda: _worker_cycle("flaky", 1))
 # an empty locks/workers/WID.json that prune never removes (myq.py bug,
 # reported; pinned by test_half_written_worker_record_is_pruned).  The
 # enumeration tolerates exactly that leftover and counts it.
-KNOWN_EMPTY_RECORD_LEAK = True
+KNOWN_EMPTY_RECORD_LEAK = False  # fixed: the record is written through tmp/
 LEAKS = []
 
 
@@ -593,11 +593,7 @@ def run_points(tmp_path, spec, recovery=recover):
     return len(calls), failures
 
 
-XFAIL = {
-    "redrive": "myq.py Spool.retry links the new file into incoming/ before it "
-               "unlinks dlq/ID.json: killed in between, the job is in incoming/ "
-               "AND dlq/, and after a drain in done/ AND dlq/",
-}
+XFAIL = {}   # redrive fixed: the dlq file is owned (.fin) before it moves
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
@@ -621,11 +617,6 @@ def test_crash_points_recovered_by_cli(tmp_path, capsys):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "myq.py Identity.register creates locks/workers/WID.json, then writes it; "
-    "killed in between, the empty record is kept by every prune: owner_gone "
-    "cannot read a pid, falls back to the lease, and prune never removes a "
-    "record whose only fault is an expired lease"))
 def test_half_written_worker_record_is_pruned(tmp_path):
     """A worker killed between creating locks/workers/WID.json and writing
     it: prune must not keep the empty record forever."""
@@ -637,10 +628,13 @@ def test_half_written_worker_record_is_pruned(tmp_path):
         myq.Identity(myq.Spool(path)).register()
     code, out = in_child(act, die_at=1)          # after "create"
     assert code == CRASH and out["died"][0] == "create"
-    workers = myq.Spool(path).d("locks", "workers")
-    assert [os.path.getsize(os.path.join(workers, n)) for n in os.listdir(workers)] == [0]
-    myq.Spool(path).prune(now=time.time() + 40 * 86400)
+    sp = myq.Spool(path)
+    workers = sp.d("locks", "workers")
+    # The record is written in tmp/ and renamed: no half-written record.
     assert os.listdir(workers) == []
+    assert len(os.listdir(sp.d("tmp"))) == 1
+    sp.prune(now=time.time() + 40 * 86400)
+    assert os.listdir(workers) == [] and os.listdir(sp.d("tmp")) == []
 
 
 def test_crash_points_summary(capsys):
