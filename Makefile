@@ -33,7 +33,7 @@ test: $(VENV)/.stamp
 
 lint:
 	$(PYTHON) -m py_compile myq.py
-	shellcheck -s sh init.d/myq
+	shellcheck -s sh init.d/myq init.d/myq.procd
 
 bench:
 	$(PYTHON) bench/run.py

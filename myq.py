@@ -757,6 +757,17 @@ class Spool(object):
             raise cls("cannot commit to %s: %s; nothing was enqueued"
                       % (self.path, e.strerror))
 
+    def _owner(self):
+        """(uid, gid) of the spool when we are root and it belongs to someone
+        else (the worker runs as MYQ_USER): new job files are given to it."""
+        if not hasattr(self, "_owner_cache"):
+            self._owner_cache = None
+            if hasattr(os, "geteuid") and os.geteuid() == 0:
+                st = os.stat(self.d("incoming"))
+                if st.st_uid != 0:
+                    self._owner_cache = (st.st_uid, st.st_gid)
+        return self._owner_cache
+
     def _tmpname(self, jid):
         self._seq += 1
         return self.d("tmp", "%s.%d.%d.new" % (jid, os.getpid(), self._seq))
@@ -773,6 +784,9 @@ class Spool(object):
         try:
             _create(tmp, data, sync=sync,
                     mtime=job["available_at"] if delay else None)
+            owner = self._owner()
+            if owner:
+                os.chown(tmp, owner[0], owner[1])
             if not explicit:
                 _rename(tmp, dst)
                 return
@@ -1091,9 +1105,16 @@ class Spool(object):
         except (InvalidJob, OSError) as e:
             if fd is not None:
                 os.close(fd)
-            if isinstance(e, OSError) and e.errno not in (
-                    errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV):
-                raise
+            if isinstance(e, OSError):
+                if e.errno in (errno.EACCES, errno.EPERM):
+                    e = InvalidJob(
+                        "permission denied: the worker (uid %d) cannot read and "
+                        "append to it; producers must write jobs as the spool's "
+                        "owner (or with myq enqueue, which hands the file over)"
+                        % os.geteuid())
+                elif e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR,
+                                     errno.ENODEV):
+                    raise
             self.quarantine(path, name, str(e))
             return None
         c = Claim(jid=stem, name=cname, path=path, job=job, token=token, fd=fd,
@@ -1410,6 +1431,17 @@ class Spool(object):
                 if not force:
                     raise SpoolBusy("job %s is running; wait for it, or delete "
                                     "it with --force (its handler is killed)" % jid)
+                # Take it from the worker first (its finish then fails with
+                # ENOENT and moves nothing), then stop the handler.
+                gone = self._tmpname(jid + ".deleted")
+                try:
+                    _rename(path, gone)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise
+                    missing.append(jid)
+                    continue
+                path = gone
                 try:
                     _, trailers = parse(self.read_file(path)[0])
                     h = _handler_of(trailers)
@@ -1822,7 +1854,7 @@ class Worker(object):
     def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
                  concurrency=1, lease=60.0, timeout=300.0, max_attempts=5,
                  backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
-                 stats_interval=60.0, grace=10.0, pass_env=(), http_headers=None,
+                 stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
                  scan_cache=2048, log=None, reap_interval=None,
                  prune_interval=60.0, **spool_options):
         self.log = log or Log()
@@ -2691,7 +2723,7 @@ WORKER_OPTIONS = [
     ("--jitter", _fraction, 0.1, "spread of retry delays (fraction)"),
     ("--poll", _seconds, 1.0, "how often to look for files dropped without a wake-up"),
     ("--stats-interval", _seconds, 60.0, "seconds between status lines (0: never)"),
-    ("--grace", _seconds, 10.0, "seconds running jobs get at shutdown"),
+    ("--grace", _seconds, 5.0, "seconds running jobs get at shutdown"),
     ("--scan-cache", _posint, 2048, "ready jobs remembered per directory scan"),
     ("--once", None, False, "run at most one job, then exit"),
     ("--drain", None, False, "run until nothing is ready, then exit"),
@@ -2851,6 +2883,20 @@ def _worker_from(spool, o):
                   scan_cache=o["scan_cache"], log=_make_log(o))
 
 
+def _command_index(argv):
+    """Where the command word is: after the global options (--spool DIR)."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--spool":
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            return i
+    return len(argv)
+
+
 def _print(line):
     sys.stdout.write(line + "\n")
 
@@ -2905,7 +2951,7 @@ def main(argv=None):
                 n = _posint(n)
             except ValueError:
                 raise UsageError("bad --workers %r: a number >= 1" % n)
-            rest = argv[argv.index("supervise") + 1:]
+            rest = argv[_command_index(argv) + 1:]
             wargs, skip = [], False
             for i, a in enumerate(rest):
                 if skip:
