@@ -1,0 +1,299 @@
+"""SPEC §5 "Claims and time": liveness of claims, with real processes killed.
+
+A claim whose worker is gone (SIGKILL, pid reused, other boot) is taken back
+at once - by `myq reap` or by another worker - without waiting for its lease
+(the workers here run with --lease 3600), counting the attempt; a live,
+heartbeating owner is never robbed, even with a tiny lease; a hung owner
+(SIGSTOP) is robbed once its heartbeat is older than its lease; the handler
+of a dead owner (its whole process group) is killed by whoever takes the
+claim back.
+"""
+import json
+import os
+import signal
+import uuid
+
+import pytest
+
+from _core import FAST, enqueue, ls, show, stop, wait_for, worker
+from _procs import (Procs, alive, holding_handler, lines, mono, proc_start,
+                    read_pid, reap, wait_gone)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    yield p
+    p.cleanup()
+
+
+@pytest.fixture
+def hold(tmp_path, handlers_dir):
+    """The `hold` handler (see _procs.holding_handler); returns the dir."""
+    return handlers_dir("hold", holding_handler(tmp_path))
+
+
+def runs(tmp_path):
+    return lines(tmp_path / "runs")
+
+
+def effects(tmp_path):
+    return lines(tmp_path / "effects")
+
+
+def start_holding(procs, run_myq, spool, hold, tmp_path, *opts, jid="j1",
+                  log=None):
+    """A worker that has claimed job `jid` and whose handler is running.
+    Returns (worker Popen, handler pid, grandchild pid)."""
+    enqueue(run_myq, spool, "hold", None, "--id", jid)
+    w = procs.worker(spool, "--handlers", hold, *(FAST + tuple(opts)), log=log)
+    wait_for(lambda: len(runs(tmp_path)) >= 1, what="the handler to start")
+    hpid = read_pid(tmp_path / (jid + ".pid"))
+    gpid = read_pid(tmp_path / (jid + ".gc"))
+    assert alive(hpid) and alive(gpid)
+    return w, hpid, gpid
+
+
+def sigkill(p):
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+
+
+def worker_record(spool, pid):
+    d = os.path.join(spool, "locks", "workers")
+    for name in os.listdir(d):
+        path = os.path.join(d, name)
+        with open(path) as f:
+            rec = json.load(f)
+        if rec.get("pid") == pid:
+            return path, rec
+    raise AssertionError("no worker record for pid %d in %s" % (pid, os.listdir(d)))
+
+
+# Dead owners ################################################################
+
+def test_killed_worker_claim_is_requeued_at_once_by_reap(
+        run_myq, spool, hold, tmp_path, procs):
+    w, hpid, gpid = start_holding(procs, run_myq, spool, hold, tmp_path,
+                                  "--lease", "3600")
+    assert show(run_myq, spool, "j1")["state"] == "processing"
+    sigkill(w)
+    assert show(run_myq, spool, "j1")["state"] == "processing"
+    # The lease has an hour to go: only liveness can justify this.
+    assert reap(run_myq, spool) == 1
+    job = show(run_myq, spool, "j1")
+    assert job["state"] == "ready", job
+    assert job["attempts"] == 1, job
+    assert "died" in job["last_error"], job
+    assert ls(spool, "processing") == []
+    assert reap(run_myq, spool) == 0            # nothing left to take back
+
+
+def test_reaper_kills_the_orphaned_handler_process_group(
+        run_myq, spool, hold, tmp_path, procs):
+    w, hpid, gpid = start_holding(procs, run_myq, spool, hold, tmp_path,
+                                  "--lease", "3600")
+    sigkill(w)
+    # The handler runs in its own session: killing the worker orphans it.
+    assert alive(hpid) and alive(gpid), "the orphan should still run"
+    assert reap(run_myq, spool) == 1
+    wait_gone(hpid, what="the orphaned handler to be killed")
+    wait_gone(gpid, what="the orphaned handler's grandchild to be killed")
+    (tmp_path / "release").touch()
+    assert effects(tmp_path) == []
+
+
+def test_killed_worker_claim_is_taken_by_a_running_worker(
+        run_myq, spool, hold, tmp_path, procs):
+    a, hpid, gpid = start_holding(procs, run_myq, spool, hold, tmp_path,
+                                  "--lease", "3600")
+    # B is idle and already running; its own lease only sets how often it
+    # reaps (every lease/2).  A's claim has an hour to go.
+    log = tmp_path / "b.log"
+    b = procs.worker(spool, "--handlers", hold, "--lease", "2", *FAST, log=log)
+    wait_for(lambda: "event=start worker=" in log.read_text()
+             if log.exists() else False, what="worker B to start")
+    sigkill(a)
+    wait_for(lambda: len(runs(tmp_path)) == 2, timeout=20,
+             what="B to take back and rerun j1")
+    # B killed A's orphaned handler before running j1 again.
+    wait_gone(hpid)
+    wait_gone(gpid)
+    (tmp_path / "release").touch()
+    wait_for(lambda: show(run_myq, spool, "j1")["state"] == "done",
+             what="B to finish j1")
+    assert runs(tmp_path) == ["j1 1", "j1 2"]
+    assert effects(tmp_path) == ["j1"]
+    text = log.read_text()
+    assert "event=requeued id=j1" in text and "died" in text, text
+    assert stop(b) == 0
+
+
+def test_killed_worker_claim_is_taken_by_a_starting_worker(
+        run_myq, spool, hold, tmp_path, procs):
+    a, hpid, gpid = start_holding(procs, run_myq, spool, hold, tmp_path,
+                                  "--lease", "3600")
+    sigkill(a)
+    b = procs.worker(spool, "--drain", "--handlers", hold, *FAST)
+    wait_for(lambda: len(runs(tmp_path)) == 2, timeout=20,
+             what="B to take back and rerun j1")
+    wait_gone(hpid)
+    wait_gone(gpid)
+    (tmp_path / "release").touch()
+    assert b.wait(30) == 0
+    job = show(run_myq, spool, "j1")
+    assert job["state"] == "done", job
+    assert runs(tmp_path) == ["j1 1", "j1 2"]
+    assert effects(tmp_path) == ["j1"]
+
+
+# Live owners ################################################################
+
+SLOW_MODULE = '''
+import time
+def slow(job):
+    with open(job["payload"]["runs"], "a") as f:
+        f.write(job["id"] + "\\n")
+    time.sleep(3)
+    with open(job["payload"]["effects"], "a") as f:
+        f.write(job["id"] + "\\n")
+'''
+
+
+@pytest.mark.parametrize("kind", ["exec", "module"])
+def test_live_worker_with_tiny_lease_is_never_robbed(
+        run_myq, spool, handlers_dir, tmp_path, procs, kind):
+    """Lease 1 s, handler 3 s; a second worker (lease 1 s, reaping every
+    0.5 s) and repeated `myq reap` meanwhile: the job runs exactly once."""
+    runs_f, eff_f = tmp_path / "runs", tmp_path / "effects"
+    if kind == "exec":
+        h = handlers_dir("slow", 'echo "$MYQ_JOB_ID" >> "%s"\nsleep 3\n'
+                         'echo "$MYQ_JOB_ID" >> "%s"' % (runs_f, eff_f))
+        opts = ("--handlers", h)
+    else:
+        mod = tmp_path / "slowmod.py"
+        mod.write_text(SLOW_MODULE)
+        opts = ("--module", str(mod))
+    payload = json.dumps({"runs": str(runs_f), "effects": str(eff_f)})
+    enqueue(run_myq, spool, "slow", payload, "--id", "s1")
+    a = procs.worker(spool, "--lease", "1", *(FAST + opts))
+    wait_for(lambda: lines(runs_f), what="the handler to start")
+    b = procs.worker(spool, "--lease", "1", *(FAST + opts))
+    reaps = 0
+    while not lines(eff_f):
+        assert reap(run_myq, spool) == 0, "a live owner was robbed"
+        reaps += 1
+        assert a.poll() is None and b.poll() is None
+        assert reaps < 200, "the handler never finished"
+    wait_for(lambda: show(run_myq, spool, "s1")["state"] == "done",
+             what="s1 to be done")
+    assert reaps >= 2
+    assert lines(runs_f) == ["s1"] and lines(eff_f) == ["s1"]
+    assert stop(a) == 0 and stop(b) == 0
+    assert lines(runs_f) == ["s1"]
+
+
+# Forged owners: pid reuse, another boot #####################################
+
+@pytest.mark.parametrize("case", ["pid_reused", "other_boot", "alive"])
+def test_owner_identity(run_myq, spool, hold, tmp_path, procs, case):
+    """The record of a SIGKILLed worker is rewritten to point at a live
+    process (a `sleep`): with the wrong start time (pid reused) or another
+    boot id it is dead; with everything right (and a fresh heartbeat) it is
+    alive and keeps its claim even though the claim's wall-clock lease is
+    long past."""
+    w, hpid, gpid = start_holding(procs, run_myq, spool, hold, tmp_path,
+                                  "--lease", "3600")
+    sigkill(w)
+    path, rec = worker_record(spool, w.pid)
+    other = procs.spawn(["sleep", "60"])
+    start = wait_for(lambda: proc_start(other.pid), what="sleep to start")
+    rec["pid"] = other.pid
+    if case == "pid_reused":
+        assert rec["start"] != start
+    else:
+        rec["start"] = start
+    if case == "other_boot":
+        rec["boot_id"] = str(uuid.uuid4())
+    with open(path, "w") as f:
+        json.dump(rec, f)
+    beat = mono()                               # heartbeat: monotonic mtime
+    os.utime(path, (beat, beat))
+    claim = os.path.join(spool, "processing", ls(spool, "processing")[0])
+    os.utime(claim, (1000000000, 1000000000))   # wall-clock lease: 2001
+    n = reap(run_myq, spool)
+    job = show(run_myq, spool, "j1")
+    if case == "alive":
+        assert n == 0 and job["state"] == "processing", job
+        assert alive(hpid)
+        return
+    assert n == 1
+    assert job["state"] == "ready" and job["attempts"] == 1, job
+    want = "died" if case == "pid_reused" else "reboot"
+    assert want in job["last_error"], job
+    assert alive(other.pid), "the innocent process was touched"
+    wait_gone(hpid)
+
+
+# A handler that kills its own worker #########################################
+
+def test_poison_pill_ends_in_dlq_after_max_attempts(
+        run_myq, spool, handlers_dir, tmp_path):
+    runs_f = tmp_path / "runs"
+    h = handlers_dir("pill", 'echo "$MYQ_ATTEMPT" >> "%s"\nkill -9 $PPID' % runs_f)
+    enqueue(run_myq, spool, "pill", None, "--id", "p1", "--max-attempts", "3")
+    codes = []
+    while True:
+        cp = worker(run_myq, spool, "--lease", "3600", handlers=h, timeout=30)
+        codes.append(cp.returncode)
+        if cp.returncode == 0:
+            break
+        assert cp.returncode == -signal.SIGKILL, cp.stderr
+        assert len(codes) < 10, codes
+    # Three workers died; the fourth found attempts exhausted: dead.
+    assert codes == [-9, -9, -9, 0]
+    assert lines(runs_f) == ["1", "2", "3"]
+    job = show(run_myq, spool, "p1")
+    assert job["state"] == "dead", job
+    assert job["attempts"] == 3, job
+    assert "died" in job["last_error"], job
+    assert ls(spool, "processing") == []
+
+
+# A hung owner #################################################################
+
+def test_hung_worker_is_robbed_after_its_lease(
+        run_myq, spool, hold, tmp_path, procs):
+    lease = 3.0
+    log = tmp_path / "a.log"
+    a, hpid, gpid = start_holding(procs, run_myq, spool, hold, tmp_path,
+                                  "--lease", lease, log=log)
+    t0 = mono()
+    a.send_signal(signal.SIGSTOP)
+    wait_for(lambda: open("/proc/%d/stat" % a.pid).read().split(") ")[1][0]
+             == "T", what="the worker to stop")
+    # Its last heartbeat was at most lease/3 before t0: it may be robbed
+    # only once the heartbeat is older than the lease.
+    while True:
+        n = reap(run_myq, spool)
+        t1 = mono()
+        if n:
+            break
+        assert t1 - t0 < lease + 15, "the hung worker was never robbed"
+    assert t1 >= t0 + lease * 2 / 3, "robbed before its lease ran out"
+    job = show(run_myq, spool, "j1")
+    assert job["state"] == "ready" and job["attempts"] == 1, job
+    assert "hung" in job["last_error"] or "heartbeat" in job["last_error"], job
+    wait_gone(hpid, what="the hung worker's handler to be killed")
+    wait_gone(gpid)
+    # The worker wakes up: it must not clobber the job it lost; it may run
+    # it again (a new claim), and it ends done exactly once.
+    (tmp_path / "release").touch()
+    a.send_signal(signal.SIGCONT)
+    wait_for(lambda: show(run_myq, spool, "j1")["state"] == "done",
+             timeout=20, what="j1 done after the worker woke up")
+    assert stop(a) == 0
+    assert runs(tmp_path) == ["j1 1", "j1 2"]
+    assert effects(tmp_path) == ["j1"]
+    assert "event=lost id=j1" in log.read_text()
+    assert ls(spool, "dlq") == [] and ls(spool, "incoming") == []
