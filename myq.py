@@ -946,7 +946,8 @@ class Spool(object):
             if state == "processing":
                 job["lease"] = lease
         if state in ("ready", "scheduled"):
-            due = max(st.st_mtime, job["available_at"])
+            due = st.st_mtime if st.st_mtime > st.st_ctime else max(
+                st.st_mtime, _effective_available(job, _now()))
             state = "scheduled" if due > _now() else "ready"
         job["state"] = state
         return job
@@ -1060,7 +1061,7 @@ class Spool(object):
 
     # Claiming and finishing ----------------------------------------------------
 
-    def claim(self, name, me, default_max_attempts=5):
+    def claim(self, name, me, default_max_attempts=5, scheduled=False):
         """Take incoming/NAME for `me`.  Returns a Claim, or None when the job
         was lost to another worker, quarantined, deferred or already done."""
         if not name.endswith(".json"):
@@ -1121,7 +1122,10 @@ class Spool(object):
                   trailers=trailers,
                   max_attempts=job.get("max_attempts") or default_max_attempts)
         now = _now()
-        due = _effective_available(job, now)
+        # `scheduled`: the file's mtime was the schedule and it is due now.
+        # Otherwise (a producer's own file) the JSON says when, capped at
+        # now + the intended delay when its clock was ahead.
+        due = now if scheduled else _effective_available(job, now)
         if due > now + 0.5:
             # The producer's clock was ahead, or it wrote available_at
             # without the mtime: put it back with the mtime that schedules it.
@@ -1943,13 +1947,18 @@ class Worker(object):
         sp.require()
         sp.check_filesystem()
         self.me = Identity(sp, self.lease)
-        self.me.register()
         self._pipe = os.pipe()
         for fd in self._pipe:
             os.set_blocking(fd, False)
         self._main = threading.current_thread() is threading.main_thread()
-        self._wake_fds = self._open_wake()
         saved = self._install_signals() if self._main else None
+        try:
+            self.me.register()
+        except BaseException:
+            if saved:
+                self._restore_signals(saved)
+            raise
+        self._wake_fds = self._open_wake()
         self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
                  concurrency=self.concurrency, version=__version__)
         try:
@@ -2199,15 +2208,19 @@ class Worker(object):
                     bad.append((name, _file_kind(st.st_mode)))
                     continue
                 m = st.st_mtime
+                # An mtime later than the ctime was set on purpose (by myq,
+                # or `touch -d` before the mv): it IS the schedule.
+                scheduled = m > st.st_ctime
                 if st.st_ctime > now + 5 and m > now:
                     # The clock went back since this file was scheduled:
                     # keep the delay it had left, not the old date.
                     m = now + max(0.0, m - st.st_ctime)
+                    scheduled = True
                     try:
                         _utime(e.path, m)
                     except OSError:
                         pass
-                yield (m, name)
+                yield (m, name, scheduled)
 
         best = heapq.nsmallest(self.scan_cache, entries())
         for name, kind in bad:
@@ -2232,7 +2245,7 @@ class Worker(object):
                 self._rescan()
                 if not self.cache:
                     return None
-            m, name = self.cache[-1]
+            m, name, scheduled = self.cache[-1]
             if m > _now():
                 if self.dirty or (force and not forced):
                     forced = True
@@ -2241,7 +2254,7 @@ class Worker(object):
                 self.next_due = m
                 return None
             self.cache.pop()
-            c = self.spool.claim(name, self.me, self.max_attempts)
+            c = self.spool.claim(name, self.me, self.max_attempts, scheduled)
             if c is not None:
                 return c
 

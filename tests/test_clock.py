@@ -184,12 +184,6 @@ def test_clock_goes_back_a_year_while_the_job_waits(
     assert lines(tmp_path / "runs") == ["d2"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "myq.py bug: after the clock went back, the rescan moves the job's mtime "
-    "to now + its delay, but Spool.claim then sees created_at/available_at in "
-    "the future and defers it again (_effective_available) by "
-    "available_at - created_at: the whole delay once more, or for a retried "
-    "job everything since its creation instead of its backoff"))
 @pytest.mark.parametrize("history", ["fresh", "retried"])
 def test_job_rescheduled_after_clock_went_back_is_not_deferred_again(
         run_myq, spool, stamp, tmp_path, procs, history):
