@@ -79,6 +79,7 @@ O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 STDERR_TAIL = 2000          # bytes of a handler's stderr kept for last_error
 ERROR_MAX = 1000            # characters of last_error stored
+SLACK = 16384               # what a worker may add to a job (error, lease lines)
 
 
 # Errors ######################################################################
@@ -358,8 +359,42 @@ def _reject_constant(name):
     raise ValueError("%s is not valid JSON" % name)
 
 
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+def _finite_float(text):
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError("number %s is out of range" % text[:40])
+    return v
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant,
+                            parse_float=_finite_float)
 _WS = re.compile(r"[ \t\n\r]*")
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+MAX_DEPTH = 64              # nesting of a job; far below any recursion limit
+MAX_TIME = 1e11             # epoch seconds (year 5138): beyond is a mistake
+
+
+def _check_value(obj, text=None):
+    """Refuse what parses but cannot be stored again: nesting deeper than
+    MAX_DEPTH, lone surrogates (\\ud800).  Iterative: no recursion."""
+    stack = [(obj, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        elif not isinstance(v, list):
+            continue
+        if depth > MAX_DEPTH:
+            raise InvalidJob("JSON nested deeper than %d levels" % MAX_DEPTH)
+        stack.extend((x, depth + 1) for x in v
+                     if isinstance(x, (dict, list)))
+    if text is None or _SURROGATE.search(text):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeError:
+            raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
+        except (ValueError, TypeError, RecursionError) as e:
+            raise InvalidJob("job cannot be stored as JSON: %s" % e)
 
 
 def dumps(job):
@@ -387,6 +422,7 @@ def parse(data):
         raise InvalidJob("JSON nested too deep")
     except ValueError as e:
         raise InvalidJob("not JSON: %s" % e)
+    _check_value(obj, text)
     trailers = []
     for line in text[end:].splitlines():
         line = line.strip()
@@ -442,8 +478,10 @@ def normalize(obj, stem=None, mtime=None):
                               and m >= 1):
         raise InvalidJob("max_attempts must be an integer >= 1")
     for key in ("created_at", "available_at", "updated_at"):
-        if job.get(key) is not None and not _is_num(job[key]):
-            raise InvalidJob("%s must be a number (epoch seconds)" % key)
+        if job.get(key) is not None and not (
+                _is_num(job[key]) and -MAX_TIME < job[key] < MAX_TIME):
+            raise InvalidJob("%s must be a number of epoch seconds (below %g)"
+                             % (key, MAX_TIME))
     if job.get("created_at") is None:
         job["created_at"] = mtime if mtime is not None else _now()
     if job.get("available_at") is None:
@@ -451,8 +489,8 @@ def normalize(obj, stem=None, mtime=None):
     if job.get("updated_at") is None:
         job["updated_at"] = job["created_at"]
     t = job.get("timeout")
-    if t is not None and not (_is_num(t) and t > 0):
-        raise InvalidJob("timeout must be a number of seconds > 0")
+    if t is not None and not (_is_num(t) and 0 < t < 1e9):
+        raise InvalidJob("timeout must be a number of seconds > 0 (below 1e9)")
     e = job.setdefault("last_error", None)
     if e is not None and not isinstance(e, str):
         job["last_error"] = str(e)
@@ -480,8 +518,8 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
     now = _now() if now is None else now
     if id is None:
         id = _new_id(now)
-    if not (_is_num(delay) and delay >= 0):
-        raise InvalidJob("delay must be a number of seconds >= 0")
+    if not (_is_num(delay) and 0 <= delay < 1e10):
+        raise InvalidJob("delay must be a number of seconds >= 0 (below 1e10)")
     job = {"id": id, "type": type, "payload": payload, "attempts": 0}
     if max_attempts is not None:
         job["max_attempts"] = max_attempts
@@ -489,7 +527,16 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
     if timeout is not None:
         job["timeout"] = timeout
     job["last_error"] = None
+    _check_value(job)       # the same limits the worker applies when reading
     return normalize(job)
+
+
+def _rewritten(obj):
+    """Has a worker written this job (a retry, a release)?  Then it may have
+    grown past --max-job-bytes by what the worker added (last_error, the
+    defaults), and SLACK bytes more are allowed."""
+    return (obj.get("attempts") not in (None, 0)
+            or obj.get("updated_at") != obj.get("created_at"))
 
 
 def _lease_of(trailers):
@@ -892,7 +939,7 @@ class Spool(object):
 
     def load(self, path, stem=None):
         """(job, trailers, stat) of a job file, normalised."""
-        data, st = self.read_file(path, self.opt["max_job_bytes"] + 4096)
+        data, st = self.read_file(path, self.opt["max_job_bytes"] + SLACK)
         obj, trailers = parse(data)
         return normalize(obj, stem, st.st_mtime), trailers, st
 
@@ -1090,18 +1137,29 @@ class Spool(object):
             kind = _file_kind(st.st_mode)
             if kind:
                 raise InvalidJob("not a regular file (%s)" % kind)
-            if st.st_size > self.opt["max_job_bytes"]:
+            if st.st_size > self.opt["max_job_bytes"] + SLACK:
                 raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
                                  % (st.st_size, self.opt["max_job_bytes"]))
+            if st.st_nlink > 1:
+                # Another name for this file exists.  Appending would change
+                # it there too: refuse, unless the other name is an enqueue's
+                # own tmp/ file, unlinked a moment after its link.
+                if any(e.inode() == st.st_ino for e in _scandir(self.d("tmp"))):
+                    _rename(path, src)
+                    return None
+                raise InvalidJob("a hard link (%d names): copy the file "
+                                 "instead of linking it" % st.st_nlink)
             # The name is ours alone (unique token) and lstat said regular;
             # O_NOFOLLOW|O_NONBLOCK still guard against a swap meanwhile.
             fd = os.open(path, os.O_RDWR | os.O_APPEND | O_NOFOLLOW
                          | os.O_NONBLOCK | O_CLOEXEC)
             data = os.read(fd, st.st_size + 65536)
-            if len(data) > self.opt["max_job_bytes"]:
-                raise InvalidJob("too large (--max-job-bytes is %d)"
-                                 % self.opt["max_job_bytes"])
             obj, trailers = parse(data)
+            if len(data) > self.opt["max_job_bytes"] and not (
+                    isinstance(obj, dict) and _rewritten(obj)
+                    and len(data) <= self.opt["max_job_bytes"] + SLACK):
+                raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
+                                 % (len(data), self.opt["max_job_bytes"]))
             job = normalize(obj, stem, st.st_mtime)
         except (InvalidJob, OSError) as e:
             if fd is not None:
@@ -1219,6 +1277,8 @@ class Spool(object):
     def quarantine(self, path, name, reason):
         """Move a file that is not a valid job to failed/, reason beside it."""
         name = name.replace("/", "_") or "unnamed"
+        if len(os.fsencode(name)) > 200:        # room for ".reason"
+            name = os.fsdecode(os.fsencode(name)[:180]) + "." + _rand_hex(3) + ".json"
         dst = self.d("failed", name)
         if os.path.lexists(dst) or os.path.lexists(dst + ".reason"):
             dst = self.d("failed", "%s.%s.json" % (name, _rand_hex(3)))
@@ -2911,7 +2971,15 @@ def _command_index(argv):
 
 
 def _print(line):
-    sys.stdout.write(line + "\n")
+    """One line on stdout; names that are not UTF-8 go out as their bytes."""
+    data = (line + "\n").encode("utf-8", "surrogateescape")
+    out = getattr(sys.stdout, "buffer", None)
+    if out is None:
+        sys.stdout.write(data.decode("utf-8", "replace"))
+        return
+    sys.stdout.flush()
+    out.write(data)
+    out.flush()
 
 
 def main(argv=None):
@@ -2987,10 +3055,10 @@ def main(argv=None):
             spool.require()
             for job in spool.list(args.state):
                 if args.json:
-                    _print(json.dumps(job, ensure_ascii=False))
+                    _print(json.dumps(job))
                 else:
                     line = "%s %s %s attempts=%s" % (
-                        job["id"], job["state"], job.get("type") or "-",
+                        _kv(job["id"]), job["state"], job.get("type") or "-",
                         job.get("attempts") if job.get("attempts") is not None else "-")
                     if job.get("available_at"):
                         line += " available_at=" + iso(job["available_at"], False)
