@@ -655,6 +655,8 @@ class Spool(object):
         self._processing = os.path.join(self.path, "processing", "")
         self._done = os.path.join(self.path, "done", "")
         self._ok = os.path.join(self.path, "locks", "ok", "")
+        self._tmp = os.path.join(self.path, "tmp", "")
+        self._ready = False
         self._free_checked = (-1e9, True)
         self._seq = 0
 
@@ -705,6 +707,8 @@ class Spool(object):
 
     def require(self):
         """Raise ConfigError unless the spool exists and is initialised."""
+        if self._ready:
+            return self
         for sub in SUBDIRS:
             if not os.path.isdir(self.d(sub)):
                 if not os.path.isdir(self.path):
@@ -712,6 +716,7 @@ class Spool(object):
                                       "myq --spool %s init" % (self.path, self.path))
                 raise ConfigError("spool %s is not initialised (no %s/); run: "
                                   "myq --spool %s init" % (self.path, sub, self.path))
+        self._ready = True      # checked once per Spool object
         return self
 
     def check_filesystem(self):
@@ -817,7 +822,7 @@ class Spool(object):
 
     def _tmpname(self, jid):
         self._seq += 1
-        return self.d("tmp", "%s.%d.%d.new" % (jid, os.getpid(), self._seq))
+        return "%s%s.%d.%d.new" % (self._tmp, jid, os.getpid(), self._seq)
 
     def _place_new(self, job, data, explicit, delay, sync):
         jid = job["id"]
@@ -1143,11 +1148,14 @@ class Spool(object):
             if st.st_nlink > 1:
                 # Another name for this file exists.  Appending would change
                 # it there too: refuse, unless the other name is an enqueue's
-                # own tmp/ file, unlinked a moment after its link.
-                if any(e.inode() == st.st_ino for e in _scandir(self.d("tmp"))):
-                    _rename(path, src)
-                    return None
-                raise InvalidJob("a hard link (%d names): copy the file "
+                # own tmp/ file (unlinked a moment after its link, or left by
+                # a producer that died in between): drop that name.
+                mine = [e.path for e in _scandir(self.d("tmp"))
+                        if e.inode() == st.st_ino]
+                for p in mine:
+                    _quiet_unlink(p)
+                if not mine or os.lstat(path).st_nlink > 1:
+                    raise InvalidJob("a hard link (%d names): copy the file "
                                  "instead of linking it" % st.st_nlink)
             # The name is ours alone (unique token) and lstat said regular;
             # O_NOFOLLOW|O_NONBLOCK still guard against a swap meanwhile.
@@ -1703,11 +1711,21 @@ def _killpg(pgid, sig):
         return False
 
 
+_SPOOLS = {}
+
+
 def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
             timeout=None):
     """Add a job to the spool durably; returns its id (SPEC 7)."""
-    return Spool(spool).enqueue(type, payload, id=id, delay=delay,
-                                max_attempts=max_attempts, timeout=timeout)
+    sp = _SPOOLS.get(spool)
+    if sp is None or not sp._ready:
+        sp = _SPOOLS[spool] = Spool(spool)
+    try:
+        return sp.enqueue(type, payload, id=id, delay=delay,
+                          max_attempts=max_attempts, timeout=timeout)
+    except ConfigError:
+        _SPOOLS.pop(spool, None)
+        raise
 
 
 # Logging #####################################################################
@@ -1956,8 +1974,10 @@ class Worker(object):
         self.me = None
         self._inline = None
         self._dir_key = None
-        self._pending = 0
+        self._pending = self._pending_ok = 0
         self._pending_since = 0.0
+        self._timer = 0.0           # the SIGALRM tick armed now (0: none)
+        self._sweep = None          # scandir iterator over a deep backlog
         self._stuck = []            # finishes that failed on I/O, to retry
         self._io_pause_until = 0.0
         self._io_backoff = 0.5
@@ -2029,7 +2049,7 @@ class Worker(object):
                 self._kill(run, 9)
                 self._release(run)
             self._retry_stuck(final=True)
-            self._commit()
+            self._commit(final=True)
             if saved:
                 self._restore_signals(saved)
             for fd in self._wake_fds + list(self._pipe):
@@ -2114,13 +2134,15 @@ class Worker(object):
         started = 0
         now = _mono()
         self._next_beat = now + self.lease / 3
-        next_stats = now + self.stats_interval
+        next_stats = now + self.stats_interval if self.stats_interval > 0 \
+            else float("inf")
         next_reap = now + self.reap_interval
         next_prune = now + min(self.prune_interval, 5.0)
         next_full_prune = next_prune
         next_poll = now + self.poll
         while True:
             now = _mono()
+            busy = False
             if self.stopping:
                 if not self.runs:
                     break
@@ -2149,6 +2171,12 @@ class Worker(object):
                     started += 1
                     self._start(c)
                     if once:
+                        break
+                    if self._pending >= 64 or _mono() >= min(
+                            self._next_beat, next_reap, next_stats,
+                            self._pending_since + 1.0 if self._pending
+                            else next_stats):
+                        busy = True     # housekeeping first, then go on
                         break
             if not self.runs and not self._stuck:
                 if once or (drain and not self._ready_now()) or (
@@ -2197,7 +2225,10 @@ class Worker(object):
                 deadlines.append(self._pending_since + 1.0)
             if self.runs and not self._main:
                 deadlines.append(now + 0.02)
-            wait = max(0.0, min(deadlines) - now)
+            wait = 0.0 if busy else max(0.0, min(deadlines) - now)
+            if self._timer and wait > 0:
+                self._signal.setitimer(self._signal.ITIMER_REAL, 0)
+                self._timer = 0.0
             rl = [self._pipe[0]] + self._wake_fds[:1]
             wl = []
             for run in self.runs:
@@ -2248,15 +2279,23 @@ class Worker(object):
     def _rescan(self):
         """Refill the scan cache with the N earliest jobs of incoming/ (by
         mtime = available_at, then name): memory stays bounded whatever the
-        depth of the queue."""
+        depth of the queue.
+
+        When that scan was truncated (a backlog deeper than N), the next
+        refills come from one pass of a directory iterator kept open (a
+        "sweep"): each takes the next N ready files, in order among
+        themselves.  A refill then costs N entries, not the whole directory;
+        every ready job is reached within one pass; when the pass ends, the
+        exact scan runs again."""
         import heapq
         sp = self.spool
         now = _now()
         inc = sp.d("incoming")
         bad = []
+        sweeping = self._sweep is not None      # new arrivals: next pass
 
-        def entries():
-            for e in _scandir(inc):
+        def entries(it):
+            for e in it:
                 name = e.name
                 if not name.endswith(".json"):
                     continue
@@ -2282,7 +2321,21 @@ class Worker(object):
                         pass
                 yield (m, name, scheduled)
 
-        best = heapq.nsmallest(self.scan_cache, entries())
+        if sweeping:
+            best = []
+            for ent in entries(self._sweep):
+                if ent[0] <= now:
+                    best.append(ent)
+                    if len(best) >= self.scan_cache:
+                        break
+            else:
+                self._end_sweep()
+            best.sort()
+        else:
+            self._end_sweep()
+            best = heapq.nsmallest(self.scan_cache, entries(_scandir(inc)))
+            if len(best) >= self.scan_cache and best[-1][0] <= now:
+                self._sweep = _scandir(inc)     # a deep backlog: sweep it
         for name, kind in bad:
             try:
                 sp.quarantine(os.path.join(inc, name), name,
@@ -2291,9 +2344,14 @@ class Worker(object):
                 pass
         best.reverse()
         self.cache = best
-        self.cache_full = len(best) >= self.scan_cache
+        self.cache_full = len(best) >= self.scan_cache or self._sweep is not None
         self.dirty = False
         self.next_due = None
+
+    def _end_sweep(self):
+        if self._sweep is not None:
+            self._sweep.close()
+            self._sweep = None
 
     def _next_claim(self, force=False):
         forced = False
@@ -2496,7 +2554,9 @@ class Worker(object):
         self._inline = run
         result = None
         try:
-            signal.setitimer(signal.ITIMER_REAL, tick, tick)
+            if tick != self._timer:     # armed once for a run of jobs
+                signal.setitimer(signal.ITIMER_REAL, tick, tick)
+                self._timer = tick
             result = self._call(run, fn)
             self._inline = None
         except _Timeout:
@@ -2506,7 +2566,6 @@ class Worker(object):
             run.released = True
         finally:
             self._inline = None
-            signal.setitimer(signal.ITIMER_REAL, 0)
         if run.released:
             self._release(run)
         else:
@@ -2574,6 +2633,7 @@ class Worker(object):
                     if not self._pending:
                         self._pending_since = _mono()
                     self._pending += 1
+                    self._pending_ok += 1
             else:
                 ok = sp.move_on(c, step[1], step[2], self.me)
                 if ok and step[2] == "incoming":
@@ -2603,12 +2663,17 @@ class Worker(object):
         self._io_pause_until = _mono() + self._io_backoff
         self._io_backoff = min(30.0, self._io_backoff * 2)
 
-    def _commit(self):
-        """Group commit: one fsync of done/ and locks/ok/ for many jobs."""
+    def _commit(self, final=False):
+        """Group commit: one fsync of done/ for many jobs.  The idempotency
+        records (locks/ok/) are fsync'd once per 64: they were created before
+        their rename into done/, which a journal commits in order, and at
+        worst a lost one means a duplicate can be enqueued again."""
         if not self._pending:
             return
         try:
-            _fsync_dir(self.spool.d("locks", "ok"))
+            if final or self._pending_ok >= 64:
+                _fsync_dir(self.spool.d("locks", "ok"))
+                self._pending_ok = 0
             _fsync_dir(self.spool.d("done"))
             self._pending = 0
             self._io_backoff = 0.5
