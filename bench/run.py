@@ -492,10 +492,24 @@ def child_count(a):
     sp2 = m.Spool(os.path.join(a["base"], "count-trickle")).init()
 
     def trickle(logpath):
-        # One job at a time into an idle worker: each job is committed alone.
+        # One job at a time into an idle, long-running worker: each job is
+        # committed alone (the worker runs in a thread; a test stops it).
+        import threading
+        w = worker(sp2, logpath)
+        t = threading.Thread(target=w.run)
+        t.start()
+        done = os.path.join(sp2.path, "done")
         for i in range(a["trickle"]):
             sp2.enqueue("noop", {"n": i})
-            worker(sp2, logpath).run(drain=True)
+            deadline = mono() + 30
+            while count(done) < i + 1 and mono() < deadline:
+                time.sleep(0.002)
+            deadline = mono() + 30      # and let it go idle (its commit)
+            while w._pending and mono() < deadline:
+                time.sleep(0.002)
+        w.stopping = True
+        sp2.poke()
+        t.join(30)
     scenario("trickle", trickle, a["trickle"])
 
     sp3 = m.Spool(os.path.join(a["base"], "count-batch")).init()
