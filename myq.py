@@ -1430,22 +1430,19 @@ class Spool(object):
         if all:
             ids += [n[:-5] for n in sorted(_listdir(self.d("dlq")))
                     if n.endswith(".json")]
-        missing, n = [], 0
+        missing = []
+        me = Identity(self, kind="r")   # registered when a dead job moves
         try:
-            n = self._retry(ids, missing)
+            n = self._retry(ids, missing, me)
         finally:
-            if self._retry_me is not None:
-                self._retry_me.unregister()
-                self._retry_me = None
+            me.unregister()
         if missing:
             raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
                             "from dlq/ and failed/)" % (", ".join(missing), self.path))
         return n
 
-    _retry_me = None
-
-    def _retry(self, ids, missing):
-        n, me = 0, None
+    def _retry(self, ids, missing, me):
+        n = 0
         for jid in ids:
             try:
                 state, path = self.locate(jid)
@@ -1459,8 +1456,7 @@ class Spool(object):
                 job, _, _ = self.load(path, jid)
                 job.update(attempts=0, available_at=_now())
                 job.pop("failed_at", None)
-                if me is None:
-                    me = self._retry_me = Identity(self, kind="r")
+                if not me.registered:
                     me.register()
                 # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
                 # finish: a crash leaves it where a reaper requeues it.
