@@ -1423,6 +1423,17 @@ class Spool(object):
 
     # Operator moves ----------------------------------------------------------
 
+    def _located(self, ids, missing):
+        """(id, state, path) of each id that exists; the others go to
+        `missing` (the caller reports them all at once, exit 66)."""
+        for jid in ids:
+            try:
+                state, path = self.locate(jid)
+            except NoSuchJob:
+                missing.append(jid)
+                continue
+            yield jid, state, path
+
     def retry(self, ids=(), all=False):
         """Bring dead (or repaired failed) jobs back, attempts reset."""
         self.require()
@@ -1443,12 +1454,7 @@ class Spool(object):
 
     def _retry(self, ids, missing, me):
         n = 0
-        for jid in ids:
-            try:
-                state, path = self.locate(jid)
-            except NoSuchJob:
-                missing.append(jid)
-                continue
+        for jid, state, path in self._located(ids, missing):
             if state == "dead":
                 if os.path.lexists(self.d("incoming", jid + ".json")):
                     raise DuplicateJob("job %s is already queued; delete one "
@@ -1489,12 +1495,7 @@ class Spool(object):
     def delete(self, ids, force=False):
         self.require()
         missing, n = [], 0
-        for jid in ids:
-            try:
-                state, path = self.locate(jid)
-            except NoSuchJob:
-                missing.append(jid)
-                continue
+        for jid, state, path in self._located(ids, missing):
             if state == "processing":
                 if not force:
                     raise SpoolBusy("job %s is running; wait for it, or delete "

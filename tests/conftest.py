@@ -61,3 +61,12 @@ def handlers_dir(tmp_path):
 
     make.path = str(d)
     return make
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """_procs.Procs: processes a test starts, all killed at its end."""
+    from _procs import Procs
+    p = Procs(tmp_path)
+    yield p
+    p.cleanup()

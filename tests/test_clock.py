@@ -25,7 +25,7 @@ import time
 import pytest
 
 from _core import FAST, clean_env, enqueue, ls, show, wait_for, write_incoming
-from _procs import Procs, holding_handler, lines, read_pid, reap
+from _procs import holding_handler, lines, read_pid, reap
 
 YEAR = 365 * 86400
 
@@ -76,12 +76,6 @@ def _faketime_works():
 _WHY = _faketime_works()
 needs_faketime = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 @pytest.fixture

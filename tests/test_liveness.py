@@ -16,15 +16,9 @@ import uuid
 import pytest
 
 from _core import FAST, enqueue, ls, show, stop, wait_for, worker
-from _procs import (Procs, alive, holding_handler, lines, mono, proc_start,
+from _procs import (alive, holding_handler, lines, mono, proc_start,
                     read_pid, reap, wait_gone)
 
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 @pytest.fixture

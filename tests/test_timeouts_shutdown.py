@@ -16,14 +16,8 @@ import signal
 import pytest
 
 from _core import FAST, enqueue, ls, show, wait_for, worker
-from _procs import Procs, holding_handler, lines, read_pid, wait_gone
+from _procs import holding_handler, lines, read_pid, wait_gone
 
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 def stubborn_handler(tmp, trap=True):
