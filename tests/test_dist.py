@@ -1,11 +1,20 @@
 """Packaging: `make dist` (build/dist.py) and `make install`.
 
-The release tarball unpacks onto a root as usr/bin/myq, etc/init.d/myq and
-etc/default/myq; myq runs from there; SHA256SUMS verifies; two builds are
-byte-identical; `make install DESTDIR=…` lays out the same files. The
+The release tarball unpacks onto a root as usr/lib/myq/myq.py (myq.py,
+unchanged), usr/bin/myq (a launcher that imports it, so that Python caches
+its bytecode), etc/init.d/myq and etc/default/myq; myq runs from there;
+SHA256SUMS verifies; two builds are byte-identical; the ipk has the same
+program files and scripts that compile and remove the bytecode; `make install
+DESTDIR=…` lays out the same files plus a .pyc that Python really loads. The
 Makefile runs in a copy of the repository under tmp_path, so the tests never
 write into the working tree (nor /etc, /usr).
+
+The launcher names /usr/lib/myq (the target's path). Tests that run an
+unpacked tarball point Python at the unpacked copy with PYTHONPATH (and skip
+when this machine has a /usr/lib/myq of its own, which would be imported
+first); `make install` tests install for a PREFIX under tmp_path instead.
 """
+import ast
 import hashlib
 import io
 import json
@@ -26,12 +35,19 @@ MAKE = shutil.which("make")
 
 sys.path.insert(0, ROOT)
 import myq  # noqa: E402
+from _pythons import IDS, PYTHONS  # noqa: E402
 
 VERSION = myq.__version__
 TARBALL = "myq-%s.tar.gz" % VERSION
 IPK = "myq_%s_all.ipk" % VERSION
-LAYOUT = {"usr/bin/myq": 0o755, "etc/init.d/myq": 0o755,
-          "etc/default/myq": 0o644}
+LAYOUT = {"usr/bin/myq": 0o755, "usr/lib/myq/myq.py": 0o644,
+          "etc/init.d/myq": 0o755, "etc/default/myq": 0o644}
+TAG = sys.implementation.cache_tag
+SHELLCHECK = shutil.which("shellcheck")
+needs_busybox = pytest.mark.skipif(
+    not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
+needs_shellcheck = pytest.mark.skipif(
+    not SHELLCHECK, reason="shellcheck not installed (apt-get install shellcheck)")
 
 
 def run(args, **kw):
@@ -39,6 +55,8 @@ def run(args, **kw):
     env = kw.pop("env", None)
     full = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
     full.update(env or {})
+    for k in [k for k, v in full.items() if v is None]:
+        del full[k]             # env={"NAME": None}: not in the environment
     return subprocess.run([str(a) for a in args], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, universal_newlines=True,
                           env=full, **kw)
@@ -47,6 +65,11 @@ def run(args, **kw):
 def ok(r):
     assert r.returncode == 0, "%s\n%s%s" % (r.args, r.stdout, r.stderr)
     return r.stdout
+
+
+def ok_r(r):
+    ok(r)
+    return r
 
 
 def repo_copy(dst):
@@ -75,6 +98,38 @@ def unpack(tarball, root):
     return str(root)
 
 
+def unpacked_env(root):
+    """The environment that runs an unpacked usr/bin/myq against the
+    unpacked usr/lib/myq (the launcher names the target's /usr/lib/myq)."""
+    if os.path.exists("/usr/lib/myq"):
+        pytest.skip("this machine has a /usr/lib/myq: the launcher would "
+                    "import that one, not the unpacked copy")
+    return {"PYTHONPATH": os.path.join(str(root), "usr", "lib", "myq")}
+
+
+def check_launcher(data, lib):
+    """usr/bin/myq is the small launcher: a #! line for python3, lib first
+    on sys.path, `import myq`, exit with myq.main(); no import but sys."""
+    text = data.decode("utf-8")
+    assert text.startswith("#!/usr/bin/env python3\n")
+    assert len(data) < 1024
+    tree = ast.parse(text)
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    assert imported == {"sys", "myq"}
+    assert "sys.path.insert(0, %r)" % lib in text
+    assert text.rstrip().endswith("sys.exit(myq.main())")
+
+
+def loaded_from(stderr, pyc):
+    """Whether `python3 -v` output says the module came from pyc."""
+    return ("code object from %r" % pyc) in stderr
+
+
 def test_dist_files_and_version(built):
     assert sorted(os.listdir(built)) == sorted([TARBALL, IPK, "SHA256SUMS"])
     # the version comes from the source text, without importing it
@@ -95,8 +150,12 @@ def test_tarball_layout(built):
         assert stat.S_IMODE(m.mode) == LAYOUT[m.name], m.name
         assert (m.uid, m.gid, m.uname, m.gname) == (0, 0, "root", "root")
     with tarfile.open(os.path.join(built, TARBALL)) as t:
-        assert t.extractfile("usr/bin/myq").read() == \
+        # no bytecode: the tarball cannot know the target's Python
+        assert not any(m.name.endswith(".pyc") or "__pycache__" in m.name
+                       for m in t.getmembers())
+        assert t.extractfile("usr/lib/myq/myq.py").read() == \
             open(os.path.join(ROOT, "myq.py"), "rb").read()
+        check_launcher(t.extractfile("usr/bin/myq").read(), "/usr/lib/myq")
         assert t.extractfile("etc/init.d/myq").read() == \
             open(os.path.join(ROOT, "init.d", "myq"), "rb").read()
         assert t.extractfile("etc/default/myq").read() == \
@@ -138,32 +197,40 @@ def test_unpacked_myq_runs(tmp_path, built):
     """Unpack onto an empty root, then use myq from there: version, init,
     enqueue, a worker that drains the queue."""
     root = unpack(os.path.join(built, TARBALL), tmp_path / "root")
+    env = unpacked_env(root)
     bin_ = os.path.join(root, "usr", "bin", "myq")
     assert os.stat(bin_).st_mode & 0o777 == 0o755
-    assert ok(run([sys.executable, bin_, "version"])).strip() == "myq " + VERSION
+
+    def myq_(*args):
+        return ok(run([sys.executable, bin_] + list(args), env=env))
+
+    assert myq_("version").strip() == "myq " + VERSION
     # executable as it is, through its #! line (python3 found in PATH)
     if shutil.which("python3"):
-        assert ok(run([bin_, "version"])).strip() == "myq " + VERSION
+        assert ok(run([bin_, "version"], env=env)).strip() == "myq " + VERSION
+    # the one file alone is still a program (cp myq.py /usr/bin/myq)
+    assert ok(run([sys.executable, os.path.join(root, "usr", "lib", "myq",
+                                                "myq.py"), "version"])).strip() \
+        == "myq " + VERSION
     spool = str(tmp_path / "spool")
     hdir = tmp_path / "handlers"
     hdir.mkdir()
     (hdir / "greet").write_text('#!/bin/sh\ncat >> "%s"\n' % (tmp_path / "out"))
     (hdir / "greet").chmod(0o755)
-    ok(run([sys.executable, bin_, "--spool", spool, "init"]))
-    jid = ok(run([sys.executable, bin_, "--spool", spool, "enqueue", "greet",
-                  '"from the tarball"'])).strip()
-    ok(run([sys.executable, bin_, "--spool", spool, "worker", "--handlers",
-            hdir, "--drain"]))
-    job = json.loads(ok(run([sys.executable, bin_, "--spool", spool, "show", jid])))
+    myq_("--spool", spool, "init")
+    jid = myq_("--spool", spool, "enqueue", "greet", '"from the tarball"').strip()
+    myq_("--spool", spool, "worker", "--handlers", hdir, "--drain")
+    job = json.loads(myq_("--spool", spool, "show", jid))
     assert job["state"] == "done"
     assert json.loads((tmp_path / "out").read_text()) == "from the tarball"
 
 
-@pytest.mark.skipif(not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
+@needs_busybox
 def test_busybox_tar_unpack_and_upgrade_keeps_settings(tmp_path, built):
     """What the README says to type on the device, with BusyBox tar: a fresh
-    unpack creates the directories; an upgrade that names the two program
-    files leaves the operator's /etc/default/myq alone."""
+    unpack creates the directories; an upgrade that names the three program
+    files (after removing the old bytecode) leaves the operator's
+    /etc/default/myq alone."""
     root = tmp_path / "root"
     root.mkdir()
     tarball = os.path.join(built, TARBALL)
@@ -171,16 +238,24 @@ def test_busybox_tar_unpack_and_upgrade_keeps_settings(tmp_path, built):
     for name, mode in LAYOUT.items():
         assert stat.S_IMODE(os.stat(str(root / name)).st_mode) == mode, name
     (root / "etc" / "default" / "myq").write_text("MYQ_WORKERS=3\n")
+    cache = root / "usr" / "lib" / "myq" / "__pycache__"
+    cache.mkdir()
+    (cache / ("myq.%s.pyc" % TAG)).write_bytes(b"old")
+    ok(run([BUSYBOX, "rm", "-rf", cache]))
     ok(run([BUSYBOX, "tar", "-xzf", tarball, "-C", root,
-            "usr/bin/myq", "etc/init.d/myq"]))
+            "usr/bin/myq", "usr/lib/myq/myq.py", "etc/init.d/myq"]))
     assert (root / "etc" / "default" / "myq").read_text() == "MYQ_WORKERS=3\n"
+    assert not cache.exists()
 
 
-@pytest.mark.skipif(not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
+@needs_busybox
 def test_unpacked_init_script_runs_the_service(tmp_path, built):
     """The tarball's init script and program, with the tarball's settings
-    file (extended with paths under tmp_path): start, a job, stop."""
+    file (extended with paths under tmp_path): start, a job, stop. The
+    service runs the launcher (cmdline), which imports the unpacked module."""
     root = unpack(os.path.join(built, TARBALL), tmp_path / "root")
+    unpacked = unpacked_env(root)
+    bin_ = os.path.join(root, "usr", "bin", "myq")
     bb = tmp_path / "bb"
     bb.mkdir()
     ok(run([BUSYBOX, "--install", "-s", bb]))
@@ -196,21 +271,21 @@ def test_unpacked_init_script_runs_the_service(tmp_path, built):
     with open(defaults, "a") as f:
         f.write("MYQ_SPOOL=%s\nMYQ_BIN=%s\nMYQ_PIDFILE=%s\nMYQ_LOG=%s\n"
                 "MYQ_ARGS='--handlers %s --poll 0.2'\n" % (
-                    spool, os.path.join(root, "usr", "bin", "myq"),
-                    tmp_path / "myq.pid", tmp_path / "myq.log", hdir))
-    env = {"PATH": str(bb), "MYQ_DEFAULTS": defaults}
+                    spool, bin_, tmp_path / "myq.pid", tmp_path / "myq.log",
+                    hdir))
+    env = dict(unpacked, PATH=str(bb), MYQ_DEFAULTS=defaults)
     script = os.path.join(root, "etc", "init.d", "myq")
     try:
         assert "OK" in ok(run([BUSYBOX, "sh", script, "start"], env=env))
         pid = int(open(str(tmp_path / "myq.pid")).read())
         cmd = open("/proc/%d/cmdline" % pid, "rb").read().split(b"\0")
-        assert cmd[1].decode() == os.path.join(root, "usr", "bin", "myq")
-        jid = ok(run([sys.executable, os.path.join(root, "usr", "bin", "myq"),
-                      "--spool", spool, "enqueue", "t"])).strip()
+        assert cmd[1].decode() == bin_
+        jid = ok(run([sys.executable, bin_, "--spool", spool, "enqueue", "t"],
+                     env=unpacked)).strip()
         end = time.monotonic() + 15
         while True:
-            job = json.loads(ok(run([sys.executable, os.path.join(
-                root, "usr", "bin", "myq"), "--spool", spool, "show", jid])))
+            job = json.loads(ok(run([sys.executable, bin_, "--spool", spool,
+                                     "show", jid], env=unpacked)))
             if job["state"] == "done":
                 break
             assert time.monotonic() < end, "the job was not done in time"
@@ -234,18 +309,38 @@ def ar_members(data):
     return out
 
 
-def test_ipk(built, tmp_path):
-    """The OpenWrt package: ar of debian-binary, control.tar.gz, data.tar.gz;
-    the procd init script; /etc/default/myq is a conffile."""
+def ipk_parts(built):
     members = ar_members(open(os.path.join(built, IPK), "rb").read())
     assert [n for n, _ in members] == ["debian-binary", "control.tar.gz",
                                        "data.tar.gz"]
-    parts = dict(members)
+    return dict(members)
+
+
+def ipk_scripts(built, dst):
+    """The ipk's postinst and prerm, written to dst; their paths."""
+    parts = ipk_parts(built)
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(parts["control.tar.gz"])) as t:
+        for name in ("postinst", "prerm"):
+            path = os.path.join(str(dst), "myq." + name)
+            with open(path, "wb") as f:
+                f.write(t.extractfile("./" + name).read())
+            os.chmod(path, 0o755)
+            out[name] = path
+    return out
+
+
+def test_ipk(built, tmp_path):
+    """The OpenWrt package: ar of debian-binary, control.tar.gz, data.tar.gz;
+    the program files of the tarball (launcher + module, no bytecode), the
+    procd init script; /etc/default/myq is a conffile."""
+    parts = ipk_parts(built)
     assert parts["debian-binary"] == b"2.0\n"
     with tarfile.open(fileobj=io.BytesIO(parts["control.tar.gz"])) as t:
         control = t.extractfile("./control").read().decode()
         conffiles = t.extractfile("./conffiles").read().decode()
         assert stat.S_IMODE(t.getmember("./postinst").mode) == 0o755
+        assert stat.S_IMODE(t.getmember("./prerm").mode) == 0o755
     fields = dict(line.split(": ", 1) for line in control.splitlines())
     assert fields["Package"] == "myq" and fields["Version"] == VERSION
     assert fields["Architecture"] == "all"
@@ -257,11 +352,136 @@ def test_ipk(built, tmp_path):
         for n, mode in LAYOUT.items():
             assert stat.S_IMODE(files["./" + n].mode) == mode
         procd = t.extractfile("./etc/init.d/myq").read()
+        assert t.extractfile("./usr/lib/myq/myq.py").read() == \
+            open(os.path.join(ROOT, "myq.py"), "rb").read()
+        check_launcher(t.extractfile("./usr/bin/myq").read(), "/usr/lib/myq")
+        t.extractall(str(tmp_path / "root"))
     assert procd == open(os.path.join(ROOT, "init.d", "myq.procd"), "rb").read()
     assert procd.startswith(b"#!/bin/sh /etc/rc.common\n")
+    root = tmp_path / "root"
+    assert ok(run([sys.executable, root / "usr/bin/myq", "version"],
+                  env=unpacked_env(root))).strip() == "myq " + VERSION
 
 
-@pytest.mark.skipif(not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
+@needs_shellcheck
+def test_ipk_scripts_shellcheck(built, tmp_path):
+    scripts = ipk_scripts(built, tmp_path)
+    r = run([SHELLCHECK, "-s", "sh", scripts["postinst"], scripts["prerm"]])
+    assert r.returncode == 0, r.stdout
+
+
+FUNCTIONS_SH = """
+default_postinst() { echo "default_postinst $*" >>"$CALLS"; return 0; }
+default_prerm() { echo "default_prerm $*" >>"$CALLS"; return "${PRERM_RC:-0}"; }
+"""
+
+
+def fake_root(tmp_path, built, functions=True):
+    """The ipk's files unpacked into tmp_path/root (as opkg leaves them
+    before postinst), optionally with a stub /lib/functions.sh that logs
+    the calls to tmp_path/calls."""
+    root = tmp_path / "root"
+    with tarfile.open(fileobj=io.BytesIO(ipk_parts(built)["data.tar.gz"])) as t:
+        t.extractall(str(root))
+    if functions:
+        (root / "lib").mkdir()
+        (root / "lib" / "functions.sh").write_text(FUNCTIONS_SH)
+    return root
+
+
+@needs_busybox
+def test_ipk_scripts_under_an_image_build(tmp_path, built):
+    """IPKG_INSTROOT set (building a firmware image): postinst removes stale
+    bytecode under it and compiles nothing (no python3 runs: the build
+    host's Python is not the device's); prerm removes the bytecode; both
+    hand over to OpenWrt's default_postinst / default_prerm."""
+    scripts = ipk_scripts(built, tmp_path)
+    root = fake_root(tmp_path, built)
+    cache = root / "usr/lib/myq/__pycache__"
+    cache.mkdir()
+    (cache / "myq.cpython-30.pyc").write_bytes(b"stale")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python3").write_text("#!/bin/sh\necho ran >>%s\nexit 1\n"
+                                  % (tmp_path / "python3-ran"))
+    (bin_ / "python3").chmod(0o755)
+    env = {"IPKG_INSTROOT": str(root), "CALLS": str(tmp_path / "calls"),
+           "PATH": "%s:%s" % (bin_, os.environ.get("PATH", ""))}
+    ok(run([BUSYBOX, "sh", scripts["postinst"], "configure"], env=env))
+    assert not cache.exists()
+    assert not (tmp_path / "python3-ran").exists()
+    cache.mkdir()
+    (cache / ("myq.%s.pyc" % TAG)).write_bytes(b"x")
+    ok(run([BUSYBOX, "sh", scripts["prerm"], "remove"], env=env))
+    assert not cache.exists()
+    assert (root / "usr/lib/myq/myq.py").is_file()      # opkg removes that
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == ["default_postinst %s configure" % scripts["postinst"],
+                     "default_prerm %s remove" % scripts["prerm"]]
+    # default_prerm's status is the script's; the bytecode goes regardless
+    cache.mkdir()
+    r = run([BUSYBOX, "sh", scripts["prerm"], "remove"],
+            env=dict(env, PRERM_RC="3"))
+    assert r.returncode == 3 and not cache.exists()
+    # without OpenWrt's functions (not an OpenWrt root): no failure
+    os.unlink(str(root / "lib" / "functions.sh"))
+    cache.mkdir()
+    ok(run([BUSYBOX, "sh", scripts["postinst"], "configure"], env=env))
+    cache.mkdir()
+    ok(run([BUSYBOX, "sh", scripts["prerm"], "remove"], env=env))
+    assert not cache.exists()
+    # IPKG_NO_SCRIPT=1: postinst does nothing at all
+    cache.mkdir()
+    ok(run([BUSYBOX, "sh", scripts["postinst"], "configure"],
+           env=dict(env, IPKG_NO_SCRIPT="1")))
+    assert cache.exists()
+
+
+@needs_busybox
+def test_ipk_postinst_compiles_on_the_device(tmp_path, built):
+    """On the device (no IPKG_INSTROOT), postinst compiles /usr/lib/myq/myq.py
+    with the device's python3, even when PYTHONDONTWRITEBYTECODE is set; the
+    launcher then loads that .pyc. A python3 that fails, or none at all,
+    never fails the install. This machine's /usr/lib/myq is the fake root's:
+    the python3 in PATH is a wrapper that maps the path (and records its
+    arguments), then execs this Python."""
+    if os.path.exists("/usr/lib/myq"):
+        pytest.skip("this machine has a /usr/lib/myq of its own; the postinst "
+                    "would work on it")
+    scripts = ipk_scripts(built, tmp_path)
+    root = fake_root(tmp_path, built, functions=False)
+    lib = str(root / "usr/lib/myq")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python3").write_text(
+        "#!%s -I\nimport os, sys\n"
+        "with open(%r, 'a') as f:\n    f.write(repr(sys.argv[1:]) + '\\n')\n"
+        "if os.environ.get('FAIL'):\n    sys.exit(1)\n"
+        "args = [a.replace('/usr/lib/myq', %r) for a in sys.argv[1:]]\n"
+        "os.execv(sys.executable, [sys.executable] + args)\n"
+        % (sys.executable, str(tmp_path / "argv"), lib))
+    (bin_ / "python3").chmod(0o755)
+    env = {"PATH": "%s:%s" % (bin_, os.path.dirname(BUSYBOX)),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    ok(run([BUSYBOX, "sh", scripts["postinst"], "configure"], env=env))
+    assert (tmp_path / "argv").read_text().count("\n") == 1
+    pyc = os.path.join(lib, "__pycache__", "myq.%s.pyc" % TAG)
+    assert os.path.isfile(pyc)
+    r = ok_r(run([sys.executable, "-v", root / "usr/bin/myq", "version"],
+                 env={"PYTHONPATH": lib}))
+    assert r.stdout.strip() == "myq " + VERSION
+    assert loaded_from(r.stderr, pyc)
+    # a python3 that fails, then no python3 at all: the install goes on
+    ok(run([BUSYBOX, "sh", scripts["postinst"], "configure"],
+           env=dict(env, FAIL="1")))
+    assert (tmp_path / "argv").read_text().count("\n") == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ok(run([BUSYBOX, "sh", scripts["postinst"], "configure"],
+           env={"PATH": str(empty)}))
+
+
+@needs_busybox
 def test_procd_script_start_service(tmp_path):
     """The procd script under BusyBox sh with procd's functions stubbed:
     the spool is created and the instance is "myq supervise" with the
@@ -298,8 +518,7 @@ reload_service
     assert out.splitlines()[0] == "open" and "close" in out
 
 
-@pytest.mark.skipif(not shutil.which("shellcheck"),
-                    reason="shellcheck not installed (apt-get install shellcheck)")
+@needs_shellcheck
 def test_procd_script_shellcheck():
     r = run(["shellcheck", "-s", "sh", os.path.join(ROOT, "init.d", "myq.procd")])
     assert r.returncode == 0, r.stdout
@@ -317,39 +536,168 @@ def make_install(repo, destdir, prefix=None):
     return ok(run(args))
 
 
-def test_make_install_layout(tmp_path):
-    repo = repo_copy(tmp_path / "repo")
-    dest = tmp_path / "dest"
-    make_install(repo, dest)
+def installed_files(dest):
     got = {}
     for dirpath, _, files in os.walk(str(dest)):
         for f in files:
             p = os.path.join(dirpath, f)
             got[os.path.relpath(p, str(dest))] = stat.S_IMODE(os.stat(p).st_mode)
-    assert got == LAYOUT
-    assert (dest / "usr/bin/myq").read_bytes() == \
+    return got
+
+
+def test_make_install_layout(tmp_path):
+    repo = repo_copy(tmp_path / "repo")
+    dest = tmp_path / "dest"
+    make_install(repo, dest)
+    pyc = "usr/lib/myq/__pycache__/myq.%s.pyc" % TAG
+    assert installed_files(dest) == dict(LAYOUT, **{pyc: 0o644})
+    assert (dest / "usr/lib/myq/myq.py").read_bytes() == \
         open(os.path.join(ROOT, "myq.py"), "rb").read()
+    # the launcher names the target's path, without DESTDIR
+    check_launcher((dest / "usr/bin/myq").read_bytes(), "/usr/lib/myq")
     assert (dest / "etc/init.d/myq").read_bytes() == \
         open(os.path.join(ROOT, "init.d", "myq"), "rb").read()
-    # a second install keeps the operator's settings, and replaces the
-    # program by a rename (a new inode: a running reader never sees a mix)
+    # a second install keeps the operator's settings, replaces the program
+    # files by a rename (a new inode: a running reader never sees a mix),
+    # and removes other interpreters' bytecode (stale: a new myq.py)
     (dest / "etc/default/myq").write_text("MYQ_WORKERS=4\n")
-    inode = os.stat(str(dest / "usr/bin/myq")).st_ino
+    old = dest / "usr/lib/myq/__pycache__/myq.cpython-30.pyc"
+    old.write_bytes(b"stale")
+    other = dest / "usr/lib/myq/__pycache__/handlers.cpython-30.pyc"
+    other.write_bytes(b"not ours")
+    inodes = {n: os.stat(str(dest / n)).st_ino
+              for n in ("usr/bin/myq", "usr/lib/myq/myq.py")}
     out = make_install(repo, dest)
-    assert os.stat(str(dest / "usr/bin/myq")).st_ino != inode
+    for n, ino in inodes.items():
+        assert os.stat(str(dest / n)).st_ino != ino, n
     assert "kept" in out
     assert (dest / "etc/default/myq").read_text() == "MYQ_WORKERS=4\n"
-    assert ok(run([sys.executable, dest / "usr/bin/myq", "version"])).strip() \
-        == "myq " + VERSION
+    assert not old.exists() and other.read_bytes() == b"not ours"
+    other.unlink()
+    assert installed_files(dest) == dict(LAYOUT, **{pyc: 0o644})
+    r = ok_r(run([sys.executable, "-v", dest / "usr/bin/myq", "version"],
+                 env={"PYTHONPATH": str(dest / "usr/lib/myq")}))
+    assert r.stdout.strip() == "myq " + VERSION
+    assert loaded_from(r.stderr, str(dest / pyc))
 
 
 def test_make_install_prefix(tmp_path):
-    """PREFIX=/usr/local: the program goes to /usr/local/bin and the init
-    script's MYQ_BIN default follows it."""
+    """PREFIX=/usr/local: the program goes to /usr/local/bin, the module to
+    /usr/local/lib/myq, the launcher imports it from there and the init
+    script's MYQ_BIN default follows."""
     repo = repo_copy(tmp_path / "repo")
     dest = tmp_path / "dest"
     make_install(repo, dest, prefix="/usr/local")
-    assert (dest / "usr/local/bin/myq").is_file()
+    assert (dest / "usr/local/lib/myq/myq.py").is_file()
+    assert (dest / ("usr/local/lib/myq/__pycache__/myq.%s.pyc" % TAG)).is_file()
+    check_launcher((dest / "usr/local/bin/myq").read_bytes(),
+                   "/usr/local/lib/myq")
+    assert not (dest / "usr/bin").exists() and not (dest / "usr/lib").exists()
     script = (dest / "etc/init.d/myq").read_text()
     assert "BIN=${MYQ_BIN:-/usr/local/bin/myq}" in script
     assert "/usr/bin/myq}" not in script
+
+
+def image_install(tmp_path, python=sys.executable):
+    """`make install DESTDIR=dest PREFIX=<tmp>/target/usr` with `python`, then
+    the staged tree copied to the place it names, as an image build does, with
+    new file times (Buildroot and Yocto may reset them). Returns the
+    installed PREFIX."""
+    repo = repo_copy(tmp_path / "repo")
+    dest = str(tmp_path / "dest")
+    target = str(tmp_path / "target")
+    prefix = os.path.join(target, "usr")
+    if MAKE:
+        ok(run([MAKE, "-C", repo, "install", "DESTDIR=" + dest,
+                "PREFIX=" + prefix, "PYTHON=" + python]))
+    else:
+        ok(run([python, os.path.join(repo, "build", "dist.py"), "--install",
+                dest, "--prefix", prefix]))
+    staged = os.path.join(dest, prefix.lstrip("/"))
+    shutil.copytree(staged, prefix, copy_function=shutil.copy)
+    later = time.time() + 3600
+    for dirpath, _, files in os.walk(prefix):
+        for f in files:
+            os.utime(os.path.join(dirpath, f), (later, later))
+    return prefix
+
+
+def test_make_install_runs_with_its_bytecode(tmp_path):
+    """The installed launcher (no PYTHONPATH: it finds PREFIX/lib/myq by
+    itself) loads the installed .pyc, under -I too, and never rewrites it;
+    a real spool: init, enqueue, a draining worker, show."""
+    prefix = image_install(tmp_path)
+    bin_ = os.path.join(prefix, "bin", "myq")
+    pyc = os.path.join(prefix, "lib", "myq", "__pycache__", "myq.%s.pyc" % TAG)
+    before = os.stat(pyc)
+    # Python may write bytecode here (as it does on the device)
+    writes = {"PYTHONDONTWRITEBYTECODE": None}
+    for flags in ([], ["-I"], ["-I", "-B"]):
+        r = ok_r(run([sys.executable] + flags + ["-v", bin_, "version"],
+                     env=writes))
+        assert r.stdout.strip() == "myq " + VERSION, flags
+        assert loaded_from(r.stderr, pyc), (flags, r.stderr[-3000:])
+    # directly, through its #! line
+    if shutil.which("python3"):
+        assert ok(run([bin_, "version"])).strip() == "myq " + VERSION
+    spool = str(tmp_path / "spool")
+    hdir = tmp_path / "handlers"
+    hdir.mkdir()
+    (hdir / "greet").write_text('#!/bin/sh\ncat >> "%s"\n' % (tmp_path / "out"))
+    (hdir / "greet").chmod(0o755)
+
+    def myq_(*args):
+        return ok(run([sys.executable, bin_] + list(args), env=writes))
+
+    myq_("--spool", spool, "init")
+    jid = myq_("--spool", spool, "enqueue", "greet", '"installed"').strip()
+    myq_("--spool", spool, "worker", "--handlers", hdir, "--drain")
+    assert json.loads(myq_("--spool", spool, "show", jid))["state"] == "done"
+    assert json.loads((tmp_path / "out").read_text()) == "installed"
+    after = os.stat(pyc)
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == \
+        (before.st_ino, before.st_mtime_ns, before.st_size)
+    assert os.listdir(os.path.dirname(pyc)) == [os.path.basename(pyc)]
+
+
+def importtime_modules(stderr):
+    """The module names `-X importtime` reports."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.split("|")[-1].strip()
+            if name != "package":           # the header line
+                names.add(name)
+    return names
+
+
+def test_launcher_imports_nothing_but_myq(tmp_path):
+    """Everything `python3 -X importtime` sees through the launcher, myq
+    imports itself: the launcher adds no module to the start."""
+    prefix = image_install(tmp_path)
+    lib = os.path.join(prefix, "lib", "myq")
+    via_launcher = run([sys.executable, "-I", "-X", "importtime",
+                        os.path.join(prefix, "bin", "myq"), "version"])
+    ok(via_launcher)
+    direct = run([sys.executable, "-I", "-X", "importtime", "-c",
+                  "import sys; sys.path.insert(0, %r); import myq; "
+                  "sys.exit(myq.main(['version']))" % lib])
+    ok(direct)
+    got = importtime_modules(via_launcher.stderr)
+    assert "myq" in got
+    assert got == importtime_modules(direct.stderr)
+
+
+@pytest.mark.parametrize("ident", IDS)
+def test_make_install_every_python(tmp_path, ident):
+    """dist.py installs with every CPython 3.7+ here, each writing the .pyc
+    for itself, which its launcher run then loads."""
+    python = {i: exe for i, exe, _ in PYTHONS}[ident]
+    prefix = image_install(tmp_path, python=python)
+    tag = ok(run([python, "-c", "import sys; print(sys.implementation.cache_tag)"]))
+    pyc = os.path.join(prefix, "lib", "myq", "__pycache__",
+                       "myq.%s.pyc" % tag.strip())
+    r = ok_r(run([python, "-I", "-v", os.path.join(prefix, "bin", "myq"),
+                  "version"]))
+    assert r.stdout.strip() == "myq " + VERSION
+    assert loaded_from(r.stderr, pyc)
