@@ -192,6 +192,8 @@ _BARE = re.compile(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z")
 
 def _kv(value):
     """A log value: bare when it has no blanks or quotes, else JSON-quoted."""
+    if value.__class__ is int:
+        return str(value)
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -374,35 +376,45 @@ MAX_DEPTH = 64              # nesting of a job; far below any recursion limit
 MAX_TIME = 1e11             # epoch seconds (year 5138): beyond is a mistake
 
 
-def _check_value(obj, text=None):
-    """Refuse what parses but cannot be stored again: nesting deeper than
-    MAX_DEPTH, lone surrogates (\\ud800).  Iterative: no recursion."""
-    stack = [(obj, 1)]
+def _check_depth(obj, depth=1):
+    """Refuse nesting deeper than MAX_DEPTH (obj itself at `depth`).
+    Iterative: no recursion."""
+    stack = [(obj, depth)]
     while stack:
         v, depth = stack.pop()
         if isinstance(v, dict):
-            v = list(v.values())
+            v = v.values()
         elif not isinstance(v, list):
             continue
         if depth > MAX_DEPTH:
             raise InvalidJob("JSON nested deeper than %d levels" % MAX_DEPTH)
-        stack.extend((x, depth + 1) for x in v
-                     if isinstance(x, (dict, list)))
-    if text is None or _SURROGATE.search(text):
-        try:
-            json.dumps(obj, ensure_ascii=False).encode("utf-8")
-        except UnicodeError:
-            raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
-        except (ValueError, TypeError, RecursionError) as e:
-            raise InvalidJob("job cannot be stored as JSON: %s" % e)
+        for x in v:
+            if isinstance(x, (dict, list)):
+                stack.append((x, depth + 1))
+
+
+def _check_value(obj, text):
+    """Refuse what parses but cannot be stored again: nesting deeper than
+    MAX_DEPTH, lone surrogates (\\ud800).  `text` is what obj was parsed
+    from: with few brackets, or no \\uD8xx escape, there is nothing to walk."""
+    if text.count("{") + text.count("[") > MAX_DEPTH:
+        _check_depth(obj)
+    if _SURROGATE.search(text):
+        dumps(obj)
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False,
+                            separators=(",", ":"))
 
 
 def dumps(job):
-    """The bytes of a job file: one line of UTF-8 JSON."""
+    """The bytes of a job file: one line of UTF-8 JSON.  Raises InvalidJob
+    for what JSON cannot hold (NaN, a lone surrogate, a set …)."""
     try:
-        return (json.dumps(job, ensure_ascii=False, allow_nan=False,
-                           separators=(",", ":")) + "\n").encode("utf-8")
-    except (ValueError, TypeError, RecursionError, UnicodeError) as e:
+        return (_ENCODER.encode(job) + "\n").encode("utf-8")
+    except UnicodeError:
+        raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
+    except (ValueError, TypeError, RecursionError) as e:
         raise InvalidJob("job cannot be stored as JSON: %s" % e)
 
 
@@ -450,46 +462,52 @@ def _is_num(v):
             and v == v and abs(v) != float("inf"))
 
 
+_NUM = (int, float)     # exactly: bool is not a number here
+
+
 def normalize(obj, stem=None, mtime=None):
     """Validate a job object and fill in the defaults of SPEC 3.
 
     `stem` is the file name without .json (the id when the job has none);
-    `mtime` stands in for a missing created_at (a shell producer's file)."""
+    `mtime` stands in for a missing created_at (a shell producer's file).
+    Runs for every claim: kept to plain comparisons."""
     if not isinstance(obj, dict):
         raise InvalidJob("a job is a JSON object, not %s" % type(obj).__name__)
     job = dict(obj)
-    if job.get("id") is None:
+    jid = job.get("id")
+    if jid is None:
         if stem is None:
             raise InvalidJob("job has no id")
-        job["id"] = stem
-    _check_name(job["id"], "id")
-    if stem is not None and job["id"] != stem:
+        job["id"] = jid = stem
+    _check_name(jid, "id")
+    if stem is not None and jid != stem:
         raise InvalidJob("id %s does not match the file name %s.json"
-                         % (job["id"], stem))
+                         % (jid, stem))
     if "type" not in job:
         raise InvalidJob("job has no type")
     _check_name(job["type"], "type")
     job.setdefault("payload", None)
     a = job.setdefault("attempts", 0)
-    if not (isinstance(a, int) and not isinstance(a, bool) and a >= 0):
+    if a.__class__ is not int or a < 0:
         raise InvalidJob("attempts must be an integer >= 0")
     m = job.get("max_attempts")
-    if m is not None and not (isinstance(m, int) and not isinstance(m, bool)
-                              and m >= 1):
+    if m is not None and (m.__class__ is not int or m < 1):
         raise InvalidJob("max_attempts must be an integer >= 1")
+    created = job.get("created_at")
     for key in ("created_at", "available_at", "updated_at"):
-        if job.get(key) is not None and not (
-                _is_num(job[key]) and -MAX_TIME < job[key] < MAX_TIME):
+        v = job.get(key)
+        if v is not None and (v.__class__ not in _NUM
+                              or not -MAX_TIME < v < MAX_TIME):
             raise InvalidJob("%s must be a number of epoch seconds (below %g)"
                              % (key, MAX_TIME))
-    if job.get("created_at") is None:
-        job["created_at"] = mtime if mtime is not None else _now()
+    if created is None:
+        job["created_at"] = created = mtime if mtime is not None else _now()
     if job.get("available_at") is None:
-        job["available_at"] = job["created_at"]
+        job["available_at"] = created
     if job.get("updated_at") is None:
-        job["updated_at"] = job["created_at"]
+        job["updated_at"] = created
     t = job.get("timeout")
-    if t is not None and not (_is_num(t) and 0 < t < 1e9):
+    if t is not None and (t.__class__ not in _NUM or not 0 < t < 1e9):
         raise InvalidJob("timeout must be a number of seconds > 0 (below 1e9)")
     e = job.setdefault("last_error", None)
     if e is not None and not isinstance(e, str):
@@ -514,21 +532,35 @@ def _new_id(now):
 
 def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
             timeout=None, now=None):
-    """A fresh job object, validated (raises InvalidJob)."""
+    """A fresh job object with the defaults of SPEC 3, validated as
+    normalize() would (raises InvalidJob).  What JSON cannot hold (NaN, a
+    lone surrogate, a set) is refused by dumps(), which every caller runs."""
     now = _now() if now is None else now
     if id is None:
         id = _new_id(now)
+    else:
+        _check_name(id, "id")
+    _check_name(type, "type")
     if not (_is_num(delay) and 0 <= delay < 1e10):
         raise InvalidJob("delay must be a number of seconds >= 0 (below 1e10)")
+    if not -MAX_TIME < now < MAX_TIME - 1e10:
+        raise InvalidJob("the clock says %r: not a time myq can store" % now)
+    if isinstance(payload, (dict, list)):
+        _check_depth(payload, 2)     # the job object is level 1
     job = {"id": id, "type": type, "payload": payload, "attempts": 0}
     if max_attempts is not None:
+        if not (isinstance(max_attempts, int) and not isinstance(max_attempts, bool)
+                and max_attempts >= 1):
+            raise InvalidJob("max_attempts must be an integer >= 1")
         job["max_attempts"] = max_attempts
-    job.update(available_at=now + delay, created_at=now, updated_at=now)
+    job["available_at"] = now + delay
+    job["created_at"] = job["updated_at"] = now
     if timeout is not None:
+        if not (_is_num(timeout) and 0 < timeout < 1e9):
+            raise InvalidJob("timeout must be a number of seconds > 0 (below 1e9)")
         job["timeout"] = timeout
     job["last_error"] = None
-    _check_value(job)       # the same limits the worker applies when reading
-    return normalize(job)
+    return job
 
 
 def _rewritten(obj):
@@ -656,6 +688,7 @@ class Spool(object):
         self._done = os.path.join(self.path, "done", "")
         self._ok = os.path.join(self.path, "locks", "ok", "")
         self._tmp = os.path.join(self.path, "tmp", "")
+        self._wake = os.path.join(self.path, "locks", "wake")
         self._ready = False
         self._free_checked = (-1e9, True)
         self._seq = 0
@@ -801,10 +834,10 @@ class Spool(object):
         """Commit incoming/; when that fails the jobs are not durable, so
         take them back (an error must mean: nothing enqueued)."""
         try:
-            _fsync_dir(self.d("incoming"))
+            _fsync_dir(self._incoming[:-1])
         except OSError as e:
             for jid in ids:
-                _quiet_unlink(self.d("incoming", jid + ".json"))
+                _quiet_unlink(self._incoming + jid + ".json")
             cls = SpoolFull if _space_error(e) else SpoolBusy
             raise cls("cannot commit to %s: %s; nothing was enqueued"
                       % (self.path, e.strerror))
@@ -832,7 +865,7 @@ class Spool(object):
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
         tmp = self._tmpname(jid)
-        dst = self.d("incoming", jid + ".json")
+        dst = self._incoming + jid + ".json"
         try:
             _create(tmp, data, sync=sync,
                     mtime=job["available_at"] if delay else None)
@@ -870,8 +903,7 @@ class Spool(object):
     def poke(self):
         """Wake an idle worker: one byte into the FIFO locks/wake."""
         try:
-            fd = os.open(self.d("locks", "wake"),
-                         os.O_WRONLY | os.O_NONBLOCK | O_CLOEXEC)
+            fd = os.open(self._wake, os.O_WRONLY | os.O_NONBLOCK | O_CLOEXEC)
         except OSError:         # ENXIO: no worker is listening
             return
         try:
@@ -1137,14 +1169,15 @@ class Spool(object):
                 return None             # another worker was faster
             raise
         fd = None
+        limit = self.opt["max_job_bytes"]
         try:
             st = os.lstat(path)
-            kind = _file_kind(st.st_mode)
-            if kind:
-                raise InvalidJob("not a regular file (%s)" % kind)
-            if st.st_size > self.opt["max_job_bytes"] + SLACK:
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidJob("not a regular file (%s)"
+                                 % _file_kind(st.st_mode))
+            if st.st_size > limit + SLACK:
                 raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
-                                 % (st.st_size, self.opt["max_job_bytes"]))
+                                 % (st.st_size, limit))
             if st.st_nlink > 1:
                 # Another name for this file exists.  Appending would change
                 # it there too: refuse, unless the other name is an enqueue's
@@ -1163,11 +1196,11 @@ class Spool(object):
                          | os.O_NONBLOCK | O_CLOEXEC)
             data = os.read(fd, st.st_size + 65536)
             obj, trailers = parse(data)
-            if len(data) > self.opt["max_job_bytes"] and not (
+            if len(data) > limit and not (
                     isinstance(obj, dict) and _rewritten(obj)
-                    and len(data) <= self.opt["max_job_bytes"] + SLACK):
+                    and len(data) <= limit + SLACK):
                 raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
-                                 % (len(data), self.opt["max_job_bytes"]))
+                                 % (len(data), limit))
             job = normalize(obj, stem, st.st_mtime)
         except (InvalidJob, OSError) as e:
             if fd is not None:
@@ -1775,8 +1808,10 @@ class Log(object):
     def __call__(self, event, **kv):
         warn = event in ("error", "dead", "timeout", "quarantined", "disk_low",
                          "lost", "retry")
-        self.write(iso() + " event=" + event + "".join(
-            " %s=%s" % (k, _kv(v)) for k, v in kv.items()), warn)
+        line = iso() + " event=" + event
+        for k, v in kv.items():
+            line += " " + k + "=" + _kv(v)
+        self.write(line, warn)
 
 
 # Handlers ####################################################################
@@ -1918,9 +1953,10 @@ class _Run(object):
                  "thread", "result", "fn")
 
     def __init__(self, claim, kind):
-        for k in self.__slots__:
-            setattr(self, k, None)
         self.claim, self.kind = claim, kind
+        self.proc = self.started = self.deadline = self.kill_at = None
+        self.stdin = self.stdin_fd = self.err_fd = self.thread = None
+        self.result = self.fn = None
         self.err = bytearray()
         self.timed_out = self.released = False
 
@@ -1975,6 +2011,7 @@ class Worker(object):
         self._pending_since = 0.0
         self._timer = 0.0           # the SIGALRM tick armed now (0: none)
         self._sweep = None          # scandir iterator over a deep backlog
+        self._soonest = None        # the pass's earliest job not yet due
         self._stuck = []            # finishes that failed on I/O, to retry
         self._io_pause_until = 0.0
         self._io_backoff = 0.5
@@ -2278,13 +2315,18 @@ class Worker(object):
         mtime = available_at, then name): memory stays bounded whatever the
         depth of the queue.
 
-        When that scan was truncated (a backlog deeper than N), the next
-        refills come from one pass of a directory iterator kept open (a
-        "sweep"): each takes the next N ready files, in order among
-        themselves.  A refill then costs N entries, not the whole directory;
-        every ready job is reached within one pass; when the pass ends, the
-        exact scan runs again."""
+        A directory of up to 4N entries is scanned whole; a deeper one, or
+        one with more than N ready, is worked through in one pass of a
+        directory iterator kept open (a "sweep"): the first refill takes the
+        N earliest ready jobs of the first 4N entries, each later one the
+        next N ready files, in order among themselves.  So the first job
+        starts after 4N entries, not the whole directory; a refill costs N
+        entries; every ready job is reached within one pass (or the next,
+        for the ready ones of the first 4N beyond N).  A pass that saw jobs
+        not yet due, or left ready ones, ends with a marker in the cache (at
+        the soonest of them) that starts the next pass when it comes due."""
         import heapq
+        import itertools
         sp = self.spool
         now = _now()
         inc = sp.d("incoming")
@@ -2318,21 +2360,45 @@ class Worker(object):
                         pass
                 yield (m, name, scheduled)
 
-        if sweeping:
+        n = self.scan_cache
+        if not sweeping:
+            it = _scandir(inc)
+            seen = [0]
+
+            def counted(gen):
+                for ent in gen:
+                    seen[0] += 1
+                    yield ent
+            best = heapq.nsmallest(n, itertools.islice(counted(entries(it)),
+                                                       4 * n + 1))
+            if seen[0] <= 4 * n:                # the whole directory
+                it.close()
+                if len(best) >= n and best[-1][0] <= now:
+                    self._sweep = _scandir(inc)     # more ready than N
+                    self._soonest = None
+            else:                               # deep: a pass starts here
+                self._sweep = it
+                later = [e[0] for e in best if e[0] > now]
+                best = [e for e in best if e[0] <= now]
+                # All N ready: more may be, and later ones unseen: the
+                # next pass must come right after this one.
+                self._soonest = later[0] if later else now
+        else:
             best = []
+            soonest = self._soonest
             for ent in entries(self._sweep):
                 if ent[0] <= now:
                     best.append(ent)
-                    if len(best) >= self.scan_cache:
+                    if len(best) >= n:
                         break
+                elif soonest is None or ent[0] < soonest:
+                    soonest = ent[0]
             else:
                 self._end_sweep()
+                if soonest is not None:         # wake for them: a new pass
+                    best.append((soonest, "", False))
+            self._soonest = soonest
             best.sort()
-        else:
-            self._end_sweep()
-            best = heapq.nsmallest(self.scan_cache, entries(_scandir(inc)))
-            if len(best) >= self.scan_cache and best[-1][0] <= now:
-                self._sweep = _scandir(inc)     # a deep backlog: sweep it
         for name, kind in bad:
             try:
                 sp.quarantine(os.path.join(inc, name), name,
@@ -2369,6 +2435,9 @@ class Worker(object):
                 self.next_due = m
                 return None
             self.cache.pop()
+            if not name:                # a pass's marker: time for the next
+                self.dirty = True
+                continue
             c = self.spool.claim(name, self.me, self.max_attempts, scheduled)
             if c is not None:
                 return c
@@ -2590,11 +2659,11 @@ class Worker(object):
     def _finish(self, run, outcome, error=None, delay=None):
         c = run.claim
         ms = int((_mono() - run.started) * 1000)
-        job = dict(c.job)
-        kv = {"id": c.jid, "type": job["type"], "attempt": c.attempt, "ms": ms}
+        kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
         if outcome == "done":
             step = ("complete", None, None)
         else:
+            job = dict(c.job)
             error = (error or "failed")[-ERROR_MAX:]
             job["attempts"] = c.attempt
             job["last_error"] = error

@@ -1,0 +1,131 @@
+"""The scan cache: how a worker finds ready jobs in incoming/.
+
+A directory of up to 4 × --scan-cache entries is scanned whole (the N
+earliest first, the next due time exact); a deeper one is worked through in
+passes of a directory iterator, and the first job starts after 4 × N
+entries, not the whole directory.  Small scan caches make small directories
+"deep" here.
+"""
+import os
+import signal
+import threading
+
+import pytest
+
+
+def _worker(myq, spool, seen, scan_cache, **kw):
+    def noop(job):
+        seen.append(job["id"])
+    kw.setdefault("log", myq.Log(path=os.devnull))
+    return myq.Worker(spool, handlers={"noop": noop}, scan_cache=scan_cache, **kw)
+
+
+def _ids(myq, spool, n, delay=0):
+    sp = myq.Spool(spool)
+    return sp.enqueue_many([{"type": "noop", "payload": i, "delay": delay}
+                            for i in range(n)])
+
+
+def _names(spool, state):
+    return sorted(n[:-5] for n in os.listdir(os.path.join(spool, state))
+                  if n.endswith(".json"))
+
+
+@pytest.mark.parametrize("n,scan_cache", [(5, 4), (16, 4), (17, 4), (203, 4),
+                                          (50, 1)])
+def test_every_job_runs_exactly_once_at_any_depth(myq, spool, n, scan_cache):
+    ids = _ids(myq, spool, n)
+    seen = []
+    assert _worker(myq, spool, seen, scan_cache).run(drain=True) == 0
+    assert sorted(seen) == sorted(ids)
+    assert len(seen) == n
+    assert _names(spool, "done") == sorted(ids)
+    assert os.listdir(os.path.join(spool, "incoming")) == []
+
+
+@pytest.mark.parametrize("n", [4, 16, 17, 40])
+def test_the_first_refill_is_the_n_earliest_by_available_at(myq, spool, n):
+    """The mtime in incoming/ is the schedule; given in reverse of the ids,
+    it alone decides.  Up to 4N entries the first N are the N earliest of
+    the directory; deeper, the N earliest of the first 4N+1 entries."""
+    ids = _ids(myq, spool, n)
+    past = myq._now() - 1000
+    mtime = {}
+    for i, jid in enumerate(ids):       # the last id is the most overdue
+        mtime[jid] = past - i
+        os.utime(os.path.join(spool, "incoming", jid + ".json"),
+                 (past - i, past - i))
+    seen = []
+    _worker(myq, spool, seen, 4).run(drain=True)
+    assert sorted(seen) == sorted(ids)
+    assert seen[:4] == sorted(seen[:4], key=mtime.get)
+    if n <= 16:
+        assert seen[:4] == ids[::-1][:4]
+
+
+def test_a_deep_backlog_starts_before_reading_the_whole_directory(
+        myq, spool, monkeypatch):
+    _ids(myq, spool, 300)
+    read = [0]
+    at_first_job = []
+    real = myq._scandir
+
+    def counting(path):
+        for e in real(path):
+            read[0] += 1
+            yield e
+
+    class Iter(object):             # _scandir's result is closed by myq
+        def __init__(self, path):
+            self.g = counting(path)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.g)
+
+        def close(self):
+            self.g.close()
+
+    monkeypatch.setattr(myq, "_scandir", Iter)
+    seen = []
+    w = _worker(myq, spool, seen, 4)
+    w.handlers["noop"] = lambda job: (at_first_job.append(read[0])
+                                      if not at_first_job else None,
+                                      seen.append(job["id"]))
+    w.run(drain=True)
+    assert len(seen) == 300
+    assert at_first_job[0] <= 4 * 4 + 1, at_first_job   # not all 300
+
+
+def test_jobs_not_yet_due_in_a_deep_pass_run_when_due(myq, spool):
+    """Every job is 1 s in the future and the directory is deeper than 4N:
+    the pass's marker must wake the worker (polling is off: --poll 3600)."""
+    ids = _ids(myq, spool, 12, delay=1.0)
+    seen = []
+    w = _worker(myq, spool, seen, 2, poll=3600.0)
+
+    def noop(job):
+        seen.append(job["id"])
+        if len(seen) == len(ids):
+            os.kill(os.getpid(), signal.SIGTERM)
+    w.handlers["noop"] = noop
+    # A watchdog so that a missing wake-up fails the test instead of hanging.
+    timer = threading.Timer(30.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        w.run()
+    finally:
+        timer.cancel()
+    assert sorted(seen) == sorted(ids), "jobs due later were never run"
+
+
+def test_drain_leaves_future_jobs_of_a_deep_directory_and_runs_the_ready(
+        myq, spool):
+    later = _ids(myq, spool, 10, delay=3600)
+    ready = _ids(myq, spool, 5)
+    seen = []
+    _worker(myq, spool, seen, 2).run(drain=True)
+    assert sorted(seen) == sorted(ready)
+    assert _names(spool, "incoming") == sorted(later)
