@@ -2790,8 +2790,14 @@ def supervise(spool, workers, worker_args, log, python=None):
     import select
     import signal
     import subprocess
-    argv = [python or sys.executable, os.path.abspath(__file__),
-            "--spool", spool.path, "worker"] + list(worker_args)
+    me = os.path.abspath(__file__)
+    if me.endswith(".py"):      # importable: the workers use its cached .pyc
+        start = ["-c", "import sys; sys.path[0:0] = [%r]; import myq; "
+                 "sys.exit(myq.main())" % os.path.dirname(me)]
+    else:                       # /usr/bin/myq is myq.py itself: a script
+        start = [me]
+    argv = ([python or sys.executable] + start
+            + ["--spool", spool.path, "worker"] + list(worker_args))
     pipe = os.pipe()
     for fd in pipe:
         os.set_blocking(fd, False)
