@@ -327,3 +327,15 @@ def test_no_command_is_64(run_myq, spool):
     cp = run_myq("--spool", spool)
     assert cp.returncode == 64, (cp.returncode, cp.stderr)
     one_line_error(cp)
+
+
+def test_a_command_builds_only_its_own_parser(myq):
+    """`myq enqueue` builds the enqueue parser alone (all of them cost
+    15-30 ms of a ~70 ms process); --help and errors see every command."""
+    import argparse
+
+    def commands(p):
+        sub = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        return sorted(sub[0].choices)
+    assert commands(myq._parser("enqueue")) == ["enqueue"]
+    assert commands(myq._parser()) == sorted(myq._COMMANDS)
