@@ -348,13 +348,14 @@ def floor_enqueue(d, n, data, batch=1, seq=[0]):
     return t
 
 
-def floor_drain(d):
-    """listdir incoming/; per job: rename into processing/, open+read+close,
-    rename into done/; fsync done/ every 64 jobs and at the end."""
+def floor_drain(d, limit=None):
+    """listdir incoming/; per job (the first `limit`): rename into
+    processing/, open+read+close, rename into done/; fsync done/ every 64
+    jobs and at the end."""
     inc, proc, done = (os.path.join(d, s) for s in ("incoming", "processing", "done"))
     dfd = os.open(done, os.O_RDONLY | os.O_DIRECTORY)
     t = clock()
-    names = os.listdir(inc)
+    names = os.listdir(inc)[:limit]
     for i, name in enumerate(names):
         p = os.path.join(proc, name)
         os.rename(os.path.join(inc, name), p)
@@ -752,27 +753,40 @@ class Bench(object):
                 self.res.add(fs, "hwm_drain1k", out["hwm"] / MiB)
         self.res.add(fs, "drain", rate, frate)
         self.drain_rate = rate
+        self.drain_floor = frate
         # The whole durable path of a job, as the floor's durable rate counts
         # it: enqueue (file + directory fsync) then claim and done.
         ea, ef = getattr(self, "enq_rates", (None, None))
         if ea and rate and frate:
             self.res.add(fs, "e2e", 1 / (1 / ea + 1 / rate), 1 / (1 / ef + 1 / frate))
 
-    def m_deep(self, fs, base):
+    def deep_spool(self, fs, base, name):
+        """A spool with s["deep"] jobs queued, kept across runs: topped up,
+        done/ and ok/ emptied."""
         s = self.s
-        sp = self.shared.get((fs, "deep"))
+        sp = self.shared.get((fs, name))
         if sp is None:
-            sp = new_spool(base, "deep")
+            sp = new_spool(base, name)
             log("preparing %d jobs on %s" % (s["deep"], fs))
             make_jobs(sp, s["deep"])
-            self.shared[(fs, "deep")] = sp
+            self.shared[(fs, name)] = sp
         else:
-            # top up to the full depth; start from an empty done/ and ok/
             short = s["deep"] - count(os.path.join(sp, "incoming"))
             if short > 0:
                 make_jobs(sp, short)
             clear_dir(os.path.join(sp, "done"))
             clear_dir(os.path.join(sp, "locks", "ok"))
+        return sp
+
+    def m_deep(self, fs, base):
+        s = self.s
+        # The floor at the same depth: does the filesystem itself slow down
+        # with 100k files (cold directory blocks and inodes)?
+        fl = self.deep_spool(fs, base, "deep-floor")
+        os.sync()
+        k, t = floor_drain(fl, s["take"])
+        self.res.add(fs, "deep_floor", k / t, self.drain_floor)
+        sp = self.deep_spool(fs, base, "deep")
         os.sync()
         depth = count(os.path.join(sp, "incoming"))
         k1 = s["take"] // 6
@@ -1105,6 +1119,8 @@ def metrics(fs, s):
          "drain of %d (above)" % s["drain"], "x", ">=0.8x", ge(0.8)),
         ("deep_steady", "  same, jobs %d..%d only" % (s["take"] // 6, s["take"]), "jobs/s",
          "drain of %d (above)" % s["drain"], "x", "info", None),
+        ("deep_floor", "  the floor itself, 100k vs %d queued" % s["drain"], "jobs/s",
+         "bare drain of %d" % s["drain"], "x", "info", None),
         ("exec", "drain exec /bin/true", "jobs/s",
          "bare Popen+stdin+wait", "x", ">=0.8x", ge(0.8)),
         ("exec4", "drain exec --concurrency 4", "jobs/s",
