@@ -100,3 +100,19 @@ def test_layout_on_two_filesystems_is_refused(run_myq, spool):
         one_line_error(cp)
     finally:
         subprocess.run(["umount", done])
+
+
+def test_the_lease_line_is_what_dumps_would_write(myq, spool):
+    """Claims format the lease record from a per-worker prefix (it is
+    written for every job): it must be the bytes dumps() gives."""
+    import json
+    sp = myq.Spool(spool)
+    me = myq.Identity(sp, lease=30)
+    for until in (myq._now() + 30, 1e10 + 0.5, 5.0, 1796000000.1234):
+        line = me.lease_line(me.token(), 7, until)
+        rec = json.loads(line)["lease"]
+        assert rec["attempt"] == 7 and rec["worker"] == me.wid
+        assert line == myq.dumps({"lease": {
+            "worker": me.wid, "pid": me.pid, "start": me.start,
+            "boot_id": myq.boot_id(), "token": rec["token"], "attempt": 7,
+            "leased_until": round(until, 3)}})
