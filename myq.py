@@ -294,6 +294,24 @@ def _create(path, data, sync=True, mtime=None, mode=0o640):
             raise
 
 
+def _create_empty(path, mode=0o640):
+    """An empty new file (EEXIST when the name exists, never through a
+    symlink): one mknod() where the kernel allows it, else open + close."""
+    global _MKNOD
+    _step("create", path, "before")
+    if _MKNOD:
+        try:
+            os.mknod(path, stat.S_IFREG | mode)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOSYS, errno.EINVAL):
+                raise
+            _MKNOD = False          # a sandbox that refuses it
+    if not _MKNOD:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | O_NOFOLLOW | O_CLOEXEC, mode))
+    _step("create", path, "after")
+
+
 def _rename(src, dst):
     _step("rename", dst, "before")
     os.rename(src, dst)
@@ -953,21 +971,9 @@ class Spool(object):
         return st.st_mtime + self.opt["dedupe_window"] > now or st.st_mtime > now
 
     def mark_ok(self, jid):
-        global _MKNOD
         path = self._ok + jid
         try:
-            _step("create", path, "before")
-            try:
-                if not _MKNOD:
-                    raise OSError(errno.ENOSYS, "mknod not used")
-                os.mknod(path, stat.S_IFREG | 0o640)   # one syscall
-            except OSError as e:
-                if e.errno not in (errno.EPERM, errno.ENOSYS, errno.EINVAL):
-                    raise
-                _MKNOD = False          # a sandbox that refuses it
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                                 | O_NOFOLLOW | O_CLOEXEC, 0o640))
-            _step("create", path, "after")
+            _create_empty(path)
         except OSError as e:
             if e.errno != errno.EEXIST:
                 raise
@@ -2352,6 +2358,7 @@ class Worker(object):
         now = _now()
         inc = sp.d("incoming")
         bad = []
+        nread = [0]                             # jobs entries() gave
         sweeping = self._sweep is not None      # new arrivals: next pass
 
         def entries(it):
@@ -2379,20 +2386,14 @@ class Worker(object):
                         _utime(e.path, m)
                     except OSError:
                         pass
+                nread[0] += 1
                 yield (m, name, scheduled)
 
         n = self.scan_cache
         if not sweeping:
             it = _scandir(inc)
-            seen = [0]
-
-            def counted(gen):
-                for ent in gen:
-                    seen[0] += 1
-                    yield ent
-            best = heapq.nsmallest(n, itertools.islice(counted(entries(it)),
-                                                       4 * n + 1))
-            if seen[0] <= 4 * n:                # the whole directory
+            best = heapq.nsmallest(n, itertools.islice(entries(it), 4 * n + 1))
+            if nread[0] <= 4 * n:               # the whole directory
                 it.close()
                 if len(best) >= n and best[-1][0] <= now:
                     self._sweep = _scandir(inc)     # more ready than N

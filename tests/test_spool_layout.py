@@ -1,4 +1,5 @@
 """SPEC §2 and §4 `init`: the spool layout, and refusing a missing spool."""
+import errno
 import os
 import stat
 import subprocess
@@ -116,3 +117,24 @@ def test_the_lease_line_is_what_dumps_would_write(myq, spool):
             "worker": me.wid, "pid": me.pid, "start": me.start,
             "boot_id": myq.boot_id(), "token": rec["token"], "attempt": 7,
             "leased_until": round(until, 3)}})
+
+
+@pytest.mark.parametrize("refused", [None, errno.EPERM, errno.ENOSYS])
+def test_success_records_with_and_without_mknod(myq, spool, monkeypatch, refused):
+    """locks/ok/ID is made with one mknod(); where a sandbox refuses it,
+    with open + close.  Either way: an empty regular file, the job done."""
+    monkeypatch.setattr(myq, "_MKNOD", True)
+    if refused is not None:
+        def mknod(*a, **kw):
+            raise OSError(refused, os.strerror(refused))
+        monkeypatch.setattr(myq.os, "mknod", mknod)
+    sp = myq.Spool(spool)
+    ids = sp.enqueue_many([{"type": "noop"} for _ in range(3)])
+    w = myq.Worker(spool, handlers={"noop": lambda job: None},
+                   log=myq.Log(path=os.devnull))
+    assert w.run(drain=True) == 0
+    for jid in ids:
+        st = os.lstat(os.path.join(spool, "locks", "ok", jid))
+        assert stat.S_ISREG(st.st_mode) and st.st_size == 0
+        assert os.path.exists(os.path.join(spool, "done", jid + ".json"))
+    assert myq._MKNOD is (refused is None)
