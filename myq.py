@@ -410,12 +410,12 @@ def _check_depth(obj, depth=1):
         v, depth = stack.pop()
         if isinstance(v, dict):
             v = v.values()
-        elif not isinstance(v, list):
+        elif not isinstance(v, (list, tuple)):
             continue
         if depth > MAX_DEPTH:
             raise InvalidJob("JSON nested deeper than %d levels" % MAX_DEPTH)
         for x in v:
-            if isinstance(x, (dict, list)):
+            if isinstance(x, (dict, list, tuple)):
                 stack.append((x, depth + 1))
 
 
@@ -571,7 +571,7 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
         raise InvalidJob("delay must be a number of seconds >= 0 (below 1e10)")
     if not -MAX_TIME < now < MAX_TIME - 1e10:
         raise InvalidJob("the clock says %r: not a time myq can store" % now)
-    if isinstance(payload, (dict, list)):
+    if isinstance(payload, (dict, list, tuple)):
         _check_depth(payload, 2)     # the job object is level 1
     job = {"id": id, "type": type, "payload": payload, "attempts": 0}
     if max_attempts is not None:
@@ -2126,6 +2126,8 @@ class Worker(object):
                     os.close(fd)
                 except OSError:
                     pass
+            self._end_sweep()
+            self.cache, self.dirty = [], True   # a later run starts afresh
             self.me.unregister()
             self.log("stop", worker=self.me.wid)
         return 0
@@ -2416,6 +2418,8 @@ class Worker(object):
         else:
             best = []
             soonest = self._soonest
+            if self.dirty and (soonest is None or soonest > now):
+                soonest = now           # arrivals the iterator may miss
             for ent in entries(self._sweep):
                 if ent[0] <= now:
                     best.append(ent)
@@ -2447,7 +2451,7 @@ class Worker(object):
             self._sweep = None
 
     def _next_claim(self, force=False):
-        forced = False
+        forced = restarted = False
         while True:
             if not self.cache:
                 if not (self.dirty or self.cache_full or (force and not forced)):
@@ -2455,7 +2459,9 @@ class Worker(object):
                 forced = True
                 self._rescan()
                 if not self.cache:
-                    return None
+                    if self._sweep is None:
+                        return None
+                    continue            # an open pass goes on
             m, name, scheduled = self.cache[-1]
             if m > _now():
                 if self.dirty or (force and not forced):
@@ -2467,6 +2473,9 @@ class Worker(object):
             self.cache.pop()
             if not name:                # a pass's marker: time for the next
                 self.dirty = True
+                if restarted:           # nothing claimable: not again now
+                    return None
+                restarted = True
                 continue
             c = self.spool.claim(name, self.me, self.max_attempts, scheduled)
             if c is not None:
@@ -2477,6 +2486,8 @@ class Worker(object):
         if self.cache and self.cache[-1][0] <= _now():
             return True
         self._rescan()
+        while not self.cache and self._sweep is not None:
+            self._rescan()
         return bool(self.cache) and self.cache[-1][0] <= _now()
 
     # Running -------------------------------------------------------------------
@@ -2832,9 +2843,16 @@ def supervise(spool, workers, worker_args, log, python=None):
     import signal
     import subprocess
     me = os.path.abspath(__file__)
-    if me.endswith(".py"):      # importable: the workers use its cached .pyc
-        start = ["-c", "import sys; sys.path[0:0] = [%r]; import myq; "
-                 "sys.exit(myq.main())" % os.path.dirname(me)]
+    here, name = os.path.split(me)
+    if name.endswith(".py") and "." not in name[:-3]:
+        # Importable: the workers use its cached .pyc.  Its directory takes
+        # the place of the current one on sys.path, as for a script.
+        start = ["-c", "import sys\n"
+                 "if sys.path[:1] == ['']:\n    del sys.path[0]\n"
+                 "sys.path.insert(0, %r)\n"
+                 "m = __import__(%r)\n"
+                 "sys.modules.setdefault('myq', m)\n"
+                 "sys.exit(m.main())\n" % (here, name[:-3])]
     else:                       # /usr/bin/myq is myq.py itself: a script
         start = [me]
     argv = ([python or sys.executable] + start

@@ -5,6 +5,8 @@ import os
 import shutil
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -339,3 +341,44 @@ def test_a_command_builds_only_its_own_parser(myq):
         return sorted(sub[0].choices)
     assert commands(myq._parser("enqueue")) == ["enqueue"]
     assert commands(myq._parser()) == sorted(myq._COMMANDS)
+
+
+@pytest.mark.parametrize("name", ["myq.py", "queue_tool.py"])
+def test_supervised_workers_import_this_file_whatever_its_name_and_cwd(
+        tmp_path, procs, name):
+    """supervise starts its workers by importing the file it runs from (its
+    cached .pyc): under another name too, and a module in the current
+    directory named like one myq imports (heapq) must not shadow it."""
+    import shutil
+    import signal
+    from _core import MYQ, clean_env, wait_for
+    d = tmp_path / "bin"
+    d.mkdir()
+    prog = str(d / name)
+    shutil.copy(MYQ, prog)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "heapq.py").write_text("raise ImportError('shadowed heapq')\n")
+    spool = str(tmp_path / "spool")
+    hd = tmp_path / "h"
+    hd.mkdir()
+    (hd / "t").write_text("#!/bin/sh\ncat >/dev/null\n")
+    (hd / "t").chmod(0o755)
+    run = lambda *a: subprocess.run([sys.executable, prog, "--spool", spool] + list(a),
+                                    cwd=str(cwd), env=clean_env(), check=True,
+                                    stdout=subprocess.PIPE)
+    run("init")
+    jid = run("enqueue", "t", "{}").stdout.decode().strip()
+    log = str(tmp_path / "sup.log")
+    p = procs.spawn([sys.executable, prog, "--spool", spool, "supervise",
+                     "--workers", "1", "--handlers", str(hd), "--log", log],
+                    cwd=str(cwd), env=clean_env())
+    done = os.path.join(spool, "done", jid + ".json")
+    try:
+        wait_for(lambda: os.path.exists(done), timeout=20,
+                 what="the supervised worker to run the job")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(15)
+    text = open(log).read()
+    assert "shadowed" not in text and "Error" not in text, text
