@@ -101,10 +101,11 @@ def test_a_deep_backlog_starts_before_reading_the_whole_directory(
 
 def test_jobs_not_yet_due_in_a_deep_pass_run_when_due(myq, spool):
     """Every job is 1 s in the future and the directory is deeper than 4N:
-    the pass's marker must wake the worker (polling is off: --poll 3600)."""
+    the pass's marker must wake the worker (polling and reaping are off:
+    --poll 3600, a reap every hour)."""
     ids = _ids(myq, spool, 12, delay=1.0)
     seen = []
-    w = _worker(myq, spool, seen, 2, poll=3600.0)
+    w = _worker(myq, spool, seen, 2, poll=3600.0, reap_interval=3600.0)
 
     def noop(job):
         seen.append(job["id"])
