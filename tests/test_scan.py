@@ -105,7 +105,8 @@ def test_jobs_not_yet_due_in_a_deep_pass_run_when_due(myq, spool):
     --poll 3600, a reap every hour)."""
     ids = _ids(myq, spool, 12, delay=1.0)
     seen = []
-    w = _worker(myq, spool, seen, 2, poll=3600.0, reap_interval=3600.0)
+    w = _worker(myq, spool, seen, 2, poll=3600.0, reap_interval=3600.0,
+                lease=600.0)           # heartbeats every 200 s
 
     def noop(job):
         seen.append(job["id"])
@@ -113,7 +114,7 @@ def test_jobs_not_yet_due_in_a_deep_pass_run_when_due(myq, spool):
             os.kill(os.getpid(), signal.SIGTERM)
     w.handlers["noop"] = noop
     # A watchdog so that a missing wake-up fails the test instead of hanging.
-    timer = threading.Timer(30.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer = threading.Timer(15.0, os.kill, (os.getpid(), signal.SIGTERM))
     timer.start()
     try:
         w.run()
