@@ -2116,6 +2116,10 @@ class Worker(object):
         finally:
             for run in list(self.runs):
                 self._kill(run, 9)
+                for fd in (run.stdin_fd, run.err_fd):
+                    if fd is not None:
+                        os.close(fd)
+                run.stdin_fd = run.err_fd = None
                 self._release(run)
             self._retry_stuck(final=True)
             self._commit(final=True)
@@ -2128,6 +2132,9 @@ class Worker(object):
                     pass
             self._end_sweep()
             self.cache, self.dirty = [], True   # a later run starts afresh
+            if self._null is not None:
+                os.close(self._null)
+                self._null = None
             self.me.unregister()
             self.log("stop", worker=self.me.wid)
         return 0
@@ -2473,7 +2480,8 @@ class Worker(object):
             self.cache.pop()
             if not name:                # a pass's marker: time for the next
                 self.dirty = True
-                if restarted:           # nothing claimable: not again now
+                if restarted:           # nothing claimable: not again now,
+                    self.next_due = _now() + min(self.poll, 0.25)  # soon
                     return None
                 restarted = True
                 continue
@@ -2531,24 +2539,26 @@ class Worker(object):
         to its stdin, its stderr on a pipe (for last_error), stdout to
         /dev/null.  The pipes are made here, not by Popen: it would wrap
         each in a file object (three syscalls apiece) used for nothing."""
-        import subprocess
         c = run.claim
-        if self._null is None:
-            self._null = os.open(os.devnull, os.O_WRONLY | O_CLOEXEC)
-        in_r, in_w = os.pipe()          # close-on-exec; Popen dup2s them
-        err_r, err_w = os.pipe()
+        fds = []
         try:
+            import subprocess           # here: it can fail with EMFILE too
+            if self._null is None:
+                self._null = os.open(os.devnull, os.O_WRONLY | O_CLOEXEC)
+            fds.extend(os.pipe())       # close-on-exec; Popen dup2s them
+            fds.extend(os.pipe())
+            in_r, in_w, err_r, err_w = fds
             proc = subprocess.Popen(
                 [path], stdin=in_r, stdout=self._null, stderr=err_w,
                 env=self._env(c), close_fds=True, start_new_session=True)
-        except OSError as e:
-            for fd in (in_w, err_r):
+        except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
+            for fd in fds:
                 os.close(fd)
-            self._finish(run, "retry", "cannot run %s: %s" % (path, e.strerror))
+            self._finish(run, "retry", "cannot run %s: %s"
+                         % (path, getattr(e, "strerror", None) or e))
             return
-        finally:
-            os.close(in_r)
-            os.close(err_w)
+        os.close(in_r)
+        os.close(err_w)
         run.proc = proc
         self.spool.note_handler(c, proc.pid, proc_start(proc.pid))
         run.stdin_fd, run.err_fd = in_w, err_r
@@ -2843,16 +2853,18 @@ def supervise(spool, workers, worker_args, log, python=None):
     import signal
     import subprocess
     me = os.path.abspath(__file__)
-    here, name = os.path.split(me)
-    if name.endswith(".py") and "." not in name[:-3]:
-        # Importable: the workers use its cached .pyc.  Its directory takes
-        # the place of the current one on sys.path, as for a script.
+    if me.endswith(".py"):
+        # Loaded as a module, by its path, so that the workers use its
+        # cached .pyc; its directory takes the place of the current one on
+        # sys.path, as for a script.
         start = ["-c", "import sys\n"
                  "if sys.path[:1] == ['']:\n    del sys.path[0]\n"
                  "sys.path.insert(0, %r)\n"
-                 "m = __import__(%r)\n"
-                 "sys.modules.setdefault('myq', m)\n"
-                 "sys.exit(m.main())\n" % (here, name[:-3])]
+                 "import importlib.util as u\n"
+                 "s = u.spec_from_file_location('myq', %r)\n"
+                 "m = sys.modules['myq'] = u.module_from_spec(s)\n"
+                 "s.loader.exec_module(m)\n"
+                 "sys.exit(m.main())\n" % (os.path.dirname(me), me)]
     else:                       # /usr/bin/myq is myq.py itself: a script
         start = [me]
     argv = ([python or sys.executable] + start

@@ -1,11 +1,13 @@
 """SPEC §5.1: executable handlers under --handlers DIR."""
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from _core import (enqueue, ls, procs_with_cmdline, show, wait_for, worker,
+from _core import (MYQ, enqueue, ls, procs_with_cmdline, show, wait_for, worker,
                    write_incoming)
 
 
@@ -200,3 +202,77 @@ def test_type_never_resolves_outside_handlers_dir(run_myq, spool, handlers_dir, 
     assert ls(spool, "incoming") == []
     # quarantined as invalid (failed/) or dead: never run
     assert ls(spool, "failed") or ls(spool, "dlq")
+
+
+def _fds():
+    out = {}
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            out[int(f)] = os.readlink("/proc/self/fd/" + f)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_exec_handlers_leave_no_descriptor_open(myq, spool, handlers_dir,
+                                                concurrency):
+    """The worker makes the handlers' pipes and its /dev/null itself: after
+    run() nothing of them is left, whatever the handlers did."""
+    handlers_dir("ok", "cat >/dev/null")
+    handlers_dir("early", "exit 0")                     # never reads stdin
+    handlers_dir("noisy", "cat >/dev/null; head -c 300000 /dev/zero >&2; exit 1")
+    hd = handlers_dir("slow", "sleep 5")
+    sp = myq.Spool(spool)
+    big = {"x": "y" * 200000}
+    for t, payload, timeout in (("ok", big, None), ("early", big, None),
+                                ("noisy", {}, None), ("slow", {}, 0.3),
+                                ("missing", {}, None)):
+        for _ in range(3):
+            sp.enqueue(t, payload, max_attempts=1, timeout=timeout)
+    before = _fds()
+    w = myq.Worker(spool, handlers_dir=hd, concurrency=concurrency,
+                   log=myq.Log(path=os.devnull), stats_interval=0)
+    assert w.run(drain=True) == 0
+    w.log = None
+    del w
+    after = _fds()
+    assert {k: v for k, v in after.items() if before.get(k) != v} == {}
+    assert len(os.listdir(os.path.join(spool, "done"))) == 6
+    assert len(os.listdir(os.path.join(spool, "dlq"))) == 9
+
+
+def test_out_of_descriptors_retries_the_job_and_the_worker_goes_on(
+        tmp_path, handlers_dir):
+    """EMFILE when making a handler's pipes: the job is retried later (not
+    stranded in processing/), the worker does not crash."""
+    hd = handlers_dir("ok", "cat >/dev/null")
+    spool = str(tmp_path / "s")
+    code = r'''
+import os, resource, sys, json
+sys.path.insert(0, %r)
+import myq
+sp = myq.Spool(%r); sp.init()
+for i in range(3):
+    sp.enqueue("ok", {}, max_attempts=3)
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE,
+                   (used + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+errors = []
+w = myq.Worker(%r, handlers_dir=%r, stats_interval=0,
+               log=lambda ev, **kv: errors.append(kv.get("error")))
+rc = w.run(drain=True)
+print(json.dumps({"rc": rc, "errors": [e for e in errors if e]}))
+''' % (os.path.dirname(MYQ), spool, spool, hd)
+    cp = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, universal_newlines=True,
+                        timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    out = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert out["rc"] == 0
+    assert os.listdir(os.path.join(spool, "processing")) == []
+    states = {d: len(os.listdir(os.path.join(spool, d)))
+              for d in ("incoming", "done", "dlq")}
+    assert states["incoming"] + states["done"] == 3, states
+    assert any("Too many open files" in e for e in out["errors"]), out

@@ -233,3 +233,46 @@ def test_a_pass_of_unclaimable_files_does_not_spin(myq, spool):
     t.join(5)
     assert not t.is_alive(), "the worker did not stop"
     assert n[0] < 50, "%d rescans in about a second" % n[0]
+
+
+def test_a_pass_that_claims_nothing_still_wakes_the_worker_soon(
+        myq, spool, monkeypatch):
+    """One _next_claim call can end two passes without a claim (the job it
+    saw came due meanwhile): it returns None, and must leave the worker a
+    due time in a moment, not wait for a poll or heartbeat.  A slow
+    directory iterator makes the job come due during the second pass."""
+    import time
+    sp = myq.Spool(spool)
+    sp.enqueue("noop", id="0000-B", delay=1.0)
+    sp.enqueue("noop", id="0001-F1")
+    for _ in range(30):
+        sp.enqueue("noop", delay=3600)
+    real = myq._scandir
+
+    class Slow(object):
+        def __init__(self, path):
+            self.rest = sorted(real(path), key=lambda e: e.name)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if not self.rest:
+                raise StopIteration
+            time.sleep(0.02)
+            return self.rest.pop(0)
+
+        def close(self):
+            self.rest = []
+    monkeypatch.setattr(myq, "_scandir", Slow)
+    w = _worker(myq, spool, [], 1, poll=3600.0)
+    w.me = myq.Identity(w.spool)
+    c = w._next_claim(force=True)
+    assert c is not None and c.jid == "0001-F1"
+    w.spool.complete(c)
+    w.dirty = True                      # a poke between two calls
+    c = w._next_claim()
+    if c is None:
+        assert w.next_due is not None and w.next_due <= myq._now() + 1.0
+    else:
+        assert c.jid == "0000-B"
