@@ -343,7 +343,7 @@ def test_a_command_builds_only_its_own_parser(myq):
     assert commands(myq._parser()) == sorted(myq._COMMANDS)
 
 
-@pytest.mark.parametrize("name", ["myq.py", "queue_tool.py"])
+@pytest.mark.parametrize("name", ["myq.py", "queue_tool.py", "time.py"])
 def test_supervised_workers_import_this_file_whatever_its_name_and_cwd(
         tmp_path, procs, name):
     """supervise starts its workers by importing the file it runs from (its
