@@ -2557,10 +2557,11 @@ class Worker(object):
             self._finish(run, "retry", "cannot run %s: %s"
                          % (path, getattr(e, "strerror", None) or e))
             return
+        run.proc = proc
+        # First of all: the handler's pid, for a reaper should we die now.
+        self.spool.note_handler(c, proc.pid, proc_start(proc.pid))
         os.close(in_r)
         os.close(err_w)
-        run.proc = proc
-        self.spool.note_handler(c, proc.pid, proc_start(proc.pid))
         run.stdin_fd, run.err_fd = in_w, err_r
         os.set_blocking(in_w, False)
         os.set_blocking(err_r, False)

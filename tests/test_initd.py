@@ -335,6 +335,12 @@ def test_stop_takes_back_running_jobs_and_orphaned_handlers(service):
                      what="both handlers to start")
     victim = proc_stat(hpids[0])[1]             # the worker running slow1
     assert victim in s.workers()
+    proc = os.path.join(s.spool, "processing")
+
+    def recorded():     # the worker wrote its handler's pid in the claim
+        return any(n.startswith("slow1+") and '"handler"' in read(os.path.join(proc, n))
+                   for n in os.listdir(proc))
+    wait_for(recorded, what="the handler record of slow1")
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: not alive(victim), what="the worker to die")
     assert alive(hpids[0]), "the orphaned handler should still run"

@@ -45,6 +45,14 @@ def start_holding(procs, run_myq, spool, hold, tmp_path, *opts, jid="j1",
     hpid = read_pid(tmp_path / (jid + ".pid"))
     gpid = read_pid(tmp_path / (jid + ".gc"))
     assert alive(hpid) and alive(gpid)
+
+    def recorded():         # the worker wrote the handler's pid down
+        for name in os.listdir(os.path.join(spool, "processing")):
+            with open(os.path.join(spool, "processing", name)) as f:
+                if '"handler"' in f.read():
+                    return True
+        return False
+    wait_for(recorded, what="the handler record in the claim")
     return w, hpid, gpid
 
 
