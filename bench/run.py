@@ -25,8 +25,11 @@ run, interleaved with the figure, so that a noisy machine hits both alike):
   (the child stops itself with SIGTERM after K), against the 1,000-job
   drain of the same run.  K (6,000; 3,000 with --quick) spans several
   refills of the worker's 2,048-entry scan cache; a second row leaves out
-  the first K/6 jobs (and with them the first scan of the whole queue).
-  The deep spool is prepared once and topped up to 100,000 between runs.
+  the first K/6 jobs (and with them the worker's first scan).  A third row
+  drains the bare floor loop over the first K of another 100,000-file
+  spool, against its own 1,000-job rate: how much the filesystem itself
+  slows down at that depth.
+  The deep spools are prepared once and topped up to 100,000 between runs.
   Prepared job files are written without fsync, then os.sync() runs before
   any timing, so no drain pays for the preparation's writeback.
 - exec drain: a handlers dir whose `t` is /bin/true, against a bare loop of
