@@ -1194,7 +1194,8 @@ class Spool(object):
                 self.quarantine(src, name, "bad file name: a job file is ID.json, "
                                 "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
             except OSError:
-                pass
+                if os.path.lexists(src):
+                    raise           # it stays: the worker logs why, backs off
             return None
         token = me.token()
         cname = "%s+%s.json" % (stem, token)

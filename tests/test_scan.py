@@ -209,12 +209,15 @@ def test_a_job_enqueued_during_a_deep_pass_is_claimed_without_waiting(
 
 def test_a_pass_of_unclaimable_files_does_not_spin(myq, spool):
     """Bad names whose quarantine fails (failed/ gone): the worker must not
-    rescan in a tight loop, and must still stop on SIGTERM."""
+    rescan in a tight loop, must say why in its log, and must still stop
+    on SIGTERM."""
     import shutil
     for i in range(10):
         with open(os.path.join(spool, "incoming", "bad name %d.json" % i), "w") as f:
             f.write('{"type": "noop"}')
-    w = _worker(myq, spool, [], 2, poll=1.0)
+    events = []
+    w = _worker(myq, spool, [], 2, poll=1.0,
+                log=lambda ev, **kv: events.append((ev, kv)))
     n = [0]
     real = w._rescan
 
@@ -233,6 +236,9 @@ def test_a_pass_of_unclaimable_files_does_not_spin(myq, spool):
     t.join(5)
     assert not t.is_alive(), "the worker did not stop"
     assert n[0] < 50, "%d rescans in about a second" % n[0]
+    # and it says why: the quarantine failed (not silently)
+    assert any(ev == "error" and kv.get("during") == "claim"
+               for ev, kv in events), events
 
 
 def test_a_pass_that_claims_nothing_still_wakes_the_worker_soon(
