@@ -325,6 +325,18 @@ def _rename(src, dst):
     _step("rename", dst, "after")
 
 
+def _take(src, dst):
+    """Rename src to dst; False when src is gone (another worker, a
+    reaper or an operator took it first).  How a job changes hands."""
+    try:
+        _rename(src, dst)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
 def _link(src, dst):
     _step("link", dst, "before")
     os.link(src, dst)
@@ -1200,12 +1212,8 @@ class Spool(object):
         token = me.token()
         cname = "%s+%s.json" % (stem, token)
         path = self._processing + cname
-        try:
-            _rename(src, path)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return None             # another worker was faster
-            raise
+        if not _take(src, path):
+            return None                 # another worker was faster
         fd = None
         limit = self.opt["max_job_bytes"]
         try:
@@ -1306,13 +1314,7 @@ class Spool(object):
         Returns False when the claim was taken back meanwhile."""
         self._close(c)
         self.mark_ok(c.jid)
-        try:
-            _rename(c.path, self._done + c.jid + ".json")
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return False
-            raise
-        return True
+        return _take(c.path, self._done + c.jid + ".json")
 
     def move_on(self, c, job, dest, me, fin=None):
         """Put a new version of a claimed job into incoming/ (mtime =
@@ -1447,12 +1449,8 @@ class Spool(object):
     def take_back(self, path, jid, me, why, max_attempts=5):
         token = me.token()
         fin = self.d("processing", "%s+%s.fin" % (jid, token))
-        try:
-            _rename(path, fin)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return False
-            raise
+        if not _take(path, fin):
+            return False
         try:
             job, trailers, _ = self.load(fin, jid)
         except InvalidJob as e:
@@ -1536,11 +1534,7 @@ class Spool(object):
                 # finish: a crash leaves it where a reaper requeues it.
                 token = me.token()
                 fin = self.d("processing", "%s+%s.fin" % (jid, token))
-                try:
-                    _rename(path, fin)
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise
+                if not _take(path, fin):
                     missing.append(jid)
                     continue
                 self.move_on(Claim(jid=jid, path=fin, token=token, job=job),
@@ -1571,11 +1565,7 @@ class Spool(object):
                 # Take it from the worker first (its finish then fails with
                 # ENOENT and moves nothing), then stop the handler.
                 gone = self._tmpname(jid + ".deleted")
-                try:
-                    _rename(path, gone)
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise
+                if not _take(path, gone):
                     missing.append(jid)
                     continue
                 path = gone
