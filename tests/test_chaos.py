@@ -111,8 +111,10 @@ class Chaos(object):
             i, w.returncode)
         w.send_signal(signal.SIGSTOP)       # freeze it, then look
         victims = self.running(w.pid)
-        victims |= {j for p, j in self.handlers().items()
-                    if proc_stat(p) and proc_stat(p)[1] == w.pid and j}
+        for p, j in self.handlers().items():
+            st = proc_stat(p)       # once: the handler may exit meanwhile
+            if st and st[1] == w.pid and j:
+                victims.add(j)
         w.kill()
         w.wait(10)
         self.kills.append(("worker", victims))
