@@ -8,7 +8,7 @@ import time
 import pytest
 
 from _core import (FAST, blocking_handler, enqueue, ls, one_line_error, show,
-                   start_worker, stop, wait_for, worker)
+                   start_worker, wait_for, worker)
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 

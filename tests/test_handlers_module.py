@@ -1,12 +1,9 @@
 """SPEC §5.2: Python handlers from --module FILE.py (and the Worker API)."""
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
-
-import pytest
 
 from _core import MYQ, clean_env, enqueue, show, wait_for, worker
 

@@ -143,6 +143,16 @@ def _kind(mode):
     return "other"
 
 
+def _content(path, kind):
+    """A file's bytes or a link's target; never opens anything else."""
+    if kind == "file":
+        with open(path, "rb") as f:
+            return f.read()
+    if kind == "symlink":
+        return os.readlink(path)
+    return None
+
+
 def snapshot(top, skip=None, dir_times=True):
     """{relative path: (kind, ino, size, mtime, content or link target)},
     never following a link, never opening a FIFO."""
@@ -158,12 +168,7 @@ def snapshot(top, skip=None, dir_times=True):
                 continue
             st = os.lstat(p)
             k = _kind(st.st_mode)
-            extra = None
-            if k == "file":
-                with open(p, "rb") as f:
-                    extra = f.read()
-            elif k == "symlink":
-                extra = os.readlink(p)
+            extra = _content(p, k)
             mtime = st.st_mtime_ns if (k != "dir" or dir_times) else None
             out[os.path.relpath(p, top_b)] = (k, st.st_ino, st.st_size, mtime,
                                               st.st_mode, extra)
@@ -643,14 +648,7 @@ def make_entry(sb, name, kind, marker):
 def entry_state(path):
     st_ = os.lstat(path)
     k = _kind(st_.st_mode)
-    extra = None
-    if k == "file":
-        with open(path, "rb") as f:
-            extra = f.read()
-    elif k == "symlink":
-        extra = os.readlink(path)
-    elif k == "dir":
-        extra = snapshot(path)
+    extra = snapshot(path) if k == "dir" else _content(path, k)
     return k, st_.st_ino, extra
 
 

@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from _core import wait_for
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "init.d", "myq")
 MYQ = os.path.join(ROOT, "myq.py")
@@ -27,18 +29,6 @@ needs_busybox = pytest.mark.skipif(
 
 
 # Helpers #####################################################################
-
-def wait_for(cond, timeout=15.0, what="condition"):
-    """Poll cond() until it returns something true; fail after timeout."""
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            pytest.fail("timed out waiting for " + what)
-        time.sleep(0.05)
-
 
 def read(path, binary=False):
     try:

@@ -3,8 +3,6 @@ import json
 import os
 import time
 
-import pytest
-
 from _core import enqueue, ls, one_line_error, show, wait_for, worker
 
 

@@ -12,6 +12,8 @@ import threading
 
 import pytest
 
+from _core import wait_for
+
 
 def _worker(myq, spool, seen, scan_cache, **kw):
     def noop(job):
@@ -137,16 +139,6 @@ def test_drain_leaves_future_jobs_of_a_deep_directory_and_runs_the_ready(
 # pass, and a pass of nothing claimable.  Directory order is the
 # filesystem's, so the ready jobs hide among many future ones.
 
-def _wait(cond, timeout):
-    import time
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
 def test_once_and_drain_find_ready_jobs_anywhere_in_a_deep_directory(myq, spool):
     later = _ids(myq, spool, 200, delay=3600)
     ready = _ids(myq, spool, 3)
@@ -229,7 +221,7 @@ def test_a_pass_of_unclaimable_files_does_not_spin(myq, spool):
     w._rescan = counting
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
-    _wait(lambda: n[0] >= 2, 5)
+    wait_for(lambda: n[0] >= 2, timeout=5, what="two rescans")
     import time
     time.sleep(1.0)                     # the window in which rescans are counted
     w._on_stop(signal.SIGTERM, None)

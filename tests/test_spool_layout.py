@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from _core import clean_env, enqueue, ls, one_line_error
+from _core import enqueue, ls, one_line_error
 
 LAYOUT = ("tmp", "incoming", "processing", "done", "dlq", "failed", "locks")
 

@@ -26,9 +26,9 @@ import traceback
 import pytest
 
 import myq
+from _core import MYQ, ROOT, clean_env, ls
+from _core import wait_for as _wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MYQ = os.path.join(ROOT, "myq.py")
 ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO}
 
 def under(path, sub):
@@ -38,28 +38,9 @@ def under(path, sub):
 
 
 
-def wait_for(pred, timeout=20.0, what="condition", interval=0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for " + what)
-        time.sleep(interval)
-
-
-def ls(path, sub):
-    try:
-        return sorted(os.listdir(os.path.join(path, sub)))
-    except FileNotFoundError:
-        return []
-
-
-def clean_env(extra=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
-    env.update(extra or {})
-    return env
+def wait_for(pred, timeout=20.0, what="condition"):
+    """_core.wait_for with this file's longer default (a full disk is slow)."""
+    return _wait_for(pred, timeout=timeout, what=what)
 
 
 def cli(*args, **kw):

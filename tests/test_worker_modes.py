@@ -1,12 +1,9 @@
 """SPEC §4 `worker` modes and options, §5 at-least-once, §6 log lines."""
 import json
 import os
-import re
 import shutil
 import signal
 import time
-
-import pytest
 
 from _core import (FAST, LOG_RE, STATUS_RE, blocking_handler, enqueue,
                    kill_quiet, ls, show, start_worker, stop, wait_for, worker)
@@ -157,8 +154,8 @@ def test_drain_first_requeues_claims_of_dead_workers(run_myq, spool, handlers_di
 def test_worker_log_lines(run_myq, spool, handlers_dir, tmp_path):
     h = handlers_dir("ok", "exit 0")
     handlers_dir("bad", "echo oops >&2; exit 1")
-    a = enqueue(run_myq, spool, "ok", "--id", "log-ok")
-    b = enqueue(run_myq, spool, "bad", "--id", "log-bad")
+    enqueue(run_myq, spool, "ok", "--id", "log-ok")
+    enqueue(run_myq, spool, "bad", "--id", "log-bad")
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
     lines = [l for l in cp.stderr.splitlines() if l.strip()]
