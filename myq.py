@@ -208,11 +208,38 @@ def _read_small(path, limit=4096):
     """Up to `limit` bytes of a small file (/proc, a .reason), or None.
     Never blocks on a FIFO."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_tail(path, limit):
+    """The last `limit` bytes of a regular file, or None; never follows a
+    symlink, never blocks on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if st.st_size > limit:
+            os.lseek(fd, st.st_size - limit, 0)
+        chunks = []
+        while True:
+            b = os.read(fd, 65536)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
     except OSError:
         return None
     finally:
@@ -242,6 +269,66 @@ def proc_start(pid):
         return None
 
 
+def _proc_table():
+    """{pid: (ppid, pgrp, session)} of every live process, from /proc."""
+    table = {}
+    for name in _listdir("/proc"):
+        if not name.isdigit():
+            continue
+        data = _read_small("/proc/%s/stat" % name, 1024)
+        try:
+            f = data[data.rindex(b")") + 2:].split()
+            if f[0] not in (b"Z", b"X"):
+                table[int(name)] = (int(f[1]), int(f[2]), int(f[3]))
+        except (AttributeError, ValueError, IndexError):
+            continue            # gone meanwhile
+    return table
+
+
+def run_processes(leader, token=None, start=None):
+    """The processes of one handler run: its process group and session
+    (`leader` started them with setsid), every descendant of those, and
+    every process that carries the run's MYQ_CLAIM=token in its environment
+    (a child that called setsid and was re-parented to init still has it).
+    With `start` (a record read from disk, not our own child), the group
+    counts only while the leader is that very process: its pid may have
+    been handed out again.  Standard library only: no cgroups, no prctl."""
+    table = _proc_table()
+    found = set()
+    if start is None or _pid_alive(leader, start):
+        found.update(p for p, (_, pgrp, sid) in table.items()
+                     if leader in (p, pgrp, sid))
+    if token:
+        marker = ("MYQ_CLAIM=" + token).encode()
+        for p in table:
+            if p not in found:
+                env = _read_small("/proc/%d/environ" % p, 1 << 20)
+                if env and marker in env.split(b"\0"):
+                    found.add(p)
+    more = True
+    while more:             # descendants, to the last generation
+        more = False
+        for p, (ppid, _, _) in table.items():
+            if ppid in found and p not in found:
+                found.add(p)
+                more = True
+    found.difference_update((0, 1, os.getpid(), os.getppid()))
+    return found
+
+
+def kill_run(leader, sig, token=None, start=None):
+    """Signal everything a handler run started (see run_processes).
+    Returns how many processes were signalled."""
+    n = 0
+    for p in run_processes(leader, token, start):
+        try:
+            os.kill(p, sig)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
 def pid_namespace():
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -250,7 +337,11 @@ def pid_namespace():
 
 
 def _pid_alive(pid, start):
-    """True when `pid` runs and is the process that started at `start`."""
+    """True when `pid` runs and is the process that started at `start`.
+    A record's values are checked here: a pid that is not a number above 1
+    (or a start that is not a number) is never alive."""
+    if pid.__class__ is not int or pid <= 1 or start.__class__ is not int:
+        return False
     s = proc_start(pid)
     return s is not None and s == start
 
@@ -270,35 +361,43 @@ def _step(op, path, when):
         _hook(op, path, when)
 
 
-def _create(path, data, sync=True, mtime=None, mode=0o640):
+def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
+            owner=None):
     """Write a new file: exclusively, never through a symlink; fsync when the
-    file must survive a power cut before it is renamed into place."""
+    file must survive a power cut before it is renamed into place.  With
+    `dir_fd`, the file is created in that directory (its name is the last
+    part of `path`); with `owner` (uid, gid), the new file is given away
+    through its own descriptor, so no one can swap it for a link first."""
     _step("create", path, "before")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
-                 | O_CLOEXEC, mode)
+    if dir_fd is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
+                     | O_CLOEXEC, mode)
+    else:
+        fd = os.open(os.path.basename(path), os.O_WRONLY | os.O_CREAT
+                     | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode, dir_fd=dir_fd)
     _step("create", path, "after")
     try:
+        if owner is not None:
+            os.fchown(fd, owner[0], owner[1])
         if data:
             _step("write", path, "before")
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             _step("write", path, "after")
+        if mtime is not None:       # before the fsync: the schedule is durable too
+            _step("utime", path, "before")
+            os.utime(fd, (mtime, mtime))
+            _step("utime", path, "after")
         if sync:
             _step("fsync", path, "before")
             os.fsync(fd)
             _step("fsync", path, "after")
     except BaseException:
         os.close(fd)
-        _quiet_unlink(path)
+        _quiet_unlink(path, dir_fd)
         raise
     os.close(fd)
-    if mtime is not None:
-        try:
-            _utime(path, mtime)
-        except BaseException:
-            _quiet_unlink(path)
-            raise
 
 
 def _create_empty(path, mode=0o640):
@@ -319,9 +418,14 @@ def _create_empty(path, mode=0o640):
     _step("create", path, "after")
 
 
-def _rename(src, dst):
+def _rename(src, dst, src_fd=None, dst_fd=None):
+    """rename(2); with directory descriptors, of the paths' last parts."""
     _step("rename", dst, "before")
-    os.rename(src, dst)
+    if src_fd is None:
+        os.rename(src, dst)
+    else:
+        os.rename(os.path.basename(src), os.path.basename(dst),
+                  src_dir_fd=src_fd, dst_dir_fd=dst_fd)
     _step("rename", dst, "after")
 
 
@@ -337,9 +441,13 @@ def _take(src, dst):
     return True
 
 
-def _link(src, dst):
+def _link(src, dst, src_fd=None, dst_fd=None):
     _step("link", dst, "before")
-    os.link(src, dst)
+    if src_fd is None:
+        os.link(src, dst)
+    else:
+        os.link(os.path.basename(src), os.path.basename(dst), src_dir_fd=src_fd,
+                dst_dir_fd=dst_fd, follow_symlinks=False)
     _step("link", dst, "after")
 
 
@@ -349,9 +457,12 @@ def _unlink(path):
     _step("unlink", path, "after")
 
 
-def _quiet_unlink(path):
+def _quiet_unlink(path, dir_fd=None):
     try:
-        os.unlink(path)
+        if dir_fd is None:
+            os.unlink(path)
+        else:
+            os.unlink(os.path.basename(path), dir_fd=dir_fd)
     except OSError:
         pass
 
@@ -366,9 +477,11 @@ def _append(path, data, fd=None):
     """Append one record with a single O_APPEND write."""
     _step("append", path, "before")
     if fd is None:
-        fd2 = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                      | O_NOFOLLOW | O_CLOEXEC, 0o640)
+        fd2 = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW
+                      | os.O_NONBLOCK | O_CLOEXEC, 0o640)
         try:
+            if not stat.S_ISREG(os.fstat(fd2).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
             os.write(fd2, data)
         finally:
             os.close(fd2)
@@ -377,15 +490,84 @@ def _append(path, data, fd=None):
     _step("append", path, "after")
 
 
-def _fsync_dir(path):
+def _fsync_dir(path, fd=None):
     """Commit the directory's entries (the renames into it) to disk."""
     _step("fsync", path + "/", "before")
-    fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-    try:
+    if fd is not None:
         os.fsync(fd)
-    finally:
-        os.close(fd)
+    else:
+        fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     _step("fsync", path + "/", "after")
+
+
+def _open_dir(name, dir_fd=None, show=None):
+    """A descriptor of directory `name` (in `dir_fd`), never through a
+    symlink; ConfigError when it is not a directory."""
+    try:
+        fd = os.open(name, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK
+                     | O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ConfigError("%s is not a directory (a symlink or another file "
+                              "stands in its place); remove it and run myq init"
+                              % (show or name))
+        raise
+    return fd
+
+
+def _exists(name, where):
+    """Is there an entry `name` in directory `where` (a path or a
+    descriptor)?  A symlink counts; it is not followed."""
+    try:
+        if where.__class__ is int:
+            os.stat(name, dir_fd=where, follow_symlinks=False)
+        else:
+            os.lstat(os.path.join(where, name))
+        return True
+    except OSError:
+        return False
+
+
+class _Dirs(object):
+    """Descriptors of one spool's directories for the length of one call,
+    each opened through its parent's and never through a symlink.
+    `dirs("incoming")` is the descriptor of incoming/."""
+
+    def __init__(self, top):
+        self.top = top
+        self.fds = {}
+        self._owner = False
+
+    def __call__(self, sub):
+        fd = self.fds.get(sub)
+        if fd is None:
+            if not sub:
+                fd = os.open(self.top, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+            else:
+                parent, _, name = sub.rpartition("/")
+                fd = _open_dir(name, self(parent), os.path.join(self.top, sub))
+            self.fds[sub] = fd
+        return fd
+
+    def owner(self):
+        """(uid, gid) that new files must belong to: the spool's, when we
+        are root and the spool is someone else's; else None."""
+        if self._owner is False:
+            self._owner = None
+            if os.geteuid() == 0:
+                st = os.fstat(self("incoming"))
+                if st.st_uid != 0:
+                    self._owner = (st.st_uid, st.st_gid)
+        return self._owner
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 def _space_error(exc):
@@ -487,6 +669,27 @@ def parse(data):
             raise InvalidJob("unexpected data after the job object")
         trailers.append(rec)
     return obj, trailers
+
+
+def _check_ref(jid):
+    """A job reference from the command line or the API: an id, or the
+    name of a file in failed/ (any one path component).  Returns it, or
+    raises InvalidJob before anything touches the disk."""
+    if not isinstance(jid, str):
+        raise InvalidJob("a job id is a string, not %s" % type(jid).__name__)
+    if (not jid or jid in (".", "..") or "/" in jid or "\0" in jid
+            or len(jid) > 255 or jid.endswith(".reason")):
+        raise InvalidJob("bad job id %s: 1-128 characters of A-Z a-z 0-9 . _ -,"
+                         " not starting with '.' (or a name from: myq list "
+                         "failed)" % json.dumps(jid)[:140])
+    return jid
+
+
+def _ids(ids):
+    """A list of job references; a single string is one id, not letters."""
+    if isinstance(ids, str):
+        return [ids]
+    return list(ids)
 
 
 def _check_name(value, what):
@@ -616,13 +819,6 @@ def _lease_of(trailers):
     return None
 
 
-def _handler_of(trailers):
-    for rec in reversed(trailers):
-        if "handler" in rec and isinstance(rec["handler"], dict):
-            return rec["handler"]
-    return None
-
-
 def _effective_available(job, now):
     """available_at, capped at now + the intended delay when the producer's
     clock was ahead (created_at in the future)."""
@@ -631,6 +827,11 @@ def _effective_available(job, now):
     if avail > now and created > now:
         avail = min(avail, now + max(0.0, avail - created))
     return avail
+
+
+def _claim_token(path):
+    """'processing/ID+WID.SEQ.json' -> 'WID.SEQ'."""
+    return os.path.basename(path).rpartition(".")[0].partition("+")[2]
 
 
 def _split_claim(name):
@@ -646,6 +847,40 @@ def _split_claim(name):
 
 
 # The spool ###################################################################
+
+def _other_fs(sub, top):
+    return ("%s is on a different filesystem than %s: rename() between them "
+            "would not be atomic; keep the whole spool on one filesystem "
+            "(unmount or move %s)" % (sub, top, sub))
+
+
+def _user_ids(owner):
+    """'USER[:GROUP]' (names or numbers) -> (uid, gid)."""
+    import pwd
+    import grp
+    user, _, group = owner.partition(":")
+    try:
+        pw = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
+        gid = pw.pw_gid
+        if group:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except (KeyError, ValueError):
+        raise ConfigError("no such user or group %r; give --owner USER[:GROUP]"
+                          % owner)
+    return pw.pw_uid, gid
+
+
+def become(uid, gid):
+    """Switch this process to uid/gid for good (from root): its groups too."""
+    import pwd
+    try:
+        os.initgroups(pwd.getpwuid(uid).pw_name, gid)
+    except (KeyError, OSError):
+        os.setgroups([gid])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
 
 class Identity:
     """Who holds a claim: locks/workers/WID.json (pid, process start time,
@@ -745,47 +980,74 @@ class Spool(object):
     def d(self, *parts):
         return os.path.join(self.path, *parts)
 
+    def _paths(self, sub):
+        """Stands in for _Dirs where paths will do (the spool is ours)."""
+        return self.d(sub)
+
     # Layout ------------------------------------------------------------------
 
     def init(self, owner=None):
-        """Create the spool and its layout (idempotent)."""
+        """Create the spool and its layout (idempotent).  Every entry is
+        reached through its parent's descriptor, never through a symlink,
+        and `owner` gets each one through its own descriptor: the owner of
+        an existing spool cannot make init (run as root at every boot) chown
+        or create anything outside it."""
+        ids = _user_ids(owner) if owner else None
         try:
             os.makedirs(self.path, 0o750, exist_ok=True)
-            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
-                p = self.d(sub)
-                if not os.path.isdir(p):
-                    _step("mkdir", p, "before")
-                    os.mkdir(p, 0o750)
-                    _step("mkdir", p, "after")
-            wake = self.d("locks", "wake")
-            if not os.path.exists(wake) and hasattr(os, "mkfifo"):
-                os.mkfifo(wake, 0o660)
+            st = os.lstat(self.path)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+                raise ConfigError(
+                    "%s is a symlink owned by uid %d; refusing to follow it "
+                    "(give the real directory as --spool)" % (self.path, st.st_uid))
+            fds = {"": os.open(self.path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)}
         except OSError as e:
             raise ConfigError("cannot create the spool %s: %s; check the path "
                               "and its permissions" % (self.path, e.strerror))
-        self.check_filesystem()
-        if owner:
-            self._chown(owner)
-        return self
-
-    def _chown(self, owner):
-        import pwd
-        import grp
-        user, _, group = owner.partition(":")
         try:
-            pw = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
-            gid = pw.pw_gid
-            if group:
-                gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-        except (KeyError, ValueError):
-            raise ConfigError("no such user or group %r; give --owner USER[:GROUP]"
-                              % owner)
-        for sub in ("",) + SUBDIRS + ("locks/ok", "locks/workers", "locks/wake"):
-            try:
-                os.chown(self.d(sub), pw.pw_uid, gid)
-            except OSError as e:
-                raise ConfigError("cannot chown %s to %s: %s (run init as root)"
-                                  % (self.d(sub), owner, e.strerror))
+            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
+                parent, _, name = sub.rpartition("/")
+                p = self.d(sub)
+                try:
+                    _step("mkdir", p, "before")
+                    os.mkdir(name, 0o750, dir_fd=fds[parent])
+                    _step("mkdir", p, "after")
+                except FileExistsError:
+                    pass
+                fds[sub] = _open_dir(name, fds[parent], p)
+            dev = os.fstat(fds[""]).st_dev
+            for sub, fd in fds.items():
+                if os.fstat(fd).st_dev != dev:
+                    raise ConfigError(_other_fs(self.d(sub), self.path))
+            if hasattr(os, "mkfifo"):
+                try:
+                    os.mkfifo("wake", 0o660, dir_fd=fds["locks"])
+                except FileExistsError:
+                    pass
+            if ids:
+                for fd in fds.values():
+                    os.fchown(fd, ids[0], ids[1])
+                try:
+                    fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
+                                 | O_CLOEXEC, dir_fd=fds["locks"])
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise ConfigError("%s is not a FIFO; remove it and run "
+                                          "myq init" % self.d("locks", "wake"))
+                else:
+                    try:
+                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                            os.fchown(fd, ids[0], ids[1])
+                    finally:
+                        os.close(fd)
+        except OSError as e:
+            raise ConfigError("cannot create the spool %s: %s; check the path "
+                              "and its permissions (--owner needs root)"
+                              % (self.path, e.strerror))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return self
 
     def require(self):
         """Raise ConfigError unless the spool exists and is initialised."""
@@ -805,11 +1067,7 @@ class Spool(object):
         dev = os.stat(self.path).st_dev
         for sub in SUBDIRS + ("locks/ok",):
             if os.stat(self.d(sub)).st_dev != dev:
-                raise ConfigError(
-                    "%s is on a different filesystem than %s: rename() between "
-                    "them would not be atomic; keep the whole spool on one "
-                    "filesystem (unmount or move %s)" % (self.d(sub), self.path,
-                                                          self.d(sub)))
+                raise ConfigError(_other_fs(self.d(sub), self.path))
 
     # Producers ---------------------------------------------------------------
 
@@ -864,68 +1122,69 @@ class Spool(object):
         problem = self.free_problem()
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        # Through descriptors of the directories, opened without following a
+        # symlink: a root producer never writes outside a spool it does not
+        # own, whatever its owner puts in place of tmp/ or incoming/.
+        dirs = _Dirs(self.path)
         done = []
         try:
-            for job, data, explicit, delay in todo:
-                self._place_new(job, data, explicit, delay, sync)
-                done.append(job["id"])
-        except BaseException:
-            if done and sync:
-                self._fsync_or_withdraw(done)
-            raise
-        if done:
-            if sync:
-                self._fsync_or_withdraw(done)
-            self.poke()
+            try:
+                for job, data, explicit, delay in todo:
+                    self._place_new(job, data, explicit, delay, sync, dirs)
+                    done.append(job["id"])
+            except BaseException:
+                if done and sync:
+                    self._fsync_or_withdraw(done, dirs)
+                raise
+            if done:
+                if sync:
+                    self._fsync_or_withdraw(done, dirs)
+                self.poke(dirs)
+        except OSError as e:        # opening the directories
+            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
+                            % (self.path, e.strerror))
+        finally:
+            dirs.close()
         return done
 
-    def _fsync_or_withdraw(self, ids):
+    def _fsync_or_withdraw(self, ids, dirs):
         """Commit incoming/; when that fails the jobs are not durable, so
         take them back (an error must mean: nothing enqueued)."""
         try:
-            _fsync_dir(self._incoming[:-1])
+            _fsync_dir(self._incoming[:-1], dirs("incoming"))
         except OSError as e:
             for jid in ids:
-                _quiet_unlink(self._incoming + jid + ".json")
+                _quiet_unlink(jid + ".json", dirs("incoming"))
             cls = SpoolFull if _space_error(e) else SpoolBusy
             raise cls("cannot commit to %s: %s; nothing was enqueued"
                       % (self.path, e.strerror))
-
-    def _owner(self):
-        """(uid, gid) of the spool when we are root and it belongs to someone
-        else (the worker runs as MYQ_USER): new job files are given to it."""
-        if not hasattr(self, "_owner_cache"):
-            self._owner_cache = None
-            if hasattr(os, "geteuid") and os.geteuid() == 0:
-                st = os.stat(self.d("incoming"))
-                if st.st_uid != 0:
-                    self._owner_cache = (st.st_uid, st.st_gid)
-        return self._owner_cache
 
     def _tmpname(self, jid):
         self._seq += 1
         return "%s%s.%d.%d.new" % (self._tmp, jid, os.getpid(), self._seq)
 
-    def _place_new(self, job, data, explicit, delay, sync):
+    def _place_new(self, job, data, explicit, delay, sync, dirs):
         jid = job["id"]
         if explicit:
-            where = self.find_id(jid)
+            where = self.find_id(jid, dirs=dirs)
             if where:
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
         tmp = self._tmpname(jid)
         dst = self._incoming + jid + ".json"
+        tfd = dfd = None
         try:
-            _create(tmp, data, sync=sync,
+            tfd, dfd = dirs("tmp"), dirs("incoming")
+            # Root enqueues into a spool that belongs to the worker's user:
+            # the file is handed over through its own descriptor, before it
+            # has a name anyone else could swap.
+            _create(tmp, data, sync=sync, dir_fd=tfd, owner=dirs.owner(),
                     mtime=job["available_at"] if delay else None)
-            owner = self._owner()
-            if owner:
-                os.chown(tmp, owner[0], owner[1])
             if not explicit:
-                _rename(tmp, dst)
+                _rename(tmp, dst, tfd, dfd)
                 return
             try:
-                _link(tmp, dst)         # EEXIST: the id is queued right now
+                _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued right now
             except OSError as e:
                 if e.errno == errno.EEXIST:
                     raise DuplicateJob("job id %s is already queued; pick another"
@@ -933,57 +1192,70 @@ class Spool(object):
                 if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
                                    errno.EMLINK, errno.EXDEV):
                     raise
-                if os.path.lexists(dst):    # no hard links (vfat): check, rename
+                if _exists(jid + ".json", dfd):  # no hard links (vfat)
                     raise DuplicateJob("job id %s is already queued" % jid)
-                _rename(tmp, dst)
+                _rename(tmp, dst, tfd, dfd)
                 return
-            _quiet_unlink(tmp)      # queued already; tmp/ orphans are pruned
+            _quiet_unlink(tmp, tfd)     # queued already; tmp/ orphans are pruned
         except MyqError:
-            _quiet_unlink(tmp)
+            if tfd is not None:
+                _quiet_unlink(tmp, tfd)
             raise
         except OSError as e:
-            _quiet_unlink(tmp)
+            if tfd is not None:
+                _quiet_unlink(tmp, tfd)
             if _space_error(e):
                 raise SpoolFull("spool %s is full (%s); nothing was enqueued; "
                                 "free space or prune" % (self.path, e.strerror))
             raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
                             % (jid, self.path, e.strerror))
 
-    def poke(self):
-        """Wake an idle worker: one byte into the FIFO locks/wake."""
+    def poke(self, dirs=None):
+        """Wake an idle worker: one byte into the FIFO locks/wake (never
+        into anything else that may stand there)."""
         try:
-            fd = os.open(self._wake, os.O_WRONLY | os.O_NONBLOCK | O_CLOEXEC)
-        except OSError:         # ENXIO: no worker is listening
+            if dirs is not None:
+                fd = os.open("wake", os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW
+                             | O_CLOEXEC, dir_fd=dirs("locks"))
+            else:
+                fd = os.open(self._wake, os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW
+                             | O_CLOEXEC)
+        except (OSError, MyqError):     # ENXIO: no worker is listening
             return
         try:
-            os.write(fd, b"!")
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.write(fd, b"!")
         except OSError:         # EAGAIN: the pipe is full, it is awake anyway
             pass
         finally:
             os.close(fd)
 
-    def find_id(self, jid, now=None):
+    def find_id(self, jid, now=None, dirs=None):
         """Where an id lives for de-duplication: a state name or None."""
-        if os.path.lexists(self.d("incoming", jid + ".json")):
+        dirs = dirs or self._paths
+        if _exists(jid + ".json", dirs("incoming")):
             return "queued"
-        if os.path.lexists(self.d("dlq", jid + ".json")):
+        if _exists(jid + ".json", dirs("dlq")):
             return "dead"
         prefix = jid + "+"
         try:
-            for name in os.listdir(self.d("processing")):
+            for name in os.listdir(dirs("processing")):
                 if name.startswith(prefix):
                     return "processing"
         except OSError:
             pass
-        if self.ok_fresh(jid, now):
+        if self.ok_fresh(jid, now, dirs):
             return "done within the de-duplication window"
         return None
 
     # Idempotency records -------------------------------------------------------
 
-    def ok_fresh(self, jid, now=None):
+    def ok_fresh(self, jid, now=None, dirs=None):
         try:
-            st = os.stat(self._ok + jid)
+            if dirs is None:
+                st = os.stat(self._ok + jid)
+            else:
+                st = os.stat(jid, dir_fd=dirs("locks/ok"), follow_symlinks=False)
         except OSError:
             return False
         now = _now() if now is None else now
@@ -1030,8 +1302,16 @@ class Spool(object):
         return normalize(obj, stem, st.st_mtime), trailers, st
 
     def locate(self, jid):
-        """(state, path) of a job id, or raise NoSuchJob."""
-        if isinstance(jid, str) and "/" not in jid and jid not in (".", ".."):
+        """(state, path) of a job id, or raise NoSuchJob.  A name that is not
+        an id (SPEC 3) is looked up in failed/ only, where quarantined files
+        keep the names they came with; InvalidJob when it could not be a
+        name there either."""
+        if not NAME_RE.match(_check_ref(jid)):
+            for name in (jid, jid + ".json"):
+                p = self.d("failed", name)
+                if not name.endswith(".reason") and os.path.lexists(p):
+                    return "failed", p
+        else:
             p = self.d("incoming", jid + ".json")
             try:
                 st = os.lstat(p)
@@ -1166,12 +1446,8 @@ class Spool(object):
 
     def retries_1m(self, now=None):
         now = _now() if now is None else now
-        try:
-            with open(self.d("locks", "retries"), "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - 65536))
-                data = f.read()
-        except OSError:
+        data = _read_tail(self.d("locks", "retries"), 65536)
+        if data is None:
             return 0
         n = 0
         for line in data.split(b"\n")[::-1]:
@@ -1242,6 +1518,10 @@ class Spool(object):
                          | os.O_NONBLOCK | O_CLOEXEC)
             data = os.read(fd, st.st_size + 65536)
             obj, trailers = parse(data)
+            if trailers:
+                raise InvalidJob("worker records (lease or handler lines) after "
+                                 "the job: only a worker writes those; a "
+                                 "producer's file holds the job object alone")
             if len(data) > limit and not (
                     isinstance(obj, dict) and _rewritten(obj)
                     and len(data) <= limit + SLACK):
@@ -1294,12 +1574,40 @@ class Spool(object):
             raise
         return c
 
-    def note_handler(self, c, pid, start):
-        """Record the handler's process group, so a reaper can kill it."""
+    def _run_record(self, token):
+        return self.d("locks", "workers", token + ".run")
+
+    def _note_handler(self, c, pid, start):
+        """Record the handler's process in locks/workers/TOKEN.run, where
+        only the spool's owner writes: a reaper kills what it names, so a
+        producer must not be able to forge it (a line in the job file
+        could be).  The record is a symlink that is never followed, its
+        target "PID:START:BOOT_ID": one syscall, no data block."""
+        path = self._run_record(c.token)
         try:
-            _append(c.path, dumps({"handler": {"pid": pid, "start": start}}), c.fd)
+            _step("create", path, "before")
+            os.symlink("%d:%s:%s" % (pid, start, boot_id()), path)
+            _step("create", path, "after")
         except OSError:
             pass
+
+    def _end_handler(self, token):
+        _quiet_unlink(self._run_record(token))
+
+    def _kill_handler(self, token, sig):
+        """Signal what a run recorded by another process started (see
+        kill_run): only when the record is of this boot and its pid is
+        still the very process it names."""
+        try:
+            pid, start, boot = os.readlink(self._run_record(token)).split(":", 2)
+            pid, start = int(pid), int(start)
+        except (OSError, ValueError):
+            return 0
+        if boot != boot_id():
+            return 0
+        if not _pid_alive(pid, start):
+            return kill_run(0, sig, token, start=-1)   # by its MYQ_CLAIM alone
+        return kill_run(pid, sig, token, start=start)
 
     def _close(self, c):
         if c.fd is not None:
@@ -1457,10 +1765,9 @@ class Spool(object):
             self.quarantine(fin, jid + ".json", "taken back from a dead worker "
                             "but unreadable: %s" % e)
             return True
-        handler = _handler_of(trailers)
-        if handler and isinstance(handler.get("pid"), int) \
-                and _pid_alive(handler["pid"], handler.get("start")):
-            _killpg(handler["pid"], 9)
+        old_token = _claim_token(path)
+        self._kill_handler(old_token, 9)
+        self._end_handler(old_token)
         c = Claim(jid=jid, path=fin, token=token, job=job, name=None, fd=None)
         if self.ok_fresh(jid):
             _rename(fin, self.d("done", jid + ".json"))
@@ -1503,7 +1810,7 @@ class Spool(object):
     def retry(self, ids=(), all=False):
         """Bring dead (or repaired failed) jobs back, attempts reset."""
         self.require()
-        ids = list(ids)
+        ids = [_check_ref(i) for i in _ids(ids)]
         if all:
             ids += [n[:-5] for n in sorted(_listdir(self.d("dlq")))
                     if n.endswith(".json")]
@@ -1556,6 +1863,7 @@ class Spool(object):
 
     def delete(self, ids, force=False):
         self.require()
+        ids = [_check_ref(i) for i in _ids(ids)]
         missing, n = [], 0
         for jid, state, path in self._located(ids, missing):
             if state == "processing":
@@ -1568,14 +1876,8 @@ class Spool(object):
                 if not _take(path, gone):
                     missing.append(jid)
                     continue
+                self._kill_handler(_claim_token(path), 15)
                 path = gone
-                try:
-                    _, trailers = parse(self.read_file(path)[0])
-                    h = _handler_of(trailers)
-                    if h and _pid_alive(h.get("pid"), h.get("start")):
-                        _killpg(h["pid"], 15)
-                except (OSError, InvalidJob):
-                    pass
             try:
                 _unlink(path)
             except OSError as e:
@@ -1655,10 +1957,14 @@ class Spool(object):
                     gone(e.path, "ok")
             except OSError:
                 pass
-        owners = set(p[1] for p in map(_split_claim, _listdir(self.d("processing")))
-                     if p)
+        claims = _listdir(self.d("processing"))
+        owners = set(p[1] for p in map(_split_claim, claims) if p)
+        tokens = set(map(_claim_token, claims))
         cache, mono = {}, _mono()
         for name in _listdir(self.d("locks", "workers")):
+            if name.endswith(".run") and name[:-4] not in tokens:
+                gone(self.d("locks", "workers", name), "workers")
+                continue            # a run record whose claim has ended
             wid = name[:-5]
             if name.endswith(".json") and wid not in owners:
                 why = self.owner_gone(wid, self.d("locks", "workers", name),
@@ -1671,11 +1977,11 @@ class Spool(object):
     def _compact_retries(self, now):
         path = self.d("locks", "retries")
         try:
-            if os.path.getsize(path) < 65536:
+            if os.lstat(path).st_size < 65536:
                 return
-            with open(path, "rb") as f:
-                lines = [l for l in f.read().split(b"\n")
-                         if l.strip().isdigit() and int(l) > now - 120]
+            data = _read_tail(path, 1 << 20) or b""
+            lines = [l for l in data.split(b"\n")
+                     if l.strip().isdigit() and int(l) > now - 120]
             tmp = self._tmpname("retries")
             _create(tmp, b"".join(l + b"\n" for l in lines), sync=False)
             _rename(tmp, path)
@@ -1758,14 +2064,6 @@ def _count(path, suffix):
     return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
 
 
-def _killpg(pgid, sig):
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except OSError:
-        return False
-
-
 _SPOOLS = {}
 
 
@@ -1790,9 +2088,10 @@ class Log(object):
     on SIGHUP, for logrotate) or syslog.  No `logging`: python3-light lacks it."""
 
     def __init__(self, path=None, syslog=False, facility="daemon", tag="myq",
-                 stream=None):
+                 stream=None, owner=None):
         self.path, self.use_syslog = path, syslog
         self.stream = stream
+        self.owner = owner          # (uid, gid) a new log file is given to
         self._file = None
         self._syslog = None
         if syslog:
@@ -1808,15 +2107,16 @@ class Log(object):
 
     def reopen(self):
         if self.path:
-            try:
-                f = open(self.path, "a", buffering=1, encoding="utf-8",
-                         errors="replace")
-            except OSError as e:
-                raise ConfigError("cannot open log file %s: %s" % (self.path,
-                                                                   e.strerror))
+            f = os.fdopen(open_log_file(self.path, self.owner), "a", buffering=1,
+                          encoding="utf-8", errors="replace")
             old, self._file = self._file, f
             if old:
                 old.close()
+
+    def fileno(self):
+        """The log file's descriptor (for a child's stdout and stderr), or
+        None (syslog, stderr: the child inherits ours)."""
+        return self._file.fileno() if self._file is not None else None
 
     def write(self, line, warning=False):
         if self._syslog:
@@ -1856,6 +2156,25 @@ def load_module(path):
         raise ConfigError("--module %s failed to load: %s: %s"
                           % (path, type(e).__name__, e))
     return mod
+
+
+def _module_types(mod):
+    """The job types of a --module file (SPEC 5): exactly its HANDLERS dict
+    when it has one, else the functions the file itself defines -- never
+    what it imports (`from subprocess import run` must not make a type
+    `run`), never a name starting with '_'."""
+    table = getattr(mod, "HANDLERS", None)
+    if isinstance(table, dict):
+        items = table.items()
+    else:
+        items = [(k, v) for k, v in vars(mod).items()
+                 if isinstance(v, _FUNCTION)
+                 and getattr(v, "__module__", None) == mod.__name__]
+    return dict((k, v) for k, v in items
+                if isinstance(k, str) and not k.startswith("_") and callable(v))
+
+
+_FUNCTION = type(_module_types)
 
 
 def _retry_after(value, now=None):
@@ -1996,7 +2315,7 @@ class Worker(object):
                  backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
                  stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
                  scan_cache=2048, log=None, reap_interval=None,
-                 prune_interval=60.0, **spool_options):
+                 prune_interval=60.0, parent=None, **spool_options):
         self.log = log or Log()
         if isinstance(spool, Spool):
             self.spool = spool
@@ -2007,10 +2326,8 @@ class Worker(object):
         self.handlers = dict(handlers or {})
         self.module = load_module(module) if module else None
         if self.module is not None:
-            table = getattr(self.module, "HANDLERS", None)
-            if isinstance(table, dict):
-                for k, v in table.items():
-                    self.handlers.setdefault(k, v)
+            for k, v in _module_types(self.module).items():
+                self.handlers.setdefault(k, v)
         if concurrency < 1:
             raise UsageError("--concurrency must be at least 1")
         self.concurrency = int(concurrency)
@@ -2024,6 +2341,7 @@ class Worker(object):
         self.scan_cache = max(1, int(scan_cache))
         self.reap_interval = reap_interval or max(0.5, min(self.lease / 2, 10.0))
         self.prune_interval = prune_interval
+        self.parent = parent        # the supervisor's pid: stop when it is gone
         self.runs = []
         self.cache, self.cache_full, self.dirty = [], False, True
         self.next_due = None
@@ -2043,6 +2361,7 @@ class Worker(object):
         self._io_backoff = 0.5
         self._low_logged = False
         self._clock_offset = _now() - _mono()
+        self._next_beat = float("inf")     # set when run() starts
 
     # Handlers ----------------------------------------------------------------
 
@@ -2056,9 +2375,7 @@ class Worker(object):
                 return None, ("handler %s is not executable (chmod +x %s)"
                               % (path, path))
         fn = self.handlers.get(type)
-        if fn is None and self.module is not None and not type.startswith("_"):
-            fn = getattr(self.module, type, None)
-        if callable(fn):
+        if callable(fn) and not type.startswith("_"):
             return "py", fn
         if type == "http":
             return "py", self._http
@@ -2099,6 +2416,8 @@ class Worker(object):
                 self._restore_signals(saved)
             raise
         self._wake_fds = self._open_wake()
+        # Started by `myq supervise` (--parent-pid): stop when it is gone.
+        self._parent = self.parent if self.parent == os.getppid() else None
         self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
                  concurrency=self.concurrency, version=__version__)
         try:
@@ -2107,6 +2426,8 @@ class Worker(object):
         finally:
             for run in list(self.runs):
                 self._kill(run, 9)
+                if run.proc is not None:
+                    self.spool._end_handler(run.claim.token)
                 for fd in (run.stdin_fd, run.err_fd):
                     if fd is not None:
                         os.close(fd)
@@ -2133,15 +2454,24 @@ class Worker(object):
     def _open_wake(self):
         path = self.spool.d("locks", "wake")
         try:
-            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC)
+            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
         except OSError:
             return []
-        if not stat.S_ISFIFO(os.fstat(r).st_mode):
+        st = os.fstat(r)
+        if not stat.S_ISFIFO(st.st_mode):
             os.close(r)
             return []
         # Our own write end keeps the FIFO from reporting EOF forever after
         # the first producer closed it.
-        w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | O_CLOEXEC)
+        try:
+            w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+        except OSError:
+            os.close(r)
+            return []
+        if os.fstat(w).st_ino != st.st_ino:     # swapped meanwhile
+            os.close(r)
+            os.close(w)
+            return []
         return [r, w]
 
     def _install_signals(self):
@@ -2318,6 +2648,11 @@ class Worker(object):
             if now >= next_poll:
                 next_poll = now + self.poll
                 self._check_incoming()
+                if self._parent and os.getppid() != self._parent \
+                        and not self.stopping:
+                    # the supervisor is gone (kill -9): stop as on SIGTERM
+                    self.log("supervisor_gone", pid=self._parent)
+                    self._on_stop(0, None)
             for run in list(self.runs):
                 if run.stdin_fd is not None and run.stdin_fd in w:
                     self._feed(run)
@@ -2432,6 +2767,7 @@ class Worker(object):
             self._soonest = soonest
             best.sort()
         for name, kind in bad:
+            self._tick()
             try:
                 sp.quarantine(os.path.join(inc, name), name,
                               "not a regular file (%s)" % kind)
@@ -2450,7 +2786,9 @@ class Worker(object):
 
     def _next_claim(self, force=False):
         forced = restarted = False
+        budget = 256        # files that could not be claimed, before a break
         while True:
+            self._tick()
             if not self.cache:
                 if not (self.dirty or self.cache_full or (force and not forced)):
                     return None
@@ -2479,6 +2817,12 @@ class Worker(object):
             c = self.spool.claim(name, self.me, self.max_attempts, scheduled)
             if c is not None:
                 return c
+            budget -= 1
+            if budget <= 0 and not force:
+                # A flood of bad files: the loop's housekeeping (reaping,
+                # the status line, commits) goes first, then on at once.
+                self.next_due = _now()
+                return None
 
     def _ready_now(self):
         """For --drain: is any job ready now (after a fresh scan)?"""
@@ -2522,7 +2866,10 @@ class Worker(object):
         env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         env.update(MYQ_JOB_ID=c.jid, MYQ_JOB_TYPE=c.job["type"],
                    MYQ_ATTEMPT=str(c.attempt), MYQ_MAX_ATTEMPTS=str(c.max_attempts),
-                   MYQ_SPOOL=self.spool.path)
+                   MYQ_SPOOL=self.spool.path,
+                   # marks every process of this run, even one that left
+                   # the handler's session: see kill_run()
+                   MYQ_CLAIM=c.token)
         return env
 
     def _spawn(self, run, path):
@@ -2550,7 +2897,7 @@ class Worker(object):
             return
         run.proc = proc
         # First of all: the handler's pid, for a reaper should we die now.
-        self.spool.note_handler(c, proc.pid, proc_start(proc.pid))
+        self.spool._note_handler(c, proc.pid, proc_start(proc.pid))
         os.close(in_r)
         os.close(err_w)
         run.stdin_fd, run.err_fd = in_w, err_r
@@ -2589,8 +2936,9 @@ class Worker(object):
         run.err_fd = None
 
     def _kill(self, run, sig):
-        if run.proc is not None and run.proc.returncode is None:
-            _killpg(run.proc.pid, sig)
+        """Signal everything the run's handler started (kill_run)."""
+        if run.proc is not None:
+            kill_run(run.proc.pid, sig, run.claim.token)
 
     def _collect(self):
         """Finish the runs that ended; enforce time limits."""
@@ -2609,7 +2957,8 @@ class Worker(object):
                         self.log("timeout", id=run.claim.jid, pid=run.proc.pid)
                     continue
                 if run.timed_out or run.released:
-                    _killpg(run.proc.pid, 9)    # no descendant survives
+                    self._kill(run, 9)          # no descendant survives
+                self.spool._end_handler(run.claim.token)
                 if run.stdin_fd is not None:
                     os.close(run.stdin_fd)
                     run.stdin_fd = None
@@ -2800,6 +3149,12 @@ class Worker(object):
         except OSError as e:
             self._io_error("commit", e)
 
+    def _tick(self):
+        """Inside long loops (a flood of bad files): the heartbeat keeps its
+        schedule, so that no reaper takes this live worker's jobs."""
+        if _mono() >= self._next_beat:
+            self._heartbeat()
+
     def _heartbeat(self):
         self._next_beat = _mono() + self.lease / 3
         until = _now() + self.lease
@@ -2836,105 +3191,256 @@ def _drain(fd):
 
 # Supervision #################################################################
 
-def supervise(spool, workers, worker_args, log, python=None):
-    """Keep `workers` worker processes running (for the init script): a
-    worker that dies is restarted with a backoff (1 s doubling to 30 s,
-    reset after 60 s of uptime); SIGTERM/SIGINT stop them all and return 0;
-    SIGHUP is forwarded (the workers reopen their logs)."""
-    import select
-    import signal
-    import subprocess
+def _worker_start(python=None):
+    """argv that starts this very file as a worker process."""
     me = os.path.abspath(__file__)
-    if me.endswith(".py"):
-        # Loaded as a module, by its path, so that the workers use its
-        # cached .pyc; its directory takes the place of the current one on
-        # sys.path, as for a script.
-        start = ["-c", "import sys\n"
-                 "if sys.path[:1] == ['']:\n    del sys.path[0]\n"
-                 "sys.path.insert(0, %r)\n"
-                 "import importlib.util as u\n"
-                 "s = u.spec_from_file_location('myq', %r)\n"
-                 "m = sys.modules['myq'] = u.module_from_spec(s)\n"
-                 "s.loader.exec_module(m)\n"
-                 "sys.exit(m.main())\n" % (os.path.dirname(me), me)]
-    else:                       # /usr/bin/myq is myq.py itself: a script
-        start = [me]
-    argv = ([python or sys.executable] + start
-            + ["--spool", spool.path, "worker"] + list(worker_args))
-    pipe = os.pipe()
-    for fd in pipe:
-        os.set_blocking(fd, False)
-    state = {"stop": 0, "hup": False}
+    if not me.endswith(".py"):          # /usr/bin/myq is myq.py itself
+        return [python or sys.executable, me]
+    # Loaded as a module, by its path, so that the workers use its cached
+    # .pyc (a script is compiled at every start, and the compiler's memory
+    # stays in the worker's heap); its directory takes the place of the
+    # current one on sys.path, as for a script.
+    return [python or sys.executable, "-c", "import sys\n"
+            "if sys.path[:1] == ['']:\n    del sys.path[0]\n"
+            "sys.path.insert(0, %r)\n"
+            "import importlib.util as u\n"
+            "s = u.spec_from_file_location('myq', %r)\n"
+            "m = sys.modules['myq'] = u.module_from_spec(s)\n"
+            "s.loader.exec_module(m)\n"
+            "sys.exit(m.main())\n" % (os.path.dirname(me), me)]
 
-    def on_stop(signum, frame):
-        state["stop"] += 1
 
-    def on_hup(signum, frame):
-        state["hup"] = True
+def _clean_env(pass_env=(), user=None):
+    """What a process myq starts gets of our environment (SPEC 5): PATH,
+    HOME, LANG, LC_*, TZ and the names given with --pass-env; for another
+    user, its own HOME, USER and LOGNAME."""
+    env = dict((k, v) for k, v in os.environ.items()
+               if k in ("PATH", "HOME", "LANG", "TZ") or k.startswith("LC_")
+               or k in pass_env)
+    env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+    if user is not None:
+        env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+    return env
 
-    for sig, fn in ((signal.SIGTERM, on_stop), (signal.SIGINT, on_stop),
-                    (signal.SIGHUP, on_hup), (signal.SIGCHLD, lambda s, f: None)):
-        signal.signal(sig, fn)
-    signal.set_wakeup_fd(pipe[1])
-    slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0}
-             for _ in range(workers)]
-    log("supervise", workers=workers, pid=os.getpid(), spool=spool.path)
-    stopping_sent = 0
-    while True:
-        now = _mono()
-        if state["hup"]:
-            state["hup"] = False
-            try:
-                log.reopen()
-            except MyqError:
-                pass
-            for s in slots:
-                if s["proc"] is not None:
-                    s["proc"].send_signal(signal.SIGHUP)
-        for i, s in enumerate(slots):
-            p = s["proc"]
-            if p is not None and p.poll() is not None:
-                up = now - s["since"]
-                if up >= 60:
-                    s["backoff"] = 1.0
-                s["at"] = now + s["backoff"]
-                log("worker_exit", slot=i, pid=p.pid, status=p.returncode,
-                    uptime=round(up, 1), restart_in=None if state["stop"]
-                    else s["backoff"])
-                s["backoff"] = min(30.0, s["backoff"] * 2)
-                s["proc"] = None
-        if state["stop"]:
-            alive = [s["proc"] for s in slots if s["proc"] is not None]
-            if not alive:
-                break
-            if state["stop"] > stopping_sent:
-                sig = signal.SIGTERM if state["stop"] == 1 else signal.SIGKILL
-                for p in alive:
-                    try:
-                        p.send_signal(sig)
-                    except OSError:
-                        pass
-                stopping_sent = state["stop"]
-        else:
-            for i, s in enumerate(slots):
-                if s["proc"] is None and now >= s["at"]:
-                    try:
-                        s["proc"] = subprocess.Popen(argv, close_fds=True)
-                        s["since"] = now
-                        log("worker_start", slot=i, pid=s["proc"].pid)
-                    except OSError as e:
-                        log("error", during="start worker", error=e.strerror)
-                        s["at"] = now + s["backoff"]
-                        s["backoff"] = min(30.0, s["backoff"] * 2)
-        waits = [s["at"] - now for s in slots if s["proc"] is None]
-        wait = max(0.05, min(waits)) if waits and not state["stop"] else 5.0
+
+def open_log_file(path, ids=None):
+    """Open (create) a log file for appending, safely as root in a
+    directory another user may write to: never through a symlink, never a
+    FIFO or a device, never a file with another name (a hard link);
+    created 0640 and, with `ids` (uid, gid), handed to that user through
+    its descriptor.  Returns the descriptor.  The checks apply where they
+    matter: to root, in a directory that someone else may write to (a
+    /dev/null or a /dev/stderr given by root stays usable)."""
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | O_CLOEXEC
+             | getattr(os, "O_NOCTTY", 0))
+    strict = os.geteuid() == 0
+    if strict:
         try:
-            select.select([pipe[0]], [], [], wait)
-        except InterruptedError:
+            st = os.stat(os.path.dirname(os.path.abspath(path)))
+            strict = st.st_uid != 0 or bool(st.st_mode & 0o022)
+        except OSError:
             pass
-        _drain(pipe[0])
-    log("supervise_stop", pid=os.getpid())
-    return 0
+    try:
+        fd = os.open(path, flags | (O_NOFOLLOW if strict else 0), 0o640)
+    except OSError as e:
+        raise ConfigError("cannot open log file %s: %s%s" % (
+            path, e.strerror, " (a symlink is not followed)"
+            if e.errno == errno.ELOOP else ""))
+    try:
+        st = os.fstat(fd)
+        if strict and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
+            raise ConfigError("log file %s is not a plain file (%s); remove it"
+                              % (path, _file_kind(st.st_mode) or "a hard link"))
+        if ids is not None and stat.S_ISREG(st.st_mode) \
+                and (st.st_uid, st.st_gid) != tuple(ids):
+            if st.st_uid not in (0, ids[0]):
+                raise ConfigError("log file %s belongs to uid %d; remove it or "
+                                  "give it to the service user" % (path, st.st_uid))
+            os.fchown(fd, ids[0], ids[1])
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Supervisor(object):
+    """`myq supervise`: keeps N worker processes running (for the init
+    script and procd).  It owns process management, so that the init
+    script stays thin:
+
+    - it leads its own session; writes the pidfile (when asked) and
+      removes it at exit;
+    - as root with --user, it opens the log file safely (open_log_file)
+      and starts the workers as that user, with a clean environment; it
+      reads and writes nothing in the spool itself;
+    - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
+      reset after 60 s up); workers stop by themselves when the supervisor
+      is gone (they watch their parent);
+    - SIGTERM/SIGINT: TERM to the workers, KILL after --stop-timeout (a
+      second signal: at once), then `myq reap` as the spool's owner, which
+      takes back the claims of killed workers and ends their handlers; then
+      it exits 0.  SIGHUP reopens the log and is passed on."""
+
+    def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
+                 pidfile=None, stop_timeout=10.0, env=None, python=None):
+        self.spool, self.n, self.log = spool, workers, log
+        self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
+        self.pidfile, self.stop_timeout = pidfile, stop_timeout
+        self.argv = _worker_start(python) + [
+            "--spool", spool.path, "worker", "--parent-pid", str(os.getpid())] \
+            + list(worker_argv)
+        self.reap_argv = _worker_start(python) + ["--spool", spool.path, "reap"]
+        self.env = dict(env or {})
+        self.stop = 0
+        self.hup = False
+
+    def _become(self):                  # in the child, before exec
+        if self.ids is not None:
+            become(self.ids[0], self.ids[1])
+
+    def _spawn(self, argv, out=None):
+        import subprocess
+        return subprocess.Popen(
+            argv, close_fds=True, env=self.env, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=out, cwd="/",
+            preexec_fn=self._become if self.ids is not None else None)
+
+    def _write_pidfile(self):
+        fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
+                     | os.O_NONBLOCK | O_CLOEXEC, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError("pidfile %s is not a plain file" % self.pidfile)
+            os.ftruncate(fd, 0)
+            os.write(fd, b"%d\n" % os.getpid())
+        finally:
+            os.close(fd)
+
+    def _remove_pidfile(self):
+        data = _read_small(self.pidfile, 64)
+        if data and data.strip() == str(os.getpid()).encode():
+            _quiet_unlink(self.pidfile)
+
+    def run(self):
+        import select
+        import signal
+        try:
+            os.setsid()         # its own session: stop can find what is left
+        except OSError:
+            pass                # a session leader already (start-stop-daemon)
+        pipe = os.pipe()
+        for fd in pipe:
+            os.set_blocking(fd, False)
+
+        def on_stop(signum, frame):
+            self.stop += 1
+
+        def on_hup(signum, frame):
+            self.hup = True
+
+        for sig, fn in ((signal.SIGTERM, on_stop), (signal.SIGINT, on_stop),
+                        (signal.SIGHUP, on_hup),
+                        (signal.SIGCHLD, lambda s, f: None)):
+            signal.signal(sig, fn)
+        signal.set_wakeup_fd(pipe[1])
+        if self.pidfile:
+            self._write_pidfile()
+        try:
+            self._loop(select, signal, pipe[0])
+        finally:
+            if self.pidfile:
+                self._remove_pidfile()
+        return 0
+
+    def _loop(self, select, signal, wake):
+        log = self.log
+        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0}
+                 for _ in range(self.n)]
+        log("supervise", workers=self.n, pid=os.getpid(), spool=self.spool.path,
+            user=self.user.pw_name if self.user else None)
+        sent = 0
+        kill_at = None
+        while True:
+            now = _mono()
+            if self.hup:
+                self.hup = False
+                try:
+                    log.reopen()
+                except MyqError as e:
+                    log("error", during="reopen log", error=str(e))
+                for s in slots:
+                    if s["proc"] is not None:
+                        s["proc"].send_signal(signal.SIGHUP)
+            for i, s in enumerate(slots):
+                p = s["proc"]
+                if p is not None and p.poll() is not None:
+                    up = now - s["since"]
+                    if up >= 60:
+                        s["backoff"] = 1.0
+                    s["at"] = now + s["backoff"]
+                    log("worker_exit", slot=i, pid=p.pid, status=p.returncode,
+                        uptime=round(up, 1),
+                        restart_in=None if self.stop else s["backoff"])
+                    s["backoff"] = min(30.0, s["backoff"] * 2)
+                    s["proc"] = None
+            alive = [s["proc"] for s in slots if s["proc"] is not None]
+            if self.stop:
+                if not alive:
+                    break
+                if self.stop > sent:
+                    if sent == 0:
+                        kill_at = now + self.stop_timeout
+                    sig = signal.SIGTERM if self.stop == 1 else signal.SIGKILL
+                    for p in alive:
+                        p.send_signal(sig)
+                    sent = self.stop
+                elif kill_at is not None and now >= kill_at:
+                    for p in alive:
+                        p.send_signal(signal.SIGKILL)
+                    kill_at = None
+            else:
+                for i, s in enumerate(slots):
+                    if s["proc"] is None and now >= s["at"]:
+                        try:
+                            s["proc"] = self._spawn(self.argv, self.log.fileno())
+                            s["since"] = now
+                            log("worker_start", slot=i, pid=s["proc"].pid)
+                        except (OSError, ValueError) as e:
+                            log("error", during="start worker",
+                                error=getattr(e, "strerror", None) or str(e))
+                            s["at"] = now + s["backoff"]
+                            s["backoff"] = min(30.0, s["backoff"] * 2)
+            waits = [s["at"] - now for s in slots if s["proc"] is None]
+            if self.stop:
+                wait = max(0.05, kill_at - now) if kill_at is not None else 1.0
+            else:
+                wait = max(0.05, min(waits)) if waits else 5.0
+            try:
+                select.select([wake], [], [], wait)
+            except InterruptedError:
+                pass
+            _drain(wake)
+        self._reap_after_stop()
+        log("supervise_stop", pid=os.getpid())
+
+    def _reap_after_stop(self):
+        """Workers that were killed leave claims and maybe handlers: `myq
+        reap`, as the spool's owner, takes the claims back and ends the
+        handlers they recorded (kill_run)."""
+        try:
+            p = self._spawn(self.reap_argv, self.log.fileno())
+        except (OSError, ValueError) as e:
+            self.log("error", during="reap", error=getattr(e, "strerror", None)
+                     or str(e))
+            return
+        import subprocess
+        try:
+            p.wait(timeout=max(5.0, self.stop_timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            self.log("error", during="reap", error="timed out")
 
 
 # Command line ################################################################
@@ -3070,10 +3576,17 @@ def _parser(only=None):
     p.add_argument("--delay", type=float, default=0)
     p.add_argument("--max-attempts", type=int)
     p.add_argument("--timeout", type=float)
-    cmd("worker", "run jobs", guards=True, worker=True)
+    p = cmd("worker", "run jobs", guards=True, worker=True)
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p = cmd("supervise", "run and restart N workers (for the init script)",
             guards=True, worker=True)
-    p.add_argument("--workers", default=None, metavar="N")
+    p.add_argument("--workers", default=None, metavar="N",
+                   help="worker processes to keep running (MYQ_WORKERS; default 1)")
+    p.add_argument("--user", help="run the workers as USER[:GROUP] (root only); "
+                   "the log file is created for that user")
+    p.add_argument("--pidfile", help="write the supervisor's pid to FILE")
+    p.add_argument("--stop-timeout", metavar="S", help="seconds the workers get "
+                   "after SIGTERM before SIGKILL (default 10)")
     p = cmd("stats", "print the status line")
     p.add_argument("--json", action="store_true")
     p = cmd("list", "list jobs")
@@ -3104,7 +3617,9 @@ def _resolve(args, table, env):
         if value is None and env.get(name, "") != "":
             raw = env[name]
             if typ == "append":
-                value = raw.split()
+                # one header a line ('Authorization: Bearer x' is one);
+                # names split on blanks
+                value = raw.splitlines() if dest == "http_header" else raw.split()
             elif typ is None:
                 try:
                     value = _flag(raw)
@@ -3145,7 +3660,34 @@ def _make_log(o):
                facility=o.get("syslog_facility"), tag=o.get("syslog_tag"))
 
 
-def _worker_from(spool, o):
+def _option_argv(o, table):
+    """The command line that gives a worker the options `o` (resolved
+    from flags and MYQ_* variables): what supervise starts its workers with."""
+    argv = []
+    for flag, typ, default, _ in table:
+        v = o.get(flag[2:].replace("-", "_"))
+        if typ is None:
+            if v:
+                argv.append(flag)
+        elif typ == "append":
+            for x in v or ():
+                argv += [flag, x]
+        elif v is not None and v != default:
+            argv += [flag, repr(v) if isinstance(v, float) else str(v)]
+    return argv
+
+
+def _check_worker_options(o):
+    """Everything _worker_from() refuses, without starting a worker (nor
+    loading a --module: supervise may run as root)."""
+    _http_headers(o)
+    if o["handlers"] and not os.path.isdir(o["handlers"]):
+        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
+    if o["module"] and not os.path.isfile(o["module"]):
+        raise ConfigError("--module %s: no such Python file" % o["module"])
+
+
+def _http_headers(o):
     headers = {}
     if o["http_headers_file"]:
         try:
@@ -3155,6 +3697,11 @@ def _worker_from(spool, o):
             raise ConfigError("cannot read --http-headers-file %s: %s"
                               % (o["http_headers_file"], e.strerror))
     headers.update(_header_lines(o["http_header"], "--http-header"))
+    return headers
+
+
+def _worker_from(spool, o):
+    headers = _http_headers(o)
     if o["handlers"] and not os.path.isdir(o["handlers"]):
         raise ConfigError("--handlers %s is not a directory" % o["handlers"])
     return Worker(spool, handlers_dir=o["handlers"], module=o["module"],
@@ -3169,6 +3716,58 @@ def _worker_from(spool, o):
 
 _COMMANDS = ("init", "enqueue", "worker", "supervise", "stats", "list", "show",
              "retry", "delete", "reap", "prune", "check", "version")
+
+
+def _supervise(args, spool, guards, env):
+    o = _resolve(args, WORKER_OPTIONS, env)
+    n = args.workers or env.get("MYQ_WORKERS") or "1"
+    try:
+        n = _posint(n)
+    except ValueError:
+        raise UsageError("bad --workers %r: a number >= 1" % n)
+    try:
+        stop_timeout = parse_seconds(args.stop_timeout or "10")
+    except ValueError as e:
+        raise UsageError("bad --stop-timeout: %s" % e)
+    user = ids = None
+    if args.user:
+        import pwd
+        ids = _user_ids(args.user)
+        if ids[0] != os.geteuid():
+            if os.geteuid() != 0:
+                raise ConfigError("only root can run the workers as %s" % args.user)
+            user = pwd.getpwuid(ids[0])
+        else:
+            ids = None
+    spool.require()
+    _check_worker_options(o)
+    log = Log(path=o.get("log"), syslog=o.get("syslog"),
+              facility=o.get("syslog_facility"), tag=o.get("syslog_tag"),
+              owner=ids)
+    if log.fileno() is not None:        # a traceback lands in the log too
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    wargv = _option_argv(o, WORKER_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
+    return Supervisor(spool, n, wargv, log, user=user, ids=ids,
+                      pidfile=args.pidfile,
+                      stop_timeout=stop_timeout,
+                      env=_clean_env(o["pass_env"], user)).run()
+
+
+def _drop_root(path, command):
+    """Root acting in a spool that belongs to another user does it as that
+    user: then nothing the owner puts in the spool (a symlink to
+    /etc/shadow, a FIFO) can make root read, write, chown or signal
+    anything the owner could not.  `init` (which chowns through
+    descriptors) and `supervise` (which switches its workers) excepted."""
+    if command in ("init", "supervise", "version") or os.geteuid() != 0:
+        return
+    try:
+        st = os.stat(path)
+    except OSError:
+        return                  # no spool: the command says so
+    if st.st_uid != 0:
+        become(st.st_uid, st.st_gid)
 
 
 def _command_index(argv):
@@ -3213,8 +3812,9 @@ def main(argv=None):
         guards = {}
         if args.command in ("enqueue", "worker", "supervise", "prune", "check"):
             guards = _resolve(args, GUARD_OPTIONS, env)
-        spool = Spool(path, **guards)
         c = args.command
+        _drop_root(path, c)
+        spool = Spool(path, **guards)
         if c == "version":
             _print("myq " + __version__)
         elif c == "init":
@@ -3239,29 +3839,10 @@ def main(argv=None):
             o = _resolve(args, WORKER_OPTIONS, env)
             spool.require()
             w = _worker_from(spool, o)
+            w.parent = args.parent_pid
             return w.run(once=o["once"], drain=o["drain"])
         elif c == "supervise":
-            o = _resolve(args, WORKER_OPTIONS, env)
-            spool.require()
-            _worker_from(spool, o)      # validate the options once, here
-            n = args.workers or env.get("MYQ_WORKERS") or "1"
-            try:
-                n = _posint(n)
-            except ValueError:
-                raise UsageError("bad --workers %r: a number >= 1" % n)
-            rest = argv[_command_index(argv) + 1:]
-            wargs, skip = [], False
-            for i, a in enumerate(rest):
-                if skip:
-                    skip = False
-                    continue
-                if a == "--workers":
-                    skip = True
-                    continue
-                if a.startswith("--workers="):
-                    continue
-                wargs.append(a)
-            return supervise(spool, n, wargs, _make_log(o))
+            return _supervise(args, spool, guards, env)
         elif c == "stats":
             spool.require()
             if args.json:

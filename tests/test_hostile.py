@@ -66,8 +66,9 @@ BAD = "bad"
 
 
 def spec_verdict(data, stem, limit=DEFAULT_LIMIT):
-    """BAD, or the job object, for a file incoming/STEM.json (SPEC §3, and
-    the documented trailer lines `{"lease": …}` / `{"handler": …}`)."""
+    """BAD, or the job object, for a file incoming/STEM.json (SPEC §3).
+    A producer's file holds the job object alone: worker records after it
+    (`{"lease": …}` lines) are a forgery and quarantined."""
     if not spec_name(stem) or len(data) > limit:
         return BAD
     try:
@@ -80,15 +81,8 @@ def spec_verdict(data, stem, limit=DEFAULT_LIMIT):
             text, start)
     except (ValueError, RecursionError):
         return BAD
-    for line in text[end:].splitlines():
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except (ValueError, RecursionError):
-                return BAD
-            if not (isinstance(rec, dict) and len(rec) == 1
-                    and ("lease" in rec or "handler" in rec)):
-                return BAD
+    if text[end:].strip(" \t\n\r"):
+        return BAD
     if not isinstance(obj, dict):
         return BAD
     # myq's documented limits: nesting (myq.MAX_DEPTH, the object counted),
@@ -412,10 +406,13 @@ SPECIALS = [
     b'{"type": "t", "payload": ' + b'{"a":' * 40000 + b"1" + b"}" * 40000 + b"}",
     b'{"type": "t", "x": ' + b"[{" * 30000,
 ]
+# A producer's forged worker records: quarantined (issue 11).
+SPECIALS += [
+    b'{"type": "t"}\n{"lease": {"worker": "w-1"}}\n{"handler": {"pid": 1}}\n',
+]
 # Valid oddities, so that the verdict is exercised both ways.
 SPECIALS += [
     b'  {"type": "t"}  \n',
-    b'{"type": "t"}\n{"lease": {"worker": "w-1"}}\n{"handler": {"pid": 1}}\n',
     b'{"type": "t", "payload": "\\ud83d\\ude00 \\u00e9"}',
     b'{"type": "t", "payload": 1e308}',
     # myq.MAX_DEPTH counts the job object itself: the payload gets one less.

@@ -327,9 +327,11 @@ def test_stop_takes_back_running_jobs_and_orphaned_handlers(service):
     assert victim in s.workers()
     proc = os.path.join(s.spool, "processing")
 
-    def recorded():     # the worker wrote its handler's pid in the claim
-        return any(n.startswith("slow1+") and '"handler"' in read(os.path.join(proc, n))
-                   for n in os.listdir(proc))
+    def recorded():     # the worker wrote its handler's pid down
+        tokens = [n[len("slow1+"):-len(".json")] for n in os.listdir(proc)
+                  if n.startswith("slow1+")]
+        return any(os.path.lexists(os.path.join(s.spool, "locks", "workers",
+                                                t + ".run")) for t in tokens)
     wait_for(recorded, what="the handler record of slow1")
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: not alive(victim), what="the worker to die")

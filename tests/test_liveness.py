@@ -47,12 +47,9 @@ def start_holding(procs, run_myq, spool, hold, tmp_path, *opts, jid="j1",
     assert alive(hpid) and alive(gpid)
 
     def recorded():         # the worker wrote the handler's pid down
-        for name in os.listdir(os.path.join(spool, "processing")):
-            with open(os.path.join(spool, "processing", name)) as f:
-                if '"handler"' in f.read():
-                    return True
-        return False
-    wait_for(recorded, what="the handler record in the claim")
+        return any(n.endswith(".run")
+                   for n in os.listdir(os.path.join(spool, "locks", "workers")))
+    wait_for(recorded, what="the handler record in locks/workers/")
     return w, hpid, gpid
 
 
@@ -64,6 +61,8 @@ def sigkill(p):
 def worker_record(spool, pid):
     d = os.path.join(spool, "locks", "workers")
     for name in os.listdir(d):
+        if not name.endswith(".json"):
+            continue            # TOKEN.run: a handler's record
         path = os.path.join(d, name)
         with open(path) as f:
             rec = json.load(f)

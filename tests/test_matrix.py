@@ -65,7 +65,9 @@ def _fail(job):
     raise ValueError("bad thing %%d" %% job["attempts"])
 
 
-HANDLERS = {"mod-fail": _fail}
+# With a HANDLERS dict, exactly its entries are the types (SPEC 5).
+HANDLERS = {"mod-ok": mod_ok, "mod_ok": mod_ok, "mod_perm": mod_perm,
+            "mod-fail": _fail}
 '''
 
 
