@@ -51,4 +51,5 @@ uninstall:
 	$(PYTHON) build/dist.py --uninstall "$(DESTDIR)" --prefix "$(PREFIX)"
 
 clean:
-	rm -rf $(VENV) dist demo demo-handlers .pytest_cache tests/__pycache__
+	rm -rf $(VENV) dist demo demo-handlers .pytest_cache .hypothesis
+	find . -name .git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

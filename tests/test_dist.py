@@ -1,5 +1,5 @@
-"""Packaging: `make dist` (build/dist.py), `make install`, `make uninstall`
-and the manual pages.
+"""Packaging: `make dist` (build/dist.py), `make install`, `make uninstall`,
+`make clean`, and the manual pages.
 
 The release tarball unpacks onto a root as usr/lib/myq/myq.py (myq.py,
 unchanged), usr/bin/myq (a launcher that imports it, so that Python caches
@@ -779,6 +779,30 @@ def test_make_uninstall_keeps_what_is_not_its_own(tmp_path):
     assert (dest / "etc/default/myq").read_text() == "MYQ_WORKERS=2\n"
     assert "kept" in out
     assert not (dest / "usr/lib/myq/__pycache__").exists()
+
+
+@pytest.mark.skipif(not MAKE, reason="make not installed")
+def test_make_clean(tmp_path):
+    """make clean removes what builds and test runs leave (dist/, the venv,
+    .pytest_cache/, .hypothesis/, every __pycache__/) and nothing else."""
+    repo = repo_copy(tmp_path / "repo")
+    made = ["dist/x.tar.gz", ".venv/bin/python", ".pytest_cache/v",
+            ".hypothesis/examples/x", "__pycache__/myq.cpython-311.pyc",
+            "tests/__pycache__/t.pyc", "bench/__pycache__/b.pyc",
+            "build/__pycache__/dist.cpython-311.pyc", "demo/incoming/x.json",
+            "tests/sub/__pycache__/s.pyc"]
+    for rel in made:
+        path = os.path.join(repo, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+    before = installed_files(repo)
+    ok(run([MAKE, "-C", repo, "clean", "PYTHON=" + sys.executable]))
+    after = installed_files(repo)
+    assert sorted(after) == sorted(set(before) - set(made))
+    for d in ("dist", ".venv", ".pytest_cache", ".hypothesis", "__pycache__",
+              "tests/__pycache__", "bench/__pycache__", "build/__pycache__",
+              "tests/sub/__pycache__"):
+        assert not os.path.exists(os.path.join(repo, d)), d
 
 
 def test_license():
