@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test lint bench dist install clean
+.PHONY: demo test lint bench dist install uninstall clean
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -41,8 +41,15 @@ bench:
 dist:
 	$(PYTHON) build/dist.py
 
+# The program, the init script, /etc/default/myq (kept when present), and the
+# manual pages and LICENSE under $(PREFIX)/share.
 install:
 	$(PYTHON) build/dist.py --install "$(DESTDIR)" --prefix "$(PREFIX)"
 
+# What install wrote (same DESTDIR and PREFIX); an edited /etc/default/myq stays.
+uninstall:
+	$(PYTHON) build/dist.py --uninstall "$(DESTDIR)" --prefix "$(PREFIX)"
+
 clean:
-	rm -rf $(VENV) dist demo demo-handlers .pytest_cache tests/__pycache__
+	rm -rf $(VENV) dist demo demo-handlers .pytest_cache .hypothesis
+	find . -name .git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

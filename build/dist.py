@@ -3,16 +3,22 @@
 
     python3 build/dist.py [--out DIR]          (make dist)
     python3 build/dist.py --install DESTDIR [--prefix /usr]   (make install)
+    python3 build/dist.py --uninstall DESTDIR [--prefix /usr] (make uninstall)
 
 `make dist` writes, into dist/ (or --out):
 
 - myq-VERSION.tar.gz: unpacks onto / (`tar -xzf myq-VERSION.tar.gz -C /`) as
   usr/lib/myq/myq.py (mode 644: myq.py itself, unchanged), usr/bin/myq (755:
-  the launcher, below), etc/init.d/myq (755), etc/default/myq (644);
+  the launcher, below), etc/init.d/myq (755), etc/default/myq (644), and
+  the documentation (644): usr/share/man/man1/myq.1,
+  usr/share/man/man5/myq-spool.5 (build/, roff) and
+  usr/share/doc/myq/LICENSE;
 - myq_VERSION_all.ipk: an OpenWrt package (ar archive of debian-binary,
   control.tar.gz, data.tar.gz) with the same program files, the procd init
   script as /etc/init.d/myq and /etc/default/myq as a conffile; its postinst
-  compiles myq.py on the device, its prerm removes that bytecode;
+  compiles myq.py on the device, its prerm removes that bytecode. No manual
+  pages and no LICENSE file (OpenWrt ships no man(1), and flash is scarce):
+  its control file says `License: MIT`;
 - SHA256SUMS: `sha256sum -c SHA256SUMS` checks both.
 
 Why a launcher: Python compiles a script (`python3 /usr/bin/myq` when that
@@ -42,13 +48,22 @@ interpreter (TAG: its sys.implementation.cache_tag, e.g. cpython-311; other
 versions' stale ones are removed), PREFIX/bin/myq (the launcher, naming
 PREFIX/lib/myq: the path on the target, without DESTDIR), /etc/init.d/myq
 (its MYQ_BIN default follows PREFIX), and /etc/default/myq only when there
-is none yet (the operator's settings are kept). The .pyc is hash-checked
+is none yet (the operator's settings are kept), and the documentation:
+PREFIX/share/man/man1/myq.1, PREFIX/share/man/man5/myq-spool.5,
+PREFIX/share/doc/myq/LICENSE. The .pyc is hash-checked
 (PEP 552): valid for as long as myq.py's bytes are the same, whatever its
 mtime becomes in an image (Buildroot and Yocto may reset file times); build
 with the target's Python version, or it is ignored and the target compiles
 myq.py itself. Each file is written aside and renamed into place, so running
-programs never see a half-written file. Standard library only; runs on
-CPython 3.7+.
+programs never see a half-written file.
+
+`make uninstall` (same DESTDIR and PREFIX) removes what `make install`
+wrote: the program files, every myq.*.pyc beside the module, the init
+script, the documentation, the directories that are myq's own
+(PREFIX/lib/myq and its __pycache__, PREFIX/share/doc/myq) when nothing else
+is left in them, and /etc/default/myq only while it is the shipped example
+unchanged (an operator's settings are kept, and it says so). It stops no
+running service. Standard library only; runs on CPython 3.7+.
 """
 import argparse
 import gzip
@@ -62,6 +77,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_EPOCH = 946684800           # 2000-01-01T00:00:00Z
 
 LIB = "lib/myq"         # under PREFIX: myq.py and its __pycache__/
+DOC = "share/doc/myq"   # under PREFIX: LICENSE
+
+# Documentation: (source in the repository, path under PREFIX, mode). In the
+# tarball and `make install`, never in the ipk.
+DOCS = [
+    ("build/myq.1", "share/man/man1/myq.1", 0o644),
+    ("build/myq-spool.5", "share/man/man5/myq-spool.5", 0o644),
+    ("LICENSE", DOC + "/LICENSE", 0o644),
+]
+LICENSE = "MIT"
+MAINTAINER = "myq authors <myq@localhost>"
 
 # The program a user runs. %(lib)s is PREFIX/lib/myq as a Python literal.
 LAUNCHER = """#!/usr/bin/env python3
@@ -81,7 +107,7 @@ FILES = [
     ("myq.py", "usr/" + LIB + "/myq.py", 0o644),
     ("init.d/myq", "etc/init.d/myq", 0o755),
     ("init.d/myq.default", "etc/default/myq", 0o644),
-]
+] + [(src, "usr/" + dst, mode) for src, dst, mode in DOCS]
 IPK_FILES = [
     (None, "usr/bin/myq", 0o755),
     ("myq.py", "usr/" + LIB + "/myq.py", 0o644),
@@ -233,7 +259,9 @@ def ipk(ver, mtime, root=ROOT):
         ("Version", ver),
         ("Depends", "python3-light"),
         ("Source", "myq"),
+        ("License", LICENSE),
         ("Section", "utils"),
+        ("Maintainer", MAINTAINER),
         ("Architecture", "all"),
         ("Installed-Size", str(size)),
         ("Description", "job queue worker for small Linux devices: one spool "
@@ -302,13 +330,22 @@ def compile_pyc(source):
     return pyc
 
 
-def install(destdir, prefix, root=ROOT):
-    top = destdir or "/"
+def check_prefix(prefix):
     if not prefix.startswith("/"):
         raise SystemExit("dist: --prefix must be absolute, not %r" % prefix)
     if "\n" in prefix:
         raise SystemExit("dist: --prefix with a newline: %r" % prefix)
-    prefix = prefix.rstrip("/") or "/"
+    return prefix.rstrip("/") or "/"
+
+
+def under(destdir):
+    """DESTDIR/path, for a path on the target."""
+    top = destdir or "/"
+    return lambda path: os.path.join(top, path.lstrip("/"))
+
+
+def install(destdir, prefix, root=ROOT):
+    prefix = check_prefix(prefix)
     binpath = os.path.join(prefix, "bin", "myq")
     libdir = os.path.join(prefix, LIB)
     script = read("init.d/myq", root)
@@ -316,9 +353,7 @@ def install(destdir, prefix, root=ROOT):
     if default_bin not in script:
         raise SystemExit("dist: init.d/myq has no %s line" % default_bin.decode())
     script = script.replace(default_bin, ("BIN=${MYQ_BIN:-%s}" % binpath).encode())
-
-    def at(path):
-        return os.path.join(top, path.lstrip("/"))
+    at = under(destdir)
 
     # the module and its bytecode first, then the launcher that imports it
     module = at(os.path.join(libdir, "myq.py"))
@@ -337,6 +372,59 @@ def install(destdir, prefix, root=ROOT):
     else:
         write(conf, read("init.d/myq.default", root), 0o644)
         print(conf)
+    for src, dst, mode in DOCS:
+        path = at(os.path.join(prefix, dst))
+        write(path, read(src, root), mode)
+        print(path)
+    return 0
+
+
+def uninstall(destdir, prefix, root=ROOT):
+    """Remove what install() wrote (see the module's docstring)."""
+    prefix = check_prefix(prefix)
+    at = under(destdir)
+    libdir = at(os.path.join(prefix, LIB))
+    cache = os.path.join(libdir, "__pycache__")
+
+    def remove(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        print("removed " + path)
+
+    def rmdir(path):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            return
+        except OSError:
+            print("%s kept (not empty)" % path)
+            return
+        print("removed " + path + "/")
+
+    remove(at(os.path.join(prefix, "bin", "myq")))
+    remove(os.path.join(libdir, "myq.py"))
+    if os.path.isdir(cache):
+        for name in sorted(os.listdir(cache)):
+            if name.startswith("myq.") and name.endswith(".pyc"):
+                remove(os.path.join(cache, name))
+    rmdir(cache)
+    rmdir(libdir)
+    remove(at("/etc/init.d/myq"))
+    conf = at("/etc/default/myq")
+    try:
+        with open(conf, "rb") as f:
+            same = f.read() == read("init.d/myq.default", root)
+    except FileNotFoundError:
+        same = None
+    if same:
+        remove(conf)
+    elif same is not None:
+        print("%s kept (changed: the operator's settings)" % conf)
+    for _, dst, _ in DOCS:
+        remove(at(os.path.join(prefix, dst)))
+    rmdir(at(os.path.join(prefix, DOC)))
     return 0
 
 
@@ -346,10 +434,16 @@ def main(argv=None):
                    help="where release files go (default: dist/)")
     p.add_argument("--install", metavar="DESTDIR", default=None,
                    help="install into DESTDIR instead ('' means /)")
+    p.add_argument("--uninstall", metavar="DESTDIR", default=None,
+                   help="remove what --install put into DESTDIR")
     p.add_argument("--prefix", default="/usr", help="default /usr")
     a = p.parse_args(argv)
+    if a.install is not None and a.uninstall is not None:
+        p.error("--install or --uninstall, not both")
     if a.install is not None:
         return install(a.install, a.prefix)
+    if a.uninstall is not None:
+        return uninstall(a.uninstall, a.prefix)
     return dist(a.out)
 
 

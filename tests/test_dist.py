@@ -1,24 +1,32 @@
-"""Packaging: `make dist` (build/dist.py) and `make install`.
+"""Packaging: `make dist` (build/dist.py), `make install`, `make uninstall`,
+`make clean`, and the manual pages.
 
 The release tarball unpacks onto a root as usr/lib/myq/myq.py (myq.py,
 unchanged), usr/bin/myq (a launcher that imports it, so that Python caches
-its bytecode), etc/init.d/myq and etc/default/myq; myq runs from there;
-SHA256SUMS verifies; two builds are byte-identical; the ipk has the same
-program files and scripts that compile and remove the bytecode; `make install
-DESTDIR=…` lays out the same files plus a .pyc that Python really loads. The
-Makefile runs in a copy of the repository under tmp_path, so the tests never
-write into the working tree (nor /etc, /usr).
+its bytecode), etc/init.d/myq and etc/default/myq, plus the manual pages
+and LICENSE under usr/share; myq runs from there; SHA256SUMS verifies; two
+builds are byte-identical; the ipk has the same program files (no manual
+pages: OpenWrt has no man), `License: MIT` and a Maintainer in its control
+file, and scripts that compile and remove the bytecode; `make install
+DESTDIR=…` lays out the same files plus a .pyc that Python really loads, and
+`make uninstall` removes them all again. The manual pages render without a
+warning (where groff is installed) and name every command, option and
+MYQ_* variable of myq.py. The Makefile runs in a copy of the repository
+under tmp_path, so the tests never write into the working tree (nor /etc,
+/usr).
 
 The launcher names /usr/lib/myq (the target's path). Tests that run an
 unpacked tarball point Python at the unpacked copy with PYTHONPATH (and skip
 when this machine has a /usr/lib/myq of its own, which would be imported
 first); `make install` tests install for a PREFIX under tmp_path instead.
 """
+import argparse
 import ast
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -42,6 +50,13 @@ TARBALL = "myq-%s.tar.gz" % VERSION
 IPK = "myq_%s_all.ipk" % VERSION
 LAYOUT = {"usr/bin/myq": 0o755, "usr/lib/myq/myq.py": 0o644,
           "etc/init.d/myq": 0o755, "etc/default/myq": 0o644}
+# the documentation: in the tarball and `make install`, never in the ipk
+DOCS = {"usr/share/man/man1/myq.1": "build/myq.1",
+        "usr/share/man/man5/myq-spool.5": "build/myq-spool.5",
+        "usr/share/doc/myq/LICENSE": "LICENSE"}
+TAR_LAYOUT = dict(LAYOUT, **{n: 0o644 for n in DOCS})
+MAN_PAGES = ["build/myq.1", "build/myq-spool.5"]
+GROFF = shutil.which("groff")
 TAG = sys.implementation.cache_tag
 SHELLCHECK = shutil.which("shellcheck")
 needs_busybox = pytest.mark.skipif(
@@ -75,7 +90,8 @@ def ok_r(r):
 def repo_copy(dst):
     """The files `make dist` and `make install` need, copied to dst."""
     for rel in ("Makefile", "myq.py", "build/dist.py", "init.d/myq",
-                "init.d/myq.default", "init.d/myq.procd"):
+                "init.d/myq.default", "init.d/myq.procd", "LICENSE",
+                "build/myq.1", "build/myq-spool.5"):
         os.makedirs(os.path.join(str(dst), os.path.dirname(rel)), exist_ok=True)
         shutil.copy2(os.path.join(ROOT, rel), os.path.join(str(dst), rel))
     return str(dst)
@@ -144,10 +160,10 @@ def test_dist_files_and_version(built):
 def test_tarball_layout(built):
     with tarfile.open(os.path.join(built, TARBALL)) as t:
         members = t.getmembers()
-    assert sorted(m.name for m in members) == sorted(LAYOUT)
+    assert sorted(m.name for m in members) == sorted(TAR_LAYOUT)
     for m in members:
         assert m.isfile()
-        assert stat.S_IMODE(m.mode) == LAYOUT[m.name], m.name
+        assert stat.S_IMODE(m.mode) == TAR_LAYOUT[m.name], m.name
         assert (m.uid, m.gid, m.uname, m.gname) == (0, 0, "root", "root")
     with tarfile.open(os.path.join(built, TARBALL)) as t:
         # no bytecode: the tarball cannot know the target's Python
@@ -160,6 +176,10 @@ def test_tarball_layout(built):
             open(os.path.join(ROOT, "init.d", "myq"), "rb").read()
         assert t.extractfile("etc/default/myq").read() == \
             open(os.path.join(ROOT, "init.d", "myq.default"), "rb").read()
+        # the manual pages and the licence, as they are in the repository
+        for name, src in DOCS.items():
+            assert t.extractfile(name).read() == \
+                open(os.path.join(ROOT, src), "rb").read(), name
 
 
 def test_sha256sums_verify(built):
@@ -235,7 +255,7 @@ def test_busybox_tar_unpack_and_upgrade_keeps_settings(tmp_path, built):
     root.mkdir()
     tarball = os.path.join(built, TARBALL)
     ok(run([BUSYBOX, "tar", "-xzf", tarball, "-C", root]))
-    for name, mode in LAYOUT.items():
+    for name, mode in TAR_LAYOUT.items():
         assert stat.S_IMODE(os.stat(str(root / name)).st_mode) == mode, name
     (root / "etc" / "default" / "myq").write_text("MYQ_WORKERS=3\n")
     cache = root / "usr" / "lib" / "myq" / "__pycache__"
@@ -345,10 +365,15 @@ def test_ipk(built, tmp_path):
     assert fields["Package"] == "myq" and fields["Version"] == VERSION
     assert fields["Architecture"] == "all"
     assert "python3-light" in fields["Depends"]
+    assert fields["License"] == "MIT"
+    # a maintainer, with an address, that is no real person's
+    assert re.match(r"[^<>]+ <[^<>@\s]+@[^<>@\s]+>\Z", fields["Maintainer"])
     assert conffiles.split() == ["/etc/default/myq"]
     with tarfile.open(fileobj=io.BytesIO(parts["data.tar.gz"])) as t:
         files = {m.name: m for m in t.getmembers() if m.isfile()}
+        # the program files only: no manual pages (OpenWrt has no man)
         assert sorted(files) == sorted("./" + n for n in LAYOUT)
+        assert not any("/share/" in m.name for m in t.getmembers())
         for n, mode in LAYOUT.items():
             assert stat.S_IMODE(files["./" + n].mode) == mode
         procd = t.extractfile("./etc/init.d/myq").read()
@@ -550,7 +575,10 @@ def test_make_install_layout(tmp_path):
     dest = tmp_path / "dest"
     make_install(repo, dest)
     pyc = "usr/lib/myq/__pycache__/myq.%s.pyc" % TAG
-    assert installed_files(dest) == dict(LAYOUT, **{pyc: 0o644})
+    assert installed_files(dest) == dict(TAR_LAYOUT, **{pyc: 0o644})
+    for name, src in DOCS.items():
+        assert (dest / name).read_bytes() == \
+            open(os.path.join(ROOT, src), "rb").read(), name
     assert (dest / "usr/lib/myq/myq.py").read_bytes() == \
         open(os.path.join(ROOT, "myq.py"), "rb").read()
     # the launcher names the target's path, without DESTDIR
@@ -574,7 +602,7 @@ def test_make_install_layout(tmp_path):
     assert (dest / "etc/default/myq").read_text() == "MYQ_WORKERS=4\n"
     assert not old.exists() and other.read_bytes() == b"not ours"
     other.unlink()
-    assert installed_files(dest) == dict(LAYOUT, **{pyc: 0o644})
+    assert installed_files(dest) == dict(TAR_LAYOUT, **{pyc: 0o644})
     r = ok_r(run([sys.executable, "-v", dest / "usr/bin/myq", "version"],
                  env={"PYTHONPATH": str(dest / "usr/lib/myq")}))
     assert r.stdout.strip() == "myq " + VERSION
@@ -592,7 +620,10 @@ def test_make_install_prefix(tmp_path):
     assert (dest / ("usr/local/lib/myq/__pycache__/myq.%s.pyc" % TAG)).is_file()
     check_launcher((dest / "usr/local/bin/myq").read_bytes(),
                    "/usr/local/lib/myq")
+    for name in DOCS:
+        assert (dest / name.replace("usr/", "usr/local/", 1)).is_file(), name
     assert not (dest / "usr/bin").exists() and not (dest / "usr/lib").exists()
+    assert not (dest / "usr/share").exists()
     script = (dest / "etc/init.d/myq").read_text()
     assert "BIN=${MYQ_BIN:-/usr/local/bin/myq}" in script
     assert "/usr/bin/myq}" not in script
@@ -701,3 +732,164 @@ def test_make_install_every_python(tmp_path, ident):
                   "version"]))
     assert r.stdout.strip() == "myq " + VERSION
     assert loaded_from(r.stderr, pyc)
+
+
+def make_uninstall(repo, destdir, prefix=None):
+    if MAKE:
+        args = [MAKE, "-C", repo, "uninstall", "DESTDIR=%s" % destdir,
+                "PYTHON=" + sys.executable]
+        if prefix:
+            args.append("PREFIX=" + prefix)
+    else:
+        args = [sys.executable, os.path.join(repo, "build", "dist.py"),
+                "--uninstall", destdir, "--prefix", prefix or "/usr"]
+    return ok(run(args))
+
+
+@pytest.mark.parametrize("prefix", [None, "/usr/local"])
+def test_make_uninstall_leaves_nothing(tmp_path, prefix):
+    """install then uninstall (same DESTDIR and PREFIX): no file is left,
+    nor the directories that are myq's own; a second uninstall is a no-op."""
+    repo = repo_copy(tmp_path / "repo")
+    dest = tmp_path / "dest"
+    make_install(repo, dest, prefix=prefix)
+    assert installed_files(dest)
+    make_uninstall(repo, dest, prefix=prefix)
+    assert installed_files(dest) == {}
+    p = (prefix or "/usr").lstrip("/")
+    for own in ("lib/myq", "share/doc/myq"):
+        assert not (dest / p / own).exists(), own
+    make_uninstall(repo, dest, prefix=prefix)
+    assert installed_files(dest) == {}
+
+
+def test_make_uninstall_keeps_what_is_not_its_own(tmp_path):
+    """An edited /etc/default/myq stays (the operator's settings), and so
+    does a file of someone else's in PREFIX/lib/myq (with its directory);
+    every file that install wrote goes, bytecode of other Pythons too."""
+    repo = repo_copy(tmp_path / "repo")
+    dest = tmp_path / "dest"
+    make_install(repo, dest)
+    (dest / "etc/default/myq").write_text("MYQ_WORKERS=2\n")
+    (dest / "usr/lib/myq/handlers.py").write_text("def t(job): pass\n")
+    (dest / "usr/lib/myq/__pycache__/myq.cpython-30.pyc").write_bytes(b"old")
+    out = make_uninstall(repo, dest)
+    assert installed_files(dest) == {"etc/default/myq": 0o644,
+                                     "usr/lib/myq/handlers.py": 0o644}
+    assert (dest / "etc/default/myq").read_text() == "MYQ_WORKERS=2\n"
+    assert "kept" in out
+    assert not (dest / "usr/lib/myq/__pycache__").exists()
+
+
+@pytest.mark.skipif(not MAKE, reason="make not installed")
+def test_make_clean(tmp_path):
+    """make clean removes what builds and test runs leave (dist/, the venv,
+    .pytest_cache/, .hypothesis/, every __pycache__/) and nothing else."""
+    repo = repo_copy(tmp_path / "repo")
+    made = ["dist/x.tar.gz", ".venv/bin/python", ".pytest_cache/v",
+            ".hypothesis/examples/x", "__pycache__/myq.cpython-311.pyc",
+            "tests/__pycache__/t.pyc", "bench/__pycache__/b.pyc",
+            "build/__pycache__/dist.cpython-311.pyc", "demo/incoming/x.json",
+            "tests/sub/__pycache__/s.pyc"]
+    for rel in made:
+        path = os.path.join(repo, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+    before = installed_files(repo)
+    ok(run([MAKE, "-C", repo, "clean", "PYTHON=" + sys.executable]))
+    after = installed_files(repo)
+    assert sorted(after) == sorted(set(before) - set(made))
+    for d in ("dist", ".venv", ".pytest_cache", ".hypothesis", "__pycache__",
+              "tests/__pycache__", "bench/__pycache__", "build/__pycache__",
+              "tests/sub/__pycache__"):
+        assert not os.path.exists(os.path.join(repo, d)), d
+
+
+def test_license():
+    text = open(os.path.join(ROOT, "LICENSE")).read()
+    assert text.startswith("MIT License\n")
+    assert "Copyright (c) 2026 the myq authors" in text
+    assert "THE SOFTWARE IS PROVIDED \"AS IS\"" in text
+
+
+def roff_text(path):
+    """A manual page's source with the escapes for '-' and fonts undone."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        text = f.read()
+    return re.sub(r"\\f[BIRP]|\\&", "", text.replace("\\-", "-"))
+
+
+def section(text, name):
+    m = re.search(r"^\.SH %s\n(.*?)(?=^\.SH )" % re.escape(name), text,
+                  re.M | re.S)
+    assert m, "no section %s" % name
+    return m.group(1)
+
+
+@pytest.mark.skipif(not GROFF, reason="groff not installed "
+                    "(apt-get install groff-base)")
+@pytest.mark.parametrize("page", MAN_PAGES)
+def test_man_page_renders_without_warnings(page):
+    """groff with every warning on says nothing; rendered for a terminal,
+    no line is wider than 78 columns (a serial console)."""
+    path = os.path.join(ROOT, page)
+    r = run([GROFF, "-man", "-Tutf8", "-ww", "-z", path])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    r = run([GROFF, "-man", "-Tutf8", "-ww", "-P-c", "-P-b", "-P-u", path])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "NAME" in r.stdout and "SEE ALSO" in r.stdout
+    wide = [line for line in r.stdout.splitlines() if len(line) > 78]
+    assert not wide, wide
+
+
+def parsers():
+    """{command: its argparse parser}, from myq.py's own command line."""
+    top = myq._parser()
+    sub = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub[0].choices)
+
+
+def test_myq_1_documents_the_command_line():
+    """myq(1) has an entry for every command (and none that is gone), names
+    every option of each, the MYQ_* variable of every worker and guard
+    option, and every exit status that myq's errors use."""
+    text = roff_text("build/myq.1")
+    commands = section(text, "COMMANDS").split(".SS ")[0]
+    documented = set(re.findall(r"^\.TP\n(\w+)", commands, re.M))
+    cmds = parsers()
+    assert documented == set(cmds)
+    for name, p in cmds.items():
+        for action in p._actions:
+            for opt in action.option_strings:
+                if opt in ("-h", "--help") or action.help == argparse.SUPPRESS:
+                    continue
+                assert re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(opt),
+                                 text), "%s %s" % (name, opt)
+    for flag, _, _, _ in myq.WORKER_OPTIONS + myq.GUARD_OPTIONS:
+        env = "MYQ_" + flag[2:].replace("-", "_").upper()
+        assert re.search(r"\b%s\b" % env, text), env
+    for env in ("MYQ_SPOOL", "MYQ_WORKERS", "MYQ_JOB_ID", "MYQ_JOB_TYPE",
+                "MYQ_ATTEMPT", "MYQ_MAX_ATTEMPTS"):
+        assert re.search(r"\b%s\b" % env, text), env
+    status = set(re.findall(r"^\.TP\n(\d+)\n", section(text, "EXIT STATUS"),
+                            re.M))
+    codes = {str(c.code) for c in (myq.UsageError, myq.InvalidJob,
+                                   myq.NoSuchJob, myq.DuplicateJob,
+                                   myq.SpoolFull, myq.SpoolBusy,
+                                   myq.ConfigError)}
+    assert codes | {"0", "1"} <= status
+    for name in ("SYNOPSIS", "DESCRIPTION", "HANDLERS", "ENVIRONMENT",
+                 "FILES", "SEE ALSO"):
+        assert "\n.SH %s\n" % name in text
+    assert "myq-spool(5)" in section(text + ".SH ", "SEE ALSO")
+
+
+def test_myq_spool_5_documents_the_layout():
+    """myq-spool(5) describes every directory of the layout and every state."""
+    text = roff_text("build/myq-spool.5")
+    layout = set(re.findall(r"^\.TP\n(\w+)/\n", section(text, "LAYOUT"), re.M))
+    assert layout == set(myq.SUBDIRS)
+    states = section(text, "STATES")
+    for state in myq.STATES:
+        assert re.search(r"^\.TP\n.*\b%s\b" % state, states, re.M), state
+    assert "myq(1)" in section(text + ".SH ", "SEE ALSO")
