@@ -244,3 +244,252 @@ def test_init_owner_refuses_a_symlinked_layout_entry(box):
     r = box.root("init", "--owner", box.pw.pw_name)
     assert box.changed() == []
     one_error_line(r, (78,))
+
+
+# 2. The chown race of root's enqueue ########################################
+
+SWAPPER = r'''
+import os, sys, time
+tmp, victim, stop, until = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+n = 0
+while time.time() < until and not os.path.exists(stop):
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        continue
+    for name in names:
+        p = os.path.join(tmp, name)
+        if os.path.islink(p):
+            continue
+        try:
+            os.unlink(p)
+            os.symlink(victim, p)
+            n += 1
+        except OSError:
+            pass
+print(n)
+'''
+
+
+def start_swapper(box, seconds=8.0):
+    """The owner replaces every new file of tmp/ by a symlink to the
+    victim, as fast as it can (bounded in time)."""
+    stop = os.path.join(box.base, "stop-swapper")
+    p = subprocess.Popen(
+        [box.python, "-c", SWAPPER, box.d("tmp"), box.victim, stop,
+         str(time.time() + seconds)],
+        stdout=subprocess.PIPE, universal_newlines=True, cwd="/",
+        preexec_fn=become(box.pw), start_new_session=True)
+    return p, stop
+
+
+def lost_jobs(box, ids):
+    """ids whose incoming/ID.json is not a regular job file of the owner."""
+    lost = []
+    for jid in ids:
+        p = box.d("incoming", jid + ".json")
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            lost.append("%s: missing" % jid)
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            lost.append("%s: not a regular file (%s)" % (
+                jid, "symlink" if stat.S_ISLNK(st.st_mode) else "other"))
+        elif st.st_uid != box.pw.pw_uid:
+            lost.append("%s: owned by uid %d, not the spool's owner"
+                        % (jid, st.st_uid))
+        else:
+            with open(p) as f:
+                if json.loads(f.readline()).get("id") != jid:
+                    lost.append("%s: not its job" % jid)
+    return lost
+
+
+@needs_root
+def test_root_enqueue_chown_race(box):
+    """Root's `myq enqueue` into the owner's spool while the owner swaps
+    every tmp/ file for a symlink to a root file: the victim stays root's
+    and every enqueue that said 0 left its job in incoming/, a regular
+    file of the owner.  Fails today: enqueue chowns by path after the
+    fsync (the victim is handed to the owner) and renames the symlink into
+    incoming/ (the job is lost, exit 0)."""
+    swapper, stop = start_swapper(box)
+    ok, failed = [], []
+    try:
+        for i in range(50):
+            jid = "race%d" % i
+            r = box.root("enqueue", "t", "null", "--id", jid)
+            (ok if r.returncode == 0 else failed).append(jid)
+            assert not traceback_in(r.stderr), r.stderr
+    finally:
+        open(stop, "w").close()
+        swaps = swapper.communicate(timeout=15)[0].strip()
+    problems = box.changed() + lost_jobs(box, ok)
+    assert not problems, "%d enqueues said 0, %s swaps:\n%s" % (
+        len(ok), swaps, "\n".join(problems))
+
+
+@needs_root
+def test_api_enqueue_chown_race(box):
+    """The same race through the Python API of a root program
+    (`myq.Spool(p).enqueue`): no victim handed over, no job lost.  Fails
+    today (os.chown by path)."""
+    sp = myq.Spool(box.spool)
+    swapper, stop = start_swapper(box)
+    ok = []
+    try:
+        for i in range(200):
+            try:
+                ok.append(sp.enqueue("t", None, id="api%d" % i))
+            except myq.MyqError:
+                pass
+    finally:
+        open(stop, "w").close()
+        swaps = swapper.communicate(timeout=15)[0].strip()
+    problems = box.changed() + lost_jobs(box, ok)
+    assert not problems, "%d enqueues returned, %s swaps:\n%s" % (
+        len(ok), swaps, "\n".join(problems))
+
+
+@needs_root
+@pytest.mark.parametrize("sub", ["tmp", "incoming"])
+def test_api_enqueue_refuses_a_symlinked_dir(box, sub):
+    """A root program's `myq.enqueue(spool, ...)` on the owner's spool
+    whose tmp/ or incoming/ is a symlink to a root directory: a MyqError,
+    nothing written outside the spool.  Fails today: the job is written
+    into the victim directory."""
+    box.replace(sub, "symlink", box.victim_dir)
+    myq._SPOOLS.clear()
+    with pytest.raises(myq.MyqError):
+        myq.enqueue(box.spool, "t", {"x": 1}, id="viaapi")
+    with pytest.raises(myq.MyqError):
+        myq.Spool(box.spool).enqueue("t", None)
+    assert box.changed() == []
+
+
+# 3. Forged handler records #################################################
+
+@pytest.fixture
+def victim():
+    v = Victim()
+    yield v
+    v.kill()
+
+
+def owner_dir(box, name):
+    p = os.path.join(box.base, name)
+    os.mkdir(p, 0o755)
+    os.chown(p, box.pw.pw_uid, box.pw.pw_gid)
+    return p
+
+
+def start_owner_worker(box, *opts, log=None):
+    err = open(log, "ab") if log else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(
+            [box.python, box.myq, "--spool", box.spool, "worker"]
+            + [str(o) for o in opts], stdout=subprocess.DEVNULL, stderr=err,
+            env=clean_env(), cwd="/", preexec_fn=become(box.pw),
+            start_new_session=True)
+    finally:
+        if log:
+            err.close()
+
+
+def killpg_quiet(p):
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    p.wait(10)
+
+
+@needs_root
+def test_producer_forged_handler_line_reap(box, victim):
+    """A producer appends `{"handler": {"pid": VICTIM, "start": S}}` to its
+    job file; the owner's worker runs the job (a --module function: no
+    handler record of its own), dies (kill -9); root's `myq reap`.  The
+    victim (root's `sleep`) lives; the file was quarantined.  Fails today:
+    reap takes the forged line for the worker's record and SIGKILLs the
+    victim's process group."""
+    out = owner_dir(box, "out")
+    mark = os.path.join(out, "started")
+    mod = os.path.join(box.base, "mod.py")
+    with open(mod, "w") as f:
+        f.write("import time\n"
+                "def slow(job):\n"
+                "    open(%r, 'w').close()\n"
+                "    time.sleep(30)\n" % mark)
+    os.chmod(mod, 0o644)
+    box.owner_file("incoming/forged.json", json.dumps(
+        {"id": "forged", "type": "slow"}) + "\n" + json.dumps(
+        {"handler": {"pid": victim.pid, "start": victim.start}}) + "\n")
+    w = start_owner_worker(box, "--module", mod, "--poll", "0.05")
+    try:
+        wait_for(lambda: os.path.exists(mark) or w.poll() is not None
+                 or "forged.json" in ls(box.spool, "failed"), timeout=20,
+                 what="the job to run or be quarantined")
+    finally:
+        killpg_quiet(w)
+    r = box.root("reap")
+    assert not traceback_in(r.stderr), r.stderr
+    time.sleep(0.2)         # a SIGKILL is delivered at once; be generous
+    assert victim.alive(), "root's reap killed the process a producer named"
+    assert not os.path.exists(mark), "a job with forged records was run"
+    assert "forged.json" in ls(box.spool, "failed")
+
+
+def forge_claim(box, victim, jid="fj", pid=None):
+    """The owner forges a claim naming the victim as its handler, and a
+    worker record naming the victim as a hung worker (old heartbeat)."""
+    wid = "w-77-abc"
+    now = time.time()
+    pid = victim.pid if pid is None else pid
+    box.owner_file("processing/%s+%s.1.json" % (jid, wid), json.dumps(
+        {"id": jid, "type": "t", "attempts": 0, "created_at": now,
+         "updated_at": now, "available_at": now}) + "\n" + json.dumps(
+        {"lease": {"worker": wid, "pid": victim.pid, "start": victim.start,
+                   "boot_id": myq.boot_id(), "token": wid + ".1", "attempt": 1,
+                   "leased_until": now - 100}}) + "\n" + json.dumps(
+        {"handler": {"pid": pid, "start": victim.start}}) + "\n")
+    rec = box.owner_file("locks/workers/%s.json" % wid, json.dumps(
+        {"worker": wid, "pid": victim.pid, "start": victim.start,
+         "boot_id": myq.boot_id(), "pidns": myq.pid_namespace(),
+         "host": os.uname()[1], "lease": 1, "started_at": now - 100}))
+    os.utime(rec, (1, 1))
+
+
+@needs_root
+def test_owner_forged_claim_root_reap(box, victim):
+    """The owner forges processing/fj+w-77-abc.1.json with a handler line
+    and a hung worker record, both naming root's process; root's `myq
+    reap` must not signal it.  Fails today (SIGKILL to its group)."""
+    forge_claim(box, victim)
+    r = box.root("reap")
+    assert not traceback_in(r.stderr), r.stderr
+    time.sleep(0.2)
+    assert victim.alive(), "root's reap killed the process the owner named"
+
+
+@needs_root
+def test_owner_forged_claim_root_delete_force(box, victim):
+    """The same forged claim; root's `myq delete --force fj` must not
+    signal the victim.  Fails today (SIGTERM to its group)."""
+    forge_claim(box, victim)
+    r = box.root("delete", "--force", "fj")
+    assert not traceback_in(r.stderr), r.stderr
+    time.sleep(0.2)
+    assert victim.alive(), "root's delete --force killed the process the owner named"
+
+
+@needs_root
+def test_delete_force_non_numeric_pid(box, victim):
+    """A forged handler record with `"pid": "1x"`: `delete --force` ends
+    without a traceback.  Fails today (TypeError in proc_start)."""
+    forge_claim(box, victim, pid="1x")
+    r = box.root("delete", "--force", "fj")
+    assert not traceback_in(r.stderr), r.stderr
+    assert r.returncode in (0, 66), (r.returncode, r.stderr)
+    assert victim.alive()
