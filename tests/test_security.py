@@ -493,3 +493,196 @@ def test_delete_force_non_numeric_pid(box, victim):
     assert not traceback_in(r.stderr), r.stderr
     assert r.returncode in (0, 66), (r.returncode, r.stderr)
     assert victim.alive()
+
+
+# 4. --module: only the file's own functions ################################
+
+def test_module_imported_callables_are_not_handlers(run_myq, spool, tmp_path):
+    """A --module file that imports `run` (subprocess), `system` (os) and
+    defines `_private`: jobs of type run, system, getattr, _private never
+    call them.  Fails today: a producer's job of type `run` whose first key
+    is a program path makes the worker execute that program
+    (subprocess.run(job) runs list(job)), and the job is done."""
+    mark = tmp_path / "ran"
+    evil = tmp_path / "evil.sh"
+    evil.write_text("#!/bin/sh\ntouch '%s.run'\n" % mark)
+    evil.chmod(0o755)
+    mod = tmp_path / "handlers_mod.py"
+    mod.write_text(
+        "from subprocess import run\n"
+        "import os\n"
+        "from os import system\n"
+        "def ok(job):\n"
+        "    pass\n"
+        "def _private(job):\n"
+        "    open(%r, 'w').close()\n" % (str(mark) + ".private"))
+    # a shell producer's files: it chooses the order of the keys
+    for jid, typ in (("r1", "run"), ("s1", "system"), ("g1", "getattr"),
+                     ("p1", "_private")):
+        obj = json.loads('{"%s": 1, "id": "%s", "type": "%s", '
+                         '"payload": "touch %s.sys", "max_attempts": 1}'
+                         % (evil, jid, typ, mark))
+        with open(os.path.join(spool, "incoming", jid + ".json"), "w") as f:
+            f.write(json.dumps(obj))
+    r = run_myq("--spool", spool, "worker", "--drain", "--module", str(mod),
+                "--poll", "0.05", "--max-attempts", "1", timeout=60)
+    assert not traceback_in(r.stderr), r.stderr
+    called = [p for p in os.listdir(str(tmp_path)) if p.startswith("ran")]
+    assert called == [], "imported/private callables were called: %s" % called
+    assert ls(spool, "done") == []
+
+
+def test_module_with_handlers_dict_is_exactly_that(run_myq, spool, tmp_path):
+    """A --module file with a HANDLERS dict: its entries are the types, a
+    function it also defines is not.  Fails today (getattr fallback)."""
+    mark = tmp_path / "b-ran"
+    mod = tmp_path / "handlers_mod.py"
+    mod.write_text(
+        "def _impl(job):\n"
+        "    pass\n"
+        "def b(job):\n"
+        "    open(%r, 'w').close()\n"
+        "HANDLERS = {'a': _impl}\n" % str(mark))
+    for jid, typ in (("ja", "a"), ("jb", "b")):
+        r = run_myq("--spool", spool, "enqueue", typ, "null", "--id", jid,
+                    "--max-attempts", "1")
+        assert r.returncode == 0, r.stderr
+    r = run_myq("--spool", spool, "worker", "--drain", "--module", str(mod),
+                "--poll", "0.05", timeout=60)
+    assert not traceback_in(r.stderr), r.stderr
+    assert "ja.json" in ls(spool, "done")
+    assert not mark.exists(), "b is not in HANDLERS but was called"
+    assert "jb.json" not in ls(spool, "done")
+
+
+# 5. Odd ids and names ######################################################
+
+ODD = ["", ".", "..", "a/b", "../x", "x" * 200, "../../etc/passwd",
+       "failed/", "incoming/x", ".hidden"]
+# valid ids (SPEC 3: "-" is one) that name a directory: show/retry/delete
+# exit 66 (no such job)
+ODD_OK_NAMES = ["-", "failed", "incoming", "locks", "tmp"]
+
+
+def layout_intact(spool):
+    for sub in myq.SUBDIRS + ("locks/ok", "locks/workers"):
+        p = os.path.join(spool, sub)
+        assert os.path.isdir(p) and not os.path.islink(p), sub + " is gone"
+
+
+def seed(run_myq, spool):
+    """A dead job, a failed file, a done job: things an odd id could hit."""
+    with open(os.path.join(spool, "failed", "bad.json"), "w") as f:
+        f.write("not json")
+    with open(os.path.join(spool, "failed", "bad.json.reason"), "w") as f:
+        f.write("x bad JSON\n")
+    with open(os.path.join(spool, "dlq", "dead1.json"), "w") as f:
+        f.write(json.dumps({"id": "dead1", "type": "t", "attempts": 5}) + "\n")
+
+
+@pytest.mark.parametrize("cmd", ["show", "retry", "delete", "delete --force",
+                                 "enqueue --id"])
+def test_cli_odd_ids(run_myq, spool, cmd):
+    """show/retry/delete and enqueue --id with ids that are no ids: exit
+    64, 65 or 66, one line `myq: …`, no traceback, the layout intact.
+    Fails today: `retry ""` renames failed/ into incoming/, `delete ""`
+    exits 75 (IsADirectoryError), `show ""` prints the directory as a job
+    (exit 0)."""
+    seed(run_myq, spool)
+    problems = []
+    for jid in ODD + ODD_OK_NAMES:
+        if cmd == "enqueue --id":
+            if jid in ODD_OK_NAMES:
+                continue
+            args = ["enqueue", "t", "null", "--id", jid]
+        else:
+            args = cmd.split() + [jid]
+        r = run_myq("--spool", spool, *args, timeout=20)
+        err = r.stderr.strip("\n")
+        if r.returncode not in (64, 65, 66) or not err.startswith("myq: ") \
+                or "\n" in err:
+            problems.append("%s %r: exit %d, stdout %r, stderr %r" % (
+                cmd, jid, r.returncode, r.stdout[:100], r.stderr[-300:]))
+        try:
+            layout_intact(spool)
+        except AssertionError as e:
+            problems.append("%s %r broke the layout: %s" % (cmd, jid, e))
+            break
+    assert ls(spool, "failed") == ["bad.json", "bad.json.reason"], problems
+    assert ls(spool, "dlq") == ["dead1.json"], problems
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("op", ["show", "retry", "retry-list", "delete",
+                                "delete-list", "enqueue"])
+def test_api_odd_ids(myq, spool, op):
+    """The API with odd ids (NUL included): a myq.MyqError subclass, never
+    a raw ValueError/IsADirectoryError; the layout intact.  Fails today
+    (ValueError: embedded null byte; retry("") moves failed/)."""
+    seed(None, spool)
+    sp = myq.Spool(spool)
+    problems = []
+    for jid in ODD + ["x\x00y", "\x00"]:
+        call = {"show": lambda: sp.show(jid),
+                "retry": lambda: sp.retry(jid),
+                "retry-list": lambda: sp.retry([jid]),
+                "delete": lambda: sp.delete(jid),
+                "delete-list": lambda: sp.delete([jid], force=True),
+                "enqueue": lambda: sp.enqueue("t", None, id=jid)}[op]
+        try:
+            got = call()
+            problems.append("%s(%r) returned %r" % (op, jid, got))
+        except myq.MyqError:
+            pass
+        except Exception as e:
+            problems.append("%s(%r) raised %s: %s" % (op, jid,
+                                                      type(e).__name__, e))
+        try:
+            layout_intact(spool)
+        except AssertionError as e:
+            problems.append("%s(%r) broke the layout: %s" % (op, jid, e))
+            break
+    assert ls(spool, "dlq") == ["dead1.json"], problems
+    assert not problems, "\n".join(problems)
+
+
+def test_api_delete_str_is_one_id(myq, spool):
+    """`Spool(p).delete("abc")` deletes job abc, not a, b and c.  Fails
+    today (a str is iterated)."""
+    sp = myq.Spool(spool)
+    for jid in ("a", "b", "c"):
+        sp.enqueue("t", None, id=jid)
+    try:
+        sp.delete("abc")
+    except myq.NoSuchJob:
+        pass
+    assert ls(spool, "incoming") == ["a.json", "b.json", "c.json"]
+    sp.enqueue("t", None, id="abc")
+    assert sp.delete("abc") == 1
+    assert ls(spool, "incoming") == ["a.json", "b.json", "c.json"]
+    try:
+        sp.retry("abc")
+    except myq.NoSuchJob:
+        pass
+
+
+def test_quarantined_names_still_reachable(run_myq, spool):
+    """Guard (passes today): a file quarantined for its bad name is shown,
+    retried and deleted by the name `list failed` gives it."""
+    with open(os.path.join(spool, "incoming", "bad name.json"), "w") as f:
+        f.write(json.dumps({"type": "t"}))
+    r = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05")
+    assert r.returncode == 0, r.stderr
+    r = run_myq("--spool", spool, "list", "failed", "--json")
+    (name,) = [json.loads(l)["id"] for l in r.stdout.splitlines()]
+    assert name == "bad name"
+    r = run_myq("--spool", spool, "show", name)
+    assert r.returncode == 0 and json.loads(r.stdout)["state"] == "failed", r.stderr
+    r = run_myq("--spool", spool, "retry", name)
+    assert r.returncode == 0, r.stderr
+    assert "bad name.json" in ls(spool, "incoming")
+    os.rename(os.path.join(spool, "incoming", "bad name.json"),
+              os.path.join(spool, "failed", "bad name.json"))
+    r = run_myq("--spool", spool, "delete", name)
+    assert r.returncode == 0, r.stderr
+    assert ls(spool, "failed") == []
