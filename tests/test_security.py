@@ -686,3 +686,54 @@ def test_quarantined_names_still_reachable(run_myq, spool):
     r = run_myq("--spool", spool, "delete", name)
     assert r.returncode == 0, r.stderr
     assert ls(spool, "failed") == []
+
+
+# 6. A flood of bad files must not stop the heartbeat #######################
+
+@pytest.mark.slow
+def test_flood_of_bad_files_keeps_the_heartbeat(run_myq, spool, tmp_path,
+                                                handlers_dir, procs):
+    """A worker (--lease 2) runs a long job; a producer drops 100,000 files
+    with bad names into incoming/; `myq reap` runs in a loop meanwhile.
+    The long job runs once and ends done; the worker never logs
+    event=lost.  Fails today: the worker quarantines the whole flood in
+    one go without a heartbeat, a reaper takes its live job back (kills
+    the handler), the job runs twice."""
+    runs = tmp_path / "runs"
+    hd = handlers_dir("long", 'echo "$MYQ_JOB_ID" >> "%s"\nsleep 8\nexit 0' % runs)
+    log = tmp_path / "worker.log"
+    r = run_myq("--spool", spool, "enqueue", "long", "null", "--id", "long")
+    assert r.returncode == 0, r.stderr
+    w = procs.worker(spool, "--handlers", hd, "--lease", "2", "--concurrency",
+                     "2", "--poll", "0.05", "--jitter", "0", "--backoff-base",
+                     "60", "--stats-interval", "0", log=log)
+    wait_for(lambda: runs.exists() and runs.read_text().strip() == "long",
+             what="the long job to start")
+    stop = threading.Event()
+    reaped = []
+
+    def reaper():
+        while not stop.is_set():
+            cp = run_myq("--spool", spool, "reap", timeout=60)
+            reaped.append(cp.stdout.strip())
+    t = threading.Thread(target=reaper)
+    t.daemon = True
+    t.start()
+    try:
+        inc = os.path.join(spool, "incoming")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        for i in range(100000):
+            os.close(os.open(os.path.join(inc, "bad name %d.json" % i), flags,
+                             0o644))
+        wait_for(lambda: "long.json" in ls(spool, "done")
+                 or len(runs.read_text().split()) > 1, timeout=120,
+                 interval=0.2, what="the long job to end")
+    finally:
+        stop.set()
+        t.join(60)
+    n = len(runs.read_text().split())
+    lost = [l for l in log.read_text().splitlines() if "event=lost" in l]
+    assert lost == [], "the worker's live job was taken back"
+    assert n == 1, "the long job ran %d times (reaps: %s)" % (
+        n, [x for x in reaped if x != "requeued=0"])
+    assert w.poll() is None
