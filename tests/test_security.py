@@ -922,3 +922,88 @@ def test_http_redirect_to_ftp_not_followed(run_myq, spool, servers):
         lsock.close()
     assert not connected, "the worker followed the redirect to " + ftp
     assert "toftp.json" not in ls(spool, "done")
+
+
+# 8. A handler's daemonised children ########################################
+
+DAEMON = r'''import os, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write("%d\n" % os.getpid())
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(1000)
+'''
+
+
+def daemon_handler(tmp_path, handlers_dir, then):
+    """An exec handler that leaves a daemon behind (fork, the parent exits,
+    the child calls setsid: another session, its parent is init), writes
+    its pid to T/ID.pid (killed by the procs fixture whatever happens),
+    then runs `then`."""
+    script = tmp_path / "daemon.py"
+    script.write_text(DAEMON)
+    return handlers_dir("d", '"%s" "%s" "%s/$MYQ_JOB_ID.pid" </dev/null '
+                        '>/dev/null 2>&1\n%s' % (sys.executable, script,
+                                                  tmp_path, then))
+
+
+def test_timeout_kills_setsid_children(run_myq, spool, tmp_path, handlers_dir,
+                                       procs):
+    """A handler past its time limit: its daemonised child is gone too.
+    Fails today (only the handler's process group is killed)."""
+    from _procs import read_pid, alive
+    hd = daemon_handler(tmp_path, handlers_dir, "sleep 1000")
+    r = run_myq("--spool", spool, "enqueue", "d", "null", "--id", "slow",
+                "--timeout", "1", "--max-attempts", "1")
+    assert r.returncode == 0, r.stderr
+    w = procs.worker(spool, "--handlers", hd, "--poll", "0.05",
+                     log=tmp_path / "w.log")
+    pid = read_pid(tmp_path / "slow.pid")
+    wait_for(lambda: "slow.json" in ls(spool, "dlq"), timeout=20,
+             what="the job to time out")
+    try:
+        wait_for(lambda: not alive(pid), timeout=5)
+    except AssertionError:
+        raise AssertionError("the handler's setsid child %d survived the "
+                             "timeout kill" % pid)
+    assert w.poll() is None
+
+
+def test_shutdown_kills_setsid_children(run_myq, spool, tmp_path, handlers_dir,
+                                        procs):
+    """SIGTERM to the worker (--grace 0.5) while the handler runs: after the
+    worker exits, the handler's daemonised child is gone.  Fails today."""
+    from _procs import read_pid, alive
+    hd = daemon_handler(tmp_path, handlers_dir, "sleep 1000")
+    r = run_myq("--spool", spool, "enqueue", "d", "null", "--id", "held")
+    assert r.returncode == 0, r.stderr
+    w = procs.worker(spool, "--handlers", hd, "--poll", "0.05", "--grace", "0.5",
+                     log=tmp_path / "w.log")
+    pid = read_pid(tmp_path / "held.pid")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(15) == 0
+    assert "held.json" in ls(spool, "incoming")
+    try:
+        wait_for(lambda: not alive(pid), timeout=5)
+    except AssertionError:
+        raise AssertionError("the handler's setsid child %d survived the "
+                             "worker's shutdown" % pid)
+
+
+def test_handler_that_succeeded_keeps_its_children(run_myq, spool, tmp_path,
+                                                   handlers_dir, procs):
+    """Guard (passes today): a handler that exits 0 keeps what it started
+    (the procs fixture kills it at the end)."""
+    from _procs import read_pid, alive
+    hd = daemon_handler(tmp_path, handlers_dir, "exit 0")
+    r = run_myq("--spool", spool, "enqueue", "d", "null", "--id", "fine")
+    assert r.returncode == 0, r.stderr
+    r = run_myq("--spool", spool, "worker", "--drain", "--handlers", hd,
+                "--poll", "0.05")
+    assert r.returncode == 0, r.stderr
+    assert "fine.json" in ls(spool, "done")
+    pid = read_pid(tmp_path / "fine.pid")
+    time.sleep(0.3)
+    assert alive(pid), "a successful handler's child was killed"
