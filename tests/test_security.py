@@ -1007,3 +1007,101 @@ def test_handler_that_succeeded_keeps_its_children(run_myq, spool, tmp_path,
     pid = read_pid(tmp_path / "fine.pid")
     time.sleep(0.3)
     assert alive(pid), "a successful handler's child was killed"
+
+
+# 9. Smaller items ##########################################################
+
+def test_log_file_not_world_readable(spool, tmp_path):
+    """`worker --log FILE` creates FILE 0640 or stricter (umask 022).
+    Fails today (0644)."""
+    log = tmp_path / "myq.log"
+    r = subprocess.run([sys.executable, MYQ, "--spool", spool, "worker",
+                        "--once", "--log", str(log)], env=clean_env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       universal_newlines=True, timeout=30,
+                       preexec_fn=lambda: os.umask(0o022))
+    assert r.returncode == 0, r.stderr
+    mode = stat.S_IMODE(os.stat(str(log)).st_mode)
+    assert mode & ~0o640 == 0, "log file created %o" % mode
+
+
+def test_myq_http_header_variable_is_one_header(run_myq, spool, servers):
+    """MYQ_HTTP_HEADER='Authorization: Bearer x' is one header, and it
+    arrives.  Fails today (split on blanks: exit 64)."""
+    got = []
+
+    def ok(h):
+        got.append(h.headers.get("Authorization"))
+        h.send_response(200)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+    srv = servers(ok)
+    r = run_myq("--spool", spool, "enqueue", "http", json.dumps(
+        {"url": srv.url + "/x", "method": "GET"}), "--id", "hdr")
+    assert r.returncode == 0, r.stderr
+    r = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
+                env={"MYQ_HTTP_HEADER": "Authorization: Bearer x"}, timeout=60)
+    assert r.returncode != 64, r.stderr
+    assert r.returncode == 0, r.stderr
+    assert got == ["Bearer x"]
+    assert "hdr.json" in ls(spool, "done")
+
+
+def test_retry_after_zero_is_not_a_busy_loop(run_myq, spool, servers, procs,
+                                            tmp_path):
+    """A server that answers 503 with `Retry-After: 0` to a job with
+    max_attempts 1000: in 3 s the worker sends at most 5 requests.  Fails
+    today (thousands: the job is rewritten as fast as the disk allows)."""
+    hits = []
+
+    def busy(h):
+        hits.append(time.monotonic())
+        h.send_response(503)
+        h.send_header("Retry-After", "0")
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+    srv = servers(busy)
+    r = run_myq("--spool", spool, "enqueue", "http", json.dumps(
+        {"url": srv.url + "/busy", "method": "GET"}), "--id", "ra0",
+        "--max-attempts", "1000")
+    assert r.returncode == 0, r.stderr
+    w = procs.worker(spool, "--poll", "0.05", "--backoff-base", "0.2",
+                     "--jitter", "0", log=tmp_path / "w.log")
+    wait_for(lambda: hits, what="the first request")
+    time.sleep(3.0)             # the window being measured
+    w.send_signal(signal.SIGTERM)
+    w.wait(15)
+    first = hits[0]
+    n = len([t for t in hits if t - first <= 3.0])
+    assert n <= 5, "%d requests in 3 s" % n
+
+
+def test_supervise_gives_workers_a_clean_environment(spool, tmp_path, procs):
+    """`myq supervise` started with SECRET_TOKEN in its environment: its
+    worker's environment has no SECRET_TOKEN (PATH, HOME, LANG, LC_*, TZ
+    and --pass-env only).  Fails today (Popen inherits it all)."""
+    from _procs import children
+    env = clean_env({"SECRET_TOKEN": "xyz", "LANG": "C.UTF-8", "TZ": "UTC"})
+    sup = procs.spawn([sys.executable, MYQ, "--spool", spool, "supervise",
+                       "--workers", "1", "--poll", "0.5"], env=env,
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def worker_pid():
+        for pid in children([sup.pid]):
+            try:
+                with open("/proc/%d/cmdline" % pid, "rb") as f:
+                    if b"worker" in f.read().split(b"\0"):
+                        return pid
+            except OSError:
+                pass
+        return None
+    pid = wait_for(worker_pid, what="the supervised worker")
+    with open("/proc/%d/environ" % pid, "rb") as f:
+        names = [kv.partition(b"=")[0].decode() for kv in f.read().split(b"\0")
+                 if kv]
+    sup.send_signal(signal.SIGTERM)
+    sup.wait(15)
+    assert "SECRET_TOKEN" not in names
+    extra = [n for n in names if n in env and n not in (
+        "PATH", "HOME", "LANG", "TZ") and not n.startswith("LC_")]
+    assert extra == [], "the worker got %s" % extra
