@@ -1105,3 +1105,58 @@ def test_supervise_gives_workers_a_clean_environment(spool, tmp_path, procs):
     extra = [n for n in names if n in env and n not in (
         "PATH", "HOME", "LANG", "TZ") and not n.startswith("LC_")]
     assert extra == [], "the worker got %s" % extra
+
+
+# 10. What root writes in the owner's spool stays usable by the owner ########
+
+@needs_root
+def test_root_retry_and_reap_leave_files_the_owner_can_run(box, owner):
+    """Root's `myq retry` of a dead job and root's `myq reap` of a dead
+    worker's claim write the job anew: the new files belong to the owner,
+    whose worker then runs both jobs (done, not quarantined).  Fails today:
+    the files are root's 0640, the owner's worker quarantines them
+    (permission denied)."""
+    now = time.time()
+    job = {"type": "t", "attempts": 5, "created_at": now, "updated_at": now,
+           "available_at": now, "max_attempts": 9}
+    box.owner_file("dlq/d1.json", json.dumps(dict(job, id="d1")) + "\n")
+    wid = "w-88-abc"
+    box.owner_file("processing/c1+%s.1.json" % wid, json.dumps(
+        dict(job, id="c1", attempts=0)) + "\n" + json.dumps(
+        {"lease": {"worker": wid, "pid": 999999, "start": 1,
+                   "boot_id": myq.boot_id(), "token": wid + ".1", "attempt": 1,
+                   "leased_until": now - 100}}) + "\n")
+    r = box.root("retry", "d1")
+    assert r.returncode == 0, r.stderr
+    r = box.root("reap")
+    assert r.returncode == 0 and r.stdout.strip() == "requeued=1", r.stdout + r.stderr
+    owners = {n: os.lstat(box.d("incoming", n)).st_uid
+              for n in ls(box.spool, "incoming")}
+    hd = owner_dir(box, "handlers")
+    with open(os.path.join(hd, "t"), "w") as f:
+        f.write("#!/bin/sh\ncat >/dev/null\n")
+    os.chmod(os.path.join(hd, "t"), 0o755)
+    r = box.owner("worker", "--drain", "--handlers", hd, "--poll", "0.05")
+    assert r.returncode == 0, r.stderr
+    assert owners == {"d1.json": owner.pw_uid, "c1.json": owner.pw_uid}
+    assert ls(box.spool, "done") == ["c1.json", "d1.json"], ls(box.spool, "failed")
+
+
+@needs_root
+def test_root_worker_runs_handlers_as_the_owner(box, owner):
+    """Root runs `myq worker --drain` on the owner's spool (an operator
+    debugging): the job's handler runs as the spool's owner, not as root
+    (the design: root's CLI becomes the owner).  Fails today: the owner's
+    jobs run as root."""
+    out = owner_dir(box, "out")
+    hd = owner_dir(box, "handlers")
+    with open(os.path.join(hd, "t"), "w") as f:
+        f.write("#!/bin/sh\nid -u > '%s/uid'\n" % out)
+    os.chmod(os.path.join(hd, "t"), 0o755)
+    r = box.owner("enqueue", "t", "null", "--id", "who")
+    assert r.returncode == 0, r.stderr
+    r = box.root("worker", "--drain", "--handlers", hd, "--poll", "0.05",
+                 timeout=60)
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(out, "uid")) as f:
+        assert int(f.read()) == owner.pw_uid, "the owner's job ran as root"
