@@ -9,20 +9,17 @@ helpers of test_initd.py.
   process tree of the service): `stop` must not return with it alive
   (today it survives).
 """
-import json
 import os
 import shutil
-import signal
+import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
 from _core import wait_for
 from _sec import entry_state, make_user, proc_alive, kill_quiet, SECRET
-from test_initd import (BUSYBOX, MYQ, Service, bindirs, read,  # noqa: F401
-                        world_executable_python)
+from test_initd import BUSYBOX, MYQ, Service, read, world_executable_python
 
 needs_busybox = pytest.mark.skipif(
     not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
@@ -37,6 +34,20 @@ def owner():
         yield pw
 
 
+@pytest.fixture(scope="module")
+def bbpath(tmp_path_factory):
+    """A PATH of BusyBox applets (start-stop-daemon included) and python3,
+    as test_initd's `bindirs`."""
+    if not BUSYBOX:
+        pytest.skip("busybox not installed (apt-get install busybox)")
+    d = tmp_path_factory.mktemp("bb-sec")
+    subprocess.check_call([BUSYBOX, "--install", "-s", str(d)])
+    if os.path.lexists(str(d / "python3")):
+        os.unlink(str(d / "python3"))
+    os.symlink(sys.executable, str(d / "python3"))
+    return str(d)
+
+
 @pytest.fixture
 def base():
     d = tempfile.mkdtemp(prefix="myq-sec-initd-")   # traversable by the user
@@ -47,7 +58,7 @@ def base():
 
 @needs_busybox
 @needs_root
-def test_start_does_not_follow_a_symlinked_log(bindirs, base, owner):
+def test_start_does_not_follow_a_symlinked_log(bbpath, base, owner):
     """MYQ_USER owns the log directory and puts a symlink to a root-only
     file in place of myq.log; `init.d/myq start` (root) must leave that
     file root's, 0600, unchanged.  Fails today: `chown USER "$LOG"` hands
@@ -67,7 +78,7 @@ def test_start_does_not_follow_a_symlinked_log(bindirs, base, owner):
     os.symlink(victim, log)                 # what the user did
     os.lchown(log, owner.pw_uid, owner.pw_gid)
     before = entry_state(victim)
-    s = Service(os.path.join(base, "svc"), bindirs["ssd"], settings={
+    s = Service(os.path.join(base, "svc"), bbpath, settings={
         "MYQ_USER": owner.pw_name, "MYQ_PYTHON": python,
         "MYQ_BIN": os.path.join(base, "myq"), "MYQ_LOG": log})
     os.chmod(s.base, 0o755)
@@ -97,11 +108,11 @@ time.sleep(1000)
 
 
 @needs_busybox
-def test_stop_kills_a_handlers_daemon(tmp_path, bindirs):
+def test_stop_kills_a_handlers_daemon(tmp_path, bbpath):
     """A handler that daemonises a child (fork + setsid) and keeps
     running; `init.d/myq stop` returns with the child gone.  Fails today
     (the child is in no session or process tree of the service)."""
-    s = Service(tmp_path / "svc", bindirs["ssd"])
+    s = Service(tmp_path / "svc", bbpath)
     script = os.path.join(s.base, "daemon.py")
     with open(script, "w") as f:
         f.write(DAEMON)
