@@ -16,6 +16,11 @@ sys.path.insert(0, ROOT)
 import myq as _myq  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a long test (deselect with -m 'not slow')")
+
+
 @pytest.fixture
 def myq():
     return _myq
