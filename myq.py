@@ -393,11 +393,13 @@ def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
             _step("fsync", path, "before")
             os.fsync(fd)
             _step("fsync", path, "after")
+        ino = os.fstat(fd).st_ino
     except BaseException:
         os.close(fd)
         _quiet_unlink(path, dir_fd)
         raise
     os.close(fd)
+    return ino
 
 
 def _create_empty(path, mode=0o640):
@@ -1178,13 +1180,15 @@ class Spool(object):
             # Root enqueues into a spool that belongs to the worker's user:
             # the file is handed over through its own descriptor, before it
             # has a name anyone else could swap.
-            _create(tmp, data, sync=sync, dir_fd=tfd, owner=dirs.owner(),
-                    mtime=job["available_at"] if delay else None)
+            ino = _create(tmp, data, sync=sync, dir_fd=tfd, owner=dirs.owner(),
+                          mtime=job["available_at"] if delay else None)
             if not explicit:
                 _rename(tmp, dst, tfd, dfd)
+                self._placed(jid, ino, dfd)
                 return
             try:
                 _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued right now
+                self._placed(jid, ino, dfd)
             except OSError as e:
                 if e.errno == errno.EEXIST:
                     raise DuplicateJob("job id %s is already queued; pick another"
@@ -1195,6 +1199,7 @@ class Spool(object):
                 if _exists(jid + ".json", dfd):  # no hard links (vfat)
                     raise DuplicateJob("job id %s is already queued" % jid)
                 _rename(tmp, dst, tfd, dfd)
+                self._placed(jid, ino, dfd)
                 return
             _quiet_unlink(tmp, tfd)     # queued already; tmp/ orphans are pruned
         except MyqError:
@@ -1209,6 +1214,21 @@ class Spool(object):
                                 "free space or prune" % (self.path, e.strerror))
             raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
                             % (jid, self.path, e.strerror))
+
+    def _placed(self, jid, ino, dfd):
+        """What went into incoming/ must be the file written (the spool's
+        owner may swap tmp/'s entry for a link between the write and the
+        rename); else nothing was enqueued."""
+        name = jid + ".json"
+        try:
+            ok = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino
+        except OSError:
+            ok = False
+        if not ok:
+            _quiet_unlink(name, dfd)
+            raise SpoolBusy("job %s was replaced in %s/tmp while it was written "
+                            "(by the spool's owner?); nothing was enqueued"
+                            % (jid, self.path))
 
     def poke(self, dirs=None):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
@@ -2192,36 +2212,25 @@ def _retry_after(value, now=None):
         return None
 
 
-def http_handler(job, headers=None, backoff_max=3600.0, timeout=None):
-    """The built-in `http` type (SPEC 5.3).  urllib and ssl are imported here
-    only: python3-light has neither."""
+_REDIRECTS = (301, 302, 303, 307, 308)
+_CREDENTIALS = ("authorization", "cookie", "proxy-authorization")
+
+
+def http_request(job, headers=None):
+    """(method, url, body bytes or None, headers) of an `http` job (SPEC
+    5.3); PermanentError when the payload cannot make a request.  The
+    configured `headers` win over the job's own."""
     p = job.get("payload")
     if not isinstance(p, dict) or not isinstance(p.get("url"), str):
         raise PermanentError("http: the payload must be an object with a url")
     url = p["url"]
-    scheme = url.partition(":")[0].lower()
-    if scheme not in ("http", "https"):
+    if url.partition(":")[0].lower() not in ("http", "https"):
         raise PermanentError("http: unsupported URL scheme in %r" % url[:200])
-    try:
-        import urllib.request
-        import urllib.error
-        import http.client
-    except ImportError:
-        raise PermanentError("http: Python's urllib is not installed "
-                             "(OpenWrt: opkg install python3-urllib)")
-    if scheme == "https":
-        try:
-            import ssl  # noqa: F401
-        except ImportError:
-            raise PermanentError("http: https needs Python's ssl module "
-                                 "(OpenWrt: opkg install python3-openssl)")
     method = str(p.get("method") or "POST").upper()
-    hdrs = {}
     extra = p.get("headers") or {}
     if not isinstance(extra, dict):
         raise PermanentError("http: headers must be an object")
-    for k, v in extra.items():
-        hdrs[str(k)] = str(v)
+    hdrs = dict((str(k), str(v)) for k, v in extra.items())
     data = None
     if p.get("body") is not None:
         body = p["body"]
@@ -2234,25 +2243,85 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None):
         if not any(k.lower() == "content-type" for k in hdrs):
             hdrs["Content-Type"] = ctype
     hdrs["Idempotency-Key"] = job["id"]
-    for k, v in (headers or {}).items():        # configured headers win
+    for k, v in (headers or {}).items():
         for old in [h for h in hdrs if h.lower() == k.lower()]:
             del hdrs[old]
         hdrs[k] = v
-    t = p.get("timeout") or job.get("timeout") or timeout or 30.0
+    return method, url, data, hdrs
 
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, req, fp, code, msg, headers, newurl):
-            if req.get_method() in ("GET", "HEAD", "OPTIONS", "PUT", "DELETE",
-                                    "TRACE"):
-                return urllib.request.HTTPRedirectHandler.redirect_request(
-                    self, req, fp, code, msg, headers, newurl)
-            return None     # urllib then raises HTTPError(code)
 
-    opener = urllib.request.build_opener(NoRedirect)
-    req = urllib.request.Request(url, data=data, headers=hdrs, method=method)
+def http_verdict(status, header, head, method, backoff_max=3600.0):
+    """What an answer means (SPEC 5.3): None when the job is done, else the
+    exception to raise.  `header(name)` gives a response header or None;
+    `head` is the start of the body.  Pure: no I/O."""
+    text = head[:200].decode("utf-8", "replace").strip()
+    msg = "http %d: %s" % (status, text)
+    if status in _REDIRECTS and header("Location"):
+        msg = "http %d: redirect to %s (not followed for %s)" % (
+            status, header("Location")[:200], method)
+    if 200 <= status < 300:
+        return None
+    if status in (408, 425, 429) or 500 <= status <= 599:
+        ra = _retry_after(header("Retry-After"))
+        if ra is not None:
+            return RetryLater(min(ra, backoff_max), msg)
+        return RuntimeError(msg)
+    return PermanentError(msg)
+
+
+def _origin(parts):
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def http_handler(job, headers=None, backoff_max=3600.0, timeout=None, run=None):
+    """The built-in `http` type.  http.client and ssl are imported here
+    only: python3-light has neither.  GET and HEAD follow up to 5 redirects,
+    to http and https only; a redirect to another origin drops the
+    configured headers and credentials.  With `run` (the worker's), the
+    connection is put where the worker can close it when the job's time is
+    up, so a job is never in flight twice."""
+    method, url, data, hdrs = http_request(job, headers)
     try:
-        resp = opener.open(req, timeout=t)
+        import http.client
+        from urllib.parse import urljoin, urlsplit
+    except ImportError:
+        raise PermanentError("http: Python's http.client is not installed "
+                             "(OpenWrt: opkg install python3-urllib)")
+    p = job["payload"]
+    t = p.get("timeout") if _is_num(p.get("timeout")) and p["timeout"] > 0 \
+        else (job.get("timeout") or timeout or 30.0)
+    configured = set(k.lower() for k in (headers or {}))
+    for _ in range(6):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise PermanentError("http: cannot send to %r (only http and https "
+                                 "URLs with a host)" % url[:200])
+        if run is not None:
+            t = max(0.05, min(t, run.deadline - _mono()))
         try:
+            if parts.scheme == "https":
+                try:
+                    import ssl
+                except ImportError:
+                    raise PermanentError("http: https needs Python's ssl module "
+                                         "(OpenWrt: opkg install python3-openssl)")
+                conn = http.client.HTTPSConnection(
+                    parts.hostname, parts.port, timeout=t,
+                    context=ssl.create_default_context())
+            else:
+                conn = http.client.HTTPConnection(parts.hostname, parts.port,
+                                                  timeout=t)
+        except ValueError as e:          # a bad port
+            raise PermanentError("http: bad URL %r: %s" % (url[:200], e))
+        if run is not None:
+            run.conn = conn
+        try:
+            target = parts.path or "/"
+            if parts.query:
+                target += "?" + parts.query
+            conn.request(method, target, body=data, headers=hdrs)
+            resp = conn.getresponse()
             status = resp.status
             head = b""
             while True:
@@ -2262,45 +2331,45 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None):
                 head = head or chunk
             if resp.length:     # the server closed before the announced end
                 raise http.client.IncompleteRead(head, resp.length)
+        except (http.client.HTTPException, OSError, ValueError) as e:
+            raise RuntimeError("http: %s %s: %s" % (
+                method, url[:200], getattr(e, "strerror", None) or e
+                or type(e).__name__))
         finally:
-            resp.close()
-        resp_headers = resp.headers
-    except urllib.error.HTTPError as e:
-        status, resp_headers = e.code, e.headers
-        try:
-            head = e.read(512)
-        except Exception:
-            head = b""
-    except (urllib.error.URLError, http.client.HTTPException, OSError,
-            ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise RuntimeError("http: %s %s: %s" % (method, url[:200], reason))
-    text = head[:200].decode("utf-8", "replace").strip()
-    msg = "http %d: %s" % (status, text)
-    if 300 <= status < 400 and resp_headers and resp_headers.get("Location"):
-        msg = "http %d: redirect to %s (not followed for %s)" % (
-            status, resp_headers.get("Location")[:200], method)
-    if 200 <= status < 300:
+            if run is not None:
+                run.conn = None
+            conn.close()
+        location = resp.getheader("Location")
+        if status in _REDIRECTS and location and method in ("GET", "HEAD"):
+            new = urljoin(url, location)
+            if urlsplit(new).scheme not in ("http", "https"):
+                raise PermanentError("http %d: redirect to %s not followed (only "
+                                     "http and https)" % (status, new[:200]))
+            if _origin(urlsplit(new)) != _origin(parts):
+                hdrs = dict((k, v) for k, v in hdrs.items()
+                            if k.lower() not in configured
+                            and k.lower() not in _CREDENTIALS)
+                configured = set()
+            url = new
+            continue
+        err = http_verdict(status, resp.getheader, head, method, backoff_max)
+        if err is not None:
+            raise err
         return
-    if status in (408, 425, 429) or 500 <= status <= 599:
-        ra = _retry_after(resp_headers.get("Retry-After") if resp_headers else None)
-        if ra is not None:
-            raise RetryLater(min(ra, backoff_max), msg)
-        raise RuntimeError(msg)
-    raise PermanentError(msg)
+    raise PermanentError("http: more than 5 redirects, last to %s" % url[:200])
 
 
 class _Run(object):
     """One job in flight in this worker."""
     __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
-                 "thread", "result", "fn")
+                 "thread", "result", "conn")
 
     def __init__(self, claim, kind):
         self.claim, self.kind = claim, kind
         self.proc = self.started = self.deadline = self.kill_at = None
         self.stdin = self.stdin_fd = self.err_fd = self.thread = None
-        self.result = self.fn = None
+        self.result = self.conn = None
         self.err = bytearray()
         self.timed_out = self.released = False
 
@@ -2378,15 +2447,21 @@ class Worker(object):
         if callable(fn) and not type.startswith("_"):
             return "py", fn
         if type == "http":
-            return "py", self._http
+            return "http", self._http
         return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
                       % (type, "--handlers " + self.handlers_dir
                          if self.handlers_dir else "no --handlers",
                          "--module" if self.module else "no --module"))
 
-    def _http(self, job):
-        return http_handler(job, self.http_headers, self.backoff_max,
-                            job.get("timeout") or self.timeout)
+    def _http(self, job, run=None):
+        try:
+            return http_handler(job, self.http_headers, self.backoff_max,
+                                job.get("timeout") or self.timeout, run)
+        except RetryLater as e:
+            # A server's Retry-After is a lower bound, not leave to hammer
+            # it ("Retry-After: 0" a thousand times): the backoff holds too.
+            e.seconds = max(e.seconds or 0.0, self.backoff(job["attempts"]))
+            raise
 
     def backoff(self, n):
         d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
@@ -2619,7 +2694,8 @@ class Worker(object):
             if self.next_due is not None:
                 deadlines.append(now + max(0.0, self.next_due - _now()))
             for run in self.runs:
-                deadlines.append(run.kill_at or run.deadline)
+                if run.kind == "exec" or not run.timed_out:
+                    deadlines.append(run.kill_at or run.deadline)
             if self._pending:
                 deadlines.append(self._pending_since + 1.0)
             if self.runs and not self._main:
@@ -2850,9 +2926,13 @@ class Worker(object):
         run.deadline = run.started + limit
         if kind is None:
             self._finish(run, "dead", target)
-        elif kind == "exec":
+            return
+        if kind == "exec":
             self._spawn(run, target)
-        elif self.concurrency == 1 and self._main:
+            return
+        if kind == "http":
+            target = lambda job, fn=target: fn(job, run)    # noqa: E731
+        if self.concurrency == 1 and self._main:
             self._run_inline(run, target)
         else:
             self._run_thread(run, target)
@@ -2971,16 +3051,22 @@ class Worker(object):
                     self.runs.remove(run)
                     if run.released:
                         self._release(run)
+                    elif run.timed_out and run.result[0] != "done":
+                        self._finish(run, "retry", "timed out after %gs (%s)" % (
+                            run.deadline - run.started, run.result[1]))
                     else:
                         self._finish(run, *run.result)
                 elif run.released:
-                    self.runs.remove(run)       # a thread cannot be killed
-                    self._release(run)
-                elif now >= run.deadline:
+                    # A thread cannot be killed: the process exits next.
                     self.runs.remove(run)
+                    _abort(run)
+                    self._release(run)
+                elif now >= run.deadline and not run.timed_out:
+                    # The job stays this run's until the thread returns (it
+                    # is never in flight twice); an http request is cut now.
+                    run.timed_out = True
                     self.log("timeout", id=run.claim.jid)
-                    self._finish(run, "retry", "timed out after %gs (the thread "
-                                 "was abandoned)" % (run.deadline - run.started))
+                    _abort(run)
 
     def _exec_outcome(self, run, rc):
         if run.released:
@@ -3174,6 +3260,19 @@ class Worker(object):
             self.spool.reap(self.me, self.max_attempts)
         except (OSError, MyqError) as e:
             self.log("error", during="reap", error=str(e))
+
+
+def _abort(run):
+    """Cut the http request of a run from the worker's thread: its blocked
+    read returns at once and the run ends."""
+    conn = run.conn
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        import socket
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _exc_text(e):

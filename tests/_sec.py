@@ -54,30 +54,29 @@ def world_python():
 
 
 def make_user():
-    """The throwaway owner (created once; deleted at the end if we made it).
-    Yields its pwd entry; skips when not root or no useradd."""
+    """The throwaway owner, a system user without a home, created once and
+    kept (test processes running in parallel share it: deleting it at the
+    end of one would pull it from under another).  Yields its pwd entry;
+    skips when not root or no useradd."""
+    import fcntl
     if not is_root():
         pytest.skip("needs root: the attacks are on what root does")
-    try:
-        yield pwd.getpwnam(USER)
-        return
-    except KeyError:
-        pass
-    useradd = shutil.which("useradd") or (
-        "/usr/sbin/useradd" if os.path.exists("/usr/sbin/useradd") else None)
-    if not useradd:
-        pytest.skip("no useradd on this machine (to make the spool's owner)")
-    r = subprocess.run([useradd, "-M", "-r", "-s", "/bin/sh", USER],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       universal_newlines=True)
-    if r.returncode != 0:
-        pytest.skip("useradd %s failed: %s" % (USER, r.stderr.strip()))
-    try:
-        yield pwd.getpwnam(USER)
-    finally:
-        userdel = shutil.which("userdel") or "/usr/sbin/userdel"
-        subprocess.run([userdel, USER], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+    with open("/tmp/.myq-test-user.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            pw = pwd.getpwnam(USER)
+        except KeyError:
+            useradd = shutil.which("useradd") or (
+                "/usr/sbin/useradd" if os.path.exists("/usr/sbin/useradd") else None)
+            if not useradd:
+                pytest.skip("no useradd on this machine (to make the spool's owner)")
+            r = subprocess.run([useradd, "-M", "-r", "-s", "/bin/sh", USER],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               universal_newlines=True)
+            if r.returncode != 0:
+                pytest.skip("useradd %s failed: %s" % (USER, r.stderr.strip()))
+            pw = pwd.getpwnam(USER)
+    yield pw
 
 
 def become(pw):
