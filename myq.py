@@ -3370,9 +3370,10 @@ class Supervisor(object):
 
     - it leads its own session; writes the pidfile (when asked) and
       removes it at exit;
-    - as root with --user, it opens the log file safely (open_log_file)
-      and starts the workers as that user, with a clean environment; it
-      reads and writes nothing in the spool itself;
+    - as root with --user, it creates the log's directory and opens the
+      log file safely (open_log_file), writes the pidfile, then becomes
+      that user for good; it reads and writes nothing in the spool itself;
+      the workers get a clean environment;
     - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
       reset after 60 s up); workers stop by themselves when the supervisor
       is gone (they watch their parent);
@@ -3394,16 +3395,10 @@ class Supervisor(object):
         self.stop = 0
         self.hup = False
 
-    def _become(self):                  # in the child, before exec
-        if self.ids is not None:
-            become(self.ids[0], self.ids[1])
-
     def _spawn(self, argv, out=None):
         import subprocess
-        return subprocess.Popen(
-            argv, close_fds=True, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=out, stderr=out, cwd="/",
-            preexec_fn=self._become if self.ids is not None else None)
+        return subprocess.Popen(argv, close_fds=True, env=self.env, cwd="/",
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out)
 
     def _write_pidfile(self):
         fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
@@ -3445,6 +3440,12 @@ class Supervisor(object):
         signal.set_wakeup_fd(pipe[1])
         if self.pidfile:
             self._write_pidfile()
+        if self.ids is not None:
+            # Root's part is done (the pidfile, the log file): from here on
+            # the supervisor, its workers and the final reap run as the
+            # user.  The pidfile stays root's: the init script removes it.
+            become(self.ids[0], self.ids[1])
+            self.pidfile = None
         try:
             self._loop(select, signal, pipe[0])
         finally:
@@ -3686,6 +3687,8 @@ def _parser(only=None):
     p.add_argument("--pidfile", help="write the supervisor's pid to FILE")
     p.add_argument("--stop-timeout", metavar="S", help="seconds the workers get "
                    "after SIGTERM before SIGKILL (default 10)")
+    p.add_argument("--dry-run", action="store_true", help="check the options "
+                   "and the spool, start nothing (exit 0 when all is well)")
     p = cmd("stats", "print the status line")
     p.add_argument("--json", action="store_true")
     p = cmd("list", "list jobs")
@@ -3840,6 +3843,10 @@ def _supervise(args, spool, guards, env):
             ids = None
     spool.require()
     _check_worker_options(o)
+    if args.dry_run:
+        return 0
+    if o.get("log"):
+        _make_log_dir(o["log"], ids)
     log = Log(path=o.get("log"), syslog=o.get("syslog"),
               facility=o.get("syslog_facility"), tag=o.get("syslog_tag"),
               owner=ids)
@@ -3851,6 +3858,24 @@ def _supervise(args, spool, guards, env):
                       pidfile=args.pidfile,
                       stop_timeout=stop_timeout,
                       env=_clean_env(o["pass_env"], user)).run()
+
+
+def _make_log_dir(path, ids):
+    """Create the log file's directory when it is missing; for the service
+    user (`ids`), handed over through its own descriptor."""
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(d):
+        return
+    try:
+        os.makedirs(d, 0o750)
+        if ids is not None:
+            fd = _open_dir(d)
+            try:
+                os.fchown(fd, ids[0], ids[1])
+            finally:
+                os.close(fd)
+    except OSError as e:
+        raise ConfigError("cannot create the log directory %s: %s" % (d, e.strerror))
 
 
 def _drop_root(path, command):
