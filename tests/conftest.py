@@ -16,6 +16,12 @@ sys.path.insert(0, ROOT)
 import myq as _myq  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a long test (soak, big scan, every interpreter); "
+        "`make test` runs it, `make test-fast` (-m 'not slow') leaves it out")
+
+
 @pytest.fixture
 def myq():
     return _myq

@@ -142,6 +142,7 @@ DELAY = 3.0
 
 @needs_faketime
 @pytest.mark.parametrize("offset", ["-365d", "@1970-01-02 00:00:00"])
+@pytest.mark.slow
 def test_worker_clock_behind_runs_job_after_its_delay(
         run_myq, spool, stamp, tmp_path, procs, offset):
     """Enqueued on today's clock, then the clock is set back (a year, or to
@@ -158,6 +159,7 @@ def test_worker_clock_behind_runs_job_after_its_delay(
 
 
 @needs_faketime
+@pytest.mark.slow
 def test_clock_goes_back_a_year_while_the_job_waits(
         run_myq, spool, stamp, tmp_path, procs):
     rc = tmp_path / "faketimerc"
@@ -179,6 +181,7 @@ def test_clock_goes_back_a_year_while_the_job_waits(
 
 
 @pytest.mark.parametrize("history", ["fresh", "retried"])
+@pytest.mark.slow
 def test_job_rescheduled_after_clock_went_back_is_not_deferred_again(
         run_myq, spool, stamp, tmp_path, procs, history):
     """The disk state a worker leaves when the clock went back a year: JSON
@@ -215,6 +218,7 @@ echo "$now"
 
 
 @pytest.mark.parametrize("how", ["faketime", "forged"])
+@pytest.mark.slow
 def test_producer_clock_a_year_ahead_runs_after_its_delay(
         run_myq, spool, stamp, tmp_path, procs, how):
     """A shell producer whose clock is a year ahead drops a job whose
@@ -246,6 +250,7 @@ def test_producer_clock_a_year_ahead_runs_after_its_delay(
 
 @needs_faketime
 @pytest.mark.parametrize("jump", ["+365d", "-365d"])
+@pytest.mark.slow
 def test_clock_jump_while_running_does_not_rob_the_live_owner(
         run_myq, spool, handlers_dir, tmp_path, procs, jump):
     """The owner's clock jumps a year (forward: other observers' leases all

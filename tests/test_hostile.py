@@ -463,6 +463,7 @@ def incoming_sets(draw):
 
 # Job file contents ###########################################################
 
+@pytest.mark.slow
 @settings(max_examples=80, **SETTINGS)
 @given(incoming_sets())
 @example([("nan", b'{"type": "t", "payload": NaN}'),
@@ -792,6 +793,7 @@ def main_captured(argv):
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow
 @settings(max_examples=100, **SETTINGS)
 @given(jid=st.one_of(st.none(), ENQ_NAMES), type_=ENQ_NAMES, payload=PAYLOAD_TEXT)
 @example(jid="../x", type_="t", payload="1")

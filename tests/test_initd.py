@@ -227,6 +227,7 @@ def service(tmp_path, bindirs):
 
 @needs_busybox
 @pytest.mark.parametrize("kind", ["ssd", "plain"])
+@pytest.mark.slow
 def test_life_cycle(service, kind):
     """start, status, a job, a killed worker comes back, reload reopens the
     log, stop leaves nothing running; with and without start-stop-daemon."""
@@ -308,6 +309,7 @@ def test_life_cycle(service, kind):
 
 
 @needs_busybox
+@pytest.mark.slow
 def test_stop_takes_back_running_jobs_and_orphaned_handlers(service):
     """A worker killed with SIGKILL leaves its handler running in the
     handler's own session; stop still ends it (its claim names it) and every
@@ -348,6 +350,7 @@ def test_stop_takes_back_running_jobs_and_orphaned_handlers(service):
 
 
 @needs_busybox
+@pytest.mark.slow
 def test_stop_kills_after_stop_timeout(service):
     """A handler that ignores SIGTERM and a worker grace longer than
     MYQ_STOP_TIMEOUT: stop sends SIGKILL after MYQ_STOP_TIMEOUT seconds."""

@@ -163,6 +163,7 @@ def slow(job):
 
 
 @pytest.mark.parametrize("kind", ["exec", "module"])
+@pytest.mark.slow
 def test_live_worker_with_tiny_lease_is_never_robbed(
         run_myq, spool, handlers_dir, tmp_path, procs, kind):
     """Lease 1 s, handler 3 s; a second worker (lease 1 s, reaping every
@@ -264,6 +265,7 @@ def test_poison_pill_ends_in_dlq_after_max_attempts(
 
 # A hung owner #################################################################
 
+@pytest.mark.slow
 def test_hung_worker_is_robbed_after_its_lease(
         run_myq, spool, hold, tmp_path, procs):
     lease = 3.0

@@ -3,6 +3,8 @@ import json
 import os
 import time
 
+import pytest
+
 from _core import enqueue, ls, one_line_error, show, wait_for, worker
 
 
@@ -16,6 +18,7 @@ def fail_once(run_myq, spool, job_id, handlers, base, mx, jitter="0"):
     return t0, t1, show(run_myq, spool, job_id)
 
 
+@pytest.mark.slow
 def test_backoff_doubles_and_is_capped(run_myq, spool, handlers_dir):
     h = handlers_dir("f", "exit 1")
     job_id = enqueue(run_myq, spool, "f", "null", "--max-attempts", "10")

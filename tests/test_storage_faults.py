@@ -367,6 +367,7 @@ def recover(path):
                poll=0.05, jitter=0, backoff_base=0).run(drain=True)
 
 
+@pytest.mark.slow
 def test_worker_under_injected_faults(tmp_path, capsys):
     """Every fault point of a worker's cycle, ENOSPC and EIO, all children
     at once (they mostly sleep in their backoff)."""

@@ -45,6 +45,7 @@ def log_text(path):
 
 # Time limits ##################################################################
 
+@pytest.mark.slow
 def test_exec_timeout_term_then_kill_whole_group_then_retry(
         run_myq, spool, handlers_dir, tmp_path, procs):
     h = handlers_dir("stub", stubborn_handler(tmp_path, trap=True))
