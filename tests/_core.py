@@ -1,7 +1,9 @@
-"""Small helpers shared by the core black-box tests (SPEC §2-§7).
+"""Small helpers shared by the core black-box tests (SPEC §2-§7): the one
+home of ROOT, MYQ and the helpers more than one test file uses.
 
-Everything here drives myq from the outside: the CLI as a subprocess, or the
-files of the spool. Waiting is always "poll a condition until a deadline".
+Everything here drives myq from the outside: the CLI as a subprocess
+(`run_myq`), or the files of the spool. Waiting is always "poll a condition
+until a deadline".
 """
 import json
 import os
@@ -29,6 +31,22 @@ def clean_env(extra=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
     env.update(extra or {})
     return env
+
+
+def run_myq(*args, input=None, env=None, timeout=60, python=None):
+    """myq.py as a real subprocess (the way an operator or a shell script
+    runs it), without the caller's MYQ_* variables -> CompletedProcess
+    (text)."""
+    return subprocess.run(
+        [python or sys.executable, MYQ] + [str(a) for a in args],
+        input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        universal_newlines=True, env=clean_env(env), timeout=timeout)
+
+
+def under(path, sub):
+    """Is `path` directly inside the spool's sub-directory `sub` (a test's
+    tmp_path lives under /tmp too, so no substring tests)?"""
+    return os.path.dirname(path).endswith("/" + sub)
 
 
 def wait_for(pred, timeout=15.0, interval=0.02, what="condition"):

@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 import myq
 from _core import MYQ, clean_env, one_line_error
+from _core import run_myq as cli
 
 SETTINGS = dict(deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow,
@@ -841,12 +842,6 @@ def test_enqueue_cli_validates_everything_first(jid, type_, payload):
                                     os.fsencode(got) + b".json")}, new
         assert all(after[k] == before_nt[k] for k in before_nt
                    if before_nt[k][0] != "fifo"), "something else changed"
-
-
-def cli(*args, input=None):
-    return subprocess.run([sys.executable, MYQ] + list(args), input=input,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          universal_newlines=True, env=clean_env(), timeout=60)
 
 
 BAD_CLI = [

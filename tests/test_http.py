@@ -22,8 +22,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MYQ = os.path.join(ROOT, "myq.py")
+from _core import ROOT
 
 SECRET = "s3cret-TOKEN-7f3a"
 

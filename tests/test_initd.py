@@ -17,11 +17,9 @@ import time
 
 import pytest
 
-from _core import wait_for
+from _core import MYQ, ROOT, clean_env, wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "init.d", "myq")
-MYQ = os.path.join(ROOT, "myq.py")
 BUSYBOX = shutil.which("busybox")
 
 needs_busybox = pytest.mark.skipif(
@@ -78,10 +76,6 @@ def environ(pid):
 def cmdline(pid):
     return read("/proc/%d/cmdline" % pid, True).replace(b"\0", b" ").decode(
         "utf-8", "replace")
-
-
-def myq_env():
-    return {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +157,7 @@ class Service(object):
             os.setuid(pw.pw_uid)
 
         r = subprocess.run([python, MYQ, "--spool", self.spool]
-                           + list(args), env=myq_env(), timeout=30,
+                           + list(args), env=clean_env(), timeout=30,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            universal_newlines=True, cwd="/",
                            preexec_fn=become if pw else None)
