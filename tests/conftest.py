@@ -2,7 +2,8 @@
 
 `run_myq(...)` runs myq.py as a real subprocess (the way an operator or a shell
 script would); `myq` is the module imported in-process, for library tests.
-The helpers themselves live in _core.py.
+The helpers themselves live in _core.py (`_core.call_myq`: a quick command
+in this process).
 """
 import sys
 
