@@ -1,9 +1,14 @@
-"""Small helpers shared by the core black-box tests (SPEC §2-§7).
+"""Small helpers shared by the core black-box tests (SPEC §2-§7): the one
+home of ROOT, MYQ and the helpers more than one test file uses.
 
-Everything here drives myq from the outside: the CLI as a subprocess, or the
-files of the spool. Waiting is always "poll a condition until a deadline".
+Everything here drives myq from the outside: the CLI as a subprocess
+(`run_myq`), the CLI in this process (`call_myq`, for a quick command whose
+process proves nothing more), or the files of the spool. Waiting is always
+"poll a condition until a deadline".
 """
+import io
 import json
+import locale
 import os
 import re
 import signal
@@ -29,6 +34,64 @@ def clean_env(extra=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
     env.update(extra or {})
     return env
+
+
+def run_myq(*args, input=None, env=None, timeout=60, python=None):
+    """myq.py as a real subprocess (the way an operator or a shell script
+    runs it), without the caller's MYQ_* variables -> CompletedProcess
+    (text)."""
+    return subprocess.run(
+        [python or sys.executable, MYQ] + [str(a) for a in args],
+        input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        universal_newlines=True, env=clean_env(env), timeout=timeout)
+
+
+def _as_text(data):
+    """Bytes the way run_myq's text mode reads them (locale encoding,
+    universal newlines)."""
+    return io.TextIOWrapper(io.BytesIO(data),
+                            encoding=locale.getpreferredencoding(False)).read()
+
+
+def call_myq(*args, timeout=None):
+    """`myq.main(args)` in this process -> a CompletedProcess like
+    run_myq's: the same exit status, stdout and stderr, without starting an
+    interpreter.  For a quick command (enqueue, stats, list, show, retry,
+    delete, reap, prune, check...) where the test is about what the command
+    does, not about the process (signals, stdin, interpreter start, the
+    environment): those keep run_myq.  The caller's MYQ_* variables are
+    hidden, as run_myq does.  `timeout` is accepted for run_myq's signature
+    and ignored."""
+    import myq
+    argv = [str(a) for a in args]
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("MYQ_")}
+    saved_io = sys.stdin, sys.stdout, sys.stderr
+    out, err = io.BytesIO(), io.BytesIO()
+    try:
+        for k in saved_env:
+            del os.environ[k]
+        sys.stdin = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
+        sys.stderr = io.TextIOWrapper(err, encoding="utf-8",
+                                      errors="backslashreplace",
+                                      write_through=True)
+        rc = myq.main(argv)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stdout, stderr = out.getvalue(), err.getvalue()
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved_io
+        for k in [k for k in os.environ if k.startswith("MYQ_")]:
+            del os.environ[k]
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["myq"] + argv, rc, _as_text(stdout),
+                                       _as_text(stderr))
+
+
+def under(path, sub):
+    """Is `path` directly inside the spool's sub-directory `sub` (a test's
+    tmp_path lives under /tmp too, so no substring tests)?"""
+    return os.path.dirname(path).endswith("/" + sub)
 
 
 def wait_for(pred, timeout=15.0, interval=0.02, what="condition"):

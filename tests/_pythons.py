@@ -79,7 +79,9 @@ def start_parallel(request, tmp_path_factory, test_name, flow):
     """Start flow(python, tmp_dir) in a thread for every interpreter whose
     `test_name[ident]` test is selected; each thread drives its own
     subprocesses, so the machine's cores work in parallel.  Returns a handle
-    for `result_of`."""
+    for `result_of`.  Under pytest-xdist the tests of `test_name` must run
+    in one process (`make test` uses --dist loadfile), or every process that
+    runs one of them starts the flows of all."""
     import threading
     wanted = {item.callspec.params["ident"] for item in request.session.items
               if getattr(item, "originalname", None) == test_name

@@ -2,15 +2,16 @@
 
 `run_myq(...)` runs myq.py as a real subprocess (the way an operator or a shell
 script would); `myq` is the module imported in-process, for library tests.
+The helpers themselves live in _core.py (`_core.call_myq`: a quick command
+in this process).
 """
-import os
-import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MYQ = os.path.join(ROOT, "myq.py")
+import _core
+from _core import ROOT
+
 sys.path.insert(0, ROOT)
 
 import myq as _myq  # noqa: E402
@@ -18,7 +19,8 @@ import myq as _myq  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: a long test (deselect with -m 'not slow')")
+        "markers", "slow: a long test (soak, big scan, every interpreter); "
+        "`make test` runs it, `make test-fast` (-m 'not slow') leaves it out")
 
 
 @pytest.fixture
@@ -33,23 +35,11 @@ def spool(tmp_path):
     return path
 
 
-def _env(extra=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
-    env.update(extra or {})
-    return env
-
-
 @pytest.fixture
 def run_myq():
-    """run_myq(*args, input=None, env=None, timeout=60) -> CompletedProcess (text)."""
-
-    def run(*args, input=None, env=None, timeout=60, python=None):
-        return subprocess.run(
-            [python or sys.executable, MYQ] + [str(a) for a in args],
-            input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            universal_newlines=True, env=_env(env), timeout=timeout)
-
-    return run
+    """run_myq(*args, input=None, env=None, timeout=60, python=None) ->
+    CompletedProcess (text): _core.run_myq, a real subprocess."""
+    return _core.run_myq
 
 
 @pytest.fixture

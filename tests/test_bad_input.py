@@ -6,6 +6,7 @@ import stat
 import pytest
 
 from _core import ls, show, worker, write_incoming
+from _core import call_myq
 
 RAW = {
     "nonjson.json": b"this is {not json",
@@ -66,8 +67,8 @@ def test_bad_files_are_quarantined_and_good_jobs_run(run_myq, bad_spool):
     cp = worker(run_myq, spool, handlers=h, timeout=30)  # a FIFO must not block
     assert cp.returncode == 0, cp.stderr
     assert sorted(marker.read_text().split()) == ["good1", "good2"]
-    assert show(run_myq, spool, "good1")["state"] == "done"
-    assert show(run_myq, spool, "good2")["state"] == "done"
+    assert show(call_myq, spool, "good1")["state"] == "done"
+    assert show(call_myq, spool, "good2")["state"] == "done"
     assert ls(spool, "incoming") == []
     assert ls(spool, "processing") == []
     for name in list(RAW) + ["x.json", "y.json", "z.json"]:
@@ -100,14 +101,14 @@ def test_special_files_are_not_followed(run_myq, bad_spool):
 def test_list_failed_shows_the_reason(run_myq, bad_spool):
     spool, h, _, _, _ = bad_spool
     assert worker(run_myq, spool, handlers=h, timeout=30).returncode == 0
-    cp = run_myq("--spool", spool, "list", "failed")
+    cp = call_myq("--spool", spool, "list", "failed")
     assert cp.returncode == 0, cp.stderr
     lines = cp.stdout.splitlines()
     for name in ("nonjson.json", "notype.json", "oversize.json", "x.json", "z.json"):
         hits = [l for l in lines if l.split()[0] in (name, stem(name))]
         assert len(hits) == 1, (name, lines)
         assert len(hits[0].split()) >= 2, hits  # the reason follows the name
-    st = json.loads(run_myq("--spool", spool, "stats", "--json").stdout)
+    st = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
     assert st["done"] == 2
 
 
@@ -117,5 +118,5 @@ def test_oversize_limit_is_configurable(run_myq, spool, handlers_dir, tmp_path):
     write_incoming(spool, "large.json", {"type": "t", "payload": "x" * 5000})
     cp = worker(run_myq, spool, "--max-job-bytes", "2K", handlers=h)
     assert cp.returncode == 0, cp.stderr
-    assert show(run_myq, spool, "small")["state"] == "done"
+    assert show(call_myq, spool, "small")["state"] == "done"
     quarantined(spool, "large.json")

@@ -18,6 +18,8 @@ import signal
 import sys
 import time
 
+import pytest
+
 from _core import MYQ, clean_env, ls, wait_for
 from _procs import Procs, children, job_of, proc_stat
 
@@ -134,6 +136,7 @@ class Chaos(object):
         self.kills.append(("handler", {jid} if jid else set()))
 
 
+@pytest.mark.slow
 def test_chaos_soak(run_myq, spool, handlers_dir, tmp_path):
     seed = int(os.environ.get("CHAOS_SEED") or int(time.time() * 1000) % 10**6)
     rng = random.Random(seed)

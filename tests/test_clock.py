@@ -25,6 +25,7 @@ import time
 import pytest
 
 from _core import FAST, clean_env, enqueue, ls, show, wait_for, write_incoming
+from _core import call_myq
 from _procs import holding_handler, lines, read_pid, reap
 
 YEAR = 365 * 86400
@@ -142,29 +143,31 @@ DELAY = 3.0
 
 @needs_faketime
 @pytest.mark.parametrize("offset", ["-365d", "@1970-01-02 00:00:00"])
+@pytest.mark.slow
 def test_worker_clock_behind_runs_job_after_its_delay(
-        run_myq, spool, stamp, tmp_path, procs, offset):
+        spool, stamp, tmp_path, procs, offset):
     """Enqueued on today's clock, then the clock is set back (a year, or to
     1970 as on a device before its first NTP sync) when the worker starts."""
     t0 = time.time()
-    enqueue(run_myq, spool, "stamp", None, "--id", "d1", "--delay", DELAY)
+    enqueue(call_myq, spool, "stamp", None, "--id", "d1", "--delay", DELAY)
     started_worker(procs, tmp_path, spool, "--handlers", stamp, *FAST,
                    "--poll", "30", env=ft_env(offset))
     t1 = time.time()
     assert_runs_after_its_delay(spool, tmp_path, "d1", t0, DELAY, t1)
-    wait_for(lambda: show(run_myq, spool, "d1")["state"] == "done",
+    wait_for(lambda: show(call_myq, spool, "d1")["state"] == "done",
              what="d1 done")
     assert lines(tmp_path / "runs") == ["d1"]
 
 
 @needs_faketime
+@pytest.mark.slow
 def test_clock_goes_back_a_year_while_the_job_waits(
-        run_myq, spool, stamp, tmp_path, procs):
+        spool, stamp, tmp_path, procs):
     rc = tmp_path / "faketimerc"
     rc.write_text("+0\n")
     log = tmp_path / "w.log"
     t0 = time.time()
-    enqueue(run_myq, spool, "stamp", None, "--id", "d2", "--delay", DELAY)
+    enqueue(call_myq, spool, "stamp", None, "--id", "d2", "--delay", DELAY)
     procs.worker(spool, "--handlers", stamp, *FAST, "--stats-interval", "0.2",
                  env=ft_env(rcfile=rc), log=log)
     wait_for(lambda: log.exists() and " queue=" in log.read_text(),
@@ -173,12 +176,13 @@ def test_clock_goes_back_a_year_while_the_job_waits(
     rc.write_text("-365d\n")                   # the jump
     assert_runs_after_its_delay(spool, tmp_path, "d2", t0, DELAY, t1)
     assert "event=clock_jump" in log.read_text()
-    wait_for(lambda: show(run_myq, spool, "d2")["state"] == "done",
+    wait_for(lambda: show(call_myq, spool, "d2")["state"] == "done",
              what="d2 done")
     assert lines(tmp_path / "runs") == ["d2"]
 
 
 @pytest.mark.parametrize("history", ["fresh", "retried"])
+@pytest.mark.slow
 def test_job_rescheduled_after_clock_went_back_is_not_deferred_again(
         run_myq, spool, stamp, tmp_path, procs, history):
     """The disk state a worker leaves when the clock went back a year: JSON
@@ -215,6 +219,7 @@ echo "$now"
 
 
 @pytest.mark.parametrize("how", ["faketime", "forged"])
+@pytest.mark.slow
 def test_producer_clock_a_year_ahead_runs_after_its_delay(
         run_myq, spool, stamp, tmp_path, procs, how):
     """A shell producer whose clock is a year ahead drops a job whose
@@ -246,6 +251,7 @@ def test_producer_clock_a_year_ahead_runs_after_its_delay(
 
 @needs_faketime
 @pytest.mark.parametrize("jump", ["+365d", "-365d"])
+@pytest.mark.slow
 def test_clock_jump_while_running_does_not_rob_the_live_owner(
         run_myq, spool, handlers_dir, tmp_path, procs, jump):
     """The owner's clock jumps a year (forward: other observers' leases all
@@ -258,7 +264,7 @@ def test_clock_jump_while_running_does_not_rob_the_live_owner(
     rc = tmp_path / "faketimerc"
     rc.write_text("+0\n")
     lease = 1.5
-    enqueue(run_myq, spool, "hold", None, "--id", "r1")
+    enqueue(call_myq, spool, "hold", None, "--id", "r1")
     a = procs.worker(spool, "--handlers", h, "--lease", lease, *FAST,
                      env=ft_env(rcfile=rc))
     wait_for(lambda: lines(tmp_path / "runs"), what="r1 to start")
@@ -273,10 +279,10 @@ def test_clock_jump_while_running_does_not_rob_the_live_owner(
         assert reap(run_myq, spool, env=env) == 0, (
             "the live owner was robbed (reap %s)" % ("jumped" if env else "real"))
         n += 1
-        assert show(run_myq, spool, "r1")["state"] == "processing"
+        assert show(call_myq, spool, "r1")["state"] == "processing"
     assert a.poll() is None and b.poll() is None
     (tmp_path / "release").touch()
-    wait_for(lambda: show(run_myq, spool, "r1")["state"] == "done",
+    wait_for(lambda: show(call_myq, spool, "r1")["state"] == "done",
              what="r1 done")
     assert lines(tmp_path / "runs") == ["r1 1"]
     assert lines(tmp_path / "effects") == ["r1"]

@@ -31,21 +31,13 @@ import types
 import pytest
 
 import myq
-
-MYQ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   "myq.py")
+from _core import MYQ, under
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 CRASH = 137
 COVERED = {}           # operation -> crash points checked
 CLI_COVERED = []       # the same points again, recovered through the CLI
-
-def under(path, sub):
-    """Is `path` directly inside the spool's sub-directory `sub` (a test's
-    tmp_path lives under /tmp too, so no substring tests)?"""
-    return os.path.dirname(path).endswith("/" + sub)
-
 
 
 # Running an operation in a real child process ##################################

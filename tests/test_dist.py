@@ -36,7 +36,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _core import ROOT
+
 DIST = os.path.join(ROOT, "build", "dist.py")
 BUSYBOX = shutil.which("busybox")
 MAKE = shutil.which("make")

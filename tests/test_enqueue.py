@@ -9,6 +9,7 @@ import pytest
 
 from _core import (FAST, blocking_handler, enqueue, ls, one_line_error, show,
                    start_worker, wait_for, worker)
+from _core import call_myq
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -23,8 +24,8 @@ def assert_nothing_written(spool):
     assert ls(spool, "incoming") == []
 
 
-def test_enqueue_prints_the_id_alone(run_myq, spool):
-    cp = run_myq("--spool", spool, "enqueue", "greet", '{"name": "x"}')
+def test_enqueue_prints_the_id_alone(spool):
+    cp = call_myq("--spool", spool, "enqueue", "greet", '{"name": "x"}')
     assert cp.returncode == 0, cp.stderr
     lines = cp.stdout.splitlines()
     assert len(lines) == 1 and cp.stdout.endswith("\n"), repr(cp.stdout)
@@ -39,56 +40,56 @@ def test_enqueue_prints_the_id_alone(run_myq, spool):
 
 
 def test_payload_defaults_to_null_and_dash_reads_stdin(run_myq, spool):
-    a = enqueue(run_myq, spool, "t")
+    a = enqueue(call_myq, spool, "t")
     assert job_file(spool, a)["payload"] is None
     b = enqueue(run_myq, spool, "t", "-", input='{"from": "stdin", "n": [1, 2]}')
     assert job_file(spool, b)["payload"] == {"from": "stdin", "n": [1, 2]}
 
 
-def test_options_id_max_attempts_timeout(run_myq, spool):
-    job_id = enqueue(run_myq, spool, "t", "1", "--id", "job-1.a_B",
+def test_options_id_max_attempts_timeout(spool):
+    job_id = enqueue(call_myq, spool, "t", "1", "--id", "job-1.a_B",
                      "--max-attempts", "3", "--timeout", "2.5")
     assert job_id == "job-1.a_B"
     job = job_file(spool, job_id)
     assert job["max_attempts"] == 3
     assert job["timeout"] == 2.5
     assert job["payload"] == 1
-    s = show(run_myq, spool, job_id)
+    s = show(call_myq, spool, job_id)
     assert s["state"] == "ready"
 
 
-def test_delay_makes_it_scheduled(run_myq, spool):
+def test_delay_makes_it_scheduled(spool):
     t0 = time.time()
-    job_id = enqueue(run_myq, spool, "t", "null", "--delay", "100.5")
+    job_id = enqueue(call_myq, spool, "t", "null", "--delay", "100.5")
     t1 = time.time()
-    s = show(run_myq, spool, job_id)
+    s = show(call_myq, spool, job_id)
     assert s["state"] == "scheduled"
     assert t0 + 100.5 - 0.01 <= s["available_at"] <= t1 + 100.5 + 0.01
 
 
-def test_job_file_mode_0640(run_myq, spool):
+def test_job_file_mode_0640(spool):
     old = os.umask(0o022)
     try:
-        job_id = enqueue(run_myq, spool, "t")
+        job_id = enqueue(call_myq, spool, "t")
     finally:
         os.umask(old)
     st = os.stat(os.path.join(spool, "incoming", job_id + ".json"))
     assert stat.S_IMODE(st.st_mode) == 0o640, oct(st.st_mode)
 
 
-def test_generated_ids_sort_in_creation_order(myq, spool, run_myq):
+def test_generated_ids_sort_in_creation_order(myq, spool):
     ids = [myq.enqueue(spool, "t", i) for i in range(60)]
     assert len(set(ids)) == 60
     assert sorted(ids) == ids
-    cli = [enqueue(run_myq, spool, "t") for _ in range(3)]
+    cli = [enqueue(call_myq, spool, "t") for _ in range(3)]
     assert sorted(cli) == cli and cli[0] > ids[-1]
     for i in ids + cli:
         assert ID_RE.match(i) and not i.startswith("."), i
 
 
 @pytest.mark.parametrize("payload", ["{bad", "{'a': 1}", "", "[1,", "nan-ish"])
-def test_invalid_json_payload_is_65_and_writes_nothing(run_myq, spool, payload):
-    cp = run_myq("--spool", spool, "enqueue", "t", payload)
+def test_invalid_json_payload_is_65_and_writes_nothing(spool, payload):
+    cp = call_myq("--spool", spool, "enqueue", "t", payload)
     assert cp.returncode == 65, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert_nothing_written(spool)
@@ -102,50 +103,50 @@ def test_invalid_json_on_stdin_is_65(run_myq, spool):
 
 @pytest.mark.parametrize("bad", ["../x", ".x", "a" * 129, "a b", "a/b", "x\n",
                                  "é", ""])
-def test_bad_id_is_65_and_writes_nothing(run_myq, spool, bad):
-    cp = run_myq("--spool", spool, "enqueue", "t", "--id", bad)
+def test_bad_id_is_65_and_writes_nothing(spool, bad):
+    cp = call_myq("--spool", spool, "enqueue", "t", "--id", bad)
     assert cp.returncode == 65, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert_nothing_written(spool)
 
 
-def test_id_of_128_chars_is_fine(run_myq, spool):
+def test_id_of_128_chars_is_fine(spool):
     long_id = "a" * 128
-    assert enqueue(run_myq, spool, "t", "--id", long_id) == long_id
+    assert enqueue(call_myq, spool, "t", "--id", long_id) == long_id
 
 
 @pytest.mark.parametrize("bad", ["../h", ".h", "h h", "a" * 129, "h/x"])
-def test_bad_type_is_65_and_writes_nothing(run_myq, spool, bad):
-    cp = run_myq("--spool", spool, "enqueue", bad, "{}")
+def test_bad_type_is_65_and_writes_nothing(spool, bad):
+    cp = call_myq("--spool", spool, "enqueue", bad, "{}")
     assert cp.returncode == 65, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert_nothing_written(spool)
 
 
-def test_too_large_is_65(run_myq, spool):
+def test_too_large_is_65(spool):
     big = json.dumps({"blob": "x" * 2000})
-    cp = run_myq("--spool", spool, "enqueue", "t", big, "--max-job-bytes", "1K")
+    cp = call_myq("--spool", spool, "enqueue", "t", big, "--max-job-bytes", "1K")
     assert cp.returncode == 65, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert_nothing_written(spool)
     small = json.dumps({"blob": "x" * 100})
-    assert enqueue(run_myq, spool, "t", small, "--max-job-bytes", "1K")
+    assert enqueue(call_myq, spool, "t", small, "--max-job-bytes", "1K")
 
 
-def test_disk_free_guard_is_75(run_myq, spool):
-    cp = run_myq("--spool", spool, "enqueue", "t", "{}", "--min-free", "1000G")
+def test_disk_free_guard_is_75(spool):
+    cp = call_myq("--spool", spool, "enqueue", "t", "{}", "--min-free", "1000G")
     assert cp.returncode == 75, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert_nothing_written(spool)
-    cp = run_myq("--spool", spool, "enqueue", "t", "{}",
-                 "--min-free-inodes", str(2 ** 62))
+    cp = call_myq("--spool", spool, "enqueue", "t", "{}",
+                  "--min-free-inodes", str(2 ** 62))
     assert cp.returncode == 75, (cp.returncode, cp.stderr)
     assert_nothing_written(spool)
 
 
-def test_duplicate_while_queued_is_73(run_myq, spool, myq):
-    enqueue(run_myq, spool, "t", "1", "--id", "dup")
-    cp = run_myq("--spool", spool, "enqueue", "t", "2", "--id", "dup")
+def test_duplicate_while_queued_is_73(spool, myq):
+    enqueue(call_myq, spool, "t", "1", "--id", "dup")
+    cp = call_myq("--spool", spool, "enqueue", "t", "2", "--id", "dup")
     assert cp.returncode == 73, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert job_file(spool, "dup")["payload"] == 1
@@ -157,28 +158,28 @@ def test_duplicate_while_queued_is_73(run_myq, spool, myq):
 def test_duplicate_while_done_or_dead_is_73(run_myq, spool, handlers_dir, myq):
     handlers_dir("ok", "exit 0")
     handlers_dir("bad", "exit 65")
-    enqueue(run_myq, spool, "ok", "--id", "was-done")
-    enqueue(run_myq, spool, "bad", "--id", "was-dead")
+    enqueue(call_myq, spool, "ok", "--id", "was-done")
+    enqueue(call_myq, spool, "bad", "--id", "was-dead")
     cp = worker(run_myq, spool, handlers=handlers_dir.path)
     assert cp.returncode == 0, cp.stderr
-    assert show(run_myq, spool, "was-done")["state"] == "done"
-    assert show(run_myq, spool, "was-dead")["state"] == "dead"
+    assert show(call_myq, spool, "was-done")["state"] == "done"
+    assert show(call_myq, spool, "was-dead")["state"] == "dead"
     for job_id in ("was-done", "was-dead"):
-        cp = run_myq("--spool", spool, "enqueue", "ok", "--id", job_id)
+        cp = call_myq("--spool", spool, "enqueue", "ok", "--id", job_id)
         assert cp.returncode == 73, (job_id, cp.returncode, cp.stderr)
         with pytest.raises(myq.DuplicateJob):
             myq.enqueue(spool, "ok", id=job_id)
     assert ls(spool, "incoming") == []
 
 
-def test_duplicate_while_processing_is_73(run_myq, spool, handlers_dir, tmp_path):
+def test_duplicate_while_processing_is_73(spool, handlers_dir, tmp_path):
     body, started, release = blocking_handler(tmp_path)
     handlers_dir("block", body)
-    enqueue(run_myq, spool, "block", "--id", "busy")
+    enqueue(call_myq, spool, "block", "--id", "busy")
     w = start_worker(spool, "--drain", "--handlers", handlers_dir.path, *FAST)
     try:
         wait_for(lambda: (started / "busy").exists(), what="handler start")
-        cp = run_myq("--spool", spool, "enqueue", "block", "--id", "busy")
+        cp = call_myq("--spool", spool, "enqueue", "block", "--id", "busy")
         assert cp.returncode == 73, (cp.returncode, cp.stderr)
         assert ls(spool, "incoming") == []
     finally:

@@ -9,15 +9,16 @@ import pytest
 
 from _core import (MYQ, enqueue, ls, procs_with_cmdline, show, wait_for, worker,
                    write_incoming)
+from _core import call_myq
 
 
 def run_one(run_myq, spool, handlers_dir, body, *enqueue_opts, worker_opts=(),
             env=None, payload="{}"):
     handlers_dir("h", body)
-    job_id = enqueue(run_myq, spool, "h", payload, *enqueue_opts)
+    job_id = enqueue(call_myq, spool, "h", payload, *enqueue_opts)
     cp = worker(run_myq, spool, *worker_opts, handlers=handlers_dir.path, env=env)
     assert cp.returncode == 0, cp.stderr
-    return show(run_myq, spool, job_id)
+    return show(call_myq, spool, job_id)
 
 
 def test_exit_0_is_done(run_myq, spool, handlers_dir):
@@ -114,17 +115,17 @@ def test_pass_env(run_myq, spool, handlers_dir, tmp_path):
 def test_attempt_counts_up(run_myq, spool, handlers_dir, tmp_path):
     log = tmp_path / "attempts"
     handlers_dir("h", 'echo "$MYQ_ATTEMPT" >> "%s"\n[ "$MYQ_ATTEMPT" -ge 3 ]' % log)
-    job_id = enqueue(run_myq, spool, "h")
+    job_id = enqueue(call_myq, spool, "h")
 
     def finished():
         cp = worker(run_myq, spool, "--backoff-base", "0.01",
                     handlers=handlers_dir.path)
         assert cp.returncode == 0, cp.stderr
-        return show(run_myq, spool, job_id)["state"] == "done"
+        return show(call_myq, spool, job_id)["state"] == "done"
 
     wait_for(finished, timeout=30, what="job done")
     assert log.read_text().split() == ["1", "2", "3"]
-    assert show(run_myq, spool, job_id)["attempts"] == 3
+    assert show(call_myq, spool, job_id)["attempts"] == 3
 
 
 def test_payload_on_stdin(run_myq, spool, handlers_dir, tmp_path):
@@ -160,10 +161,10 @@ def test_timeout_kills_the_process_group(run_myq, spool, handlers_dir, tmp_path,
 
 def test_type_without_handler_is_dead(run_myq, spool, handlers_dir):
     handlers_dir("other", "exit 0")
-    job_id = enqueue(run_myq, spool, "nohandler")
+    job_id = enqueue(call_myq, spool, "nohandler")
     cp = worker(run_myq, spool, handlers=handlers_dir.path)
     assert cp.returncode == 0, cp.stderr
-    job = show(run_myq, spool, job_id)
+    job = show(call_myq, spool, job_id)
     assert job["state"] == "dead"
     assert "handler" in job["last_error"].lower()
     assert "nohandler" in job["last_error"]
@@ -177,12 +178,12 @@ def test_non_executable_file_or_directory_is_not_a_handler(run_myq, spool, handl
         f.write('#!/bin/sh\ntouch "%s"\n' % marker)
     os.chmod(p, 0o644)
     os.mkdir(os.path.join(d, "adir"))
-    a = enqueue(run_myq, spool, "plain")
-    b = enqueue(run_myq, spool, "adir")
+    a = enqueue(call_myq, spool, "plain")
+    b = enqueue(call_myq, spool, "adir")
     cp = worker(run_myq, spool, handlers=d)
     assert cp.returncode == 0, cp.stderr
-    assert show(run_myq, spool, a)["state"] == "dead"
-    assert show(run_myq, spool, b)["state"] == "dead"
+    assert show(call_myq, spool, a)["state"] == "dead"
+    assert show(call_myq, spool, b)["state"] == "dead"
     assert not marker.exists()
 
 

@@ -6,6 +6,7 @@ import sys
 import time
 
 from _core import MYQ, clean_env, enqueue, show, wait_for, worker
+from _core import call_myq
 
 PRELUDE = "import json\nimport myq\nOUT = %r\n"
 
@@ -28,7 +29,7 @@ def test_function_named_like_the_type(run_myq, spool, tmp_path):
         "def greet(job):\n"
         "    with open(OUT, 'w') as f:\n"
         "        json.dump(job, f)\n"))
-    job_id = enqueue(run_myq, spool, "greet", '{"who": "py"}', "--id", "g1")
+    job_id = enqueue(call_myq, spool, "greet", '{"who": "py"}', "--id", "g1")
     drain(run_myq, spool, mod)
     with open(out) as f:
         seen = json.load(f)
@@ -36,7 +37,7 @@ def test_function_named_like_the_type(run_myq, spool, tmp_path):
     assert seen["type"] == "greet"
     assert seen["payload"] == {"who": "py"}
     assert seen["attempts"] == 1
-    assert show(run_myq, spool, job_id)["state"] == "done"
+    assert show(call_myq, spool, job_id)["state"] == "done"
 
 
 def test_handlers_dict(run_myq, spool, tmp_path):
@@ -45,22 +46,22 @@ def test_handlers_dict(run_myq, spool, tmp_path):
         "    with open(OUT, 'a') as f:\n"
         "        f.write(job['type'] + '\\n')\n"
         "HANDLERS = {'send-x': _impl, 'other.type': _impl}\n"))
-    a = enqueue(run_myq, spool, "send-x")
-    b = enqueue(run_myq, spool, "other.type")
+    a = enqueue(call_myq, spool, "send-x")
+    b = enqueue(call_myq, spool, "other.type")
     drain(run_myq, spool, mod)
     with open(out) as f:
         assert sorted(f.read().split()) == ["other.type", "send-x"]
-    assert show(run_myq, spool, a)["state"] == "done"
-    assert show(run_myq, spool, b)["state"] == "done"
+    assert show(call_myq, spool, a)["state"] == "done"
+    assert show(call_myq, spool, b)["state"] == "done"
 
 
 def test_permanent_error_is_dead(run_myq, spool, tmp_path):
     mod, _ = module(tmp_path, (
         "def t(job):\n"
         "    raise myq.PermanentError('nope-77')\n"))
-    job_id = enqueue(run_myq, spool, "t")
+    job_id = enqueue(call_myq, spool, "t")
     drain(run_myq, spool, mod)
-    job = show(run_myq, spool, job_id)
+    job = show(call_myq, spool, job_id)
     assert job["state"] == "dead", job
     assert job["attempts"] == 1
     assert "nope-77" in job["last_error"]
@@ -70,11 +71,11 @@ def test_retry_later_uses_its_delay(run_myq, spool, tmp_path):
     mod, _ = module(tmp_path, (
         "def t(job):\n"
         "    raise myq.RetryLater(30)\n"))
-    job_id = enqueue(run_myq, spool, "t")
+    job_id = enqueue(call_myq, spool, "t")
     t0 = time.time()
     drain(run_myq, spool, mod, "--jitter", "0", "--backoff-base", "1000")
     t1 = time.time()
-    job = show(run_myq, spool, job_id)
+    job = show(call_myq, spool, job_id)
     assert job["state"] == "scheduled", job
     assert job["attempts"] == 1
     assert t0 + 30 - 0.05 <= job["available_at"] <= t1 + 30 + 0.05, (
@@ -85,11 +86,11 @@ def test_other_exception_retries_with_backoff(run_myq, spool, tmp_path):
     mod, _ = module(tmp_path, (
         "def t(job):\n"
         "    raise ValueError('bad thing 42')\n"))
-    job_id = enqueue(run_myq, spool, "t")
+    job_id = enqueue(call_myq, spool, "t")
     t0 = time.time()
     drain(run_myq, spool, mod, "--jitter", "0", "--backoff-base", "20")
     t1 = time.time()
-    job = show(run_myq, spool, job_id)
+    job = show(call_myq, spool, job_id)
     assert job["state"] == "scheduled", job
     assert job["attempts"] == 1
     assert t0 + 20 - 0.05 <= job["available_at"] <= t1 + 20 + 0.05
@@ -99,9 +100,9 @@ def test_other_exception_retries_with_backoff(run_myq, spool, tmp_path):
 
 def test_other_exception_on_last_attempt_is_dead(run_myq, spool, tmp_path):
     mod, _ = module(tmp_path, "def t(job):\n    raise KeyError('k9')\n")
-    job_id = enqueue(run_myq, spool, "t", "null", "--max-attempts", "1")
+    job_id = enqueue(call_myq, spool, "t", "null", "--max-attempts", "1")
     drain(run_myq, spool, mod)
-    job = show(run_myq, spool, job_id)
+    job = show(call_myq, spool, job_id)
     assert job["state"] == "dead"
     assert "KeyError" in job["last_error"] and "k9" in job["last_error"]
 
@@ -113,11 +114,11 @@ def test_attempts_is_the_current_run(run_myq, spool, tmp_path):
         "        f.write('%d\\n' % job['attempts'])\n"
         "    if job['attempts'] < 2:\n"
         "        raise myq.RetryLater(0.01)\n"))
-    job_id = enqueue(run_myq, spool, "t")
+    job_id = enqueue(call_myq, spool, "t")
 
     def done():
         drain(run_myq, spool, mod)
-        return show(run_myq, spool, job_id)["state"] == "done"
+        return show(call_myq, spool, job_id)["state"] == "done"
 
     wait_for(done, timeout=30, what="job done")
     with open(out) as f:
@@ -126,9 +127,9 @@ def test_attempts_is_the_current_run(run_myq, spool, tmp_path):
 
 def test_type_missing_from_module_is_dead(run_myq, spool, tmp_path):
     mod, _ = module(tmp_path, "def known(job):\n    pass\n")
-    job_id = enqueue(run_myq, spool, "unknown_type")
+    job_id = enqueue(call_myq, spool, "unknown_type")
     drain(run_myq, spool, mod)
-    job = show(run_myq, spool, job_id)
+    job = show(call_myq, spool, job_id)
     assert job["state"] == "dead"
     assert "handler" in job["last_error"].lower()
 
@@ -138,11 +139,11 @@ def test_handlers_dir_wins_over_module(run_myq, spool, tmp_path, handlers_dir):
         "def t(job):\n"
         "    open(OUT, 'w').write('module')\n"))
     handlers_dir("t", 'echo dir > "%s"' % out)
-    job_id = enqueue(run_myq, spool, "t")
+    job_id = enqueue(call_myq, spool, "t")
     drain(run_myq, spool, mod, handlers=handlers_dir.path)
     with open(out) as f:
         assert f.read().strip() == "dir"
-    assert show(run_myq, spool, job_id)["state"] == "done"
+    assert show(call_myq, spool, job_id)["state"] == "done"
 
 
 def test_same_exception_classes_when_run_as_script(run_myq, spool, tmp_path):
@@ -153,17 +154,17 @@ def test_same_exception_classes_when_run_as_script(run_myq, spool, tmp_path):
         "    raise myq.PermanentError('perm-1')\n"
         "def later(job):\n"
         "    raise myq.RetryLater(500)\n"))
-    p = enqueue(run_myq, spool, "perm")
-    l = enqueue(run_myq, spool, "later")
+    p = enqueue(call_myq, spool, "perm")
+    l = enqueue(call_myq, spool, "later")
     t0 = time.time()
     drain(run_myq, spool, mod, "--jitter", "0", "--backoff-base", "5")
-    assert show(run_myq, spool, p)["state"] == "dead"
-    job = show(run_myq, spool, l)
+    assert show(call_myq, spool, p)["state"] == "dead"
+    job = show(call_myq, spool, l)
     assert job["state"] == "scheduled"
     assert job["available_at"] >= t0 + 499
 
 
-def test_import_myq_works_when_installed_without_py_suffix(spool, tmp_path, run_myq):
+def test_import_myq_works_when_installed_without_py_suffix(spool, tmp_path):
     # SPEC §1: copied to /usr/bin/myq; a --module file still does `import myq`.
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -173,14 +174,14 @@ def test_import_myq_works_when_installed_without_py_suffix(spool, tmp_path, run_
         "def t(job):\n"
         "    open(OUT, 'w').write(myq.__name__)\n"
         "    raise myq.PermanentError('from-bin')\n"))
-    job_id = enqueue(run_myq, spool, "t")
+    job_id = enqueue(call_myq, spool, "t")
     cp = subprocess.run(
         [sys.executable, str(exe), "--spool", spool, "worker", "--drain",
          "--poll", "0.05", "--module", mod],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
         env=clean_env(), cwd=str(tmp_path), timeout=60)
     assert cp.returncode == 0, cp.stderr
-    job = show(run_myq, spool, job_id)
+    job = show(call_myq, spool, job_id)
     assert job["state"] == "dead", job
     assert "from-bin" in job["last_error"]
 

@@ -34,6 +34,8 @@ from hypothesis import strategies as st
 
 import myq
 from _core import MYQ, clean_env, one_line_error
+from _core import call_myq
+from _core import run_myq as cli
 
 SETTINGS = dict(deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow,
@@ -460,6 +462,7 @@ def incoming_sets(draw):
 
 # Job file contents ###########################################################
 
+@pytest.mark.slow
 @settings(max_examples=80, **SETTINGS)
 @given(incoming_sets())
 @example([("nan", b'{"type": "t", "payload": NaN}'),
@@ -789,6 +792,7 @@ def main_captured(argv):
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow
 @settings(max_examples=100, **SETTINGS)
 @given(jid=st.one_of(st.none(), ENQ_NAMES), type_=ENQ_NAMES, payload=PAYLOAD_TEXT)
 @example(jid="../x", type_="t", payload="1")
@@ -838,12 +842,6 @@ def test_enqueue_cli_validates_everything_first(jid, type_, payload):
                    if before_nt[k][0] != "fifo"), "something else changed"
 
 
-def cli(*args, input=None):
-    return subprocess.run([sys.executable, MYQ] + list(args), input=input,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          universal_newlines=True, env=clean_env(), timeout=60)
-
-
 BAD_CLI = [
     (["t", "--id", "../x"], 65), (["t", "--id", "a/b"], 65),
     (["t", "--id", "{root}/abs"], 65), (["t", "--id=.."], 65),
@@ -873,7 +871,10 @@ def test_enqueue_cli_refuses_with_one_line(case):
     try:
         args = [a.replace("{root}", sb.root) for a in args]
         before = snapshot(sb.root)
-        cp = cli("--spool", sb.spool, "enqueue", *args, input=stdin)
+        if stdin is None:
+            cp = call_myq("--spool", sb.spool, "enqueue", *args)
+        else:                           # the payload on a real stdin
+            cp = cli("--spool", sb.spool, "enqueue", *args, input=stdin)
         assert cp.returncode == code, (cp.returncode, cp.stderr)
         err = one_line_error(cp)
         assert err.startswith("myq: ") and "Traceback" not in cp.stderr, err
@@ -946,7 +947,7 @@ def test_enqueued_deep_payload_never_kills_the_worker():
 def test_enqueue_absurd_delay_is_a_clean_error():
     sb = Sandbox()
     try:
-        cp = cli("--spool", sb.spool, "enqueue", "t", "--delay", "1e20")
+        cp = call_myq("--spool", sb.spool, "enqueue", "t", "--delay", "1e20")
         assert cp.returncode in (64, 65), cp.stderr
         one_line_error(cp)
     finally:
@@ -995,7 +996,7 @@ def test_list_failed_is_one_line_per_file():
         sb.put("new\nline.json", b"{}")
         sb.put("ok.json", b"{")
         drain(sb)
-        cp = cli("--spool", sb.spool, "list", "failed")
+        cp = call_myq("--spool", sb.spool, "list", "failed")
         assert cp.returncode == 0, cp.stderr
         assert len(cp.stdout.splitlines()) == 2, cp.stdout
     finally:

@@ -22,8 +22,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MYQ = os.path.join(ROOT, "myq.py")
+from _core import ROOT, call_myq
 
 SECRET = "s3cret-TOKEN-7f3a"
 
@@ -379,7 +378,7 @@ def test_retry_after_date_capped_by_cli_backoff_max(myq, spool, server, run_myq)
                 "--backoff-base", "1", "--backoff-max", "20")
     t1 = time.time()
     assert p.returncode == 0, p.stderr
-    shown = run_myq("--spool", spool, "show", jid)
+    shown = call_myq("--spool", spool, "show", jid)
     job = json.loads(shown.stdout)
     assert_retried(job)
     assert 18.5 <= job["available_at"] - t1 and job["available_at"] - t0 <= 21.5, \
@@ -443,7 +442,7 @@ def test_cli_http_header_merged_and_wins_and_not_stored(myq, spool, server, run_
                 "--http-header", "Authorization: Bearer " + SECRET,
                 "--http-header", "X-Fleet: north")
     assert p.returncode == 0, p.stderr
-    assert json.loads(run_myq("--spool", spool, "show", jid).stdout)["state"] == "done"
+    assert json.loads(call_myq("--spool", spool, "show", jid).stdout)["state"] == "done"
     _check_merge(server, spool, jid, SECRET)
     assert server.hits("/h")[0]["headers"]["X-Fleet"] == "north"
 

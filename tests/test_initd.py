@@ -17,11 +17,9 @@ import time
 
 import pytest
 
-from _core import wait_for
+from _core import MYQ, ROOT, clean_env, wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "init.d", "myq")
-MYQ = os.path.join(ROOT, "myq.py")
 BUSYBOX = shutil.which("busybox")
 
 needs_busybox = pytest.mark.skipif(
@@ -78,10 +76,6 @@ def environ(pid):
 def cmdline(pid):
     return read("/proc/%d/cmdline" % pid, True).replace(b"\0", b" ").decode(
         "utf-8", "replace")
-
-
-def myq_env():
-    return {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +157,7 @@ class Service(object):
             os.setuid(pw.pw_uid)
 
         r = subprocess.run([python, MYQ, "--spool", self.spool]
-                           + list(args), env=myq_env(), timeout=30,
+                           + list(args), env=clean_env(), timeout=30,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            universal_newlines=True, cwd="/",
                            preexec_fn=become if pw else None)
@@ -227,6 +221,7 @@ def service(tmp_path, bindirs):
 
 @needs_busybox
 @pytest.mark.parametrize("kind", ["ssd", "plain"])
+@pytest.mark.slow
 def test_life_cycle(service, kind):
     """start, status, a job, a killed worker comes back, reload reopens the
     log, stop leaves nothing running; with and without start-stop-daemon."""
@@ -308,6 +303,7 @@ def test_life_cycle(service, kind):
 
 
 @needs_busybox
+@pytest.mark.slow
 def test_stop_takes_back_running_jobs_and_orphaned_handlers(service):
     """A worker killed with SIGKILL leaves its handler running in the
     handler's own session; stop still ends it (its claim names it) and every
@@ -350,6 +346,7 @@ def test_stop_takes_back_running_jobs_and_orphaned_handlers(service):
 
 
 @needs_busybox
+@pytest.mark.slow
 def test_stop_kills_after_stop_timeout(service):
     """A handler that ignores SIGTERM and a worker grace longer than
     MYQ_STOP_TIMEOUT: stop sends SIGKILL after MYQ_STOP_TIMEOUT seconds."""

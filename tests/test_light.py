@@ -165,6 +165,7 @@ def light_flows(request, tmp_path_factory):
                           "test_core_flow_under_python3_light", light_flow)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ident", IDS)
 def test_core_flow_under_python3_light(ident, light_flows):
     result_of(light_flows, ident)

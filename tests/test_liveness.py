@@ -16,6 +16,7 @@ import uuid
 import pytest
 
 from _core import FAST, enqueue, ls, show, stop, wait_for, worker
+from _core import call_myq
 from _procs import (alive, holding_handler, lines, mono, proc_start,
                     read_pid, reap, wait_gone)
 
@@ -39,7 +40,7 @@ def start_holding(procs, run_myq, spool, hold, tmp_path, *opts, jid="j1",
                   log=None):
     """A worker that has claimed job `jid` and whose handler is running.
     Returns (worker Popen, handler pid, grandchild pid)."""
-    enqueue(run_myq, spool, "hold", None, "--id", jid)
+    enqueue(call_myq, spool, "hold", None, "--id", jid)
     w = procs.worker(spool, "--handlers", hold, *(FAST + tuple(opts)), log=log)
     wait_for(lambda: len(runs(tmp_path)) >= 1, what="the handler to start")
     hpid = read_pid(tmp_path / (jid + ".pid"))
@@ -77,12 +78,12 @@ def test_killed_worker_claim_is_requeued_at_once_by_reap(
         run_myq, spool, hold, tmp_path, procs):
     w, hpid, gpid = start_holding(procs, run_myq, spool, hold, tmp_path,
                                   "--lease", "3600")
-    assert show(run_myq, spool, "j1")["state"] == "processing"
+    assert show(call_myq, spool, "j1")["state"] == "processing"
     sigkill(w)
-    assert show(run_myq, spool, "j1")["state"] == "processing"
+    assert show(call_myq, spool, "j1")["state"] == "processing"
     # The lease has an hour to go: only liveness can justify this.
     assert reap(run_myq, spool) == 1
-    job = show(run_myq, spool, "j1")
+    job = show(call_myq, spool, "j1")
     assert job["state"] == "ready", job
     assert job["attempts"] == 1, job
     assert "died" in job["last_error"], job
@@ -121,7 +122,7 @@ def test_killed_worker_claim_is_taken_by_a_running_worker(
     wait_gone(hpid)
     wait_gone(gpid)
     (tmp_path / "release").touch()
-    wait_for(lambda: show(run_myq, spool, "j1")["state"] == "done",
+    wait_for(lambda: show(call_myq, spool, "j1")["state"] == "done",
              what="B to finish j1")
     assert runs(tmp_path) == ["j1 1", "j1 2"]
     assert effects(tmp_path) == ["j1"]
@@ -142,7 +143,7 @@ def test_killed_worker_claim_is_taken_by_a_starting_worker(
     wait_gone(gpid)
     (tmp_path / "release").touch()
     assert b.wait(30) == 0
-    job = show(run_myq, spool, "j1")
+    job = show(call_myq, spool, "j1")
     assert job["state"] == "done", job
     assert runs(tmp_path) == ["j1 1", "j1 2"]
     assert effects(tmp_path) == ["j1"]
@@ -162,6 +163,7 @@ def slow(job):
 
 
 @pytest.mark.parametrize("kind", ["exec", "module"])
+@pytest.mark.slow
 def test_live_worker_with_tiny_lease_is_never_robbed(
         run_myq, spool, handlers_dir, tmp_path, procs, kind):
     """Lease 1 s, handler 3 s; a second worker (lease 1 s, reaping every
@@ -176,7 +178,7 @@ def test_live_worker_with_tiny_lease_is_never_robbed(
         mod.write_text(SLOW_MODULE)
         opts = ("--module", str(mod))
     payload = json.dumps({"runs": str(runs_f), "effects": str(eff_f)})
-    enqueue(run_myq, spool, "slow", payload, "--id", "s1")
+    enqueue(call_myq, spool, "slow", payload, "--id", "s1")
     a = procs.worker(spool, "--lease", "1", *(FAST + opts))
     wait_for(lambda: lines(runs_f), what="the handler to start")
     b = procs.worker(spool, "--lease", "1", *(FAST + opts))
@@ -186,7 +188,7 @@ def test_live_worker_with_tiny_lease_is_never_robbed(
         reaps += 1
         assert a.poll() is None and b.poll() is None
         assert reaps < 200, "the handler never finished"
-    wait_for(lambda: show(run_myq, spool, "s1")["state"] == "done",
+    wait_for(lambda: show(call_myq, spool, "s1")["state"] == "done",
              what="s1 to be done")
     assert reaps >= 2
     assert lines(runs_f) == ["s1"] and lines(eff_f) == ["s1"]
@@ -223,7 +225,7 @@ def test_owner_identity(run_myq, spool, hold, tmp_path, procs, case):
     claim = os.path.join(spool, "processing", ls(spool, "processing")[0])
     os.utime(claim, (1000000000, 1000000000))   # wall-clock lease: 2001
     n = reap(run_myq, spool)
-    job = show(run_myq, spool, "j1")
+    job = show(call_myq, spool, "j1")
     if case == "alive":
         assert n == 0 and job["state"] == "processing", job
         assert alive(hpid)
@@ -242,7 +244,7 @@ def test_poison_pill_ends_in_dlq_after_max_attempts(
         run_myq, spool, handlers_dir, tmp_path):
     runs_f = tmp_path / "runs"
     h = handlers_dir("pill", 'echo "$MYQ_ATTEMPT" >> "%s"\nkill -9 $PPID' % runs_f)
-    enqueue(run_myq, spool, "pill", None, "--id", "p1", "--max-attempts", "3")
+    enqueue(call_myq, spool, "pill", None, "--id", "p1", "--max-attempts", "3")
     codes = []
     while True:
         cp = worker(run_myq, spool, "--lease", "3600", handlers=h, timeout=30)
@@ -254,7 +256,7 @@ def test_poison_pill_ends_in_dlq_after_max_attempts(
     # Three workers died; the fourth found attempts exhausted: dead.
     assert codes == [-9, -9, -9, 0]
     assert lines(runs_f) == ["1", "2", "3"]
-    job = show(run_myq, spool, "p1")
+    job = show(call_myq, spool, "p1")
     assert job["state"] == "dead", job
     assert job["attempts"] == 3, job
     assert "died" in job["last_error"], job
@@ -263,6 +265,7 @@ def test_poison_pill_ends_in_dlq_after_max_attempts(
 
 # A hung owner #################################################################
 
+@pytest.mark.slow
 def test_hung_worker_is_robbed_after_its_lease(
         run_myq, spool, hold, tmp_path, procs):
     lease = 3.0
@@ -282,7 +285,7 @@ def test_hung_worker_is_robbed_after_its_lease(
             break
         assert t1 - t0 < lease + 15, "the hung worker was never robbed"
     assert t1 >= t0 + lease * 2 / 3, "robbed before its lease ran out"
-    job = show(run_myq, spool, "j1")
+    job = show(call_myq, spool, "j1")
     assert job["state"] == "ready" and job["attempts"] == 1, job
     assert "hung" in job["last_error"] or "heartbeat" in job["last_error"], job
     wait_gone(hpid, what="the hung worker's handler to be killed")
@@ -291,7 +294,7 @@ def test_hung_worker_is_robbed_after_its_lease(
     # it again (a new claim), and it ends done exactly once.
     (tmp_path / "release").touch()
     a.send_signal(signal.SIGCONT)
-    wait_for(lambda: show(run_myq, spool, "j1")["state"] == "done",
+    wait_for(lambda: show(call_myq, spool, "j1")["state"] == "done",
              timeout=20, what="j1 done after the worker woke up")
     assert stop(a) == 0
     assert runs(tmp_path) == ["j1 1", "j1 2"]

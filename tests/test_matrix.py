@@ -115,6 +115,7 @@ def flows(request, tmp_path_factory):
     return start_parallel(request, tmp_path_factory, "test_core_flow", core_flow)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ident", IDS)
 def test_core_flow(ident, flows):
     result_of(flows, ident)

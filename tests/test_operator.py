@@ -14,19 +14,20 @@ import pytest
 from _core import (FAST, STATUS_RE, blocking_handler, enqueue, kill_quiet, ls,
                    one_line_error, show, start_worker, stop, wait_for, worker,
                    write_incoming)
+from _core import call_myq
 
 
 def populate(run_myq, spool, handlers_dir):
     """done: ok1; dead: bad1; then ready: r1 r2; scheduled: s1."""
     h = handlers_dir("ok", "exit 0")
     handlers_dir("bad", "echo 'bad-reason' >&2; exit 65")
-    enqueue(run_myq, spool, "ok", "--id", "ok1")
-    enqueue(run_myq, spool, "bad", "--id", "bad1")
+    enqueue(call_myq, spool, "ok", "--id", "ok1")
+    enqueue(call_myq, spool, "bad", "--id", "bad1")
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
-    enqueue(run_myq, spool, "ok", "--id", "r1")
-    enqueue(run_myq, spool, "ok", "--id", "r2")
-    enqueue(run_myq, spool, "ok", "--id", "s1", "--delay", "300")
+    enqueue(call_myq, spool, "ok", "--id", "r1")
+    enqueue(call_myq, spool, "ok", "--id", "r2")
+    enqueue(call_myq, spool, "ok", "--id", "s1", "--delay", "300")
     return h
 
 
@@ -36,7 +37,7 @@ def stats_fields(line):
 
 def test_stats_line_format_and_counts(run_myq, spool, handlers_dir):
     populate(run_myq, spool, handlers_dir)
-    cp = run_myq("--spool", spool, "stats")
+    cp = call_myq("--spool", spool, "stats")
     assert cp.returncode == 0, cp.stderr
     lines = cp.stdout.splitlines()
     assert len(lines) == 1, cp.stdout
@@ -56,7 +57,7 @@ def test_stats_line_format_and_counts(run_myq, spool, handlers_dir):
 
 def test_stats_json(run_myq, spool, handlers_dir):
     populate(run_myq, spool, handlers_dir)
-    cp = run_myq("--spool", spool, "stats", "--json")
+    cp = call_myq("--spool", spool, "stats", "--json")
     assert cp.returncode == 0, cp.stderr
     assert len(cp.stdout.strip().splitlines()) == 1
     d = json.loads(cp.stdout)
@@ -66,34 +67,34 @@ def test_stats_json(run_myq, spool, handlers_dir):
     assert (d["ready"], d["processing"], d["done"], d["dead"]) == (2, 0, 1, 1)
 
 
-def test_queue_is_the_spool_basename(run_myq, tmp_path):
+def test_queue_is_the_spool_basename(tmp_path):
     spool = str(tmp_path / "edge-box.q_1")
-    assert run_myq("--spool", spool, "init").returncode == 0
-    cp = run_myq("--spool", spool + "/", "stats", "--json")
+    assert call_myq("--spool", spool, "init").returncode == 0
+    cp = call_myq("--spool", spool + "/", "stats", "--json")
     assert cp.returncode == 0, cp.stderr
     assert json.loads(cp.stdout)["queue"] == "edge-box.q_1"
 
 
-def test_oldest_ready_s(run_myq, spool):
+def test_oldest_ready_s(spool):
     old = time.time() - 100
     p = write_incoming(spool, "old.json", {"type": "t", "available_at": old,
                                            "created_at": old})
     os.utime(p, (old, old))
-    enqueue(run_myq, spool, "t")
-    d = json.loads(run_myq("--spool", spool, "stats", "--json").stdout)
+    enqueue(call_myq, spool, "t")
+    d = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
     assert 100 <= d["oldest_ready_s"] < 130, d
     assert d["ready"] == 2
 
 
 def test_retries_1m_counts_scheduled_retries(run_myq, spool, handlers_dir):
     h = handlers_dir("f", "exit 1")
-    enqueue(run_myq, spool, "f")
-    enqueue(run_myq, spool, "f")
+    enqueue(call_myq, spool, "f")
+    enqueue(call_myq, spool, "f")
     handlers_dir("p", "exit 65")
-    enqueue(run_myq, spool, "p")  # permanent: not a retry
+    enqueue(call_myq, spool, "p")  # permanent: not a retry
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
-    d = json.loads(run_myq("--spool", spool, "stats", "--json").stdout)
+    d = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
     assert d["retries_1m"] == 2, d
     assert d["dead"] == 1 and d["ready"] == 0
 
@@ -102,7 +103,7 @@ def test_list_and_list_state(run_myq, spool, handlers_dir):
     populate(run_myq, spool, handlers_dir)
 
     def ids(*args):
-        cp = run_myq("--spool", spool, "list", *args)
+        cp = call_myq("--spool", spool, "list", *args)
         assert cp.returncode == 0, cp.stderr
         return sorted(l.split()[0] for l in cp.stdout.splitlines())
 
@@ -117,7 +118,7 @@ def test_list_and_list_state(run_myq, spool, handlers_dir):
 
 def test_list_json(run_myq, spool, handlers_dir):
     populate(run_myq, spool, handlers_dir)
-    cp = run_myq("--spool", spool, "list", "--json")
+    cp = call_myq("--spool", spool, "list", "--json")
     assert cp.returncode == 0, cp.stderr
     rows = {}
     for line in cp.stdout.splitlines():
@@ -132,25 +133,25 @@ def test_list_json(run_myq, spool, handlers_dir):
     assert rows["bad1"]["attempts"] == 1
     assert "bad-reason" in rows["bad1"]["last_error"]
     assert rows["r1"]["attempts"] == 0 and rows["r1"]["last_error"] is None
-    cp = run_myq("--spool", spool, "list", "dead", "--json")
+    cp = call_myq("--spool", spool, "list", "dead", "--json")
     assert [json.loads(l)["id"] for l in cp.stdout.splitlines()] == ["bad1"]
 
 
-def test_list_unknown_state_is_64(run_myq, spool):
-    cp = run_myq("--spool", spool, "list", "bogus")
+def test_list_unknown_state_is_64(spool):
+    cp = call_myq("--spool", spool, "list", "bogus")
     assert cp.returncode == 64, (cp.returncode, cp.stderr)
     one_line_error(cp)
 
 
 def test_show(run_myq, spool, handlers_dir):
     populate(run_myq, spool, handlers_dir)
-    cp = run_myq("--spool", spool, "show", "bad1")
+    cp = call_myq("--spool", spool, "show", "bad1")
     assert cp.returncode == 0, cp.stderr
     d = json.loads(cp.stdout)
     assert (d["id"], d["type"], d["state"]) == ("bad1", "bad", "dead")
     assert "failed_at" in d
-    assert show(run_myq, spool, "s1")["state"] == "scheduled"
-    cp = run_myq("--spool", spool, "show", "nope")
+    assert show(call_myq, spool, "s1")["state"] == "scheduled"
+    cp = call_myq("--spool", spool, "show", "nope")
     assert cp.returncode == 66, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert cp.stdout == ""
@@ -158,44 +159,44 @@ def test_show(run_myq, spool, handlers_dir):
 
 def test_delete(run_myq, spool, handlers_dir):
     populate(run_myq, spool, handlers_dir)
-    cp = run_myq("--spool", spool, "delete", "r1", "bad1", "ok1", "s1")
+    cp = call_myq("--spool", spool, "delete", "r1", "bad1", "ok1", "s1")
     assert cp.returncode == 0, cp.stderr
     for i in ("r1", "bad1", "ok1", "s1"):
-        assert run_myq("--spool", spool, "show", i).returncode == 66, i
-    assert show(run_myq, spool, "r2")["state"] == "ready"
-    cp = run_myq("--spool", spool, "delete", "missing")
+        assert call_myq("--spool", spool, "show", i).returncode == 66, i
+    assert show(call_myq, spool, "r2")["state"] == "ready"
+    cp = call_myq("--spool", spool, "delete", "missing")
     assert cp.returncode == 66, (cp.returncode, cp.stderr)
     one_line_error(cp)
 
 
-def test_delete_processing_needs_force(run_myq, spool, handlers_dir, tmp_path):
+def test_delete_processing_needs_force(spool, handlers_dir, tmp_path):
     body, started, release = blocking_handler(tmp_path)
     handlers_dir("block", body)
-    enqueue(run_myq, spool, "block", "--id", "busy")
+    enqueue(call_myq, spool, "block", "--id", "busy")
     w = start_worker(spool, "--drain", "--handlers", handlers_dir.path, *FAST)
     try:
         wait_for(lambda: (started / "busy").exists(), what="handler start")
-        assert show(run_myq, spool, "busy")["state"] == "processing"
-        cp = run_myq("--spool", spool, "delete", "busy")
+        assert show(call_myq, spool, "busy")["state"] == "processing"
+        cp = call_myq("--spool", spool, "delete", "busy")
         assert cp.returncode == 75, (cp.returncode, cp.stderr)
         one_line_error(cp)
-        assert show(run_myq, spool, "busy")["state"] == "processing"
-        cp = run_myq("--spool", spool, "delete", "--force", "busy")
+        assert show(call_myq, spool, "busy")["state"] == "processing"
+        cp = call_myq("--spool", spool, "delete", "--force", "busy")
         assert cp.returncode == 0, cp.stderr
-        assert run_myq("--spool", spool, "show", "busy").returncode == 66
+        assert call_myq("--spool", spool, "show", "busy").returncode == 66
     finally:
         release.touch()
         assert w.wait(30) == 0
-    cp = run_myq("--spool", spool, "list", "--json")
+    cp = call_myq("--spool", spool, "list", "--json")
     states = [json.loads(l)["state"] for l in cp.stdout.splitlines()]
     assert not set(states) & {"ready", "scheduled", "processing"}, states
 
 
-def test_reap_and_check_after_a_worker_died(run_myq, spool, handlers_dir, tmp_path):
+def test_reap_and_check_after_a_worker_died(spool, handlers_dir, tmp_path):
     body, started, release = blocking_handler(tmp_path)
     handlers_dir("block", body)
-    enqueue(run_myq, spool, "block", "--id", "orphan")
-    cp = run_myq("--spool", spool, "reap")
+    enqueue(call_myq, spool, "block", "--id", "orphan")
+    cp = call_myq("--spool", spool, "reap")
     assert (cp.returncode, cp.stdout.strip()) == (0, "requeued=0")
     w = start_worker(spool, "--drain", "--handlers", handlers_dir.path, *FAST)
     try:
@@ -203,15 +204,15 @@ def test_reap_and_check_after_a_worker_died(run_myq, spool, handlers_dir, tmp_pa
         w.kill()
         w.wait(10)
         kill_quiet(int((started / "orphan.pid").read_text()))
-        assert show(run_myq, spool, "orphan")["state"] == "processing"
-        cp = run_myq("--spool", spool, "check")
+        assert show(call_myq, spool, "orphan")["state"] == "processing"
+        cp = call_myq("--spool", spool, "check")
         assert cp.returncode == 1, (cp.returncode, cp.stdout, cp.stderr)
-        cp = run_myq("--spool", spool, "reap")
+        cp = call_myq("--spool", spool, "reap")
         assert cp.returncode == 0, cp.stderr
         assert cp.stdout.strip() == "requeued=1"
-        assert show(run_myq, spool, "orphan")["state"] == "ready"
+        assert show(call_myq, spool, "orphan")["state"] == "ready"
         assert ls(spool, "processing") == []
-        cp = run_myq("--spool", spool, "check")
+        cp = call_myq("--spool", spool, "check")
         assert cp.returncode == 0, (cp.stdout, cp.stderr)
     finally:
         release.touch()
@@ -220,7 +221,7 @@ def test_reap_and_check_after_a_worker_died(run_myq, spool, handlers_dir, tmp_pa
 
 def done_jobs(run_myq, spool, handlers_dir, n):
     h = handlers_dir("ok", "exit 0")
-    ids = [enqueue(run_myq, spool, "ok", "--id", "j%02d" % i) for i in range(n)]
+    ids = [enqueue(call_myq, spool, "ok", "--id", "j%02d" % i) for i in range(n)]
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
     assert len(ls(spool, "done")) == n
@@ -236,7 +237,7 @@ def prune_counts(cp):
 
 def test_prune_keep_done_max(run_myq, spool, handlers_dir):
     done_jobs(run_myq, spool, handlers_dir, 5)
-    counts = prune_counts(run_myq("--spool", spool, "prune", "--keep-done-max", "2"))
+    counts = prune_counts(call_myq("--spool", spool, "prune", "--keep-done-max", "2"))
     assert counts.get("done") == 3, counts
     assert len(ls(spool, "done")) == 2
     assert ls(spool, "done") == ["j03.json", "j04.json"]  # the newest are kept
@@ -244,15 +245,15 @@ def test_prune_keep_done_max(run_myq, spool, handlers_dir):
 
 def test_prune_keep_done_age(run_myq, spool, handlers_dir):
     done_jobs(run_myq, spool, handlers_dir, 3)
-    counts = prune_counts(run_myq("--spool", spool, "prune", "--keep-done", "3600"))
+    counts = prune_counts(call_myq("--spool", spool, "prune", "--keep-done", "3600"))
     assert counts.get("done", 0) == 0, counts
     assert len(ls(spool, "done")) == 3
-    counts = prune_counts(run_myq("--spool", spool, "prune", "--keep-done", "0.001"))
+    counts = prune_counts(call_myq("--spool", spool, "prune", "--keep-done", "0.001"))
     assert counts.get("done") == 3, counts
     assert ls(spool, "done") == []
 
 
-def test_prune_orphaned_tmp_files(run_myq, spool):
+def test_prune_orphaned_tmp_files(spool):
     old = os.path.join(spool, "tmp", "orphan.part")
     new = os.path.join(spool, "tmp", "writing.part")
     for p in (old, new):
@@ -260,23 +261,23 @@ def test_prune_orphaned_tmp_files(run_myq, spool):
             f.write("{")
     t = time.time() - 2 * 3600
     os.utime(old, (t, t))
-    prune_counts(run_myq("--spool", spool, "prune"))
+    prune_counts(call_myq("--spool", spool, "prune"))
     assert ls(spool, "tmp") == ["writing.part"]
 
 
-def test_check_healthy_and_unhealthy(run_myq, spool):
-    cp = run_myq("--spool", spool, "check")
+def test_check_healthy_and_unhealthy(spool):
+    cp = call_myq("--spool", spool, "check")
     assert cp.returncode == 0, (cp.stdout, cp.stderr)
-    cp = run_myq("--spool", spool, "check", "--min-free", "1000G")
+    cp = call_myq("--spool", spool, "check", "--min-free", "1000G")
     assert cp.returncode == 1, (cp.returncode, cp.stdout, cp.stderr)
     out = (cp.stdout + cp.stderr).strip().splitlines()
     assert len(out) == 1, out
     assert re.search(r"free|space|disk", out[0], re.I), out
 
 
-def test_check_reports_a_missing_layout_dir(run_myq, spool):
+def test_check_reports_a_missing_layout_dir(spool):
     shutil.rmtree(os.path.join(spool, "locks"))
-    cp = run_myq("--spool", spool, "check", "--min-free", "1000G")
+    cp = call_myq("--spool", spool, "check", "--min-free", "1000G")
     assert cp.returncode in (1, 78), (cp.returncode, cp.stdout, cp.stderr)
     text = cp.stdout + cp.stderr
     assert "locks" in text
@@ -284,21 +285,21 @@ def test_check_reports_a_missing_layout_dir(run_myq, spool):
         assert len(text.strip().splitlines()) >= 2, text  # one line per problem
 
 
-def test_check_reports_an_unusable_dir(run_myq, spool):
+def test_check_reports_an_unusable_dir(spool):
     if os.geteuid() == 0:
         pytest.skip("root ignores directory permissions")
     d = os.path.join(spool, "done")
     os.chmod(d, 0)
     try:
-        cp = run_myq("--spool", spool, "check")
+        cp = call_myq("--spool", spool, "check")
     finally:
         os.chmod(d, 0o750)
     assert cp.returncode == 1, (cp.returncode, cp.stdout, cp.stderr)
     assert "done" in cp.stdout + cp.stderr
 
 
-def test_version(run_myq, myq):
-    cp = run_myq("version")
+def test_version(myq):
+    cp = call_myq("version")
     assert cp.returncode == 0, cp.stderr
     assert re.match(r"^myq \d+\.\d+\.\d+\n$", cp.stdout), cp.stdout
     assert cp.stdout.split()[1] == myq.__version__
@@ -319,14 +320,15 @@ def test_version(run_myq, myq):
 ], ids=lambda a: "_".join(a))
 def test_usage_errors_are_64_and_one_line(run_myq, spool, args):
     before = {d: ls(spool, d) for d in ("tmp", "incoming", "locks")}
-    cp = run_myq("--spool", spool, *args, timeout=20)
+    run = run_myq if args[0] == "worker" else call_myq
+    cp = run("--spool", spool, *args, timeout=20)
     assert cp.returncode == 64, (cp.returncode, cp.stdout, cp.stderr)
     one_line_error(cp)
     assert {d: ls(spool, d) for d in ("tmp", "incoming", "locks")} == before
 
 
-def test_no_command_is_64(run_myq, spool):
-    cp = run_myq("--spool", spool)
+def test_no_command_is_64(spool):
+    cp = call_myq("--spool", spool)
     assert cp.returncode == 64, (cp.returncode, cp.stderr)
     one_line_error(cp)
 

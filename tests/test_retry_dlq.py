@@ -3,7 +3,10 @@ import json
 import os
 import time
 
+import pytest
+
 from _core import enqueue, ls, one_line_error, show, wait_for, worker
+from _core import call_myq
 
 
 def fail_once(run_myq, spool, job_id, handlers, base, mx, jitter="0"):
@@ -13,15 +16,16 @@ def fail_once(run_myq, spool, job_id, handlers, base, mx, jitter="0"):
                 "--jitter", jitter, handlers=handlers, mode="--once")
     t1 = time.time()
     assert cp.returncode == 0, cp.stderr
-    return t0, t1, show(run_myq, spool, job_id)
+    return t0, t1, show(call_myq, spool, job_id)
 
 
+@pytest.mark.slow
 def test_backoff_doubles_and_is_capped(run_myq, spool, handlers_dir):
     h = handlers_dir("f", "exit 1")
-    job_id = enqueue(run_myq, spool, "f", "null", "--max-attempts", "10")
+    job_id = enqueue(call_myq, spool, "f", "null", "--max-attempts", "10")
     base, mx = 0.3, 1.0
     for n in (1, 2, 3, 4):
-        wait_for(lambda: show(run_myq, spool, job_id)["state"] == "ready",
+        wait_for(lambda: show(call_myq, spool, job_id)["state"] == "ready",
                  timeout=10, what="job ready again")
         t0, t1, job = fail_once(run_myq, spool, job_id, h, str(base), str(mx))
         assert job["attempts"] == n
@@ -33,7 +37,7 @@ def test_backoff_doubles_and_is_capped(run_myq, spool, handlers_dir):
 
 def test_jitter_spreads_within_fraction(run_myq, spool, handlers_dir):
     h = handlers_dir("f", "exit 1")
-    ids = [enqueue(run_myq, spool, "f") for _ in range(8)]
+    ids = [enqueue(call_myq, spool, "f") for _ in range(8)]
     t0 = time.time()
     cp = worker(run_myq, spool, "--backoff-base", "100", "--jitter", "0.1",
                 handlers=h)
@@ -41,7 +45,7 @@ def test_jitter_spreads_within_fraction(run_myq, spool, handlers_dir):
     assert cp.returncode == 0, cp.stderr
     delays = []
     for i in ids:
-        job = show(run_myq, spool, i)
+        job = show(call_myq, spool, i)
         assert job["state"] == "scheduled" and job["attempts"] == 1
         assert t0 + 90 - 0.01 <= job["available_at"] <= t1 + 110 + 0.01, job
         delays.append(job["available_at"])
@@ -51,12 +55,12 @@ def test_jitter_spreads_within_fraction(run_myq, spool, handlers_dir):
 def test_exhausted_attempts_go_to_dlq(run_myq, spool, handlers_dir, tmp_path):
     runs = tmp_path / "runs"
     h = handlers_dir("f", 'echo x >> "%s"; echo "failure-no-$MYQ_ATTEMPT" >&2; exit 1' % runs)
-    job_id = enqueue(run_myq, spool, "f", '{"p": 1}', "--max-attempts", "3")
+    job_id = enqueue(call_myq, spool, "f", '{"p": 1}', "--max-attempts", "3")
 
     def dead():
         cp = worker(run_myq, spool, "--backoff-base", "0.01", handlers=h)
         assert cp.returncode == 0, cp.stderr
-        return show(run_myq, spool, job_id)["state"] == "dead"
+        return show(call_myq, spool, job_id)["state"] == "dead"
 
     before = time.time()
     wait_for(dead, timeout=30, what="job dead")
@@ -74,11 +78,11 @@ def make_dead(run_myq, spool, handlers_dir, tmp_path, n=1):
     runs = tmp_path / "runs"
     h = handlers_dir("f", 'echo "$MYQ_JOB_ID" >> "%s"\n'
                           '[ -e "%s" ] && exit 0\nexit 65' % (runs, tmp_path / "fixed"))
-    ids = [enqueue(run_myq, spool, "f", "null", "--id", "d%d" % i) for i in range(n)]
+    ids = [enqueue(call_myq, spool, "f", "null", "--id", "d%d" % i) for i in range(n)]
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
     for i in ids:
-        assert show(run_myq, spool, i)["state"] == "dead"
+        assert show(call_myq, spool, i)["state"] == "dead"
     return h, ids, runs
 
 
@@ -88,16 +92,16 @@ def test_dead_jobs_never_run_again_without_retry(run_myq, spool, handlers_dir, t
     for _ in range(2):
         cp = worker(run_myq, spool, handlers=h)
         assert cp.returncode == 0, cp.stderr
-    assert run_myq("--spool", spool, "reap").returncode == 0
+    assert call_myq("--spool", spool, "reap").returncode == 0
     assert runs.read_text().split() == ["d0"]
-    assert show(run_myq, spool, "d0")["state"] == "dead"
+    assert show(call_myq, spool, "d0")["state"] == "dead"
 
 
 def test_retry_brings_a_dead_job_back(run_myq, spool, handlers_dir, tmp_path):
     h, ids, runs = make_dead(run_myq, spool, handlers_dir, tmp_path)
-    cp = run_myq("--spool", spool, "retry", "d0")
+    cp = call_myq("--spool", spool, "retry", "d0")
     assert cp.returncode == 0, cp.stderr
-    job = show(run_myq, spool, "d0")
+    job = show(call_myq, spool, "d0")
     assert job["state"] == "ready"
     assert job["attempts"] == 0
     assert ls(spool, "dlq") == []
@@ -105,33 +109,33 @@ def test_retry_brings_a_dead_job_back(run_myq, spool, handlers_dir, tmp_path):
     (tmp_path / "fixed").touch()
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
-    assert show(run_myq, spool, "d0")["state"] == "done"
+    assert show(call_myq, spool, "d0")["state"] == "done"
     assert runs.read_text().split() == ["d0", "d0"]
 
 
 def test_retry_all(run_myq, spool, handlers_dir, tmp_path):
     make_dead(run_myq, spool, handlers_dir, tmp_path, n=3)
-    keep = enqueue(run_myq, spool, "f", "null", "--delay", "500")
-    cp = run_myq("--spool", spool, "retry", "--all")
+    keep = enqueue(call_myq, spool, "f", "null", "--delay", "500")
+    cp = call_myq("--spool", spool, "retry", "--all")
     assert cp.returncode == 0, cp.stderr
     assert ls(spool, "dlq") == []
     for i in ("d0", "d1", "d2"):
-        job = show(run_myq, spool, i)
+        job = show(call_myq, spool, i)
         assert (job["state"], job["attempts"]) == ("ready", 0), job
-    assert show(run_myq, spool, keep)["state"] == "scheduled"
+    assert show(call_myq, spool, keep)["state"] == "scheduled"
 
 
 def test_retry_several_ids(run_myq, spool, handlers_dir, tmp_path):
     make_dead(run_myq, spool, handlers_dir, tmp_path, n=3)
-    cp = run_myq("--spool", spool, "retry", "d0", "d2")
+    cp = call_myq("--spool", spool, "retry", "d0", "d2")
     assert cp.returncode == 0, cp.stderr
-    assert show(run_myq, spool, "d0")["state"] == "ready"
-    assert show(run_myq, spool, "d1")["state"] == "dead"
-    assert show(run_myq, spool, "d2")["state"] == "ready"
+    assert show(call_myq, spool, "d0")["state"] == "ready"
+    assert show(call_myq, spool, "d1")["state"] == "dead"
+    assert show(call_myq, spool, "d2")["state"] == "ready"
 
 
-def test_retry_unknown_id_is_66(run_myq, spool):
-    cp = run_myq("--spool", spool, "retry", "no-such-job")
+def test_retry_unknown_id_is_66(spool):
+    cp = call_myq("--spool", spool, "retry", "no-such-job")
     assert cp.returncode == 66, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert ls(spool, "incoming") == []

@@ -199,6 +199,7 @@ def test_a_job_enqueued_during_a_deep_pass_is_claimed_without_waiting(
     assert sorted(claimed) == sorted(ready + [arrived])
 
 
+@pytest.mark.slow
 def test_a_pass_of_unclaimable_files_does_not_spin(myq, spool):
     """Bad names whose quarantine fails (failed/ gone): the worker must not
     rescan in a tight loop, must say why in its log, and must still stop

@@ -3,24 +3,25 @@ import json
 import os
 
 from _core import ls, show, worker, write_incoming
+from _core import call_myq
 
 
-def test_minimal_file_is_shown_before_any_worker(run_myq, spool):
+def test_minimal_file_is_shown_before_any_worker(spool):
     write_incoming(spool, "NAME.json", {"type": "greet", "payload": {"who": "sh"}})
-    job = show(run_myq, spool, "NAME")
+    job = show(call_myq, spool, "NAME")
     assert job["state"] == "ready"
     assert job["attempts"] == 0
     assert job["id"] == "NAME"
     assert job["type"] == "greet"
     assert job["payload"] == {"who": "sh"}
-    cp = run_myq("--spool", spool, "list", "ready")
+    cp = call_myq("--spool", spool, "list", "ready")
     assert cp.returncode == 0, cp.stderr
     assert [l.split()[0] for l in cp.stdout.splitlines()] == ["NAME"]
 
 
-def test_shell_job_without_payload_gets_defaults(run_myq, spool):
+def test_shell_job_without_payload_gets_defaults(spool):
     write_incoming(spool, "only-type.json", {"type": "t"})
-    job = show(run_myq, spool, "only-type")
+    job = show(call_myq, spool, "only-type")
     assert job["state"] == "ready"
     assert job["attempts"] == 0
     assert job.get("payload") is None
@@ -34,7 +35,7 @@ def test_worker_runs_a_shell_produced_job(run_myq, spool, handlers_dir, tmp_path
     assert cp.returncode == 0, cp.stderr
     assert json.loads(out.read_text()) == [1, "two"]
     assert (tmp_path / "out.id").read_text() == "from-sh\n"
-    job = show(run_myq, spool, "from-sh")
+    job = show(call_myq, spool, "from-sh")
     assert job["state"] == "done"
     assert job["attempts"] == 1
     assert ls(spool, "incoming") == []
@@ -53,6 +54,6 @@ def test_names_not_ending_in_json_are_ignored(run_myq, spool, handlers_dir, tmp_
     assert marker.read_text() == "real\n"
     assert ls(spool, "incoming") == sorted(ignored)
     assert ls(spool, "failed") == []
-    cp = run_myq("--spool", spool, "list", "--json")
+    cp = call_myq("--spool", spool, "list", "--json")
     ids = [json.loads(l)["id"] for l in cp.stdout.splitlines()]
     assert ids == ["real"]

@@ -7,15 +7,16 @@ import subprocess
 import pytest
 
 from _core import enqueue, ls, one_line_error
+from _core import call_myq
 
 LAYOUT = ("tmp", "incoming", "processing", "done", "dlq", "failed", "locks")
 
 
-def test_init_creates_the_seven_dirs_mode_0750(run_myq, tmp_path):
+def test_init_creates_the_seven_dirs_mode_0750(tmp_path):
     spool = str(tmp_path / "a" / "b" / "q")  # parents are created too
     old = os.umask(0o022)
     try:
-        cp = run_myq("--spool", spool, "init")
+        cp = call_myq("--spool", spool, "init")
     finally:
         os.umask(old)
     assert cp.returncode == 0, cp.stderr
@@ -25,10 +26,10 @@ def test_init_creates_the_seven_dirs_mode_0750(run_myq, tmp_path):
         assert stat.S_IMODE(st.st_mode) == 0o750, (d, oct(st.st_mode))
 
 
-def test_init_is_idempotent_and_keeps_jobs(run_myq, spool):
-    job = enqueue(run_myq, spool, "t", '{"k": 1}', "--id", "keep-me")
+def test_init_is_idempotent_and_keeps_jobs(spool):
+    job = enqueue(call_myq, spool, "t", '{"k": 1}', "--id", "keep-me")
     for _ in range(2):
-        cp = run_myq("--spool", spool, "init")
+        cp = call_myq("--spool", spool, "init")
         assert cp.returncode == 0, cp.stderr
     assert ls(spool, "incoming") == ["keep-me.json"]
     assert job == "keep-me"
@@ -65,7 +66,8 @@ COMMANDS = [
 @pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: "-".join(c))
 def test_missing_spool_exits_78_and_creates_nothing(run_myq, tmp_path, cmd):
     spool = str(tmp_path / "nope")
-    cp = run_myq("--spool", spool, *cmd, timeout=20)
+    run = run_myq if cmd[0] == "worker" else call_myq
+    cp = run("--spool", spool, *cmd, timeout=20)
     assert cp.returncode == 78, (cp.returncode, cp.stdout, cp.stderr)
     assert not os.path.exists(spool)
     err = one_line_error(cp)
@@ -78,7 +80,8 @@ def test_missing_spool_exits_78_and_creates_nothing(run_myq, tmp_path, cmd):
 def test_uninitialised_spool_exits_78_and_creates_nothing(run_myq, tmp_path, cmd):
     spool = tmp_path / "empty"
     spool.mkdir()
-    cp = run_myq("--spool", str(spool), *cmd, timeout=20)
+    run = run_myq if cmd[0] == "worker" else call_myq
+    cp = run("--spool", str(spool), *cmd, timeout=20)
     assert cp.returncode == 78, (cp.returncode, cp.stdout, cp.stderr)
     assert os.listdir(str(spool)) == []
     assert "init" in one_line_error(cp)
@@ -93,7 +96,7 @@ def test_layout_on_two_filesystems_is_refused(run_myq, spool):
     if m.returncode != 0:
         pytest.skip("cannot mount tmpfs here: %s" % m.stderr.decode().strip())
     try:
-        cp = run_myq("--spool", spool, "init")
+        cp = call_myq("--spool", spool, "init")
         assert cp.returncode == 78, (cp.returncode, cp.stderr)
         one_line_error(cp)
         cp = run_myq("--spool", spool, "worker", "--once", timeout=20)

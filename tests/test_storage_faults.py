@@ -26,28 +26,15 @@ import traceback
 import pytest
 
 import myq
-from _core import MYQ, ROOT, clean_env, ls
+from _core import MYQ, ROOT, clean_env, ls, under
+from _core import run_myq as cli
 from _core import wait_for as _wait_for
 
 ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO}
 
-def under(path, sub):
-    """Is `path` directly inside the spool's sub-directory `sub` (a test's
-    tmp_path lives under /tmp too, so no substring tests)?"""
-    return os.path.dirname(path).endswith("/" + sub)
-
-
-
 def wait_for(pred, timeout=20.0, what="condition"):
     """_core.wait_for with this file's longer default (a full disk is slow)."""
     return _wait_for(pred, timeout=timeout, what=what)
-
-
-def cli(*args, **kw):
-    return subprocess.run([sys.executable, MYQ] + [str(a) for a in args],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          universal_newlines=True, env=clean_env(),
-                          timeout=kw.get("timeout", 60))
 
 
 # 1. A real full disk ########################################################
@@ -367,6 +354,7 @@ def recover(path):
                poll=0.05, jitter=0, backoff_base=0).run(drain=True)
 
 
+@pytest.mark.slow
 def test_worker_under_injected_faults(tmp_path, capsys):
     """Every fault point of a worker's cycle, ENOSPC and EIO, all children
     at once (they mostly sleep in their backoff)."""

@@ -16,6 +16,7 @@ import signal
 import pytest
 
 from _core import FAST, enqueue, ls, show, wait_for, worker
+from _core import call_myq
 from _procs import holding_handler, lines, read_pid, wait_gone
 
 
@@ -45,10 +46,11 @@ def log_text(path):
 
 # Time limits ##################################################################
 
+@pytest.mark.slow
 def test_exec_timeout_term_then_kill_whole_group_then_retry(
         run_myq, spool, handlers_dir, tmp_path, procs):
     h = handlers_dir("stub", stubborn_handler(tmp_path, trap=True))
-    enqueue(run_myq, spool, "stub", None, "--id", "t1", "--max-attempts", "2")
+    enqueue(call_myq, spool, "stub", None, "--id", "t1", "--max-attempts", "2")
     cp = worker(run_myq, spool, "--timeout", "0.5", handlers=h, timeout=30)
     assert cp.returncode == 0, cp.stderr
     procs.track(read_pid(tmp_path / "t1.gc"))
@@ -57,7 +59,7 @@ def test_exec_timeout_term_then_kill_whole_group_then_retry(
     wait_gone(read_pid(tmp_path / "t1.pid"))
     wait_gone(read_pid(tmp_path / "t1.gc"),
               what="the grandchild (it ignores TERM) to be killed too")
-    job = show(run_myq, spool, "t1")
+    job = show(call_myq, spool, "t1")
     assert job["state"] == "scheduled", job       # a retry, backoff 60 s
     assert job["attempts"] == 1, job
     assert "timed out" in job["last_error"], job
@@ -68,7 +70,7 @@ def test_exec_timeout_term_then_kill_whole_group_then_retry(
 def test_per_job_timeout_on_last_attempt_is_dead(
         run_myq, spool, handlers_dir, tmp_path, procs):
     h = handlers_dir("stub", stubborn_handler(tmp_path, trap=False))
-    enqueue(run_myq, spool, "stub", None, "--id", "t2", "--timeout", "0.5",
+    enqueue(call_myq, spool, "stub", None, "--id", "t2", "--timeout", "0.5",
             "--max-attempts", "1")
     # The worker's own limit is 300 s: the job's 0.5 s applies.
     cp = worker(run_myq, spool, "--timeout", "300", handlers=h, timeout=30)
@@ -79,7 +81,7 @@ def test_per_job_timeout_on_last_attempt_is_dead(
     wait_gone(read_pid(tmp_path / "t2.pid"))
     wait_gone(read_pid(tmp_path / "t2.gc"),
               what="the TERM-ignoring grandchild to be killed")
-    job = show(run_myq, spool, "t2")
+    job = show(call_myq, spool, "t2")
     assert job["state"] == "dead", job
     assert job["attempts"] == 1, job
     assert "timed out" in job["last_error"], job
@@ -102,16 +104,16 @@ def test_module_time_limit_interrupts_sleep(run_myq, spool, tmp_path):
     mod = tmp_path / "napmod.py"
     mod.write_text(NAP_MODULE)
     runs = tmp_path / "runs"
-    enqueue(run_myq, spool, "nap", json.dumps(str(runs)), "--id", "m1",
+    enqueue(call_myq, spool, "nap", json.dumps(str(runs)), "--id", "m1",
             "--max-attempts", "2")
-    enqueue(run_myq, spool, "nap", json.dumps(str(runs)), "--id", "m2",
+    enqueue(call_myq, spool, "nap", json.dumps(str(runs)), "--id", "m2",
             "--max-attempts", "1", "--timeout", "0.3")
     # Inline (concurrency 1): a 3600 s sleep would outlast the 30 s budget.
     cp = worker(run_myq, spool, "--module", str(mod), "--timeout", "0.5",
                 timeout=30)
     assert cp.returncode == 0, cp.stderr
     assert sorted(lines(runs)) == ["m1 1", "m2 1"]
-    m1, m2 = show(run_myq, spool, "m1"), show(run_myq, spool, "m2")
+    m1, m2 = show(call_myq, spool, "m1"), show(call_myq, spool, "m2")
     assert m1["state"] == "scheduled" and m1["attempts"] == 1, m1
     assert "timed out" in m1["last_error"], m1
     assert m2["state"] == "dead" and m2["attempts"] == 1, m2
@@ -145,7 +147,7 @@ def hold(job):
         wopts = ("--module", str(mod))
         payload = json.dumps(str(tmp_path))
     for i in range(1, n + 1):
-        enqueue(run_myq, spool, "hold", payload, "--id", "h%d" % i)
+        enqueue(call_myq, spool, "hold", payload, "--id", "h%d" % i)
     w = procs.worker(spool, *(FAST + wopts + tuple(opts)), log=log)
     wait_for(lambda: lines(tmp_path / "runs"), what="h1 to start")
     assert lines(tmp_path / "runs") == ["h1 1"]
@@ -166,8 +168,8 @@ def test_sigterm_lets_the_running_job_finish_within_grace(
     assert w.poll() is None, "the worker left before its job was finished"
     (tmp_path / "release").touch()
     assert w.wait(20) == 0
-    assert show(run_myq, spool, "h1")["state"] == "done"
-    h2 = show(run_myq, spool, "h2")
+    assert show(call_myq, spool, "h1")["state"] == "done"
+    h2 = show(call_myq, spool, "h2")
     assert h2["state"] == "ready" and h2["attempts"] == 0, h2   # not claimed
     assert lines(tmp_path / "runs") == ["h1 1"]
     assert lines(tmp_path / "effects") == ["h1"]
@@ -186,7 +188,7 @@ def test_sigterm_past_grace_kills_and_releases_uncounted(
     if kind == "exec":
         wait_gone(hpid)
         wait_gone(gpid)
-    job = show(run_myq, spool, "h1")
+    job = show(call_myq, spool, "h1")
     assert job["state"] == "ready", job
     assert job["attempts"] == 0, job
     assert job.get("last_error") is None, job
@@ -209,7 +211,7 @@ def test_second_sigterm_stops_at_once_still_releasing(
     if kind == "exec":
         wait_gone(hpid)
         wait_gone(gpid)
-    job = show(run_myq, spool, "h1")
+    job = show(call_myq, spool, "h1")
     assert job["state"] == "ready" and job["attempts"] == 0, job
     assert ls(spool, "processing") == []
     assert lines(tmp_path / "effects") == []
@@ -218,7 +220,7 @@ def test_second_sigterm_stops_at_once_still_releasing(
 
 # Logs #########################################################################
 
-def test_sighup_reopens_the_log_file(run_myq, spool, handlers_dir, tmp_path,
+def test_sighup_reopens_the_log_file(spool, handlers_dir, tmp_path,
                                      procs):
     h = handlers_dir("ok", "exit 0")
     log = tmp_path / "myq.log"
@@ -227,12 +229,12 @@ def test_sighup_reopens_the_log_file(run_myq, spool, handlers_dir, tmp_path,
              what="the start line in the log")
     rotated = tmp_path / "myq.log.1"
     os.rename(str(log), str(rotated))
-    enqueue(run_myq, spool, "ok", None, "--id", "before")
+    enqueue(call_myq, spool, "ok", None, "--id", "before")
     wait_for(lambda: "event=done id=before" in log_text(rotated),
              what="the worker to keep writing to the renamed file")
     w.send_signal(signal.SIGHUP)
     wait_for(lambda: log.exists(), what="a new log file after SIGHUP")
-    enqueue(run_myq, spool, "ok", None, "--id", "after")
+    enqueue(call_myq, spool, "ok", None, "--id", "after")
     wait_for(lambda: "event=done id=after" in log_text(log),
              what="new lines in the new log file")
     w.send_signal(signal.SIGTERM)

@@ -7,6 +7,7 @@ import time
 
 from _core import (FAST, LOG_RE, STATUS_RE, blocking_handler, enqueue,
                    kill_quiet, ls, show, start_worker, stop, wait_for, worker)
+from _core import call_myq
 
 
 def counting_handler(handlers_dir, tmp_path, name="t", code=0):
@@ -26,7 +27,7 @@ def test_once_on_empty_queue_exits_0(run_myq, spool):
 
 def test_once_runs_at_most_one_job(run_myq, spool, handlers_dir, tmp_path):
     h, runs = counting_handler(handlers_dir, tmp_path)
-    ids = [enqueue(run_myq, spool, "t") for _ in range(3)]
+    ids = [enqueue(call_myq, spool, "t") for _ in range(3)]
     cp = worker(run_myq, spool, handlers=h, mode="--once")
     assert cp.returncode == 0, cp.stderr
     assert len(runs_of(runs)) == 1
@@ -37,27 +38,27 @@ def test_once_runs_at_most_one_job(run_myq, spool, handlers_dir, tmp_path):
 
 def test_drain_runs_ready_jobs_and_leaves_scheduled(run_myq, spool, handlers_dir, tmp_path):
     h, runs = counting_handler(handlers_dir, tmp_path)
-    ids = [enqueue(run_myq, spool, "t") for _ in range(3)]
-    later = enqueue(run_myq, spool, "t", "null", "--delay", "300")
+    ids = [enqueue(call_myq, spool, "t") for _ in range(3)]
+    later = enqueue(call_myq, spool, "t", "null", "--delay", "300")
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
     assert sorted(runs_of(runs)) == sorted(ids)
-    assert show(run_myq, spool, later)["state"] == "scheduled"
+    assert show(call_myq, spool, later)["state"] == "scheduled"
     for i in ids:
-        assert show(run_myq, spool, i)["state"] == "done"
+        assert show(call_myq, spool, i)["state"] == "done"
 
 
 def run_concurrently(run_myq, spool, handlers_dir, tmp_path, n, opts, env=None):
     body, started, release = blocking_handler(tmp_path)
     h = handlers_dir("block", body)
     for i in range(n):
-        enqueue(run_myq, spool, "block", "--id", "c%d" % i)
+        enqueue(call_myq, spool, "block", "--id", "c%d" % i)
     w = start_worker(spool, "--drain", "--handlers", h, *(FAST + tuple(opts)), env=env)
     try:
         wait_for(lambda: len(os.listdir(str(started))) >= 2 * n, timeout=15,
                  what="%d handlers running at once" % n)
         assert len(ls(spool, "processing")) == n
-        js = json.loads(run_myq("--spool", spool, "stats", "--json").stdout)
+        js = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
         assert js["processing"] == n
     finally:
         release.touch()
@@ -82,21 +83,21 @@ def test_concurrency_flag_wins_over_env(run_myq, spool, handlers_dir, tmp_path):
 
 def test_max_attempts_env_and_flag_wins(run_myq, spool, handlers_dir, tmp_path):
     h, _ = counting_handler(handlers_dir, tmp_path, code=1)
-    a = enqueue(run_myq, spool, "t")
+    a = enqueue(call_myq, spool, "t")
     cp = worker(run_myq, spool, handlers=h, env={"MYQ_MAX_ATTEMPTS": "1"})
     assert cp.returncode == 0, cp.stderr
-    assert show(run_myq, spool, a)["state"] == "dead"
-    b = enqueue(run_myq, spool, "t")
+    assert show(call_myq, spool, a)["state"] == "dead"
+    b = enqueue(call_myq, spool, "t")
     cp = worker(run_myq, spool, "--max-attempts", "3", handlers=h,
                 env={"MYQ_MAX_ATTEMPTS": "1"})
     assert cp.returncode == 0, cp.stderr
-    job = show(run_myq, spool, b)
+    job = show(call_myq, spool, b)
     assert (job["state"], job["attempts"]) == ("scheduled", 1)
 
 
 def test_other_worker_options_from_env(run_myq, spool, handlers_dir, tmp_path):
     h, runs = counting_handler(handlers_dir, tmp_path, code=1)
-    j = enqueue(run_myq, spool, "t")
+    j = enqueue(call_myq, spool, "t")
     t0 = time.time()
     cp = run_myq("--spool", spool, "worker", "--drain",
                  env={"MYQ_HANDLERS": h, "MYQ_BACKOFF_BASE": "40",
@@ -104,14 +105,14 @@ def test_other_worker_options_from_env(run_myq, spool, handlers_dir, tmp_path):
     t1 = time.time()
     assert cp.returncode == 0, cp.stderr
     assert runs_of(runs) == [j]
-    job = show(run_myq, spool, j)
+    job = show(call_myq, spool, j)
     assert job["state"] == "scheduled"
     assert t0 + 40 - 0.05 <= job["available_at"] <= t1 + 40 + 0.05
 
 
 def test_success_record_prevents_a_second_run(run_myq, spool, handlers_dir, tmp_path):
     h, runs = counting_handler(handlers_dir, tmp_path)
-    j = enqueue(run_myq, spool, "t", '{"side": "effect"}', "--id", "once-only")
+    j = enqueue(call_myq, spool, "t", '{"side": "effect"}', "--id", "once-only")
     assert worker(run_myq, spool, handlers=h).returncode == 0
     assert runs_of(runs) == ["once-only"]
     # the job shows up again (e.g. a crash between the handler and the move to
@@ -123,14 +124,14 @@ def test_success_record_prevents_a_second_run(run_myq, spool, handlers_dir, tmp_
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
     assert runs_of(runs) == ["once-only"]
-    assert show(run_myq, spool, j)["state"] == "done"
+    assert show(call_myq, spool, j)["state"] == "done"
     assert ls(spool, "incoming") == []
 
 
 def test_drain_first_requeues_claims_of_dead_workers(run_myq, spool, handlers_dir, tmp_path):
     body, started, release = blocking_handler(tmp_path)
     h = handlers_dir("block", body)
-    enqueue(run_myq, spool, "block", "--id", "crashy")
+    enqueue(call_myq, spool, "block", "--id", "crashy")
     w = start_worker(spool, "--drain", "--handlers", h, *FAST)
     try:
         wait_for(lambda: (started / "crashy").exists(), what="handler start")
@@ -144,18 +145,18 @@ def test_drain_first_requeues_claims_of_dead_workers(run_myq, spool, handlers_di
     finally:
         release.touch()
         stop(w, signal.SIGKILL)
-    assert show(run_myq, spool, "crashy")["state"] == "processing"
+    assert show(call_myq, spool, "crashy")["state"] == "processing"
     cp = worker(run_myq, spool, "--lease", "3600", handlers=h, timeout=30)
     assert cp.returncode == 0, cp.stderr
-    assert show(run_myq, spool, "crashy")["state"] == "done"
+    assert show(call_myq, spool, "crashy")["state"] == "done"
     assert ls(spool, "processing") == []
 
 
 def test_worker_log_lines(run_myq, spool, handlers_dir, tmp_path):
     h = handlers_dir("ok", "exit 0")
     handlers_dir("bad", "echo oops >&2; exit 1")
-    enqueue(run_myq, spool, "ok", "--id", "log-ok")
-    enqueue(run_myq, spool, "bad", "--id", "log-bad")
+    enqueue(call_myq, spool, "ok", "--id", "log-ok")
+    enqueue(call_myq, spool, "bad", "--id", "log-bad")
     cp = worker(run_myq, spool, handlers=h)
     assert cp.returncode == 0, cp.stderr
     lines = [l for l in cp.stderr.splitlines() if l.strip()]
@@ -166,10 +167,10 @@ def test_worker_log_lines(run_myq, spool, handlers_dir, tmp_path):
     assert any("log-bad" in l for l in lines), lines
 
 
-def test_status_line_in_worker_log(run_myq, spool, handlers_dir, tmp_path):
+def test_status_line_in_worker_log(spool, handlers_dir, tmp_path):
     body, started, release = blocking_handler(tmp_path)
     h = handlers_dir("block", body)
-    enqueue(run_myq, spool, "block", "--id", "st")
+    enqueue(call_myq, spool, "block", "--id", "st")
     logf = tmp_path / "worker.log"
     with open(str(logf), "w") as log:
         w = start_worker(spool, "--drain", "--handlers", h, "--stats-interval",
