@@ -2283,8 +2283,8 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None, run=None):
     up, so a job is never in flight twice."""
     method, url, data, hdrs = http_request(job, headers)
     try:
-        import http.client
         from urllib.parse import urljoin, urlsplit
+        import http.client
     except ImportError:
         raise PermanentError("http: Python's http.client is not installed "
                              "(OpenWrt: opkg install python3-urllib)")
