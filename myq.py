@@ -2425,7 +2425,7 @@ class Worker(object):
         self._sweep = None          # scandir iterator over a deep backlog
         self._null = None           # /dev/null, for exec handlers' stdout
         self._soonest = None        # the pass's earliest job not yet due
-        self._stuck = []            # finishes that failed on I/O, to retry
+        self._stuck = []            # finishes that failed on I/O: callables
         self._io_pause_until = 0.0
         self._io_backoff = 0.5
         self._low_logged = False
@@ -2603,138 +2603,154 @@ class Worker(object):
             raise _Shutdown()
 
     def _loop(self, once, drain):
-        sp = self.spool
-        select = self._select
-        started = 0
+        """fill, housekeep, wait: until stopped, or --once/--drain done."""
         now = _mono()
         self._next_beat = now + self.lease / 3
-        next_stats = now + self.stats_interval if self.stats_interval > 0 \
+        self._next_stats = now + self.stats_interval if self.stats_interval > 0 \
             else float("inf")
-        next_reap = now + self.reap_interval
-        next_prune = now + min(self.prune_interval, 5.0)
-        next_full_prune = next_prune
-        next_poll = now + self.poll
+        self._next_reap = now + self.reap_interval
+        self._next_prune = self._next_full_prune = now + min(self.prune_interval,
+                                                             5.0)
+        self._next_poll = now + self.poll
+        self._started = 0
         while True:
-            now = _mono()
             busy = False
             if self.stopping:
                 if not self.runs:
                     break
-                if self.hard_stop or now >= self.stop_deadline:
-                    for run in self.runs:
-                        if not run.released:
-                            run.released = True
-                            self._kill(run, 9)
-            elif not (once and started) and now >= self._io_pause_until:
-                while len(self.runs) < self.concurrency and not self.stopping \
-                        and _mono() >= self._io_pause_until:
-                    low = sp.low_on_space()
-                    if low:
-                        if not self._low_logged:
-                            self.log("disk_low", problem=low)
-                            self._low_logged = True
-                        break
-                    self._low_logged = False
-                    try:
-                        c = self._next_claim(force=(once or drain) and not self.runs)
-                    except OSError as e:
-                        self._io_error("claim", e)
-                        break
-                    if c is None:
-                        break
-                    started += 1
-                    self._start(c)
-                    if once:
-                        break
-                    if self._pending >= 64 or _mono() >= min(
-                            self._next_beat, next_reap, next_stats,
-                            self._pending_since + 1.0 if self._pending
-                            else next_stats):
-                        busy = True     # housekeeping first, then go on
-                        break
-            if not self.runs and not self._stuck:
-                if once or (drain and not self._ready_now()) or (
-                        self.stopping):
-                    break
-            # Housekeeping, all on the monotonic clock.
-            now = _mono()
-            if now >= self._next_beat:
-                self._heartbeat()
-            if now >= next_reap:
-                self._reap()
-                next_reap = now + self.reap_interval
-            if now >= next_stats and self.stats_interval > 0:
-                try:
-                    self.log.write(sp.status_line())
-                except OSError:
-                    pass
-                next_stats = now + self.stats_interval
-            if now >= next_prune and self.prune_interval:
-                full = now >= next_full_prune
-                try:
-                    sp.prune(full=full)
-                except (OSError, MyqError) as e:
-                    self.log("error", during="prune", error=str(e))
-                next_prune = now + self.prune_interval
-                if full:
-                    next_full_prune = now + 15 * self.prune_interval
-            if self._stuck:
-                self._retry_stuck()
-            if not self.runs or self._pending >= 64 or (
-                    self._pending and now - self._pending_since > 1.0):
-                self._commit()
-            # Wait for something to happen.
-            deadlines = [self._next_beat, next_reap, next_poll]
-            if self.stats_interval > 0:
-                deadlines.append(next_stats)
-            if self._stuck or self._io_pause_until > now:
-                deadlines.append(max(self._io_pause_until, now + 0.5))
-            if self.stopping:
-                deadlines.append(self.stop_deadline)
-            if self.next_due is not None:
-                deadlines.append(now + max(0.0, self.next_due - _now()))
+                self._enforce_grace()
+            else:
+                busy = self._fill(once, drain)
+            if not self.runs and not self._stuck and (
+                    once or self.stopping or (drain and not self._ready_now())):
+                break
+            self._housekeep()
+            self._wait(busy)
+
+    def _enforce_grace(self):
+        """Stopping: past the grace (or at a second signal), the runs are
+        killed and their jobs released (_collect puts them back)."""
+        if self.hard_stop or _mono() >= self.stop_deadline:
             for run in self.runs:
-                if run.kind == "exec" or not run.timed_out:
-                    deadlines.append(run.kill_at or run.deadline)
-            if self._pending:
-                deadlines.append(self._pending_since + 1.0)
-            if self.runs and not self._main:
-                deadlines.append(now + 0.02)
-            wait = 0.0 if busy else max(0.0, min(deadlines) - now)
-            if self._timer and wait > 0:
-                self._signal.setitimer(self._signal.ITIMER_REAL, 0)
-                self._timer = 0.0
-            rl = [self._pipe[0]] + self._wake_fds[:1]
-            wl = []
-            for run in self.runs:
-                if run.err_fd is not None:
-                    rl.append(run.err_fd)
-                if run.stdin_fd is not None:
-                    wl.append(run.stdin_fd)
+                if not run.released:
+                    run.released = True
+                    self._kill(run, 9)
+
+    def _fill(self, once, drain):
+        """Claim and start jobs while a slot is free.  True when the loop
+        must come straight back after its housekeeping (more to claim)."""
+        if (once and self._started) or _mono() < self._io_pause_until:
+            return False
+        while len(self.runs) < self.concurrency and not self.stopping \
+                and _mono() >= self._io_pause_until:
+            low = self.spool.low_on_space()
+            if low:
+                if not self._low_logged:
+                    self.log("disk_low", problem=low)
+                    self._low_logged = True
+                return False
+            self._low_logged = False
             try:
-                r, w, _ = select.select(rl, wl, [], wait)
-            except InterruptedError:
-                r, w = [], []
-            now = _mono()
-            if self._pipe[0] in r:
-                _drain(self._pipe[0])
-            if self._wake_fds and self._wake_fds[0] in r:
-                _drain(self._wake_fds[0])
-                self.dirty = True
-            if now >= next_poll:
-                next_poll = now + self.poll
-                self._check_incoming()
-                if self._parent and os.getppid() != self._parent \
-                        and not self.stopping:
-                    # the supervisor is gone (kill -9): stop as on SIGTERM
-                    self.log("supervisor_gone", pid=self._parent)
-                    self._on_stop(0, None)
-            for run in list(self.runs):
-                if run.stdin_fd is not None and run.stdin_fd in w:
-                    self._feed(run)
-                if run.err_fd is not None and run.err_fd in r:
-                    self._read_err(run)
-            self._collect()
+                c = self._next_claim(force=(once or drain) and not self.runs)
+            except OSError as e:
+                self._io_error("claim", e)
+                return False
+            if c is None:
+                return False
+            self._started += 1
+            self._start(c)
+            if once:
+                return False
+            due = min(self._next_beat, self._next_reap, self._next_stats,
+                      self._pending_since + 1.0 if self._pending else self._next_stats)
+            if self._pending >= 64 or _mono() >= due:
+                return True         # housekeeping first, then go on
+        return False
+
+    def _housekeep(self):
+        """Heartbeat, reap, status line, prune, stuck finishes, group
+        commit: each on its own timer, all on the monotonic clock."""
+        now = _mono()
+        if now >= self._next_beat:
+            self._heartbeat()
+        if now >= self._next_reap:
+            self._reap()
+            self._next_reap = now + self.reap_interval
+        if now >= self._next_stats and self.stats_interval > 0:
+            try:
+                self.log.write(self.spool.status_line())
+            except OSError:
+                pass
+            self._next_stats = now + self.stats_interval
+        if now >= self._next_prune and self.prune_interval:
+            full = now >= self._next_full_prune
+            try:
+                self.spool.prune(full=full)
+            except (OSError, MyqError) as e:
+                self.log("error", during="prune", error=str(e))
+            self._next_prune = now + self.prune_interval
+            if full:
+                self._next_full_prune = now + 15 * self.prune_interval
+        if self._stuck:
+            self._retry_stuck()
+        if not self.runs or self._pending >= 64 or (
+                self._pending and now - self._pending_since > 1.0):
+            self._commit()
+
+    def _wait(self, busy):
+        """Sleep in select() until the next timer, a wake-up (a producer's
+        poke, a signal, a thread's end) or a handler's pipe; then feed the
+        handlers' stdin, read their stderr and collect the runs that ended."""
+        now = _mono()
+        deadlines = [self._next_beat, self._next_reap, self._next_poll,
+                     self._next_stats]
+        if self._stuck or self._io_pause_until > now:
+            deadlines.append(max(self._io_pause_until, now + 0.5))
+        if self.stopping:
+            deadlines.append(self.stop_deadline)
+        if self.next_due is not None:
+            deadlines.append(now + max(0.0, self.next_due - _now()))
+        for run in self.runs:
+            if run.kind == "exec" or not run.timed_out:
+                deadlines.append(run.kill_at or run.deadline)
+        if self._pending:
+            deadlines.append(self._pending_since + 1.0)
+        if self.runs and not self._main:
+            deadlines.append(now + 0.02)
+        wait = 0.0 if busy else max(0.0, min(deadlines) - now)
+        if self._timer and wait > 0:
+            self._signal.setitimer(self._signal.ITIMER_REAL, 0)
+            self._timer = 0.0
+        rl = [self._pipe[0]] + self._wake_fds[:1]
+        wl = []
+        for run in self.runs:
+            if run.err_fd is not None:
+                rl.append(run.err_fd)
+            if run.stdin_fd is not None:
+                wl.append(run.stdin_fd)
+        try:
+            r, w, _ = self._select.select(rl, wl, [], wait)
+        except InterruptedError:
+            r, w = [], []
+        if self._pipe[0] in r:
+            _drain(self._pipe[0])
+        if self._wake_fds and self._wake_fds[0] in r:
+            _drain(self._wake_fds[0])
+            self.dirty = True
+        if _mono() >= self._next_poll:
+            self._next_poll = _mono() + self.poll
+            self._check_incoming()
+            if self._parent and os.getppid() != self._parent \
+                    and not self.stopping:
+                # the supervisor is gone (kill -9): stop as on SIGTERM
+                self.log("supervisor_gone", pid=self._parent)
+                self._on_stop(0, None)
+        for run in list(self.runs):
+            if run.stdin_fd is not None and run.stdin_fd in w:
+                self._feed(run)
+            if run.err_fd is not None and run.err_fd in r:
+                self._read_err(run)
+        self._collect()
 
     def _check_incoming(self):
         """On each poll tick: rescan only when incoming/ changed (a shell
@@ -3146,72 +3162,82 @@ class Worker(object):
     # Finishing -----------------------------------------------------------------
 
     def _finish(self, run, outcome, error=None, delay=None):
+        """The run's outcome: "done", "retry" (or "dead" once the attempts
+        are spent) or "dead", with the error and a delay (RetryLater)."""
         c = run.claim
         ms = int((_mono() - run.started) * 1000)
         kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
         if outcome == "done":
-            step = ("complete", None, None)
-        else:
-            job = dict(c.job)
-            error = (error or "failed")[-ERROR_MAX:]
-            job["attempts"] = c.attempt
-            job["last_error"] = error
-            if outcome == "retry" and c.attempt >= c.max_attempts:
-                outcome = "dead"
-            if outcome == "dead":
-                job["failed_at"] = _now()
-                step = ("move", job, "dlq")
-            else:
-                d = self.backoff(c.attempt) if delay is None else min(
-                    delay, self.backoff_max)
-                job["available_at"] = _now() + d
-                kv["retry_in"] = round(d, 3)
-                step = ("move", job, "incoming")
+            self._complete(c, kv)
+            return
+        job = dict(c.job)
+        error = (error or "failed")[-ERROR_MAX:]
+        job["attempts"] = c.attempt
+        job["last_error"] = error
+        if outcome == "retry" and c.attempt >= c.max_attempts:
+            outcome = "dead"
+        if outcome == "dead":
+            job["failed_at"] = _now()
             kv["error"] = error
-        kv["event"] = outcome
-        self._do(c, step, kv)
+            self._move(c, job, "dlq", "dead", kv)
+            return
+        d = self.backoff(c.attempt) if delay is None else min(delay, self.backoff_max)
+        job["available_at"] = _now() + d
+        kv["retry_in"] = round(d, 3)
+        kv["error"] = error
+        self._move(c, job, "incoming", "retry", kv)
 
     def _release(self, run):
         """Shutdown: back to incoming/, ready now, the attempt not counted."""
         c = run.claim
         job = dict(c.job)
         job["available_at"] = _now()
-        self._do(c, ("move", job, "incoming"),
-                 {"event": "released", "id": c.jid, "type": job["type"]})
+        self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
 
-    def _do(self, c, step, kv):
-        sp = self.spool
+    def _complete(self, c, kv):
+        """Success: the idempotency record, then done/ (fsync'd by the next
+        group commit).  An I/O error leaves it to _retry_stuck."""
         try:
-            if step[0] == "complete":
-                ok = sp.complete(c)
-                if ok:
-                    if not self._pending:
-                        self._pending_since = _mono()
-                    self._pending += 1
-                    self._pending_ok += 1
-            else:
-                ok = sp.move_on(c, step[1], step[2], self.me)
-                if ok and step[2] == "incoming":
-                    self.dirty = True
-                    if kv["event"] == "retry":
-                        sp.note_retry()
+            ok = self.spool.complete(c)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
-            self._stuck.append((c, step, kv))
+            self._stuck.append(lambda: self._complete(c, kv))
             return
-        event = kv.pop("event")
-        if not ok:
+        if ok:
+            if not self._pending:
+                self._pending_since = _mono()
+            self._pending += 1
+            self._pending_ok += 1
+        self._logged(ok, c, "done", kv)
+
+    def _move(self, c, job, dest, event, kv):
+        """A retry or a release (dest incoming) or a dead letter (dlq)."""
+        try:
+            ok = self.spool.move_on(c, job, dest, self.me)
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._move(c, job, dest, event, kv))
+            return
+        if ok and dest == "incoming":
+            self.dirty = True
+            if event == "retry":
+                self.spool.note_retry()
+        self._logged(ok, c, event, kv)
+
+    def _logged(self, ok, c, event, kv):
+        if ok:
+            self.log(event, **kv)
+        else:
             self.log("lost", id=c.jid, why="the claim was taken back (this "
                      "worker was considered dead or hung)")
-        else:
-            self.log(event, **kv)
 
     def _retry_stuck(self, final=False):
+        """Finishes that failed on I/O, tried again after the pause."""
         if not final and _mono() < self._io_pause_until:
             return
         stuck, self._stuck = self._stuck, []
-        for c, step, kv in stuck:
-            self._do(c, step, kv)
+        for again in stuck:
+            again()
 
     def _io_error(self, during, e, **kv):
         self.log("error", during=during, error=e.strerror or str(e), **kv)
