@@ -67,10 +67,11 @@ STATE_DIRS = {"ready": "incoming", "scheduled": "incoming",
 DEFAULTS = {
     "min_free": 1 << 20, "min_free_inodes": 64, "max_job_bytes": 256 << 10,
     "dedupe_window": 7 * 86400.0, "keep_done": 86400.0, "keep_done_max": 1000,
-    "keep_dead": 30 * 86400.0, "keep_failed": 30 * 86400.0, "keep_tmp": 3600.0,
+    "keep_dead": 30 * 86400.0, "keep_dead_max": 10000,
+    "keep_failed": 30 * 86400.0, "keep_tmp": 3600.0,
 }
 
-EX_OK, EX_USAGE, EX_DATAERR, EX_NOINPUT = 0, 64, 65, 66
+EX_USAGE, EX_DATAERR, EX_NOINPUT = 64, 65, 66
 EX_OSERR, EX_CANTCREAT, EX_TEMPFAIL, EX_CONFIG = 71, 73, 75, 78
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
@@ -708,6 +709,19 @@ def _is_num(v):
 _NUM = (int, float)     # exactly: bool is not a number here
 
 
+# One place per field rule: new_job() (producers) and normalize() (every
+# file a worker reads) both call these.
+
+def _check_max_attempts(m):
+    if m is not None and (m.__class__ is not int or m < 1):
+        raise InvalidJob("max_attempts must be an integer >= 1")
+
+
+def _check_timeout(t):
+    if t is not None and (t.__class__ not in _NUM or t != t or not 0 < t < 1e9):
+        raise InvalidJob("timeout must be a number of seconds > 0 (below 1e9)")
+
+
 def normalize(obj, stem=None, mtime=None):
     """Validate a job object and fill in the defaults of SPEC 3.
 
@@ -733,9 +747,7 @@ def normalize(obj, stem=None, mtime=None):
     a = job.setdefault("attempts", 0)
     if a.__class__ is not int or a < 0:
         raise InvalidJob("attempts must be an integer >= 0")
-    m = job.get("max_attempts")
-    if m is not None and (m.__class__ is not int or m < 1):
-        raise InvalidJob("max_attempts must be an integer >= 1")
+    _check_max_attempts(job.get("max_attempts"))
     created = job.get("created_at")
     for key in ("created_at", "available_at", "updated_at"):
         v = job.get(key)
@@ -749,9 +761,7 @@ def normalize(obj, stem=None, mtime=None):
         job["available_at"] = created
     if job.get("updated_at") is None:
         job["updated_at"] = created
-    t = job.get("timeout")
-    if t is not None and (t.__class__ not in _NUM or not 0 < t < 1e9):
-        raise InvalidJob("timeout must be a number of seconds > 0 (below 1e9)")
+    _check_timeout(job.get("timeout"))
     e = job.setdefault("last_error", None)
     if e is not None and not isinstance(e, str):
         job["last_error"] = str(e)
@@ -792,15 +802,12 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
         _check_depth(payload, 2)     # the job object is level 1
     job = {"id": id, "type": type, "payload": payload, "attempts": 0}
     if max_attempts is not None:
-        if not (isinstance(max_attempts, int) and not isinstance(max_attempts, bool)
-                and max_attempts >= 1):
-            raise InvalidJob("max_attempts must be an integer >= 1")
+        _check_max_attempts(max_attempts)
         job["max_attempts"] = max_attempts
     job["available_at"] = now + delay
     job["created_at"] = job["updated_at"] = now
     if timeout is not None:
-        if not (_is_num(timeout) and 0 < timeout < 1e9):
-            raise InvalidJob("timeout must be a number of seconds > 0 (below 1e9)")
+        _check_timeout(timeout)
         job["timeout"] = timeout
     job["last_error"] = None
     return job
@@ -829,6 +836,12 @@ def _effective_available(job, now):
     if avail > now and created > now:
         avail = min(avail, now + max(0.0, avail - created))
     return avail
+
+
+def _claim_name(jid, token, ext="json"):
+    """The name of a claim: ID+WID.SEQ.json (ext "fin": being finished,
+    "new": its next version in tmp/)."""
+    return "%s+%s.%s" % (jid, token, ext)
 
 
 def _claim_token(path):
@@ -941,12 +954,12 @@ class Identity:
 
 class Claim(object):
     """A job this process has claimed: processing/ID+TOKEN.json."""
-    __slots__ = ("jid", "name", "path", "job", "attempt", "token", "fd",
-                 "trailers", "max_attempts")
+    __slots__ = ("jid", "path", "job", "attempt", "token", "fd", "trailers",
+                 "max_attempts")
 
-    def __init__(self, jid=None, name=None, path=None, job=None, token=None,
-                 fd=None, trailers=None, max_attempts=None, attempt=None):
-        self.jid, self.name, self.path, self.job = jid, name, path, job
+    def __init__(self, jid=None, path=None, job=None, token=None, fd=None,
+                 trailers=None, max_attempts=None, attempt=None):
+        self.jid, self.path, self.job = jid, path, job
         self.token, self.fd, self.trailers = token, fd, trailers
         self.max_attempts, self.attempt = max_attempts, attempt
 
@@ -1281,7 +1294,7 @@ class Spool(object):
         now = _now() if now is None else now
         return st.st_mtime + self.opt["dedupe_window"] > now or st.st_mtime > now
 
-    def mark_ok(self, jid):
+    def _mark_ok(self, jid):
         path = self._ok + jid
         try:
             _create_empty(path)
@@ -1481,7 +1494,7 @@ class Spool(object):
                 break
         return n
 
-    def note_retry(self, now=None):
+    def _note_retry(self, now=None):
         try:
             _append(self.d("locks", "retries"),
                     b"%d\n" % int(_now() if now is None else now))
@@ -1490,7 +1503,7 @@ class Spool(object):
 
     # Claiming and finishing ----------------------------------------------------
 
-    def claim(self, name, me, default_max_attempts=5, scheduled=False):
+    def _claim(self, name, me, default_max_attempts=5, scheduled=False):
         """Take incoming/NAME for `me`.  Returns a Claim, or None when the job
         was lost to another worker, quarantined, deferred or already done."""
         if not name.endswith(".json"):
@@ -1499,15 +1512,14 @@ class Spool(object):
         src = self._incoming + name
         if not NAME_RE.match(stem):
             try:
-                self.quarantine(src, name, "bad file name: a job file is ID.json, "
+                self._quarantine(src, name, "bad file name: a job file is ID.json, "
                                 "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
             except OSError:
                 if os.path.lexists(src):
                     raise           # it stays: the worker logs why, backs off
             return None
         token = me.token()
-        cname = "%s+%s.json" % (stem, token)
-        path = self._processing + cname
+        path = self._processing + _claim_name(stem, token)
         if not _take(src, path):
             return None                 # another worker was faster
         fd = None
@@ -1561,9 +1573,9 @@ class Spool(object):
                 elif e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR,
                                      errno.ENODEV):
                     raise
-            self.quarantine(path, name, str(e))
+            self._quarantine(path, name, str(e))
             return None
-        c = Claim(jid=stem, name=cname, path=path, job=job, token=token, fd=fd,
+        c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
                   trailers=trailers,
                   max_attempts=job.get("max_attempts") or default_max_attempts)
         now = _now()
@@ -1575,12 +1587,12 @@ class Spool(object):
             # The producer's clock was ahead, or it wrote available_at
             # without the mtime: put it back with the mtime that schedules it.
             job["available_at"] = due
-            self.move_on(c, job, "incoming", me)
+            self._move_on(c, job, "incoming", me)
             self.log("deferred", id=stem, until=iso(due))
             return None
         if self.ok_fresh(stem, now):
             self.log("skipped", id=stem, why="already done (idempotency record)")
-            self.complete(c)
+            self._complete(c)
             return None
         c.attempt = job["attempts"] + 1
         try:
@@ -1637,14 +1649,14 @@ class Spool(object):
                 pass
             c.fd = None
 
-    def complete(self, c):
+    def _complete(self, c):
         """Success: idempotency record first, then the rename to done/.
         Returns False when the claim was taken back meanwhile."""
         self._close(c)
-        self.mark_ok(c.jid)
+        self._mark_ok(c.jid)
         return _take(c.path, self._done + c.jid + ".json")
 
-    def move_on(self, c, job, dest, me, fin=None):
+    def _move_on(self, c, job, dest, me, fin=None):
         """Put a new version of a claimed job into incoming/ (mtime =
         available_at) or dlq/.  The claim is first renamed to ID+TOKEN.fin:
         when that fails, the claim is no longer ours and nothing moves."""
@@ -1654,14 +1666,14 @@ class Spool(object):
         job.pop("lease", None)
         job.pop("state", None)
         data = dumps(job)
-        tmp = self.d("tmp", "%s+%s.new" % (c.jid, c.token))
+        tmp = self.d("tmp", _claim_name(c.jid, c.token, "new"))
         _quiet_unlink(tmp)              # left by an earlier failed try
         _create(tmp, data, sync=True,
                 mtime=job["available_at"] if dest == "incoming" else None)
         if fin is None and c.path.endswith(".fin"):
             fin = c.path                # an earlier try got this far
         if fin is None:
-            fin = c.path[:-5] + ".fin"
+            fin = self.d("processing", _claim_name(c.jid, c.token, "fin"))
             try:
                 _rename(c.path, fin)
             except OSError as e:
@@ -1680,7 +1692,7 @@ class Spool(object):
             self.poke()
         return True
 
-    def quarantine(self, path, name, reason):
+    def _quarantine(self, path, name, reason):
         """Move a file that is not a valid job to failed/, reason beside it."""
         name = name.replace("/", "_") or "unnamed"
         if len(os.fsencode(name)) > 200:        # room for ".reason"
@@ -1698,7 +1710,7 @@ class Spool(object):
 
     # Recovery ----------------------------------------------------------------
 
-    def owner_gone(self, wid, path, cache, now, mono):
+    def _owner_gone(self, wid, path, cache, now, mono):
         """None when the claim's owner is (or may be) alive, else why not."""
         if wid not in cache:
             rp = self.d("locks", "workers", wid + ".json")
@@ -1762,33 +1774,41 @@ class Spool(object):
                 if not parts or (me is not None and parts[1] == me.wid):
                     continue
                 path = self.d("processing", name)
-                why = self.owner_gone(parts[1], path, cache, now, mono)
+                why = self._owner_gone(parts[1], path, cache, now, mono)
                 if why is None:
                     continue
                 if dry_run:
                     n += 1
-                elif self.take_back(path, parts[0], me, why, max_attempts):
+                elif self._take_back(path, parts[0], me, why, max_attempts):
                     n += 1
             return n
         finally:
             if mine:
                 me.unregister()
 
-    def take_back(self, path, jid, me, why, max_attempts=5):
+    def _own(self, path, jid, me):
+        """Take a job file for `me` to finish it: rename it to
+        processing/ID+TOKEN.fin.  (fin, token), or None when another took
+        it first.  A crash from here on leaves it where a reaper finds it."""
         token = me.token()
-        fin = self.d("processing", "%s+%s.fin" % (jid, token))
-        if not _take(path, fin):
+        fin = self.d("processing", _claim_name(jid, token, "fin"))
+        return (fin, token) if _take(path, fin) else None
+
+    def _take_back(self, path, jid, me, why, max_attempts=5):
+        owned = self._own(path, jid, me)
+        if owned is None:
             return False
+        fin, token = owned
         try:
             job, trailers, _ = self.load(fin, jid)
         except InvalidJob as e:
-            self.quarantine(fin, jid + ".json", "taken back from a dead worker "
+            self._quarantine(fin, jid + ".json", "taken back from a dead worker "
                             "but unreadable: %s" % e)
             return True
         old_token = _claim_token(path)
         self._kill_handler(old_token, 9)
         self._end_handler(old_token)
-        c = Claim(jid=jid, path=fin, token=token, job=job, name=None, fd=None)
+        c = Claim(jid=jid, path=fin, token=token, job=job)
         if self.ok_fresh(jid):
             _rename(fin, self.d("done", jid + ".json"))
             self.log("recovered", id=jid, why=why, to="done")
@@ -1810,7 +1830,7 @@ class Spool(object):
                 dest = "dlq"
                 job["failed_at"] = _now()
         job["available_at"] = _now()
-        self.move_on(c, job, dest, me, fin=fin)
+        self._move_on(c, job, dest, me, fin=fin)
         self.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
         return True
 
@@ -1859,12 +1879,12 @@ class Spool(object):
                     me.register()
                 # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
                 # finish: a crash leaves it where a reaper requeues it.
-                token = me.token()
-                fin = self.d("processing", "%s+%s.fin" % (jid, token))
-                if not _take(path, fin):
+                owned = self._own(path, jid, me)
+                if owned is None:
                     missing.append(jid)
                     continue
-                self.move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                fin, token = owned
+                self._move_on(Claim(jid=jid, path=fin, token=token, job=job),
                              job, "incoming", me, fin=fin)
             elif state == "failed":
                 name = os.path.basename(path)
@@ -1910,89 +1930,93 @@ class Spool(object):
             raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
         return n
 
+    # What retention removes (SPEC 4): directory, the count's name, which
+    # time says how old an entry is, the option of how long it stays, the
+    # option of how many stay at most, and whether the worker's frequent
+    # pass does it too.
+    _RETENTION = (
+        ("done", "done", "ctime", "keep_done", "keep_done_max", True),
+        ("tmp", "tmp", "oldest", "keep_tmp", None, True),
+        ("dlq", "dead", "ctime", "keep_dead", "keep_dead_max", False),
+        ("failed", "failed", "ctime", "keep_failed", None, False),
+        ("locks/ok", "ok", "mtime", "dedupe_window", None, False),
+    )
+
     def prune(self, now=None, full=True):
         """Apply retention: done/, dlq/, failed/, tmp/, idempotency records,
         records of dead workers.  Returns counts of what was removed.
         `full=False` (the worker's frequent pass) does done/ and tmp/ only."""
         self.require()
-        import heapq
         now = _now() if now is None else now
-        o = self.opt
         out = dict(done=0, dead=0, failed=0, tmp=0, ok=0, workers=0)
+        for sub, key, age, keep, most, always in self._RETENTION:
+            if always or full:
+                out[key] += self._expire(sub, age, self.opt[keep],
+                                         self.opt[most] if most else None, now)
+        if full:
+            for e in _scandir(self.d("failed")):      # reasons left alone
+                if e.name.endswith(".reason") and not os.path.lexists(e.path[:-7]):
+                    _quiet_unlink(e.path)
+            out["workers"] = self._prune_workers(now)
+            self._compact_retries(now)
+        return out
 
-        def gone(path, key):
-            try:
-                _unlink(path)
-                out[key] += 1
-            except OSError:
-                pass
-
-        keep = []           # the newest keep_done_max, bounded heap
-        for e in _scandir(self.d("done")):
-            try:
-                t = e.stat(follow_symlinks=False).st_ctime
-            except OSError:
+    def _expire(self, sub, age, keep, most, now):
+        """Remove what in SUB is older than KEEP seconds, and what is beyond
+        the newest MOST (a bounded heap); returns how many went."""
+        import heapq
+        n = 0
+        newest = []
+        for e in _scandir(self.d(sub)):
+            if sub == "failed" and e.name.endswith(".reason"):
                 continue
-            if now - t > o["keep_done"]:
-                gone(e.path, "done")
-                continue
-            heapq.heappush(keep, (t, e.name))
-            if len(keep) > o["keep_done_max"]:
-                gone(self.d("done", heapq.heappop(keep)[1]), "done")
-        for e in _scandir(self.d("tmp")):
             try:
                 st = e.stat(follow_symlinks=False)
-                if now - min(st.st_mtime, st.st_ctime) > o["keep_tmp"]:
-                    gone(e.path, "tmp")
             except OSError:
-                pass
-        if not full:
-            return out
-        for e in _scandir(self.d("dlq")):
-            try:
-                if now - e.stat(follow_symlinks=False).st_ctime > o["keep_dead"]:
-                    gone(e.path, "dead")
-            except OSError:
-                pass
-        for e in _scandir(self.d("failed")):
-            if e.name.endswith(".reason"):
                 continue
-            try:
-                if now - e.stat(follow_symlinks=False).st_ctime > o["keep_failed"]:
-                    if os.path.isdir(e.path) and not os.path.islink(e.path):
-                        import shutil
-                        shutil.rmtree(e.path, ignore_errors=True)
-                        out["failed"] += 1
-                    else:
-                        gone(e.path, "failed")
-                    _quiet_unlink(e.path + ".reason")
-            except OSError:
-                pass
-        for e in _scandir(self.d("failed")):      # reasons left alone
-            if e.name.endswith(".reason") and not os.path.lexists(e.path[:-7]):
-                _quiet_unlink(e.path)
-        for e in _scandir(self.d("locks", "ok")):
-            try:
-                if e.stat(follow_symlinks=False).st_mtime + o["dedupe_window"] < now:
-                    gone(e.path, "ok")
-            except OSError:
-                pass
+            t = (st.st_ctime if age == "ctime" else st.st_mtime if age == "mtime"
+                 else min(st.st_mtime, st.st_ctime))
+            if now - t > keep:
+                n += self._remove(sub, e.path)
+            elif most is not None:
+                heapq.heappush(newest, (t, e.path))
+                if len(newest) > most:
+                    n += self._remove(sub, heapq.heappop(newest)[1])
+        return n
+
+    def _remove(self, sub, path):
+        """1 when the entry went (a quarantined directory whole, a failed
+        file with its .reason), else 0."""
+        try:
+            if sub == "failed" and stat.S_ISDIR(os.lstat(path).st_mode):
+                import shutil
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _unlink(path)
+        except OSError:
+            return 0
+        if sub == "failed":
+            _quiet_unlink(path + ".reason")
+        return 1
+
+    def _prune_workers(self, now):
+        """Records in locks/workers/ of workers that are gone (and hold no
+        claim), and handler records whose claim has ended."""
+        n = 0
         claims = _listdir(self.d("processing"))
         owners = set(p[1] for p in map(_split_claim, claims) if p)
         tokens = set(map(_claim_token, claims))
         cache, mono = {}, _mono()
         for name in _listdir(self.d("locks", "workers")):
-            if name.endswith(".run") and name[:-4] not in tokens:
-                gone(self.d("locks", "workers", name), "workers")
-                continue            # a run record whose claim has ended
-            wid = name[:-5]
-            if name.endswith(".json") and wid not in owners:
-                why = self.owner_gone(wid, self.d("locks", "workers", name),
-                                      cache, now, mono)
+            path = self.d("locks", "workers", name)
+            if name.endswith(".run"):
+                if name[:-4] not in tokens:
+                    n += self._remove("locks/workers", path)
+            elif name.endswith(".json") and name[:-5] not in owners:
+                why = self._owner_gone(name[:-5], path, cache, now, mono)
                 if why and "lease" not in why and "hung" not in why:
-                    gone(self.d("locks", "workers", name), "workers")
-        self._compact_retries(now)
-        return out
+                    n += self._remove("locks/workers", path)
+        return n
 
     def _compact_retries(self, now):
         path = self.d("locks", "retries")
@@ -2861,7 +2885,7 @@ class Worker(object):
         for name, kind in bad:
             self._tick()
             try:
-                sp.quarantine(os.path.join(inc, name), name,
+                sp._quarantine(os.path.join(inc, name), name,
                               "not a regular file (%s)" % kind)
             except OSError:
                 pass
@@ -2906,7 +2930,7 @@ class Worker(object):
                     return None
                 restarted = True
                 continue
-            c = self.spool.claim(name, self.me, self.max_attempts, scheduled)
+            c = self.spool._claim(name, self.me, self.max_attempts, scheduled)
             if c is not None:
                 return c
             budget -= 1
@@ -3198,7 +3222,7 @@ class Worker(object):
         """Success: the idempotency record, then done/ (fsync'd by the next
         group commit).  An I/O error leaves it to _retry_stuck."""
         try:
-            ok = self.spool.complete(c)
+            ok = self.spool._complete(c)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
             self._stuck.append(lambda: self._complete(c, kv))
@@ -3213,7 +3237,7 @@ class Worker(object):
     def _move(self, c, job, dest, event, kv):
         """A retry or a release (dest incoming) or a dead letter (dlq)."""
         try:
-            ok = self.spool.move_on(c, job, dest, self.me)
+            ok = self.spool._move_on(c, job, dest, self.me)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
             self._stuck.append(lambda: self._move(c, job, dest, event, kv))
@@ -3221,7 +3245,7 @@ class Worker(object):
         if ok and dest == "incoming":
             self.dirty = True
             if event == "retry":
-                self.spool.note_retry()
+                self.spool._note_retry()
         self._logged(ok, c, event, kv)
 
     def _logged(self, ok, c, event, kv):
@@ -3614,6 +3638,7 @@ GUARD_OPTIONS = [
     ("--keep-done", _seconds, DEFAULTS["keep_done"], "retention of done/ (seconds)"),
     ("--keep-done-max", _natural, DEFAULTS["keep_done_max"], "at most this many in done/"),
     ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "retention of dlq/"),
+    ("--keep-dead-max", _natural, DEFAULTS["keep_dead_max"], "at most this many in dlq/"),
     ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "retention of failed/"),
 ]
 WORKER_OPTIONS = [
@@ -3946,6 +3971,104 @@ def _print(line):
     out.flush()
 
 
+def _cmd_version(a):
+    _print("myq " + __version__)
+
+
+def _cmd_init(a):
+    a.spool.init(owner=a.args.owner)
+
+
+def _cmd_enqueue(a):
+    args = a.args
+    text = sys.stdin.read() if args.payload == "-" else args.payload
+    try:
+        payload = _DECODER.decode(text.strip())
+    except RecursionError:
+        raise InvalidJob("payload nested too deep")
+    except ValueError as e:
+        raise InvalidJob("payload is not JSON (%s); quote a string as "
+                         "'\"text\"'" % e)
+    _print(a.spool.enqueue(args.type, payload, id=args.id, delay=args.delay,
+                           max_attempts=args.max_attempts, timeout=args.timeout))
+
+
+def _cmd_worker(a):
+    o = _resolve(a.args, WORKER_OPTIONS, a.env)
+    a.spool.require()
+    w = _worker_from(a.spool, o)
+    w.parent = a.args.parent_pid
+    return w.run(once=o["once"], drain=o["drain"])
+
+
+def _cmd_supervise(a):
+    return _supervise(a.args, a.spool, a.guards, a.env)
+
+
+def _cmd_stats(a):
+    a.spool.require()
+    if a.args.json:
+        _print(json.dumps(a.spool.stats(), sort_keys=False))
+    else:
+        _print(a.spool.status_line())
+
+
+def _cmd_list(a):
+    a.spool.require()
+    for job in a.spool.list(a.args.state):
+        if a.args.json:
+            _print(json.dumps(job))
+            continue
+        line = "%s %s %s attempts=%s" % (
+            _kv(job["id"]), job["state"], job.get("type") or "-",
+            job.get("attempts") if job.get("attempts") is not None else "-")
+        if job.get("available_at"):
+            line += " available_at=" + iso(job["available_at"], False)
+        if job.get("last_error"):
+            line += " last_error=" + _kv(job["last_error"])
+        _print(line)
+
+
+def _cmd_show(a):
+    a.spool.require()
+    _print(json.dumps(a.spool.show(a.args.id), ensure_ascii=False, indent=1))
+
+
+def _cmd_retry(a):
+    if not a.args.ids and not a.args.all:
+        raise UsageError("retry needs job ids or --all")
+    _print("retried=%d" % a.spool.retry(a.args.ids, all=a.args.all))
+
+
+def _cmd_delete(a):
+    _print("deleted=%d" % a.spool.delete(a.args.ids, force=a.args.force))
+
+
+def _cmd_reap(a):
+    _print("requeued=%d" % a.spool.reap())
+
+
+def _cmd_prune(a):
+    _print(" ".join("%s=%d" % kv for kv in a.spool.prune().items()))
+
+
+def _cmd_check(a):
+    problems = a.spool.check()
+    for p in problems:
+        _print(p)
+    if problems:
+        return 1
+    _print("ok spool=%s" % a.spool.path)
+
+
+class _Call(object):
+    """What a command function gets: the parsed args, the spool, the
+    resolved guard options and the environment."""
+
+    def __init__(self, args, spool, guards, env):
+        self.args, self.spool, self.guards, self.env = args, spool, guards, env
+
+
 def main(argv=None):
     """The command line; returns the exit status (never calls sys.exit)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -3962,83 +4085,22 @@ def main(argv=None):
         guards = {}
         if args.command in ("enqueue", "worker", "supervise", "prune", "check"):
             guards = _resolve(args, GUARD_OPTIONS, env)
-        c = args.command
-        _drop_root(path, c)
+        _drop_root(path, args.command)
         spool = Spool(path, **guards)
-        if c == "version":
-            _print("myq " + __version__)
-        elif c == "init":
-            spool.init(owner=args.owner)
-        elif c == "enqueue":
-            text = sys.stdin.read() if args.payload == "-" else args.payload
-            try:
-                payload = _DECODER.decode(text.strip())
-            except RecursionError:
-                raise InvalidJob("payload nested too deep")
-            except ValueError as e:
-                raise InvalidJob("payload is not JSON (%s); quote a string as "
-                                 "'\"text\"'" % e)
-            if args.max_attempts is not None and args.max_attempts < 1:
-                raise InvalidJob("--max-attempts must be at least 1")
-            if args.timeout is not None and not args.timeout > 0:
-                raise InvalidJob("--timeout must be > 0")
-            _print(spool.enqueue(args.type, payload, id=args.id,
-                                 delay=args.delay, max_attempts=args.max_attempts,
-                                 timeout=args.timeout))
-        elif c == "worker":
-            o = _resolve(args, WORKER_OPTIONS, env)
-            spool.require()
-            w = _worker_from(spool, o)
-            w.parent = args.parent_pid
-            return w.run(once=o["once"], drain=o["drain"])
-        elif c == "supervise":
-            return _supervise(args, spool, guards, env)
-        elif c == "stats":
-            spool.require()
-            if args.json:
-                _print(json.dumps(spool.stats(), sort_keys=False))
-            else:
-                _print(spool.status_line())
-        elif c == "list":
-            spool.require()
-            for job in spool.list(args.state):
-                if args.json:
-                    _print(json.dumps(job))
-                else:
-                    line = "%s %s %s attempts=%s" % (
-                        _kv(job["id"]), job["state"], job.get("type") or "-",
-                        job.get("attempts") if job.get("attempts") is not None else "-")
-                    if job.get("available_at"):
-                        line += " available_at=" + iso(job["available_at"], False)
-                    if job.get("last_error"):
-                        line += " last_error=" + _kv(job["last_error"])
-                    _print(line)
-        elif c == "show":
-            spool.require()
-            _print(json.dumps(spool.show(args.id), ensure_ascii=False, indent=1))
-        elif c == "retry":
-            if not args.ids and not args.all:
-                raise UsageError("retry needs job ids or --all")
-            _print("retried=%d" % spool.retry(args.ids, all=args.all))
-        elif c == "delete":
-            _print("deleted=%d" % spool.delete(args.ids, force=args.force))
-        elif c == "reap":
-            _print("requeued=%d" % spool.reap())
-        elif c == "prune":
-            out = spool.prune()
-            _print(" ".join("%s=%d" % kv for kv in out.items()))
-        elif c == "check":
-            problems = spool.check()
-            for p in problems:
-                _print(p)
-            if problems:
-                return 1
-            _print("ok spool=%s" % spool.path)
-        return 0
+        fn = globals()["_cmd_" + args.command]
+        return fn(_Call(args, spool, guards, env)) or 0
     except MyqError as e:
         msg = str(e).replace("\n", " ")
         sys.stderr.write("myq: %s\n" % msg)
         return e.code
+    except BrokenPipeError:
+        # `myq list | head -1`: the reader has what it wanted.  Python
+        # would complain again when it flushes stdout at exit.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        except OSError:
+            pass
+        return 0
     except OSError as e:
         where = (" (%s)" % e.filename) if getattr(e, "filename", None) else ""
         sys.stderr.write("myq: %s%s; nothing was changed by the failing step, "
@@ -4046,8 +4108,6 @@ def main(argv=None):
         return EX_TEMPFAIL
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def claimed(path, jid):
     sp = myq.Spool(path)
     me = myq.Identity(sp, lease=60)
     me.register()
-    c = sp.claim(jid + ".json", me)
+    c = sp._claim(jid + ".json", me)
     assert c is not None, "could not claim " + jid
     return sp, me, c
 
@@ -246,7 +246,7 @@ def _():
         me = myq.Identity(sp, lease=60)
         me.register()
         arm()
-        assert sp.claim("j.json", me) is not None
+        assert sp._claim("j.json", me) is not None
     return _one, act
 
 
@@ -268,7 +268,7 @@ def _():
         sp, me, c = claimed(path, "j")
         _record(c.job)                  # the handler ran and succeeded
         arm()
-        assert sp.complete(c)
+        assert sp._complete(c)
         myq._fsync_dir(sp.d("locks", "ok"))     # the worker's group commit
         myq._fsync_dir(sp.d("done"))
     return _one, act
@@ -282,9 +282,9 @@ def _move(dest):
         if dest == "dlq":
             job["failed_at"] = time.time()
         arm()
-        assert sp.move_on(c, job, dest, me)
+        assert sp._move_on(c, job, dest, me)
         if dest == "incoming":
-            sp.note_retry()
+            sp._note_retry()
     return _one, act
 
 
@@ -320,7 +320,7 @@ def _crashed_move(dest, op, where):
         job = dict(c.job, attempts=c.attempt, last_error="x",
                    available_at=time.time())
         myq._hook = _die_on(op, where)
-        sp.move_on(c, job, dest, me)
+        sp._move_on(c, job, dest, me)
         raise AssertionError("move_on did not crash")
     return then
 
@@ -341,7 +341,7 @@ def _():
 def _():
     # the worker died in complete(), between the ok record and the rename
     def then(sp, me, c, arm):
-        sp.mark_ok(c.jid)
+        sp._mark_ok(c.jid)
         _record(c.job)
     return _reap_setup(then), _reap_act
 

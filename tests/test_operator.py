@@ -14,7 +14,7 @@ import pytest
 from _core import (FAST, STATUS_RE, blocking_handler, enqueue, kill_quiet, ls,
                    one_line_error, show, start_worker, stop, wait_for, worker,
                    write_incoming)
-from _core import call_myq
+from _core import MYQ, call_myq
 
 
 def populate(run_myq, spool, handlers_dir):
@@ -384,3 +384,36 @@ def test_supervised_workers_import_this_file_whatever_its_name_and_cwd(
         p.wait(15)
     text = open(log).read()
     assert "shadowed" not in text and "Error" not in text, text
+
+
+# Retention of dlq/ by count, the end of a pipe ###############################
+
+def test_prune_keeps_at_most_keep_dead_max_dead_jobs(spool):
+    """Jobs that keep failing must not fill the flash through dlq/: prune
+    keeps the newest --keep-dead-max dead jobs."""
+    import myq
+    sp = myq.Spool(spool)
+    now = time.time()
+    for i in range(5):
+        job = myq.new_job("t", i, id="d%d" % i, now=now)
+        path = os.path.join(spool, "dlq", "d%d.json" % i)
+        with open(path, "wb") as f:
+            f.write(myq.dumps(job))
+        time.sleep(0.01)            # distinct ctimes: oldest first
+    cp = call_myq("--spool", spool, "prune", "--keep-dead-max", "2")
+    assert cp.returncode == 0, cp.stderr
+    assert "dead=3" in cp.stdout.split(), cp.stdout
+    assert sorted(ls(spool, "dlq")) == ["d3.json", "d4.json"]
+    assert sp.prune()["dead"] == 0      # the default (10000) keeps them
+
+
+def test_list_into_a_closed_pipe_is_quiet(spool):
+    """`myq list | head -1`: the reader is done; no error, exit 0."""
+    import myq
+    myq.Spool(spool).enqueue_many([{"type": "t", "payload": i} for i in range(3000)])
+    r = subprocess.run("%s %s --spool %s list | head -1; echo \"rc=${PIPESTATUS[0]}\""
+                       % (sys.executable, MYQ, spool), shell=True,
+                       executable="/bin/bash", stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+    assert r.stdout.splitlines()[-1] == "rc=0", r.stdout
+    assert r.stderr == "", r.stderr
