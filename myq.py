@@ -1399,41 +1399,54 @@ class Spool(object):
         return job
 
     def list(self, state=None):
-        """Jobs as dicts (with `state`), in order of availability."""
-        states = [state] if state else list(STATES)
+        """Jobs as dicts (with `state`), by state, then by the file's time
+        (the schedule in incoming/, the finish elsewhere), then name.  Only
+        (time, name) is held per job while sorting; each job is read when
+        its turn comes: memory stays small at any depth."""
         if state is not None and state not in STATES:
             raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
-        seen_incoming = False
-        rows = []
-        for st_name in states:
-            sub = STATE_DIRS[st_name]
-            if sub == "incoming":
-                if seen_incoming:
+        return self._rows(state)
+
+    def _rows(self, state):
+        now = _now()
+        keys = []
+        for sub in ("incoming", "processing", "done", "dlq", "failed"):
+            if state is not None and STATE_DIRS[state] != sub:
+                continue
+            for e in _scandir(self.d(sub)):
+                name = e.name
+                if sub == "failed":
+                    if name.endswith(".reason"):
+                        continue
+                elif sub == "processing":
+                    if not _split_claim(name):
+                        continue
+                elif not name.endswith(".json"):
                     continue
-                seen_incoming = True
-            for name in _listdir(self.d(sub)):
-                if not name.endswith(".json") and not (
-                        sub == "failed" and not name.endswith(".reason")) and not (
-                        sub == "processing" and name.endswith(".fin")):
-                    continue
-                if sub == "processing" and not _split_claim(name):
-                    continue
-                guess = "ready" if sub == "incoming" else st_name
-                path = self.d(sub, name)
                 try:
-                    row = self._describe(guess, path)
-                except (OSError, InvalidJob) as e:
-                    if isinstance(e, OSError) and e.errno == errno.ENOENT:
-                        continue        # it moved while we looked
-                    row = {"id": name[:-5], "type": None, "state": guess,
-                           "attempts": None, "available_at": None,
-                           "last_error": "unreadable: %s" % e}
-                if state and row["state"] != state:
+                    t = e.stat(follow_symlinks=False).st_mtime
+                except OSError:
                     continue
-                rows.append(row)
-        rows.sort(key=lambda r: (STATES.index(r["state"]),
-                                 r.get("available_at") or 0, r["id"]))
-        return iter(rows)
+                guess = STATES.index("failed" if sub == "failed" else
+                                     "dead" if sub == "dlq" else sub
+                                     if sub != "incoming" else
+                                     "scheduled" if t > now else "ready")
+                keys.append((guess, t, name))
+        keys.sort()
+        for guess, _, name in keys:
+            guess = STATES[guess]
+            path = self.d(STATE_DIRS[guess], name)
+            try:
+                row = self._describe(guess, path)
+            except (OSError, InvalidJob) as e:
+                if isinstance(e, OSError) and e.errno == errno.ENOENT:
+                    continue        # it moved while we looked
+                row = {"id": name[:-5] if name.endswith(".json") else name,
+                       "type": None, "state": guess, "attempts": None,
+                       "available_at": None, "last_error": "unreadable: %s" % e}
+            if state and row["state"] != state:
+                continue
+            yield row
 
     def stats(self, now=None):
         """The counters of the status line (SPEC 6), from the directories."""
