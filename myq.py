@@ -813,6 +813,32 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
     return job
 
 
+FAILURES_KEPT = 5           # failures a job keeps for `show` (SPEC 3)
+
+
+def _clip(text, limit=ERROR_MAX):
+    """An error for last_error: how the run ended (the start: exit status,
+    signal, HTTP status, exception type) and the end of its output, with
+    the middle cut out when it is too long."""
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    return text[:head] + " … " + text[-(limit - head - 3):]
+
+
+def note_failure(job, attempt, error, tb=None, now=None):
+    """Record a failure in the job: last_error, and the history `failures`
+    (the last FAILURES_KEPT, each {"at", "attempt", "error"} and, for a
+    Python handler, the last lines of its traceback)."""
+    job["last_error"] = error = _clip(error or "failed")
+    rec = {"at": round(_now() if now is None else now, 3), "attempt": attempt,
+           "error": _clip(error, 500)}
+    if tb:
+        rec["traceback"] = tb
+    old = job.get("failures")
+    job["failures"] = ((old if isinstance(old, list) else []) + [rec])[-FAILURES_KEPT:]
+
+
 def _rewritten(obj):
     """Has a worker written this job (a retry, a release)?  Then it may have
     grown past --max-job-bytes by what the worker added (last_error, the
@@ -1395,6 +1421,8 @@ class Spool(object):
             due = st.st_mtime if st.st_mtime > st.st_ctime else max(
                 st.st_mtime, _effective_available(job, _now()))
             state = "scheduled" if due > _now() else "ready"
+        if state == "done":
+            job["last_error"] = None        # it ended well: see `failures`
         job["state"] = state
         return job
 
@@ -1838,7 +1866,7 @@ class Spool(object):
             if not isinstance(attempt, int):
                 attempt = job["attempts"] + 1
             job["attempts"] = attempt
-            job["last_error"] = "%s during attempt %d" % (why, attempt)
+            note_failure(job, attempt, "%s during attempt %d" % (why, attempt))
             if attempt >= (job.get("max_attempts") or max_attempts):
                 dest = "dlq"
                 job["failed_at"] = _now()
@@ -2045,8 +2073,10 @@ class Spool(object):
         except OSError:
             pass
 
-    def check(self):
-        """Health problems, one line each; [] when healthy."""
+    def check(self, operator=True):
+        """Health problems, one line each; [] when healthy.  With
+        `operator`, also what waits for an operator (dead jobs, quarantined
+        files, files in incoming/ no worker takes)."""
         if not os.path.isdir(self.path):
             self.require()              # exit 78: there is no spool at all
         problems = []
@@ -2085,7 +2115,28 @@ class Spool(object):
             problems.append("%d claim(s) in processing/ belong to dead workers or "
                             "expired leases; run: myq --spool %s reap"
                             % (stale, self.path))
-        return problems
+        return problems + (self._needs_operator() if operator else [])
+
+    def _needs_operator(self):
+        """What waits for an operator: dead jobs, quarantined files, files
+        in incoming/ that no worker will take."""
+        out = []
+        spool = "myq --spool %s" % self.path
+        dead = _count(self.d("dlq"), ".json")
+        if dead:
+            out.append("%d dead job(s) in dlq/; see: %s list dead; then retry "
+                       "or delete them" % (dead, spool))
+        failed = sum(1 for n in _listdir(self.d("failed")) if not n.endswith(".reason"))
+        if failed:
+            out.append("%d file(s) quarantined in failed/; see: %s list failed "
+                       "(repair and retry, or delete)" % (failed, spool))
+        stray = [n for n in _listdir(self.d("incoming"))
+                 if not n.endswith(".json") and not n.startswith(".")]
+        if stray:
+            out.append("%d file(s) in incoming/ do not end in .json and are "
+                       "never run (a producer must mv NAME.json into place), "
+                       "e.g. %s" % (len(stray), _kv(stray[0])))
+        return out
 
 
 def _file_kind(mode):
@@ -3106,7 +3157,8 @@ class Worker(object):
                         self._release(run)
                     elif run.timed_out and run.result[0] != "done":
                         self._finish(run, "retry", "timed out after %gs (%s)" % (
-                            run.deadline - run.started, run.result[1]))
+                            run.deadline - run.started, run.result[1]),
+                            None, run.result[3] if len(run.result) > 3 else None)
                     else:
                         self._finish(run, *run.result)
                 elif run.released:
@@ -3142,16 +3194,17 @@ class Worker(object):
                 self._finish(run, "dead", why)
 
     def _call(self, run, fn):
-        """Run an in-process handler; returns (outcome, error[, delay])."""
+        """Run an in-process handler; returns (outcome[, error, delay,
+        traceback])."""
         try:
             fn(self._job_for_handler(run.claim))
             return ("done",)
         except PermanentError as e:
-            return ("dead", _exc_text(e))
+            return ("dead", _exc_text(e), None, _tb_tail(e))
         except RetryLater as e:
             return ("retry", _exc_text(e), e.seconds)
         except Exception as e:
-            return ("retry", _exc_text(e))
+            return ("retry", _exc_text(e), None, _tb_tail(e))
 
     def _run_inline(self, run, fn):
         """concurrency 1 in the main thread: call the handler right here;
@@ -3198,9 +3251,10 @@ class Worker(object):
 
     # Finishing -----------------------------------------------------------------
 
-    def _finish(self, run, outcome, error=None, delay=None):
+    def _finish(self, run, outcome, error=None, delay=None, tb=None):
         """The run's outcome: "done", "retry" (or "dead" once the attempts
-        are spent) or "dead", with the error and a delay (RetryLater)."""
+        are spent) or "dead", with the error, a delay (RetryLater) and a
+        Python handler's traceback."""
         c = run.claim
         ms = int((_mono() - run.started) * 1000)
         kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
@@ -3208,9 +3262,9 @@ class Worker(object):
             self._complete(c, kv)
             return
         job = dict(c.job)
-        error = (error or "failed")[-ERROR_MAX:]
         job["attempts"] = c.attempt
-        job["last_error"] = error
+        note_failure(job, c.attempt, error, tb)
+        error = job["last_error"]
         if outcome == "retry" and c.attempt >= c.max_attempts:
             outcome = "dead"
         if outcome == "dead":
@@ -3264,9 +3318,14 @@ class Worker(object):
     def _logged(self, ok, c, event, kv):
         if ok:
             self.log(event, **kv)
-        else:
-            self.log("lost", id=c.jid, why="the claim was taken back (this "
-                     "worker was considered dead or hung)")
+            return
+        try:
+            self.spool.locate(c.jid)
+            why = ("the claim was taken back (this worker was considered "
+                   "dead or hung)")
+        except MyqError:
+            why = "the job was deleted meanwhile (myq delete --force)"
+        self.log("lost", id=c.jid, why=why)
 
     def _retry_stuck(self, final=False):
         """Finishes that failed on I/O, tried again after the pause."""
@@ -3336,6 +3395,16 @@ def _abort(run):
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+def _tb_tail(e, lines=6):
+    """The last lines of an exception's traceback (where it was raised)."""
+    try:
+        import traceback
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:       # a broken __str__, no traceback module
+        return None
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
 
 
 def _exc_text(e):
@@ -3768,7 +3837,11 @@ def _parser(only=None):
     p.add_argument("--force", action="store_true")
     cmd("reap", "requeue claims of dead workers and expired leases")
     cmd("prune", "apply retention now", guards=True)
-    cmd("check", "health check", guards=True)
+    p = cmd("check", "health: layout, permissions, free space, stale claims, "
+            "and what needs an operator (exit 1, one line per problem)",
+            guards=True)
+    p.add_argument("--json", action="store_true",
+                   help='one JSON object: {"ok", "spool", "problems"}')
     cmd("version", "print the version")
     return top
 
@@ -4067,6 +4140,10 @@ def _cmd_prune(a):
 
 def _cmd_check(a):
     problems = a.spool.check()
+    if a.args.json:
+        _print(json.dumps({"ok": not problems, "spool": a.spool.path,
+                           "problems": problems}))
+        return 1 if problems else 0
     for p in problems:
         _print(p)
     if problems:

@@ -243,6 +243,12 @@ def core_flow(py, tmp_path):
     assert ok(run(py, "--spool", spool, "reap")).strip() == "requeued=0"
     pr = ok(run(py, "--spool", spool, "prune")).split()
     assert pr and all(re.match(r"^\w+=\d+$", kv) for kv in pr), pr
+    chk = run(py, "--spool", spool, "check")     # the 2 dead jobs need an operator
+    assert chk.returncode == 1, chk.stdout + chk.stderr
+    assert chk.stdout.startswith("2 dead job(s) in dlq/"), chk.stdout
+    ok(run(py, "--spool", spool, "delete", "--force", *[
+        j["id"] for j in map(json.loads, ok(run(py, "--spool", spool, "list",
+                                                "dead", "--json")).splitlines())]))
     chk = run(py, "--spool", spool, "check")
     assert chk.returncode == 0, chk.stdout + chk.stderr
     missing = run(py, "--spool", str(tmp_path / "nope"), "stats")

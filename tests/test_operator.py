@@ -417,3 +417,73 @@ def test_list_into_a_closed_pipe_is_quiet(spool):
                        stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
     assert r.stdout.splitlines()[-1] == "rc=0", r.stdout
     assert r.stderr == "", r.stderr
+
+
+# What needs an operator; how a run ended ####################################
+
+def test_check_flags_what_needs_an_operator(run_myq, spool, handlers_dir):
+    """Dead jobs, quarantined files and files in incoming/ that no worker
+    takes: check says each (exit 1), also as JSON; once dealt with: ok."""
+    populate(run_myq, spool, handlers_dir)          # bad1 is dead
+    with open(os.path.join(spool, "incoming", "oops.txt"), "w") as f:
+        f.write('{"type": "ok"}')
+    write_incoming(spool, "bad name.json", {"type": "ok"})
+    worker(run_myq, spool, handlers=handlers_dir("ok", "exit 0"))  # quarantines
+    cp = call_myq("--spool", spool, "check")
+    assert cp.returncode == 1, cp.stdout
+    lines = cp.stdout.splitlines()
+    assert any(l.startswith("1 dead job(s) in dlq/") for l in lines), lines
+    assert any(l.startswith("1 file(s) quarantined in failed/") for l in lines), lines
+    assert any("do not end in .json" in l and "oops.txt" in l for l in lines), lines
+    cj = call_myq("--spool", spool, "check", "--json")
+    assert cj.returncode == 1
+    doc = json.loads(cj.stdout)
+    assert doc["ok"] is False and len(doc["problems"]) == 3, doc
+    os.unlink(os.path.join(spool, "incoming", "oops.txt"))
+    assert call_myq("--spool", spool, "delete", "bad1").returncode == 0
+    assert call_myq("--spool", spool, "delete", "bad name").returncode == 0
+    cp = call_myq("--spool", spool, "check", "--json")
+    assert cp.returncode == 0 and json.loads(cp.stdout)["ok"] is True, cp.stdout
+
+
+def test_failures_history_and_how_the_run_ended(run_myq, spool, handlers_dir,
+                                                tmp_path):
+    """last_error keeps the exit status even when stderr is long; show has
+    the last failures with time and attempt; a Python handler's failure
+    carries the end of its traceback; a job that ends well shows no
+    last_error."""
+    flaky = tmp_path / "n"
+    h = handlers_dir("noisy", 'n=$(cat "%s" 2>/dev/null || echo 0); '
+                     'echo $((n+1)) > "%s"; [ "$n" -ge 6 ] && exit 0; '
+                     'head -c 5000 /dev/zero | tr "\\0" x >&2; exit 3' % (flaky, flaky))
+    jid = enqueue(call_myq, spool, "noisy", "--max-attempts", "10")
+    for _ in range(7):
+        worker(run_myq, spool, "--backoff-base", "0", "--jitter", "0", handlers=h)
+    job = show(call_myq, spool, jid)
+    assert job["state"] == "done", job
+    assert job["last_error"] is None
+    fails = job["failures"]
+    assert [f["attempt"] for f in fails] == [2, 3, 4, 5, 6]
+    assert all(f["error"].startswith("exit 3: xxx") for f in fails), fails
+    assert all(isinstance(f["at"], float) for f in fails)
+
+    mod = tmp_path / "m.py"
+    mod.write_text("def boom(job):\n    helper(job)\n\n"
+                   "def helper(job):\n    raise KeyError('k9')\n")
+    jid = enqueue(call_myq, spool, "boom", "--max-attempts", "1")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--module", str(mod))
+    assert cp.returncode == 0, cp.stderr
+    job = show(call_myq, spool, jid)
+    assert job["state"] == "dead" and job["last_error"] == "KeyError: 'k9'"
+    tb = job["failures"][-1]["traceback"]
+    assert "in helper" in tb and tb.endswith("KeyError: 'k9'"), tb
+
+
+def test_last_error_keeps_the_exit_status(run_myq, spool, handlers_dir):
+    h = handlers_dir("loud", 'head -c 9000 /dev/zero | tr "\\0" y >&2; exit 65')
+    jid = enqueue(call_myq, spool, "loud")
+    worker(run_myq, spool, handlers=h)
+    job = show(call_myq, spool, jid)
+    assert job["state"] == "dead"
+    assert job["last_error"].startswith("exit 65: yyy"), job["last_error"][:40]
+    assert job["last_error"].endswith("yyy") and len(job["last_error"]) <= 1000
