@@ -507,49 +507,6 @@ def test_ipk_postinst_compiles_on_the_device(tmp_path, built):
            env={"PATH": str(empty)}))
 
 
-@needs_busybox
-def test_procd_script_start_service(tmp_path):
-    """The procd script under BusyBox sh with procd's functions stubbed:
-    the spool is created and the instance is "myq supervise" with the
-    settings of MYQ_DEFAULTS; reload sends SIGHUP."""
-    spool = str(tmp_path / "spool")
-    defaults = tmp_path / "myq.default"
-    defaults.write_text("MYQ_SPOOL=%s\nMYQ_BIN=%s\nMYQ_PYTHON=%s\nMYQ_WORKERS=2\n"
-                        "MYQ_ARGS='--handlers /etc/myq/handlers'\n"
-                        "MYQ_LOG=%s\nMYQ_STOP_TIMEOUT=20\n"
-                        % (spool, os.path.join(ROOT, "myq.py"), sys.executable,
-                           tmp_path / "log" / "myq.log"))
-    stub = r'''
-procd_open_instance() { echo open; }
-procd_close_instance() { echo close; }
-procd_set_param() { printf 'param'; printf ' <%s>' "$@"; echo; }
-procd_send_signal() { echo "signal $*"; }
-. "$1"
-start_service
-reload_service
-'''
-    out = ok(run([BUSYBOX, "sh", "-c", stub, "sh",
-                  os.path.join(ROOT, "init.d", "myq.procd")],
-                 env={"MYQ_DEFAULTS": str(defaults)}))
-    assert os.path.isdir(os.path.join(spool, "incoming"))
-    assert (tmp_path / "log" / "myq.log").is_file()
-    expect = "param <command> <%s> <%s> <--spool> <%s> <supervise> <--workers> " \
-        "<2> <--handlers> </etc/myq/handlers> <--log> <%s>" % (
-            sys.executable, os.path.join(ROOT, "myq.py"), spool,
-            tmp_path / "log" / "myq.log")
-    assert expect in out.splitlines(), out
-    assert "param <term_timeout> <20>" in out
-    assert "param <user> <root>" in out
-    assert "signal myq * HUP" in out
-    assert out.splitlines()[0] == "open" and "close" in out
-
-
-@needs_shellcheck
-def test_procd_script_shellcheck():
-    r = run(["shellcheck", "-s", "sh", os.path.join(ROOT, "init.d", "myq.procd")])
-    assert r.returncode == 0, r.stdout
-
-
 def make_install(repo, destdir, prefix=None):
     if MAKE:
         args = [MAKE, "-C", repo, "install", "DESTDIR=%s" % destdir,
