@@ -11,14 +11,22 @@
   usr/lib/myq/myq.py (mode 644: myq.py itself, unchanged), usr/bin/myq (755:
   the launcher, below), etc/init.d/myq (755), etc/default/myq (644), and
   the documentation (644): usr/share/man/man1/myq.1,
-  usr/share/man/man5/myq-spool.5 (build/, roff) and
-  usr/share/doc/myq/LICENSE;
+  usr/share/man/man5/myq-spool.5 (build/, roff),
+  usr/share/doc/myq/LICENSE, and the OpenWrt files for whoever installs
+  from the tarball there: usr/share/doc/myq/myq.procd (the procd init
+  script) and usr/share/doc/myq/myq.config (its UCI settings). Not as
+  etc/config/myq: the tarball's /etc/init.d/myq is the SysV script, which
+  reads /etc/default/myq, and a /etc/config/myq beside it would be
+  settings that nothing reads;
 - myq_VERSION_all.ipk: an OpenWrt package (ar archive of debian-binary,
   control.tar.gz, data.tar.gz) with the same program files, the procd init
-  script as /etc/init.d/myq and /etc/default/myq as a conffile; its postinst
-  compiles myq.py on the device, its prerm removes that bytecode. No manual
-  pages and no LICENSE file (OpenWrt ships no man(1), and flash is scarce):
-  its control file says `License: MIT`;
+  script as /etc/init.d/myq and its UCI settings (init.d/myq.config) as
+  /etc/config/myq, a conffile (opkg keeps the operator's edits). No
+  /etc/default/myq: the procd script reads UCI only; the postinst says so
+  when an older package left one behind. Its postinst compiles myq.py on
+  the device, its prerm removes that bytecode. No manual pages and no
+  LICENSE file (OpenWrt ships no man(1), and flash is scarce): its control
+  file says `License: MIT`;
 - SHA256SUMS: `sha256sum -c SHA256SUMS` checks both.
 
 Why a launcher: Python compiles a script (`python3 /usr/bin/myq` when that
@@ -50,7 +58,8 @@ PREFIX/lib/myq: the path on the target, without DESTDIR), /etc/init.d/myq
 (its MYQ_BIN default follows PREFIX), and /etc/default/myq only when there
 is none yet (the operator's settings are kept), and the documentation:
 PREFIX/share/man/man1/myq.1, PREFIX/share/man/man5/myq-spool.5,
-PREFIX/share/doc/myq/LICENSE. The .pyc is hash-checked
+PREFIX/share/doc/myq/LICENSE, myq.procd and myq.config (the OpenWrt
+init script and its UCI settings, as examples). The .pyc is hash-checked
 (PEP 552): valid for as long as myq.py's bytes are the same, whatever its
 mtime becomes in an image (Buildroot and Yocto may reset file times); build
 with the target's Python version, or it is ignored and the target compiles
@@ -77,7 +86,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_EPOCH = 946684800           # 2000-01-01T00:00:00Z
 
 LIB = "lib/myq"         # under PREFIX: myq.py and its __pycache__/
-DOC = "share/doc/myq"   # under PREFIX: LICENSE
+DOC = "share/doc/myq"   # under PREFIX: LICENSE, the OpenWrt files
 
 # Documentation: (source in the repository, path under PREFIX, mode). In the
 # tarball and `make install`, never in the ipk.
@@ -85,6 +94,8 @@ DOCS = [
     ("build/myq.1", "share/man/man1/myq.1", 0o644),
     ("build/myq-spool.5", "share/man/man5/myq-spool.5", 0o644),
     ("LICENSE", DOC + "/LICENSE", 0o644),
+    ("init.d/myq.procd", DOC + "/myq.procd", 0o644),
+    ("init.d/myq.config", DOC + "/myq.config", 0o644),
 ]
 LICENSE = "MIT"
 MAINTAINER = "myq authors <myq@localhost>"
@@ -112,9 +123,9 @@ IPK_FILES = [
     (None, "usr/bin/myq", 0o755),
     ("myq.py", "usr/" + LIB + "/myq.py", 0o644),
     ("init.d/myq.procd", "etc/init.d/myq", 0o755),
-    ("init.d/myq.default", "etc/default/myq", 0o644),
+    ("init.d/myq.config", "etc/config/myq", 0o644),
 ]
-CONFFILES = ["/etc/default/myq"]
+CONFFILES = ["/etc/config/myq"]
 
 # Bytecode is compiled on the device, for its python3 (python3-light may lack
 # compileall and py_compile: importing the module writes it). An old version's cache goes
@@ -127,6 +138,10 @@ rm -rf "${IPKG_INSTROOT}/usr/lib/myq/__pycache__"
 if [ -z "${IPKG_INSTROOT}" ]; then
 	python3 -I -c 'import sys; sys.path.insert(0, "/usr/lib/myq"); import myq' \
 		>/dev/null 2>&1 || true
+fi
+if [ -e "${IPKG_INSTROOT}/etc/default/myq" ]; then
+	echo "myq: /etc/default/myq is not read on OpenWrt: the settings are in" >&2
+	echo "myq: /etc/config/myq (uci show myq); move yours there, then remove it" >&2
 fi
 [ -s "${IPKG_INSTROOT}/lib/functions.sh" ] || exit 0
 # shellcheck source=/dev/null # OpenWrt's, on the device

@@ -49,12 +49,20 @@ from _pythons import IDS, PYTHONS  # noqa: E402
 VERSION = myq.__version__
 TARBALL = "myq-%s.tar.gz" % VERSION
 IPK = "myq_%s_all.ipk" % VERSION
+# the SysV init script reads /etc/default/myq (tarball, make install)
 LAYOUT = {"usr/bin/myq": 0o755, "usr/lib/myq/myq.py": 0o644,
           "etc/init.d/myq": 0o755, "etc/default/myq": 0o644}
-# the documentation: in the tarball and `make install`, never in the ipk
+# the ipk: the procd init script reads UCI, /etc/config/myq; no
+# /etc/default/myq
+IPK_LAYOUT = {"usr/bin/myq": 0o755, "usr/lib/myq/myq.py": 0o644,
+              "etc/init.d/myq": 0o755, "etc/config/myq": 0o644}
+# the documentation: in the tarball and `make install`, never in the ipk;
+# with the OpenWrt files, for an install from the tarball there
 DOCS = {"usr/share/man/man1/myq.1": "build/myq.1",
         "usr/share/man/man5/myq-spool.5": "build/myq-spool.5",
-        "usr/share/doc/myq/LICENSE": "LICENSE"}
+        "usr/share/doc/myq/LICENSE": "LICENSE",
+        "usr/share/doc/myq/myq.procd": "init.d/myq.procd",
+        "usr/share/doc/myq/myq.config": "init.d/myq.config"}
 TAR_LAYOUT = dict(LAYOUT, **{n: 0o644 for n in DOCS})
 MAN_PAGES = ["build/myq.1", "build/myq-spool.5"]
 GROFF = shutil.which("groff")
@@ -91,7 +99,7 @@ def ok_r(r):
 def repo_copy(dst):
     """The files `make dist` and `make install` need, copied to dst."""
     for rel in ("Makefile", "myq.py", "build/dist.py", "init.d/myq",
-                "init.d/myq.default", "init.d/myq.procd", "LICENSE",
+                "init.d/myq.default", "init.d/myq.procd", "init.d/myq.config", "LICENSE",
                 "build/myq.1", "build/myq-spool.5"):
         os.makedirs(os.path.join(str(dst), os.path.dirname(rel)), exist_ok=True)
         shutil.copy2(os.path.join(ROOT, rel), os.path.join(str(dst), rel))
@@ -354,7 +362,9 @@ def ipk_scripts(built, dst):
 def test_ipk(built, tmp_path):
     """The OpenWrt package: ar of debian-binary, control.tar.gz, data.tar.gz;
     the program files of the tarball (launcher + module, no bytecode), the
-    procd init script; /etc/default/myq is a conffile."""
+    procd init script; /etc/config/myq (UCI) is its one conffile, and
+    there is no /etc/default/myq (the SysV script's, which procd's does not
+    read)."""
     parts = ipk_parts(built)
     assert parts["debian-binary"] == b"2.0\n"
     with tarfile.open(fileobj=io.BytesIO(parts["control.tar.gz"])) as t:
@@ -369,15 +379,18 @@ def test_ipk(built, tmp_path):
     assert fields["License"] == "MIT"
     # a maintainer, with an address, that is no real person's
     assert re.match(r"[^<>]+ <[^<>@\s]+@[^<>@\s]+>\Z", fields["Maintainer"])
-    assert conffiles.split() == ["/etc/default/myq"]
+    assert conffiles.split() == ["/etc/config/myq"]
     with tarfile.open(fileobj=io.BytesIO(parts["data.tar.gz"])) as t:
         files = {m.name: m for m in t.getmembers() if m.isfile()}
         # the program files only: no manual pages (OpenWrt has no man)
-        assert sorted(files) == sorted("./" + n for n in LAYOUT)
-        assert not any("/share/" in m.name for m in t.getmembers())
-        for n, mode in LAYOUT.items():
+        assert sorted(files) == sorted("./" + n for n in IPK_LAYOUT)
+        assert not any("/share/" in m.name or "/default" in m.name
+                       for m in t.getmembers())
+        for n, mode in IPK_LAYOUT.items():
             assert stat.S_IMODE(files["./" + n].mode) == mode
         procd = t.extractfile("./etc/init.d/myq").read()
+        assert t.extractfile("./etc/config/myq").read() == \
+            open(os.path.join(ROOT, "init.d", "myq.config"), "rb").read()
         assert t.extractfile("./usr/lib/myq/myq.py").read() == \
             open(os.path.join(ROOT, "myq.py"), "rb").read()
         check_launcher(t.extractfile("./usr/bin/myq").read(), "/usr/lib/myq")
@@ -464,6 +477,25 @@ def test_ipk_scripts_under_an_image_build(tmp_path, built):
 
 
 @needs_busybox
+def test_ipk_postinst_says_etc_default_myq_is_not_read(tmp_path, built):
+    """An /etc/default/myq that an older package left behind: postinst says
+    that OpenWrt's myq reads /etc/config/myq, and leaves the file (the
+    operator's settings) and the install alone; none, no word."""
+    scripts = ipk_scripts(built, tmp_path)
+    root = fake_root(tmp_path, built)
+    env = {"IPKG_INSTROOT": str(root), "CALLS": str(tmp_path / "calls")}
+    r = ok_r(run([BUSYBOX, "sh", scripts["postinst"], "configure"], env=env))
+    assert r.stderr == ""
+    (root / "etc" / "default").mkdir()
+    (root / "etc" / "default" / "myq").write_text("MYQ_WORKERS=3\n")
+    r = ok_r(run([BUSYBOX, "sh", scripts["postinst"], "configure"], env=env))
+    assert "/etc/default/myq is not read" in r.stderr
+    assert "/etc/config/myq" in r.stderr
+    assert (root / "etc" / "default" / "myq").read_text() == "MYQ_WORKERS=3\n"
+    assert (tmp_path / "calls").read_text().count("default_postinst") == 2
+
+
+@needs_busybox
 def test_ipk_postinst_compiles_on_the_device(tmp_path, built):
     """On the device (no IPKG_INSTROOT), postinst compiles /usr/lib/myq/myq.py
     with the device's python3, even when PYTHONDONTWRITEBYTECODE is set; the
@@ -505,49 +537,6 @@ def test_ipk_postinst_compiles_on_the_device(tmp_path, built):
     empty.mkdir()
     ok(run([BUSYBOX, "sh", scripts["postinst"], "configure"],
            env={"PATH": str(empty)}))
-
-
-@needs_busybox
-def test_procd_script_start_service(tmp_path):
-    """The procd script under BusyBox sh with procd's functions stubbed:
-    the spool is created and the instance is "myq supervise" with the
-    settings of MYQ_DEFAULTS; reload sends SIGHUP."""
-    spool = str(tmp_path / "spool")
-    defaults = tmp_path / "myq.default"
-    defaults.write_text("MYQ_SPOOL=%s\nMYQ_BIN=%s\nMYQ_PYTHON=%s\nMYQ_WORKERS=2\n"
-                        "MYQ_ARGS='--handlers /etc/myq/handlers'\n"
-                        "MYQ_LOG=%s\nMYQ_STOP_TIMEOUT=20\n"
-                        % (spool, os.path.join(ROOT, "myq.py"), sys.executable,
-                           tmp_path / "log" / "myq.log"))
-    stub = r'''
-procd_open_instance() { echo open; }
-procd_close_instance() { echo close; }
-procd_set_param() { printf 'param'; printf ' <%s>' "$@"; echo; }
-procd_send_signal() { echo "signal $*"; }
-. "$1"
-start_service
-reload_service
-'''
-    out = ok(run([BUSYBOX, "sh", "-c", stub, "sh",
-                  os.path.join(ROOT, "init.d", "myq.procd")],
-                 env={"MYQ_DEFAULTS": str(defaults)}))
-    assert os.path.isdir(os.path.join(spool, "incoming"))
-    assert (tmp_path / "log" / "myq.log").is_file()
-    expect = "param <command> <%s> <%s> <--spool> <%s> <supervise> <--workers> " \
-        "<2> <--handlers> </etc/myq/handlers> <--log> <%s>" % (
-            sys.executable, os.path.join(ROOT, "myq.py"), spool,
-            tmp_path / "log" / "myq.log")
-    assert expect in out.splitlines(), out
-    assert "param <term_timeout> <20>" in out
-    assert "param <user> <root>" in out
-    assert "signal myq * HUP" in out
-    assert out.splitlines()[0] == "open" and "close" in out
-
-
-@needs_shellcheck
-def test_procd_script_shellcheck():
-    r = run(["shellcheck", "-s", "sh", os.path.join(ROOT, "init.d", "myq.procd")])
-    assert r.returncode == 0, r.stdout
 
 
 def make_install(repo, destdir, prefix=None):
