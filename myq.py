@@ -380,6 +380,8 @@ def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
     try:
         if owner is not None:
             os.fchown(fd, owner[0], owner[1])
+        if mode & 0o020:            # group-writable on purpose: past the umask
+            os.fchmod(fd, mode)
         if data:
             _step("write", path, "before")
             view = memoryview(data)
@@ -566,6 +568,14 @@ class _Dirs(object):
                 if st.st_uid != 0:
                     self._owner = (st.st_uid, st.st_gid)
         return self._owner
+
+    def file_mode(self):
+        """0640, or 0660 for a producer who is not the spool's owner (in a
+        group-writable incoming/): the owner's worker must be able to
+        append its lease to the file."""
+        if os.geteuid() == 0 or os.fstat(self("incoming")).st_uid == os.geteuid():
+            return 0o640
+        return 0o660
 
     def close(self):
         for fd in self.fds.values():
@@ -1220,7 +1230,8 @@ class Spool(object):
             # the file is handed over through its own descriptor, before it
             # has a name anyone else could swap.
             ino = _create(tmp, data, sync=sync, dir_fd=tfd, owner=dirs.owner(),
-                          mtime=job["available_at"] if delay else None)
+                          mtime=job["available_at"] if delay else None,
+                          mode=dirs.file_mode())
             if not explicit:
                 _rename(tmp, dst, tfd, dfd)
                 self._placed(jid, ino, dfd)
@@ -2579,10 +2590,12 @@ class Worker(object):
                 self._restore_signals(saved)
             raise
         self._wake_fds = self._open_wake()
-        # Started by `myq supervise` (--parent-pid): stop when it is gone.
-        self._parent = self.parent if self.parent == os.getppid() else None
+        # Started by `myq supervise` (--parent-pid): stop when it is gone,
+        # also when that happened before we got here.
+        self._parent = self.parent
         self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
-                 concurrency=self.concurrency, version=__version__)
+                 concurrency=self.concurrency, version=__version__,
+                 supervisor=self._parent)
         try:
             self._reap()
             self._loop(once, drain)
@@ -3527,10 +3540,11 @@ class Supervisor(object):
         self.stop = 0
         self.hup = False
 
-    def _spawn(self, argv, out=None):
+    def _spawn(self, argv, out=None, quiet=False):
         import subprocess
         return subprocess.Popen(argv, close_fds=True, env=self.env, cwd="/",
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+                                stdin=subprocess.DEVNULL, stderr=out,
+                                stdout=subprocess.DEVNULL if quiet else out)
 
     def _write_pidfile(self):
         fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
@@ -3661,7 +3675,7 @@ class Supervisor(object):
         reap`, as the spool's owner, takes the claims back and ends the
         handlers they recorded (kill_run)."""
         try:
-            p = self._spawn(self.reap_argv, self.log.fileno())
+            p = self._spawn(self.reap_argv, self.log.fileno(), quiet=True)
         except (OSError, ValueError) as e:
             self.log("error", during="reap", error=getattr(e, "strerror", None)
                      or str(e))

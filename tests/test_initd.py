@@ -377,11 +377,13 @@ def test_dead_supervisor_status_1_and_its_workers_are_stopped(service):
     wait_for(lambda: not alive(pid), what="the supervisor to die")
     r = s.run("status")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert all(alive(w) for w in workers)       # orphans, in its session
+    # the workers see their supervisor gone and stop by themselves
+    wait_for(lambda: not any(alive(w) for w in workers),
+             what="the orphaned workers to stop")
+    assert "event=supervisor_gone" in read(s.logfile)
     # start cleans up what the dead supervisor left, then starts afresh
     r = s.run("start")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert not any(alive(w) for w in workers)
     pid2 = s.pid()
     new = s.wait_workers(2)
     os.kill(pid2, signal.SIGKILL)
