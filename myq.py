@@ -2251,7 +2251,7 @@ class Log(object):
 
     def __call__(self, event, **kv):
         warn = event in ("error", "dead", "timeout", "quarantined", "disk_low",
-                         "lost", "retry")
+                         "lost", "retry", "warning")
         line = iso() + " event=" + event
         for k, v in kv.items():
             line += " " + k + "=" + _kv(v)
@@ -3089,8 +3089,7 @@ class Worker(object):
         except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
             for fd in fds:
                 os.close(fd)
-            self._finish(run, "retry", "cannot run %s: %s"
-                         % (path, getattr(e, "strerror", None) or e))
+            self._finish(run, "retry", _cannot_run(path, e))
             return
         run.proc = proc
         # First of all: the handler's pid, for a reaper should we die now.
@@ -3408,6 +3407,24 @@ def _abort(run):
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+def _cannot_run(path, e):
+    """Why an executable handler did not start, in words that name the
+    culprit: "No such file or directory" for a file that exists means its
+    #! interpreter is missing."""
+    why = getattr(e, "strerror", None) or str(e)
+    errno_ = getattr(e, "errno", None)
+    if errno_ in (errno.ENOENT, errno.ENOEXEC, errno.EACCES) and os.path.isfile(path):
+        head = _read_small(path, 256) or b""
+        line = head.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+        if errno_ == errno.ENOEXEC or not line.startswith("#!"):
+            return ("cannot run %s: not a program (no #! line; start a script "
+                    "with e.g. #!/bin/sh)" % path)
+        if errno_ == errno.ENOENT:
+            return ("cannot run %s: its interpreter is missing (%s); install "
+                    "it or fix the #! line" % (path, line))
+    return "cannot run %s: %s" % (path, why)
 
 
 def _tb_tail(e, lines=6):
@@ -4004,6 +4021,9 @@ def _supervise(args, spool, guards, env):
     if log.fileno() is not None:        # a traceback lands in the log too
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    if not o["handlers"] and not o["module"]:
+        log("warning", problem="no --handlers and no --module: only http jobs "
+            "have a handler; give MYQ_ARGS=\"--handlers DIR\"")
     wargv = _option_argv(o, WORKER_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile,

@@ -277,3 +277,24 @@ print(json.dumps({"rc": rc, "errors": [e for e in errors if e]}))
               for d in ("incoming", "done", "dlq")}
     assert states["incoming"] + states["done"] == 3, states
     assert any("Too many open files" in e for e in out["errors"]), out
+
+
+def test_a_missing_interpreter_is_named(run_myq, spool, handlers_dir):
+    """A handler whose #! interpreter is missing, or that has no #! line:
+    last_error says which, not a bare "No such file or directory" that
+    reads as if the handler itself were missing."""
+    from _core import call_myq, enqueue, show
+    d = handlers_dir("py9", "exit 0")
+    with open(os.path.join(d, "py9"), "w") as f:
+        f.write("#!/nonexistent/python9\nprint(1)\n")
+    with open(os.path.join(d, "bare"), "w") as f:
+        f.write("echo no shebang\n")
+    os.chmod(os.path.join(d, "bare"), 0o755)
+    a = enqueue(call_myq, spool, "py9", "--max-attempts", "1")
+    b = enqueue(call_myq, spool, "bare", "--max-attempts", "1")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", d)
+    assert cp.returncode == 0, cp.stderr
+    err = show(call_myq, spool, a)["last_error"]
+    assert "interpreter is missing" in err and "/nonexistent/python9" in err, err
+    err = show(call_myq, spool, b)["last_error"]
+    assert "no #! line" in err, err

@@ -678,3 +678,25 @@ def test_shellcheck():
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        universal_newlines=True)
     assert r.returncode == 0, r.stdout
+
+
+@needs_busybox
+def test_a_service_without_handlers_warns(service):
+    """The default settings have no --handlers and no --module: every job but
+    http would die. The supervisor logs a warning and status says it."""
+    s = service("plain")
+    s.settings["MYQ_ARGS"] = "--poll 0.2 --grace 1"
+    s.write_defaults()
+    assert s.run("start").returncode == 0
+    r = s.run("status")
+    assert r.returncode == 0
+    assert "no --handlers or --module" in r.stderr, r.stderr
+    wait_for(lambda: "event=warning" in read(s.logfile), what="the warning")
+    assert "no --handlers and no --module" in read(s.logfile)
+    assert s.run("stop").returncode == 0
+    s.settings["MYQ_ARGS"] = "--handlers %s" % s.handlers
+    s.write_defaults()
+    assert s.run("start").returncode == 0
+    assert "warning" not in s.run("status").stderr
+    assert s.run("stop").returncode == 0
+    assert s.leftovers() == []
