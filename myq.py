@@ -172,10 +172,30 @@ def parse_size(text):
     return int(float(m.group(1)) * mult)
 
 
+_DURATION_RE = re.compile(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(ms|s|m|h|d)\s*\Z")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+DURATION_FORMS = "seconds such as 0.2 or 90, or a unit: 500ms, 30s, 15m, 1h, 7d"
+
+
+def parse_duration(text):
+    """'0.2', '90', '500ms', '30s', '15m', '1h', '7d' -> seconds (a float,
+    not range-checked: a caller that takes a job's delay judges it)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        m = _DURATION_RE.match(str(text))
+        if not m:
+            raise ValueError("not a duration (use %s)" % DURATION_FORMS)
+        return float(m.group(1)) * _UNITS[m.group(2)]
+
+
 def parse_seconds(text):
-    v = float(text)
+    """A duration (parse_duration) that is finite and >= 0."""
+    v = parse_duration(text)
     if not v >= 0 or v == float("inf"):
-        raise ValueError("not a number of seconds >= 0: %r" % text)
+        raise ValueError("not a duration >= 0 (use %s)" % DURATION_FORMS)
     return v
 
 
@@ -3613,21 +3633,30 @@ def _seconds(text):
 
 
 def _posint(text):
-    v = int(text)
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ValueError("not a whole number >= 1")
     if v < 1:
         raise ValueError("must be at least 1")
     return v
 
 
 def _natural(text):
-    v = int(text)
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ValueError("not a whole number >= 0")
     if v < 0:
         raise ValueError("must be >= 0")
     return v
 
 
 def _fraction(text):
-    v = float(text)
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise ValueError("not a fraction (a number from 0 to 1, e.g. 0.1)")
     if not 0 <= v <= 1:
         raise ValueError("must be between 0 and 1")
     return v
@@ -3697,6 +3726,12 @@ def _parser(only=None):
             raise UsageError("%s (see: myq %s--help)" % (
                 message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
 
+    def duration(text):
+        try:
+            return parse_duration(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError("%r is %s" % (text, e))
+
     def add(p, table):
         for flag, typ, default, help in table:
             dest = flag[2:].replace("-", "_")
@@ -3737,9 +3772,9 @@ def _parser(only=None):
     p.add_argument("payload", nargs="?", default="null",
                    help="JSON text, or - for standard input (default null)")
     p.add_argument("--id")
-    p.add_argument("--delay", type=float, default=0)
+    p.add_argument("--delay", type=duration, default=0)
     p.add_argument("--max-attempts", type=int)
-    p.add_argument("--timeout", type=float)
+    p.add_argument("--timeout", type=duration)
     p = cmd("worker", "run jobs", guards=True, worker=True)
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p = cmd("supervise", "run and restart N workers (for the init script)",
@@ -3894,7 +3929,7 @@ def _supervise(args, spool, guards, env):
     try:
         stop_timeout = parse_seconds(args.stop_timeout or "10")
     except ValueError as e:
-        raise UsageError("bad --stop-timeout: %s" % e)
+        raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
     user = ids = None
     if args.user:
         import pwd
