@@ -3673,40 +3673,87 @@ def _flag(text):
 
 # (flag, type, default, help); `type` None means a switch.
 GUARD_OPTIONS = [
-    ("--min-free", parse_size, DEFAULTS["min_free"], "refuse work below this free space"),
-    ("--min-free-inodes", _natural, DEFAULTS["min_free_inodes"], "... or below these free inodes"),
+    ("--min-free", parse_size, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
+    ("--min-free-inodes", _natural, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
     ("--max-job-bytes", parse_size, DEFAULTS["max_job_bytes"], "largest job file"),
     ("--dedupe-window", _seconds, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
-    ("--keep-done", _seconds, DEFAULTS["keep_done"], "retention of done/ (seconds)"),
-    ("--keep-done-max", _natural, DEFAULTS["keep_done_max"], "at most this many in done/"),
-    ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "retention of dlq/"),
-    ("--keep-dead-max", _natural, DEFAULTS["keep_dead_max"], "at most this many in dlq/"),
-    ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "retention of failed/"),
+    ("--keep-done", _seconds, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
+    ("--keep-done-max", _natural, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
+    ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
+    ("--keep-dead-max", _natural, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
+    ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
 ]
 WORKER_OPTIONS = [
-    ("--handlers", str, None, "directory of executable handlers"),
+    ("--handlers", str, None, "directory of executable handlers, one per type"),
     ("--module", str, None, "Python file of handler functions"),
     ("--concurrency", _posint, 1, "handlers run at once by this worker"),
-    ("--lease", _seconds, 60.0, "claim lease (seconds), renewed by heartbeats"),
-    ("--timeout", _seconds, 300.0, "handler time limit (seconds)"),
-    ("--max-attempts", _posint, 5, "attempts for jobs that do not say"),
-    ("--backoff-base", _seconds, 5.0, "first retry delay (seconds)"),
-    ("--backoff-max", _seconds, 3600.0, "longest retry delay (seconds)"),
-    ("--jitter", _fraction, 0.1, "spread of retry delays (fraction)"),
+    ("--lease", _seconds, 60.0, "claim lease, renewed by heartbeats"),
+    ("--timeout", _seconds, 300.0, "handler time limit, unless the job has a timeout"),
+    ("--max-attempts", _posint, 5, "runs a job gets when it does not say"),
+    ("--backoff-base", _seconds, 5.0, "delay of the first retry, doubling after each failure"),
+    ("--backoff-max", _seconds, 3600.0, "longest retry delay"),
+    ("--jitter", _fraction, 0.1, "random spread of retry delays, a fraction"),
     ("--poll", _seconds, 1.0, "how often to look for files dropped without a wake-up"),
-    ("--stats-interval", _seconds, 60.0, "seconds between status lines (0: never)"),
-    ("--grace", _seconds, 5.0, "seconds running jobs get at shutdown"),
+    ("--stats-interval", _seconds, 60.0, "time between status lines in the log, 0 for none"),
+    ("--grace", _seconds, 5.0, "time running handlers get after SIGTERM"),
     ("--scan-cache", _posint, 2048, "ready jobs remembered per directory scan"),
     ("--once", None, False, "run at most one job, then exit"),
-    ("--drain", None, False, "run until nothing is ready, then exit"),
+    ("--drain", None, False, "run until nothing is ready or running, then exit"),
     ("--pass-env", "append", [], "pass this variable to exec handlers"),
-    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP)"),
-    ("--syslog", None, False, "log to syslog"),
+    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP), not stderr"),
+    ("--syslog", None, False, "log to syslog, not stderr"),
     ("--syslog-facility", str, "daemon", "syslog facility"),
     ("--syslog-tag", str, "myq", "syslog tag"),
     ("--http-header", "append", [], "'Name: value' added to every http job"),
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
 ]
+
+
+# The guard options each command's --help shows (worker and supervise: all);
+# the others are accepted and ignored, as they always were.
+_RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
+                    "--keep-dead", "--keep-dead-max", "--keep-failed")
+_GUARDS_SHOWN = {
+    "enqueue": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+                "--dedupe-window"),
+    "prune": _RETENTION_FLAGS,
+    "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
+}
+
+
+_METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE",
+             "pass_env": "NAME"}
+
+
+def _format_duration(v):
+    """3600.0 -> '1h', 90.0 -> '90s', 0.2 -> '0.2s': what --help shows."""
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if v >= max(n, 120) and v % n == 0:
+            return "%d%s" % (v // n, unit)
+    return "%gs" % v
+
+
+def _format_size(v):
+    for unit, n in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if v >= n and v % n == 0:
+            return "%d%s" % (v // n, unit)
+    return str(v)
+
+
+def _option_help(flag, typ, default, help):
+    """A table option's help: what it does, its default, its variable."""
+    var = "MYQ_" + flag[2:].replace("-", "_").upper()
+    if typ is _seconds:
+        return "%s (default %s; %s)" % (help, _format_duration(default), var)
+    if typ is parse_size:
+        return "%s (default %s; %s)" % (help, _format_size(default), var)
+    if typ is None:
+        return "%s (%s=1)" % (help, var)
+    if typ == "append":
+        return "%s; repeatable (%s)" % (help, var)
+    if default is None:
+        return "%s (%s)" % (help, var)
+    return "%s (default %s; %s)" % (help, default, var)
 
 
 class _Unparsed(object):
@@ -3732,9 +3779,13 @@ def _parser(only=None):
         except ValueError as e:
             raise argparse.ArgumentTypeError("%r is %s" % (text, e))
 
-    def add(p, table):
+    def add(p, table, shown=None):
         for flag, typ, default, help in table:
             dest = flag[2:].replace("-", "_")
+            if shown is not None and flag not in shown:
+                help = argparse.SUPPRESS     # accepted, but not its concern
+            else:
+                help = _option_help(flag, typ, default, help)
             if typ is None:
                 p.add_argument(flag, dest=dest, action="store_const", const=True,
                                default=None, help=help)
@@ -3744,7 +3795,10 @@ def _parser(only=None):
             else:
                 p.add_argument(flag, dest=dest, default=None, help=help,
                                metavar="N" if typ in (_posint, _natural) else
-                               "S" if typ is _seconds else dest.split("_")[-1].upper())
+                               "S" if typ is _seconds else
+                               "SIZE" if typ is parse_size else
+                               "F" if typ is _fraction else
+                               _METAVARS.get(dest) or dest.split("_")[-1].upper())
 
     top = Parser(prog="myq", description="A job queue worker for small Linux "
                  "devices: one spool directory, one file per job.")
@@ -3762,45 +3816,59 @@ def _parser(only=None):
         if worker:
             add(p, WORKER_OPTIONS)
         if guards:
-            add(p, GUARD_OPTIONS)
+            add(p, GUARD_OPTIONS, None if worker else _GUARDS_SHOWN[name])
         return p
 
     p = cmd("init", "create the spool and its layout (idempotent)")
     p.add_argument("--owner", help="chown the layout to USER[:GROUP]")
     p = cmd("enqueue", "add a job; prints its id", guards=True)
-    p.add_argument("type")
+    p.add_argument("type", help="the job's type: selects its handler")
     p.add_argument("payload", nargs="?", default="null",
                    help="JSON text, or - for standard input (default null)")
-    p.add_argument("--id")
-    p.add_argument("--delay", type=duration, default=0)
-    p.add_argument("--max-attempts", type=int)
-    p.add_argument("--timeout", type=duration)
+    p.add_argument("--id", help="the job's id (default: generated, in "
+                   "creation order); exit 73 when that id is queued, running, "
+                   "dead or done within the --dedupe-window")
+    p.add_argument("--delay", type=duration, default=0, metavar="S",
+                   help="run it no sooner than this from now (default 0)")
+    p.add_argument("--max-attempts", type=int, metavar="N",
+                   help="runs the job gets (default: the worker's "
+                   "--max-attempts)")
+    p.add_argument("--timeout", type=duration, metavar="S",
+                   help="the handler's time limit for this job (default: "
+                   "the worker's --timeout)")
     p = cmd("worker", "run jobs", guards=True, worker=True)
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p = cmd("supervise", "run and restart N workers (for the init script)",
             guards=True, worker=True)
     p.add_argument("--workers", default=None, metavar="N",
-                   help="worker processes to keep running (MYQ_WORKERS; default 1)")
+                   help="worker processes to keep running (default 1; MYQ_WORKERS)")
     p.add_argument("--user", help="run the workers as USER[:GROUP] (root only); "
                    "the log file is created for that user")
     p.add_argument("--pidfile", help="write the supervisor's pid to FILE")
-    p.add_argument("--stop-timeout", metavar="S", help="seconds the workers get "
-                   "after SIGTERM before SIGKILL (default 10)")
+    p.add_argument("--stop-timeout", metavar="S", help="time the workers get "
+                   "after SIGTERM before SIGKILL (default 10s)")
     p.add_argument("--dry-run", action="store_true", help="check the options "
                    "and the spool, start nothing (exit 0 when all is well)")
     p = cmd("stats", "print the status line")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object instead of the status line")
     p = cmd("list", "list jobs")
-    p.add_argument("state", nargs="?", choices=STATES)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("state", nargs="?", choices=STATES,
+                   help="only jobs in this state: %s" % ", ".join(STATES))
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per line instead of text")
     p = cmd("show", "print one job as JSON")
-    p.add_argument("id")
+    p.add_argument("id", help="a job id, or the name of a file in failed/")
     p = cmd("retry", "bring dead (or repaired failed) jobs back")
-    p.add_argument("ids", nargs="*", metavar="ID")
-    p.add_argument("--all", action="store_true")
+    p.add_argument("ids", nargs="*", metavar="ID",
+                   help="dead job ids, or names of repaired files in failed/")
+    p.add_argument("--all", action="store_true",
+                   help="every job in dlq/")
     p = cmd("delete", "remove jobs")
-    p.add_argument("ids", nargs="+", metavar="ID")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("ids", nargs="+", metavar="ID",
+                   help="job ids, or names of files in failed/")
+    p.add_argument("--force", action="store_true",
+                   help="delete running jobs too (their handlers are killed)")
     cmd("reap", "requeue claims of dead workers and expired leases")
     cmd("prune", "apply retention now", guards=True)
     cmd("check", "health check", guards=True)

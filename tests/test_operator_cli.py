@@ -145,3 +145,95 @@ def test_bad_numbers_say_what_is_wanted_not_python_internals(spool, args):
     err = one_line_error(cp)
     assert args[1] in err and "invalid literal" not in err \
         and "could not convert" not in err, err
+
+
+# 2. --help ##################################################################
+
+def _subparsers(myq):
+    import argparse
+    top = myq._parser()
+    sub = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub[0].choices)
+
+
+def test_every_shown_option_has_help(myq):
+    """Every option and argument --help shows says what it is for."""
+    import argparse
+    for name, p in _subparsers(myq).items():
+        for action in p._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            assert action.help and action.help.strip(), \
+                "%s %s has no help" % (name, action.option_strings or action.dest)
+
+
+@pytest.mark.parametrize("command", ["worker", "supervise"])
+def test_worker_and_guard_options_say_default_and_variable(myq, command):
+    p = _subparsers(myq)[command]
+    helps = {o: a.help for a in p._actions for o in a.option_strings}
+    for flag, typ, default, _ in myq.WORKER_OPTIONS + myq.GUARD_OPTIONS:
+        var = "MYQ_" + flag[2:].replace("-", "_").upper()
+        assert var in helps[flag], (flag, helps[flag])
+        if typ not in (None, "append", str) or default not in (None, False, []):
+            assert "default " in helps[flag], (flag, helps[flag])
+
+
+def test_help_shows_durations_and_sizes_with_units(myq):
+    p = _subparsers(myq)["worker"]
+    helps = {o: a.help for a in p._actions for o in a.option_strings}
+    assert helps["--lease"] == \
+        "claim lease, renewed by heartbeats (default 60s; MYQ_LEASE)"
+    assert "default 1h;" in helps["--backoff-max"]
+    assert "default 7d;" in helps["--dedupe-window"]
+    assert "default 30d;" in helps["--keep-dead"]
+    assert "default 1M;" in helps["--min-free"]
+    assert "default 256K;" in helps["--max-job-bytes"]
+
+
+def _help(command):
+    cp = call_myq(command, "--help")
+    assert cp.returncode == 0, cp.stderr
+    return set(re.findall(r"(--[a-z][a-z-]*)", cp.stdout))
+
+
+def test_each_command_shows_only_the_guards_it_concerns():
+    guards = {"--min-free", "--min-free-inodes", "--max-job-bytes",
+              "--dedupe-window"}
+    retention = {"--keep-done", "--keep-done-max", "--keep-dead",
+                 "--keep-dead-max", "--keep-failed"}
+    shown = _help("enqueue")
+    assert guards <= shown and not retention & shown, shown
+    assert {"--id", "--delay", "--max-attempts", "--timeout"} <= shown
+    shown = _help("prune")
+    assert retention | {"--dedupe-window"} <= shown
+    assert not {"--min-free", "--min-free-inodes", "--max-job-bytes"} & shown
+    shown = _help("check")
+    assert retention | {"--min-free", "--min-free-inodes"} <= shown
+    for command in ("worker", "supervise"):
+        assert guards | retention <= _help(command)
+
+
+def test_hidden_guards_are_still_accepted(spool):
+    cp = call_myq("--spool", spool, "enqueue", "t", "--keep-done", "1d",
+                  "--keep-dead-max", "5")
+    assert cp.returncode == 0, cp.stderr
+    cp = call_myq("--spool", spool, "prune", "--min-free", "1K",
+                  "--max-job-bytes", "1M")
+    assert cp.returncode == 0, cp.stderr
+
+
+@pytest.mark.parametrize("command,flags", [
+    ("stats", ["--json"]), ("list", ["--json"]), ("retry", ["--all"]),
+    ("delete", ["--force"]), ("supervise", ["--workers", "--stop-timeout"]),
+    ("enqueue", ["--id", "--delay", "--max-attempts", "--timeout"]),
+])
+def test_command_options_have_help(command, flags):
+    cp = call_myq(command, "--help")
+    for flag in flags:
+        line = re.search(r"^\s+%s\b.*$" % re.escape(flag), cp.stdout, re.M)
+        assert line, (flag, cp.stdout)
+        # the help is on the option's line or the next one
+        rest = cp.stdout[line.end():].split("\n")[1] if line else ""
+        words = re.sub(r"^\s*%s(\s+[A-Z.]+)?" % re.escape(flag), "",
+                       line.group(0)).strip() or rest.strip()
+        assert words and not words.startswith("--"), (flag, cp.stdout)
