@@ -1880,8 +1880,9 @@ class Spool(object):
                 continue
             yield jid, state, path
 
-    def retry(self, ids=(), all=False):
-        """Bring dead (or repaired failed) jobs back, attempts reset."""
+    def retry(self, ids=(), all=False, now=False):
+        """Bring dead (or repaired failed) jobs back, attempts reset; with
+        `now`, make waiting (scheduled) jobs ready now, attempts kept."""
         self.require()
         ids = [_check_ref(i) for i in _ids(ids)]
         if all:
@@ -1890,18 +1891,23 @@ class Spool(object):
         missing = []
         me = Identity(self, kind="r")   # registered when a dead job moves
         try:
-            n = self._retry(ids, missing, me)
+            n = self._retry(ids, missing, me, now)
         finally:
             me.unregister()
         if missing:
             raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
-                            "from dlq/ and failed/)" % (", ".join(missing), self.path))
+                            "from dlq/ and failed/; retry --now also scheduled "
+                            "ones)" % (", ".join(missing), self.path))
         return n
 
-    def _retry(self, ids, missing, me):
+    def _retry(self, ids, missing, me, now=False):
         n = 0
         for jid, state, path in self._located(ids, missing):
-            if state == "dead":
+            if now and state in ("ready", "scheduled"):
+                if not self._make_ready(jid, path, me):
+                    missing.append(jid)
+                    continue
+            elif state == "dead":
                 if os.path.lexists(self.d("incoming", jid + ".json")):
                     raise DuplicateJob("job %s is already queued; delete one "
                                        "of them first" % jid)
@@ -1934,34 +1940,123 @@ class Spool(object):
             self.poke()
         return n
 
+    def _make_ready(self, jid, path, me):
+        """retry --now: a waiting job's new version, available now, replaces
+        it the way a retry does (owned first, written in tmp/, renamed into
+        incoming/): a worker never sees it half-written, never twice.  False
+        when a worker took it first."""
+        job, _, _ = self.load(path, jid)
+        if job["available_at"] <= _now() and os.lstat(path).st_mtime <= _now():
+            return True                 # ready already
+        job["available_at"] = _now()
+        if not me.registered:
+            me.register()
+        owned = self._own(path, jid, me)
+        if owned is None:
+            return False
+        fin, token = owned
+        self._move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                      job, "incoming", me, fin=fin)
+        self.log("retry_now", id=jid)
+        return True
+
     def delete(self, ids, force=False):
         self.require()
         ids = [_check_ref(i) for i in _ids(ids)]
         missing, n = [], 0
         for jid, state, path in self._located(ids, missing):
-            if state == "processing":
-                if not force:
-                    raise SpoolBusy("job %s is running; wait for it, or delete "
-                                    "it with --force (its handler is killed)" % jid)
-                # Take it from the worker first (its finish then fails with
-                # ENOENT and moves nothing), then stop the handler.
-                gone = self._tmpname(jid + ".deleted")
-                if not _take(path, gone):
-                    missing.append(jid)
-                    continue
-                self._kill_handler(_claim_token(path), 15)
-                path = gone
-            try:
-                _unlink(path)
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-            if state == "failed":
-                _quiet_unlink(path + ".reason")
+            if self._delete_one(jid, state, path, force) is None:
+                missing.append(jid)
+                continue
             n += 1
         if missing:
             raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
         return n
+
+    def _delete_one(self, jid, state, path, force):
+        """1 when the file went, 0 when it was gone already, None when a
+        running job's claim went elsewhere first."""
+        if state == "processing":
+            if not force:
+                raise SpoolBusy("job %s is running; wait for it, or delete "
+                                "it with --force (its handler is killed)" % jid)
+            # Take it from the worker first (its finish then fails with
+            # ENOENT and moves nothing), then stop the handler.
+            gone = self._tmpname(jid + ".deleted")
+            if not _take(path, gone):
+                return None
+            self._kill_handler(_claim_token(path), 15)
+            path = gone
+        try:
+            _unlink(path)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return 0
+        finally:
+            if state == "failed":
+                _quiet_unlink(path + ".reason")
+        return 1
+
+    def delete_where(self, state, type=None, older_than=None, force=False,
+                     now=None):
+        """Delete in bulk (SPEC 4): the jobs in `state`, of `type`, older
+        than `older_than` seconds: counted from created_at for waiting and
+        running jobs, from the finish for done and dead ones, from the
+        quarantine for failed files.  Running jobs only with `force`.
+        Returns how many went."""
+        self.require()
+        if state not in STATES:
+            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
+        if state == "processing" and not force:
+            raise SpoolBusy("running jobs are deleted only with --force (their "
+                            "handlers are killed)")
+        now = _now() if now is None else now
+        sub = STATE_DIRS[state]
+        chosen = []
+        for e in _scandir(self.d(sub)):
+            name = e.name
+            if sub == "failed":
+                if name.endswith(".reason"):
+                    continue
+                jid = name
+            elif sub == "processing":
+                if not _split_claim(name):
+                    continue
+                jid = _split_claim(name)[0]
+            elif not name.endswith(".json"):
+                continue
+            else:
+                jid = name[:-5]
+            try:
+                st = e.stat(follow_symlinks=False)
+                if sub == "failed":
+                    job = {"state": "failed", "type": type and self._failed_type(e.path)}
+                else:
+                    job = self._describe(state, e.path)
+            except OSError:
+                continue                # it moved while we looked
+            except InvalidJob:
+                continue                # not a job: a worker quarantines it
+            if job["state"] != state or (type is not None and job["type"] != type):
+                continue
+            born = job["created_at"] if sub in ("incoming", "processing") \
+                else st.st_ctime
+            if older_than is not None and now - born < older_than:
+                continue
+            chosen.append((jid, e.path))
+        n = 0
+        for jid, path in chosen:
+            n += self._delete_one(jid, state, path, force) or 0
+        return n
+
+    def _failed_type(self, path):
+        """The type a quarantined file names, if it is a JSON object at all."""
+        try:
+            obj, _ = parse(self.read_file(path)[0])
+        except (OSError, InvalidJob, ValueError):
+            return None
+        return obj.get("type") if isinstance(obj, dict) else None
 
     # What retention removes (SPEC 4): directory, the count's name, which
     # time says how old an entry is, the option of how long it stays, the
@@ -3779,6 +3874,12 @@ def _parser(only=None):
         except ValueError as e:
             raise argparse.ArgumentTypeError("%r is %s" % (text, e))
 
+    def count(text):
+        try:
+            return _posint(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError("%r is %s" % (text, e))
+
     def add(p, table, shown=None):
         for flag, typ, default, help in table:
             dest = flag[2:].replace("-", "_")
@@ -3855,6 +3956,9 @@ def _parser(only=None):
     p = cmd("list", "list jobs")
     p.add_argument("state", nargs="?", choices=STATES,
                    help="only jobs in this state: %s" % ", ".join(STATES))
+    p.add_argument("--type", help="only jobs of this type")
+    p.add_argument("--limit", type=count, metavar="N",
+                   help="at most N jobs (default: all)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per line instead of text")
     p = cmd("show", "print one job as JSON")
@@ -3864,11 +3968,22 @@ def _parser(only=None):
                    help="dead job ids, or names of repaired files in failed/")
     p.add_argument("--all", action="store_true",
                    help="every job in dlq/")
+    p.add_argument("--now", action="store_true",
+                   help="also make these scheduled jobs ready now")
     p = cmd("delete", "remove jobs")
-    p.add_argument("ids", nargs="+", metavar="ID",
+    p.add_argument("ids", nargs="*", metavar="ID",
                    help="job ids, or names of files in failed/")
+    p.add_argument("--state", choices=STATES,
+                   help="in bulk: every job in this state (%s)" % ", ".join(STATES))
+    p.add_argument("--type", help="with --state: only jobs of this type")
+    p.add_argument("--older-than", type=duration, metavar="S",
+                   help="with --state: only jobs older than this (waiting "
+                   "and running: since created, done and dead: since the "
+                   "finish, failed: since quarantined)")
     p.add_argument("--force", action="store_true",
                    help="delete running jobs too (their handlers are killed)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"deleted": N} instead of deleted=N')
     cmd("reap", "requeue claims of dead workers and expired leases")
     cmd("prune", "apply retention now", guards=True)
     cmd("check", "health check", guards=True)
@@ -4131,7 +4246,13 @@ def _cmd_stats(a):
 
 def _cmd_list(a):
     a.spool.require()
+    n = 0
     for job in a.spool.list(a.args.state):
+        if a.args.type is not None and job.get("type") != a.args.type:
+            continue
+        if a.args.limit is not None and n >= a.args.limit:
+            break
+        n += 1
         if a.args.json:
             _print(json.dumps(job))
             continue
@@ -4153,11 +4274,26 @@ def _cmd_show(a):
 def _cmd_retry(a):
     if not a.args.ids and not a.args.all:
         raise UsageError("retry needs job ids or --all")
-    _print("retried=%d" % a.spool.retry(a.args.ids, all=a.args.all))
+    _print("retried=%d" % a.spool.retry(a.args.ids, all=a.args.all,
+                                        now=a.args.now))
 
 
 def _cmd_delete(a):
-    _print("deleted=%d" % a.spool.delete(a.args.ids, force=a.args.force))
+    args = a.args
+    if args.state is None:
+        if args.type is not None or args.older_than is not None:
+            raise UsageError("--type and --older-than go with --state STATE")
+        if not args.ids:
+            raise UsageError("delete needs job ids, or --state STATE")
+        n = a.spool.delete(args.ids, force=args.force)
+    elif args.ids:
+        raise UsageError("give job ids or --state STATE, not both")
+    else:
+        if args.older_than is not None and not args.older_than >= 0:
+            raise UsageError("--older-than must be a duration >= 0")
+        n = a.spool.delete_where(args.state, type=args.type,
+                                 older_than=args.older_than, force=args.force)
+    _print(json.dumps({"deleted": n}) if args.json else "deleted=%d" % n)
 
 
 def _cmd_reap(a):

@@ -237,3 +237,190 @@ def test_command_options_have_help(command, flags):
         words = re.sub(r"^\s*%s(\s+[A-Z.]+)?" % re.escape(flag), "",
                        line.group(0)).strip() or rest.strip()
         assert words and not words.startswith("--"), (flag, cp.stdout)
+
+
+# 3. list filters, retry --now, delete in bulk ###############################
+
+def _ids(cp):
+    assert cp.returncode == 0, cp.stderr
+    return [line.split()[0] for line in cp.stdout.splitlines()]
+
+
+def test_list_filters_by_type_and_limits(spool):
+    for i in range(3):
+        enqueue(call_myq, spool, "a", str(i), "--id", "a%d" % i)
+        enqueue(call_myq, spool, "b", str(i), "--id", "b%d" % i)
+    enqueue(call_myq, spool, "a", "null", "--id", "later", "--delay", "1h")
+    assert sorted(_ids(call_myq("--spool", spool, "list", "--type", "a"))) == \
+        ["a0", "a1", "a2", "later"]
+    assert _ids(call_myq("--spool", spool, "list", "ready", "--type", "a")) \
+        == ["a0", "a1", "a2"]
+    assert _ids(call_myq("--spool", spool, "list", "scheduled", "--type", "b")) \
+        == []
+    assert len(_ids(call_myq("--spool", spool, "list", "--limit", "2"))) == 2
+    assert _ids(call_myq("--spool", spool, "list", "--type", "b",
+                         "--limit", "2")) == ["b0", "b1"]
+    cp = call_myq("--spool", spool, "list", "--type", "a", "--limit", "1",
+                  "--json")
+    rows = [json.loads(line) for line in cp.stdout.splitlines()]
+    assert [(r["id"], r["type"]) for r in rows] == [("a0", "a")]
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "x"])
+def test_list_bad_limit_is_64(spool, limit):
+    cp = call_myq("--spool", spool, "list", "--limit=" + limit)
+    assert cp.returncode == 64, cp.stderr
+    assert "--limit" in one_line_error(cp)
+
+
+def test_retry_now_makes_a_scheduled_job_ready(spool, handlers_dir, tmp_path):
+    jid = enqueue(call_myq, spool, "t", '{"n": 1}', "--id", "s1",
+                  "--delay", "1h")
+    before = show(call_myq, spool, jid)
+    assert before["state"] == "scheduled"
+    cp = call_myq("--spool", spool, "retry", "s1")
+    assert cp.returncode == 66, cp.stderr
+    assert "--now" in one_line_error(cp)
+    cp = call_myq("--spool", spool, "retry", "--now", "s1")
+    assert (cp.returncode, cp.stdout) == (0, "retried=1\n"), cp.stderr
+    after = show(call_myq, spool, jid)
+    assert after["state"] == "ready"
+    assert after["available_at"] <= time.time()
+    assert {k: after[k] for k in ("payload", "created_at", "attempts")} == \
+        {k: before[k] for k in ("payload", "created_at", "attempts")}
+    assert sorted(os.listdir(os.path.join(spool, "incoming"))) == ["s1.json"]
+    assert os.listdir(os.path.join(spool, "processing")) == []
+    out = tmp_path / "ran"
+    d = handlers_dir("t", 'cat >> "%s"' % out)
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", d)
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(out.read_text()) == {"n": 1}
+
+
+def test_retry_now_keeps_attempts_and_error_of_a_backed_off_job(spool,
+                                                               handlers_dir):
+    d = handlers_dir("t", 'echo "boom" >&2; exit 1')
+    jid = enqueue(call_myq, spool, "t", "null", "--max-attempts", "3")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", d,
+                 "--backoff-base", "1h", "--jitter", "0", "--poll", "0.05")
+    assert cp.returncode == 0, cp.stderr
+    job = show(call_myq, spool, jid)
+    assert (job["state"], job["attempts"]) == ("scheduled", 1)
+    cp = call_myq("--spool", spool, "retry", "--now", jid)
+    assert cp.returncode == 0, cp.stderr
+    job = show(call_myq, spool, jid)
+    assert (job["state"], job["attempts"]) == ("ready", 1)
+    assert "boom" in job["last_error"]
+    d = handlers_dir("t", "exit 0")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", d,
+                 "--poll", "0.05")
+    assert cp.returncode == 0, cp.stderr
+    assert show(call_myq, spool, jid)["state"] == "done"
+
+
+def test_retry_now_of_a_ready_or_unknown_job(spool):
+    enqueue(call_myq, spool, "t", "null", "--id", "r1")
+    cp = call_myq("--spool", spool, "retry", "--now", "r1")
+    assert (cp.returncode, cp.stdout) == (0, "retried=1\n"), cp.stderr
+    assert show(call_myq, spool, "r1")["state"] == "ready"
+    cp = call_myq("--spool", spool, "retry", "--now", "nope")
+    assert cp.returncode == 66
+    one_line_error(cp)
+
+
+def _old_job(spool, jid, type_, age):
+    """A job a shell producer wrote `age` seconds ago (created_at says so)."""
+    from _core import write_incoming
+    t = time.time() - age
+    write_incoming(spool, jid + ".json", {
+        "id": jid, "type": type_, "payload": None, "created_at": t,
+        "updated_at": t, "available_at": t})
+
+
+def test_delete_in_bulk_by_state_type_and_age(spool):
+    _old_job(spool, "old-a", "a", 2 * 86400)
+    _old_job(spool, "old-b", "b", 2 * 86400)
+    enqueue(call_myq, spool, "a", "null", "--id", "new-a")
+    enqueue(call_myq, spool, "a", "null", "--id", "later-a", "--delay", "1h")
+    cp = call_myq("--spool", spool, "delete", "--state", "ready", "--type",
+                  "a", "--older-than", "1d")
+    assert (cp.returncode, cp.stdout) == (0, "deleted=1\n"), cp.stderr
+    assert sorted(_ids(call_myq("--spool", spool, "list"))) == \
+        ["later-a", "new-a", "old-b"]
+    cp = call_myq("--spool", spool, "delete", "--state", "ready", "--json")
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(cp.stdout) == {"deleted": 2}
+    assert _ids(call_myq("--spool", spool, "list")) == ["later-a"]
+    cp = call_myq("--spool", spool, "delete", "--state", "scheduled",
+                  "--type", "b")
+    assert cp.stdout == "deleted=0\n"
+    cp = call_myq("--spool", spool, "delete", "--state", "scheduled")
+    assert cp.stdout == "deleted=1\n"
+    assert os.listdir(os.path.join(spool, "incoming")) == []
+
+
+def test_delete_in_bulk_done_dead_and_failed(spool, handlers_dir):
+    from _core import write_incoming
+    d = handlers_dir("ok", "exit 0")
+    handlers_dir("no", "exit 65")
+    for i in range(3):
+        enqueue(call_myq, spool, "ok", "null", "--id", "ok%d" % i)
+    enqueue(call_myq, spool, "no", "null", "--id", "no1")
+    write_incoming(spool, "bad1.json", None, raw=b"{not json")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", d,
+                 "--poll", "0.05")
+    assert cp.returncode == 0, cp.stderr
+    assert len(_ids(call_myq("--spool", spool, "list", "done"))) == 3
+    cp = call_myq("--spool", spool, "delete", "--state", "done",
+                  "--older-than", "1h")
+    assert cp.stdout == "deleted=0\n", cp.stderr        # finished just now
+    cp = call_myq("--spool", spool, "delete", "--state", "done")
+    assert cp.stdout == "deleted=3\n", cp.stderr
+    cp = call_myq("--spool", spool, "delete", "--state", "dead", "--type", "ok")
+    assert cp.stdout == "deleted=0\n", cp.stderr
+    cp = call_myq("--spool", spool, "delete", "--state", "dead", "--type", "no")
+    assert cp.stdout == "deleted=1\n", cp.stderr
+    cp = call_myq("--spool", spool, "delete", "--state", "failed",
+                  "--older-than", "1d")
+    assert cp.stdout == "deleted=0\n", cp.stderr
+    cp = call_myq("--spool", spool, "delete", "--state", "failed")
+    assert cp.stdout == "deleted=1\n", cp.stderr
+    assert os.listdir(os.path.join(spool, "failed")) == []
+    assert _ids(call_myq("--spool", spool, "list")) == []
+
+
+def test_delete_in_bulk_never_takes_running_jobs_without_force(spool,
+                                                              handlers_dir,
+                                                              tmp_path):
+    from _core import blocking_handler, start_worker, stop, wait_for
+    body, started, release = blocking_handler(tmp_path)
+    d = handlers_dir("slow", body)
+    enqueue(call_myq, spool, "slow", "null", "--id", "run1")
+    w = start_worker(spool, "--handlers", d, "--poll", "0.05")
+    try:
+        wait_for(lambda: (started / "run1").exists(),
+                 what="the handler to start")
+        cp = call_myq("--spool", spool, "delete", "--state", "processing")
+        assert cp.returncode == 75, cp.stderr
+        assert "--force" in one_line_error(cp)
+        assert show(call_myq, spool, "run1")["state"] == "processing"
+        cp = call_myq("--spool", spool, "delete", "--state", "processing",
+                      "--force")
+        assert cp.stdout == "deleted=1\n", cp.stderr
+        cp = call_myq("--spool", spool, "show", "run1")
+        assert cp.returncode == 66
+    finally:
+        release.write_text("")
+        stop(w)
+
+
+@pytest.mark.parametrize("args", [
+    ("delete",), ("delete", "x", "--state", "done"),
+    ("delete", "--type", "a"), ("delete", "x", "--older-than", "1d"),
+    ("delete", "--state", "bogus"), ("delete", "--state", "done",
+                                     "--older-than", "soon"),
+], ids=" ".join)
+def test_delete_usage_errors(spool, args):
+    cp = call_myq("--spool", spool, *args)
+    assert cp.returncode == 64, cp.stderr
+    one_line_error(cp)
