@@ -424,3 +424,53 @@ def test_delete_usage_errors(spool, args):
     cp = call_myq("--spool", spool, *args)
     assert cp.returncode == 64, cp.stderr
     one_line_error(cp)
+
+
+# 4. A failed file by the name list shows, or by its file name ################
+
+def _quarantined(spool, names):
+    """Files that are not jobs, moved into failed/ by a worker."""
+    from _core import write_incoming
+    for name in names:
+        write_incoming(spool, name, None, raw=b"{not json")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05")
+    assert cp.returncode == 0, cp.stderr
+    cp = call_myq("--spool", spool, "list", "failed", "--json")
+    return sorted(json.loads(line)["id"] for line in cp.stdout.splitlines())
+
+
+NAMES = [("bad1", "bad1.json"), ("bad 2", "bad 2.json"),
+         (".hidden", ".hidden.json")]
+
+
+@pytest.mark.parametrize("listed,file", NAMES)
+@pytest.mark.parametrize("use", ["listed", "file"])
+@pytest.mark.parametrize("command", ["show", "retry", "delete"])
+def test_failed_files_answer_to_both_names(spool, command, use, listed, file):
+    assert _quarantined(spool, [file]) == [listed]
+    ref = listed if use == "listed" else file
+    cp = call_myq("--spool", spool, command, ref)
+    assert cp.returncode == 0, (ref, cp.stderr)
+    if command == "show":
+        job = json.loads(cp.stdout)
+        assert (job["state"], job["id"]) == ("failed", listed)
+        assert job["content"] == "{not json"
+    elif command == "retry":
+        assert os.listdir(os.path.join(spool, "incoming")) == [file]
+    if command != "show":
+        assert os.listdir(os.path.join(spool, "failed")) == []
+
+
+def test_a_second_quarantined_file_of_the_same_name(spool):
+    """Two files named bad1.json quarantined: the second gets a suffix;
+    each answers to the name list shows."""
+    assert _quarantined(spool, ["bad1.json"]) == ["bad1"]
+    ids = _quarantined(spool, ["bad1.json"])
+    assert len(ids) == 2 and "bad1" in ids
+    other = [i for i in ids if i != "bad1"][0]
+    for ref in (other, other + ".json"):
+        cp = call_myq("--spool", spool, "show", ref)
+        assert cp.returncode == 0, cp.stderr
+    cp = call_myq("--spool", spool, "delete", other, "bad1.json")
+    assert cp.stdout == "deleted=2\n", cp.stderr
+    assert os.listdir(os.path.join(spool, "failed")) == []
