@@ -2236,6 +2236,86 @@ def _count(path, suffix):
     return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
 
 
+# stats() key -> (metric, type, help) of the Prometheus text format (SPEC 6)
+_PROM_GAUGES = (
+    ("oldest_ready_s", "myq_oldest_ready_seconds", "gauge",
+     "How long the earliest ready job has waited since it became available."),
+    ("retries_1m", "myq_retries_1m", "gauge",
+     "Failed runs scheduled for a retry in the last 60 seconds, by any worker."),
+)
+_PROM_TOTALS = ("dropped", "expired", "rejected")
+
+
+def _prom_label(value):
+    return '"%s"' % str(value).replace("\\", "\\\\").replace(
+        '"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(stats):
+    """A spool's stats() in the Prometheus text exposition format (for
+    node_exporter's textfile collector): # HELP and # TYPE, then the
+    samples; job counts and the like are gauges, totals since init counters."""
+    q = "queue=" + _prom_label(stats["queue"])
+    out = []
+
+    def metric(name, kind, help, samples):
+        out.append("# HELP %s %s" % (name, help))
+        out.append("# TYPE %s %s" % (name, kind))
+        for labels, value in samples:
+            out.append("%s{%s} %s" % (name, ",".join([q] + labels),
+                                      "%d" % value if value == int(value)
+                                      else repr(float(value))))
+
+    metric("myq_jobs", "gauge", "Jobs in the spool, by state.",
+           [(["state=" + _prom_label(st)], stats.get(st, 0)) for st in STATES])
+    for key, name, kind, help in _PROM_GAUGES:
+        metric(name, kind, help, [([], stats.get(key, 0))])
+    if "free_kb" in stats:
+        metric("myq_free_bytes", "gauge", "Bytes free on the spool's "
+               "filesystem for an unprivileged writer.",
+               [([], stats["free_kb"] * 1024)])
+    for key in _PROM_TOTALS:
+        v = stats.get(key)
+        if isinstance(v, dict):         # by type
+            samples = [(["type=" + _prom_label(t)], n)
+                       for t, n in sorted(v.items())]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            samples = [([], v)]
+        else:
+            continue
+        metric("myq_%s_total" % key, "counter", "Jobs %s since myq init." % key,
+               samples)
+    if isinstance(stats.get("paused"), list):
+        metric("myq_paused", "gauge", "1 for each job type that is paused.",
+               [(["type=" + _prom_label(t)], 1) for t in stats["paused"]])
+    if isinstance(stats.get("held"), list):
+        metric("myq_held", "gauge", "Until when (epoch seconds) a destination "
+               "is held by its circuit breaker.",
+               [(["destination=" + _prom_label(h.get("dest"))],
+                 h.get("until") or 1) for h in stats["held"]
+                if isinstance(h, dict)])
+    return "\n".join(out) + "\n"
+
+
+def _write_textfile(w):
+    """The worker's --textfile DIR: DIR/myq_QUEUE.prom, by write to a
+    temporary name and rename (node_exporter never reads half a file)."""
+    d = getattr(w, "textfile", None)
+    if not d:
+        return
+    sp = w.spool
+    name = "myq_%s.prom" % re.sub(r"[^A-Za-z0-9_.-]", "_", sp.name)
+    tmp = os.path.join(d, ".%s.%d.tmp" % (name, os.getpid()))
+    try:
+        data = prometheus_text(sp.stats()).encode("utf-8", "replace")
+        _quiet_unlink(tmp)
+        _create(tmp, data, sync=False, mode=0o644)
+        _rename(tmp, os.path.join(d, name))
+    except OSError as e:
+        _quiet_unlink(tmp)
+        w.log("error", during="textfile", error="%s: %s" % (d, e.strerror or e))
+
+
 _SPOOLS = {}
 
 
@@ -2833,6 +2913,7 @@ class Worker(object):
                 self.log.write(self.spool.status_line())
             except OSError:
                 pass
+            _write_textfile(self)
             self._next_stats = now + self.stats_interval
         if now >= self._next_prune and self.prune_interval:
             full = now >= self._next_full_prune
@@ -3801,6 +3882,7 @@ WORKER_OPTIONS = [
     ("--syslog-tag", str, "myq", "syslog tag"),
     ("--http-header", "append", [], "'Name: value' added to every http job"),
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
+    ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
 ]
 
 
@@ -3816,7 +3898,7 @@ _GUARDS_SHOWN = {
 }
 
 
-_METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE",
+_METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
              "pass_env": "NAME"}
 
 
@@ -3953,6 +4035,9 @@ def _parser(only=None):
     p = cmd("stats", "print the status line")
     p.add_argument("--json", action="store_true",
                    help="one JSON object instead of the status line")
+    p.add_argument("--prometheus", action="store_true",
+                   help="the Prometheus text format (node_exporter's "
+                   "textfile collector) instead of the status line")
     p = cmd("list", "list jobs")
     p.add_argument("state", nargs="?", choices=STATES,
                    help="only jobs in this state: %s" % ", ".join(STATES))
@@ -4069,6 +4154,8 @@ def _check_worker_options(o):
         raise ConfigError("--handlers %s is not a directory" % o["handlers"])
     if o["module"] and not os.path.isfile(o["module"]):
         raise ConfigError("--module %s: no such Python file" % o["module"])
+    if o.get("textfile") and not os.path.isdir(o["textfile"]):
+        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
 
 
 def _http_headers(o):
@@ -4227,8 +4314,11 @@ def _cmd_enqueue(a):
 def _cmd_worker(a):
     o = _resolve(a.args, WORKER_OPTIONS, a.env)
     a.spool.require()
+    if o["textfile"] and not os.path.isdir(o["textfile"]):
+        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
     w = _worker_from(a.spool, o)
     w.parent = a.args.parent_pid
+    w.textfile = o["textfile"]
     return w.run(once=o["once"], drain=o["drain"])
 
 
@@ -4237,9 +4327,13 @@ def _cmd_supervise(a):
 
 
 def _cmd_stats(a):
+    if a.args.json and a.args.prometheus:
+        raise UsageError("give --json or --prometheus, not both")
     a.spool.require()
     if a.args.json:
         _print(json.dumps(a.spool.stats(), sort_keys=False))
+    elif a.args.prometheus:
+        _print(prometheus_text(a.spool.stats()).rstrip("\n"))
     else:
         _print(a.spool.status_line())
 

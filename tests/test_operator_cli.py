@@ -474,3 +474,123 @@ def test_a_second_quarantined_file_of_the_same_name(spool):
     cp = call_myq("--spool", spool, "delete", other, "bad1.json")
     assert cp.stdout == "deleted=2\n", cp.stderr
     assert os.listdir(os.path.join(spool, "failed")) == []
+
+
+# 5. stats --prometheus, worker --textfile ###################################
+
+PROM_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+PROM_SAMPLE = re.compile(r'^(%s)\{((?:[a-zA-Z_]\w*="(?:[^"\\\n]|\\.)*",?)*)\} '
+                         r'(\S+)$' % PROM_NAME)
+
+
+def parse_prometheus(text):
+    """The text exposition format, strictly enough for node_exporter:
+    {name: (type, help, {frozenset(labels): value})}."""
+    metrics = {}
+    helps, types = {}, {}
+    assert text.endswith("\n") and "\n\n" not in text
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, help = line[7:].partition(" ")
+            assert re.match(PROM_NAME + r"\Z", name) and help, line
+            assert name not in helps, "HELP twice: " + line
+            helps[name] = help
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[7:].partition(" ")
+            assert kind in ("gauge", "counter"), line
+            assert name in helps and name not in types, line
+            types[name] = kind
+        else:
+            m = PROM_SAMPLE.match(line)
+            assert m, "not a sample: %r" % line
+            name, labels, value = m.groups()
+            assert name in types, "sample before its TYPE: " + line
+            if types[name] == "counter":
+                assert name.endswith("_total"), name
+            labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+            samples = metrics.setdefault(name, (types[name], helps[name], {}))[2]
+            assert labels not in samples, "sample twice: " + line
+            samples[labels] = float(value)
+    return metrics
+
+
+def test_stats_prometheus_has_the_figures_of_stats_json(spool, handlers_dir):
+    d = handlers_dir("no", "exit 65")
+    for i in range(3):
+        enqueue(call_myq, spool, "t", "null")
+    enqueue(call_myq, spool, "t", "null", "--delay", "1h")
+    enqueue(call_myq, spool, "no", "null", "--id", "dead1")
+    cp = run_myq("--spool", spool, "worker", "--once", "--handlers", d)
+    assert cp.returncode == 0, cp.stderr
+    want = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
+    cp = call_myq("--spool", spool, "stats", "--prometheus")
+    assert cp.returncode == 0, cp.stderr
+    m = parse_prometheus(cp.stdout)
+    q = ("queue", want["queue"])
+    kind, _, jobs = m["myq_jobs"]
+    assert kind == "gauge"
+    assert {dict(k)["state"]: v for k, v in jobs.items()} == {
+        s: want[s] for s in ("ready", "scheduled", "processing", "done",
+                             "dead", "failed")}
+    assert all(q in k for k in jobs)
+    assert jobs[frozenset([q, ("state", "dead")])] == 1
+    assert m["myq_oldest_ready_seconds"][2] == {frozenset([q]): want["oldest_ready_s"]}
+    assert m["myq_retries_1m"][2] == {frozenset([q]): want["retries_1m"]}
+    assert m["myq_free_bytes"][0] == "gauge"
+    assert m["myq_free_bytes"][2][frozenset([q])] > 0
+
+
+def test_prometheus_labels_are_escaped(myq):
+    text = myq.prometheus_text({
+        "queue": 'a"b\\c\nd', "ready": 1, "dropped": {"t": 3},
+        "paused": ["p1"], "held": [{"dest": "host:80", "until": 12.5}]})
+    m = parse_prometheus(text)
+    q = ("queue", 'a\\"b\\\\c\\nd')
+    assert m["myq_jobs"][2][frozenset([q, ("state", "ready")])] == 1
+    assert m["myq_dropped_total"][0] == "counter"
+    assert m["myq_dropped_total"][2] == {frozenset([q, ("type", "t")]): 3}
+    assert m["myq_paused"][2] == {frozenset([q, ("type", "p1")]): 1}
+    assert m["myq_held"][2] == {frozenset([q, ("destination", "host:80")]): 12.5}
+
+
+def test_stats_json_and_prometheus_together_is_64(spool):
+    cp = call_myq("--spool", spool, "stats", "--json", "--prometheus")
+    assert cp.returncode == 64
+    one_line_error(cp)
+
+
+def test_worker_textfile_is_written_by_rename_every_interval(spool, tmp_path):
+    from _core import start_worker, stop, wait_for
+    out = tmp_path / "textfile"
+    out.mkdir()
+    name = "myq_%s.prom" % os.path.basename(spool)
+    enqueue(call_myq, spool, "t", "null", "--delay", "1h")
+    w = start_worker(spool, "--poll", "0.05", "--stats-interval", "200ms",
+                     env={"MYQ_TEXTFILE": str(out)})
+    try:
+        path = out / name
+        wait_for(path.exists, what="the textfile")
+        first = path.stat().st_ino
+        m = parse_prometheus(path.read_text())
+        q = ("queue", os.path.basename(spool))
+        assert m["myq_jobs"][2][frozenset([q, ("state", "scheduled")])] == 1
+        assert oct(path.stat().st_mode & 0o777) == oct(0o644)
+        enqueue(call_myq, spool, "t", "null", "--delay", "1h")
+        # a new file each time (renamed over), with the new figures
+        wait_for(lambda: path.stat().st_ino != first and parse_prometheus(
+            path.read_text())["myq_jobs"][2][
+                frozenset([q, ("state", "scheduled")])] == 2,
+            what="the next textfile")
+        assert sorted(os.listdir(str(out))) == [name]     # no temporary left
+    finally:
+        assert stop(w) == 0
+
+
+def test_worker_textfile_must_be_a_directory(spool, tmp_path):
+    cp = run_myq("--spool", spool, "worker", "--once", "--textfile",
+                 str(tmp_path / "nope"))
+    assert cp.returncode == 78
+    assert "--textfile" in one_line_error(cp)
+    cp = call_myq("--spool", spool, "supervise", "--dry-run", "--textfile",
+                  str(tmp_path / "nope"))
+    assert cp.returncode == 78
