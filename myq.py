@@ -1090,6 +1090,7 @@ class Spool(object):
             return self
         for sub in SUBDIRS:
             if not os.path.isdir(self.d(sub)):
+                self._unusable(sub)
                 if not os.path.isdir(self.path):
                     raise ConfigError("spool %s does not exist; create it with: "
                                       "myq --spool %s init" % (self.path, self.path))
@@ -1097,6 +1098,55 @@ class Spool(object):
                                   "myq --spool %s init" % (self.path, sub, self.path))
         self._ready = True      # checked once per Spool object
         return self
+
+    def _unusable(self, sub):
+        """Raise ConfigError when spool/SUB is there but this user may not
+        reach it (EACCES) or a part of the path is not a directory: not the
+        'not initialised' of a spool that is missing."""
+        p = self.d(sub)
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM):
+                where = self.path
+                try:
+                    os.stat(self.path)
+                except OSError:
+                    where = os.path.dirname(self.path)  # above the spool
+                raise ConfigError(
+                    "permission denied: uid %d may not enter %s; run myq as "
+                    "the spool's owner%s, or give this user access"
+                    % (os.geteuid(), where, self._owner_hint()))
+            if e.errno == errno.ENOTDIR:
+                raise ConfigError("spool %s: a part of the path is not a "
+                                  "directory; give the spool directory as "
+                                  "--spool" % self.path)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError("spool %s: %s is not a directory; move it away "
+                              "and run: myq --spool %s init"
+                              % (self.path, p, self.path))
+
+    def _check_readable(self):
+        """stats and list read every state directory: say so when this user
+        may not, rather than count nothing."""
+        for sub in ("incoming", "processing", "done", "dlq", "failed"):
+            if not os.access(self.d(sub), os.R_OK | os.X_OK):
+                raise ConfigError(
+                    "permission denied: uid %d may not read %s; run myq as "
+                    "the spool's owner%s or a member of its group"
+                    % (os.geteuid(), self.d(sub), self._owner_hint()))
+
+    def _owner_hint(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return ""
+        try:
+            import pwd
+            return " (%s)" % pwd.getpwuid(st.st_uid).pw_name
+        except (ImportError, KeyError):
+            return " (uid %d)" % st.st_uid
 
     def check_filesystem(self):
         dev = os.stat(self.path).st_dev
@@ -1245,6 +1295,12 @@ class Spool(object):
             if _space_error(e):
                 raise SpoolFull("spool %s is full (%s); nothing was enqueued; "
                                 "free space or prune" % (self.path, e.strerror))
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise ConfigError(
+                    "permission denied: uid %d may not write jobs into %s (%s); "
+                    "nothing was enqueued; run myq as the spool's owner%s, or "
+                    "give this user write access" % (os.geteuid(), self.path,
+                                               e.strerror, self._owner_hint()))
             raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
                             % (jid, self.path, e.strerror))
 
@@ -2335,6 +2391,9 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
 
 # Logging #####################################################################
 
+_DEV_LOG = "/dev/log"        # syslog(3)'s socket
+
+
 class Log(object):
     """`TIMESTAMP event=NAME key=value …` lines to stderr, a file (reopened
     on SIGHUP, for logrotate) or syslog.  No `logging`: python3-light lacks it."""
@@ -2354,6 +2413,10 @@ class Log(object):
                                  "local0 … local7)" % facility)
             _syslog.openlog(tag, _syslog.LOG_PID, fac)
             self._syslog = _syslog
+            if not os.path.exists(_DEV_LOG):
+                (stream or sys.stderr).write(
+                    "myq: warning: no %s: syslog lines are dropped; use --log "
+                    "FILE or start syslogd\n" % _DEV_LOG)
         elif path:
             self.reopen()
 
@@ -4330,6 +4393,7 @@ def _cmd_stats(a):
     if a.args.json and a.args.prometheus:
         raise UsageError("give --json or --prometheus, not both")
     a.spool.require()
+    a.spool._check_readable()
     if a.args.json:
         _print(json.dumps(a.spool.stats(), sort_keys=False))
     elif a.args.prometheus:
@@ -4340,6 +4404,7 @@ def _cmd_stats(a):
 
 def _cmd_list(a):
     a.spool.require()
+    a.spool._check_readable()
     n = 0
     for job in a.spool.list(a.args.state):
         if a.args.type is not None and job.get("type") != a.args.type:

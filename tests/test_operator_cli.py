@@ -594,3 +594,125 @@ def test_worker_textfile_must_be_a_directory(spool, tmp_path):
     cp = call_myq("--spool", spool, "supervise", "--dry-run", "--textfile",
                   str(tmp_path / "nope"))
     assert cp.returncode == 78
+
+
+# 6. Errors a user meets #####################################################
+
+def _world_python():
+    """An interpreter that another user may run (pyenv's lives under /root)."""
+    import sys
+    for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            real = os.path.realpath(p)
+            d = os.path.dirname(real)
+            ok = os.stat(real).st_mode & 0o001
+            while ok and d != "/":
+                ok = os.stat(d).st_mode & 0o001
+                d = os.path.dirname(d)
+            if ok:
+                return p
+        except OSError:
+            pass
+    return None
+
+
+@pytest.fixture
+def stranger(tmp_path):
+    """run(*args): myq as user nobody, from a copy of myq.py it may read,
+    on a spool under a directory it may enter (not the spool itself)."""
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+    from _core import MYQ, clean_env
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("needs root, to run myq as another user")
+    try:
+        pw = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    python = _world_python()
+    if python is None:
+        pytest.skip("no python3 that another user may run")
+    base = tempfile.mkdtemp(prefix="myq-perm-")
+    os.chmod(base, 0o755)
+    shutil.copy(MYQ, os.path.join(base, "myq.py"))
+    os.chmod(os.path.join(base, "myq.py"), 0o644)
+
+    def drop():
+        os.setgid(pw.pw_gid)
+        os.setgroups([])
+        os.setuid(pw.pw_uid)
+
+    def run(*args):
+        return subprocess.run(
+            [python, os.path.join(base, "myq.py")] + [str(a) for a in args],
+            preexec_fn=drop, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            universal_newlines=True, env=clean_env(), timeout=60)
+    run.base = base
+    yield run
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("args", [("stats",), ("stats", "--json"), ("list",),
+                                  ("enqueue", "t"), ("show", "x")],
+                         ids=" ".join)
+def test_a_user_without_access_is_told_so(stranger, args):
+    spool = os.path.join(stranger.base, "spool")
+    assert call_myq("--spool", spool, "init").returncode == 0     # 0750 root
+    cp = stranger("--spool", spool, *args)
+    assert cp.returncode == 78, (cp.returncode, cp.stdout, cp.stderr)
+    err = one_line_error(cp)
+    assert "permission denied" in err and "uid" in err, err
+    assert "not initialised" not in err and "does not exist" not in err, err
+    assert os.listdir(os.path.join(spool, "incoming")) == []
+
+
+@pytest.mark.parametrize("args", [("stats",), ("list",), ("enqueue", "t")],
+                         ids=" ".join)
+def test_a_user_who_may_enter_but_not_read_or_write_is_told_so(stranger, args):
+    spool = os.path.join(stranger.base, "spool")
+    assert call_myq("--spool", spool, "init").returncode == 0
+    os.chmod(spool, 0o755)              # the sub-directories stay 0750
+    cp = stranger("--spool", spool, *args)
+    assert cp.returncode == 78, (cp.returncode, cp.stdout, cp.stderr)
+    err = one_line_error(cp)
+    assert "permission denied" in err, err
+    assert "try again" not in err, err
+
+
+def test_a_spool_below_a_file_is_not_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("")
+    cp = call_myq("--spool", str(f / "spool"), "stats")
+    assert cp.returncode == 78
+    err = one_line_error(cp)
+    assert "not a directory" in err, err
+
+
+def test_a_missing_spool_still_says_init(tmp_path):
+    cp = call_myq("--spool", str(tmp_path / "nope"), "stats")
+    assert cp.returncode == 78
+    assert "myq --spool %s init" % (tmp_path / "nope") in one_line_error(cp)
+
+
+def test_syslog_without_dev_log_warns_once(myq, monkeypatch, tmp_path):
+    import io
+    monkeypatch.setattr(myq, "_DEV_LOG", str(tmp_path / "no-dev-log"))
+    err = io.StringIO()
+    myq.Log(syslog=True, stream=err)
+    assert err.getvalue() == (
+        "myq: warning: no %s: syslog lines are dropped; use --log FILE or "
+        "start syslogd\n" % (tmp_path / "no-dev-log"))
+    monkeypatch.setattr(myq, "_DEV_LOG", str(tmp_path))       # exists
+    err = io.StringIO()
+    myq.Log(syslog=True, stream=err)
+    assert err.getvalue() == ""
+
+
+@pytest.mark.skipif(os.path.exists("/dev/log"), reason="this machine has /dev/log")
+def test_worker_syslog_without_dev_log_warns_on_stderr(spool):
+    cp = run_myq("--spool", spool, "worker", "--once", "--syslog")
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stderr == ("myq: warning: no /dev/log: syslog lines are dropped; "
+                         "use --log FILE or start syslogd\n")
