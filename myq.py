@@ -172,10 +172,30 @@ def parse_size(text):
     return int(float(m.group(1)) * mult)
 
 
+_DURATION_RE = re.compile(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(ms|s|m|h|d)\s*\Z")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+DURATION_FORMS = "seconds such as 0.2 or 90, or a unit: 500ms, 30s, 15m, 1h, 7d"
+
+
+def parse_duration(text):
+    """'0.2', '90', '500ms', '30s', '15m', '1h', '7d' -> seconds (a float,
+    not range-checked: a caller that takes a job's delay judges it)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        m = _DURATION_RE.match(str(text))
+        if not m:
+            raise ValueError("not a duration (use %s)" % DURATION_FORMS)
+        return float(m.group(1)) * _UNITS[m.group(2)]
+
+
 def parse_seconds(text):
-    v = float(text)
+    """A duration (parse_duration) that is finite and >= 0."""
+    v = parse_duration(text)
     if not v >= 0 or v == float("inf"):
-        raise ValueError("not a number of seconds >= 0: %r" % text)
+        raise ValueError("not a duration >= 0 (use %s)" % DURATION_FORMS)
     return v
 
 
@@ -1106,6 +1126,7 @@ class Spool(object):
             return self
         for sub in SUBDIRS:
             if not os.path.isdir(self.d(sub)):
+                self._unusable(sub)
                 if not os.path.isdir(self.path):
                     raise ConfigError("spool %s does not exist; create it with: "
                                       "myq --spool %s init" % (self.path, self.path))
@@ -1113,6 +1134,55 @@ class Spool(object):
                                   "myq --spool %s init" % (self.path, sub, self.path))
         self._ready = True      # checked once per Spool object
         return self
+
+    def _unusable(self, sub):
+        """Raise ConfigError when spool/SUB is there but this user may not
+        reach it (EACCES) or a part of the path is not a directory: not the
+        'not initialised' of a spool that is missing."""
+        p = self.d(sub)
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM):
+                where = self.path
+                try:
+                    os.stat(self.path)
+                except OSError:
+                    where = os.path.dirname(self.path)  # above the spool
+                raise ConfigError(
+                    "permission denied: uid %d may not enter %s; run myq as "
+                    "the spool's owner%s, or give this user access"
+                    % (os.geteuid(), where, self._owner_hint()))
+            if e.errno == errno.ENOTDIR:
+                raise ConfigError("spool %s: a part of the path is not a "
+                                  "directory; give the spool directory as "
+                                  "--spool" % self.path)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError("spool %s: %s is not a directory; move it away "
+                              "and run: myq --spool %s init"
+                              % (self.path, p, self.path))
+
+    def _check_readable(self):
+        """stats and list read every state directory: say so when this user
+        may not, rather than count nothing."""
+        for sub in ("incoming", "processing", "done", "dlq", "failed"):
+            if not os.access(self.d(sub), os.R_OK | os.X_OK):
+                raise ConfigError(
+                    "permission denied: uid %d may not read %s; run myq as "
+                    "the spool's owner%s or a member of its group"
+                    % (os.geteuid(), self.d(sub), self._owner_hint()))
+
+    def _owner_hint(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return ""
+        try:
+            import pwd
+            return " (%s)" % pwd.getpwuid(st.st_uid).pw_name
+        except (ImportError, KeyError):
+            return " (uid %d)" % st.st_uid
 
     def check_filesystem(self):
         dev = os.stat(self.path).st_dev
@@ -1262,6 +1332,12 @@ class Spool(object):
             if _space_error(e):
                 raise SpoolFull("spool %s is full (%s); nothing was enqueued; "
                                 "free space or prune" % (self.path, e.strerror))
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise ConfigError(
+                    "permission denied: uid %d may not write jobs into %s (%s); "
+                    "nothing was enqueued; run myq as the spool's owner%s, or "
+                    "give this user write access" % (os.geteuid(), self.path,
+                                               e.strerror, self._owner_hint()))
             raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
                             % (jid, self.path, e.strerror))
 
@@ -1899,8 +1975,9 @@ class Spool(object):
                 continue
             yield jid, state, path
 
-    def retry(self, ids=(), all=False):
-        """Bring dead (or repaired failed) jobs back, attempts reset."""
+    def retry(self, ids=(), all=False, now=False):
+        """Bring dead (or repaired failed) jobs back, attempts reset; with
+        `now`, make waiting (scheduled) jobs ready now, attempts kept."""
         self.require()
         ids = [_check_ref(i) for i in _ids(ids)]
         if all:
@@ -1909,18 +1986,23 @@ class Spool(object):
         missing = []
         me = Identity(self, kind="r")   # registered when a dead job moves
         try:
-            n = self._retry(ids, missing, me)
+            n = self._retry(ids, missing, me, now)
         finally:
             me.unregister()
         if missing:
             raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
-                            "from dlq/ and failed/)" % (", ".join(missing), self.path))
+                            "from dlq/ and failed/; retry --now also scheduled "
+                            "ones)" % (", ".join(missing), self.path))
         return n
 
-    def _retry(self, ids, missing, me):
+    def _retry(self, ids, missing, me, now=False):
         n = 0
         for jid, state, path in self._located(ids, missing):
-            if state == "dead":
+            if now and state in ("ready", "scheduled"):
+                if not self._make_ready(jid, path, me):
+                    missing.append(jid)
+                    continue
+            elif state == "dead":
                 if os.path.lexists(self.d("incoming", jid + ".json")):
                     raise DuplicateJob("job %s is already queued; delete one "
                                        "of them first" % jid)
@@ -1953,34 +2035,123 @@ class Spool(object):
             self.poke()
         return n
 
+    def _make_ready(self, jid, path, me):
+        """retry --now: a waiting job's new version, available now, replaces
+        it the way a retry does (owned first, written in tmp/, renamed into
+        incoming/): a worker never sees it half-written, never twice.  False
+        when a worker took it first."""
+        job, _, _ = self.load(path, jid)
+        if job["available_at"] <= _now() and os.lstat(path).st_mtime <= _now():
+            return True                 # ready already
+        job["available_at"] = _now()
+        if not me.registered:
+            me.register()
+        owned = self._own(path, jid, me)
+        if owned is None:
+            return False
+        fin, token = owned
+        self._move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                      job, "incoming", me, fin=fin)
+        self.log("retry_now", id=jid)
+        return True
+
     def delete(self, ids, force=False):
         self.require()
         ids = [_check_ref(i) for i in _ids(ids)]
         missing, n = [], 0
         for jid, state, path in self._located(ids, missing):
-            if state == "processing":
-                if not force:
-                    raise SpoolBusy("job %s is running; wait for it, or delete "
-                                    "it with --force (its handler is killed)" % jid)
-                # Take it from the worker first (its finish then fails with
-                # ENOENT and moves nothing), then stop the handler.
-                gone = self._tmpname(jid + ".deleted")
-                if not _take(path, gone):
-                    missing.append(jid)
-                    continue
-                self._kill_handler(_claim_token(path), 15)
-                path = gone
-            try:
-                _unlink(path)
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-            if state == "failed":
-                _quiet_unlink(path + ".reason")
+            if self._delete_one(jid, state, path, force) is None:
+                missing.append(jid)
+                continue
             n += 1
         if missing:
             raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
         return n
+
+    def _delete_one(self, jid, state, path, force):
+        """1 when the file went, 0 when it was gone already, None when a
+        running job's claim went elsewhere first."""
+        if state == "processing":
+            if not force:
+                raise SpoolBusy("job %s is running; wait for it, or delete "
+                                "it with --force (its handler is killed)" % jid)
+            # Take it from the worker first (its finish then fails with
+            # ENOENT and moves nothing), then stop the handler.
+            gone = self._tmpname(jid + ".deleted")
+            if not _take(path, gone):
+                return None
+            self._kill_handler(_claim_token(path), 15)
+            path = gone
+        try:
+            _unlink(path)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return 0
+        finally:
+            if state == "failed":
+                _quiet_unlink(path + ".reason")
+        return 1
+
+    def delete_where(self, state, type=None, older_than=None, force=False,
+                     now=None):
+        """Delete in bulk (SPEC 4): the jobs in `state`, of `type`, older
+        than `older_than` seconds: counted from created_at for waiting and
+        running jobs, from the finish for done and dead ones, from the
+        quarantine for failed files.  Running jobs only with `force`.
+        Returns how many went."""
+        self.require()
+        if state not in STATES:
+            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
+        if state == "processing" and not force:
+            raise SpoolBusy("running jobs are deleted only with --force (their "
+                            "handlers are killed)")
+        now = _now() if now is None else now
+        sub = STATE_DIRS[state]
+        chosen = []
+        for e in _scandir(self.d(sub)):
+            name = e.name
+            if sub == "failed":
+                if name.endswith(".reason"):
+                    continue
+                jid = name
+            elif sub == "processing":
+                if not _split_claim(name):
+                    continue
+                jid = _split_claim(name)[0]
+            elif not name.endswith(".json"):
+                continue
+            else:
+                jid = name[:-5]
+            try:
+                st = e.stat(follow_symlinks=False)
+                if sub == "failed":
+                    job = {"state": "failed", "type": type and self._failed_type(e.path)}
+                else:
+                    job = self._describe(state, e.path)
+            except OSError:
+                continue                # it moved while we looked
+            except InvalidJob:
+                continue                # not a job: a worker quarantines it
+            if job["state"] != state or (type is not None and job["type"] != type):
+                continue
+            born = job["created_at"] if sub in ("incoming", "processing") \
+                else st.st_ctime
+            if older_than is not None and now - born < older_than:
+                continue
+            chosen.append((jid, e.path))
+        n = 0
+        for jid, path in chosen:
+            n += self._delete_one(jid, state, path, force) or 0
+        return n
+
+    def _failed_type(self, path):
+        """The type a quarantined file names, if it is a JSON object at all."""
+        try:
+            obj, _ = parse(self.read_file(path)[0])
+        except (OSError, InvalidJob, ValueError):
+            return None
+        return obj.get("type") if isinstance(obj, dict) else None
 
     # What retention removes (SPEC 4): directory, the count's name, which
     # time says how old an entry is, the option of how long it stays, the
@@ -2183,6 +2354,86 @@ def _count(path, suffix):
     return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
 
 
+# stats() key -> (metric, type, help) of the Prometheus text format (SPEC 6)
+_PROM_GAUGES = (
+    ("oldest_ready_s", "myq_oldest_ready_seconds", "gauge",
+     "How long the earliest ready job has waited since it became available."),
+    ("retries_1m", "myq_retries_1m", "gauge",
+     "Failed runs scheduled for a retry in the last 60 seconds, by any worker."),
+)
+_PROM_TOTALS = ("dropped", "expired", "rejected")
+
+
+def _prom_label(value):
+    return '"%s"' % str(value).replace("\\", "\\\\").replace(
+        '"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(stats):
+    """A spool's stats() in the Prometheus text exposition format (for
+    node_exporter's textfile collector): # HELP and # TYPE, then the
+    samples; job counts and the like are gauges, totals since init counters."""
+    q = "queue=" + _prom_label(stats["queue"])
+    out = []
+
+    def metric(name, kind, help, samples):
+        out.append("# HELP %s %s" % (name, help))
+        out.append("# TYPE %s %s" % (name, kind))
+        for labels, value in samples:
+            out.append("%s{%s} %s" % (name, ",".join([q] + labels),
+                                      "%d" % value if value == int(value)
+                                      else repr(float(value))))
+
+    metric("myq_jobs", "gauge", "Jobs in the spool, by state.",
+           [(["state=" + _prom_label(st)], stats.get(st, 0)) for st in STATES])
+    for key, name, kind, help in _PROM_GAUGES:
+        metric(name, kind, help, [([], stats.get(key, 0))])
+    if "free_kb" in stats:
+        metric("myq_free_bytes", "gauge", "Bytes free on the spool's "
+               "filesystem for an unprivileged writer.",
+               [([], stats["free_kb"] * 1024)])
+    for key in _PROM_TOTALS:
+        v = stats.get(key)
+        if isinstance(v, dict):         # by type
+            samples = [(["type=" + _prom_label(t)], n)
+                       for t, n in sorted(v.items())]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            samples = [([], v)]
+        else:
+            continue
+        metric("myq_%s_total" % key, "counter", "Jobs %s since myq init." % key,
+               samples)
+    if isinstance(stats.get("paused"), list):
+        metric("myq_paused", "gauge", "1 for each job type that is paused.",
+               [(["type=" + _prom_label(t)], 1) for t in stats["paused"]])
+    if isinstance(stats.get("held"), list):
+        metric("myq_held", "gauge", "Until when (epoch seconds) a destination "
+               "is held by its circuit breaker.",
+               [(["destination=" + _prom_label(h.get("dest"))],
+                 h.get("until") or 1) for h in stats["held"]
+                if isinstance(h, dict)])
+    return "\n".join(out) + "\n"
+
+
+def _write_textfile(w):
+    """The worker's --textfile DIR: DIR/myq_QUEUE.prom, by write to a
+    temporary name and rename (node_exporter never reads half a file)."""
+    d = getattr(w, "textfile", None)
+    if not d:
+        return
+    sp = w.spool
+    name = "myq_%s.prom" % re.sub(r"[^A-Za-z0-9_.-]", "_", sp.name)
+    tmp = os.path.join(d, ".%s.%d.tmp" % (name, os.getpid()))
+    try:
+        data = prometheus_text(sp.stats()).encode("utf-8", "replace")
+        _quiet_unlink(tmp)
+        _create(tmp, data, sync=False, mode=0o644)
+        _rename(tmp, os.path.join(d, name))
+    except OSError as e:
+        _quiet_unlink(tmp)
+        w.log("error", during="textfile", error="%s: %s" % (d, e.strerror or e))
+
+
 _SPOOLS = {}
 
 
@@ -2201,6 +2452,9 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
 
 
 # Logging #####################################################################
+
+_DEV_LOG = "/dev/log"        # syslog(3)'s socket
+
 
 class Log(object):
     """`TIMESTAMP event=NAME key=value …` lines to stderr, a file (reopened
@@ -2221,6 +2475,10 @@ class Log(object):
                                  "local0 … local7)" % facility)
             _syslog.openlog(tag, _syslog.LOG_PID, fac)
             self._syslog = _syslog
+            if not os.path.exists(_DEV_LOG):
+                (stream or sys.stderr).write(
+                    "myq: warning: no %s: syslog lines are dropped; use --log "
+                    "FILE or start syslogd\n" % _DEV_LOG)
         elif path:
             self.reopen()
 
@@ -2782,6 +3040,7 @@ class Worker(object):
                 self.log.write(self.spool.status_line())
             except OSError:
                 pass
+            _write_textfile(self)
             self._next_stats = now + self.stats_interval
         if now >= self._next_prune and self.prune_interval:
             full = now >= self._next_full_prune
@@ -3713,21 +3972,30 @@ def _seconds(text):
 
 
 def _posint(text):
-    v = int(text)
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ValueError("not a whole number >= 1")
     if v < 1:
         raise ValueError("must be at least 1")
     return v
 
 
 def _natural(text):
-    v = int(text)
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ValueError("not a whole number >= 0")
     if v < 0:
         raise ValueError("must be >= 0")
     return v
 
 
 def _fraction(text):
-    v = float(text)
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise ValueError("not a fraction (a number from 0 to 1, e.g. 0.1)")
     if not 0 <= v <= 1:
         raise ValueError("must be between 0 and 1")
     return v
@@ -3744,40 +4012,88 @@ def _flag(text):
 
 # (flag, type, default, help); `type` None means a switch.
 GUARD_OPTIONS = [
-    ("--min-free", parse_size, DEFAULTS["min_free"], "refuse work below this free space"),
-    ("--min-free-inodes", _natural, DEFAULTS["min_free_inodes"], "... or below these free inodes"),
+    ("--min-free", parse_size, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
+    ("--min-free-inodes", _natural, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
     ("--max-job-bytes", parse_size, DEFAULTS["max_job_bytes"], "largest job file"),
     ("--dedupe-window", _seconds, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
-    ("--keep-done", _seconds, DEFAULTS["keep_done"], "retention of done/ (seconds)"),
-    ("--keep-done-max", _natural, DEFAULTS["keep_done_max"], "at most this many in done/"),
-    ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "retention of dlq/"),
-    ("--keep-dead-max", _natural, DEFAULTS["keep_dead_max"], "at most this many in dlq/"),
-    ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "retention of failed/"),
+    ("--keep-done", _seconds, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
+    ("--keep-done-max", _natural, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
+    ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
+    ("--keep-dead-max", _natural, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
+    ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
 ]
 WORKER_OPTIONS = [
-    ("--handlers", str, None, "directory of executable handlers"),
+    ("--handlers", str, None, "directory of executable handlers, one per type"),
     ("--module", str, None, "Python file of handler functions"),
     ("--concurrency", _posint, 1, "handlers run at once by this worker"),
-    ("--lease", _seconds, 60.0, "claim lease (seconds), renewed by heartbeats"),
-    ("--timeout", _seconds, 300.0, "handler time limit (seconds)"),
-    ("--max-attempts", _posint, 5, "attempts for jobs that do not say"),
-    ("--backoff-base", _seconds, 5.0, "first retry delay (seconds)"),
-    ("--backoff-max", _seconds, 3600.0, "longest retry delay (seconds)"),
-    ("--jitter", _fraction, 0.1, "spread of retry delays (fraction)"),
+    ("--lease", _seconds, 60.0, "claim lease, renewed by heartbeats"),
+    ("--timeout", _seconds, 300.0, "handler time limit, unless the job has a timeout"),
+    ("--max-attempts", _posint, 5, "runs a job gets when it does not say"),
+    ("--backoff-base", _seconds, 5.0, "delay of the first retry, doubling after each failure"),
+    ("--backoff-max", _seconds, 3600.0, "longest retry delay"),
+    ("--jitter", _fraction, 0.1, "random spread of retry delays, a fraction"),
     ("--poll", _seconds, 1.0, "how often to look for files dropped without a wake-up"),
-    ("--stats-interval", _seconds, 60.0, "seconds between status lines (0: never)"),
-    ("--grace", _seconds, 5.0, "seconds running jobs get at shutdown"),
+    ("--stats-interval", _seconds, 60.0, "time between status lines in the log, 0 for none"),
+    ("--grace", _seconds, 5.0, "time running handlers get after SIGTERM"),
     ("--scan-cache", _posint, 2048, "ready jobs remembered per directory scan"),
     ("--once", None, False, "run at most one job, then exit"),
-    ("--drain", None, False, "run until nothing is ready, then exit"),
+    ("--drain", None, False, "run until nothing is ready or running, then exit"),
     ("--pass-env", "append", [], "pass this variable to exec handlers"),
-    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP)"),
-    ("--syslog", None, False, "log to syslog"),
+    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP), not stderr"),
+    ("--syslog", None, False, "log to syslog, not stderr"),
     ("--syslog-facility", str, "daemon", "syslog facility"),
     ("--syslog-tag", str, "myq", "syslog tag"),
     ("--http-header", "append", [], "'Name: value' added to every http job"),
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
+    ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
 ]
+
+
+# The guard options each command's --help shows (worker and supervise: all);
+# the others are accepted and ignored, as they always were.
+_RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
+                    "--keep-dead", "--keep-dead-max", "--keep-failed")
+_GUARDS_SHOWN = {
+    "enqueue": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+                "--dedupe-window"),
+    "prune": _RETENTION_FLAGS,
+    "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
+}
+
+
+_METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
+             "pass_env": "NAME"}
+
+
+def _format_duration(v):
+    """3600.0 -> '1h', 90.0 -> '90s', 0.2 -> '0.2s': what --help shows."""
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if v >= max(n, 120) and v % n == 0:
+            return "%d%s" % (v // n, unit)
+    return "%gs" % v
+
+
+def _format_size(v):
+    for unit, n in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if v >= n and v % n == 0:
+            return "%d%s" % (v // n, unit)
+    return str(v)
+
+
+def _option_help(flag, typ, default, help):
+    """A table option's help: what it does, its default, its variable."""
+    var = "MYQ_" + flag[2:].replace("-", "_").upper()
+    if typ is _seconds:
+        return "%s (default %s; %s)" % (help, _format_duration(default), var)
+    if typ is parse_size:
+        return "%s (default %s; %s)" % (help, _format_size(default), var)
+    if typ is None:
+        return "%s (%s=1)" % (help, var)
+    if typ == "append":
+        return "%s; repeatable (%s)" % (help, var)
+    if default is None:
+        return "%s (%s)" % (help, var)
+    return "%s (default %s; %s)" % (help, default, var)
 
 
 class _Unparsed(object):
@@ -3797,9 +4113,25 @@ def _parser(only=None):
             raise UsageError("%s (see: myq %s--help)" % (
                 message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
 
-    def add(p, table):
+    def duration(text):
+        try:
+            return parse_duration(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError("%r is %s" % (text, e))
+
+    def count(text):
+        try:
+            return _posint(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError("%r is %s" % (text, e))
+
+    def add(p, table, shown=None):
         for flag, typ, default, help in table:
             dest = flag[2:].replace("-", "_")
+            if shown is not None and flag not in shown:
+                help = argparse.SUPPRESS     # accepted, but not its concern
+            else:
+                help = _option_help(flag, typ, default, help)
             if typ is None:
                 p.add_argument(flag, dest=dest, action="store_const", const=True,
                                default=None, help=help)
@@ -3809,7 +4141,10 @@ def _parser(only=None):
             else:
                 p.add_argument(flag, dest=dest, default=None, help=help,
                                metavar="N" if typ in (_posint, _natural) else
-                               "S" if typ is _seconds else dest.split("_")[-1].upper())
+                               "S" if typ is _seconds else
+                               "SIZE" if typ is parse_size else
+                               "F" if typ is _fraction else
+                               _METAVARS.get(dest) or dest.split("_")[-1].upper())
 
     top = Parser(prog="myq", description="A job queue worker for small Linux "
                  "devices: one spool directory, one file per job.")
@@ -3827,45 +4162,76 @@ def _parser(only=None):
         if worker:
             add(p, WORKER_OPTIONS)
         if guards:
-            add(p, GUARD_OPTIONS)
+            add(p, GUARD_OPTIONS, None if worker else _GUARDS_SHOWN[name])
         return p
 
     p = cmd("init", "create the spool and its layout (idempotent)")
     p.add_argument("--owner", help="chown the layout to USER[:GROUP]")
     p = cmd("enqueue", "add a job; prints its id", guards=True)
-    p.add_argument("type")
+    p.add_argument("type", help="the job's type: selects its handler")
     p.add_argument("payload", nargs="?", default="null",
                    help="JSON text, or - for standard input (default null)")
-    p.add_argument("--id")
-    p.add_argument("--delay", type=float, default=0)
-    p.add_argument("--max-attempts", type=int)
-    p.add_argument("--timeout", type=float)
+    p.add_argument("--id", help="the job's id (default: generated, in "
+                   "creation order); exit 73 when that id is queued, running, "
+                   "dead or done within the --dedupe-window")
+    p.add_argument("--delay", type=duration, default=0, metavar="S",
+                   help="run it no sooner than this from now (default 0)")
+    p.add_argument("--max-attempts", type=int, metavar="N",
+                   help="runs the job gets (default: the worker's "
+                   "--max-attempts)")
+    p.add_argument("--timeout", type=duration, metavar="S",
+                   help="the handler's time limit for this job (default: "
+                   "the worker's --timeout)")
     p = cmd("worker", "run jobs", guards=True, worker=True)
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p = cmd("supervise", "run and restart N workers (for the init script)",
             guards=True, worker=True)
     p.add_argument("--workers", default=None, metavar="N",
-                   help="worker processes to keep running (MYQ_WORKERS; default 1)")
+                   help="worker processes to keep running (default 1; MYQ_WORKERS)")
     p.add_argument("--user", help="run the workers as USER[:GROUP] (root only); "
                    "the log file is created for that user")
     p.add_argument("--pidfile", help="write the supervisor's pid to FILE")
-    p.add_argument("--stop-timeout", metavar="S", help="seconds the workers get "
-                   "after SIGTERM before SIGKILL (default 10)")
+    p.add_argument("--stop-timeout", metavar="S", help="time the workers get "
+                   "after SIGTERM before SIGKILL (default 10s)")
     p.add_argument("--dry-run", action="store_true", help="check the options "
                    "and the spool, start nothing (exit 0 when all is well)")
     p = cmd("stats", "print the status line")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object instead of the status line")
+    p.add_argument("--prometheus", action="store_true",
+                   help="the Prometheus text format (node_exporter's "
+                   "textfile collector) instead of the status line")
     p = cmd("list", "list jobs")
-    p.add_argument("state", nargs="?", choices=STATES)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("state", nargs="?", choices=STATES,
+                   help="only jobs in this state: %s" % ", ".join(STATES))
+    p.add_argument("--type", help="only jobs of this type")
+    p.add_argument("--limit", type=count, metavar="N",
+                   help="at most N jobs (default: all)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per line instead of text")
     p = cmd("show", "print one job as JSON")
-    p.add_argument("id")
+    p.add_argument("id", help="a job id, or the name of a file in failed/")
     p = cmd("retry", "bring dead (or repaired failed) jobs back")
-    p.add_argument("ids", nargs="*", metavar="ID")
-    p.add_argument("--all", action="store_true")
+    p.add_argument("ids", nargs="*", metavar="ID",
+                   help="dead job ids, or names of repaired files in failed/")
+    p.add_argument("--all", action="store_true",
+                   help="every job in dlq/")
+    p.add_argument("--now", action="store_true",
+                   help="also make these scheduled jobs ready now")
     p = cmd("delete", "remove jobs")
-    p.add_argument("ids", nargs="+", metavar="ID")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("ids", nargs="*", metavar="ID",
+                   help="job ids, or names of files in failed/")
+    p.add_argument("--state", choices=STATES,
+                   help="in bulk: every job in this state (%s)" % ", ".join(STATES))
+    p.add_argument("--type", help="with --state: only jobs of this type")
+    p.add_argument("--older-than", type=duration, metavar="S",
+                   help="with --state: only jobs older than this (waiting "
+                   "and running: since created, done and dead: since the "
+                   "finish, failed: since quarantined)")
+    p.add_argument("--force", action="store_true",
+                   help="delete running jobs too (their handlers are killed)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"deleted": N} instead of deleted=N')
     cmd("reap", "requeue claims of dead workers and expired leases")
     cmd("prune", "apply retention now", guards=True)
     p = cmd("check", "health: layout, permissions, free space, stale claims, "
@@ -3955,6 +4321,8 @@ def _check_worker_options(o):
         raise ConfigError("--handlers %s is not a directory" % o["handlers"])
     if o["module"] and not os.path.isfile(o["module"]):
         raise ConfigError("--module %s: no such Python file" % o["module"])
+    if o.get("textfile") and not os.path.isdir(o["textfile"]):
+        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
 
 
 def _http_headers(o):
@@ -3998,7 +4366,7 @@ def _supervise(args, spool, guards, env):
     try:
         stop_timeout = parse_seconds(args.stop_timeout or "10")
     except ValueError as e:
-        raise UsageError("bad --stop-timeout: %s" % e)
+        raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
     user = ids = None
     if args.user:
         import pwd
@@ -4116,8 +4484,11 @@ def _cmd_enqueue(a):
 def _cmd_worker(a):
     o = _resolve(a.args, WORKER_OPTIONS, a.env)
     a.spool.require()
+    if o["textfile"] and not os.path.isdir(o["textfile"]):
+        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
     w = _worker_from(a.spool, o)
     w.parent = a.args.parent_pid
+    w.textfile = o["textfile"]
     return w.run(once=o["once"], drain=o["drain"])
 
 
@@ -4126,16 +4497,28 @@ def _cmd_supervise(a):
 
 
 def _cmd_stats(a):
+    if a.args.json and a.args.prometheus:
+        raise UsageError("give --json or --prometheus, not both")
     a.spool.require()
+    a.spool._check_readable()
     if a.args.json:
         _print(json.dumps(a.spool.stats(), sort_keys=False))
+    elif a.args.prometheus:
+        _print(prometheus_text(a.spool.stats()).rstrip("\n"))
     else:
         _print(a.spool.status_line())
 
 
 def _cmd_list(a):
     a.spool.require()
+    a.spool._check_readable()
+    n = 0
     for job in a.spool.list(a.args.state):
+        if a.args.type is not None and job.get("type") != a.args.type:
+            continue
+        if a.args.limit is not None and n >= a.args.limit:
+            break
+        n += 1
         if a.args.json:
             _print(json.dumps(job))
             continue
@@ -4157,11 +4540,26 @@ def _cmd_show(a):
 def _cmd_retry(a):
     if not a.args.ids and not a.args.all:
         raise UsageError("retry needs job ids or --all")
-    _print("retried=%d" % a.spool.retry(a.args.ids, all=a.args.all))
+    _print("retried=%d" % a.spool.retry(a.args.ids, all=a.args.all,
+                                        now=a.args.now))
 
 
 def _cmd_delete(a):
-    _print("deleted=%d" % a.spool.delete(a.args.ids, force=a.args.force))
+    args = a.args
+    if args.state is None:
+        if args.type is not None or args.older_than is not None:
+            raise UsageError("--type and --older-than go with --state STATE")
+        if not args.ids:
+            raise UsageError("delete needs job ids, or --state STATE")
+        n = a.spool.delete(args.ids, force=args.force)
+    elif args.ids:
+        raise UsageError("give job ids or --state STATE, not both")
+    else:
+        if args.older_than is not None and not args.older_than >= 0:
+            raise UsageError("--older-than must be a duration >= 0")
+        n = a.spool.delete_where(args.state, type=args.type,
+                                 older_than=args.older_than, force=args.force)
+    _print(json.dumps({"deleted": n}) if args.json else "deleted=%d" % n)
 
 
 def _cmd_reap(a):
