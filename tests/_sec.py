@@ -15,13 +15,12 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 
-from _core import MYQ, clean_env
+from _core import MYQ, clean_env, world_python  # noqa: F401 (the tests' import)
 
 USER = "myqsec1"
 SECRET = "SECRET-d41d8cd98f00-must-never-leak"
@@ -32,25 +31,6 @@ def is_root():
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def world_python():
-    """An interpreter that another user may run (pyenv's lives under /root)."""
-    for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        try:
-            real = os.path.realpath(p)
-            if not os.stat(real).st_mode & 0o001:
-                continue
-            d = os.path.dirname(real)
-            ok = True
-            while d != "/":
-                if not os.stat(d).st_mode & 0o001:
-                    ok = False
-                    break
-                d = os.path.dirname(d)
-            if ok:
-                return p
-        except OSError:
-            pass
-    return None
 
 
 def make_user():
@@ -307,3 +287,15 @@ def kill_quiet(pid, sig=signal.SIGKILL):
         os.kill(pid, sig)
     except OSError:
         pass
+
+
+# A handler's daemon: fork, the parent exits, setsid, writes its pid.
+DAEMON = r'''import os, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write("%d\n" % os.getpid())
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(1000)
+'''

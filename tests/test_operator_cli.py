@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from _core import call_myq, enqueue, one_line_error, run_myq, show
+from _core import call_myq, enqueue, one_line_error, run_myq, show, world_python
 
 BAD_FORMS = "500ms, 30s, 15m, 1h, 7d"
 
@@ -598,22 +598,6 @@ def test_worker_textfile_must_be_a_directory(spool, tmp_path):
 
 # 6. Errors a user meets #####################################################
 
-def _world_python():
-    """An interpreter that another user may run (pyenv's lives under /root)."""
-    import sys
-    for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        try:
-            real = os.path.realpath(p)
-            d = os.path.dirname(real)
-            ok = os.stat(real).st_mode & 0o001
-            while ok and d != "/":
-                ok = os.stat(d).st_mode & 0o001
-                d = os.path.dirname(d)
-            if ok:
-                return p
-        except OSError:
-            pass
-    return None
 
 
 @pytest.fixture
@@ -631,7 +615,7 @@ def stranger(tmp_path):
         pw = pwd.getpwnam("nobody")
     except KeyError:
         pytest.skip("no user nobody")
-    python = _world_python()
+    python = world_python()
     if python is None:
         pytest.skip("no python3 that another user may run")
     base = tempfile.mkdtemp(prefix="myq-perm-")

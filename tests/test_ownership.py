@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from _core import MYQ, clean_env, ls, write_incoming
+from _core import MYQ, clean_env, ls, world_python, write_incoming
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0,
@@ -26,23 +26,6 @@ def nobody():
         pytest.skip("no user 'nobody' on this machine")
 
 
-def world_python():
-    """An interpreter that another user may run (pyenv's lives under /root)."""
-    for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        try:
-            if os.stat(p).st_mode & 0o001 and all(
-                    os.stat(d).st_mode & 0o001 for d in _parents(p)):
-                return p
-        except OSError:
-            pass
-    return None
-
-
-def _parents(p):
-    p = os.path.dirname(os.path.realpath(p))
-    while p != "/":
-        yield p
-        p = os.path.dirname(p)
 
 
 def as_user(pw, myq_copy, *args):

@@ -32,7 +32,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 

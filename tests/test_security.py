@@ -28,7 +28,7 @@ import pytest
 
 import myq
 from _core import MYQ, clean_env, ls, wait_for
-from _sec import (SECRET, Box, Victim, become, is_root, make_user,
+from _sec import (DAEMON, SECRET, Box, Victim, become, is_root, make_user,
                   traceback_in, world_python)
 
 needs_root = pytest.mark.skipif(not is_root(), reason="needs root: the "
@@ -930,15 +930,6 @@ def test_http_redirect_to_ftp_not_followed(run_myq, spool, servers):
 
 # 8. A handler's daemonised children ########################################
 
-DAEMON = r'''import os, sys, time
-if os.fork():
-    os._exit(0)
-os.setsid()
-with open(sys.argv[1] + ".tmp", "w") as f:
-    f.write("%d\n" % os.getpid())
-os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-time.sleep(1000)
-'''
 
 
 def daemon_handler(tmp_path, handlers_dir, then):

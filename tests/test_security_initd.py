@@ -18,7 +18,7 @@ import tempfile
 import pytest
 
 from _core import wait_for
-from _sec import entry_state, make_user, proc_alive, kill_quiet, SECRET
+from _sec import DAEMON, entry_state, make_user, proc_alive, kill_quiet, SECRET
 from test_initd import BUSYBOX, MYQ, Service, read, world_executable_python
 
 needs_busybox = pytest.mark.skipif(
@@ -96,15 +96,6 @@ def test_start_does_not_follow_a_symlinked_log(bbpath, base, owner):
     assert entry_state(victim)[1:4] == before[1:4]
 
 
-DAEMON = r'''import os, sys, time
-if os.fork():
-    os._exit(0)
-os.setsid()
-with open(sys.argv[1] + ".tmp", "w") as f:
-    f.write("%d\n" % os.getpid())
-os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-time.sleep(1000)
-'''
 
 
 @needs_busybox
