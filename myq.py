@@ -4218,6 +4218,7 @@ def _parser(only=None):
                    help="every job in dlq/")
     p.add_argument("--now", action="store_true",
                    help="also make these scheduled jobs ready now")
+    p.add_argument("--json", action="store_true", help='print {"retried": N}')
     p = cmd("delete", "remove jobs")
     p.add_argument("ids", nargs="*", metavar="ID",
                    help="job ids, or names of files in failed/")
@@ -4232,8 +4233,11 @@ def _parser(only=None):
                    help="delete running jobs too (their handlers are killed)")
     p.add_argument("--json", action="store_true",
                    help='print {"deleted": N} instead of deleted=N')
-    cmd("reap", "requeue claims of dead workers and expired leases")
-    cmd("prune", "apply retention now", guards=True)
+    p = cmd("reap", "requeue claims of dead workers and expired leases")
+    p.add_argument("--json", action="store_true", help='print {"requeued": N}')
+    p = cmd("prune", "apply retention now", guards=True)
+    p.add_argument("--json", action="store_true",
+                   help="print the counts of what was removed as one JSON object")
     p = cmd("check", "health: layout, permissions, free space, stale claims, "
             "and what needs an operator (exit 1, one line per problem)",
             guards=True)
@@ -4532,16 +4536,25 @@ def _cmd_list(a):
         _print(line)
 
 
+_TIMES = ("created_at", "updated_at", "available_at", "failed_at", "expires_at")
+
+
 def _cmd_show(a):
     a.spool.require()
-    _print(json.dumps(a.spool.show(a.args.id), ensure_ascii=False, indent=1))
+    job = a.spool.show(a.args.id)
+    # the stored epoch seconds, and beside them the same in ISO 8601 UTC
+    # (as `list` prints them)
+    iso_times = dict((k, iso(job[k])) for k in _TIMES if _is_num(job.get(k)))
+    if iso_times:
+        job["iso"] = iso_times
+    _print(json.dumps(job, ensure_ascii=False, indent=1))
 
 
 def _cmd_retry(a):
     if not a.args.ids and not a.args.all:
         raise UsageError("retry needs job ids or --all")
-    _print("retried=%d" % a.spool.retry(a.args.ids, all=a.args.all,
-                                        now=a.args.now))
+    n = a.spool.retry(a.args.ids, all=a.args.all, now=a.args.now)
+    _print(json.dumps({"retried": n}) if a.args.json else "retried=%d" % n)
 
 
 def _cmd_delete(a):
@@ -4563,11 +4576,14 @@ def _cmd_delete(a):
 
 
 def _cmd_reap(a):
-    _print("requeued=%d" % a.spool.reap())
+    n = a.spool.reap()
+    _print(json.dumps({"requeued": n}) if a.args.json else "requeued=%d" % n)
 
 
 def _cmd_prune(a):
-    _print(" ".join("%s=%d" % kv for kv in a.spool.prune().items()))
+    out = a.spool.prune()
+    _print(json.dumps(out) if a.args.json else
+           " ".join("%s=%d" % kv for kv in out.items()))
 
 
 def _cmd_check(a):

@@ -487,3 +487,25 @@ def test_last_error_keeps_the_exit_status(run_myq, spool, handlers_dir):
     assert job["state"] == "dead"
     assert job["last_error"].startswith("exit 65: yyy"), job["last_error"][:40]
     assert job["last_error"].endswith("yyy") and len(job["last_error"]) <= 1000
+
+
+def test_json_answers_for_monitoring_and_iso_times_in_show(run_myq, spool,
+                                                            handlers_dir):
+    """retry, reap and prune answer in JSON with --json (as check and delete
+    do); show gives its epoch times in ISO 8601 too, as list does."""
+    populate(run_myq, spool, handlers_dir)
+    cp = call_myq("--spool", spool, "retry", "bad1", "--json")
+    assert cp.returncode == 0 and json.loads(cp.stdout) == {"retried": 1}, cp.stdout
+    cp = call_myq("--spool", spool, "reap", "--json")
+    assert json.loads(cp.stdout) == {"requeued": 0}, cp.stdout
+    cp = call_myq("--spool", spool, "prune", "--json")
+    out = json.loads(cp.stdout)
+    assert set(out) >= {"done", "dead", "failed", "tmp", "ok", "workers"}, out
+    job = show(call_myq, spool, "s1")
+    assert job["iso"]["available_at"] == myq_iso(job["available_at"])
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$", job["iso"]["created_at"])
+
+
+def myq_iso(t):
+    import myq
+    return myq.iso(t)
