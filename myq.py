@@ -1595,7 +1595,60 @@ class Spool(object):
                 "done": done, "dead": dead,
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
                 "retries_1m": self.retries_1m(now), "scheduled": scheduled,
-                "failed": failed, "free_kb": int(free_kb)}
+                "failed": failed, "free_kb": int(free_kb),
+                "held": [{"dest": h["dest"], "until": h.get("until")}
+                         for h in self.held()]}
+
+    # Held types (SPEC 5): a handler that is missing or cannot start ------
+
+    def _held_path(self, dest):
+        return self.d("locks", "held", dest + ".json")
+
+    def held(self):
+        """[{"dest", "why", "since", "until"}] of the held destinations,
+        from locks/held/ (written by workers; cat-able)."""
+        out = []
+        for name in sorted(_listdir(self.d("locks", "held"))):
+            if not name.endswith(".json"):
+                continue
+            try:
+                rec = json.loads(self.read_file(self.d("locks", "held", name), 4096)[0])
+            except (OSError, ValueError, InvalidJob):
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("dest"), str):
+                out.append(rec)
+        return out
+
+    def _hold(self, dest, why, until, name):
+        """Record the hold (locks/held/DEST.json) and the job put back
+        (appended to DEST.jobs, so that the release finds it)."""
+        try:
+            os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+            tmp = self._tmpname(dest + ".held")
+            _create(tmp, dumps({"dest": dest, "why": why, "since": round(_now(), 3),
+                                "until": round(until, 3)}), sync=False)
+            _rename(tmp, self._held_path(dest))
+            _append(self.d("locks", "held", dest + ".jobs"),
+                    (name + "\n").encode("utf-8"))
+        except OSError:
+            pass            # a record for operators: never worth a job
+
+    def _release(self, dest):
+        """End a hold: its jobs waiting in incoming/ are ready now."""
+        jobs = self.d("locks", "held", dest + ".jobs")
+        names = set((_read_tail(jobs, 1 << 22) or b"").decode("utf-8", "replace")
+                    .split())
+        now = _now()
+        for name in names:
+            p = self.d("incoming", name)
+            try:
+                if name.endswith(".json") and os.lstat(p).st_mtime > now:
+                    _utime(p, now)
+            except OSError:
+                pass
+        _quiet_unlink(jobs)
+        _quiet_unlink(self._held_path(dest))
+        self.poke()
 
     def status_line(self, now=None):
         now = _now() if now is None else now
@@ -2312,6 +2365,9 @@ class Spool(object):
         if failed:
             out.append("%d file(s) quarantined in failed/; see: %s list failed "
                        "(repair and retry, or delete)" % (failed, spool))
+        for h in self.held():
+            out.append("type %s is held: %s; its jobs wait (no attempt counts) "
+                       "and run once the handler is there" % (h["dest"], h.get("why")))
         stray = [n for n in _listdir(self.d("incoming"))
                  if not n.endswith(".json") and not n.startswith(".")]
         if stray:
@@ -2788,6 +2844,7 @@ class Worker(object):
         self._low_logged = False
         self._clock_offset = _now() - _mono()
         self._next_beat = float("inf")     # set when run() starts
+        self._held = {}     # held type -> (why, its hold's delay)
 
     # Handlers ----------------------------------------------------------------
 
@@ -2854,6 +2911,12 @@ class Worker(object):
         self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
+        for h in sp.held():         # holds whose handler is there by now
+            if self.resolve(h["dest"])[0] is not None:
+                sp._release(h["dest"])
+                self.log("release", dest=h["dest"])
+            else:
+                self._held[h["dest"]] = (h.get("why"), self.backoff_base)
         try:
             self._reap()
             self._loop(once, drain)
@@ -3100,6 +3163,8 @@ class Worker(object):
         if _mono() >= self._next_poll:
             self._next_poll = _mono() + self.poll
             self._check_incoming()
+            if self._held:
+                self._check_holds()
             if self._parent and os.getppid() != self._parent \
                     and not self.stopping:
                 # the supervisor is gone (kill -9): stop as on SIGTERM
@@ -3301,8 +3366,10 @@ class Worker(object):
         limit = c.job.get("timeout") or self.timeout
         run.deadline = run.started + limit
         if kind is None:
-            self._finish(run, "dead", target)
+            self._hold(run, target)
             return
+        if c.job["type"] in self._held:
+            self._unhold(c.job["type"])
         if kind == "exec":
             self._spawn(run, target)
             return
@@ -3348,7 +3415,11 @@ class Worker(object):
         except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
             for fd in fds:
                 os.close(fd)
-            self._finish(run, "retry", _cannot_run(path, e))
+            if getattr(e, "errno", None) in (errno.ENOENT, errno.ENOEXEC,
+                                             errno.EACCES):
+                self._hold(run, _cannot_run(path, e))   # a deployment matter
+            else:
+                self._finish(run, "retry", _cannot_run(path, e))
             return
         run.proc = proc
         # First of all: the handler's pid, for a reaper should we die now.
@@ -3588,7 +3659,8 @@ class Worker(object):
 
     def _logged(self, ok, c, event, kv):
         if ok:
-            self.log(event, **kv)
+            if event:
+                self.log(event, **kv)
             return
         try:
             self.spool.locate(c.jid)
@@ -3597,6 +3669,41 @@ class Worker(object):
         except MyqError:
             why = "the job was deleted meanwhile (myq delete --force)"
         self.log("lost", id=c.jid, why=why)
+
+    # Holds (SPEC 5): a type whose handler is missing or cannot start is a
+    # deployment not finished, not a bad job: its jobs wait, no attempt
+    # counts, and they run once the handler is there.
+
+    def _hold(self, run, why):
+        c = run.claim
+        t = c.job["type"]
+        old = self._held.get(t)
+        delay = min(max(old[1] * 2 if old else self.backoff_base, 1.0),
+                    self.backoff_max, 300.0)
+        self._held[t] = (why, delay)
+        until = _now() + delay
+        if old is None:
+            self.log("hold", dest=t, why=why, until=iso(until))
+        self.spool._hold(t, why, until, c.jid + ".json")
+        job = dict(c.job)
+        job["available_at"] = until
+        job["last_error"] = "held: " + why
+        self._move(c, job, "incoming", None, {})
+
+    def _unhold(self, t):
+        """The handler of a held type is there: release the hold; the jobs
+        it put back are ready now."""
+        self._held.pop(t, None)
+        self.spool._release(t)
+        self.dirty = True
+        self.next_due = None
+        self.log("release", dest=t)
+
+    def _check_holds(self):
+        """At each poll tick: has the handler of a held type appeared?"""
+        for t in list(self._held):
+            if self.resolve(t)[0] is not None:
+                self._unhold(t)
 
     def _retry_stuck(self, final=False):
         """Finishes that failed on I/O, tried again after the pause."""

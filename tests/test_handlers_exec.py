@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from _core import (MYQ, enqueue, ls, procs_with_cmdline, show, wait_for, worker,
+from _core import (MYQ, enqueue, ls, procs_with_cmdline, show, start_worker, state,
+                   stop, wait_for, worker,
                    write_incoming)
 from _core import call_myq
 
@@ -159,15 +160,37 @@ def test_timeout_kills_the_process_group(run_myq, spool, handlers_dir, tmp_path,
     assert pidf.read_text().strip().isdigit()  # the handler did start
 
 
-def test_type_without_handler_is_dead(run_myq, spool, handlers_dir):
+def test_type_without_handler_is_held_until_the_handler_is_there(
+        run_myq, spool, handlers_dir, tmp_path):
+    """A missing handler is a deployment not finished, not a bad job (SPEC
+    5): the type is held, its jobs wait without spending an attempt, check
+    says so; once the handler is there, a worker runs them at once."""
     handlers_dir("other", "exit 0")
     job_id = enqueue(call_myq, spool, "nohandler")
-    cp = worker(run_myq, spool, handlers=handlers_dir.path)
+    cp = worker(run_myq, spool, "--backoff-base", "60", handlers=handlers_dir.path)
     assert cp.returncode == 0, cp.stderr
+    assert "event=hold dest=nohandler" in cp.stderr, cp.stderr
     job = show(call_myq, spool, job_id)
-    assert job["state"] == "dead"
-    assert "handler" in job["last_error"].lower()
-    assert "nohandler" in job["last_error"]
+    assert job["state"] == "scheduled" and job["attempts"] == 0, job
+    assert job["last_error"].startswith("held: no handler for type nohandler")
+    chk = call_myq("--spool", spool, "check")
+    assert chk.returncode == 1 and "type nohandler is held" in chk.stdout, chk.stdout
+    st = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
+    assert [h["dest"] for h in st["held"]] == ["nohandler"], st
+    # the handler arrives; a running worker releases the hold and runs it
+    w = start_worker(spool, "--handlers", handlers_dir.path, "--poll", "0.05",
+                     "--backoff-base", "60")
+    try:
+        wait_for(lambda: state(call_myq, spool, job_id) == "scheduled",
+                 what="the job held again")
+        handlers_dir("nohandler", 'echo ran > "%s"' % (tmp_path / "ran"))
+        wait_for(lambda: state(call_myq, spool, job_id) == "done",
+                 what="the job run once its handler is there")
+    finally:
+        stop(w)
+    assert (tmp_path / "ran").read_text() == "ran\n"
+    assert show(call_myq, spool, job_id)["attempts"] == 1
+    assert call_myq("--spool", spool, "check").returncode == 0
 
 
 def test_non_executable_file_or_directory_is_not_a_handler(run_myq, spool, handlers_dir, tmp_path):
@@ -182,8 +205,10 @@ def test_non_executable_file_or_directory_is_not_a_handler(run_myq, spool, handl
     b = enqueue(call_myq, spool, "adir")
     cp = worker(run_myq, spool, handlers=d)
     assert cp.returncode == 0, cp.stderr
-    assert show(call_myq, spool, a)["state"] == "dead"
-    assert show(call_myq, spool, b)["state"] == "dead"
+    for jid in (a, b):      # held (SPEC 5): waiting, no attempt spent
+        job = show(call_myq, spool, jid)
+        assert job["state"] == "scheduled" and job["attempts"] == 0, job
+    assert "not executable" in show(call_myq, spool, a)["last_error"]
     assert not marker.exists()
 
 

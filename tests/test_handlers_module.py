@@ -125,13 +125,14 @@ def test_attempts_is_the_current_run(run_myq, spool, tmp_path):
         assert f.read().split() == ["1", "2"]
 
 
-def test_type_missing_from_module_is_dead(run_myq, spool, tmp_path):
+def test_type_missing_from_module_is_held(run_myq, spool, tmp_path):
+    """No function for the type: held (SPEC 5), not dead; no attempt spent."""
     mod, _ = module(tmp_path, "def known(job):\n    pass\n")
     job_id = enqueue(call_myq, spool, "unknown_type")
     drain(run_myq, spool, mod)
     job = show(call_myq, spool, job_id)
-    assert job["state"] == "dead"
-    assert "handler" in job["last_error"].lower()
+    assert job["state"] == "scheduled" and job["attempts"] == 0, job
+    assert "no handler" in job["last_error"].lower()
 
 
 def test_handlers_dir_wins_over_module(run_myq, spool, tmp_path, handlers_dir):
