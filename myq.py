@@ -53,7 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MyqError", "UsageError", "InvalidJob", "NoSuchJob", "DuplicateJob",
     "SpoolFull", "SpoolBusy", "ConfigError", "PermanentError", "RetryLater",
-    "Spool", "Worker", "enqueue", "main", "__version__",
+    "Spool", "Worker", "Log", "enqueue", "main", "__version__",
 ]
 
 DEFAULT_SPOOL = "/var/spool/myq"
