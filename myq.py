@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# -*- coding: utf-8 -*-
 """myq - a job queue worker for small Linux devices, in one file.
 
     myq [--spool DIR] init | enqueue TYPE [PAYLOAD] | worker | supervise |
@@ -47,6 +48,16 @@ import re
 import stat
 import sys
 import time
+
+if sys.version_info < (3, 7):
+    # Python 2 parses this whole file (so: the coding line above, and no
+    # f-strings, keyword-only arguments, nonlocal, `raise from`, `yield
+    # from`; tests/test_operator_cli.py checks) and stops here.
+    if __name__ != "__main__":
+        raise ImportError("myq needs Python 3.7 or later")
+    sys.stderr.write("myq needs Python 3.7 or later; this is Python %d.%d "
+                     "(run it with python3)\n" % tuple(sys.version_info[:2]))
+    sys.exit(78)
 
 __version__ = "0.1.0"
 

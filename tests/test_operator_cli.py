@@ -716,3 +716,39 @@ def test_worker_syslog_without_dev_log_warns_on_stderr(spool):
     assert cp.returncode == 0, cp.stderr
     assert cp.stderr == ("myq: warning: no /dev/log: syslog lines are dropped; "
                          "use --log FILE or start syslogd\n")
+
+
+def _old_pythons():
+    import glob
+    from _pythons import pyenv_root
+    root = pyenv_root()
+    found = sorted(glob.glob(os.path.join(root, "versions", "2.*", "bin", "python"))
+                   + glob.glob(os.path.join(root, "versions", "3.[0-6].*",
+                                            "bin", "python3"))) if root else []
+    for p in ("/usr/bin/python2", "/usr/bin/python2.7"):  # never pyenv's shims
+        if os.path.exists(p) and not found:
+            found.append(p)
+    return found or [None]
+
+
+@pytest.mark.parametrize("python", _old_pythons(), ids=lambda p: re.sub(
+    r".*/versions/([^/]+)/.*", r"\1", p) if p else "none")
+def test_an_old_python_is_told_to_use_python3(spool, python):
+    """`python2 myq.py`: one line and exit 78, not a SyntaxError: the whole
+    file must stay parseable by Python 2.7 up to its version check."""
+    if python is None:
+        pytest.skip("no Python 2 or 3.0-3.6 on this machine")
+    import subprocess
+    from _core import MYQ, clean_env
+    cp = subprocess.run([python, MYQ, "--spool", spool, "stats"],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        universal_newlines=True, env=clean_env(), timeout=60)
+    assert cp.returncode == 78, cp.stderr
+    assert cp.stdout == ""
+    err = one_line_error(cp)
+    assert err.startswith("myq needs Python 3.7 or later"), err
+    cp = subprocess.run([python, "-c", "import myq"], cwd=os.path.dirname(MYQ),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        universal_newlines=True, env=clean_env(), timeout=60)
+    assert cp.returncode != 0
+    assert "ImportError: myq needs Python 3.7 or later" in cp.stderr
