@@ -752,3 +752,49 @@ def test_an_old_python_is_told_to_use_python3(spool, python):
                         universal_newlines=True, env=clean_env(), timeout=60)
     assert cp.returncode != 0
     assert "ImportError: myq needs Python 3.7 or later" in cp.stderr
+
+
+# 7. Below --min-free: --drain exits, init warns ##############################
+
+HUGE = "100000G"        # more than any test machine has free
+
+
+def test_drain_below_min_free_exits_75_with_one_line(spool):
+    jid = enqueue(call_myq, spool, "t", "null")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
+                 "--min-free", HUGE, timeout=30)
+    assert cp.returncode == 75, cp.stderr
+    last = cp.stderr.strip().splitlines()[-1]
+    assert last.startswith("myq: --drain stops") and "--min-free" in last, last
+    assert show(call_myq, spool, jid)["state"] == "ready"      # untouched
+    cp = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
+                 env={"MYQ_MIN_FREE_INODES": str(2 ** 62)}, timeout=30)
+    assert cp.returncode == 75, cp.stderr
+    assert "--min-free-inodes" in cp.stderr.strip().splitlines()[-1]
+
+
+def test_drain_below_min_free_with_nothing_ready_exits_0(spool):
+    enqueue(call_myq, spool, "t", "null", "--delay", "1h")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
+                 "--min-free", HUGE, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+
+
+def test_init_below_min_free_warns_and_succeeds(tmp_path):
+    spool = str(tmp_path / "spool")
+    cp = call_myq("--spool", spool, "init", "--min-free", HUGE)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stderr.startswith("myq: warning: only ") and \
+        "--min-free" in cp.stderr, cp.stderr
+    assert cp.stderr.count("\n") == 1
+    assert os.path.isdir(os.path.join(spool, "incoming"))
+    cp = run_myq("--spool", spool, "init", env={"MYQ_MIN_FREE": HUGE})
+    assert cp.returncode == 0 and "warning" in cp.stderr, cp.stderr
+    cp = call_myq("--spool", spool, "init")
+    assert (cp.returncode, cp.stderr) == (0, "")
+
+
+def test_init_help_shows_the_free_space_guards_only():
+    shown = _help("init")
+    assert {"--min-free", "--min-free-inodes", "--owner"} <= shown
+    assert not {"--keep-done", "--max-job-bytes", "--dedupe-window"} & shown
