@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# -*- coding: utf-8 -*-
 """myq - a job queue worker for small Linux devices, in one file.
 
     myq [--spool DIR] init | enqueue TYPE [PAYLOAD] | worker | supervise |
@@ -47,6 +48,16 @@ import re
 import stat
 import sys
 import time
+
+if sys.version_info < (3, 7):
+    # Python 2 parses this whole file (so: the coding line above, and no
+    # f-strings, keyword-only arguments, nonlocal, `raise from`, `yield
+    # from`; tests/test_operator_cli.py checks) and stops here.
+    if __name__ != "__main__":
+        raise ImportError("myq needs Python 3.7 or later")
+    sys.stderr.write("myq needs Python 3.7 or later; this is Python %d.%d "
+                     "(run it with python3)\n" % tuple(sys.version_info[:2]))
+    sys.exit(78)
 
 __version__ = "0.1.0"
 
@@ -3070,6 +3081,11 @@ class Worker(object):
                 if not self._low_logged:
                     self.log("disk_low", problem=low)
                     self._low_logged = True
+                if drain and not self.runs and not self._stuck \
+                        and self._ready_now():
+                    # --drain would wait for space that no job of its own
+                    # frees: say so and exit (75: try again later).
+                    raise SpoolFull("--drain stops with jobs left: " + low)
                 return False
             self._low_logged = False
             try:
@@ -4161,6 +4177,7 @@ WORKER_OPTIONS = [
 _RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
                     "--keep-dead", "--keep-dead-max", "--keep-failed")
 _GUARDS_SHOWN = {
+    "init": ("--min-free", "--min-free-inodes"),
     "enqueue": ("--min-free", "--min-free-inodes", "--max-job-bytes",
                 "--dedupe-window"),
     "prune": _RETENTION_FLAGS,
@@ -4272,7 +4289,7 @@ def _parser(only=None):
             add(p, GUARD_OPTIONS, None if worker else _GUARDS_SHOWN[name])
         return p
 
-    p = cmd("init", "create the spool and its layout (idempotent)")
+    p = cmd("init", "create the spool and its layout (idempotent)", guards=True)
     p.add_argument("--owner", help="chown the layout to USER[:GROUP]")
     p = cmd("enqueue", "add a job; prints its id", guards=True)
     p.add_argument("type", help="the job's type: selects its handler")
@@ -4576,6 +4593,9 @@ def _cmd_version(a):
 
 def _cmd_init(a):
     a.spool.init(owner=a.args.owner)
+    low = a.spool.free_problem()
+    if low:                 # the spool is there; workers will wait
+        sys.stderr.write("myq: warning: %s\n" % low)
 
 
 def _cmd_enqueue(a):
@@ -4728,7 +4748,8 @@ def main(argv=None):
         path = getattr(args, "spool_sub", None) or args.spool \
             or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
         guards = {}
-        if args.command in ("enqueue", "worker", "supervise", "prune", "check"):
+        if args.command in ("enqueue", "worker", "supervise", "prune", "check",
+                            "init"):
             guards = _resolve(args, GUARD_OPTIONS, env)
         _drop_root(path, args.command)
         spool = Spool(path, **guards)

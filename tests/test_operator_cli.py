@@ -534,7 +534,8 @@ def test_stats_prometheus_has_the_figures_of_stats_json(spool, handlers_dir):
                              "dead", "failed")}
     assert all(q in k for k in jobs)
     assert jobs[frozenset([q, ("state", "dead")])] == 1
-    assert m["myq_oldest_ready_seconds"][2] == {frozenset([q]): want["oldest_ready_s"]}
+    oldest = m["myq_oldest_ready_seconds"][2][frozenset([q])]
+    assert want["oldest_ready_s"] <= oldest <= want["oldest_ready_s"] + 2
     assert m["myq_retries_1m"][2] == {frozenset([q]): want["retries_1m"]}
     assert m["myq_free_bytes"][0] == "gauge"
     assert m["myq_free_bytes"][2][frozenset([q])] > 0
@@ -700,3 +701,85 @@ def test_worker_syslog_without_dev_log_warns_on_stderr(spool):
     assert cp.returncode == 0, cp.stderr
     assert cp.stderr == ("myq: warning: no /dev/log: syslog lines are dropped; "
                          "use --log FILE or start syslogd\n")
+
+
+def _old_pythons():
+    import glob
+    from _pythons import pyenv_root
+    root = pyenv_root()
+    found = sorted(glob.glob(os.path.join(root, "versions", "2.*", "bin", "python"))
+                   + glob.glob(os.path.join(root, "versions", "3.[0-6].*",
+                                            "bin", "python3"))) if root else []
+    for p in ("/usr/bin/python2", "/usr/bin/python2.7"):  # never pyenv's shims
+        if os.path.exists(p) and not found:
+            found.append(p)
+    return found or [None]
+
+
+@pytest.mark.parametrize("python", _old_pythons(), ids=lambda p: re.sub(
+    r".*/versions/([^/]+)/.*", r"\1", p) if p else "none")
+def test_an_old_python_is_told_to_use_python3(spool, python):
+    """`python2 myq.py`: one line and exit 78, not a SyntaxError: the whole
+    file must stay parseable by Python 2.7 up to its version check."""
+    if python is None:
+        pytest.skip("no Python 2 or 3.0-3.6 on this machine")
+    import subprocess
+    from _core import MYQ, clean_env
+    cp = subprocess.run([python, MYQ, "--spool", spool, "stats"],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        universal_newlines=True, env=clean_env(), timeout=60)
+    assert cp.returncode == 78, cp.stderr
+    assert cp.stdout == ""
+    err = one_line_error(cp)
+    assert err.startswith("myq needs Python 3.7 or later"), err
+    cp = subprocess.run([python, "-c", "import myq"], cwd=os.path.dirname(MYQ),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        universal_newlines=True, env=clean_env(), timeout=60)
+    assert cp.returncode != 0
+    assert "ImportError: myq needs Python 3.7 or later" in cp.stderr
+
+
+# 7. Below --min-free: --drain exits, init warns ##############################
+
+HUGE = "100000G"        # more than any test machine has free
+
+
+def test_drain_below_min_free_exits_75_with_one_line(spool):
+    jid = enqueue(call_myq, spool, "t", "null")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
+                 "--min-free", HUGE, timeout=30)
+    assert cp.returncode == 75, cp.stderr
+    last = cp.stderr.strip().splitlines()[-1]
+    assert last.startswith("myq: --drain stops") and "--min-free" in last, last
+    assert show(call_myq, spool, jid)["state"] == "ready"      # untouched
+    cp = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
+                 env={"MYQ_MIN_FREE_INODES": str(2 ** 62)}, timeout=30)
+    assert cp.returncode == 75, cp.stderr
+    assert "--min-free-inodes" in cp.stderr.strip().splitlines()[-1]
+
+
+def test_drain_below_min_free_with_nothing_ready_exits_0(spool):
+    enqueue(call_myq, spool, "t", "null", "--delay", "1h")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
+                 "--min-free", HUGE, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+
+
+def test_init_below_min_free_warns_and_succeeds(tmp_path):
+    spool = str(tmp_path / "spool")
+    cp = call_myq("--spool", spool, "init", "--min-free", HUGE)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stderr.startswith("myq: warning: only ") and \
+        "--min-free" in cp.stderr, cp.stderr
+    assert cp.stderr.count("\n") == 1
+    assert os.path.isdir(os.path.join(spool, "incoming"))
+    cp = run_myq("--spool", spool, "init", env={"MYQ_MIN_FREE": HUGE})
+    assert cp.returncode == 0 and "warning" in cp.stderr, cp.stderr
+    cp = call_myq("--spool", spool, "init")
+    assert (cp.returncode, cp.stderr) == (0, "")
+
+
+def test_init_help_shows_the_free_space_guards_only():
+    shown = _help("init")
+    assert {"--min-free", "--min-free-inodes", "--owner"} <= shown
+    assert not {"--keep-done", "--max-job-bytes", "--dedupe-window"} & shown
