@@ -516,10 +516,10 @@ def parse_prometheus(text):
 
 def test_stats_prometheus_has_the_figures_of_stats_json(spool, handlers_dir):
     d = handlers_dir("no", "exit 65")
+    enqueue(call_myq, spool, "no", "null", "--id", "dead1")    # --once: this one
     for i in range(3):
         enqueue(call_myq, spool, "t", "null")
     enqueue(call_myq, spool, "t", "null", "--delay", "1h")
-    enqueue(call_myq, spool, "no", "null", "--id", "dead1")
     cp = run_myq("--spool", spool, "worker", "--once", "--handlers", d)
     assert cp.returncode == 0, cp.stderr
     want = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
