@@ -141,3 +141,34 @@ def test_success_records_with_and_without_mknod(myq, spool, monkeypatch, refused
         assert stat.S_ISREG(st.st_mode) and st.st_size == 0
         assert os.path.exists(os.path.join(spool, "done", jid + ".json"))
     assert myq._MKNOD is (refused is None)
+
+
+# A power cut tore the lease's append (found by tests/powercut) ##############
+
+@pytest.mark.parametrize("tail", [
+    b"\0" * 120,                                    # the size, not the bytes
+    b'{"lease":{"worker":"w-1-abc","pid":1' + b"\0" * 90,   # half a line
+])
+def test_a_claim_whose_lease_append_was_torn_is_taken_back(tmp_path, tail):
+    """ext4 keeps an append's new length but not its bytes after a power
+    cut: the claim ends in NULs.  The job (fsynced whole before) is taken
+    back to incoming/ and runs, instead of being quarantined as unreadable;
+    done/ files with such a tail still show."""
+    import myq
+    spool = str(tmp_path / "spool")
+    sp = myq.Spool(spool).init()
+    job = myq.new_job("t", {"n": 1}, id="j1")
+    claim = os.path.join(spool, "processing", "j1+w-999999-abcdef.1.json")
+    with open(claim, "wb") as f:
+        f.write(myq.dumps(job) + tail)
+    assert sp.reap() == 1
+    assert os.listdir(os.path.join(spool, "failed")) == []
+    back = sp.show("j1")
+    assert back["state"] == "ready" and back["payload"] == {"n": 1}, back
+    done = os.path.join(spool, "done", "d1.json")
+    with open(done, "wb") as f:
+        f.write(myq.dumps(myq.new_job("t", None, id="d1")) + tail)
+    assert sp.show("d1")["state"] == "done"
+    # only the last, torn line is forgiven: other data after the job is not
+    with pytest.raises(myq.InvalidJob):
+        myq.parse(myq.dumps(job) + b"garbage\nmore\0")
