@@ -83,7 +83,19 @@ def spec_verdict(data, stem, limit=DEFAULT_LIMIT):
             text, start)
     except (ValueError, RecursionError):
         return BAD
-    if text[end:].strip(" \t\n\r"):
+    rest = text[end:]
+    if rest.endswith("\0"):        # a torn append: its last line is dropped
+        lines = rest.rstrip("\0").splitlines() or [""]
+        last = lines.pop()
+        try:
+            rec = json.loads(last)
+        except (ValueError, RecursionError):
+            rec = None
+        if isinstance(rec, dict) and len(rec) == 1 and (
+                "lease" in rec or "handler" in rec):
+            return BAD
+        rest = "\n".join(lines)
+    if rest.strip(" \t\n\r"):
         return BAD
     if not isinstance(obj, dict):
         return BAD
