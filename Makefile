@@ -84,6 +84,7 @@ clean:
 # mounts); installs what it needs.  POWERCUT_MAX_POINTS=0 replays every
 # flush point (default: 300 spread over the log, with random subsets each).
 POWERCUT_MAX_POINTS ?= 300
+.PHONY: powercut
 powercut:
 	@if [ "$$(id -u)" != 0 ]; then echo "powercut: skipped: needs root (apt-get, qemu, loop devices, mount)"; exit 0; fi; \
 	POWERCUT_MAX_POINTS=$(POWERCUT_MAX_POINTS) $(PYTHON) tests/powercut/powercut.py $(POWERCUT_PARTS)
