@@ -15,8 +15,9 @@ returns a dict of counts:
   nul_tails job files that end in NUL bytes before recovery (read past them)
   stuck     anything left in processing/ after recovery
   recover   the worker or `myq check` failed (exit status, or problems)
-  rerun     promised jobs that ran again during recovery although not done
-            before it (allowed: at-least-once), for information
+  rerun     promised jobs that ran during recovery (not done before it:
+            pending, or done but its success record not durable; allowed),
+            for information
 """
 
 import hashlib
@@ -103,10 +104,48 @@ def _intact(job, want_sum=None):
         return False
 
 
+def fork_myq(myq, args, env, timeout=300):
+    """Run myq.main(args) in a forked child (no interpreter start: under TCG
+    that is most of a second).  Returns (exit status, output)."""
+    import tempfile
+    out = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            os.environ.clear()
+            os.environ.update(env)
+            rc = myq.main(args)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            rc = 70
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(rc if isinstance(rc, int) else 1)
+    _, status = os.waitpid(pid, 0)
+    out.seek(0)
+    return os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") \
+        else (status >> 8), out.read()
+
+
+class _Done(object):
+    def __init__(self, rc, out):
+        self.returncode, self.stdout = rc, out
+
+
 def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
-                      python=None):
+                      python=None, fork=False):
     myq = _myq(myq_path)
     py = python or sys.executable
+
+    def run(args, env):
+        if fork:
+            return _Done(*fork_myq(myq, args[2:], env, timeout))
+        return subprocess.run(args, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=timeout)
     res = dict(lost=0, doubled=0, corrupt=0, stuck=0, recover=0, rerun=0,
                in_failed=0, nul_tails=0)
     notes = []
@@ -122,19 +161,15 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
         pass
     env = dict(os.environ, PC_RUNLOG=runlog, PYTHONDONTWRITEBYTECODE="1")
     env.pop("MYQ_SPOOL", None)
-    w = subprocess.run(
-        [py, myq_path, "--spool", spool, "worker", "--module",
-         os.path.join(HERE, "handlers.py"), "--drain", "--stats-interval", "0",
-         "--min-free", "0"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        timeout=timeout)
+    run([py, myq_path, "--spool", spool, "init"], env)
+    w = run([py, myq_path, "--spool", spool, "worker", "--module",
+             os.path.join(HERE, "handlers.py"), "--drain", "--stats-interval", "0",
+             "--min-free", "0"], env)
     if w.returncode != 0:
         res["recover"] += 1
         notes.append("worker --drain exit %d: %s" % (
             w.returncode, w.stdout.decode("utf-8", "replace")[-600:]))
-    c = subprocess.run([py, myq_path, "--spool", spool, "check", "--min-free", "0"],
-                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       timeout=timeout)
+    c = run([py, myq_path, "--spool", spool, "check", "--min-free", "0"], env)
     if c.returncode != 0:
         res["recover"] += 1
         notes.append("myq check exit %d: %s" % (

@@ -4,6 +4,10 @@
     python3 tests/powercut/powercut.py [PART ...]     (default: all parts)
 
 Parts:
+  ubifs  UBIFS on nandsim in a VM (ubifs_guest.py): >= 200 emulated power
+         cuts (UBI's tst_emulate_power_cut; re-attach, remount, recover,
+         check), then rounds with emulated I/O errors and bitflips, and
+         the flash wear figure (erase blocks per 1,000 durable jobs).
   ext4   the spool on ext4 on a virtio disk behind dm-log-writes in a VM;
          the workload runs there; replay.py replays the block log on the
          host at every flush point (plus random subsets of the unflushed
@@ -121,7 +125,60 @@ def part_ext4(a, out):
     return totals
 
 
-PARTS = {"ext4": part_ext4}
+UBIFS_GUEST = r"""exec > /run/pc/guest.log 2>&1
+python3 {here}/ubifs_guest.py --myq {myq} --out /run/pc --cuts {cuts} \
+    --faults {faults} --wear-jobs {wear} --seed {seed}
+"""
+
+
+def part_ubifs(a, out):
+    """UBIFS on nandsim: power cuts, then faults, then the wear figure."""
+    share = tempfile.mkdtemp(prefix="pc-ubifs-", dir="/var/tmp")
+    script = UBIFS_GUEST.format(here=HERE, myq=MYQ, cuts=a.cuts, faults=a.faults,
+                                wear=a.wear_jobs, seed=a.seed)
+    t0 = time.monotonic()
+    r = vm.boot(script, work=share, timeout=a.vm_timeout)
+    t_vm = time.monotonic() - t0
+    say("powercut: ubifs VM: rc=%s boot=%.1fs vm=%.0fs" % (
+        r["rc"], r["boot_seconds"] or -1, t_vm))
+    try:
+        with open(os.path.join(share, "ubifs-result.json")) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        say(r["console"][-3000:])
+        try:
+            say(open(os.path.join(share, "guest.log")).read()[-3000:])
+        except OSError:
+            pass
+        return None
+    for name in os.listdir(share):
+        if name.startswith(("ubifs-", "guest.log")):
+            shutil.copy(os.path.join(share, name), os.path.join(out, name))
+    if not a.keep:
+        shutil.rmtree(share, ignore_errors=True)
+    for f in res["found"][:10]:
+        say("  found:", json.dumps(f)[:1500])
+    ct, t = res["cut_totals"], res["totals"]
+    ct["seconds"] = res["cut_seconds"]
+    ct["promised"] = res["promised"]
+    say(replay.summary("ubifs", ct) + " rounds=%d" % ct["rounds"])
+    fault = {k: t[k] - ct.get(k, 0) for k in t if isinstance(t[k], int)}
+    fault["seconds"] = res["fault_seconds"]
+    say(replay.summary("ubifs-faults", fault) + " rounds=%d io_errors_seen=%d "
+        "worker_died=%d" % (fault["rounds"], t.get("fault_errors", 0),
+                            t.get("worker_died", 0)))
+    w = res["wear"]
+    say("powercut: fs=ubifs-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
+        "erase_blocks=%d (%d bytes each) erase_blocks_per_1000_jobs=%.1f "
+        "erased_bytes_per_1000_jobs=%d" % (
+            w["jobs"], w["erases"], w["erase_bytes"], w["erases_per_1000"],
+            w["erases_per_1000"] * w["erase_bytes"]))
+    merged = dict(t)
+    merged["vm_seconds"] = round(t_vm, 1)
+    return merged
+
+
+PARTS = {"ext4": part_ext4, "ubifs": part_ubifs}
 
 
 def main(argv=None):
@@ -135,6 +192,10 @@ def main(argv=None):
     ap.add_argument("--max-points", type=int, default=int(
         os.environ.get("POWERCUT_MAX_POINTS", "0")))
     ap.add_argument("--ext4-mb", type=int, default=64)
+    ap.add_argument("--cuts", type=int, default=int(
+        os.environ.get("POWERCUT_CUTS", "200")))
+    ap.add_argument("--faults", type=int, default=6)
+    ap.add_argument("--wear-jobs", type=int, default=1000)
     ap.add_argument("--vm-timeout", type=float, default=900)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--verbose", action="store_true")

@@ -248,7 +248,7 @@ def main(argv=None):
 def summary(fs, t):
     """The one line each part ends with (counts summed over all cuts)."""
     line = ("powercut: fs=%s cuts=%d lost=%d doubled=%d corrupt=%d stuck=%d "
-            "in_failed=%d recover_errors=%d fs_errors=%d reruns=%d "
+            "in_failed=%d recover_errors=%d fs_errors=%d recovery_runs=%d "
             "nul_tail_files=%d (in %d cuts)" % (
                 fs, t["cuts"], t["lost"], t["doubled"], t["corrupt"], t["stuck"],
                 t["in_failed"], t["recover"], t["fsck"], t["rerun"],
