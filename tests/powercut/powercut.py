@@ -8,6 +8,8 @@ Parts:
          cuts (UBI's tst_emulate_power_cut; re-attach, remount, recover,
          check), then rounds with emulated I/O errors and bitflips, and
          the flash wear figure (erase blocks per 1,000 durable jobs).
+  boot   BusyBox init + rcS + init.d/myq on an ext4 disk; the VM is killed
+         mid-work, booted again, and the spool must recover.
   ext4   the spool on ext4 on a virtio disk behind dm-log-writes in a VM;
          the workload runs there; replay.py replays the block log on the
          host at every flush point (plus random subsets of the unflushed
@@ -178,7 +180,12 @@ def part_ubifs(a, out):
     return merged
 
 
-PARTS = {"ext4": part_ext4, "ubifs": part_ubifs}
+def part_boot(a, out):
+    import boot_part
+    return boot_part.run(a, out, vm, replay)
+
+
+PARTS = {"ext4": part_ext4, "ubifs": part_ubifs, "boot": part_boot}
 
 
 def main(argv=None):
@@ -196,6 +203,8 @@ def main(argv=None):
         os.environ.get("POWERCUT_CUTS", "200")))
     ap.add_argument("--faults", type=int, default=6)
     ap.add_argument("--wear-jobs", type=int, default=1000)
+    ap.add_argument("--boot-kill", type=float, default=40,
+                    help="seconds after which the first boot is killed")
     ap.add_argument("--vm-timeout", type=float, default=900)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--verbose", action="store_true")

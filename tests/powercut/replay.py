@@ -200,6 +200,10 @@ def replay(log_path, base, journal, myq_path, subsets=2, seed=14,
                             disk.apply(t, e)
                 res = check_image(test, dict(promised), myq_path, work)
                 totals["cuts"] += 1
+                if totals["cuts"] % 100 == 0:
+                    print("replay: %d cuts, at entry %d/%d, %.0fs" % (
+                        totals["cuts"], p, len(entries), time.monotonic() - t0),
+                        file=sys.stderr, flush=True)
                 for key in totals:
                     if key not in ("cuts", "nul_cuts"):
                         totals[key] += res.get(key, 0)
@@ -211,6 +215,9 @@ def replay(log_path, base, journal, myq_path, subsets=2, seed=14,
                     if verbose:
                         print("replay: point %d/%d variant %d: %s" % (
                             p, len(entries), v, bad[:5]), file=sys.stderr)
+    totals["bytes_written"] = sum(e.nr * ss for e in entries
+                                  if not e.flags & (MARK | DISCARD))
+    totals["flushes"] = len(points)
     totals["points"] = len(chosen)
     totals["all_points"] = len(points)
     totals["entries"] = len(entries)

@@ -218,7 +218,7 @@ poweroff -f
 """
 
 
-def build_initramfs(ver, out, extra_init=None):
+def build_initramfs(ver, out, extra_init=None, files=()):
     busybox = _static_busybox()
     c = Cpio()
     for d in ("bin", "dev", "proc", "sys", "newroot", "lib", "lib/modules",
@@ -238,6 +238,11 @@ def build_initramfs(ver, out, extra_init=None):
         names.append(n)
     c.file("lib/modules/order", ("\n".join(names) + "\n").encode())
     c.file("init", (extra_init or INIT).encode(), 0o755)
+    for d in sorted(set(os.path.dirname(n) for n, _, _ in files)):
+        if d and d not in ("bin", "etc", "lib"):
+            c.dir(d)
+    for name, data, mode in files:
+        c.file(name, data.encode(), mode)
     tmp = out + ".tmp"
     with open(tmp, "wb") as f:
         f.write(c.bytes())
@@ -267,13 +272,14 @@ def initramfs():
 # boot ------------------------------------------------------------------------
 
 def boot(script, work=None, disks=(), timeout=600, mem=512, append="",
-         console=None, qemu_extra=(), kill_after=None):
+         console=None, qemu_extra=(), kill_after=None, initrd=None):
     """Run `script` (sh text) in the guest.  Returns a dict: rc (the
     script's exit status, None when the guest did not finish), seconds,
     boot_seconds (kernel start to the chroot, from the guest's uptime),
     work (the shared directory), console (its text)."""
     ensure_tools()
-    vmlinuz, initrd = initramfs()
+    vmlinuz, default_initrd = initramfs()
+    initrd = initrd or default_initrd
     own = work is None
     if own:
         work = tempfile.mkdtemp(prefix="pc-work-")
