@@ -56,6 +56,14 @@ def cuts_seen():
     return sh("dmesg | grep -c 'emulating a power cut' || true", False).strip()
 
 
+def fault_events():
+    """How often UBI reported an emulated fault (from the kernel log)."""
+    text = sh("dmesg", False)
+    return {"io_errors": text.count("cannot write"),
+            "bitflips": text.count("bit-flip") + text.count("bitflip"),
+            "ro_mode": text.count("switch to read-only mode")}
+
+
 def erase_counts():
     """Sum of UBI's erase counters over all PEBs."""
     total = 0
@@ -106,6 +114,7 @@ class Run(object):
                            fsck=0, cuts=0, rounds=0)
         self.found = []
         self.counts = {"cli": 0, "api": 0, "shell": 0}
+        self.timing = {}
 
     def promise(self, jobs, how):
         self.promised.update(jobs)
@@ -135,8 +144,8 @@ class Run(object):
         """One producer step; raises when the spool refuses (the cut)."""
         rng, myq, a = self.rng, self.myq, self.a
         r = rng.random()
-        t = lambda: "ok" if rng.random() < 0.8 else (  # noqa: E731
-            "flaky" if rng.random() < 0.5 else "bad")
+        t = lambda: "ok" if rng.random() < 0.85 else (  # noqa: E731
+            "flaky" if rng.random() < 0.6 else "bad")
         if r < a.cli_rate:
             p = payload(rng, self.n)
             out = subprocess.run([sys.executable, a.myq, "--spool", self.spool,
@@ -173,7 +182,7 @@ class Run(object):
             self.n += 1
             self.counts["shell"] += 1
         else:
-            k = rng.randint(1, 12)
+            k = rng.randint(1, 6)
             specs = []
             for i in range(k):
                 spec = {"type": t(), "payload": payload(rng, self.n + i)}
@@ -207,14 +216,14 @@ class Run(object):
     def cut_round(self, i, work):
         a = self.a
         before = cuts_seen()
-        lo = self.rng.randint(1, 4)
+        t0 = time.monotonic()
+        lo = self.rng.randint(1, 2)
         dbg("tst_emulate_power_cut_min", lo)
-        dbg("tst_emulate_power_cut_max", lo + self.rng.randint(0, 6))
+        dbg("tst_emulate_power_cut_max", lo + self.rng.randint(0, 2))
         dbg("tst_emulate_power_cut", 3)
         wpid = self.start_worker(os.path.join(a.out, "ubifs-worker.log"))
         err = None
         steps = 0
-        t0 = time.monotonic()
         while steps < a.max_steps and time.monotonic() - t0 < 60:
             try:
                 self.produce_one()
@@ -222,25 +231,30 @@ class Run(object):
                 err = e
                 break
             steps += 1
+            if steps % 10 == 0 and cuts_seen() != before:
+                break                   # the worker met the cut
             if self.rng.random() < 0.1:
                 time.sleep(0.05)
-        if err is None and cuts_seen() == before:
-            # No cut yet: keep the worker busy until UBI takes the cut.
-            time.sleep(0.3)
         os.kill(wpid, signal.SIGKILL)       # the power went: every process dies
         os.waitpid(wpid, 0)
         cut = cuts_seen() != before
+        t1 = time.monotonic()
         dbg("tst_emulate_power_cut", 0)
         detach()
         attach()
         self.totals["rounds"] += 1
         self.totals["cuts"] += cut
+        t2 = time.monotonic()
         self.recover("cut %d%s" % (i, "" if cut else " (no cut: plain reboot)"),
                      work)
+        for k, v in (("t_work", t1 - t0), ("t_reattach", t2 - t1),
+                     ("t_recover", time.monotonic() - t2)):
+            self.timing[k] = self.timing.get(k, 0) + v
 
     def fault_round(self, i, kind, work):
         """A worker runs while UBI reports I/O errors or bitflips."""
         wpid = self.start_worker(os.path.join(self.a.out, "ubifs-fault-worker.log"))
+        seen0 = fault_events()
         dbg(kind, 1)
         errors = 0
         for _ in range(self.a.fault_steps):
@@ -251,6 +265,9 @@ class Run(object):
         time.sleep(1)
         alive = os.waitpid(wpid, os.WNOHANG) == (0, 0)
         dbg(kind, 0)
+        seen1 = fault_events()
+        for k in seen1:
+            self.totals[k] = self.totals.get(k, 0) + seen1[k] - seen0[k]
         if not alive:
             self.totals.setdefault("worker_died", 0)
             self.totals["worker_died"] += 1
@@ -277,7 +294,7 @@ def main(argv=None):
     ap.add_argument("--wear-jobs", type=int, default=500)
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--max-steps", type=int, default=400)
-    ap.add_argument("--fault-steps", type=int, default=60)
+    ap.add_argument("--fault-steps", type=int, default=150)
     ap.add_argument("--cli-rate", type=float, default=0.01)
     ap.add_argument("--shell-rate", type=float, default=0.05)
     a = ap.parse_args(argv)
@@ -321,13 +338,17 @@ def main(argv=None):
                    "seconds": round(time.monotonic() - t0, 1)}
     print("ubifs: wear %s" % out["wear"], flush=True)
     t1 = time.monotonic()
-    for i in range(a.cuts):
+    i = 0
+    while run.totals["cuts"] < a.cuts and i < a.cuts * 2:
         run.cut_round(i, work)
-        if i % 20 == 19:
-            print("ubifs: %d rounds, %d cuts, %d promised, %.0fs" % (
-                i + 1, run.totals["cuts"], len(run.promised),
-                time.monotonic() - t1), flush=True)
+        i += 1
+        if i % 20 == 0:
+            print("ubifs: %d rounds, %d cuts, %d promised, %.0fs %s" % (
+                i, run.totals["cuts"], len(run.promised),
+                time.monotonic() - t1, {k: round(v) for k, v in run.timing.items()}),
+                flush=True)
     out["cut_seconds"] = round(time.monotonic() - t1, 1)
+    out["timing"] = run.timing
     cut_totals = dict(run.totals)
     t2 = time.monotonic()
     for i in range(a.faults):
