@@ -140,8 +140,10 @@ def check_image(img, promised, myq_path, work, fs="ext4"):
             res["notes"] = []
             res["nospool"] = 1
             return res
-        run([sys.executable, myq_path, "--spool", spool, "init"])
-        res.update(check.recover_and_check(spool, promised, myq_path, work))
+        # recovery in forked children of this process (no interpreter start
+        # per command: most of the time of a cut otherwise)
+        res.update(check.recover_and_check(spool, promised, myq_path, work,
+                                           fork=True))
     finally:
         for _ in range(20):
             if run(["umount", mnt]).returncode == 0:

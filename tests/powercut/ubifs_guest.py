@@ -115,6 +115,8 @@ class Run(object):
         self.found = []
         self.counts = {"cli": 0, "api": 0, "shell": 0}
         self.timing = {}
+        self.ends = {}
+        self.found_info = []
 
     def promise(self, jobs, how):
         self.promised.update(jobs)
@@ -229,6 +231,7 @@ class Run(object):
                 self.produce_one()
             except Exception as e:      # the spool refused: the power went
                 err = e
+                self.n += 20            # never reuse an explicit id it may have placed
                 break
             steps += 1
             if steps % 10 == 0 and cuts_seen() != before:
@@ -238,6 +241,10 @@ class Run(object):
         os.kill(wpid, signal.SIGKILL)       # the power went: every process dies
         os.waitpid(wpid, 0)
         cut = cuts_seen() != before
+        why = "cut" if cut else (type(err).__name__ if err else "no error")
+        self.ends[why] = self.ends.get(why, 0) + 1
+        if err is not None and not cut:
+            self.found_info.append("round %d ended by %r without a cut" % (i, err))
         t1 = time.monotonic()
         dbg("tst_emulate_power_cut", 0)
         detach()
@@ -349,6 +356,8 @@ def main(argv=None):
                 flush=True)
     out["cut_seconds"] = round(time.monotonic() - t1, 1)
     out["timing"] = run.timing
+    out["round_ends"] = run.ends
+    out["info"] = run.found_info[:20]
     cut_totals = dict(run.totals)
     t2 = time.monotonic()
     for i in range(a.faults):
