@@ -124,6 +124,10 @@ def part_ext4(a, out):
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     say(replay.summary("ext4", totals) + " vm_seconds=%.0f" % t_vm)
+    say("powercut: fs=ext4-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
+        "disk_bytes_written=%d flushes=%d per_1000_jobs: bytes=%d flushes=%d"
+        % (a.jobs, totals["bytes_written"], totals["flushes"],
+           totals["bytes_written"] * 1000 // a.jobs, totals["flushes"] * 1000 // a.jobs))
     return totals
 
 
@@ -171,10 +175,10 @@ def part_ubifs(a, out):
                             t.get("worker_died", 0)))
     w = res["wear"]
     say("powercut: fs=ubifs-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
-        "erase_blocks=%d (%d bytes each) erase_blocks_per_1000_jobs=%.1f "
-        "erased_bytes_per_1000_jobs=%d" % (
-            w["jobs"], w["erases"], w["erase_bytes"], w["erases_per_1000"],
-            w["erases_per_1000"] * w["erase_bytes"]))
+        "nand_bytes_written=%s (%s mtd_write calls) erase_blocks=%d (%d bytes "
+        "each; %s mtd_erase calls) per_1000_jobs: bytes=%s erase_blocks=%.1f" % (
+            w["jobs"], w.get("bytes"), w.get("writes"), w["erases"], w["erase_bytes"],
+            w.get("traced_erases"), w.get("bytes_per_1000"), w["erases_per_1000"]))
     merged = dict(t)
     merged["vm_seconds"] = round(t_vm, 1)
     return merged

@@ -64,6 +64,56 @@ def fault_events():
             "ro_mode": text.count("switch to read-only mode")}
 
 
+TRACE = "/sys/kernel/tracing"
+
+
+def trace_start():
+    """kprobes on mtd_write (its len argument) and mtd_erase: the bytes and
+    erase blocks that reach the NAND.  False when tracing is unavailable."""
+    try:
+        if not os.path.exists(os.path.join(TRACE, "kprobe_events")):
+            sh("mount -t tracefs tracefs %s" % TRACE)
+        with open(os.path.join(TRACE, "kprobe_events"), "a") as f:
+            f.write("p:pcw mtd_write len=%dx:u64\n")
+        with open(os.path.join(TRACE, "kprobe_events"), "a") as f:
+            f.write("p:pce mtd_erase\n")
+        with open(os.path.join(TRACE, "buffer_size_kb"), "w") as f:
+            f.write("16384")
+        with open(os.path.join(TRACE, "trace"), "w") as f:
+            f.write("")
+        for ev in ("pcw", "pce"):
+            with open(os.path.join(TRACE, "events/kprobes/%s/enable" % ev), "w") as f:
+                f.write("1")
+        return True
+    except (OSError, RuntimeError) as e:
+        print("ubifs: no kprobe tracing: %s" % e, flush=True)
+        return False
+
+
+def trace_stop():
+    """(bytes written, writes, erases, lost events) since trace_start."""
+    for ev in ("pcw", "pce"):
+        with open(os.path.join(TRACE, "events/kprobes/%s/enable" % ev), "w") as f:
+            f.write("0")
+    nbytes = writes = erases = 0
+    with open(os.path.join(TRACE, "trace")) as f:
+        for line in f:
+            if " pcw: " in line and "len=" in line:
+                writes += 1
+                nbytes += int(line.rsplit("len=", 1)[1].split()[0], 0)
+            elif " pce: " in line:
+                erases += 1
+    lost = 0
+    try:
+        with open(os.path.join(TRACE, "per_cpu/cpu0/stats")) as f:
+            for line in f:
+                if line.startswith("overrun:"):
+                    lost = int(line.split()[1])
+    except OSError:
+        pass
+    return nbytes, writes, erases, lost
+
+
 def erase_counts():
     """Sum of UBI's erase counters over all PEBs."""
     total = 0
@@ -321,6 +371,8 @@ def main(argv=None):
     out = {}
     # Wear: no cuts, a steady producer and worker.
     ec0 = erase_counts()
+    sh("sync")
+    traced = trace_start()
     n0 = run.n
     wpid = run.start_worker(os.path.join(a.out, "ubifs-worker.log"))
     saved = (a.cli_rate, a.shell_rate)
@@ -338,10 +390,14 @@ def main(argv=None):
     a.cli_rate, a.shell_rate = saved
     jobs = run.n - n0
     ec1 = erase_counts()
+    tb = trace_stop() if traced else None
     mtd = sh("cat /sys/class/mtd/mtd0/erasesize /sys/class/mtd/mtd0/writesize").split()
     out["wear"] = {"jobs": jobs, "erases": ec1 - ec0,
                    "erase_bytes": int(mtd[0]),
                    "erases_per_1000": round((ec1 - ec0) * 1000.0 / jobs, 1),
+                   "bytes": tb and tb[0], "writes": tb and tb[1],
+                   "traced_erases": tb and tb[2], "trace_overrun": tb and tb[3],
+                   "bytes_per_1000": tb and int(tb[0] * 1000.0 / jobs),
                    "seconds": round(time.monotonic() - t0, 1)}
     print("ubifs: wear %s" % out["wear"], flush=True)
     t1 = time.monotonic()
