@@ -87,4 +87,4 @@ POWERCUT_MAX_POINTS ?= 300
 .PHONY: powercut
 powercut:
 	@if [ "$$(id -u)" != 0 ]; then echo "powercut: skipped: needs root (apt-get, qemu, loop devices, mount)"; exit 0; fi; \
-	POWERCUT_MAX_POINTS=$(POWERCUT_MAX_POINTS) $(PYTHON) tests/powercut/powercut.py $(POWERCUT_PARTS)
+	POWERCUT_MAX_POINTS=$(POWERCUT_MAX_POINTS) $(PYTHON) tests/powercut/powercut.py $(POWERCUT_PARTS) $(POWERCUT_ARGS)
