@@ -196,8 +196,10 @@ class Run(object):
         """One producer step; raises when the spool refuses (the cut)."""
         rng, myq, a = self.rng, self.myq, self.a
         r = rng.random()
-        t = lambda: "ok" if rng.random() < 0.85 else (  # noqa: E731
-            "flaky" if rng.random() < 0.6 else "bad")
+        # few dead letters: dlq/ keeps them all (retention 30 days), and
+        # every recovery scans them
+        t = lambda: "ok" if rng.random() < 0.88 else (  # noqa: E731
+            "flaky" if rng.random() < 0.8 else "bad")
         if r < a.cli_rate:
             p = payload(rng, self.n)
             out = subprocess.run([sys.executable, a.myq, "--spool", self.spool,
