@@ -143,7 +143,7 @@ def part_ubifs(a, out):
     script = UBIFS_GUEST.format(here=HERE, myq=MYQ, cuts=a.cuts, faults=a.faults,
                                 wear=a.wear_jobs, seed=a.seed)
     t0 = time.monotonic()
-    r = vm.boot(script, work=share, timeout=a.vm_timeout)
+    r = vm.boot(script, work=share, timeout=a.vm_timeout * 2)
     t_vm = time.monotonic() - t0
     say("powercut: ubifs VM: rc=%s boot=%.1fs vm=%.0fs" % (
         r["rc"], r["boot_seconds"] or -1, t_vm))
@@ -164,15 +164,22 @@ def part_ubifs(a, out):
         shutil.rmtree(share, ignore_errors=True)
     for f in res["found"][:10]:
         say("  found:", json.dumps(f)[:1500])
-    ct, t = res["cut_totals"], res["totals"]
+    if res.get("stage") != "end":
+        say("powercut: ubifs: the VM stopped during the %s stage (timeout?)"
+            % res.get("stage"))
+    ct, t = res.get("cut_totals") or res["totals"], res["totals"]
     ct["seconds"] = res["cut_seconds"]
     ct["promised"] = res["promised"]
     say(replay.summary("ubifs", ct) + " rounds=%d" % ct["rounds"])
     fault = {k: t[k] - ct.get(k, 0) for k in t if isinstance(t[k], int)}
-    fault["seconds"] = res["fault_seconds"]
-    say(replay.summary("ubifs-faults", fault) + " rounds=%d io_errors_seen=%d "
-        "worker_died=%d" % (fault["rounds"], t.get("fault_errors", 0),
-                            t.get("worker_died", 0)))
+    fault["seconds"] = res.get("fault_seconds", 0)
+    fault["cuts"] = fault.get("rounds", 0)     # each fault round ends in a reboot
+    say("powercut: ubifs rounds ended by: %s; seconds per phase: %s" % (
+        res.get("round_ends"), {k: round(v) for k, v in res.get("timing", {}).items()}))
+    say(replay.summary("ubifs-faults", fault) + " producer_errors=%d "
+        "ubi_io_errors=%d ubi_bitflips=%d ubi_ro_mode=%d worker_died=%d" % (
+            t.get("fault_errors", 0), t.get("io_errors", 0), t.get("bitflips", 0),
+            t.get("ro_mode", 0), t.get("worker_died", 0)))
     w = res["wear"]
     say("powercut: fs=ubifs-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
         "nand_bytes_written=%s (%s mtd_write calls) erase_blocks=%d (%d bytes "
@@ -180,6 +187,8 @@ def part_ubifs(a, out):
             w["jobs"], w.get("bytes"), w.get("writes"), w["erases"], w["erase_bytes"],
             w.get("traced_erases"), w.get("bytes_per_1000"), w["erases_per_1000"]))
     merged = dict(t)
+    if res.get("stage") != "end":
+        merged["recover"] = merged.get("recover", 0) + 1    # an unfinished part fails
     merged["vm_seconds"] = round(t_vm, 1)
     return merged
 

@@ -53,14 +53,21 @@ def dbg(name, value):
 
 
 def cuts_seen():
-    return sh("dmesg | grep -c 'emulating a power cut' || true", False).strip()
+    """Emulated power cuts in the kernel log since the last clear_log()
+    (cleared every round: the ring buffer wraps under UBIFS's errors)."""
+    return int(sh("dmesg | grep -c 'emulating a power cut' || true", False).strip() or 0)
+
+
+def clear_log():
+    sh("dmesg -C", False)
 
 
 def fault_events():
     """How often UBI reported an emulated fault (from the kernel log)."""
     text = sh("dmesg", False)
     return {"io_errors": text.count("cannot write"),
-            "bitflips": text.count("bit-flip") + text.count("bitflip"),
+            "bitflips": text.count("bit-flip") + text.count("bitflip")
+            + text.count("scrub"),
             "ro_mode": text.count("switch to read-only mode")}
 
 
@@ -71,19 +78,12 @@ def trace_start():
     """kprobes on mtd_write (its len argument) and mtd_erase: the bytes and
     erase blocks that reach the NAND.  False when tracing is unavailable."""
     try:
-        if not os.path.exists(os.path.join(TRACE, "kprobe_events")):
-            sh("mount -t tracefs tracefs %s" % TRACE)
-        with open(os.path.join(TRACE, "kprobe_events"), "a") as f:
-            f.write("p:pcw mtd_write len=%dx:u64\n")
-        with open(os.path.join(TRACE, "kprobe_events"), "a") as f:
-            f.write("p:pce mtd_erase\n")
-        with open(os.path.join(TRACE, "buffer_size_kb"), "w") as f:
-            f.write("16384")
-        with open(os.path.join(TRACE, "trace"), "w") as f:
-            f.write("")
-        for ev in ("pcw", "pce"):
-            with open(os.path.join(TRACE, "events/kprobes/%s/enable" % ev), "w") as f:
-                f.write("1")
+        sh("[ -e {t}/kprobe_events ] || mount -t tracefs tracefs {t}; "
+           "echo 'p:pcw mtd_write len=%dx:u64' >> {t}/kprobe_events && "
+           "echo 'p:pce mtd_erase' >> {t}/kprobe_events && "
+           "echo 16384 > {t}/buffer_size_kb && echo > {t}/trace && "
+           "echo 1 > {t}/events/kprobes/pcw/enable && "
+           "echo 1 > {t}/events/kprobes/pce/enable".format(t=TRACE))
         return True
     except (OSError, RuntimeError) as e:
         print("ubifs: no kprobe tracing: %s" % e, flush=True)
@@ -269,8 +269,9 @@ class Run(object):
 
     def cut_round(self, i, work):
         a = self.a
-        before = cuts_seen()
         t0 = time.monotonic()
+        clear_log()
+        before = cuts_seen()
         lo = self.rng.randint(1, 2)
         dbg("tst_emulate_power_cut_min", lo)
         dbg("tst_emulate_power_cut_max", lo + self.rng.randint(0, 2))
@@ -313,14 +314,17 @@ class Run(object):
     def fault_round(self, i, kind, work):
         """A worker runs while UBI reports I/O errors or bitflips."""
         wpid = self.start_worker(os.path.join(self.a.out, "ubifs-fault-worker.log"))
+        clear_log()
         seen0 = fault_events()
         dbg(kind, 1)
         errors = 0
-        for _ in range(self.a.fault_steps):
+        for k in range(self.a.fault_steps):
             try:
                 self.produce_one()
             except Exception:
                 errors += 1
+            if k % 10 == 0:     # emulated bitflips happen on reads from the NAND
+                sh("sync; echo 3 > /proc/sys/vm/drop_caches", False)
         time.sleep(1)
         alive = os.waitpid(wpid, os.WNOHANG) == (0, 0)
         dbg(kind, 0)
@@ -403,30 +407,42 @@ def main(argv=None):
                    "seconds": round(time.monotonic() - t0, 1)}
     print("ubifs: wear %s" % out["wear"], flush=True)
     t1 = time.monotonic()
+    def save(stage):
+        out["stage"] = stage
+        out["cut_seconds"] = round(time.monotonic() - t1, 1)
+        out["timing"] = run.timing
+        out["round_ends"] = run.ends
+        out["info"] = run.found_info[:20]
+        out["totals"] = run.totals
+        out["found"] = run.found
+        out["promised"] = len(run.promised)
+        out["counts"] = run.counts
+        with open(os.path.join(a.out, "ubifs-result.json.tmp"), "w") as f:
+            json.dump(out, f, indent=1)
+        os.rename(os.path.join(a.out, "ubifs-result.json.tmp"),
+                  os.path.join(a.out, "ubifs-result.json"))
+
     i = 0
     while run.totals["cuts"] < a.cuts and i < a.cuts * 2:
         run.cut_round(i, work)
         i += 1
+        out["cut_totals"] = dict(run.totals)
+        save("cuts")
         if i % 20 == 0:
             print("ubifs: %d rounds, %d cuts, %d promised, %.0fs %s" % (
                 i, run.totals["cuts"], len(run.promised),
                 time.monotonic() - t1, {k: round(v) for k, v in run.timing.items()}),
                 flush=True)
-    out["cut_seconds"] = round(time.monotonic() - t1, 1)
-    out["timing"] = run.timing
-    out["round_ends"] = run.ends
-    out["info"] = run.found_info[:20]
-    cut_totals = dict(run.totals)
+    cut_seconds = round(time.monotonic() - t1, 1)
     t2 = time.monotonic()
     for i in range(a.faults):
         kind = ("tst_emulate_io_failures", "tst_emulate_bitflips")[i % 2]
         run.fault_round(i, kind, work)
+        out["fault_seconds"] = round(time.monotonic() - t2, 1)
+        save("faults")
     out["fault_seconds"] = round(time.monotonic() - t2, 1)
-    out["totals"] = run.totals
-    out["cut_totals"] = cut_totals
-    out["found"] = run.found
-    out["promised"] = len(run.promised)
-    out["counts"] = run.counts
+    save("end")
+    out["cut_seconds"] = cut_seconds
     with open(os.path.join(a.out, "ubifs-result.json"), "w") as f:
         json.dump(out, f, indent=1)
     detach()
