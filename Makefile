@@ -78,3 +78,13 @@ uninstall:
 clean:
 	rm -rf $(VENV) dist demo demo-handlers .pytest_cache .hypothesis
 	find . -name .git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
+
+# Power cuts (issue 14): a QEMU VM (TCG) per part, dm-log-writes replay for
+# ext4; see tests/powercut/powercut.py.  Root only (apt-get, qemu, loop
+# mounts); installs what it needs.  POWERCUT_MAX_POINTS=0 replays every
+# flush point (default: 300 spread over the log, with random subsets each).
+POWERCUT_MAX_POINTS ?= 300
+.PHONY: powercut
+powercut:
+	@if [ "$$(id -u)" != 0 ]; then echo "powercut: skipped: needs root (apt-get, qemu, loop devices, mount)"; exit 0; fi; \
+	POWERCUT_MAX_POINTS=$(POWERCUT_MAX_POINTS) $(PYTHON) tests/powercut/powercut.py $(POWERCUT_PARTS) $(POWERCUT_ARGS)

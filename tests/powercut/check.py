@@ -1,0 +1,222 @@
+"""Recover a spool after a (simulated) power cut and check myq's promises.
+
+recover_and_check(spool, promised, myq_path) runs the README's recovery
+(a worker --drain with the workload's handlers, then `myq check`) and
+returns a dict of counts:
+
+  lost      a promised job (its enqueue had returned before the cut) is in no
+            state directory and has no success record (a pruned done job
+            keeps its locks/ok record, so it counts as present)
+  doubled   a job in more than one place after recovery, or a job that was
+            done (or dead) before recovery and ran again during it
+  corrupt   a job whose payload does not match its checksum or the journal
+  in_failed valid jobs quarantined in failed/ (a promised one is also lost:
+            it will not run unless an operator retries it)
+  nul_tails job files that end in NUL bytes before recovery (read past them)
+  stuck     anything left in processing/ after recovery
+  recover   the worker or `myq check` failed (exit status, or problems)
+  rerun     promised jobs that ran during recovery (not done before it:
+            pending, or done but its success record not durable; allowed),
+            for information
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STATE_DIRS = ("incoming", "processing", "done", "dlq")
+
+
+def _myq(myq_path):
+    d = os.path.dirname(os.path.abspath(myq_path))
+    if d not in sys.path:
+        sys.path.insert(0, d)
+    import myq
+    return myq
+
+
+def _listdir(p):
+    try:
+        return sorted(os.listdir(p))
+    except OSError:
+        return []
+
+
+def load(path, myq):
+    """(job or None, tail): myq.parse's job; when myq cannot parse the file,
+    the job object read past trailing NUL bytes (tail=True), as a power cut
+    leaves a file whose size grew before its appended data reached the disk."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return myq.parse(data)[0], False
+    except Exception:
+        pass
+    stripped = data.rstrip(b"\0")
+    if stripped != data:
+        try:
+            return myq.parse(stripped)[0], True
+        except Exception:
+            pass
+    return None, data.endswith(b"\0")
+
+
+def scan(spool, myq):
+    """{id: [(state, name, job or None)]}, ok ids, failed valid jobs."""
+    where, tails = {}, []
+    for sub in STATE_DIRS:
+        for name in _listdir(os.path.join(spool, sub)):
+            if not name.endswith((".json", ".fin")):
+                continue
+            jid = name[:-5]
+            if sub == "processing":
+                jid = jid.split("+", 1)[0]
+            try:
+                job, tail = load(os.path.join(spool, sub, name), myq)
+            except OSError:
+                job, tail = None, False
+            where.setdefault(jid, []).append((sub, name, job))
+            if tail:
+                tails.append("%s/%s" % (sub, name))
+    ok = set(_listdir(os.path.join(spool, "locks", "ok")))
+    failed_valid = []
+    for name in _listdir(os.path.join(spool, "failed")):
+        p = os.path.join(spool, "failed", name)
+        if name.endswith(".reason") or not os.path.isfile(p):
+            continue
+        try:
+            job, tail = load(p, myq)
+        except OSError:
+            job = None
+        if isinstance(job, dict) and "type" in job:
+            failed_valid.append((name, job))
+    return where, ok, failed_valid, tails
+
+
+def _intact(job, want_sum=None):
+    try:
+        p = job["payload"]
+        good = hashlib.sha256(p["blob"].encode()).hexdigest()[:16] == p["sum"]
+        return good and (want_sum is None or p["sum"] == want_sum)
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def fork_myq(myq, args, env, timeout=300):
+    """Run myq.main(args) in a forked child (no interpreter start: under TCG
+    that is most of a second).  Returns (exit status, output)."""
+    import tempfile
+    out = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            os.environ.clear()
+            os.environ.update(env)
+            rc = myq.main(args)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            rc = 70
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(rc if isinstance(rc, int) else 1)
+    _, status = os.waitpid(pid, 0)
+    out.seek(0)
+    return os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") \
+        else (status >> 8), out.read()
+
+
+class _Done(object):
+    def __init__(self, rc, out):
+        self.returncode, self.stdout = rc, out
+
+
+def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
+                      python=None, fork=False):
+    myq = _myq(myq_path)
+    py = python or sys.executable
+
+    def run(args, env):
+        if fork:
+            return _Done(*fork_myq(myq, args[2:], env, timeout))
+        return subprocess.run(args, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=timeout)
+    res = dict(lost=0, doubled=0, corrupt=0, stuck=0, recover=0, rerun=0,
+               in_failed=0, nul_tails=0)
+    notes = []
+    pre, pre_ok, _, pre_tails = scan(spool, myq)
+    finished_pre = set(pre_ok)
+    for jid, locs in pre.items():
+        if any(s in ("done", "dlq") for s, _, _ in locs):
+            finished_pre.add(jid)
+    runlog = os.path.join(workdir, "recovery-runs.log")
+    try:
+        os.unlink(runlog)
+    except OSError:
+        pass
+    env = dict(os.environ, PC_RUNLOG=runlog, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("MYQ_SPOOL", None)
+    run([py, myq_path, "--spool", spool, "init"], env)
+    w = run([py, myq_path, "--spool", spool, "worker", "--module",
+             os.path.join(HERE, "handlers.py"), "--drain", "--stats-interval", "0",
+             "--min-free", "0"], env)
+    if w.returncode != 0:
+        res["recover"] += 1
+        notes.append("worker --drain exit %d: %s" % (
+            w.returncode, w.stdout.decode("utf-8", "replace")[-600:]))
+    c = run([py, myq_path, "--spool", spool, "check", "--min-free", "0"], env)
+    if c.returncode != 0:
+        res["recover"] += 1
+        notes.append("myq check exit %d: %s" % (
+            c.returncode, c.stdout.decode("utf-8", "replace")[-600:]))
+    post, post_ok, failed_valid, post_tails = scan(spool, myq)
+    res["nul_tails"] = len(pre_tails)
+    if pre_tails:
+        notes.append("NUL bytes at the end of (before recovery): %s"
+                     % ", ".join(pre_tails[:5]))
+    ran = []
+    try:
+        with open(runlog) as f:
+            ran = [l.split()[1] for l in f if len(l.split()) >= 2]
+    except OSError:
+        pass
+    for jid in sorted(set(ran)):
+        if jid in finished_pre:
+            res["doubled"] += 1
+            notes.append("ran again although done/dead before recovery: %s (pre: %s)"
+                         % (jid, [s for s, _, _ in pre.get(jid, [])]
+                            + (["locks/ok"] if jid in pre_ok else [])))
+        elif jid in promised:
+            res["rerun"] += 1
+    for jid, locs in post.items():
+        if any(s == "processing" for s, _, _ in locs):
+            res["stuck"] += 1
+            notes.append("left in processing/: %s" % [n for _, n, _ in locs])
+        if len(locs) > 1:
+            res["doubled"] += 1
+            notes.append("in %d places after recovery: %s" % (
+                len(locs), ["%s/%s" % (s, n) for s, n, _ in locs]))
+        for s, n, job in locs:
+            if job is None or not _intact(job, promised.get(jid)):
+                if jid in promised or job is not None:
+                    res["corrupt"] += 1
+                    notes.append("bad content: %s/%s" % (s, n))
+    quarantined = {}
+    for name, job in failed_valid:
+        res["in_failed"] += 1
+        quarantined[job.get("id") or name[:-5]] = name
+        notes.append("valid job quarantined in failed/: %s (id %s, intact: %s)"
+                     % (name, job.get("id"), _intact(job)))
+    for jid in promised:
+        if jid not in post and jid not in post_ok:
+            res["lost"] += 1
+            notes.append("lost: %s (pre-recovery: %s)%s" % (
+                jid, [n for _, n, _ in pre.get(jid, [])] or "nowhere",
+                " -> failed/%s" % quarantined[jid] if jid in quarantined else ""))
+    res["notes"] = notes
+    return res

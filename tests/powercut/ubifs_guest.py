@@ -1,0 +1,453 @@
+#!/usr/bin/env python3
+"""UBIFS on simulated NAND, run inside the VM: emulated power cuts, faults,
+and the flash wear figure.
+
+    ubifs_guest.py --myq myq.py --out DIR [--cuts N] [--faults N]
+
+nandsim (64 MiB, 2 KiB pages, 128 KiB erase blocks) -> UBI -> a UBIFS
+volume holding the spool.  Each round arms UBI's debugfs power-cut emulation
+(tst_emulate_power_cut: after a random few more EC/VID header writes UBI
+turns read-only, so nothing written after that reaches the flash), runs the
+workload (a forked worker, API batches, the shell recipe, now and then
+`myq enqueue` and `myq prune`) until the cut stops it, then "reboots":
+kills every process, unmounts, detaches and re-attaches UBI (the page cache
+is gone; only the NAND contents remain), mounts, recovers (myq init, a
+worker --drain, myq check) and checks every job whose enqueue returned.
+
+Faults: rounds with tst_emulate_io_failures or tst_emulate_bitflips armed
+while a worker runs: the worker must stay up and no job may be lost or
+corrupted.  Wear: erase counters (detailed_erase_block_info) and pages
+programmed per 1,000 durable jobs with no cuts armed.
+"""
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import check  # noqa: E402
+
+MNT = "/run/mnt"
+DBG = "/sys/kernel/debug/ubi/ubi0"
+
+
+def sh(cmd, check_=True):
+    r = subprocess.run(cmd, shell=True, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT)
+    if check_ and r.returncode:
+        raise RuntimeError("%s: %s" % (cmd, r.stdout.decode()[-500:]))
+    return r.stdout.decode()
+
+
+def dbg(name, value):
+    with open(os.path.join(DBG, name), "w") as f:
+        f.write(str(value))
+
+
+def cuts_seen():
+    """Emulated power cuts in the kernel log since the last clear_log()
+    (cleared every round: the ring buffer wraps under UBIFS's errors)."""
+    return int(sh("dmesg | grep -c 'emulating a power cut' || true", False).strip() or 0)
+
+
+def clear_log():
+    sh("dmesg -C", False)
+
+
+def fault_events():
+    """How often UBI reported an emulated fault (from the kernel log)."""
+    text = sh("dmesg", False)
+    return {"io_errors": text.count("cannot write"),
+            "bitflips": text.count("bit-flip") + text.count("bitflip")
+            + text.count("scrub"),
+            "ro_mode": text.count("switch to read-only mode")}
+
+
+TRACE = "/sys/kernel/tracing"
+
+
+def trace_start():
+    """kprobes on mtd_write (its len argument) and mtd_erase: the bytes and
+    erase blocks that reach the NAND.  False when tracing is unavailable."""
+    try:
+        sh("[ -e {t}/kprobe_events ] || mount -t tracefs tracefs {t}; "
+           "echo 'p:pcw mtd_write len=%dx:u64' >> {t}/kprobe_events && "
+           "echo 'p:pce mtd_erase' >> {t}/kprobe_events && "
+           "echo 16384 > {t}/buffer_size_kb && echo > {t}/trace && "
+           "echo 1 > {t}/events/kprobes/pcw/enable && "
+           "echo 1 > {t}/events/kprobes/pce/enable".format(t=TRACE))
+        return True
+    except (OSError, RuntimeError) as e:
+        print("ubifs: no kprobe tracing: %s" % e, flush=True)
+        return False
+
+
+def trace_stop():
+    """(bytes written, writes, erases, lost events) since trace_start."""
+    for ev in ("pcw", "pce"):
+        with open(os.path.join(TRACE, "events/kprobes/%s/enable" % ev), "w") as f:
+            f.write("0")
+    nbytes = writes = erases = 0
+    with open(os.path.join(TRACE, "trace")) as f:
+        for line in f:
+            if " pcw: " in line and "len=" in line:
+                writes += 1
+                nbytes += int(line.rsplit("len=", 1)[1].split()[0], 0)
+            elif " pce: " in line:
+                erases += 1
+    lost = 0
+    try:
+        with open(os.path.join(TRACE, "per_cpu/cpu0/stats")) as f:
+            for line in f:
+                if line.startswith("overrun:"):
+                    lost = int(line.split()[1])
+    except OSError:
+        pass
+    return nbytes, writes, erases, lost
+
+
+def erase_counts():
+    """Sum of UBI's erase counters over all PEBs."""
+    total = 0
+    with open(os.path.join(DBG, "detailed_erase_block_info")) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].isdigit():
+                total += int(parts[1])
+    return total
+
+
+def attach(first=False):
+    sh("ubiattach -m 0 -d 0")
+    if first:
+        sh("ubimkvol /dev/ubi0 -N spool -m")
+    sh("mount -t ubifs ubi0:spool %s" % MNT)
+
+
+def detach():
+    for _ in range(50):
+        if subprocess.run(["umount", MNT], stderr=subprocess.DEVNULL).returncode == 0:
+            break
+        time.sleep(0.1)
+    sh("ubidetach -m 0")
+
+
+def payload(rng, n):
+    blob = "%x" % rng.getrandbits(4 * rng.choice((16, 64, 400, 1500)))
+    return {"n": n, "blob": blob,
+            "sum": hashlib.sha256(blob.encode()).hexdigest()[:16]}
+
+
+class Run(object):
+    def __init__(self, a):
+        self.a = a
+        sys.path.insert(0, os.path.dirname(os.path.abspath(a.myq)))
+        import myq
+        self.myq = myq
+        self.rng = random.Random(a.seed)
+        self.spool = os.path.join(MNT, "spool")
+        self.promised = {}
+        self.n = 0
+        self.journal = open(os.path.join(a.out, "ubifs-journal"), "a")
+        self.env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
+                        PC_RUNLOG=os.path.join(a.out, "ubifs-runs"))
+        self.totals = dict(lost=0, doubled=0, corrupt=0, stuck=0, recover=0,
+                           rerun=0, in_failed=0, nul_tails=0, nul_cuts=0,
+                           fsck=0, cuts=0, rounds=0)
+        self.found = []
+        self.counts = {"cli": 0, "api": 0, "shell": 0}
+        self.timing = {}
+        self.ends = {}
+        self.found_info = []
+
+    def promise(self, jobs, how):
+        self.promised.update(jobs)
+        self.journal.write(json.dumps({"how": how, "jobs": jobs}) + "\n")
+        self.journal.flush()
+
+    def start_worker(self, log):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.environ.update(self.env)
+                rc = self.myq.main(["--spool", self.spool, "worker", "--module",
+                                    os.path.join(HERE, "handlers.py"),
+                                    "--backoff-base", "0.2", "--backoff-max", "1",
+                                    "--poll", "0.5", "--stats-interval", "0"])
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                rc = 70
+            os._exit(rc if isinstance(rc, int) else 1)
+        return pid
+
+    def produce_one(self):
+        """One producer step; raises when the spool refuses (the cut)."""
+        rng, myq, a = self.rng, self.myq, self.a
+        r = rng.random()
+        # few dead letters: dlq/ keeps them all (retention 30 days), and
+        # every recovery scans them
+        t = lambda: "ok" if rng.random() < 0.88 else (  # noqa: E731
+            "flaky" if rng.random() < 0.8 else "bad")
+        if r < a.cli_rate:
+            p = payload(rng, self.n)
+            out = subprocess.run([sys.executable, a.myq, "--spool", self.spool,
+                                  "enqueue", t(), json.dumps(p)], env=self.env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            if out.returncode:
+                raise OSError("myq enqueue exit %d: %s" % (
+                    out.returncode, out.stderr.decode()[-200:]))
+            self.promise({out.stdout.decode().strip(): p["sum"]}, "cli")
+            self.n += 1
+            self.counts["cli"] += 1
+        elif r < a.cli_rate + a.shell_rate:
+            p = payload(rng, self.n)
+            jid = "sh-%d" % self.n
+            body = json.dumps({"type": t(), "payload": p})
+            script = ('printf "%%s\\n" \'%s\' > "$SPOOL/tmp/%s.json" && sync && '
+                      'mv "$SPOOL/tmp/%s.json" "$SPOOL/incoming/%s.json" && sync'
+                      % (body, jid, jid, jid))
+            r2 = subprocess.run(["sh", "-c", script], env=dict(self.env, SPOOL=self.spool),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            # sync(1) reports no error: the job is promised only when the
+            # file is in incoming/ and the fs is still writable afterwards.
+            if r2.returncode:
+                raise OSError("shell producer: %s" % r2.stderr.decode()[-200:])
+            probe = os.path.join(self.spool, "tmp", ".probe")
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                os.write(fd, b"x")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+            self.promise({jid: p["sum"]}, "shell")
+            self.n += 1
+            self.counts["shell"] += 1
+        else:
+            k = rng.randint(1, 6)
+            specs = []
+            for i in range(k):
+                spec = {"type": t(), "payload": payload(rng, self.n + i)}
+                if rng.random() < 0.2:
+                    spec["id"] = "x-%d" % (self.n + i)
+                specs.append(spec)
+            ids = myq.Spool(self.spool).enqueue_many(specs)
+            self.promise({jid: s["payload"]["sum"] for jid, s in zip(ids, specs)}, "api")
+            self.n += k
+            self.counts["api"] += k
+        if rng.random() < 0.03:
+            rc, out = check.fork_myq(myq, ["--spool", self.spool, "prune"],
+                                     dict(self.env, MYQ_KEEP_DONE_MAX="40"))
+            if rc:
+                raise OSError("prune exit %d" % rc)
+
+    def recover(self, what, work):
+        res = check.recover_and_check(self.spool, dict(self.promised), self.a.myq,
+                                      work, fork=True)
+        for k in self.totals:
+            if k in res:
+                self.totals[k] += res[k]
+        self.totals["nul_cuts"] += bool(res.get("nul_tails"))
+        if any(res.get(k) for k in ("lost", "doubled", "corrupt", "stuck",
+                                    "recover", "in_failed")):
+            self.found.append({"round": what, "promised": len(self.promised),
+                               "notes": res["notes"][:8]})
+            print("ubifs: %s: %s" % (what, res["notes"][:4]), flush=True)
+        return res
+
+    def cut_round(self, i, work):
+        a = self.a
+        t0 = time.monotonic()
+        clear_log()
+        before = cuts_seen()
+        lo = self.rng.randint(1, 2)
+        dbg("tst_emulate_power_cut_min", lo)
+        dbg("tst_emulate_power_cut_max", lo + self.rng.randint(0, 2))
+        dbg("tst_emulate_power_cut", 3)
+        wpid = self.start_worker(os.path.join(a.out, "ubifs-worker.log"))
+        err = None
+        steps = 0
+        while steps < a.max_steps and time.monotonic() - t0 < 60:
+            try:
+                self.produce_one()
+            except Exception as e:      # the spool refused: the power went
+                err = e
+                self.n += 20            # never reuse an explicit id it may have placed
+                break
+            steps += 1
+            if steps % 10 == 0 and cuts_seen() != before:
+                break                   # the worker met the cut
+            if self.rng.random() < 0.1:
+                time.sleep(0.05)
+        os.kill(wpid, signal.SIGKILL)       # the power went: every process dies
+        os.waitpid(wpid, 0)
+        cut = cuts_seen() != before
+        why = "cut" if cut else (type(err).__name__ if err else "no error")
+        self.ends[why] = self.ends.get(why, 0) + 1
+        if err is not None and not cut:
+            self.found_info.append("round %d ended by %r without a cut" % (i, err))
+        t1 = time.monotonic()
+        dbg("tst_emulate_power_cut", 0)
+        detach()
+        attach()
+        self.totals["rounds"] += 1
+        self.totals["cuts"] += cut
+        t2 = time.monotonic()
+        self.recover("cut %d%s" % (i, "" if cut else " (no cut: plain reboot)"),
+                     work)
+        for k, v in (("t_work", t1 - t0), ("t_reattach", t2 - t1),
+                     ("t_recover", time.monotonic() - t2)):
+            self.timing[k] = self.timing.get(k, 0) + v
+
+    def fault_round(self, i, kind, work):
+        """A worker runs while UBI reports I/O errors or bitflips."""
+        wpid = self.start_worker(os.path.join(self.a.out, "ubifs-fault-worker.log"))
+        clear_log()
+        seen0 = fault_events()
+        dbg(kind, 1)
+        errors = 0
+        for k in range(self.a.fault_steps):
+            try:
+                self.produce_one()
+            except Exception:
+                errors += 1
+            if k % 10 == 0:     # emulated bitflips happen on reads from the NAND
+                sh("sync; echo 3 > /proc/sys/vm/drop_caches", False)
+        time.sleep(1)
+        alive = os.waitpid(wpid, os.WNOHANG) == (0, 0)
+        dbg(kind, 0)
+        seen1 = fault_events()
+        for k in seen1:
+            self.totals[k] = self.totals.get(k, 0) + seen1[k] - seen0[k]
+        if not alive:
+            self.totals.setdefault("worker_died", 0)
+            self.totals["worker_died"] += 1
+            self.found.append({"round": "fault %s %d" % (kind, i),
+                               "notes": ["the worker exited during faults"]})
+        else:
+            os.kill(wpid, signal.SIGTERM)
+            os.waitpid(wpid, 0)
+        # an I/O error turns UBI read-only: reboot as after a cut
+        detach()
+        attach()
+        self.totals["rounds"] += 1
+        self.totals.setdefault("fault_errors", 0)
+        self.totals["fault_errors"] += errors
+        return self.recover("fault %s %d" % (kind, i), work)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--myq", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cuts", type=int, default=200)
+    ap.add_argument("--faults", type=int, default=6)
+    ap.add_argument("--wear-jobs", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--fault-steps", type=int, default=150)
+    ap.add_argument("--cli-rate", type=float, default=0.01)
+    ap.add_argument("--shell-rate", type=float, default=0.05)
+    a = ap.parse_args(argv)
+    for m in ("lzo", "zstd", "ubifs"):
+        sh("modprobe %s" % m, False)
+    # 64 MiB NAND, 2 KiB pages, 128 KiB erase blocks
+    sh("modprobe nandsim first_id_byte=0x20 second_id_byte=0xa2 "
+       "third_id_byte=0x00 fourth_id_byte=0x15")
+    sh("modprobe ubi")
+    os.makedirs(MNT, exist_ok=True)
+    attach(first=True)
+    run = Run(a)
+    run.myq.Spool(run.spool).init()
+    work = "/tmp/pc-ubifs"
+    os.makedirs(work, exist_ok=True)
+    t0 = time.monotonic()
+    out = {}
+    # Wear: no cuts, a steady producer and worker.
+    ec0 = erase_counts()
+    sh("sync")
+    traced = trace_start()
+    n0 = run.n
+    wpid = run.start_worker(os.path.join(a.out, "ubifs-worker.log"))
+    saved = (a.cli_rate, a.shell_rate)
+    a.cli_rate = a.shell_rate = 0
+    while run.n - n0 < a.wear_jobs:
+        run.produce_one()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+            os.listdir(os.path.join(run.spool, "incoming"))
+            or os.listdir(os.path.join(run.spool, "processing"))):
+        time.sleep(0.5)
+    os.kill(wpid, signal.SIGTERM)
+    os.waitpid(wpid, 0)
+    sh("sync")
+    a.cli_rate, a.shell_rate = saved
+    jobs = run.n - n0
+    ec1 = erase_counts()
+    tb = trace_stop() if traced else None
+    mtd = sh("cat /sys/class/mtd/mtd0/erasesize /sys/class/mtd/mtd0/writesize").split()
+    out["wear"] = {"jobs": jobs, "erases": ec1 - ec0,
+                   "erase_bytes": int(mtd[0]),
+                   "erases_per_1000": round((ec1 - ec0) * 1000.0 / jobs, 1),
+                   "bytes": tb and tb[0], "writes": tb and tb[1],
+                   "traced_erases": tb and tb[2], "trace_overrun": tb and tb[3],
+                   "bytes_per_1000": tb and int(tb[0] * 1000.0 / jobs),
+                   "seconds": round(time.monotonic() - t0, 1)}
+    print("ubifs: wear %s" % out["wear"], flush=True)
+    t1 = time.monotonic()
+    def save(stage):
+        out["stage"] = stage
+        out["cut_seconds"] = round(time.monotonic() - t1, 1)
+        out["timing"] = run.timing
+        out["round_ends"] = run.ends
+        out["info"] = run.found_info[:20]
+        out["totals"] = run.totals
+        out["found"] = run.found
+        out["promised"] = len(run.promised)
+        out["counts"] = run.counts
+        with open(os.path.join(a.out, "ubifs-result.json.tmp"), "w") as f:
+            json.dump(out, f, indent=1)
+        os.rename(os.path.join(a.out, "ubifs-result.json.tmp"),
+                  os.path.join(a.out, "ubifs-result.json"))
+
+    i = 0
+    while run.totals["cuts"] < a.cuts and i < a.cuts * 2:
+        run.cut_round(i, work)
+        i += 1
+        out["cut_totals"] = dict(run.totals)
+        save("cuts")
+        if i % 20 == 0:
+            print("ubifs: %d rounds, %d cuts, %d promised, %.0fs %s" % (
+                i, run.totals["cuts"], len(run.promised),
+                time.monotonic() - t1, {k: round(v) for k, v in run.timing.items()}),
+                flush=True)
+    cut_seconds = round(time.monotonic() - t1, 1)
+    t2 = time.monotonic()
+    for i in range(a.faults):
+        kind = ("tst_emulate_io_failures", "tst_emulate_bitflips")[i % 2]
+        run.fault_round(i, kind, work)
+        out["fault_seconds"] = round(time.monotonic() - t2, 1)
+        save("faults")
+    out["fault_seconds"] = round(time.monotonic() - t2, 1)
+    save("end")
+    out["cut_seconds"] = cut_seconds
+    with open(os.path.join(a.out, "ubifs-result.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    detach()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
