@@ -2337,6 +2337,10 @@ class Spool(object):
         problems = []
         for sub in SUBDIRS:
             if not os.path.isdir(self.d(sub)):
+                try:
+                    self._unusable(sub)     # there, but out of this user's reach
+                except ConfigError as e:
+                    return [str(e)]
                 problems.append("%s/ is missing; run: myq --spool %s init"
                                 % (self.d(sub), self.path))
         if problems:

@@ -198,6 +198,8 @@ def core_flow(py, tmp_path):
         assert json.load(f) == {"payload": {"k": [1, 2.5, "x"]}, "attempts": 1,
                                 "type": "mod_ok"}
     f1 = json.loads(ok(run(py, "--spool", spool, "show", "f1")))
+    assert set(f1.pop("iso")) == {"created_at", "updated_at", "available_at",
+                                  "failed_at"}        # show's ISO times
     assert f1 == dict(jobs["f1"], state="dead")
     assert (f1["state"], f1["attempts"]) == ("dead", 2), f1
     assert "boom on attempt 2" in f1["last_error"] and "failed_at" in f1
@@ -218,7 +220,9 @@ def core_flow(py, tmp_path):
     assert " queue=spool ready=0 processing=0 done=4 dead=4 " in line, line
     st = json.loads(ok(run(py, "--spool", spool, "stats", "--json")))
     assert st["queue"] == "spool"
-    assert all(type(v) is int for k, v in st.items() if k != "queue"), st
+    assert all(type(v) is int for k, v in st.items()
+               if k not in ("queue", "held", "paused")), st   # SPEC 6
+    assert st["held"] == [], st
     assert (st["done"], st["dead"], st["scheduled"], st["retries_1m"]) == (4, 4, 1, 2)
 
     # list, one line per job starting with its id

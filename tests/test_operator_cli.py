@@ -783,3 +783,15 @@ def test_init_help_shows_the_free_space_guards_only():
     shown = _help("init")
     assert {"--min-free", "--min-free-inodes", "--owner"} <= shown
     assert not {"--keep-done", "--max-job-bytes", "--dedupe-window"} & shown
+
+
+def test_check_tells_a_user_without_access_so(stranger):
+    """check, too, says "permission denied" (exit 1, one line), not seven
+    "missing; run init" lines."""
+    spool = os.path.join(stranger.base, "spool")
+    assert call_myq("--spool", spool, "init").returncode == 0     # 0750 root
+    cp = stranger("--spool", spool, "check")
+    assert cp.returncode == 1, (cp.returncode, cp.stdout, cp.stderr)
+    lines = cp.stdout.splitlines()
+    assert len(lines) == 1 and "permission denied" in lines[0], lines
+    assert "missing" not in cp.stdout
