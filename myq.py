@@ -4332,6 +4332,9 @@ def _parser(only=None):
                    "after SIGTERM before SIGKILL (default 10s)")
     p.add_argument("--dry-run", action="store_true", help="check the options "
                    "and the spool, start nothing (exit 0 when all is well)")
+    p.add_argument("--stop", action="store_true", help="stop the supervisor of "
+                   "--pidfile: SIGTERM, wait for its workers (SIGKILL after "
+                   "--stop-timeout + 5 s), then reap (the init script's stop)")
     p = cmd("stats", "print the status line")
     p.add_argument("--json", action="store_true",
                    help="one JSON object instead of the status line")
@@ -4508,6 +4511,8 @@ def _supervise(args, spool, guards, env):
         stop_timeout = parse_seconds(args.stop_timeout or "10")
     except ValueError as e:
         raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
+    if args.stop:
+        return stop_supervisor(spool, args.pidfile, stop_timeout)
     user = ids = None
     if args.user:
         import pwd
@@ -4556,6 +4561,60 @@ def _make_log_dir(path, ids):
                 os.close(fd)
     except OSError as e:
         raise ConfigError("cannot create the log directory %s: %s" % (d, e.strerror))
+
+
+def _is_supervisor(pid):
+    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path)?"""
+    argv = (_read_small("/proc/%d/cmdline" % pid, 1 << 16) or b"").split(b"\0")
+    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv
+
+
+def stop_supervisor(spool, pidfile, timeout=10.0):
+    """`myq supervise --stop` (the init script's stop): SIGTERM the
+    supervisor named by the pidfile (it stops its workers, SIGKILLs them
+    after its own --stop-timeout and reaps), wait for its process group
+    (workers left by a supervisor that died stop by themselves when they
+    see it gone), SIGKILL what is still there after `timeout` + 5 s, then
+    `myq reap` as the spool's owner: claims of killed workers go back and
+    their handlers are ended.  A pidfile whose pid now belongs to another
+    program: nothing is signalled.  Exit 0, or 1 when something survived."""
+    if not pidfile:
+        raise UsageError("supervise --stop needs --pidfile FILE")
+    data = _read_small(pidfile, 64)
+    pid = int(data.split()[0]) if data and data.split() and data.split()[0].isdigit() \
+        else 0
+    if pid > 1:
+        if _is_supervisor(pid):
+            try:
+                os.kill(pid, 15)
+            except OSError:
+                pass
+        elif pid in _proc_table():      # alive, not a zombie
+            return 0            # the pid was handed to another program
+        end = _mono() + timeout + 5.0
+        killed_at = None
+        while True:
+            group = [p for p, (_, pgrp, _) in _proc_table().items() if pgrp == pid]
+            if not group:
+                break
+            if killed_at is None and _mono() >= end:
+                for p in group:
+                    try:
+                        os.kill(p, 9)
+                    except OSError:
+                        pass
+                killed_at = _mono()
+            elif killed_at is not None and _mono() - killed_at > 5.0:
+                return 1
+            time.sleep(0.1)
+    import subprocess
+    try:
+        subprocess.run(_worker_start() + ["--spool", spool.path, "reap"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=max(30.0, timeout))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return 0
 
 
 def _drop_root(path, command):
