@@ -581,11 +581,12 @@ class _Dirs(object):
     def __call__(self, sub):
         fd = self.fds.get(sub)
         if fd is None:
-            if not sub:
-                fd = os.open(self.top, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-            else:
-                parent, _, name = sub.rpartition("/")
+            parent, _, name = sub.rpartition("/")
+            if parent:
                 fd = _open_dir(name, self(parent), os.path.join(self.top, sub))
+            else:       # the spool's own path is the caller's; below it, no link
+                fd = _open_dir(os.path.join(self.top, name), None,
+                               os.path.join(self.top, name))
             self.fds[sub] = fd
         return fd
 
@@ -1380,7 +1381,9 @@ class Spool(object):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
         into anything else that may stand there)."""
         try:
-            if dirs is not None:
+            if dirs is not None and os.geteuid() == 0:
+                # root in a spool that may be another user's: through
+                # locks/'s descriptor, never a link
                 fd = os.open("wake", os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW
                              | O_CLOEXEC, dir_fd=dirs("locks"))
             else:
