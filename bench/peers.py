@@ -47,9 +47,13 @@ handler, the payload {"n": i}:
   with a message otherwise.
 - instructions per job (valgrind --tool=callgrind, whole process, every
   thread): N=500 enqueues or drained jobs minus the same program with N=0,
-  divided by N; PYTHONHASHSEED=0.  This is deterministic (a rerun on any
-  load gives the same count to within a fraction of a percent), unlike the
-  rates: track it in the README, so that a change that costs CPU shows.
+  divided by N; PYTHONHASHSEED=0, byte code cached first, and myq's
+  worker on a clock that moves 1 us a reading (its timers would otherwise
+  fire by how slow valgrind is).  myq's and the floor's by default, the
+  peers' with --cpu-queues all (bench/README.md keeps them).  This is
+  deterministic: reruns, on any load, agree to within 0.05% (the job ids
+  and timestamps in the files differ), unlike the rates; bench/README.md
+  tracks it, so that a change that costs CPU shows.
   Skipped with a message when valgrind is missing (apt-get install valgrind).
   perf stat -e instructions would do too where the machine exposes the
   counter (a VM often does not: "<not supported>").
@@ -537,8 +541,11 @@ def main(argv=None):
     ap.add_argument("--n-disk", type=int, default=2000)
     ap.add_argument("--n-wear", type=int, default=2000)
     ap.add_argument("--n-cpu", type=int, default=500)
-    ap.add_argument("--cpu-queues", default="floor,myq,huey,pq",
-                    help="whose instructions to count")
+    ap.add_argument("--cpu-queues", default="floor,myq",
+                    help="whose instructions to count: floor,myq,huey,pq or "
+                    "all (the peers' counts do not change unless their "
+                    "versions do: bench/README.md has them; counting them "
+                    "adds ~1 min)")
     ap.add_argument("--skip", default="", help="any of: rates,wear,cpu")
     ap.add_argument("--json", help="also write the raw figures here")
     o = ap.parse_args(argv)
@@ -566,7 +573,11 @@ def main(argv=None):
     if "wear" not in skip:
         notes["wear"] = wear(py, o, res)
     if "cpu" not in skip:
-        notes["instructions"] = instructions(py, o, res, o.cpu_queues.split(","))
+        cq = QUEUES if o.cpu_queues == "all" else o.cpu_queues.split(",")
+        notes["instructions"] = instructions(py, o, res, cq)
+        if "huey" not in cq or "pq" not in cq:
+            notes["instructions"] += ("; the peers' counts: bench/README.md "
+                                      "(or --cpu-queues all)")
     info["load1"] = " ".join(open("/proc/loadavg").read().split()[:3])
     sys.stdout.write(report(res, o, info, notes) + "\n")
     sys.stdout.write("took %.0f s\n" % (time.monotonic() - t0))
