@@ -443,7 +443,7 @@ def fmt(v):
     return "%.1f" % v
 
 
-def ratio_cells(res, key, runs_key=True):
+def ratio_cells(res, key):
     """Medians of myq/peer, the ratio taken run by run."""
     out = []
     for peer in ("huey", "pq"):
@@ -461,17 +461,14 @@ def ratio_cells(res, key, runs_key=True):
 
 def report(res, o, info, notes):
     rows = []
-    lower_better = set()
     for fs, _, n in o.targets:
         for op in ("enqueue", "drain"):
             rows.append(("%s/s %s (N=%s)" % (op, fs, "{:,}".format(n)), (fs, op)))
     for op, label in (("total", "KB to disk/job, enqueue+drain (ext4 loop)"),
                       ("enqueue", "  of which enqueue"), ("drain", "  of which drain")):
         rows.append((label, ("wear", op)))
-        lower_better.add(("wear", op))
     for op in ("enqueue", "drain"):
         rows.append(("instructions/job, %s (callgrind)" % op, ("cpu", op)))
-        lower_better.add(("cpu", op))
     head = ["metric", "floor", "myq", "huey", "persist-queue", "myq/huey",
             "myq/persist-queue"]
     lines = []
