@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast lint bench dist install uninstall clean
+.PHONY: demo test test-fast lint bench bench-peers dist install uninstall clean
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -60,8 +60,19 @@ lint:
 	$(PYTHON) -m py_compile myq.py
 	shellcheck -s sh init.d/myq init.d/myq.procd
 
+# The bench runs on the interpreter itself, not on pyenv's shim: Python
+# 3.11 where pyenv has one (the figures of issue 15 are for 3.11), else
+# $(PYTHON).  `make bench` = bench/run.py (myq against its own floors), then
+# bench-peers: myq beside huey and persist-queue (bench/peers.py makes the
+# bench-only venv bench/.venv-peers; myq itself stays standard library only).
+# PEERS_ARGS passes options, e.g. PEERS_ARGS="--cpu-queues all".
+BENCH_PYTHON ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.11.*/bin/python3) $(PYTHON))
 bench:
-	$(PYTHON) bench/run.py
+	$(BENCH_PYTHON) bench/run.py
+	@$(MAKE) --no-print-directory bench-peers
+
+bench-peers:
+	$(BENCH_PYTHON) bench/peers.py $(PEERS_ARGS)
 
 dist:
 	$(PYTHON) build/dist.py

@@ -1,0 +1,611 @@
+#!/usr/bin/env python3
+"""myq side by side with the SQLite-backed queues a user would pick instead
+(issue 15): huey 3.5 (SqliteHuey, fsync=True) and persist-queue 1.1
+(SQLiteAckQueue), with the bare syscall loop of bench/run.py as the floor.
+
+    python3 bench/peers.py [--quick] [--runs N] [--dir PATH] [--shm PATH]
+                           [--n-mem N] [--n-disk N] [--skip wear,cpu]
+                           [--json FILE]
+
+`make bench` runs it after bench/run.py (`make bench-peers` alone).  myq's
+runtime stays standard library only: the peers live in a bench-only venv,
+bench/.venv-peers, that this script makes (python3 -m venv + pip install)
+with the interpreter that runs it; every measurement runs in a fresh child
+of that venv's python (the same interpreter binary, for myq too).
+
+The same workload for every queue, in a fresh directory each time, a no-op
+handler, the payload {"n": i}:
+
+- enqueue: N durable enqueues, one at a time, in one process.
+    myq           Spool(dir).enqueue("noop", {"n": i})          (sync=True)
+    huey          SqliteHuey(filename=..., fsync=True, immediate=False);
+                  calling the @huey.task() enqueues it
+    persist-queue SQLiteAckQueue(dir).put({"n": i})  (WAL, synchronous=FULL,
+                  set explicitly; it is SQLite's default too)
+    floor         run.floor_enqueue: create in tmp/, write, fsync, close,
+                  rename into incoming/, fsync incoming/
+- drain: in another process (as a consumer is), after os.sync(), until the
+  queue is empty.
+    myq           Worker(dir, handlers={"noop": fn}).run(drain=True), its log
+                  in a file on the same filesystem
+    huey          the consumer's own loop without its threads:
+                  task = huey.dequeue(); huey.execute(task)
+    persist-queue item = q.get(block=False, raw=True); fn(item["data"]);
+                  q.ack(id=item["pqid"])
+    floor         run.floor_drain: rename into processing/, read, rename into
+                  done/, fsync done/ every 64 jobs
+  The time is taken inside the child from the opened queue to the last job,
+  so the interpreter's start and the imports are not in it.
+- on tmpfs (N=20,000) and on a disk (ext4, N=2,000), --runs runs (medians);
+  in each run every queue is measured once, in an order that rotates from
+  run to run, and the ratio myq/peer is taken within the run.
+- wear: bytes the block device is asked to write per durable job (enqueue +
+  drain, N=2,000): a fresh ext4 image on a loop device for every queue
+  (mkfs.ext4 with no lazy init, so no background writes), the sectors
+  written from /sys/block/loopN/stat, read after mount and after umount
+  (which flushes data and journal).  Needs root (losetup, mount); skipped
+  with a message otherwise.
+- instructions per job (valgrind --tool=callgrind, whole process, every
+  thread): N=500 enqueues or drained jobs minus the same program with N=0,
+  divided by N; PYTHONHASHSEED=0, byte code cached first, and myq's
+  worker on a clock that moves 1 us a reading (its timers would otherwise
+  fire by how slow valgrind is).  myq's and the floor's by default, the
+  peers' with --cpu-queues all (bench/README.md keeps them).  This is
+  deterministic, unlike the rates: reruns, on any load, agree to within
+  0.1% (enqueue) and 0.5% (drain: the job ids and timestamps differ, and
+  the worker's SIGALRM tick runs on real time); bench/README.md tracks it,
+  so that a change that costs CPU shows.
+  Skipped with a message when valgrind is missing (apt-get install valgrind).
+  perf stat -e instructions would do too where the machine exposes the
+  counter (a VM often does not: "<not supported>").
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+VENV = os.path.join(HERE, ".venv-peers")
+PKGS = ["huey>=3.5,<3.6", "persist-queue>=1.1,<1.2"]
+QUEUES = ("floor", "myq", "huey", "pq")
+LABEL = {"floor": "bare syscall floor", "myq": "myq", "huey": "huey (SqliteHuey)",
+         "pq": "persist-queue (SQLiteAckQueue)"}
+
+clock = time.perf_counter
+
+# The peers' instructions per job (--cpu-queues all, N=500), shown (marked *)
+# when this run does not count them and the versions are these: they change
+# only with the versions.  persist-queue's drain grows with N (its get scans
+# the acked rows it keeps).
+RECORDED = {
+    "versions": {"python": "3.11.7", "huey": "3.5.4", "persist-queue": "1.1.0",
+                 "sqlite": "3.40.1"},
+    "n": 500,
+    ("huey", "enqueue"): 140852, ("huey", "drain"): 286849,
+    ("pq", "enqueue"): 80789, ("pq", "drain"): 271982,
+}
+
+
+def log(msg):
+    sys.stderr.write("bench-peers: %s\n" % msg)
+    sys.stderr.flush()
+
+
+# The venv ####################################################################
+
+def venv_python():
+    """bench/.venv-peers/bin/python, made on first use with this interpreter;
+    made again when the interpreter or the package list changed."""
+    py = os.path.join(VENV, "bin", "python")
+    stamp = os.path.join(VENV, ".stamp")
+    want = "%s\n%s\n" % (os.path.realpath(sys.executable), " ".join(PKGS))
+    try:
+        with open(stamp) as f:
+            if f.read() == want and os.path.exists(py):
+                return py
+    except OSError:
+        pass
+    log("making %s (%s)" % (VENV, ", ".join(PKGS)))
+    shutil.rmtree(VENV, ignore_errors=True)
+    subprocess.check_call([sys.executable, "-m", "venv", VENV])
+    subprocess.check_call([py, "-m", "pip", "install", "-q",
+                           "--disable-pip-version-check"] + PKGS)
+    with open(stamp, "w") as f:
+        f.write(want)
+    return py
+
+
+def versions(py):
+    code = ("import importlib.metadata as m, sqlite3, platform\n"
+            "print(platform.python_version(), m.version('huey'), "
+            "m.version('persist-queue'), sqlite3.sqlite_version)")
+    out = subprocess.run([py, "-c", code], stdout=subprocess.PIPE,
+                         universal_newlines=True).stdout.split()
+    return dict(zip(("python", "huey", "persist-queue", "sqlite"), out))
+
+
+# The children: python bench/peers.py _child JSON ##############################
+# One queue, one operation, in a fresh process of the venv's python.
+
+PYCACHE = os.path.join(tempfile.gettempdir(), "myq-peers-pycache")
+
+
+def child_env():
+    """No MYQ_* nor PYTHONPATH; a fixed hash seed; byte code cached (under
+    PYCACHE, outside the tree) even where PYTHONDONTWRITEBYTECODE is set:
+    else every child, valgrind's too, compiles myq.py first."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
+    env.pop("PYTHONPATH", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = PYCACHE
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def _run_module():
+    sys.path.insert(0, HERE)
+    import run
+    return run
+
+
+def open_queue(q, d, fake_clock=False):
+    """(enqueue fn, drain fn, handler counter list[, floor enqueue loop])."""
+    done = [0]
+
+    def handler(*a, **k):
+        done[0] += 1
+
+    if q == "myq":
+        sys.path.insert(0, ROOT)
+        import myq
+        sp = myq.Spool(d)
+        sp.require()
+        if fake_clock:
+            # For the instruction count: the worker's timers (group commit
+            # after 1 s, prune after 5 s, ...) run on myq._mono; under
+            # valgrind, 50 times slower, they would fire where a real run
+            # fires none, and by how slow the machine is.  This clock
+            # moves 1 us a reading: what a real drain of N jobs sees.
+            tick = [time.monotonic()]
+
+            def mono():
+                tick[0] += 1e-6
+                return tick[0]
+            myq._mono = mono
+
+        def enq(i):
+            sp.enqueue("noop", {"n": i}, sync=True)
+
+        def drain():
+            w = myq.Worker(sp, handlers={"noop": lambda job: handler()},
+                           log=myq.Log(path=os.path.join(d, "worker.log")))
+            w.run(drain=True)
+        return enq, drain, done
+    if q == "huey":
+        from huey import SqliteHuey
+        h = SqliteHuey("bench", filename=os.path.join(d, "huey.db"),
+                       fsync=True, immediate=False)
+        noop = h.task(name="noop")(handler)
+        assert h.storage.conn.execute("pragma synchronous").fetchone()[0] == 2
+
+        def enq(i):
+            noop(i)
+
+        def drain():
+            while True:
+                task = h.dequeue()
+                if task is None:
+                    return
+                h.execute(task)
+        return enq, drain, done
+    if q == "pq":
+        from persistqueue import SQLiteAckQueue
+        from persistqueue.exceptions import Empty
+        pq = SQLiteAckQueue(d)
+        for conn in {id(c): c for c in (pq._getter, pq._putter)}.values():
+            conn.execute("PRAGMA synchronous=FULL")
+            assert conn.execute("pragma journal_mode").fetchone()[0] == "wal"
+
+        def enq(i):
+            pq.put({"n": i})
+
+        def drain():
+            while True:
+                try:
+                    item = pq.get(block=False, raw=True)
+                except Empty:
+                    return
+                handler(item["data"])
+                pq.ack(id=item["pqid"])
+        return enq, drain, done
+    if q == "floor":
+        run = _run_module()
+        sys.path.insert(0, ROOT)
+        import myq
+        data = myq.dumps(myq.new_job("noop", {"n": 1}))
+        state = {}
+
+        def enq(i):     # batched below: the floor loop is one call
+            state["n"] = state.get("n", 0) + 1
+
+        def drain():
+            k, _ = run.floor_drain(d)
+            done[0] += k
+        return (enq, drain, done, lambda n: run.floor_enqueue(d, n, data))
+    raise SystemExit("unknown queue %s" % q)
+
+
+def child(a):
+    q, op, d, n = a["q"], a["op"], a["dir"], a["n"]
+    got = open_queue(q, d, a.get("fake_clock"))
+    enq, drain, done = got[:3]
+    if op == "enqueue":
+        if q == "floor":
+            t = got[3](n) if n else 0.0
+        else:
+            t = clock()
+            for i in range(n):
+                enq(i)
+            t = clock() - t
+        out = {"n": n, "t": t}
+    else:
+        t = clock()
+        drain()
+        t = clock() - t
+        out = {"n": done[0], "t": t}
+    sys.stdout.write(json.dumps(out) + "\n")
+
+
+def prepare(q, d):
+    """A fresh, empty queue directory (myq's layout for myq and the floor)."""
+    os.makedirs(d)
+    if q in ("myq", "floor"):
+        sys.path.insert(0, ROOT)
+        import myq
+        myq.Spool(d).init()
+
+
+def run_child(py, a, wrap=(), timeout=900):
+    p = subprocess.run(list(wrap) + [py, os.path.abspath(__file__), "_child",
+                                     json.dumps(a)],
+                       stdout=subprocess.PIPE, universal_newlines=True,
+                       env=child_env(), cwd=ROOT, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError("%s %s failed (exit %d)" % (a["q"], a["op"], p.returncode))
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def enqueue_drain(py, q, d, n):
+    """Fresh queue at d; n enqueues in one child, os.sync(), drain in
+    another.  Returns (enqueue/s, drain/s)."""
+    prepare(q, d)
+    e = run_child(py, {"q": q, "op": "enqueue", "dir": d, "n": n})
+    os.sync()       # no writeback of the enqueues left for the drain to pay
+    r = run_child(py, {"q": q, "op": "drain", "dir": d, "n": n})
+    if r["n"] != n:
+        raise RuntimeError("%s drained %d of %d jobs" % (q, r["n"], n))
+    os.sync()
+    return n / e["t"], n / r["t"]
+
+
+# Throughput ##################################################################
+
+def fstype(path):
+    path = os.path.realpath(path)
+    best = ("?", "")
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            dev, mnt, typ = line.split()[:3]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) \
+                    and len(mnt) >= len(best[1]):
+                best = (typ, mnt)
+    return best[0]
+
+
+def throughput(py, o, res):
+    for r in range(o.runs):
+        for fs, path, n in o.targets:
+            base = tempfile.mkdtemp(prefix="myq-peers-", dir=path)
+            try:
+                order = list(QUEUES[r % len(QUEUES):] + QUEUES[:r % len(QUEUES)])
+                t0 = time.monotonic()
+                for q in order:
+                    er, dr = enqueue_drain(py, q, os.path.join(base, q), n)
+                    res.setdefault((fs, "enqueue", q), []).append(er)
+                    res.setdefault((fs, "drain", q), []).append(dr)
+                log("run %d/%d on %s (N=%d): %.0f s" % (r + 1, o.runs, fs, n,
+                                                        time.monotonic() - t0))
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+
+
+# Wear: bytes written to the device ############################################
+
+def sectors_written(dev):
+    with open("/sys/block/%s/stat" % os.path.basename(dev)) as f:
+        return int(f.read().split()[6])
+
+
+def wear(py, o, res):
+    if os.geteuid() != 0:
+        return "skipped: needs root (losetup, mount)"
+    for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
+        if not shutil.which(tool):
+            return "skipped: %s not found" % tool
+    n = o.n_wear
+    work = tempfile.mkdtemp(prefix="myq-peers-wear-", dir=o.dir)
+    img, mnt = os.path.join(work, "ext4.img"), os.path.join(work, "mnt")
+    os.mkdir(mnt)
+    dev = None
+    try:
+        with open(img, "wb") as f:
+            f.truncate(256 << 20)
+        dev = subprocess.check_output(["losetup", "-f", "--show", img],
+                                      universal_newlines=True).strip()
+        for q in QUEUES:
+            subprocess.check_call(["mkfs.ext4", "-q", "-F", "-E",
+                                   "lazy_itable_init=0,lazy_journal_init=0", dev])
+            subprocess.check_call(["mount", "-t", "ext4", dev, mnt])
+            try:
+                d = os.path.join(mnt, q)
+                os.sync()
+                s0 = sectors_written(dev)
+                prepare(q, d)
+                run_child(py, {"q": q, "op": "enqueue", "dir": d, "n": n})
+                os.sync()
+                s1 = sectors_written(dev)
+                r = run_child(py, {"q": q, "op": "drain", "dir": d, "n": n})
+                if r["n"] != n:
+                    raise RuntimeError("%s drained %d of %d" % (q, r["n"], n))
+            finally:
+                subprocess.check_call(["umount", mnt])
+            s2 = sectors_written(dev)
+            res[("wear", "enqueue", q)] = [(s1 - s0) * 512.0 / n]
+            res[("wear", "drain", q)] = [(s2 - s1) * 512.0 / n]
+            res[("wear", "total", q)] = [(s2 - s0) * 512.0 / n]
+            log("wear %s: %.1f KB/job" % (q, (s2 - s0) * 0.5 / n))
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.call(["umount", mnt])
+        if dev:
+            subprocess.call(["losetup", "-d", dev])
+        shutil.rmtree(work, ignore_errors=True)
+    return "ext4 on %s (256 MiB image, fresh mkfs per queue), N=%d" % (
+        "a loop device", n)
+
+
+# Instructions: valgrind --tool=callgrind ######################################
+
+def callgrind(py, out, a):
+    run_child(py, a, wrap=["valgrind", "--tool=callgrind", "-q",
+                           "--callgrind-out-file=" + out])
+    total = None
+    with open(out) as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                total = int(line.split()[1])
+    os.unlink(out)
+    return total
+
+
+def instructions(py, o, res, queues):
+    """Two valgrind processes at a time (the count does not depend on the
+    load): every enqueue first, then every drain of what they queued."""
+    from concurrent.futures import ThreadPoolExecutor
+    if not shutil.which("valgrind"):
+        return "skipped: valgrind not installed (apt-get install valgrind)"
+    n = o.n_cpu
+    base = tempfile.mkdtemp(prefix="myq-peers-cg-", dir=o.shm)
+    t0 = time.monotonic()
+    try:
+        cases = [(q, k) for q in queues for k in (0, n)]
+        got = {}
+        for q in queues:    # byte code cached before any count
+            d = os.path.join(base, "warm-" + q)
+            prepare(q, d)
+            run_child(py, {"q": q, "op": "enqueue", "dir": d, "n": 1})
+            run_child(py, {"q": q, "op": "drain", "dir": d, "n": 1})
+        for q, k in cases:
+            prepare(q, os.path.join(base, "%s-%d" % (q, k)))
+        with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as ex:
+            for op in ("enqueue", "drain"):
+                futs = {}
+                for q, k in cases:
+                    name = "%s-%d" % (q, k)
+                    futs[(op, q, k)] = ex.submit(
+                        callgrind, py, os.path.join(base, "%s.%s.cg" % (name, op)),
+                        {"q": q, "op": op, "dir": os.path.join(base, name), "n": k,
+                         "fake_clock": True})
+                for key, f in futs.items():
+                    got[key] = f.result()
+        for q in queues:
+            for op in ("enqueue", "drain"):
+                res[("cpu", op, q)] = [(got[(op, q, n)] - got[(op, q, 0)]) / float(n)]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    log("callgrind: %.0f s" % (time.monotonic() - t0))
+    return "valgrind --tool=callgrind, N=%d minus N=0, tmpfs, PYTHONHASHSEED=0" % n
+
+
+# The table ###################################################################
+
+def fmt(v):
+    if v is None:
+        return "-"
+    if v >= 100:
+        return "{:,.0f}".format(v)
+    return "%.1f" % v
+
+
+def ratio_cells(res, key):
+    """Medians of myq/peer, the ratio taken run by run."""
+    out = []
+    for peer in ("huey", "pq"):
+        m, p = res.get(key + ("myq",)), res.get(key + (peer,))
+        if not m or not p:
+            out.append("-")
+            continue
+        rs = [a / b for a, b in zip(m, p)]
+        s = "%.2fx" % statistics.median(rs)
+        if len(rs) > 1:
+            s += " (%.2f-%.2f)" % (min(rs), max(rs))
+        out.append(s)
+    return out
+
+
+def report(res, o, info, notes):
+    rows = []
+    for fs, _, n in o.targets:
+        for op in ("enqueue", "drain"):
+            rows.append(("%s/s %s (N=%s)" % (op, fs, "{:,}".format(n)), (fs, op)))
+    for op, label in (("total", "KB to disk/job, enqueue+drain (ext4 loop)"),
+                      ("enqueue", "  of which enqueue"), ("drain", "  of which drain")):
+        rows.append((label, ("wear", op)))
+    for op in ("enqueue", "drain"):
+        rows.append(("instructions/job, %s (callgrind)" % op, ("cpu", op)))
+    head = ["metric", "floor", "myq", "huey", "persist-queue", "myq/huey",
+            "myq/persist-queue"]
+    lines = []
+    for label, key in rows:
+        if not any(res.get(key + (q,)) for q in QUEUES):
+            continue
+        cells = [label]
+        for q in QUEUES:
+            v = res.get(key + (q,))
+            if v is None:
+                cells.append("-")
+            else:
+                v = statistics.median(v)
+                if key[0] == "wear":
+                    cells.append("%.2f" % (v / 1024.0))
+                else:
+                    cells.append(fmt(v) + ("*" if key + (q,) in o.recorded else ""))
+        cells += ratio_cells(res, key)
+        lines.append(cells)
+    widths = [max(len(c[i]) for c in lines + [head]) for i in range(len(head))]
+    out = ["myq side by side with its SQLite-backed peers  %s  runs=%d" % (
+        info["date"], o.runs),
+        "Python %(python)s, huey %(huey)s, persist-queue %(persist-queue)s, "
+        "SQLite %(sqlite)s; durable settings (fsync / synchronous=FULL)" % info,
+        "load average at start %s, at end %s" % (info["load0"], info["load1"]),
+        "rates: medians over runs, jobs/s, higher is better; ratios myq/peer "
+        "taken within each run (median, range); KB and instructions: lower is "
+        "better, so a ratio < 1 favours myq there", ""]
+    out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    out.append("-" * len(out[-1]))
+    for c in lines:
+        out.append("  ".join(x.ljust(w) for x, w in zip(c, widths)))
+    out.append("")
+    for k, v in notes.items():
+        out.append("%s: %s" % (k, v))
+    goals = check_goals(res, o)
+    if goals:
+        out.append("")
+        out.extend(goals)
+    return "\n".join(out)
+
+
+def check_goals(res, o):
+    """Issue 15's goals, where measured."""
+    def r(key, peer):
+        m, p = res.get(key + ("myq",)), res.get(key + (peer,))
+        if not m or not p:
+            return None
+        return statistics.median([a / b for a, b in zip(m, p)])
+    goals = []
+    disk = [fs for fs, _, _ in o.targets if fs != "tmpfs"]
+    for text, key, peer, want, higher in (
+            ("tmpfs enqueue >= 1.2x huey", ("tmpfs", "enqueue"), "huey", 1.2, True),
+            ("tmpfs enqueue >= 1.0x persist-queue", ("tmpfs", "enqueue"), "pq", 1.0, True),
+            ("tmpfs drain >= 1.2x huey", ("tmpfs", "drain"), "huey", 1.2, True),
+            ("%s drain >= huey" % (disk[0] if disk else "ext4"),
+             (disk[0] if disk else "ext4", "drain"), "huey", 1.0, True),
+            ("bytes to disk/job <= huey", ("wear", "total"), "huey", 1.0, False)):
+        x = r(key, peer)
+        if x is None:
+            continue
+        ok = x >= want if higher else x <= want
+        goals.append("goal %-36s %.2fx  %s" % (text + ":", x, "pass" if ok else "MISS"))
+    return goals
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_child"]:
+        return child(json.loads(argv[1]))
+    ap = argparse.ArgumentParser(description="myq against huey and persist-queue "
+                                 "(see the docstring)")
+    ap.add_argument("--quick", action="store_true",
+                    help="N/10 (tmpfs 2,000, disk 200, wear 200, cpu 100)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dir", help="a directory on a disk (default /var/tmp)")
+    ap.add_argument("--shm", default="/dev/shm", help="a directory on tmpfs")
+    ap.add_argument("--n-mem", type=int, default=20000)
+    ap.add_argument("--n-disk", type=int, default=2000)
+    ap.add_argument("--n-wear", type=int, default=2000)
+    ap.add_argument("--n-cpu", type=int, default=500)
+    ap.add_argument("--cpu-queues", default="floor,myq",
+                    help="whose instructions to count: floor,myq,huey,pq or "
+                    "all (the peers' counts do not change unless their "
+                    "versions do: bench/README.md has them; counting them "
+                    "adds ~1 min)")
+    ap.add_argument("--skip", default="", help="any of: rates,wear,cpu")
+    ap.add_argument("--json", help="also write the raw figures here")
+    o = ap.parse_args(argv)
+    o.recorded = set()
+    if o.quick:
+        o.n_mem, o.n_disk, o.n_wear, o.n_cpu = 2000, 200, 200, 100
+    skip = set(x for x in o.skip.split(",") if x)
+    o.dir = o.dir or next((c for c in ("/var/tmp", "/tmp", ROOT)
+                           if os.path.isdir(c) and fstype(c) not in
+                           ("tmpfs", "ramfs", "overlay", "?")), "/var/tmp")
+    o.targets = []
+    if fstype(o.shm) == "tmpfs":
+        o.targets.append(("tmpfs", o.shm, o.n_mem))
+    else:
+        log("%s is not tmpfs; skipping tmpfs" % o.shm)
+    o.targets.append((fstype(o.dir), o.dir, o.n_disk))
+    py = venv_python()
+    info = versions(py)
+    info["date"] = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
+    info["load0"] = " ".join(open("/proc/loadavg").read().split()[:3])
+    res, notes = {}, {}
+    t0 = time.monotonic()
+    if "rates" not in skip:
+        throughput(py, o, res)
+    notes["disk"] = "%s (%s)" % (o.dir, fstype(o.dir))
+    if "wear" not in skip:
+        notes["wear"] = wear(py, o, res)
+    if "cpu" not in skip:
+        cq = QUEUES if o.cpu_queues == "all" else o.cpu_queues.split(",")
+        notes["instructions"] = instructions(py, o, res, cq)
+        rec = all(info.get(k) == v for k, v in RECORDED["versions"].items()) \
+            and o.n_cpu == RECORDED["n"] and res.get(("cpu", "enqueue", "myq"))
+        for q in ("huey", "pq"):
+            if q not in cq and rec:
+                for op in ("enqueue", "drain"):
+                    res[("cpu", op, q)] = [RECORDED[(q, op)]]
+                    o.recorded.add(("cpu", op, q))
+        if o.recorded:
+            notes["instructions"] += ("; * recorded (bench/peers.py RECORDED, "
+                                      "same versions and N; --cpu-queues all "
+                                      "counts them again)")
+    info["load1"] = " ".join(open("/proc/loadavg").read().split()[:3])
+    sys.stdout.write(report(res, o, info, notes) + "\n")
+    sys.stdout.write("took %.0f s\n" % (time.monotonic() - t0))
+    if o.json:
+        with open(o.json, "w") as f:
+            json.dump({"info": info, "notes": notes,
+                       "data": {"/".join(k): v for k, v in res.items()}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
