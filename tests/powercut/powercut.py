@@ -201,6 +201,32 @@ def part_boot(a, out):
 PARTS = {"ext4": part_ext4, "ubifs": part_ubifs, "boot": part_boot}
 
 
+def _hidden_in_guest(path):
+    """The guest mounts fresh /tmp, /run, /proc, /sys and /dev over the
+    host's root: a checkout there is out of its sight."""
+    return any(path == d or path.startswith(d + "/")
+               for d in ("/tmp", "/run", "/proc", "/sys", "/dev"))
+
+
+def _run_from_copy(argv):
+    """Run from a copy of what the guest needs (myq.py, init.d/,
+    tests/powercut/) under the cache directory, which the guest sees."""
+    import shutil
+    src = os.path.join(vm.CACHE, "src")
+    shutil.rmtree(src, ignore_errors=True)
+    os.makedirs(os.path.join(src, "tests"))
+    shutil.copy2(MYQ, os.path.join(src, "myq.py"))
+    shutil.copytree(os.path.join(REPO, "init.d"), os.path.join(src, "init.d"))
+    shutil.copytree(HERE, os.path.join(src, "tests", "powercut"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    say("powercut: %s is out of the guest's sight: running from a copy in %s"
+        % (REPO, src))
+    env = dict(os.environ, POWERCUT_COPY="1")
+    return subprocess.call([sys.executable, os.path.join(
+        src, "tests", "powercut", "powercut.py")] + list(
+        sys.argv[1:] if argv is None else argv), env=env)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("parts", nargs="*")
@@ -225,6 +251,8 @@ def main(argv=None):
     if os.geteuid() != 0:
         say("powercut: skipped: needs root (apt-get, qemu, loop devices, mount)")
         return 0
+    if _hidden_in_guest(REPO) and not os.environ.get("POWERCUT_COPY"):
+        return _run_from_copy(argv)
     vm.ensure_tools()
     os.makedirs(RESULTS, exist_ok=True)
     bad = False
