@@ -236,26 +236,10 @@ def _kv(value):
     return json.dumps(s, ensure_ascii=False)
 
 
-def _read_small(path, limit=4096):
-    """Up to `limit` bytes of a small file (/proc, a .reason), or None.
-    Never blocks on a FIFO."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _read_tail(path, limit):
-    """The last `limit` bytes of a regular file, or None; never follows a
-    symlink, never blocks on a FIFO."""
+def _read_small(path, limit=4096, tail=False):
+    """Up to `limit` bytes of a regular file (/proc, a .reason, a record),
+    or with `tail` its last `limit` bytes; None when it cannot be read.
+    Never follows a symlink, never blocks on a FIFO."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
     except OSError:
@@ -264,6 +248,8 @@ def _read_tail(path, limit):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
+        if not tail:
+            return os.read(fd, limit)
         if st.st_size > limit:
             os.lseek(fd, st.st_size - limit, 0)
         chunks = []
@@ -577,6 +563,7 @@ class _Dirs(object):
         self.top = top
         self.fds = {}
         self._owner = False
+        self._euid = os.geteuid()
 
     def __call__(self, sub):
         fd = self.fds.get(sub)
@@ -595,7 +582,7 @@ class _Dirs(object):
         are root and the spool is someone else's; else None."""
         if self._owner is False:
             self._owner = None
-            if os.geteuid() == 0:
+            if self._euid == 0:
                 st = os.fstat(self("incoming"))
                 if st.st_uid != 0:
                     self._owner = (st.st_uid, st.st_gid)
@@ -605,7 +592,7 @@ class _Dirs(object):
         """0640, or 0660 for a producer who is not the spool's owner (in a
         group-writable incoming/): the owner's worker must be able to
         append its lease to the file."""
-        if os.geteuid() == 0 or os.fstat(self("incoming")).st_uid == os.geteuid():
+        if self._euid == 0 or os.fstat(self("incoming")).st_uid == self._euid:
             return 0o640
         return 0o660
 
@@ -1659,7 +1646,7 @@ class Spool(object):
     def _release(self, dest):
         """End a hold: its jobs waiting in incoming/ are ready now."""
         jobs = self.d("locks", "held", dest + ".jobs")
-        names = set((_read_tail(jobs, 1 << 22) or b"").decode("utf-8", "replace")
+        names = set((_read_small(jobs, 1 << 22, tail=True) or b"").decode("utf-8", "replace")
                     .split())
         now = _now()
         for name in names:
@@ -1683,7 +1670,7 @@ class Spool(object):
 
     def retries_1m(self, now=None):
         now = _now() if now is None else now
-        data = _read_tail(self.d("locks", "retries"), 65536)
+        data = _read_small(self.d("locks", "retries"), 65536, tail=True)
         if data is None:
             return 0
         n = 0
@@ -2322,7 +2309,7 @@ class Spool(object):
         try:
             if os.lstat(path).st_size < 65536:
                 return
-            data = _read_tail(path, 1 << 20) or b""
+            data = _read_small(path, 1 << 20, tail=True) or b""
             lines = [l for l in data.split(b"\n")
                      if l.strip().isdigit() and int(l) > now - 120]
             tmp = self._tmpname("retries")

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from _core import MYQ, clean_env, world_python  # noqa: F401 (the tests' import)
+from _procs import alive as proc_alive, proc_start  # noqa: F401 (the tests' import)
 
 USER = "myqsec1"
 SECRET = "SECRET-d41d8cd98f00-must-never-leak"
@@ -264,22 +265,6 @@ class Victim(object):
         self.proc.wait(5)
 
 
-def proc_start(pid):
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return int(data[data.rindex(b")") + 2:].split()[19])
-
-
-def proc_alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
 
 
 def kill_quiet(pid, sig=signal.SIGKILL):
