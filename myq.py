@@ -64,6 +64,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MyqError", "UsageError", "InvalidJob", "NoSuchJob", "DuplicateJob",
     "SpoolFull", "SpoolBusy", "ConfigError", "PermanentError", "RetryLater",
+    "DestinationDown",
     "Spool", "Worker", "Log", "enqueue", "main", "__version__",
 ]
 
@@ -140,6 +141,13 @@ class RetryLater(Exception):
         self.seconds = None if seconds is None else max(0.0, float(seconds))
         Exception.__init__(self, message or (
             "retry later" if seconds is None else "retry in %gs" % self.seconds))
+
+
+class DestinationDown(RetryLater):
+    """Raised by a handler (the built-in ones too): the destination failed,
+    not the job (network error, time-out, HTTP 408/425/429/5xx, an MQTT
+    broker that refused).  The circuit breaker counts it (SPEC 9); it costs a
+    job no attempt unless it starts a streak."""
 
 
 class _Timeout(BaseException):
@@ -2690,9 +2698,7 @@ def http_verdict(status, header, head, method, backoff_max=3600.0):
         return None
     if status in (408, 425, 429) or 500 <= status <= 599:
         ra = _retry_after(header("Retry-After"))
-        if ra is not None:
-            return RetryLater(min(ra, backoff_max), msg)
-        return RuntimeError(msg)
+        return DestinationDown(None if ra is None else min(ra, backoff_max), msg)
     return PermanentError(msg)
 
 
@@ -2759,7 +2765,7 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None, run=None):
             if resp.length:     # the server closed before the announced end
                 raise http.client.IncompleteRead(head, resp.length)
         except (http.client.HTTPException, OSError, ValueError) as e:
-            raise RuntimeError("http: %s %s: %s" % (
+            raise DestinationDown(None, "http: %s %s: %s" % (
                 method, url[:200], getattr(e, "strerror", None) or e
                 or type(e).__name__))
         finally:
