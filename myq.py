@@ -1862,7 +1862,8 @@ class Spool(object):
         self.require()
         if name != "*":
             _check_name(name, "type")
-        changes = dict((k, None if v is None else policy_value(k, v))
+        changes = dict((k, policy_value(k, v) if v is not None or
+                        k not in POLICY_KEYS else None)
                        for k, v in changes.items())
         fd = os.open(self.d("locks", "policy.lock"), os.O_RDWR | os.O_CREAT
                      | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
@@ -2148,22 +2149,29 @@ class Spool(object):
     def take_probe(self, dest, delay):
         """A hold's backoff is over: take the probe (one job of `dest` may
         start; the next probe is `delay(probes)` seconds later), unless
-        another worker took it.  A hold from another boot is due at once."""
+        another worker took it.  A hold from another boot is due at once.
+        Returns the hold's new until, 0 when it was released meanwhile, or
+        None when the probe is not ours."""
         try:
             fd = self._holds_lock()
         except OSError:
-            return False
+            return None
         try:
             rec = self.hold_of(dest)
             if rec is None:
-                return True             # released meanwhile
+                return 0.0              # released meanwhile
             now = _now()
             if rec["until"] > now and rec.get("boot") == boot_id():
-                return False
+                return None
             n = rec.get("probes") if rec.get("probes").__class__ is int else 0
-            self._hold(dest, rec.get("why"), now + delay(n + 1), probes=n + 1,
-                       since=rec.get("since"))
-            return True
+            until = now + delay(n + 2)
+            rec.update(until=round(until, 3), probes=n + 1, boot=boot_id())
+            tmp = self._tmpname("held")
+            _create(tmp, dumps(rec), sync=False)
+            _rename(tmp, self._held_path(dest))
+            return until
+        except OSError:
+            return None
         finally:
             os.close(fd)
 
@@ -3124,14 +3132,15 @@ _SPOOLS = {}
 
 
 def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
-            timeout=None):
+            timeout=None, priority=None, ttl=None):
     """Add a job to the spool durably; returns its id (SPEC 7)."""
     sp = _SPOOLS.get(spool)
     if sp is None or not sp._ready:
         sp = _SPOOLS[spool] = Spool(spool)
     try:
         return sp.enqueue(type, payload, id=id, delay=delay,
-                          max_attempts=max_attempts, timeout=timeout)
+                          max_attempts=max_attempts, timeout=timeout,
+                          priority=priority, ttl=ttl)
     except ConfigError:
         _SPOOLS.pop(spool, None)
         raise
@@ -4139,10 +4148,15 @@ class Worker(object):
         now = _now()
         dest = L.dest or L.type
         if dest in self._holds:
-            if not sp.take_probe(dest, self.backoff):
+            until = sp.take_probe(dest, self.backoff)
+            if until is None:
                 L.blocked = now + min(self.poll, 1.0)
                 return L.blocked
-            L.probe = dest
+            if until:
+                self._holds[dest] = until
+                L.probe = dest
+            else:
+                self._holds.pop(dest, None)     # released meanwhile
         n = rules.get("concurrency")
         if n is not None and L.slot is None:
             L.slot = self._slot(L.type, n)
@@ -4265,11 +4279,17 @@ class Worker(object):
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
         if until is not None and run.probe != run.dest:
-            if until > _now() or not self.spool.take_probe(run.dest, self.backoff):
+            new = None if until > _now() else \
+                self.spool.take_probe(run.dest, self.backoff)
+            if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
                            "is held" % run.dest)
                 return
-            run.probe = run.dest
+            if new:
+                self._holds[run.dest] = new
+                run.probe = run.dest
+            else:
+                self._holds.pop(run.dest, None)
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
         if kind == "exec":
@@ -4554,10 +4574,16 @@ class Worker(object):
         sp, c = self.spool, run.claim
         started, distinct, total = sp.streak(run.dest, c.jid)
         # its own backoff grows with the streak, not with attempts it spends
-        delay = max(delay or 0.0, self.backoff(total))
+        # (a handler's RetryLater says how long itself; a server's Retry-After
+        # is only a lower bound)
+        if delay is None or run.kind in ("http", "mqtt"):
+            delay = max(delay or 0.0, self.backoff(total))
         until = self._holds.get(run.dest)
-        if until is not None:       # held (a failed probe): wait for the next
-            return False, max(0.0, until - _now())
+        if until is not None:
+            # held: a failed probe waits a round longer than the others, so
+            # that the next probe is another job
+            return False, max(0.0, until - _now()) + (
+                self.backoff_max if run.probe else 0.0)
         n = sp.rules(c.job["type"]).get("breaker", 3)
         if n and distinct >= n:
             d = min(delay, self.backoff_max) if delay is not None \
@@ -5239,6 +5265,16 @@ def _parser(only=None):
         except ValueError as e:
             raise argparse.ArgumentTypeError("%r is %s" % (text, e))
 
+    def priority(text):
+        try:
+            p = int(text)
+            if -9 <= p <= 9:
+                return p
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError("%r: a priority is an integer from "
+                                         "-9 to 9" % text)
+
     def count(text):
         try:
             return _posint(text)
@@ -5302,6 +5338,12 @@ def _parser(only=None):
     p.add_argument("--timeout", type=duration, metavar="S",
                    help="the handler's time limit for this job (default: "
                    "the worker's --timeout)")
+    p.add_argument("--priority", type=priority, metavar="P",
+                   help="-9 to 9, higher first (default: the type's policy, "
+                   "else 0)")
+    p.add_argument("--ttl", type=duration, metavar="S",
+                   help="never start it later than this from now: it goes to "
+                   "dlq/ as expired (default: the type's policy ttl)")
     p = cmd("worker", "run jobs", guards=True, worker=True)
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p = cmd("supervise", "run and restart N workers (for the init script)",
@@ -5366,6 +5408,26 @@ def _parser(only=None):
             guards=True)
     p.add_argument("--json", action="store_true",
                    help='one JSON object: {"ok", "spool", "problems"}')
+    p = cmd("policy", "show or set the per-type rules (TYPE KEY=VALUE ...; "
+            "an empty VALUE removes the key)")
+    p.add_argument("type", nargs="?", help="a job type")
+    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
+                   help="keys: " + " ".join(sorted(POLICY_KEYS)))
+    p.add_argument("--default", action="store_true",
+                   help="the default rules, for every type without its own "
+                   "value (shown as *)")
+    p.add_argument("--json", action="store_true",
+                   help="the policy as one JSON object")
+    p = cmd("pause", "no new job of these types starts (running ones finish)")
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true",
+                   help="every type, new ones too (the default rules)")
+    p = cmd("resume", "undo pause; or release a held destination now")
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true", help="every paused type")
+    p.add_argument("--dest", action="append", default=[], metavar="DEST",
+                   help="release this held destination now (as myq stats "
+                   "--json shows it under held)")
     cmd("version", "print the version")
     return top
 
@@ -5480,7 +5542,8 @@ def _worker_from(spool, o):
 
 
 _COMMANDS = ("init", "enqueue", "worker", "supervise", "stats", "list", "show",
-             "retry", "delete", "reap", "prune", "check", "version")
+             "retry", "delete", "reap", "prune", "check", "policy", "pause",
+             "resume", "version")
 
 
 def _supervise(args, spool, guards, env):
@@ -5664,7 +5727,77 @@ def _cmd_enqueue(a):
         raise InvalidJob("payload is not JSON (%s); quote a string as "
                          "'\"text\"'" % e)
     _print(a.spool.enqueue(args.type, payload, id=args.id, delay=args.delay,
-                           max_attempts=args.max_attempts, timeout=args.timeout))
+                           max_attempts=args.max_attempts, timeout=args.timeout,
+                           priority=args.priority, ttl=args.ttl))
+
+
+def _cmd_policy(a):
+    args, sp = a.args, a.spool
+    sp.require()
+    pairs = list(args.pairs)
+    name = args.type
+    if args.default:
+        if name is not None:
+            pairs.insert(0, name)
+        name = "*"
+    elif name is not None and "=" in name:
+        raise UsageError("give the TYPE before KEY=VALUE (or --default for "
+                         "every type)")
+    if pairs:
+        changes = {}
+        for pair in pairs:
+            k, eq, v = pair.partition("=")
+            if not eq:
+                raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
+                                 "the key)" % pair)
+            if k not in POLICY_KEYS:
+                policy_value(k, v)          # the error that names the keys
+            changes[k] = v if v != "" else None
+        sp.set_policy(name, changes)
+    sp._pol_next = 0.0
+    pol = sp.policy()
+    if sp.policy_error and not pairs:
+        sys.stderr.write("myq: %s\n" % sp.policy_error)
+    if name is not None:
+        pol = {name: pol.get(name, {})} if name in pol or pairs else {}
+    if args.json:
+        _print(json.dumps(pol, sort_keys=True))
+        return
+    for t in sorted(pol, key=lambda t: (t != "*", t)):
+        _print(" ".join([t] + ["%s=%s" % (k, format_policy(k, v))
+                               for k, v in sorted(pol[t].items())]))
+
+
+def _cmd_pause(a):
+    args, sp = a.args, a.spool
+    if not args.types and not args.all:
+        raise UsageError("give the types to pause, or --all")
+    for t in (["*"] if args.all else []) + args.types:
+        sp.set_policy(t, {"paused": True})
+
+
+def _cmd_resume(a):
+    args, sp = a.args, a.spool
+    if not (args.types or args.all or args.dest):
+        raise UsageError("give the types to resume, --all, or --dest DEST")
+    sp.require()
+    if args.all:
+        for t in list(sp.policy()):
+            if "paused" in sp.policy()[t]:
+                sp.set_policy(t, {"paused": None})
+    for t in args.types:
+        sp.set_policy(t, {"paused": None})
+        if sp.rules(t).get("paused"):       # the default pauses every type
+            sp.set_policy(t, {"paused": False})
+    missing = []
+    for dest in args.dest:
+        if sp.hold_of(dest) is None:
+            missing.append(dest)
+            continue
+        sp._release(dest)
+    if missing:
+        raise NoSuchJob("no held destination %s (see: myq --spool %s stats "
+                        "--json, under held)" % (", ".join(missing), sp.path))
 
 
 def _cmd_worker(a):
