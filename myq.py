@@ -3414,7 +3414,7 @@ class _Run(object):
     __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
                  "thread", "result", "conn", "slot", "probe", "dest",
-                 "dest_fail")
+                 "dest_fail", "batch", "split", "target")
 
     def __init__(self, claim, kind):
         self.claim, self.kind = claim, kind
@@ -3422,7 +3422,8 @@ class _Run(object):
         self.stdin = self.stdin_fd = self.err_fd = self.thread = None
         self.result = self.conn = None
         self.slot = self.probe = self.dest = None
-        self.dest_fail = False
+        self.batch = self.target = None     # batch: the claims of a batch
+        self.dest_fail = self.split = False
         self.err = bytearray()
         self.timed_out = self.released = False
 
@@ -3490,6 +3491,7 @@ class Worker(object):
         self._lanes, self._lanes_key = [self._top], None
         self._holds = {}            # held destination -> until (wall clock)
         self._taken = (None, None, None)    # the last claim's slot, probe, lane
+        self._no_wait = False
         self.next_due = None
         self.stopping = self.hard_stop = False
         self.stop_deadline = None
@@ -3542,6 +3544,18 @@ class Worker(object):
             e.seconds = max(e.seconds or 0.0, self.backoff(job["attempts"]))
             raise
 
+    def _http_batch(self, jobs, run):
+        """A batch of http jobs as one request (SPEC 10)."""
+        rules = self.spool.rules(jobs[0]["type"])
+        try:
+            return http_batch(jobs, self.http_headers, self.backoff_max,
+                              jobs[0].get("timeout") or self.timeout, run,
+                              getattr(self, "http_pool", None),
+                              gzip=bool(rules.get("gzip")))
+        except RetryLater as e:
+            e.seconds = max(e.seconds or 0.0, self.backoff(jobs[0]["attempts"]))
+            raise
+
     def backoff(self, n):
         d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
         return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
@@ -3590,7 +3604,8 @@ class Worker(object):
             for run in list(self.runs):
                 self._kill(run, 9)
                 if run.proc is not None:
-                    self.spool._end_handler(run.claim.token)
+                    for c in run.batch or [run.claim]:
+                        self.spool._end_handler(c.token)
                 for fd in (run.stdin_fd, run.err_fd):
                     if fd is not None:
                         os.close(fd)
@@ -3705,6 +3720,7 @@ class Worker(object):
                                                              5.0)
         self._next_poll = now + self.poll
         self._started = 0
+        self._no_wait = once or drain       # --once, --drain: no batch_wait
         while True:
             busy = False
             if self.stopping:
@@ -4136,6 +4152,13 @@ class Worker(object):
             return float("inf")
         if L.blocked > now:
             return L.blocked
+        wait = rules.get("batch_wait")
+        if wait and rules.get("batch") and not self._no_wait and L.cache:
+            # wait for a fuller batch, up to batch_wait after the first
+            ready = [e for e in L.cache if e[1] and e[0] <= now]
+            if ready and len(ready) < rules["batch"] and \
+                    min(e[0] for e in ready) + wait > now:
+                return min(e[0] for e in ready) + wait
         return None
 
     def _reserve(self, L):
@@ -4292,15 +4315,62 @@ class Worker(object):
                 self._holds.pop(run.dest, None)
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
+        run.target = target
+        rules = self.spool.rules(c.job["type"])
+        if rules.get("batch") and not run.probe and lane is not None \
+                and lane.type == c.job["type"]:
+            run.batch = [c] + self._claim_more(lane, c, rules["batch"] - 1,
+                                               rules.get("batch_bytes"), kind)
+        self._launch(run)
+
+    def _launch(self, run):
+        """Run the handler: an exec handler as a process, a function in
+        this thread (concurrency 1) or a thread of its own."""
+        run.started = _mono()
+        c = run.claim
+        run.deadline = run.started + (c.job.get("timeout") or self.timeout)
+        kind, target = run.kind, run.target
         if kind == "exec":
             self._spawn(run, target)
             return
-        if kind == "http":
+        if kind in ("http", "mqtt"):
             target = lambda job, fn=target: fn(job, run)    # noqa: E731
         if self.concurrency == 1 and self._main:
             self._run_inline(run, target)
         else:
             self._run_thread(run, target)
+
+    def _claim_more(self, L, first, n, limit, kind):
+        """A batch (SPEC 10): up to n more ready jobs of lane L, within
+        `limit` bytes; for http only jobs that go in the same request."""
+        out = []
+        size = len(dumps(first.job))
+        key = _batch_key(first.job) if kind == "http" else None
+        sp = self.spool
+        while len(out) < n:
+            head = self._head(L)
+            if head is None:
+                break
+            m, name, scheduled = head
+            try:
+                sz = os.lstat(sp.d(L.sub, name)).st_size
+            except OSError:
+                L.cache.pop()
+                continue
+            if limit and size + sz > limit:
+                break
+            L.cache.pop()
+            c = sp._claim(name, self.me, self.max_attempts, scheduled, L.sub)
+            if c is None:
+                continue
+            if key is not None and _batch_key(c.job) != key:
+                job = dict(c.job)           # not for this request: back, as
+                job["available_at"] = _now()    # it was, for the next batch
+                self._move(c, job, "incoming", None, {})
+                break
+            size += sz
+            out.append(c)
+        return out
 
     def _env(self, c):
         env = {}
@@ -4331,9 +4401,12 @@ class Worker(object):
             fds.extend(os.pipe())       # close-on-exec; Popen dup2s them
             fds.extend(os.pipe())
             in_r, in_w, err_r, err_w = fds
+            env = self._env(c)
+            if run.batch:
+                env["MYQ_BATCH"] = str(len(run.batch))
             proc = subprocess.Popen(
                 [path], stdin=in_r, stdout=self._null, stderr=err_w,
-                env=self._env(c), close_fds=True, start_new_session=True)
+                env=env, close_fds=True, start_new_session=True)
         except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
             for fd in fds:
                 os.close(fd)
@@ -4345,13 +4418,22 @@ class Worker(object):
             return
         run.proc = proc
         # First of all: the handler's pid, for a reaper should we die now.
-        self.spool._note_handler(c, proc.pid, proc_start(proc.pid))
+        start = proc_start(proc.pid)
+        for one in run.batch or [c]:
+            self.spool._note_handler(one, proc.pid, start)
         os.close(in_r)
         os.close(err_w)
         run.stdin_fd, run.err_fd = in_w, err_r
         os.set_blocking(in_w, False)
         os.set_blocking(err_r, False)
-        run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8") + b"\n")
+        if run.batch:       # one JSON object a line (SPEC 10)
+            run.stdin = memoryview(b"".join(json.dumps(
+                {"id": one.jid, "type": one.job["type"], "payload":
+                 one.job["payload"], "attempt": one.attempt}).encode("utf-8")
+                + b"\n" for one in run.batch))
+        else:
+            run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8")
+                                   + b"\n")
         self.runs.append(run)
         self._feed(run)
 
@@ -4406,7 +4488,8 @@ class Worker(object):
                     continue
                 if run.timed_out or run.released:
                     self._kill(run, 9)          # no descendant survives
-                self.spool._end_handler(run.claim.token)
+                for c in run.batch or [run.claim]:
+                    self.spool._end_handler(c.token)
                 if run.stdin_fd is not None:
                     os.close(run.stdin_fd)
                     run.stdin_fd = None
@@ -4462,8 +4545,18 @@ class Worker(object):
 
     def _call(self, run, fn):
         """Run an in-process handler; returns (outcome[, error, delay,
-        traceback])."""
+        traceback]).  A batch's function gets the list of its jobs; the
+        built-in handlers send it their way (mqtt: one outcome a job)."""
         try:
+            if run.batch:
+                jobs = [self._job_for_handler(c) for c in run.batch]
+                if run.kind == "mqtt":
+                    return ("each", self.mqtt_batch(jobs))
+                if run.kind == "http":
+                    self._http_batch(jobs, run)
+                else:
+                    fn(jobs)
+                return ("done",)
             fn(self._job_for_handler(run.claim))
             return ("done",)
         except PermanentError as e:
@@ -4522,11 +4615,22 @@ class Worker(object):
     def _finish(self, run, outcome, error=None, delay=None, tb=None):
         """The run's outcome: "done", "retry" (or "dead" once the attempts
         are spent) or "dead", with the error, a delay (RetryLater) and a
-        Python handler's traceback."""
-        c = run.claim
+        Python handler's traceback.  A batch's outcome is every job's; a
+        batch that fails for good is split in halves, run at once (SPEC
+        10); "each" carries one outcome per job (mqtt)."""
         self._free(run)
-        ms = int((_mono() - run.started) * 1000)
-        kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
+        if outcome == "each":
+            for c, res in zip(run.batch, error):
+                one = _Run(c, run.kind)
+                one.started, one.dest, one.probe = run.started, run.dest, run.probe
+                if res is None:
+                    self._finish(one, "done")
+                else:
+                    one.dest_fail = isinstance(res, RetryLater)
+                    self._finish(one, "dead" if isinstance(res, PermanentError)
+                                 else "retry", _exc_text(res),
+                                 getattr(res, "seconds", None))
+            return
         counts = True
         if outcome == "retry" and run.dest_fail:
             counts, delay = self._dest_failed(run, delay, error)
@@ -4535,7 +4639,27 @@ class Worker(object):
             if self.spool.dest_ok(run.dest) or run.dest in self._holds:
                 self._holds.pop(run.dest, None)
                 self.dirty = True
-                self.log("release", dest=run.dest, id=c.jid)
+                self.log("release", dest=run.dest, id=run.claim.jid)
+        claims = run.batch or [run.claim]
+        if len(claims) > 1 and (outcome == "dead" or (
+                outcome == "retry" and not run.dest_fail and
+                any(c.attempt >= c.max_attempts for c in claims))):
+            half = len(claims) // 2
+            self.log("split", type=run.claim.job["type"], jobs=len(claims),
+                     error=_clip(error or "failed", 200))
+            for part in (claims[:half], claims[half:]):
+                new = _Run(part[0], run.kind)
+                new.batch, new.split, new.target = part, True, run.target
+                self._launch(new)
+            return
+        for c in claims:
+            self._finish_one(run, c, outcome, error, delay, tb, counts)
+
+    def _finish_one(self, run, c, outcome, error, delay, tb, counts):
+        ms = int((_mono() - run.started) * 1000)
+        kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
+        if run.batch:
+            kv["batch"] = len(run.batch)
         if outcome == "done":
             self._complete(c, kv)
             return
@@ -4569,8 +4693,9 @@ class Worker(object):
         self._move(c, job, "incoming", "retry", kv)
 
     def _dest_failed(self, run, delay, error):
-        """The circuit breaker (SPEC 9) after a destination failure: (does
-        it count an attempt, the delay before the job may run again)."""
+        """The circuit breaker (SPEC 9) after a destination failure (of a
+        batch: one failure): (does it count an attempt, the delay before
+        the job may run again)."""
         sp, c = self.spool, run.claim
         started, distinct, total = sp.streak(run.dest, c.jid)
         # its own backoff grows with the streak, not with attempts it spends
@@ -4598,8 +4723,11 @@ class Worker(object):
 
     def _release(self, run):
         """Shutdown: back to incoming/, ready now, the attempt not counted."""
-        c = run.claim
         self._free(run)
+        for c in run.batch or [run.claim]:
+            self._release_one(c)
+
+    def _release_one(self, c):
         job = dict(c.job)
         job["available_at"] = _now()
         self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
@@ -4785,11 +4913,12 @@ class Worker(object):
         try:
             self.me.beat()
             for run in self.runs + ([self._inline] if self._inline else []):
-                try:
-                    _utime(run.claim.path, until)
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise
+                for c in run.batch or [run.claim]:
+                    try:
+                        _utime(c.path, until)
+                    except OSError as e:
+                        if e.errno != errno.ENOENT:
+                            raise
         except OSError as e:
             self.log("error", during="heartbeat", error=e.strerror)
 
@@ -4798,6 +4927,15 @@ class Worker(object):
             self.spool.reap(self.me, self.max_attempts)
         except (OSError, MyqError) as e:
             self.log("error", during="reap", error=str(e))
+
+
+def _batch_key(job):
+    """Which http jobs may share one request: method, url, headers."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return None
+    return json.dumps([str(p.get("method") or "POST").upper(), p.get("url"),
+                       p.get("headers")], sort_keys=True, default=str)
 
 
 def _abort(run):
