@@ -3052,10 +3052,16 @@ class MqttClient(object):
 
     def _connect(self, deadline):
         import socket
+        host = self.host.strip("[]")
+        try:
+            # an ASCII name as bytes: a str goes through the idna codec,
+            # which needs unicodedata (not in python3-light)
+            host = host.encode("ascii")
+        except UnicodeError:
+            pass
         try:
             sock = socket.create_connection(
-                (self.host.strip("[]"), self.port),
-                timeout=self._left(deadline, "connection"))
+                (host, self.port), timeout=self._left(deadline, "connection"))
         except _MqttBroken:
             raise
         except OSError as e:
@@ -3308,6 +3314,16 @@ class MqttClient(object):
                                   "(protocol error)" % (kind >> 4))
 
 
+def _mqtt_client(url, password_file=None, client_id=None, ca=None, cert=None,
+                 key=None, **kw):
+    """The MqttClient of the --mqtt options: everything checked before the
+    password file is read."""
+    client = MqttClient(url, b"" if password_file else None, client_id, ca,
+                        cert, key, **kw)
+    client.password = _mqtt_password(password_file)
+    return client
+
+
 def mqtt_publish(client, jobs, timeout):
     """Publish `mqtt` jobs (SPEC 10) through `client`, all in flight at
     once: one outcome per job, in order: None when done (QoS 1: its PUBACK
@@ -3406,9 +3422,9 @@ class Worker(object):
         self._held = {}     # held type -> (why, its hold's delay)
         # --mqtt: the options are checked now, the broker connected at the
         # first mqtt job (one connection per worker, shared by its threads)
-        self._mqtt_client = None if not mqtt else MqttClient(
-            mqtt, _mqtt_password(mqtt_password_file), mqtt_client_id,
-            mqtt_ca, mqtt_cert, mqtt_key, timeout=min(self.timeout, 30.0))
+        self._mqtt_client = None if not mqtt else _mqtt_client(
+            mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
+            mqtt_key, timeout=min(self.timeout, 30.0))
 
     # Handlers ----------------------------------------------------------------
 
@@ -3461,7 +3477,9 @@ class Worker(object):
         limit = min(j.get("timeout") or self.timeout for j in jobs)
         with client.lock:           # one exchange at a time per connection
             if run is not None:
-                limit = max(0.05, min(limit, run.deadline - _mono()))
+                # a little before the worker's own limit, so that a time-out
+                # is ours: a destination failure (SPEC 9), not the job's
+                limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
                 run.conn = client
             try:
                 return mqtt_publish(client, jobs, limit)
@@ -5060,9 +5078,9 @@ def _mqtt_options(o):
             raise UsageError("%s without --mqtt (give the broker: --mqtt "
                              "mqtt://HOST)" % ", ".join(extra))
         return kw
-    MqttClient(kw["mqtt"], _mqtt_password(kw["mqtt_password_file"]),
-               kw["mqtt_client_id"], kw["mqtt_ca"], kw["mqtt_cert"],
-               kw["mqtt_key"])
+    _mqtt_client(*(kw[k] for k in ("mqtt", "mqtt_password_file",
+                                    "mqtt_client_id", "mqtt_ca", "mqtt_cert",
+                                    "mqtt_key")))
     return kw
 
 
