@@ -3012,6 +3012,7 @@ class MqttClient(object):
         self._next_id = 0
         self._last_sent = 0.0
         self._answered = False
+        self._quickack = None
         self._ctx = self._session = None
         self._pinger = None
         self._closed = False
@@ -3029,8 +3030,11 @@ class MqttClient(object):
         self.sock.sendall(data)
         self._last_sent = _mono()
 
-    def _read(self, deadline, what):
-        """The next packet: (first byte, body)."""
+    def _read(self, deadline, what, quick=False):
+        """The next packet: (first byte, body).  `quick`: more answers are
+        due, so acknowledge at once what comes (TCP_QUICKACK): a broker
+        without TCP_NODELAY (mosquitto's default) holds its next PUBACKs
+        until the first is acknowledged, and a delayed ACK costs 40 ms."""
         buf = self._buf
         while True:
             got = _mqtt_parse(buf)
@@ -3038,6 +3042,11 @@ class MqttClient(object):
                 del buf[:got[2]]
                 return got[0], got[1]
             self.sock.settimeout(self._left(deadline, what))
+            if quick and self._quickack:
+                try:
+                    self.sock.setsockopt(6, self._quickack, 1)   # IPPROTO_TCP
+                except OSError:
+                    self._quickack = None
             try:
                 data = self.sock.recv(65536)
             except OSError as e:
@@ -3069,6 +3078,7 @@ class MqttClient(object):
                                   % (self.dest, _os_text(e)))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._quickack = getattr(socket, "TCP_QUICKACK", None)   # Linux
             if self.scheme == "mqtts":
                 sock = self._tls(sock, deadline)
             self.sock, self._buf = sock, bytearray()
@@ -3303,7 +3313,7 @@ class MqttClient(object):
                 done.update(written)                # QoS 0: done once written
                 chunk, size, written = [], 0, []
         while waiting:
-            kind, body = self._read(deadline, "PUBACK")
+            kind, body = self._read(deadline, "PUBACK", len(waiting) > 1)
             self._answered = True
             if kind == 0x40 and len(body) == 2:
                 i = waiting.pop(int.from_bytes(body, "big"), None)
