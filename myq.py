@@ -3485,17 +3485,28 @@ class Worker(object):
         connection is cut when the run's time is up (_abort)."""
         client = self._mqtt_client
         limit = min(j.get("timeout") or self.timeout for j in jobs)
-        with client.lock:           # one exchange at a time per connection
+        if run is not None:
+            # a little before the worker's own limit, so that a time-out is
+            # ours: a destination failure (SPEC 9), not the job's
+            limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
+        start = _mono()
+        # one exchange at a time on the connection (other threads' runs,
+        # the keep-alive ping): waiting for a turn counts in the limit
+        if not client.lock.acquire(True, limit):
+            out = [DestinationDown(None, "mqtt: %s: no turn on the connection "
+                                   "within %gs (the broker is slow to answer)"
+                                   % (client.dest, limit)) for _ in jobs]
+            for e in out:
+                e.dest = client.dest
+            return out
+        try:
             if run is not None:
-                # a little before the worker's own limit, so that a time-out
-                # is ours: a destination failure (SPEC 9), not the job's
-                limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
                 run.conn = client
-            try:
-                return mqtt_publish(client, jobs, limit)
-            finally:
-                if run is not None:
-                    run.conn = None
+            return mqtt_publish(client, jobs, max(0.05, limit - (_mono() - start)))
+        finally:
+            if run is not None:
+                run.conn = None
+            client.lock.release()
 
     def backoff(self, n):
         d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
