@@ -53,8 +53,7 @@ class Broker(object):
         self.log = os.path.join(self.dir, "mosquitto.log")
         self.proc = None
         self.starts = 0
-        lines = ["listener %d 127.0.0.1" % self.port,
-                 "log_dest file %s" % self.log,
+        lines = ["log_dest file %s" % self.log,
                  "log_type all", "connection_messages true",
                  "log_timestamp false"]
         if os.geteuid() == 0:
@@ -76,15 +75,30 @@ class Broker(object):
                       "persistence_location %s/" % self.dir]
         else:
             lines.append("persistence false")
-        lines += list(extra)
-        with open(self.conf, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        self.lines = lines + list(extra)
 
     def url(self, user=None, scheme="mqtt"):
         return "%s://%s127.0.0.1:%d" % (scheme, user + "@" if user else "",
                                         self.port)
 
     def start(self):
+        """Start (or restart, on the same port) and wait until the port
+        accepts.  A first start whose free port was taken meanwhile (tests
+        run in parallel) tries another."""
+        for tries in range(3, 0, -1):
+            with open(self.conf, "w") as f:
+                f.write("\n".join(["listener %d 127.0.0.1" % self.port]
+                                  + self.lines) + "\n")
+            try:
+                return self._start()
+            except AssertionError:
+                if self.starts > 1 or tries == 1 or \
+                        "Address already in use" not in self.log_text():
+                    raise
+                self.port = free_port()
+                self.starts = 0
+
+    def _start(self):
         self.proc = subprocess.Popen([MOSQUITTO, "-c", self.conf],
                                      stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
@@ -95,6 +109,11 @@ class Broker(object):
                 raise AssertionError("mosquitto exited %s: %s" % (
                     self.proc.returncode, self.proc.stderr.read().decode()
                     + self.log_text()[-2000:]))
+            # "running" is logged once the listeners are open (the port
+            # alone could be someone else's)
+            if sum(line.startswith("mosquitto version") and line.endswith(" running")
+                   for line in self.log_text().splitlines()) < self.starts:
+                return False
             try:
                 socket.create_connection(("127.0.0.1", self.port), 0.5).close()
                 return True

@@ -179,20 +179,27 @@ def test_refused_credentials_are_a_configuration_error_not_dead_jobs(
         ids = [enqueue(spool, {"topic": "c/x", "message": i}) for i in range(3)]
         cp = work(spool, b.url(user), *opts)
         assert cp.returncode == 0, cp.stderr
-        for jid in ids:
-            job = show(run_myq, spool, jid)
-            assert job["state"] != "dead", job
-            assert "configuration error" in job["last_error"], job["last_error"]
+        assert [show(run_myq, spool, j)["state"] == "dead" for j in ids] == [False] * 3
+        first = show(run_myq, spool, ids[0])
+        assert "configuration error" in first["last_error"], first
         assert stats(spool)["dead"] == 0
         assert "configuration error" in cp.stderr and words in cp.stderr, cp.stderr
         assert "--mqtt-password-file" in cp.stderr
-        # fixed: the right password, and the jobs go
-        pw = tmp_path / "right"
-        pw.write_text("right\n")
-        assert call_myq("--spool", spool, "retry", "--now", *ids).returncode == 0
+        assert b.connections() == 0
+    finally:
+        b.stop()
+
+
+def test_the_password_file_authenticates(spool, tmp_path):
+    b = Broker(tmp_path / "broker", users={"dev": "right pw"}).start()
+    try:
+        pw = tmp_path / "pw"
+        pw.write_text("right pw\n")
+        jid = enqueue(spool, {"topic": "p/x", "message": 1})
         cp = work(spool, b.url("dev"), "--mqtt-password-file", str(pw))
         assert cp.returncode == 0, cp.stderr
-        assert [show(run_myq, spool, j)["state"] for j in ids] == ["done"] * 3
+        assert show(run_myq, spool, jid)["state"] == "done"
+        assert b.connections() == 1 and " u'dev'" in b.log_text()
     finally:
         b.stop()
 
@@ -276,7 +283,8 @@ def test_keepalive_pings_keep_an_idle_connection(broker, myq):
     finally:
         c.close()
         sub.stop()
-    assert broker.count("Received DISCONNECT from myq-keepalive") == 1
+    wait_for(lambda: broker.count("Received DISCONNECT from myq-keepalive") == 1,
+             what="the client's DISCONNECT at close()")
 
 
 def test_batch_api_outcomes_and_a_clean_reconnect(tmp_path, spool, myq):
