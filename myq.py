@@ -3409,6 +3409,569 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None, run=None):
     raise PermanentError("http: more than 5 redirects, last to %s" % url[:200])
 
 
+# MQTT (SPEC 10) ##############################################################
+#
+# MQTT 3.1.1 on the standard library: socket (and ssl for mqtts), imported
+# when a connection is made, never at load.  One connection per worker,
+# clean session, re-made from scratch after any error; QoS 1 is done on the
+# broker's PUBACK, QoS 0 once written.  A thread sends PINGREQ when the
+# connection idles past keepalive/2 (the broker drops it at 1.5 x keepalive).
+
+MQTT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+_MQTT_URL = re.compile(r"(mqtts?)://(?:([^@/]*)@)?(\[[0-9A-Fa-f:.]+\]|[^\[\]@/:]+)"
+                       r"(?::(\d{1,5}))?/?\Z", re.I)
+_MQTT_MAX = 268435455          # the largest remaining length MQTT can say
+_MQTT_WINDOW = 65535           # packet ids: at most this many in flight
+_CONNACK = {
+    1: ("the broker does not speak MQTT 3.1.1 (CONNACK 1, unacceptable "
+        "protocol version)", "use a broker that supports MQTT 3.1.1", True),
+    2: ("the client id was rejected (CONNACK 2)", "give --mqtt-client-id at "
+        "most 23 letters and digits, unique per worker", True),
+    3: ("the MQTT service is unavailable (CONNACK 3)", None, False),
+    4: ("bad user name or password (CONNACK 4)", "check the user in --mqtt "
+        "(mqtt://USER@HOST) and the password in --mqtt-password-file", True),
+    5: ("not authorised (CONNACK 5)", "the broker does not let this client "
+        "connect: check the user in --mqtt, --mqtt-password-file and the "
+        "broker's access rules", True),
+}
+
+
+class _MqttBroken(Exception):
+    """The connection is unusable: closed, timed out, or the broker broke
+    the protocol."""
+
+
+def _mqtt_url(url):
+    """(scheme, user or None, host, port) of a broker URL."""
+    m = _MQTT_URL.match(url or "")
+    if not m:
+        raise UsageError("--mqtt %r is not an MQTT broker URL: give "
+                         "mqtt://[USER@]HOST[:PORT] or mqtts://[USER@]HOST[:PORT]"
+                         % (url,))
+    scheme, user, host, port = m.groups()
+    if user is not None and ":" in user:
+        raise UsageError("--mqtt %s: a password in the URL shows in ps and "
+                         "the logs; put it in --mqtt-password-file"
+                         % url.replace(user, user.partition(":")[0] + ":***", 1))
+    if user == "":
+        raise UsageError("--mqtt %s: empty user name before '@' (give "
+                         "mqtt://USER@HOST, or no '@')" % url)
+    scheme = scheme.lower()
+    port = int(port) if port else MQTT_PORTS[scheme]
+    if not 0 < port < 65536:
+        raise UsageError("--mqtt %s: port %d is not in 1-65535" % (url, port))
+    return scheme, user, host.lower(), port
+
+
+def mqtt_dest(url):
+    """The broker of a --mqtt URL as the circuit breaker names it (SPEC 9):
+    scheme://host:port, lower case, the port explicit, no user."""
+    scheme, _, host, port = _mqtt_url(url)
+    return "%s://%s:%d" % (scheme, host, port)
+
+
+def _mqtt_len(n):
+    """MQTT's remaining length: 7 bits a byte, the high bit says more."""
+    out = bytearray()
+    while True:
+        n, b = n >> 7, n & 127
+        out.append(b | 128 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def _mqtt_str(b):
+    return len(b).to_bytes(2, "big") + b
+
+
+def _mqtt_parse(buf):
+    """(first byte, body, length used) of the packet at the start of buf,
+    or None while it is incomplete.  We only ever get small packets back
+    (CONNACK, PUBACK, PINGRESP): anything larger than 64K is not MQTT."""
+    n = shift = 0
+    for i in range(1, min(len(buf), 5)):
+        b = buf[i]
+        n |= (b & 127) << shift
+        shift += 7
+        if not b & 128:
+            if n > 65536:
+                raise _MqttBroken("the broker sent a %d-byte packet (protocol "
+                                  "error)" % n)
+            end = i + 1 + n
+            if len(buf) < end:
+                return None
+            return buf[0], bytes(buf[i + 1:end]), end
+    if len(buf) >= 5:
+        raise _MqttBroken("the broker sent a bad packet length (protocol error)")
+    return None
+
+
+def _mqtt_message(job):
+    """(topic, message, qos, retain) of an `mqtt` job, topic and message as
+    bytes; PermanentError when the payload cannot be published."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        raise PermanentError('mqtt: the payload must be an object: {"topic": '
+                             '"a/b", "message": ..., "qos": 0|1, "retain": false}')
+    topic = p.get("topic")
+    if not isinstance(topic, str) or not topic:
+        raise PermanentError("mqtt: the payload has no topic (a non-empty string)")
+    if "+" in topic or "#" in topic:
+        raise PermanentError("mqtt: topic %r has a wildcard (+ or #); publish "
+                             "to a topic without them" % topic[:200])
+    if "\0" in topic:
+        raise PermanentError("mqtt: topic %r contains a NUL character"
+                             % topic[:200])
+    qos = p.get("qos", 1)
+    if qos is None:
+        qos = 1
+    if isinstance(qos, bool) or not isinstance(qos, int) or qos not in (0, 1):
+        raise PermanentError("mqtt: qos %s is not supported: give 0 or 1"
+                             % json.dumps(qos)[:50])
+    retain = p.get("retain", False)
+    if retain is None:
+        retain = False
+    if not isinstance(retain, bool):
+        raise PermanentError("mqtt: retain must be true or false, not %s"
+                             % json.dumps(retain)[:50])
+    msg = p.get("message")
+    try:
+        t = topic.encode("utf-8")
+        if "message" not in p:
+            data = b""
+        elif isinstance(msg, str):
+            data = msg.encode("utf-8")
+        else:
+            data = json.dumps(msg, separators=(",", ":")).encode("utf-8")
+    except UnicodeError:        # a lone surrogate ("\ud800") in the JSON
+        raise PermanentError("mqtt: the topic or message is not valid UTF-8 text")
+    if len(t) > 65535:
+        raise PermanentError("mqtt: the topic is %d bytes long (at most 65535)"
+                             % len(t))
+    if len(t) + 4 + len(data) > _MQTT_MAX:
+        raise PermanentError("mqtt: the message is %d bytes, larger than MQTT "
+                             "allows (256 MB)" % len(data))
+    return t, data, qos, retain
+
+
+def _mqtt_client_id():
+    """Unique per worker process, and at most 23 characters (all an MQTT
+    3.1.1 broker must accept): myq-HOST-PID-RANDOM, the host cut to fit."""
+    host = re.sub(r"[^A-Za-z0-9]", "", os.uname()[1])
+    tail = "-%d-%s" % (os.getpid(), _rand_hex(2))
+    return ("myq-" + host)[:max(3, 23 - len(tail))] + tail
+
+
+def _os_text(e):
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+def _mqtt_password(path):
+    """The password in --mqtt-password-file (its trailing newline dropped)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read(65536).rstrip(b"\r\n")
+    except OSError as e:
+        raise ConfigError("cannot read --mqtt-password-file %s: %s (the worker "
+                          "must be able to read it)" % (path, _os_text(e)))
+
+
+class MqttClient(object):
+    """One MQTT 3.1.1 connection to a broker, made at first use and made
+    again from scratch after any error (nothing half-sent is reused).
+    Thread-safe: every exchange holds `lock`.  `close()` when done: it
+    sends DISCONNECT and ends the keep-alive thread."""
+
+    def __init__(self, url, password=None, client_id=None, ca=None, cert=None,
+                 key=None, keepalive=60, timeout=10.0):
+        import threading
+        self.scheme, self.user, self.host, self.port = _mqtt_url(url)
+        self.dest = "%s://%s:%d" % (self.scheme, self.host, self.port)
+        if password is not None and self.user is None:
+            raise UsageError("--mqtt-password-file needs a user in --mqtt "
+                             "(mqtt://USER@%s)" % self.host)
+        if (ca or cert or key) and self.scheme != "mqtts":
+            raise UsageError("--mqtt-ca, --mqtt-cert and --mqtt-key are for "
+                             "mqtts:// brokers; --mqtt is %s" % self.dest)
+        if key and not cert:
+            raise UsageError("--mqtt-key needs --mqtt-cert (the client "
+                             "certificate it belongs to)")
+        for flag, path in (("--mqtt-ca", ca), ("--mqtt-cert", cert),
+                           ("--mqtt-key", key)):
+            if path:
+                try:
+                    open(path, "rb").close()
+                except OSError as e:
+                    raise ConfigError("cannot read %s %s: %s" % (
+                        flag, path, _os_text(e)))
+        if self.scheme == "mqtts":
+            try:
+                import ssl  # noqa: F401
+            except ImportError:
+                raise ConfigError("--mqtt %s needs Python's ssl module (OpenWrt: "
+                                  "opkg install python3-openssl)" % self.dest)
+        self.client_id = client_id or _mqtt_client_id()
+        if len(self.client_id.encode("utf-8", "replace")) > 65535:
+            raise UsageError("--mqtt-client-id is too long (at most 23 "
+                             "characters is safe)")
+        if not 0 <= int(keepalive) <= 65535:
+            raise UsageError("MQTT keepalive %r is not in 0-65535 s" % keepalive)
+        self.password = password
+        self.ca, self.cert, self.key = ca, cert, key
+        self.keepalive, self.timeout = int(keepalive), float(timeout)
+        self.lock = threading.RLock()
+        self.sock = None            # _abort() shuts it down to cut a run
+        self.connects = 0           # connections made, for tests and benches
+        self._threading = threading
+        self._buf = bytearray()
+        self._next_id = 0
+        self._last_sent = 0.0
+        self._answered = False
+        self._quickack = None
+        self._ctx = self._session = None
+        self._pinger = None
+        self._closed = False
+
+    # Packets ---------------------------------------------------------------
+
+    def _left(self, deadline, what):
+        t = deadline - _mono()
+        if t <= 0:
+            raise _MqttBroken("no %s from the broker in time" % what)
+        return t
+
+    def _send(self, data, deadline):
+        self.sock.settimeout(self._left(deadline, "room to write"))
+        self.sock.sendall(data)
+        self._last_sent = _mono()
+
+    def _read(self, deadline, what, quick=False):
+        """The next packet: (first byte, body).  `quick`: more answers are
+        due, so acknowledge at once what comes (TCP_QUICKACK): a broker
+        without TCP_NODELAY (mosquitto's default) holds its next PUBACKs
+        until the first is acknowledged, and a delayed ACK costs 40 ms."""
+        buf = self._buf
+        while True:
+            got = _mqtt_parse(buf)
+            if got is not None:
+                del buf[:got[2]]
+                return got[0], got[1]
+            self.sock.settimeout(self._left(deadline, what))
+            if quick and self._quickack:
+                try:
+                    self.sock.setsockopt(6, self._quickack, 1)   # IPPROTO_TCP
+                except OSError:
+                    self._quickack = None
+            try:
+                data = self.sock.recv(65536)
+            except OSError as e:
+                if type(e).__name__ in ("timeout", "TimeoutError"):
+                    raise _MqttBroken("no %s from the broker in time" % what)
+                raise
+            if not data:
+                raise _MqttBroken("the broker closed the connection")
+            buf += data
+
+    # The connection ----------------------------------------------------------
+
+    def _connect(self, deadline):
+        import socket
+        host = self.host.strip("[]")
+        try:
+            # an ASCII name as bytes: a str goes through the idna codec,
+            # which needs unicodedata (not in python3-light)
+            host = host.encode("ascii")
+        except UnicodeError:
+            pass
+        try:
+            sock = socket.create_connection(
+                (host, self.port), timeout=self._left(deadline, "connection"))
+        except _MqttBroken:
+            raise
+        except OSError as e:
+            raise DestinationDown(None, "mqtt: cannot connect to %s: %s"
+                                  % (self.dest, _os_text(e)))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._quickack = getattr(socket, "TCP_QUICKACK", None)   # Linux
+            if self.scheme == "mqtts":
+                sock = self._tls(sock, deadline)
+            self.sock, self._buf = sock, bytearray()
+            self._send(self._connect_packet(), deadline)
+            kind, body = self._read(deadline, "CONNACK")
+            if kind != 0x20 or len(body) != 2:
+                raise _MqttBroken("the broker answered CONNECT with packet "
+                                  "type %d, not CONNACK" % (kind >> 4))
+            if body[1]:
+                raise self._refused(body[1])
+            if self.scheme == "mqtts":
+                self._session = getattr(sock, "session", None) or self._session
+        except BaseException:
+            self.sock = None
+            sock.close()
+            raise
+        self.connects += 1
+        self._closed = False
+        if self.keepalive and (self._pinger is None or not self._pinger.is_alive()):
+            self._pinger = self._threading.Thread(target=self._keep_alive,
+                                                  name="myq-mqtt-ping")
+            self._pinger.daemon = True
+            self._pinger.start()
+
+    def _connect_packet(self):
+        flags = 0x02                                    # clean session
+        payload = _mqtt_str(self.client_id.encode("utf-8"))
+        if self.user is not None:
+            flags |= 0x80
+            payload += _mqtt_str(self.user.encode("utf-8"))
+            if self.password is not None:
+                flags |= 0x40
+                payload += _mqtt_str(self.password)
+        head = _mqtt_str(b"MQTT") + bytes((4, flags)) + \
+            self.keepalive.to_bytes(2, "big")
+        return b"\x10" + _mqtt_len(len(head) + len(payload)) + head + payload
+
+    def _refused(self, code):
+        what, todo, config = _CONNACK.get(code, (
+            "refused with CONNACK code %d" % code, None, False))
+        msg = "mqtt: %s refused the connection: %s" % (self.dest, what)
+        if config:
+            msg = "mqtt: configuration error: %s refused the connection: %s; %s" % (
+                self.dest, what, todo)
+        e = DestinationDown(None, msg)
+        e.config = config
+        return e
+
+    def _tls(self, sock, deadline):
+        try:
+            import ssl
+        except ImportError:
+            raise DestinationDown(None, "mqtt: %s needs Python's ssl module "
+                                  "(OpenWrt: opkg install python3-openssl)"
+                                  % self.dest)
+        if self._ctx is None:
+            try:
+                ctx = ssl.create_default_context()
+                if self.ca:
+                    ctx.load_verify_locations(cafile=self.ca)
+                if self.cert:
+                    ctx.load_cert_chain(self.cert, self.key)
+            except (OSError, ValueError) as e:
+                raise DestinationDown(None, "mqtt: configuration error: cannot "
+                                      "load --mqtt-ca/--mqtt-cert/--mqtt-key: %s"
+                                      % _os_text(e))
+            self._ctx = ctx
+        sock.settimeout(self._left(deadline, "TLS handshake"))
+        try:
+            return self._ctx.wrap_socket(sock, server_hostname=self.host.strip("[]"),
+                                         session=self._session)
+        except ssl.CertificateError as e:
+            raise DestinationDown(None, "mqtt: configuration error: %s: the "
+                                  "broker's certificate is not trusted (%s); give "
+                                  "its CA with --mqtt-ca" % (self.dest, _os_text(e)))
+
+    def _stale(self):
+        """Did the broker close this idle connection (or send what nobody
+        asked for)?  Then it is not used again."""
+        import select
+        sock = self.sock
+        try:
+            pending = sock.pending() if hasattr(sock, "pending") else 0
+            if not pending and not select.select([sock], [], [], 0)[0]:
+                return False
+            sock.settimeout(0)
+            sock.recv(4096)             # EOF, or data that nobody asked for
+            return True
+        except OSError as e:
+            # no data after all: a TLS record that was no application data
+            return not (isinstance(e, BlockingIOError)
+                        or type(e).__name__ == "SSLWantReadError")
+
+    def _drop(self):
+        """Forget the connection (after an error: nothing of it is reused)."""
+        sock, self.sock = self.sock, None
+        self._buf = bytearray()
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _keep_alive(self):
+        """The keep-alive thread: PINGREQ when idle past keepalive/2, so
+        that the broker (which drops a client silent for 1.5 x keepalive)
+        and NATs keep the connection."""
+        every = max(0.05, self.keepalive / 4.0)
+        while not self._closed:
+            time.sleep(every)
+            if self.sock is None or _mono() - self._last_sent < self.keepalive / 2.0:
+                continue
+            if self.lock.acquire(False):        # busy: that is traffic enough
+                try:
+                    if self.sock is not None and not self._closed:
+                        self.ping()
+                finally:
+                    self.lock.release()
+
+    def ping(self):
+        """PINGREQ, wait for PINGRESP; False (and the connection dropped)
+        when it does not come."""
+        with self.lock:
+            if self.sock is None:
+                return False
+            deadline = _mono() + min(self.timeout, max(1.0, self.keepalive / 2.0))
+            try:
+                self._send(b"\xc0\x00", deadline)
+                kind, _ = self._read(deadline, "PINGRESP")
+                if kind != 0xD0:
+                    raise _MqttBroken("unexpected packet type %d" % (kind >> 4))
+                return True
+            except (OSError, ValueError, _MqttBroken):
+                self._drop()
+                return False
+            except BaseException:
+                self._drop()
+                raise
+
+    def close(self):
+        """DISCONNECT and close; a later publish connects again."""
+        self._closed = True
+        if not self.lock.acquire(True, 1.0):
+            # another thread is mid-exchange (a run being abandoned): cut it
+            sock = self.sock
+            if sock is not None:
+                import socket
+                try:
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return
+        try:
+            if self.sock is not None:
+                try:
+                    self._send(b"\xe0\x00", _mono() + 1.0)
+                except (OSError, _MqttBroken):
+                    pass
+                self._drop()
+        finally:
+            self.lock.release()
+
+    # Publishing --------------------------------------------------------------
+
+    def publish_many(self, msgs, timeout):
+        """Publish (topic bytes, message bytes, qos, retain) tuples, all of
+        them in flight at once, within `timeout` seconds: one outcome per
+        message, in order: None (done) or a DestinationDown."""
+        out = [None] * len(msgs)
+        done = set()
+        deadline = _mono() + timeout
+        left = list(range(len(msgs)))
+        retried = False
+        err = None
+        with self.lock:
+            while left:
+                reused = self.sock is not None
+                self._answered = False
+                try:
+                    if reused and self._stale():
+                        self._drop()
+                        reused = False
+                    if self.sock is None:
+                        self._connect(deadline)
+                    self._exchange(msgs, left[:_MQTT_WINDOW], deadline, done)
+                except DestinationDown as e:        # cannot connect, refused
+                    self._drop()
+                    err = e
+                except (OSError, ValueError, _MqttBroken) as e:
+                    self._drop()
+                    err = DestinationDown(None, "mqtt: %s: %s" % (
+                        self.dest, _os_text(e)))
+                    # A connection that had been idle may have died unseen:
+                    # once more on a fresh one, as SPEC 10 does for http.
+                    if reused and not self._answered and not retried \
+                            and _mono() < deadline:
+                        retried, err = True, None
+                except BaseException:
+                    self._drop()
+                    raise
+                left = [i for i in left if i not in done]
+                if err is not None:
+                    break
+        for i in left:
+            e = DestinationDown(err.seconds, str(err))
+            e.config = getattr(err, "config", False)
+            e.dest = self.dest
+            out[i] = e
+        return out
+
+    def _exchange(self, msgs, window, deadline, done):
+        """Send the window's PUBLISH packets (64K at a time), then read
+        PUBACKs until each QoS 1 one has its own."""
+        waiting = {}
+        chunk, size, written = [], 0, []
+        last = window[-1]
+        for i in window:
+            topic, data, qos, retain = msgs[i]
+            head = _mqtt_str(topic)
+            if qos:
+                self._next_id = self._next_id % 65535 + 1
+                waiting[self._next_id] = i
+                head += self._next_id.to_bytes(2, "big")
+            else:
+                written.append(i)
+            chunk.append(bytes((0x30 | qos << 1 | retain,)) +
+                         _mqtt_len(len(head) + len(data)) + head)
+            chunk.append(data)
+            size += len(head) + len(data)
+            if size >= 65536 or i == last:
+                self._send(b"".join(chunk), deadline)
+                done.update(written)                # QoS 0: done once written
+                chunk, size, written = [], 0, []
+        while waiting:
+            kind, body = self._read(deadline, "PUBACK", len(waiting) > 1)
+            self._answered = True
+            if kind == 0x40 and len(body) == 2:
+                i = waiting.pop(int.from_bytes(body, "big"), None)
+                if i is not None:
+                    done.add(i)
+            elif kind != 0xD0:                      # a late PINGRESP is fine
+                raise _MqttBroken("the broker sent packet type %d, not PUBACK "
+                                  "(protocol error)" % (kind >> 4))
+
+
+def _mqtt_client(url, password_file=None, client_id=None, ca=None, cert=None,
+                 key=None, **kw):
+    """The MqttClient of the --mqtt options: everything checked before the
+    password file is read."""
+    client = MqttClient(url, b"" if password_file else None, client_id, ca,
+                        cert, key, **kw)
+    client.password = _mqtt_password(password_file)
+    return client
+
+
+def mqtt_publish(client, jobs, timeout):
+    """Publish `mqtt` jobs (SPEC 10) through `client`, all in flight at
+    once: one outcome per job, in order: None when done (QoS 1: its PUBACK
+    came; QoS 0: written), a PermanentError for a payload that cannot be
+    published, a DestinationDown for the rest when the connection, the
+    CONNACK, a PUBACK or the time failed (the client connects afresh at
+    its next use)."""
+    out = [None] * len(jobs)
+    msgs, where = [], []
+    for i, job in enumerate(jobs):
+        try:
+            msgs.append(_mqtt_message(job))
+            where.append(i)
+        except PermanentError as e:
+            out[i] = e
+    if msgs:
+        for i, e in zip(where, client.publish_many(msgs, timeout)):
+            out[i] = e
+    return out
+
+
 class _Run(object):
     """One job in flight in this worker."""
     __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
@@ -3459,7 +4022,9 @@ class Worker(object):
                  backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
                  stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
                  scan_cache=2048, log=None, reap_interval=None,
-                 prune_interval=60.0, parent=None, **spool_options):
+                 prune_interval=60.0, parent=None, mqtt=None,
+                 mqtt_password_file=None, mqtt_client_id=None, mqtt_ca=None,
+                 mqtt_cert=None, mqtt_key=None, **spool_options):
         self.log = log or Log()
         if isinstance(spool, Spool):
             self.spool = spool
@@ -3509,6 +4074,11 @@ class Worker(object):
         self._clock_offset = _now() - _mono()
         self._next_beat = float("inf")     # set when run() starts
         self._held = {}     # held type -> (why, its hold's delay)
+        # --mqtt: the options are checked now, the broker connected at the
+        # first mqtt job (one connection per worker, shared by its threads)
+        self._mqtt_client = None if not mqtt else _mqtt_client(
+            mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
+            mqtt_key, timeout=min(self.timeout, 30.0))
 
     # Handlers ----------------------------------------------------------------
 
@@ -3517,6 +4087,8 @@ class Worker(object):
         builtin = self.spool.rules(type).get("handler")
         if builtin == "http":
             return "http", self._http
+        if builtin == "mqtt":
+            return self.resolve_mqtt(type)
         if self.handlers_dir:
             path = os.path.join(self.handlers_dir, type)
             if os.path.isfile(path):
@@ -3529,10 +4101,18 @@ class Worker(object):
             return "py", fn
         if type == "http":
             return "http", self._http
+        if type == "mqtt":
+            return self.resolve_mqtt(type)
         return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
                       % (type, "--handlers " + self.handlers_dir
                          if self.handlers_dir else "no --handlers",
                          "--module" if self.module else "no --module"))
+
+    def resolve_mqtt(self, type):
+        if self._mqtt_client is not None:
+            return "mqtt", self._mqtt
+        return None, ("no --mqtt broker configured for type %s (give the "
+                      "worker --mqtt mqtt://HOST)" % type)
 
     def _http(self, job, run=None):
         try:
@@ -3555,6 +4135,42 @@ class Worker(object):
         except RetryLater as e:
             e.seconds = max(e.seconds or 0.0, self.backoff(jobs[0]["attempts"]))
             raise
+
+    def _mqtt(self, job, run=None):
+        """The built-in `mqtt` type, one job (SPEC 10)."""
+        err = self.mqtt_batch([job], run)[0]
+        if err is not None:
+            raise err
+
+    def mqtt_batch(self, jobs, run=None):
+        """Publish `mqtt` jobs through the worker's connection, all in
+        flight at once: one outcome per job, in order (None: done, else the
+        exception: PermanentError, DestinationDown).  With `run`, the
+        connection is cut when the run's time is up (_abort)."""
+        client = self._mqtt_client
+        limit = min(j.get("timeout") or self.timeout for j in jobs)
+        if run is not None:
+            # a little before the worker's own limit, so that a time-out is
+            # ours: a destination failure (SPEC 9), not the job's
+            limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
+        start = _mono()
+        # one exchange at a time on the connection (other threads' runs,
+        # the keep-alive ping): waiting for a turn counts in the limit
+        if not client.lock.acquire(True, limit):
+            out = [DestinationDown(None, "mqtt: %s: no turn on the connection "
+                                   "within %gs (the broker is slow to answer)"
+                                   % (client.dest, limit)) for _ in jobs]
+            for e in out:
+                e.dest = client.dest
+            return out
+        try:
+            if run is not None:
+                run.conn = client
+            return mqtt_publish(client, jobs, max(0.05, limit - (_mono() - start)))
+        finally:
+            if run is not None:
+                run.conn = None
+            client.lock.release()
 
     def backoff(self, n):
         d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
@@ -3629,6 +4245,8 @@ class Worker(object):
             if self._null is not None:
                 os.close(self._null)
                 self._null = None
+            if self._mqtt_client is not None:
+                self._mqtt_client.close()
             self.me.unregister()
             self.log("stop", worker=self.me.wid)
         return 0
@@ -4868,7 +5486,8 @@ class Worker(object):
                     return "%s://%s:%s" % (scheme, m.group(2).lower(), m.group(3)
                                            or (443 if scheme == "https" else 80))
         elif kind == "mqtt":
-            return "mqtt"
+            client = getattr(self, "_mqtt_client", None)
+            return client.dest if client is not None else "mqtt"
         return job["type"]
 
     def _retry_stuck(self, final=False):
@@ -5329,6 +5948,12 @@ WORKER_OPTIONS = [
     ("--http-header", "append", [], "'Name: value' added to every http job"),
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
     ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
+    ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
+    ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
+    ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
+    ("--mqtt-ca", str, None, "CA certificate(s) to trust for an mqtts broker, besides the system's"),
+    ("--mqtt-cert", str, None, "client certificate for an mqtts broker that wants one"),
+    ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
 ]
 
 
@@ -5346,7 +5971,9 @@ _GUARDS_SHOWN = {
 
 
 _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
-             "pass_env": "NAME"}
+             "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
+             "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
+             "mqtt_key": "FILE"}
 
 
 def _format_duration(v):
@@ -5650,6 +6277,25 @@ def _check_worker_options(o):
         raise ConfigError("--module %s: no such Python file" % o["module"])
     if o.get("textfile") and not os.path.isdir(o["textfile"]):
         raise ConfigError("--textfile %s is not a directory" % o["textfile"])
+    _mqtt_options(o)
+
+
+def _mqtt_options(o):
+    """Worker(...) keyword arguments of the --mqtt options, checked (a bad
+    URL: UsageError, an unreadable file: ConfigError)."""
+    kw = dict((k, o.get(k)) for k in ("mqtt", "mqtt_password_file",
+                                       "mqtt_client_id", "mqtt_ca",
+                                       "mqtt_cert", "mqtt_key"))
+    if not kw["mqtt"]:
+        extra = sorted("--" + k.replace("_", "-") for k, v in kw.items() if v)
+        if extra:
+            raise UsageError("%s without --mqtt (give the broker: --mqtt "
+                             "mqtt://HOST)" % ", ".join(extra))
+        return kw
+    _mqtt_client(*(kw[k] for k in ("mqtt", "mqtt_password_file",
+                                    "mqtt_client_id", "mqtt_ca", "mqtt_cert",
+                                    "mqtt_key")))
+    return kw
 
 
 def _http_headers(o):
@@ -5676,7 +6322,8 @@ def _worker_from(spool, o):
                   jitter=o["jitter"], poll=o["poll"],
                   stats_interval=o["stats_interval"], grace=o["grace"],
                   pass_env=o["pass_env"], http_headers=headers,
-                  scan_cache=o["scan_cache"], log=_make_log(o))
+                  scan_cache=o["scan_cache"], log=_make_log(o),
+                  **_mqtt_options(o))
 
 
 _COMMANDS = ("init", "enqueue", "worker", "supervise", "stats", "list", "show",
@@ -5709,6 +6356,10 @@ def _supervise(args, spool, guards, env):
             ids = None
     spool.require()
     _check_worker_options(o)
+    if o["mqtt_client_id"] and n > 1:
+        raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
+                         "its own client id (the broker drops a connection when "
+                         "another takes its id); leave it out for unique ids" % n)
     if args.dry_run:
         return 0
     if o.get("log"):
@@ -5720,8 +6371,9 @@ def _supervise(args, spool, guards, env):
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     if not o["handlers"] and not o["module"]:
-        log("warning", problem="no --handlers and no --module: only http jobs "
-            "have a handler; give MYQ_ARGS=\"--handlers DIR\"")
+        log("warning", problem="no --handlers and no --module: only http%s jobs "
+            "have a handler; give MYQ_ARGS=\"--handlers DIR\""
+            % (" and mqtt" if o["mqtt"] else ""))
     wargv = _option_argv(o, WORKER_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile,
