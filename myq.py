@@ -1232,6 +1232,7 @@ class Spool(object):
         self._seq = 0
         self._pol, self._pol_key, self._pol_next = {}, None, 0.0
         self.policy_error = None
+        self.intake = False     # _claim moved a producer's file to its lane
 
     def d(self, *parts):
         return os.path.join(self.path, *parts)
@@ -1768,7 +1769,7 @@ class Spool(object):
                 continue
             yield row
 
-    def stats(self, now=None):
+    def stats(self, now=None, by_type=False):
         """The counters of the status line (SPEC 6), from the directories."""
         now = _now() if now is None else now
         ready = scheduled = 0
@@ -1802,9 +1803,10 @@ class Spool(object):
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
                 "retries_1m": self.retries_1m(now), "scheduled": scheduled,
                 "failed": failed, "free_kb": int(free_kb),
-                "dropped": sum(tot["dropped"].values()),
-                "expired": sum(tot["expired"].values()),
-                "rejected": sum(tot["rejected"].values()),
+                "dropped": tot["dropped"] if by_type else sum(tot["dropped"].values()),
+                "expired": tot["expired"] if by_type else sum(tot["expired"].values()),
+                "rejected": tot["rejected"] if by_type else
+                sum(tot["rejected"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.held()]}
@@ -2363,6 +2365,7 @@ class Spool(object):
                 # lane, under the type's bounds; its priority is fixed now.
                 if job.get("priority") is None:
                     job["priority"] = self.rules(job["type"]).get("priority", 0)
+                self.intake = True
                 self._make_lane(home)
                 full = self.make_room(job["type"], st.st_size, exclude=name)
                 if full:
@@ -3119,7 +3122,7 @@ def _write_textfile(w):
     name = "myq_%s.prom" % re.sub(r"[^A-Za-z0-9_.-]", "_", sp.name)
     tmp = os.path.join(d, ".%s.%d.tmp" % (name, os.getpid()))
     try:
-        data = prometheus_text(sp.stats()).encode("utf-8", "replace")
+        data = prometheus_text(sp.stats(by_type=True)).encode("utf-8", "replace")
         _quiet_unlink(tmp)
         _create(tmp, data, sync=False, mode=0o644)
         _rename(tmp, os.path.join(d, name))
@@ -3998,14 +4001,14 @@ class _Lane(object):
     or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
     __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
                  "soonest", "next_due", "blocked", "slot", "probe", "rated",
-                 "dest")
+                 "dest", "key")
 
     def __init__(self, sub, type=None, prio=0):
         self.sub, self.type, self.prio = sub, type, prio
         self.cache, self.cache_full, self.dirty = [], False, True
         self.sweep = self.soonest = self.next_due = None
         self.blocked = 0.0          # wall time before which it is not tried
-        self.slot = self.probe = self.dest = None
+        self.slot = self.probe = self.dest = self.key = None
         self.rated = False
 
     def end_sweep(self):
@@ -4086,7 +4089,7 @@ class Worker(object):
         """('exec', path) or ('py', function) or (None, why not)."""
         builtin = self.spool.rules(type).get("handler")
         if builtin == "http":
-            return "http", self._http
+            return self.resolve_http(type)
         if builtin == "mqtt":
             return self.resolve_mqtt(type)
         if self.handlers_dir:
@@ -4100,13 +4103,24 @@ class Worker(object):
         if callable(fn) and not type.startswith("_"):
             return "py", fn
         if type == "http":
-            return "http", self._http
+            return self.resolve_http(type)
         if type == "mqtt":
             return self.resolve_mqtt(type)
         return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
                       % (type, "--handlers " + self.handlers_dir
                          if self.handlers_dir else "no --handlers",
                          "--module" if self.module else "no --module"))
+
+    def resolve_http(self, type):
+        """The http handler, or why not: without Python's http.client the
+        type is held (SPEC 10), not dead: install it and the jobs run."""
+        try:
+            import http.client  # noqa: F401
+            import urllib.parse  # noqa: F401
+        except ImportError:
+            return None, ("the http handler needs Python's http.client and "
+                          "urllib (OpenWrt: opkg install python3-urllib)")
+        return "http", self._http
 
     def resolve_mqtt(self, type):
         if self._mqtt_client is not None:
@@ -4629,12 +4643,23 @@ class Worker(object):
             L.end_sweep()
 
     def _sync_lanes(self):
-        """Learn the lanes (incoming/lanes/ changed: one stat)."""
+        """Learn the lanes (incoming/lanes/ changed: one stat), and which
+        changed (a stat each: a producer's poke is read only now and then
+        while jobs run back to back)."""
         try:
             st = os.stat(self.spool.d(LANES))
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
+        for L in self._lanes:
+            if L.type is not None:
+                try:
+                    st = os.stat(self.spool.d(L.sub))
+                    k = (st.st_mtime_ns, st.st_ino)
+                except OSError:
+                    k = None
+                if k != L.key:
+                    L.key, L.dirty = k, True
         if key == self._lanes_key:
             return
         self._lanes_key = key
@@ -4690,7 +4715,15 @@ class Worker(object):
             self._sync_lanes()
             now = _now()
             best, due = None, inf
-            for L in self._lanes:               # the highest priority first
+            if self.spool.intake:
+                # Producers' files are being moved to their lanes: go on
+                # with incoming/ first, so that their bounds see them all
+                # before any of them starts (SPEC 9: "at the next scan").
+                head = self._head(self._top, force)
+                if head is not None:
+                    best = (self._top, head)
+                self.spool.intake = False
+            for L in self._lanes if best is None else ():
                 if best is not None and L.prio < best[0].prio:
                     break
                 if L.type is not None:
@@ -6030,6 +6063,12 @@ def _parser(only=None):
         except ValueError as e:
             raise argparse.ArgumentTypeError("%r is %s" % (text, e))
 
+    def positive_duration(text):
+        v = duration(text)
+        if v <= 0:
+            raise argparse.ArgumentTypeError("%r: must be more than 0" % text)
+        return v
+
     def priority(text):
         try:
             p = int(text)
@@ -6106,7 +6145,7 @@ def _parser(only=None):
     p.add_argument("--priority", type=priority, metavar="P",
                    help="-9 to 9, higher first (default: the type's policy, "
                    "else 0)")
-    p.add_argument("--ttl", type=duration, metavar="S",
+    p.add_argument("--ttl", type=positive_duration, metavar="S",
                    help="never start it later than this from now: it goes to "
                    "dlq/ as expired (default: the type's policy ttl)")
     p = cmd("worker", "run jobs", guards=True, worker=True)
@@ -6613,7 +6652,7 @@ def _cmd_stats(a):
     if a.args.json:
         _print(json.dumps(a.spool.stats(), sort_keys=False))
     elif a.args.prometheus:
-        _print(prometheus_text(a.spool.stats()).rstrip("\n"))
+        _print(prometheus_text(a.spool.stats(by_type=True)).rstrip("\n"))
     else:
         _print(a.spool.status_line())
 
