@@ -2156,6 +2156,18 @@ class Spool(object):
         except OSError:
             pass
 
+    def held_jobs(self, dest):
+        """The jobs a hold put back (their paths in the spool), each once,
+        in the order they were put back."""
+        data = _read_small(self._held_path(dest, ".jobs"), 1 << 22, tail=True)
+        seen, out = set(), []
+        for name in (data or b"").decode("utf-8", "replace").split():
+            if name not in seen and name.startswith("incoming/") \
+                    and name.endswith(".json") and ".." not in name.split("/"):
+                seen.add(name)
+                out.append(name)
+        return out
+
     def take_probe(self, dest, delay):
         """A hold's backoff is over: take the probe (one job of `dest` may
         start; the next probe is `delay(probes)` seconds later), unless
@@ -4738,6 +4750,11 @@ class Worker(object):
             self._sync_lanes()
             now = _now()
             best, due = None, inf
+            for dest, until in list(self._holds.items()):
+                if until <= now and dest not in self._held:
+                    c = self._probe_claim(dest)
+                    if c is not None:
+                        return c
             if self.spool.intake:
                 # Producers' files are being moved to their lanes: go on
                 # with incoming/ first, so that their bounds see them all
@@ -4796,10 +4813,9 @@ class Worker(object):
         self._sync_lanes()
         now = _now()
         for L in self._lanes:
-            if L.type is not None:
-                wait = self._gate(L, now)
-                if wait is not None and wait > now + 0.001:
-                    continue
+            if L.type is not None and (self.spool.rules(L.type).get("paused") or
+                                       self._holds.get(L.dest or L.type, 0) > now):
+                continue        # (a rate or a slot only makes ready jobs wait)
             if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
                 return True
             self._rescan(L)
@@ -4975,6 +4991,11 @@ class Worker(object):
         if lane is not None and lane.type is not None and run.dest != lane.type:
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
+        if until is not None and run.probe != run.dest \
+                and self.spool.hold_of(run.dest) is None:
+            self._holds.pop(run.dest, None)     # released by another worker
+            self.dirty = True
+            until = None
         if until is not None and run.probe != run.dest:
             new = None if until > _now() else \
                 self.spool.take_probe(run.dest, self.backoff)
@@ -5382,10 +5403,15 @@ class Worker(object):
             delay = max(delay or 0.0, self.backoff(total))
         until = self._holds.get(run.dest)
         if until is not None:
-            # held: a failed probe waits a round longer than the others, so
-            # that the next probe is another job
-            return False, max(0.0, until - _now()) + (
-                self.backoff_max if run.probe else 0.0)
+            rec = sp.hold_of(run.dest)      # (released by another worker?)
+            if rec is None:
+                self._holds.pop(run.dest, None)
+                until = None
+            else:
+                until = rec["until"]
+        if until is not None:
+            # held: it waits with the others; the probes take them in turn
+            return False, max(0.0, until - _now()) + self._parked_for()
         n = sp.rules(c.job["type"]).get("breaker", 3)
         if n and distinct >= n:
             d = min(delay, self.backoff_max) if delay is not None \
@@ -5490,12 +5516,47 @@ class Worker(object):
         the hold's next probe; the release makes it ready at once."""
         c = run.claim
         job = dict(c.job)
-        job["available_at"] = until
+        job["available_at"] = until + self._parked_for()
         job["last_error"] = "held: " + why
         self.spool.note_held(run.dest or job["type"], "%s/%s.json" % (
             self.spool.home(job), c.jid))
         self._free(run)
         self._move(c, job, "incoming", None, {})
+
+    def _parked_for(self):
+        """How long a held destination's jobs wait past the hold's next
+        probe: the probes take them in turn (_probe_claim) and the release
+        makes them ready; this is only for a release that never comes."""
+        return min(max(10 * self.backoff_max, 60.0), 3600.0)
+
+    def _probe_claim(self, dest):
+        """A held destination's probe is due: claim the next of the jobs it
+        put back (locks/held/DEST.jobs), in turn, so that each probe is
+        another job.  None when none is there (a lane's head is then the
+        probe, see _reserve)."""
+        sp = self.spool
+        names = sp.held_jobs(dest)
+        if not names:
+            return None
+        until = sp.take_probe(dest, self.backoff)
+        if not until:
+            if until == 0.0:
+                self._holds.pop(dest, None)     # released meanwhile
+                self.dirty = True
+            return None
+        self._holds[dest] = until
+        rec = sp.hold_of(dest) or {}
+        k = rec.get("probes") if rec.get("probes").__class__ is int else 1
+        for i in range(len(names)):
+            rel = names[(k - 1 + i) % len(names)]
+            sub, _, name = rel.rpartition("/")
+            if not os.path.lexists(sp.d(rel)):
+                continue
+            c = sp._claim(name, self.me, self.max_attempts, True, sub)
+            if c is not None:
+                self._taken = (None, dest, None)
+                return c
+        return None
 
     def _free(self, run):
         if run.slot is not None:
