@@ -122,7 +122,7 @@ def verify():
 def run(a, out, vm, replay):
     import shutil
     import tempfile
-    share = tempfile.mkdtemp(prefix="pc-boot-", dir="/var/tmp")
+    share = tempfile.mkdtemp(prefix="pc-boot-", dir=getattr(a, "tmp", "/var/tmp"))
     disk = os.path.join(share, "spool.img")
     with open(disk, "wb") as f:
         f.truncate(64 << 20)

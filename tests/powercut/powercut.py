@@ -61,6 +61,11 @@ def sh(cmd, **kw):
 
 EXT4_GUEST = r"""set -e
 exec > /run/pc/guest.log 2>&1
+# The replay recovers each image on this host, as the same machine after
+# the power came back: the workers' records must name this host (a new
+# boot id then says they died).  Under another name only their leases
+# (60 s, wall clock) could free their claims.
+hostname {hostname}
 modprobe virtio_blk
 modprobe ext4
 modprobe dm-log-writes
@@ -84,7 +89,7 @@ sync
 
 
 def part_ext4(a, out, k=0):
-    work = tempfile.mkdtemp(prefix="pc-ext4-", dir="/var/tmp")
+    work = tempfile.mkdtemp(prefix="pc-ext4-", dir=a.tmp)
     base = os.path.join(work, "base.img")
     data = os.path.join(work, "data.img")
     logd = os.path.join(work, "log.img")
@@ -98,7 +103,8 @@ def part_ext4(a, out, k=0):
     share = os.path.join(work, "share")
     os.makedirs(share)
     script = EXT4_GUEST.format(here=HERE, myq=MYQ, jobs=a.jobs, cli=a.cli,
-                               shell=a.shell, seed=a.seed)
+                               shell=a.shell, seed=a.seed,
+                               hostname=os.uname()[1])
     t0 = time.monotonic()
     r = vm.boot(script, work=share, disks=[data, logd], timeout=a.vm_timeout)
     t_vm = time.monotonic() - t0
@@ -170,7 +176,7 @@ def part_ubifs(a, out, k=0):
     n = max(1, a.ubifs_vms)
     cuts = _share(n, k, a.cuts)
     faults = _share(n, k, a.faults)
-    share = tempfile.mkdtemp(prefix="pc-ubifs-", dir="/var/tmp")
+    share = tempfile.mkdtemp(prefix="pc-ubifs-", dir=a.tmp)
     script = UBIFS_GUEST.format(
         here=HERE, myq=MYQ, cuts=cuts, faults=faults,
         fault_first=sum(_share(n, j, a.faults) for j in range(k)),
@@ -322,12 +328,20 @@ def run_task(a, spec, result_path):
     name, k = spec.split(":")
     PREFIX = "[%s] " % (name if name != "ubifs" else "ubifs-%s" % k)
     t0 = time.monotonic()
+    # the task's disks and shared directories (the guest sees /var/tmp);
+    # gone at the end, also when the task is stopped, unless --keep
+    a.tmp = tempfile.mkdtemp(prefix="pc-task-%s-%s-" % (name, k), dir="/var/tmp")
     try:
         res = PARTS[name][0](a, RESULTS, int(k))
     except Exception:
         import traceback
         say(traceback.format_exc())
         res = None
+    finally:
+        if a.keep:
+            say("powercut: kept %s" % a.tmp)
+        else:
+            shutil.rmtree(a.tmp, ignore_errors=True)
     say("powercut: %s %s done in %.0fs" % (name, k, time.monotonic() - t0))
     with open(result_path + ".tmp", "w") as f:
         json.dump(res, f)
