@@ -1550,8 +1550,10 @@ class Spool(object):
         name = jid + ".json"
         try:
             ok = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino
-        except OSError:
-            ok = False
+        except OSError as e:
+            # Gone already: a worker claimed it (or the owner removed it,
+            # which the owner may do to any job): what we wrote was placed.
+            ok = e.errno == errno.ENOENT
         if not ok:
             _quiet_unlink(name, dfd)
             raise SpoolBusy("job %s was replaced in %s/tmp while it was written "
