@@ -2916,6 +2916,7 @@ class HttpPool(object):
                     head = head or chunk
                 if resp.length:     # the server closed before the announced end
                     raise http.client.IncompleteRead(head, resp.length)
+                resp.read()         # (read1 leaves a complete answer open)
                 keep = not resp.will_close
                 return resp.status, resp.getheader, head
             except (http.client.HTTPException, OSError, ValueError) as e:
