@@ -2943,6 +2943,10 @@ def _still_open(sock):
         return False
     import select
     try:
+        if hasattr(select, "poll"):     # no FD_SETSIZE limit
+            p = select.poll()
+            p.register(sock, select.POLLIN)
+            return not p.poll(0)
         return not select.select([sock], [], [], 0)[0]
     except (OSError, ValueError):
         return False
