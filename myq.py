@@ -768,6 +768,11 @@ def _check_timeout(t):
         raise InvalidJob("timeout must be a number of seconds > 0 (below 1e9)")
 
 
+def _check_priority(p):
+    if p is not None and (p.__class__ is not int or not -9 <= p <= 9):
+        raise InvalidJob("priority must be an integer from -9 to 9")
+
+
 def normalize(obj, stem=None, mtime=None):
     """Validate a job object and fill in the defaults of SPEC 3.
 
@@ -795,7 +800,7 @@ def normalize(obj, stem=None, mtime=None):
         raise InvalidJob("attempts must be an integer >= 0")
     _check_max_attempts(job.get("max_attempts"))
     created = job.get("created_at")
-    for key in ("created_at", "available_at", "updated_at"):
+    for key in ("created_at", "available_at", "updated_at", "expires_at"):
         v = job.get(key)
         if v is not None and (v.__class__ not in _NUM
                               or not -MAX_TIME < v < MAX_TIME):
@@ -808,6 +813,7 @@ def normalize(obj, stem=None, mtime=None):
     if job.get("updated_at") is None:
         job["updated_at"] = created
     _check_timeout(job.get("timeout"))
+    _check_priority(job.get("priority"))
     e = job.setdefault("last_error", None)
     if e is not None and not isinstance(e, str):
         job["last_error"] = str(e)
@@ -830,7 +836,7 @@ def _new_id(now):
 
 
 def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
-            timeout=None, now=None):
+            timeout=None, now=None, priority=None, ttl=None):
     """A fresh job object with the defaults of SPEC 3, validated as
     normalize() would (raises InvalidJob).  What JSON cannot hold (NaN, a
     lone surrogate, a set) is refused by dumps(), which every caller runs."""
@@ -855,6 +861,13 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
     if timeout is not None:
         _check_timeout(timeout)
         job["timeout"] = timeout
+    if priority is not None:
+        _check_priority(priority)
+        job["priority"] = priority
+    if ttl is not None:
+        if not (_is_num(ttl) and 0 < ttl < 1e10):
+            raise InvalidJob("ttl must be a number of seconds > 0 (below 1e10)")
+        job["expires_at"] = now + ttl
     job["last_error"] = None
     return job
 
@@ -931,6 +944,160 @@ def _split_claim(name):
     if not jid or not wid:
         return None
     return jid, wid, ext
+
+
+# Per-type policy (SPEC 9) ####################################################
+#
+# The rules live in SPOOL/policy.json, {"*": {KEY: VALUE}, "TYPE": {...}},
+# the values in canonical form (seconds, bytes, "N/PERIOD", true/false).
+# Waiting jobs of a type whose rules need them apart (bounds, pause, limits,
+# batches), or with a priority other than 0, live in a lane of their own,
+# incoming/lanes/TYPE@PRIORITY/: a worker skips a paused or held type without
+# reading its files, counts a type's backlog with one listing, and finds a
+# priority-9 job among 100,000 others by looking in one small directory.
+
+POLICY_FILE = "policy.json"
+LANES = "incoming/lanes"
+LANE_RE = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
+_LANE_KEYS = ("max_queued", "max_bytes", "paused", "concurrency", "rate",
+              "batch")
+_RATE_RE = re.compile(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
+SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
+
+
+def _pv_int(lo, hi):
+    def value(v):
+        if isinstance(v, str) and re.match(r"\s*[-+]?\d+\s*\Z", v):
+            v = int(v)
+        if v.__class__ is not int or not lo <= v <= hi:
+            raise ValueError(v)
+        return v
+    return value
+
+
+def _pv_size(v):
+    if v.__class__ is int and v >= 0:
+        return v
+    if isinstance(v, str):
+        return parse_size(v)
+    raise ValueError(v)
+
+
+def _pv_duration(v, zero=False):
+    if _is_num(v):
+        v = float(v)
+    elif isinstance(v, str):
+        v = parse_duration(v)
+    else:
+        raise ValueError(v)
+    if not (0 <= v if zero else 0 < v) or v >= 1e10:
+        raise ValueError(v)
+    return int(v) if v == int(v) else v
+
+
+def _pv_bool(v):
+    if isinstance(v, bool):
+        return v
+    t = str(v).strip().lower()
+    if t in ("true", "yes", "on", "1"):
+        return True
+    if t in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(v)
+
+
+def _pv_choice(*allowed):
+    def value(v):
+        if v not in allowed:
+            raise ValueError(v)
+        return v
+    return value
+
+
+def rate_of(text):
+    """'30/m' -> (30, 60.0): N starts per PERIOD seconds."""
+    m = _RATE_RE.match(str(text))
+    if not m or m.group(2) in (".",):
+        raise ValueError(text)
+    n, per = int(m.group(1)), float(m.group(2) or 1) * _UNITS[m.group(3)]
+    if n < 1 or not 0 < per < 1e9:
+        raise ValueError(text)
+    return n, per
+
+
+def _pv_rate(v):
+    rate_of(v)
+    m = _RATE_RE.match(str(v))
+    return "%s/%s%s" % (m.group(1), "" if m.group(2) in ("", "1") else
+                        m.group(2), m.group(3))
+
+
+# key: (check and canonical form, what it takes)
+POLICY_KEYS = {
+    "handler": (_pv_choice("http", "mqtt"), "http or mqtt"),
+    "max_queued": (_pv_int(0, 10 ** 9), "a number of jobs"),
+    "max_bytes": (_pv_size, "a size such as 512K or 10M"),
+    "overflow": (_pv_choice("reject", "drop-oldest"), "reject or drop-oldest"),
+    "ttl": (_pv_duration, "a duration such as 90s, 15m, 1h, 7d"),
+    "priority": (_pv_int(-9, 9), "an integer from -9 to 9"),
+    "concurrency": (_pv_int(1, 10000), "a number of runs >= 1"),
+    "rate": (_pv_rate, "N/PERIOD such as 1/s, 30/m, 500/h"),
+    "breaker": (_pv_int(0, 10 ** 6), "a number of failures (0: off)"),
+    "paused": (_pv_bool, "true or false"),
+    "batch": (_pv_int(1, 10000), "a number of jobs >= 1"),
+    "batch_bytes": (_pv_size, "a size such as 64K"),
+    "batch_wait": (lambda v: _pv_duration(v, zero=True),
+                   "a duration such as 0, 500ms, 5s"),
+    "gzip": (_pv_bool, "true or false"),
+}
+
+
+def policy_value(key, value):
+    """The canonical form of one policy value; UsageError (64) when the key
+    or the value is bad."""
+    spec = POLICY_KEYS.get(key)
+    if spec is None:
+        raise UsageError("unknown policy key %r; the keys are: %s"
+                         % (key, " ".join(sorted(POLICY_KEYS))))
+    try:
+        return spec[0](value)
+    except (ValueError, TypeError, AttributeError):
+        raise UsageError("bad value %s for policy key %s: it takes %s"
+                         % (json.dumps(value), key, spec[1]))
+
+
+def check_policy(obj):
+    """A policy file's object, validated and in canonical form."""
+    if not isinstance(obj, dict):
+        raise ValueError("the policy is a JSON object {TYPE: {KEY: VALUE}}")
+    out = {}
+    for name, keys in obj.items():
+        if name != "*":
+            _check_name(name, "type")
+        if not isinstance(keys, dict):
+            raise ValueError("the policy of %s is not an object" % name)
+        out[name] = dict((k, policy_value(k, v)) for k, v in keys.items())
+    return out
+
+
+def format_policy(key, v):
+    if key in ("ttl", "batch_wait"):
+        return _format_duration(v)
+    if key in ("max_bytes", "batch_bytes"):
+        return _format_size(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def _safe_dest(dest):
+    """A destination as a file name: itself when it is a valid name, else
+    its safe characters and a checksum (the file holds the real name)."""
+    if NAME_RE.match(dest):
+        return dest
+    import binascii
+    return "%s.%08x" % (re.sub(r"[^A-Za-z0-9._-]+", "_", dest)[:100].lstrip("."),
+                        binascii.crc32(dest.encode("utf-8")) & 0xffffffff)
 
 
 # The spool ###################################################################
@@ -1063,6 +1230,8 @@ class Spool(object):
         self._ready = False
         self._free_checked = (-1e9, True)
         self._seq = 0
+        self._pol, self._pol_key, self._pol_next = {}, None, 0.0
+        self.policy_error = None
 
     def d(self, *parts):
         return os.path.join(self.path, *parts)
@@ -1234,11 +1403,12 @@ class Spool(object):
         return problem
 
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
-                timeout=None, sync=True):
+                timeout=None, sync=True, priority=None, ttl=None):
         """Add one job; returns its id.  Durable when it returns (sync)."""
         return self.enqueue_many([{
             "type": type, "payload": payload, "id": id, "delay": delay,
-            "max_attempts": max_attempts, "timeout": timeout}], sync=sync)[0]
+            "max_attempts": max_attempts, "timeout": timeout,
+            "priority": priority, "ttl": ttl}], sync=sync)[0]
 
     def enqueue_many(self, specs, sync=True):
         """Add many jobs with one directory fsync.  All are validated before
@@ -1250,12 +1420,17 @@ class Spool(object):
             spec = dict(spec)
             explicit = spec.get("id") is not None
             job = new_job(spec.pop("type", None), now=now, **spec)
+            if job.get("priority") is None:
+                p = self.rules(job["type"]).get("priority")
+                if p:
+                    job["priority"] = p     # fixed now (SPEC 9)
             data = dumps(job)
             if len(data) > self.opt["max_job_bytes"]:
                 raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
                                  "(%d); send a reference to the data instead"
                                  % (job["id"], len(data), self.opt["max_job_bytes"]))
-            todo.append((job, data, explicit, spec.get("delay") or 0))
+            todo.append((job, data, explicit, spec.get("delay") or 0,
+                         self.home(job)))
         problem = self.free_problem()
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
@@ -1266,9 +1441,14 @@ class Spool(object):
         done = []
         try:
             try:
-                for job, data, explicit, delay in todo:
-                    self._place_new(job, data, explicit, delay, sync, dirs)
-                    done.append(job["id"])
+                for job, data, explicit, delay, sub in todo:
+                    if sub != "incoming":
+                        self._make_lane(sub, dirs)
+                        full = self.make_room(job["type"], len(data), dirs)
+                        if full:
+                            raise SpoolFull(full)
+                    self._place_new(job, data, explicit, delay, sync, dirs, sub)
+                    done.append((job["id"], sub))
             except BaseException:
                 if done and sync:
                     self._fsync_or_withdraw(done, dirs)
@@ -1282,16 +1462,18 @@ class Spool(object):
                             % (self.path, e.strerror))
         finally:
             dirs.close()
-        return done
+        return [jid for jid, sub in done]
 
-    def _fsync_or_withdraw(self, ids, dirs):
-        """Commit incoming/; when that fails the jobs are not durable, so
-        take them back (an error must mean: nothing enqueued)."""
+    def _fsync_or_withdraw(self, placed, dirs):
+        """Commit incoming/ (and the lanes used); when that fails the jobs
+        are not durable, so take them back (an error must mean: nothing
+        enqueued)."""
         try:
-            _fsync_dir(self._incoming[:-1], dirs("incoming"))
+            for sub in sorted(set(sub for jid, sub in placed)):
+                _fsync_dir(self.d(sub), dirs(sub))
         except OSError as e:
-            for jid in ids:
-                _quiet_unlink(jid + ".json", dirs("incoming"))
+            for jid, sub in placed:
+                _quiet_unlink(jid + ".json", dirs(sub))
             cls = SpoolFull if _space_error(e) else SpoolBusy
             raise cls("cannot commit to %s: %s; nothing was enqueued"
                       % (self.path, e.strerror))
@@ -1300,7 +1482,7 @@ class Spool(object):
         self._seq += 1
         return "%s%s.%d.%d.new" % (self._tmp, jid, os.getpid(), self._seq)
 
-    def _place_new(self, job, data, explicit, delay, sync, dirs):
+    def _place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming"):
         jid = job["id"]
         if explicit:
             where = self.find_id(jid, dirs=dirs)
@@ -1308,10 +1490,10 @@ class Spool(object):
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
         tmp = self._tmpname(jid)
-        dst = self._incoming + jid + ".json"
+        dst = self.d(sub, jid + ".json")
         tfd = dfd = None
         try:
-            tfd, dfd = dirs("tmp"), dirs("incoming")
+            tfd, dfd = dirs("tmp"), dirs(sub)
             # Root enqueues into a spool that belongs to the worker's user:
             # the file is handed over through its own descriptor, before it
             # has a name anyone else could swap.
@@ -1397,8 +1579,9 @@ class Spool(object):
     def find_id(self, jid, now=None, dirs=None):
         """Where an id lives for de-duplication: a state name or None."""
         dirs = dirs or self._paths
-        if _exists(jid + ".json", dirs("incoming")):
-            return "queued"
+        for sub in self.waiting_dirs():
+            if _exists(jid + ".json", dirs(sub)):
+                return "queued"
         if _exists(jid + ".json", dirs("dlq")):
             return "dead"
         prefix = jid + "+"
@@ -1476,12 +1659,13 @@ class Spool(object):
                 if not name.endswith(".reason") and os.path.lexists(p):
                     return "failed", p
         else:
-            p = self.d("incoming", jid + ".json")
-            try:
-                st = os.lstat(p)
-                return ("scheduled" if st.st_mtime > _now() else "ready"), p
-            except OSError:
-                pass
+            for sub in self.waiting_dirs():
+                p = self.d(sub, jid + ".json")
+                try:
+                    st = os.lstat(p)
+                    return ("scheduled" if st.st_mtime > _now() else "ready"), p
+                except OSError:
+                    pass
             prefix = jid + "+"
             for name in _listdir(self.d("processing")):
                 if name.startswith(prefix) and _split_claim(name):
@@ -1543,8 +1727,11 @@ class Spool(object):
     def _rows(self, state):
         now = _now()
         keys = []
-        for sub in ("incoming", "processing", "done", "dlq", "failed"):
-            if state is not None and STATE_DIRS[state] != sub:
+        subs = ["processing", "done", "dlq", "failed"]
+        if state in (None, "ready", "scheduled"):
+            subs = self.waiting_dirs() + subs
+        for sub in subs:
+            if state is not None and STATE_DIRS[state] != sub.partition("/")[0]:
                 continue
             for e in _scandir(self.d(sub)):
                 name = e.name
@@ -1561,14 +1748,14 @@ class Spool(object):
                 except OSError:
                     continue
                 guess = STATES.index("failed" if sub == "failed" else
-                                     "dead" if sub == "dlq" else sub
-                                     if sub != "incoming" else
-                                     "scheduled" if t > now else "ready")
-                keys.append((guess, t, name))
+                                     "dead" if sub == "dlq" else
+                                     ("scheduled" if t > now else "ready")
+                                     if sub.startswith("incoming") else sub)
+                keys.append((guess, t, name, sub))
         keys.sort()
-        for guess, _, name in keys:
+        for guess, _, name, sub in keys:
             guess = STATES[guess]
-            path = self.d(STATE_DIRS[guess], name)
+            path = self.d(sub, name)
             try:
                 row = self._describe(guess, path)
             except (OSError, InvalidJob) as e:
@@ -1586,7 +1773,7 @@ class Spool(object):
         now = _now() if now is None else now
         ready = scheduled = 0
         oldest = None
-        for e in _scandir(self.d("incoming")):
+        for e in (e for sub in self.waiting_dirs() for e in _scandir(self.d(sub))):
             if not e.name.endswith(".json"):
                 continue
             try:
@@ -1600,6 +1787,7 @@ class Spool(object):
                 scheduled += 1
         processing = sum(1 for n in _listdir(self.d("processing"))
                          if _split_claim(n))
+        tot = self.totals()
         done = _count(self.d("done"), ".json")
         dead = _count(self.d("dlq"), ".json")
         failed = sum(1 for n in _listdir(self.d("failed"))
@@ -1614,17 +1802,297 @@ class Spool(object):
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
                 "retries_1m": self.retries_1m(now), "scheduled": scheduled,
                 "failed": failed, "free_kb": int(free_kb),
+                "dropped": sum(tot["dropped"].values()),
+                "expired": sum(tot["expired"].values()),
+                "rejected": sum(tot["rejected"].values()),
+                "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.held()]}
 
+    # Policy and lanes (SPEC 9) -----------------------------------------------
+
+    def policy(self):
+        """{TYPE or "*": {KEY: VALUE}}: the last good policy, re-read when
+        its file changed (looked at once a second at most).  A file that
+        does not parse is ignored: policy_error says why."""
+        now = _mono()
+        if now < self._pol_next:
+            return self._pol
+        self._pol_next = now + 1.0
+        path = self.d(POLICY_FILE)
+        try:
+            st = os.lstat(path)
+            key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        except OSError:
+            key = None
+        if key != self._pol_key:
+            self._pol_key = key
+            if key is None:
+                self._pol, self.policy_error = {}, None
+            else:
+                try:
+                    data = self.read_file(path, 1 << 20)[0]
+                    self._pol = check_policy(json.loads(data.decode("utf-8")))
+                    self.policy_error = None
+                except (OSError, ValueError, MyqError) as e:
+                    self.policy_error = (
+                        "%s does not parse (%s); workers keep the last good "
+                        "policy: fix the file, or remove it and set the policy "
+                        "again with myq policy" % (path, e))
+        return self._pol
+
+    def rules(self, type):
+        """The policy of one type: its own keys over the default's."""
+        pol = self.policy()
+        own, default = pol.get(type), pol.get("*")
+        if not default:
+            return own or {}
+        if not own:
+            return default
+        r = dict(default)
+        r.update(own)
+        return r
+
+    def set_policy(self, name, changes):
+        """Apply {KEY: VALUE, or None to remove it} to the policy of `name`
+        (a type, or "*"): under locks/policy.lock, written to tmp/ and
+        renamed over policy.json, so concurrent calls lose nothing.
+        Returns the whole new policy."""
+        import fcntl
+        self.require()
+        if name != "*":
+            _check_name(name, "type")
+        changes = dict((k, policy_value(k, v) if v is not None or
+                        k not in POLICY_KEYS else None)
+                       for k, v in changes.items())
+        fd = os.open(self.d("locks", "policy.lock"), os.O_RDWR | os.O_CREAT
+                     | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError("%s is not a regular file; remove it"
+                                  % self.d("locks", "policy.lock"))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            path = self.d(POLICY_FILE)
+            try:
+                data = self.read_file(path, 1 << 20)[0]
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+                data = None
+            pol = {}
+            if data is not None:
+                try:
+                    pol = check_policy(json.loads(data.decode("utf-8")))
+                except (ValueError, MyqError) as e:
+                    raise ConfigError(
+                        "%s does not parse (%s); nothing was changed: fix it "
+                        "by hand, or remove it and set the policy again"
+                        % (path, e))
+            own = dict(pol.get(name, {}))
+            for k, v in changes.items():
+                if v is None:
+                    own.pop(k, None)
+                else:
+                    own[k] = v
+            if own:
+                pol[name] = own
+            else:
+                pol.pop(name, None)
+            tmp = self._tmpname("policy")
+            _create(tmp, (json.dumps(pol, indent=1, sort_keys=True) + "\n")
+                    .encode("utf-8"), sync=True)
+            _rename(tmp, path)
+            _fsync_dir(self.path)
+        finally:
+            os.close(fd)
+        self._pol_next = 0.0
+        self.poke()
+        return pol
+
+    def paused(self):
+        """Type names paused now ("*": the default, so every new type)."""
+        return sorted(t for t, keys in self.policy().items()
+                      if keys.get("paused"))
+
+    def is_paused(self, type):
+        return bool(self.rules(type).get("paused"))
+
+    def lanes(self):
+        """[(priority, type, sub)] of the lanes, highest priority first."""
+        out = []
+        for name in _listdir(self.d(LANES)):
+            m = LANE_RE.match(name)
+            if m:
+                out.append((int(m.group(2)), m.group(1), LANES + "/" + name))
+        out.sort(key=lambda l: (-l[0], l[1]))
+        return out
+
+    def waiting_dirs(self):
+        """incoming/ and its lanes: every directory of waiting jobs."""
+        return ["incoming"] + [l[2] for l in self.lanes()]
+
+    def home(self, job):
+        """Where a waiting job lives: "incoming", or its lane (a priority
+        other than 0, or rules of its type that need its jobs apart)."""
+        t = job["type"]
+        rules = self.rules(t)
+        p = job.get("priority")
+        if p is None:
+            p = rules.get("priority", 0)
+        if p == 0 and not any(k in rules for k in _LANE_KEYS):
+            return "incoming"
+        return "%s/%s@%d" % (LANES, t, p)
+
+    def _make_lane(self, sub, dirs=None):
+        """Create the lane `sub` (and incoming/lanes/) as incoming/ is: its
+        mode and owner; through descriptors, never a link."""
+        own = dirs is None
+        if own:
+            dirs = _Dirs(self.path)
+        try:
+            st = os.fstat(dirs("incoming"))
+            for parent, name in (("incoming", "lanes"),
+                                 (LANES, sub.rpartition("/")[2])):
+                pfd = dirs(parent)
+                try:
+                    os.mkdir(name, 0o700, dir_fd=pfd)
+                except OSError as e:
+                    if e.errno != errno.EEXIST:
+                        raise
+                    continue
+                fd = _open_dir(name, pfd)
+                try:
+                    if os.geteuid() == 0 and st.st_uid != 0:
+                        os.fchown(fd, st.st_uid, st.st_gid)
+                    os.chmod(fd, stat.S_IMODE(st.st_mode))
+                finally:
+                    os.close(fd)
+        finally:
+            if own:
+                dirs.close()
+
+    def expiry(self, job):
+        """When a job expires (SPEC 9), or None: its own expires_at, else
+        (its retry, or its creation) + its type's ttl.  Times from a clock
+        that was never set (before 2020) expire nothing: a device without
+        a real-time clock boots in 1970 and jumps at its first NTP sync."""
+        since = job.get("retried_at") or job.get("created_at") or 0
+        if since < SANE_TIME:
+            return None
+        e = job.get("expires_at")
+        if e is None:
+            ttl = self.rules(job["type"]).get("ttl")
+            if ttl is None:
+                return None
+            e = since + ttl
+        return e
+
+    def _waiting_of(self, type):
+        """[(priority, mtime, name, size, sub)] of the jobs of `type`
+        waiting in its lanes."""
+        out = []
+        for p, t, sub in self.lanes():
+            if t != type:
+                continue
+            for e in _scandir(self.d(sub)):
+                if e.name.endswith(".json"):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((p, st.st_mtime, e.name, st.st_size, sub))
+        return out
+
+    def make_room(self, type, size, dirs=None, exclude=None):
+        """The type's bounds (SPEC 9) for one new arrival of `size` bytes:
+        None when it fits (drop-oldest: after the oldest waiting jobs were
+        removed), else why it does not."""
+        rules = self.rules(type)
+        mq, mb = rules.get("max_queued"), rules.get("max_bytes")
+        if mq is None and mb is None:
+            return None
+        waiting = [w for w in self._waiting_of(type) if w[2] != exclude]
+        n, b = len(waiting), sum(w[3] for w in waiting)
+
+        def over(n, b):
+            if mq is not None and n + 1 > mq:
+                return "max_queued=%d" % mq
+            if mb is not None and b + size > mb:
+                return "max_bytes=%s" % _format_size(mb)
+            return None
+        bound = over(n, b)
+        if bound is None:
+            return None
+        if rules.get("overflow") != "drop-oldest" or over(0, 0):
+            return ("type %s is at its bound %s (overflow=reject): %d jobs, "
+                    "%s waiting; the job was refused; try again later, or "
+                    "raise the bound with myq policy" % (
+                        type, bound, n, _format_size(b)))
+        waiting.sort()      # lowest priority, then the earliest, then id
+        for p, m, name, sz, sub in waiting:
+            if not over(n, b):
+                break
+            try:
+                if dirs is not None:
+                    os.unlink(name, dir_fd=dirs(sub))
+                else:
+                    os.unlink(self.d(sub, name))
+            except OSError:
+                continue        # claimed meanwhile: it is not waiting
+            n, b = n - 1, b - sz
+            self.log("dropped", id=name[:-5], type=type, why=bound)
+            self.count("dropped", type)
+        return None
+
+    def count(self, what, type, n=1):
+        """Add to a total since init (dropped, expired, rejected; SPEC 6):
+        locks/totals.json, replaced under locks/totals.lock."""
+        import fcntl
+        try:
+            fd = os.open(self.d("locks", "totals.lock"), os.O_RDWR | os.O_CREAT
+                         | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        except OSError:
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            tot = self.totals()
+            d = tot.setdefault(what, {})
+            d[type] = d.get(type, 0) + n
+            tmp = self._tmpname("totals")
+            _create(tmp, json.dumps(tot, sort_keys=True).encode("utf-8"),
+                    sync=False)
+            _rename(tmp, self.d("locks", "totals.json"))
+        except (OSError, MyqError):
+            pass            # a statistic, never worth a job
+        finally:
+            os.close(fd)
+
+    def totals(self):
+        """{"dropped"|"expired"|"rejected": {TYPE: N}}."""
+        out = {"dropped": {}, "expired": {}, "rejected": {}}
+        data = _read_small(self.d("locks", "totals.json"), 1 << 20)
+        try:
+            tot = json.loads(data.decode("utf-8")) if data else {}
+        except ValueError:
+            tot = {}
+        if isinstance(tot, dict):
+            for k in out:
+                v = tot.get(k)
+                if isinstance(v, dict):
+                    out[k] = dict((t, n) for t, n in v.items()
+                                  if n.__class__ is int and n >= 0)
+        return out
+
     # Held types (SPEC 5): a handler that is missing or cannot start ------
 
-    def _held_path(self, dest):
-        return self.d("locks", "held", dest + ".json")
+    def _held_path(self, dest, ext=".json"):
+        return self.d("locks", "held", _safe_dest(dest) + ext)
 
     def held(self):
-        """[{"dest", "why", "since", "until"}] of the held destinations,
-        from locks/held/ (written by workers; cat-able)."""
+        """[{"dest", "why", "since", "until", "probes"}] of the held
+        destinations, from locks/held/ (written by workers; cat-able)."""
         out = []
         for name in sorted(_listdir(self.d("locks", "held"))):
             if not name.endswith(".json"):
@@ -1633,38 +2101,123 @@ class Spool(object):
                 rec = json.loads(self.read_file(self.d("locks", "held", name), 4096)[0])
             except (OSError, ValueError, InvalidJob):
                 continue
-            if isinstance(rec, dict) and isinstance(rec.get("dest"), str):
+            if isinstance(rec, dict) and isinstance(rec.get("dest"), str) \
+                    and _is_num(rec.get("until")):
                 out.append(rec)
         return out
 
-    def _hold(self, dest, why, until, name):
-        """Record the hold (locks/held/DEST.json) and the job put back
-        (appended to DEST.jobs, so that the release finds it)."""
+    def hold_of(self, dest):
+        try:
+            rec = json.loads(self.read_file(self._held_path(dest), 4096)[0])
+        except (OSError, ValueError, InvalidJob):
+            return None
+        return rec if isinstance(rec, dict) and _is_num(rec.get("until")) else None
+
+    def _holds_lock(self):
+        import fcntl
+        os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+        fd = os.open(self.d("locks", "held", ".lock"), os.O_RDWR | os.O_CREAT
+                     | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def _hold(self, dest, why, until, name=None, probes=0, since=None):
+        """Record the hold (locks/held/DEST.json: cat-able) and, with
+        `name`, a job put back (DEST.jobs, so that the release finds it)."""
         try:
             os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
-            tmp = self._tmpname(dest + ".held")
-            _create(tmp, dumps({"dest": dest, "why": why, "since": round(_now(), 3),
-                                "until": round(until, 3)}), sync=False)
+            tmp = self._tmpname("held")
+            _create(tmp, dumps({"dest": dest, "why": why,
+                                "since": round(since or _now(), 3),
+                                "until": round(until, 3), "probes": probes,
+                                "boot": boot_id()}), sync=False)
             _rename(tmp, self._held_path(dest))
-            _append(self.d("locks", "held", dest + ".jobs"),
-                    (name + "\n").encode("utf-8"))
+            if name:
+                self.note_held(dest, name)
         except OSError:
             pass            # a record for operators: never worth a job
 
+    def note_held(self, dest, name):
+        """A job of a held (or failing) destination waits at `name` (its
+        path in the spool): the release makes it ready at once."""
+        try:
+            os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+            _append(self._held_path(dest, ".jobs"), (name + "\n").encode("utf-8"))
+        except OSError:
+            pass
+
+    def take_probe(self, dest, delay):
+        """A hold's backoff is over: take the probe (one job of `dest` may
+        start; the next probe is `delay(probes)` seconds later), unless
+        another worker took it.  A hold from another boot is due at once.
+        Returns the hold's new until, 0 when it was released meanwhile, or
+        None when the probe is not ours."""
+        try:
+            fd = self._holds_lock()
+        except OSError:
+            return None
+        try:
+            rec = self.hold_of(dest)
+            if rec is None:
+                return 0.0              # released meanwhile
+            now = _now()
+            if rec["until"] > now and rec.get("boot") == boot_id():
+                return None
+            n = rec.get("probes") if rec.get("probes").__class__ is int else 0
+            until = now + delay(n + 2)
+            rec.update(until=round(until, 3), probes=n + 1, boot=boot_id())
+            tmp = self._tmpname("held")
+            _create(tmp, dumps(rec), sync=False)
+            _rename(tmp, self._held_path(dest))
+            return until
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def streak(self, dest, jid):
+        """A destination failure of job `jid`: (whether it starts a streak,
+        how many different jobs failed in the streak so far, how many
+        failures in all)."""
+        path = self._held_path(dest, ".streak")
+        data = _read_small(path, 1 << 16, tail=True)
+        seen = (data or b"").decode("utf-8", "replace").split()
+        try:
+            os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+            _append(path, (jid + "\n").encode("utf-8"))
+        except OSError:
+            pass
+        return not data, len(set(seen + [jid])), len(seen) + 1
+
+    def dest_ok(self, dest):
+        """An answer that is not the destination's failure: the streak
+        ends, and a hold is released (True)."""
+        _quiet_unlink(self._held_path(dest, ".streak"))
+        if os.path.lexists(self._held_path(dest)):
+            self._release(dest)
+            return True
+        return False
+
     def _release(self, dest):
-        """End a hold: its jobs waiting in incoming/ are ready now."""
-        jobs = self.d("locks", "held", dest + ".jobs")
+        """End a hold: the jobs put back while it lasted are ready now."""
+        jobs = self._held_path(dest, ".jobs")
         names = set((_read_small(jobs, 1 << 22, tail=True) or b"").decode("utf-8", "replace")
                     .split())
         now = _now()
         for name in names:
-            p = self.d("incoming", name)
+            if "/" not in name:
+                name = "incoming/" + name
+            parts = name.split("/")
+            if parts[0] != "incoming" or ".." in parts or not name.endswith(".json"):
+                continue
+            p = self.d(name)
             try:
-                if name.endswith(".json") and os.lstat(p).st_mtime > now:
+                if os.lstat(p).st_mtime > now:
                     _utime(p, now)
             except OSError:
                 pass
         _quiet_unlink(jobs)
+        _quiet_unlink(self._held_path(dest, ".streak"))
         _quiet_unlink(self._held_path(dest))
         self.poke()
 
@@ -1674,7 +2227,10 @@ class Spool(object):
         return iso(now, frac=False) + " queue=" + s["queue"] + "".join(
             " %s=%d" % (k, s[k]) for k in (
                 "ready", "processing", "done", "dead", "oldest_ready_s",
-                "retries_1m", "scheduled", "failed", "free_kb"))
+                "retries_1m", "scheduled", "failed", "free_kb", "dropped",
+                "expired", "rejected")) + " paused=%s held=%s" % (
+            ",".join(s["paused"]) or "-",
+            ",".join(h["dest"] for h in s["held"]) or "-")
 
     def retries_1m(self, now=None):
         now = _now() if now is None else now
@@ -1702,13 +2258,15 @@ class Spool(object):
 
     # Claiming and finishing ----------------------------------------------------
 
-    def _claim(self, name, me, default_max_attempts=5, scheduled=False):
-        """Take incoming/NAME for `me`.  Returns a Claim, or None when the job
-        was lost to another worker, quarantined, deferred or already done."""
+    def _claim(self, name, me, default_max_attempts=5, scheduled=False,
+               sub="incoming"):
+        """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
+        Claim, or None when the job was lost to another worker, quarantined,
+        deferred, expired, moved to its lane, or already done."""
         if not name.endswith(".json"):
             return None
         stem = name[:-5]
-        src = self._incoming + name
+        src = self.d(sub, name)
         if not NAME_RE.match(stem):
             try:
                 self._quarantine(src, name, "bad file name: a job file is ID.json, "
@@ -1793,6 +2351,25 @@ class Spool(object):
             self.log("skipped", id=stem, why="already done (idempotency record)")
             self._complete(c)
             return None
+        exp = self.expiry(job)
+        if exp is not None and now >= exp:
+            self._refuse(c, job, me, "expired", "expired at %s, before any run "
+                         "could start (ttl)" % iso(exp))
+            return None
+        if sub == "incoming":
+            home = self.home(job)
+            if home != "incoming":
+                # A producer's file (or one from before a policy): into its
+                # lane, under the type's bounds; its priority is fixed now.
+                if job.get("priority") is None:
+                    job["priority"] = self.rules(job["type"]).get("priority", 0)
+                self._make_lane(home)
+                full = self.make_room(job["type"], st.st_size, exclude=name)
+                if full:
+                    self._refuse(c, job, me, "rejected", full)
+                else:
+                    self._move_on(c, job, home, me)
+                return None
         c.attempt = job["attempts"] + 1
         try:
             _append(path, me.lease_line(token, c.attempt, now + me.lease), fd)
@@ -1804,6 +2381,15 @@ class Spool(object):
                 pass
             raise
         return c
+
+    def _refuse(self, c, job, me, what, why):
+        """An expired or rejected job (SPEC 9): to dlq/, logged, counted."""
+        job = dict(job)
+        job["last_error"] = what + ": " + why
+        job["failed_at"] = _now()
+        self._move_on(c, job, "dlq", me)
+        self.log(what, id=c.jid, type=job["type"], why=why)
+        self.count(what, job["type"])
 
     def _run_record(self, token):
         return self.d("locks", "workers", token + ".run")
@@ -1864,11 +2450,16 @@ class Spool(object):
         job["updated_at"] = _now()
         job.pop("lease", None)
         job.pop("state", None)
+        if dest == "incoming":
+            dest = self.home(job)       # its lane, when it has one
+        waiting = dest.startswith("incoming")
+        if waiting and dest != "incoming":
+            self._make_lane(dest)
         data = dumps(job)
         tmp = self.d("tmp", _claim_name(c.jid, c.token, "new"))
         _quiet_unlink(tmp)              # left by an earlier failed try
         _create(tmp, data, sync=True,
-                mtime=job["available_at"] if dest == "incoming" else None)
+                mtime=job["available_at"] if waiting else None)
         if fin is None and c.path.endswith(".fin"):
             fin = c.path                # an earlier try got this far
         if fin is None:
@@ -1887,7 +2478,7 @@ class Spool(object):
             _quiet_unlink(tmp)
             raise
         _unlink(fin)
-        if dest == "incoming":
+        if waiting:
             self.poke()
         return True
 
@@ -2012,7 +2603,7 @@ class Spool(object):
             _rename(fin, self.d("done", jid + ".json"))
             self.log("recovered", id=jid, why=why, to="done")
             return True
-        if (os.path.lexists(self.d("incoming", jid + ".json"))
+        if (self._queued(jid)
                 or os.path.lexists(self.d("dlq", jid + ".json"))):
             _unlink(fin)                # a finish that crashed after its move
             self.log("recovered", id=jid, why=why, to="-")
@@ -2032,6 +2623,10 @@ class Spool(object):
         self._move_on(c, job, dest, me, fin=fin)
         self.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
         return True
+
+    def _queued(self, jid):
+        return any(os.path.lexists(self.d(sub, jid + ".json"))
+                   for sub in self.waiting_dirs())
 
     # Operator moves ----------------------------------------------------------
 
@@ -2074,12 +2669,15 @@ class Spool(object):
                     missing.append(jid)
                     continue
             elif state == "dead":
-                if os.path.lexists(self.d("incoming", jid + ".json")):
+                if self._queued(jid):
                     raise DuplicateJob("job %s is already queued; delete one "
                                        "of them first" % jid)
                 job, _, _ = self.load(path, jid)
                 job.update(attempts=0, available_at=_now())
                 job.pop("failed_at", None)
+                if job.pop("expires_at", None) is not None or self.rules(
+                        job["type"]).get("ttl"):
+                    job["retried_at"] = _now()  # the ttl counts from now
                 if not me.registered:
                     me.register()
                 # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
@@ -2102,7 +2700,8 @@ class Spool(object):
                 continue
             n += 1
         if n:
-            _fsync_dir(self.d("incoming"))
+            for sub in self.waiting_dirs():
+                _fsync_dir(self.d(sub))
             self.poke()
         return n
 
@@ -2179,8 +2778,9 @@ class Spool(object):
                             "handlers are killed)")
         now = _now() if now is None else now
         sub = STATE_DIRS[state]
+        subs = self.waiting_dirs() if sub == "incoming" else [sub]
         chosen = []
-        for e in _scandir(self.d(sub)):
+        for e in (e for d in subs for e in _scandir(self.d(d))):
             name = e.name
             if sub == "failed":
                 if name.endswith(".reason"):
@@ -2367,6 +2967,9 @@ class Spool(object):
         problem = self.free_problem()
         if problem:
             problems.append(problem)
+        self.policy()
+        if self.policy_error:
+            problems.append(self.policy_error)
         stale = self.reap(dry_run=True)
         if stale:
             problems.append("%d claim(s) in processing/ belong to dead workers or "
@@ -2388,10 +2991,23 @@ class Spool(object):
             out.append("%d file(s) quarantined in failed/; see: %s list failed "
                        "(repair and retry, or delete)" % (failed, spool))
         for h in self.held():
-            out.append("type %s is held: %s; its jobs wait (no attempt counts) "
-                       "and run once the handler is there" % (h["dest"], h.get("why")))
+            if h.get("missing"):
+                out.append("type %s is held: %s; its jobs wait (no attempt "
+                           "counts) and run once the handler is there"
+                           % (h["dest"], h.get("why")))
+                continue
+            out.append("destination %s is held until %s: %s; its jobs wait (no "
+                       "attempt counts), a probe is sent after each backoff, and "
+                       "they run after its first success (now: %s resume --dest "
+                       "%s)" % (h["dest"], iso(h.get("until") or 0, frac=False),
+                                h.get("why"), spool, h["dest"]))
+        for t in self.paused():
+            out.append("%s is paused: no new job of it starts; resume with: %s "
+                       "resume %s" % ("every type" if t == "*" else "type " + t,
+                                      spool, "--all" if t == "*" else t))
         stray = [n for n in _listdir(self.d("incoming"))
-                 if not n.endswith(".json") and not n.startswith(".")]
+                 if not n.endswith(".json") and not n.startswith(".")
+                 and n != "lanes"]
         if stray:
             out.append("%d file(s) in incoming/ do not end in .json and are "
                        "never run (a producer must mv NAME.json into place), "
@@ -2516,14 +3132,15 @@ _SPOOLS = {}
 
 
 def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
-            timeout=None):
+            timeout=None, priority=None, ttl=None):
     """Add a job to the spool durably; returns its id (SPEC 7)."""
     sp = _SPOOLS.get(spool)
     if sp is None or not sp._ready:
         sp = _SPOOLS[spool] = Spool(spool)
     try:
         return sp.enqueue(type, payload, id=id, delay=delay,
-                          max_attempts=max_attempts, timeout=timeout)
+                          max_attempts=max_attempts, timeout=timeout,
+                          priority=priority, ttl=ttl)
     except ConfigError:
         _SPOOLS.pop(spool, None)
         raise
@@ -3082,7 +3699,7 @@ def http_group_key(job, headers=None):
         and (k.lower() != "content-type" or "content-type" in own))))
 
 
-def _batch_key(ids):
+def _ids_key(ids):
     """The Idempotency-Key of a batch: the same ids in the same order give
     the same key.  128 bits of SHA-256 (hashlib's built-in SHA-256 is in
     python3-light; only OpenSSL's _hashlib is not), else of four zlib
@@ -3130,29 +3747,617 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
             del hdrs[k]
         hdrs["Content-Type"] = "application/json"
     if "idempotency-key" not in configured:
-        hdrs["Idempotency-Key"] = _batch_key(ids)
+        hdrs["Idempotency-Key"] = _ids_key(ids)
     hdrs["X-Myq-Ids"] = ",".join(ids)
     t = max(_job_timeout(j, timeout) for j in jobs)
     return _http_send(method, url, data, hdrs, headers, t, backoff_max, run,
                       pool, gzip)
 
 
+# MQTT (SPEC 10) ##############################################################
+#
+# MQTT 3.1.1 on the standard library: socket (and ssl for mqtts), imported
+# when a connection is made, never at load.  One connection per worker,
+# clean session, re-made from scratch after any error; QoS 1 is done on the
+# broker's PUBACK, QoS 0 once written.  A thread sends PINGREQ when the
+# connection idles past keepalive/2 (the broker drops it at 1.5 x keepalive).
+
+MQTT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+_MQTT_URL = re.compile(r"(mqtts?)://(?:([^@/]*)@)?(\[[0-9A-Fa-f:.]+\]|[^\[\]@/:]+)"
+                       r"(?::(\d{1,5}))?/?\Z", re.I)
+_MQTT_MAX = 268435455          # the largest remaining length MQTT can say
+_MQTT_WINDOW = 65535           # packet ids: at most this many in flight
+_CONNACK = {
+    1: ("the broker does not speak MQTT 3.1.1 (CONNACK 1, unacceptable "
+        "protocol version)", "use a broker that supports MQTT 3.1.1", True),
+    2: ("the client id was rejected (CONNACK 2)", "give --mqtt-client-id at "
+        "most 23 letters and digits, unique per worker", True),
+    3: ("the MQTT service is unavailable (CONNACK 3)", None, False),
+    4: ("bad user name or password (CONNACK 4)", "check the user in --mqtt "
+        "(mqtt://USER@HOST) and the password in --mqtt-password-file", True),
+    5: ("not authorised (CONNACK 5)", "the broker does not let this client "
+        "connect: check the user in --mqtt, --mqtt-password-file and the "
+        "broker's access rules", True),
+}
+
+
+class _MqttBroken(Exception):
+    """The connection is unusable: closed, timed out, or the broker broke
+    the protocol."""
+
+
+def _mqtt_url(url):
+    """(scheme, user or None, host, port) of a broker URL."""
+    m = _MQTT_URL.match(url or "")
+    if not m:
+        raise UsageError("--mqtt %r is not an MQTT broker URL: give "
+                         "mqtt://[USER@]HOST[:PORT] or mqtts://[USER@]HOST[:PORT]"
+                         % (url,))
+    scheme, user, host, port = m.groups()
+    if user is not None and ":" in user:
+        raise UsageError("--mqtt %s: a password in the URL shows in ps and "
+                         "the logs; put it in --mqtt-password-file"
+                         % url.replace(user, user.partition(":")[0] + ":***", 1))
+    if user == "":
+        raise UsageError("--mqtt %s: empty user name before '@' (give "
+                         "mqtt://USER@HOST, or no '@')" % url)
+    scheme = scheme.lower()
+    port = int(port) if port else MQTT_PORTS[scheme]
+    if not 0 < port < 65536:
+        raise UsageError("--mqtt %s: port %d is not in 1-65535" % (url, port))
+    return scheme, user, host.lower(), port
+
+
+def mqtt_dest(url):
+    """The broker of a --mqtt URL as the circuit breaker names it (SPEC 9):
+    scheme://host:port, lower case, the port explicit, no user."""
+    scheme, _, host, port = _mqtt_url(url)
+    return "%s://%s:%d" % (scheme, host, port)
+
+
+def _mqtt_len(n):
+    """MQTT's remaining length: 7 bits a byte, the high bit says more."""
+    out = bytearray()
+    while True:
+        n, b = n >> 7, n & 127
+        out.append(b | 128 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def _mqtt_str(b):
+    return len(b).to_bytes(2, "big") + b
+
+
+def _mqtt_parse(buf):
+    """(first byte, body, length used) of the packet at the start of buf,
+    or None while it is incomplete.  We only ever get small packets back
+    (CONNACK, PUBACK, PINGRESP): anything larger than 64K is not MQTT."""
+    n = shift = 0
+    for i in range(1, min(len(buf), 5)):
+        b = buf[i]
+        n |= (b & 127) << shift
+        shift += 7
+        if not b & 128:
+            if n > 65536:
+                raise _MqttBroken("the broker sent a %d-byte packet (protocol "
+                                  "error)" % n)
+            end = i + 1 + n
+            if len(buf) < end:
+                return None
+            return buf[0], bytes(buf[i + 1:end]), end
+    if len(buf) >= 5:
+        raise _MqttBroken("the broker sent a bad packet length (protocol error)")
+    return None
+
+
+def _mqtt_message(job):
+    """(topic, message, qos, retain) of an `mqtt` job, topic and message as
+    bytes; PermanentError when the payload cannot be published."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        raise PermanentError('mqtt: the payload must be an object: {"topic": '
+                             '"a/b", "message": ..., "qos": 0|1, "retain": false}')
+    topic = p.get("topic")
+    if not isinstance(topic, str) or not topic:
+        raise PermanentError("mqtt: the payload has no topic (a non-empty string)")
+    if "+" in topic or "#" in topic:
+        raise PermanentError("mqtt: topic %r has a wildcard (+ or #); publish "
+                             "to a topic without them" % topic[:200])
+    if "\0" in topic:
+        raise PermanentError("mqtt: topic %r contains a NUL character"
+                             % topic[:200])
+    qos = p.get("qos", 1)
+    if qos is None:
+        qos = 1
+    if isinstance(qos, bool) or not isinstance(qos, int) or qos not in (0, 1):
+        raise PermanentError("mqtt: qos %s is not supported: give 0 or 1"
+                             % json.dumps(qos)[:50])
+    retain = p.get("retain", False)
+    if retain is None:
+        retain = False
+    if not isinstance(retain, bool):
+        raise PermanentError("mqtt: retain must be true or false, not %s"
+                             % json.dumps(retain)[:50])
+    msg = p.get("message")
+    try:
+        t = topic.encode("utf-8")
+        if "message" not in p:
+            data = b""
+        elif isinstance(msg, str):
+            data = msg.encode("utf-8")
+        else:
+            data = json.dumps(msg, separators=(",", ":")).encode("utf-8")
+    except UnicodeError:        # a lone surrogate ("\ud800") in the JSON
+        raise PermanentError("mqtt: the topic or message is not valid UTF-8 text")
+    if len(t) > 65535:
+        raise PermanentError("mqtt: the topic is %d bytes long (at most 65535)"
+                             % len(t))
+    if len(t) + 4 + len(data) > _MQTT_MAX:
+        raise PermanentError("mqtt: the message is %d bytes, larger than MQTT "
+                             "allows (256 MB)" % len(data))
+    return t, data, qos, retain
+
+
+def _mqtt_client_id():
+    """Unique per worker process, and at most 23 characters (all an MQTT
+    3.1.1 broker must accept): myq-HOST-PID-RANDOM, the host cut to fit."""
+    host = re.sub(r"[^A-Za-z0-9]", "", os.uname()[1])
+    tail = "-%d-%s" % (os.getpid(), _rand_hex(2))
+    return ("myq-" + host)[:max(3, 23 - len(tail))] + tail
+
+
+def _os_text(e):
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+def _mqtt_password(path):
+    """The password in --mqtt-password-file (its trailing newline dropped)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read(65536).rstrip(b"\r\n")
+    except OSError as e:
+        raise ConfigError("cannot read --mqtt-password-file %s: %s (the worker "
+                          "must be able to read it)" % (path, _os_text(e)))
+
+
+class MqttClient(object):
+    """One MQTT 3.1.1 connection to a broker, made at first use and made
+    again from scratch after any error (nothing half-sent is reused).
+    Thread-safe: every exchange holds `lock`.  `close()` when done: it
+    sends DISCONNECT and ends the keep-alive thread."""
+
+    def __init__(self, url, password=None, client_id=None, ca=None, cert=None,
+                 key=None, keepalive=60, timeout=10.0):
+        import threading
+        self.scheme, self.user, self.host, self.port = _mqtt_url(url)
+        self.dest = "%s://%s:%d" % (self.scheme, self.host, self.port)
+        if password is not None and self.user is None:
+            raise UsageError("--mqtt-password-file needs a user in --mqtt "
+                             "(mqtt://USER@%s)" % self.host)
+        if (ca or cert or key) and self.scheme != "mqtts":
+            raise UsageError("--mqtt-ca, --mqtt-cert and --mqtt-key are for "
+                             "mqtts:// brokers; --mqtt is %s" % self.dest)
+        if key and not cert:
+            raise UsageError("--mqtt-key needs --mqtt-cert (the client "
+                             "certificate it belongs to)")
+        for flag, path in (("--mqtt-ca", ca), ("--mqtt-cert", cert),
+                           ("--mqtt-key", key)):
+            if path:
+                try:
+                    open(path, "rb").close()
+                except OSError as e:
+                    raise ConfigError("cannot read %s %s: %s" % (
+                        flag, path, _os_text(e)))
+        if self.scheme == "mqtts":
+            try:
+                import ssl  # noqa: F401
+            except ImportError:
+                raise ConfigError("--mqtt %s needs Python's ssl module (OpenWrt: "
+                                  "opkg install python3-openssl)" % self.dest)
+        self.client_id = client_id or _mqtt_client_id()
+        if len(self.client_id.encode("utf-8", "replace")) > 65535:
+            raise UsageError("--mqtt-client-id is too long (at most 23 "
+                             "characters is safe)")
+        if not 0 <= int(keepalive) <= 65535:
+            raise UsageError("MQTT keepalive %r is not in 0-65535 s" % keepalive)
+        self.password = password
+        self.ca, self.cert, self.key = ca, cert, key
+        self.keepalive, self.timeout = int(keepalive), float(timeout)
+        self.lock = threading.RLock()
+        self.sock = None            # _abort() shuts it down to cut a run
+        self.connects = 0           # connections made, for tests and benches
+        self._threading = threading
+        self._buf = bytearray()
+        self._next_id = 0
+        self._last_sent = 0.0
+        self._answered = False
+        self._quickack = None
+        self._ctx = self._session = None
+        self._pinger = None
+        self._closed = False
+
+    # Packets ---------------------------------------------------------------
+
+    def _left(self, deadline, what):
+        t = deadline - _mono()
+        if t <= 0:
+            raise _MqttBroken("no %s from the broker in time" % what)
+        return t
+
+    def _send(self, data, deadline):
+        self.sock.settimeout(self._left(deadline, "room to write"))
+        self.sock.sendall(data)
+        self._last_sent = _mono()
+
+    def _read(self, deadline, what, quick=False):
+        """The next packet: (first byte, body).  `quick`: more answers are
+        due, so acknowledge at once what comes (TCP_QUICKACK): a broker
+        without TCP_NODELAY (mosquitto's default) holds its next PUBACKs
+        until the first is acknowledged, and a delayed ACK costs 40 ms."""
+        buf = self._buf
+        while True:
+            got = _mqtt_parse(buf)
+            if got is not None:
+                del buf[:got[2]]
+                return got[0], got[1]
+            self.sock.settimeout(self._left(deadline, what))
+            if quick and self._quickack:
+                try:
+                    self.sock.setsockopt(6, self._quickack, 1)   # IPPROTO_TCP
+                except OSError:
+                    self._quickack = None
+            try:
+                data = self.sock.recv(65536)
+            except OSError as e:
+                if type(e).__name__ in ("timeout", "TimeoutError"):
+                    raise _MqttBroken("no %s from the broker in time" % what)
+                raise
+            if not data:
+                raise _MqttBroken("the broker closed the connection")
+            buf += data
+
+    # The connection ----------------------------------------------------------
+
+    def _connect(self, deadline):
+        import socket
+        host = self.host.strip("[]")
+        try:
+            # an ASCII name as bytes: a str goes through the idna codec,
+            # which needs unicodedata (not in python3-light)
+            host = host.encode("ascii")
+        except UnicodeError:
+            pass
+        try:
+            sock = socket.create_connection(
+                (host, self.port), timeout=self._left(deadline, "connection"))
+        except _MqttBroken:
+            raise
+        except OSError as e:
+            raise DestinationDown(None, "mqtt: cannot connect to %s: %s"
+                                  % (self.dest, _os_text(e)))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._quickack = getattr(socket, "TCP_QUICKACK", None)   # Linux
+            if self.scheme == "mqtts":
+                sock = self._tls(sock, deadline)
+            self.sock, self._buf = sock, bytearray()
+            self._send(self._connect_packet(), deadline)
+            kind, body = self._read(deadline, "CONNACK")
+            if kind != 0x20 or len(body) != 2:
+                raise _MqttBroken("the broker answered CONNECT with packet "
+                                  "type %d, not CONNACK" % (kind >> 4))
+            if body[1]:
+                raise self._refused(body[1])
+            if self.scheme == "mqtts":
+                self._session = getattr(sock, "session", None) or self._session
+        except BaseException:
+            self.sock = None
+            sock.close()
+            raise
+        self.connects += 1
+        self._closed = False
+        if self.keepalive and (self._pinger is None or not self._pinger.is_alive()):
+            self._pinger = self._threading.Thread(target=self._keep_alive,
+                                                  name="myq-mqtt-ping")
+            self._pinger.daemon = True
+            self._pinger.start()
+
+    def _connect_packet(self):
+        flags = 0x02                                    # clean session
+        payload = _mqtt_str(self.client_id.encode("utf-8"))
+        if self.user is not None:
+            flags |= 0x80
+            payload += _mqtt_str(self.user.encode("utf-8"))
+            if self.password is not None:
+                flags |= 0x40
+                payload += _mqtt_str(self.password)
+        head = _mqtt_str(b"MQTT") + bytes((4, flags)) + \
+            self.keepalive.to_bytes(2, "big")
+        return b"\x10" + _mqtt_len(len(head) + len(payload)) + head + payload
+
+    def _refused(self, code):
+        what, todo, config = _CONNACK.get(code, (
+            "refused with CONNACK code %d" % code, None, False))
+        msg = "mqtt: %s refused the connection: %s" % (self.dest, what)
+        if config:
+            msg = "mqtt: configuration error: %s refused the connection: %s; %s" % (
+                self.dest, what, todo)
+        e = DestinationDown(None, msg)
+        e.config = config
+        return e
+
+    def _tls(self, sock, deadline):
+        try:
+            import ssl
+        except ImportError:
+            raise DestinationDown(None, "mqtt: %s needs Python's ssl module "
+                                  "(OpenWrt: opkg install python3-openssl)"
+                                  % self.dest)
+        if self._ctx is None:
+            try:
+                ctx = ssl.create_default_context()
+                if self.ca:
+                    ctx.load_verify_locations(cafile=self.ca)
+                if self.cert:
+                    ctx.load_cert_chain(self.cert, self.key)
+            except (OSError, ValueError) as e:
+                raise DestinationDown(None, "mqtt: configuration error: cannot "
+                                      "load --mqtt-ca/--mqtt-cert/--mqtt-key: %s"
+                                      % _os_text(e))
+            self._ctx = ctx
+        sock.settimeout(self._left(deadline, "TLS handshake"))
+        try:
+            return self._ctx.wrap_socket(sock, server_hostname=self.host.strip("[]"),
+                                         session=self._session)
+        except ssl.CertificateError as e:
+            raise DestinationDown(None, "mqtt: configuration error: %s: the "
+                                  "broker's certificate is not trusted (%s); give "
+                                  "its CA with --mqtt-ca" % (self.dest, _os_text(e)))
+
+    def _stale(self):
+        """Did the broker close this idle connection (or send what nobody
+        asked for)?  Then it is not used again."""
+        import select
+        sock = self.sock
+        try:
+            pending = sock.pending() if hasattr(sock, "pending") else 0
+            if not pending and not select.select([sock], [], [], 0)[0]:
+                return False
+            sock.settimeout(0)
+            sock.recv(4096)             # EOF, or data that nobody asked for
+            return True
+        except OSError as e:
+            # no data after all: a TLS record that was no application data
+            return not (isinstance(e, BlockingIOError)
+                        or type(e).__name__ == "SSLWantReadError")
+
+    def _drop(self):
+        """Forget the connection (after an error: nothing of it is reused)."""
+        sock, self.sock = self.sock, None
+        self._buf = bytearray()
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _keep_alive(self):
+        """The keep-alive thread: PINGREQ when idle past keepalive/2, so
+        that the broker (which drops a client silent for 1.5 x keepalive)
+        and NATs keep the connection."""
+        every = max(0.05, self.keepalive / 4.0)
+        while not self._closed:
+            time.sleep(every)
+            if self.sock is None or _mono() - self._last_sent < self.keepalive / 2.0:
+                continue
+            if self.lock.acquire(False):        # busy: that is traffic enough
+                try:
+                    if self.sock is not None and not self._closed:
+                        self.ping()
+                finally:
+                    self.lock.release()
+
+    def ping(self):
+        """PINGREQ, wait for PINGRESP; False (and the connection dropped)
+        when it does not come."""
+        with self.lock:
+            if self.sock is None:
+                return False
+            deadline = _mono() + min(self.timeout, max(1.0, self.keepalive / 2.0))
+            try:
+                self._send(b"\xc0\x00", deadline)
+                kind, _ = self._read(deadline, "PINGRESP")
+                if kind != 0xD0:
+                    raise _MqttBroken("unexpected packet type %d" % (kind >> 4))
+                return True
+            except (OSError, ValueError, _MqttBroken):
+                self._drop()
+                return False
+            except BaseException:
+                self._drop()
+                raise
+
+    def close(self):
+        """DISCONNECT and close; a later publish connects again."""
+        self._closed = True
+        if not self.lock.acquire(True, 1.0):
+            # another thread is mid-exchange (a run being abandoned): cut it
+            sock = self.sock
+            if sock is not None:
+                import socket
+                try:
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return
+        try:
+            if self.sock is not None:
+                try:
+                    self._send(b"\xe0\x00", _mono() + 1.0)
+                except (OSError, _MqttBroken):
+                    pass
+                self._drop()
+        finally:
+            self.lock.release()
+
+    # Publishing --------------------------------------------------------------
+
+    def publish_many(self, msgs, timeout):
+        """Publish (topic bytes, message bytes, qos, retain) tuples, all of
+        them in flight at once, within `timeout` seconds: one outcome per
+        message, in order: None (done) or a DestinationDown."""
+        out = [None] * len(msgs)
+        done = set()
+        deadline = _mono() + timeout
+        left = list(range(len(msgs)))
+        retried = False
+        err = None
+        with self.lock:
+            while left:
+                reused = self.sock is not None
+                self._answered = False
+                try:
+                    if reused and self._stale():
+                        self._drop()
+                        reused = False
+                    if self.sock is None:
+                        self._connect(deadline)
+                    self._exchange(msgs, left[:_MQTT_WINDOW], deadline, done)
+                except DestinationDown as e:        # cannot connect, refused
+                    self._drop()
+                    err = e
+                except (OSError, ValueError, _MqttBroken) as e:
+                    self._drop()
+                    err = DestinationDown(None, "mqtt: %s: %s" % (
+                        self.dest, _os_text(e)))
+                    # A connection that had been idle may have died unseen:
+                    # once more on a fresh one, as SPEC 10 does for http.
+                    if reused and not self._answered and not retried \
+                            and _mono() < deadline:
+                        retried, err = True, None
+                except BaseException:
+                    self._drop()
+                    raise
+                left = [i for i in left if i not in done]
+                if err is not None:
+                    break
+        for i in left:
+            e = DestinationDown(err.seconds, str(err))
+            e.config = getattr(err, "config", False)
+            e.dest = self.dest
+            out[i] = e
+        return out
+
+    def _exchange(self, msgs, window, deadline, done):
+        """Send the window's PUBLISH packets (64K at a time), then read
+        PUBACKs until each QoS 1 one has its own."""
+        waiting = {}
+        chunk, size, written = [], 0, []
+        last = window[-1]
+        for i in window:
+            topic, data, qos, retain = msgs[i]
+            head = _mqtt_str(topic)
+            if qos:
+                self._next_id = self._next_id % 65535 + 1
+                waiting[self._next_id] = i
+                head += self._next_id.to_bytes(2, "big")
+            else:
+                written.append(i)
+            chunk.append(bytes((0x30 | qos << 1 | retain,)) +
+                         _mqtt_len(len(head) + len(data)) + head)
+            chunk.append(data)
+            size += len(head) + len(data)
+            if size >= 65536 or i == last:
+                self._send(b"".join(chunk), deadline)
+                done.update(written)                # QoS 0: done once written
+                chunk, size, written = [], 0, []
+        while waiting:
+            kind, body = self._read(deadline, "PUBACK", len(waiting) > 1)
+            self._answered = True
+            if kind == 0x40 and len(body) == 2:
+                i = waiting.pop(int.from_bytes(body, "big"), None)
+                if i is not None:
+                    done.add(i)
+            elif kind != 0xD0:                      # a late PINGRESP is fine
+                raise _MqttBroken("the broker sent packet type %d, not PUBACK "
+                                  "(protocol error)" % (kind >> 4))
+
+
+def _mqtt_client(url, password_file=None, client_id=None, ca=None, cert=None,
+                 key=None, **kw):
+    """The MqttClient of the --mqtt options: everything checked before the
+    password file is read."""
+    client = MqttClient(url, b"" if password_file else None, client_id, ca,
+                        cert, key, **kw)
+    client.password = _mqtt_password(password_file)
+    return client
+
+
+def mqtt_publish(client, jobs, timeout):
+    """Publish `mqtt` jobs (SPEC 10) through `client`, all in flight at
+    once: one outcome per job, in order: None when done (QoS 1: its PUBACK
+    came; QoS 0: written), a PermanentError for a payload that cannot be
+    published, a DestinationDown for the rest when the connection, the
+    CONNACK, a PUBACK or the time failed (the client connects afresh at
+    its next use)."""
+    out = [None] * len(jobs)
+    msgs, where = [], []
+    for i, job in enumerate(jobs):
+        try:
+            msgs.append(_mqtt_message(job))
+            where.append(i)
+        except PermanentError as e:
+            out[i] = e
+    if msgs:
+        for i, e in zip(where, client.publish_many(msgs, timeout)):
+            out[i] = e
+    return out
+
+
 class _Run(object):
     """One job in flight in this worker."""
     __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
-                 "thread", "result", "conn")
+                 "thread", "result", "conn", "slot", "probe", "dest",
+                 "dest_fail", "batch", "split", "target")
 
     def __init__(self, claim, kind):
         self.claim, self.kind = claim, kind
         self.proc = self.started = self.deadline = self.kill_at = None
         self.stdin = self.stdin_fd = self.err_fd = self.thread = None
         self.result = self.conn = None
+        self.slot = self.probe = self.dest = None
+        self.batch = self.target = None     # batch: the claims of a batch
+        self.dest_fail = self.split = False
         self.err = bytearray()
         self.timed_out = self.released = False
 
 
 # The worker ##################################################################
+
+class _Lane(object):
+    """A directory of waiting jobs as one worker sees it: incoming/ itself,
+    or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
+    __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
+                 "soonest", "next_due", "blocked", "slot", "probe", "rated",
+                 "dest")
+
+    def __init__(self, sub, type=None, prio=0):
+        self.sub, self.type, self.prio = sub, type, prio
+        self.cache, self.cache_full, self.dirty = [], False, True
+        self.sweep = self.soonest = self.next_due = None
+        self.blocked = 0.0          # wall time before which it is not tried
+        self.slot = self.probe = self.dest = None
+        self.rated = False
+
+    def end_sweep(self):
+        if self.sweep is not None:
+            self.sweep.close()
+            self.sweep = None
+
 
 class Worker(object):
     """Claims ready jobs and runs them through their handlers."""
@@ -3162,7 +4367,10 @@ class Worker(object):
                  backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
                  stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
                  scan_cache=2048, log=None, reap_interval=None,
-                 prune_interval=60.0, parent=None, http_ca=None, **spool_options):
+                 prune_interval=60.0, parent=None, mqtt=None,
+                 mqtt_password_file=None, mqtt_client_id=None, mqtt_ca=None,
+                 mqtt_cert=None, mqtt_key=None, http_ca=None,
+                 **spool_options):
         self.log = log or Log()
         if isinstance(spool, Spool):
             self.spool = spool
@@ -3192,7 +4400,11 @@ class Worker(object):
         self.prune_interval = prune_interval
         self.parent = parent        # the supervisor's pid: stop when it is gone
         self.runs = []
-        self.cache, self.cache_full, self.dirty = [], False, True
+        self._top = _Lane("incoming")
+        self._lanes, self._lanes_key = [self._top], None
+        self._holds = {}            # held destination -> until (wall clock)
+        self._taken = (None, None, None)    # the last claim's slot, probe, lane
+        self._no_wait = False
         self.next_due = None
         self.stopping = self.hard_stop = False
         self.stop_deadline = None
@@ -3202,9 +4414,7 @@ class Worker(object):
         self._pending = self._pending_ok = 0
         self._pending_since = 0.0
         self._timer = 0.0           # the SIGALRM tick armed now (0: none)
-        self._sweep = None          # scandir iterator over a deep backlog
         self._null = None           # /dev/null, for exec handlers' stdout
-        self._soonest = None        # the pass's earliest job not yet due
         self._stuck = []            # finishes that failed on I/O: callables
         self._io_pause_until = 0.0
         self._io_backoff = 0.5
@@ -3212,11 +4422,21 @@ class Worker(object):
         self._clock_offset = _now() - _mono()
         self._next_beat = float("inf")     # set when run() starts
         self._held = {}     # held type -> (why, its hold's delay)
+        # --mqtt: the options are checked now, the broker connected at the
+        # first mqtt job (one connection per worker, shared by its threads)
+        self._mqtt_client = None if not mqtt else _mqtt_client(
+            mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
+            mqtt_key, timeout=min(self.timeout, 30.0))
 
     # Handlers ----------------------------------------------------------------
 
     def resolve(self, type):
         """('exec', path) or ('py', function) or (None, why not)."""
+        builtin = self.spool.rules(type).get("handler")
+        if builtin == "http":
+            return "http", self._http
+        if builtin == "mqtt":
+            return self.resolve_mqtt(type)
         if self.handlers_dir:
             path = os.path.join(self.handlers_dir, type)
             if os.path.isfile(path):
@@ -3229,10 +4449,18 @@ class Worker(object):
             return "py", fn
         if type == "http":
             return "http", self._http
+        if type == "mqtt":
+            return self.resolve_mqtt(type)
         return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
                       % (type, "--handlers " + self.handlers_dir
                          if self.handlers_dir else "no --handlers",
                          "--module" if self.module else "no --module"))
+
+    def resolve_mqtt(self, type):
+        if self._mqtt_client is not None:
+            return "mqtt", self._mqtt
+        return None, ("no --mqtt broker configured for type %s (give the "
+                      "worker --mqtt mqtt://HOST)" % type)
 
     def _http(self, job, run=None):
         try:
@@ -3244,6 +4472,54 @@ class Worker(object):
             # it ("Retry-After: 0" a thousand times): the backoff holds too.
             e.seconds = max(e.seconds or 0.0, self.backoff(job["attempts"]))
             raise
+
+    def _http_batch(self, jobs, run):
+        """A batch of http jobs as one request (SPEC 10)."""
+        rules = self.spool.rules(jobs[0]["type"])
+        try:
+            return http_batch(jobs, self.http_headers, self.backoff_max,
+                              jobs[0].get("timeout") or self.timeout, run,
+                              getattr(self, "http_pool", None),
+                              gzip=bool(rules.get("gzip")))
+        except RetryLater as e:
+            e.seconds = max(e.seconds or 0.0, self.backoff(jobs[0]["attempts"]))
+            raise
+
+    def _mqtt(self, job, run=None):
+        """The built-in `mqtt` type, one job (SPEC 10)."""
+        err = self.mqtt_batch([job], run)[0]
+        if err is not None:
+            raise err
+
+    def mqtt_batch(self, jobs, run=None):
+        """Publish `mqtt` jobs through the worker's connection, all in
+        flight at once: one outcome per job, in order (None: done, else the
+        exception: PermanentError, DestinationDown).  With `run`, the
+        connection is cut when the run's time is up (_abort)."""
+        client = self._mqtt_client
+        limit = min(j.get("timeout") or self.timeout for j in jobs)
+        if run is not None:
+            # a little before the worker's own limit, so that a time-out is
+            # ours: a destination failure (SPEC 9), not the job's
+            limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
+        start = _mono()
+        # one exchange at a time on the connection (other threads' runs,
+        # the keep-alive ping): waiting for a turn counts in the limit
+        if not client.lock.acquire(True, limit):
+            out = [DestinationDown(None, "mqtt: %s: no turn on the connection "
+                                   "within %gs (the broker is slow to answer)"
+                                   % (client.dest, limit)) for _ in jobs]
+            for e in out:
+                e.dest = client.dest
+            return out
+        try:
+            if run is not None:
+                run.conn = client
+            return mqtt_publish(client, jobs, max(0.05, limit - (_mono() - start)))
+        finally:
+            if run is not None:
+                run.conn = None
+            client.lock.release()
 
     def backoff(self, n):
         d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
@@ -3280,11 +4556,12 @@ class Worker(object):
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
         for h in sp.held():         # holds whose handler is there by now
-            if self.resolve(h["dest"])[0] is not None:
+            if h.get("missing") and self.resolve(h["dest"])[0] is not None:
                 sp._release(h["dest"])
                 self.log("release", dest=h["dest"])
-            else:
+            elif h.get("missing"):
                 self._held[h["dest"]] = (h.get("why"), self.backoff_base)
+        self._load_holds()
         try:
             self._reap()
             self._loop(once, drain)
@@ -3292,7 +4569,8 @@ class Worker(object):
             for run in list(self.runs):
                 self._kill(run, 9)
                 if run.proc is not None:
-                    self.spool._end_handler(run.claim.token)
+                    for c in run.batch or [run.claim]:
+                        self.spool._end_handler(c.token)
                 for fd in (run.stdin_fd, run.err_fd):
                     if fd is not None:
                         os.close(fd)
@@ -3309,10 +4587,16 @@ class Worker(object):
                 except OSError:
                     pass
             self._end_sweep()
-            self.cache, self.dirty = [], True   # a later run starts afresh
+            for L in self._lanes:               # a later run starts afresh
+                L.cache, L.dirty = [], True
+                if L.slot is not None:
+                    os.close(L.slot)
+                    L.slot = None
             if self._null is not None:
                 os.close(self._null)
                 self._null = None
+            if self._mqtt_client is not None:
+                self._mqtt_client.close()
             self.me.unregister()
             self.log("stop", worker=self.me.wid)
         return 0
@@ -3404,6 +4688,7 @@ class Worker(object):
                                                              5.0)
         self._next_poll = now + self.poll
         self._started = 0
+        self._no_wait = once or drain       # --once, --drain: no batch_wait
         while True:
             busy = False
             if self.stopping:
@@ -3537,8 +4822,7 @@ class Worker(object):
         if _mono() >= self._next_poll:
             self._next_poll = _mono() + self.poll
             self._check_incoming()
-            if self._held:
-                self._check_holds()
+            self._check_holds()
             if self._parent and os.getppid() != self._parent \
                     and not self.stopping:
                 # the supervisor is gone (kill -9): stop as on SIGTERM
@@ -3571,10 +4855,10 @@ class Worker(object):
 
     # Scheduling ----------------------------------------------------------------
 
-    def _rescan(self):
-        """Refill the scan cache with the N earliest jobs of incoming/ (by
-        mtime = available_at, then name): memory stays bounded whatever the
-        depth of the queue.
+    def _rescan(self, L=None):
+        """Refill lane L's scan cache (default: incoming/ itself) with its N
+        earliest jobs (by mtime = available_at, then name): memory stays
+        bounded whatever the depth of the queue.
 
         A directory of up to 4N entries is scanned whole; a deeper one, or
         one with more than N ready, is worked through in one pass of a
@@ -3588,12 +4872,13 @@ class Worker(object):
         the soonest of them) that starts the next pass when it comes due."""
         import heapq
         import itertools
+        L = L or self._top
         sp = self.spool
         now = _now()
-        inc = sp.d("incoming")
+        inc = sp.d(L.sub)
         bad = []
         nread = [0]                             # jobs entries() gave
-        sweeping = self._sweep is not None      # new arrivals: next pass
+        sweeping = L.sweep is not None          # new arrivals: next pass
 
         def entries(it):
             for e in it:
@@ -3630,21 +4915,21 @@ class Worker(object):
             if nread[0] <= 4 * n:               # the whole directory
                 it.close()
                 if len(best) >= n and best[-1][0] <= now:
-                    self._sweep = _scandir(inc)     # more ready than N
-                    self._soonest = None
+                    L.sweep = _scandir(inc)     # more ready than N
+                    L.soonest = None
             else:                               # deep: a pass starts here
-                self._sweep = it
+                L.sweep = it
                 later = [e[0] for e in best if e[0] > now]
                 best = [e for e in best if e[0] <= now]
                 # All N ready: more may be, and later ones unseen: the
                 # next pass must come right after this one.
-                self._soonest = later[0] if later else now
+                L.soonest = later[0] if later else now
         else:
             best = []
-            soonest = self._soonest
-            if self.dirty and (soonest is None or soonest > now):
+            soonest = L.soonest
+            if L.dirty and (soonest is None or soonest > now):
                 soonest = now           # arrivals the iterator may miss
-            for ent in entries(self._sweep):
+            for ent in entries(L.sweep):
                 if ent[0] <= now:
                     best.append(ent)
                     if len(best) >= n:
@@ -3652,10 +4937,10 @@ class Worker(object):
                 elif soonest is None or ent[0] < soonest:
                     soonest = ent[0]
             else:
-                self._end_sweep()
+                L.end_sweep()
                 if soonest is not None:         # wake for them: a new pass
                     best.append((soonest, "", False))
-            self._soonest = soonest
+            L.soonest = soonest
             best.sort()
         for name, kind in bad:
             self._tick()
@@ -3665,49 +4950,132 @@ class Worker(object):
             except OSError:
                 pass
         best.reverse()
-        self.cache = best
-        self.cache_full = len(best) >= self.scan_cache or self._sweep is not None
-        self.dirty = False
-        self.next_due = None
+        L.cache = best
+        L.cache_full = len(best) >= self.scan_cache or L.sweep is not None
+        L.dirty = False
+        L.next_due = None
+
+    # The top lane (incoming/ itself) under the names the scan had before
+    # there were lanes.
+    @property
+    def dirty(self):
+        return self._top.dirty
+
+    @dirty.setter
+    def dirty(self, value):
+        for L in self._lanes:
+            L.dirty = L.dirty or value
+
+    @property
+    def _sweep(self):
+        return self._top.sweep
+
+    @_sweep.setter
+    def _sweep(self, value):
+        self._top.sweep = value
 
     def _end_sweep(self):
-        if self._sweep is not None:
-            self._sweep.close()
-            self._sweep = None
+        for L in self._lanes:
+            L.end_sweep()
 
-    def _next_claim(self, force=False):
+    def _sync_lanes(self):
+        """Learn the lanes (incoming/lanes/ changed: one stat)."""
+        try:
+            st = os.stat(self.spool.d(LANES))
+            key = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            key = None
+        if key == self._lanes_key:
+            return
+        self._lanes_key = key
+        have = dict((L.sub, L) for L in self._lanes)
+        lanes = [self._top]
+        for p, t, sub in self.spool.lanes():
+            lanes.append(have.pop(sub, None) or _Lane(sub, t, p))
+        have.pop(self._top.sub, None)
+        for L in have.values():
+            L.end_sweep()
+        lanes.sort(key=lambda L: -L.prio)       # stable: incoming/ first of 0
+        self._lanes = lanes
+
+    def _head(self, L, force=False):
+        """Lane L's next job that is due now, (mtime, name, scheduled), or
+        None (L.next_due: when one will be)."""
         forced = restarted = False
-        budget = 256        # files that could not be claimed, before a break
         while True:
             self._tick()
-            if not self.cache:
-                if not (self.dirty or self.cache_full or (force and not forced)):
+            if not L.cache:
+                if not (L.dirty or L.cache_full or (force and not forced)):
                     return None
                 forced = True
-                self._rescan()
-                if not self.cache:
-                    if self._sweep is None:
+                self._rescan(L)
+                if not L.cache:
+                    if L.sweep is None:
                         return None
                     continue            # an open pass goes on
-            m, name, scheduled = self.cache[-1]
+            m, name, scheduled = L.cache[-1]
             if m > _now():
-                if self.dirty or (force and not forced):
+                if L.dirty or (force and not forced):
                     forced = True
-                    self._rescan()
+                    self._rescan(L)
                     continue
-                self.next_due = m
+                L.next_due = m
                 return None
-            self.cache.pop()
             if not name:                # a pass's marker: time for the next
-                self.dirty = True
+                L.cache.pop()
+                L.dirty = True
                 if restarted:           # nothing claimable: not again now,
-                    self.next_due = _now() + min(self.poll, 0.25)  # soon
+                    L.next_due = _now() + min(self.poll, 0.25)  # soon
                     return None
                 restarted = True
                 continue
-            c = self.spool._claim(name, self.me, self.max_attempts, scheduled)
+            return L.cache[-1]
+
+    def _next_claim(self, force=False):
+        """The next job to start: among the lanes whose type may start one
+        now, the highest priority, then the earliest, then the id."""
+        budget = 256        # files that could not be claimed, before a break
+        inf = float("inf")
+        while True:
+            self._sync_lanes()
+            now = _now()
+            best, due = None, inf
+            for L in self._lanes:               # the highest priority first
+                if best is not None and L.prio < best[0].prio:
+                    break
+                if L.type is not None:
+                    wait = self._gate(L, now)
+                    if wait is not None:
+                        due = min(due, wait)
+                        continue
+                head = self._head(L, force)
+                if head is None:
+                    if L.next_due is not None:
+                        due = min(due, L.next_due)
+                    continue
+                if best is None or head[:2] < best[1][:2]:
+                    best = (L, head)
+            if best is None:
+                self.next_due = None if due == inf else due
+                return None
+            L, (m, name, scheduled) = best
+            if L.type is not None:
+                wait = self._reserve(L)
+                if wait is not None:
+                    continue            # another worker was faster
+            L.cache.pop()
+            try:
+                c = self.spool._claim(name, self.me, self.max_attempts,
+                                      scheduled, L.sub)
+            except BaseException:
+                self._unreserve(L)
+                raise
             if c is not None:
+                self._taken = (L.slot, L.probe, L)
+                L.slot = L.probe = None
+                L.rated = False
                 return c
+            self._unreserve(L)
             budget -= 1
             if budget <= 0 and not force:
                 # A flood of bad files: the loop's housekeeping (reaping,
@@ -3716,13 +5084,164 @@ class Worker(object):
                 return None
 
     def _ready_now(self):
-        """For --drain: is any job ready now (after a fresh scan)?"""
-        if self.cache and self.cache[-1][0] <= _now():
-            return True
-        self._rescan()
-        while not self.cache and self._sweep is not None:
-            self._rescan()
-        return bool(self.cache) and self.cache[-1][0] <= _now()
+        """For --drain: is any job ready now (after a fresh scan)?  Jobs of
+        a paused type or a held destination are not, unless a probe is
+        due."""
+        self._sync_lanes()
+        now = _now()
+        for L in self._lanes:
+            if L.type is not None:
+                wait = self._gate(L, now)
+                if wait is not None and wait > now + 0.001:
+                    continue
+            if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
+                return True
+            self._rescan(L)
+            while not L.cache and L.sweep is not None:
+                self._rescan(L)
+            if L.cache and L.cache[-1][0] <= _now():
+                return True
+        return False
+
+    # Policy at the start of a run (SPEC 9) -------------------------------------
+
+    def _gate(self, L, now):
+        """None when a job of lane L may start now, else the wall time when
+        it may (inf: not by time: a pause, all slots busy here)."""
+        rules = self.spool.rules(L.type)
+        if rules.get("paused"):
+            return float("inf")
+        until = self._holds.get(L.dest or L.type)
+        if until is not None and until > now:
+            return until
+        n = rules.get("concurrency")
+        if n is not None and sum(1 for r in self.runs
+                                 if r.claim.job["type"] == L.type) >= n:
+            return float("inf")
+        if L.blocked > now:
+            return L.blocked
+        wait = rules.get("batch_wait")
+        if wait and rules.get("batch") and not self._no_wait and L.cache:
+            # wait for a fuller batch, up to batch_wait after the first
+            ready = [e for e in L.cache if e[1] and e[0] <= now]
+            if ready and len(ready) < rules["batch"] and \
+                    min(e[0] for e in ready) + wait > now:
+                return min(e[0] for e in ready) + wait
+        return None
+
+    def _reserve(self, L):
+        """Take what a start of lane L's type needs: the probe of a held
+        destination, a concurrency slot (locks/slots/TYPE.K, flock'd: a
+        kill -9 frees it), a place in the rate's window.  None when taken,
+        else the lane waits (L.blocked) and it returns the time."""
+        sp = self.spool
+        rules = sp.rules(L.type)
+        now = _now()
+        dest = L.dest or L.type
+        if dest in self._holds:
+            until = sp.take_probe(dest, self.backoff)
+            if until is None:
+                L.blocked = now + min(self.poll, 1.0)
+                return L.blocked
+            if until:
+                self._holds[dest] = until
+                L.probe = dest
+            else:
+                self._holds.pop(dest, None)     # released meanwhile
+        n = rules.get("concurrency")
+        if n is not None and L.slot is None:
+            L.slot = self._slot(L.type, n)
+            if L.slot is None:
+                L.probe = None
+                L.blocked = now + min(self.poll, 0.25)
+                return L.blocked
+        rate = rules.get("rate")
+        if rate:
+            wait = self._rate_take(L.type, rate)
+            if wait:
+                L.probe = None
+                L.blocked = now + wait
+                return L.blocked
+            L.rated = True
+        return None
+
+    def _unreserve(self, L):
+        """The lane gave no job: give back its slot and its place in the
+        rate's window."""
+        L.probe = None
+        if L.slot is not None:
+            os.close(L.slot)
+            L.slot = None
+        if L.rated:
+            L.rated = False
+            self._rate_take(L.type, self.spool.rules(L.type).get("rate"),
+                            give_back=True)
+
+    def _slot(self, type, n):
+        """One of the type's n slots, or None: a locked descriptor."""
+        import fcntl
+        d = self.spool.d("locks", "slots")
+        try:
+            os.makedirs(d, 0o750, exist_ok=True)
+        except OSError:
+            return None
+        for k in range(n):
+            try:
+                fd = os.open(os.path.join(d, "%s.%d" % (type, k)), os.O_RDWR
+                             | os.O_CREAT | O_NOFOLLOW | os.O_NONBLOCK
+                             | O_CLOEXEC, 0o640)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError:
+                os.close(fd)
+        return None
+
+    def _rate_take(self, type, rate, give_back=False):
+        """Take a start in the type's window (locks/rate/TYPE: this boot's
+        monotonic start times, under flock): 0 when taken, else how long
+        until one is free.  With give_back, return the last one taken."""
+        import fcntl
+        n, per = rate_of(rate)
+        d = self.spool.d("locks", "rate")
+        try:
+            os.makedirs(d, 0o750, exist_ok=True)
+            fd = os.open(os.path.join(d, type), os.O_RDWR | os.O_CREAT
+                         | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        except OSError:
+            return 0            # no window to keep: never hold a job for it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            lines = os.pread(fd, 1 << 20, 0).decode("utf-8", "replace").split("\n")
+            now = _mono()
+            times = []
+            if lines[0] == boot_id():
+                for t in lines[1:]:
+                    try:
+                        t = float(t)
+                    except ValueError:
+                        continue
+                    if now - per < t <= now:
+                        times.append(t)
+            if give_back:
+                if times:
+                    times.pop()
+                wait = 0
+            elif len(times) >= n:
+                wait = max(0.001, times[-n] + per - now)
+            else:
+                times.append(now)
+                wait = 0
+            data = "\n".join([boot_id()] + ["%.6f" % t for t in times[-n:]])
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data.encode("utf-8"), 0)
+            return wait
+        except OSError:
+            return 0
+        finally:
+            os.close(fd)
 
     # Running -------------------------------------------------------------------
 
@@ -3734,8 +5253,10 @@ class Worker(object):
         return job
 
     def _start(self, c):
+        (slot, probe, lane), self._taken = self._taken, (None, None, None)
         kind, target = self.resolve(c.job["type"])
         run = _Run(c, kind)
+        run.slot, run.probe = slot, probe
         run.started = _mono()
         limit = c.job.get("timeout") or self.timeout
         run.deadline = run.started + limit
@@ -3744,15 +5265,80 @@ class Worker(object):
             return
         if c.job["type"] in self._held:
             self._unhold(c.job["type"])
+        run.dest = self._dest_of(c.job, kind)
+        if lane is not None and lane.type is not None and run.dest != lane.type:
+            lane.dest = run.dest    # where this lane's jobs go, for its gate
+        until = self._holds.get(run.dest)
+        if until is not None and run.probe != run.dest:
+            new = None if until > _now() else \
+                self.spool.take_probe(run.dest, self.backoff)
+            if new is None:
+                self._park(run, max(until, _now() + self.poll), "destination %s "
+                           "is held" % run.dest)
+                return
+            if new:
+                self._holds[run.dest] = new
+                run.probe = run.dest
+            else:
+                self._holds.pop(run.dest, None)
+        if run.probe:
+            self.log("probe", dest=run.dest, id=c.jid)
+        run.target = target
+        rules = self.spool.rules(c.job["type"])
+        if rules.get("batch") and not run.probe and lane is not None \
+                and lane.type == c.job["type"]:
+            run.batch = [c] + self._claim_more(lane, c, rules["batch"] - 1,
+                                               rules.get("batch_bytes"), kind)
+        self._launch(run)
+
+    def _launch(self, run):
+        """Run the handler: an exec handler as a process, a function in
+        this thread (concurrency 1) or a thread of its own."""
+        run.started = _mono()
+        c = run.claim
+        run.deadline = run.started + (c.job.get("timeout") or self.timeout)
+        kind, target = run.kind, run.target
         if kind == "exec":
             self._spawn(run, target)
             return
-        if kind == "http":
+        if kind in ("http", "mqtt"):
             target = lambda job, fn=target: fn(job, run)    # noqa: E731
         if self.concurrency == 1 and self._main:
             self._run_inline(run, target)
         else:
             self._run_thread(run, target)
+
+    def _claim_more(self, L, first, n, limit, kind):
+        """A batch (SPEC 10): up to n more ready jobs of lane L, within
+        `limit` bytes; for http only jobs that go in the same request."""
+        out = []
+        size = len(dumps(first.job))
+        key = _batch_key(first.job) if kind == "http" else None
+        sp = self.spool
+        while len(out) < n:
+            head = self._head(L)
+            if head is None:
+                break
+            m, name, scheduled = head
+            try:
+                sz = os.lstat(sp.d(L.sub, name)).st_size
+            except OSError:
+                L.cache.pop()
+                continue
+            if limit and size + sz > limit:
+                break
+            L.cache.pop()
+            c = sp._claim(name, self.me, self.max_attempts, scheduled, L.sub)
+            if c is None:
+                continue
+            if key is not None and _batch_key(c.job) != key:
+                job = dict(c.job)           # not for this request: back, as
+                job["available_at"] = _now()    # it was, for the next batch
+                self._move(c, job, "incoming", None, {})
+                break
+            size += sz
+            out.append(c)
+        return out
 
     def _env(self, c):
         env = {}
@@ -3783,9 +5369,12 @@ class Worker(object):
             fds.extend(os.pipe())       # close-on-exec; Popen dup2s them
             fds.extend(os.pipe())
             in_r, in_w, err_r, err_w = fds
+            env = self._env(c)
+            if run.batch:
+                env["MYQ_BATCH"] = str(len(run.batch))
             proc = subprocess.Popen(
                 [path], stdin=in_r, stdout=self._null, stderr=err_w,
-                env=self._env(c), close_fds=True, start_new_session=True)
+                env=env, close_fds=True, start_new_session=True)
         except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
             for fd in fds:
                 os.close(fd)
@@ -3797,13 +5386,22 @@ class Worker(object):
             return
         run.proc = proc
         # First of all: the handler's pid, for a reaper should we die now.
-        self.spool._note_handler(c, proc.pid, proc_start(proc.pid))
+        start = proc_start(proc.pid)
+        for one in run.batch or [c]:
+            self.spool._note_handler(one, proc.pid, start)
         os.close(in_r)
         os.close(err_w)
         run.stdin_fd, run.err_fd = in_w, err_r
         os.set_blocking(in_w, False)
         os.set_blocking(err_r, False)
-        run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8") + b"\n")
+        if run.batch:       # one JSON object a line (SPEC 10)
+            run.stdin = memoryview(b"".join(json.dumps(
+                {"id": one.jid, "type": one.job["type"], "payload":
+                 one.job["payload"], "attempt": one.attempt}).encode("utf-8")
+                + b"\n" for one in run.batch))
+        else:
+            run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8")
+                                   + b"\n")
         self.runs.append(run)
         self._feed(run)
 
@@ -3858,7 +5456,8 @@ class Worker(object):
                     continue
                 if run.timed_out or run.released:
                     self._kill(run, 9)          # no descendant survives
-                self.spool._end_handler(run.claim.token)
+                for c in run.batch or [run.claim]:
+                    self.spool._end_handler(c.token)
                 if run.stdin_fd is not None:
                     os.close(run.stdin_fd)
                     run.stdin_fd = None
@@ -3872,6 +5471,8 @@ class Worker(object):
                     if run.released:
                         self._release(run)
                     elif run.timed_out and run.result[0] != "done":
+                        # a built-in handler's time-out is its destination's
+                        run.dest_fail = run.kind in ("http", "mqtt")
                         self._finish(run, "retry", "timed out after %gs (%s)" % (
                             run.deadline - run.started, run.result[1]),
                             None, run.result[3] if len(run.result) > 3 else None)
@@ -3904,20 +5505,32 @@ class Worker(object):
             why = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
             if tail:
                 why += ": " + tail
-            if rc in (EX_TEMPFAIL, EX_OSERR) or not 64 <= rc <= 78:
+            run.dest_fail = rc in (EX_TEMPFAIL, EX_OSERR)
+            if run.dest_fail or not 64 <= rc <= 78:
                 self._finish(run, "retry", why)
             else:
                 self._finish(run, "dead", why)
 
     def _call(self, run, fn):
         """Run an in-process handler; returns (outcome[, error, delay,
-        traceback])."""
+        traceback]).  A batch's function gets the list of its jobs; the
+        built-in handlers send it their way (mqtt: one outcome a job)."""
         try:
+            if run.batch:
+                jobs = [self._job_for_handler(c) for c in run.batch]
+                if run.kind == "mqtt":
+                    return ("each", self.mqtt_batch(jobs))
+                if run.kind == "http":
+                    self._http_batch(jobs, run)
+                else:
+                    fn(jobs)
+                return ("done",)
             fn(self._job_for_handler(run.claim))
             return ("done",)
         except PermanentError as e:
             return ("dead", _exc_text(e), None, _tb_tail(e))
         except RetryLater as e:
+            run.dest_fail = True    # the destination's failure (SPEC 9)
             return ("retry", _exc_text(e), e.seconds)
         except Exception as e:
             return ("retry", _exc_text(e), None, _tb_tail(e))
@@ -3970,17 +5583,67 @@ class Worker(object):
     def _finish(self, run, outcome, error=None, delay=None, tb=None):
         """The run's outcome: "done", "retry" (or "dead" once the attempts
         are spent) or "dead", with the error, a delay (RetryLater) and a
-        Python handler's traceback."""
-        c = run.claim
+        Python handler's traceback.  A batch's outcome is every job's; a
+        batch that fails for good is split in halves, run at once (SPEC
+        10); "each" carries one outcome per job (mqtt)."""
+        self._free(run)
+        if outcome == "each":
+            for c, res in zip(run.batch, error):
+                one = _Run(c, run.kind)
+                one.started, one.dest, one.probe = run.started, run.dest, run.probe
+                if res is None:
+                    self._finish(one, "done")
+                else:
+                    one.dest_fail = isinstance(res, RetryLater)
+                    self._finish(one, "dead" if isinstance(res, PermanentError)
+                                 else "retry", _exc_text(res),
+                                 getattr(res, "seconds", None))
+            return
+        counts = True
+        if outcome == "retry" and run.dest_fail:
+            counts, delay = self._dest_failed(run, delay, error)
+        elif run.dest and (outcome == "done" or outcome == "dead"):
+            # an answer that is not the destination's failure (SPEC 9)
+            if self.spool.dest_ok(run.dest) or run.dest in self._holds:
+                self._holds.pop(run.dest, None)
+                self.dirty = True
+                self.log("release", dest=run.dest, id=run.claim.jid)
+        claims = run.batch or [run.claim]
+        if len(claims) > 1 and (outcome == "dead" or (
+                outcome == "retry" and not run.dest_fail and
+                any(c.attempt >= c.max_attempts for c in claims))):
+            half = len(claims) // 2
+            self.log("split", type=run.claim.job["type"], jobs=len(claims),
+                     error=_clip(error or "failed", 200))
+            for part in (claims[:half], claims[half:]):
+                new = _Run(part[0], run.kind)
+                new.batch, new.split, new.target = part, True, run.target
+                self._launch(new)
+            return
+        for c in claims:
+            self._finish_one(run, c, outcome, error, delay, tb, counts)
+
+    def _finish_one(self, run, c, outcome, error, delay, tb, counts):
         ms = int((_mono() - run.started) * 1000)
         kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
+        if run.batch:
+            kv["batch"] = len(run.batch)
         if outcome == "done":
             self._complete(c, kv)
             return
         job = dict(c.job)
-        job["attempts"] = c.attempt
+        job["attempts"] = c.attempt if counts else c.attempt - 1
         note_failure(job, c.attempt, error, tb)
         error = job["last_error"]
+        if not counts:
+            # The destination's failure inside a streak: no attempt spent.
+            d = delay if delay is not None else self.backoff(max(1, c.attempt))
+            job["available_at"] = _now() + d
+            kv.update(retry_in=round(d, 3), error=error, counted=False)
+            self.spool.note_held(run.dest, "%s/%s.json" % (self.spool.home(job),
+                                                            c.jid))
+            self._move(c, job, "incoming", "retry", kv)
+            return
         if outcome == "retry" and c.attempt >= c.max_attempts:
             outcome = "dead"
         if outcome == "dead":
@@ -3992,11 +5655,47 @@ class Worker(object):
         job["available_at"] = _now() + d
         kv["retry_in"] = round(d, 3)
         kv["error"] = error
+        if run.dest_fail:       # the release makes it ready at once
+            self.spool.note_held(run.dest, "%s/%s.json" % (self.spool.home(job),
+                                                            c.jid))
         self._move(c, job, "incoming", "retry", kv)
+
+    def _dest_failed(self, run, delay, error):
+        """The circuit breaker (SPEC 9) after a destination failure (of a
+        batch: one failure): (does it count an attempt, the delay before
+        the job may run again)."""
+        sp, c = self.spool, run.claim
+        started, distinct, total = sp.streak(run.dest, c.jid)
+        # its own backoff grows with the streak, not with attempts it spends
+        # (a handler's RetryLater says how long itself; a server's Retry-After
+        # is only a lower bound)
+        if delay is None or run.kind in ("http", "mqtt"):
+            delay = max(delay or 0.0, self.backoff(total))
+        until = self._holds.get(run.dest)
+        if until is not None:
+            # held: a failed probe waits a round longer than the others, so
+            # that the next probe is another job
+            return False, max(0.0, until - _now()) + (
+                self.backoff_max if run.probe else 0.0)
+        n = sp.rules(c.job["type"]).get("breaker", 3)
+        if n and distinct >= n:
+            d = min(delay, self.backoff_max) if delay is not None \
+                else self.backoff(1)
+            until = _now() + d
+            self._holds[run.dest] = until
+            self._write_hold(run.dest, "%d jobs failed in a row: %s" % (
+                distinct, _clip(error or "failed", 200)), until)
+            self.log("hold", dest=run.dest, until=iso(until), failures=distinct)
+            return started and not run.probe, d
+        return started and not run.probe, delay
 
     def _release(self, run):
         """Shutdown: back to incoming/, ready now, the attempt not counted."""
-        c = run.claim
+        self._free(run)
+        for c in run.batch or [run.claim]:
+            self._release_one(c)
+
+    def _release_one(self, c):
         job = dict(c.job)
         job["available_at"] = _now()
         self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
@@ -4049,8 +5748,10 @@ class Worker(object):
     # counts, and they run once the handler is there.
 
     def _hold(self, run, why):
+        """A missing or unstartable handler: its type is held at once (a
+        deployment not finished); the job waits, no attempt counted."""
         c = run.claim
-        t = c.job["type"]
+        t = run.dest = c.job["type"]
         old = self._held.get(t)
         delay = min(max(old[1] * 2 if old else self.backoff_base, 1.0),
                     self.backoff_max, 300.0)
@@ -4058,26 +5759,86 @@ class Worker(object):
         until = _now() + delay
         if old is None:
             self.log("hold", dest=t, why=why, until=iso(until))
-        self.spool._hold(t, why, until, c.jid + ".json")
+        self._holds[t] = until
+        self._write_hold(t, why, until, missing=True)
+        self._park(run, until, why)
+
+    def _write_hold(self, dest, why, until, **extra):
+        sp = self.spool
+        try:
+            os.makedirs(sp.d("locks", "held"), 0o750, exist_ok=True)
+            tmp = sp._tmpname("held")
+            rec = {"dest": dest, "why": why, "since": round(_now(), 3),
+                   "until": round(until, 3), "probes": 0, "boot": boot_id()}
+            rec.update(extra)
+            _create(tmp, dumps(rec), sync=False)
+            _rename(tmp, sp._held_path(dest))
+        except OSError:
+            pass            # a record for operators: never worth a job
+
+    def _park(self, run, until, why):
+        """Put a job of a held destination back, no attempt counted, until
+        the hold's next probe; the release makes it ready at once."""
+        c = run.claim
         job = dict(c.job)
         job["available_at"] = until
         job["last_error"] = "held: " + why
+        self.spool.note_held(run.dest or job["type"], "%s/%s.json" % (
+            self.spool.home(job), c.jid))
+        self._free(run)
         self._move(c, job, "incoming", None, {})
+
+    def _free(self, run):
+        if run.slot is not None:
+            os.close(run.slot)
+            run.slot = None
 
     def _unhold(self, t):
         """The handler of a held type is there: release the hold; the jobs
         it put back are ready now."""
         self._held.pop(t, None)
+        self._holds.pop(t, None)
         self.spool._release(t)
         self.dirty = True
         self.next_due = None
         self.log("release", dest=t)
 
+    def _load_holds(self):
+        """The holds of every worker of the spool (locks/held/); a hold
+        from another boot has its probe due at once."""
+        now, boot = _now(), boot_id()
+        self._holds = dict((h["dest"], h["until"] if h.get("boot") == boot
+                            else min(h["until"], now))
+                           for h in self.spool.held())
+
     def _check_holds(self):
-        """At each poll tick: has the handler of a held type appeared?"""
+        """At each poll tick: the holds on disk (other workers' too), and
+        has the handler of a held type appeared?"""
+        before = set(self._holds)
+        self._load_holds()
+        if before - set(self._holds):
+            self.dirty = True       # released by another worker
         for t in list(self._held):
             if self.resolve(t)[0] is not None:
                 self._unhold(t)
+
+    def _dest_of(self, job, kind):
+        """The circuit breaker's destination (SPEC 9): for http its
+        scheme://host:port, for mqtt the broker, else the type."""
+        if kind == "http":
+            p = job.get("payload")
+            url = p.get("url") if isinstance(p, dict) else None
+            if isinstance(url, str):
+                m = re.match(r"(https?)://(?:[^@/?#]*@)?(\[[^\]]*\]|[^:/?#]*)"
+                             r"(?::(\d+))?", url, re.I)
+                if m and m.group(2):
+                    scheme = m.group(1).lower()
+                    return "%s://%s:%s" % (scheme, m.group(2).lower(), m.group(3)
+                                           or (443 if scheme == "https" else 80))
+        elif kind == "mqtt":
+            client = getattr(self, "_mqtt_client", None)
+            return client.dest if client is not None else "mqtt"
+        return job["type"]
 
     def _retry_stuck(self, final=False):
         """Finishes that failed on I/O, tried again after the pause."""
@@ -4121,11 +5882,12 @@ class Worker(object):
         try:
             self.me.beat()
             for run in self.runs + ([self._inline] if self._inline else []):
-                try:
-                    _utime(run.claim.path, until)
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise
+                for c in run.batch or [run.claim]:
+                    try:
+                        _utime(c.path, until)
+                    except OSError as e:
+                        if e.errno != errno.ENOENT:
+                            raise
         except OSError as e:
             self.log("error", during="heartbeat", error=e.strerror)
 
@@ -4134,6 +5896,15 @@ class Worker(object):
             self.spool.reap(self.me, self.max_attempts)
         except (OSError, MyqError) as e:
             self.log("error", during="reap", error=str(e))
+
+
+def _batch_key(job):
+    """Which http jobs may share one request: method, url, headers."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return None
+    return json.dumps([str(p.get("method") or "POST").upper(), p.get("url"),
+                       p.get("headers")], sort_keys=True, default=str)
 
 
 def _abort(run):
@@ -4528,6 +6299,12 @@ WORKER_OPTIONS = [
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
     ("--http-ca", str, None, "PEM file of CA certificates that https trusts besides the system's"),
     ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
+    ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
+    ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
+    ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
+    ("--mqtt-ca", str, None, "CA certificate(s) to trust for an mqtts broker, besides the system's"),
+    ("--mqtt-cert", str, None, "client certificate for an mqtts broker that wants one"),
+    ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
 ]
 
 
@@ -4546,7 +6323,9 @@ _GUARDS_SHOWN = {
 
 _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
              "http_ca": "FILE",
-             "pass_env": "NAME"}
+             "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
+             "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
+             "mqtt_key": "FILE"}
 
 
 def _format_duration(v):
@@ -4602,6 +6381,16 @@ def _parser(only=None):
             return parse_duration(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError("%r is %s" % (text, e))
+
+    def priority(text):
+        try:
+            p = int(text)
+            if -9 <= p <= 9:
+                return p
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError("%r: a priority is an integer from "
+                                         "-9 to 9" % text)
 
     def count(text):
         try:
@@ -4666,6 +6455,12 @@ def _parser(only=None):
     p.add_argument("--timeout", type=duration, metavar="S",
                    help="the handler's time limit for this job (default: "
                    "the worker's --timeout)")
+    p.add_argument("--priority", type=priority, metavar="P",
+                   help="-9 to 9, higher first (default: the type's policy, "
+                   "else 0)")
+    p.add_argument("--ttl", type=duration, metavar="S",
+                   help="never start it later than this from now: it goes to "
+                   "dlq/ as expired (default: the type's policy ttl)")
     p = cmd("worker", "run jobs", guards=True, worker=True)
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p = cmd("supervise", "run and restart N workers (for the init script)",
@@ -4730,6 +6525,26 @@ def _parser(only=None):
             guards=True)
     p.add_argument("--json", action="store_true",
                    help='one JSON object: {"ok", "spool", "problems"}')
+    p = cmd("policy", "show or set the per-type rules (TYPE KEY=VALUE ...; "
+            "an empty VALUE removes the key)")
+    p.add_argument("type", nargs="?", help="a job type")
+    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
+                   help="keys: " + " ".join(sorted(POLICY_KEYS)))
+    p.add_argument("--default", action="store_true",
+                   help="the default rules, for every type without its own "
+                   "value (shown as *)")
+    p.add_argument("--json", action="store_true",
+                   help="the policy as one JSON object")
+    p = cmd("pause", "no new job of these types starts (running ones finish)")
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true",
+                   help="every type, new ones too (the default rules)")
+    p = cmd("resume", "undo pause; or release a held destination now")
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true", help="every paused type")
+    p.add_argument("--dest", action="append", default=[], metavar="DEST",
+                   help="release this held destination now (as myq stats "
+                   "--json shows it under held)")
     cmd("version", "print the version")
     return top
 
@@ -4815,6 +6630,25 @@ def _check_worker_options(o):
         raise ConfigError("--module %s: no such Python file" % o["module"])
     if o.get("textfile") and not os.path.isdir(o["textfile"]):
         raise ConfigError("--textfile %s is not a directory" % o["textfile"])
+    _mqtt_options(o)
+
+
+def _mqtt_options(o):
+    """Worker(...) keyword arguments of the --mqtt options, checked (a bad
+    URL: UsageError, an unreadable file: ConfigError)."""
+    kw = dict((k, o.get(k)) for k in ("mqtt", "mqtt_password_file",
+                                       "mqtt_client_id", "mqtt_ca",
+                                       "mqtt_cert", "mqtt_key"))
+    if not kw["mqtt"]:
+        extra = sorted("--" + k.replace("_", "-") for k, v in kw.items() if v)
+        if extra:
+            raise UsageError("%s without --mqtt (give the broker: --mqtt "
+                             "mqtt://HOST)" % ", ".join(extra))
+        return kw
+    _mqtt_client(*(kw[k] for k in ("mqtt", "mqtt_password_file",
+                                    "mqtt_client_id", "mqtt_ca", "mqtt_cert",
+                                    "mqtt_key")))
+    return kw
 
 
 def _http_headers(o):
@@ -4863,11 +6697,13 @@ def _worker_from(spool, o):
                   stats_interval=o["stats_interval"], grace=o["grace"],
                   pass_env=o["pass_env"], http_headers=headers,
                   http_ca=o.get("http_ca"),
-                  scan_cache=o["scan_cache"], log=_make_log(o))
+                  scan_cache=o["scan_cache"], log=_make_log(o),
+                  **_mqtt_options(o))
 
 
 _COMMANDS = ("init", "enqueue", "worker", "supervise", "stats", "list", "show",
-             "retry", "delete", "reap", "prune", "check", "version")
+             "retry", "delete", "reap", "prune", "check", "policy", "pause",
+             "resume", "version")
 
 
 def _supervise(args, spool, guards, env):
@@ -4895,6 +6731,10 @@ def _supervise(args, spool, guards, env):
             ids = None
     spool.require()
     _check_worker_options(o)
+    if o["mqtt_client_id"] and n > 1:
+        raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
+                         "its own client id (the broker drops a connection when "
+                         "another takes its id); leave it out for unique ids" % n)
     if args.dry_run:
         return 0
     if o.get("log"):
@@ -4906,8 +6746,9 @@ def _supervise(args, spool, guards, env):
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     if not o["handlers"] and not o["module"]:
-        log("warning", problem="no --handlers and no --module: only http jobs "
-            "have a handler; give MYQ_ARGS=\"--handlers DIR\"")
+        log("warning", problem="no --handlers and no --module: only http%s jobs "
+            "have a handler; give MYQ_ARGS=\"--handlers DIR\""
+            % (" and mqtt" if o["mqtt"] else ""))
     wargv = _option_argv(o, WORKER_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile,
@@ -5051,7 +6892,77 @@ def _cmd_enqueue(a):
         raise InvalidJob("payload is not JSON (%s); quote a string as "
                          "'\"text\"'" % e)
     _print(a.spool.enqueue(args.type, payload, id=args.id, delay=args.delay,
-                           max_attempts=args.max_attempts, timeout=args.timeout))
+                           max_attempts=args.max_attempts, timeout=args.timeout,
+                           priority=args.priority, ttl=args.ttl))
+
+
+def _cmd_policy(a):
+    args, sp = a.args, a.spool
+    sp.require()
+    pairs = list(args.pairs)
+    name = args.type
+    if args.default:
+        if name is not None:
+            pairs.insert(0, name)
+        name = "*"
+    elif name is not None and "=" in name:
+        raise UsageError("give the TYPE before KEY=VALUE (or --default for "
+                         "every type)")
+    if pairs:
+        changes = {}
+        for pair in pairs:
+            k, eq, v = pair.partition("=")
+            if not eq:
+                raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
+                                 "the key)" % pair)
+            if k not in POLICY_KEYS:
+                policy_value(k, v)          # the error that names the keys
+            changes[k] = v if v != "" else None
+        sp.set_policy(name, changes)
+    sp._pol_next = 0.0
+    pol = sp.policy()
+    if sp.policy_error and not pairs:
+        sys.stderr.write("myq: %s\n" % sp.policy_error)
+    if name is not None:
+        pol = {name: pol.get(name, {})} if name in pol or pairs else {}
+    if args.json:
+        _print(json.dumps(pol, sort_keys=True))
+        return
+    for t in sorted(pol, key=lambda t: (t != "*", t)):
+        _print(" ".join([t] + ["%s=%s" % (k, format_policy(k, v))
+                               for k, v in sorted(pol[t].items())]))
+
+
+def _cmd_pause(a):
+    args, sp = a.args, a.spool
+    if not args.types and not args.all:
+        raise UsageError("give the types to pause, or --all")
+    for t in (["*"] if args.all else []) + args.types:
+        sp.set_policy(t, {"paused": True})
+
+
+def _cmd_resume(a):
+    args, sp = a.args, a.spool
+    if not (args.types or args.all or args.dest):
+        raise UsageError("give the types to resume, --all, or --dest DEST")
+    sp.require()
+    if args.all:
+        for t in list(sp.policy()):
+            if "paused" in sp.policy()[t]:
+                sp.set_policy(t, {"paused": None})
+    for t in args.types:
+        sp.set_policy(t, {"paused": None})
+        if sp.rules(t).get("paused"):       # the default pauses every type
+            sp.set_policy(t, {"paused": False})
+    missing = []
+    for dest in args.dest:
+        if sp.hold_of(dest) is None:
+            missing.append(dest)
+            continue
+        sp._release(dest)
+    if missing:
+        raise NoSuchJob("no held destination %s (see: myq --spool %s stats "
+                        "--json, under held)" % (", ".join(missing), sp.path))
 
 
 def _cmd_worker(a):

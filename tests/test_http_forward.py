@@ -550,7 +550,7 @@ def test_http_batch_body_ids_and_key(myq, server):
 
 def test_http_batch_key_is_sha256_of_the_ids(myq):
     ids = ["a", "b", "c"]
-    assert myq._batch_key(ids) == "b-" + hashlib.sha256(b"a,b,c").hexdigest()[:32]
+    assert myq._ids_key(ids) == "b-" + hashlib.sha256(b"a,b,c").hexdigest()[:32]
 
 
 def test_http_batch_key_the_same_under_python3_light(myq, spool, tmp_path):
@@ -558,7 +558,7 @@ def test_http_batch_key_the_same_under_python3_light(myq, spool, tmp_path):
     there, so a device computes the same keys.  (The modules that
     test_http's python3-light runs refuse, but hashlib.py itself.)"""
     code = ("import sys, json; sys.path.insert(0, %r); import myq; "
-            "print(myq._batch_key(['x1', 'y2']))" % ROOT)
+            "print(myq._ids_key(['x1', 'y2']))" % ROOT)
     blocked = [m for m in NOT_IN_LIGHT if m != "hashlib"]
     light = subprocess.run(
         [sys.executable, "-c", "import sys\nBLOCK=set(sys.argv[1].split(','))\n"
@@ -569,7 +569,7 @@ def test_http_batch_key_the_same_under_python3_light(myq, spool, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
         timeout=60)
     assert light.returncode == 0, light.stderr
-    assert light.stdout.strip() == myq._batch_key(["x1", "y2"])
+    assert light.stdout.strip() == myq._ids_key(["x1", "y2"])
 
 
 def test_http_batch_gzip_and_configured_headers(myq, server):
