@@ -4466,7 +4466,8 @@ class Worker(object):
         try:
             return http_handler(job, self.http_headers, self.backoff_max,
                                 job.get("timeout") or self.timeout, run,
-                                self.http_pool)
+                                self.http_pool, gzip=bool(
+                                    self.spool.rules(job["type"]).get("gzip")))
         except RetryLater as e:
             # A server's Retry-After is a lower bound, not leave to hammer
             # it ("Retry-After: 0" a thousand times): the backoff holds too.

@@ -640,3 +640,42 @@ def test_user_agent(myq, server):
     myq.http_handler(job("u3", server.url("/u"), 1), headers={"User-Agent": "fleet/3"})
     agents = [r["headers"].get_all("User-Agent") for r in server.requests]
     assert agents == [["myq/" + myq.__version__], ["dev/2"], ["fleet/3"]]
+
+
+# --------------------------------------------------------------------------
+# through the worker: `myq policy TYPE batch=N gzip=true`
+
+def test_worker_batches_http_jobs_gzipped_over_one_connection(myq, spool, server):
+    p = call_myq("--spool", spool, "policy", "tele", "handler=http", "batch=10",
+                 "gzip=true")
+    assert p.returncode == 0, p.stderr
+    ids = [myq.enqueue(spool, "tele", {"url": server.url("/b"), "body": {"n": i}},
+                       id="t%02d" % i) for i in range(25)]
+    myq.Worker(spool, jitter=0).run(drain=True)
+    assert states(myq, spool, ids) == ["done"] * 25
+    assert server.connections == 1
+    sent = []
+    for r in server.requests:
+        assert r["headers"]["Content-Encoding"] == "gzip"
+        bodies = json.loads(gzip.decompress(r["body"]).decode("utf-8"))
+        got = r["headers"]["X-Myq-Ids"].split(",")
+        assert [b["n"] for b in bodies] == [int(i[1:]) for i in got]
+        assert r["headers"]["Idempotency-Key"] == myq._ids_key(got)
+        sent += got
+    assert sorted(sent) == ids and len(sent) == 25
+    assert len(server.requests) < 25 and max(
+        len(r["headers"]["X-Myq-Ids"].split(",")) for r in server.requests) <= 10
+
+
+def test_policy_gzip_without_batch(myq, spool, server):
+    p = call_myq("--spool", spool, "policy", "tele", "handler=http", "gzip=true")
+    assert p.returncode == 0, p.stderr
+    a = myq.enqueue(spool, "tele", {"url": server.url("/g"), "body": {"n": 1}})
+    b = myq.enqueue(spool, "http", {"url": server.url("/g"), "body": {"n": 2}})
+    myq.Worker(spool, jitter=0).run(drain=True)
+    assert states(myq, spool, [a, b]) == ["done", "done"]
+    by_key = dict((r["headers"]["Idempotency-Key"], r) for r in server.requests)
+    assert by_key[a]["headers"]["Content-Encoding"] == "gzip"
+    assert json.loads(gzip.decompress(by_key[a]["body"])) == {"n": 1}
+    assert "Content-Encoding" not in by_key[b]["headers"]    # no policy: plain
+    assert by_key[b]["body"] == b'{"n":2}'
