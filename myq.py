@@ -1231,7 +1231,10 @@ class Spool(object):
         self._free_checked = (-1e9, True)
         self._seq = 0
         self._pol, self._pol_key, self._pol_next = {}, None, 0.0
+        self._rules, self._homes = {}, {}     # per type, for this policy
+        self.pol_polled = False
         self.policy_error = None
+        self.intake = False     # _claim moved a producer's file to its lane
 
     def d(self, *parts):
         return os.path.join(self.path, *parts)
@@ -1469,7 +1472,8 @@ class Spool(object):
         are not durable, so take them back (an error must mean: nothing
         enqueued)."""
         try:
-            for sub in sorted(set(sub for jid, sub in placed)):
+            for sub in sorted(set(sub for jid, sub in placed)) \
+                    if len(placed) > 1 else (placed[0][1],):
                 _fsync_dir(self.d(sub), dirs(sub))
         except OSError as e:
             for jid, sub in placed:
@@ -1490,7 +1494,7 @@ class Spool(object):
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
         tmp = self._tmpname(jid)
-        dst = self.d(sub, jid + ".json")
+        dst = (self._incoming if sub == "incoming" else self.d(sub, "")) + jid + ".json"
         tfd = dfd = None
         try:
             tfd, dfd = dirs("tmp"), dirs(sub)
@@ -1768,7 +1772,7 @@ class Spool(object):
                 continue
             yield row
 
-    def stats(self, now=None):
+    def stats(self, now=None, by_type=False):
         """The counters of the status line (SPEC 6), from the directories."""
         now = _now() if now is None else now
         ready = scheduled = 0
@@ -1802,9 +1806,10 @@ class Spool(object):
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
                 "retries_1m": self.retries_1m(now), "scheduled": scheduled,
                 "failed": failed, "free_kb": int(free_kb),
-                "dropped": sum(tot["dropped"].values()),
-                "expired": sum(tot["expired"].values()),
-                "rejected": sum(tot["rejected"].values()),
+                "dropped": tot["dropped"] if by_type else sum(tot["dropped"].values()),
+                "expired": tot["expired"] if by_type else sum(tot["expired"].values()),
+                "rejected": tot["rejected"] if by_type else
+                sum(tot["rejected"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.held()]}
@@ -1827,6 +1832,7 @@ class Spool(object):
             key = None
         if key != self._pol_key:
             self._pol_key = key
+            self._rules, self._homes = {}, {}
             if key is None:
                 self._pol, self.policy_error = {}, None
             else:
@@ -1842,15 +1848,17 @@ class Spool(object):
         return self._pol
 
     def rules(self, type):
-        """The policy of one type: its own keys over the default's."""
-        pol = self.policy()
-        own, default = pol.get(type), pol.get("*")
-        if not default:
-            return own or {}
-        if not own:
-            return default
-        r = dict(default)
-        r.update(own)
+        """The policy of one type: its own keys over the default's.  (A
+        worker re-reads the policy at its poll ticks: pol_polled.)"""
+        pol = self._pol if self.pol_polled else self.policy()
+        r = self._rules.get(type)
+        if r is None:
+            own, default = pol.get(type), pol.get("*")
+            r = dict(default or ())
+            r.update(own or ())
+            if len(self._rules) > 4096:
+                self._rules.clear()
+            self._rules[type] = r
         return r
 
     def set_policy(self, name, changes):
@@ -1934,14 +1942,17 @@ class Spool(object):
     def home(self, job):
         """Where a waiting job lives: "incoming", or its lane (a priority
         other than 0, or rules of its type that need its jobs apart)."""
-        t = job["type"]
+        t, p = job["type"], job.get("priority")
         rules = self.rules(t)
-        p = job.get("priority")
-        if p is None:
-            p = rules.get("priority", 0)
-        if p == 0 and not any(k in rules for k in _LANE_KEYS):
-            return "incoming"
-        return "%s/%s@%d" % (LANES, t, p)
+        home = self._homes.get((t, p))
+        if home is None:
+            q = rules.get("priority", 0) if p is None else p
+            if q == 0 and not any(k in rules for k in _LANE_KEYS):
+                home = "incoming"
+            else:
+                home = "%s/%s@%d" % (LANES, t, q)
+            self._homes[(t, p)] = home
+        return home
 
     def _make_lane(self, sub, dirs=None):
         """Create the lane `sub` (and incoming/lanes/) as incoming/ is: its
@@ -1976,16 +1987,15 @@ class Spool(object):
         (its retry, or its creation) + its type's ttl.  Times from a clock
         that was never set (before 2020) expire nothing: a device without
         a real-time clock boots in 1970 and jumps at its first NTP sync."""
-        since = job.get("retried_at") or job.get("created_at") or 0
-        if since < SANE_TIME:
-            return None
         e = job.get("expires_at")
         if e is None:
             ttl = self.rules(job["type"]).get("ttl")
             if ttl is None:
                 return None
-            e = since + ttl
-        return e
+        since = job.get("retried_at") or job.get("created_at") or 0
+        if since < SANE_TIME:
+            return None
+        return since + ttl if e is None else e
 
     def _waiting_of(self, type):
         """[(priority, mtime, name, size, sub)] of the jobs of `type`
@@ -2146,6 +2156,18 @@ class Spool(object):
         except OSError:
             pass
 
+    def held_jobs(self, dest):
+        """The jobs a hold put back (their paths in the spool), each once,
+        in the order they were put back."""
+        data = _read_small(self._held_path(dest, ".jobs"), 1 << 22, tail=True)
+        seen, out = set(), []
+        for name in (data or b"").decode("utf-8", "replace").split():
+            if name not in seen and name.startswith("incoming/") \
+                    and name.endswith(".json") and ".." not in name.split("/"):
+                seen.add(name)
+                out.append(name)
+        return out
+
     def take_probe(self, dest, delay):
         """A hold's backoff is over: take the probe (one job of `dest` may
         start; the next probe is `delay(probes)` seconds later), unless
@@ -2188,6 +2210,12 @@ class Spool(object):
         except OSError:
             pass
         return not data, len(set(seen + [jid])), len(seen) + 1
+
+    def streaky(self):
+        """The destinations with failures in a row, as file names
+        (_safe_dest): one listing."""
+        return set(n[:-7] for n in _listdir(self.d("locks", "held"))
+                   if n.endswith(".streak"))
 
     def dest_ok(self, dest):
         """An answer that is not the destination's failure: the streak
@@ -2266,7 +2294,7 @@ class Spool(object):
         if not name.endswith(".json"):
             return None
         stem = name[:-5]
-        src = self.d(sub, name)
+        src = self._incoming + name if sub == "incoming" else self.d(sub, name)
         if not NAME_RE.match(stem):
             try:
                 self._quarantine(src, name, "bad file name: a job file is ID.json, "
@@ -2363,6 +2391,7 @@ class Spool(object):
                 # lane, under the type's bounds; its priority is fixed now.
                 if job.get("priority") is None:
                     job["priority"] = self.rules(job["type"]).get("priority", 0)
+                self.intake = True
                 self._make_lane(home)
                 full = self.make_room(job["type"], st.st_size, exclude=name)
                 if full:
@@ -3119,7 +3148,7 @@ def _write_textfile(w):
     name = "myq_%s.prom" % re.sub(r"[^A-Za-z0-9_.-]", "_", sp.name)
     tmp = os.path.join(d, ".%s.%d.tmp" % (name, os.getpid()))
     try:
-        data = prometheus_text(sp.stats()).encode("utf-8", "replace")
+        data = prometheus_text(sp.stats(by_type=True)).encode("utf-8", "replace")
         _quiet_unlink(tmp)
         _create(tmp, data, sync=False, mode=0o644)
         _rename(tmp, os.path.join(d, name))
@@ -4343,14 +4372,14 @@ class _Lane(object):
     or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
     __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
                  "soonest", "next_due", "blocked", "slot", "probe", "rated",
-                 "dest")
+                 "dest", "key", "path")
 
-    def __init__(self, sub, type=None, prio=0):
-        self.sub, self.type, self.prio = sub, type, prio
+    def __init__(self, sub, type=None, prio=0, path=None):
+        self.sub, self.type, self.prio, self.path = sub, type, prio, path
         self.cache, self.cache_full, self.dirty = [], False, True
         self.sweep = self.soonest = self.next_due = None
         self.blocked = 0.0          # wall time before which it is not tried
-        self.slot = self.probe = self.dest = None
+        self.slot = self.probe = self.dest = self.key = None
         self.rated = False
 
     def end_sweep(self):
@@ -4400,9 +4429,12 @@ class Worker(object):
         self.prune_interval = prune_interval
         self.parent = parent        # the supervisor's pid: stop when it is gone
         self.runs = []
-        self._top = _Lane("incoming")
+        self._top = _Lane("incoming", path=self.spool.d("incoming"))
+        self._lanes_path = self.spool.d(LANES)
         self._lanes, self._lanes_key = [self._top], None
         self._holds = {}            # held destination -> until (wall clock)
+        self._streaky = set()       # destinations with failures in a row
+        self._safe_names = {}       # destination -> its name as a file
         self._taken = (None, None, None)    # the last claim's slot, probe, lane
         self._no_wait = False
         self.next_due = None
@@ -4434,7 +4466,7 @@ class Worker(object):
         """('exec', path) or ('py', function) or (None, why not)."""
         builtin = self.spool.rules(type).get("handler")
         if builtin == "http":
-            return "http", self._http
+            return self.resolve_http(type)
         if builtin == "mqtt":
             return self.resolve_mqtt(type)
         if self.handlers_dir:
@@ -4448,13 +4480,24 @@ class Worker(object):
         if callable(fn) and not type.startswith("_"):
             return "py", fn
         if type == "http":
-            return "http", self._http
+            return self.resolve_http(type)
         if type == "mqtt":
             return self.resolve_mqtt(type)
         return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
                       % (type, "--handlers " + self.handlers_dir
                          if self.handlers_dir else "no --handlers",
                          "--module" if self.module else "no --module"))
+
+    def resolve_http(self, type):
+        """The http handler, or why not: without Python's http.client the
+        type is held (SPEC 10), not dead: install it and the jobs run."""
+        try:
+            import http.client  # noqa: F401
+            import urllib.parse  # noqa: F401
+        except ImportError:
+            return None, ("the http handler needs Python's http.client and "
+                          "urllib (OpenWrt: opkg install python3-urllib)")
+        return "http", self._http
 
     def resolve_mqtt(self, type):
         if self._mqtt_client is not None:
@@ -4537,6 +4580,8 @@ class Worker(object):
         sp = self.spool
         sp.require()
         sp.check_filesystem()
+        sp.policy()
+        sp.pol_polled = True        # re-read at each poll tick, not per job
         self.me = Identity(sp, self.lease)
         self._pipe = os.pipe()
         for fd in self._pipe:
@@ -4599,6 +4644,7 @@ class Worker(object):
             if self._mqtt_client is not None:
                 self._mqtt_client.close()
             self.me.unregister()
+            sp.pol_polled = False
             self.log("stop", worker=self.me.wid)
         return 0
 
@@ -4838,7 +4884,9 @@ class Worker(object):
 
     def _check_incoming(self):
         """On each poll tick: rescan only when incoming/ changed (a shell
-        producer's mv does not poke the FIFO) or the wall clock jumped."""
+        producer's mv does not poke the FIFO) or the wall clock jumped; the
+        policy, when its file changed."""
+        self.spool.policy()
         try:
             st = os.stat(self.spool.d("incoming"))
             key = (st.st_mtime_ns, st.st_ino)
@@ -4980,19 +5028,31 @@ class Worker(object):
             L.end_sweep()
 
     def _sync_lanes(self):
-        """Learn the lanes (incoming/lanes/ changed: one stat)."""
+        """Learn the lanes (incoming/lanes/ changed: one stat), and which
+        changed (a stat each: a producer's poke is read only now and then
+        while jobs run back to back)."""
         try:
-            st = os.stat(self.spool.d(LANES))
+            st = os.stat(self._lanes_path)
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
+        for L in self._lanes:
+            if L.type is not None:
+                try:
+                    st = os.stat(L.path)
+                    k = (st.st_mtime_ns, st.st_ino)
+                except OSError:
+                    k = None
+                if k != L.key:
+                    L.key, L.dirty = k, True
         if key == self._lanes_key:
             return
         self._lanes_key = key
         have = dict((L.sub, L) for L in self._lanes)
         lanes = [self._top]
         for p, t, sub in self.spool.lanes():
-            lanes.append(have.pop(sub, None) or _Lane(sub, t, p))
+            lanes.append(have.pop(sub, None) or _Lane(sub, t, p,
+                                                      self.spool.d(sub)))
         have.pop(self._top.sub, None)
         for L in have.values():
             L.end_sweep()
@@ -5041,7 +5101,20 @@ class Worker(object):
             self._sync_lanes()
             now = _now()
             best, due = None, inf
-            for L in self._lanes:               # the highest priority first
+            for dest, until in list(self._holds.items()):
+                if until <= now and dest not in self._held:
+                    c = self._probe_claim(dest)
+                    if c is not None:
+                        return c
+            if self.spool.intake:
+                # Producers' files are being moved to their lanes: go on
+                # with incoming/ first, so that their bounds see them all
+                # before any of them starts (SPEC 9: "at the next scan").
+                head = self._head(self._top, force)
+                if head is not None:
+                    best = (self._top, head)
+                self.spool.intake = False
+            for L in self._lanes if best is None else ():
                 if best is not None and L.prio < best[0].prio:
                     break
                 if L.type is not None:
@@ -5091,10 +5164,9 @@ class Worker(object):
         self._sync_lanes()
         now = _now()
         for L in self._lanes:
-            if L.type is not None:
-                wait = self._gate(L, now)
-                if wait is not None and wait > now + 0.001:
-                    continue
+            if L.type is not None and (self.spool.rules(L.type).get("paused") or
+                                       self._holds.get(L.dest or L.type, 0) > now):
+                continue        # (a rate or a slot only makes ready jobs wait)
             if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
                 return True
             self._rescan(L)
@@ -5270,6 +5342,11 @@ class Worker(object):
         if lane is not None and lane.type is not None and run.dest != lane.type:
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
+        if until is not None and run.probe != run.dest \
+                and self.spool.hold_of(run.dest) is None:
+            self._holds.pop(run.dest, None)     # released by another worker
+            self.dirty = True
+            until = None
         if until is not None and run.probe != run.dest:
             new = None if until > _now() else \
                 self.spool.take_probe(run.dest, self.backoff)
@@ -5603,8 +5680,10 @@ class Worker(object):
         counts = True
         if outcome == "retry" and run.dest_fail:
             counts, delay = self._dest_failed(run, delay, error)
-        elif run.dest and (outcome == "done" or outcome == "dead"):
+        elif (outcome == "done" or outcome == "dead") and run.dest and (
+                run.dest in self._holds or self._safe(run.dest) in self._streaky):
             # an answer that is not the destination's failure (SPEC 9)
+            self._streaky.discard(self._safe(run.dest))
             if self.spool.dest_ok(run.dest) or run.dest in self._holds:
                 self._holds.pop(run.dest, None)
                 self.dirty = True
@@ -5667,6 +5746,7 @@ class Worker(object):
         the job may run again)."""
         sp, c = self.spool, run.claim
         started, distinct, total = sp.streak(run.dest, c.jid)
+        self._streaky.add(self._safe(run.dest))
         # its own backoff grows with the streak, not with attempts it spends
         # (a handler's RetryLater says how long itself; a server's Retry-After
         # is only a lower bound)
@@ -5674,10 +5754,15 @@ class Worker(object):
             delay = max(delay or 0.0, self.backoff(total))
         until = self._holds.get(run.dest)
         if until is not None:
-            # held: a failed probe waits a round longer than the others, so
-            # that the next probe is another job
-            return False, max(0.0, until - _now()) + (
-                self.backoff_max if run.probe else 0.0)
+            rec = sp.hold_of(run.dest)      # (released by another worker?)
+            if rec is None:
+                self._holds.pop(run.dest, None)
+                until = None
+            else:
+                until = rec["until"]
+        if until is not None:
+            # held: it waits with the others; the probes take them in turn
+            return False, max(0.0, until - _now()) + self._parked_for()
         n = sp.rules(c.job["type"]).get("breaker", 3)
         if n and distinct >= n:
             d = min(delay, self.backoff_max) if delay is not None \
@@ -5782,12 +5867,47 @@ class Worker(object):
         the hold's next probe; the release makes it ready at once."""
         c = run.claim
         job = dict(c.job)
-        job["available_at"] = until
+        job["available_at"] = until + self._parked_for()
         job["last_error"] = "held: " + why
         self.spool.note_held(run.dest or job["type"], "%s/%s.json" % (
             self.spool.home(job), c.jid))
         self._free(run)
         self._move(c, job, "incoming", None, {})
+
+    def _parked_for(self):
+        """How long a held destination's jobs wait past the hold's next
+        probe: the probes take them in turn (_probe_claim) and the release
+        makes them ready; this is only for a release that never comes."""
+        return min(max(10 * self.backoff_max, 60.0), 3600.0)
+
+    def _probe_claim(self, dest):
+        """A held destination's probe is due: claim the next of the jobs it
+        put back (locks/held/DEST.jobs), in turn, so that each probe is
+        another job.  None when none is there (a lane's head is then the
+        probe, see _reserve)."""
+        sp = self.spool
+        names = sp.held_jobs(dest)
+        if not names:
+            return None
+        until = sp.take_probe(dest, self.backoff)
+        if not until:
+            if until == 0.0:
+                self._holds.pop(dest, None)     # released meanwhile
+                self.dirty = True
+            return None
+        self._holds[dest] = until
+        rec = sp.hold_of(dest) or {}
+        k = rec.get("probes") if rec.get("probes").__class__ is int else 1
+        for i in range(len(names)):
+            rel = names[(k - 1 + i) % len(names)]
+            sub, _, name = rel.rpartition("/")
+            if not os.path.lexists(sp.d(rel)):
+                continue
+            c = sp._claim(name, self.me, self.max_attempts, True, sub)
+            if c is not None:
+                self._taken = (None, dest, None)
+                return c
+        return None
 
     def _free(self, run):
         if run.slot is not None:
@@ -5811,6 +5931,7 @@ class Worker(object):
         self._holds = dict((h["dest"], h["until"] if h.get("boot") == boot
                             else min(h["until"], now))
                            for h in self.spool.held())
+        self._streaky = self.spool.streaky()
 
     def _check_holds(self):
         """At each poll tick: the holds on disk (other workers' too), and
@@ -5822,6 +5943,14 @@ class Worker(object):
         for t in list(self._held):
             if self.resolve(t)[0] is not None:
                 self._unhold(t)
+
+    def _safe(self, dest):
+        safe = self._safe_names.get(dest)
+        if safe is None:
+            if len(self._safe_names) > 1000:
+                self._safe_names.clear()
+            safe = self._safe_names[dest] = _safe_dest(dest)
+        return safe
 
     def _dest_of(self, job, kind):
         """The circuit breaker's destination (SPEC 9): for http its
@@ -6383,6 +6512,12 @@ def _parser(only=None):
         except ValueError as e:
             raise argparse.ArgumentTypeError("%r is %s" % (text, e))
 
+    def positive_duration(text):
+        v = duration(text)
+        if v <= 0:
+            raise argparse.ArgumentTypeError("%r: must be more than 0" % text)
+        return v
+
     def priority(text):
         try:
             p = int(text)
@@ -6459,7 +6594,7 @@ def _parser(only=None):
     p.add_argument("--priority", type=priority, metavar="P",
                    help="-9 to 9, higher first (default: the type's policy, "
                    "else 0)")
-    p.add_argument("--ttl", type=duration, metavar="S",
+    p.add_argument("--ttl", type=positive_duration, metavar="S",
                    help="never start it later than this from now: it goes to "
                    "dlq/ as expired (default: the type's policy ttl)")
     p = cmd("worker", "run jobs", guards=True, worker=True)
@@ -6989,7 +7124,7 @@ def _cmd_stats(a):
     if a.args.json:
         _print(json.dumps(a.spool.stats(), sort_keys=False))
     elif a.args.prometheus:
-        _print(prometheus_text(a.spool.stats()).rstrip("\n"))
+        _print(prometheus_text(a.spool.stats(by_type=True)).rstrip("\n"))
     else:
         _print(a.spool.status_line())
 
