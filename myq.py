@@ -3302,7 +3302,8 @@ _CREDENTIALS = ("authorization", "cookie", "proxy-authorization")
 def http_request(job, headers=None):
     """(method, url, body bytes or None, headers) of an `http` job (SPEC
     5.3); PermanentError when the payload cannot make a request.  The
-    configured `headers` win over the job's own."""
+    configured `headers` win over the job's own; `User-Agent` is
+    myq/VERSION unless one of them sets it."""
     p = job.get("payload")
     if not isinstance(p, dict) or not isinstance(p.get("url"), str):
         raise PermanentError("http: the payload must be an object with a url")
@@ -3330,6 +3331,8 @@ def http_request(job, headers=None):
         for old in [h for h in hdrs if h.lower() == k.lower()]:
             del hdrs[old]
         hdrs[k] = v
+    if not any(k.lower() == "user-agent" for k in hdrs):
+        hdrs["User-Agent"] = "myq/" + __version__
     return method, url, data, hdrs
 
 
@@ -3351,93 +3354,435 @@ def http_verdict(status, header, head, method, backoff_max=3600.0):
 
 
 def _origin(parts):
+    """(scheme, host, port) of a urlsplit() result, port explicit.
+    ValueError for a port that is not a number."""
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return parts.scheme, (parts.hostname or "").lower(), port
 
 
-def http_handler(job, headers=None, backoff_max=3600.0, timeout=None, run=None):
-    """The built-in `http` type.  http.client and ssl are imported here
-    only: python3-light has neither.  GET and HEAD follow up to 5 redirects,
-    to http and https only; a redirect to another origin drops the
-    configured headers and credentials.  With `run` (the worker's), the
-    connection is put where the worker can close it when the job's time is
-    up, so a job is never in flight twice."""
-    method, url, data, hdrs = http_request(job, headers)
+# Forwarding over slow links (SPEC 10): kept connections, gzip, batches.
+
+HTTP_IDLE = 30.0        # a kept connection idle this long is closed (SPEC
+                        # 10: cellular NATs drop idle flows); tests lower it
+
+# Errors that a kept connection the server closed meanwhile gives before
+# any byte of the answer: such a request goes once more on a fresh one.
+_STALE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+_tls_class = []         # the HTTPSConnection subclass, made on first use
+
+
+def _tls_connection():
+    """http.client.HTTPSConnection that resumes the TLS session it is
+    given (SSLContext.wrap_socket(session=...)): a reconnect to the same
+    server skips the certificate exchange, which on a metered link is most
+    of a handshake's bytes."""
+    if not _tls_class:
+        import http.client
+
+        class TLSConnection(http.client.HTTPSConnection):
+            tls_session = None
+
+            def connect(self):
+                http.client.HTTPConnection.connect(self)
+                self.sock = self._context.wrap_socket(
+                    self.sock, server_hostname=self.host,
+                    session=self.tls_session)
+        _tls_class.append(TLSConnection)
+    return _tls_class[0]
+
+
+class HttpPool(object):
+    """A worker's kept http connections (SPEC 10).
+
+    Each connection is taken by one request at a time (never two requests
+    on one connection at once) and given back when its answer was read to
+    the end; at most `size` connections wait per origin (scheme, host,
+    port): one per concurrent slot of the worker.  A connection that timed
+    out, failed, or whose answer said `Connection: close` is closed, never
+    given back.  One waiting longer than `idle` seconds is closed by a
+    thread that lives only while connections wait.  `size` 0: no
+    keep-alive (a fresh connection per request, closed after it).  One
+    SSLContext for the pool (`ca` adds a CA file to the system's), and the
+    last TLS session of each origin is offered to its next connection."""
+
+    def __init__(self, size=1, ca=None, idle=None):
+        import threading
+        self.size = max(0, int(size))
+        self.ca = ca
+        self.idle = HTTP_IDLE if idle is None else float(idle)
+        self._cond = threading.Condition(threading.Lock())
+        self._thread = threading.Thread
+        self._free = {}         # origin -> [(connection, since)], oldest first
+        self._sessions = {}     # origin -> the last ssl.SSLSession
+        self._reaper = None
+        self._ctx = None
+        self.connections = 0    # made, for tests and the bench
+
+    def _context(self):
+        if self._ctx is None:
+            try:
+                import ssl
+            except ImportError:
+                raise PermanentError("http: https needs Python's ssl module "
+                                     "(OpenWrt: opkg install python3-openssl)")
+            ctx = ssl.create_default_context()
+            if self.ca:
+                try:
+                    ctx.load_verify_locations(cafile=self.ca)
+                except (OSError, ValueError, ssl.SSLError) as e:
+                    raise DestinationDown(None, "http: --http-ca %s: cannot "
+                                          "load it (%s); give a PEM file of CA "
+                                          "certificates" % (self.ca, e))
+            self._ctx = ctx
+        return self._ctx
+
+    def take(self, origin, timeout, fresh=False):
+        """(connection, reused): a waiting connection of `origin` that is
+        still open, else (or with `fresh`) a new one, not yet connected."""
+        scheme, host, port = origin
+        with self._cond:
+            free = self._free.get(origin) or []
+            if fresh:
+                # The server closed one: the others of its origin, too.
+                for conn, _ in free:
+                    conn.close()
+                del free[:]
+            while free:
+                conn, since = free.pop()
+                if _mono() - since < self.idle and _still_open(conn.sock):
+                    conn.timeout = timeout
+                    return conn, True
+                conn.close()
+        if scheme == "https":
+            ctx = self._context()       # first: says when ssl is missing
+            conn = _tls_connection()(host, port, timeout=timeout, context=ctx)
+            conn.tls_session = self._sessions.get(origin)
+        else:
+            import http.client
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        with self._cond:
+            self.connections += 1
+        return conn, False
+
+    def give(self, origin, conn):
+        """Back after a complete answer: kept, or closed if it cannot be."""
+        sock = conn.sock
+        if sock is None or self.size == 0:
+            conn.close()
+            return
+        session = getattr(sock, "session", None)
+        with self._cond:
+            if session is not None:
+                self._sessions[origin] = session
+            free = self._free.setdefault(origin, [])
+            if len(free) >= self.size:
+                conn.close()
+                return
+            free.append((conn, _mono()))
+            if self._reaper is None:
+                self._reaper = self._thread(target=self._reap,
+                                            name="myq-http-idle")
+                self._reaper.daemon = True
+                self._reaper.start()
+
+    def _reap(self):
+        """Close connections idle for `idle` seconds; return when none waits."""
+        with self._cond:
+            try:
+                while True:
+                    now, soonest = _mono(), None
+                    for origin, free in list(self._free.items()):
+                        while free and now - free[0][1] >= self.idle:
+                            free.pop(0)[0].close()
+                        if free:
+                            due = free[0][1] + self.idle
+                            soonest = due if soonest is None else min(soonest, due)
+                        else:
+                            del self._free[origin]
+                    if soonest is None:
+                        return
+                    self._cond.wait(max(0.01, soonest - now))
+            finally:
+                self._reaper = None
+
+    def close(self):
+        """Close every waiting connection (the worker stops); the pool can
+        still be used after."""
+        with self._cond:
+            for free in self._free.values():
+                for conn, _ in free:
+                    conn.close()
+            self._free.clear()
+            self._cond.notify_all()
+
+    def waiting(self):
+        """How many connections wait now (tests)."""
+        with self._cond:
+            return sum(len(f) for f in self._free.values())
+
+    def exchange(self, parts, method, target, data, hdrs, deadline, run=None):
+        """Send one request to the origin of `parts` and read its whole
+        answer before `deadline` (monotonic): (status, getheader, start of
+        the body).  Network errors and time-outs raise DestinationDown; a
+        reused connection that fails before any byte of the answer is
+        tried once more on a fresh one.  With `run`, the connection in use
+        is run.conn, which the worker cuts when the job's time is up."""
+        import http.client
+        try:
+            origin = _origin(parts)
+        except ValueError as e:          # a bad port
+            raise PermanentError("http: bad URL %s: %s" % (
+                parts.geturl()[:200], e))
+        fresh = False
+        while True:
+            left = deadline - _mono()
+            try:
+                conn, reused = self.take(origin, max(0.05, left), fresh)
+            except ValueError as e:
+                raise PermanentError("http: bad URL %s: %s" % (
+                    parts.geturl()[:200], e))
+            if run is not None:
+                run.conn = conn
+            keep = answered = False
+            try:
+                if left <= 0:
+                    raise _timed_out()
+                if conn.sock is not None:
+                    conn.sock.settimeout(left)
+                conn.request(method, target, body=data, headers=hdrs)
+                sock = conn.sock
+                _settimeout(sock, deadline)
+                resp = conn.getresponse()
+                answered = True
+                head = b""
+                while True:
+                    _settimeout(sock, deadline)
+                    chunk = resp.read1(65536)
+                    if not chunk:
+                        break
+                    head = head or chunk
+                if resp.length:     # the server closed before the announced end
+                    raise http.client.IncompleteRead(head, resp.length)
+                resp.read()         # (read1 leaves a complete answer open)
+                keep = not resp.will_close
+                return resp.status, resp.getheader, head
+            except (http.client.HTTPException, OSError, ValueError) as e:
+                if reused and not answered and not fresh and _stale(e) \
+                        and not (run is not None and (run.timed_out or run.released)):
+                    fresh = True
+                    continue
+                raise DestinationDown(None, "http: %s %s: %s" % (
+                    method, parts.geturl()[:200],
+                    getattr(e, "strerror", None) or e or type(e).__name__))
+            finally:
+                if run is not None:
+                    run.conn = None
+                if keep:
+                    self.give(origin, conn)
+                else:
+                    conn.close()
+
+
+def _still_open(sock):
+    """False when a waiting connection's socket is readable: the server
+    closed it (or sent what no request asked for)."""
+    if sock is None:
+        return False
+    import select
+    try:
+        if hasattr(select, "poll"):     # no FD_SETSIZE limit
+            p = select.poll()
+            p.register(sock, select.POLLIN)
+            return not p.poll(0)
+        return not select.select([sock], [], [], 0)[0]
+    except (OSError, ValueError):
+        return False
+
+
+def _settimeout(sock, deadline):
+    left = deadline - _mono()
+    if left <= 0:
+        raise _timed_out()
+    if sock is not None:
+        sock.settimeout(left)
+
+
+def _timed_out():
+    import socket
+    return socket.timeout("timed out")
+
+
+def _stale(e):
+    # (http.client's RemoteDisconnected, "closed without a response", is
+    # a ConnectionResetError.)
+    ssl = sys.modules.get("ssl")
+    return isinstance(e, _STALE) or (ssl is not None and isinstance(
+        e, (ssl.SSLEOFError, ssl.SSLZeroReturnError)))
+
+
+def _gzip(data):
+    """`data` gzip-compressed (RFC 1952; zlib writes the header, mtime 0,
+    so the same body gives the same bytes)."""
+    import zlib
+    z = zlib.compressobj(6, zlib.DEFLATED, 31)
+    return z.compress(data) + z.flush()
+
+
+def _http_modules():
     try:
         from urllib.parse import urljoin, urlsplit
         import http.client
     except ImportError:
         raise PermanentError("http: Python's http.client is not installed "
                              "(OpenWrt: opkg install python3-urllib)")
-    p = job["payload"]
-    t = p.get("timeout") if _is_num(p.get("timeout")) and p["timeout"] > 0 \
-        else (job.get("timeout") or timeout or 30.0)
+    return urljoin, urlsplit
+
+
+def _http_send(method, url, data, hdrs, headers, t, backoff_max, run, pool,
+               gzip):
+    """Send a request made by http_request() or http_batch() and judge the
+    answer: None when done, else raise (SPEC 5.3).  `t` bounds the whole
+    request (connect, send, answer, redirects).  GET and HEAD follow up to
+    5 redirects, to http and https only; a redirect to another origin
+    drops the configured headers and credentials."""
+    urljoin, urlsplit = _http_modules()
+    deadline = _mono() + t
+    if run is not None:
+        deadline = min(deadline, run.deadline)
+    if pool is None:
+        pool = HttpPool(0)
+    if gzip and data is not None and \
+            not any(k.lower() == "content-encoding" for k in hdrs):
+        data = _gzip(data)
+        hdrs = dict(hdrs, **{"Content-Encoding": "gzip"})
     configured = set(k.lower() for k in (headers or {}))
     for _ in range(6):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise PermanentError("http: cannot send to %r (only http and https "
                                  "URLs with a host)" % url[:200])
-        if run is not None:
-            t = max(0.05, min(t, run.deadline - _mono()))
-        try:
-            if parts.scheme == "https":
-                try:
-                    import ssl
-                except ImportError:
-                    raise PermanentError("http: https needs Python's ssl module "
-                                         "(OpenWrt: opkg install python3-openssl)")
-                conn = http.client.HTTPSConnection(
-                    parts.hostname, parts.port, timeout=t,
-                    context=ssl.create_default_context())
-            else:
-                conn = http.client.HTTPConnection(parts.hostname, parts.port,
-                                                  timeout=t)
-        except ValueError as e:          # a bad port
-            raise PermanentError("http: bad URL %r: %s" % (url[:200], e))
-        if run is not None:
-            run.conn = conn
-        try:
-            target = parts.path or "/"
-            if parts.query:
-                target += "?" + parts.query
-            conn.request(method, target, body=data, headers=hdrs)
-            resp = conn.getresponse()
-            status = resp.status
-            head = b""
-            while True:
-                chunk = resp.read(65536)
-                if not chunk:
-                    break
-                head = head or chunk
-            if resp.length:     # the server closed before the announced end
-                raise http.client.IncompleteRead(head, resp.length)
-        except (http.client.HTTPException, OSError, ValueError) as e:
-            raise DestinationDown(None, "http: %s %s: %s" % (
-                method, url[:200], getattr(e, "strerror", None) or e
-                or type(e).__name__))
-        finally:
-            if run is not None:
-                run.conn = None
-            conn.close()
-        location = resp.getheader("Location")
+        target = parts.path or "/"
+        if parts.query:
+            target += "?" + parts.query
+        status, header, head = pool.exchange(parts, method, target, data,
+                                             hdrs, deadline, run)
+        location = header("Location")
         if status in _REDIRECTS and location and method in ("GET", "HEAD"):
             new = urljoin(url, location)
             if urlsplit(new).scheme not in ("http", "https"):
                 raise PermanentError("http %d: redirect to %s not followed (only "
                                      "http and https)" % (status, new[:200]))
-            if _origin(urlsplit(new)) != _origin(parts):
+            try:
+                same = _origin(urlsplit(new)) == _origin(parts)
+            except ValueError:
+                same = False
+            if not same:
                 hdrs = dict((k, v) for k, v in hdrs.items()
                             if k.lower() not in configured
                             and k.lower() not in _CREDENTIALS)
                 configured = set()
             url = new
             continue
-        err = http_verdict(status, resp.getheader, head, method, backoff_max)
+        err = http_verdict(status, header, head, method, backoff_max)
         if err is not None:
             raise err
         return
     raise PermanentError("http: more than 5 redirects, last to %s" % url[:200])
+
+
+def _job_timeout(job, timeout):
+    p = job["payload"]
+    if _is_num(p.get("timeout")) and p["timeout"] > 0:
+        return float(p["timeout"])
+    return job.get("timeout") or timeout or 30.0
+
+
+def http_handler(job, headers=None, backoff_max=3600.0, timeout=None, run=None,
+                 pool=None, gzip=False):
+    """The built-in `http` type.  http.client and ssl are imported here
+    only: python3-light has neither.  With `pool` (an HttpPool), the
+    connection is kept for the next request; with `run` (the worker's),
+    the connection is put where the worker can close it when the job's
+    time is up, so a job is never in flight twice.  `gzip`: send the body
+    gzip-compressed."""
+    method, url, data, hdrs = http_request(job, headers)
+    _http_modules()
+    return _http_send(method, url, data, hdrs, headers,
+                      _job_timeout(job, timeout), backoff_max, run, pool, gzip)
+
+
+def http_group_key(job, headers=None):
+    """Which http jobs may share a request (SPEC 10, batches): the same key
+    means the same method, url and headers (names in any case; the
+    Idempotency-Key and a Content-Type that the job did not set itself do
+    not count).  A job whose payload cannot make a request gets a key of
+    its own, so that it is sent, and fails, alone."""
+    try:
+        method, url, _, hdrs = http_request(job, headers)
+    except PermanentError:
+        return ("!", job.get("id"))
+    own = set(k.lower() for k in (job["payload"].get("headers") or {}))
+    own.update(k.lower() for k in (headers or {}))
+    return (method, url, tuple(sorted(
+        (k.lower(), v) for k, v in hdrs.items()
+        if k.lower() != "idempotency-key"
+        and (k.lower() != "content-type" or "content-type" in own))))
+
+
+def _ids_key(ids):
+    """The Idempotency-Key of a batch: the same ids in the same order give
+    the same key.  128 bits of SHA-256 (hashlib's built-in SHA-256 is in
+    python3-light; only OpenSSL's _hashlib is not), else of four zlib
+    checksums (never used where SHA-256 exists, so a device's keys stay
+    the same)."""
+    data = ",".join(ids).encode("utf-8")
+    try:
+        from hashlib import sha256
+        return "b-" + sha256(data).hexdigest()[:32]
+    except ImportError:
+        import zlib
+        rev = data[::-1]
+        return "bz-%08x%08x%08x%08x" % (
+            zlib.crc32(data), zlib.adler32(data), zlib.crc32(rev),
+            zlib.adler32(rev) ^ zlib.crc32(data, 0x5bd1e995))
+
+
+def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
+               pool=None, gzip=False):
+    """Jobs of one http_group_key() as ONE request (SPEC 10): the body is
+    a JSON array of their bodies in job order (null for a job without
+    one), `X-Myq-Ids` lists their ids in array order, the Idempotency-Key
+    is derived from the ids (the same ids give the same key).  One outcome
+    for all: returns or raises as http_handler() does.  The time limit is
+    the largest `timeout` of their payloads, else `timeout`."""
+    jobs = list(jobs)
+    if not jobs:
+        return
+    method, url, _, hdrs = http_request(jobs[0], headers)
+    key = http_group_key(jobs[0], headers)
+    for job in jobs[1:]:
+        http_request(job, headers)      # a bad payload fails the batch
+        if http_group_key(job, headers) != key:
+            raise ValueError("http_batch: job %s differs in method, url or "
+                             "headers from job %s; group jobs by "
+                             "http_group_key()" % (job["id"], jobs[0]["id"]))
+    _http_modules()
+    ids = [str(j["id"]) for j in jobs]
+    data = json.dumps([j["payload"].get("body") for j in jobs],
+                      separators=(",", ":")).encode("utf-8")
+    configured = set(k.lower() for k in (headers or {}))
+    own = set(k.lower() for k in (jobs[0]["payload"].get("headers") or {}))
+    if "content-type" not in own | configured:
+        for k in [k for k in hdrs if k.lower() == "content-type"]:
+            del hdrs[k]
+        hdrs["Content-Type"] = "application/json"
+    if "idempotency-key" not in configured:
+        hdrs["Idempotency-Key"] = _ids_key(ids)
+    hdrs["X-Myq-Ids"] = ",".join(ids)
+    t = max(_job_timeout(j, timeout) for j in jobs)
+    return _http_send(method, url, data, hdrs, headers, t, backoff_max, run,
+                      pool, gzip)
 
 
 # MQTT (SPEC 10) ##############################################################
@@ -4055,7 +4400,8 @@ class Worker(object):
                  scan_cache=2048, log=None, reap_interval=None,
                  prune_interval=60.0, parent=None, mqtt=None,
                  mqtt_password_file=None, mqtt_client_id=None, mqtt_ca=None,
-                 mqtt_cert=None, mqtt_key=None, **spool_options):
+                 mqtt_cert=None, mqtt_key=None, http_ca=None,
+                 **spool_options):
         self.log = log or Log()
         if isinstance(spool, Spool):
             self.spool = spool
@@ -4078,6 +4424,8 @@ class Worker(object):
         self.stats_interval, self.grace = float(stats_interval), float(grace)
         self.pass_env = list(pass_env or ())
         self.http_headers = dict(http_headers or {})
+        # kept http connections: one per destination and slot (SPEC 10)
+        self.http_pool = HttpPool(self.concurrency, ca=http_ca)
         self.scan_cache = max(1, int(scan_cache))
         self.reap_interval = reap_interval or max(0.5, min(self.lease / 2, 10.0))
         self.prune_interval = prune_interval
@@ -4162,7 +4510,9 @@ class Worker(object):
     def _http(self, job, run=None):
         try:
             return http_handler(job, self.http_headers, self.backoff_max,
-                                job.get("timeout") or self.timeout, run)
+                                job.get("timeout") or self.timeout, run,
+                                self.http_pool, gzip=bool(
+                                    self.spool.rules(job["type"]).get("gzip")))
         except RetryLater as e:
             # A server's Retry-After is a lower bound, not leave to hammer
             # it ("Retry-After: 0" a thousand times): the backoff holds too.
@@ -4276,6 +4626,7 @@ class Worker(object):
                 self._release(run)
             self._retry_stuck(final=True)
             self._commit(final=True)
+            self.http_pool.close()
             if saved:
                 self._restore_signals(saved)
             for fd in self._wake_fds + list(self._pipe):
@@ -6078,6 +6429,7 @@ WORKER_OPTIONS = [
     ("--syslog-tag", str, "myq", "syslog tag"),
     ("--http-header", "append", [], "'Name: value' added to every http job"),
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
+    ("--http-ca", str, None, "PEM file of CA certificates that https trusts besides the system's"),
     ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
     ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
     ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
@@ -6102,6 +6454,7 @@ _GUARDS_SHOWN = {
 
 
 _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
+             "http_ca": "FILE",
              "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
              "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
              "mqtt_key": "FILE"}
@@ -6408,6 +6761,7 @@ def _check_worker_options(o):
     """Everything _worker_from() refuses, without starting a worker (nor
     loading a --module: supervise may run as root)."""
     _http_headers(o)
+    _check_http_ca(o.get("http_ca"))
     if o["handlers"] and not os.path.isdir(o["handlers"]):
         raise ConfigError("--handlers %s is not a directory" % o["handlers"])
     if o["module"] and not os.path.isfile(o["module"]):
@@ -6448,8 +6802,29 @@ def _http_headers(o):
     return headers
 
 
+def _check_http_ca(path):
+    """--http-ca: a file that the ssl module (where there is one) loads."""
+    if not path:
+        return
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise ConfigError("cannot read --http-ca %s: %s" % (path, e.strerror))
+    try:
+        import ssl
+    except ImportError:
+        return          # https jobs say what is missing
+    try:
+        ssl.create_default_context().load_verify_locations(cafile=path)
+    except (ssl.SSLError, ValueError) as e:
+        raise ConfigError("--http-ca %s is not a PEM file of CA certificates "
+                          "(%s)" % (path, e))
+
+
 def _worker_from(spool, o):
     headers = _http_headers(o)
+    _check_http_ca(o.get("http_ca"))
     if o["handlers"] and not os.path.isdir(o["handlers"]):
         raise ConfigError("--handlers %s is not a directory" % o["handlers"])
     return Worker(spool, handlers_dir=o["handlers"], module=o["module"],
@@ -6459,6 +6834,7 @@ def _worker_from(spool, o):
                   jitter=o["jitter"], poll=o["poll"],
                   stats_interval=o["stats_interval"], grace=o["grace"],
                   pass_env=o["pass_env"], http_headers=headers,
+                  http_ca=o.get("http_ca"),
                   scan_cache=o["scan_cache"], log=_make_log(o),
                   **_mqtt_options(o))
 
