@@ -2155,8 +2155,9 @@ class Spool(object):
         try:
             os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
             _append(self._held_path(dest, ".jobs"), (name + "\n").encode("utf-8"))
-        except OSError:
-            pass
+        except OSError as e:        # it waits its own time instead
+            self.log("error", during="breaker", dest=dest,
+                     error=e.strerror or str(e))
 
     def held_jobs(self, dest):
         """The jobs a hold put back (their paths in the spool), each once,
@@ -2209,8 +2210,9 @@ class Spool(object):
         try:
             os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
             _append(path, (jid + "\n").encode("utf-8"))
-        except OSError:
-            pass
+        except OSError as e:        # the breaker counts less: never a job
+            self.log("error", during="breaker", dest=dest,
+                     error=e.strerror or str(e))
         return not data, len(set(seen + [jid])), len(seen) + 1
 
     def streaky(self):
@@ -4808,7 +4810,11 @@ class Worker(object):
             self._next_reap = now + self.reap_interval
         if now >= self._next_stats and self.stats_interval > 0:
             try:
-                self.log.write(self.spool.status_line())
+                line = self.spool.status_line()
+                if hasattr(self.log, "write"):
+                    self.log.write(line)
+                else:           # a plain function given as log=
+                    self.log("status", line=line)
             except OSError:
                 pass
             _write_textfile(self)

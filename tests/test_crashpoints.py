@@ -256,7 +256,7 @@ def _():
         sp, me, c = claimed(path, "j")
         w = myq.Worker(sp, log=quiet_log())
         w.me = me
-        w.runs = [types.SimpleNamespace(claim=c)]
+        w.runs = [types.SimpleNamespace(claim=c, batch=None)]
         arm()
         w._heartbeat()
     return _one, act

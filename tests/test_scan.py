@@ -214,11 +214,11 @@ def test_a_pass_of_unclaimable_files_does_not_spin(myq, spool):
     n = [0]
     real = w._rescan
 
-    def counting():
+    def counting(lane=None):
         n[0] += 1
         if n[0] == 1:
             shutil.rmtree(os.path.join(spool, "failed"))
-        return real()
+        return real(lane)
     w._rescan = counting
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
