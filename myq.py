@@ -4584,6 +4584,7 @@ class Worker(object):
         sp = self.spool
         sp.require()
         sp.check_filesystem()
+        sp._pol_next = 0.0
         sp.policy()
         sp.pol_polled = True        # re-read at each poll tick, not per job
         self.me = Identity(sp, self.lease)
