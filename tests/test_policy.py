@@ -960,21 +960,26 @@ def test_enqueue_priority_is_a_job_field(spool, p):
 
 def test_priority_then_available_at_then_id(run_myq, spool, handlers_dir,
                                             tmp_path):
+    """Jobs enqueued with `myq enqueue` (their priority known from the
+    start; `pd` takes its type's priority=3), and two shell producer files
+    of priority 0 with the same available_at (an earlier one than the
+    others'), written in reverse id order."""
     rec_handler(handlers_dir, tmp_path, "pa")
     h = rec_handler(handlers_dir, tmp_path, "pd")
     ok(cli(spool, "policy", "pd", "priority=3"))
-    now = time.time()
-    for jid, t, p, at in (("a", "pa", 0, -30), ("b", "pa", 0, -20),
-                          ("c", "pa", 5, -10), ("e", "pa", 5, -10),
-                          ("d", "pa", -1, -40), ("f", "pd", None, -50)):
-        job = {"type": t, "created_at": now + at, "available_at": now + at}
-        if p is not None:
-            job["priority"] = p
-        write_incoming(spool, jid + ".json", job)
-    enqueue(call_myq, spool, "pa", None, "--id", "g", "--priority", "4")
+    at = time.time() - 30
+    for jid in ("x2", "x1"):
+        path = write_incoming(spool, jid + ".json", {
+            "type": "pa", "created_at": at, "available_at": at})
+        os.utime(path, (at, at))
+    for jid, t, p in (("a", "pa", "0"), ("b", "pa", None), ("c", "pa", "5"),
+                      ("d", "pa", "-1"), ("e", "pa", "5"), ("f", "pd", None),
+                      ("g", "pa", "4")):
+        enqueue(call_myq, spool, t, None, "--id", jid,
+                *(("--priority", p) if p is not None else ()))
     cp = worker(run_myq, spool, handlers=h, timeout=30)
     assert cp.returncode == 0, cp.stderr
-    assert started_ids(tmp_path) == ["c", "e", "g", "f", "a", "b", "d"]
+    assert started_ids(tmp_path) == ["c", "e", "g", "f", "x1", "x2", "a", "b", "d"]
 
 
 def test_policy_priority_is_fixed_when_the_job_is_enqueued(
