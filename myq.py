@@ -768,6 +768,11 @@ def _check_timeout(t):
         raise InvalidJob("timeout must be a number of seconds > 0 (below 1e9)")
 
 
+def _check_priority(p):
+    if p is not None and (p.__class__ is not int or not -9 <= p <= 9):
+        raise InvalidJob("priority must be an integer from -9 to 9")
+
+
 def normalize(obj, stem=None, mtime=None):
     """Validate a job object and fill in the defaults of SPEC 3.
 
@@ -795,7 +800,7 @@ def normalize(obj, stem=None, mtime=None):
         raise InvalidJob("attempts must be an integer >= 0")
     _check_max_attempts(job.get("max_attempts"))
     created = job.get("created_at")
-    for key in ("created_at", "available_at", "updated_at"):
+    for key in ("created_at", "available_at", "updated_at", "expires_at"):
         v = job.get(key)
         if v is not None and (v.__class__ not in _NUM
                               or not -MAX_TIME < v < MAX_TIME):
@@ -808,6 +813,7 @@ def normalize(obj, stem=None, mtime=None):
     if job.get("updated_at") is None:
         job["updated_at"] = created
     _check_timeout(job.get("timeout"))
+    _check_priority(job.get("priority"))
     e = job.setdefault("last_error", None)
     if e is not None and not isinstance(e, str):
         job["last_error"] = str(e)
@@ -830,7 +836,7 @@ def _new_id(now):
 
 
 def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
-            timeout=None, now=None):
+            timeout=None, now=None, priority=None, ttl=None):
     """A fresh job object with the defaults of SPEC 3, validated as
     normalize() would (raises InvalidJob).  What JSON cannot hold (NaN, a
     lone surrogate, a set) is refused by dumps(), which every caller runs."""
@@ -855,6 +861,13 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
     if timeout is not None:
         _check_timeout(timeout)
         job["timeout"] = timeout
+    if priority is not None:
+        _check_priority(priority)
+        job["priority"] = priority
+    if ttl is not None:
+        if not (_is_num(ttl) and 0 < ttl < 1e10):
+            raise InvalidJob("ttl must be a number of seconds > 0 (below 1e10)")
+        job["expires_at"] = now + ttl
     job["last_error"] = None
     return job
 
@@ -931,6 +944,160 @@ def _split_claim(name):
     if not jid or not wid:
         return None
     return jid, wid, ext
+
+
+# Per-type policy (SPEC 9) ####################################################
+#
+# The rules live in SPOOL/policy.json, {"*": {KEY: VALUE}, "TYPE": {...}},
+# the values in canonical form (seconds, bytes, "N/PERIOD", true/false).
+# Waiting jobs of a type whose rules need them apart (bounds, pause, limits,
+# batches), or with a priority other than 0, live in a lane of their own,
+# incoming/lanes/TYPE@PRIORITY/: a worker skips a paused or held type without
+# reading its files, counts a type's backlog with one listing, and finds a
+# priority-9 job among 100,000 others by looking in one small directory.
+
+POLICY_FILE = "policy.json"
+LANES = "incoming/lanes"
+LANE_RE = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
+_LANE_KEYS = ("max_queued", "max_bytes", "paused", "concurrency", "rate",
+              "batch")
+_RATE_RE = re.compile(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
+SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
+
+
+def _pv_int(lo, hi):
+    def value(v):
+        if isinstance(v, str) and re.match(r"\s*[-+]?\d+\s*\Z", v):
+            v = int(v)
+        if v.__class__ is not int or not lo <= v <= hi:
+            raise ValueError(v)
+        return v
+    return value
+
+
+def _pv_size(v):
+    if v.__class__ is int and v >= 0:
+        return v
+    if isinstance(v, str):
+        return parse_size(v)
+    raise ValueError(v)
+
+
+def _pv_duration(v, zero=False):
+    if _is_num(v):
+        v = float(v)
+    elif isinstance(v, str):
+        v = parse_duration(v)
+    else:
+        raise ValueError(v)
+    if not (0 <= v if zero else 0 < v) or v >= 1e10:
+        raise ValueError(v)
+    return int(v) if v == int(v) else v
+
+
+def _pv_bool(v):
+    if isinstance(v, bool):
+        return v
+    t = str(v).strip().lower()
+    if t in ("true", "yes", "on", "1"):
+        return True
+    if t in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(v)
+
+
+def _pv_choice(*allowed):
+    def value(v):
+        if v not in allowed:
+            raise ValueError(v)
+        return v
+    return value
+
+
+def rate_of(text):
+    """'30/m' -> (30, 60.0): N starts per PERIOD seconds."""
+    m = _RATE_RE.match(str(text))
+    if not m or m.group(2) in (".",):
+        raise ValueError(text)
+    n, per = int(m.group(1)), float(m.group(2) or 1) * _UNITS[m.group(3)]
+    if n < 1 or not 0 < per < 1e9:
+        raise ValueError(text)
+    return n, per
+
+
+def _pv_rate(v):
+    rate_of(v)
+    m = _RATE_RE.match(str(v))
+    return "%s/%s%s" % (m.group(1), "" if m.group(2) in ("", "1") else
+                        m.group(2), m.group(3))
+
+
+# key: (check and canonical form, what it takes)
+POLICY_KEYS = {
+    "handler": (_pv_choice("http", "mqtt"), "http or mqtt"),
+    "max_queued": (_pv_int(0, 10 ** 9), "a number of jobs"),
+    "max_bytes": (_pv_size, "a size such as 512K or 10M"),
+    "overflow": (_pv_choice("reject", "drop-oldest"), "reject or drop-oldest"),
+    "ttl": (_pv_duration, "a duration such as 90s, 15m, 1h, 7d"),
+    "priority": (_pv_int(-9, 9), "an integer from -9 to 9"),
+    "concurrency": (_pv_int(1, 10000), "a number of runs >= 1"),
+    "rate": (_pv_rate, "N/PERIOD such as 1/s, 30/m, 500/h"),
+    "breaker": (_pv_int(0, 10 ** 6), "a number of failures (0: off)"),
+    "paused": (_pv_bool, "true or false"),
+    "batch": (_pv_int(1, 10000), "a number of jobs >= 1"),
+    "batch_bytes": (_pv_size, "a size such as 64K"),
+    "batch_wait": (lambda v: _pv_duration(v, zero=True),
+                   "a duration such as 0, 500ms, 5s"),
+    "gzip": (_pv_bool, "true or false"),
+}
+
+
+def policy_value(key, value):
+    """The canonical form of one policy value; UsageError (64) when the key
+    or the value is bad."""
+    spec = POLICY_KEYS.get(key)
+    if spec is None:
+        raise UsageError("unknown policy key %r; the keys are: %s"
+                         % (key, " ".join(sorted(POLICY_KEYS))))
+    try:
+        return spec[0](value)
+    except (ValueError, TypeError, AttributeError):
+        raise UsageError("bad value %s for policy key %s: it takes %s"
+                         % (json.dumps(value), key, spec[1]))
+
+
+def check_policy(obj):
+    """A policy file's object, validated and in canonical form."""
+    if not isinstance(obj, dict):
+        raise ValueError("the policy is a JSON object {TYPE: {KEY: VALUE}}")
+    out = {}
+    for name, keys in obj.items():
+        if name != "*":
+            _check_name(name, "type")
+        if not isinstance(keys, dict):
+            raise ValueError("the policy of %s is not an object" % name)
+        out[name] = dict((k, policy_value(k, v)) for k, v in keys.items())
+    return out
+
+
+def format_policy(key, v):
+    if key in ("ttl", "batch_wait"):
+        return _format_duration(v)
+    if key in ("max_bytes", "batch_bytes"):
+        return _format_size(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def _safe_dest(dest):
+    """A destination as a file name: itself when it is a valid name, else
+    its safe characters and a checksum (the file holds the real name)."""
+    if NAME_RE.match(dest):
+        return dest
+    import binascii
+    return "%s.%08x" % (re.sub(r"[^A-Za-z0-9._-]+", "_", dest)[:100].lstrip("."),
+                        binascii.crc32(dest.encode("utf-8")) & 0xffffffff)
 
 
 # The spool ###################################################################
@@ -1063,6 +1230,8 @@ class Spool(object):
         self._ready = False
         self._free_checked = (-1e9, True)
         self._seq = 0
+        self._pol, self._pol_key, self._pol_next = {}, None, 0.0
+        self.policy_error = None
 
     def d(self, *parts):
         return os.path.join(self.path, *parts)
@@ -1234,11 +1403,12 @@ class Spool(object):
         return problem
 
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
-                timeout=None, sync=True):
+                timeout=None, sync=True, priority=None, ttl=None):
         """Add one job; returns its id.  Durable when it returns (sync)."""
         return self.enqueue_many([{
             "type": type, "payload": payload, "id": id, "delay": delay,
-            "max_attempts": max_attempts, "timeout": timeout}], sync=sync)[0]
+            "max_attempts": max_attempts, "timeout": timeout,
+            "priority": priority, "ttl": ttl}], sync=sync)[0]
 
     def enqueue_many(self, specs, sync=True):
         """Add many jobs with one directory fsync.  All are validated before
@@ -1250,12 +1420,17 @@ class Spool(object):
             spec = dict(spec)
             explicit = spec.get("id") is not None
             job = new_job(spec.pop("type", None), now=now, **spec)
+            if job.get("priority") is None:
+                p = self.rules(job["type"]).get("priority")
+                if p:
+                    job["priority"] = p     # fixed now (SPEC 9)
             data = dumps(job)
             if len(data) > self.opt["max_job_bytes"]:
                 raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
                                  "(%d); send a reference to the data instead"
                                  % (job["id"], len(data), self.opt["max_job_bytes"]))
-            todo.append((job, data, explicit, spec.get("delay") or 0))
+            todo.append((job, data, explicit, spec.get("delay") or 0,
+                         self.home(job)))
         problem = self.free_problem()
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
@@ -1266,9 +1441,14 @@ class Spool(object):
         done = []
         try:
             try:
-                for job, data, explicit, delay in todo:
-                    self._place_new(job, data, explicit, delay, sync, dirs)
-                    done.append(job["id"])
+                for job, data, explicit, delay, sub in todo:
+                    if sub != "incoming":
+                        self._make_lane(sub, dirs)
+                        full = self.make_room(job["type"], len(data), dirs)
+                        if full:
+                            raise SpoolFull(full)
+                    self._place_new(job, data, explicit, delay, sync, dirs, sub)
+                    done.append((job["id"], sub))
             except BaseException:
                 if done and sync:
                     self._fsync_or_withdraw(done, dirs)
@@ -1282,16 +1462,18 @@ class Spool(object):
                             % (self.path, e.strerror))
         finally:
             dirs.close()
-        return done
+        return [jid for jid, sub in done]
 
-    def _fsync_or_withdraw(self, ids, dirs):
-        """Commit incoming/; when that fails the jobs are not durable, so
-        take them back (an error must mean: nothing enqueued)."""
+    def _fsync_or_withdraw(self, placed, dirs):
+        """Commit incoming/ (and the lanes used); when that fails the jobs
+        are not durable, so take them back (an error must mean: nothing
+        enqueued)."""
         try:
-            _fsync_dir(self._incoming[:-1], dirs("incoming"))
+            for sub in sorted(set(sub for jid, sub in placed)):
+                _fsync_dir(self.d(sub), dirs(sub))
         except OSError as e:
-            for jid in ids:
-                _quiet_unlink(jid + ".json", dirs("incoming"))
+            for jid, sub in placed:
+                _quiet_unlink(jid + ".json", dirs(sub))
             cls = SpoolFull if _space_error(e) else SpoolBusy
             raise cls("cannot commit to %s: %s; nothing was enqueued"
                       % (self.path, e.strerror))
@@ -1300,7 +1482,7 @@ class Spool(object):
         self._seq += 1
         return "%s%s.%d.%d.new" % (self._tmp, jid, os.getpid(), self._seq)
 
-    def _place_new(self, job, data, explicit, delay, sync, dirs):
+    def _place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming"):
         jid = job["id"]
         if explicit:
             where = self.find_id(jid, dirs=dirs)
@@ -1308,10 +1490,10 @@ class Spool(object):
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
         tmp = self._tmpname(jid)
-        dst = self._incoming + jid + ".json"
+        dst = self.d(sub, jid + ".json")
         tfd = dfd = None
         try:
-            tfd, dfd = dirs("tmp"), dirs("incoming")
+            tfd, dfd = dirs("tmp"), dirs(sub)
             # Root enqueues into a spool that belongs to the worker's user:
             # the file is handed over through its own descriptor, before it
             # has a name anyone else could swap.
@@ -1397,8 +1579,9 @@ class Spool(object):
     def find_id(self, jid, now=None, dirs=None):
         """Where an id lives for de-duplication: a state name or None."""
         dirs = dirs or self._paths
-        if _exists(jid + ".json", dirs("incoming")):
-            return "queued"
+        for sub in self.waiting_dirs():
+            if _exists(jid + ".json", dirs(sub)):
+                return "queued"
         if _exists(jid + ".json", dirs("dlq")):
             return "dead"
         prefix = jid + "+"
@@ -1476,12 +1659,13 @@ class Spool(object):
                 if not name.endswith(".reason") and os.path.lexists(p):
                     return "failed", p
         else:
-            p = self.d("incoming", jid + ".json")
-            try:
-                st = os.lstat(p)
-                return ("scheduled" if st.st_mtime > _now() else "ready"), p
-            except OSError:
-                pass
+            for sub in self.waiting_dirs():
+                p = self.d(sub, jid + ".json")
+                try:
+                    st = os.lstat(p)
+                    return ("scheduled" if st.st_mtime > _now() else "ready"), p
+                except OSError:
+                    pass
             prefix = jid + "+"
             for name in _listdir(self.d("processing")):
                 if name.startswith(prefix) and _split_claim(name):
@@ -1543,8 +1727,11 @@ class Spool(object):
     def _rows(self, state):
         now = _now()
         keys = []
-        for sub in ("incoming", "processing", "done", "dlq", "failed"):
-            if state is not None and STATE_DIRS[state] != sub:
+        subs = ["processing", "done", "dlq", "failed"]
+        if state in (None, "ready", "scheduled"):
+            subs = self.waiting_dirs() + subs
+        for sub in subs:
+            if state is not None and STATE_DIRS[state] != sub.partition("/")[0]:
                 continue
             for e in _scandir(self.d(sub)):
                 name = e.name
@@ -1561,14 +1748,14 @@ class Spool(object):
                 except OSError:
                     continue
                 guess = STATES.index("failed" if sub == "failed" else
-                                     "dead" if sub == "dlq" else sub
-                                     if sub != "incoming" else
-                                     "scheduled" if t > now else "ready")
-                keys.append((guess, t, name))
+                                     "dead" if sub == "dlq" else
+                                     ("scheduled" if t > now else "ready")
+                                     if sub.startswith("incoming") else sub)
+                keys.append((guess, t, name, sub))
         keys.sort()
-        for guess, _, name in keys:
+        for guess, _, name, sub in keys:
             guess = STATES[guess]
-            path = self.d(STATE_DIRS[guess], name)
+            path = self.d(sub, name)
             try:
                 row = self._describe(guess, path)
             except (OSError, InvalidJob) as e:
@@ -1586,7 +1773,7 @@ class Spool(object):
         now = _now() if now is None else now
         ready = scheduled = 0
         oldest = None
-        for e in _scandir(self.d("incoming")):
+        for e in (e for sub in self.waiting_dirs() for e in _scandir(self.d(sub))):
             if not e.name.endswith(".json"):
                 continue
             try:
@@ -1600,6 +1787,7 @@ class Spool(object):
                 scheduled += 1
         processing = sum(1 for n in _listdir(self.d("processing"))
                          if _split_claim(n))
+        tot = self.totals()
         done = _count(self.d("done"), ".json")
         dead = _count(self.d("dlq"), ".json")
         failed = sum(1 for n in _listdir(self.d("failed"))
@@ -1614,17 +1802,296 @@ class Spool(object):
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
                 "retries_1m": self.retries_1m(now), "scheduled": scheduled,
                 "failed": failed, "free_kb": int(free_kb),
+                "dropped": sum(tot["dropped"].values()),
+                "expired": sum(tot["expired"].values()),
+                "rejected": sum(tot["rejected"].values()),
+                "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.held()]}
 
+    # Policy and lanes (SPEC 9) -----------------------------------------------
+
+    def policy(self):
+        """{TYPE or "*": {KEY: VALUE}}: the last good policy, re-read when
+        its file changed (looked at once a second at most).  A file that
+        does not parse is ignored: policy_error says why."""
+        now = _mono()
+        if now < self._pol_next:
+            return self._pol
+        self._pol_next = now + 1.0
+        path = self.d(POLICY_FILE)
+        try:
+            st = os.lstat(path)
+            key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        except OSError:
+            key = None
+        if key != self._pol_key:
+            self._pol_key = key
+            if key is None:
+                self._pol, self.policy_error = {}, None
+            else:
+                try:
+                    data = self.read_file(path, 1 << 20)[0]
+                    self._pol = check_policy(json.loads(data.decode("utf-8")))
+                    self.policy_error = None
+                except (OSError, ValueError, MyqError) as e:
+                    self.policy_error = (
+                        "%s does not parse (%s); workers keep the last good "
+                        "policy: fix the file, or remove it and set the policy "
+                        "again with myq policy" % (path, e))
+        return self._pol
+
+    def rules(self, type):
+        """The policy of one type: its own keys over the default's."""
+        pol = self.policy()
+        own, default = pol.get(type), pol.get("*")
+        if not default:
+            return own or {}
+        if not own:
+            return default
+        r = dict(default)
+        r.update(own)
+        return r
+
+    def set_policy(self, name, changes):
+        """Apply {KEY: VALUE, or None to remove it} to the policy of `name`
+        (a type, or "*"): under locks/policy.lock, written to tmp/ and
+        renamed over policy.json, so concurrent calls lose nothing.
+        Returns the whole new policy."""
+        import fcntl
+        self.require()
+        if name != "*":
+            _check_name(name, "type")
+        changes = dict((k, None if v is None else policy_value(k, v))
+                       for k, v in changes.items())
+        fd = os.open(self.d("locks", "policy.lock"), os.O_RDWR | os.O_CREAT
+                     | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError("%s is not a regular file; remove it"
+                                  % self.d("locks", "policy.lock"))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            path = self.d(POLICY_FILE)
+            try:
+                data = self.read_file(path, 1 << 20)[0]
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+                data = None
+            pol = {}
+            if data is not None:
+                try:
+                    pol = check_policy(json.loads(data.decode("utf-8")))
+                except (ValueError, MyqError) as e:
+                    raise ConfigError(
+                        "%s does not parse (%s); nothing was changed: fix it "
+                        "by hand, or remove it and set the policy again"
+                        % (path, e))
+            own = dict(pol.get(name, {}))
+            for k, v in changes.items():
+                if v is None:
+                    own.pop(k, None)
+                else:
+                    own[k] = v
+            if own:
+                pol[name] = own
+            else:
+                pol.pop(name, None)
+            tmp = self._tmpname("policy")
+            _create(tmp, (json.dumps(pol, indent=1, sort_keys=True) + "\n")
+                    .encode("utf-8"), sync=True)
+            _rename(tmp, path)
+            _fsync_dir(self.path)
+        finally:
+            os.close(fd)
+        self._pol_next = 0.0
+        self.poke()
+        return pol
+
+    def paused(self):
+        """Type names paused now ("*": the default, so every new type)."""
+        return sorted(t for t, keys in self.policy().items()
+                      if keys.get("paused"))
+
+    def is_paused(self, type):
+        return bool(self.rules(type).get("paused"))
+
+    def lanes(self):
+        """[(priority, type, sub)] of the lanes, highest priority first."""
+        out = []
+        for name in _listdir(self.d(LANES)):
+            m = LANE_RE.match(name)
+            if m:
+                out.append((int(m.group(2)), m.group(1), LANES + "/" + name))
+        out.sort(key=lambda l: (-l[0], l[1]))
+        return out
+
+    def waiting_dirs(self):
+        """incoming/ and its lanes: every directory of waiting jobs."""
+        return ["incoming"] + [l[2] for l in self.lanes()]
+
+    def home(self, job):
+        """Where a waiting job lives: "incoming", or its lane (a priority
+        other than 0, or rules of its type that need its jobs apart)."""
+        t = job["type"]
+        rules = self.rules(t)
+        p = job.get("priority")
+        if p is None:
+            p = rules.get("priority", 0)
+        if p == 0 and not any(k in rules for k in _LANE_KEYS):
+            return "incoming"
+        return "%s/%s@%d" % (LANES, t, p)
+
+    def _make_lane(self, sub, dirs=None):
+        """Create the lane `sub` (and incoming/lanes/) as incoming/ is: its
+        mode and owner; through descriptors, never a link."""
+        own = dirs is None
+        if own:
+            dirs = _Dirs(self.path)
+        try:
+            st = os.fstat(dirs("incoming"))
+            for parent, name in (("incoming", "lanes"),
+                                 (LANES, sub.rpartition("/")[2])):
+                pfd = dirs(parent)
+                try:
+                    os.mkdir(name, 0o700, dir_fd=pfd)
+                except OSError as e:
+                    if e.errno != errno.EEXIST:
+                        raise
+                    continue
+                fd = _open_dir(name, pfd)
+                try:
+                    if os.geteuid() == 0 and st.st_uid != 0:
+                        os.fchown(fd, st.st_uid, st.st_gid)
+                    os.chmod(fd, stat.S_IMODE(st.st_mode))
+                finally:
+                    os.close(fd)
+        finally:
+            if own:
+                dirs.close()
+
+    def expiry(self, job):
+        """When a job expires (SPEC 9), or None: its own expires_at, else
+        (its retry, or its creation) + its type's ttl.  Times from a clock
+        that was never set (before 2020) expire nothing: a device without
+        a real-time clock boots in 1970 and jumps at its first NTP sync."""
+        since = job.get("retried_at") or job.get("created_at") or 0
+        if since < SANE_TIME:
+            return None
+        e = job.get("expires_at")
+        if e is None:
+            ttl = self.rules(job["type"]).get("ttl")
+            if ttl is None:
+                return None
+            e = since + ttl
+        return e
+
+    def _waiting_of(self, type):
+        """[(priority, mtime, name, size, sub)] of the jobs of `type`
+        waiting in its lanes."""
+        out = []
+        for p, t, sub in self.lanes():
+            if t != type:
+                continue
+            for e in _scandir(self.d(sub)):
+                if e.name.endswith(".json"):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((p, st.st_mtime, e.name, st.st_size, sub))
+        return out
+
+    def make_room(self, type, size, dirs=None, exclude=None):
+        """The type's bounds (SPEC 9) for one new arrival of `size` bytes:
+        None when it fits (drop-oldest: after the oldest waiting jobs were
+        removed), else why it does not."""
+        rules = self.rules(type)
+        mq, mb = rules.get("max_queued"), rules.get("max_bytes")
+        if mq is None and mb is None:
+            return None
+        waiting = [w for w in self._waiting_of(type) if w[2] != exclude]
+        n, b = len(waiting), sum(w[3] for w in waiting)
+
+        def over(n, b):
+            if mq is not None and n + 1 > mq:
+                return "max_queued=%d" % mq
+            if mb is not None and b + size > mb:
+                return "max_bytes=%s" % _format_size(mb)
+            return None
+        bound = over(n, b)
+        if bound is None:
+            return None
+        if rules.get("overflow") != "drop-oldest" or over(0, 0):
+            return ("type %s is at its bound %s (overflow=reject): %d jobs, "
+                    "%s waiting; the job was refused; try again later, or "
+                    "raise the bound with myq policy" % (
+                        type, bound, n, _format_size(b)))
+        waiting.sort()      # lowest priority, then the earliest, then id
+        for p, m, name, sz, sub in waiting:
+            if not over(n, b):
+                break
+            try:
+                if dirs is not None:
+                    os.unlink(name, dir_fd=dirs(sub))
+                else:
+                    os.unlink(self.d(sub, name))
+            except OSError:
+                continue        # claimed meanwhile: it is not waiting
+            n, b = n - 1, b - sz
+            self.log("dropped", id=name[:-5], type=type, why=bound)
+            self.count("dropped", type)
+        return None
+
+    def count(self, what, type, n=1):
+        """Add to a total since init (dropped, expired, rejected; SPEC 6):
+        locks/totals.json, replaced under locks/totals.lock."""
+        import fcntl
+        try:
+            fd = os.open(self.d("locks", "totals.lock"), os.O_RDWR | os.O_CREAT
+                         | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        except OSError:
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            tot = self.totals()
+            d = tot.setdefault(what, {})
+            d[type] = d.get(type, 0) + n
+            tmp = self._tmpname("totals")
+            _create(tmp, json.dumps(tot, sort_keys=True).encode("utf-8"),
+                    sync=False)
+            _rename(tmp, self.d("locks", "totals.json"))
+        except (OSError, MyqError):
+            pass            # a statistic, never worth a job
+        finally:
+            os.close(fd)
+
+    def totals(self):
+        """{"dropped"|"expired"|"rejected": {TYPE: N}}."""
+        out = {"dropped": {}, "expired": {}, "rejected": {}}
+        data = _read_small(self.d("locks", "totals.json"), 1 << 20)
+        try:
+            tot = json.loads(data.decode("utf-8")) if data else {}
+        except ValueError:
+            tot = {}
+        if isinstance(tot, dict):
+            for k in out:
+                v = tot.get(k)
+                if isinstance(v, dict):
+                    out[k] = dict((t, n) for t, n in v.items()
+                                  if n.__class__ is int and n >= 0)
+        return out
+
     # Held types (SPEC 5): a handler that is missing or cannot start ------
 
-    def _held_path(self, dest):
-        return self.d("locks", "held", dest + ".json")
+    def _held_path(self, dest, ext=".json"):
+        return self.d("locks", "held", _safe_dest(dest) + ext)
 
     def held(self):
-        """[{"dest", "why", "since", "until"}] of the held destinations,
-        from locks/held/ (written by workers; cat-able)."""
+        """[{"dest", "why", "since", "until", "probes"}] of the held
+        destinations, from locks/held/ (written by workers; cat-able)."""
         out = []
         for name in sorted(_listdir(self.d("locks", "held"))):
             if not name.endswith(".json"):
@@ -1633,38 +2100,116 @@ class Spool(object):
                 rec = json.loads(self.read_file(self.d("locks", "held", name), 4096)[0])
             except (OSError, ValueError, InvalidJob):
                 continue
-            if isinstance(rec, dict) and isinstance(rec.get("dest"), str):
+            if isinstance(rec, dict) and isinstance(rec.get("dest"), str) \
+                    and _is_num(rec.get("until")):
                 out.append(rec)
         return out
 
-    def _hold(self, dest, why, until, name):
-        """Record the hold (locks/held/DEST.json) and the job put back
-        (appended to DEST.jobs, so that the release finds it)."""
+    def hold_of(self, dest):
+        try:
+            rec = json.loads(self.read_file(self._held_path(dest), 4096)[0])
+        except (OSError, ValueError, InvalidJob):
+            return None
+        return rec if isinstance(rec, dict) and _is_num(rec.get("until")) else None
+
+    def _holds_lock(self):
+        import fcntl
+        os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+        fd = os.open(self.d("locks", "held", ".lock"), os.O_RDWR | os.O_CREAT
+                     | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def _hold(self, dest, why, until, name=None, probes=0, since=None):
+        """Record the hold (locks/held/DEST.json: cat-able) and, with
+        `name`, a job put back (DEST.jobs, so that the release finds it)."""
         try:
             os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
-            tmp = self._tmpname(dest + ".held")
-            _create(tmp, dumps({"dest": dest, "why": why, "since": round(_now(), 3),
-                                "until": round(until, 3)}), sync=False)
+            tmp = self._tmpname("held")
+            _create(tmp, dumps({"dest": dest, "why": why,
+                                "since": round(since or _now(), 3),
+                                "until": round(until, 3), "probes": probes,
+                                "boot": boot_id()}), sync=False)
             _rename(tmp, self._held_path(dest))
-            _append(self.d("locks", "held", dest + ".jobs"),
-                    (name + "\n").encode("utf-8"))
+            if name:
+                self.note_held(dest, name)
         except OSError:
             pass            # a record for operators: never worth a job
 
+    def note_held(self, dest, name):
+        """A job of a held (or failing) destination waits at `name` (its
+        path in the spool): the release makes it ready at once."""
+        try:
+            os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+            _append(self._held_path(dest, ".jobs"), (name + "\n").encode("utf-8"))
+        except OSError:
+            pass
+
+    def take_probe(self, dest, delay):
+        """A hold's backoff is over: take the probe (one job of `dest` may
+        start; the next probe is `delay(probes)` seconds later), unless
+        another worker took it.  A hold from another boot is due at once."""
+        try:
+            fd = self._holds_lock()
+        except OSError:
+            return False
+        try:
+            rec = self.hold_of(dest)
+            if rec is None:
+                return True             # released meanwhile
+            now = _now()
+            if rec["until"] > now and rec.get("boot") == boot_id():
+                return False
+            n = rec.get("probes") if rec.get("probes").__class__ is int else 0
+            self._hold(dest, rec.get("why"), now + delay(n + 1), probes=n + 1,
+                       since=rec.get("since"))
+            return True
+        finally:
+            os.close(fd)
+
+    def streak(self, dest, jid):
+        """A destination failure of job `jid`: (whether it starts a streak,
+        how many different jobs failed in the streak so far, how many
+        failures in all)."""
+        path = self._held_path(dest, ".streak")
+        data = _read_small(path, 1 << 16, tail=True)
+        seen = (data or b"").decode("utf-8", "replace").split()
+        try:
+            os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+            _append(path, (jid + "\n").encode("utf-8"))
+        except OSError:
+            pass
+        return not data, len(set(seen + [jid])), len(seen) + 1
+
+    def dest_ok(self, dest):
+        """An answer that is not the destination's failure: the streak
+        ends, and a hold is released (True)."""
+        _quiet_unlink(self._held_path(dest, ".streak"))
+        if os.path.lexists(self._held_path(dest)):
+            self._release(dest)
+            return True
+        return False
+
     def _release(self, dest):
-        """End a hold: its jobs waiting in incoming/ are ready now."""
-        jobs = self.d("locks", "held", dest + ".jobs")
+        """End a hold: the jobs put back while it lasted are ready now."""
+        jobs = self._held_path(dest, ".jobs")
         names = set((_read_small(jobs, 1 << 22, tail=True) or b"").decode("utf-8", "replace")
                     .split())
         now = _now()
         for name in names:
-            p = self.d("incoming", name)
+            if "/" not in name:
+                name = "incoming/" + name
+            parts = name.split("/")
+            if parts[0] != "incoming" or ".." in parts or not name.endswith(".json"):
+                continue
+            p = self.d(name)
             try:
-                if name.endswith(".json") and os.lstat(p).st_mtime > now:
+                if os.lstat(p).st_mtime > now:
                     _utime(p, now)
             except OSError:
                 pass
         _quiet_unlink(jobs)
+        _quiet_unlink(self._held_path(dest, ".streak"))
         _quiet_unlink(self._held_path(dest))
         self.poke()
 
@@ -1674,7 +2219,10 @@ class Spool(object):
         return iso(now, frac=False) + " queue=" + s["queue"] + "".join(
             " %s=%d" % (k, s[k]) for k in (
                 "ready", "processing", "done", "dead", "oldest_ready_s",
-                "retries_1m", "scheduled", "failed", "free_kb"))
+                "retries_1m", "scheduled", "failed", "free_kb", "dropped",
+                "expired", "rejected")) + " paused=%s held=%s" % (
+            ",".join(s["paused"]) or "-",
+            ",".join(h["dest"] for h in s["held"]) or "-")
 
     def retries_1m(self, now=None):
         now = _now() if now is None else now
@@ -1702,13 +2250,15 @@ class Spool(object):
 
     # Claiming and finishing ----------------------------------------------------
 
-    def _claim(self, name, me, default_max_attempts=5, scheduled=False):
-        """Take incoming/NAME for `me`.  Returns a Claim, or None when the job
-        was lost to another worker, quarantined, deferred or already done."""
+    def _claim(self, name, me, default_max_attempts=5, scheduled=False,
+               sub="incoming"):
+        """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
+        Claim, or None when the job was lost to another worker, quarantined,
+        deferred, expired, moved to its lane, or already done."""
         if not name.endswith(".json"):
             return None
         stem = name[:-5]
-        src = self._incoming + name
+        src = self.d(sub, name)
         if not NAME_RE.match(stem):
             try:
                 self._quarantine(src, name, "bad file name: a job file is ID.json, "
@@ -1793,6 +2343,25 @@ class Spool(object):
             self.log("skipped", id=stem, why="already done (idempotency record)")
             self._complete(c)
             return None
+        exp = self.expiry(job)
+        if exp is not None and now >= exp:
+            self._refuse(c, job, me, "expired", "expired at %s, before any run "
+                         "could start (ttl)" % iso(exp))
+            return None
+        if sub == "incoming":
+            home = self.home(job)
+            if home != "incoming":
+                # A producer's file (or one from before a policy): into its
+                # lane, under the type's bounds; its priority is fixed now.
+                if job.get("priority") is None:
+                    job["priority"] = self.rules(job["type"]).get("priority", 0)
+                self._make_lane(home)
+                full = self.make_room(job["type"], st.st_size, exclude=name)
+                if full:
+                    self._refuse(c, job, me, "rejected", full)
+                else:
+                    self._move_on(c, job, home, me)
+                return None
         c.attempt = job["attempts"] + 1
         try:
             _append(path, me.lease_line(token, c.attempt, now + me.lease), fd)
@@ -1804,6 +2373,15 @@ class Spool(object):
                 pass
             raise
         return c
+
+    def _refuse(self, c, job, me, what, why):
+        """An expired or rejected job (SPEC 9): to dlq/, logged, counted."""
+        job = dict(job)
+        job["last_error"] = what + ": " + why
+        job["failed_at"] = _now()
+        self._move_on(c, job, "dlq", me)
+        self.log(what, id=c.jid, type=job["type"], why=why)
+        self.count(what, job["type"])
 
     def _run_record(self, token):
         return self.d("locks", "workers", token + ".run")
@@ -1864,11 +2442,16 @@ class Spool(object):
         job["updated_at"] = _now()
         job.pop("lease", None)
         job.pop("state", None)
+        if dest == "incoming":
+            dest = self.home(job)       # its lane, when it has one
+        waiting = dest.startswith("incoming")
+        if waiting and dest != "incoming":
+            self._make_lane(dest)
         data = dumps(job)
         tmp = self.d("tmp", _claim_name(c.jid, c.token, "new"))
         _quiet_unlink(tmp)              # left by an earlier failed try
         _create(tmp, data, sync=True,
-                mtime=job["available_at"] if dest == "incoming" else None)
+                mtime=job["available_at"] if waiting else None)
         if fin is None and c.path.endswith(".fin"):
             fin = c.path                # an earlier try got this far
         if fin is None:
@@ -1887,7 +2470,7 @@ class Spool(object):
             _quiet_unlink(tmp)
             raise
         _unlink(fin)
-        if dest == "incoming":
+        if waiting:
             self.poke()
         return True
 
@@ -2012,7 +2595,7 @@ class Spool(object):
             _rename(fin, self.d("done", jid + ".json"))
             self.log("recovered", id=jid, why=why, to="done")
             return True
-        if (os.path.lexists(self.d("incoming", jid + ".json"))
+        if (self._queued(jid)
                 or os.path.lexists(self.d("dlq", jid + ".json"))):
             _unlink(fin)                # a finish that crashed after its move
             self.log("recovered", id=jid, why=why, to="-")
@@ -2032,6 +2615,10 @@ class Spool(object):
         self._move_on(c, job, dest, me, fin=fin)
         self.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
         return True
+
+    def _queued(self, jid):
+        return any(os.path.lexists(self.d(sub, jid + ".json"))
+                   for sub in self.waiting_dirs())
 
     # Operator moves ----------------------------------------------------------
 
@@ -2074,12 +2661,15 @@ class Spool(object):
                     missing.append(jid)
                     continue
             elif state == "dead":
-                if os.path.lexists(self.d("incoming", jid + ".json")):
+                if self._queued(jid):
                     raise DuplicateJob("job %s is already queued; delete one "
                                        "of them first" % jid)
                 job, _, _ = self.load(path, jid)
                 job.update(attempts=0, available_at=_now())
                 job.pop("failed_at", None)
+                if job.pop("expires_at", None) is not None or self.rules(
+                        job["type"]).get("ttl"):
+                    job["retried_at"] = _now()  # the ttl counts from now
                 if not me.registered:
                     me.register()
                 # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
@@ -2102,7 +2692,8 @@ class Spool(object):
                 continue
             n += 1
         if n:
-            _fsync_dir(self.d("incoming"))
+            for sub in self.waiting_dirs():
+                _fsync_dir(self.d(sub))
             self.poke()
         return n
 
@@ -2179,8 +2770,9 @@ class Spool(object):
                             "handlers are killed)")
         now = _now() if now is None else now
         sub = STATE_DIRS[state]
+        subs = self.waiting_dirs() if sub == "incoming" else [sub]
         chosen = []
-        for e in _scandir(self.d(sub)):
+        for e in (e for d in subs for e in _scandir(self.d(d))):
             name = e.name
             if sub == "failed":
                 if name.endswith(".reason"):
@@ -2367,6 +2959,9 @@ class Spool(object):
         problem = self.free_problem()
         if problem:
             problems.append(problem)
+        self.policy()
+        if self.policy_error:
+            problems.append(self.policy_error)
         stale = self.reap(dry_run=True)
         if stale:
             problems.append("%d claim(s) in processing/ belong to dead workers or "
@@ -2388,10 +2983,23 @@ class Spool(object):
             out.append("%d file(s) quarantined in failed/; see: %s list failed "
                        "(repair and retry, or delete)" % (failed, spool))
         for h in self.held():
-            out.append("type %s is held: %s; its jobs wait (no attempt counts) "
-                       "and run once the handler is there" % (h["dest"], h.get("why")))
+            if h.get("missing"):
+                out.append("type %s is held: %s; its jobs wait (no attempt "
+                           "counts) and run once the handler is there"
+                           % (h["dest"], h.get("why")))
+                continue
+            out.append("destination %s is held until %s: %s; its jobs wait (no "
+                       "attempt counts), a probe is sent after each backoff, and "
+                       "they run after its first success (now: %s resume --dest "
+                       "%s)" % (h["dest"], iso(h.get("until") or 0, frac=False),
+                                h.get("why"), spool, h["dest"]))
+        for t in self.paused():
+            out.append("%s is paused: no new job of it starts; resume with: %s "
+                       "resume %s" % ("every type" if t == "*" else "type " + t,
+                                      spool, "--all" if t == "*" else t))
         stray = [n for n in _listdir(self.d("incoming"))
-                 if not n.endswith(".json") and not n.startswith(".")]
+                 if not n.endswith(".json") and not n.startswith(".")
+                 and n != "lanes"]
         if stray:
             out.append("%d file(s) in incoming/ do not end in .json and are "
                        "never run (a producer must mv NAME.json into place), "
@@ -2796,18 +3404,42 @@ class _Run(object):
     """One job in flight in this worker."""
     __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
-                 "thread", "result", "conn")
+                 "thread", "result", "conn", "slot", "probe", "dest",
+                 "dest_fail")
 
     def __init__(self, claim, kind):
         self.claim, self.kind = claim, kind
         self.proc = self.started = self.deadline = self.kill_at = None
         self.stdin = self.stdin_fd = self.err_fd = self.thread = None
         self.result = self.conn = None
+        self.slot = self.probe = self.dest = None
+        self.dest_fail = False
         self.err = bytearray()
         self.timed_out = self.released = False
 
 
 # The worker ##################################################################
+
+class _Lane(object):
+    """A directory of waiting jobs as one worker sees it: incoming/ itself,
+    or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
+    __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
+                 "soonest", "next_due", "blocked", "slot", "probe", "rated",
+                 "dest")
+
+    def __init__(self, sub, type=None, prio=0):
+        self.sub, self.type, self.prio = sub, type, prio
+        self.cache, self.cache_full, self.dirty = [], False, True
+        self.sweep = self.soonest = self.next_due = None
+        self.blocked = 0.0          # wall time before which it is not tried
+        self.slot = self.probe = self.dest = None
+        self.rated = False
+
+    def end_sweep(self):
+        if self.sweep is not None:
+            self.sweep.close()
+            self.sweep = None
+
 
 class Worker(object):
     """Claims ready jobs and runs them through their handlers."""
@@ -2845,7 +3477,10 @@ class Worker(object):
         self.prune_interval = prune_interval
         self.parent = parent        # the supervisor's pid: stop when it is gone
         self.runs = []
-        self.cache, self.cache_full, self.dirty = [], False, True
+        self._top = _Lane("incoming")
+        self._lanes, self._lanes_key = [self._top], None
+        self._holds = {}            # held destination -> until (wall clock)
+        self._taken = (None, None, None)    # the last claim's slot, probe, lane
         self.next_due = None
         self.stopping = self.hard_stop = False
         self.stop_deadline = None
@@ -2855,9 +3490,7 @@ class Worker(object):
         self._pending = self._pending_ok = 0
         self._pending_since = 0.0
         self._timer = 0.0           # the SIGALRM tick armed now (0: none)
-        self._sweep = None          # scandir iterator over a deep backlog
         self._null = None           # /dev/null, for exec handlers' stdout
-        self._soonest = None        # the pass's earliest job not yet due
         self._stuck = []            # finishes that failed on I/O: callables
         self._io_pause_until = 0.0
         self._io_backoff = 0.5
@@ -2870,6 +3503,9 @@ class Worker(object):
 
     def resolve(self, type):
         """('exec', path) or ('py', function) or (None, why not)."""
+        builtin = self.spool.rules(type).get("handler")
+        if builtin == "http":
+            return "http", self._http
         if self.handlers_dir:
             path = os.path.join(self.handlers_dir, type)
             if os.path.isfile(path):
@@ -2932,11 +3568,12 @@ class Worker(object):
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
         for h in sp.held():         # holds whose handler is there by now
-            if self.resolve(h["dest"])[0] is not None:
+            if h.get("missing") and self.resolve(h["dest"])[0] is not None:
                 sp._release(h["dest"])
                 self.log("release", dest=h["dest"])
-            else:
+            elif h.get("missing"):
                 self._held[h["dest"]] = (h.get("why"), self.backoff_base)
+        self._load_holds()
         try:
             self._reap()
             self._loop(once, drain)
@@ -2960,7 +3597,11 @@ class Worker(object):
                 except OSError:
                     pass
             self._end_sweep()
-            self.cache, self.dirty = [], True   # a later run starts afresh
+            for L in self._lanes:               # a later run starts afresh
+                L.cache, L.dirty = [], True
+                if L.slot is not None:
+                    os.close(L.slot)
+                    L.slot = None
             if self._null is not None:
                 os.close(self._null)
                 self._null = None
@@ -3188,8 +3829,7 @@ class Worker(object):
         if _mono() >= self._next_poll:
             self._next_poll = _mono() + self.poll
             self._check_incoming()
-            if self._held:
-                self._check_holds()
+            self._check_holds()
             if self._parent and os.getppid() != self._parent \
                     and not self.stopping:
                 # the supervisor is gone (kill -9): stop as on SIGTERM
@@ -3222,10 +3862,10 @@ class Worker(object):
 
     # Scheduling ----------------------------------------------------------------
 
-    def _rescan(self):
-        """Refill the scan cache with the N earliest jobs of incoming/ (by
-        mtime = available_at, then name): memory stays bounded whatever the
-        depth of the queue.
+    def _rescan(self, L=None):
+        """Refill lane L's scan cache (default: incoming/ itself) with its N
+        earliest jobs (by mtime = available_at, then name): memory stays
+        bounded whatever the depth of the queue.
 
         A directory of up to 4N entries is scanned whole; a deeper one, or
         one with more than N ready, is worked through in one pass of a
@@ -3239,12 +3879,13 @@ class Worker(object):
         the soonest of them) that starts the next pass when it comes due."""
         import heapq
         import itertools
+        L = L or self._top
         sp = self.spool
         now = _now()
-        inc = sp.d("incoming")
+        inc = sp.d(L.sub)
         bad = []
         nread = [0]                             # jobs entries() gave
-        sweeping = self._sweep is not None      # new arrivals: next pass
+        sweeping = L.sweep is not None          # new arrivals: next pass
 
         def entries(it):
             for e in it:
@@ -3281,21 +3922,21 @@ class Worker(object):
             if nread[0] <= 4 * n:               # the whole directory
                 it.close()
                 if len(best) >= n and best[-1][0] <= now:
-                    self._sweep = _scandir(inc)     # more ready than N
-                    self._soonest = None
+                    L.sweep = _scandir(inc)     # more ready than N
+                    L.soonest = None
             else:                               # deep: a pass starts here
-                self._sweep = it
+                L.sweep = it
                 later = [e[0] for e in best if e[0] > now]
                 best = [e for e in best if e[0] <= now]
                 # All N ready: more may be, and later ones unseen: the
                 # next pass must come right after this one.
-                self._soonest = later[0] if later else now
+                L.soonest = later[0] if later else now
         else:
             best = []
-            soonest = self._soonest
-            if self.dirty and (soonest is None or soonest > now):
+            soonest = L.soonest
+            if L.dirty and (soonest is None or soonest > now):
                 soonest = now           # arrivals the iterator may miss
-            for ent in entries(self._sweep):
+            for ent in entries(L.sweep):
                 if ent[0] <= now:
                     best.append(ent)
                     if len(best) >= n:
@@ -3303,10 +3944,10 @@ class Worker(object):
                 elif soonest is None or ent[0] < soonest:
                     soonest = ent[0]
             else:
-                self._end_sweep()
+                L.end_sweep()
                 if soonest is not None:         # wake for them: a new pass
                     best.append((soonest, "", False))
-            self._soonest = soonest
+            L.soonest = soonest
             best.sort()
         for name, kind in bad:
             self._tick()
@@ -3316,49 +3957,132 @@ class Worker(object):
             except OSError:
                 pass
         best.reverse()
-        self.cache = best
-        self.cache_full = len(best) >= self.scan_cache or self._sweep is not None
-        self.dirty = False
-        self.next_due = None
+        L.cache = best
+        L.cache_full = len(best) >= self.scan_cache or L.sweep is not None
+        L.dirty = False
+        L.next_due = None
+
+    # The top lane (incoming/ itself) under the names the scan had before
+    # there were lanes.
+    @property
+    def dirty(self):
+        return self._top.dirty
+
+    @dirty.setter
+    def dirty(self, value):
+        for L in self._lanes:
+            L.dirty = L.dirty or value
+
+    @property
+    def _sweep(self):
+        return self._top.sweep
+
+    @_sweep.setter
+    def _sweep(self, value):
+        self._top.sweep = value
 
     def _end_sweep(self):
-        if self._sweep is not None:
-            self._sweep.close()
-            self._sweep = None
+        for L in self._lanes:
+            L.end_sweep()
 
-    def _next_claim(self, force=False):
+    def _sync_lanes(self):
+        """Learn the lanes (incoming/lanes/ changed: one stat)."""
+        try:
+            st = os.stat(self.spool.d(LANES))
+            key = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            key = None
+        if key == self._lanes_key:
+            return
+        self._lanes_key = key
+        have = dict((L.sub, L) for L in self._lanes)
+        lanes = [self._top]
+        for p, t, sub in self.spool.lanes():
+            lanes.append(have.pop(sub, None) or _Lane(sub, t, p))
+        have.pop(self._top.sub, None)
+        for L in have.values():
+            L.end_sweep()
+        lanes.sort(key=lambda L: -L.prio)       # stable: incoming/ first of 0
+        self._lanes = lanes
+
+    def _head(self, L, force=False):
+        """Lane L's next job that is due now, (mtime, name, scheduled), or
+        None (L.next_due: when one will be)."""
         forced = restarted = False
-        budget = 256        # files that could not be claimed, before a break
         while True:
             self._tick()
-            if not self.cache:
-                if not (self.dirty or self.cache_full or (force and not forced)):
+            if not L.cache:
+                if not (L.dirty or L.cache_full or (force and not forced)):
                     return None
                 forced = True
-                self._rescan()
-                if not self.cache:
-                    if self._sweep is None:
+                self._rescan(L)
+                if not L.cache:
+                    if L.sweep is None:
                         return None
                     continue            # an open pass goes on
-            m, name, scheduled = self.cache[-1]
+            m, name, scheduled = L.cache[-1]
             if m > _now():
-                if self.dirty or (force and not forced):
+                if L.dirty or (force and not forced):
                     forced = True
-                    self._rescan()
+                    self._rescan(L)
                     continue
-                self.next_due = m
+                L.next_due = m
                 return None
-            self.cache.pop()
             if not name:                # a pass's marker: time for the next
-                self.dirty = True
+                L.cache.pop()
+                L.dirty = True
                 if restarted:           # nothing claimable: not again now,
-                    self.next_due = _now() + min(self.poll, 0.25)  # soon
+                    L.next_due = _now() + min(self.poll, 0.25)  # soon
                     return None
                 restarted = True
                 continue
-            c = self.spool._claim(name, self.me, self.max_attempts, scheduled)
+            return L.cache[-1]
+
+    def _next_claim(self, force=False):
+        """The next job to start: among the lanes whose type may start one
+        now, the highest priority, then the earliest, then the id."""
+        budget = 256        # files that could not be claimed, before a break
+        inf = float("inf")
+        while True:
+            self._sync_lanes()
+            now = _now()
+            best, due = None, inf
+            for L in self._lanes:               # the highest priority first
+                if best is not None and L.prio < best[0].prio:
+                    break
+                if L.type is not None:
+                    wait = self._gate(L, now)
+                    if wait is not None:
+                        due = min(due, wait)
+                        continue
+                head = self._head(L, force)
+                if head is None:
+                    if L.next_due is not None:
+                        due = min(due, L.next_due)
+                    continue
+                if best is None or head[:2] < best[1][:2]:
+                    best = (L, head)
+            if best is None:
+                self.next_due = None if due == inf else due
+                return None
+            L, (m, name, scheduled) = best
+            if L.type is not None:
+                wait = self._reserve(L)
+                if wait is not None:
+                    continue            # another worker was faster
+            L.cache.pop()
+            try:
+                c = self.spool._claim(name, self.me, self.max_attempts,
+                                      scheduled, L.sub)
+            except BaseException:
+                self._unreserve(L)
+                raise
             if c is not None:
+                self._taken = (L.slot, L.probe, L)
+                L.slot = L.probe = None
+                L.rated = False
                 return c
+            self._unreserve(L)
             budget -= 1
             if budget <= 0 and not force:
                 # A flood of bad files: the loop's housekeeping (reaping,
@@ -3367,13 +4091,152 @@ class Worker(object):
                 return None
 
     def _ready_now(self):
-        """For --drain: is any job ready now (after a fresh scan)?"""
-        if self.cache and self.cache[-1][0] <= _now():
-            return True
-        self._rescan()
-        while not self.cache and self._sweep is not None:
-            self._rescan()
-        return bool(self.cache) and self.cache[-1][0] <= _now()
+        """For --drain: is any job ready now (after a fresh scan)?  Jobs of
+        a paused type or a held destination are not, unless a probe is
+        due."""
+        self._sync_lanes()
+        now = _now()
+        for L in self._lanes:
+            if L.type is not None:
+                wait = self._gate(L, now)
+                if wait is not None and wait > now + 0.001:
+                    continue
+            if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
+                return True
+            self._rescan(L)
+            while not L.cache and L.sweep is not None:
+                self._rescan(L)
+            if L.cache and L.cache[-1][0] <= _now():
+                return True
+        return False
+
+    # Policy at the start of a run (SPEC 9) -------------------------------------
+
+    def _gate(self, L, now):
+        """None when a job of lane L may start now, else the wall time when
+        it may (inf: not by time: a pause, all slots busy here)."""
+        rules = self.spool.rules(L.type)
+        if rules.get("paused"):
+            return float("inf")
+        until = self._holds.get(L.dest or L.type)
+        if until is not None and until > now:
+            return until
+        n = rules.get("concurrency")
+        if n is not None and sum(1 for r in self.runs
+                                 if r.claim.job["type"] == L.type) >= n:
+            return float("inf")
+        if L.blocked > now:
+            return L.blocked
+        return None
+
+    def _reserve(self, L):
+        """Take what a start of lane L's type needs: the probe of a held
+        destination, a concurrency slot (locks/slots/TYPE.K, flock'd: a
+        kill -9 frees it), a place in the rate's window.  None when taken,
+        else the lane waits (L.blocked) and it returns the time."""
+        sp = self.spool
+        rules = sp.rules(L.type)
+        now = _now()
+        dest = L.dest or L.type
+        if dest in self._holds:
+            if not sp.take_probe(dest, self.backoff):
+                L.blocked = now + min(self.poll, 1.0)
+                return L.blocked
+            L.probe = dest
+        n = rules.get("concurrency")
+        if n is not None and L.slot is None:
+            L.slot = self._slot(L.type, n)
+            if L.slot is None:
+                L.probe = None
+                L.blocked = now + min(self.poll, 0.25)
+                return L.blocked
+        rate = rules.get("rate")
+        if rate:
+            wait = self._rate_take(L.type, rate)
+            if wait:
+                L.probe = None
+                L.blocked = now + wait
+                return L.blocked
+            L.rated = True
+        return None
+
+    def _unreserve(self, L):
+        """The lane gave no job: give back its slot and its place in the
+        rate's window."""
+        L.probe = None
+        if L.slot is not None:
+            os.close(L.slot)
+            L.slot = None
+        if L.rated:
+            L.rated = False
+            self._rate_take(L.type, self.spool.rules(L.type).get("rate"),
+                            give_back=True)
+
+    def _slot(self, type, n):
+        """One of the type's n slots, or None: a locked descriptor."""
+        import fcntl
+        d = self.spool.d("locks", "slots")
+        try:
+            os.makedirs(d, 0o750, exist_ok=True)
+        except OSError:
+            return None
+        for k in range(n):
+            try:
+                fd = os.open(os.path.join(d, "%s.%d" % (type, k)), os.O_RDWR
+                             | os.O_CREAT | O_NOFOLLOW | os.O_NONBLOCK
+                             | O_CLOEXEC, 0o640)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError:
+                os.close(fd)
+        return None
+
+    def _rate_take(self, type, rate, give_back=False):
+        """Take a start in the type's window (locks/rate/TYPE: this boot's
+        monotonic start times, under flock): 0 when taken, else how long
+        until one is free.  With give_back, return the last one taken."""
+        import fcntl
+        n, per = rate_of(rate)
+        d = self.spool.d("locks", "rate")
+        try:
+            os.makedirs(d, 0o750, exist_ok=True)
+            fd = os.open(os.path.join(d, type), os.O_RDWR | os.O_CREAT
+                         | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        except OSError:
+            return 0            # no window to keep: never hold a job for it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            lines = os.pread(fd, 1 << 20, 0).decode("utf-8", "replace").split("\n")
+            now = _mono()
+            times = []
+            if lines[0] == boot_id():
+                for t in lines[1:]:
+                    try:
+                        t = float(t)
+                    except ValueError:
+                        continue
+                    if now - per < t <= now:
+                        times.append(t)
+            if give_back:
+                if times:
+                    times.pop()
+                wait = 0
+            elif len(times) >= n:
+                wait = max(0.001, times[-n] + per - now)
+            else:
+                times.append(now)
+                wait = 0
+            data = "\n".join([boot_id()] + ["%.6f" % t for t in times[-n:]])
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data.encode("utf-8"), 0)
+            return wait
+        except OSError:
+            return 0
+        finally:
+            os.close(fd)
 
     # Running -------------------------------------------------------------------
 
@@ -3385,8 +4248,10 @@ class Worker(object):
         return job
 
     def _start(self, c):
+        (slot, probe, lane), self._taken = self._taken, (None, None, None)
         kind, target = self.resolve(c.job["type"])
         run = _Run(c, kind)
+        run.slot, run.probe = slot, probe
         run.started = _mono()
         limit = c.job.get("timeout") or self.timeout
         run.deadline = run.started + limit
@@ -3395,6 +4260,18 @@ class Worker(object):
             return
         if c.job["type"] in self._held:
             self._unhold(c.job["type"])
+        run.dest = self._dest_of(c.job, kind)
+        if lane is not None and lane.type is not None and run.dest != lane.type:
+            lane.dest = run.dest    # where this lane's jobs go, for its gate
+        until = self._holds.get(run.dest)
+        if until is not None and run.probe != run.dest:
+            if until > _now() or not self.spool.take_probe(run.dest, self.backoff):
+                self._park(run, max(until, _now() + self.poll), "destination %s "
+                           "is held" % run.dest)
+                return
+            run.probe = run.dest
+        if run.probe:
+            self.log("probe", dest=run.dest, id=c.jid)
         if kind == "exec":
             self._spawn(run, target)
             return
@@ -3523,6 +4400,8 @@ class Worker(object):
                     if run.released:
                         self._release(run)
                     elif run.timed_out and run.result[0] != "done":
+                        # a built-in handler's time-out is its destination's
+                        run.dest_fail = run.kind in ("http", "mqtt")
                         self._finish(run, "retry", "timed out after %gs (%s)" % (
                             run.deadline - run.started, run.result[1]),
                             None, run.result[3] if len(run.result) > 3 else None)
@@ -3555,7 +4434,8 @@ class Worker(object):
             why = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
             if tail:
                 why += ": " + tail
-            if rc in (EX_TEMPFAIL, EX_OSERR) or not 64 <= rc <= 78:
+            run.dest_fail = rc in (EX_TEMPFAIL, EX_OSERR)
+            if run.dest_fail or not 64 <= rc <= 78:
                 self._finish(run, "retry", why)
             else:
                 self._finish(run, "dead", why)
@@ -3569,6 +4449,7 @@ class Worker(object):
         except PermanentError as e:
             return ("dead", _exc_text(e), None, _tb_tail(e))
         except RetryLater as e:
+            run.dest_fail = True    # the destination's failure (SPEC 9)
             return ("retry", _exc_text(e), e.seconds)
         except Exception as e:
             return ("retry", _exc_text(e), None, _tb_tail(e))
@@ -3623,15 +4504,34 @@ class Worker(object):
         are spent) or "dead", with the error, a delay (RetryLater) and a
         Python handler's traceback."""
         c = run.claim
+        self._free(run)
         ms = int((_mono() - run.started) * 1000)
         kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
+        counts = True
+        if outcome == "retry" and run.dest_fail:
+            counts, delay = self._dest_failed(run, delay, error)
+        elif run.dest and (outcome == "done" or outcome == "dead"):
+            # an answer that is not the destination's failure (SPEC 9)
+            if self.spool.dest_ok(run.dest) or run.dest in self._holds:
+                self._holds.pop(run.dest, None)
+                self.dirty = True
+                self.log("release", dest=run.dest, id=c.jid)
         if outcome == "done":
             self._complete(c, kv)
             return
         job = dict(c.job)
-        job["attempts"] = c.attempt
+        job["attempts"] = c.attempt if counts else c.attempt - 1
         note_failure(job, c.attempt, error, tb)
         error = job["last_error"]
+        if not counts:
+            # The destination's failure inside a streak: no attempt spent.
+            d = delay if delay is not None else self.backoff(max(1, c.attempt))
+            job["available_at"] = _now() + d
+            kv.update(retry_in=round(d, 3), error=error, counted=False)
+            self.spool.note_held(run.dest, "%s/%s.json" % (self.spool.home(job),
+                                                            c.jid))
+            self._move(c, job, "incoming", "retry", kv)
+            return
         if outcome == "retry" and c.attempt >= c.max_attempts:
             outcome = "dead"
         if outcome == "dead":
@@ -3643,11 +4543,37 @@ class Worker(object):
         job["available_at"] = _now() + d
         kv["retry_in"] = round(d, 3)
         kv["error"] = error
+        if run.dest_fail:       # the release makes it ready at once
+            self.spool.note_held(run.dest, "%s/%s.json" % (self.spool.home(job),
+                                                            c.jid))
         self._move(c, job, "incoming", "retry", kv)
+
+    def _dest_failed(self, run, delay, error):
+        """The circuit breaker (SPEC 9) after a destination failure: (does
+        it count an attempt, the delay before the job may run again)."""
+        sp, c = self.spool, run.claim
+        started, distinct, total = sp.streak(run.dest, c.jid)
+        # its own backoff grows with the streak, not with attempts it spends
+        delay = max(delay or 0.0, self.backoff(total))
+        until = self._holds.get(run.dest)
+        if until is not None:       # held (a failed probe): wait for the next
+            return False, max(0.0, until - _now())
+        n = sp.rules(c.job["type"]).get("breaker", 3)
+        if n and distinct >= n:
+            d = min(delay, self.backoff_max) if delay is not None \
+                else self.backoff(1)
+            until = _now() + d
+            self._holds[run.dest] = until
+            self._write_hold(run.dest, "%d jobs failed in a row: %s" % (
+                distinct, _clip(error or "failed", 200)), until)
+            self.log("hold", dest=run.dest, until=iso(until), failures=distinct)
+            return started and not run.probe, d
+        return started and not run.probe, delay
 
     def _release(self, run):
         """Shutdown: back to incoming/, ready now, the attempt not counted."""
         c = run.claim
+        self._free(run)
         job = dict(c.job)
         job["available_at"] = _now()
         self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
@@ -3700,8 +4626,10 @@ class Worker(object):
     # counts, and they run once the handler is there.
 
     def _hold(self, run, why):
+        """A missing or unstartable handler: its type is held at once (a
+        deployment not finished); the job waits, no attempt counted."""
         c = run.claim
-        t = c.job["type"]
+        t = run.dest = c.job["type"]
         old = self._held.get(t)
         delay = min(max(old[1] * 2 if old else self.backoff_base, 1.0),
                     self.backoff_max, 300.0)
@@ -3709,26 +4637,85 @@ class Worker(object):
         until = _now() + delay
         if old is None:
             self.log("hold", dest=t, why=why, until=iso(until))
-        self.spool._hold(t, why, until, c.jid + ".json")
+        self._holds[t] = until
+        self._write_hold(t, why, until, missing=True)
+        self._park(run, until, why)
+
+    def _write_hold(self, dest, why, until, **extra):
+        sp = self.spool
+        try:
+            os.makedirs(sp.d("locks", "held"), 0o750, exist_ok=True)
+            tmp = sp._tmpname("held")
+            rec = {"dest": dest, "why": why, "since": round(_now(), 3),
+                   "until": round(until, 3), "probes": 0, "boot": boot_id()}
+            rec.update(extra)
+            _create(tmp, dumps(rec), sync=False)
+            _rename(tmp, sp._held_path(dest))
+        except OSError:
+            pass            # a record for operators: never worth a job
+
+    def _park(self, run, until, why):
+        """Put a job of a held destination back, no attempt counted, until
+        the hold's next probe; the release makes it ready at once."""
+        c = run.claim
         job = dict(c.job)
         job["available_at"] = until
         job["last_error"] = "held: " + why
+        self.spool.note_held(run.dest or job["type"], "%s/%s.json" % (
+            self.spool.home(job), c.jid))
+        self._free(run)
         self._move(c, job, "incoming", None, {})
+
+    def _free(self, run):
+        if run.slot is not None:
+            os.close(run.slot)
+            run.slot = None
 
     def _unhold(self, t):
         """The handler of a held type is there: release the hold; the jobs
         it put back are ready now."""
         self._held.pop(t, None)
+        self._holds.pop(t, None)
         self.spool._release(t)
         self.dirty = True
         self.next_due = None
         self.log("release", dest=t)
 
+    def _load_holds(self):
+        """The holds of every worker of the spool (locks/held/); a hold
+        from another boot has its probe due at once."""
+        now, boot = _now(), boot_id()
+        self._holds = dict((h["dest"], h["until"] if h.get("boot") == boot
+                            else min(h["until"], now))
+                           for h in self.spool.held())
+
     def _check_holds(self):
-        """At each poll tick: has the handler of a held type appeared?"""
+        """At each poll tick: the holds on disk (other workers' too), and
+        has the handler of a held type appeared?"""
+        before = set(self._holds)
+        self._load_holds()
+        if before - set(self._holds):
+            self.dirty = True       # released by another worker
         for t in list(self._held):
             if self.resolve(t)[0] is not None:
                 self._unhold(t)
+
+    def _dest_of(self, job, kind):
+        """The circuit breaker's destination (SPEC 9): for http its
+        scheme://host:port, for mqtt the broker, else the type."""
+        if kind == "http":
+            p = job.get("payload")
+            url = p.get("url") if isinstance(p, dict) else None
+            if isinstance(url, str):
+                m = re.match(r"(https?)://(?:[^@/?#]*@)?(\[[^\]]*\]|[^:/?#]*)"
+                             r"(?::(\d+))?", url, re.I)
+                if m and m.group(2):
+                    scheme = m.group(1).lower()
+                    return "%s://%s:%s" % (scheme, m.group(2).lower(), m.group(3)
+                                           or (443 if scheme == "https" else 80))
+        elif kind == "mqtt":
+            return "mqtt"
+        return job["type"]
 
     def _retry_stuck(self, final=False):
         """Finishes that failed on I/O, tried again after the pause."""
