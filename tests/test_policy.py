@@ -92,6 +92,8 @@ def policy_file(spool, type_):
             dirs[:] = [x for x in dirs if x not in JOB_DIRS]
         for n in files:
             p = os.path.join(d, n)
+            if not os.path.isfile(p) or os.path.islink(p):
+                continue                # locks/wake is a FIFO
             try:
                 with open(p, "rb") as f:
                     obj = json.loads(f.read().decode("utf-8"))
@@ -834,25 +836,33 @@ def test_a_run_already_started_finishes_past_its_expiry(spool, handlers_dir,
     assert state(call_myq, spool, "r1") == "done"
 
 
-def test_retry_of_an_expired_job_clears_its_expiry(run_myq, spool, handlers_dir,
-                                                   tmp_path):
+def test_retry_of_an_expired_job_clears_its_expiry(spool, handlers_dir, tmp_path,
+                                                   procs):
+    """x (`--ttl 1.5`) and y (its type's `ttl=1.5s`) wait out their ttl
+    while their types are paused (the ttl keeps running), expire once
+    resumed, and run after `myq retry` (the ttl counts from the retry: a
+    warm worker starts them well within it)."""
     rec_handler(handlers_dir, tmp_path, "ex")
     h = rec_handler(handlers_dir, tmp_path, "ey")
     ok(cli(spool, "policy", "ey", "ttl=1.5s"))
+    ok(cli(spool, "pause", "ex", "ey"))
+    bg_worker(procs, tmp_path, spool, "--handlers", h, *FAST)
     enqueue(call_myq, spool, "ex", None, "--id", "x", "--ttl", "1.5")
     enqueue(call_myq, spool, "ey", None, "--id", "y")
     created = show(call_myq, spool, "y")["created_at"]
     _expire_wait(spool, "x")
     wait_for(lambda: time.time() > created + 1.6, what="y's ttl to pass")
-    cp = worker(run_myq, spool, handlers=h, timeout=30)
-    assert cp.returncode == 0, cp.stderr
+    ok(cli(spool, "resume", "ex", "ey"))
+    wait_for(lambda: all(state(call_myq, spool, j) == "dead" for j in "xy"),
+             timeout=PICKUP_DEADLINE, what="x and y to expire")
     assert dead_error(spool, "x").startswith("expired")
     assert dead_error(spool, "y").startswith("expired")
+    assert started_ids(tmp_path) == []
     ok(cli(spool, "retry", "x", "y"))
     exp = show(call_myq, spool, "x").get("expires_at")
     assert exp is None or exp > time.time(), "retry kept the old expiry"
-    cp = worker(run_myq, spool, handlers=h, timeout=30)
-    assert cp.returncode == 0, cp.stderr
+    wait_for(lambda: all(state(call_myq, spool, j) in ("done", "dead")
+                         for j in "xy"), what="x and y to run")
     assert sorted(started_ids(tmp_path)) == ["x", "y"]
     assert state(call_myq, spool, "x") == "done"
     assert state(call_myq, spool, "y") == "done"
@@ -1142,24 +1152,29 @@ def test_concurrency_slots_come_back_after_kill_9(spool, handlers_dir, tmp_path,
     assert _max_overlap(_intervals(tmp_path)) == 2
 
 
-def test_rate_holds_across_two_workers(spool, handlers_dir, tmp_path, procs):
-    """rate=5/s: in any 1 s, at most 5 starts (handler timestamps; 10%
-    slack for the gap between a start and its timestamp), and the rate is
-    used (15 jobs do not take much more than 3 s)."""
-    h = rec_handler(handlers_dir, tmp_path, "rr")
+def test_rate_holds_across_two_workers(spool, tmp_path, procs):
+    """rate=5/s: in any 1 s, at most 5 starts (timestamps taken by a
+    --module handler as it is called; 20% slack for the time between a
+    start and its timestamp on a loaded machine), and the rate is used (15 jobs do not take
+    much more than 3 s)."""
+    mod = tmp_path / "rr.py"
+    mod.write_text("import os, time\n\ndef rr(job):\n"
+                   "    fd = os.open(%r, os.O_WRONLY | os.O_APPEND | os.O_CREAT)\n"
+                   "    os.write(fd, ('%%s 1 %%.6f\\n' %% (job['id'], time.time()))"
+                   ".encode())\n    os.close(fd)\n" % str(tmp_path / "starts"))
     ok(cli(spool, "policy", "rr", "rate=5/s"))
     n, per = 15, 5
     for i in range(n):
         enqueue(call_myq, spool, "rr", None, "--id", "r%02d" % i)
     for name in ("a", "b"):
-        bg_worker(procs, tmp_path, spool, "--handlers", h, "--concurrency", "3",
-                  *FAST, name=name)
+        bg_worker(procs, tmp_path, spool, "--module", str(mod), "--concurrency",
+                  "3", *FAST, name=name)
     wait_for(lambda: len(starts(tmp_path)) >= n, timeout=30,
              what="the jobs to start")
     ts = sorted(s[2] for s in starts(tmp_path))
-    most = max(len([t for t in ts if t0 <= t < t0 + 0.9]) for t0 in ts)
-    print("starts %s; most in 0.9 s: %d" % (["%.2f" % (t - ts[0]) for t in ts], most))
-    assert most <= per, "%d starts within 0.9 s under rate=5/s" % most
+    most = max(len([t for t in ts if t0 <= t < t0 + 0.8]) for t0 in ts)
+    print("starts %s; most in 0.8 s: %d" % (["%.2f" % (t - ts[0]) for t in ts], most))
+    assert most <= per, "%d starts within 0.8 s under rate=5/s" % most
     span = ts[-1] - ts[0]
     assert span >= (n - per) / float(per) * 0.9, span
     assert span <= n / float(per) * 2 + 1, "the rate is not used: %.1fs" % span
