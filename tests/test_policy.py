@@ -1362,6 +1362,30 @@ def test_hold_survives_a_worker_restart_and_resume_dest_releases_now(
     assert len(ls(spool, "done")) == 4, "jobs still waiting out their backoff"
 
 
+def test_ttl_keeps_running_while_held_and_no_probe_starts_an_expired_job(
+        spool, handlers_dir, tmp_path, procs):
+    """e0, e1 trip the breaker; e2 (`--ttl 1`) waits behind the hold while
+    probes go out every 0.3 s: once expired it is never started (not even
+    as a probe) and ends in dlq/ as expired."""
+    h = handlers_dir("sink", SINK % tmp_path)
+    ok(cli(spool, "policy", "sink", "breaker=2"))
+    enqueue(call_myq, spool, "sink", None, "--id", "e0")
+    enqueue(call_myq, spool, "sink", None, "--id", "e1")
+    bg_worker(procs, tmp_path, spool, "--handlers", h, "--poll", "0.05",
+              "--jitter", "0", "--backoff-base", "0.3", "--backoff-max", "0.3")
+    wait_for(lambda: len(starts(tmp_path)) >= 2, what="the trip")
+    enqueue(call_myq, spool, "sink", None, "--id", "e2", "--ttl", "1")
+    exp = show(call_myq, spool, "e2")["expires_at"]
+    wait_for(lambda: state(call_myq, spool, "e2") == "dead", timeout=15,
+             what="e2 to expire while held")
+    assert dead_error(spool, "e2").startswith("expired")
+    assert [r for r in starts(tmp_path) if r[0] == "e2" and r[2] > exp] == []
+    (tmp_path / "up").touch()
+    wait_for(lambda: all(state(call_myq, spool, j) == "done" for j in ("e0", "e1")),
+             timeout=15, what="the others to run once up")
+    assert stats(spool)["expired"] == 1
+
+
 def test_http_destination_is_scheme_host_port(run_myq, spool, servers):
     down = servers(lambda h: 503)
     fine = servers(lambda h: 200)
