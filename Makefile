@@ -62,13 +62,15 @@ lint:
 
 # The bench runs on the interpreter itself, not on pyenv's shim: Python
 # 3.11 where pyenv has one (the figures of issue 15 are for 3.11), else
-# $(PYTHON).  `make bench` = bench/run.py (myq against its own floors), then
+# $(PYTHON).  `make bench` = bench/run.py (myq against its own floors),
+# bench/mqtt.py (MQTT QoS 1 to a local mosquitto, against a bare socket), then
 # bench-peers: myq beside huey and persist-queue (bench/peers.py makes the
 # bench-only venv bench/.venv-peers; myq itself stays standard library only).
 # PEERS_ARGS passes options, e.g. PEERS_ARGS="--cpu-queues all".
 BENCH_PYTHON ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.11.*/bin/python3) $(PYTHON))
 bench:
 	$(BENCH_PYTHON) bench/run.py
+	$(BENCH_PYTHON) bench/mqtt.py
 	@$(MAKE) --no-print-directory bench-peers
 
 bench-peers:

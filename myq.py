@@ -1232,6 +1232,7 @@ class Spool(object):
         self._seq = 0
         self._pol, self._pol_key, self._pol_next = {}, None, 0.0
         self.policy_error = None
+        self.intake = False     # _claim moved a producer's file to its lane
 
     def d(self, *parts):
         return os.path.join(self.path, *parts)
@@ -1768,7 +1769,7 @@ class Spool(object):
                 continue
             yield row
 
-    def stats(self, now=None):
+    def stats(self, now=None, by_type=False):
         """The counters of the status line (SPEC 6), from the directories."""
         now = _now() if now is None else now
         ready = scheduled = 0
@@ -1802,9 +1803,10 @@ class Spool(object):
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
                 "retries_1m": self.retries_1m(now), "scheduled": scheduled,
                 "failed": failed, "free_kb": int(free_kb),
-                "dropped": sum(tot["dropped"].values()),
-                "expired": sum(tot["expired"].values()),
-                "rejected": sum(tot["rejected"].values()),
+                "dropped": tot["dropped"] if by_type else sum(tot["dropped"].values()),
+                "expired": tot["expired"] if by_type else sum(tot["expired"].values()),
+                "rejected": tot["rejected"] if by_type else
+                sum(tot["rejected"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.held()]}
@@ -1862,7 +1864,8 @@ class Spool(object):
         self.require()
         if name != "*":
             _check_name(name, "type")
-        changes = dict((k, None if v is None else policy_value(k, v))
+        changes = dict((k, policy_value(k, v) if v is not None or
+                        k not in POLICY_KEYS else None)
                        for k, v in changes.items())
         fd = os.open(self.d("locks", "policy.lock"), os.O_RDWR | os.O_CREAT
                      | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
@@ -2148,22 +2151,29 @@ class Spool(object):
     def take_probe(self, dest, delay):
         """A hold's backoff is over: take the probe (one job of `dest` may
         start; the next probe is `delay(probes)` seconds later), unless
-        another worker took it.  A hold from another boot is due at once."""
+        another worker took it.  A hold from another boot is due at once.
+        Returns the hold's new until, 0 when it was released meanwhile, or
+        None when the probe is not ours."""
         try:
             fd = self._holds_lock()
         except OSError:
-            return False
+            return None
         try:
             rec = self.hold_of(dest)
             if rec is None:
-                return True             # released meanwhile
+                return 0.0              # released meanwhile
             now = _now()
             if rec["until"] > now and rec.get("boot") == boot_id():
-                return False
+                return None
             n = rec.get("probes") if rec.get("probes").__class__ is int else 0
-            self._hold(dest, rec.get("why"), now + delay(n + 1), probes=n + 1,
-                       since=rec.get("since"))
-            return True
+            until = now + delay(n + 2)
+            rec.update(until=round(until, 3), probes=n + 1, boot=boot_id())
+            tmp = self._tmpname("held")
+            _create(tmp, dumps(rec), sync=False)
+            _rename(tmp, self._held_path(dest))
+            return until
+        except OSError:
+            return None
         finally:
             os.close(fd)
 
@@ -2355,6 +2365,7 @@ class Spool(object):
                 # lane, under the type's bounds; its priority is fixed now.
                 if job.get("priority") is None:
                     job["priority"] = self.rules(job["type"]).get("priority", 0)
+                self.intake = True
                 self._make_lane(home)
                 full = self.make_room(job["type"], st.st_size, exclude=name)
                 if full:
@@ -3111,7 +3122,7 @@ def _write_textfile(w):
     name = "myq_%s.prom" % re.sub(r"[^A-Za-z0-9_.-]", "_", sp.name)
     tmp = os.path.join(d, ".%s.%d.tmp" % (name, os.getpid()))
     try:
-        data = prometheus_text(sp.stats()).encode("utf-8", "replace")
+        data = prometheus_text(sp.stats(by_type=True)).encode("utf-8", "replace")
         _quiet_unlink(tmp)
         _create(tmp, data, sync=False, mode=0o644)
         _rename(tmp, os.path.join(d, name))
@@ -3124,14 +3135,15 @@ _SPOOLS = {}
 
 
 def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
-            timeout=None):
+            timeout=None, priority=None, ttl=None):
     """Add a job to the spool durably; returns its id (SPEC 7)."""
     sp = _SPOOLS.get(spool)
     if sp is None or not sp._ready:
         sp = _SPOOLS[spool] = Spool(spool)
     try:
         return sp.enqueue(type, payload, id=id, delay=delay,
-                          max_attempts=max_attempts, timeout=timeout)
+                          max_attempts=max_attempts, timeout=timeout,
+                          priority=priority, ttl=ttl)
     except ConfigError:
         _SPOOLS.pop(spool, None)
         raise
@@ -3400,12 +3412,575 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None, run=None):
     raise PermanentError("http: more than 5 redirects, last to %s" % url[:200])
 
 
+# MQTT (SPEC 10) ##############################################################
+#
+# MQTT 3.1.1 on the standard library: socket (and ssl for mqtts), imported
+# when a connection is made, never at load.  One connection per worker,
+# clean session, re-made from scratch after any error; QoS 1 is done on the
+# broker's PUBACK, QoS 0 once written.  A thread sends PINGREQ when the
+# connection idles past keepalive/2 (the broker drops it at 1.5 x keepalive).
+
+MQTT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+_MQTT_URL = re.compile(r"(mqtts?)://(?:([^@/]*)@)?(\[[0-9A-Fa-f:.]+\]|[^\[\]@/:]+)"
+                       r"(?::(\d{1,5}))?/?\Z", re.I)
+_MQTT_MAX = 268435455          # the largest remaining length MQTT can say
+_MQTT_WINDOW = 65535           # packet ids: at most this many in flight
+_CONNACK = {
+    1: ("the broker does not speak MQTT 3.1.1 (CONNACK 1, unacceptable "
+        "protocol version)", "use a broker that supports MQTT 3.1.1", True),
+    2: ("the client id was rejected (CONNACK 2)", "give --mqtt-client-id at "
+        "most 23 letters and digits, unique per worker", True),
+    3: ("the MQTT service is unavailable (CONNACK 3)", None, False),
+    4: ("bad user name or password (CONNACK 4)", "check the user in --mqtt "
+        "(mqtt://USER@HOST) and the password in --mqtt-password-file", True),
+    5: ("not authorised (CONNACK 5)", "the broker does not let this client "
+        "connect: check the user in --mqtt, --mqtt-password-file and the "
+        "broker's access rules", True),
+}
+
+
+class _MqttBroken(Exception):
+    """The connection is unusable: closed, timed out, or the broker broke
+    the protocol."""
+
+
+def _mqtt_url(url):
+    """(scheme, user or None, host, port) of a broker URL."""
+    m = _MQTT_URL.match(url or "")
+    if not m:
+        raise UsageError("--mqtt %r is not an MQTT broker URL: give "
+                         "mqtt://[USER@]HOST[:PORT] or mqtts://[USER@]HOST[:PORT]"
+                         % (url,))
+    scheme, user, host, port = m.groups()
+    if user is not None and ":" in user:
+        raise UsageError("--mqtt %s: a password in the URL shows in ps and "
+                         "the logs; put it in --mqtt-password-file"
+                         % url.replace(user, user.partition(":")[0] + ":***", 1))
+    if user == "":
+        raise UsageError("--mqtt %s: empty user name before '@' (give "
+                         "mqtt://USER@HOST, or no '@')" % url)
+    scheme = scheme.lower()
+    port = int(port) if port else MQTT_PORTS[scheme]
+    if not 0 < port < 65536:
+        raise UsageError("--mqtt %s: port %d is not in 1-65535" % (url, port))
+    return scheme, user, host.lower(), port
+
+
+def mqtt_dest(url):
+    """The broker of a --mqtt URL as the circuit breaker names it (SPEC 9):
+    scheme://host:port, lower case, the port explicit, no user."""
+    scheme, _, host, port = _mqtt_url(url)
+    return "%s://%s:%d" % (scheme, host, port)
+
+
+def _mqtt_len(n):
+    """MQTT's remaining length: 7 bits a byte, the high bit says more."""
+    out = bytearray()
+    while True:
+        n, b = n >> 7, n & 127
+        out.append(b | 128 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def _mqtt_str(b):
+    return len(b).to_bytes(2, "big") + b
+
+
+def _mqtt_parse(buf):
+    """(first byte, body, length used) of the packet at the start of buf,
+    or None while it is incomplete.  We only ever get small packets back
+    (CONNACK, PUBACK, PINGRESP): anything larger than 64K is not MQTT."""
+    n = shift = 0
+    for i in range(1, min(len(buf), 5)):
+        b = buf[i]
+        n |= (b & 127) << shift
+        shift += 7
+        if not b & 128:
+            if n > 65536:
+                raise _MqttBroken("the broker sent a %d-byte packet (protocol "
+                                  "error)" % n)
+            end = i + 1 + n
+            if len(buf) < end:
+                return None
+            return buf[0], bytes(buf[i + 1:end]), end
+    if len(buf) >= 5:
+        raise _MqttBroken("the broker sent a bad packet length (protocol error)")
+    return None
+
+
+def _mqtt_message(job):
+    """(topic, message, qos, retain) of an `mqtt` job, topic and message as
+    bytes; PermanentError when the payload cannot be published."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        raise PermanentError('mqtt: the payload must be an object: {"topic": '
+                             '"a/b", "message": ..., "qos": 0|1, "retain": false}')
+    topic = p.get("topic")
+    if not isinstance(topic, str) or not topic:
+        raise PermanentError("mqtt: the payload has no topic (a non-empty string)")
+    if "+" in topic or "#" in topic:
+        raise PermanentError("mqtt: topic %r has a wildcard (+ or #); publish "
+                             "to a topic without them" % topic[:200])
+    if "\0" in topic:
+        raise PermanentError("mqtt: topic %r contains a NUL character"
+                             % topic[:200])
+    qos = p.get("qos", 1)
+    if qos is None:
+        qos = 1
+    if isinstance(qos, bool) or not isinstance(qos, int) or qos not in (0, 1):
+        raise PermanentError("mqtt: qos %s is not supported: give 0 or 1"
+                             % json.dumps(qos)[:50])
+    retain = p.get("retain", False)
+    if retain is None:
+        retain = False
+    if not isinstance(retain, bool):
+        raise PermanentError("mqtt: retain must be true or false, not %s"
+                             % json.dumps(retain)[:50])
+    msg = p.get("message")
+    try:
+        t = topic.encode("utf-8")
+        if "message" not in p:
+            data = b""
+        elif isinstance(msg, str):
+            data = msg.encode("utf-8")
+        else:
+            data = json.dumps(msg, separators=(",", ":")).encode("utf-8")
+    except UnicodeError:        # a lone surrogate ("\ud800") in the JSON
+        raise PermanentError("mqtt: the topic or message is not valid UTF-8 text")
+    if len(t) > 65535:
+        raise PermanentError("mqtt: the topic is %d bytes long (at most 65535)"
+                             % len(t))
+    if len(t) + 4 + len(data) > _MQTT_MAX:
+        raise PermanentError("mqtt: the message is %d bytes, larger than MQTT "
+                             "allows (256 MB)" % len(data))
+    return t, data, qos, retain
+
+
+def _mqtt_client_id():
+    """Unique per worker process, and at most 23 characters (all an MQTT
+    3.1.1 broker must accept): myq-HOST-PID-RANDOM, the host cut to fit."""
+    host = re.sub(r"[^A-Za-z0-9]", "", os.uname()[1])
+    tail = "-%d-%s" % (os.getpid(), _rand_hex(2))
+    return ("myq-" + host)[:max(3, 23 - len(tail))] + tail
+
+
+def _os_text(e):
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+def _mqtt_password(path):
+    """The password in --mqtt-password-file (its trailing newline dropped)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read(65536).rstrip(b"\r\n")
+    except OSError as e:
+        raise ConfigError("cannot read --mqtt-password-file %s: %s (the worker "
+                          "must be able to read it)" % (path, _os_text(e)))
+
+
+class MqttClient(object):
+    """One MQTT 3.1.1 connection to a broker, made at first use and made
+    again from scratch after any error (nothing half-sent is reused).
+    Thread-safe: every exchange holds `lock`.  `close()` when done: it
+    sends DISCONNECT and ends the keep-alive thread."""
+
+    def __init__(self, url, password=None, client_id=None, ca=None, cert=None,
+                 key=None, keepalive=60, timeout=10.0):
+        import threading
+        self.scheme, self.user, self.host, self.port = _mqtt_url(url)
+        self.dest = "%s://%s:%d" % (self.scheme, self.host, self.port)
+        if password is not None and self.user is None:
+            raise UsageError("--mqtt-password-file needs a user in --mqtt "
+                             "(mqtt://USER@%s)" % self.host)
+        if (ca or cert or key) and self.scheme != "mqtts":
+            raise UsageError("--mqtt-ca, --mqtt-cert and --mqtt-key are for "
+                             "mqtts:// brokers; --mqtt is %s" % self.dest)
+        if key and not cert:
+            raise UsageError("--mqtt-key needs --mqtt-cert (the client "
+                             "certificate it belongs to)")
+        for flag, path in (("--mqtt-ca", ca), ("--mqtt-cert", cert),
+                           ("--mqtt-key", key)):
+            if path:
+                try:
+                    open(path, "rb").close()
+                except OSError as e:
+                    raise ConfigError("cannot read %s %s: %s" % (
+                        flag, path, _os_text(e)))
+        if self.scheme == "mqtts":
+            try:
+                import ssl  # noqa: F401
+            except ImportError:
+                raise ConfigError("--mqtt %s needs Python's ssl module (OpenWrt: "
+                                  "opkg install python3-openssl)" % self.dest)
+        self.client_id = client_id or _mqtt_client_id()
+        if len(self.client_id.encode("utf-8", "replace")) > 65535:
+            raise UsageError("--mqtt-client-id is too long (at most 23 "
+                             "characters is safe)")
+        if not 0 <= int(keepalive) <= 65535:
+            raise UsageError("MQTT keepalive %r is not in 0-65535 s" % keepalive)
+        self.password = password
+        self.ca, self.cert, self.key = ca, cert, key
+        self.keepalive, self.timeout = int(keepalive), float(timeout)
+        self.lock = threading.RLock()
+        self.sock = None            # _abort() shuts it down to cut a run
+        self.connects = 0           # connections made, for tests and benches
+        self._threading = threading
+        self._buf = bytearray()
+        self._next_id = 0
+        self._last_sent = 0.0
+        self._answered = False
+        self._quickack = None
+        self._ctx = self._session = None
+        self._pinger = None
+        self._closed = False
+
+    # Packets ---------------------------------------------------------------
+
+    def _left(self, deadline, what):
+        t = deadline - _mono()
+        if t <= 0:
+            raise _MqttBroken("no %s from the broker in time" % what)
+        return t
+
+    def _send(self, data, deadline):
+        self.sock.settimeout(self._left(deadline, "room to write"))
+        self.sock.sendall(data)
+        self._last_sent = _mono()
+
+    def _read(self, deadline, what, quick=False):
+        """The next packet: (first byte, body).  `quick`: more answers are
+        due, so acknowledge at once what comes (TCP_QUICKACK): a broker
+        without TCP_NODELAY (mosquitto's default) holds its next PUBACKs
+        until the first is acknowledged, and a delayed ACK costs 40 ms."""
+        buf = self._buf
+        while True:
+            got = _mqtt_parse(buf)
+            if got is not None:
+                del buf[:got[2]]
+                return got[0], got[1]
+            self.sock.settimeout(self._left(deadline, what))
+            if quick and self._quickack:
+                try:
+                    self.sock.setsockopt(6, self._quickack, 1)   # IPPROTO_TCP
+                except OSError:
+                    self._quickack = None
+            try:
+                data = self.sock.recv(65536)
+            except OSError as e:
+                if type(e).__name__ in ("timeout", "TimeoutError"):
+                    raise _MqttBroken("no %s from the broker in time" % what)
+                raise
+            if not data:
+                raise _MqttBroken("the broker closed the connection")
+            buf += data
+
+    # The connection ----------------------------------------------------------
+
+    def _connect(self, deadline):
+        import socket
+        host = self.host.strip("[]")
+        try:
+            # an ASCII name as bytes: a str goes through the idna codec,
+            # which needs unicodedata (not in python3-light)
+            host = host.encode("ascii")
+        except UnicodeError:
+            pass
+        try:
+            sock = socket.create_connection(
+                (host, self.port), timeout=self._left(deadline, "connection"))
+        except _MqttBroken:
+            raise
+        except OSError as e:
+            raise DestinationDown(None, "mqtt: cannot connect to %s: %s"
+                                  % (self.dest, _os_text(e)))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._quickack = getattr(socket, "TCP_QUICKACK", None)   # Linux
+            if self.scheme == "mqtts":
+                sock = self._tls(sock, deadline)
+            self.sock, self._buf = sock, bytearray()
+            self._send(self._connect_packet(), deadline)
+            kind, body = self._read(deadline, "CONNACK")
+            if kind != 0x20 or len(body) != 2:
+                raise _MqttBroken("the broker answered CONNECT with packet "
+                                  "type %d, not CONNACK" % (kind >> 4))
+            if body[1]:
+                raise self._refused(body[1])
+            if self.scheme == "mqtts":
+                self._session = getattr(sock, "session", None) or self._session
+        except BaseException:
+            self.sock = None
+            sock.close()
+            raise
+        self.connects += 1
+        self._closed = False
+        if self.keepalive and (self._pinger is None or not self._pinger.is_alive()):
+            self._pinger = self._threading.Thread(target=self._keep_alive,
+                                                  name="myq-mqtt-ping")
+            self._pinger.daemon = True
+            self._pinger.start()
+
+    def _connect_packet(self):
+        flags = 0x02                                    # clean session
+        payload = _mqtt_str(self.client_id.encode("utf-8"))
+        if self.user is not None:
+            flags |= 0x80
+            payload += _mqtt_str(self.user.encode("utf-8"))
+            if self.password is not None:
+                flags |= 0x40
+                payload += _mqtt_str(self.password)
+        head = _mqtt_str(b"MQTT") + bytes((4, flags)) + \
+            self.keepalive.to_bytes(2, "big")
+        return b"\x10" + _mqtt_len(len(head) + len(payload)) + head + payload
+
+    def _refused(self, code):
+        what, todo, config = _CONNACK.get(code, (
+            "refused with CONNACK code %d" % code, None, False))
+        msg = "mqtt: %s refused the connection: %s" % (self.dest, what)
+        if config:
+            msg = "mqtt: configuration error: %s refused the connection: %s; %s" % (
+                self.dest, what, todo)
+        e = DestinationDown(None, msg)
+        e.config = config
+        return e
+
+    def _tls(self, sock, deadline):
+        try:
+            import ssl
+        except ImportError:
+            raise DestinationDown(None, "mqtt: %s needs Python's ssl module "
+                                  "(OpenWrt: opkg install python3-openssl)"
+                                  % self.dest)
+        if self._ctx is None:
+            try:
+                ctx = ssl.create_default_context()
+                if self.ca:
+                    ctx.load_verify_locations(cafile=self.ca)
+                if self.cert:
+                    ctx.load_cert_chain(self.cert, self.key)
+            except (OSError, ValueError) as e:
+                raise DestinationDown(None, "mqtt: configuration error: cannot "
+                                      "load --mqtt-ca/--mqtt-cert/--mqtt-key: %s"
+                                      % _os_text(e))
+            self._ctx = ctx
+        sock.settimeout(self._left(deadline, "TLS handshake"))
+        try:
+            return self._ctx.wrap_socket(sock, server_hostname=self.host.strip("[]"),
+                                         session=self._session)
+        except ssl.CertificateError as e:
+            raise DestinationDown(None, "mqtt: configuration error: %s: the "
+                                  "broker's certificate is not trusted (%s); give "
+                                  "its CA with --mqtt-ca" % (self.dest, _os_text(e)))
+
+    def _stale(self):
+        """Did the broker close this idle connection (or send what nobody
+        asked for)?  Then it is not used again."""
+        import select
+        sock = self.sock
+        try:
+            pending = sock.pending() if hasattr(sock, "pending") else 0
+            if not pending and not select.select([sock], [], [], 0)[0]:
+                return False
+            sock.settimeout(0)
+            sock.recv(4096)             # EOF, or data that nobody asked for
+            return True
+        except OSError as e:
+            # no data after all: a TLS record that was no application data
+            return not (isinstance(e, BlockingIOError)
+                        or type(e).__name__ == "SSLWantReadError")
+
+    def _drop(self):
+        """Forget the connection (after an error: nothing of it is reused)."""
+        sock, self.sock = self.sock, None
+        self._buf = bytearray()
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _keep_alive(self):
+        """The keep-alive thread: PINGREQ when idle past keepalive/2, so
+        that the broker (which drops a client silent for 1.5 x keepalive)
+        and NATs keep the connection."""
+        every = max(0.05, self.keepalive / 4.0)
+        while not self._closed:
+            time.sleep(every)
+            if self.sock is None or _mono() - self._last_sent < self.keepalive / 2.0:
+                continue
+            if self.lock.acquire(False):        # busy: that is traffic enough
+                try:
+                    if self.sock is not None and not self._closed:
+                        self.ping()
+                finally:
+                    self.lock.release()
+
+    def ping(self):
+        """PINGREQ, wait for PINGRESP; False (and the connection dropped)
+        when it does not come."""
+        with self.lock:
+            if self.sock is None:
+                return False
+            deadline = _mono() + min(self.timeout, max(1.0, self.keepalive / 2.0))
+            try:
+                self._send(b"\xc0\x00", deadline)
+                kind, _ = self._read(deadline, "PINGRESP")
+                if kind != 0xD0:
+                    raise _MqttBroken("unexpected packet type %d" % (kind >> 4))
+                return True
+            except (OSError, ValueError, _MqttBroken):
+                self._drop()
+                return False
+            except BaseException:
+                self._drop()
+                raise
+
+    def close(self):
+        """DISCONNECT and close; a later publish connects again."""
+        self._closed = True
+        if not self.lock.acquire(True, 1.0):
+            # another thread is mid-exchange (a run being abandoned): cut it
+            sock = self.sock
+            if sock is not None:
+                import socket
+                try:
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return
+        try:
+            if self.sock is not None:
+                try:
+                    self._send(b"\xe0\x00", _mono() + 1.0)
+                except (OSError, _MqttBroken):
+                    pass
+                self._drop()
+        finally:
+            self.lock.release()
+
+    # Publishing --------------------------------------------------------------
+
+    def publish_many(self, msgs, timeout):
+        """Publish (topic bytes, message bytes, qos, retain) tuples, all of
+        them in flight at once, within `timeout` seconds: one outcome per
+        message, in order: None (done) or a DestinationDown."""
+        out = [None] * len(msgs)
+        done = set()
+        deadline = _mono() + timeout
+        left = list(range(len(msgs)))
+        retried = False
+        err = None
+        with self.lock:
+            while left:
+                reused = self.sock is not None
+                self._answered = False
+                try:
+                    if reused and self._stale():
+                        self._drop()
+                        reused = False
+                    if self.sock is None:
+                        self._connect(deadline)
+                    self._exchange(msgs, left[:_MQTT_WINDOW], deadline, done)
+                except DestinationDown as e:        # cannot connect, refused
+                    self._drop()
+                    err = e
+                except (OSError, ValueError, _MqttBroken) as e:
+                    self._drop()
+                    err = DestinationDown(None, "mqtt: %s: %s" % (
+                        self.dest, _os_text(e)))
+                    # A connection that had been idle may have died unseen:
+                    # once more on a fresh one, as SPEC 10 does for http.
+                    if reused and not self._answered and not retried \
+                            and _mono() < deadline:
+                        retried, err = True, None
+                except BaseException:
+                    self._drop()
+                    raise
+                left = [i for i in left if i not in done]
+                if err is not None:
+                    break
+        for i in left:
+            e = DestinationDown(err.seconds, str(err))
+            e.config = getattr(err, "config", False)
+            e.dest = self.dest
+            out[i] = e
+        return out
+
+    def _exchange(self, msgs, window, deadline, done):
+        """Send the window's PUBLISH packets (64K at a time), then read
+        PUBACKs until each QoS 1 one has its own."""
+        waiting = {}
+        chunk, size, written = [], 0, []
+        last = window[-1]
+        for i in window:
+            topic, data, qos, retain = msgs[i]
+            head = _mqtt_str(topic)
+            if qos:
+                self._next_id = self._next_id % 65535 + 1
+                waiting[self._next_id] = i
+                head += self._next_id.to_bytes(2, "big")
+            else:
+                written.append(i)
+            chunk.append(bytes((0x30 | qos << 1 | retain,)) +
+                         _mqtt_len(len(head) + len(data)) + head)
+            chunk.append(data)
+            size += len(head) + len(data)
+            if size >= 65536 or i == last:
+                self._send(b"".join(chunk), deadline)
+                done.update(written)                # QoS 0: done once written
+                chunk, size, written = [], 0, []
+        while waiting:
+            kind, body = self._read(deadline, "PUBACK", len(waiting) > 1)
+            self._answered = True
+            if kind == 0x40 and len(body) == 2:
+                i = waiting.pop(int.from_bytes(body, "big"), None)
+                if i is not None:
+                    done.add(i)
+            elif kind != 0xD0:                      # a late PINGRESP is fine
+                raise _MqttBroken("the broker sent packet type %d, not PUBACK "
+                                  "(protocol error)" % (kind >> 4))
+
+
+def _mqtt_client(url, password_file=None, client_id=None, ca=None, cert=None,
+                 key=None, **kw):
+    """The MqttClient of the --mqtt options: everything checked before the
+    password file is read."""
+    client = MqttClient(url, b"" if password_file else None, client_id, ca,
+                        cert, key, **kw)
+    client.password = _mqtt_password(password_file)
+    return client
+
+
+def mqtt_publish(client, jobs, timeout):
+    """Publish `mqtt` jobs (SPEC 10) through `client`, all in flight at
+    once: one outcome per job, in order: None when done (QoS 1: its PUBACK
+    came; QoS 0: written), a PermanentError for a payload that cannot be
+    published, a DestinationDown for the rest when the connection, the
+    CONNACK, a PUBACK or the time failed (the client connects afresh at
+    its next use)."""
+    out = [None] * len(jobs)
+    msgs, where = [], []
+    for i, job in enumerate(jobs):
+        try:
+            msgs.append(_mqtt_message(job))
+            where.append(i)
+        except PermanentError as e:
+            out[i] = e
+    if msgs:
+        for i, e in zip(where, client.publish_many(msgs, timeout)):
+            out[i] = e
+    return out
+
+
 class _Run(object):
     """One job in flight in this worker."""
     __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
                  "thread", "result", "conn", "slot", "probe", "dest",
-                 "dest_fail")
+                 "dest_fail", "batch", "split", "target")
 
     def __init__(self, claim, kind):
         self.claim, self.kind = claim, kind
@@ -3413,7 +3988,8 @@ class _Run(object):
         self.stdin = self.stdin_fd = self.err_fd = self.thread = None
         self.result = self.conn = None
         self.slot = self.probe = self.dest = None
-        self.dest_fail = False
+        self.batch = self.target = None     # batch: the claims of a batch
+        self.dest_fail = self.split = False
         self.err = bytearray()
         self.timed_out = self.released = False
 
@@ -3425,14 +4001,14 @@ class _Lane(object):
     or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
     __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
                  "soonest", "next_due", "blocked", "slot", "probe", "rated",
-                 "dest")
+                 "dest", "key")
 
     def __init__(self, sub, type=None, prio=0):
         self.sub, self.type, self.prio = sub, type, prio
         self.cache, self.cache_full, self.dirty = [], False, True
         self.sweep = self.soonest = self.next_due = None
         self.blocked = 0.0          # wall time before which it is not tried
-        self.slot = self.probe = self.dest = None
+        self.slot = self.probe = self.dest = self.key = None
         self.rated = False
 
     def end_sweep(self):
@@ -3449,7 +4025,9 @@ class Worker(object):
                  backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
                  stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
                  scan_cache=2048, log=None, reap_interval=None,
-                 prune_interval=60.0, parent=None, **spool_options):
+                 prune_interval=60.0, parent=None, mqtt=None,
+                 mqtt_password_file=None, mqtt_client_id=None, mqtt_ca=None,
+                 mqtt_cert=None, mqtt_key=None, **spool_options):
         self.log = log or Log()
         if isinstance(spool, Spool):
             self.spool = spool
@@ -3481,6 +4059,7 @@ class Worker(object):
         self._lanes, self._lanes_key = [self._top], None
         self._holds = {}            # held destination -> until (wall clock)
         self._taken = (None, None, None)    # the last claim's slot, probe, lane
+        self._no_wait = False
         self.next_due = None
         self.stopping = self.hard_stop = False
         self.stop_deadline = None
@@ -3498,6 +4077,11 @@ class Worker(object):
         self._clock_offset = _now() - _mono()
         self._next_beat = float("inf")     # set when run() starts
         self._held = {}     # held type -> (why, its hold's delay)
+        # --mqtt: the options are checked now, the broker connected at the
+        # first mqtt job (one connection per worker, shared by its threads)
+        self._mqtt_client = None if not mqtt else _mqtt_client(
+            mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
+            mqtt_key, timeout=min(self.timeout, 30.0))
 
     # Handlers ----------------------------------------------------------------
 
@@ -3505,7 +4089,9 @@ class Worker(object):
         """('exec', path) or ('py', function) or (None, why not)."""
         builtin = self.spool.rules(type).get("handler")
         if builtin == "http":
-            return "http", self._http
+            return self.resolve_http(type)
+        if builtin == "mqtt":
+            return self.resolve_mqtt(type)
         if self.handlers_dir:
             path = os.path.join(self.handlers_dir, type)
             if os.path.isfile(path):
@@ -3517,11 +4103,30 @@ class Worker(object):
         if callable(fn) and not type.startswith("_"):
             return "py", fn
         if type == "http":
-            return "http", self._http
+            return self.resolve_http(type)
+        if type == "mqtt":
+            return self.resolve_mqtt(type)
         return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
                       % (type, "--handlers " + self.handlers_dir
                          if self.handlers_dir else "no --handlers",
                          "--module" if self.module else "no --module"))
+
+    def resolve_http(self, type):
+        """The http handler, or why not: without Python's http.client the
+        type is held (SPEC 10), not dead: install it and the jobs run."""
+        try:
+            import http.client  # noqa: F401
+            import urllib.parse  # noqa: F401
+        except ImportError:
+            return None, ("the http handler needs Python's http.client and "
+                          "urllib (OpenWrt: opkg install python3-urllib)")
+        return "http", self._http
+
+    def resolve_mqtt(self, type):
+        if self._mqtt_client is not None:
+            return "mqtt", self._mqtt
+        return None, ("no --mqtt broker configured for type %s (give the "
+                      "worker --mqtt mqtt://HOST)" % type)
 
     def _http(self, job, run=None):
         try:
@@ -3532,6 +4137,54 @@ class Worker(object):
             # it ("Retry-After: 0" a thousand times): the backoff holds too.
             e.seconds = max(e.seconds or 0.0, self.backoff(job["attempts"]))
             raise
+
+    def _http_batch(self, jobs, run):
+        """A batch of http jobs as one request (SPEC 10)."""
+        rules = self.spool.rules(jobs[0]["type"])
+        try:
+            return http_batch(jobs, self.http_headers, self.backoff_max,
+                              jobs[0].get("timeout") or self.timeout, run,
+                              getattr(self, "http_pool", None),
+                              gzip=bool(rules.get("gzip")))
+        except RetryLater as e:
+            e.seconds = max(e.seconds or 0.0, self.backoff(jobs[0]["attempts"]))
+            raise
+
+    def _mqtt(self, job, run=None):
+        """The built-in `mqtt` type, one job (SPEC 10)."""
+        err = self.mqtt_batch([job], run)[0]
+        if err is not None:
+            raise err
+
+    def mqtt_batch(self, jobs, run=None):
+        """Publish `mqtt` jobs through the worker's connection, all in
+        flight at once: one outcome per job, in order (None: done, else the
+        exception: PermanentError, DestinationDown).  With `run`, the
+        connection is cut when the run's time is up (_abort)."""
+        client = self._mqtt_client
+        limit = min(j.get("timeout") or self.timeout for j in jobs)
+        if run is not None:
+            # a little before the worker's own limit, so that a time-out is
+            # ours: a destination failure (SPEC 9), not the job's
+            limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
+        start = _mono()
+        # one exchange at a time on the connection (other threads' runs,
+        # the keep-alive ping): waiting for a turn counts in the limit
+        if not client.lock.acquire(True, limit):
+            out = [DestinationDown(None, "mqtt: %s: no turn on the connection "
+                                   "within %gs (the broker is slow to answer)"
+                                   % (client.dest, limit)) for _ in jobs]
+            for e in out:
+                e.dest = client.dest
+            return out
+        try:
+            if run is not None:
+                run.conn = client
+            return mqtt_publish(client, jobs, max(0.05, limit - (_mono() - start)))
+        finally:
+            if run is not None:
+                run.conn = None
+            client.lock.release()
 
     def backoff(self, n):
         d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
@@ -3581,7 +4234,8 @@ class Worker(object):
             for run in list(self.runs):
                 self._kill(run, 9)
                 if run.proc is not None:
-                    self.spool._end_handler(run.claim.token)
+                    for c in run.batch or [run.claim]:
+                        self.spool._end_handler(c.token)
                 for fd in (run.stdin_fd, run.err_fd):
                     if fd is not None:
                         os.close(fd)
@@ -3605,6 +4259,8 @@ class Worker(object):
             if self._null is not None:
                 os.close(self._null)
                 self._null = None
+            if self._mqtt_client is not None:
+                self._mqtt_client.close()
             self.me.unregister()
             self.log("stop", worker=self.me.wid)
         return 0
@@ -3696,6 +4352,7 @@ class Worker(object):
                                                              5.0)
         self._next_poll = now + self.poll
         self._started = 0
+        self._no_wait = once or drain       # --once, --drain: no batch_wait
         while True:
             busy = False
             if self.stopping:
@@ -3986,12 +4643,23 @@ class Worker(object):
             L.end_sweep()
 
     def _sync_lanes(self):
-        """Learn the lanes (incoming/lanes/ changed: one stat)."""
+        """Learn the lanes (incoming/lanes/ changed: one stat), and which
+        changed (a stat each: a producer's poke is read only now and then
+        while jobs run back to back)."""
         try:
             st = os.stat(self.spool.d(LANES))
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
+        for L in self._lanes:
+            if L.type is not None:
+                try:
+                    st = os.stat(self.spool.d(L.sub))
+                    k = (st.st_mtime_ns, st.st_ino)
+                except OSError:
+                    k = None
+                if k != L.key:
+                    L.key, L.dirty = k, True
         if key == self._lanes_key:
             return
         self._lanes_key = key
@@ -4047,7 +4715,15 @@ class Worker(object):
             self._sync_lanes()
             now = _now()
             best, due = None, inf
-            for L in self._lanes:               # the highest priority first
+            if self.spool.intake:
+                # Producers' files are being moved to their lanes: go on
+                # with incoming/ first, so that their bounds see them all
+                # before any of them starts (SPEC 9: "at the next scan").
+                head = self._head(self._top, force)
+                if head is not None:
+                    best = (self._top, head)
+                self.spool.intake = False
+            for L in self._lanes if best is None else ():
                 if best is not None and L.prio < best[0].prio:
                     break
                 if L.type is not None:
@@ -4127,6 +4803,13 @@ class Worker(object):
             return float("inf")
         if L.blocked > now:
             return L.blocked
+        wait = rules.get("batch_wait")
+        if wait and rules.get("batch") and not self._no_wait and L.cache:
+            # wait for a fuller batch, up to batch_wait after the first
+            ready = [e for e in L.cache if e[1] and e[0] <= now]
+            if ready and len(ready) < rules["batch"] and \
+                    min(e[0] for e in ready) + wait > now:
+                return min(e[0] for e in ready) + wait
         return None
 
     def _reserve(self, L):
@@ -4139,10 +4822,15 @@ class Worker(object):
         now = _now()
         dest = L.dest or L.type
         if dest in self._holds:
-            if not sp.take_probe(dest, self.backoff):
+            until = sp.take_probe(dest, self.backoff)
+            if until is None:
                 L.blocked = now + min(self.poll, 1.0)
                 return L.blocked
-            L.probe = dest
+            if until:
+                self._holds[dest] = until
+                L.probe = dest
+            else:
+                self._holds.pop(dest, None)     # released meanwhile
         n = rules.get("concurrency")
         if n is not None and L.slot is None:
             L.slot = self._slot(L.type, n)
@@ -4265,22 +4953,75 @@ class Worker(object):
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
         if until is not None and run.probe != run.dest:
-            if until > _now() or not self.spool.take_probe(run.dest, self.backoff):
+            new = None if until > _now() else \
+                self.spool.take_probe(run.dest, self.backoff)
+            if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
                            "is held" % run.dest)
                 return
-            run.probe = run.dest
+            if new:
+                self._holds[run.dest] = new
+                run.probe = run.dest
+            else:
+                self._holds.pop(run.dest, None)
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
+        run.target = target
+        rules = self.spool.rules(c.job["type"])
+        if rules.get("batch") and not run.probe and lane is not None \
+                and lane.type == c.job["type"]:
+            run.batch = [c] + self._claim_more(lane, c, rules["batch"] - 1,
+                                               rules.get("batch_bytes"), kind)
+        self._launch(run)
+
+    def _launch(self, run):
+        """Run the handler: an exec handler as a process, a function in
+        this thread (concurrency 1) or a thread of its own."""
+        run.started = _mono()
+        c = run.claim
+        run.deadline = run.started + (c.job.get("timeout") or self.timeout)
+        kind, target = run.kind, run.target
         if kind == "exec":
             self._spawn(run, target)
             return
-        if kind == "http":
+        if kind in ("http", "mqtt"):
             target = lambda job, fn=target: fn(job, run)    # noqa: E731
         if self.concurrency == 1 and self._main:
             self._run_inline(run, target)
         else:
             self._run_thread(run, target)
+
+    def _claim_more(self, L, first, n, limit, kind):
+        """A batch (SPEC 10): up to n more ready jobs of lane L, within
+        `limit` bytes; for http only jobs that go in the same request."""
+        out = []
+        size = len(dumps(first.job))
+        key = _batch_key(first.job) if kind == "http" else None
+        sp = self.spool
+        while len(out) < n:
+            head = self._head(L)
+            if head is None:
+                break
+            m, name, scheduled = head
+            try:
+                sz = os.lstat(sp.d(L.sub, name)).st_size
+            except OSError:
+                L.cache.pop()
+                continue
+            if limit and size + sz > limit:
+                break
+            L.cache.pop()
+            c = sp._claim(name, self.me, self.max_attempts, scheduled, L.sub)
+            if c is None:
+                continue
+            if key is not None and _batch_key(c.job) != key:
+                job = dict(c.job)           # not for this request: back, as
+                job["available_at"] = _now()    # it was, for the next batch
+                self._move(c, job, "incoming", None, {})
+                break
+            size += sz
+            out.append(c)
+        return out
 
     def _env(self, c):
         env = {}
@@ -4311,9 +5052,12 @@ class Worker(object):
             fds.extend(os.pipe())       # close-on-exec; Popen dup2s them
             fds.extend(os.pipe())
             in_r, in_w, err_r, err_w = fds
+            env = self._env(c)
+            if run.batch:
+                env["MYQ_BATCH"] = str(len(run.batch))
             proc = subprocess.Popen(
                 [path], stdin=in_r, stdout=self._null, stderr=err_w,
-                env=self._env(c), close_fds=True, start_new_session=True)
+                env=env, close_fds=True, start_new_session=True)
         except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
             for fd in fds:
                 os.close(fd)
@@ -4325,13 +5069,22 @@ class Worker(object):
             return
         run.proc = proc
         # First of all: the handler's pid, for a reaper should we die now.
-        self.spool._note_handler(c, proc.pid, proc_start(proc.pid))
+        start = proc_start(proc.pid)
+        for one in run.batch or [c]:
+            self.spool._note_handler(one, proc.pid, start)
         os.close(in_r)
         os.close(err_w)
         run.stdin_fd, run.err_fd = in_w, err_r
         os.set_blocking(in_w, False)
         os.set_blocking(err_r, False)
-        run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8") + b"\n")
+        if run.batch:       # one JSON object a line (SPEC 10)
+            run.stdin = memoryview(b"".join(json.dumps(
+                {"id": one.jid, "type": one.job["type"], "payload":
+                 one.job["payload"], "attempt": one.attempt}).encode("utf-8")
+                + b"\n" for one in run.batch))
+        else:
+            run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8")
+                                   + b"\n")
         self.runs.append(run)
         self._feed(run)
 
@@ -4386,7 +5139,8 @@ class Worker(object):
                     continue
                 if run.timed_out or run.released:
                     self._kill(run, 9)          # no descendant survives
-                self.spool._end_handler(run.claim.token)
+                for c in run.batch or [run.claim]:
+                    self.spool._end_handler(c.token)
                 if run.stdin_fd is not None:
                     os.close(run.stdin_fd)
                     run.stdin_fd = None
@@ -4442,8 +5196,18 @@ class Worker(object):
 
     def _call(self, run, fn):
         """Run an in-process handler; returns (outcome[, error, delay,
-        traceback])."""
+        traceback]).  A batch's function gets the list of its jobs; the
+        built-in handlers send it their way (mqtt: one outcome a job)."""
         try:
+            if run.batch:
+                jobs = [self._job_for_handler(c) for c in run.batch]
+                if run.kind == "mqtt":
+                    return ("each", self.mqtt_batch(jobs))
+                if run.kind == "http":
+                    self._http_batch(jobs, run)
+                else:
+                    fn(jobs)
+                return ("done",)
             fn(self._job_for_handler(run.claim))
             return ("done",)
         except PermanentError as e:
@@ -4502,11 +5266,22 @@ class Worker(object):
     def _finish(self, run, outcome, error=None, delay=None, tb=None):
         """The run's outcome: "done", "retry" (or "dead" once the attempts
         are spent) or "dead", with the error, a delay (RetryLater) and a
-        Python handler's traceback."""
-        c = run.claim
+        Python handler's traceback.  A batch's outcome is every job's; a
+        batch that fails for good is split in halves, run at once (SPEC
+        10); "each" carries one outcome per job (mqtt)."""
         self._free(run)
-        ms = int((_mono() - run.started) * 1000)
-        kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
+        if outcome == "each":
+            for c, res in zip(run.batch, error):
+                one = _Run(c, run.kind)
+                one.started, one.dest, one.probe = run.started, run.dest, run.probe
+                if res is None:
+                    self._finish(one, "done")
+                else:
+                    one.dest_fail = isinstance(res, RetryLater)
+                    self._finish(one, "dead" if isinstance(res, PermanentError)
+                                 else "retry", _exc_text(res),
+                                 getattr(res, "seconds", None))
+            return
         counts = True
         if outcome == "retry" and run.dest_fail:
             counts, delay = self._dest_failed(run, delay, error)
@@ -4515,7 +5290,27 @@ class Worker(object):
             if self.spool.dest_ok(run.dest) or run.dest in self._holds:
                 self._holds.pop(run.dest, None)
                 self.dirty = True
-                self.log("release", dest=run.dest, id=c.jid)
+                self.log("release", dest=run.dest, id=run.claim.jid)
+        claims = run.batch or [run.claim]
+        if len(claims) > 1 and (outcome == "dead" or (
+                outcome == "retry" and not run.dest_fail and
+                any(c.attempt >= c.max_attempts for c in claims))):
+            half = len(claims) // 2
+            self.log("split", type=run.claim.job["type"], jobs=len(claims),
+                     error=_clip(error or "failed", 200))
+            for part in (claims[:half], claims[half:]):
+                new = _Run(part[0], run.kind)
+                new.batch, new.split, new.target = part, True, run.target
+                self._launch(new)
+            return
+        for c in claims:
+            self._finish_one(run, c, outcome, error, delay, tb, counts)
+
+    def _finish_one(self, run, c, outcome, error, delay, tb, counts):
+        ms = int((_mono() - run.started) * 1000)
+        kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
+        if run.batch:
+            kv["batch"] = len(run.batch)
         if outcome == "done":
             self._complete(c, kv)
             return
@@ -4549,15 +5344,22 @@ class Worker(object):
         self._move(c, job, "incoming", "retry", kv)
 
     def _dest_failed(self, run, delay, error):
-        """The circuit breaker (SPEC 9) after a destination failure: (does
-        it count an attempt, the delay before the job may run again)."""
+        """The circuit breaker (SPEC 9) after a destination failure (of a
+        batch: one failure): (does it count an attempt, the delay before
+        the job may run again)."""
         sp, c = self.spool, run.claim
         started, distinct, total = sp.streak(run.dest, c.jid)
         # its own backoff grows with the streak, not with attempts it spends
-        delay = max(delay or 0.0, self.backoff(total))
+        # (a handler's RetryLater says how long itself; a server's Retry-After
+        # is only a lower bound)
+        if delay is None or run.kind in ("http", "mqtt"):
+            delay = max(delay or 0.0, self.backoff(total))
         until = self._holds.get(run.dest)
-        if until is not None:       # held (a failed probe): wait for the next
-            return False, max(0.0, until - _now())
+        if until is not None:
+            # held: a failed probe waits a round longer than the others, so
+            # that the next probe is another job
+            return False, max(0.0, until - _now()) + (
+                self.backoff_max if run.probe else 0.0)
         n = sp.rules(c.job["type"]).get("breaker", 3)
         if n and distinct >= n:
             d = min(delay, self.backoff_max) if delay is not None \
@@ -4572,8 +5374,11 @@ class Worker(object):
 
     def _release(self, run):
         """Shutdown: back to incoming/, ready now, the attempt not counted."""
-        c = run.claim
         self._free(run)
+        for c in run.batch or [run.claim]:
+            self._release_one(c)
+
+    def _release_one(self, c):
         job = dict(c.job)
         job["available_at"] = _now()
         self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
@@ -4714,7 +5519,8 @@ class Worker(object):
                     return "%s://%s:%s" % (scheme, m.group(2).lower(), m.group(3)
                                            or (443 if scheme == "https" else 80))
         elif kind == "mqtt":
-            return "mqtt"
+            client = getattr(self, "_mqtt_client", None)
+            return client.dest if client is not None else "mqtt"
         return job["type"]
 
     def _retry_stuck(self, final=False):
@@ -4759,11 +5565,12 @@ class Worker(object):
         try:
             self.me.beat()
             for run in self.runs + ([self._inline] if self._inline else []):
-                try:
-                    _utime(run.claim.path, until)
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise
+                for c in run.batch or [run.claim]:
+                    try:
+                        _utime(c.path, until)
+                    except OSError as e:
+                        if e.errno != errno.ENOENT:
+                            raise
         except OSError as e:
             self.log("error", during="heartbeat", error=e.strerror)
 
@@ -4772,6 +5579,15 @@ class Worker(object):
             self.spool.reap(self.me, self.max_attempts)
         except (OSError, MyqError) as e:
             self.log("error", during="reap", error=str(e))
+
+
+def _batch_key(job):
+    """Which http jobs may share one request: method, url, headers."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return None
+    return json.dumps([str(p.get("method") or "POST").upper(), p.get("url"),
+                       p.get("headers")], sort_keys=True, default=str)
 
 
 def _abort(run):
@@ -5165,6 +5981,12 @@ WORKER_OPTIONS = [
     ("--http-header", "append", [], "'Name: value' added to every http job"),
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
     ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
+    ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
+    ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
+    ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
+    ("--mqtt-ca", str, None, "CA certificate(s) to trust for an mqtts broker, besides the system's"),
+    ("--mqtt-cert", str, None, "client certificate for an mqtts broker that wants one"),
+    ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
 ]
 
 
@@ -5182,7 +6004,9 @@ _GUARDS_SHOWN = {
 
 
 _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
-             "pass_env": "NAME"}
+             "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
+             "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
+             "mqtt_key": "FILE"}
 
 
 def _format_duration(v):
@@ -5238,6 +6062,22 @@ def _parser(only=None):
             return parse_duration(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError("%r is %s" % (text, e))
+
+    def positive_duration(text):
+        v = duration(text)
+        if v <= 0:
+            raise argparse.ArgumentTypeError("%r: must be more than 0" % text)
+        return v
+
+    def priority(text):
+        try:
+            p = int(text)
+            if -9 <= p <= 9:
+                return p
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError("%r: a priority is an integer from "
+                                         "-9 to 9" % text)
 
     def count(text):
         try:
@@ -5302,6 +6142,12 @@ def _parser(only=None):
     p.add_argument("--timeout", type=duration, metavar="S",
                    help="the handler's time limit for this job (default: "
                    "the worker's --timeout)")
+    p.add_argument("--priority", type=priority, metavar="P",
+                   help="-9 to 9, higher first (default: the type's policy, "
+                   "else 0)")
+    p.add_argument("--ttl", type=positive_duration, metavar="S",
+                   help="never start it later than this from now: it goes to "
+                   "dlq/ as expired (default: the type's policy ttl)")
     p = cmd("worker", "run jobs", guards=True, worker=True)
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p = cmd("supervise", "run and restart N workers (for the init script)",
@@ -5366,6 +6212,26 @@ def _parser(only=None):
             guards=True)
     p.add_argument("--json", action="store_true",
                    help='one JSON object: {"ok", "spool", "problems"}')
+    p = cmd("policy", "show or set the per-type rules (TYPE KEY=VALUE ...; "
+            "an empty VALUE removes the key)")
+    p.add_argument("type", nargs="?", help="a job type")
+    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
+                   help="keys: " + " ".join(sorted(POLICY_KEYS)))
+    p.add_argument("--default", action="store_true",
+                   help="the default rules, for every type without its own "
+                   "value (shown as *)")
+    p.add_argument("--json", action="store_true",
+                   help="the policy as one JSON object")
+    p = cmd("pause", "no new job of these types starts (running ones finish)")
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true",
+                   help="every type, new ones too (the default rules)")
+    p = cmd("resume", "undo pause; or release a held destination now")
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true", help="every paused type")
+    p.add_argument("--dest", action="append", default=[], metavar="DEST",
+                   help="release this held destination now (as myq stats "
+                   "--json shows it under held)")
     cmd("version", "print the version")
     return top
 
@@ -5450,6 +6316,25 @@ def _check_worker_options(o):
         raise ConfigError("--module %s: no such Python file" % o["module"])
     if o.get("textfile") and not os.path.isdir(o["textfile"]):
         raise ConfigError("--textfile %s is not a directory" % o["textfile"])
+    _mqtt_options(o)
+
+
+def _mqtt_options(o):
+    """Worker(...) keyword arguments of the --mqtt options, checked (a bad
+    URL: UsageError, an unreadable file: ConfigError)."""
+    kw = dict((k, o.get(k)) for k in ("mqtt", "mqtt_password_file",
+                                       "mqtt_client_id", "mqtt_ca",
+                                       "mqtt_cert", "mqtt_key"))
+    if not kw["mqtt"]:
+        extra = sorted("--" + k.replace("_", "-") for k, v in kw.items() if v)
+        if extra:
+            raise UsageError("%s without --mqtt (give the broker: --mqtt "
+                             "mqtt://HOST)" % ", ".join(extra))
+        return kw
+    _mqtt_client(*(kw[k] for k in ("mqtt", "mqtt_password_file",
+                                    "mqtt_client_id", "mqtt_ca", "mqtt_cert",
+                                    "mqtt_key")))
+    return kw
 
 
 def _http_headers(o):
@@ -5476,11 +6361,13 @@ def _worker_from(spool, o):
                   jitter=o["jitter"], poll=o["poll"],
                   stats_interval=o["stats_interval"], grace=o["grace"],
                   pass_env=o["pass_env"], http_headers=headers,
-                  scan_cache=o["scan_cache"], log=_make_log(o))
+                  scan_cache=o["scan_cache"], log=_make_log(o),
+                  **_mqtt_options(o))
 
 
 _COMMANDS = ("init", "enqueue", "worker", "supervise", "stats", "list", "show",
-             "retry", "delete", "reap", "prune", "check", "version")
+             "retry", "delete", "reap", "prune", "check", "policy", "pause",
+             "resume", "version")
 
 
 def _supervise(args, spool, guards, env):
@@ -5508,6 +6395,10 @@ def _supervise(args, spool, guards, env):
             ids = None
     spool.require()
     _check_worker_options(o)
+    if o["mqtt_client_id"] and n > 1:
+        raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
+                         "its own client id (the broker drops a connection when "
+                         "another takes its id); leave it out for unique ids" % n)
     if args.dry_run:
         return 0
     if o.get("log"):
@@ -5519,8 +6410,9 @@ def _supervise(args, spool, guards, env):
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     if not o["handlers"] and not o["module"]:
-        log("warning", problem="no --handlers and no --module: only http jobs "
-            "have a handler; give MYQ_ARGS=\"--handlers DIR\"")
+        log("warning", problem="no --handlers and no --module: only http%s jobs "
+            "have a handler; give MYQ_ARGS=\"--handlers DIR\""
+            % (" and mqtt" if o["mqtt"] else ""))
     wargv = _option_argv(o, WORKER_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile,
@@ -5664,7 +6556,77 @@ def _cmd_enqueue(a):
         raise InvalidJob("payload is not JSON (%s); quote a string as "
                          "'\"text\"'" % e)
     _print(a.spool.enqueue(args.type, payload, id=args.id, delay=args.delay,
-                           max_attempts=args.max_attempts, timeout=args.timeout))
+                           max_attempts=args.max_attempts, timeout=args.timeout,
+                           priority=args.priority, ttl=args.ttl))
+
+
+def _cmd_policy(a):
+    args, sp = a.args, a.spool
+    sp.require()
+    pairs = list(args.pairs)
+    name = args.type
+    if args.default:
+        if name is not None:
+            pairs.insert(0, name)
+        name = "*"
+    elif name is not None and "=" in name:
+        raise UsageError("give the TYPE before KEY=VALUE (or --default for "
+                         "every type)")
+    if pairs:
+        changes = {}
+        for pair in pairs:
+            k, eq, v = pair.partition("=")
+            if not eq:
+                raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
+                                 "the key)" % pair)
+            if k not in POLICY_KEYS:
+                policy_value(k, v)          # the error that names the keys
+            changes[k] = v if v != "" else None
+        sp.set_policy(name, changes)
+    sp._pol_next = 0.0
+    pol = sp.policy()
+    if sp.policy_error and not pairs:
+        sys.stderr.write("myq: %s\n" % sp.policy_error)
+    if name is not None:
+        pol = {name: pol.get(name, {})} if name in pol or pairs else {}
+    if args.json:
+        _print(json.dumps(pol, sort_keys=True))
+        return
+    for t in sorted(pol, key=lambda t: (t != "*", t)):
+        _print(" ".join([t] + ["%s=%s" % (k, format_policy(k, v))
+                               for k, v in sorted(pol[t].items())]))
+
+
+def _cmd_pause(a):
+    args, sp = a.args, a.spool
+    if not args.types and not args.all:
+        raise UsageError("give the types to pause, or --all")
+    for t in (["*"] if args.all else []) + args.types:
+        sp.set_policy(t, {"paused": True})
+
+
+def _cmd_resume(a):
+    args, sp = a.args, a.spool
+    if not (args.types or args.all or args.dest):
+        raise UsageError("give the types to resume, --all, or --dest DEST")
+    sp.require()
+    if args.all:
+        for t in list(sp.policy()):
+            if "paused" in sp.policy()[t]:
+                sp.set_policy(t, {"paused": None})
+    for t in args.types:
+        sp.set_policy(t, {"paused": None})
+        if sp.rules(t).get("paused"):       # the default pauses every type
+            sp.set_policy(t, {"paused": False})
+    missing = []
+    for dest in args.dest:
+        if sp.hold_of(dest) is None:
+            missing.append(dest)
+            continue
+        sp._release(dest)
+    if missing:
+        raise NoSuchJob("no held destination %s (see: myq --spool %s stats "
+                        "--json, under held)" % (", ".join(missing), sp.path))
 
 
 def _cmd_worker(a):
@@ -5690,7 +6652,7 @@ def _cmd_stats(a):
     if a.args.json:
         _print(json.dumps(a.spool.stats(), sort_keys=False))
     elif a.args.prometheus:
-        _print(prometheus_text(a.spool.stats()).rstrip("\n"))
+        _print(prometheus_text(a.spool.stats(by_type=True)).rstrip("\n"))
     else:
         _print(a.spool.status_line())
 

@@ -513,7 +513,9 @@ def run_light(block, *args):
                           universal_newlines=True, env=env, timeout=60)
 
 
-def test_python3_light_http_job_is_dead_naming_python3_urllib(spool, server):
+def test_python3_light_http_job_is_held_naming_python3_urllib(spool, server):
+    """SPEC 10: without Python's http modules the http type is held (its
+    jobs wait, no attempt spent), not dead."""
     p = run_light(NOT_IN_LIGHT, "--spool", spool, "enqueue", "http",
                   json.dumps({"url": server.url("/x")}), "--max-attempts", "5")
     assert p.returncode == 0, p.stderr
@@ -523,7 +525,7 @@ def test_python3_light_http_job_is_dead_naming_python3_urllib(spool, server):
     p = run_light(NOT_IN_LIGHT, "--spool", spool, "show", jid)
     assert p.returncode == 0, p.stderr
     job = json.loads(p.stdout)
-    assert job["state"] == "dead", job
+    assert job["state"] == "scheduled" and job["attempts"] == 0, job
     assert "python3-urllib" in job["last_error"], job
     assert server.requests == []
 

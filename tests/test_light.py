@@ -239,7 +239,7 @@ def light_flow(py, tmp_path):
 
 
 @pytest.mark.parametrize("py", [p[1] for p in PYTHONS], ids=IDS)
-def test_http_job_without_urllib_is_dead_naming_the_package(tmp_path, py):
+def test_http_job_without_urllib_is_held_naming_the_package(tmp_path, py):
     light_ = runner(tmp_path, py)
 
     spool = str(tmp_path / "spool")
@@ -250,7 +250,7 @@ def test_http_job_without_urllib_is_dead_naming_the_package(tmp_path, py):
     w = light_(*S, "worker", "--drain", "--poll", "0.05", timeout=60)
     assert w.returncode == 0, w.stderr
     job = json.loads(ok(light_(*S, "show", "h1")))
-    assert job["state"] == "dead", job
-    assert job["attempts"] == 1, job
+    assert job["state"] == "scheduled", job     # held (SPEC 10), not dead
+    assert job["attempts"] == 0, job
     assert "python3-urllib" in job["last_error"], job["last_error"]
-    assert {"urllib", "urllib.request"} & attempts(light_.log)
+    assert {"http", "urllib", "urllib.request"} & attempts(light_.log)
