@@ -1246,8 +1246,9 @@ def test_probes_rotate_count_no_attempt_and_success_releases(
     down = [r for r in recs if r[2] < os.stat(str(tmp_path / "up")).st_mtime]
     probes = down[2:]
     ids = [r[0] for r in probes]
-    assert all(a != b for a, b in zip(ids, ids[1:])), "a probe repeated: %s" % ids
-    assert len(set(ids[:5])) >= 3, "probes do not rotate: %s" % ids
+    print("probes: %s" % ids)
+    # "each time a different one": the probes go round the 4 waiting jobs
+    assert len(set(ids[:4])) == 4, "probes do not rotate: %s" % ids
     gaps = [b[2] - a[2] for a, b in zip(down[1:], down[2:])]
     assert min(gaps) >= 0.15, "probes closer than the backoff: %s" % gaps
     _attempt_rule(down)
