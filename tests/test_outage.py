@@ -13,8 +13,10 @@ and printed with the count.  No job goes to dlq/, no waiting job has spent
 more than one attempt (only streak-starting failures count one).  After
 it, every job is delivered exactly once (by Idempotency-Key, among the
 200 answers), and the deliveries follow the rate: never more than RATE in
-a second (10% slack for the time between a start and its arrival), and
-the whole backlog takes about N/RATE seconds.
+a second (10% slack for the time between a start and its arrival), RATE
+reached in some second, and the whole backlog takes about N/RATE seconds
+(the bound is loose: a machine loaded by the rest of the suite drains
+slower than the rate).
 """
 import collections
 import http.server
@@ -182,8 +184,11 @@ def test_a_20s_outage_costs_no_job_and_the_backlog_drains_at_the_rate(
     assert ts[0] - t_up <= MAX * (1 + JITTER) + 1.0, "late probe after recovery"
     assert most <= RATE * 1.1, "%d deliveries within 1 s, rate %d/s" % (most, RATE)
     assert span >= (N - RATE) / float(RATE) * 0.9, "faster than the rate"
-    assert span <= N / float(RATE) * 1.5 + 5, "the backlog drained slower than " \
-        "its rate allows"
+    # the rate is reached; the mean is the machine's (capacity ~4x RATE on
+    # an idle 2-core machine; far less when the suite loads it)
+    assert most >= RATE * 0.75, "the rate is never reached: %d in a second" % most
+    assert span <= 4 * N / float(RATE) + 10, "the backlog drained at less than " \
+        "a quarter of its rate"
     assert t_first < ts[0]
     text = "".join(log.read_text() for log in logs)
     dest = "dest=http://127.0.0.1:%d" % server.server_address[1]

@@ -1154,8 +1154,9 @@ def test_concurrency_slots_come_back_after_kill_9(spool, handlers_dir, tmp_path,
 
 def test_rate_holds_across_two_workers(spool, tmp_path, procs):
     """rate=5/s: in any 1 s, at most 5 starts (timestamps taken by a
-    --module handler as it is called; 20% slack for the time between a
-    start and its timestamp on a loaded machine), and the rate is used (15 jobs do not take
+    --module handler as it is called: one more for the time between a
+    start and its timestamp on a loaded machine; a limit per worker, per
+    fixed window or a bucket of 5 would show 9 or 10), and the rate is used (15 jobs do not take
     much more than 3 s)."""
     mod = tmp_path / "rr.py"
     mod.write_text("import os, time\n\ndef rr(job):\n"
@@ -1172,9 +1173,9 @@ def test_rate_holds_across_two_workers(spool, tmp_path, procs):
     wait_for(lambda: len(starts(tmp_path)) >= n, timeout=30,
              what="the jobs to start")
     ts = sorted(s[2] for s in starts(tmp_path))
-    most = max(len([t for t in ts if t0 <= t < t0 + 0.8]) for t0 in ts)
-    print("starts %s; most in 0.8 s: %d" % (["%.2f" % (t - ts[0]) for t in ts], most))
-    assert most <= per, "%d starts within 0.8 s under rate=5/s" % most
+    most = max(len([t for t in ts if t0 <= t < t0 + 1.0]) for t0 in ts)
+    print("starts %s; most in 1 s: %d" % (["%.2f" % (t - ts[0]) for t in ts], most))
+    assert most <= per + 1, "%d starts within 1 s under rate=5/s" % most
     span = ts[-1] - ts[0]
     assert span >= (n - per) / float(per) * 0.9, span
     assert span <= n / float(per) * 2 + 1, "the rate is not used: %.1fs" % span
@@ -1360,7 +1361,8 @@ def test_hold_survives_a_worker_restart_and_resume_dest_releases_now(
     assert cli(spool, "check").returncode == 0
     cp = worker(run_myq, spool, handlers=h, timeout=30)
     assert cp.returncode == 0, cp.stderr
-    assert len(ls(spool, "done")) == 4, "jobs still waiting out their backoff"
+    assert len(ls(spool, "done")) == 4, ("jobs still waiting out their backoff",
+                                         cp.stderr, waiting(spool))
 
 
 def test_ttl_keeps_running_while_held_and_no_probe_starts_an_expired_job(
@@ -1380,7 +1382,8 @@ def test_ttl_keeps_running_while_held_and_no_probe_starts_an_expired_job(
     wait_for(lambda: state(call_myq, spool, "e2") == "dead", timeout=15,
              what="e2 to expire while held")
     assert dead_error(spool, "e2").startswith("expired")
-    assert [r for r in starts(tmp_path) if r[0] == "e2" and r[2] > exp] == []
+    # (the handler's timestamp may lag its start on a loaded machine)
+    assert [r for r in starts(tmp_path) if r[0] == "e2" and r[2] > exp + 0.5] == []
     (tmp_path / "up").touch()
     wait_for(lambda: all(state(call_myq, spool, j) == "done" for j in ("e0", "e1")),
              timeout=15, what="the others to run once up")
