@@ -1153,10 +1153,11 @@ def test_concurrency_slots_come_back_after_kill_9(spool, handlers_dir, tmp_path,
 
 
 def test_rate_holds_across_two_workers(spool, tmp_path, procs):
-    """rate=5/s: in any 1 s, at most 5 starts (timestamps taken by a
-    --module handler as it is called: one more for the time between a
-    start and its timestamp on a loaded machine; a limit per worker, per
-    fixed window or a bucket of 5 would show 9 or 10), and the rate is used (15 jobs do not take
+    """rate=5/s: at most 5 starts in any 0.7 s (not 1 s: the timestamps,
+    taken by a --module handler as it is called, lag the starts by up to
+    0.3 s on a loaded machine, and a limiter lets the 6th start exactly 1 s
+    after the 1st; a limit per worker, per fixed window or a bucket of 5
+    still shows 8 to 10), and the rate is used (15 jobs do not take
     much more than 3 s)."""
     mod = tmp_path / "rr.py"
     mod.write_text("import os, time\n\ndef rr(job):\n"
@@ -1173,9 +1174,9 @@ def test_rate_holds_across_two_workers(spool, tmp_path, procs):
     wait_for(lambda: len(starts(tmp_path)) >= n, timeout=30,
              what="the jobs to start")
     ts = sorted(s[2] for s in starts(tmp_path))
-    most = max(len([t for t in ts if t0 <= t < t0 + 1.0]) for t0 in ts)
-    print("starts %s; most in 1 s: %d" % (["%.2f" % (t - ts[0]) for t in ts], most))
-    assert most <= per + 1, "%d starts within 1 s under rate=5/s" % most
+    most = max(len([t for t in ts if t0 <= t < t0 + 0.7]) for t0 in ts)
+    print("starts %s; most in 0.7 s: %d" % (["%.2f" % (t - ts[0]) for t in ts], most))
+    assert most <= per, "%d starts within 0.7 s under rate=5/s" % most
     span = ts[-1] - ts[0]
     assert span >= (n - per) / float(per) * 0.9, span
     assert span <= n / float(per) * 2 + 1, "the rate is not used: %.1fs" % span
