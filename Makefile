@@ -92,10 +92,12 @@ clean:
 	rm -rf $(VENV) dist demo demo-handlers .pytest_cache .hypothesis
 	find . -name .git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
-# Power cuts (issue 14): a QEMU VM (TCG) per part, dm-log-writes replay for
-# ext4; see tests/powercut/powercut.py.  Root only (apt-get, qemu, loop
-# mounts); installs what it needs.  POWERCUT_MAX_POINTS=0 replays every
-# flush point (default: 300 spread over the log, with random subsets each).
+# Power cuts (issue 14): QEMU VMs (TCG), two at a time on 2 cores
+# (POWERCUT_PARALLEL): ext4 with a dm-log-writes replay, UBIFS on nandsim
+# (two VMs share the 200 cuts), a real boot; see tests/powercut/README.md.
+# Root only (apt-get, qemu, loop mounts); installs what it needs.
+# POWERCUT_MAX_POINTS=0 replays every flush point (default: 300 spread over
+# the log, with random subsets each).  POWERCUT_PARTS="ext4 boot": some.
 POWERCUT_MAX_POINTS ?= 300
 .PHONY: powercut
 powercut:

@@ -1231,6 +1231,8 @@ class Spool(object):
         self._free_checked = (-1e9, True)
         self._seq = 0
         self._pol, self._pol_key, self._pol_next = {}, None, 0.0
+        self._rules, self._homes = {}, {}     # per type, for this policy
+        self.pol_polled = False
         self.policy_error = None
         self.intake = False     # _claim moved a producer's file to its lane
 
@@ -1470,7 +1472,8 @@ class Spool(object):
         are not durable, so take them back (an error must mean: nothing
         enqueued)."""
         try:
-            for sub in sorted(set(sub for jid, sub in placed)):
+            for sub in sorted(set(sub for jid, sub in placed)) \
+                    if len(placed) > 1 else (placed[0][1],):
                 _fsync_dir(self.d(sub), dirs(sub))
         except OSError as e:
             for jid, sub in placed:
@@ -1491,7 +1494,7 @@ class Spool(object):
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
         tmp = self._tmpname(jid)
-        dst = self.d(sub, jid + ".json")
+        dst = (self._incoming if sub == "incoming" else self.d(sub, "")) + jid + ".json"
         tfd = dfd = None
         try:
             tfd, dfd = dirs("tmp"), dirs(sub)
@@ -1547,8 +1550,10 @@ class Spool(object):
         name = jid + ".json"
         try:
             ok = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino
-        except OSError:
-            ok = False
+        except OSError as e:
+            # Gone already: a worker claimed it (or the owner removed it,
+            # which the owner may do to any job): what we wrote was placed.
+            ok = e.errno == errno.ENOENT
         if not ok:
             _quiet_unlink(name, dfd)
             raise SpoolBusy("job %s was replaced in %s/tmp while it was written "
@@ -1829,6 +1834,7 @@ class Spool(object):
             key = None
         if key != self._pol_key:
             self._pol_key = key
+            self._rules, self._homes = {}, {}
             if key is None:
                 self._pol, self.policy_error = {}, None
             else:
@@ -1844,15 +1850,17 @@ class Spool(object):
         return self._pol
 
     def rules(self, type):
-        """The policy of one type: its own keys over the default's."""
-        pol = self.policy()
-        own, default = pol.get(type), pol.get("*")
-        if not default:
-            return own or {}
-        if not own:
-            return default
-        r = dict(default)
-        r.update(own)
+        """The policy of one type: its own keys over the default's.  (A
+        worker re-reads the policy at its poll ticks: pol_polled.)"""
+        pol = self._pol if self.pol_polled else self.policy()
+        r = self._rules.get(type)
+        if r is None:
+            own, default = pol.get(type), pol.get("*")
+            r = dict(default or ())
+            r.update(own or ())
+            if len(self._rules) > 4096:
+                self._rules.clear()
+            self._rules[type] = r
         return r
 
     def set_policy(self, name, changes):
@@ -1936,14 +1944,17 @@ class Spool(object):
     def home(self, job):
         """Where a waiting job lives: "incoming", or its lane (a priority
         other than 0, or rules of its type that need its jobs apart)."""
-        t = job["type"]
+        t, p = job["type"], job.get("priority")
         rules = self.rules(t)
-        p = job.get("priority")
-        if p is None:
-            p = rules.get("priority", 0)
-        if p == 0 and not any(k in rules for k in _LANE_KEYS):
-            return "incoming"
-        return "%s/%s@%d" % (LANES, t, p)
+        home = self._homes.get((t, p))
+        if home is None:
+            q = rules.get("priority", 0) if p is None else p
+            if q == 0 and not any(k in rules for k in _LANE_KEYS):
+                home = "incoming"
+            else:
+                home = "%s/%s@%d" % (LANES, t, q)
+            self._homes[(t, p)] = home
+        return home
 
     def _make_lane(self, sub, dirs=None):
         """Create the lane `sub` (and incoming/lanes/) as incoming/ is: its
@@ -1978,16 +1989,15 @@ class Spool(object):
         (its retry, or its creation) + its type's ttl.  Times from a clock
         that was never set (before 2020) expire nothing: a device without
         a real-time clock boots in 1970 and jumps at its first NTP sync."""
-        since = job.get("retried_at") or job.get("created_at") or 0
-        if since < SANE_TIME:
-            return None
         e = job.get("expires_at")
         if e is None:
             ttl = self.rules(job["type"]).get("ttl")
             if ttl is None:
                 return None
-            e = since + ttl
-        return e
+        since = job.get("retried_at") or job.get("created_at") or 0
+        if since < SANE_TIME:
+            return None
+        return since + ttl if e is None else e
 
     def _waiting_of(self, type):
         """[(priority, mtime, name, size, sub)] of the jobs of `type`
@@ -2148,6 +2158,18 @@ class Spool(object):
         except OSError:
             pass
 
+    def held_jobs(self, dest):
+        """The jobs a hold put back (their paths in the spool), each once,
+        in the order they were put back."""
+        data = _read_small(self._held_path(dest, ".jobs"), 1 << 22, tail=True)
+        seen, out = set(), []
+        for name in (data or b"").decode("utf-8", "replace").split():
+            if name not in seen and name.startswith("incoming/") \
+                    and name.endswith(".json") and ".." not in name.split("/"):
+                seen.add(name)
+                out.append(name)
+        return out
+
     def take_probe(self, dest, delay):
         """A hold's backoff is over: take the probe (one job of `dest` may
         start; the next probe is `delay(probes)` seconds later), unless
@@ -2190,6 +2212,12 @@ class Spool(object):
         except OSError:
             pass
         return not data, len(set(seen + [jid])), len(seen) + 1
+
+    def streaky(self):
+        """The destinations with failures in a row, as file names
+        (_safe_dest): one listing."""
+        return set(n[:-7] for n in _listdir(self.d("locks", "held"))
+                   if n.endswith(".streak"))
 
     def dest_ok(self, dest):
         """An answer that is not the destination's failure: the streak
@@ -2268,7 +2296,7 @@ class Spool(object):
         if not name.endswith(".json"):
             return None
         stem = name[:-5]
-        src = self.d(sub, name)
+        src = self._incoming + name if sub == "incoming" else self.d(sub, name)
         if not NAME_RE.match(stem):
             try:
                 self._quarantine(src, name, "bad file name: a job file is ID.json, "
@@ -4001,10 +4029,10 @@ class _Lane(object):
     or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
     __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
                  "soonest", "next_due", "blocked", "slot", "probe", "rated",
-                 "dest", "key")
+                 "dest", "key", "path")
 
-    def __init__(self, sub, type=None, prio=0):
-        self.sub, self.type, self.prio = sub, type, prio
+    def __init__(self, sub, type=None, prio=0, path=None):
+        self.sub, self.type, self.prio, self.path = sub, type, prio, path
         self.cache, self.cache_full, self.dirty = [], False, True
         self.sweep = self.soonest = self.next_due = None
         self.blocked = 0.0          # wall time before which it is not tried
@@ -4055,9 +4083,12 @@ class Worker(object):
         self.prune_interval = prune_interval
         self.parent = parent        # the supervisor's pid: stop when it is gone
         self.runs = []
-        self._top = _Lane("incoming")
+        self._top = _Lane("incoming", path=self.spool.d("incoming"))
+        self._lanes_path = self.spool.d(LANES)
         self._lanes, self._lanes_key = [self._top], None
         self._holds = {}            # held destination -> until (wall clock)
+        self._streaky = set()       # destinations with failures in a row
+        self._safe_names = {}       # destination -> its name as a file
         self._taken = (None, None, None)    # the last claim's slot, probe, lane
         self._no_wait = False
         self.next_due = None
@@ -4201,6 +4232,8 @@ class Worker(object):
         sp = self.spool
         sp.require()
         sp.check_filesystem()
+        sp.policy()
+        sp.pol_polled = True        # re-read at each poll tick, not per job
         self.me = Identity(sp, self.lease)
         self._pipe = os.pipe()
         for fd in self._pipe:
@@ -4262,6 +4295,7 @@ class Worker(object):
             if self._mqtt_client is not None:
                 self._mqtt_client.close()
             self.me.unregister()
+            sp.pol_polled = False
             self.log("stop", worker=self.me.wid)
         return 0
 
@@ -4501,7 +4535,9 @@ class Worker(object):
 
     def _check_incoming(self):
         """On each poll tick: rescan only when incoming/ changed (a shell
-        producer's mv does not poke the FIFO) or the wall clock jumped."""
+        producer's mv does not poke the FIFO) or the wall clock jumped; the
+        policy, when its file changed."""
+        self.spool.policy()
         try:
             st = os.stat(self.spool.d("incoming"))
             key = (st.st_mtime_ns, st.st_ino)
@@ -4647,14 +4683,14 @@ class Worker(object):
         changed (a stat each: a producer's poke is read only now and then
         while jobs run back to back)."""
         try:
-            st = os.stat(self.spool.d(LANES))
+            st = os.stat(self._lanes_path)
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
         for L in self._lanes:
             if L.type is not None:
                 try:
-                    st = os.stat(self.spool.d(L.sub))
+                    st = os.stat(L.path)
                     k = (st.st_mtime_ns, st.st_ino)
                 except OSError:
                     k = None
@@ -4666,7 +4702,8 @@ class Worker(object):
         have = dict((L.sub, L) for L in self._lanes)
         lanes = [self._top]
         for p, t, sub in self.spool.lanes():
-            lanes.append(have.pop(sub, None) or _Lane(sub, t, p))
+            lanes.append(have.pop(sub, None) or _Lane(sub, t, p,
+                                                      self.spool.d(sub)))
         have.pop(self._top.sub, None)
         for L in have.values():
             L.end_sweep()
@@ -4715,6 +4752,11 @@ class Worker(object):
             self._sync_lanes()
             now = _now()
             best, due = None, inf
+            for dest, until in list(self._holds.items()):
+                if until <= now and dest not in self._held:
+                    c = self._probe_claim(dest)
+                    if c is not None:
+                        return c
             if self.spool.intake:
                 # Producers' files are being moved to their lanes: go on
                 # with incoming/ first, so that their bounds see them all
@@ -4773,10 +4815,9 @@ class Worker(object):
         self._sync_lanes()
         now = _now()
         for L in self._lanes:
-            if L.type is not None:
-                wait = self._gate(L, now)
-                if wait is not None and wait > now + 0.001:
-                    continue
+            if L.type is not None and (self.spool.rules(L.type).get("paused") or
+                                       self._holds.get(L.dest or L.type, 0) > now):
+                continue        # (a rate or a slot only makes ready jobs wait)
             if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
                 return True
             self._rescan(L)
@@ -4952,6 +4993,11 @@ class Worker(object):
         if lane is not None and lane.type is not None and run.dest != lane.type:
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
+        if until is not None and run.probe != run.dest \
+                and self.spool.hold_of(run.dest) is None:
+            self._holds.pop(run.dest, None)     # released by another worker
+            self.dirty = True
+            until = None
         if until is not None and run.probe != run.dest:
             new = None if until > _now() else \
                 self.spool.take_probe(run.dest, self.backoff)
@@ -5285,8 +5331,10 @@ class Worker(object):
         counts = True
         if outcome == "retry" and run.dest_fail:
             counts, delay = self._dest_failed(run, delay, error)
-        elif run.dest and (outcome == "done" or outcome == "dead"):
+        elif (outcome == "done" or outcome == "dead") and run.dest and (
+                run.dest in self._holds or self._safe(run.dest) in self._streaky):
             # an answer that is not the destination's failure (SPEC 9)
+            self._streaky.discard(self._safe(run.dest))
             if self.spool.dest_ok(run.dest) or run.dest in self._holds:
                 self._holds.pop(run.dest, None)
                 self.dirty = True
@@ -5349,6 +5397,7 @@ class Worker(object):
         the job may run again)."""
         sp, c = self.spool, run.claim
         started, distinct, total = sp.streak(run.dest, c.jid)
+        self._streaky.add(self._safe(run.dest))
         # its own backoff grows with the streak, not with attempts it spends
         # (a handler's RetryLater says how long itself; a server's Retry-After
         # is only a lower bound)
@@ -5356,10 +5405,15 @@ class Worker(object):
             delay = max(delay or 0.0, self.backoff(total))
         until = self._holds.get(run.dest)
         if until is not None:
-            # held: a failed probe waits a round longer than the others, so
-            # that the next probe is another job
-            return False, max(0.0, until - _now()) + (
-                self.backoff_max if run.probe else 0.0)
+            rec = sp.hold_of(run.dest)      # (released by another worker?)
+            if rec is None:
+                self._holds.pop(run.dest, None)
+                until = None
+            else:
+                until = rec["until"]
+        if until is not None:
+            # held: it waits with the others; the probes take them in turn
+            return False, max(0.0, until - _now()) + self._parked_for()
         n = sp.rules(c.job["type"]).get("breaker", 3)
         if n and distinct >= n:
             d = min(delay, self.backoff_max) if delay is not None \
@@ -5464,12 +5518,47 @@ class Worker(object):
         the hold's next probe; the release makes it ready at once."""
         c = run.claim
         job = dict(c.job)
-        job["available_at"] = until
+        job["available_at"] = until + self._parked_for()
         job["last_error"] = "held: " + why
         self.spool.note_held(run.dest or job["type"], "%s/%s.json" % (
             self.spool.home(job), c.jid))
         self._free(run)
         self._move(c, job, "incoming", None, {})
+
+    def _parked_for(self):
+        """How long a held destination's jobs wait past the hold's next
+        probe: the probes take them in turn (_probe_claim) and the release
+        makes them ready; this is only for a release that never comes."""
+        return min(max(10 * self.backoff_max, 60.0), 3600.0)
+
+    def _probe_claim(self, dest):
+        """A held destination's probe is due: claim the next of the jobs it
+        put back (locks/held/DEST.jobs), in turn, so that each probe is
+        another job.  None when none is there (a lane's head is then the
+        probe, see _reserve)."""
+        sp = self.spool
+        names = sp.held_jobs(dest)
+        if not names:
+            return None
+        until = sp.take_probe(dest, self.backoff)
+        if not until:
+            if until == 0.0:
+                self._holds.pop(dest, None)     # released meanwhile
+                self.dirty = True
+            return None
+        self._holds[dest] = until
+        rec = sp.hold_of(dest) or {}
+        k = rec.get("probes") if rec.get("probes").__class__ is int else 1
+        for i in range(len(names)):
+            rel = names[(k - 1 + i) % len(names)]
+            sub, _, name = rel.rpartition("/")
+            if not os.path.lexists(sp.d(rel)):
+                continue
+            c = sp._claim(name, self.me, self.max_attempts, True, sub)
+            if c is not None:
+                self._taken = (None, dest, None)
+                return c
+        return None
 
     def _free(self, run):
         if run.slot is not None:
@@ -5493,6 +5582,7 @@ class Worker(object):
         self._holds = dict((h["dest"], h["until"] if h.get("boot") == boot
                             else min(h["until"], now))
                            for h in self.spool.held())
+        self._streaky = self.spool.streaky()
 
     def _check_holds(self):
         """At each poll tick: the holds on disk (other workers' too), and
@@ -5504,6 +5594,14 @@ class Worker(object):
         for t in list(self._held):
             if self.resolve(t)[0] is not None:
                 self._unhold(t)
+
+    def _safe(self, dest):
+        safe = self._safe_names.get(dest)
+        if safe is None:
+            if len(self._safe_names) > 1000:
+                self._safe_names.clear()
+            safe = self._safe_names[dest] = _safe_dest(dest)
+        return safe
 
     def _dest_of(self, job, kind):
         """The circuit breaker's destination (SPEC 9): for http its

@@ -232,3 +232,20 @@ def test_api_enqueue_spool_full(myq, spool, monkeypatch):
         myq.enqueue(spool, "t", 1)
     monkeypatch.undo()
     assert ls(spool, "incoming") == [] and ls(spool, "tmp") == []
+
+
+def test_a_job_claimed_before_enqueue_returns_was_enqueued(myq, spool, monkeypatch):
+    """A worker may claim the job between the rename into incoming/ and
+    enqueue's check that the file there is the one it wrote: that is not
+    "replaced" (found by the power-cut harness: the caller was told nothing
+    was enqueued while the job ran)."""
+    def claim_now(op, path, when):
+        if op == "rename" and when == "after" and "/incoming/" in path:
+            jid = os.path.basename(path)[:-5]
+            os.rename(path, os.path.join(spool, "processing",
+                                         jid + "+w-1-abcdef.1.json"))
+    monkeypatch.setattr(myq, "_hook", claim_now)
+    jid = myq.Spool(spool).enqueue("ok", {"x": 1})
+    monkeypatch.setattr(myq, "_hook", None)
+    assert os.listdir(os.path.join(spool, "processing")) == [
+        jid + "+w-1-abcdef.1.json"]

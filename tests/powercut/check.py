@@ -45,14 +45,36 @@ def _listdir(p):
         return []
 
 
+def _idle():
+    """Seconds this machine's CPUs were idle (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = f.readline().split()
+    return (int(v[4]) + int(v[5])) / float(os.sysconf("SC_CLK_TCK"))
+
+
+_PARSED = {}
+
+
 def load(path, myq):
     """(job or None, tail): myq.parse's job; when myq cannot parse the file,
     the job object read past trailing NUL bytes (tail=True), as a power cut
-    leaves a file whose size grew before its appended data reached the disk."""
+    leaves a file whose size grew before its appended data reached the disk.
+    Every file is read whole each time; the parse of the same bytes is
+    remembered (under TCG parsing is most of a scan's time)."""
     with open(path, "rb") as f:
         data = f.read()
+    key = hashlib.sha1(data).digest()
+    hit = _PARSED.get(key)
+    if hit is None:
+        if len(_PARSED) > 50000:
+            _PARSED.clear()
+        hit = _PARSED[key] = _load(data, myq)
+    return hit
+
+
+def _load(data, myq):
     try:
-        return myq.parse(data)[0], False
+        return myq.parse(data)[0], data.endswith(b"\0")
     except Exception:
         pass
     stripped = data.rstrip(b"\0")
@@ -64,8 +86,10 @@ def load(path, myq):
     return None, data.endswith(b"\0")
 
 
-def scan(spool, myq):
-    """{id: [(state, name, job or None)]}, ok ids, failed valid jobs."""
+def scan(spool, myq, read=STATE_DIRS + ("failed",)):
+    """{id: [(state, name, job or None)]}, ok ids, failed valid jobs, the
+    files that end in NUL bytes.  Files are read (and parsed) only in the
+    directories named in `read`; elsewhere job is None."""
     where, tails = {}, []
     for sub in STATE_DIRS:
         for name in _listdir(os.path.join(spool, sub)):
@@ -74,16 +98,18 @@ def scan(spool, myq):
             jid = name[:-5]
             if sub == "processing":
                 jid = jid.split("+", 1)[0]
-            try:
-                job, tail = load(os.path.join(spool, sub, name), myq)
-            except OSError:
-                job, tail = None, False
+            job, tail = None, False
+            if sub in read:
+                try:
+                    job, tail = load(os.path.join(spool, sub, name), myq)
+                except OSError:
+                    pass
             where.setdefault(jid, []).append((sub, name, job))
             if tail:
                 tails.append("%s/%s" % (sub, name))
     ok = set(_listdir(os.path.join(spool, "locks", "ok")))
     failed_valid = []
-    for name in _listdir(os.path.join(spool, "failed")):
+    for name in _listdir(os.path.join(spool, "failed")) if "failed" in read else ():
         p = os.path.join(spool, "failed", name)
         if name.endswith(".reason") or not os.path.isfile(p):
             continue
@@ -105,7 +131,7 @@ def _intact(job, want_sum=None):
         return False
 
 
-def fork_myq(myq, args, env, timeout=300):
+def fork_myq(myq, args, env):
     """Run myq.main(args) in a forked child (no interpreter start: under TCG
     that is most of a second).  Returns (exit status, output)."""
     import tempfile
@@ -115,6 +141,12 @@ def fork_myq(myq, args, env, timeout=300):
         try:
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
+            # sys.stdout may not be fd 1 (pytest's capture): write there
+            import io
+            sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False),
+                                          line_buffering=True)
+            sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False),
+                                          line_buffering=True)
             os.environ.clear()
             os.environ.update(env)
             rc = myq.main(args)
@@ -144,13 +176,26 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
 
     def run(args, env):
         if fork:
-            return _Done(*fork_myq(myq, args[2:], env, timeout))
+            return _Done(*fork_myq(myq, args[2:], env))
         return subprocess.run(args, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, timeout=timeout)
     res = dict(lost=0, doubled=0, corrupt=0, stuck=0, recover=0, rerun=0,
                in_failed=0, nul_tails=0)
     notes = []
-    pre, pre_ok, _, pre_tails = scan(spool, myq)
+    import time
+    clock = [time.monotonic(), _idle()]
+    spent = {}
+
+    def lap(what):         # wall and idle seconds of each step
+        t, i = time.monotonic(), _idle()
+        spent[what] = t - clock[0]
+        spent["idle_" + what] = i - clock[1]
+        clock[:] = [t, i]
+    # Before recovery only what recovery works on is read: done/ and dlq/
+    # files are read (all of them) after it, and recovery does not touch
+    # those that were there before.
+    pre, pre_ok, _, pre_tails = scan(spool, myq, read=("incoming", "processing"))
+    lap("scan_pre")
     finished_pre = set(pre_ok)
     for jid, locs in pre.items():
         if any(s in ("done", "dlq") for s, _, _ in locs):
@@ -163,15 +208,18 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
     env = dict(os.environ, PC_RUNLOG=runlog, PYTHONDONTWRITEBYTECODE="1")
     env.pop("MYQ_SPOOL", None)
     run([py, myq_path, "--spool", spool, "init"], env)
+    lap("init")
     w = run([py, myq_path, "--spool", spool, "worker", "--module",
              os.path.join(HERE, "handlers.py"), "--drain", "--stats-interval", "0",
              "--min-free", "0"], env)
+    lap("drain")
     if w.returncode != 0:
         res["recover"] += 1
         notes.append("worker --drain exit %d: %s" % (
             w.returncode, w.stdout.decode("utf-8", "replace")[-600:]))
     c = run([py, myq_path, "--spool", spool, "check", "--min-free", "0",
              "--json"], env)
+    lap("check")
     try:
         # dead jobs are the workload's (it makes dead letters on purpose):
         # what needs an operator is not a failed recovery
@@ -183,6 +231,10 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
         res["recover"] += 1
         notes.append("myq check: %s" % "; ".join(problems)[-600:])
     post, post_ok, failed_valid, post_tails = scan(spool, myq)
+    lap("scan_post")
+    old = set("%s/%s" % (s, n) for locs in pre.values() for s, n, _ in locs
+              if s in ("done", "dlq"))
+    pre_tails += [t for t in post_tails if t in old]
     res["nul_tails"] = len(pre_tails)
     if pre_tails:
         notes.append("NUL bytes at the end of (before recovery): %s"
@@ -227,4 +279,5 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
                 jid, [n for _, n, _ in pre.get(jid, [])] or "nowhere",
                 " -> failed/%s" % quarantined[jid] if jid in quarantined else ""))
     res["notes"] = notes
+    res["spent"] = spent
     return res

@@ -4,10 +4,11 @@
     python3 tests/powercut/powercut.py [PART ...]     (default: all parts)
 
 Parts:
-  ubifs  UBIFS on nandsim in a VM (ubifs_guest.py): >= 200 emulated power
-         cuts (UBI's tst_emulate_power_cut; re-attach, remount, recover,
+  ubifs  UBIFS on nandsim in VMs (ubifs_guest.py; --ubifs-vms of them, the
+         cuts and fault rounds shared out): >= 200 emulated power cuts
+         (UBI's tst_emulate_power_cut; re-attach, remount, recover,
          check), then rounds with emulated I/O errors and bitflips, and
-         the flash wear figure (erase blocks per 1,000 durable jobs).
+         the flash wear figure (bytes and erase blocks per 1,000 jobs).
   boot   BusyBox init + rcS + init.d/myq on an ext4 disk; the VM is killed
          mid-work, booted again, and the spool must recover.
   ext4   the spool on ext4 on a virtio disk behind dm-log-writes in a VM;
@@ -15,10 +16,13 @@ Parts:
          host at every flush point (plus random subsets of the unflushed
          writes), recovers and checks each image.
 
-Each part ends with one line
+Each VM is a task in a child process; --parallel of them run at once
+(default: 2 on a machine with 2 CPUs or more; a VM under TCG keeps one CPU
+busy).  Each part ends with one line, printed when all its tasks are done:
   powercut: fs=FS cuts=N lost=0 doubled=0 corrupt=0 ...
-and the exit status is 1 when any part found a broken promise.  Needs root
-(apt-get, qemu, loop mounts); without root it says so and exits 0.
+and the exit status is 1 when any part found a broken promise or could not
+run.  Needs root (apt-get, qemu, loop mounts); without root it says so and
+exits 0.
 """
 
 import argparse
@@ -40,8 +44,14 @@ import replay  # noqa: E402
 RESULTS = os.environ.get("POWERCUT_RESULTS", os.path.join(vm.CACHE, "results"))
 
 
+PREFIX = ""
+
+
 def say(*a):
-    print(*a, flush=True)
+    text = " ".join(str(x) for x in a)
+    if PREFIX:
+        text = "\n".join(PREFIX + line for line in text.split("\n"))
+    print(text, flush=True)
 
 
 def sh(cmd, **kw):
@@ -51,6 +61,11 @@ def sh(cmd, **kw):
 
 EXT4_GUEST = r"""set -e
 exec > /run/pc/guest.log 2>&1
+# The replay recovers each image on this host, as the same machine after
+# the power came back: the workers' records must name this host (a new
+# boot id then says they died).  Under another name only their leases
+# (60 s, wall clock) could free their claims.
+hostname {hostname}
 modprobe virtio_blk
 modprobe ext4
 modprobe dm-log-writes
@@ -73,8 +88,8 @@ sync
 """
 
 
-def part_ext4(a, out):
-    work = tempfile.mkdtemp(prefix="pc-ext4-", dir="/var/tmp")
+def part_ext4(a, out, k=0):
+    work = tempfile.mkdtemp(prefix="pc-ext4-", dir=a.tmp)
     base = os.path.join(work, "base.img")
     data = os.path.join(work, "data.img")
     logd = os.path.join(work, "log.img")
@@ -88,14 +103,15 @@ def part_ext4(a, out):
     share = os.path.join(work, "share")
     os.makedirs(share)
     script = EXT4_GUEST.format(here=HERE, myq=MYQ, jobs=a.jobs, cli=a.cli,
-                               shell=a.shell, seed=a.seed)
+                               shell=a.shell, seed=a.seed,
+                               hostname=os.uname()[1])
     t0 = time.monotonic()
     r = vm.boot(script, work=share, disks=[data, logd], timeout=a.vm_timeout)
     t_vm = time.monotonic() - t0
     guest = open(os.path.join(share, "guest.log")).read() \
         if os.path.exists(os.path.join(share, "guest.log")) else ""
-    say("powercut: ext4 VM: rc=%s boot=%.1fs vm=%.0fs" % (
-        r["rc"], r["boot_seconds"] or -1, t_vm))
+    say("powercut: ext4 VM: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs" % (
+        r["rc"], r["boot_seconds"] or -1, t_vm, r["cpu_seconds"]))
     if r["rc"] != 0:
         say(r["console"][-3000:])
         say(guest[-3000:])
@@ -123,7 +139,17 @@ def part_ext4(a, out):
             pass
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
-    say(replay.summary("ext4", totals) + " vm_seconds=%.0f" % t_vm)
+    totals["cpu_seconds"] = round(r["cpu_seconds"], 1)
+    return totals
+
+
+def report_ext4(a, results):
+    totals = results[0]
+    if totals is None:
+        say("powercut: fs=ext4: no result (the VM or the replay did not finish;"
+            " see above)")
+        return None
+    say(replay.summary("ext4", totals) + " vm_seconds=%.0f" % totals["vm_seconds"])
     say("powercut: fs=ext4-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
         "disk_bytes_written=%d flushes=%d per_1000_jobs: bytes=%d flushes=%d"
         % (a.jobs, totals["bytes_written"], totals["flushes"],
@@ -132,21 +158,41 @@ def part_ext4(a, out):
 
 
 UBIFS_GUEST = r"""exec > /run/pc/guest.log 2>&1
-python3 {here}/ubifs_guest.py --myq {myq} --out /run/pc --cuts {cuts} \
-    --faults {faults} --wear-jobs {wear} --seed {seed}
+PC_PROFILE={profile} python3 {here}/ubifs_guest.py --myq {myq} --out /run/pc \
+    --cuts {cuts} --faults {faults} --fault-first {fault_first} \
+    --wear-jobs {wear} --seed {seed}
 """
 
 
-def part_ubifs(a, out):
-    """UBIFS on nandsim: power cuts, then faults, then the wear figure."""
-    share = tempfile.mkdtemp(prefix="pc-ubifs-", dir="/var/tmp")
-    script = UBIFS_GUEST.format(here=HERE, myq=MYQ, cuts=a.cuts, faults=a.faults,
-                                wear=a.wear_jobs, seed=a.seed)
+def _share(n, k, total):
+    """Task k's share of `total` when n tasks share it."""
+    base, extra = divmod(total, n)
+    return base + (k < extra)
+
+
+def part_ubifs(a, out, k=0):
+    """One UBIFS VM (of --ubifs-vms): its share of the cuts and the fault
+    rounds; the first also measures the wear."""
+    n = max(1, a.ubifs_vms)
+    cuts = _share(n, k, a.cuts)
+    faults = _share(n, k, a.faults)
+    share = tempfile.mkdtemp(prefix="pc-ubifs-", dir=a.tmp)
+    script = UBIFS_GUEST.format(
+        here=HERE, myq=MYQ, cuts=cuts, faults=faults,
+        fault_first=sum(_share(n, j, a.faults) for j in range(k)),
+        wear=a.wear_jobs if k == 0 else 0, seed=a.seed + 1000 * k,
+        profile=os.environ.get("PC_PROFILE", ""))
     t0 = time.monotonic()
-    r = vm.boot(script, work=share, timeout=a.vm_timeout * 2)
+    # A write that fails after the cut makes UBIFS dump the whole LEB to
+    # the kernel log (hundreds of KiB): a big ring buffer keeps UBI's cut
+    # message, and loglevel=3 keeps the dumps (KERN_ERR) off the emulated
+    # serial console.
+    r = vm.boot(script, work=share, timeout=a.vm_timeout * 2,
+                append="log_buf_len=16M loglevel=3")
     t_vm = time.monotonic() - t0
-    say("powercut: ubifs VM: rc=%s boot=%.1fs vm=%.0fs" % (
-        r["rc"], r["boot_seconds"] or -1, t_vm))
+    say("powercut: ubifs VM %d: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs cuts=%d "
+        "faults=%d" % (k, r["rc"], r["boot_seconds"] or -1, t_vm,
+                       r["cpu_seconds"], cuts, faults))
     try:
         with open(os.path.join(share, "ubifs-result.json")) as f:
             res = json.load(f)
@@ -157,48 +203,192 @@ def part_ubifs(a, out):
         except OSError:
             pass
         return None
+    dest = os.path.join(out, "ubifs-vm%d" % k)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
     for name in os.listdir(share):
-        if name.startswith(("ubifs-", "guest.log")):
-            shutil.copy(os.path.join(share, name), os.path.join(out, name))
+        if name.startswith(("ubifs-", "guest.log", "console.log")):
+            shutil.copy(os.path.join(share, name), os.path.join(dest, name))
     if not a.keep:
         shutil.rmtree(share, ignore_errors=True)
     for f in res["found"][:10]:
         say("  found:", json.dumps(f)[:1500])
     if res.get("stage") != "end":
-        say("powercut: ubifs: the VM stopped during the %s stage (timeout?)"
-            % res.get("stage"))
-    ct, t = res.get("cut_totals") or res["totals"], res["totals"]
-    ct["seconds"] = res["cut_seconds"]
-    ct["promised"] = res["promised"]
-    say(replay.summary("ubifs", ct) + " rounds=%d" % ct["rounds"])
+        say("powercut: ubifs VM %d stopped during the %s stage (timeout?)"
+            % (k, res.get("stage")))
+    res.update(vm_seconds=round(t_vm, 1), cpu_seconds=round(r["cpu_seconds"], 1),
+               want_cuts=cuts)
+    return res
+
+
+def _add(into, d):
+    for key, v in d.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            into[key] = into.get(key, 0) + v
+        elif isinstance(v, dict):
+            _add(into.setdefault(key, {}), v)
+    return into
+
+
+def report_ubifs(a, results):
+    """One set of lines for all the UBIFS VMs."""
+    if not results or any(r is None for r in results):
+        say("powercut: fs=ubifs: no result from %d of %d VMs (see above)" % (
+            sum(r is None for r in results), len(results)))
+        return None
+    ct, t, timing, ends = {}, {}, {}, {}
+    for res in results:
+        _add(ct, res.get("cut_totals") or res["totals"])
+        _add(t, res["totals"])
+        _add(timing, res.get("timing", {}))
+        _add(ends, res.get("round_ends", {}))
+    ct["seconds"] = max(res["cut_seconds"] for res in results)
+    ct["promised"] = sum(res["promised"] for res in results)
+    unfinished = [k for k, res in enumerate(results) if res.get("stage") != "end"]
+    short = sum(max(0, res["want_cuts"] - res.get("cut_totals", {}).get("cuts", 0))
+                for res in results)
+    info = [i for res in results for i in res.get("info", [])]
+    for i in info[:10]:
+        say("  odd round:", json.dumps(i)[:600])
+    say("powercut: ubifs rounds ended by: %s; guest seconds per phase (all VMs): %s"
+        % (ends, {k: round(v) for k, v in sorted(timing.items())}))
+    say(replay.summary("ubifs", ct) + " rounds=%d ro_rounds=%d vms=%d vm_seconds=%s "
+        "cpu_seconds=%s" % (
+            ct["rounds"], ct.get("ro_rounds", 0), len(results),
+            "+".join("%.0f" % res["vm_seconds"] for res in results),
+            "+".join("%.0f" % res["cpu_seconds"] for res in results)))
     fault = {k: t[k] - ct.get(k, 0) for k in t if isinstance(t[k], int)}
-    fault["seconds"] = res.get("fault_seconds", 0)
+    fault["seconds"] = max(res.get("fault_seconds", 0) for res in results)
     fault["cuts"] = fault.get("rounds", 0)     # each fault round ends in a reboot
-    say("powercut: ubifs rounds ended by: %s; seconds per phase: %s" % (
-        res.get("round_ends"), {k: round(v) for k, v in res.get("timing", {}).items()}))
     say(replay.summary("ubifs-faults", fault) + " producer_errors=%d "
         "ubi_io_errors=%d ubi_bitflips=%d ubi_ro_mode=%d worker_died=%d" % (
             t.get("fault_errors", 0), t.get("io_errors", 0), t.get("bitflips", 0),
             t.get("ro_mode", 0), t.get("worker_died", 0)))
-    w = res["wear"]
-    say("powercut: fs=ubifs-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
-        "nand_bytes_written=%s (%s mtd_write calls) erase_blocks=%d (%d bytes "
-        "each; %s mtd_erase calls) per_1000_jobs: bytes=%s erase_blocks=%.1f" % (
-            w["jobs"], w.get("bytes"), w.get("writes"), w["erases"], w["erase_bytes"],
-            w.get("traced_erases"), w.get("bytes_per_1000"), w["erases_per_1000"]))
+    w = results[0].get("wear")
+    if w:
+        say("powercut: fs=ubifs-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
+            "nand_bytes_written=%s mtd_writes=%s erase_blocks_written=%s "
+            "ubi_erases=%d erase_block_bytes=%d per_1000_jobs: bytes=%s "
+            "erase_blocks_written=%s bytes_in_erase_blocks=%s ubi_erases=%.1f" % (
+                w["jobs"], w.get("bytes"), w.get("writes"), w.get("blocks_written"),
+                w["erases"], w["erase_bytes"], w.get("bytes_per_1000"),
+                w.get("blocks_written_per_1000"), w.get("block_equivalents_per_1000"),
+                w["erases_per_1000"]))
     merged = dict(t)
-    if res.get("stage") != "end":
+    if unfinished or short:
+        say("powercut: ubifs: %s" % "; ".join(
+            (["VM %s did not finish" % unfinished] if unfinished else [])
+            + (["%d cuts fewer than the %d asked for" % (short, a.cuts)] if short else [])))
         merged["recover"] = merged.get("recover", 0) + 1    # an unfinished part fails
-    merged["vm_seconds"] = round(t_vm, 1)
     return merged
 
 
-def part_boot(a, out):
+def part_boot(a, out, k=0):
     import boot_part
     return boot_part.run(a, out, vm, replay)
 
 
-PARTS = {"ext4": part_ext4, "ubifs": part_ubifs, "boot": part_boot}
+def report_boot(a, results):
+    t = results[0]
+    if t is None:
+        say("powercut: fs=ext4-boot: no result (see above)")
+        return None
+    say(replay.summary("ext4-boot", t) + " killed_after=%ss" % a.boot_kill)
+    return t
+
+
+# name: (task, report); the order is the start order (longest first)
+PARTS = {"ext4": (part_ext4, report_ext4), "ubifs": (part_ubifs, report_ubifs),
+         "boot": (part_boot, report_boot)}
+
+
+def tasks_of(a, parts):
+    out = []
+    for name in ("ext4", "ubifs", "boot"):
+        if name in parts:
+            for k in range(max(1, a.ubifs_vms) if name == "ubifs" else 1):
+                out.append((name, k))
+    return out
+
+
+def _terminate_on_sigterm():
+    """SIGTERM (timeout(1), CI's cap) unwinds: the finally clauses stop
+    the children and their VMs."""
+    import signal
+
+    def stop(sig, frame):
+        raise SystemExit("powercut: stopped by signal %d" % sig)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def run_task(a, spec, result_path):
+    """In a child process: one task; its result (JSON) to result_path."""
+    global PREFIX
+    _terminate_on_sigterm()
+    name, k = spec.split(":")
+    PREFIX = "[%s] " % (name if name != "ubifs" else "ubifs-%s" % k)
+    t0 = time.monotonic()
+    # the task's disks and shared directories (the guest sees /var/tmp);
+    # gone at the end, also when the task is stopped, unless --keep
+    a.tmp = tempfile.mkdtemp(prefix="pc-task-%s-%s-" % (name, k), dir="/var/tmp")
+    try:
+        res = PARTS[name][0](a, RESULTS, int(k))
+    except Exception:
+        import traceback
+        say(traceback.format_exc())
+        res = None
+    finally:
+        if a.keep:
+            say("powercut: kept %s" % a.tmp)
+        else:
+            shutil.rmtree(a.tmp, ignore_errors=True)
+    say("powercut: %s %s done in %.0fs" % (name, k, time.monotonic() - t0))
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.rename(result_path + ".tmp", result_path)
+    return 0
+
+
+def run_parts(a, parts, argv):
+    """Start the tasks, at most a.parallel at once; report each part when
+    all its tasks are done.  Returns {part: merged totals or None}."""
+    todo = tasks_of(a, parts)
+    want = {}
+    for name, k in todo:
+        want[name] = want.get(name, 0) + 1
+    got = {name: {} for name in want}
+    running = {}
+    tmp = tempfile.mkdtemp(prefix="pc-tasks-", dir="/var/tmp")
+    reported = {}
+    _terminate_on_sigterm()
+    try:
+        while todo or running:
+            while todo and len(running) < max(1, a.parallel):
+                name, k = todo.pop(0)
+                path = os.path.join(tmp, "%s-%d.json" % (name, k))
+                p = subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                                      "--task", "%s:%d" % (name, k),
+                                      "--task-result", path] + list(argv))
+                running[p] = (name, k, path, time.monotonic())
+                say("powercut: started %s %d (pid %d)" % (name, k, p.pid))
+            time.sleep(0.5)
+            for p in [p for p in running if p.poll() is not None]:
+                name, k, path, t0 = running.pop(p)
+                try:
+                    with open(path) as f:
+                        got[name][k] = json.load(f)
+                except (OSError, ValueError):
+                    say("powercut: %s %d exited %s without a result" % (
+                        name, k, p.returncode))
+                    got[name][k] = None
+                if len(got[name]) == want[name]:
+                    reported[name] = PARTS[name][1](
+                        a, [got[name][j] for j in sorted(got[name])])
+    finally:
+        for p in running:
+            p.terminate()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return reported
 
 
 def _hidden_in_guest(path):
@@ -228,6 +418,7 @@ def _run_from_copy(argv):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("parts", nargs="*")
     ap.add_argument("--jobs", type=int, default=520)
@@ -242,26 +433,43 @@ def main(argv=None):
         os.environ.get("POWERCUT_CUTS", "200")))
     ap.add_argument("--faults", type=int, default=6)
     ap.add_argument("--wear-jobs", type=int, default=1000)
+    ap.add_argument("--ubifs-vms", type=int, default=2,
+                    help="VMs sharing the UBIFS cuts and fault rounds")
+    ap.add_argument("--parallel", type=int, default=int(os.environ.get(
+        "POWERCUT_PARALLEL", min(2, os.cpu_count() or 1))),
+        help="VMs (tasks) at once; each keeps one CPU busy")
     ap.add_argument("--boot-kill", type=float, default=40,
                     help="seconds after which the first boot is killed")
     ap.add_argument("--vm-timeout", type=float, default=900)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--task", help=argparse.SUPPRESS)
+    ap.add_argument("--task-result", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         say("powercut: skipped: needs root (apt-get, qemu, loop devices, mount)")
         return 0
+    if a.task:
+        return run_task(a, a.task, a.task_result)
     if _hidden_in_guest(REPO) and not os.environ.get("POWERCUT_COPY"):
         return _run_from_copy(argv)
+    unknown = [p for p in a.parts if p not in PARTS]
+    if unknown:
+        ap.error("unknown part(s) %s: the parts are %s" % (
+            " ".join(unknown), " ".join(PARTS)))
     vm.ensure_tools()
+    vm.initramfs()          # built once, before the tasks share it
     os.makedirs(RESULTS, exist_ok=True)
-    bad = False
     t0 = time.monotonic()
-    for name in a.parts or list(PARTS):
-        t = PARTS[name](a, RESULTS)
+    parts = a.parts or list(PARTS)
+    reported = run_parts(a, parts, argv)
+    bad = False
+    for name in parts:
+        t = reported.get(name)
         if t is None or any(t.get(k) for k in replay.BAD):
             bad = True
-    say("powercut: total %.0fs, results in %s" % (time.monotonic() - t0, RESULTS))
+    say("powercut: total %.0fs (%d at once), results in %s" % (
+        time.monotonic() - t0, a.parallel, RESULTS))
     return 1 if bad else 0
 
 

@@ -16,12 +16,17 @@ worker --drain, myq check) and checks every job whose enqueue returned.
 
 Faults: rounds with tst_emulate_io_failures or tst_emulate_bitflips armed
 while a worker runs: the worker must stay up and no job may be lost or
-corrupted.  Wear: erase counters (detailed_erase_block_info) and pages
-programmed per 1,000 durable jobs with no cuts armed.
+corrupted.  Wear: bytes programmed and erase blocks written to (kprobes on
+mtd_write and mtd_erase) and UBI's erase counters (detailed_erase_block_info)
+per 1,000 durable jobs with no cuts armed.
+
+The kernel log is read from /dev/kmsg as it is written (a cut is seen by
+UBI's "emulating a power cut" line; all of it goes to ubifs-kmsg.log).  Boot
+the guest with a big log_buf_len: after a cut UBIFS dumps the LEB it failed
+to write, more than Debian's 128 KiB ring buffer holds.
 """
 
 import argparse
-import glob
 import hashlib
 import json
 import os
@@ -52,19 +57,66 @@ def dbg(name, value):
         f.write(str(value))
 
 
-def cuts_seen():
-    """Emulated power cuts in the kernel log since the last clear_log()
-    (cleared every round: the ring buffer wraps under UBIFS's errors)."""
-    return int(sh("dmesg | grep -c 'emulating a power cut' || true", False).strip() or 0)
+_idle = check._idle
 
 
-def clear_log():
-    sh("dmesg -C", False)
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
 
 
-def fault_events():
-    """How often UBI reported an emulated fault (from the kernel log)."""
-    text = sh("dmesg", False)
+class KLog(object):
+    """The kernel log, read from /dev/kmsg as it is written: no subprocess
+    per look (under TCG a dmesg|grep costs ~0.1 s), and nothing lost to the
+    ring buffer wrapping.  Every record also goes to a file (the evidence
+    for a round that ended oddly)."""
+
+    def __init__(self, path):
+        self.fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+        os.lseek(self.fd, 0, os.SEEK_END)
+        self.out = open(path, "a")
+        self.lines = []         # since mark()
+        self.lost = 0
+
+    def poll(self):
+        while True:
+            try:
+                rec = os.read(self.fd, 8192)
+            except BlockingIOError:
+                return
+            except BrokenPipeError:     # overwritten before we read it
+                self.lost += 1
+                continue
+            if not rec:
+                return
+            head, _, text = rec.decode("utf-8", "replace").partition(";")
+            text = text.split("\n", 1)[0]
+            self.lines.append(text)
+            try:
+                usec = int(head.split(",")[2])
+            except (IndexError, ValueError):
+                usec = 0
+            self.out.write("[%.6f] %s\n" % (usec / 1e6, text))
+
+    def mark(self, what):
+        self.poll()
+        self.lines = []
+        self.out.write("==== %s\n" % what)
+        self.out.flush()
+
+    def count(self, needle):
+        self.poll()
+        return sum(needle in l for l in self.lines)
+
+    def grep(self, *needles):
+        self.poll()
+        return [l for l in self.lines if any(n in l for n in needles)]
+
+
+def fault_events(klog):
+    """How often UBI reported an emulated fault since klog.mark()."""
+    text = "\n".join(klog.grep(""))
     return {"io_errors": text.count("cannot write"),
             "bitflips": text.count("bit-flip") + text.count("bitflip")
             + text.count("scrub"),
@@ -75,11 +127,12 @@ TRACE = "/sys/kernel/tracing"
 
 
 def trace_start():
-    """kprobes on mtd_write (its len argument) and mtd_erase: the bytes and
-    erase blocks that reach the NAND.  False when tracing is unavailable."""
+    """kprobes on mtd_write (its offset and length) and mtd_erase: the bytes
+    and erase blocks that reach the NAND.  False when tracing is
+    unavailable."""
     try:
         sh("[ -e {t}/kprobe_events ] || mount -t tracefs tracefs {t}; "
-           "echo 'p:pcw mtd_write len=%dx:u64' >> {t}/kprobe_events && "
+           "echo 'p:pcw mtd_write to=%si:u64 len=%dx:u64' >> {t}/kprobe_events && "
            "echo 'p:pce mtd_erase' >> {t}/kprobe_events && "
            "echo 16384 > {t}/buffer_size_kb && echo > {t}/trace && "
            "echo 1 > {t}/events/kprobes/pcw/enable && "
@@ -90,17 +143,20 @@ def trace_start():
         return False
 
 
-def trace_stop():
-    """(bytes written, writes, erases, lost events) since trace_start."""
+def trace_stop(erase_size):
+    """(bytes written, writes, erases, lost events, distinct erase blocks
+    written to) since trace_start."""
     for ev in ("pcw", "pce"):
         with open(os.path.join(TRACE, "events/kprobes/%s/enable" % ev), "w") as f:
             f.write("0")
     nbytes = writes = erases = 0
+    blocks = set()
     with open(os.path.join(TRACE, "trace")) as f:
         for line in f:
             if " pcw: " in line and "len=" in line:
                 writes += 1
                 nbytes += int(line.rsplit("len=", 1)[1].split()[0], 0)
+                blocks.add(int(line.rsplit("to=", 1)[1].split()[0], 0) // erase_size)
             elif " pce: " in line:
                 erases += 1
     lost = 0
@@ -111,7 +167,7 @@ def trace_stop():
                     lost = int(line.split()[1])
     except OSError:
         pass
-    return nbytes, writes, erases, lost
+    return nbytes, writes, erases, lost, len(blocks)
 
 
 def erase_counts():
@@ -125,19 +181,68 @@ def erase_counts():
     return total
 
 
-def attach(first=False):
-    sh("ubiattach -m 0 -d 0")
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def _ioc_w(nr, size):
+    return (1 << 30) | (size << 16) | (ord("o") << 8) | nr  # UBI_CTRL_IOC_MAGIC
+
+
+def _oserror(what):
+    import ctypes
+    e = ctypes.get_errno()
+    return OSError(e, "%s: %s" % (what, os.strerror(e)))
+
+
+def ubi_ctrl(attach):
+    """ubiattach -m 0 -d 0 / ubidetach -m 0, as the ioctls on /dev/ubi_ctrl
+    (include/uapi/mtd/ubi-user.h) without a process each."""
+    import fcntl
+    import struct
+    fd = os.open("/dev/ubi_ctrl", os.O_RDONLY)
+    try:
+        if attach:      # struct ubi_attach_req: ubi_num 0, mtd_num 0, defaults
+            fcntl.ioctl(fd, _ioc_w(64, 24), struct.pack("=iiihbb8x", 0, 0, 0, 0, 0, 0))
+        else:           # UBI_IOCDET: the UBI device number
+            fcntl.ioctl(fd, _ioc_w(65, 4), struct.pack("=i", 0))
+    finally:
+        os.close(fd)
+
+
+def attach(first=False, timing=None):
+    t = time.monotonic()
+    ubi_ctrl(True)
     if first:
         sh("ubimkvol /dev/ubi0 -N spool -m")
-    sh("mount -t ubifs ubi0:spool %s" % MNT)
+    t1 = time.monotonic()
+    if _libc().mount(b"ubi0:spool", MNT.encode(), b"ubifs", 0, None) != 0:
+        raise _oserror("mount ubi0:spool")
+    if timing is not None:
+        for k, v in (("t_ubiattach", t1 - t), ("t_mount", time.monotonic() - t1)):
+            timing[k] = timing.get(k, 0) + v
 
 
-def detach():
+def detach(timing=None):
+    t = time.monotonic()
     for _ in range(50):
-        if subprocess.run(["umount", MNT], stderr=subprocess.DEVNULL).returncode == 0:
+        if _libc().umount2(MNT.encode(), 0) == 0:
             break
         time.sleep(0.1)
-    sh("ubidetach -m 0")
+    else:
+        raise _oserror("umount %s" % MNT)
+    t1 = time.monotonic()
+    ubi_ctrl(False)
+    if timing is not None:
+        for k, v in (("t_umount", t1 - t), ("t_ubidetach", time.monotonic() - t1)):
+            timing[k] = timing.get(k, 0) + v
 
 
 def payload(rng, n):
@@ -161,12 +266,15 @@ class Run(object):
                         PC_RUNLOG=os.path.join(a.out, "ubifs-runs"))
         self.totals = dict(lost=0, doubled=0, corrupt=0, stuck=0, recover=0,
                            rerun=0, in_failed=0, nul_tails=0, nul_cuts=0,
-                           fsck=0, cuts=0, rounds=0)
+                           fsck=0, cuts=0, rounds=0, ro_rounds=0)
         self.found = []
         self.counts = {"cli": 0, "api": 0, "shell": 0}
         self.timing = {}
         self.ends = {}
         self.found_info = []
+        self.steps = {}
+        self._idle = _idle()
+        self.klog = KLog(os.path.join(a.out, "ubifs-kmsg.log"))
 
     def promise(self, jobs, how):
         self.promised.update(jobs)
@@ -202,13 +310,15 @@ class Run(object):
             "flaky" if rng.random() < 0.8 else "bad")
         if r < a.cli_rate:
             p = payload(rng, self.n)
-            out = subprocess.run([sys.executable, a.myq, "--spool", self.spool,
-                                  "enqueue", t(), json.dumps(p)], env=self.env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            if out.returncode:
-                raise OSError("myq enqueue exit %d: %s" % (
-                    out.returncode, out.stderr.decode()[-200:]))
-            self.promise({out.stdout.decode().strip(): p["sum"]}, "cli")
+            # The CLI's own code (myq.main) in a forked child: a fresh
+            # interpreter costs ~2 s under TCG (the ext4 and boot parts
+            # start real `myq enqueue` processes).
+            rc, out = check.fork_myq(myq, ["--spool", self.spool, "enqueue",
+                                           t(), json.dumps(p)], self.env)
+            out = out.decode("utf-8", "replace")
+            if rc:
+                raise OSError("myq enqueue exit %d: %s" % (rc, out[-200:]))
+            self.promise({out.split()[-1]: p["sum"]}, "cli")
             self.n += 1
             self.counts["cli"] += 1
         elif r < a.cli_rate + a.shell_rate:
@@ -260,6 +370,8 @@ class Run(object):
             if k in res:
                 self.totals[k] += res[k]
         self.totals["nul_cuts"] += bool(res.get("nul_tails"))
+        for k, v in res.get("spent", {}).items():
+            self.timing["r_" + k] = self.timing.get("r_" + k, 0) + v
         if any(res.get(k) for k in ("lost", "doubled", "corrupt", "stuck",
                                     "recover", "in_failed")):
             self.found.append({"round": what, "promised": len(self.promised),
@@ -267,11 +379,26 @@ class Run(object):
             print("ubifs: %s: %s" % (what, res["notes"][:4]), flush=True)
         return res
 
+    def tick(self, key, t0):
+        t = time.monotonic()
+        self.timing[key] = self.timing.get(key, 0) + t - t0
+        idle = _idle()
+        self.timing["idle_" + key] = self.timing.get("idle_" + key, 0) + idle - self._idle
+        self._idle = idle
+        return t
+
+    def reboot(self):
+        """What the power coming back does: the page cache is gone, UBI is
+        attached again from the NAND contents, UBIFS mounted (and
+        recovered by the kernel)."""
+        detach(self.timing)
+        attach(timing=self.timing)
+
     def cut_round(self, i, work):
-        a = self.a
+        a, klog = self.a, self.klog
         t0 = time.monotonic()
-        clear_log()
-        before = cuts_seen()
+        self._idle = _idle()
+        klog.mark("round %d" % i)
         lo = self.rng.randint(1, 2)
         dbg("tst_emulate_power_cut_min", lo)
         dbg("tst_emulate_power_cut_max", lo + self.rng.randint(0, 2))
@@ -287,35 +414,43 @@ class Run(object):
                 self.n += 20            # never reuse an explicit id it may have placed
                 break
             steps += 1
-            if steps % 10 == 0 and cuts_seen() != before:
+            if klog.count("emulating a power cut"):
                 break                   # the worker met the cut
             if self.rng.random() < 0.1:
                 time.sleep(0.05)
         os.kill(wpid, signal.SIGKILL)       # the power went: every process dies
         os.waitpid(wpid, 0)
-        cut = cuts_seen() != before
-        why = "cut" if cut else (type(err).__name__ if err else "no error")
-        self.ends[why] = self.ends.get(why, 0) + 1
-        if err is not None and not cut:
-            self.found_info.append("round %d ended by %r without a cut" % (i, err))
-        t1 = time.monotonic()
         dbg("tst_emulate_power_cut", 0)
-        detach()
-        attach()
+        t1 = self.tick("t_work", t0)
+        cut = klog.count("emulating a power cut") > 0
+        if cut:
+            why = "cut"
+        elif err is not None and "Read-only file system" in str(err):
+            why = "ro"      # read-only without UBI's cut: see the evidence
+        else:
+            why = type(err).__name__ if err else "steps"
+        self.ends[why] = self.ends.get(why, 0) + 1
+        self.steps[why] = self.steps.get(why, 0) + steps
+        if why != "cut":
+            ev = klog.grep("UBI", "UBIFS", "read-only", "Power cut")
+            self.found_info.append({"round": i, "end": why, "error": repr(err)[:300],
+                                    "steps": steps, "kernel": ev[-30:]})
+            print("ubifs: round %d ended %s without a UBI power cut: %r; kernel: %s"
+                  % (i, why, err, ev[-8:]), flush=True)
+        self.reboot()
         self.totals["rounds"] += 1
         self.totals["cuts"] += cut
+        self.totals["ro_rounds"] += why == "ro"
         t2 = time.monotonic()
-        self.recover("cut %d%s" % (i, "" if cut else " (no cut: plain reboot)"),
-                     work)
-        for k, v in (("t_work", t1 - t0), ("t_reattach", t2 - t1),
-                     ("t_recover", time.monotonic() - t2)):
-            self.timing[k] = self.timing.get(k, 0) + v
+        self._idle = _idle()
+        self.recover("cut %d%s" % (i, "" if cut else " (%s: no UBI cut)" % why), work)
+        self.tick("t_recover", t2)
 
     def fault_round(self, i, kind, work):
         """A worker runs while UBI reports I/O errors or bitflips."""
+        klog = self.klog
         wpid = self.start_worker(os.path.join(self.a.out, "ubifs-fault-worker.log"))
-        clear_log()
-        seen0 = fault_events()
+        klog.mark("fault %s %d" % (kind, i))
         dbg(kind, 1)
         errors = 0
         for k in range(self.a.fault_steps):
@@ -324,13 +459,13 @@ class Run(object):
             except Exception:
                 errors += 1
             if k % 10 == 0:     # emulated bitflips happen on reads from the NAND
-                sh("sync; echo 3 > /proc/sys/vm/drop_caches", False)
+                drop_caches()
         time.sleep(1)
         alive = os.waitpid(wpid, os.WNOHANG) == (0, 0)
         dbg(kind, 0)
-        seen1 = fault_events()
-        for k in seen1:
-            self.totals[k] = self.totals.get(k, 0) + seen1[k] - seen0[k]
+        seen = fault_events(klog)
+        for k in seen:
+            self.totals[k] = self.totals.get(k, 0) + seen[k]
         if not alive:
             self.totals.setdefault("worker_died", 0)
             self.totals["worker_died"] += 1
@@ -340,12 +475,51 @@ class Run(object):
             os.kill(wpid, signal.SIGTERM)
             os.waitpid(wpid, 0)
         # an I/O error turns UBI read-only: reboot as after a cut
-        detach()
-        attach()
+        self.reboot()
         self.totals["rounds"] += 1
         self.totals.setdefault("fault_errors", 0)
         self.totals["fault_errors"] += errors
         return self.recover("fault %s %d" % (kind, i), work)
+
+
+def wear(run, a, t0):
+    """Bytes and erase blocks written to the NAND for a.wear_jobs durable
+    jobs (a steady producer of API batches and a worker, no cuts)."""
+    ec0 = erase_counts()
+    sh("sync")
+    erase_size = int(sh("cat /sys/class/mtd/mtd0/erasesize"))
+    traced = trace_start()
+    n0 = run.n
+    wpid = run.start_worker(os.path.join(a.out, "ubifs-worker.log"))
+    saved = (a.cli_rate, a.shell_rate)
+    a.cli_rate = a.shell_rate = 0
+    while run.n - n0 < a.wear_jobs:
+        run.produce_one()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+            os.listdir(os.path.join(run.spool, "incoming"))
+            or os.listdir(os.path.join(run.spool, "processing"))):
+        time.sleep(0.5)
+    os.kill(wpid, signal.SIGTERM)
+    os.waitpid(wpid, 0)
+    sh("sync")
+    a.cli_rate, a.shell_rate = saved
+    jobs = run.n - n0
+    ec1 = erase_counts()
+    tb = trace_stop(erase_size) if traced else None
+    per = 1000.0 / jobs
+    # NAND is programmed once per erase: every block written to is erased
+    # again before it is written again (UBI erases lazily, in the
+    # background, so its erase counters trail the writes).
+    return {"jobs": jobs, "erase_bytes": erase_size,
+            "erases": ec1 - ec0, "erases_per_1000": round((ec1 - ec0) * per, 1),
+            "bytes": tb and tb[0], "writes": tb and tb[1],
+            "traced_erases": tb and tb[2], "trace_overrun": tb and tb[3],
+            "blocks_written": tb and tb[4],
+            "bytes_per_1000": tb and int(tb[0] * per),
+            "blocks_written_per_1000": tb and round(tb[4] * per, 1),
+            "block_equivalents_per_1000": tb and round(tb[0] * per / erase_size, 1),
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def main(argv=None):
@@ -354,6 +528,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--cuts", type=int, default=200)
     ap.add_argument("--faults", type=int, default=6)
+    ap.add_argument("--fault-first", type=int, default=0,
+                    help="the index of the first fault round (the kinds alternate)")
     ap.add_argument("--wear-jobs", type=int, default=500)
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--max-steps", type=int, default=400)
@@ -375,44 +551,18 @@ def main(argv=None):
     os.makedirs(work, exist_ok=True)
     t0 = time.monotonic()
     out = {}
-    # Wear: no cuts, a steady producer and worker.
-    ec0 = erase_counts()
-    sh("sync")
-    traced = trace_start()
-    n0 = run.n
-    wpid = run.start_worker(os.path.join(a.out, "ubifs-worker.log"))
-    saved = (a.cli_rate, a.shell_rate)
-    a.cli_rate = a.shell_rate = 0
-    while run.n - n0 < a.wear_jobs:
-        run.produce_one()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (
-            os.listdir(os.path.join(run.spool, "incoming"))
-            or os.listdir(os.path.join(run.spool, "processing"))):
-        time.sleep(0.5)
-    os.kill(wpid, signal.SIGTERM)
-    os.waitpid(wpid, 0)
-    sh("sync")
-    a.cli_rate, a.shell_rate = saved
-    jobs = run.n - n0
-    ec1 = erase_counts()
-    tb = trace_stop() if traced else None
-    mtd = sh("cat /sys/class/mtd/mtd0/erasesize /sys/class/mtd/mtd0/writesize").split()
-    out["wear"] = {"jobs": jobs, "erases": ec1 - ec0,
-                   "erase_bytes": int(mtd[0]),
-                   "erases_per_1000": round((ec1 - ec0) * 1000.0 / jobs, 1),
-                   "bytes": tb and tb[0], "writes": tb and tb[1],
-                   "traced_erases": tb and tb[2], "trace_overrun": tb and tb[3],
-                   "bytes_per_1000": tb and int(tb[0] * 1000.0 / jobs),
-                   "seconds": round(time.monotonic() - t0, 1)}
-    print("ubifs: wear %s" % out["wear"], flush=True)
+    if a.wear_jobs:
+        out["wear"] = wear(run, a, t0)
+        print("ubifs: wear %s" % out["wear"], flush=True)
     t1 = time.monotonic()
     def save(stage):
         out["stage"] = stage
         out["cut_seconds"] = round(time.monotonic() - t1, 1)
         out["timing"] = run.timing
         out["round_ends"] = run.ends
-        out["info"] = run.found_info[:20]
+        out["info"] = run.found_info[:50]
+        out["steps"] = run.steps
+        out["kmsg_lost"] = run.klog.lost
         out["totals"] = run.totals
         out["found"] = run.found
         out["promised"] = len(run.promised)
@@ -436,13 +586,30 @@ def main(argv=None):
     cut_seconds = round(time.monotonic() - t1, 1)
     t2 = time.monotonic()
     for i in range(a.faults):
-        kind = ("tst_emulate_io_failures", "tst_emulate_bitflips")[i % 2]
+        kind = ("tst_emulate_io_failures", "tst_emulate_bitflips")[(a.fault_first + i) % 2]
         run.fault_round(i, kind, work)
         out["fault_seconds"] = round(time.monotonic() - t2, 1)
         save("faults")
     out["fault_seconds"] = round(time.monotonic() - t2, 1)
     save("end")
     out["cut_seconds"] = cut_seconds
+    with open(os.path.join(a.out, "ubifs-result.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    out["files"] = {d: len(os.listdir(os.path.join(run.spool, d))) for d in
+                    ("incoming", "processing", "done", "dlq", "failed", "locks/ok")}
+    print("ubifs: files at the end: %s" % out["files"], flush=True)
+    if os.environ.get("PC_PROFILE"):
+        import cProfile
+        import pstats
+        drop_caches()
+        pr = cProfile.Profile()
+        pr.enable()
+        t = time.monotonic()
+        run.recover("profile", work)
+        print("ubifs: profiled recovery %.2fs" % (time.monotonic() - t))
+        pr.disable()
+        pstats.Stats(pr, stream=sys.stdout).sort_stats("cumulative").print_stats(40)
+        sys.stdout.flush()
     with open(os.path.join(a.out, "ubifs-result.json"), "w") as f:
         json.dump(out, f, indent=1)
     detach()
