@@ -824,11 +824,15 @@ def test_policy_ttl_counts_from_created_at_with_the_current_ttl(
 
 def test_a_run_already_started_finishes_past_its_expiry(spool, handlers_dir,
                                                         tmp_path, procs):
+    """A warm worker starts r1 (`--ttl 2`) at once; it is still running
+    when its expiry passes, and finishes."""
     body, started, release = blocking_handler(tmp_path)
     h = handlers_dir("slow", body)
-    enqueue(call_myq, spool, "slow", None, "--id", "r1", "--ttl", "0.5")
     bg_worker(procs, tmp_path, spool, "--handlers", h, *FAST)
-    wait_for(lambda: (started / "r1").exists(), what="r1 to start")
+    enqueue(call_myq, spool, "slow", None, "--id", "r1", "--ttl", "2")
+    wait_for(lambda: (started / "r1").exists() or state(call_myq, spool, "r1")
+             == "dead", what="r1 to start")
+    assert (started / "r1").exists(), "r1 expired before a warm worker took it"
     _expire_wait(spool, "r1")
     release.touch()
     wait_for(lambda: state(call_myq, spool, "r1") in ("done", "dead"),
