@@ -1015,7 +1015,6 @@ def test_policy_priority_is_fixed_when_the_job_is_enqueued(
 DEPTH = 20000
 
 
-@pytest.mark.slow
 def test_priority_9_is_next_to_start_at_depth(myq, run_myq, spool, tmp_path,
                                               procs):
     """20,000 priority-0 jobs (shell producer files) being drained by one
