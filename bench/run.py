@@ -32,6 +32,15 @@ run, interleaved with the figure, so that a noisy machine hits both alike):
   The deep spools are prepared once and topped up to 100,000 between runs.
   Prepared job files are written without fsync, then os.sync() runs before
   any timing, so no drain pays for the preparation's writeback.
+- claim rate with priorities in use (SPEC 9): one worker, no-op handler,
+  100,000 jobs queued of which 1,000 carry a priority spread over -3..5
+  (enqueued with Spool.enqueue_many, so that their priority counts from
+  the start; the rest 0, written as above), the rate over the first K jobs
+  (as above) against the same
+  100,000 without priorities, the two drained in alternating order within
+  each run.  The handler records the order; a run whose jobs did not start
+  highest priority first is flagged.  --quick: 20,000 queued (200 with a
+  priority), first 3,000.
 - exec drain: a handlers dir whose `t` is /bin/true, against a bare loop of
   subprocess.Popen(["/bin/true"], stdin=PIPE), write the payload, wait (in a
   child process of the same interpreter), interleaved in 4 chunks because
@@ -61,6 +70,7 @@ run, interleaved with the figure, so that a noisy machine hits both alike):
 """
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -81,11 +91,13 @@ PY = sys.executable
 MiB = 1024.0 * 1024.0
 
 FULL = dict(enq_disk=150, enq_mem=1500, many_disk=300, many_mem=3000,
-            batch=100, drain=1000, deep=100000, take=6000, exec_n=200,
+            batch=100, drain=1000, deep=100000, take=6000,
+            prio_deep=100000, prio_n=1000, prio_take=6000, exec_n=200,
             conc_n=240, two_n=2000, lat_n=60, wall_n=10, idle_window=60.0,
             count_bulk=100, count_trickle=10)
 QUICK = dict(enq_disk=40, enq_mem=400, many_disk=200, many_mem=1000,
-             batch=100, drain=300, deep=100000, take=3000, exec_n=60,
+             batch=100, drain=300, deep=100000, take=3000,
+             prio_deep=20000, prio_n=200, prio_take=3000, exec_n=60,
              conc_n=120, two_n=600, lat_n=20, wall_n=5, idle_window=10.0,
              count_bulk=40, count_trickle=5)
 
@@ -306,6 +318,51 @@ def count(path):
         return len(os.listdir(path))
     except OSError:
         return 0
+
+
+def count_jobs(path):
+    """Job files under incoming/, in any sub-directory (lane, SPEC 9) too."""
+    return sum(1 for _, _, fs in os.walk(path) for n in fs if n.endswith(".json"))
+
+
+# Priorities (SPEC 9): a job's priority is in its id, `…-p5`, `…-pn3`, so
+# that a spool can be topped up and an order checked without reading files.
+PRIO_LEVELS = list(range(-3, 6))
+
+
+def prio_tag(p):
+    return "-pn%d" % -p if p < 0 else "-p%d" % p
+
+
+def prio_of(jid):
+    tag = jid.rsplit("-p", 1)[1]
+    return -int(tag[1:]) if tag.startswith("n") else int(tag)
+
+
+def make_prio_jobs(spool, prios):
+    """One ready job per entry of `prios` (its priority), ids in creation
+    order: priority 0 as make_jobs writes them (a producer's files), the
+    others through Spool.enqueue_many (sync=False; os.sync() follows), so
+    that their priority counts from the start (SPEC 9: a producer's file
+    counts with its priority only once a worker has read it)."""
+    d = os.path.join(spool, "incoming")
+    now = time.time()
+    ms = int(now * 1000)
+    salt = random.getrandbits(20)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    specs = []
+    for i, p in enumerate(prios):
+        jid = "%013d-%05x%07x%s" % (ms, salt, i, prio_tag(p))
+        if p:
+            specs.append({"type": "noop", "payload": {"n": i}, "id": jid,
+                          "priority": p})
+            continue
+        fd = os.open(os.path.join(d, jid + ".json"), flags, 0o640)
+        os.write(fd, (JOB_TPL % (jid, "noop", i, now, now, now)).encode())
+        os.close(fd)
+    sp = myq().Spool(spool)
+    for k in range(0, len(specs), 500):
+        sp.enqueue_many(specs[k:k + 500], sync=False)
 
 
 def clear_dir(path):
@@ -661,6 +718,7 @@ class Bench(object):
             ("enqueue_many", lambda: self.m_many(fs, base, s["many_mem" if mem else "many_disk"], flip)),
             ("drain", lambda: self.m_drain(fs, base, flip)),
             ("deep", lambda: self.m_deep(fs, base)),
+            ("prio", lambda: self.m_prio(fs, base, flip)),
             ("exec", lambda: self.m_exec(fs, base, flip)),
             ("two", lambda: self.m_two(fs, base)),
             ("rss", lambda: self.m_rss(fs, base)),
@@ -763,18 +821,18 @@ class Bench(object):
         if ea and rate and frate:
             self.res.add(fs, "e2e", 1 / (1 / ea + 1 / rate), 1 / (1 / ef + 1 / frate))
 
-    def deep_spool(self, fs, base, name):
-        """A spool with s["deep"] jobs queued, kept across runs: topped up,
-        done/ and ok/ emptied."""
-        s = self.s
+    def deep_spool(self, fs, base, name, n=None):
+        """A spool with n (s["deep"]) jobs queued, kept across runs: topped
+        up, done/ and ok/ emptied."""
+        n = n or self.s["deep"]
         sp = self.shared.get((fs, name))
         if sp is None:
             sp = new_spool(base, name)
-            log("preparing %d jobs on %s" % (s["deep"], fs))
-            make_jobs(sp, s["deep"])
+            log("preparing %d jobs on %s" % (n, fs))
+            make_jobs(sp, n)
             self.shared[(fs, name)] = sp
         else:
-            short = s["deep"] - count(os.path.join(sp, "incoming"))
+            short = n - count_jobs(os.path.join(sp, "incoming"))
             if short > 0:
                 make_jobs(sp, short)
             clear_dir(os.path.join(sp, "done"))
@@ -800,6 +858,78 @@ class Bench(object):
         self.res.add(fs, "deep_steady", steady, self.drain_rate)
         self.res.add(fs, "deep_depth", depth)
         self.res.add(fs, "hwm_deep", out["hwm"] / MiB)
+
+    def prio_spool(self, fs, base):
+        """s["prio_deep"] jobs queued, s["prio_n"] of them with a priority
+        spread over -3..5 at random places, the rest 0; kept across runs
+        and topped up to the same mix (the priority is in the id)."""
+        s = self.s
+        want = collections.Counter()
+        for i in range(s["prio_n"]):
+            want[PRIO_LEVELS[i % len(PRIO_LEVELS)]] += 1
+        want[0] += s["prio_deep"] - s["prio_n"]
+        sp = self.shared.get((fs, "prio"))
+        if sp is None:
+            sp = new_spool(base, "prio")
+            log("preparing %d jobs with priorities on %s" % (s["prio_deep"], fs))
+            prios = [0] * s["prio_deep"]
+            for i, at in enumerate(random.sample(range(s["prio_deep"]),
+                                                 s["prio_n"])):
+                prios[at] = PRIO_LEVELS[i % len(PRIO_LEVELS)]
+            make_prio_jobs(sp, prios)
+            self.shared[(fs, "prio")] = sp
+        else:
+            have = collections.Counter()
+            for _, _, files in os.walk(os.path.join(sp, "incoming")):
+                for n in files:
+                    if n.endswith(".json"):
+                        have[prio_of(n[:-5])] += 1
+            short = []
+            for p, n in sorted(want.items()):
+                short += [p] * max(0, n - have[p])
+            random.shuffle(short)
+            make_prio_jobs(sp, short)
+            clear_dir(os.path.join(sp, "done"))
+            clear_dir(os.path.join(sp, "locks", "ok"))
+        return sp
+
+    def m_prio(self, fs, base, flip):
+        """Claim rate with priorities in use against the same depth without
+        (the `deep` spool when it is as deep), first prio_take jobs each."""
+        s = self.s
+        try:
+            myq().new_job("noop", priority=1)
+        except TypeError:
+            if not any("priorities" in n for n in self.res.notes):
+                self.res.notes.append("this myq has no priorities: no "
+                                      "priority row")
+            return
+        k = s["prio_take"]
+        if s["prio_deep"] == s["deep"]:
+            plain = self.deep_spool(fs, base, "deep")
+        else:
+            plain = self.deep_spool(fs, base, "prio-plain", s["prio_deep"])
+        prio = self.prio_spool(fs, base)
+        os.sync()
+        rates = {}
+        for which in (["prio", "plain"] if flip else ["plain", "prio"]):
+            sp = prio if which == "prio" else plain
+            rec = os.path.join(base, "logs", "prio-order-%d.txt" % _serial[0])
+            out = self.drain_child(sp, base, "prio-" + which, stop_after=k,
+                                   record=rec)
+            rates[which] = out["done"] / (out["t1"] - out["t0"])
+            if which == "prio":
+                with open(rec) as f:
+                    got = [prio_of(l.strip()) for l in f if l.strip()]
+                bad = sum(1 for a, b in zip(got, got[1:]) if b > a)
+                if bad:
+                    self.res.notes.append(
+                        "%s: priority order violated %d times in the first %d "
+                        "jobs (expected %s first)" % (fs, bad, len(got),
+                                                      max(PRIO_LEVELS)))
+                self.res.add(fs, "prio_order_bad", bad)
+            os.unlink(rec)
+        self.res.add(fs, "deep_prio", rates["prio"], rates["plain"])
 
     def m_exec(self, fs, base, flip):
         """Interleaved in 4 chunks (floor, myq, floor, ...): fork/exec time
@@ -1124,6 +1254,10 @@ def metrics(fs, s):
          "drain of %d (above)" % s["drain"], "x", "info", None),
         ("deep_floor", "  the floor itself, 100k vs %d queued" % s["drain"], "jobs/s",
          "bare drain of %d" % s["drain"], "x", "info", None),
+        ("deep_prio", "drain, %dk queued, priorities in use (first %d)"
+         % (s.get("prio_deep", 0) // 1000, s.get("prio_take", 0)), "jobs/s",
+         "same %dk without priorities" % (s.get("prio_deep", 0) // 1000), "x",
+         "info", None),
         ("exec", "drain exec /bin/true", "jobs/s",
          "bare Popen+stdin+wait", "x", ">=0.8x", ge(0.8)),
         ("exec4", "drain exec --concurrency 4", "jobs/s",
@@ -1244,6 +1378,12 @@ def report(bench, info, markdown=False, types=None):
             notes.append("100k drain: depth %d at start, rate over the first %d jobs "
                          "(it includes the worker's first scan of the whole queue; "
                          "the next row leaves that out)" % (med(dd["value"]), s["take"]))
+        po = res.data.get((fs, "prio_order_bad"))
+        if po:
+            notes.append("priorities: the first %d jobs started highest "
+                         "priority first in %d of %d runs"
+                         % (s["prio_take"], sum(1 for v in po["value"] if v == 0),
+                            len(po["value"])))
         if win:
             notes.append("idle CPU measured over %.0f s, extrapolated to 1 min%s"
                          % (win, " (--quick)" if o.quick else ""))
