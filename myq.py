@@ -5037,15 +5037,18 @@ class Worker(object):
             L.end_sweep()
 
     def _sync_lanes(self):
-        """Learn the lanes (incoming/lanes/ changed: one stat), and which
-        changed (a stat each: a producer's poke is read only now and then
-        while jobs run back to back)."""
+        """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
+        producer poked the wake FIFO since (read here at each claim: while
+        jobs run back to back the loop's select comes only now and then),
+        which changed: a stat each."""
         try:
             st = os.stat(self._lanes_path)
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
-        for L in self._lanes:
+        wake = getattr(self, "_wake_fds", None)
+        poked = _drain(wake[0]) if wake else True
+        for L in self._lanes if poked else ():
             if L.type is not None:
                 try:
                     st = os.stat(L.path)
@@ -5106,7 +5109,8 @@ class Worker(object):
         now, the highest priority, then the earliest, then the id."""
         budget = 256        # files that could not be claimed, before a break
         inf = float("inf")
-        while True:
+        fresh = False       # force: a fresh look at every lane, once, when
+        while True:         # the caches gave nothing
             self._sync_lanes()
             now = _now()
             best, due = None, inf
@@ -5119,7 +5123,7 @@ class Worker(object):
                 # Producers' files are being moved to their lanes: go on
                 # with incoming/ first, so that their bounds see them all
                 # before any of them starts (SPEC 9: "at the next scan").
-                head = self._head(self._top, force)
+                head = self._head(self._top, fresh)
                 if head is not None:
                     best = (self._top, head)
                 self.spool.intake = False
@@ -5131,13 +5135,16 @@ class Worker(object):
                     if wait is not None:
                         due = min(due, wait)
                         continue
-                head = self._head(L, force)
+                head = self._head(L, fresh)
                 if head is None:
                     if L.next_due is not None:
                         due = min(due, L.next_due)
                     continue
                 if best is None or head[:2] < best[1][:2]:
                     best = (L, head)
+            if best is None and force and not fresh:
+                fresh = True
+                continue
             if best is None:
                 self.next_due = None if due == inf else due
                 return None
@@ -6093,11 +6100,14 @@ def _exc_text(e):
 
 
 def _drain(fd):
+    """Read what a pipe holds; True when there was something."""
+    got = False
     try:
         while os.read(fd, 4096):
-            pass
+            got = True
     except OSError:
         pass
+    return got
 
 
 # Supervision #################################################################
