@@ -1,7 +1,9 @@
 """Handlers for the power-cut workload (myq worker --module this file).
 
-Types: "ok" succeeds; "flaky" asks for a retry (RetryLater) until its third
-attempt; "bad" is a permanent error (dead letter).  Every run of a handler
+Types: "ok" succeeds; "flaky" fails (its own retryable failure, not its
+destination's: a RetryLater would be the destination's, SPEC 9, and hold
+the type) until its third attempt; "bad" is a permanent error (dead
+letter).  Every run of a handler
 appends "TYPE ID ATTEMPT" to $PC_RUNLOG (when set), so the checker knows
 which jobs ran during recovery.
 """
@@ -24,7 +26,7 @@ def ok(job):
 def flaky(job):
     _ran(job)
     if (job.get("attempts") or 0) < 3:
-        raise myq.RetryLater(0.2)
+        raise RuntimeError("flaky: fails until its third attempt (on purpose)")
 
 
 def bad(job):
