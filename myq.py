@@ -2133,22 +2133,6 @@ class Spool(object):
         fcntl.flock(fd, fcntl.LOCK_EX)
         return fd
 
-    def _hold(self, dest, why, until, name=None, probes=0, since=None):
-        """Record the hold (locks/held/DEST.json: cat-able) and, with
-        `name`, a job put back (DEST.jobs, so that the release finds it)."""
-        try:
-            os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
-            tmp = self._tmpname("held")
-            _create(tmp, dumps({"dest": dest, "why": why,
-                                "since": round(since or _now(), 3),
-                                "until": round(until, 3), "probes": probes,
-                                "boot": boot_id()}), sync=False)
-            _rename(tmp, self._held_path(dest))
-            if name:
-                self.note_held(dest, name)
-        except OSError:
-            pass            # a record for operators: never worth a job
-
     def note_held(self, dest, name):
         """A job of a held (or failing) destination waits at `name` (its
         path in the spool): the release makes it ready at once."""
