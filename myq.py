@@ -4584,6 +4584,10 @@ class Worker(object):
                 self._restore_signals(saved)
             raise
         self._wake_fds = self._open_wake()
+        self._wake_poll = None
+        if self._wake_fds and hasattr(select, "poll"):
+            self._wake_poll = select.poll()     # a look without an exception
+            self._wake_poll.register(self._wake_fds[0], select.POLLIN)
         # Started by `myq supervise` (--parent-pid): stop when it is gone,
         # also when that happened before we got here.
         self._parent = self.parent
@@ -5030,8 +5034,15 @@ class Worker(object):
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
+        if key is None and key == self._lanes_key:
+            return                      # no lanes: nothing to learn
         wake = getattr(self, "_wake_fds", None)
-        poked = _drain(wake[0]) if wake else True
+        if not wake:
+            poked = True
+        elif self._wake_poll is not None and not self._wake_poll.poll(0):
+            poked = False
+        else:
+            poked = _drain(wake[0])
         for L in self._lanes if poked else ():
             if L.type is not None:
                 try:
@@ -5681,7 +5692,8 @@ class Worker(object):
         if outcome == "retry" and run.dest_fail:
             counts, delay = self._dest_failed(run, delay, error)
         elif (outcome == "done" or outcome == "dead") and run.dest and (
-                run.dest in self._holds or self._safe(run.dest) in self._streaky):
+                run.dest in self._holds or self._streaky and
+                self._safe(run.dest) in self._streaky):
             # an answer that is not the destination's failure (SPEC 9)
             self._streaky.discard(self._safe(run.dest))
             if self.spool.dest_ok(run.dest) or run.dest in self._holds:
