@@ -1026,10 +1026,9 @@ def rate_of(text):
 
 
 def _pv_rate(v):
-    rate_of(v)
-    m = _RATE_RE.match(str(v))
-    return "%s/%s%s" % (m.group(1), "" if m.group(2) in ("", "1") else
-                        m.group(2), m.group(3))
+    rate_of(v)              # the check; then its canonical text
+    n, per, unit = _RATE_RE.match(str(v)).groups()
+    return "%s/%s%s" % (n, "" if per in ("", "1") else per, unit)
 
 
 # key: (check and canonical form, what it takes)
@@ -2125,9 +2124,21 @@ class Spool(object):
             return None
         return rec if isinstance(rec, dict) and _is_num(rec.get("until")) else None
 
+    def _held_dir(self):
+        os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+
+    def write_hold(self, rec):
+        """Write a hold's record (locks/held/DEST.json, cat-able): tmp/,
+        then a rename over the old one; no fsync (after a power cut a probe
+        is due at once anyway)."""
+        self._held_dir()
+        tmp = self._tmpname("held")
+        _create(tmp, dumps(rec), sync=False)
+        _rename(tmp, self._held_path(rec["dest"]))
+
     def _holds_lock(self):
         import fcntl
-        os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+        self._held_dir()
         fd = os.open(self.d("locks", "held", ".lock"), os.O_RDWR | os.O_CREAT
                      | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -2137,7 +2148,7 @@ class Spool(object):
         """A job of a held (or failing) destination waits at `name` (its
         path in the spool): the release makes it ready at once."""
         try:
-            os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+            self._held_dir()
             _append(self._held_path(dest, ".jobs"), (name + "\n").encode("utf-8"))
         except OSError as e:        # it waits its own time instead
             self.log("error", during="breaker", dest=dest,
@@ -2175,9 +2186,7 @@ class Spool(object):
             n = rec.get("probes") if rec.get("probes").__class__ is int else 0
             until = now + delay(n + 2)
             rec.update(until=round(until, 3), probes=n + 1, boot=boot_id())
-            tmp = self._tmpname("held")
-            _create(tmp, dumps(rec), sync=False)
-            _rename(tmp, self._held_path(dest))
+            self.write_hold(rec)
             return until
         except OSError:
             return None
@@ -2192,7 +2201,7 @@ class Spool(object):
         data = _read_small(path, 1 << 16, tail=True)
         seen = (data or b"").decode("utf-8", "replace").split()
         try:
-            os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+            self._held_dir()
             _append(path, (jid + "\n").encode("utf-8"))
         except OSError as e:        # the breaker counts less: never a job
             self.log("error", during="breaker", dest=dest,
@@ -5862,17 +5871,14 @@ class Worker(object):
         self._park(run, until, why)
 
     def _write_hold(self, dest, why, until, **extra):
-        sp = self.spool
+        rec = {"dest": dest, "why": why, "since": round(_now(), 3),
+               "until": round(until, 3), "probes": 0, "boot": boot_id()}
+        rec.update(extra)
         try:
-            os.makedirs(sp.d("locks", "held"), 0o750, exist_ok=True)
-            tmp = sp._tmpname("held")
-            rec = {"dest": dest, "why": why, "since": round(_now(), 3),
-                   "until": round(until, 3), "probes": 0, "boot": boot_id()}
-            rec.update(extra)
-            _create(tmp, dumps(rec), sync=False)
-            _rename(tmp, sp._held_path(dest))
-        except OSError:
-            pass            # a record for operators: never worth a job
+            self.spool.write_hold(rec)
+        except OSError as e:    # the local hold stands; say why it is not on disk
+            self.log("error", during="breaker", dest=dest,
+                     error=e.strerror or str(e))
 
     def _park(self, run, until, why):
         """Put a job of a held destination back, no attempt counted, until
