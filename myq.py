@@ -1687,8 +1687,15 @@ class Spool(object):
                         % (jid, self.path, self.path))
 
     def show(self, jid):
-        state, path = self.locate(jid)
-        return self._describe(state, path)
+        for _ in range(5):
+            state, path = self.locate(jid)
+            try:
+                return self._describe(state, path)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+                # it moved on meanwhile (claimed, finished): look again
+        return self._describe(*self.locate(jid))
 
     def _describe(self, state, path):
         name = os.path.basename(path)

@@ -509,3 +509,20 @@ def test_json_answers_for_monitoring_and_iso_times_in_show(run_myq, spool,
 def myq_iso(t):
     import myq
     return myq.iso(t)
+
+
+def test_show_follows_a_job_that_moves_while_it_looks(myq, spool, monkeypatch):
+    """`show` between locate and read: the job moved on (a worker finished
+    it); show finds it again instead of failing (exit 75, seen in CI)."""
+    sp = myq.Spool(spool)
+    jid = sp.enqueue("t", {"x": 1})
+    real = sp._describe
+    moved = []
+
+    def describe(state, path):
+        if not moved:
+            moved.append(1)
+            os.rename(path, os.path.join(spool, "done", jid + ".json"))
+        return real(state, path)
+    monkeypatch.setattr(sp, "_describe", describe)
+    assert sp.show(jid)["state"] == "done"
