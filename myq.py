@@ -1719,8 +1719,12 @@ class Spool(object):
             if state == "processing":
                 job["lease"] = lease
         if state in ("ready", "scheduled"):
-            due = st.st_mtime if st.st_mtime > st.st_ctime else max(
-                st.st_mtime, _effective_available(job, _now()))
+            if st.st_mtime > st.st_ctime:
+                # the schedule (a job put back for a held destination says
+                # "now" in its available_at: see _move_on)
+                due = job["available_at"] = st.st_mtime
+            else:
+                due = max(st.st_mtime, _effective_available(job, _now()))
             state = "scheduled" if due > _now() else "ready"
         if state == "done":
             job["last_error"] = None        # it ended well: see `failures`
@@ -2173,10 +2177,12 @@ class Spool(object):
                 out.append(name)
         return out
 
-    def take_probe(self, dest, delay):
+    def take_probe(self, dest, delay, job=None):
         """A hold's backoff is over: take the probe (one job of `dest` may
         start; the next probe is `delay(probes)` seconds later), unless
         another worker took it.  A hold from another boot is due at once.
+        `job`: the path of the job that probes, kept as the hold's "last"
+        (the next probe is the one after it, see Worker._probe_claim).
         Returns the hold's new until, 0 when it was released meanwhile, or
         None when the probe is not ours."""
         try:
@@ -2193,6 +2199,8 @@ class Spool(object):
             n = rec.get("probes") if rec.get("probes").__class__ is int else 0
             until = now + delay(n + 2)
             rec.update(until=round(until, 3), probes=n + 1, boot=boot_id())
+            if job is not None:
+                rec["last"] = job
             self.write_hold(rec)
             return until
         except OSError:
@@ -2474,10 +2482,17 @@ class Spool(object):
         self._mark_ok(c.jid)
         return _take(c.path, self._done + c.jid + ".json")
 
-    def _move_on(self, c, job, dest, me, fin=None):
+    def _move_on(self, c, job, dest, me, fin=None, until=None):
         """Put a new version of a claimed job into incoming/ (mtime =
-        available_at) or dlq/.  The claim is first renamed to ID+TOKEN.fin:
-        when that fails, the claim is no longer ours and nothing moves."""
+        available_at, or `until`) or dlq/.  The claim is first renamed to
+        ID+TOKEN.fin: when that fails, the claim is no longer ours and
+        nothing moves.
+
+        `until`: a job put back for a destination that failed (SPEC 9)
+        waits until then by its mtime alone, while its available_at says
+        now: a release sets the mtime to now, and a file whose mtime is not
+        later than its ctime is due by its available_at (a producer's own
+        file), so a release must not leave a later date there."""
         self._close(c)
         job = dict(job)
         job["updated_at"] = _now()
@@ -2491,8 +2506,8 @@ class Spool(object):
         data = dumps(job)
         tmp = self.d("tmp", _claim_name(c.jid, c.token, "new"))
         _quiet_unlink(tmp)              # left by an earlier failed try
-        _create(tmp, data, sync=True,
-                mtime=job["available_at"] if waiting else None)
+        _create(tmp, data, sync=True, mtime=None if not waiting else
+                job["available_at"] if until is None else until)
         if fin is None and c.path.endswith(".fin"):
             fin = c.path                # an earlier try got this far
         if fin is None:
@@ -5375,8 +5390,9 @@ class Worker(object):
             self.dirty = True
             until = None
         if until is not None and run.probe != run.dest:
-            new = None if until > _now() else \
-                self.spool.take_probe(run.dest, self.backoff)
+            new = None if until > _now() else self.spool.take_probe(
+                run.dest, self.backoff, "%s/%s.json" % (
+                    self.spool.home(c.job), c.jid))
             if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
                            "is held" % run.dest)
@@ -5746,11 +5762,11 @@ class Worker(object):
         if not counts:
             # The destination's failure inside a streak: no attempt spent.
             d = delay if delay is not None else self.backoff(max(1, c.attempt))
-            job["available_at"] = _now() + d
+            job["available_at"] = now = _now()      # see Spool._move_on
             kv.update(retry_in=round(d, 3), error=error, counted=False)
             self.spool.note_held(run.dest, "%s/%s.json" % (self.spool.home(job),
                                                             c.jid))
-            self._move(c, job, "incoming", "retry", kv)
+            self._move(c, job, "incoming", "retry", kv, now + d)
             return
         if outcome == "retry" and c.attempt >= c.max_attempts:
             outcome = "dead"
@@ -5760,13 +5776,16 @@ class Worker(object):
             self._move(c, job, "dlq", "dead", kv)
             return
         d = self.backoff(c.attempt) if delay is None else min(delay, self.backoff_max)
-        job["available_at"] = _now() + d
+        now = _now()
+        job["available_at"] = now + d
         kv["retry_in"] = round(d, 3)
         kv["error"] = error
+        until = None
         if run.dest_fail:       # the release makes it ready at once
             self.spool.note_held(run.dest, "%s/%s.json" % (self.spool.home(job),
                                                             c.jid))
-        self._move(c, job, "incoming", "retry", kv)
+            job["available_at"], until = now, now + d   # see Spool._move_on
+        self._move(c, job, "incoming", "retry", kv, until)
 
     def _dest_failed(self, run, delay, error):
         """The circuit breaker (SPEC 9) after a destination failure (of a
@@ -5830,13 +5849,14 @@ class Worker(object):
             self._pending_ok += 1
         self._logged(ok, c, "done", kv)
 
-    def _move(self, c, job, dest, event, kv):
+    def _move(self, c, job, dest, event, kv, until=None):
         """A retry or a release (dest incoming) or a dead letter (dlq)."""
         try:
-            ok = self.spool._move_on(c, job, dest, self.me)
+            ok = self.spool._move_on(c, job, dest, self.me, until=until)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
-            self._stuck.append(lambda: self._move(c, job, dest, event, kv))
+            self._stuck.append(lambda: self._move(c, job, dest, event, kv,
+                                                  until))
             return
         if ok and dest == "incoming":
             self.dirty = True
@@ -5892,12 +5912,12 @@ class Worker(object):
         the hold's next probe; the release makes it ready at once."""
         c = run.claim
         job = dict(c.job)
-        job["available_at"] = until + self._parked_for()
+        job["available_at"] = _now()        # see Spool._move_on
         job["last_error"] = "held: " + why
         self.spool.note_held(run.dest or job["type"], "%s/%s.json" % (
             self.spool.home(job), c.jid))
         self._free(run)
-        self._move(c, job, "incoming", None, {})
+        self._move(c, job, "incoming", None, {}, until + self._parked_for())
 
     def _parked_for(self):
         """How long a held destination's jobs wait past the hold's next
@@ -5914,17 +5934,19 @@ class Worker(object):
         names = sp.held_jobs(dest)
         if not names:
             return None
-        until = sp.take_probe(dest, self.backoff)
+        # the one after the last probe's job (which a job that came due by
+        # itself may have been, see _start)
+        last = (sp.hold_of(dest) or {}).get("last")
+        k = names.index(last) + 1 if last in names else 0
+        names = names[k:] + names[:k]
+        until = sp.take_probe(dest, self.backoff, names[0])
         if not until:
             if until == 0.0:
                 self._holds.pop(dest, None)     # released meanwhile
                 self.dirty = True
             return None
         self._holds[dest] = until
-        rec = sp.hold_of(dest) or {}
-        k = rec.get("probes") if rec.get("probes").__class__ is int else 1
-        for i in range(len(names)):
-            rel = names[(k - 1 + i) % len(names)]
+        for rel in names:
             sub, _, name = rel.rpartition("/")
             if not os.path.lexists(sp.d(rel)):
                 continue

@@ -1376,6 +1376,40 @@ def test_hold_survives_a_worker_restart_and_resume_dest_releases_now(
                                          cp.stderr, waiting(spool))
 
 
+def test_released_jobs_run_at_once_whatever_their_ctime(
+        run_myq, spool, handlers_dir, tmp_path):
+    """A release makes the held jobs ready by setting their mtime to now.
+    A file whose mtime is not later than its ctime is due by the
+    available_at in its JSON (a producer's own file), and the kernel stamps
+    the ctime from a coarse clock that can be a tick past the mtime just
+    set (seen in CI: one job in a few hundred then waited out its parking,
+    60 s).  Here the ctime is moved past the mtime on purpose (chmod):
+    every released job must still run at once, none deferred."""
+    h = handlers_dir("sink", SINK % tmp_path)
+    ok(cli(spool, "policy", "sink", "breaker=2"))
+    for i in range(4):
+        enqueue(call_myq, spool, "sink", None, "--id", "c%d" % i)
+    cp = worker(run_myq, spool, handlers=h, timeout=30)       # backoff 60 s
+    assert cp.returncode == 0, cp.stderr
+    assert [x["dest"] for x in stats(spool)["held"]] == ["sink"]
+    (tmp_path / "up").touch()
+    ok(cli(spool, "resume", "--dest", "sink"))
+    time.sleep(0.02)        # a ctime that is surely later than the mtime
+    files = [os.path.join(d, n) for d, _, names in
+             os.walk(os.path.join(spool, "incoming")) for n in names
+             if n.endswith(".json")]
+    assert len(files) == 4, files
+    for p in files:
+        os.chmod(p, os.stat(p).st_mode)
+        st = os.stat(p)
+        assert st.st_mtime <= st.st_ctime, p
+    cp = worker(run_myq, spool, handlers=h, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+    assert "event=deferred" not in cp.stderr, cp.stderr
+    assert len(ls(spool, "done")) == 4, ("released jobs deferred again",
+                                         cp.stderr, waiting(spool))
+
+
 def test_ttl_keeps_running_while_held_and_no_probe_starts_an_expired_job(
         spool, handlers_dir, tmp_path, procs):
     """e0, e1 trip the breaker; e2 (`--ttl 1`) waits behind the hold while
