@@ -388,12 +388,13 @@ def _step(op, path, when):
 
 
 def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
-            owner=None):
+            owner=None, keep=False):
     """Write a new file: exclusively, never through a symlink; fsync when the
     file must survive a power cut before it is renamed into place.  With
     `dir_fd`, the file is created in that directory (its name is the last
     part of `path`); with `owner` (uid, gid), the new file is given away
-    through its own descriptor, so no one can swap it for a link first."""
+    through its own descriptor, so no one can swap it for a link first.
+    Returns its inode number; with `keep`, (inode, the open descriptor)."""
     _step("create", path, "before")
     if dir_fd is None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
@@ -426,6 +427,8 @@ def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
         os.close(fd)
         _quiet_unlink(path, dir_fd)
         raise
+    if keep:
+        return ino, fd
     os.close(fd)
     return ino
 
@@ -684,6 +687,10 @@ def parse(data):
     The job is the first JSON value; what follows are the lines a worker
     appended (`{"lease": …}`, `{"handler": …}`).  Anything else after the
     job makes the file invalid.  Raises InvalidJob."""
+    if not data.strip(b"\0 \t\r\n"):
+        raise InvalidJob("empty: a producer wrote nothing, or a crash or a "
+                         "power cut ended an enqueue before it returned (and "
+                         "before it promised anything)")
     try:
         text = data.decode("utf-8")
     except UnicodeError as e:
@@ -1494,35 +1501,48 @@ class Spool(object):
                                    "id or delete the old job" % (jid, where))
         tmp = self._tmpname(jid)
         dst = (self._incoming if sub == "incoming" else self.d(sub, "")) + jid + ".json"
-        tfd = dfd = None
+        tfd = dfd = fd = None
         try:
             tfd, dfd = dirs("tmp"), dirs(sub)
             # Root enqueues into a spool that belongs to the worker's user:
             # the file is handed over through its own descriptor, before it
             # has a name anyone else could swap.
-            ino = _create(tmp, data, sync=sync, dir_fd=tfd, owner=dirs.owner(),
-                          mtime=job["available_at"] if delay else None,
-                          mode=dirs.file_mode())
+            ino, fd = _create(tmp, data, sync=False, dir_fd=tfd, keep=True,
+                              owner=dirs.owner(), mode=dirs.file_mode(),
+                              mtime=job["available_at"] if delay else None)
             if not explicit:
                 _rename(tmp, dst, tfd, dfd)
-                self._placed(jid, ino, dfd)
-                return
-            try:
-                _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued right now
-                self._placed(jid, ino, dfd)
-            except OSError as e:
-                if e.errno == errno.EEXIST:
-                    raise DuplicateJob("job id %s is already queued; pick another"
-                                       " id" % jid)
-                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
-                                   errno.EMLINK, errno.EXDEV):
+            else:
+                try:
+                    _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued now
+                except OSError as e:
+                    if e.errno == errno.EEXIST:
+                        raise DuplicateJob("job id %s is already queued; pick "
+                                           "another id" % jid)
+                    if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
+                                       errno.EMLINK, errno.EXDEV):
+                        raise
+                    if _exists(jid + ".json", dfd):  # no hard links (vfat)
+                        raise DuplicateJob("job id %s is already queued" % jid)
+                    _rename(tmp, dst, tfd, dfd)
+            self._placed(jid, ino, dfd)
+            if sync:
+                # The file's fsync comes after its rename into place: one
+                # journal commit then holds its data, its inode and its new
+                # name, and the directory's fsync that follows finds nothing
+                # left to commit (ext4: one commit per enqueue, not two).  A
+                # power cut before it returns may leave the name with no
+                # data: an enqueue that never returned, which the worker
+                # quarantines as an empty file.
+                try:
+                    _step("fsync", dst, "before")
+                    os.fsync(fd)
+                    _step("fsync", dst, "after")
+                except OSError:
+                    self._withdraw(jid, ino, dfd)
                     raise
-                if _exists(jid + ".json", dfd):  # no hard links (vfat)
-                    raise DuplicateJob("job id %s is already queued" % jid)
-                _rename(tmp, dst, tfd, dfd)
-                self._placed(jid, ino, dfd)
-                return
-            _quiet_unlink(tmp, tfd)     # queued already; tmp/ orphans are pruned
+            if explicit:
+                _quiet_unlink(tmp, tfd)     # (tmp/ orphans are pruned anyway)
         except MyqError:
             if tfd is not None:
                 _quiet_unlink(tmp, tfd)
@@ -1541,6 +1561,19 @@ class Spool(object):
                                                e.strerror, self._owner_hint()))
             raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
                             % (jid, self.path, e.strerror))
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _withdraw(self, jid, ino, dfd):
+        """An enqueue that cannot be made durable takes its file back (if no
+        worker claimed it meanwhile): its error means nothing enqueued."""
+        name = jid + ".json"
+        try:
+            if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino:
+                os.unlink(name, dir_fd=dfd)
+        except OSError:
+            pass
 
     def _placed(self, jid, ino, dfd):
         """What went into incoming/ must be the file written (the spool's

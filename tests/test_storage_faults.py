@@ -532,11 +532,14 @@ sys.exit(myq.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("op,err", [("write", "ENOSPC"), ("fsync", "EIO")])
-def test_cli_enqueue_under_injected_fault(spool, tmp_path, op, err):
-    """`myq enqueue` as a program: exit 75, one line on stderr, nothing left."""
+@pytest.mark.parametrize("op,err,where", [("write", "ENOSPC", "tmp"),
+                                          ("fsync", "EIO", "incoming")])
+def test_cli_enqueue_under_injected_fault(spool, tmp_path, op, err, where):
+    """`myq enqueue` as a program: exit 75, one line on stderr, nothing left.
+    (The file's fsync comes after its rename into incoming/: see
+    test_crashpoints.test_enqueue_durability_order.)"""
     w = tmp_path / "wrapper.py"
-    w.write_text(WRAPPER % (ROOT, op, os.path.join(spool, "tmp"), err, err))
+    w.write_text(WRAPPER % (ROOT, op, os.path.join(spool, where), err, err))
     cp = subprocess.run([sys.executable, str(w), "--spool", spool, "enqueue", "ok",
                          '{"a": 1}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         universal_newlines=True, env=clean_env(), timeout=60)
