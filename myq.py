@@ -13,9 +13,10 @@ library only; at import time only modules of OpenWrt's python3-light.
 The spool protocol (every step is one rename(2), so a crash leaves each job
 in exactly one place):
 
-- enqueue: create tmp/NAME exclusively (O_EXCL|O_NOFOLLOW), write, fsync,
-  then link(2) (explicit id: EEXIST means duplicate) or rename(2) it to
-  incoming/ID.json, fsync incoming/.  The file's mtime is its
+- enqueue: create tmp/NAME exclusively (O_EXCL|O_NOFOLLOW), write, then
+  link(2) (explicit id: EEXIST means duplicate) or rename(2) it to
+  incoming/ID.json, fsync the file, fsync incoming/ (the file's fsync after
+  the rename: on ext4 one journal commit holds data, inode and name).  The file's mtime is its
   `available_at`: the directory itself is the schedule, and a scan needs no
   open().  A byte written to the FIFO locks/wake wakes an idle worker.
 - claim: rename incoming/ID.json -> processing/ID+TOKEN.json.  The token
@@ -23,9 +24,11 @@ in exactly one place):
   id) and is unique per claim; a worker whose claim was taken back finds its
   own name gone, so it can never finish, retry or move the new owner's claim.
   The lease is appended to the file as one JSON line (no rewrite, no fsync).
-- finish: success writes the idempotency record locks/ok/ID, then renames
-  the claim to done/ID.json; directory fsyncs are group-committed (a power
-  cut may re-run a job, never lose one).  Retry and dead-letter write the
+- finish: success renames the claim to done/ID.json, which is the job's
+  idempotency record while it stays (a record locks/ok/ID outlives it only
+  when retention or delete removes it within the de-duplication window and
+  the id is not one myq made); directory fsyncs are group-committed (a
+  power cut may re-run a job, never lose one).  Retry and dead-letter write the
   new job to tmp/ (fsync), rename the claim to ID+TOKEN.fin (ownership),
   rename the new file into incoming/ (mtime = next attempt) or dlq/, then
   unlink the .fin.
@@ -87,6 +90,7 @@ EX_USAGE, EX_DATAERR, EX_NOINPUT = 64, 65, 66
 EX_OSERR, EX_CANTCREAT, EX_TEMPFAIL, EX_CONFIG = 71, 73, 75, 78
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
+GENERATED_ID_RE = re.compile(r"[0-9]{13}-[0-9a-f]{8}\Z")     # _new_id's
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -1636,24 +1640,63 @@ class Spool(object):
     # Idempotency records -------------------------------------------------------
 
     def ok_fresh(self, jid, now=None, dirs=None):
+        """Was `jid` done within the de-duplication window?  Its done/ file
+        is the record while it stays (its ctime: the rename that finished
+        it); a record in locks/ok/ (mtime: when it was done) outlives it."""
+        if dirs == self._paths:
+            dirs = None
+        t = None
         try:
             if dirs is None:
-                st = os.stat(self._ok + jid)
+                t = os.stat(self._done + jid + ".json").st_ctime
             else:
-                st = os.stat(jid, dir_fd=dirs("locks/ok"), follow_symlinks=False)
+                t = os.stat(jid + ".json", dir_fd=dirs("done"),
+                            follow_symlinks=False).st_ctime
+        except OSError:
+            pass
+        now = _now() if now is None else now
+        window = self.opt["dedupe_window"]
+        if t is not None and (t + window > now or t > now):
+            return True
+        try:
+            if dirs is None:
+                t = os.stat(self._ok + jid).st_mtime
+            else:
+                t = os.stat(jid, dir_fd=dirs("locks/ok"),
+                            follow_symlinks=False).st_mtime
         except OSError:
             return False
-        now = _now() if now is None else now
-        return st.st_mtime + self.opt["dedupe_window"] > now or st.st_mtime > now
+        return t + window > now or t > now
 
-    def _mark_ok(self, jid):
+    def _mark_ok(self, jid, t=None):
+        """A record in locks/ok/ that `jid` was done at `t` (default now)."""
         path = self._ok + jid
         try:
             _create_empty(path)
         except OSError as e:
             if e.errno != errno.EEXIST:
                 raise
-            _utime(path, _now())
+            t = _now() if t is None else t
+        if t is not None:
+            _utime(path, t)
+
+    def _outlive(self, path, now=None):
+        """done/ID.json is about to go: keep the id's de-duplication in
+        locks/ok/ when its window has not ended, unless the id is one myq
+        generated (no producer chose it, none will send it again)."""
+        jid = os.path.basename(path)[:-5]
+        if GENERATED_ID_RE.match(jid) or not NAME_RE.match(jid):
+            return
+        try:
+            t = os.lstat(path).st_ctime
+        except OSError:
+            return
+        now = _now() if now is None else now
+        if t + self.opt["dedupe_window"] > now:
+            try:
+                self._mark_ok(jid, t)
+            except OSError:
+                pass        # what retention removes is not worth failing for
 
     # Reading -------------------------------------------------------------------
 
@@ -2509,10 +2552,10 @@ class Spool(object):
             c.fd = None
 
     def _complete(self, c):
-        """Success: idempotency record first, then the rename to done/.
-        Returns False when the claim was taken back meanwhile."""
+        """Success: the rename to done/, whose file is the job's idempotency
+        record (see ok_fresh).  Returns False when the claim was taken back
+        meanwhile."""
         self._close(c)
-        self._mark_ok(c.jid)
         return _take(c.path, self._done + c.jid + ".json")
 
     def _move_on(self, c, job, dest, me, fin=None, until=None):
@@ -2833,6 +2876,8 @@ class Spool(object):
                 return None
             self._kill_handler(_claim_token(path), 15)
             path = gone
+        elif state == "done":
+            self._outlive(path)
         try:
             _unlink(path)
         except OSError as e:
@@ -2963,6 +3008,8 @@ class Spool(object):
         """1 when the entry went (a quarantined directory whole, a failed
         file with its .reason), else 0."""
         try:
+            if sub == "done" and path.endswith(".json"):
+                self._outlive(path)
             if sub == "failed" and stat.S_ISDIR(os.lstat(path).st_mode):
                 import shutil
                 shutil.rmtree(path, ignore_errors=True)
@@ -4495,7 +4542,7 @@ class Worker(object):
         self.me = None
         self._inline = None
         self._dir_key = None
-        self._pending = self._pending_ok = 0
+        self._pending = 0
         self._pending_since = 0.0
         self._timer = 0.0           # the SIGALRM tick armed now (0: none)
         self._null = None           # /dev/null, for exec handlers' stdout
@@ -5867,8 +5914,8 @@ class Worker(object):
         self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
 
     def _complete(self, c, kv):
-        """Success: the idempotency record, then done/ (fsync'd by the next
-        group commit).  An I/O error leaves it to _retry_stuck."""
+        """Success: done/ (fsync'd by the next group commit).  An I/O error
+        leaves it to _retry_stuck."""
         try:
             ok = self.spool._complete(c)
         except OSError as e:
@@ -5879,7 +5926,6 @@ class Worker(object):
             if not self._pending:
                 self._pending_since = _mono()
             self._pending += 1
-            self._pending_ok += 1
         self._logged(ok, c, "done", kv)
 
     def _move(self, c, job, dest, event, kv, until=None):
@@ -6064,16 +6110,12 @@ class Worker(object):
         self._io_backoff = min(30.0, self._io_backoff * 2)
 
     def _commit(self, final=False):
-        """Group commit: one fsync of done/ for many jobs.  The idempotency
-        records (locks/ok/) are fsync'd once per 64: they were created before
-        their rename into done/, which a journal commits in order, and at
-        worst a lost one means a duplicate can be enqueued again."""
+        """Group commit: one fsync of done/ for many jobs (a done file is
+        also the job's idempotency record; a lost rename runs it again, as
+        at-least-once allows)."""
         if not self._pending:
             return
         try:
-            if final or self._pending_ok >= 64:
-                _fsync_dir(self.spool.d("locks", "ok"))
-                self._pending_ok = 0
             _fsync_dir(self.spool.d("done"))
             self._pending = 0
             self._io_backoff = 0.5

@@ -123,9 +123,14 @@ def test_the_lease_line_is_what_dumps_would_write(myq, spool):
 
 
 @pytest.mark.parametrize("refused", [None, errno.EPERM, errno.ENOSYS])
-def test_success_records_with_and_without_mknod(myq, spool, monkeypatch, refused):
-    """locks/ok/ID is made with one mknod(); where a sandbox refuses it,
-    with open + close.  Either way: an empty regular file, the job done."""
+def test_success_needs_no_record_until_done_goes_early(myq, spool, monkeypatch,
+                                                       refused):
+    """A finished job's done/ file is its idempotency record: success
+    creates no other file (no inode per job).  When retention removes done/
+    files within the de-duplication window, a producer-chosen id keeps its
+    record in locks/ok/ (one mknod(); where a sandbox refuses it, open +
+    close), dated when the job was done; an id myq generated needs none.
+    Either way the chosen id stays refused for the window."""
     monkeypatch.setattr(myq, "_MKNOD", True)
     if refused is not None:
         def mknod(*a, **kw):
@@ -133,14 +138,43 @@ def test_success_records_with_and_without_mknod(myq, spool, monkeypatch, refused
         monkeypatch.setattr(myq.os, "mknod", mknod)
     sp = myq.Spool(spool)
     ids = sp.enqueue_many([{"type": "noop"} for _ in range(3)])
+    ids += sp.enqueue_many([{"type": "noop", "id": "mine-%d" % i} for i in range(2)])
     w = myq.Worker(spool, handlers={"noop": lambda job: None},
                    log=myq.Log(path=os.devnull))
     assert w.run(drain=True) == 0
     for jid in ids:
+        assert os.path.exists(os.path.join(spool, "done", jid + ".json"))
+    assert os.listdir(os.path.join(spool, "locks", "ok")) == []
+    done_at = os.lstat(os.path.join(spool, "done", "mine-0.json")).st_ctime
+    with pytest.raises(myq.DuplicateJob):
+        myq.enqueue(spool, "noop", id="mine-0")
+    out = myq.Spool(spool, keep_done=0).prune()
+    assert out["done"] == 5 and os.listdir(os.path.join(spool, "done")) == []
+    assert sorted(os.listdir(os.path.join(spool, "locks", "ok"))) == ["mine-0", "mine-1"]
+    for jid in ("mine-0", "mine-1"):
         st = os.lstat(os.path.join(spool, "locks", "ok", jid))
         assert stat.S_ISREG(st.st_mode) and st.st_size == 0
-        assert os.path.exists(os.path.join(spool, "done", jid + ".json"))
+        with pytest.raises(myq.DuplicateJob):
+            myq.enqueue(spool, "noop", id=jid)
+    assert abs(os.lstat(os.path.join(spool, "locks", "ok", "mine-0")).st_mtime
+               - done_at) < 0.01
     assert myq._MKNOD is (refused is None)
+    # the window ends: the id may come again
+    sp = myq.Spool(spool, dedupe_window=1)
+    assert sp.find_id("mine-0", now=done_at + 2) is None
+    assert sp.find_id("mine-0", now=done_at + 0.5) is not None
+
+
+def test_deleting_a_done_job_keeps_its_id_refused(myq, spool):
+    sp = myq.Spool(spool)
+    sp.enqueue("noop", id="d1")
+    w = myq.Worker(spool, handlers={"noop": lambda job: None},
+                   log=myq.Log(path=os.devnull))
+    assert w.run(drain=True) == 0
+    assert sp.delete(["d1"]) == 1
+    assert not os.path.exists(os.path.join(spool, "done", "d1.json"))
+    with pytest.raises(myq.DuplicateJob):
+        sp.enqueue("noop", id="d1")
 
 
 # A power cut tore the lease's append (found by tests/powercut) ##############
