@@ -5,8 +5,10 @@ recover_and_check(spool, promised, myq_path) runs the README's recovery
 returns a dict of counts:
 
   lost      a promised job (its enqueue had returned before the cut) is in no
-            state directory and has no success record (a pruned done job
-            keeps its locks/ok record, so it counts as present)
+            state directory and has no success record (a done job that
+            retention removed keeps a locks/ok record when a producer chose
+            its id; one with an id myq generated keeps none, so the workload
+            tells which ids it saw in done/ before a prune: `pruned`)
   doubled   a job in more than one place after recovery, or a job that was
             done (or dead) before recovery and ran again during it
   corrupt   a job whose payload does not match its checksum or the journal
@@ -170,7 +172,7 @@ class _Done(object):
 
 
 def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
-                      python=None, fork=False):
+                      python=None, fork=False, pruned=()):
     myq = _myq(myq_path)
     py = python or sys.executable
 
@@ -273,7 +275,7 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
         notes.append("valid job quarantined in failed/: %s (id %s, intact: %s)"
                      % (name, job.get("id"), _intact(job)))
     for jid in promised:
-        if jid not in post and jid not in post_ok:
+        if jid not in post and jid not in post_ok and jid not in pruned:
             res["lost"] += 1
             notes.append("lost: %s (pre-recovery: %s)%s" % (
                 jid, [n for _, n, _ in pre.get(jid, [])] or "nowhere",

@@ -102,8 +102,9 @@ class Disk(object):
         return len(data)
 
 
-def promises(journal_path):
-    """{mark name: {id: sum}} from the workload's journal."""
+def promises(journal_path, key="jobs"):
+    """{mark name: {id: sum}} from the workload's journal (key "done":
+    {mark name: [ids in done/ before a prune]})."""
     out = {}
     with open(journal_path) as f:
         for line in f:
@@ -111,7 +112,8 @@ def promises(journal_path):
                 rec = json.loads(line)
             except ValueError:
                 continue        # a torn last line
-            out[rec["mark"]] = rec.get("jobs") or {}
+            if key == "jobs" or rec.get(key):
+                out[rec["mark"]] = rec.get(key) or {}
     return out
 
 
@@ -119,7 +121,7 @@ def run(cmd, **kw):
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
 
 
-def check_image(img, promised, myq_path, work, fs="ext4"):
+def check_image(img, promised, myq_path, work, fs="ext4", pruned=()):
     """fsck, mount, recover, check.  Returns check's dict (+ fsck)."""
     r = run(["e2fsck", "-p", img])
     res = {"fsck": 0}
@@ -143,7 +145,7 @@ def check_image(img, promised, myq_path, work, fs="ext4"):
         # recovery in forked children of this process (no interpreter start
         # per command: most of the time of a cut otherwise)
         res.update(check.recover_and_check(spool, promised, myq_path, work,
-                                           fork=True))
+                                           fork=True, pruned=pruned))
     finally:
         for _ in range(20):
             if run(["umount", mnt]).returncode == 0:
@@ -157,6 +159,11 @@ def replay(log_path, base, journal, myq_path, subsets=2, seed=14,
     t0 = time.monotonic()
     ss, entries = read_log(log_path)
     marks = promises(journal)
+    # ids seen in done/ before a prune: nowhere after a cut is no loss for
+    # them (a generated id keeps no record once its done file is pruned);
+    # up to the end of a point's unflushed writes, which may hold the prune
+    dones = promises(journal, "done")
+    pruned, seen = set(), 0
     points = [e.i for e in entries if e.flags & (FLUSH | FUA)]
     chosen = points
     if max_points and len(points) > max_points:
@@ -189,6 +196,10 @@ def replay(log_path, base, journal, myq_path, subsets=2, seed=14,
             if p not in chosen_set:
                 continue
             img.flush()
+            while seen < min(nxt_flush[p] + 1, len(entries)):
+                if entries[seen].mark in dones:
+                    pruned.update(dones[entries[seen].mark])
+                seen += 1
             pending = [e for e in entries[p + 1:nxt_flush[p]]
                        if not e.flags & MARK and e.nr]
             variants = [()] + [
@@ -200,7 +211,8 @@ def replay(log_path, base, journal, myq_path, subsets=2, seed=14,
                     with open(test, "r+b") as t:
                         for e in extra:
                             disk.apply(t, e)
-                res = check_image(test, dict(promised), myq_path, work)
+                res = check_image(test, dict(promised), myq_path, work,
+                                  pruned=pruned)
                 totals["cuts"] += 1
                 if totals["cuts"] % 100 == 0:
                     print("replay: %d cuts, at entry %d/%d, %.0fs" % (

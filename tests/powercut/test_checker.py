@@ -53,6 +53,27 @@ def test_a_promised_job_that_is_nowhere_is_lost(myq, spool, tmp_path):
     assert any("lost: 1796000000000-deadbeef" in n for n in notes)
 
 
+def test_a_pruned_done_job_is_no_loss_only_when_the_workload_saw_it_done(
+        myq, spool, tmp_path):
+    """A done job whose id myq generated keeps no record once retention
+    removes its done file: the workload lists done/ before each prune, and
+    only an id in that list may be nowhere."""
+    promised = dict(_enqueue(myq, spool, n) for n in range(3))
+    counts, notes = _check(spool, promised, tmp_path)
+    assert counts == CLEAN, notes
+    done = sorted(n[:-5] for n in os.listdir(os.path.join(spool, "done")))
+    assert sorted(promised) == done
+    assert myq.Spool(spool, keep_done=0).prune()["done"] == 3
+    assert os.listdir(os.path.join(spool, "locks", "ok")) == []
+    res = check.recover_and_check(spool, promised, MYQ, str(tmp_path), fork=True,
+                                  pruned=set(done[:2]))
+    assert res["lost"] == 1, res["notes"]
+    assert any("lost: %s" % done[2] in n for n in res["notes"]), res["notes"]
+    res = check.recover_and_check(spool, promised, MYQ, str(tmp_path), fork=True,
+                                  pruned=set(done))
+    assert res["lost"] == 0, res["notes"]
+
+
 def test_a_payload_that_does_not_match_its_checksum_is_corrupt(myq, spool, tmp_path):
     jid, want = _enqueue(myq, spool, 1)
     path = os.path.join(spool, "incoming", jid + ".json")

@@ -260,6 +260,7 @@ class Run(object):
         self.rng = random.Random(a.seed)
         self.spool = os.path.join(MNT, "spool")
         self.promised = {}
+        self.pruned = set()
         self.n = 0
         self.journal = open(os.path.join(a.out, "ubifs-journal"), "a")
         self.env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
@@ -358,6 +359,9 @@ class Run(object):
             self.n += k
             self.counts["api"] += k
         if rng.random() < 0.03:
+            # what the prune may remove (an id myq generated keeps no record)
+            self.pruned.update(n[:-5] for n in os.listdir(os.path.join(
+                self.spool, "done")) if n.endswith(".json"))
             rc, out = check.fork_myq(myq, ["--spool", self.spool, "prune"],
                                      dict(self.env, MYQ_KEEP_DONE_MAX="40"))
             if rc:
@@ -365,7 +369,7 @@ class Run(object):
 
     def recover(self, what, work):
         res = check.recover_and_check(self.spool, dict(self.promised), self.a.myq,
-                                      work, fork=True)
+                                      work, fork=True, pruned=self.pruned)
         for k in self.totals:
             if k in res:
                 self.totals[k] += res[k]

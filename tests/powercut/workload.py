@@ -74,10 +74,10 @@ def main(argv=None):
         if a.mark:
             subprocess.run(shlex.split(a.mark) + [name], check=True)
 
-    def event(what):
+    def event(what, **extra):
         nmark[0] += 1
         name = "%s%d" % (what, nmark[0])
-        journal.write(json.dumps({"mark": name, "how": what}) + "\n")
+        journal.write(json.dumps(dict(extra, mark=name, how=what)) + "\n")
         journal.flush()
         if a.mark:
             subprocess.run(shlex.split(a.mark) + [name], check=True)
@@ -94,6 +94,12 @@ def main(argv=None):
     cli_left, sh_left = a.cli, a.shell
     next_prune = a.prune_every
     counts = {"cli": 0, "api": 0, "shell": 0}
+
+    def done_ids():
+        """What a prune may remove: done jobs with an id myq generated keep
+        no record once gone (the checker's `pruned`)."""
+        return sorted(n[:-5] for n in os.listdir(os.path.join(a.spool, "done"))
+                      if n.endswith(".json"))
 
     def pick_type():
         r = rng.random()
@@ -142,6 +148,7 @@ def main(argv=None):
             counts["api"] += k
         if n >= next_prune:
             next_prune += a.prune_every
+            event("preprune", done=done_ids())
             subprocess.run([py, a.myq, "--spool", a.spool, "prune"], check=True,
                            env=dict(env, MYQ_KEEP_DONE_MAX=str(a.keep_done_max)))
             event("prune")
@@ -154,6 +161,7 @@ def main(argv=None):
         if not busy:
             break
         time.sleep(0.5)
+    event("preprune", done=done_ids())
     subprocess.run([py, a.myq, "--spool", a.spool, "prune"], check=True,
                    env=dict(env, MYQ_KEEP_DONE_MAX=str(a.keep_done_max)))
     event("prune")
