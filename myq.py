@@ -2422,6 +2422,11 @@ class Spool(object):
             fd = os.open(path, os.O_RDWR | os.O_APPEND | O_NOFOLLOW
                          | os.O_NONBLOCK | O_CLOEXEC)
             data = os.read(fd, st.st_size + 65536)
+            if not data.strip(b"\0 \t\r\n"):
+                os.close(fd)
+                fd = None
+                self._unwritten(path, src, name, scheduled)
+                return None
             obj, trailers = parse(data)
             if trailers:
                 raise InvalidJob("worker records (lease or handler lines) after "
@@ -2498,6 +2503,25 @@ class Spool(object):
                 pass
             raise
         return c
+
+    def _unwritten(self, path, src, name, scheduled):
+        """A job file with nothing in it (no bytes, or NULs): not written
+        yet (a producer between its create and its write), or never (an
+        enqueue that a crash or power cut ended before it returned: its
+        rename came before its fsync).  It holds no job, so nothing is lost
+        and nothing is quarantined: it waits a minute (its mtime then, on
+        purpose), and at its next look, still empty, it is removed."""
+        if scheduled:
+            _unlink(path)
+            self.log("removed", file=name, why="empty: nothing was written in "
+                     "it (an enqueue that a crash or power cut ended before it "
+                     "returned, or a producer that wrote nothing)")
+            return
+        until = _now() + 60
+        _utime(path, until)
+        _rename(path, src)
+        self.log("deferred", file=name, until=iso(until),
+                 why="empty: not written yet")
 
     def _refuse(self, c, job, me, what, why):
         """An expired or rejected job (SPEC 9): to dlq/, logged, counted."""

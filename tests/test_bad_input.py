@@ -10,7 +10,6 @@ from _core import call_myq
 
 RAW = {
     "nonjson.json": b"this is {not json",
-    "empty.json": b"",
     "array.json": b'[{"type": "t"}]',
     "string.json": b'"t"',
     "notype.json": b'{"payload": 1}',
@@ -120,3 +119,56 @@ def test_oversize_limit_is_configurable(run_myq, spool, handlers_dir, tmp_path):
     assert cp.returncode == 0, cp.stderr
     assert show(call_myq, spool, "small")["state"] == "done"
     quarantined(spool, "large.json")
+
+
+# An empty file holds no job (an enqueue that a power cut ended between its
+# rename and its fsync, or a producer between its create and its write) ####
+
+@pytest.mark.parametrize("data", [b"", b"\0" * 300, b"\n"])
+def test_an_empty_file_waits_then_goes_never_quarantined(myq, spool, monkeypatch,
+                                                          data):
+    write_incoming(spool, "late.json", None, raw=data)
+    write_incoming(spool, "good.json", {"type": "t", "payload": 1})
+    ran = []
+    log = os.path.join(spool, "..", "w.log")
+
+    def drain():
+        w = myq.Worker(spool, handlers={"t": lambda job: ran.append(job["id"])},
+                       log=myq.Log(path=log))
+        assert w.run(drain=True) == 0
+    drain()
+    assert ran == ["good"]
+    assert ls(spool, "failed") == []
+    assert ls(spool, "incoming") == ["late.json"]
+    st = os.stat(os.path.join(spool, "incoming", "late.json"))
+    assert st.st_mtime > st.st_ctime + 50      # waits a minute, on purpose
+    cp = call_myq("--spool", spool, "check")
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    # a minute later, still empty: removed, logged; never in failed/
+    real = myq._now
+    monkeypatch.setattr(myq, "_now", lambda: real() + 120)
+    drain()
+    assert ls(spool, "incoming") == [] and ls(spool, "failed") == []
+    with open(log) as f:
+        text = f.read()
+    assert "event=deferred" in text and "event=removed" in text, text
+    assert "empty" in text
+
+
+def test_an_empty_file_written_within_the_minute_runs(myq, spool, monkeypatch):
+    write_incoming(spool, "late.json", None, raw=b"")
+    ran = []
+
+    def drain():
+        w = myq.Worker(spool, handlers={"t": lambda job: ran.append(job["payload"])},
+                       log=myq.Log(path=os.devnull))
+        assert w.run(drain=True) == 0
+    drain()
+    assert ran == []
+    with open(os.path.join(spool, "incoming", "late.json"), "r+") as f:
+        f.write(json.dumps({"type": "t", "payload": "written late"}))
+    real = myq._now
+    monkeypatch.setattr(myq, "_now", lambda: real() + 120)
+    drain()
+    assert ran == ["written late"]
+    assert ls(spool, "failed") == []
