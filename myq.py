@@ -572,6 +572,7 @@ class _Dirs(object):
 
     def __init__(self, top):
         self.top = top
+        self._pre = top if top.endswith("/") else top + "/"
         self.fds = {}
         self._owner = False
         self._euid = os.geteuid()
@@ -581,10 +582,10 @@ class _Dirs(object):
         if fd is None:
             parent, _, name = sub.rpartition("/")
             if parent:
-                fd = _open_dir(name, self(parent), os.path.join(self.top, sub))
+                fd = _open_dir(name, self(parent), self._pre + sub)
             else:       # the spool's own path is the caller's; below it, no link
-                fd = _open_dir(os.path.join(self.top, name), None,
-                               os.path.join(self.top, name))
+                path = self._pre + name
+                fd = _open_dir(path, None, path)
             self.fds[sub] = fd
         return fd
 
@@ -1227,6 +1228,7 @@ class Spool(object):
             if v is not None:
                 self.opt[k] = v
         self.log = log or _noop_log
+        self._pre = self.path if self.path.endswith("/") else self.path + "/"
         self._incoming = os.path.join(self.path, "incoming", "")
         self._processing = os.path.join(self.path, "processing", "")
         self._done = os.path.join(self.path, "done", "")
@@ -1243,7 +1245,12 @@ class Spool(object):
         self.intake = False     # _claim moved a producer's file to its lane
 
     def d(self, *parts):
-        return os.path.join(self.path, *parts)
+        """A path in the spool: os.path.join(path, *parts), built without
+        it for the relative parts every caller passes (it runs per job)."""
+        for p in parts:
+            if p[:1] == "/":
+                return os.path.join(self.path, *parts)
+        return self._pre + "/".join(parts) if parts else self.path
 
     def _paths(self, sub):
         """Stands in for _Dirs where paths will do (the spool is ours)."""

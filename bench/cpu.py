@@ -28,8 +28,9 @@ Reruns agree to within ~0.5%: the job ids and timestamps differ from run to
 run (their digits, a few branches).  Four valgrind processes, two at a time:
 ~30 s on 2 shared cores with N=500.
 
---profile DIR keeps the N runs' callgrind files (--dump-instr=no) for
-callgrind_annotate; --cprofile DIR writes the Python-level picture of the
+--profile DIR keeps the runs' callgrind files (--dump-instr=no) as
+DIR/OP-N.cg and prints the C functions whose own cost grew most per job
+(N run minus N=0 run, by callgrind_annotate); --cprofile DIR writes the Python-level picture of the
 same N runs (cProfile, no valgrind) as DIR/{enqueue,drain}.txt.
 """
 
@@ -150,6 +151,32 @@ def counted(py, d, op, n, keep=None):
     return total
 
 
+def _functions(path):
+    """{file:function: own Ir} of a callgrind file."""
+    out = subprocess.run(["callgrind_annotate", "--threshold=100", path],
+                         stdout=subprocess.PIPE, universal_newlines=True).stdout
+    got = {}
+    for line in out.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and parts[1].startswith("(") and ":" in parts[2]:
+            try:
+                v = int(parts[0].replace(",", ""))
+            except ValueError:
+                continue
+            name = parts[2].split(" [")[0]
+            name = name.rsplit("/", 1)[-1]
+            got[name] = got.get(name, 0) + v
+    return got
+
+
+def per_function(where, op, n):
+    a = _functions(os.path.join(where, "%s-0.cg" % op))
+    b = _functions(os.path.join(where, "%s-%d.cg" % (op, n)))
+    diff = [(k, (b.get(k, 0) - a.get(k, 0)) / float(n)) for k in set(a) | set(b)]
+    diff.sort(key=lambda kv: -abs(kv[1]))
+    return diff
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=500)
@@ -194,10 +221,10 @@ def main():
                 d = os.path.join(base, "%s-%d" % (op, n))
                 prepare(py, d, op, n)
                 keep = None
-                if o.profile and n:
+                if o.profile:
                     os.makedirs(o.profile, exist_ok=True)
                     keep = os.path.join(os.path.abspath(o.profile),
-                                        "%s.cg" % op)
+                                        "%s-%d.cg" % (op, n))
                 runs.append((op, n, d, keep))
         with ThreadPoolExecutor(max_workers=2) as ex:
             futs = [(op, n, ex.submit(counted, py, d, op, n, keep))
@@ -213,6 +240,11 @@ def main():
                  got[(op, o.n)], got[(op, 0)]))
     sys.stderr.write("bench/cpu.py: %.0f s, %s, %s\n"
                      % (time.monotonic() - t0, py, o.dir))
+    if o.profile:
+        for op in ops:
+            print("\n%s: own instructions per job, by C function" % op)
+            for fn, v in per_function(o.profile, op, o.n)[:40]:
+                print("%9.0f  %s" % (v, fn))
     if o.json:
         with open(o.json, "w") as f:
             json.dump(res, f, indent=1)
