@@ -457,7 +457,7 @@ def _rename(src, dst, src_fd=None, dst_fd=None):
     if src_fd is None:
         os.rename(src, dst)
     else:
-        os.rename(os.path.basename(src), os.path.basename(dst),
+        os.rename(src.rpartition("/")[2], dst.rpartition("/")[2],
                   src_dir_fd=src_fd, dst_dir_fd=dst_fd)
     _step("rename", dst, "after")
 
@@ -479,7 +479,7 @@ def _link(src, dst, src_fd=None, dst_fd=None):
     if src_fd is None:
         os.link(src, dst)
     else:
-        os.link(os.path.basename(src), os.path.basename(dst), src_dir_fd=src_fd,
+        os.link(src.rpartition("/")[2], dst.rpartition("/")[2], src_dir_fd=src_fd,
                 dst_dir_fd=dst_fd, follow_symlinks=False)
     _step("link", dst, "after")
 
@@ -495,7 +495,7 @@ def _quiet_unlink(path, dir_fd=None):
         if dir_fd is None:
             os.unlink(path)
         else:
-            os.unlink(os.path.basename(path), dir_fd=dir_fd)
+            os.unlink(path.rpartition("/")[2], dir_fd=dir_fd)
     except OSError:
         pass
 
