@@ -1421,10 +1421,11 @@ class Spool(object):
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
                 timeout=None, sync=True, priority=None, ttl=None):
         """Add one job; returns its id.  Durable when it returns (sync)."""
-        return self.enqueue_many([{
-            "type": type, "payload": payload, "id": id, "delay": delay,
-            "max_attempts": max_attempts, "timeout": timeout,
-            "priority": priority, "ttl": ttl}], sync=sync)[0]
+        self.require()
+        job = new_job(type, payload, id, delay, max_attempts, timeout, _now(),
+                      priority, ttl)
+        return self._enqueue([self._prepared(job, id is not None, delay or 0)],
+                             sync)[0]
 
     def enqueue_many(self, specs, sync=True):
         """Add many jobs with one directory fsync.  All are validated before
@@ -1436,17 +1437,25 @@ class Spool(object):
             spec = dict(spec)
             explicit = spec.get("id") is not None
             job = new_job(spec.pop("type", None), now=now, **spec)
-            if job.get("priority") is None:
-                p = self.rules(job["type"]).get("priority")
-                if p:
-                    job["priority"] = p     # fixed now (SPEC 9)
-            data = dumps(job)
-            if len(data) > self.opt["max_job_bytes"]:
-                raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
-                                 "(%d); send a reference to the data instead"
-                                 % (job["id"], len(data), self.opt["max_job_bytes"]))
-            todo.append((job, data, explicit, spec.get("delay") or 0,
-                         self.home(job)))
+            todo.append(self._prepared(job, explicit, spec.get("delay") or 0))
+        return self._enqueue(todo, sync)
+
+    def _prepared(self, job, explicit, delay):
+        """(job, its bytes, explicit id, delay, its directory) for _enqueue;
+        the type's priority fixed now (SPEC 9).  Raises InvalidJob."""
+        rules = self.rules(job["type"])
+        if job.get("priority") is None:
+            p = rules.get("priority")
+            if p:
+                job["priority"] = p     # fixed now (SPEC 9)
+        data = dumps(job)
+        if len(data) > self.opt["max_job_bytes"]:
+            raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
+                             "(%d); send a reference to the data instead"
+                             % (job["id"], len(data), self.opt["max_job_bytes"]))
+        return job, data, explicit, delay, self.home(job, rules)
+
+    def _enqueue(self, todo, sync):
         problem = self.free_problem()
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
@@ -1991,11 +2000,13 @@ class Spool(object):
         """incoming/ and its lanes: every directory of waiting jobs."""
         return ["incoming"] + [l[2] for l in self.lanes()]
 
-    def home(self, job):
+    def home(self, job, rules=None):
         """Where a waiting job lives: "incoming", or its lane (a priority
-        other than 0, or rules of its type that need its jobs apart)."""
+        other than 0, or rules of its type that need its jobs apart).
+        `rules`: the type's, when the caller has them."""
         t, p = job["type"], job.get("priority")
-        rules = self.rules(t)
+        if rules is None:
+            rules = self.rules(t)
         home = self._homes.get((t, p))
         if home is None:
             q = rules.get("priority", 0) if p is None else p
