@@ -682,6 +682,38 @@ def dumps(job):
         raise InvalidJob("job cannot be stored as JSON: %s" % e)
 
 
+def _dumps_new(job):
+    """dumps() of a job new_job() made: the same bytes, each time formatted
+    once (created_at = updated_at = available_at without a delay; repr of a
+    float costs more than the rest of the encoding).  The keys are
+    new_job()'s and need no escaping; the id and type passed NAME_RE."""
+    last = text = None
+    out = []
+    try:
+        for k, v in job.items():
+            if v.__class__ is float:
+                if v != last or not v:
+                    if not -MAX_TIME < v < MAX_TIME:
+                        break               # (nan, inf: dumps() says why)
+                    last, text = v, v.__repr__()
+                out.append('"%s":%s' % (k, text))
+            elif v is None:
+                out.append('"%s":null' % k)
+            elif v.__class__ is int:
+                out.append('"%s":%s' % (k, v.__repr__()))
+            elif v.__class__ is str and (k == "id" or k == "type"):
+                out.append('"%s":"%s"' % (k, v))
+            else:
+                out.append('"%s":%s' % (k, _ENCODER.encode(v)))
+        else:
+            return ("{" + ",".join(out) + "}\n").encode("utf-8")
+    except UnicodeError:
+        raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
+    except (ValueError, TypeError, RecursionError) as e:
+        raise InvalidJob("job cannot be stored as JSON: %s" % e)
+    return dumps(job)
+
+
 def parse(data):
     """Split a job file into (job object, [trailer records]).
 
@@ -1448,7 +1480,7 @@ class Spool(object):
             p = rules.get("priority")
             if p:
                 job["priority"] = p     # fixed now (SPEC 9)
-        data = dumps(job)
+        data = _dumps_new(job)
         if len(data) > self.opt["max_job_bytes"]:
             raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
                              "(%d); send a reference to the data instead"
