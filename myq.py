@@ -682,11 +682,37 @@ def dumps(job):
         raise InvalidJob("job cannot be stored as JSON: %s" % e)
 
 
+_NEW_KEYS = ("id", "type", "payload", "attempts", "available_at", "created_at",
+             "updated_at", "last_error")
+_NEW_FORMAT = ('{"id":"%s","type":"%s","payload":%s,"attempts":0,'
+               '"available_at":%s,"created_at":%s,"updated_at":%s,'
+               '"last_error":null}\n')
+
+
 def _dumps_new(job):
     """dumps() of a job new_job() made: the same bytes, each time formatted
     once (created_at = updated_at = available_at without a delay; repr of a
     float costs more than the rest of the encoding).  The keys are
     new_job()'s and need no escaping; the id and type passed NAME_RE."""
+    c = job["created_at"]
+    if c.__class__ is float and tuple(job) == _NEW_KEYS:
+        # the usual shape (no options): one format
+        a, p, jid, t = job["available_at"], job["payload"], job["id"], job["type"]
+        if a.__class__ is float and job["updated_at"] is c \
+                and -MAX_TIME < c < MAX_TIME and -MAX_TIME < a < MAX_TIME \
+                and jid.__class__ is str and t.__class__ is str \
+                and job["attempts"].__class__ is int and job["attempts"] == 0 \
+                and job["last_error"] is None:
+            tc = c.__repr__()
+            try:
+                return (_NEW_FORMAT % (
+                    jid, t, "null" if p is None else _ENCODER.encode(p),
+                    tc if a == c and c else a.__repr__(), tc, tc)
+                        ).encode("utf-8")
+            except UnicodeError:
+                raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
+            except (ValueError, TypeError, RecursionError) as e:
+                raise InvalidJob("job cannot be stored as JSON: %s" % e)
     last = text = None
     out = []
     try:
