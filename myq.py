@@ -689,6 +689,22 @@ _NEW_FORMAT = ('{"id":"%s","type":"%s","payload":%s,"attempts":0,'
                '"last_error":null}\n')
 
 
+try:
+    from json.encoder import c_make_encoder as _c_make_encoder, \
+        encode_basestring as _encode_basestring
+except ImportError:
+    _c_make_encoder = None
+
+
+def _encode_value(v):
+    """_ENCODER.encode(v) without its Python layers (JSONEncoder.iterencode
+    makes this very C encoder, with these arguments, in 3.7-3.13)."""
+    if _c_make_encoder is None or v.__class__ is str:
+        return _ENCODER.encode(v)
+    return "".join(_c_make_encoder({}, _ENCODER.default, _encode_basestring,
+                                   None, ":", ",", False, False, False)(v, 0))
+
+
 def _dumps_new(job):
     """dumps() of a job new_job() made: the same bytes, each time formatted
     once (created_at = updated_at = available_at without a delay; repr of a
@@ -706,7 +722,7 @@ def _dumps_new(job):
             tc = c.__repr__()
             try:
                 return (_NEW_FORMAT % (
-                    jid, t, "null" if p is None else _ENCODER.encode(p),
+                    jid, t, "null" if p is None else _encode_value(p),
                     tc if a == c and c else a.__repr__(), tc, tc)
                         ).encode("utf-8")
             except UnicodeError:
@@ -730,7 +746,7 @@ def _dumps_new(job):
             elif v.__class__ is str and (k == "id" or k == "type"):
                 out.append('"%s":"%s"' % (k, v))
             else:
-                out.append('"%s":%s' % (k, _ENCODER.encode(v)))
+                out.append('"%s":%s' % (k, _encode_value(v)))
         else:
             return ("{" + ",".join(out) + "}\n").encode("utf-8")
     except UnicodeError:
