@@ -537,12 +537,14 @@ def _fsync_dir(path, fd=None):
     _step("fsync", path + "/", "after")
 
 
+_DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
+
+
 def _open_dir(name, dir_fd=None, show=None):
     """A descriptor of directory `name` (in `dir_fd`), never through a
     symlink; ConfigError when it is not a directory."""
     try:
-        fd = os.open(name, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK
-                     | O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise ConfigError("%s is not a directory (a symlink or another file "
@@ -1686,7 +1688,7 @@ class Spool(object):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
         into anything else that may stand there)."""
         try:
-            if dirs is not None and os.geteuid() == 0:
+            if dirs is not None and dirs._euid == 0:
                 # root in a spool that may be another user's: through
                 # locks/'s descriptor, never a link
                 fd = os.open("wake", os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW
