@@ -5187,6 +5187,8 @@ class Worker(object):
         producer poked the wake FIFO since (read here at each claim: while
         jobs run back to back the loop's select comes only now and then),
         which changed: a stat each."""
+        if self._lanes_key is None and not os.access(self._lanes_path, os.F_OK):
+            return      # no lanes, as before: access() raises no exception
         try:
             st = os.stat(self._lanes_path)
             key = (st.st_mtime_ns, st.st_ino)
