@@ -629,7 +629,7 @@ def _reject_constant(name):
 
 def _finite_float(text):
     v = float(text)
-    if v in (float("inf"), float("-inf")):
+    if v - v:           # inf - inf is nan (true); a finite v gives 0.0
         raise ValueError("number %s is out of range" % text[:40])
     return v
 
