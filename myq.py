@@ -3378,12 +3378,20 @@ class Log(object):
             pass
 
     def __call__(self, event, **kv):
-        warn = event in ("error", "dead", "timeout", "quarantined", "disk_low",
-                         "lost", "retry", "warning")
+        warn = event in _WARN_EVENTS
         line = iso() + " event=" + event
-        for k, v in kv.items():
-            line += " " + k + "=" + _kv(v)
+        for k, v in kv.items():     # _kv(v), its usual cases inline
+            if v.__class__ is str and _BARE.match(v):
+                line += " " + k + "=" + v
+            elif v.__class__ is int:
+                line += " " + k + "=" + v.__repr__()
+            else:
+                line += " " + k + "=" + _kv(v)
         self.write(line, warn)
+
+
+_WARN_EVENTS = frozenset(("error", "dead", "timeout", "quarantined", "disk_low",
+                          "lost", "retry", "warning"))
 
 
 # Handlers ####################################################################
