@@ -882,22 +882,34 @@ def normalize(obj, stem=None, mtime=None):
     a = job.setdefault("attempts", 0)
     if a.__class__ is not int or a < 0:
         raise InvalidJob("attempts must be an integer >= 0")
-    _check_max_attempts(job.get("max_attempts"))
+    v = job.get("max_attempts")
+    if v is not None:
+        _check_max_attempts(v)
     created = job.get("created_at")
-    for key in ("created_at", "available_at", "updated_at", "expires_at"):
-        v = job.get(key)
-        if v is not None and (v.__class__ not in _NUM
-                              or not -MAX_TIME < v < MAX_TIME):
-            raise InvalidJob("%s must be a number of epoch seconds (below %g)"
-                             % (key, MAX_TIME))
-    if created is None:
-        job["created_at"] = created = mtime if mtime is not None else _now()
-    if job.get("available_at") is None:
-        job["available_at"] = created
-    if job.get("updated_at") is None:
-        job["updated_at"] = created
-    _check_timeout(job.get("timeout"))
-    _check_priority(job.get("priority"))
+    avail = job.get("available_at")
+    upd = job.get("updated_at")
+    if not (created.__class__ is float and avail.__class__ is float
+            and upd.__class__ is float and "expires_at" not in job
+            and -MAX_TIME < created < MAX_TIME and -MAX_TIME < avail < MAX_TIME
+            and -MAX_TIME < upd < MAX_TIME):        # (myq's own jobs are)
+        for key in ("created_at", "available_at", "updated_at", "expires_at"):
+            v = job.get(key)
+            if v is not None and (v.__class__ not in _NUM
+                                  or not -MAX_TIME < v < MAX_TIME):
+                raise InvalidJob("%s must be a number of epoch seconds (below "
+                                 "%g)" % (key, MAX_TIME))
+        if created is None:
+            job["created_at"] = created = mtime if mtime is not None else _now()
+        if avail is None:
+            job["available_at"] = created
+        if upd is None:
+            job["updated_at"] = created
+    v = job.get("timeout")
+    if v is not None:
+        _check_timeout(v)
+    v = job.get("priority")
+    if v is not None:
+        _check_priority(v)
     e = job.setdefault("last_error", None)
     if e is not None and not isinstance(e, str):
         job["last_error"] = str(e)
