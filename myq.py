@@ -2133,14 +2133,15 @@ class Spool(object):
             if own:
                 dirs.close()
 
-    def expiry(self, job):
+    def expiry(self, job, rules=None):
         """When a job expires (SPEC 9), or None: its own expires_at, else
         (its retry, or its creation) + its type's ttl.  Times from a clock
         that was never set (before 2020) expire nothing: a device without
-        a real-time clock boots in 1970 and jumps at its first NTP sync."""
+        a real-time clock boots in 1970 and jumps at its first NTP sync.
+        `rules`: the type's, when the caller has them."""
         e = job.get("expires_at")
         if e is None:
-            ttl = self.rules(job["type"]).get("ttl")
+            ttl = (self.rules(job["type"]) if rules is None else rules).get("ttl")
             if ttl is None:
                 return None
         since = job.get("retried_at") or job.get("created_at") or 0
@@ -2530,13 +2531,14 @@ class Spool(object):
             self.log("skipped", id=stem, why="already done (idempotency record)")
             self._complete(c)
             return None
-        exp = self.expiry(job)
+        rules = self.rules(job["type"])
+        exp = self.expiry(job, rules)
         if exp is not None and now >= exp:
             self._refuse(c, job, me, "expired", "expired at %s, before any run "
                          "could start (ttl)" % iso(exp))
             return None
         if sub == "incoming":
-            home = self.home(job)
+            home = self.home(job, rules)
             if home != "incoming":
                 # A producer's file (or one from before a policy): into its
                 # lane, under the type's bounds; its priority is fixed now.
@@ -4628,9 +4630,11 @@ class Worker(object):
 
     # Handlers ----------------------------------------------------------------
 
-    def resolve(self, type):
-        """('exec', path) or ('py', function) or (None, why not)."""
-        builtin = self.spool.rules(type).get("handler")
+    def resolve(self, type, rules=None):
+        """('exec', path) or ('py', function) or (None, why not).  `rules`:
+        the type's, when the caller has them."""
+        builtin = (self.spool.rules(type) if rules is None else rules).get(
+            "handler")
         if builtin == "http":
             return self.resolve_http(type)
         if builtin == "mqtt":
@@ -5518,7 +5522,8 @@ class Worker(object):
 
     def _start(self, c):
         (slot, probe, lane), self._taken = self._taken, (None, None, None)
-        kind, target = self.resolve(c.job["type"])
+        rules = self.spool.rules(c.job["type"])
+        kind, target = self.resolve(c.job["type"], rules)
         run = _Run(c, kind)
         run.slot, run.probe = slot, probe
         run.started = _mono()
@@ -5554,7 +5559,6 @@ class Worker(object):
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
         run.target = target
-        rules = self.spool.rules(c.job["type"])
         if rules.get("batch") and not run.probe and lane is not None \
                 and lane.type == c.job["type"]:
             run.batch = [c] + self._claim_more(lane, c, rules["batch"] - 1,
