@@ -1498,10 +1498,11 @@ class Spool(object):
                     % (st.f_favail, self.opt["min_free_inodes"]))
         return None
 
-    def low_on_space(self):
-        """The guard, checked at most once a second (for the worker)."""
+    def low_on_space(self, now=None):
+        """The guard, checked at most once a second (for the worker; `now`:
+        its monotonic clock, read just before)."""
         t, problem = self._free_checked
-        if _mono() - t > 1.0:
+        if (_mono() if now is None else now) - t > 1.0:
             problem = self.free_problem()
             self._free_checked = (_mono(), problem)
         return problem
@@ -4937,11 +4938,12 @@ class Worker(object):
     def _fill(self, once, drain):
         """Claim and start jobs while a slot is free.  True when the loop
         must come straight back after its housekeeping (more to claim)."""
-        if (once and self._started) or _mono() < self._io_pause_until:
+        now = _mono()
+        if (once and self._started) or now < self._io_pause_until:
             return False
         while len(self.runs) < self.concurrency and not self.stopping \
-                and _mono() >= self._io_pause_until:
-            low = self.spool.low_on_space()
+                and now >= self._io_pause_until:
+            low = self.spool.low_on_space(now)
             if low:
                 if not self._low_logged:
                     self.log("disk_low", problem=low)
@@ -4966,7 +4968,8 @@ class Worker(object):
                 return False
             due = min(self._next_beat, self._next_reap, self._next_stats,
                       self._pending_since + 1.0 if self._pending else self._next_stats)
-            if self._pending >= 64 or _mono() >= due:
+            now = _mono()       # (the job ran meanwhile: read again)
+            if self._pending >= 64 or now >= due:
                 return True         # housekeeping first, then go on
         return False
 
@@ -5255,7 +5258,8 @@ class Worker(object):
         None (L.next_due: when one will be)."""
         forced = restarted = False
         while True:
-            self._tick()
+            if _mono() >= self._next_beat:      # (_tick, inline: per claim)
+                self._heartbeat()
             if not L.cache:
                 if not (L.dirty or L.cache_full or (force and not forced)):
                     return None
@@ -5293,7 +5297,7 @@ class Worker(object):
             self._sync_lanes()
             now = _now()
             best, due = None, inf
-            for dest, until in list(self._holds.items()):
+            for dest, until in list(self._holds.items()) if self._holds else ():
                 if until <= now and dest not in self._held:
                     c = self._probe_claim(dest)
                     if c is not None:
