@@ -385,6 +385,7 @@ _MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
 def _step(op, path, when):
     if _hook is not None:
         _hook(op, path, when)
+# (the helpers below, which run per job, test _hook inline: no call)
 
 
 def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
@@ -437,7 +438,8 @@ def _create_empty(path, mode=0o640):
     """An empty new file (EEXIST when the name exists, never through a
     symlink): one mknod() where the kernel allows it, else open + close."""
     global _MKNOD
-    _step("create", path, "before")
+    if _hook is not None:
+        _hook("create", path, "before")
     if _MKNOD:
         try:
             os.mknod(path, stat.S_IFREG | mode)
@@ -448,18 +450,21 @@ def _create_empty(path, mode=0o640):
     if not _MKNOD:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
                          | O_NOFOLLOW | O_CLOEXEC, mode))
-    _step("create", path, "after")
+    if _hook is not None:
+        _hook("create", path, "after")
 
 
 def _rename(src, dst, src_fd=None, dst_fd=None):
     """rename(2); with directory descriptors, of the paths' last parts."""
-    _step("rename", dst, "before")
+    if _hook is not None:
+        _hook("rename", dst, "before")
     if src_fd is None:
         os.rename(src, dst)
     else:
         os.rename(src.rpartition("/")[2], dst.rpartition("/")[2],
                   src_dir_fd=src_fd, dst_dir_fd=dst_fd)
-    _step("rename", dst, "after")
+    if _hook is not None:
+        _hook("rename", dst, "after")
 
 
 def _take(src, dst):
@@ -475,19 +480,23 @@ def _take(src, dst):
 
 
 def _link(src, dst, src_fd=None, dst_fd=None):
-    _step("link", dst, "before")
+    if _hook is not None:
+        _hook("link", dst, "before")
     if src_fd is None:
         os.link(src, dst)
     else:
         os.link(src.rpartition("/")[2], dst.rpartition("/")[2], src_dir_fd=src_fd,
                 dst_dir_fd=dst_fd, follow_symlinks=False)
-    _step("link", dst, "after")
+    if _hook is not None:
+        _hook("link", dst, "after")
 
 
 def _unlink(path):
-    _step("unlink", path, "before")
+    if _hook is not None:
+        _hook("unlink", path, "before")
     os.unlink(path)
-    _step("unlink", path, "after")
+    if _hook is not None:
+        _hook("unlink", path, "after")
 
 
 def _quiet_unlink(path, dir_fd=None):
@@ -501,14 +510,17 @@ def _quiet_unlink(path, dir_fd=None):
 
 
 def _utime(path, t):
-    _step("utime", path, "before")
+    if _hook is not None:
+        _hook("utime", path, "before")
     os.utime(path, (t, t))
-    _step("utime", path, "after")
+    if _hook is not None:
+        _hook("utime", path, "after")
 
 
 def _append(path, data, fd=None):
     """Append one record with a single O_APPEND write."""
-    _step("append", path, "before")
+    if _hook is not None:
+        _hook("append", path, "before")
     if fd is None:
         fd2 = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW
                       | os.O_NONBLOCK | O_CLOEXEC, 0o640)
@@ -520,12 +532,14 @@ def _append(path, data, fd=None):
             os.close(fd2)
     else:
         os.write(fd, data)
-    _step("append", path, "after")
+    if _hook is not None:
+        _hook("append", path, "after")
 
 
 def _fsync_dir(path, fd=None):
     """Commit the directory's entries (the renames into it) to disk."""
-    _step("fsync", path + "/", "before")
+    if _hook is not None:
+        _hook("fsync", path + "/", "before")
     if fd is not None:
         os.fsync(fd)
     else:
@@ -534,7 +548,8 @@ def _fsync_dir(path, fd=None):
             os.fsync(fd)
         finally:
             os.close(fd)
-    _step("fsync", path + "/", "after")
+    if _hook is not None:
+        _hook("fsync", path + "/", "after")
 
 
 _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
