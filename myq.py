@@ -5544,10 +5544,7 @@ class Worker(object):
         rules = self.spool.rules(c.job["type"])
         kind, target = self.resolve(c.job["type"], rules)
         run = _Run(c, kind)
-        run.slot, run.probe = slot, probe
-        run.started = _mono()
-        limit = c.job.get("timeout") or self.timeout
-        run.deadline = run.started + limit
+        run.slot, run.probe = slot, probe      # (_launch times the run)
         if kind is None:
             self._hold(run, target)
             return
