@@ -168,6 +168,16 @@ def _mono():
     return time.monotonic()
 
 
+def _ms_repr(t):
+    """repr(round(t, 3)) at a third of its cost: "%.3f" rounds the same
+    way, and below 1e12 (15 significant digits at most) the shortest
+    repr of the result is those digits without trailing zeros."""
+    if -1e12 < t < 1e12:
+        s = ("%.3f" % t).rstrip("0")
+        return s + "0" if s[-1] == "." else s
+    return repr(round(t, 3))
+
+
 _ISO_CACHE = [None, ""]
 
 
@@ -1274,8 +1284,8 @@ class Identity:
             head = self._head = dumps({"lease": {
                 "worker": self.wid, "pid": self.pid, "start": self.start,
                 "boot_id": boot_id(), "token": ""}})[:-4].decode("utf-8")
-        return ('%s%s","attempt":%d,"leased_until":%r}}\n'
-                % (head, token, attempt, round(until, 3))).encode("utf-8")
+        return ('%s%s","attempt":%d,"leased_until":%s}}\n'
+                % (head, token, attempt, _ms_repr(until))).encode("utf-8")
 
     def record(self):
         return {"worker": self.wid, "pid": self.pid, "start": self.start,
