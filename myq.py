@@ -967,12 +967,18 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
     else:
         _check_name(id, "id")
     _check_name(type, "type")
-    if not (_is_num(delay) and 0 <= delay < 1e10):
+    if not ((delay.__class__ is int or delay.__class__ is float
+             or _is_num(delay)) and 0 <= delay < 1e10):     # (nan, inf fail)
         raise InvalidJob("delay must be a number of seconds >= 0 (below 1e10)")
     if not -MAX_TIME < now < MAX_TIME - 1e10:
         raise InvalidJob("the clock says %r: not a time myq can store" % now)
     if isinstance(payload, (dict, list, tuple)):
         _check_depth(payload, 2)     # the job object is level 1
+    if max_attempts is None and timeout is None and priority is None \
+            and ttl is None:        # (the keys in the order below)
+        return {"id": id, "type": type, "payload": payload, "attempts": 0,
+                "available_at": now + delay, "created_at": now,
+                "updated_at": now, "last_error": None}
     job = {"id": id, "type": type, "payload": payload, "attempts": 0}
     if max_attempts is not None:
         _check_max_attempts(max_attempts)
