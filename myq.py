@@ -5326,7 +5326,9 @@ class Worker(object):
         fresh = False       # force: a fresh look at every lane, once, when
         while True:         # the caches gave nothing
             self._sync_lanes()
-            now = _now()
+            # the time for the holds and the gates of typed lanes (none:
+            # not read)
+            now = _now() if self._holds or len(self._lanes) > 1 else None
             best, due = None, inf
             for dest, until in list(self._holds.items()) if self._holds else ():
                 if until <= now and dest not in self._held:
@@ -6032,6 +6034,8 @@ class Worker(object):
                 self._pending_since = _mono()
             self._pending += 1
             self._pending_ok += 1
+            self.log("done", **kv)      # (_logged's way when ok)
+            return
         self._logged(ok, c, "done", kv)
 
     def _move(self, c, job, dest, event, kv, until=None):
