@@ -3416,8 +3416,12 @@ class Log(object):
             self._syslog.syslog(self._syslog.LOG_WARNING if warning
                                 else self._syslog.LOG_INFO, line)
             return
-        out = self._file or self.stream or sys.stderr
+        out = self._file
         try:
+            if out is not None:     # line-buffered: the write flushes it
+                out.write(line + "\n")
+                return
+            out = self.stream or sys.stderr
             out.write(line + "\n")
             out.flush()
         except (OSError, ValueError):
