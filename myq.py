@@ -563,6 +563,7 @@ def _fsync_dir(path, fd=None):
 
 
 _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
+_WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
 
 
 def _open_dir(name, dir_fd=None, show=None):
@@ -1735,11 +1736,9 @@ class Spool(object):
             if dirs is not None and dirs._euid == 0:
                 # root in a spool that may be another user's: through
                 # locks/'s descriptor, never a link
-                fd = os.open("wake", os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW
-                             | O_CLOEXEC, dir_fd=dirs("locks"))
+                fd = os.open("wake", _WAKE_FLAGS, dir_fd=dirs("locks"))
             else:
-                fd = os.open(self._wake, os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW
-                             | O_CLOEXEC)
+                fd = os.open(self._wake, _WAKE_FLAGS)
         except (OSError, MyqError):     # ENXIO: no worker is listening
             return
         try:
