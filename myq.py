@@ -2504,12 +2504,14 @@ class Spool(object):
                 # Another name for this file exists.  Appending would change
                 # it there too: refuse, unless the other name is an enqueue's
                 # own tmp/ file (unlinked a moment after its link, or left by
-                # a producer that died in between): drop that name.
+                # a producer that died in between): drop that name.  Then
+                # look again: the producer may have unlinked it itself since
+                # the lstat (no tmp/ name found, one name left: a job).
                 mine = [e.path for e in _scandir(self.d("tmp"))
                         if e.inode() == st.st_ino]
                 for p in mine:
                     _quiet_unlink(p)
-                if not mine or os.lstat(path).st_nlink > 1:
+                if os.lstat(path).st_nlink > 1:
                     raise InvalidJob("a hard link (%d names): copy the file "
                                  "instead of linking it" % st.st_nlink)
             # The name is ours alone (unique token) and lstat said regular;
