@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast lint bench bench-peers dist install uninstall clean
+.PHONY: demo test test-fast lint bench bench-peers bench-cpu dist install uninstall clean
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -78,6 +78,10 @@ bench:
 
 bench-peers:
 	$(BENCH_PYTHON) bench/peers.py $(PEERS_ARGS)
+
+# Instructions per enqueue and per drained job under callgrind (~30 s).
+bench-cpu:
+	$(BENCH_PYTHON) bench/cpu.py --python $(BENCH_PYTHON) $(CPU_ARGS)
 
 dist:
 	$(PYTHON) build/dist.py

@@ -172,6 +172,16 @@ def _mono():
     return time.monotonic()
 
 
+def _ms_repr(t):
+    """repr(round(t, 3)) at a third of its cost: "%.3f" rounds the same
+    way, and below 1e12 (15 significant digits at most) the shortest
+    repr of the result is those digits without trailing zeros."""
+    if -1e12 < t < 1e12:
+        s = ("%.3f" % t).rstrip("0")
+        return s + "0" if s[-1] == "." else s
+    return repr(round(t, 3))
+
+
 _ISO_CACHE = [None, ""]
 
 
@@ -389,6 +399,7 @@ _MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
 def _step(op, path, when):
     if _hook is not None:
         _hook(op, path, when)
+# (the helpers below, which run per job, test _hook inline: no call)
 
 
 def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
@@ -441,7 +452,8 @@ def _create_empty(path, mode=0o640):
     """An empty new file (EEXIST when the name exists, never through a
     symlink): one mknod() where the kernel allows it, else open + close."""
     global _MKNOD
-    _step("create", path, "before")
+    if _hook is not None:
+        _hook("create", path, "before")
     if _MKNOD:
         try:
             os.mknod(path, stat.S_IFREG | mode)
@@ -452,18 +464,21 @@ def _create_empty(path, mode=0o640):
     if not _MKNOD:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
                          | O_NOFOLLOW | O_CLOEXEC, mode))
-    _step("create", path, "after")
+    if _hook is not None:
+        _hook("create", path, "after")
 
 
 def _rename(src, dst, src_fd=None, dst_fd=None):
     """rename(2); with directory descriptors, of the paths' last parts."""
-    _step("rename", dst, "before")
+    if _hook is not None:
+        _hook("rename", dst, "before")
     if src_fd is None:
         os.rename(src, dst)
     else:
-        os.rename(os.path.basename(src), os.path.basename(dst),
+        os.rename(src.rpartition("/")[2], dst.rpartition("/")[2],
                   src_dir_fd=src_fd, dst_dir_fd=dst_fd)
-    _step("rename", dst, "after")
+    if _hook is not None:
+        _hook("rename", dst, "after")
 
 
 def _take(src, dst):
@@ -479,19 +494,23 @@ def _take(src, dst):
 
 
 def _link(src, dst, src_fd=None, dst_fd=None):
-    _step("link", dst, "before")
+    if _hook is not None:
+        _hook("link", dst, "before")
     if src_fd is None:
         os.link(src, dst)
     else:
-        os.link(os.path.basename(src), os.path.basename(dst), src_dir_fd=src_fd,
+        os.link(src.rpartition("/")[2], dst.rpartition("/")[2], src_dir_fd=src_fd,
                 dst_dir_fd=dst_fd, follow_symlinks=False)
-    _step("link", dst, "after")
+    if _hook is not None:
+        _hook("link", dst, "after")
 
 
 def _unlink(path):
-    _step("unlink", path, "before")
+    if _hook is not None:
+        _hook("unlink", path, "before")
     os.unlink(path)
-    _step("unlink", path, "after")
+    if _hook is not None:
+        _hook("unlink", path, "after")
 
 
 def _quiet_unlink(path, dir_fd=None):
@@ -499,20 +518,23 @@ def _quiet_unlink(path, dir_fd=None):
         if dir_fd is None:
             os.unlink(path)
         else:
-            os.unlink(os.path.basename(path), dir_fd=dir_fd)
+            os.unlink(path.rpartition("/")[2], dir_fd=dir_fd)
     except OSError:
         pass
 
 
 def _utime(path, t):
-    _step("utime", path, "before")
+    if _hook is not None:
+        _hook("utime", path, "before")
     os.utime(path, (t, t))
-    _step("utime", path, "after")
+    if _hook is not None:
+        _hook("utime", path, "after")
 
 
 def _append(path, data, fd=None):
     """Append one record with a single O_APPEND write."""
-    _step("append", path, "before")
+    if _hook is not None:
+        _hook("append", path, "before")
     if fd is None:
         fd2 = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW
                       | os.O_NONBLOCK | O_CLOEXEC, 0o640)
@@ -524,12 +546,14 @@ def _append(path, data, fd=None):
             os.close(fd2)
     else:
         os.write(fd, data)
-    _step("append", path, "after")
+    if _hook is not None:
+        _hook("append", path, "after")
 
 
 def _fsync_dir(path, fd=None):
     """Commit the directory's entries (the renames into it) to disk."""
-    _step("fsync", path + "/", "before")
+    if _hook is not None:
+        _hook("fsync", path + "/", "before")
     if fd is not None:
         os.fsync(fd)
     else:
@@ -538,15 +562,19 @@ def _fsync_dir(path, fd=None):
             os.fsync(fd)
         finally:
             os.close(fd)
-    _step("fsync", path + "/", "after")
+    if _hook is not None:
+        _hook("fsync", path + "/", "after")
+
+
+_DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
+_WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
 
 
 def _open_dir(name, dir_fd=None, show=None):
     """A descriptor of directory `name` (in `dir_fd`), never through a
     symlink; ConfigError when it is not a directory."""
     try:
-        fd = os.open(name, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK
-                     | O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise ConfigError("%s is not a directory (a symlink or another file "
@@ -576,6 +604,7 @@ class _Dirs(object):
 
     def __init__(self, top):
         self.top = top
+        self._pre = top if top.endswith("/") else top + "/"
         self.fds = {}
         self._owner = False
         self._euid = os.geteuid()
@@ -585,10 +614,10 @@ class _Dirs(object):
         if fd is None:
             parent, _, name = sub.rpartition("/")
             if parent:
-                fd = _open_dir(name, self(parent), os.path.join(self.top, sub))
+                fd = _open_dir(name, self(parent), self._pre + sub)
             else:       # the spool's own path is the caller's; below it, no link
-                fd = _open_dir(os.path.join(self.top, name), None,
-                               os.path.join(self.top, name))
+                path = self._pre + name
+                fd = _open_dir(path, None, path)
             self.fds[sub] = fd
         return fd
 
@@ -630,7 +659,7 @@ def _reject_constant(name):
 
 def _finite_float(text):
     v = float(text)
-    if v in (float("inf"), float("-inf")):
+    if v - v:           # inf - inf is nan (true); a finite v gives 0.0
         raise ValueError("number %s is out of range" % text[:40])
     return v
 
@@ -683,6 +712,80 @@ def dumps(job):
         raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
     except (ValueError, TypeError, RecursionError) as e:
         raise InvalidJob("job cannot be stored as JSON: %s" % e)
+
+
+_NEW_KEYS = ("id", "type", "payload", "attempts", "available_at", "created_at",
+             "updated_at", "last_error")
+_NEW_FORMAT = ('{"id":"%s","type":"%s","payload":%s,"attempts":0,'
+               '"available_at":%s,"created_at":%s,"updated_at":%s,'
+               '"last_error":null}\n')
+
+
+try:
+    from json.encoder import c_make_encoder as _c_make_encoder, \
+        encode_basestring as _encode_basestring
+except ImportError:
+    _c_make_encoder = None
+
+
+def _encode_value(v):
+    """_ENCODER.encode(v) without its Python layers (JSONEncoder.iterencode
+    makes this very C encoder, with these arguments, in 3.7-3.13)."""
+    if _c_make_encoder is None or v.__class__ is str:
+        return _ENCODER.encode(v)
+    return "".join(_c_make_encoder({}, _ENCODER.default, _encode_basestring,
+                                   None, ":", ",", False, False, False)(v, 0))
+
+
+def _dumps_new(job):
+    """dumps() of a job new_job() made: the same bytes, each time formatted
+    once (created_at = updated_at = available_at without a delay; repr of a
+    float costs more than the rest of the encoding).  The keys are
+    new_job()'s and need no escaping; the id and type passed NAME_RE."""
+    c = job["created_at"]
+    if c.__class__ is float and tuple(job) == _NEW_KEYS:
+        # the usual shape (no options): one format
+        a, p, jid, t = job["available_at"], job["payload"], job["id"], job["type"]
+        if a.__class__ is float and job["updated_at"] is c \
+                and -MAX_TIME < c < MAX_TIME and -MAX_TIME < a < MAX_TIME \
+                and jid.__class__ is str and t.__class__ is str \
+                and job["attempts"].__class__ is int and job["attempts"] == 0 \
+                and job["last_error"] is None:
+            tc = c.__repr__()
+            try:
+                return (_NEW_FORMAT % (
+                    jid, t, "null" if p is None else _encode_value(p),
+                    tc if a == c and c else a.__repr__(), tc, tc)
+                        ).encode("utf-8")
+            except UnicodeError:
+                raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
+            except (ValueError, TypeError, RecursionError) as e:
+                raise InvalidJob("job cannot be stored as JSON: %s" % e)
+    last = text = None
+    out = []
+    try:
+        for k, v in job.items():
+            if v.__class__ is float:
+                if v != last or not v:
+                    if not -MAX_TIME < v < MAX_TIME:
+                        break               # (nan, inf: dumps() says why)
+                    last, text = v, v.__repr__()
+                out.append('"%s":%s' % (k, text))
+            elif v is None:
+                out.append('"%s":null' % k)
+            elif v.__class__ is int:
+                out.append('"%s":%s' % (k, v.__repr__()))
+            elif v.__class__ is str and (k == "id" or k == "type"):
+                out.append('"%s":"%s"' % (k, v))
+            else:
+                out.append('"%s":%s' % (k, _encode_value(v)))
+        else:
+            return ("{" + ",".join(out) + "}\n").encode("utf-8")
+    except UnicodeError:
+        raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
+    except (ValueError, TypeError, RecursionError) as e:
+        raise InvalidJob("job cannot be stored as JSON: %s" % e)
+    return dumps(job)
 
 
 def parse(data):
@@ -809,22 +912,34 @@ def normalize(obj, stem=None, mtime=None):
     a = job.setdefault("attempts", 0)
     if a.__class__ is not int or a < 0:
         raise InvalidJob("attempts must be an integer >= 0")
-    _check_max_attempts(job.get("max_attempts"))
+    v = job.get("max_attempts")
+    if v is not None:
+        _check_max_attempts(v)
     created = job.get("created_at")
-    for key in ("created_at", "available_at", "updated_at", "expires_at"):
-        v = job.get(key)
-        if v is not None and (v.__class__ not in _NUM
-                              or not -MAX_TIME < v < MAX_TIME):
-            raise InvalidJob("%s must be a number of epoch seconds (below %g)"
-                             % (key, MAX_TIME))
-    if created is None:
-        job["created_at"] = created = mtime if mtime is not None else _now()
-    if job.get("available_at") is None:
-        job["available_at"] = created
-    if job.get("updated_at") is None:
-        job["updated_at"] = created
-    _check_timeout(job.get("timeout"))
-    _check_priority(job.get("priority"))
+    avail = job.get("available_at")
+    upd = job.get("updated_at")
+    if not (created.__class__ is float and avail.__class__ is float
+            and upd.__class__ is float and "expires_at" not in job
+            and -MAX_TIME < created < MAX_TIME and -MAX_TIME < avail < MAX_TIME
+            and -MAX_TIME < upd < MAX_TIME):        # (myq's own jobs are)
+        for key in ("created_at", "available_at", "updated_at", "expires_at"):
+            v = job.get(key)
+            if v is not None and (v.__class__ not in _NUM
+                                  or not -MAX_TIME < v < MAX_TIME):
+                raise InvalidJob("%s must be a number of epoch seconds (below "
+                                 "%g)" % (key, MAX_TIME))
+        if created is None:
+            job["created_at"] = created = mtime if mtime is not None else _now()
+        if avail is None:
+            job["available_at"] = created
+        if upd is None:
+            job["updated_at"] = created
+    v = job.get("timeout")
+    if v is not None:
+        _check_timeout(v)
+    v = job.get("priority")
+    if v is not None:
+        _check_priority(v)
     e = job.setdefault("last_error", None)
     if e is not None and not isinstance(e, str):
         job["last_error"] = str(e)
@@ -857,12 +972,18 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
     else:
         _check_name(id, "id")
     _check_name(type, "type")
-    if not (_is_num(delay) and 0 <= delay < 1e10):
+    if not ((delay.__class__ is int or delay.__class__ is float
+             or _is_num(delay)) and 0 <= delay < 1e10):     # (nan, inf fail)
         raise InvalidJob("delay must be a number of seconds >= 0 (below 1e10)")
     if not -MAX_TIME < now < MAX_TIME - 1e10:
         raise InvalidJob("the clock says %r: not a time myq can store" % now)
     if isinstance(payload, (dict, list, tuple)):
         _check_depth(payload, 2)     # the job object is level 1
+    if max_attempts is None and timeout is None and priority is None \
+            and ttl is None:        # (the keys in the order below)
+        return {"id": id, "type": type, "payload": payload, "attempts": 0,
+                "available_at": now + delay, "created_at": now,
+                "updated_at": now, "last_error": None}
     job = {"id": id, "type": type, "payload": payload, "attempts": 0}
     if max_attempts is not None:
         _check_max_attempts(max_attempts)
@@ -1174,8 +1295,8 @@ class Identity:
             head = self._head = dumps({"lease": {
                 "worker": self.wid, "pid": self.pid, "start": self.start,
                 "boot_id": boot_id(), "token": ""}})[:-4].decode("utf-8")
-        return ('%s%s","attempt":%d,"leased_until":%r}}\n'
-                % (head, token, attempt, round(until, 3))).encode("utf-8")
+        return ('%s%s","attempt":%d,"leased_until":%s}}\n'
+                % (head, token, attempt, _ms_repr(until))).encode("utf-8")
 
     def record(self):
         return {"worker": self.wid, "pid": self.pid, "start": self.start,
@@ -1231,6 +1352,7 @@ class Spool(object):
             if v is not None:
                 self.opt[k] = v
         self.log = log or _noop_log
+        self._pre = self.path if self.path.endswith("/") else self.path + "/"
         self._incoming = os.path.join(self.path, "incoming", "")
         self._processing = os.path.join(self.path, "processing", "")
         self._done = os.path.join(self.path, "done", "")
@@ -1247,7 +1369,12 @@ class Spool(object):
         self.intake = False     # _claim moved a producer's file to its lane
 
     def d(self, *parts):
-        return os.path.join(self.path, *parts)
+        """A path in the spool: os.path.join(path, *parts), built without
+        it for the relative parts every caller passes (it runs per job)."""
+        for p in parts:
+            if p[:1] == "/":
+                return os.path.join(self.path, *parts)
+        return self._pre + "/".join(parts) if parts else self.path
 
     def _paths(self, sub):
         """Stands in for _Dirs where paths will do (the spool is ours)."""
@@ -1407,10 +1534,11 @@ class Spool(object):
                     % (st.f_favail, self.opt["min_free_inodes"]))
         return None
 
-    def low_on_space(self):
-        """The guard, checked at most once a second (for the worker)."""
+    def low_on_space(self, now=None):
+        """The guard, checked at most once a second (for the worker; `now`:
+        its monotonic clock, read just before)."""
         t, problem = self._free_checked
-        if _mono() - t > 1.0:
+        if (_mono() if now is None else now) - t > 1.0:
             problem = self.free_problem()
             self._free_checked = (_mono(), problem)
         return problem
@@ -1418,10 +1546,11 @@ class Spool(object):
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
                 timeout=None, sync=True, priority=None, ttl=None):
         """Add one job; returns its id.  Durable when it returns (sync)."""
-        return self.enqueue_many([{
-            "type": type, "payload": payload, "id": id, "delay": delay,
-            "max_attempts": max_attempts, "timeout": timeout,
-            "priority": priority, "ttl": ttl}], sync=sync)[0]
+        self.require()
+        job = new_job(type, payload, id, delay, max_attempts, timeout, _now(),
+                      priority, ttl)
+        return self._enqueue([self._prepared(job, id is not None, delay or 0)],
+                             sync)[0]
 
     def enqueue_many(self, specs, sync=True):
         """Add many jobs with one directory fsync.  All are validated before
@@ -1433,17 +1562,25 @@ class Spool(object):
             spec = dict(spec)
             explicit = spec.get("id") is not None
             job = new_job(spec.pop("type", None), now=now, **spec)
-            if job.get("priority") is None:
-                p = self.rules(job["type"]).get("priority")
-                if p:
-                    job["priority"] = p     # fixed now (SPEC 9)
-            data = dumps(job)
-            if len(data) > self.opt["max_job_bytes"]:
-                raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
-                                 "(%d); send a reference to the data instead"
-                                 % (job["id"], len(data), self.opt["max_job_bytes"]))
-            todo.append((job, data, explicit, spec.get("delay") or 0,
-                         self.home(job)))
+            todo.append(self._prepared(job, explicit, spec.get("delay") or 0))
+        return self._enqueue(todo, sync)
+
+    def _prepared(self, job, explicit, delay):
+        """(job, its bytes, explicit id, delay, its directory) for _enqueue;
+        the type's priority fixed now (SPEC 9).  Raises InvalidJob."""
+        rules = self.rules(job["type"])
+        if job.get("priority") is None:
+            p = rules.get("priority")
+            if p:
+                job["priority"] = p     # fixed now (SPEC 9)
+        data = _dumps_new(job)
+        if len(data) > self.opt["max_job_bytes"]:
+            raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
+                             "(%d); send a reference to the data instead"
+                             % (job["id"], len(data), self.opt["max_job_bytes"]))
+        return job, data, explicit, delay, self.home(job, rules)
+
+    def _enqueue(self, todo, sync):
         problem = self.free_problem()
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
@@ -1600,14 +1737,12 @@ class Spool(object):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
         into anything else that may stand there)."""
         try:
-            if dirs is not None and os.geteuid() == 0:
+            if dirs is not None and dirs._euid == 0:
                 # root in a spool that may be another user's: through
                 # locks/'s descriptor, never a link
-                fd = os.open("wake", os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW
-                             | O_CLOEXEC, dir_fd=dirs("locks"))
+                fd = os.open("wake", _WAKE_FLAGS, dir_fd=dirs("locks"))
             else:
-                fd = os.open(self._wake, os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW
-                             | O_CLOEXEC)
+                fd = os.open(self._wake, _WAKE_FLAGS)
         except (OSError, MyqError):     # ENXIO: no worker is listening
             return
         try:
@@ -2027,11 +2162,13 @@ class Spool(object):
         """incoming/ and its lanes: every directory of waiting jobs."""
         return ["incoming"] + [l[2] for l in self.lanes()]
 
-    def home(self, job):
+    def home(self, job, rules=None):
         """Where a waiting job lives: "incoming", or its lane (a priority
-        other than 0, or rules of its type that need its jobs apart)."""
+        other than 0, or rules of its type that need its jobs apart).
+        `rules`: the type's, when the caller has them."""
         t, p = job["type"], job.get("priority")
-        rules = self.rules(t)
+        if rules is None:
+            rules = self.rules(t)
         home = self._homes.get((t, p))
         if home is None:
             q = rules.get("priority", 0) if p is None else p
@@ -2070,14 +2207,15 @@ class Spool(object):
             if own:
                 dirs.close()
 
-    def expiry(self, job):
+    def expiry(self, job, rules=None):
         """When a job expires (SPEC 9), or None: its own expires_at, else
         (its retry, or its creation) + its type's ttl.  Times from a clock
         that was never set (before 2020) expire nothing: a device without
-        a real-time clock boots in 1970 and jumps at its first NTP sync."""
+        a real-time clock boots in 1970 and jumps at its first NTP sync.
+        `rules`: the type's, when the caller has them."""
         e = job.get("expires_at")
         if e is None:
-            ttl = self.rules(job["type"]).get("ttl")
+            ttl = (self.rules(job["type"]) if rules is None else rules).get("ttl")
             if ttl is None:
                 return None
         since = job.get("retried_at") or job.get("created_at") or 0
@@ -2409,12 +2547,14 @@ class Spool(object):
                 # Another name for this file exists.  Appending would change
                 # it there too: refuse, unless the other name is an enqueue's
                 # own tmp/ file (unlinked a moment after its link, or left by
-                # a producer that died in between): drop that name.
+                # a producer that died in between): drop that name.  Then
+                # look again: the producer may have unlinked it itself since
+                # the lstat (no tmp/ name found, one name left: a job).
                 mine = [e.path for e in _scandir(self.d("tmp"))
                         if e.inode() == st.st_ino]
                 for p in mine:
                     _quiet_unlink(p)
-                if not mine or os.lstat(path).st_nlink > 1:
+                if os.lstat(path).st_nlink > 1:
                     raise InvalidJob("a hard link (%d names): copy the file "
                                  "instead of linking it" % st.st_nlink)
             # The name is ours alone (unique token) and lstat said regular;
@@ -2472,13 +2612,14 @@ class Spool(object):
             self.log("skipped", id=stem, why="already done (idempotency record)")
             self._complete(c)
             return None
-        exp = self.expiry(job)
+        rules = self.rules(job["type"])
+        exp = self.expiry(job, rules)
         if exp is not None and now >= exp:
             self._refuse(c, job, me, "expired", "expired at %s, before any run "
                          "could start (ttl)" % iso(exp))
             return None
         if sub == "incoming":
-            home = self.home(job)
+            home = self.home(job, rules)
             if home != "incoming":
                 # A producer's file (or one from before a policy): into its
                 # lane, under the type's bounds; its priority is fixed now.
@@ -3347,20 +3488,32 @@ class Log(object):
             self._syslog.syslog(self._syslog.LOG_WARNING if warning
                                 else self._syslog.LOG_INFO, line)
             return
-        out = self._file or self.stream or sys.stderr
+        out = self._file
         try:
+            if out is not None:     # line-buffered: the write flushes it
+                out.write(line + "\n")
+                return
+            out = self.stream or sys.stderr
             out.write(line + "\n")
             out.flush()
         except (OSError, ValueError):
             pass
 
     def __call__(self, event, **kv):
-        warn = event in ("error", "dead", "timeout", "quarantined", "disk_low",
-                         "lost", "retry", "warning")
+        warn = event in _WARN_EVENTS
         line = iso() + " event=" + event
-        for k, v in kv.items():
-            line += " " + k + "=" + _kv(v)
+        for k, v in kv.items():     # _kv(v), its usual cases inline
+            if v.__class__ is str and _BARE.match(v):
+                line += " " + k + "=" + v
+            elif v.__class__ is int:
+                line += " " + k + "=" + v.__repr__()
+            else:
+                line += " " + k + "=" + _kv(v)
         self.write(line, warn)
+
+
+_WARN_EVENTS = frozenset(("error", "dead", "timeout", "quarantined", "disk_low",
+                          "lost", "retry", "warning"))
 
 
 # Handlers ####################################################################
@@ -4585,9 +4738,11 @@ class Worker(object):
 
     # Handlers ----------------------------------------------------------------
 
-    def resolve(self, type):
-        """('exec', path) or ('py', function) or (None, why not)."""
-        builtin = self.spool.rules(type).get("handler")
+    def resolve(self, type, rules=None):
+        """('exec', path) or ('py', function) or (None, why not).  `rules`:
+        the type's, when the caller has them."""
+        builtin = (self.spool.rules(type) if rules is None else rules).get(
+            "handler")
         if builtin == "http":
             return self.resolve_http(type)
         if builtin == "mqtt":
@@ -4890,11 +5045,12 @@ class Worker(object):
     def _fill(self, once, drain):
         """Claim and start jobs while a slot is free.  True when the loop
         must come straight back after its housekeeping (more to claim)."""
-        if (once and self._started) or _mono() < self._io_pause_until:
+        now = _mono()
+        if (once and self._started) or now < self._io_pause_until:
             return False
         while len(self.runs) < self.concurrency and not self.stopping \
-                and _mono() >= self._io_pause_until:
-            low = self.spool.low_on_space()
+                and now >= self._io_pause_until:
+            low = self.spool.low_on_space(now)
             if low:
                 if not self._low_logged:
                     self.log("disk_low", problem=low)
@@ -4919,7 +5075,8 @@ class Worker(object):
                 return False
             due = min(self._next_beat, self._next_reap, self._next_stats,
                       self._pending_since + 1.0 if self._pending else self._next_stats)
-            if self._pending >= 64 or _mono() >= due:
+            now = _mono()       # (the job ran meanwhile: read again)
+            if self._pending >= 64 or now >= due:
                 return True         # housekeeping first, then go on
         return False
 
@@ -5164,6 +5321,8 @@ class Worker(object):
         producer poked the wake FIFO since (read here at each claim: while
         jobs run back to back the loop's select comes only now and then),
         which changed: a stat each."""
+        if self._lanes_key is None and not os.access(self._lanes_path, os.F_OK):
+            return      # no lanes, as before: access() raises no exception
         try:
             st = os.stat(self._lanes_path)
             key = (st.st_mtime_ns, st.st_ino)
@@ -5206,7 +5365,8 @@ class Worker(object):
         None (L.next_due: when one will be)."""
         forced = restarted = False
         while True:
-            self._tick()
+            if _mono() >= self._next_beat:      # (_tick, inline: per claim)
+                self._heartbeat()
             if not L.cache:
                 if not (L.dirty or L.cache_full or (force and not forced)):
                     return None
@@ -5242,9 +5402,11 @@ class Worker(object):
         fresh = False       # force: a fresh look at every lane, once, when
         while True:         # the caches gave nothing
             self._sync_lanes()
-            now = _now()
+            # the time for the holds and the gates of typed lanes (none:
+            # not read)
+            now = _now() if self._holds or len(self._lanes) > 1 else None
             best, due = None, inf
-            for dest, until in list(self._holds.items()):
+            for dest, until in list(self._holds.items()) if self._holds else ():
                 if until <= now and dest not in self._held:
                     c = self._probe_claim(dest)
                     if c is not None:
@@ -5473,12 +5635,10 @@ class Worker(object):
 
     def _start(self, c):
         (slot, probe, lane), self._taken = self._taken, (None, None, None)
-        kind, target = self.resolve(c.job["type"])
+        rules = self.spool.rules(c.job["type"])
+        kind, target = self.resolve(c.job["type"], rules)
         run = _Run(c, kind)
-        run.slot, run.probe = slot, probe
-        run.started = _mono()
-        limit = c.job.get("timeout") or self.timeout
-        run.deadline = run.started + limit
+        run.slot, run.probe = slot, probe      # (_launch times the run)
         if kind is None:
             self._hold(run, target)
             return
@@ -5509,7 +5669,6 @@ class Worker(object):
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
         run.target = target
-        rules = self.spool.rules(c.job["type"])
         if rules.get("batch") and not run.probe and lane is not None \
                 and lane.type == c.job["type"]:
             run.batch = [c] + self._claim_more(lane, c, rules["batch"] - 1,
@@ -5950,6 +6109,8 @@ class Worker(object):
             if not self._pending:
                 self._pending_since = _mono()
             self._pending += 1
+            self.log("done", **kv)      # (_logged's way when ok)
+            return
         self._logged(ok, c, "done", kv)
 
     def _move(self, c, job, dest, event, kv, until=None):

@@ -249,3 +249,35 @@ def test_a_job_claimed_before_enqueue_returns_was_enqueued(myq, spool, monkeypat
     monkeypatch.setattr(myq, "_hook", None)
     assert os.listdir(os.path.join(spool, "processing")) == [
         jid + "+w-1-abcdef.1.json"]
+
+
+def test_an_explicit_id_claimed_while_its_producer_unlinks_tmp(myq, spool,
+                                                                monkeypatch):
+    """An explicit id is linked into incoming/, then its tmp/ name unlinked
+    (after the fsync).  A worker that claims it in between sees two names;
+    when the producer's unlink comes between the worker's lstat and its
+    look into tmp/, the worker finds no tmp/ name, and the file has one
+    name left: a job, not a hard link for failed/ (seen in test_chaos)."""
+    sp = myq.Spool(spool)
+    me = myq.Identity(sp)
+    real_scandir = myq._scandir
+    got = []
+
+    def producer_unlinks_first(path):
+        if path == sp.d("tmp"):
+            for name in os.listdir(path):
+                os.unlink(os.path.join(path, name))
+        return real_scandir(path)
+
+    def claim_now(op, path, when):
+        if op == "link" and when == "after" and "/incoming/" in path:
+            monkeypatch.setattr(myq, "_scandir", producer_unlinks_first)
+            got.append(sp._claim(os.path.basename(path), me))
+            monkeypatch.setattr(myq, "_scandir", real_scandir)
+    monkeypatch.setattr(myq, "_hook", claim_now)
+    assert sp.enqueue("ok", {"x": 1}, id="linked-1") == "linked-1"
+    monkeypatch.setattr(myq, "_hook", None)
+    assert got and got[0] is not None and got[0].jid == "linked-1"
+    sp._close(got[0])
+    assert ls(spool, "failed") == []
+    assert [n.split("+")[0] for n in ls(spool, "processing")] == ["linked-1"]
