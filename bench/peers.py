@@ -22,8 +22,8 @@ handler, the payload {"n": i}:
                   calling the @huey.task() enqueues it
     persist-queue SQLiteAckQueue(dir).put({"n": i})  (WAL, synchronous=FULL,
                   set explicitly; it is SQLite's default too)
-    floor         run.floor_enqueue: create in tmp/, write, fsync, close,
-                  rename into incoming/, fsync incoming/
+    floor         run.floor_enqueue: create in tmp/, write, rename into
+                  incoming/, fsync, close, fsync incoming/
 - drain: in another process (as a consumer is), after os.sync(), until the
   queue is empty.
     myq           Worker(dir, handlers={"noop": fn}).run(drain=True), its log
