@@ -738,10 +738,11 @@ def _encode_value(v):
 
 
 def _dumps_new(job):
-    """dumps() of a job new_job() made: the same bytes, each time formatted
-    once (created_at = updated_at = available_at without a delay; repr of a
-    float costs more than the rest of the encoding).  The keys are
-    new_job()'s and need no escaping; the id and type passed NAME_RE."""
+    """dumps() of a job new_job() made: the same bytes.  The usual shape
+    (no options) in one format, each time formatted once (created_at =
+    updated_at = available_at without a delay; repr of a float costs more
+    than the rest of the encoding); the keys are new_job()'s and need no
+    escaping, the id and type passed NAME_RE.  Any other: dumps()."""
     c = job["created_at"]
     if c.__class__ is float and tuple(job) == _NEW_KEYS:
         # the usual shape (no options): one format
@@ -761,31 +762,7 @@ def _dumps_new(job):
                 raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
             except (ValueError, TypeError, RecursionError) as e:
                 raise InvalidJob("job cannot be stored as JSON: %s" % e)
-    last = text = None
-    out = []
-    try:
-        for k, v in job.items():
-            if v.__class__ is float:
-                if v != last or not v:
-                    if not -MAX_TIME < v < MAX_TIME:
-                        break               # (nan, inf: dumps() says why)
-                    last, text = v, v.__repr__()
-                out.append('"%s":%s' % (k, text))
-            elif v is None:
-                out.append('"%s":null' % k)
-            elif v.__class__ is int:
-                out.append('"%s":%s' % (k, v.__repr__()))
-            elif v.__class__ is str and (k == "id" or k == "type"):
-                out.append('"%s":"%s"' % (k, v))
-            else:
-                out.append('"%s":%s' % (k, _encode_value(v)))
-        else:
-            return ("{" + ",".join(out) + "}\n").encode("utf-8")
-    except UnicodeError:
-        raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
-    except (ValueError, TypeError, RecursionError) as e:
-        raise InvalidJob("job cannot be stored as JSON: %s" % e)
-    return dumps(job)
+    return dumps(job)       # (options: the general encoder)
 
 
 def parse(data):

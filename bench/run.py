@@ -814,7 +814,7 @@ class Bench(object):
             else:
                 out = self.drain_child(sp, base, "drain")
                 rate = out["done"] / (out["t1"] - out["t0"])
-                if out["done"] != n or count(os.path.join(sp, "locks", "ok")) != n:
+                if out["done"] != n or count(os.path.join(sp, "done")) != n:
                     self.res.notes.append("%s: drain ran %d of %d jobs" % (fs, out["done"], n))
                 self.res.add(fs, "hwm_drain1k", out["hwm"] / MiB)
         self.res.add(fs, "drain", rate, frate)
@@ -957,7 +957,7 @@ class Bench(object):
                     else:
                         out = self.drain_child(sp, base, key, handlers_dir=hd,
                                                concurrency=conc)
-                        ok = count(os.path.join(sp, "locks", "ok"))
+                        ok = count(os.path.join(sp, "done"))
                         mn += ok
                         mt += out["t1"] - out["t0"]
                         if ok != per:
@@ -994,7 +994,7 @@ class Bench(object):
         for _, rec in procs:
             with open(rec) as f:
                 ids.extend(f.read().split())
-        expected = set(os.listdir(os.path.join(sp, "locks", "ok")))
+        expected = set(os.listdir(os.path.join(sp, "done")))
         once = (len(ids) == n and len(set(ids)) == n and len(expected) == n
                 and count(os.path.join(sp, "incoming")) == 0
                 and count(os.path.join(sp, "processing")) == 0
@@ -1004,7 +1004,7 @@ class Bench(object):
         self.res.add(fs, "two_split", split)
         if not once:
             self.res.notes.append("%s: 2 workers ran %d handler calls for %d jobs "
-                                  "(%d distinct), ok records %d"
+                                  "(%d distinct), %d in done/"
                                   % (fs, len(ids), n, len(set(ids)), len(expected)))
 
     # memory --------------------------------------------------------------
