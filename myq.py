@@ -1282,10 +1282,12 @@ class Identity:
                 "started_at": _now()}
 
     def register(self):
-        # Through tmp/: a record is never seen half-written (an empty record
-        # could not be judged and would never be pruned).
+        # Through tmp/, fsync'd: a record is never seen half-written, not
+        # even after a power cut (an empty record cannot be judged: the
+        # claims of its dead worker would wait out their lease instead of
+        # being taken back at once, as the UBIFS power cuts showed).
         tmp = self.spool.d("tmp", self.wid + ".worker")
-        _create(tmp, dumps(self.record()), sync=False)
+        _create(tmp, dumps(self.record()), sync=True)
         _rename(tmp, self.path)
         self.registered = True
         self.beat()
@@ -2779,12 +2781,19 @@ class Spool(object):
             rp = self.d("locks", "workers", wid + ".json")
             try:
                 data, st = self.read_file(rp, 65536)
-                rec = json.loads(data.decode("utf-8"))
-                rec["_beat"] = st.st_mtime
+                if not data.strip(b"\0 \t\r\n"):
+                    # whole or absent since it is fsync'd (register); an
+                    # empty one is from before that, cut by the power
+                    rec = False
+                else:
+                    rec = json.loads(data.decode("utf-8"))
+                    rec["_beat"] = st.st_mtime
             except (OSError, ValueError, InvalidJob):
                 rec = None
             cache[wid] = rec
         rec = cache[wid]
+        if rec is False:
+            return "worker %s is gone (its record is empty)" % wid
         if rec is None:
             if not os.path.lexists(self.d("locks", "workers", wid + ".json")):
                 return "worker %s is gone" % wid

@@ -743,6 +743,21 @@ def test_retry_and_redrive_durability_order(tmp_path):
                   lambda p: p.rstrip("/").endswith("/incoming")) > pub
 
 
+def test_worker_record_is_durable_before_its_name(tmp_path):
+    """A worker's record (locks/workers/WID.json) is fsync'd before its
+    rename: after a power cut it is whole or absent.  An empty one cannot
+    be judged, and the dead worker's claims waited out their lease (the
+    UBIFS power cuts found 47 recoveries that left a claim in processing/)."""
+    path = str(tmp_path / "spool")
+    myq.Spool(path).init()
+    calls = _calls_of(path, lambda p, arm: (
+        arm(), myq.Identity(myq.Spool(p)).register()))
+    pub = _index(calls, "rename", "before", lambda p: under(p, "locks/workers"))
+    tmp = [p for o, p, w in calls[:pub] if o == "create" and under(p, "tmp")]
+    assert tmp, calls
+    assert _index(calls, "fsync", "after", lambda p: p == tmp[-1]) < pub, calls
+
+
 def test_complete_order(tmp_path):
     """Success is one rename into done/ (the done file is the job's
     idempotency record): no other file is made, and done/ is fsynced (the

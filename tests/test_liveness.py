@@ -301,3 +301,21 @@ def test_hung_worker_is_robbed_after_its_lease(
     assert effects(tmp_path) == ["j1"]
     assert "event=lost id=j1" in log.read_text()
     assert ls(spool, "dlq") == [] and ls(spool, "incoming") == []
+
+
+def test_claim_of_a_worker_whose_record_is_empty_is_taken_back_at_once(
+        myq, spool):
+    """A power cut before a worker's record was written leaves it empty
+    (found by the UBIFS power cuts): it cannot say the worker lives, so its
+    claims are taken back at once, not after their lease."""
+    sp = myq.Spool(spool)
+    jid = sp.enqueue("t", {"n": 1})
+    me = myq.Identity(sp)
+    me.register()
+    c = sp._claim(jid + ".json", me)
+    assert c is not None
+    sp._close(c)
+    open(me.path, "w").close()          # the record, as a cut left it
+    assert sp.reap() == 1
+    assert ls(spool, "processing") == []
+    assert ls(spool, "incoming") == [jid + ".json"]

@@ -146,8 +146,15 @@ def test_broker_restarted_mid_run_loses_nothing(spool, tmp_path, procs):
         retried = lambda: "DestinationDown: mqtt: " in log.read_text()  # noqa: E731
         wait_for(retried, what="a publish to fail while the broker is down")
         b.start()
-        wait_for(lambda: stats(spool)["done"] == n, timeout=60,
-                 what="all jobs done (%s)" % stats(spool))
+        try:
+            wait_for(lambda: stats(spool)["done"] == n, timeout=60,
+                     what="all jobs done")
+        except AssertionError as e:     # what a flake needs to be understood
+            held = os.path.join(spool, "locks", "held")
+            raise AssertionError("%s; stats now: %s; locks/held: %s; worker log "
+                                 "tail:\n%s" % (e, stats(spool), sorted(
+                                     os.listdir(held)) if os.path.isdir(held)
+                                     else "-", log.read_text()[-3000:]))
         stop(w)
         wait_for(lambda: len(set(sub.payloads())) == n, timeout=30,
                  what="every message at the subscriber")
