@@ -1759,35 +1759,26 @@ class Spool(object):
         it); a record in locks/ok/ (mtime: when it was done) outlives it."""
         if dirs == self._paths:
             dirs = None
-        t = None
-        try:
-            if dirs is None:
-                # (every claim asks: access(2) says no without the cost of
-                # an exception; it looks with the real uid, as good here)
-                p = self._done + jid + ".json"
-                if os.access(p, os.F_OK):
-                    t = os.stat(p).st_ctime
-            else:
-                t = os.stat(jid + ".json", dir_fd=dirs("done"),
-                            follow_symlinks=False).st_ctime
-        except OSError:
-            pass
         now = _now() if now is None else now
         window = self.opt["dedupe_window"]
-        if t is not None and (t + window > now or t > now):
-            return True
-        try:
-            if dirs is None:
-                p = self._ok + jid
-                if not os.access(p, os.F_OK):
-                    return False
-                t = os.stat(p).st_mtime
-            else:
-                t = os.stat(jid, dir_fd=dirs("locks/ok"),
-                            follow_symlinks=False).st_mtime
-        except OSError:
-            return False
-        return t + window > now or t > now
+        for sub, name, when in (("done", jid + ".json", "st_ctime"),
+                                ("locks/ok", jid, "st_mtime")):
+            try:
+                if dirs is None:
+                    # (every claim asks: access(2) says no without the cost
+                    # of an exception; it looks with the real uid, as good)
+                    p = (self._done if sub == "done" else self._ok) + name
+                    if not os.access(p, os.F_OK):
+                        continue
+                    st = os.stat(p)
+                else:
+                    st = os.stat(name, dir_fd=dirs(sub), follow_symlinks=False)
+            except OSError:
+                continue
+            t = getattr(st, when)
+            if t + window > now or t > now:
+                return True
+        return False
 
     def _mark_ok(self, jid, t=None):
         """A record in locks/ok/ that `jid` was done at `t` (default now)."""
@@ -2147,6 +2138,10 @@ class Spool(object):
     def waiting_dirs(self):
         """incoming/ and its lanes: every directory of waiting jobs."""
         return ["incoming"] + [l[2] for l in self.lanes()]
+
+    def waits_at(self, job, jid):
+        """The path in the spool of a waiting job: HOME/ID.json."""
+        return "%s/%s.json" % (self.home(job), jid)
 
     def home(self, job, rules=None):
         """Where a waiting job lives: "incoming", or its lane (a priority
@@ -5648,8 +5643,7 @@ class Worker(object):
             until = None
         if until is not None and run.probe != run.dest:
             new = None if until > _now() else self.spool.take_probe(
-                run.dest, self.backoff, "%s/%s.json" % (
-                    self.spool.home(c.job), c.jid))
+                run.dest, self.backoff, self.spool.waits_at(c.job, c.jid))
             if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
                            "is held" % run.dest)
@@ -6020,8 +6014,7 @@ class Worker(object):
             d = delay if delay is not None else self.backoff(max(1, c.attempt))
             job["available_at"] = now = _now()      # see Spool._move_on
             kv.update(retry_in=round(d, 3), error=error, counted=False)
-            self.spool.note_held(run.dest, "%s/%s.json" % (self.spool.home(job),
-                                                            c.jid))
+            self.spool.note_held(run.dest, self.spool.waits_at(job, c.jid))
             self._move(c, job, "incoming", "retry", kv, now + d)
             return
         if outcome == "retry" and c.attempt >= c.max_attempts:
@@ -6038,8 +6031,7 @@ class Worker(object):
         kv["error"] = error
         until = None
         if run.dest_fail:       # the release makes it ready at once
-            self.spool.note_held(run.dest, "%s/%s.json" % (self.spool.home(job),
-                                                            c.jid))
+            self.spool.note_held(run.dest, self.spool.waits_at(job, c.jid))
             job["available_at"], until = now, now + d   # see Spool._move_on
         self._move(c, job, "incoming", "retry", kv, until)
 
@@ -6171,8 +6163,8 @@ class Worker(object):
         job = dict(c.job)
         job["available_at"] = _now()        # see Spool._move_on
         job["last_error"] = "held: " + why
-        self.spool.note_held(run.dest or job["type"], "%s/%s.json" % (
-            self.spool.home(job), c.jid))
+        self.spool.note_held(run.dest or job["type"],
+                             self.spool.waits_at(job, c.jid))
         self._free(run)
         self._move(c, job, "incoming", None, {}, until + self._parked_for())
 

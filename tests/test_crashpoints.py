@@ -660,16 +660,19 @@ def _index(calls, op, when, pred):
         map(repr, calls))))
 
 
-def _assert_published_durably(calls, dest, via=("rename", "link")):
-    pub = None
+def _published(calls, dest, when="before", via=("rename", "link")):
+    """Index of the rename (or link) that puts a job file into `dest`."""
     for o in via:
         try:
-            pub = _index(calls, o, "before", lambda p: under(p, dest)
-                         and p.endswith(".json"))
-            break
+            return _index(calls, o, when, lambda p: under(p, dest)
+                          and p.endswith(".json"))
         except AssertionError:
             continue
-    assert pub is not None, calls
+    raise AssertionError("nothing published into %s: %r" % (dest, calls))
+
+
+def _assert_published_durably(calls, dest, via=("rename", "link")):
+    pub = _published(calls, dest, via=via)
     src_like = [p for o, p, w in calls[:pub] if o == "create" and under(p, "tmp")]
     assert src_like, "the job was not written in tmp/ first: %r" % calls
     tmp = src_like[-1]
@@ -691,15 +694,7 @@ def test_enqueue_durability_order(spool):
     for kw in ({}, {"id": "x1"}, {"id": "x2", "delay": 5}):
         calls = _calls_of(spool, lambda path, arm: (
             arm(), myq.enqueue(path, "rec", {"a": 1}, **kw)))
-        pub = None
-        for o in ("rename", "link"):
-            try:
-                pub = _index(calls, o, "after", lambda p: under(p, "incoming")
-                             and p.endswith(".json"))
-                break
-            except AssertionError:
-                continue
-        assert pub is not None, calls
+        pub = _published(calls, "incoming", "after")
         tmp = [p for o, p, w in calls[:pub] if o == "create" and under(p, "tmp")]
         assert tmp, "the job was not written in tmp/ first: %r" % calls
         wrote = _index(calls, "write", "after", lambda p: p == tmp[-1])
