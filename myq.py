@@ -1761,8 +1761,11 @@ class Spool(object):
             dirs = None
         now = _now() if now is None else now
         window = self.opt["dedupe_window"]
-        for sub, name, when in (("done", jid + ".json", "st_ctime"),
-                                ("locks/ok", jid, "st_mtime")):
+        records = (("done", jid + ".json", "st_ctime"),)
+        if not GENERATED_ID_RE.match(jid):
+            # (an id myq generated never gets a locks/ok/ record: _outlive)
+            records += (("locks/ok", jid, "st_mtime"),)
+        for sub, name, when in records:
             try:
                 if dirs is None:
                     # (every claim asks: access(2) says no without the cost
@@ -4696,6 +4699,7 @@ class Worker(object):
         self._top = _Lane("incoming", path=self.spool.d("incoming"))
         self._lanes_path = self.spool.d(LANES)
         self._lanes, self._lanes_key = [self._top], None
+        self._lanes_look = 0.0      # no lanes yet: when to look again
         self._holds = {}            # held destination -> until (wall clock)
         self._streaky = set()       # destinations with failures in a row
         self._safe_names = {}       # destination -> its name as a file
@@ -5289,6 +5293,8 @@ class Worker(object):
 
     @dirty.setter
     def dirty(self, value):
+        if value:
+            self._lanes_look = 0.0      # a producer's lane may be new
         for L in self._lanes:
             L.dirty = L.dirty or value
 
@@ -5304,13 +5310,26 @@ class Worker(object):
         for L in self._lanes:
             L.end_sweep()
 
-    def _sync_lanes(self):
+    def _sync_lanes(self, fresh=False):
         """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
         producer poked the wake FIFO since (read here at each claim: while
         jobs run back to back the loop's select comes only now and then),
         which changed: a stat each."""
-        if self._lanes_key is None and not os.access(self._lanes_path, os.F_OK):
-            return      # no lanes, as before: access() raises no exception
+        if self._lanes_key is None:
+            # No lanes yet: look for incoming/lanes/ when a poke waits in
+            # the FIFO (the job may have made the first lane; poll() is
+            # cheap), after a change of incoming/ (the dirty setter), at a
+            # fresh look (the scan may have moved producers' files to new
+            # lanes), else every 50 ms: not at each claim, where the path
+            # lookup was 5% of a drained job.
+            now = _mono()
+            fifo = getattr(self, "_wake_poll", None)
+            if now < self._lanes_look and not fresh and (
+                    fifo is None or not fifo.poll(0)):
+                return
+            self._lanes_look = now + 0.05
+            if not os.access(self._lanes_path, os.F_OK):
+                return  # no lanes, as before: access() raises no exception
         try:
             st = os.stat(self._lanes_path)
             key = (st.st_mtime_ns, st.st_ino)
@@ -5389,7 +5408,7 @@ class Worker(object):
         inf = float("inf")
         fresh = False       # force: a fresh look at every lane, once, when
         while True:         # the caches gave nothing
-            self._sync_lanes()
+            self._sync_lanes(fresh)
             # the time for the holds and the gates of typed lanes (none:
             # not read)
             now = _now() if self._holds or len(self._lanes) > 1 else None
@@ -5457,7 +5476,7 @@ class Worker(object):
         """For --drain: is any job ready now (after a fresh scan)?  Jobs of
         a paused type or a held destination are not, unless a probe is
         due."""
-        self._sync_lanes()
+        self._sync_lanes(True)
         now = _now()
         for L in self._lanes:
             if L.type is not None and (self.spool.rules(L.type).get("paused") or
