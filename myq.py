@@ -570,6 +570,47 @@ _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
 _WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
 
 
+class _KeptWake(dict):
+    """A producer's open wake FIFOs (Spool._poke_kept): spool path ->
+    (descriptor, its poll object), or the _mono() time before which no
+    worker listened."""
+
+    def __init__(self):
+        import _thread
+        import select
+        dict.__init__(self)
+        self.lock = _thread.allocate_lock()
+        self.poll, self.POLLOUT = select.poll, select.POLLOUT
+        self.POLLERR = select.POLLERR
+        self.GONE = select.POLLERR | select.POLLHUP | select.POLLNVAL
+        if hasattr(os, "register_at_fork"):     # a lock held at fork is
+            os.register_at_fork(after_in_child=self._forked)  # not the child's
+
+    def _forked(self):
+        import _thread
+        self.lock = _thread.allocate_lock()
+
+
+_KEPT_WAKE = [None, 0]  # _KeptWake, pokes so far
+
+
+def _kept_wake():
+    """The process's _KeptWake from its second enqueue on (a one-shot
+    `myq enqueue` keeps nothing open, and imports nothing for it); None
+    before, or where there is no poll()."""
+    kept = _KEPT_WAKE[0]
+    if kept is None:
+        _KEPT_WAKE[1] += 1
+        if _KEPT_WAKE[1] < 2:
+            return None
+        try:
+            kept = _KEPT_WAKE[0] = _KeptWake()
+        except (ImportError, AttributeError):
+            _KEPT_WAKE[1] = -1 << 62            # never again
+            return None
+    return kept
+
+
 def _open_dir(name, dir_fd=None, show=None):
     """A descriptor of directory `name` (in `dir_fd`), never through a
     symlink; ConfigError when it is not a directory."""
@@ -1340,6 +1381,7 @@ class Spool(object):
         self._wake = os.path.join(self.path, "locks", "wake")
         self._ready = False
         self._free_checked = (-1e9, True)
+        self._budget = (-1e9, 0, 0, 0)    # _room_for's
         self._seq = 0
         self._pol, self._pol_key, self._pol_next = {}, None, 0.0
         self._rules, self._homes = {}, {}     # per type, for this policy
@@ -1498,19 +1540,46 @@ class Spool(object):
 
     def free_problem(self):
         """None, or why the disk-free guard refuses writes now."""
+        return self._free()[0]
+
+    def _free(self):
+        """(None or why the disk-free guard refuses writes now, bytes free
+        beyond --min-free, inodes free beyond --min-free-inodes, block
+        size); (None, 0, 0, 0) when statvfs fails."""
         try:
             st = os.statvfs(self.path)
         except OSError:
-            return None
+            return None, 0, 0, 0
         free = st.f_bavail * st.f_frsize
+        files = st.f_favail - self.opt["min_free_inodes"] if st.f_files \
+            else 1 << 62                # (no inode count: vfat, UBIFS)
         if free < self.opt["min_free"]:
             return ("only %d KiB free on the spool's filesystem (--min-free is "
                     "%d KiB); free some space or lower --min-free"
-                    % (free // 1024, self.opt["min_free"] // 1024))
-        if st.f_files and st.f_favail < self.opt["min_free_inodes"]:
+                    % (free // 1024, self.opt["min_free"] // 1024)), 0, 0, 0
+        if files < 0:
             return ("only %d inodes free on the spool's filesystem "
                     "(--min-free-inodes is %d); remove files or prune"
-                    % (st.f_favail, self.opt["min_free_inodes"]))
+                    % (st.f_favail, self.opt["min_free_inodes"])), 0, 0, 0
+        return None, free - self.opt["min_free"], files, st.f_frsize or 4096
+
+    def _room_for(self, jobs):
+        """The disk-free guard for a producer's new files (`jobs`: their
+        bytes): None, or why it refuses them.  statvfs is asked at most once
+        a second while this object's own files since stay within what it
+        last saw free beyond the reserve (each counted a block more than
+        its bytes, and an inode); else at once.  Like the worker's guard,
+        what others write within that second is seen a second late."""
+        t, room, files, block = self._budget
+        now = _mono()
+        need = sum(jobs) + block * len(jobs)
+        if now - t >= 1.0 or need > room or len(jobs) > files:
+            problem, room, files, block = self._free()
+            if problem:
+                self._budget = (-1e9, 0, 0, 0)
+                return problem
+            t = now
+        self._budget = (t, room - need, files - len(jobs), block)
         return None
 
     def low_on_space(self, now=None):
@@ -1560,7 +1629,7 @@ class Spool(object):
         return job, data, explicit, delay, self.home(job, rules)
 
     def _enqueue(self, todo, sync):
-        problem = self.free_problem()
+        problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         # Through descriptors of the directories, opened without following a
@@ -1585,7 +1654,7 @@ class Spool(object):
             if done:
                 if sync:
                     self._fsync_or_withdraw(done, dirs)
-                self.poke(dirs)
+                self.poke(dirs, keep=True)
         except OSError as e:        # opening the directories
             raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
                             % (self.path, e.strerror))
@@ -1712,9 +1781,26 @@ class Spool(object):
                             "(by the spool's owner?); nothing was enqueued"
                             % (jid, self.path))
 
-    def poke(self, dirs=None):
+    def poke(self, dirs=None, keep=False):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
-        into anything else that may stand there)."""
+        into anything else that may stand there).  With `keep` (enqueue),
+        the FIFO stays open for this process's next poke (_poke_kept)."""
+        kept = _kept_wake() if keep else None
+        if kept is not None:
+            with kept.lock:
+                return self._poke_kept(dirs, kept)
+        fd = self._open_wake(dirs)
+        if fd is not None:
+            try:
+                os.write(fd, b"!")
+            except OSError:     # EAGAIN: the pipe is full, it is awake anyway
+                pass
+            finally:
+                os.close(fd)
+
+    def _open_wake(self, dirs):
+        """locks/wake open for writing, or None: no worker listens (ENXIO),
+        or something else than a FIFO stands there."""
         try:
             if dirs is not None and dirs._euid == 0:
                 # root in a spool that may be another user's: through
@@ -1723,14 +1809,53 @@ class Spool(object):
             else:
                 fd = os.open(self._wake, _WAKE_FLAGS)
         except (OSError, MyqError):     # ENXIO: no worker is listening
-            return
+            return None
         try:
             if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                os.write(fd, b"!")
-        except OSError:         # EAGAIN: the pipe is full, it is awake anyway
+                return fd
+        except OSError:
             pass
-        finally:
+        os.close(fd)
+        return None
+
+    def _poke_kept(self, dirs, kept_fds):
+        """A producer's poke: the FIFO it opened before (one poll, one
+        write: not five calls), or a new one.  poll() says when no worker
+        reads it any more (then a write would raise SIGPIPE): it is closed
+        and opened anew, which also finds a FIFO made anew.  Where no worker
+        listens, the next poke looks again 10 ms later, not at once: a
+        starting worker scans incoming/ anyway, and a job put in between
+        waits at most for the next poke or the worker's poll."""
+        kept = kept_fds.get(self.path)
+        if kept.__class__ is float:
+            if _mono() < kept:
+                return
+        elif kept is not None:
+            fd, p = kept
+            try:
+                ev = p.poll(0)
+            except OSError:
+                ev = [(fd, kept_fds.POLLERR)]
+            if not ev or not ev[0][1] & kept_fds.GONE:
+                if ev:                  # not full (else: awake anyway)
+                    try:
+                        os.write(fd, b"!")
+                    except OSError:
+                        pass
+                return
             os.close(fd)
+        kept_fds.pop(self.path, None)
+        fd = self._open_wake(dirs)
+        if fd is None:
+            kept_fds[self.path] = _mono() + 0.01
+            return
+        p = kept_fds.poll()
+        p.register(fd, kept_fds.POLLOUT)
+        kept_fds[self.path] = (fd, p)
+        try:
+            os.write(fd, b"!")
+        except OSError:
+            pass
 
     def find_id(self, jid, now=None, dirs=None):
         """Where an id lives for de-duplication: a state name or None."""

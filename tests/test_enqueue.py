@@ -281,3 +281,164 @@ def test_an_explicit_id_claimed_while_its_producer_unlinks_tmp(myq, spool,
     sp._close(got[0])
     assert ls(spool, "failed") == []
     assert [n.split("+")[0] for n in ls(spool, "processing")] == ["linked-1"]
+
+
+# A producer's poke and disk-free guard, cheaper from its second job on #######
+
+def _reader(spool):
+    """A listening worker's end of locks/wake."""
+    return os.open(os.path.join(spool, "locks", "wake"),
+                   os.O_RDONLY | os.O_NONBLOCK)
+
+
+def _pokes(fd):
+    try:
+        return len(os.read(fd, 4096))
+    except BlockingIOError:
+        return 0
+
+
+def test_a_kept_wake_fifo_made_anew_is_found(myq, spool):
+    """From its second enqueue a process keeps locks/wake open.  When the
+    FIFO is made anew (a spool initialised again) and the old one has no
+    reader, the next poke opens the new one: a blind write to the kept
+    descriptor would reach no worker."""
+    r1 = _reader(spool)
+    sp = myq.Spool(spool)
+    for i in range(3):
+        sp.enqueue("t", i)
+    assert _pokes(r1) >= 1
+    os.close(r1)
+    wake = os.path.join(spool, "locks", "wake")
+    os.unlink(wake)
+    os.mkfifo(wake, 0o660)
+    r2 = _reader(spool)
+    try:
+        sp.enqueue("t", 9)
+        assert _pokes(r2) == 1
+    finally:
+        os.close(r2)
+
+
+def test_a_kept_wake_fifo_without_reader_raises_no_sigpipe(spool):
+    """The worker stops while a producer keeps the FIFO open: the next poke
+    must not write into a FIFO without a reader, which kills a process
+    that let SIGPIPE kill it (SIG_DFL, as many command-line tools do)."""
+    code = r'''
+import os, signal, sys
+sys.path.insert(0, %r)
+import myq
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+r = os.open(%r, os.O_RDONLY | os.O_NONBLOCK)
+sp = myq.Spool(%r)
+sp.enqueue("t", 1); sp.enqueue("t", 2)      # the second keeps the FIFO open
+os.close(r)                                 # the worker is gone
+sp.enqueue("t", 3)
+print("alive")
+''' % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+       os.path.join(spool, "locks", "wake"), spool)
+    import subprocess
+    import sys
+    cp = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, universal_newlines=True,
+                        timeout=60)
+    assert cp.returncode == 0 and cp.stdout == "alive\n", (cp.returncode,
+                                                           cp.stderr)
+    assert len(ls(spool, "incoming")) == 3
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_one_enqueue_keeps_nothing_open_and_many_keep_one_fifo(spool):
+    """`myq enqueue` (one job a process) leaves no descriptor open; a
+    process that enqueues many keeps one: the FIFO of that spool."""
+    code = r'''
+import os, sys
+sys.path.insert(0, %r)
+import myq
+r = os.open(%r, os.O_RDONLY | os.O_NONBLOCK)
+fds = lambda: set(os.listdir("/proc/self/fd"))
+before = fds()
+sp = myq.Spool(%r)
+sp.enqueue("t", 1)
+one = fds() - before
+for i in range(50):
+    sp.enqueue("t", i)
+many = [os.readlink("/proc/self/fd/" + f) for f in fds() - before]
+import json
+print(json.dumps([len(one), many, len(os.read(r, 4096))]))
+''' % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+       os.path.join(spool, "locks", "wake"), spool)
+    import subprocess
+    import sys
+    cp = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, universal_newlines=True,
+                        timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    one, many, pokes = json.loads(cp.stdout)
+    assert one == 0, cp.stdout
+    assert [os.path.basename(p) for p in many] == ["wake"], cp.stdout
+    assert pokes == 51, cp.stdout           # every job poked
+
+
+def test_no_worker_listening_is_looked_for_again_soon(myq, spool, monkeypatch):
+    """Where no worker listened, a producer does not look again for 10 ms
+    (each look is a failed open); after that, a worker that came is poked."""
+    clock = [1000.0]
+    monkeypatch.setattr(myq, "_mono", lambda: clock[0])
+    sp = myq.Spool(spool)
+    sp.enqueue("t", 1)
+    sp.enqueue("t", 2)          # kept from here on: none listens
+    r = _reader(spool)
+    try:
+        sp.enqueue("t", 3)
+        assert _pokes(r) == 0   # within the 10 ms: not looked for
+        clock[0] += 0.011
+        sp.enqueue("t", 4)
+        assert _pokes(r) == 1
+    finally:
+        os.close(r)
+
+
+def test_the_disk_free_guard_asks_once_a_second_while_its_room_lasts(
+        myq, spool, monkeypatch):
+    """statvfs at most once a second while the jobs since fit in what it
+    saw free beyond --min-free (a job counted as its bytes and a block);
+    at once when they do not, and then it refuses."""
+    real = os.statvfs
+    free = [None]
+    calls = []
+
+    class Fake:
+        def __init__(self, st):
+            self.__st = st
+
+        def __getattr__(self, name):
+            if name == "f_bavail":
+                return free[0] // self.__st.f_frsize
+            return getattr(self.__st, name)
+
+    def statvfs(p):
+        calls.append(p)
+        return Fake(real(p))
+    clock = [1000.0]
+    monkeypatch.setattr(myq, "_mono", lambda: clock[0])
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    sp = myq.Spool(spool, min_free=1 << 20)
+    block = real(spool).f_frsize
+    free[0] = (1 << 20) + 10 * block            # room for some jobs
+    for i in range(4):
+        sp.enqueue("t", i)
+    assert len(calls) == 1                      # 4 jobs: 4 * (bytes + block)
+    clock[0] += 1.0
+    sp.enqueue("t", 4)
+    assert len(calls) == 2                      # a second later: again
+    for i in range(5, 20):
+        try:
+            sp.enqueue("t", i)
+        except myq.SpoolFull:
+            break
+        free[0] -= 2 * block                    # as the files really take
+    else:
+        pytest.fail("never refused")
+    assert len(calls) >= 3                      # asked again when the room ran out
+    assert not any(n.endswith(".new") for n in ls(spool, "tmp"))
