@@ -592,6 +592,7 @@ class _KeptWake(dict):
 
 
 _KEPT_WAKE = [None, 0]  # _KeptWake, pokes so far
+_FADVISE = hasattr(os, "posix_fadvise")
 
 
 def _kept_wake():
@@ -1601,8 +1602,9 @@ class Spool(object):
                              sync)[0]
 
     def enqueue_many(self, specs, sync=True):
-        """Add many jobs with one directory fsync.  All are validated before
-        any is written; jobs placed before an error stay queued."""
+        """Add many jobs, durable when it returns (sync): on ext4 in one
+        journal commit (_enqueue).  All are validated before any is
+        written; jobs placed before an error stay queued."""
         self.require()
         now = _now()
         todo = []
@@ -1637,6 +1639,13 @@ class Spool(object):
         # own, whatever its owner puts in place of tmp/ or incoming/.
         dirs = _Dirs(self.path)
         done = []
+        # Many jobs: each file's writeback is started (posix_fadvise) and its
+        # fsync left for later, so that the blocks of all are allocated
+        # before the first fsync: its journal commit then holds them all,
+        # and the other fsyncs find nothing to commit (ext4, 100 jobs: 2
+        # commits, not 100).  The cost: their pages leave the page cache,
+        # and the worker reads them from the disk.
+        later = [] if sync and len(todo) > 1 and _FADVISE else None
         try:
             try:
                 for job, data, explicit, delay, sub in todo:
@@ -1645,13 +1654,23 @@ class Spool(object):
                         full = self.make_room(job["type"], len(data), dirs)
                         if full:
                             raise SpoolFull(full)
-                    self._place_new(job, data, explicit, delay, sync, dirs, sub)
+                    self._place_new(job, data, explicit, delay, sync, dirs, sub,
+                                    later)
                     done.append((job["id"], sub))
+                    if later and len(later) >= 256:     # descriptors
+                        self._fsync_later(later, done)
             except BaseException:
+                if later:
+                    try:                # the jobs placed before the error
+                        self._fsync_later(later, done)
+                    except MyqError:
+                        pass            # (the first error is the one to say)
                 if done and sync:
                     self._fsync_or_withdraw(done, dirs)
                 raise
             if done:
+                if later:
+                    self._fsync_later(later, done)
                 if sync:
                     self._fsync_or_withdraw(done, dirs)
                 self.poke(dirs, keep=True)
@@ -1661,6 +1680,30 @@ class Spool(object):
         finally:
             dirs.close()
         return [jid for jid, sub in done]
+
+    def _fsync_later(self, later, done):
+        """The fsyncs _place_new left for later, in order.  The first that
+        fails takes back its job and every one after it (not durable: not
+        enqueued; `done` loses them), and raises as _place_new would."""
+        try:
+            while later:
+                jid, ino, dfd, fd, dst = later[0]
+                try:
+                    _step("fsync", dst, "before")
+                    os.fsync(fd)
+                    _step("fsync", dst, "after")
+                except OSError as e:
+                    for jid, ino, dfd, fd, dst in later:
+                        self._withdraw(jid, ino, dfd)
+                    gone = set(x[0] for x in later)
+                    done[:] = [x for x in done if x[0] not in gone]
+                    self._write_error(jid, e)
+                os.close(fd)
+                del later[0]
+        finally:
+            for x in later:
+                os.close(x[3])
+            del later[:]
 
     def _fsync_or_withdraw(self, placed, dirs):
         """Commit incoming/ (and the lanes used); when that fails the jobs
@@ -1681,7 +1724,8 @@ class Spool(object):
         self._seq += 1
         return "%s%s.%d.%d.new" % (self._tmp, jid, os.getpid(), self._seq)
 
-    def _place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming"):
+    def _place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming",
+                   later=None):
         jid = job["id"]
         if explicit:
             where = self.find_id(jid, dirs=dirs)
@@ -1715,14 +1759,21 @@ class Spool(object):
                         raise DuplicateJob("job id %s is already queued" % jid)
                     _rename(tmp, dst, tfd, dfd)
             self._placed(jid, ino, dfd)
-            if sync:
+            if later is not None:       # (_enqueue: many jobs)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass                # (its fsync will write it then)
+                later.append((jid, ino, dfd, fd, dst))
+                fd = None
+            elif sync:
                 # The file's fsync comes after its rename into place: one
                 # journal commit then holds its data, its inode and its new
                 # name, and the directory's fsync that follows finds nothing
                 # left to commit (ext4: one commit per enqueue, not two).  A
                 # power cut before it returns may leave the name with no
                 # data: an enqueue that never returned, which the worker
-                # quarantines as an empty file.
+                # removes as an empty file (Spool._unwritten).
                 try:
                     _step("fsync", dst, "before")
                     os.fsync(fd)
@@ -1739,20 +1790,24 @@ class Spool(object):
         except OSError as e:
             if tfd is not None:
                 _quiet_unlink(tmp, tfd)
-            if _space_error(e):
-                raise SpoolFull("spool %s is full (%s); nothing was enqueued; "
-                                "free space or prune" % (self.path, e.strerror))
-            if e.errno in (errno.EACCES, errno.EPERM):
-                raise ConfigError(
-                    "permission denied: uid %d may not write jobs into %s (%s); "
-                    "nothing was enqueued; run myq as the spool's owner%s, or "
-                    "give this user write access" % (os.geteuid(), self.path,
-                                               e.strerror, self._owner_hint()))
-            raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
-                            % (jid, self.path, e.strerror))
+            self._write_error(jid, e)
         finally:
             if fd is not None:
                 os.close(fd)
+
+    def _write_error(self, jid, e):
+        """Raise the MyqError for OSError `e` while job `jid` was written."""
+        if _space_error(e):
+            raise SpoolFull("spool %s is full (%s); nothing was enqueued; "
+                            "free space or prune" % (self.path, e.strerror))
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise ConfigError(
+                "permission denied: uid %d may not write jobs into %s (%s); "
+                "nothing was enqueued; run myq as the spool's owner%s, or "
+                "give this user write access" % (os.geteuid(), self.path,
+                                                 e.strerror, self._owner_hint()))
+        raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
+                        % (jid, self.path, e.strerror))
 
     def _withdraw(self, jid, ino, dfd):
         """An enqueue that cannot be made durable takes its file back (if no

@@ -442,3 +442,60 @@ def test_the_disk_free_guard_asks_once_a_second_while_its_room_lasts(
         pytest.fail("never refused")
     assert len(calls) >= 3                      # asked again when the room ran out
     assert not any(n.endswith(".new") for n in ls(spool, "tmp"))
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """A fresh ext4 filesystem on a loop device: (mount point, a function
+    that reads its journal's commit count).  Root only."""
+    import shutil
+    import subprocess
+    if os.geteuid() != 0:
+        pytest.skip("mounting an ext4 image on a loop device needs root")
+    if not shutil.which("mkfs.ext4"):
+        pytest.skip("mkfs.ext4 is missing (apt-get install e2fsprogs)")
+    img, mnt = str(tmp_path / "img"), str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    with open(img, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.check_call(["mkfs.ext4", "-q", "-F", "-E",
+                           "lazy_itable_init=0,lazy_journal_init=0", img])
+    cp = subprocess.run(["mount", "-o", "loop", img, mnt],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        universal_newlines=True)
+    if cp.returncode:
+        pytest.skip("cannot mount a loop device here: %s" % cp.stdout.strip())
+    try:
+        dev = subprocess.check_output(["findmnt", "-n", "-o", "SOURCE", mnt],
+                                      universal_newlines=True).strip()
+        info = "/proc/fs/jbd2/%s-8/info" % os.path.basename(dev)
+        if not os.path.exists(info):
+            pytest.skip("no %s: cannot count journal commits" % info)
+
+        def commits():
+            with open(info) as f:
+                return int(f.readline().split()[0])
+        yield mnt, commits
+    finally:
+        subprocess.call(["umount", mnt])
+
+
+def test_a_batch_is_one_journal_commit_not_one_a_job(myq, ext4):
+    """enqueue_many starts every file's writeback before the first fsync,
+    so that one journal commit holds all their blocks: on ext4, a batch of
+    100 durable jobs costs a few commits, not 100 (single enqueues: one
+    each, the measure's control)."""
+    mnt, commits = ext4
+    spool = os.path.join(mnt, "spool")
+    sp = myq.Spool(spool)
+    sp.init()
+    os.sync()
+    c0 = commits()
+    for i in range(10):
+        sp.enqueue("t", i)
+    c1 = commits()
+    ids = sp.enqueue_many([{"type": "t", "payload": i} for i in range(100)])
+    c2 = commits()
+    assert c1 - c0 >= 10, "the control: single enqueues, one commit each"
+    assert c2 - c1 <= 3, "%d commits for a batch of 100" % (c2 - c1)
+    assert len(ids) == 100 and len(ls(spool, "incoming")) == 110

@@ -470,11 +470,16 @@ def test_enqueue_under_injected_faults(tmp_path, capsys):
             fn(p)
         finally:
             myq._hook = None
-        last = {}                       # id -> index of its last step
+        # id -> index of the step after which its name is in incoming/, and
+        # of the end of its file's fsync (a batch's come after all names)
+        pub, synced = {}, {}
         for i, (op, path, when) in enumerate(c.calls):
             for jid in ids or ():
-                if os.path.basename(path).startswith(jid + "."):
-                    last[jid] = i
+                if path.endswith("/incoming/" + jid + ".json") and when == "after":
+                    if op in ("rename", "link"):
+                        pub[jid] = i
+                    elif op == "fsync":
+                        synced[jid] = i
         for i in injectable(c.calls):
             op, path, when = c.calls[i]
             for err in sorted(ERRNOS):
@@ -499,7 +504,14 @@ def test_enqueue_under_injected_faults(tmp_path, capsys):
                     problems.append("ENOSPC raised %r, not SpoolFull" % (raised,))
                 elif "\n" in str(raised):
                     problems.append("message is not one line")
-                placed = sorted(j + ".json" for j in ids or () if last[j] < i)
+                # Placed: named in incoming/ before the fault, and then made
+                # durable: a failed fsync of a file takes back that job and
+                # those whose fsyncs were to follow; any other error after
+                # the names leaves them, fsync'd.
+                file_fsync = op == "fsync" and path.endswith(".json")
+                placed = sorted(j + ".json" for j in ids or ()
+                                if pub[j] < i and not (file_fsync and
+                                                       synced[j] >= i))
                 if op == "fsync" and path.rstrip("/").endswith("/incoming"):
                     placed = []     # not durable: enqueue withdraws the jobs
                 if ls(q, "tmp"):
