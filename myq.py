@@ -570,46 +570,10 @@ _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
 _WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
 
 
-class _KeptWake(dict):
-    """A producer's open wake FIFOs (Spool._poke_kept): spool path ->
-    (descriptor, its poll object), or the _mono() time before which no
-    worker listened."""
-
-    def __init__(self):
-        import _thread
-        import select
-        dict.__init__(self)
-        self.lock = _thread.allocate_lock()
-        self.poll, self.POLLOUT = select.poll, select.POLLOUT
-        self.POLLERR = select.POLLERR
-        self.GONE = select.POLLERR | select.POLLHUP | select.POLLNVAL
-        if hasattr(os, "register_at_fork"):     # a lock held at fork is
-            os.register_at_fork(after_in_child=self._forked)  # not the child's
-
-    def _forked(self):
-        import _thread
-        self.lock = _thread.allocate_lock()
-
-
-_KEPT_WAKE = [None, 0]  # _KeptWake, pokes so far
+# spool path -> the _mono() time before which a producer does not look for a
+# listening worker again (Spool.poke)
+_UNHEARD = {}
 _FADVISE = hasattr(os, "posix_fadvise")
-
-
-def _kept_wake():
-    """The process's _KeptWake from its second enqueue on (a one-shot
-    `myq enqueue` keeps nothing open, and imports nothing for it); None
-    before, or where there is no poll()."""
-    kept = _KEPT_WAKE[0]
-    if kept is None:
-        _KEPT_WAKE[1] += 1
-        if _KEPT_WAKE[1] < 2:
-            return None
-        try:
-            kept = _KEPT_WAKE[0] = _KeptWake()
-        except (ImportError, AttributeError):
-            _KEPT_WAKE[1] = -1 << 62            # never again
-            return None
-    return kept
 
 
 def _open_dir(name, dir_fd=None, show=None):
@@ -1673,7 +1637,7 @@ class Spool(object):
                     self._fsync_later(later, done)
                 if sync:
                     self._fsync_or_withdraw(done, dirs)
-                self.poke(dirs, keep=True)
+                self.poke(dirs, often=True)
         except OSError as e:        # opening the directories
             raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
                             % (self.path, e.strerror))
@@ -1836,22 +1800,30 @@ class Spool(object):
                             "(by the spool's owner?); nothing was enqueued"
                             % (jid, self.path))
 
-    def poke(self, dirs=None, keep=False):
+    def poke(self, dirs=None, often=False):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
-        into anything else that may stand there).  With `keep` (enqueue),
-        the FIFO stays open for this process's next poke (_poke_kept)."""
-        kept = _kept_wake() if keep else None
-        if kept is not None:
-            with kept.lock:
-                return self._poke_kept(dirs, kept)
+        into anything else that may stand there).  `often` (a producer's
+        enqueue): where no worker listened, look again 10 ms later, not at
+        once (each look is a failed open; a starting worker scans incoming/
+        anyway, and a job put in between waits at most for the next poke or
+        the worker's --poll).  Nothing stays open between two pokes: a
+        process that enqueued must not keep the spool's filesystem busy
+        (umount)."""
+        if often:
+            t = _UNHEARD.get(self.path)
+            if t is not None and _mono() < t:
+                return
         fd = self._open_wake(dirs)
-        if fd is not None:
-            try:
-                os.write(fd, b"!")
-            except OSError:     # EAGAIN: the pipe is full, it is awake anyway
-                pass
-            finally:
-                os.close(fd)
+        if fd is None:
+            if often:
+                _UNHEARD[self.path] = _mono() + 0.01
+            return
+        try:
+            os.write(fd, b"!")
+        except OSError:     # EAGAIN: the pipe is full, it is awake anyway
+            pass
+        finally:
+            os.close(fd)
 
     def _open_wake(self, dirs):
         """locks/wake open for writing, or None: no worker listens (ENXIO),
@@ -1872,45 +1844,6 @@ class Spool(object):
             pass
         os.close(fd)
         return None
-
-    def _poke_kept(self, dirs, kept_fds):
-        """A producer's poke: the FIFO it opened before (one poll, one
-        write: not five calls), or a new one.  poll() says when no worker
-        reads it any more (then a write would raise SIGPIPE): it is closed
-        and opened anew, which also finds a FIFO made anew.  Where no worker
-        listens, the next poke looks again 10 ms later, not at once: a
-        starting worker scans incoming/ anyway, and a job put in between
-        waits at most for the next poke or the worker's poll."""
-        kept = kept_fds.get(self.path)
-        if kept.__class__ is float:
-            if _mono() < kept:
-                return
-        elif kept is not None:
-            fd, p = kept
-            try:
-                ev = p.poll(0)
-            except OSError:
-                ev = [(fd, kept_fds.POLLERR)]
-            if not ev or not ev[0][1] & kept_fds.GONE:
-                if ev:                  # not full (else: awake anyway)
-                    try:
-                        os.write(fd, b"!")
-                    except OSError:
-                        pass
-                return
-            os.close(fd)
-        kept_fds.pop(self.path, None)
-        fd = self._open_wake(dirs)
-        if fd is None:
-            kept_fds[self.path] = _mono() + 0.01
-            return
-        p = kept_fds.poll()
-        p.register(fd, kept_fds.POLLOUT)
-        kept_fds[self.path] = (fd, p)
-        try:
-            os.write(fd, b"!")
-        except OSError:
-            pass
 
     def find_id(self, jid, now=None, dirs=None):
         """Where an id lives for de-duplication: a state name or None."""

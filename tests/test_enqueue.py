@@ -298,86 +298,30 @@ def _pokes(fd):
         return 0
 
 
-def test_a_kept_wake_fifo_made_anew_is_found(myq, spool):
-    """From its second enqueue a process keeps locks/wake open.  When the
-    FIFO is made anew (a spool initialised again) and the old one has no
-    reader, the next poke opens the new one: a blind write to the kept
-    descriptor would reach no worker."""
-    r1 = _reader(spool)
-    sp = myq.Spool(spool)
-    for i in range(3):
-        sp.enqueue("t", i)
-    assert _pokes(r1) >= 1
-    os.close(r1)
-    wake = os.path.join(spool, "locks", "wake")
-    os.unlink(wake)
-    os.mkfifo(wake, 0o660)
-    r2 = _reader(spool)
-    try:
-        sp.enqueue("t", 9)
-        assert _pokes(r2) == 1
-    finally:
-        os.close(r2)
-
-
-def test_a_kept_wake_fifo_without_reader_raises_no_sigpipe(spool):
-    """The worker stops while a producer keeps the FIFO open: the next poke
-    must not write into a FIFO without a reader, which kills a process
-    that let SIGPIPE kill it (SIG_DFL, as many command-line tools do)."""
-    code = r'''
-import os, signal, sys
-sys.path.insert(0, %r)
-import myq
-signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-r = os.open(%r, os.O_RDONLY | os.O_NONBLOCK)
-sp = myq.Spool(%r)
-sp.enqueue("t", 1); sp.enqueue("t", 2)      # the second keeps the FIFO open
-os.close(r)                                 # the worker is gone
-sp.enqueue("t", 3)
-print("alive")
-''' % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-       os.path.join(spool, "locks", "wake"), spool)
-    import subprocess
-    import sys
-    cp = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, universal_newlines=True,
-                        timeout=60)
-    assert cp.returncode == 0 and cp.stdout == "alive\n", (cp.returncode,
-                                                           cp.stderr)
-    assert len(ls(spool, "incoming")) == 3
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
-def test_one_enqueue_keeps_nothing_open_and_many_keep_one_fifo(spool):
-    """`myq enqueue` (one job a process) leaves no descriptor open; a
-    process that enqueues many keeps one: the FIFO of that spool."""
-    code = r'''
-import os, sys
-sys.path.insert(0, %r)
-import myq
-r = os.open(%r, os.O_RDONLY | os.O_NONBLOCK)
-fds = lambda: set(os.listdir("/proc/self/fd"))
-before = fds()
-sp = myq.Spool(%r)
-sp.enqueue("t", 1)
-one = fds() - before
-for i in range(50):
-    sp.enqueue("t", i)
-many = [os.readlink("/proc/self/fd/" + f) for f in fds() - before]
-import json
-print(json.dumps([len(one), many, len(os.read(r, 4096))]))
-''' % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-       os.path.join(spool, "locks", "wake"), spool)
-    import subprocess
-    import sys
-    cp = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, universal_newlines=True,
-                        timeout=60)
-    assert cp.returncode == 0, cp.stderr
-    one, many, pokes = json.loads(cp.stdout)
-    assert one == 0, cp.stdout
-    assert [os.path.basename(p) for p in many] == ["wake"], cp.stdout
-    assert pokes == 51, cp.stdout           # every job poked
+def test_a_producer_keeps_nothing_open_in_the_spool(myq, spool):
+    """After its enqueues, with a worker listening, a process holds no
+    descriptor on the spool's filesystem: a producer that stays must not
+    keep it busy (umount at shutdown; seen in the power-cut VM when the
+    wake FIFO was kept open between pokes)."""
+    r = _reader(spool)
+    try:
+        sp = myq.Spool(spool)
+        for i in range(20):
+            sp.enqueue("t", i)
+        sp.enqueue_many([{"type": "t", "payload": i} for i in range(20)])
+        assert _pokes(r) == 21                  # every call poked
+        held = []
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink("/proc/self/fd/" + f)
+            except OSError:
+                continue
+            if target.startswith(spool) and int(f) != r:
+                held.append(target)
+        assert held == []
+    finally:
+        os.close(r)
 
 
 def test_no_worker_listening_is_looked_for_again_soon(myq, spool, monkeypatch):
@@ -386,8 +330,7 @@ def test_no_worker_listening_is_looked_for_again_soon(myq, spool, monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(myq, "_mono", lambda: clock[0])
     sp = myq.Spool(spool)
-    sp.enqueue("t", 1)
-    sp.enqueue("t", 2)          # kept from here on: none listens
+    sp.enqueue("t", 1)          # none listens
     r = _reader(spool)
     try:
         sp.enqueue("t", 3)
