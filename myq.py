@@ -1646,24 +1646,30 @@ class Spool(object):
         return [jid for jid, sub in done]
 
     def _fsync_later(self, later, done):
-        """The fsyncs _place_new left for later, in order.  The first that
-        fails takes back its job and every one after it (not durable: not
-        enqueued; `done` loses them), and raises as _place_new would."""
+        """The fsyncs _place_new left for later, in order, after one of the
+        last file: it waits for the writeback started last, which ended
+        after (nearly) all the others, so that the commit it makes holds
+        them all (ext4's unwritten extents are converted when their write
+        ends: in order, a file whose write ended after that commit needs
+        another; 100 jobs: 1.7 commits, not 1).  The first that fails takes
+        back its job and every one after it (not durable: not enqueued;
+        `done` loses them), and raises as _place_new would."""
         try:
-            while later:
-                jid, ino, dfd, fd, dst = later[0]
+            for i in ([-1] if len(later) > 1 else []) + [0] * len(later):
+                jid, ino, dfd, fd, dst = later[i]
                 try:
                     _step("fsync", dst, "before")
                     os.fsync(fd)
                     _step("fsync", dst, "after")
                 except OSError as e:
-                    for jid, ino, dfd, fd, dst in later:
-                        self._withdraw(jid, ino, dfd)
+                    for x in later:
+                        self._withdraw(x[0], x[1], x[2])
                     gone = set(x[0] for x in later)
                     done[:] = [x for x in done if x[0] not in gone]
                     self._write_error(jid, e)
-                os.close(fd)
-                del later[0]
+                if i == 0:
+                    os.close(fd)
+                    del later[0]
         finally:
             for x in later:
                 os.close(x[3])

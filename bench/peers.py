@@ -187,7 +187,11 @@ def open_queue(q, d, fake_clock=False):
             w = myq.Worker(sp, handlers={"noop": lambda job: handler()},
                            log=myq.Log(path=os.path.join(d, "worker.log")))
             w.run(drain=True)
-        return enq, drain, done
+
+        def many(first, k):
+            sp.enqueue_many([{"type": "noop", "payload": {"n": i}}
+                             for i in range(first, first + k)])
+        return enq, drain, done, many
     if q == "huey":
         from huey import SqliteHuey
         h = SqliteHuey("bench", filename=os.path.join(d, "huey.db"),
@@ -249,6 +253,12 @@ def child(a):
     if op == "enqueue":
         if q == "floor":
             t = got[3](n) if n else 0.0
+        elif a.get("batch"):            # myq: Spool.enqueue_many
+            b = a["batch"]
+            t = clock()
+            for k in range(0, n, b):
+                got[3](k, min(b, n - k))
+            t = clock() - t
         else:
             t = clock()
             for i in range(n):
@@ -328,6 +338,15 @@ def throughput(py, o, res):
 
 # Wear: bytes written to the device ############################################
 
+def commits(dev):
+    """Journal commits of the ext4 on `dev` so far (jbd2), or None."""
+    try:
+        with open("/proc/fs/jbd2/%s-8/info" % os.path.basename(dev)) as f:
+            return int(f.readline().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def sectors_written(dev):
     with open("/sys/block/%s/stat" % os.path.basename(dev)) as f:
         return int(f.read().split()[6])
@@ -349,19 +368,26 @@ def wear(py, o, res):
             f.truncate(256 << 20)
         dev = subprocess.check_output(["losetup", "-f", "--show", img],
                                       universal_newlines=True).strip()
-        for q in QUEUES:
+        for q in QUEUES + ("myq-batch",):
             subprocess.check_call(["mkfs.ext4", "-q", "-F", "-E",
                                    "lazy_itable_init=0,lazy_journal_init=0", dev])
             subprocess.check_call(["mount", "-t", "ext4", dev, mnt])
+            # myq-batch: Spool.enqueue_many, 100 jobs a call
+            a = {"q": q, "op": "enqueue", "n": n}
+            if q == "myq-batch":
+                a.update(q="myq", batch=100)
             try:
                 d = os.path.join(mnt, q)
                 os.sync()
                 s0 = sectors_written(dev)
-                prepare(q, d)
-                run_child(py, {"q": q, "op": "enqueue", "dir": d, "n": n})
+                prepare(a["q"], d)
+                c0 = commits(dev)
+                run_child(py, dict(a, dir=d))
+                c1 = commits(dev)
                 os.sync()
                 s1 = sectors_written(dev)
-                r = run_child(py, {"q": q, "op": "drain", "dir": d, "n": n})
+                r = run_child(py, {"q": a["q"], "op": "drain", "dir": d,
+                                   "n": n})
                 if r["n"] != n:
                     raise RuntimeError("%s drained %d of %d" % (q, r["n"], n))
             finally:
@@ -370,6 +396,8 @@ def wear(py, o, res):
             res[("wear", "enqueue", q)] = [(s1 - s0) * 512.0 / n]
             res[("wear", "drain", q)] = [(s2 - s1) * 512.0 / n]
             res[("wear", "total", q)] = [(s2 - s0) * 512.0 / n]
+            if c0 is not None:
+                res[("commits", "enqueue", q)] = [(c1 - c0) * 1.0 / n]
             log("wear %s: %.1f KB/job" % (q, (s2 - s0) * 0.5 / n))
     finally:
         if os.path.ismount(mnt):
@@ -468,6 +496,7 @@ def report(res, o, info, notes):
     for op, label in (("total", "KB to disk/job, enqueue+drain (ext4 loop)"),
                       ("enqueue", "  of which enqueue"), ("drain", "  of which drain")):
         rows.append((label, ("wear", op)))
+    rows.append(("journal commits/job, enqueue (ext4 loop)", ("commits", "enqueue")))
     for op in ("enqueue", "drain"):
         rows.append(("instructions/job, %s (callgrind)" % op, ("cpu", op)))
     head = ["metric", "floor", "myq", "huey", "persist-queue", "myq/huey",
@@ -485,6 +514,8 @@ def report(res, o, info, notes):
                 v = statistics.median(v)
                 if key[0] == "wear":
                     cells.append("%.2f" % (v / 1024.0))
+                elif key[0] == "commits":
+                    cells.append("%.3f" % v)
                 else:
                     cells.append(fmt(v) + ("*" if key + (q,) in o.recorded else ""))
         cells += ratio_cells(res, key)
@@ -505,6 +536,12 @@ def report(res, o, info, notes):
     out.append("")
     for k, v in notes.items():
         out.append("%s: %s" % (k, v))
+    b = res.get(("wear", "enqueue", "myq-batch"))
+    if b:
+        c = res.get(("commits", "enqueue", "myq-batch"))
+        out.append("wear, myq enqueue_many (100 a call): %.2f KB/job to enqueue"
+                   "%s" % (b[0] / 1024.0, ", %.2f journal commits a batch"
+                           % (c[0] * 100) if c else ""))
     goals = check_goals(res, o)
     if goals:
         out.append("")
@@ -533,6 +570,14 @@ def check_goals(res, o):
             continue
         ok = x >= want if higher else x <= want
         goals.append("goal %-36s %.2fx  %s" % (text + ":", x, "pass" if ok else "MISS"))
+    for text, q, k, want in (("commits/single enqueue <= 1", "myq", 1, 1.0),
+                             ("commits/enqueue_many(100) <= 1", "myq-batch", 100,
+                              1.0)):
+        c = res.get(("commits", "enqueue", q))
+        if c:
+            goals.append("goal %-36s %.2f   %s" % (text + ":", c[0] * k,
+                                                  "pass" if c[0] * k <= want
+                                                  else "MISS"))
     return goals
 
 

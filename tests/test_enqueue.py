@@ -425,8 +425,9 @@ def ext4(tmp_path):
 
 def test_a_batch_is_one_journal_commit_not_one_a_job(myq, ext4):
     """enqueue_many starts every file's writeback before the first fsync,
-    so that one journal commit holds all their blocks: on ext4, a batch of
-    100 durable jobs costs a few commits, not 100 (single enqueues: one
+    and fsyncs the last file first, so that one journal commit holds all
+    their blocks: on ext4, a batch of 100 durable jobs costs one commit, not
+    100 (1.6-1.8 when the first file is fsync'd first; single enqueues: one
     each, the measure's control)."""
     mnt, commits = ext4
     spool = os.path.join(mnt, "spool")
@@ -437,8 +438,11 @@ def test_a_batch_is_one_journal_commit_not_one_a_job(myq, ext4):
     for i in range(10):
         sp.enqueue("t", i)
     c1 = commits()
-    ids = sp.enqueue_many([{"type": "t", "payload": i} for i in range(100)])
+    ids = []
+    for b in range(10):
+        ids += sp.enqueue_many([{"type": "t", "payload": i} for i in range(100)])
     c2 = commits()
     assert c1 - c0 >= 10, "the control: single enqueues, one commit each"
-    assert c2 - c1 <= 3, "%d commits for a batch of 100" % (c2 - c1)
-    assert len(ids) == 100 and len(ls(spool, "incoming")) == 110
+    # (slack for the journal's own commit every 5 s)
+    assert c2 - c1 <= 12, "%d commits for 10 batches of 100" % (c2 - c1)
+    assert len(ids) == 1000 and len(ls(spool, "incoming")) == 1010
