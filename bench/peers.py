@@ -43,7 +43,10 @@ handler, the payload {"n": i}:
   drain, N=2,000): a fresh ext4 image on a loop device for every queue
   (mkfs.ext4 with no lazy init, so no background writes), the sectors
   written from /sys/block/loopN/stat, read after mount and after umount
-  (which flushes data and journal).  Needs root (losetup, mount); skipped
+  (which flushes data and journal); and the journal's commits during the
+  enqueues (/proc/fs/jbd2/loopN-8/info), per job.  Once more for myq with
+  Spool.enqueue_many, 100 jobs a call ("myq-batch": its enqueue bytes and
+  commits a batch, printed below the table).  Needs root (losetup, mount); skipped
   with a message otherwise.
 - instructions per job (valgrind --tool=callgrind, whole process, every
   thread): N=500 enqueues or drained jobs minus the same program with N=0,
