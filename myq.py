@@ -1604,11 +1604,11 @@ class Spool(object):
         dirs = _Dirs(self.path)
         done = []
         # Many jobs: each file's writeback is started (posix_fadvise) and its
-        # fsync left for later, so that the blocks of all are allocated
-        # before the first fsync: its journal commit then holds them all,
-        # and the other fsyncs find nothing to commit (ext4, 100 jobs: 2
-        # commits, not 100).  The cost: their pages leave the page cache,
-        # and the worker reads them from the disk.
+        # fsync left for later (_fsync_later), so that the blocks of all are
+        # allocated before the first fsync: its journal commit then holds
+        # them all, and the other fsyncs find nothing to commit (ext4, 100
+        # jobs: 1 commit, not 100).  The cost: their pages leave the page
+        # cache, and the worker reads them from the disk.
         later = [] if sync and len(todo) > 1 and _FADVISE else None
         try:
             try:
