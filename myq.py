@@ -6526,8 +6526,9 @@ def _drain(fd):
 
 # Supervision #################################################################
 
-def _worker_start(python=None):
-    """argv that starts this very file as a worker process."""
+def _worker_start(python=None, cached=False):
+    """argv that starts this very file as a worker process (`cached`: for
+    _run_from_cache, whose .pyc is fresh, written before the exec)."""
     me = os.path.abspath(__file__)
     if not me.endswith(".py"):          # /usr/bin/myq is myq.py itself
         return [python or sys.executable, me]
@@ -6541,8 +6542,9 @@ def _worker_start(python=None):
             "import importlib.util as u\n"
             "s = u.spec_from_file_location('myq', %r)\n"
             "m = sys.modules['myq'] = u.module_from_spec(s)\n"
-            "s.loader.exec_module(m)\n"
-            "sys.exit(m.main())\n" % (os.path.dirname(me), me)]
+            "%ss.loader.exec_module(m)\n"
+            "sys.exit(m.main())\n" % (os.path.dirname(me), me,
+                                       "m._FROM_CACHE = 1\n" if cached else "")]
 
 
 def _clean_env(pass_env=(), user=None):
@@ -7319,7 +7321,7 @@ def _supervise(args, spool, guards, env):
             "have a handler; give MYQ_ARGS=\"--handlers DIR\""
             % (" and mqtt" if o["mqtt"] else ""))
     wargv = _option_argv(o, WORKER_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
-    _give_back_heap()
+    _give_back_heap(reexec=True)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile,
                       stop_timeout=stop_timeout,
@@ -7543,7 +7545,7 @@ def _cmd_worker(a):
     w = _worker_from(a.spool, o)
     w.parent = a.args.parent_pid
     w.textfile = o["textfile"]
-    _give_back_heap()
+    _give_back_heap(reexec=not (o["once"] or o["drain"]))
     return w.run(once=o["once"], drain=o["drain"])
 
 
@@ -7748,6 +7750,8 @@ def _compiled_here():
     process started)."""
     if _COMPILED_AT_START:
         return True
+    if globals().get("_FROM_CACHE"):
+        return False            # _run_from_cache wrote it, then exec'd
     pyc = globals().get("__cached__")
     if not pyc:
         return False            # runpy, exec: not ours to guess
@@ -7766,9 +7770,67 @@ def _compiled_here():
         return False
 
 
-def _give_back_heap():
+def _run_from_cache():
+    """A long-running command of myq.py run as a script: start it again in
+    this process (execv: the same pid, descriptors and words of the command
+    line) with myq.py imported, by its path, from the byte code Python
+    caches beside it (__pycache__/), written here first when missing.  The
+    new image never compiles myq.py, so it keeps none of the ~4 MiB that
+    the compile leaves fragmented in pymalloc (3.10+): its RSS is the
+    installed layout's.  Nothing happens where that cache cannot be (byte
+    code writing off and no fresh .pyc, a read-only directory, no
+    py_compile), where another user could write it (its directory, or
+    __pycache__/, or the .pyc is not ours or root's alone), or where the
+    file is not NAME.py (an installed /usr/bin/myq that is myq.py itself:
+    Python caches no byte code for it)."""
+    me = os.path.abspath(__file__)
+    if not _COMPILED_AT_START or not me.endswith(".py") or not sys.executable:
+        return
+    try:
+        import importlib.util
+        pyc = importlib.util.cache_from_source(me)
+    except (ImportError, NotImplementedError, ValueError):
+        return
+    # Byte code is code: only where no one but us (or root) can have put
+    # it or can put it (a copy in /tmp, sticky and world-writable, must not
+    # run what another user left in /tmp/__pycache__/).
+    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue            # not there yet: made by py_compile, ours
+        if stat.S_ISLNK(st.st_mode) or st.st_uid not in (0, os.geteuid()) \
+                or st.st_mode & 0o022:
+            return
+    try:
+        fresh = os.stat(pyc).st_mtime >= os.stat(me).st_mtime
+    except OSError:
+        fresh = False
+    try:
+        if not fresh:
+            if sys.flags.dont_write_bytecode:
+                return
+            import py_compile
+            try:
+                os.mkdir(os.path.dirname(pyc), 0o755)   # not the umask's 775
+            except FileExistsError:
+                pass
+            py_compile.compile(me, cfile=pyc, doraise=True)
+        import subprocess
+        flags = subprocess._args_from_interpreter_flags()
+    except Exception:   # no py_compile, a read-only directory, ...
+        return
+    argv = _worker_start(cached=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv[:1] + flags + argv[1:] + sys.argv[1:])
+
+
+def _give_back_heap(reexec=False):
     """A long-running command (worker, supervise) in a process that
-    compiled myq.py: give the C heap's free pages back to the system.  The
+    compiled myq.py: with `reexec` (a worker that runs until stopped, a
+    supervisor) first _run_from_cache, which does not return where it
+    works; else give the C heap's free pages back to the system.  The
     compiler's memory, once freed, stays in glibc's heap, pinned by what
     was allocated after it (~13 MiB of RSS on Python 3.9+), until
     malloc_trim(0).  Without ctypes (python3-light) or without malloc_trim
@@ -7777,6 +7839,8 @@ def _give_back_heap():
     fragmented (~1 MiB on 3.7-3.9, ~3-4 MiB on 3.10+)."""
     if not _compiled_here():
         return
+    if reexec:
+        _run_from_cache()
     try:
         import ctypes
         ctypes.CDLL(None).malloc_trim(0)

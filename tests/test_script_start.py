@@ -194,10 +194,14 @@ def test_installed_worker_trims_only_when_it_compiled(spool, tmp_path,
 
 
 def test_supervisor_as_script_trims_the_heap(spool, tmp_path, handlers_dir, procs):
+    """Where it cannot run from a byte code cache (a copy of myq.py with
+    none beside it, byte code writing off): malloc_trim."""
     env, log = fake_ctypes(tmp_path, "glibc")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    prog = one_file_copy(tmp_path)
     handlers_dir("t", "cat >/dev/null")
     job_id = enqueue(call_myq, spool, "t")
-    p = procs.spawn([sys.executable, MYQ, "--spool", spool, "supervise",
+    p = procs.spawn([sys.executable, prog, "--spool", spool, "supervise",
                      "--workers", "1", "--handlers", handlers_dir.path,
                      "--log", str(tmp_path / "sup.log")], env=clean_env(env))
     try:
@@ -208,3 +212,115 @@ def test_supervisor_as_script_trims_the_heap(spool, tmp_path, handlers_dir, proc
         p.wait(15)
     # the supervisor's own (its workers get a clean environment: the real ctypes)
     assert logged(log) == EXPECTED["glibc"]
+
+
+def one_file_copy(tmp_path):
+    """myq.py copied alone into a directory of its own (no __pycache__)."""
+    d = tmp_path / "onefile"
+    d.mkdir()
+    os.chmod(str(d), 0o755)             # whatever the umask
+    prog = d / "myq.py"
+    prog.write_bytes(open(MYQ, "rb").read())
+    return str(prog)
+
+
+def cmdline(pid):
+    with open("/proc/%d/cmdline" % pid, "rb") as f:
+        return f.read().decode().split("\0")[:-1]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+@pytest.mark.parametrize("command", ["worker", "supervise"])
+def test_long_running_script_runs_again_from_its_byte_code(
+        spool, tmp_path, handlers_dir, procs, command):
+    """A worker (or supervisor) started from the one-file copy writes the
+    byte code cache beside it and execs itself (same pid, same words after
+    the program) with myq.py imported from that cache: it never holds what
+    the compile fragmented.  It works on as before and stops on SIGTERM."""
+    prog = one_file_copy(tmp_path)
+    env = clean_env({})
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    handlers_dir("t", "cat >/dev/null")
+    words = ["--spool", spool, command, "--handlers", handlers_dir.path,
+             "--log", str(tmp_path / "w.log")]
+    if command == "supervise":
+        words += ["--workers", "1"]
+    p = procs.spawn([sys.executable, prog] + words, env=env)
+    job_id = enqueue(call_myq, spool, "t")
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(spool, "done",
+                                                     job_id + ".json")),
+                 timeout=30, what="the job to be done")
+        got = cmdline(p.pid)
+        assert got[1] == "-c" and "spec_from_file_location" in got[2], got
+        assert got[3:] == words, got
+        assert os.listdir(os.path.join(os.path.dirname(prog), "__pycache__"))
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(15) == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_no_byte_code_cache_no_second_start(spool, tmp_path, handlers_dir,
+                                            procs):
+    """Byte code writing off and no cache beside the copy: the worker runs
+    as it was started (and gives the heap back with malloc_trim)."""
+    prog = one_file_copy(tmp_path)
+    env = clean_env({"PYTHONDONTWRITEBYTECODE": "1"})
+    handlers_dir("t", "cat >/dev/null")
+    p = procs.spawn([sys.executable, prog, "--spool", spool, "worker",
+                     "--handlers", handlers_dir.path], env=env)
+    job_id = enqueue(call_myq, spool, "t")
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(spool, "done",
+                                                     job_id + ".json")),
+                 timeout=30, what="the job to be done")
+        assert cmdline(p.pid)[1] == prog
+        assert not os.path.exists(os.path.join(os.path.dirname(prog),
+                                               "__pycache__"))
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(15) == 0
+
+
+def test_a_drain_does_not_start_again(run_myq, spool, tmp_path, handlers_dir):
+    """worker --drain (or --once) ends soon: it is not worth a second
+    start, and writes no byte code cache."""
+    prog = one_file_copy(tmp_path)
+    env = clean_env({})
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    handlers_dir("t", "cat >/dev/null")
+    job_id = enqueue(call_myq, spool, "t")
+    cp = subprocess.run([sys.executable, prog, "--spool", spool, "worker",
+                         "--drain", "--handlers", handlers_dir.path],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        universal_newlines=True, env=env, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert show(call_myq, spool, job_id)["state"] == "done"
+    assert not os.path.exists(os.path.join(os.path.dirname(prog), "__pycache__"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_no_second_start_from_byte_code_others_could_write(
+        spool, tmp_path, handlers_dir, procs):
+    """A copy in a directory that others may write (as /tmp): byte code
+    there could be anyone's, so the worker runs as it was started and
+    writes none."""
+    prog = one_file_copy(tmp_path)
+    os.chmod(os.path.dirname(prog), 0o1777)
+    env = clean_env({})
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    handlers_dir("t", "cat >/dev/null")
+    p = procs.spawn([sys.executable, prog, "--spool", spool, "worker",
+                     "--handlers", handlers_dir.path], env=env)
+    job_id = enqueue(call_myq, spool, "t")
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(spool, "done",
+                                                     job_id + ".json")),
+                 timeout=30, what="the job to be done")
+        assert cmdline(p.pid)[1] == prog
+        assert not os.path.exists(os.path.join(os.path.dirname(prog),
+                                               "__pycache__"))
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(15) == 0
