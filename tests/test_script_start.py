@@ -261,12 +261,18 @@ def test_long_running_script_runs_again_from_its_byte_code(
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
-def test_no_byte_code_cache_no_second_start(spool, tmp_path, handlers_dir,
-                                            procs):
-    """Byte code writing off and no cache beside the copy: the worker runs
-    as it was started (and gives the heap back with malloc_trim)."""
+@pytest.mark.parametrize("why", ["no-cache", "others-may-write"])
+def test_no_second_start_without_a_safe_byte_code_cache(
+        spool, tmp_path, handlers_dir, procs, why):
+    """The worker runs as it was started, and writes no cache, where there
+    can be none (byte code writing off, none beside the copy: it gives the
+    heap back with malloc_trim instead), or where others may write the
+    copy's directory (as /tmp): byte code there could be anyone's."""
     prog = one_file_copy(tmp_path)
     env = clean_env({"PYTHONDONTWRITEBYTECODE": "1"})
+    if why == "others-may-write":
+        os.chmod(os.path.dirname(prog), 0o1777)
+        del env["PYTHONDONTWRITEBYTECODE"]
     handlers_dir("t", "cat >/dev/null")
     p = procs.spawn([sys.executable, prog, "--spool", spool, "worker",
                      "--handlers", handlers_dir.path], env=env)
@@ -298,29 +304,3 @@ def test_a_drain_does_not_start_again(run_myq, spool, tmp_path, handlers_dir):
     assert cp.returncode == 0, cp.stderr
     assert show(call_myq, spool, job_id)["state"] == "done"
     assert not os.path.exists(os.path.join(os.path.dirname(prog), "__pycache__"))
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
-def test_no_second_start_from_byte_code_others_could_write(
-        spool, tmp_path, handlers_dir, procs):
-    """A copy in a directory that others may write (as /tmp): byte code
-    there could be anyone's, so the worker runs as it was started and
-    writes none."""
-    prog = one_file_copy(tmp_path)
-    os.chmod(os.path.dirname(prog), 0o1777)
-    env = clean_env({})
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    handlers_dir("t", "cat >/dev/null")
-    p = procs.spawn([sys.executable, prog, "--spool", spool, "worker",
-                     "--handlers", handlers_dir.path], env=env)
-    job_id = enqueue(call_myq, spool, "t")
-    try:
-        wait_for(lambda: os.path.exists(os.path.join(spool, "done",
-                                                     job_id + ".json")),
-                 timeout=30, what="the job to be done")
-        assert cmdline(p.pid)[1] == prog
-        assert not os.path.exists(os.path.join(os.path.dirname(prog),
-                                               "__pycache__"))
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(15) == 0
