@@ -1353,14 +1353,22 @@ def test_missing_handler_holds_at_once_and_releases_when_it_appears(
             if "event=release" in l and "dest=ghost" in l.split()]
 
 
-def test_hold_survives_a_worker_restart_and_resume_dest_releases_now(
-        run_myq, spool, handlers_dir, tmp_path):
+def _trip_sink(run_myq, spool, handlers_dir, tmp_path, prefix):
+    """A "sink" handler that fails until T/up exists, breaker=2, 4 jobs
+    PREFIX0..3 and one worker --drain: two fail, the destination is held
+    (backoff 60 s).  Returns the handlers directory."""
     h = handlers_dir("sink", SINK % tmp_path)
     ok(cli(spool, "policy", "sink", "breaker=2"))
     for i in range(4):
-        enqueue(call_myq, spool, "sink", None, "--id", "d%d" % i)
+        enqueue(call_myq, spool, "sink", None, "--id", "%s%d" % (prefix, i))
     cp = worker(run_myq, spool, handlers=h, timeout=30)       # backoff 60 s
     assert cp.returncode == 0, cp.stderr
+    return h
+
+
+def test_hold_survives_a_worker_restart_and_resume_dest_releases_now(
+        run_myq, spool, handlers_dir, tmp_path):
+    h = _trip_sink(run_myq, spool, handlers_dir, tmp_path, "d")
     assert len(starts(tmp_path)) == 2
     cp = worker(run_myq, spool, handlers=h, timeout=30)       # a new worker
     assert cp.returncode == 0, cp.stderr
@@ -1385,12 +1393,7 @@ def test_released_jobs_run_at_once_whatever_their_ctime(
     set (seen in CI: one job in a few hundred then waited out its parking,
     60 s).  Here the ctime is moved past the mtime on purpose (chmod):
     every released job must still run at once, none deferred."""
-    h = handlers_dir("sink", SINK % tmp_path)
-    ok(cli(spool, "policy", "sink", "breaker=2"))
-    for i in range(4):
-        enqueue(call_myq, spool, "sink", None, "--id", "c%d" % i)
-    cp = worker(run_myq, spool, handlers=h, timeout=30)       # backoff 60 s
-    assert cp.returncode == 0, cp.stderr
+    h = _trip_sink(run_myq, spool, handlers_dir, tmp_path, "c")
     assert [x["dest"] for x in stats(spool)["held"]] == ["sink"]
     (tmp_path / "up").touch()
     ok(cli(spool, "resume", "--dest", "sink"))
