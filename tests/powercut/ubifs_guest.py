@@ -261,6 +261,7 @@ class Run(object):
         self.spool = os.path.join(MNT, "spool")
         self.promised = {}
         self.pruned = set()
+        self.wpid = None        # the worker running now, if any
         self.n = 0
         self.journal = open(os.path.join(a.out, "ubifs-journal"), "a")
         self.env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
@@ -284,6 +285,7 @@ class Run(object):
 
     def start_worker(self, log):
         pid = os.fork()
+        self.wpid = pid         # (the parent's; a prune stops it a moment)
         if pid == 0:
             try:
                 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -359,11 +361,21 @@ class Run(object):
             self.n += k
             self.counts["api"] += k
         if rng.random() < 0.03:
-            # what the prune may remove (an id myq generated keeps no record)
-            self.pruned.update(n[:-5] for n in os.listdir(os.path.join(
-                self.spool, "done")) if n.endswith(".json"))
-            rc, out = check.fork_myq(myq, ["--spool", self.spool, "prune"],
-                                     dict(self.env, MYQ_KEEP_DONE_MAX="40"))
+            # The worker is stopped from the listing to the prune's end: a
+            # job it finished in between would be removed unlisted, and
+            # counted lost (seen once in a fault round: a retried job).
+            if self.wpid:
+                os.kill(self.wpid, signal.SIGSTOP)
+            try:
+                # what the prune may remove (an id myq generated keeps no
+                # record)
+                self.pruned.update(n[:-5] for n in os.listdir(os.path.join(
+                    self.spool, "done")) if n.endswith(".json"))
+                rc, out = check.fork_myq(myq, ["--spool", self.spool, "prune"],
+                                         dict(self.env, MYQ_KEEP_DONE_MAX="40"))
+            finally:
+                if self.wpid:
+                    os.kill(self.wpid, signal.SIGCONT)
             if rc:
                 raise OSError("prune exit %d" % rc)
 
@@ -424,6 +436,7 @@ class Run(object):
                 time.sleep(0.05)
         os.kill(wpid, signal.SIGKILL)       # the power went: every process dies
         os.waitpid(wpid, 0)
+        self.wpid = None
         dbg("tst_emulate_power_cut", 0)
         t1 = self.tick("t_work", t0)
         cut = klog.count("emulating a power cut") > 0
@@ -478,6 +491,7 @@ class Run(object):
         else:
             os.kill(wpid, signal.SIGTERM)
             os.waitpid(wpid, 0)
+        self.wpid = None
         # an I/O error turns UBI read-only: reboot as after a cut
         self.reboot()
         self.totals["rounds"] += 1
@@ -506,6 +520,7 @@ def wear(run, a, t0):
         time.sleep(0.5)
     os.kill(wpid, signal.SIGTERM)
     os.waitpid(wpid, 0)
+    run.wpid = None
     sh("sync")
     a.cli_rate, a.shell_rate = saved
     jobs = run.n - n0

@@ -148,9 +148,17 @@ def main(argv=None):
             counts["api"] += k
         if n >= next_prune:
             next_prune += a.prune_every
-            event("preprune", done=done_ids())
-            subprocess.run([py, a.myq, "--spool", a.spool, "prune"], check=True,
-                           env=dict(env, MYQ_KEEP_DONE_MAX=str(a.keep_done_max)))
+            # The worker is stopped from the listing to the prune's end: a
+            # job it finished in between would be removed unlisted, and
+            # counted lost (seen once on UBIFS: a retried job).
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                event("preprune", done=done_ids())
+                subprocess.run([py, a.myq, "--spool", a.spool, "prune"],
+                               check=True, env=dict(
+                                   env, MYQ_KEEP_DONE_MAX=str(a.keep_done_max)))
+            finally:
+                worker.send_signal(signal.SIGCONT)
             event("prune")
         time.sleep(rng.choice((0, 0, 0.05, 0.2)))
     # Let the worker finish (flaky jobs wait for their retries).
