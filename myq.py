@@ -83,7 +83,7 @@ DEFAULTS = {
     "min_free": 1 << 20, "min_free_inodes": 64, "max_job_bytes": 256 << 10,
     "dedupe_window": 7 * 86400.0, "keep_done": 86400.0, "keep_done_max": 1000,
     "keep_dead": 30 * 86400.0, "keep_dead_max": 10000,
-    "keep_failed": 30 * 86400.0, "keep_tmp": 3600.0,
+    "keep_failed": 30 * 86400.0, "keep_tmp": 3600.0, "keep_ok_max": 100000,
 }
 
 EX_USAGE, EX_DATAERR, EX_NOINPUT = 64, 65, 66
@@ -136,6 +136,13 @@ class ConfigError(MyqError):
 
 class PermanentError(Exception):
     """Raised by a handler: the job goes to dlq/ at once."""
+
+
+class _Unsent(PermanentError):
+    """A built-in handler's request that the job itself made unsendable (a
+    header value with a newline, a path that is not ASCII): nothing
+    reached the destination, so it is the job's own failure, which neither
+    trips nor releases a hold (SPEC 9)."""
 
 
 class RetryLater(Exception):
@@ -202,7 +209,10 @@ def parse_size(text):
     if not m:
         raise ValueError("not a size (use e.g. 512K, 1M, 2G): %r" % text)
     mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
-    return int(float(m.group(1)) * mult)
+    v = float(m.group(1)) * mult
+    if not v < 1 << 60:
+        raise ValueError("too large a size: %r" % text)
+    return int(v)
 
 
 _DURATION_RE = re.compile(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(ms|s|m|h|d)\s*\Z")
@@ -258,32 +268,22 @@ def _kv(value):
     return json.dumps(s, ensure_ascii=False)
 
 
-def _read_small(path, limit=4096, tail=False):
-    """Up to `limit` bytes of a regular file (/proc, a .reason, a record),
-    or with `tail` its last `limit` bytes; None when it cannot be read.
-    Never follows a symlink, never blocks on a FIFO."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        if not tail:
-            return os.read(fd, limit)
-        if st.st_size > limit:
-            os.lseek(fd, st.st_size - limit, 0)
-        chunks = []
-        while True:
-            b = os.read(fd, 65536)
-            if not b:
-                return b"".join(chunks)
-            chunks.append(b)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+_CONTROL = re.compile(u"[\x00-\x1f\x7f-\x9f]")
+
+
+def _plain(text, more=None):
+    """`text` as an operator's terminal may show it: control characters
+    (and those `more` matches) as \\xNN, so that a server's answer or a
+    producer's name can neither move the cursor nor forge a field or a
+    line (status line, check, Prometheus labels; list and show escape
+    theirs with JSON)."""
+    text = str(text)
+    sub = lambda m: "\\x%02x" % ord(m.group())     # noqa: E731
+    text = _CONTROL.sub(sub, text)
+    return more.sub(sub, text) if more is not None else text
+
+
+_FIELD = re.compile(r"[\s,=]")     # what would end a status line's field
 
 
 _BOOT_ID = None
@@ -297,14 +297,19 @@ def boot_id():
     return _BOOT_ID
 
 
-def proc_start(pid):
+def proc_start(pid, living=False):
     """The process's start time in clock ticks since boot (field 22 of
-    /proc/PID/stat), or None when there is no such process (or no /proc)."""
+    /proc/PID/stat), or None when there is no such process (or no /proc);
+    with `living`, None too for a zombie (killed, not yet waited for: it
+    runs nothing and holds nothing)."""
     data = _read_small("/proc/%d/stat" % pid, 1024)
     if not data:
         return None
     try:
-        return int(data[data.rindex(b")") + 2:].split()[19])
+        f = data[data.rindex(b")") + 2:].split()
+        if living and f[0] in (b"Z", b"X"):
+            return None
+        return int(f[19])
     except (ValueError, IndexError):
         return None
 
@@ -382,24 +387,291 @@ def _pid_alive(pid, start):
     (or a start that is not a number) is never alive."""
     if pid.__class__ is not int or pid <= 1 or start.__class__ is not int:
         return False
-    s = proc_start(pid)
+    s = proc_start(pid, living=True)
     return s is not None and s == start
 
 
-# Filesystem steps ############################################################
+
+# Filesystem steps: the one door to the disk #################################
 #
-# Every mutating step goes through one of these, so that the crash and fault
-# tests can stop or fail the program just before or just after any of them:
+# Every step on a spool's files goes through these helpers, and each of them
+# reaches a path inside a spool through the spool's door (_Door): the
+# descriptor of the path's directory, opened component by component from
+# the spool's own directory without following a link, checked to be on the
+# spool's filesystem and, unless it is tmp/ or incoming/ (where producers
+# write), to be the owner's alone; the step is then made relative to that
+# descriptor (renameat, unlinkat, openat with O_NOFOLLOW, ...).  So no step
+# of any feature, old or new, goes through a link a producer made, nor
+# writes into a directory a producer can write but tmp/ and incoming/.  A
+# path outside every spool this process uses is taken as it is (the log,
+# the pidfile, /proc).  The crash and fault tests can stop or fail the
+# program just before or just after any step:
 # `_hook(op, path, "before"|"after")` may call os._exit() or raise OSError.
 
 _hook = None
 _MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
+_DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
+_WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
+_SHARED = ("tmp", "incoming")   # the directories where producers write
+_DOORS = {}     # a spool's path -> its _Door (shared by its Spool objects)
+_HEADS = {}     # a directory's path -> (its spool's _Door or None, sub)
+
+# spool path -> the _mono() time before which a producer does not look for a
+# listening worker again (Spool.poke)
+_UNHEARD = {}
+_FADVISE = hasattr(os, "posix_fadvise")
+
+
+def _other_fs(sub, top):
+    return ("%s is on a different filesystem than %s: rename() between them "
+            "would not be atomic; keep the whole spool on one filesystem "
+            "(unmount or move %s)" % (sub, top, sub))
 
 
 def _step(op, path, when):
     if _hook is not None:
         _hook(op, path, when)
 # (the helpers below, which run per job, test _hook inline: no call)
+
+
+class _Refused(OSError, ConfigError):
+    """A directory of the spool that the door will not use: a link, not a
+    directory, on another filesystem, or writable by others where only the
+    owner may write.  An OSError to the steps (a job's step fails, it is
+    not taken for a job's fault); a ConfigError to the command line."""
+
+    def __init__(self, message):
+        OSError.__init__(self, errno.EPERM, message)
+
+    def __str__(self):
+        return self.strerror
+
+
+def _open_dir(name, dir_fd=None, show=None):
+    """A descriptor of directory `name` (in `dir_fd`), never through a
+    symlink; _Refused when it is not a directory."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _Refused("%s is not a directory (a symlink or another file "
+                           "stands in its place); remove it and run myq init"
+                           % (show or name))
+        raise
+
+
+class _Door(object):
+    """The descriptors of one spool's directories, each opened through its
+    parent's without following a link and checked once: `door("incoming")`
+    is incoming/'s, `door.at(path)` (descriptor, name) for a step on a path
+    in the spool.  The descriptors are kept until close(): a worker keeps
+    them (`kept`) and closes them at its poll ticks, so that a directory
+    replaced meanwhile is opened (and checked) again; a producer's call or
+    a command closes them at its end (a process that enqueued keeps nothing
+    of the spool's filesystem busy)."""
+
+    def __init__(self, top):
+        self.top = top
+        self._pre = top + "/"
+        self.fds = {}
+        self.kept = 0
+        self.uid = self.dev = None
+        self._owner = False
+        self._euid = os.geteuid()
+
+    @classmethod
+    def of(cls, top):
+        door = _DOORS.get(top)
+        if door is None:
+            door = _DOORS[top] = cls(top)
+            _HEADS.clear()          # (paths below it were taken as outside)
+        return door
+
+    def __call__(self, sub=""):
+        fd = self.fds.get(sub)
+        if fd is not None:
+            return fd
+        if sub:
+            parent, _, name = sub.rpartition("/")
+            if name in ("", ".", ".."):
+                raise _Refused("%s: not a directory of the spool" % sub)
+            pfd = self(parent)
+            fd = _open_dir(name, pfd, self._pre + sub)
+        else:
+            fd = self._open_top()
+        try:
+            self._check(sub, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fds[sub] = fd
+        return fd
+
+    def _open_top(self):
+        """The spool's own path is the caller's: a symlink there is followed
+        only when root or this user made it (as init allows)."""
+        try:
+            return os.open(self.top, _DIR_FLAGS)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            st = os.lstat(self.top)
+            if not stat.S_ISLNK(st.st_mode) or st.st_uid not in (0, self._euid):
+                raise _Refused("%s is not a directory (or a symlink another "
+                               "user made); give the real directory as --spool"
+                               % self.top)
+            return os.open(self.top, _DIR_FLAGS & ~O_NOFOLLOW)
+
+    def _check(self, sub, fd):
+        st = os.fstat(fd)
+        if not sub:
+            self.uid, self.dev = st.st_uid, st.st_dev
+            return
+        if st.st_dev != self.dev:
+            raise _Refused(_other_fs(self._pre + sub, self.top))
+        if sub in _SHARED:
+            return
+        # The owner's alone: a directory a producer made, or one others may
+        # write, is never used (its entries could be a producer's links).
+        if st.st_uid not in (self.uid, 0):
+            raise _Refused(
+                "%s%s belongs to uid %d, not to the spool's owner (uid %d): "
+                "only tmp/ and incoming/ may hold others' files; remove it "
+                "(myq init makes it again)" % (self._pre, sub, st.st_uid,
+                                               self.uid))
+        if st.st_mode & 0o022:
+            if self._euid not in (0, st.st_uid):
+                raise _Refused(
+                    "%s%s is writable by others (mode %04o): only tmp/ and "
+                    "incoming/ may be; run: chmod go-w %s%s" % (
+                        self._pre, sub, stat.S_IMODE(st.st_mode), self._pre, sub))
+            # (a lane made before they were the owner's took incoming/'s mode)
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+
+    def fresh(self, sub=""):
+        """A new descriptor of `sub`, checked; the caller closes it."""
+        if sub:
+            parent, _, name = sub.rpartition("/")
+            fd = _open_dir(name, self(parent), self._pre + sub)
+        else:
+            fd = self._open_top()
+        try:
+            self._check(sub, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def at(self, path):
+        """(descriptor of the directory of `path`, its last part)."""
+        head, _, name = path.rpartition("/")
+        if head == self.top:
+            return self(""), name
+        return self(head[len(self._pre):].strip("/")), name
+
+    def mkdir(self, sub, mode=0o750):
+        """Make the owner's directory `sub` (its parents must be there):
+        given to the spool's owner when root makes it; its descriptor."""
+        fd = self.fds.get(sub)
+        if fd is not None:
+            return fd
+        parent, _, name = sub.rpartition("/")
+        pfd = self(parent)
+        try:
+            os.mkdir(name, mode, dir_fd=pfd)
+            made = True
+        except FileExistsError:
+            made = False
+        if made and self._euid == 0 and self.uid != 0:
+            fd = _open_dir(name, pfd, self._pre + sub)
+            try:
+                st = os.fstat(pfd)
+                os.fchown(fd, self.uid, st.st_gid)
+            finally:
+                os.close(fd)
+        return self(sub)
+
+    def owner(self):
+        """(uid, gid) that new files must belong to: the spool's, when we
+        are root and the spool is someone else's; else None."""
+        if self._owner is False:
+            self._owner = None
+            if self._euid == 0:
+                st = os.fstat(self("incoming"))
+                if st.st_uid != 0:
+                    self._owner = (st.st_uid, st.st_gid)
+        return self._owner
+
+    def owns(self):
+        """May this process write the owner's directories (lanes, locks/)?"""
+        self("")
+        return self._euid in (0, self.uid)
+
+    def file_mode(self):
+        """0640, or 0660 for a producer who is not the spool's owner (in a
+        group-writable incoming/): the owner's worker must be able to
+        append its lease to the file."""
+        if self._euid == 0 or os.fstat(self("incoming")).st_uid == self._euid:
+            return 0o640
+        return 0o660
+
+    def close(self):
+        fds, self.fds = self.fds, {}
+        self._owner = False
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def release(self):
+        """The end of a call: the descriptors go, unless a worker of this
+        process keeps them."""
+        if not self.kept:
+            self.close()
+
+
+def _door_of(path):
+    """(the door of the spool that `path` lies in, the sub-directory of its
+    directory); (None, None) outside every spool this process uses."""
+    head = path.rpartition("/")[0]
+    hit = _HEADS.get(head)
+    if hit is None:
+        hit = (None, None)
+        p = head
+        while p:
+            door = _DOORS.get(p)
+            if door is not None:
+                sub = head[len(p) + 1:].strip("/")
+                if ".." in sub.split("/") or "." in sub.split("/"):
+                    raise _Refused("%s: not a path of the spool %s" % (path, p))
+                hit = (door, sub)
+                break
+            p = p.rpartition("/")[0]
+        if len(_HEADS) > 4096:
+            _HEADS.clear()
+        _HEADS[head] = hit
+    return hit
+
+
+def _at(path):
+    """(directory descriptor, name) for a step on `path`: in a spool, its
+    directory's descriptor from the spool's door; elsewhere (None, path)."""
+    door, sub = _door_of(path)
+    if door is None:
+        return None, path
+    return door(sub), path.rpartition("/")[2]
+
+
+def _dir_fd(path):
+    """The door's descriptor of directory `path` itself, or None outside
+    every spool."""
+    path = path.rstrip("/")
+    door = _DOORS.get(path)
+    if door is not None:
+        return door("")
+    door, sub = _door_of(path + "/.")
+    return None if door is None else door(sub)
 
 
 def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
@@ -412,11 +684,11 @@ def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
     Returns its inode number; with `keep`, (inode, the open descriptor)."""
     _step("create", path, "before")
     if dir_fd is None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
-                     | O_CLOEXEC, mode)
+        dir_fd, name = _at(path)
     else:
-        fd = os.open(os.path.basename(path), os.O_WRONLY | os.O_CREAT
-                     | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode, dir_fd=dir_fd)
+        name = path.rpartition("/")[2]
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
+                 | O_CLOEXEC, mode, dir_fd=dir_fd)
     _step("create", path, "after")
     try:
         if owner is not None:
@@ -448,35 +720,61 @@ def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
     return ino
 
 
+_SEQ = [0]
+
+
+def _replace(path, data, sync=False, mode=0o640):
+    """Put a new version of a file only the owner writes (the policy, a
+    worker's or a hold's record, the totals) in place: written beside it,
+    in its own directory, which the door checked is the owner's alone (no
+    producer can swap the new file before its rename, as one could in
+    tmp/), then renamed over it.  With `sync`, fsync'd first and the
+    directory after (a record that must survive a power cut whole)."""
+    _SEQ[0] += 1
+    head, _, name = path.rpartition("/")
+    tmp = "%s/.%s.%d.%d.tmp" % (head, name, os.getpid(), _SEQ[0])
+    _create(tmp, data, sync=sync, mode=mode)
+    try:
+        _rename(tmp, path)
+    except BaseException:
+        _quiet_unlink(tmp)
+        raise
+    if sync:
+        _fsync_dir(head)
+
+
 def _create_empty(path, mode=0o640):
     """An empty new file (EEXIST when the name exists, never through a
     symlink): one mknod() where the kernel allows it, else open + close."""
     global _MKNOD
     if _hook is not None:
         _hook("create", path, "before")
+    dfd, name = _at(path)
     if _MKNOD:
         try:
-            os.mknod(path, stat.S_IFREG | mode)
+            os.mknod(name, stat.S_IFREG | mode, dir_fd=dfd)
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOSYS, errno.EINVAL):
                 raise
             _MKNOD = False          # a sandbox that refuses it
     if not _MKNOD:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                         | O_NOFOLLOW | O_CLOEXEC, mode))
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | O_NOFOLLOW | O_CLOEXEC, mode, dir_fd=dfd))
     if _hook is not None:
         _hook("create", path, "after")
 
 
 def _rename(src, dst, src_fd=None, dst_fd=None):
-    """rename(2); with directory descriptors, of the paths' last parts."""
+    """rename(2) of the paths' last parts, relative to their directories'
+    descriptors (given, or the door's)."""
     if _hook is not None:
         _hook("rename", dst, "before")
     if src_fd is None:
-        os.rename(src, dst)
+        src_fd, sname = _at(src)
+        dst_fd, dname = _at(dst)
     else:
-        os.rename(src.rpartition("/")[2], dst.rpartition("/")[2],
-                  src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        sname, dname = src.rpartition("/")[2], dst.rpartition("/")[2]
+    os.rename(sname, dname, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
     if _hook is not None:
         _hook("rename", dst, "after")
 
@@ -497,10 +795,12 @@ def _link(src, dst, src_fd=None, dst_fd=None):
     if _hook is not None:
         _hook("link", dst, "before")
     if src_fd is None:
-        os.link(src, dst)
+        src_fd, sname = _at(src)
+        dst_fd, dname = _at(dst)
     else:
-        os.link(src.rpartition("/")[2], dst.rpartition("/")[2], src_dir_fd=src_fd,
-                dst_dir_fd=dst_fd, follow_symlinks=False)
+        sname, dname = src.rpartition("/")[2], dst.rpartition("/")[2]
+    os.link(sname, dname, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
+            follow_symlinks=False)
     if _hook is not None:
         _hook("link", dst, "after")
 
@@ -508,7 +808,8 @@ def _link(src, dst, src_fd=None, dst_fd=None):
 def _unlink(path):
     if _hook is not None:
         _hook("unlink", path, "before")
-    os.unlink(path)
+    dfd, name = _at(path)
+    os.unlink(name, dir_fd=dfd)
     if _hook is not None:
         _hook("unlink", path, "after")
 
@@ -516,19 +817,80 @@ def _unlink(path):
 def _quiet_unlink(path, dir_fd=None):
     try:
         if dir_fd is None:
-            os.unlink(path)
+            dir_fd, name = _at(path)
         else:
-            os.unlink(path.rpartition("/")[2], dir_fd=dir_fd)
+            name = path.rpartition("/")[2]
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
 
 
 def _utime(path, t):
+    """Set a file's times; a symlink's own, never its target's."""
     if _hook is not None:
         _hook("utime", path, "before")
-    os.utime(path, (t, t))
+    dfd, name = _at(path)
+    os.utime(name, (t, t), dir_fd=dfd, follow_symlinks=False)
     if _hook is not None:
         _hook("utime", path, "after")
+
+
+def _lstat(path):
+    """lstat(2) through the door."""
+    dfd, name = _at(path)
+    return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+
+
+def _owner_mode(path):
+    """(uid, permission bits) of a file, (-1, 0) when it cannot be seen."""
+    try:
+        st = _lstat(path)
+        return st.st_uid, stat.S_IMODE(st.st_mode)
+    except OSError:
+        return -1, 0
+
+
+def _lexists(path):
+    try:
+        _lstat(path)
+        return True
+    except OSError:
+        return False
+
+
+def _open(path, flags, mode=0o640):
+    """open(2) of a file (never through a symlink) through the door."""
+    dfd, name = _at(path)
+    return os.open(name, flags | O_NOFOLLOW | O_CLOEXEC, mode, dir_fd=dfd)
+
+
+def _open_reg(path, flags, mode=0o640):
+    """A regular file opened (created) without blocking on a FIFO:
+    OSError EINVAL for anything else that stands there."""
+    fd = _open(path, flags | os.O_NONBLOCK, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock(path, block=True):
+    """An flock'd descriptor of the lock file `path` (created; a regular
+    file, never a link); None when `block` is False and another holds it.
+    Closing it (or dying) frees it."""
+    import fcntl
+    fd = _open_reg(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+    except OSError as e:
+        os.close(fd)
+        if not block and e.errno in (errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return fd
 
 
 def _append(path, data, fd=None):
@@ -536,11 +898,8 @@ def _append(path, data, fd=None):
     if _hook is not None:
         _hook("append", path, "before")
     if fd is None:
-        fd2 = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW
-                      | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+        fd2 = _open_reg(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
-            if not stat.S_ISREG(os.fstat(fd2).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file", path)
             os.write(fd2, data)
         finally:
             os.close(fd2)
@@ -554,6 +913,8 @@ def _fsync_dir(path, fd=None):
     """Commit the directory's entries (the renames into it) to disk."""
     if _hook is not None:
         _hook("fsync", path + "/", "before")
+    if fd is None:
+        fd = _dir_fd(path)
     if fd is not None:
         os.fsync(fd)
     else:
@@ -566,30 +927,6 @@ def _fsync_dir(path, fd=None):
         _hook("fsync", path + "/", "after")
 
 
-_DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
-_WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
-
-
-# spool path -> the _mono() time before which a producer does not look for a
-# listening worker again (Spool.poke)
-_UNHEARD = {}
-_FADVISE = hasattr(os, "posix_fadvise")
-
-
-def _open_dir(name, dir_fd=None, show=None):
-    """A descriptor of directory `name` (in `dir_fd`), never through a
-    symlink; ConfigError when it is not a directory."""
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise ConfigError("%s is not a directory (a symlink or another file "
-                              "stands in its place); remove it and run myq init"
-                              % (show or name))
-        raise
-    return fd
-
-
 def _exists(name, where):
     """Is there an entry `name` in directory `where` (a path or a
     descriptor)?  A symlink counts; it is not followed."""
@@ -597,59 +934,93 @@ def _exists(name, where):
         if where.__class__ is int:
             os.stat(name, dir_fd=where, follow_symlinks=False)
         else:
-            os.lstat(os.path.join(where, name))
+            _lstat(where.rstrip("/") + "/" + name)
         return True
     except OSError:
         return False
 
 
-class _Dirs(object):
-    """Descriptors of one spool's directories for the length of one call,
-    each opened through its parent's and never through a symlink.
-    `dirs("incoming")` is the descriptor of incoming/."""
+def _read_small(path, limit=4096, tail=False):
+    """Up to `limit` bytes of a regular file (/proc, a .reason, a record),
+    or with `tail` its last `limit` bytes; None when it cannot be read.
+    Never follows a symlink, never blocks on a FIFO."""
+    try:
+        fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if not tail:
+            return os.read(fd, limit)
+        if st.st_size > limit:
+            os.lseek(fd, st.st_size - limit, 0)
+        chunks = []
+        while True:
+            b = os.read(fd, 65536)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
-    def __init__(self, top):
-        self.top = top
-        self._pre = top if top.endswith("/") else top + "/"
-        self.fds = {}
-        self._owner = False
-        self._euid = os.geteuid()
 
-    def __call__(self, sub):
-        fd = self.fds.get(sub)
-        if fd is None:
-            parent, _, name = sub.rpartition("/")
-            if parent:
-                fd = _open_dir(name, self(parent), self._pre + sub)
-            else:       # the spool's own path is the caller's; below it, no link
-                path = self._pre + name
-                fd = _open_dir(path, None, path)
-            self.fds[sub] = fd
-        return fd
+def _fresh_dir(path):
+    """A new descriptor of directory `path`, which the caller closes: in a
+    spool through its door (and checked as the door checks), with an offset
+    of its own (a scan beside another, or a sweep kept open, reads its
+    own)."""
+    path = path.rstrip("/")
+    door = _DOORS.get(path)
+    if door is not None:
+        return door.fresh("")
+    door, sub = _door_of(path + "/.")
+    if door is None:
+        return os.open(path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    return door.fresh(sub)
 
-    def owner(self):
-        """(uid, gid) that new files must belong to: the spool's, when we
-        are root and the spool is someone else's; else None."""
-        if self._owner is False:
-            self._owner = None
-            if self._euid == 0:
-                st = os.fstat(self("incoming"))
-                if st.st_uid != 0:
-                    self._owner = (st.st_uid, st.st_gid)
-        return self._owner
 
-    def file_mode(self):
-        """0640, or 0660 for a producer who is not the spool's owner (in a
-        group-writable incoming/): the owner's worker must be able to
-        append its lease to the file."""
-        if self._euid == 0 or os.fstat(self("incoming")).st_uid == self._euid:
-            return 0o640
-        return 0o660
+def _listdir(path):
+    try:
+        fd = _fresh_dir(path)
+    except OSError:
+        return []
+    try:
+        return os.listdir(fd)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
 
-    def close(self):
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+
+def _scandir(path):
+    """The entries of a directory (DirEntry.path is the name alone: join
+    it with `path`; an entry's stat() works while the scan runs, and keeps
+    what it found after)."""
+    try:
+        fd = _fresh_dir(path)
+    except OSError:
+        return
+    try:
+        # (the iterator reads a duplicate of fd, and its entries' stat()
+        # uses fd itself: it stays open until the iterator is done)
+        with os.scandir(fd) as it:
+            for e in it:
+                yield e
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+
+
+
+def _dir_stat(path):
+    """stat of a directory of the spool, through its descriptor."""
+    fd = _dir_fd(path)
+    return os.stat(path) if fd is None else os.fstat(fd)
 
 
 def _space_error(exc):
@@ -1040,7 +1411,7 @@ def _effective_available(job, now):
 
 def _claim_name(jid, token, ext="json"):
     """The name of a claim: ID+WID.SEQ.json (ext "fin": being finished,
-    "new": its next version in tmp/)."""
+    "new": its next version, beside it in processing/)."""
     return "%s+%s.%s" % (jid, token, ext)
 
 
@@ -1091,7 +1462,7 @@ def _pv_int(lo, hi):
 
 
 def _pv_size(v):
-    if v.__class__ is int and v >= 0:
+    if v.__class__ is int and 0 <= v < 1 << 60:
         return v
     if isinstance(v, str):
         return parse_size(v)
@@ -1135,7 +1506,7 @@ def rate_of(text):
     if not m or m.group(2) in (".",):
         raise ValueError(text)
     n, per = int(m.group(1)), float(m.group(2) or 1) * _UNITS[m.group(3)]
-    if n < 1 or not 0 < per < 1e9:
+    if not 1 <= n <= 10 ** 6 or not 0 < per < 1e9:
         raise ValueError(text)
     return n, per
 
@@ -1175,9 +1546,10 @@ def policy_value(key, value):
                          % (key, " ".join(sorted(POLICY_KEYS))))
     try:
         return spec[0](value)
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError, OverflowError):
         raise UsageError("bad value %s for policy key %s: it takes %s"
-                         % (json.dumps(value), key, spec[1]))
+                         % (_clip(json.dumps(value), 80), key, spec[1]))
+
 
 
 def check_policy(obj):
@@ -1215,12 +1587,6 @@ def _safe_dest(dest):
 
 
 # The spool ###################################################################
-
-def _other_fs(sub, top):
-    return ("%s is on a different filesystem than %s: rename() between them "
-            "would not be atomic; keep the whole spool on one filesystem "
-            "(unmount or move %s)" % (sub, top, sub))
-
 
 def _user_ids(owner):
     """'USER[:GROUP]' (names or numbers) -> (uid, gid)."""
@@ -1292,9 +1658,9 @@ class Identity:
         # even after a power cut (an empty record cannot be judged: the
         # claims of its dead worker would wait out their lease instead of
         # being taken back at once, as the UBIFS power cuts showed).
-        tmp = self.spool.d("tmp", self.wid + ".worker")
-        _create(tmp, dumps(self.record()), sync=True)
-        _rename(tmp, self.path)
+        # (beside it in locks/workers/, the owner's alone: a producer could
+        # swap a record made in tmp/ before its rename)
+        _replace(self.path, dumps(self.record()), sync=True)
         self.registered = True
         self.beat()
 
@@ -1310,13 +1676,14 @@ class Identity:
 class Claim(object):
     """A job this process has claimed: processing/ID+TOKEN.json."""
     __slots__ = ("jid", "path", "job", "attempt", "token", "fd", "trailers",
-                 "max_attempts")
+                 "max_attempts", "batch")
 
     def __init__(self, jid=None, path=None, job=None, token=None, fd=None,
                  trailers=None, max_attempts=None, attempt=None):
         self.jid, self.path, self.job = jid, path, job
         self.token, self.fd, self.trailers = token, fd, trailers
         self.max_attempts, self.attempt = max_attempts, attempt
+        self.batch = None       # the record of the batch it runs in
 
 
 def _noop_log(event, **kv):
@@ -1353,6 +1720,13 @@ class Spool(object):
         self.pol_polled = False
         self.policy_error = None
         self.intake = False     # _claim moved a producer's file to its lane
+        self.lane_problems = {}     # lane -> why the door refused it
+        self._noted = {}            # dest -> the names note_held wrote
+
+        # Every step on the spool's files goes through its door (the
+        # filesystem steps above); its descriptors are closed at the end of
+        # each public call unless a worker of this process keeps them.
+        self.fs = _Door.of(self.path)
 
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
@@ -1362,9 +1736,6 @@ class Spool(object):
                 return os.path.join(self.path, *parts)
         return self._pre + "/".join(parts) if parts else self.path
 
-    def _paths(self, sub):
-        """Stands in for _Dirs where paths will do (the spool is ours)."""
-        return self.d(sub)
 
     # Layout ------------------------------------------------------------------
 
@@ -1601,7 +1972,7 @@ class Spool(object):
         # Through descriptors of the directories, opened without following a
         # symlink: a root producer never writes outside a spool it does not
         # own, whatever its owner puts in place of tmp/ or incoming/.
-        dirs = _Dirs(self.path)
+        dirs = self.fs
         done = []
         # Many jobs: each file's writeback is started (posix_fadvise) and its
         # fsync left for later (_fsync_later), so that the blocks of all are
@@ -1614,10 +1985,15 @@ class Spool(object):
             try:
                 for job, data, explicit, delay, sub in todo:
                     if sub != "incoming":
-                        self._make_lane(sub, dirs)
                         full = self.make_room(job["type"], len(data), dirs)
                         if full:
                             raise SpoolFull(full)
+                        if dirs.owns():
+                            self._make_lane(sub, dirs)
+                        else:
+                            # lanes are the owner's: a producer drops into
+                            # incoming/, and a worker moves it to its lane
+                            sub = "incoming"
                     self._place_new(job, data, explicit, delay, sync, dirs, sub,
                                     later)
                     done.append((job["id"], sub))
@@ -1639,10 +2015,13 @@ class Spool(object):
                     self._fsync_or_withdraw(done, dirs)
                 self.poke(dirs, often=True)
         except OSError as e:        # opening the directories
+            if isinstance(e, _Refused):
+                raise ConfigError("spool %s refuses the job: %s; nothing was "
+                                  "enqueued" % (self.path, e))
             raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
                             % (self.path, e.strerror))
         finally:
-            dirs.close()
+            dirs.release()
         return [jid for jid, sub in done]
 
     def _fsync_later(self, later, done):
@@ -1835,12 +2214,7 @@ class Spool(object):
         """locks/wake open for writing, or None: no worker listens (ENXIO),
         or something else than a FIFO stands there."""
         try:
-            if dirs is not None and dirs._euid == 0:
-                # root in a spool that may be another user's: through
-                # locks/'s descriptor, never a link
-                fd = os.open("wake", _WAKE_FLAGS, dir_fd=dirs("locks"))
-            else:
-                fd = os.open(self._wake, _WAKE_FLAGS)
+            fd = _open(self._wake, _WAKE_FLAGS)
         except (OSError, MyqError):     # ENXIO: no worker is listening
             return None
         try:
@@ -1853,20 +2227,17 @@ class Spool(object):
 
     def find_id(self, jid, now=None, dirs=None):
         """Where an id lives for de-duplication: a state name or None."""
-        dirs = dirs or self._paths
+        dirs = dirs or self.fs
         for sub in self.waiting_dirs():
             if _exists(jid + ".json", dirs(sub)):
                 return "queued"
         if _exists(jid + ".json", dirs("dlq")):
             return "dead"
         prefix = jid + "+"
-        try:
-            for name in os.listdir(dirs("processing")):
-                if name.startswith(prefix):
-                    return "processing"
-        except OSError:
-            pass
-        if self.ok_fresh(jid, now, dirs):
+        for name in _listdir(self.d("processing")):
+            if name.startswith(prefix):
+                return "processing"
+        if self.ok_fresh(jid, now):
             return "done within the de-duplication window"
         return None
 
@@ -1876,8 +2247,6 @@ class Spool(object):
         """Was `jid` done within the de-duplication window?  Its done/ file
         is the record while it stays (its ctime: the rename that finished
         it); a record in locks/ok/ (mtime: when it was done) outlives it."""
-        if dirs == self._paths:
-            dirs = None
         now = _now() if now is None else now
         window = self.opt["dedupe_window"]
         records = (("done", jid + ".json", "st_ctime"),)
@@ -1886,15 +2255,13 @@ class Spool(object):
             records += (("locks/ok", jid, "st_mtime"),)
         for sub, name, when in records:
             try:
-                if dirs is None:
-                    # (every claim asks: access(2) says no without the cost
-                    # of an exception; it looks with the real uid, as good)
-                    p = (self._done if sub == "done" else self._ok) + name
-                    if not os.access(p, os.F_OK):
-                        continue
-                    st = os.stat(p)
-                else:
-                    st = os.stat(name, dir_fd=dirs(sub), follow_symlinks=False)
+                # (every claim asks: access(2) says no without the cost of
+                # an exception; it looks with the real uid, as good)
+                fd = self.fs(sub)
+                if not os.access(name, os.F_OK, dir_fd=fd,
+                                 follow_symlinks=False):
+                    continue
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
             t = getattr(st, when)
@@ -1922,7 +2289,7 @@ class Spool(object):
         if GENERATED_ID_RE.match(jid) or not NAME_RE.match(jid):
             return
         try:
-            t = os.lstat(path).st_ctime
+            t = _lstat(path).st_ctime
         except OSError:
             return
         now = _now() if now is None else now
@@ -1938,14 +2305,14 @@ class Spool(object):
         """(bytes, stat) of a regular file; never follows a symlink, never
         blocks on a FIFO, never opens a device.  Raises InvalidJob."""
         limit = self.opt["max_job_bytes"] if limit is None else limit
-        st = os.lstat(path)
+        st = _lstat(path)
         kind = _file_kind(st.st_mode)
         if kind:
             raise InvalidJob("not a regular file (%s)" % kind)
         if st.st_size > limit:
             raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
                              % (st.st_size, limit))
-        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC)
+        fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
             if _file_kind(st.st_mode):
@@ -1971,13 +2338,13 @@ class Spool(object):
         if not NAME_RE.match(_check_ref(jid)):
             for name in (jid, jid + ".json"):
                 p = self.d("failed", name)
-                if not name.endswith(".reason") and os.path.lexists(p):
+                if not name.endswith(".reason") and _lexists(p):
                     return "failed", p
         else:
             for sub in self.waiting_dirs():
                 p = self.d(sub, jid + ".json")
                 try:
-                    st = os.lstat(p)
+                    st = _lstat(p)
                     return ("scheduled" if st.st_mtime > _now() else "ready"), p
                 except OSError:
                     pass
@@ -1987,12 +2354,13 @@ class Spool(object):
                     return "processing", self.d("processing", name)
             for state, sub in (("dead", "dlq"), ("done", "done")):
                 p = self.d(sub, jid + ".json")
-                if os.path.lexists(p):
+                if _lexists(p):
                     return state, p
             for name in (jid, jid + ".json"):
                 p = self.d("failed", name)
-                if not name.endswith(".reason") and os.path.lexists(p):
+                if not name.endswith(".reason") and _lexists(p):
                     return "failed", p
+
         raise NoSuchJob("no job %s in %s; see: myq --spool %s list"
                         % (jid, self.path, self.path))
 
@@ -2000,14 +2368,23 @@ class Spool(object):
         for _ in range(5):
             state, path = self.locate(jid)
             try:
-                return self._describe(state, path)
+                return self._describe(state, path, self._holding())
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     raise
                 # it moved on meanwhile (claimed, finished): look again
         return self._describe(*self.locate(jid))
 
-    def _describe(self, state, path):
+    def _holding(self):
+        """{path in the spool: hold record} of the waiting jobs that held
+        destinations put back (list and show say "held" for them)."""
+        out = {}
+        for h in self.held():
+            for rel in self.held_jobs(h["dest"]):
+                out[rel] = h
+        return out
+
+    def _describe(self, state, path, holding=None):
         name = os.path.basename(path)
         if state == "failed":
             reason = _read_small(path + ".reason")
@@ -2036,6 +2413,12 @@ class Spool(object):
             else:
                 due = max(st.st_mtime, _effective_available(job, _now()))
             state = "scheduled" if due > _now() else "ready"
+            h = holding.get(path[len(self._pre):]) if holding else None
+            if h is not None and state == "scheduled":
+                # it waits for its destination, not for its own time
+                state = "held"
+                job["held"] = {"dest": h["dest"], "until": h.get("until"),
+                               "why": h.get("why")}
         if state == "done":
             job["last_error"] = None        # it ended well: see `failures`
         job["state"] = state
@@ -2046,8 +2429,9 @@ class Spool(object):
         (the schedule in incoming/, the finish elsewhere), then name.  Only
         (time, name) is held per job while sorting; each job is read when
         its turn comes: memory stays small at any depth."""
-        if state is not None and state not in STATES:
-            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
+        if state is not None and state not in STATES + ("held",):
+            raise UsageError("unknown state %r; one of: %s" % (
+                state, " ".join(STATES + ("held",))))
         return self._rows(state)
 
     def _rows(self, state):
@@ -2056,8 +2440,13 @@ class Spool(object):
         subs = ["processing", "done", "dlq", "failed"]
         if state in (None, "ready", "scheduled"):
             subs = self.waiting_dirs() + subs
+        if state == "held":
+            subs = self.waiting_dirs()
+        holding = self._holding() if state in (None, "scheduled", "held") \
+            else None
         for sub in subs:
-            if state is not None and STATE_DIRS[state] != sub.partition("/")[0]:
+            if state not in (None, "held") and \
+                    STATE_DIRS[state] != sub.partition("/")[0]:
                 continue
             for e in _scandir(self.d(sub)):
                 name = e.name
@@ -2083,8 +2472,9 @@ class Spool(object):
             guess = STATES[guess]
             path = self.d(sub, name)
             try:
-                row = self._describe(guess, path)
+                row = self._describe(guess, path, holding)
             except (OSError, InvalidJob) as e:
+
                 if isinstance(e, OSError) and e.errno == errno.ENOENT:
                     continue        # it moved while we looked
                 row = {"id": name[:-5] if name.endswith(".json") else name,
@@ -2132,6 +2522,8 @@ class Spool(object):
                 "expired": tot["expired"] if by_type else sum(tot["expired"].values()),
                 "rejected": tot["rejected"] if by_type else
                 sum(tot["rejected"].values()),
+                "removed": tot["removed"] if by_type else
+                sum(tot["removed"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.held()]}
@@ -2195,13 +2587,15 @@ class Spool(object):
         changes = dict((k, policy_value(k, v) if v is not None or
                         k not in POLICY_KEYS else None)
                        for k, v in changes.items())
-        fd = os.open(self.d("locks", "policy.lock"), os.O_RDWR | os.O_CREAT
-                     | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            fd = _lock(self.d("locks", "policy.lock"))
+        except OSError as e:
+            if e.errno == errno.EINVAL:
                 raise ConfigError("%s is not a regular file; remove it"
                                   % self.d("locks", "policy.lock"))
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            raise ConfigError("cannot lock %s: %s" % (
+                self.d("locks", "policy.lock"), e.strerror or e))
+        try:
             path = self.d(POLICY_FILE)
             try:
                 data = self.read_file(path, 1 << 20)[0]
@@ -2228,13 +2622,11 @@ class Spool(object):
                 pol[name] = own
             else:
                 pol.pop(name, None)
-            tmp = self._tmpname("policy")
-            _create(tmp, (json.dumps(pol, indent=1, sort_keys=True) + "\n")
-                    .encode("utf-8"), sync=True)
-            _rename(tmp, path)
-            _fsync_dir(self.path)
+            _replace(path, (json.dumps(pol, indent=1, sort_keys=True) + "\n")
+                     .encode("utf-8"), sync=True)
         finally:
             os.close(fd)
+            self.fs.release()
         self._pol_next = 0.0
         self.poke()
         return pol
@@ -2248,12 +2640,28 @@ class Spool(object):
         return bool(self.rules(type).get("paused"))
 
     def lanes(self):
-        """[(priority, type, sub)] of the lanes, highest priority first."""
+        """[(priority, type, sub)] of the lanes, highest priority first.
+        Only directories the door accepts (the owner's alone): what else
+        stands there is never used; lane_problems says what and why."""
         out = []
-        for name in _listdir(self.d(LANES)):
+        try:
+            names = os.listdir(self.fs(LANES)) if _lexists(self.d(LANES)) else ()
+        except OSError as e:
+            self.lane_problems[LANES] = str(e)
+            return out
+        for name in names:
             m = LANE_RE.match(name)
             if m:
-                out.append((int(m.group(2)), m.group(1), LANES + "/" + name))
+                sub = LANES + "/" + name
+                try:
+                    self.fs(sub)
+                except OSError as e:
+                    if sub not in self.lane_problems:
+                        self.log("error", during="lanes", lane=sub, error=str(e))
+                    self.lane_problems[sub] = str(e)
+                    continue
+                self.lane_problems.pop(sub, None)
+                out.append((int(m.group(2)), m.group(1), sub))
         out.sort(key=lambda l: (-l[0], l[1]))
         return out
 
@@ -2283,32 +2691,13 @@ class Spool(object):
         return home
 
     def _make_lane(self, sub, dirs=None):
-        """Create the lane `sub` (and incoming/lanes/) as incoming/ is: its
-        mode and owner; through descriptors, never a link."""
-        own = dirs is None
-        if own:
-            dirs = _Dirs(self.path)
-        try:
-            st = os.fstat(dirs("incoming"))
-            for parent, name in (("incoming", "lanes"),
-                                 (LANES, sub.rpartition("/")[2])):
-                pfd = dirs(parent)
-                try:
-                    os.mkdir(name, 0o700, dir_fd=pfd)
-                except OSError as e:
-                    if e.errno != errno.EEXIST:
-                        raise
-                    continue
-                fd = _open_dir(name, pfd)
-                try:
-                    if os.geteuid() == 0 and st.st_uid != 0:
-                        os.fchown(fd, st.st_uid, st.st_gid)
-                    os.chmod(fd, stat.S_IMODE(st.st_mode))
-                finally:
-                    os.close(fd)
-        finally:
-            if own:
-                dirs.close()
+        """Create the lane `sub` (and incoming/lanes/): the owner's alone
+        (0750, given to the owner when root makes it), through the door:
+        producers drop into incoming/ only, so nothing of theirs can stand
+        among the lanes."""
+        if sub not in self.fs.fds:
+            self.fs.mkdir(LANES)
+            self.fs.mkdir(sub)
 
     def expiry(self, job, rules=None):
         """When a job expires (SPEC 9), or None: its own expires_at, else
@@ -2351,6 +2740,7 @@ class Spool(object):
         if mq is None and mb is None:
             return None
         waiting = [w for w in self._waiting_of(type) if w[2] != exclude]
+        dirs = dirs or self.fs
         n, b = len(waiting), sum(w[3] for w in waiting)
 
         def over(n, b):
@@ -2372,45 +2762,40 @@ class Spool(object):
             if not over(n, b):
                 break
             try:
-                if dirs is not None:
-                    os.unlink(name, dir_fd=dirs(sub))
-                else:
-                    os.unlink(self.d(sub, name))
+                os.unlink(name, dir_fd=dirs(sub))
             except OSError:
                 continue        # claimed meanwhile: it is not waiting
+
             n, b = n - 1, b - sz
             self.log("dropped", id=name[:-5], type=type, why=bound)
             self.count("dropped", type)
         return None
 
     def count(self, what, type, n=1):
-        """Add to a total since init (dropped, expired, rejected; SPEC 6):
-        locks/totals.json, replaced under locks/totals.lock."""
-        import fcntl
+        """Add to a total since init (dropped, expired, rejected, removed;
+        SPEC 6): locks/totals.json, replaced under locks/totals.lock."""
         try:
-            fd = os.open(self.d("locks", "totals.lock"), os.O_RDWR | os.O_CREAT
-                         | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+            fd = _lock(self.d("locks", "totals.lock"))
         except OSError:
             return
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return
-            fcntl.flock(fd, fcntl.LOCK_EX)
             tot = self.totals()
             d = tot.setdefault(what, {})
+            if type not in d and len(d) >= 1000:
+                type = "-"          # bounded: the rest under one name
             d[type] = d.get(type, 0) + n
-            tmp = self._tmpname("totals")
-            _create(tmp, json.dumps(tot, sort_keys=True).encode("utf-8"),
-                    sync=False)
-            _rename(tmp, self.d("locks", "totals.json"))
+            _replace(self.d("locks", "totals.json"),
+                     json.dumps(tot, sort_keys=True).encode("utf-8"))
         except (OSError, MyqError):
+
             pass            # a statistic, never worth a job
         finally:
             os.close(fd)
 
     def totals(self):
-        """{"dropped"|"expired"|"rejected": {TYPE: N}}."""
-        out = {"dropped": {}, "expired": {}, "rejected": {}}
+        """{"dropped"|"expired"|"rejected"|"removed": {TYPE: N}}."""
+        out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {}}
+
         data = _read_small(self.d("locks", "totals.json"), 1 << 20)
         try:
             tot = json.loads(data.decode("utf-8")) if data else {}
@@ -2431,18 +2816,41 @@ class Spool(object):
 
     def held(self):
         """[{"dest", "why", "since", "until", "probes"}] of the held
-        destinations, from locks/held/ (written by workers; cat-able)."""
-        out = []
-        for name in sorted(_listdir(self.d("locks", "held"))):
-            if not name.endswith(".json"):
+        destinations, from locks/held/ (written by workers; cat-able).
+        Read again only when the directory changed, and then only the
+        records that changed: thousands of holds cost a poll one stat."""
+        d = self.d("locks", "held")
+        try:
+            st = _dir_stat(d)
+            key = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            return []
+        cache = getattr(self, "_held_cache", None)
+        if cache is not None and cache[0] == key and cache[1] > st.st_mtime + 1:
+            return cache[2]
+        old = cache[3] if cache is not None else {}
+        recs, out = {}, []
+        for e in _scandir(d):
+            name = e.name
+            if not name.endswith(".json") or name[:1] == ".":
                 continue
             try:
-                rec = json.loads(self.read_file(self.d("locks", "held", name), 4096)[0])
+                s = e.stat(follow_symlinks=False)
+                k = (s.st_mtime_ns, s.st_ino, s.st_size)
+                rec = old.get(name)
+                if rec is None or rec[0] != k:
+                    rec = (k, json.loads(self.read_file(d + "/" + name, 4096)[0]))
             except (OSError, ValueError, InvalidJob):
                 continue
-            if isinstance(rec, dict) and isinstance(rec.get("dest"), str) \
-                    and _is_num(rec.get("until")):
-                out.append(rec)
+            recs[name] = rec
+            r = rec[1]
+            if isinstance(r, dict) and isinstance(r.get("dest"), str) \
+                    and _is_num(r.get("until")):
+                out.append(r)
+        out.sort(key=lambda r: r["dest"])
+        # (trusted while the directory has not changed since a second
+        # before this look: a change within its mtime's granularity is seen)
+        self._held_cache = (key, _now(), out, recs)
         return out
 
     def hold_of(self, dest):
@@ -2453,45 +2861,65 @@ class Spool(object):
         return rec if isinstance(rec, dict) and _is_num(rec.get("until")) else None
 
     def _held_dir(self):
-        os.makedirs(self.d("locks", "held"), 0o750, exist_ok=True)
+        self.fs.mkdir("locks/held")
 
     def write_hold(self, rec):
-        """Write a hold's record (locks/held/DEST.json, cat-able): tmp/,
-        then a rename over the old one; no fsync (after a power cut a probe
-        is due at once anyway)."""
+        """Write a hold's record (locks/held/DEST.json, cat-able), beside
+        it and renamed over the old one; no fsync (after a power cut a
+        probe is due at once anyway)."""
         self._held_dir()
-        tmp = self._tmpname("held")
-        _create(tmp, dumps(rec), sync=False)
-        _rename(tmp, self._held_path(rec["dest"]))
+        _replace(self._held_path(rec["dest"]), dumps(rec))
 
     def _holds_lock(self):
-        import fcntl
         self._held_dir()
-        fd = os.open(self.d("locks", "held", ".lock"), os.O_RDWR | os.O_CREAT
-                     | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
+        return _lock(self.d("locks", "held", ".lock"))
 
     def note_held(self, dest, name):
         """A job of a held (or failing) destination waits at `name` (its
-        path in the spool): the release makes it ready at once."""
+        path in the spool): the release makes it ready at once.  A name is
+        written once per hold (this process remembers what it wrote; what
+        several workers wrote twice is compacted by held_jobs), so that the
+        record does not grow with the outage's length."""
+        noted = self._noted.get(dest)
+        if noted is None:
+            if len(self._noted) > 1024:
+                self._noted.clear()
+            noted = self._noted[dest] = set()
+        if name in noted:
+            return
         try:
             self._held_dir()
             _append(self._held_path(dest, ".jobs"), (name + "\n").encode("utf-8"))
+            if len(noted) < 1 << 17:
+                noted.add(name)
         except OSError as e:        # it waits its own time instead
             self.log("error", during="breaker", dest=dest,
                      error=e.strerror or str(e))
 
+
     def held_jobs(self, dest):
         """The jobs a hold put back (their paths in the spool), each once,
         in the order they were put back."""
-        data = _read_small(self._held_path(dest, ".jobs"), 1 << 22, tail=True)
+        path = self._held_path(dest, ".jobs")
+        data = _read_small(path, 1 << 22, tail=True)
         seen, out = set(), []
-        for name in (data or b"").decode("utf-8", "replace").split():
+        names = (data or b"").decode("utf-8", "replace").split()
+        for name in names:
             if name not in seen and name.startswith("incoming/") \
                     and name.endswith(".json") and ".." not in name.split("/"):
                 seen.add(name)
                 out.append(name)
+        if len(names) > 256 and len(names) > 2 * len(out):
+            # several workers (or restarts) wrote names twice: compacted,
+            # so that the record stays one line per waiting job
+            try:
+                fd = self._holds_lock()
+                try:
+                    _replace(path, "".join(n + "\n" for n in out).encode("utf-8"))
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
         return out
 
     def take_probe(self, dest, delay, job=None):
@@ -2534,7 +2962,14 @@ class Spool(object):
         seen = (data or b"").decode("utf-8", "replace").split()
         try:
             self._held_dir()
-            _append(path, (jid + "\n").encode("utf-8"))
+            if len(seen) >= 512:
+                # bounded: the streak's last 256 failures say all it needs
+                # (different jobs up to any breaker, the backoff's step)
+                seen = seen[-256:]
+                _replace(path, "".join(j + "\n" for j in seen + [jid])
+                         .encode("utf-8"))
+            else:
+                _append(path, (jid + "\n").encode("utf-8"))
         except OSError as e:        # the breaker counts less: never a job
             self.log("error", during="breaker", dest=dest,
                      error=e.strerror or str(e))
@@ -2550,7 +2985,7 @@ class Spool(object):
         """An answer that is not the destination's failure: the streak
         ends, and a hold is released (True)."""
         _quiet_unlink(self._held_path(dest, ".streak"))
-        if os.path.lexists(self._held_path(dest)):
+        if _lexists(self._held_path(dest)):
             self._release(dest)
             return True
         return False
@@ -2569,14 +3004,35 @@ class Spool(object):
                 continue
             p = self.d(name)
             try:
-                if os.lstat(p).st_mtime > now:
+                if _lstat(p).st_mtime > now:
                     _utime(p, now)
             except OSError:
                 pass
         _quiet_unlink(jobs)
         _quiet_unlink(self._held_path(dest, ".streak"))
         _quiet_unlink(self._held_path(dest))
+        self._noted.pop(dest, None)
         self.poke()
+
+    def prune_holds(self):
+        """Holds of types whose jobs are gone (none of those it put back
+        waits any more: run by a worker that has the handler, deleted,
+        expired) are removed: a type that vanished holds nothing."""
+        n = 0
+        for h in self.held():
+            dest = h["dest"]
+            if "://" in dest and not h.get("missing"):
+                continue        # a server's hold ends by its probes
+            if h.get("since", 0) > _now() - 60:
+                continue
+            if not any(_lexists(self.d(name)) for name in self.held_jobs(dest)):
+                _quiet_unlink(self._held_path(dest, ".jobs"))
+                _quiet_unlink(self._held_path(dest, ".streak"))
+                _quiet_unlink(self._held_path(dest))
+                self._noted.pop(dest, None)
+                self.log("release", dest=dest, why="no job of it waits")
+                n += 1
+        return n
 
     def status_line(self, now=None):
         now = _now() if now is None else now
@@ -2585,9 +3041,9 @@ class Spool(object):
             " %s=%d" % (k, s[k]) for k in (
                 "ready", "processing", "done", "dead", "oldest_ready_s",
                 "retries_1m", "scheduled", "failed", "free_kb", "dropped",
-                "expired", "rejected")) + " paused=%s held=%s" % (
+                "expired", "rejected", "removed")) + " paused=%s held=%s" % (
             ",".join(s["paused"]) or "-",
-            ",".join(h["dest"] for h in s["held"]) or "-")
+            ",".join(_plain(h["dest"], _FIELD) for h in s["held"]) or "-")
 
     def retries_1m(self, now=None):
         now = _now() if now is None else now
@@ -2629,7 +3085,7 @@ class Spool(object):
                 self._quarantine(src, name, "bad file name: a job file is ID.json, "
                                 "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
             except OSError:
-                if os.path.lexists(src):
+                if _lexists(src):
                     raise           # it stays: the worker logs why, backs off
             return None
         token = me.token()
@@ -2639,7 +3095,7 @@ class Spool(object):
         fd = None
         limit = self.opt["max_job_bytes"]
         try:
-            st = os.lstat(path)
+            st = _lstat(path)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidJob("not a regular file (%s)"
                                  % _file_kind(st.st_mode))
@@ -2653,17 +3109,16 @@ class Spool(object):
                 # a producer that died in between): drop that name.  Then
                 # look again: the producer may have unlinked it itself since
                 # the lstat (no tmp/ name found, one name left: a job).
-                mine = [e.path for e in _scandir(self.d("tmp"))
+                mine = [self._tmp + e.name for e in _scandir(self.d("tmp"))
                         if e.inode() == st.st_ino]
                 for p in mine:
                     _quiet_unlink(p)
-                if os.lstat(path).st_nlink > 1:
+                if _lstat(path).st_nlink > 1:
                     raise InvalidJob("a hard link (%d names): copy the file "
                                  "instead of linking it" % st.st_nlink)
             # The name is ours alone (unique token) and lstat said regular;
             # O_NOFOLLOW|O_NONBLOCK still guard against a swap meanwhile.
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | O_NOFOLLOW
-                         | os.O_NONBLOCK | O_CLOEXEC)
+            fd = _open(path, os.O_RDWR | os.O_APPEND | os.O_NONBLOCK)
             data = os.read(fd, st.st_size + 65536)
             if not data.strip(b"\0 \t\r\n"):
                 os.close(fd)
@@ -2688,9 +3143,12 @@ class Spool(object):
                 if e.errno in (errno.EACCES, errno.EPERM):
                     e = InvalidJob(
                         "permission denied: the worker (uid %d) cannot read and "
-                        "append to it; producers must write jobs as the spool's "
-                        "owner (or with myq enqueue, which hands the file over)"
-                        % os.geteuid())
+                        "append to it (the file belongs to uid %d, mode %04o); "
+                        "producers must write jobs as the spool's owner, or "
+                        "give the file to it before the mv (or use myq "
+                        "enqueue, which hands the file over); then: chown it "
+                        "and myq retry" % ((os.geteuid(),) + _owner_mode(path)))
+
                 elif e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR,
                                      errno.ENODEV):
                     raise
@@ -2721,21 +3179,32 @@ class Spool(object):
             self._refuse(c, job, me, "expired", "expired at %s, before any run "
                          "could start (ttl)" % iso(exp))
             return None
-        if sub == "incoming":
-            home = self.home(job, rules)
-            if home != "incoming":
-                # A producer's file (or one from before a policy): into its
-                # lane, under the type's bounds; its priority is fixed now.
-                if job.get("priority") is None:
-                    job["priority"] = self.rules(job["type"]).get("priority", 0)
-                self.intake = True
-                self._make_lane(home)
-                full = self.make_room(job["type"], st.st_size, exclude=name)
+        home = self.home(job, rules)
+        if home != sub:
+            # A producer's file (or one from before a policy) into its lane,
+            # under the type's bounds, its priority fixed now; a job found
+            # in a lane not its own goes to its own home first, so that its
+            # own type's rules (pause, rate, concurrency, bounds) hold.
+            if job.get("priority") is None:
+                job["priority"] = rules.get("priority", 0)
+                home = self.home(job, rules)
+            self.intake = True
+            try:
+                full = home != "incoming" and self.make_room(
+                    job["type"], st.st_size, exclude=name)
                 if full:
                     self._refuse(c, job, me, "rejected", full)
                 else:
                     self._move_on(c, job, home, me)
-                return None
+            except OSError:
+                if c.path.endswith(".json"):
+                    try:                # give it back untouched
+                        _rename(c.path, src)
+                    except OSError:
+                        pass
+                raise
+            return None
+
         c.attempt = job["attempts"] + 1
         try:
             _append(path, me.lease_line(token, c.attempt, now + me.lease), fd)
@@ -2760,7 +3229,9 @@ class Spool(object):
             self.log("removed", file=name, why="empty: nothing was written in "
                      "it (an enqueue that a crash or power cut ended before it "
                      "returned, or a producer that wrote nothing)")
+            self.count("removed", "empty")
             return
+
         until = _now() + 60
         _utime(path, until)
         _rename(path, src)
@@ -2776,7 +3247,65 @@ class Spool(object):
         self.log(what, id=c.jid, type=job["type"], why=why)
         self.count(what, job["type"])
 
+    # Batches keep their identity (SPEC 10) ------------------------------------
+    #
+    # A batch of more than one job is recorded while it runs in
+    # processing/LEAD+TOKEN.batch (its ids in order; the owner's directory).
+    # When its jobs go back unfinished (a retry, a shutdown, a dead worker
+    # taken back), the record moves to locks/batches/ and each job's next
+    # version says "batch_of": the first of them claimed again takes the
+    # others that still wait, in the same order: the same ids, so the same
+    # Idempotency-Key, and a receiver that de-duplicates stores nothing
+    # twice.  A batch that ended (done, dead, split) drops its record.
+
+    def note_batch(self, claims):
+        """Record a new batch's ids (no fsync: a power cut ends it anyway)."""
+        c = claims[0]
+        if c.job.get("batch_of"):           # (formed again: recorded already)
+            name = c.job["batch_of"]
+        else:
+            name = "%s+%s" % (c.jid, c.token)
+            try:
+                _create(self.d("processing", name + ".batch"), json.dumps(
+                    {"ids": [x.jid for x in claims]}).encode("utf-8"), sync=False)
+            except OSError:
+                return                      # it goes as a batch all the same
+        for x in claims:
+            x.batch = name
+
+    def batch_ids(self, name):
+        """The ids of batch `name` in order ([] when its record is gone)."""
+        for p in (self.d("locks", "batches", name), self.d("processing",
+                                                           name + ".batch")):
+            data = _read_small(p, 1 << 20)
+            if data:
+                try:
+                    ids = json.loads(data.decode("utf-8")).get("ids")
+                except (ValueError, AttributeError):
+                    return []
+                return [i for i in ids if isinstance(i, str) and NAME_RE.match(i)] \
+                    if isinstance(ids, list) else []
+        return []
+
+    def keep_batch(self, name):
+        """Its jobs go back unfinished: the record to locks/batches/."""
+        if not name or "/" in name:
+            return
+        src = self.d("processing", name + ".batch")
+        if _lexists(src):
+            try:
+                self.fs.mkdir("locks/batches")
+                _rename(src, self.d("locks", "batches", name))
+            except OSError:
+                pass
+
+    def end_batch(self, name):
+        if name and "/" not in name:
+            _quiet_unlink(self.d("processing", name + ".batch"))
+            _quiet_unlink(self.d("locks", "batches", name))
+
     def _run_record(self, token):
+
         return self.d("locks", "workers", token + ".run")
 
     def _note_handler(self, c, pid, start):
@@ -2788,7 +3317,8 @@ class Spool(object):
         path = self._run_record(c.token)
         try:
             _step("create", path, "before")
-            os.symlink("%d:%s:%s" % (pid, start, boot_id()), path)
+            fd, name = _at(path)
+            os.symlink("%d:%s:%s" % (pid, start, boot_id()), name, dir_fd=fd)
             _step("create", path, "after")
         except OSError:
             pass
@@ -2801,10 +3331,12 @@ class Spool(object):
         kill_run): only when the record is of this boot and its pid is
         still the very process it names."""
         try:
-            pid, start, boot = os.readlink(self._run_record(token)).split(":", 2)
+            fd, name = _at(self._run_record(token))
+            pid, start, boot = os.readlink(name, dir_fd=fd).split(":", 2)
             pid, start = int(pid), int(start)
         except (OSError, ValueError):
             return 0
+
         if boot != boot_id():
             return 0
         if not _pid_alive(pid, start):
@@ -2848,8 +3380,11 @@ class Spool(object):
         if waiting and dest != "incoming":
             self._make_lane(dest)
         data = dumps(job)
-        tmp = self.d("tmp", _claim_name(c.jid, c.token, "new"))
+        # The next version is written in processing/, the owner's alone
+        # (not in tmp/, where a producer could swap it before the rename).
+        tmp = self.d("processing", _claim_name(c.jid, c.token, "new"))
         _quiet_unlink(tmp)              # left by an earlier failed try
+
         _create(tmp, data, sync=True, mtime=None if not waiting else
                 job["available_at"] if until is None else until)
         if fin is None and c.path.endswith(".fin"):
@@ -2880,7 +3415,7 @@ class Spool(object):
         if len(os.fsencode(name)) > 200:        # room for ".reason"
             name = os.fsdecode(os.fsencode(name)[:180]) + "." + _rand_hex(3) + ".json"
         dst = self.d("failed", name)
-        if os.path.lexists(dst) or os.path.lexists(dst + ".reason"):
+        if _lexists(dst) or _lexists(dst + ".reason"):
             dst = self.d("failed", "%s.%s.json" % (name, _rand_hex(3)))
         _rename(path, dst)
         line = "%s %s\n" % (iso(), reason.replace("\n", " "))
@@ -2912,7 +3447,7 @@ class Spool(object):
         if rec is False:
             return "worker %s is gone (its record is empty)" % wid
         if rec is None:
-            if not os.path.lexists(self.d("locks", "workers", wid + ".json")):
+            if not _lexists(self.d("locks", "workers", wid + ".json")):
                 return "worker %s is gone" % wid
             rec = {}
         host = os.uname()[1]
@@ -2935,7 +3470,7 @@ class Spool(object):
         # Liveness cannot be checked: the wall-clock lease decides.
         until = 0.0
         try:
-            until = os.lstat(path).st_mtime
+            until = _lstat(path).st_mtime
             _, trailers = parse(self.read_file(path)[0])
             lease = _lease_of(trailers)
             if lease and _is_num(lease.get("leased_until")):
@@ -2958,7 +3493,17 @@ class Spool(object):
             cache = {}
             now, mono = _now(), _mono()
             n = 0
-            for name in sorted(_listdir(self.d("processing"))):
+            names = sorted(_listdir(self.d("processing")))
+            batches = {}        # a dead worker's batch: jid -> its record
+            for name in names if not dry_run else ():
+                if name.endswith(".batch") and "+" in name:
+                    wid = name[:-6].partition("+")[2].rpartition(".")[0]
+                    if wid and (me is None or wid != me.wid) and self._owner_gone(
+                            wid, self.d("processing", name), cache, now, mono):
+                        for jid in self.batch_ids(name[:-6]):
+                            batches[jid] = name[:-6]
+                        self.keep_batch(name[:-6])
+            for name in names:
                 parts = _split_claim(name)
                 if not parts or (me is not None and parts[1] == me.wid):
                     continue
@@ -2968,7 +3513,8 @@ class Spool(object):
                     continue
                 if dry_run:
                     n += 1
-                elif self._take_back(path, parts[0], me, why, max_attempts):
+                elif self._take_back(path, parts[0], me, why, max_attempts,
+                                     batches.get(parts[0])):
                     n += 1
             return n
         finally:
@@ -2983,7 +3529,7 @@ class Spool(object):
         fin = self.d("processing", _claim_name(jid, token, "fin"))
         return (fin, token) if _take(path, fin) else None
 
-    def _take_back(self, path, jid, me, why, max_attempts=5):
+    def _take_back(self, path, jid, me, why, max_attempts=5, batch=None):
         owned = self._own(path, jid, me)
         if owned is None:
             return False
@@ -2997,13 +3543,15 @@ class Spool(object):
         old_token = _claim_token(path)
         self._kill_handler(old_token, 9)
         self._end_handler(old_token)
+        # (a finish it had begun: the next version it wrote, not yet moved)
+        _quiet_unlink(self.d("processing", _claim_name(jid, old_token, "new")))
         c = Claim(jid=jid, path=fin, token=token, job=job)
         if self.ok_fresh(jid):
             _rename(fin, self.d("done", jid + ".json"))
             self.log("recovered", id=jid, why=why, to="done")
             return True
         if (self._queued(jid)
-                or os.path.lexists(self.d("dlq", jid + ".json"))):
+                or _lexists(self.d("dlq", jid + ".json"))):
             _unlink(fin)                # a finish that crashed after its move
             self.log("recovered", id=jid, why=why, to="-")
             return True
@@ -3019,12 +3567,14 @@ class Spool(object):
                 dest = "dlq"
                 job["failed_at"] = _now()
         job["available_at"] = _now()
+        if batch and dest == "incoming":
+            job["batch_of"] = batch     # it goes again as that batch
         self._move_on(c, job, dest, me, fin=fin)
         self.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
         return True
 
     def _queued(self, jid):
-        return any(os.path.lexists(self.d(sub, jid + ".json"))
+        return any(_lexists(self.d(sub, jid + ".json"))
                    for sub in self.waiting_dirs())
 
     # Operator moves ----------------------------------------------------------
@@ -3092,6 +3642,9 @@ class Spool(object):
                 name = os.path.basename(path)
                 if not name.endswith(".json"):
                     name += ".json"
+                why = self._unreadable_by_worker(path)
+                if why:
+                    raise ConfigError("cannot retry %s: %s" % (jid, why))
                 _rename(path, self.d("incoming", name))
                 _quiet_unlink(path + ".reason")
             else:
@@ -3103,6 +3656,31 @@ class Spool(object):
                 _fsync_dir(self.d(sub))
             self.poke()
         return n
+
+    def _unreadable_by_worker(self, path):
+        """Why the spool's owner (whom its worker runs as) may not read and
+        append to the file at `path`, or None: a root producer's 0600 file
+        would be quarantined again at once."""
+        try:
+            st = _lstat(path)
+            top = os.fstat(self.fs(""))
+        except OSError:
+            return None
+        if top.st_uid == 0 or not stat.S_ISREG(st.st_mode):
+            return None
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid == top.st_uid:
+            ok = mode & 0o600 == 0o600
+        elif st.st_gid == top.st_gid:
+            ok = mode & 0o060 == 0o060
+        else:
+            ok = mode & 0o006 == 0o006
+        if ok:
+            return None
+        return ("the file belongs to uid %d, mode %04o, and the worker (uid %d, "
+                "the spool's owner) cannot read and append to it; give it to "
+                "the owner first (chown %d %s) and retry" % (
+                    st.st_uid, mode, top.st_uid, top.st_uid, path))
 
     def _make_ready(self, jid, path, me):
         """retry --now: a waiting job's new version, available now, replaces
@@ -3146,8 +3724,11 @@ class Spool(object):
                                 "it with --force (its handler is killed)" % jid)
             # Take it from the worker first (its finish then fails with
             # ENOENT and moves nothing), then stop the handler.
-            gone = self._tmpname(jid + ".deleted")
+            self._seq += 1
+            gone = self.d("processing", "%s+deleted.%d.%d.new" % (
+                jid, os.getpid(), self._seq))
             if not _take(path, gone):
+
                 return None
             self._kill_handler(_claim_token(path), 15)
             path = gone
@@ -3197,10 +3778,11 @@ class Spool(object):
                 jid = name[:-5]
             try:
                 st = e.stat(follow_symlinks=False)
+                p = self.d(sub, e.name)
                 if sub == "failed":
-                    job = {"state": "failed", "type": type and self._failed_type(e.path)}
+                    job = {"state": "failed", "type": type and self._failed_type(p)}
                 else:
-                    job = self._describe(state, e.path)
+                    job = self._describe(state, p)
             except OSError:
                 continue                # it moved while we looked
             except InvalidJob:
@@ -3211,7 +3793,7 @@ class Spool(object):
                 else st.st_ctime
             if older_than is not None and now - born < older_than:
                 continue
-            chosen.append((jid, e.path))
+            chosen.append((jid, self.d(sub, e.name)))
         n = 0
         for jid, path in chosen:
             n += self._delete_one(jid, state, path, force) or 0
@@ -3234,7 +3816,7 @@ class Spool(object):
         ("tmp", "tmp", "oldest", "keep_tmp", None, True),
         ("dlq", "dead", "ctime", "keep_dead", "keep_dead_max", False),
         ("failed", "failed", "ctime", "keep_failed", None, False),
-        ("locks/ok", "ok", "mtime", "dedupe_window", None, False),
+        ("locks/ok", "ok", "mtime", "dedupe_window", "keep_ok_max", False),
     )
 
     def prune(self, now=None, full=True):
@@ -3244,24 +3826,100 @@ class Spool(object):
         self.require()
         now = _now() if now is None else now
         out = dict(done=0, dead=0, failed=0, tmp=0, ok=0, workers=0)
+        bound = {}
         for sub, key, age, keep, most, always in self._RETENTION:
             if always or full:
                 out[key] += self._expire(sub, age, self.opt[keep],
-                                         self.opt[most] if most else None, now)
+                                         self.opt[most] if most else None, now,
+                                         bound)
+        # What is removed unrun is counted (stats removed=): tmp/ strays,
+        # and idempotency records past their bound in count.
+        for what, n in (("tmp", out["tmp"]), ("ok", bound.get("locks/ok", 0))):
+            if n:
+                self.log("removed", what=what, n=n, why="stray in tmp/"
+                         if what == "tmp" else "past --keep-ok-max")
+                self.count("removed", what, n)
         if full:
             for e in _scandir(self.d("failed")):      # reasons left alone
-                if e.name.endswith(".reason") and not os.path.lexists(e.path[:-7]):
-                    _quiet_unlink(e.path)
+                p = self.d("failed", e.name)
+                if e.name.endswith(".reason") and not _lexists(p[:-7]):
+                    _quiet_unlink(p)
             out["workers"] = self._prune_workers(now)
             self._compact_retries(now)
+            out["tmp"] += self._prune_strays(now)
+            self.prune_holds()
         return out
 
-    def _expire(self, sub, age, keep, most, now):
-        """Remove what in SUB is older than KEEP seconds, and what is beyond
-        the newest MOST (a bounded heap); returns how many went."""
+    def make_space(self, n=256):
+        """Below a guard (SPEC 4): retention frees done/ first, its n
+        oldest now (a producer-chosen id keeps its de-duplication in
+        locks/ok/: an inode for an inode, the blocks freed).  Short of
+        inodes, the n oldest idempotency records go first, and done files
+        go without one: records are never what keeps a backlog from
+        draining (a job sent again after that may run twice: at least
+        once holds).  Returns how many went."""
         import heapq
+        problem = self.free_problem()
+        inodes = bool(problem) and "inodes" in problem
+        gone = 0
+        for sub in (("locks/ok", "done") if inodes else ("done",)):
+            old = heapq.nsmallest(n, ((st.st_ctime, e.name) for e, st in (
+                (e, self._entry_stat(e)) for e in _scandir(self.d(sub)))
+                if st is not None))
+            for _, name in old:
+                try:
+                    if sub == "done" and not inodes:
+                        self._outlive(self.d(sub, name))
+                    _unlink(self.d(sub, name))
+                    gone += 1
+                except OSError:
+                    pass
+            if sub == "locks/ok" and old:
+                self.count("removed", "ok", len(old))
+        if gone:
+
+            self.log("pruned", why="below a guard: " + (problem or "low"),
+                     n=gone)
+        return gone
+
+    @staticmethod
+    def _entry_stat(e):
+        try:
+            return e.stat(follow_symlinks=False)
+        except OSError:
+            return None
+
+    def _prune_strays(self, now):
+
+        """What a crash left of the owner's own writes, older than
+        --keep-tmp: a retry's or dead letter's next version in processing/
+        (ID+TOKEN.new) and a record's new version (.NAME.PID.N.tmp)."""
         n = 0
-        newest = []
+        for sub, end, keep in (
+                ("processing", ".new", "keep_tmp"), ("", ".tmp", "keep_tmp"),
+                ("locks", ".tmp", "keep_tmp"), ("locks/workers", ".tmp", "keep_tmp"),
+                ("locks/held", ".tmp", "keep_tmp"),
+                ("locks/batches", "", "dedupe_window")):
+            for e in _scandir(self.d(sub) if sub else self.path):
+                if not e.name.endswith(end) or (end == ".tmp" and e.name[:1] != "."):
+                    continue
+                try:
+                    if now - e.stat(follow_symlinks=False).st_ctime > self.opt[keep]:
+
+                        _unlink(self.d(sub, e.name) if sub else self.d(e.name))
+                        n += 1
+                except OSError:
+                    pass
+        return n
+
+    def _expire(self, sub, age, keep, most, now, bound=None):
+        """Remove what in SUB is older than KEEP seconds, then the oldest
+        beyond the newest MOST; returns how many went (`bound[sub]`: how
+        many of them for MOST).  Memory stays bounded whatever the count:
+        a second pass keeps a heap of at most 10,000 of the oldest (the
+        rest goes at the next prune)."""
+        import heapq
+        n = left = 0
         for e in _scandir(self.d(sub)):
             if sub == "failed" and e.name.endswith(".reason"):
                 continue
@@ -3272,12 +3930,31 @@ class Spool(object):
             t = (st.st_ctime if age == "ctime" else st.st_mtime if age == "mtime"
                  else min(st.st_mtime, st.st_ctime))
             if now - t > keep:
-                n += self._remove(sub, e.path)
-            elif most is not None:
-                heapq.heappush(newest, (t, e.path))
-                if len(newest) > most:
-                    n += self._remove(sub, heapq.heappop(newest)[1])
-        return n
+                n += self._remove(sub, self.d(sub, e.name))
+            else:
+                left += 1
+        if most is None or left <= most:
+            return n
+        k = min(left - most, 10000)
+        oldest = []             # a max-heap (by -t) of the k oldest
+        for e in _scandir(self.d(sub)):
+            if sub == "failed" and e.name.endswith(".reason"):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            t = (st.st_ctime if age == "ctime" else st.st_mtime if age == "mtime"
+                 else min(st.st_mtime, st.st_ctime))
+            if len(oldest) < k:
+                heapq.heappush(oldest, (-t, e.name))
+            elif -oldest[0][0] > t:
+                heapq.heapreplace(oldest, (-t, e.name))
+        m = sum(self._remove(sub, self.d(sub, name)) for _, name in oldest)
+        if bound is not None:
+            bound[sub] = m
+        return n + m
+
 
     def _remove(self, sub, path):
         """1 when the entry went (a quarantined directory whole, a failed
@@ -3285,9 +3962,8 @@ class Spool(object):
         try:
             if sub == "done" and path.endswith(".json"):
                 self._outlive(path)
-            if sub == "failed" and stat.S_ISDIR(os.lstat(path).st_mode):
-                import shutil
-                shutil.rmtree(path, ignore_errors=True)
+            if sub == "failed" and stat.S_ISDIR(_lstat(path).st_mode):
+                self._rmtree(path)
             else:
                 _unlink(path)
         except OSError:
@@ -3315,17 +3991,36 @@ class Spool(object):
                     n += self._remove("locks/workers", path)
         return n
 
+    def _rmtree(self, path):
+        """Remove a directory that a producer quarantined, with what is in
+        it, through descriptors: never through a link inside."""
+        fd = _fresh_dir(path)
+        try:
+            for e in os.scandir(fd):
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        self._rmtree(path + "/" + e.name)
+                    else:
+                        os.unlink(e.name, dir_fd=fd)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        parent, _, name = path.rpartition("/")
+        try:
+            os.rmdir(name, dir_fd=_dir_fd(parent))
+        except OSError:
+            pass
+
     def _compact_retries(self, now):
         path = self.d("locks", "retries")
         try:
-            if os.lstat(path).st_size < 65536:
+            if _lstat(path).st_size < 65536:
                 return
             data = _read_small(path, 1 << 20, tail=True) or b""
             lines = [l for l in data.split(b"\n")
                      if l.strip().isdigit() and int(l) > now - 120]
-            tmp = self._tmpname("retries")
-            _create(tmp, b"".join(l + b"\n" for l in lines), sync=False)
-            _rename(tmp, path)
+            _replace(path, b"".join(l + b"\n" for l in lines))
         except OSError:
             pass
 
@@ -3373,6 +4068,9 @@ class Spool(object):
         self.policy()
         if self.policy_error:
             problems.append(self.policy_error)
+        self.lanes()
+        for sub, why in sorted(self.lane_problems.items()):
+            problems.append("lane %s is not used: %s" % (sub, why))
         stale = self.reap(dry_run=True)
         if stale:
             problems.append("%d claim(s) in processing/ belong to dead workers or "
@@ -3431,22 +4129,6 @@ def _file_kind(mode):
     return "special file"
 
 
-def _listdir(path):
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def _scandir(path):
-    try:
-        with os.scandir(path) as it:
-            for e in it:
-                yield e
-    except OSError:
-        return
-
-
 def _count(path, suffix):
     return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
 
@@ -3458,12 +4140,16 @@ _PROM_GAUGES = (
     ("retries_1m", "myq_retries_1m", "gauge",
      "Failed runs scheduled for a retry in the last 60 seconds, by any worker."),
 )
-_PROM_TOTALS = ("dropped", "expired", "rejected")
+_PROM_TOTALS = ("dropped", "expired", "rejected", "removed")
 
 
 def _prom_label(value):
-    return '"%s"' % str(value).replace("\\", "\\\\").replace(
-        '"', '\\"').replace("\n", "\\n")
+    """A label value, escaped as the format says (backslash, quote, line
+    feed); any other control character as the text \\xNN, so that no
+    terminal reading the file acts on it."""
+    s = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return '"%s"' % _CONTROL.sub(lambda m: "\\\\x%02x" % ord(m.group()), s)
+
 
 
 def prometheus_text(stats):
@@ -3498,7 +4184,9 @@ def prometheus_text(stats):
             samples = [([], v)]
         else:
             continue
-        metric("myq_%s_total" % key, "counter", "Jobs %s since myq init." % key,
+        metric("myq_%s_total" % key, "counter", "Jobs %s since myq init." % key
+               if key != "removed" else "Files myq removed unrun since myq "
+               "init: empty job names, tmp/ strays, records past their bound.",
                samples)
     if isinstance(stats.get("paused"), list):
         metric("myq_paused", "gauge", "1 for each job type that is paused.",
@@ -3523,9 +4211,22 @@ def _write_textfile(w):
     tmp = os.path.join(d, ".%s.%d.tmp" % (name, os.getpid()))
     try:
         data = prometheus_text(sp.stats(by_type=True)).encode("utf-8", "replace")
+        target = os.path.join(d, name)
+        try:
+            st = os.lstat(target)
+        except OSError:
+            st = None
+        if st is not None and (st.st_uid != os.geteuid()
+                               or not stat.S_ISREG(st.st_mode)):
+            # another user's file (a shared, sticky directory): never
+            # written through, never trusted to be ours
+            raise OSError(errno.EEXIST, "%s belongs to uid %d, not to this "
+                          "worker: remove it, or give --textfile a directory "
+                          "of its own" % (target, st.st_uid))
         _quiet_unlink(tmp)
         _create(tmp, data, sync=False, mode=0o644)
-        _rename(tmp, os.path.join(d, name))
+        _rename(tmp, target)
+
     except OSError as e:
         _quiet_unlink(tmp)
         w.log("error", during="textfile", error="%s: %s" % (d, e.strerror or e))
@@ -3918,6 +4619,10 @@ class HttpPool(object):
         except ValueError as e:          # a bad port
             raise PermanentError("http: bad URL %s: %s" % (
                 parts.geturl()[:200], e))
+        why = _unsendable(method, target, hdrs)
+        if why:
+            raise _Unsent("http: the job's request cannot be sent (%s); "
+                          "nothing was sent to %s" % (why, origin[1]))
         fresh = False
         while True:
             left = deadline - _mono()
@@ -3968,7 +4673,35 @@ class HttpPool(object):
                     conn.close()
 
 
+_BAD_IN_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _unsendable(method, target, hdrs):
+    """Why http.client would refuse to send this request, or None: checked
+    before any connection, so that it is the job's fault, not the
+    server's."""
+    try:
+        method.encode("ascii")
+        target.encode("ascii")
+    except (UnicodeError, AttributeError):
+        return "the method or the path is not ASCII (percent-encode it)"
+    if _BAD_IN_HEADER.search(method + target) or " " in target:
+        return "a control character or a space in the method or the path"
+    for k, v in hdrs.items():
+        k, v = str(k), str(v)
+        if not k or _BAD_IN_HEADER.search(k) or ":" in k or " " in k:
+            return "a bad header name %r" % _clip(k, 60)
+        try:
+            v.encode("latin-1")
+        except UnicodeError:
+            return "the value of header %s is not Latin-1" % _clip(k, 60)
+        if _BAD_IN_HEADER.search(v):
+            return "a control character in the value of header %s" % _clip(k, 60)
+    return None
+
+
 def _still_open(sock):
+
     """False when a waiting connection's socket is readable: the server
     closed it (or sent what no request asked for)."""
     if sock is None:
@@ -4737,7 +5470,8 @@ class _Run(object):
     __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
                  "thread", "result", "conn", "slot", "probe", "dest",
-                 "dest_fail", "batch", "split", "target")
+                 "dest_fail", "batch", "split", "target", "unsent",
+                 "retry_after")
 
     def __init__(self, claim, kind):
         self.claim, self.kind = claim, kind
@@ -4746,7 +5480,8 @@ class _Run(object):
         self.result = self.conn = None
         self.slot = self.probe = self.dest = None
         self.batch = self.target = None     # batch: the claims of a batch
-        self.dest_fail = self.split = False
+        self.dest_fail = self.split = self.unsent = False
+        self.retry_after = None     # a destination failure's own delay
         self.err = bytearray()
         self.timed_out = self.released = False
 
@@ -4780,6 +5515,7 @@ class Worker(object):
     def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
                  concurrency=1, lease=60.0, timeout=300.0, max_attempts=5,
                  backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
+                 probe_max=30.0,
                  stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
                  scan_cache=2048, log=None, reap_interval=None,
                  prune_interval=60.0, parent=None, mqtt=None,
@@ -4804,6 +5540,7 @@ class Worker(object):
         self.lease, self.timeout = float(lease), float(timeout)
         self.max_attempts = int(max_attempts)
         self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
+        self.probe_max = float(probe_max)
         self.jitter, self.poll = float(jitter), max(0.01, float(poll))
         self.stats_interval, self.grace = float(stats_interval), float(grace)
         self.pass_env = list(pass_env or ())
@@ -4840,7 +5577,14 @@ class Worker(object):
         self._low_logged = False
         self._clock_offset = _now() - _mono()
         self._next_beat = float("inf")     # set when run() starts
-        self._held = {}     # held type -> (why, its hold's delay)
+        self._splits = []   # halves of failed batches, to start: (claims, kind, target)
+        self._held = {}     # held type -> (why, delay, until, recorded)
+
+        self._held_changed = False
+        self._holds_from = None     # the spool.held() list _holds came from
+        self._lack = {}             # type -> no handler here (_lacks)
+        self._handlers_seen, self._handlers_next = None, 0.0
+
         # --mqtt: the options are checked now, the broker connected at the
         # first mqtt job (one connection per worker, shared by its threads)
         self._mqtt_client = None if not mqtt else _mqtt_client(
@@ -4903,8 +5647,10 @@ class Worker(object):
         except RetryLater as e:
             # A server's Retry-After is a lower bound, not leave to hammer
             # it ("Retry-After: 0" a thousand times): the backoff holds too.
+            e.retry_after = e.seconds
             e.seconds = max(e.seconds or 0.0, self.backoff(job["attempts"]))
             raise
+
 
     def _http_batch(self, jobs, run):
         """A batch of http jobs as one request (SPEC 10)."""
@@ -4915,6 +5661,7 @@ class Worker(object):
                               getattr(self, "http_pool", None),
                               gzip=bool(rules.get("gzip")))
         except RetryLater as e:
+            e.retry_after = e.seconds
             e.seconds = max(e.seconds or 0.0, self.backoff(jobs[0]["attempts"]))
             raise
 
@@ -4958,6 +5705,14 @@ class Worker(object):
         d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
         return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
 
+    def probe_backoff(self, n):
+        """A held destination's n-th wait: --backoff-base doubling to
+        --probe-max (and never past --backoff-max), jittered: a link that
+        comes back is used within --probe-max, whatever a job's backoff."""
+        d = min(self.backoff_base * 2 ** min(n - 1, 60), self.probe_max,
+                self.backoff_max)
+        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
+
     # The loop ------------------------------------------------------------------
 
     def run(self, once=False, drain=False):
@@ -4979,8 +5734,16 @@ class Worker(object):
         self._main = threading.current_thread() is threading.main_thread()
         saved = self._install_signals() if self._main else None
         try:
-            self.me.register()
+            try:
+                self.me.register()
+            except OSError as e:
+                # A worker starts on a full disk (SPEC 4): room for its
+                # record from done/ (or old idempotency records) first.
+                if not _space_error(e) or not sp.make_space():
+                    raise
+                self.me.register()
         except BaseException:
+
             if saved:
                 self._restore_signals(saved)
             raise
@@ -4995,12 +5758,14 @@ class Worker(object):
         self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
+        sp.fs.kept += 1             # its descriptors stay (closed at polls)
         for h in sp.held():         # holds whose handler is there by now
             if h.get("missing") and self.resolve(h["dest"])[0] is not None:
                 sp._release(h["dest"])
                 self.log("release", dest=h["dest"])
             elif h.get("missing"):
-                self._held[h["dest"]] = (h.get("why"), self.backoff_base)
+                self._held[h["dest"]] = (h.get("why"), self.backoff_base,
+                                         h["until"], True)
         self._load_holds()
         try:
             self._reap()
@@ -5016,6 +5781,7 @@ class Worker(object):
                         os.close(fd)
                 run.stdin_fd = run.err_fd = None
                 self._release(run)
+            self._release_splits()
             self._retry_stuck(final=True)
             self._commit(final=True)
             self.http_pool.close()
@@ -5039,6 +5805,8 @@ class Worker(object):
                 self._mqtt_client.close()
             self.me.unregister()
             sp.pol_polled = False
+            sp.fs.kept -= 1
+            sp.fs.release()
             self.log("stop", worker=self.me.wid)
         return 0
 
@@ -5133,12 +5901,14 @@ class Worker(object):
         while True:
             busy = False
             if self.stopping:
+                if self._splits:
+                    self._release_splits()
                 if not self.runs:
                     break
                 self._enforce_grace()
             else:
                 busy = self._fill(once, drain)
-            if not self.runs and not self._stuck and (
+            if not self.runs and not self._stuck and not self._splits and (
                     once or self.stopping or (drain and not self._ready_now())):
                 break
             self._housekeep()
@@ -5159,20 +5929,20 @@ class Worker(object):
         now = _mono()
         if (once and self._started) or now < self._io_pause_until:
             return False
+        while self._splits and len(self.runs) < self.concurrency \
+                and not self.stopping and self._start_split():
+            pass                    # (halves of a split batch go first)
         while len(self.runs) < self.concurrency and not self.stopping \
                 and now >= self._io_pause_until:
+            # Below a guard the worker goes on: delivering the backlog is
+            # how a store-and-forward spool gets its room back (SPEC 4).
+            # Producers are refused, retention frees done/ first
+            # (_housekeep), and a step that cannot be made waits (_stuck).
             low = self.spool.low_on_space(now)
-            if low:
-                if not self._low_logged:
-                    self.log("disk_low", problem=low)
-                    self._low_logged = True
-                if drain and not self.runs and not self._stuck \
-                        and self._ready_now():
-                    # --drain would wait for space that no job of its own
-                    # frees: say so and exit (75: try again later).
-                    raise SpoolFull("--drain stops with jobs left: " + low)
-                return False
-            self._low_logged = False
+            if low and not self._low_logged:
+                self.log("disk_low", problem=low)
+                self._next_prune = 0.0          # free done/ at once
+            self._low_logged = bool(low)
             try:
                 c = self._next_claim(force=(once or drain) and not self.runs)
             except OSError as e:
@@ -5215,11 +5985,16 @@ class Worker(object):
             full = now >= self._next_full_prune
             try:
                 self.spool.prune(full=full)
+                if self.spool.low_on_space(now):
+                    self.spool.make_space()
             except (OSError, MyqError) as e:
                 self.log("error", during="prune", error=str(e))
-            self._next_prune = now + self.prune_interval
+            self._next_prune = now + (self.prune_interval if not
+                                      self._low_logged else
+                                      min(self.prune_interval, 5.0))
             if full:
                 self._next_full_prune = now + 15 * self.prune_interval
+
         if self._stuck:
             self._retry_stuck()
         if not self.runs or self._pending >= 64 or (
@@ -5286,9 +6061,12 @@ class Worker(object):
         """On each poll tick: rescan only when incoming/ changed (a shell
         producer's mv does not poke the FIFO) or the wall clock jumped; the
         policy, when its file changed."""
+        # The door's descriptors are opened (and checked) again from here
+        # on: a directory replaced meanwhile is not used through its old one.
+        self.spool.fs.close()
         self.spool.policy()
         try:
-            st = os.stat(self.spool.d("incoming"))
+            st = _dir_stat(self.spool.d("incoming"))
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
@@ -5351,7 +6129,7 @@ class Worker(object):
                     m = now + max(0.0, m - st.st_ctime)
                     scheduled = True
                     try:
-                        _utime(e.path, m)
+                        _utime(inc + "/" + name, m)
                     except OSError:
                         pass
                 nread[0] += 1
@@ -5447,10 +6225,15 @@ class Worker(object):
                     fifo is None or not fifo.poll(0)):
                 return
             self._lanes_look = now + 0.05
-            if not os.access(self._lanes_path, os.F_OK):
+            try:
+                inc = self.spool.fs("incoming")
+            except OSError:
+                return
+            if not os.access("lanes", os.F_OK, dir_fd=inc,
+                             follow_symlinks=False):
                 return  # no lanes, as before: access() raises no exception
         try:
-            st = os.stat(self._lanes_path)
+            st = _dir_stat(self._lanes_path)
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
@@ -5466,10 +6249,11 @@ class Worker(object):
         for L in self._lanes if poked else ():
             if L.type is not None:
                 try:
-                    st = os.stat(L.path)
+                    st = _dir_stat(L.path)
                     k = (st.st_mtime_ns, st.st_ino)
                 except OSError:
                     k = None
+
                 if k != L.key:
                     L.key, L.dirty = k, True
         if key == self._lanes_key:
@@ -5558,6 +6342,12 @@ class Worker(object):
                     if L.next_due is not None:
                         due = min(due, L.next_due)
                     continue
+                if L.type is not None:
+                    wait = self._batch_wait(L, now)
+                    if wait is not None:
+                        due = min(due, wait)
+                        continue
+
                 if best is None or head[:2] < best[1][:2]:
                     best = (L, head)
             if best is None and force and not fresh:
@@ -5627,14 +6417,24 @@ class Worker(object):
             return float("inf")
         if L.blocked > now:
             return L.blocked
-        wait = rules.get("batch_wait")
-        if wait and rules.get("batch") and not self._no_wait and L.cache:
-            # wait for a fuller batch, up to batch_wait after the first
-            ready = [e for e in L.cache if e[1] and e[0] <= now]
-            if ready and len(ready) < rules["batch"] and \
-                    min(e[0] for e in ready) + wait > now:
-                return min(e[0] for e in ready) + wait
         return None
+
+    def _batch_wait(self, L, now):
+        """None when lane L's batch may start now, else the wall time when
+        it may: up to batch_wait after its first ready job, unless a whole
+        batch is ready (SPEC 10: for every claim, so asked after the scan
+        that found the jobs; --drain and --once do not wait)."""
+        if self._no_wait:
+            return None
+        rules = self.spool.rules(L.type)
+        wait, n = rules.get("batch_wait"), rules.get("batch")
+        if not wait or not n:
+            return None
+        ready = [e[0] for e in L.cache if e[1] and e[0] <= now]
+        if not ready or len(ready) >= n:
+            return None
+        first = min(ready) + wait
+        return first if first > now else None
 
     def _reserve(self, L):
         """Take what a start of lane L's type needs: the probe of a held
@@ -5646,7 +6446,7 @@ class Worker(object):
         now = _now()
         dest = L.dest or L.type
         if dest in self._holds:
-            until = sp.take_probe(dest, self.backoff)
+            until = sp.take_probe(dest, self.probe_backoff)
             if until is None:
                 L.blocked = now + min(self.poll, 1.0)
                 return L.blocked
@@ -5686,41 +6486,32 @@ class Worker(object):
 
     def _slot(self, type, n):
         """One of the type's n slots, or None: a locked descriptor."""
-        import fcntl
         d = self.spool.d("locks", "slots")
         try:
-            os.makedirs(d, 0o750, exist_ok=True)
+            self.spool.fs.mkdir("locks/slots")
         except OSError:
             return None
         for k in range(n):
             try:
-                fd = os.open(os.path.join(d, "%s.%d" % (type, k)), os.O_RDWR
-                             | os.O_CREAT | O_NOFOLLOW | os.O_NONBLOCK
-                             | O_CLOEXEC, 0o640)
+                fd = _lock("%s/%s.%d" % (d, type, k), block=False)
             except OSError:
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is not None:
                 return fd
-            except OSError:
-                os.close(fd)
         return None
 
     def _rate_take(self, type, rate, give_back=False):
         """Take a start in the type's window (locks/rate/TYPE: this boot's
         monotonic start times, under flock): 0 when taken, else how long
         until one is free.  With give_back, return the last one taken."""
-        import fcntl
         n, per = rate_of(rate)
         d = self.spool.d("locks", "rate")
         try:
-            os.makedirs(d, 0o750, exist_ok=True)
-            fd = os.open(os.path.join(d, type), os.O_RDWR | os.O_CREAT
-                         | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC, 0o640)
+            self.spool.fs.mkdir("locks/rate")
+            fd = _lock(d + "/" + type)
         except OSError:
             return 0            # no window to keep: never hold a job for it
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             lines = os.pread(fd, 1 << 20, 0).decode("utf-8", "replace").split("\n")
             now = _mono()
             times = []
@@ -5781,7 +6572,7 @@ class Worker(object):
             until = None
         if until is not None and run.probe != run.dest:
             new = None if until > _now() else self.spool.take_probe(
-                run.dest, self.backoff, self.spool.waits_at(c.job, c.jid))
+                run.dest, self.probe_backoff, self.spool.waits_at(c.job, c.jid))
             if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
                            "is held" % run.dest)
@@ -5796,9 +6587,32 @@ class Worker(object):
         run.target = target
         if rules.get("batch") and not run.probe and lane is not None \
                 and lane.type == c.job["type"]:
-            run.batch = [c] + self._claim_more(lane, c, rules["batch"] - 1,
-                                               rules.get("batch_bytes"), kind)
+            if c.job.get("batch_of"):
+                run.batch = self._claim_batch(lane, c)
+            else:
+                run.batch = [c] + self._claim_more(
+                    lane, c, rules["batch"] - 1, rules.get("batch_bytes"), kind)
+            if len(run.batch) > 1:
+                self.spool.note_batch(run.batch)
         self._launch(run)
+
+    def _claim_batch(self, L, first):
+        """A batch that a dead worker had in flight, formed again (SPEC 10):
+        the same ids in the same order, so the same Idempotency-Key, of
+        those that still wait in lane L."""
+        sp = self.spool
+        ids = sp.batch_ids(first.job["batch_of"])
+        out = {first.jid: first}
+        for jid in ids:
+            if jid in out or not _lexists(sp.d(L.sub, jid + ".json")):
+                continue
+            c = sp._claim(jid + ".json", self.me, self.max_attempts, False, L.sub)
+            if c is not None and c.job.get("batch_of") == first.job["batch_of"]:
+                out[jid] = c
+            elif c is not None:
+                self._release_one(c)
+        order = dict((jid, i) for i, jid in enumerate(ids))
+        return sorted(out.values(), key=lambda c: order.get(c.jid, -1))
 
     def _launch(self, run):
         """Run the handler: an exec handler as a process, a function in
@@ -5830,7 +6644,7 @@ class Worker(object):
                 break
             m, name, scheduled = head
             try:
-                sz = os.lstat(sp.d(L.sub, name)).st_size
+                sz = _lstat(sp.d(L.sub, name)).st_size
             except OSError:
                 L.cache.pop()
                 continue
@@ -5840,7 +6654,9 @@ class Worker(object):
             c = sp._claim(name, self.me, self.max_attempts, scheduled, L.sub)
             if c is None:
                 continue
-            if key is not None and _batch_key(c.job) != key:
+            if (key is not None and _batch_key(c.job) != key) \
+                    or c.job.get("batch_of"):
+
                 job = dict(c.job)           # not for this request: back, as
                 job["available_at"] = _now()    # it was, for the next batch
                 self._move(c, job, "incoming", None, {})
@@ -6037,9 +6853,11 @@ class Worker(object):
             fn(self._job_for_handler(run.claim))
             return ("done",)
         except PermanentError as e:
+            run.unsent = isinstance(e, _Unsent)
             return ("dead", _exc_text(e), None, _tb_tail(e))
         except RetryLater as e:
             run.dest_fail = True    # the destination's failure (SPEC 9)
+            run.retry_after = getattr(e, "retry_after", e.seconds)
             return ("retry", _exc_text(e), e.seconds)
         except Exception as e:
             return ("retry", _exc_text(e), None, _tb_tail(e))
@@ -6097,6 +6915,7 @@ class Worker(object):
         10); "each" carries one outcome per job (mqtt)."""
         self._free(run)
         if outcome == "each":
+            self.spool.end_batch(run.batch[0].batch)
             for c, res in zip(run.batch, error):
                 one = _Run(c, run.kind)
                 one.started, one.dest, one.probe = run.started, run.dest, run.probe
@@ -6104,6 +6923,8 @@ class Worker(object):
                     self._finish(one, "done")
                 else:
                     one.dest_fail = isinstance(res, RetryLater)
+                    one.retry_after = getattr(res, "retry_after", None)
+                    one.unsent = isinstance(res, _Unsent)
                     self._finish(one, "dead" if isinstance(res, PermanentError)
                                  else "retry", _exc_text(res),
                                  getattr(res, "seconds", None))
@@ -6111,6 +6932,8 @@ class Worker(object):
         counts = True
         if outcome == "retry" and run.dest_fail:
             counts, delay = self._dest_failed(run, delay, error)
+        elif run.unsent:
+            pass    # the job's own request never left: no answer came
         elif (outcome == "done" or outcome == "dead") and run.dest and (
                 run.dest in self._holds or self._streaky and
                 self._safe(run.dest) in self._streaky):
@@ -6127,13 +6950,23 @@ class Worker(object):
             half = len(claims) // 2
             self.log("split", type=run.claim.job["type"], jobs=len(claims),
                      error=_clip(error or "failed", 200))
-            for part in (claims[:half], claims[half:]):
-                new = _Run(part[0], run.kind)
-                new.batch, new.split, new.target = part, True, run.target
-                self._launch(new)
+            # Each half is first in line, as its own group, and starts as a
+            # slot frees (_start_split): a split never runs more at once
+            # than --concurrency and the type's concurrency allow.
+            self.spool.end_batch(claims[0].batch)
+            for c in claims:            # (its halves are groups of their own)
+                c.batch = None
+                c.job.pop("batch_of", None)
+            self._splits[:0] = [(part, run.kind, run.target)
+                                for part in (claims[:half], claims[half:])]
             return
         for c in claims:
             self._finish_one(run, c, outcome, error, delay, tb, counts)
+        if len(claims) > 1:
+            if outcome == "retry":
+                self.spool.keep_batch(claims[0].batch)
+            else:
+                self.spool.end_batch(claims[0].batch)
 
     def _finish_one(self, run, c, outcome, error, delay, tb, counts):
         ms = int((_mono() - run.started) * 1000)
@@ -6147,11 +6980,19 @@ class Worker(object):
         job["attempts"] = c.attempt if counts else c.attempt - 1
         note_failure(job, c.attempt, error, tb)
         error = job["last_error"]
+        if c.batch and outcome == "retry":
+            job["batch_of"] = c.batch       # it goes again as that batch
+        else:
+            job.pop("batch_of", None)
         if not counts:
             # The destination's failure inside a streak: no attempt spent.
             d = delay if delay is not None else self.backoff(max(1, c.attempt))
             job["available_at"] = now = _now()      # see Spool._move_on
-            kv.update(retry_in=round(d, 3), error=error, counted=False)
+            # (held: it runs at the release, which the next probe may make;
+            # its file waits longer only for a release that never comes)
+            until = self._holds.get(run.dest)
+            shown = min(d, max(0.0, until - now)) if until else d
+            kv.update(retry_in=round(shown, 3), error=error, counted=False)
             self.spool.note_held(run.dest, self.spool.waits_at(job, c.jid))
             self._move(c, job, "incoming", "retry", kv, now + d)
             return
@@ -6180,11 +7021,11 @@ class Worker(object):
         sp, c = self.spool, run.claim
         started, distinct, total = sp.streak(run.dest, c.jid)
         self._streaky.add(self._safe(run.dest))
-        # its own backoff grows with the streak, not with attempts it spends
-        # (a handler's RetryLater says how long itself; a server's Retry-After
-        # is only a lower bound)
-        if delay is None or run.kind in ("http", "mqtt"):
-            delay = max(delay or 0.0, self.backoff(total))
+        # The destination's backoff grows with the streak, not with the
+        # attempts its jobs spent, to --probe-max; a server's Retry-After
+        # (or a handler's RetryLater) sets it, capped at --backoff-max.
+        ra = run.retry_after
+        delay = min(ra, self.backoff_max) if ra else self.probe_backoff(total)
         until = self._holds.get(run.dest)
         if until is not None:
             rec = sp.hold_of(run.dest)      # (released by another worker?)
@@ -6198,8 +7039,7 @@ class Worker(object):
             return False, max(0.0, until - _now()) + self._parked_for()
         n = sp.rules(c.job["type"]).get("breaker", 3)
         if n and distinct >= n:
-            d = min(delay, self.backoff_max) if delay is not None \
-                else self.backoff(1)
+            d = delay
             until = _now() + d
             self._holds[run.dest] = until
             self._write_hold(run.dest, "%d jobs failed in a row: %s" % (
@@ -6213,10 +7053,42 @@ class Worker(object):
         self._free(run)
         for c in run.batch or [run.claim]:
             self._release_one(c)
+        if run.batch:
+            self.spool.keep_batch(run.batch[0].batch)
+
+
+    def _start_split(self):
+        """Start the first half of a split batch waiting (_finish) when a
+        slot of the worker and of its type is free; False when none may."""
+        part, kind, target = self._splits[0]
+        t = part[0].job["type"]
+        n = self.spool.rules(t).get("concurrency")
+        slot = None
+        if n is not None:
+            if sum(1 for r in self.runs if r.claim.job["type"] == t) >= n:
+                return False
+            slot = self._slot(t, n)
+            if slot is None:
+                return False
+        del self._splits[0]
+        new = _Run(part[0], kind)
+        new.batch, new.split, new.target, new.slot = part, True, target, slot
+        self._launch(new)
+        return True
+
+    def _release_splits(self):
+        """Stopping: the halves not started go back, ready now."""
+        splits, self._splits = self._splits, []
+        for part, kind, target in splits:
+            for c in part:
+                self._release_one(c)
+
 
     def _release_one(self, c):
         job = dict(c.job)
         job["available_at"] = _now()
+        if c.batch:
+            job["batch_of"] = c.batch       # it goes again as that batch
         self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
 
     def _complete(self, c, kv):
@@ -6276,13 +7148,21 @@ class Worker(object):
         old = self._held.get(t)
         delay = min(max(old[1] * 2 if old else self.backoff_base, 1.0),
                     self.backoff_max, 300.0)
-        self._held[t] = (why, delay)
         until = _now() + delay
+        recorded = old[3] if old else len(self._held) < 1024
+        self._held[t] = (why, delay, until, recorded)
+        self._holds[t] = until
+        self._held_changed = True
         if old is None:
             self.log("hold", dest=t, why=why, until=iso(until))
-        self._holds[t] = until
-        self._write_hold(t, why, until, missing=True)
-        self._park(run, until, why)
+            # The record (for stats, check and a restart) is written once,
+            # not at each job put back, and for the first 1,024 held types
+            # only: a flood of unknown types neither writes the flash full
+            # nor makes every poll read thousands of records.  Other
+            # workers are not held by it unless they lack the handler too.
+            if recorded:
+                self._write_hold(t, why, until, missing=True)
+        self._park(run, until, why, noted=recorded)
 
     def _write_hold(self, dest, why, until, **extra):
         rec = {"dest": dest, "why": why, "since": round(_now(), 3),
@@ -6294,15 +7174,18 @@ class Worker(object):
             self.log("error", during="breaker", dest=dest,
                      error=e.strerror or str(e))
 
-    def _park(self, run, until, why):
+    def _park(self, run, until, why, noted=True):
         """Put a job of a held destination back, no attempt counted, until
-        the hold's next probe; the release makes it ready at once."""
+        the hold's next probe; the release makes it ready at once.  (Not
+        `noted`: a held type past the cap of records waits its own time.)"""
         c = run.claim
         job = dict(c.job)
         job["available_at"] = _now()        # see Spool._move_on
         job["last_error"] = "held: " + why
-        self.spool.note_held(run.dest or job["type"],
-                             self.spool.waits_at(job, c.jid))
+        if noted:
+            self.spool.note_held(run.dest or job["type"],
+                                 self.spool.waits_at(job, c.jid))
+
         self._free(run)
         self._move(c, job, "incoming", None, {}, until + self._parked_for())
 
@@ -6326,7 +7209,7 @@ class Worker(object):
         last = (sp.hold_of(dest) or {}).get("last")
         k = names.index(last) + 1 if last in names else 0
         names = names[k:] + names[:k]
-        until = sp.take_probe(dest, self.backoff, names[0])
+        until = sp.take_probe(dest, self.probe_backoff, names[0])
         if not until:
             if until == 0.0:
                 self._holds.pop(dest, None)     # released meanwhile
@@ -6335,7 +7218,7 @@ class Worker(object):
         self._holds[dest] = until
         for rel in names:
             sub, _, name = rel.rpartition("/")
-            if not os.path.lexists(sp.d(rel)):
+            if not _lexists(sp.d(rel)):
                 continue
             c = sp._claim(name, self.me, self.max_attempts, True, sub)
             if c is not None:
@@ -6353,6 +7236,8 @@ class Worker(object):
         it put back are ready now."""
         self._held.pop(t, None)
         self._holds.pop(t, None)
+        self._lack.pop(t, None)
+        self._held_changed = True
         self.spool._release(t)
         self.dirty = True
         self.next_due = None
@@ -6360,23 +7245,62 @@ class Worker(object):
 
     def _load_holds(self):
         """The holds of every worker of the spool (locks/held/); a hold
-        from another boot has its probe due at once."""
+        from another boot has its probe due at once.  A missing handler's
+        hold holds only the workers that lack the handler (SPEC 9): this
+        one's own (_held), and another's when this one lacks it too."""
+        held = self.spool.held()
+        if held is self._holds_from and not self._held_changed:
+            return                  # (the same records: nothing to learn)
+        self._holds_from, self._held_changed = held, False
         now, boot = _now(), boot_id()
-        self._holds = dict((h["dest"], h["until"] if h.get("boot") == boot
-                            else min(h["until"], now))
-                           for h in self.spool.held())
+        holds = {}
+        for h in held:
+            dest = h["dest"]
+            if h.get("missing") and dest not in self._held \
+                    and not self._lacks(dest):
+                continue
+            holds[dest] = h["until"] if h.get("boot") == boot \
+                else min(h["until"], now)
+        for t, v in self._held.items():
+            holds[t] = v[2]
+        self._holds = holds
         self._streaky = self.spool.streaky()
+
+    def _lacks(self, type):
+        """Has this worker no handler for `type`?  (Asked again when the
+        handlers changed: _check_holds.)"""
+        lack = self._lack.get(type)
+        if lack is None:
+            if len(self._lack) > 4096:
+                self._lack.clear()
+            lack = self._lack[type] = self.resolve(type)[0] is None
+        return lack
+
+    def _handlers_key(self):
+        if not self.handlers_dir:
+            return None
+        try:
+            st = os.stat(self.handlers_dir)
+            return (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            return None
 
     def _check_holds(self):
         """At each poll tick: the holds on disk (other workers' too), and
-        has the handler of a held type appeared?"""
-        before = set(self._holds)
+        has the handler of a held type appeared?  (Looked for when the
+        handlers directory changed, or once a minute: many held types cost
+        a poll no more than one.)"""
+        before = self._holds
         self._load_holds()
-        if before - set(self._holds):
+        if before is not self._holds and set(before) - set(self._holds):
             self.dirty = True       # released by another worker
-        for t in list(self._held):
-            if self.resolve(t)[0] is not None:
-                self._unhold(t)
+        key, now = self._handlers_key(), _mono()
+        if self._held and (key != self._handlers_seen or now >= self._handlers_next):
+            self._handlers_seen, self._handlers_next = key, now + 60.0
+            self._lack.clear()
+            for t in list(self._held):
+                if self.resolve(t)[0] is not None:
+                    self._unhold(t)
 
     def _safe(self, dest):
         safe = self._safe_names.get(dest)
@@ -6441,13 +7365,15 @@ class Worker(object):
         until = _now() + self.lease
         try:
             self.me.beat()
+            claims = [c for part, _, _ in self._splits for c in part]
             for run in self.runs + ([self._inline] if self._inline else []):
-                for c in run.batch or [run.claim]:
-                    try:
-                        _utime(c.path, until)
-                    except OSError as e:
-                        if e.errno != errno.ENOENT:
-                            raise
+                claims.extend(run.batch or [run.claim])
+            for c in claims:
+                try:
+                    _utime(c.path, until)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise
         except OSError as e:
             self.log("error", during="heartbeat", error=e.strerror)
 
@@ -6838,6 +7764,7 @@ GUARD_OPTIONS = [
     ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
     ("--keep-dead-max", _natural, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
     ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
+    ("--keep-ok-max", _natural, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
 ]
 WORKER_OPTIONS = [
     ("--handlers", str, None, "directory of executable handlers, one per type"),
@@ -6848,6 +7775,7 @@ WORKER_OPTIONS = [
     ("--max-attempts", _posint, 5, "runs a job gets when it does not say"),
     ("--backoff-base", _seconds, 5.0, "delay of the first retry, doubling after each failure"),
     ("--backoff-max", _seconds, 3600.0, "longest retry delay"),
+    ("--probe-max", _seconds, 30.0, "longest wait between two probes of a held destination (a link that is back is used within it)"),
     ("--jitter", _fraction, 0.1, "random spread of retry delays, a fraction"),
     ("--poll", _seconds, 1.0, "how often to look for files dropped without a wake-up"),
     ("--stats-interval", _seconds, 60.0, "time between status lines in the log, 0 for none"),
@@ -6876,7 +7804,8 @@ WORKER_OPTIONS = [
 # The guard options each command's --help shows (worker and supervise: all);
 # the others are accepted and ignored, as they always were.
 _RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
-                    "--keep-dead", "--keep-dead-max", "--keep-failed")
+                    "--keep-dead", "--keep-dead-max", "--keep-failed",
+                    "--keep-ok-max")
 _GUARDS_SHOWN = {
     "init": ("--min-free", "--min-free-inodes"),
     "enqueue": ("--min-free", "--min-free-inodes", "--max-job-bytes",
@@ -7055,8 +7984,9 @@ def _parser(only=None):
                    help="the Prometheus text format (node_exporter's "
                    "textfile collector) instead of the status line")
     p = cmd("list", "list jobs")
-    p.add_argument("state", nargs="?", choices=STATES,
-                   help="only jobs in this state: %s" % ", ".join(STATES))
+    p.add_argument("state", nargs="?", choices=STATES + ("held",),
+                   help="only jobs in this state: %s (held: waiting for a "
+                   "held destination)" % ", ".join(STATES + ("held",)))
     p.add_argument("--type", help="only jobs of this type")
     p.add_argument("--limit", type=count, metavar="N",
                    help="at most N jobs (default: all)")
@@ -7264,7 +8194,7 @@ def _worker_from(spool, o):
                   concurrency=o["concurrency"], lease=o["lease"],
                   timeout=o["timeout"], max_attempts=o["max_attempts"],
                   backoff_base=o["backoff_base"], backoff_max=o["backoff_max"],
-                  jitter=o["jitter"], poll=o["poll"],
+                  probe_max=o["probe_max"], jitter=o["jitter"], poll=o["poll"],
                   stats_interval=o["stats_interval"], grace=o["grace"],
                   pass_env=o["pass_env"], http_headers=headers,
                   http_ca=o.get("http_ca"),
@@ -7582,9 +8512,14 @@ def _cmd_list(a):
         line = "%s %s %s attempts=%s" % (
             _kv(job["id"]), job["state"], job.get("type") or "-",
             job.get("attempts") if job.get("attempts") is not None else "-")
-        if job.get("available_at"):
+        held = job.get("held")
+        if held:
+            line += " held_until=%s dest=%s" % (
+                iso(held.get("until") or 0, False), _kv(_plain(held["dest"])))
+        elif job.get("available_at"):
             line += " available_at=" + iso(job["available_at"], False)
         if job.get("last_error"):
+
             line += " last_error=" + _kv(job["last_error"])
         _print(line)
 
@@ -7646,9 +8581,10 @@ def _cmd_check(a):
                            "problems": problems}))
         return 1 if problems else 0
     for p in problems:
-        _print(p)
+        _print(_plain(p))
     if problems:
         return 1
+
     _print("ok spool=%s" % a.spool.path)
 
 

@@ -622,9 +622,13 @@ def test_half_written_worker_record_is_pruned(tmp_path):
     assert code == CRASH and out["died"][0] == "create"
     sp = myq.Spool(path)
     workers = sp.d("locks", "workers")
-    # The record is written in tmp/ and renamed: no half-written record.
-    assert os.listdir(workers) == []
-    assert len(os.listdir(sp.d("tmp"))) == 1
+    # The record is written beside its name (.WID.json.PID.N.tmp, in the
+    # owner's own directory, not in tmp/ where a producer could swap it)
+    # and renamed: no half-written record under the record's name.
+    left = os.listdir(workers)
+    assert len(left) == 1 and left[0].startswith(".") and \
+        left[0].endswith(".tmp"), left
+    assert os.listdir(sp.d("tmp")) == []
     sp.prune(now=time.time() + 40 * 86400)
     assert os.listdir(workers) == [] and os.listdir(sp.d("tmp")) == []
 
@@ -673,8 +677,13 @@ def _published(calls, dest, when="before", via=("rename", "link")):
 
 def _assert_published_durably(calls, dest, via=("rename", "link")):
     pub = _published(calls, dest, via=via)
-    src_like = [p for o, p, w in calls[:pub] if o == "create" and under(p, "tmp")]
-    assert src_like, "the job was not written in tmp/ first: %r" % calls
+    # (a worker's next version of a job is written beside its claim, in
+    # processing/, the owner's own directory: never in tmp/, where a
+    # producer could swap it before the rename)
+    src_like = [p for o, p, w in calls[:pub] if o == "create" and (
+        under(p, "tmp") or (under(p, "processing") and p.endswith(".new")))]
+    assert src_like, "the job was not written in tmp/ or processing/ first: %r" \
+        % calls
     tmp = src_like[-1]
     f_sync = _index(calls, "fsync", "after", lambda p: p == tmp)
     assert f_sync < pub, "file fsync must come before publishing it"
@@ -748,7 +757,8 @@ def test_worker_record_is_durable_before_its_name(tmp_path):
     calls = _calls_of(path, lambda p, arm: (
         arm(), myq.Identity(myq.Spool(p)).register()))
     pub = _index(calls, "rename", "before", lambda p: under(p, "locks/workers"))
-    tmp = [p for o, p, w in calls[:pub] if o == "create" and under(p, "tmp")]
+    tmp = [p for o, p, w in calls[:pub] if o == "create" and
+           under(p, "locks/workers") and os.path.basename(p).startswith(".")]
     assert tmp, calls
     assert _index(calls, "fsync", "after", lambda p: p == tmp[-1]) < pub, calls
 

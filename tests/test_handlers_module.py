@@ -131,7 +131,7 @@ def test_type_missing_from_module_is_held(run_myq, spool, tmp_path):
     job_id = enqueue(call_myq, spool, "unknown_type")
     drain(run_myq, spool, mod)
     job = show(call_myq, spool, job_id)
-    assert job["state"] == "scheduled" and job["attempts"] == 0, job
+    assert job["state"] == "held" and job["attempts"] == 0, job
     assert "no handler" in job["last_error"].lower()
 
 

@@ -525,7 +525,7 @@ def test_python3_light_http_job_is_held_naming_python3_urllib(spool, server):
     p = run_light(NOT_IN_LIGHT, "--spool", spool, "show", jid)
     assert p.returncode == 0, p.stderr
     job = json.loads(p.stdout)
-    assert job["state"] == "scheduled" and job["attempts"] == 0, job
+    assert job["state"] == "held" and job["attempts"] == 0, job
     assert "python3-urllib" in job["last_error"], job
     assert server.requests == []
 

@@ -250,7 +250,7 @@ def test_http_job_without_urllib_is_held_naming_the_package(tmp_path, py):
     w = light_(*S, "worker", "--drain", "--poll", "0.05", timeout=60)
     assert w.returncode == 0, w.stderr
     job = json.loads(ok(light_(*S, "show", "h1")))
-    assert job["state"] == "scheduled", job     # held (SPEC 10), not dead
+    assert job["state"] == "held", job     # held (SPEC 10), not dead
     assert job["attempts"] == 0, job
     assert "python3-urllib" in job["last_error"], job["last_error"]
     assert {"http", "urllib", "urllib.request"} & attempts(light_.log)

@@ -519,10 +519,10 @@ def test_show_follows_a_job_that_moves_while_it_looks(myq, spool, monkeypatch):
     real = sp._describe
     moved = []
 
-    def describe(state, path):
+    def describe(state, path, *more):
         if not moved:
             moved.append(1)
             os.rename(path, os.path.join(spool, "done", jid + ".json"))
-        return real(state, path)
+        return real(state, path, *more)
     monkeypatch.setattr(sp, "_describe", describe)
     assert sp.show(jid)["state"] == "done"

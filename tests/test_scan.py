@@ -250,7 +250,10 @@ def test_a_pass_that_claims_nothing_still_wakes_the_worker_soon(
 
     class Slow(object):
         def __init__(self, path):
-            self.rest = sorted(real(path), key=lambda e: e.name)
+            # (an entry's stat() works while the scan runs: asked here, it
+            # is cached by the entry)
+            self.rest = sorted([(e.stat(follow_symlinks=False), e)[1]
+                                for e in real(path)], key=lambda e: e.name)
 
         def __iter__(self):
             return self

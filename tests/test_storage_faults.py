@@ -628,7 +628,7 @@ def test_worker_stops_claiming_after_a_finish_io_error(tmp_path):
     for jid in ("c1", "c2", "c3"):
         myq.enqueue(path, "bad", {"id": jid, "blob": "x"}, id=jid)
     starts = path + ".starts"
-    hook = _one_shot(lambda op, p, w: op == "create" and under(p, "tmp")
+    hook = _one_shot(lambda op, p, w: op == "create" and under(p, "processing")
                      and p.endswith(".new"), errno.ENOSPC, times=2)
 
     def child():
