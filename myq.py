@@ -1722,6 +1722,7 @@ class Spool(object):
         self.intake = False     # _claim moved a producer's file to its lane
         self.lane_problems = {}     # lane -> why the door refused it
         self._noted = {}            # dest -> the names note_held wrote
+        self._held_cache = None     # held()'s last look
 
         # Every step on the spool's files goes through its door (the
         # filesystem steps above); its descriptors are closed at the end of
@@ -2645,9 +2646,10 @@ class Spool(object):
         stands there is never used; lane_problems says what and why."""
         out = []
         try:
-            names = os.listdir(self.fs(LANES)) if _lexists(self.d(LANES)) else ()
+            names = os.listdir(self.fs(LANES))
         except OSError as e:
-            self.lane_problems[LANES] = str(e)
+            if e.errno != errno.ENOENT:     # (none yet: no lanes)
+                self.lane_problems[LANES] = str(e)
             return out
         for name in names:
             m = LANE_RE.match(name)
@@ -2825,7 +2827,7 @@ class Spool(object):
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             return []
-        cache = getattr(self, "_held_cache", None)
+        cache = self._held_cache
         if cache is not None and cache[0] == key and cache[1] > st.st_mtime + 1:
             return cache[2]
         old = cache[3] if cache is not None else {}
@@ -3863,9 +3865,7 @@ class Spool(object):
         inodes = bool(problem) and "inodes" in problem
         gone = 0
         for sub in (("locks/ok", "done") if inodes else ("done",)):
-            old = heapq.nsmallest(n, ((st.st_ctime, e.name) for e, st in (
-                (e, self._entry_stat(e)) for e in _scandir(self.d(sub)))
-                if st is not None))
+            old = heapq.nsmallest(n, self._aged(sub, "ctime"))
             for _, name in old:
                 try:
                     if sub == "done" and not inodes:
@@ -3881,13 +3881,6 @@ class Spool(object):
             self.log("pruned", why="below a guard: " + (problem or "low"),
                      n=gone)
         return gone
-
-    @staticmethod
-    def _entry_stat(e):
-        try:
-            return e.stat(follow_symlinks=False)
-        except OSError:
-            return None
 
     def _prune_strays(self, now):
 
@@ -3905,12 +3898,24 @@ class Spool(object):
                     continue
                 try:
                     if now - e.stat(follow_symlinks=False).st_ctime > self.opt[keep]:
-
                         _unlink(self.d(sub, e.name) if sub else self.d(e.name))
                         n += 1
                 except OSError:
                     pass
         return n
+
+    def _aged(self, sub, age):
+        """(time, name) of the entries of SUB that retention may remove, by
+        their "ctime", "mtime" or the "oldest" of the two."""
+        for e in _scandir(self.d(sub)):
+            if sub == "failed" and e.name.endswith(".reason"):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            yield (st.st_ctime if age == "ctime" else st.st_mtime if age == "mtime"
+                   else min(st.st_mtime, st.st_ctime)), e.name
 
     def _expire(self, sub, age, keep, most, now, bound=None):
         """Remove what in SUB is older than KEEP seconds, then the oldest
@@ -3920,41 +3925,18 @@ class Spool(object):
         rest goes at the next prune)."""
         import heapq
         n = left = 0
-        for e in _scandir(self.d(sub)):
-            if sub == "failed" and e.name.endswith(".reason"):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            t = (st.st_ctime if age == "ctime" else st.st_mtime if age == "mtime"
-                 else min(st.st_mtime, st.st_ctime))
+        for t, name in self._aged(sub, age):
             if now - t > keep:
-                n += self._remove(sub, self.d(sub, e.name))
+                n += self._remove(sub, self.d(sub, name))
             else:
                 left += 1
         if most is None or left <= most:
             return n
-        k = min(left - most, 10000)
-        oldest = []             # a max-heap (by -t) of the k oldest
-        for e in _scandir(self.d(sub)):
-            if sub == "failed" and e.name.endswith(".reason"):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            t = (st.st_ctime if age == "ctime" else st.st_mtime if age == "mtime"
-                 else min(st.st_mtime, st.st_ctime))
-            if len(oldest) < k:
-                heapq.heappush(oldest, (-t, e.name))
-            elif -oldest[0][0] > t:
-                heapq.heapreplace(oldest, (-t, e.name))
+        oldest = heapq.nsmallest(min(left - most, 10000), self._aged(sub, age))
         m = sum(self._remove(sub, self.d(sub, name)) for _, name in oldest)
         if bound is not None:
             bound[sub] = m
         return n + m
-
 
     def _remove(self, sub, path):
         """1 when the entry went (a quarantined directory whole, a failed
