@@ -5296,7 +5296,7 @@ class MqttClient(object):
         with self.lock:
             if self.sock is None:
                 return False
-            deadline = _mono() + min(self.timeout, max(1.0, self.keepalive / 2.0))
+            deadline = _mono() + min(self.timeout, max(2.0, float(self.keepalive)))
             try:
                 self._send(b"\xc0\x00", deadline)
                 kind, _ = self._read(deadline, "PINGRESP")
