@@ -1717,6 +1717,7 @@ class Spool(object):
         self._seq = 0
         self._pol, self._pol_key, self._pol_next = {}, None, 0.0
         self._rules, self._homes = {}, {}     # per type, for this policy
+        self.lane_types = frozenset()   # held for a missing handler: laned
         self.pol_polled = False
         self.policy_error = None
         self.intake = False     # _claim moved a producer's file to its lane
@@ -2381,6 +2382,9 @@ class Spool(object):
         destinations put back (list and show say "held" for them)."""
         out = {}
         for h in self.held():
+            if h.get("missing"):        # all its type's jobs wait for it
+                out[("type", h["dest"])] = h
+                continue
             for rel in self.held_jobs(h["dest"]):
                 out[rel] = h
         return out
@@ -2414,8 +2418,9 @@ class Spool(object):
             else:
                 due = max(st.st_mtime, _effective_available(job, _now()))
             state = "scheduled" if due > _now() else "ready"
-            h = holding.get(path[len(self._pre):]) if holding else None
-            if h is not None and state == "scheduled":
+            h = (holding.get(path[len(self._pre):]) or holding.get(
+                ("type", job["type"]))) if holding else None
+            if h is not None and (state == "scheduled" or h.get("missing")):
                 # it waits for its destination, not for its own time
                 state = "held"
                 job["held"] = {"dest": h["dest"], "until": h.get("until"),
@@ -2685,12 +2690,21 @@ class Spool(object):
         home = self._homes.get((t, p))
         if home is None:
             q = rules.get("priority", 0) if p is None else p
-            if q == 0 and not any(k in rules for k in _LANE_KEYS):
+            if q == 0 and not any(k in rules for k in _LANE_KEYS) \
+                    and t not in self.lane_types:
                 home = "incoming"
             else:
                 home = "%s/%s@%d" % (LANES, t, q)
             self._homes[(t, p)] = home
         return home
+
+    def set_lane_types(self, types):
+        """The types held for a missing handler (by any worker): their
+        jobs wait in their lane, where the workers that lack the handler
+        do not look until their probe and those that have it take them."""
+        types = frozenset(types)
+        if types != self.lane_types:
+            self.lane_types, self._homes = types, {}
 
     def _make_lane(self, sub, dirs=None):
         """Create the lane `sub` (and incoming/lanes/): the owner's alone
@@ -3876,14 +3890,43 @@ class Spool(object):
                     pass
             if sub == "locks/ok" and old:
                 self.count("removed", "ok", len(old))
+        if not gone and self._free_room():
+            what = "its reserve (locks/room)"
+            gone = 1
+        else:
+            what = "the oldest"
         if gone:
-
             self.log("pruned", why="below a guard: " + (problem or "low"),
-                     n=gone)
+                     n=gone, freed=what)
         return gone
 
-    def _prune_strays(self, now):
+    # The reserve: locks/room, ROOM bytes the worker sets aside while there
+    # is room (incompressible, so UBIFS keeps them too) and gives up when
+    # retention frees nothing: a full disk (a backlog that filled the
+    # flash, another program's file) still leaves a starting worker room
+    # for its record and the backlog a way out (SPEC 4).
+    ROOM = 65536
 
+    def keep_room(self):
+        """Set the reserve aside when it is not and the guards allow."""
+        path = self.d("locks", "room")
+        if _lexists(path) or self.free_problem():
+            return False
+        try:
+            _replace(path, os.urandom(self.ROOM), mode=0o600)
+        except OSError as e:
+            self.log("error", during="reserve", error=e.strerror or str(e))
+            return False
+        return True
+
+    def _free_room(self):
+        try:
+            _unlink(self.d("locks", "room"))
+        except OSError:
+            return False
+        return True
+
+    def _prune_strays(self, now):
         """What a crash left of the owner's own writes, older than
         --keep-tmp: a retry's or dead letter's next version in processing/
         (ID+TOKEN.new) and a record's new version (.NAME.PID.N.tmp)."""
@@ -5724,8 +5767,8 @@ class Worker(object):
                 if not _space_error(e) or not sp.make_space():
                     raise
                 self.me.register()
+            sp.keep_room()
         except BaseException:
-
             if saved:
                 self._restore_signals(saved)
             raise
@@ -5741,13 +5784,16 @@ class Worker(object):
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
         sp.fs.kept += 1             # its descriptors stay (closed at polls)
-        for h in sp.held():         # holds whose handler is there by now
-            if h.get("missing") and self.resolve(h["dest"])[0] is not None:
-                sp._release(h["dest"])
-                self.log("release", dest=h["dest"])
-            elif h.get("missing"):
+        for h in sp.held():         # holds whose handler is there by now,
+            if not h.get("missing"):    # unless a live worker lacks it
+                continue
+            if self._lacks(h["dest"]):
                 self._held[h["dest"]] = (h.get("why"), self.backoff_base,
                                          h["until"], True)
+            elif not (_is_num(h.get("pid")) and proc_start(
+                    int(h["pid"]), living=True) == h.get("start")):
+                sp._release(h["dest"])
+                self.log("release", dest=h["dest"])
         self._load_holds()
         try:
             self._reap()
@@ -5969,6 +6015,8 @@ class Worker(object):
                 self.spool.prune(full=full)
                 if self.spool.low_on_space(now):
                     self.spool.make_space()
+                else:
+                    self.spool.keep_room()
             except (OSError, MyqError) as e:
                 self.log("error", during="prune", error=str(e))
             self._next_prune = now + (self.prune_interval if not
@@ -6638,7 +6686,6 @@ class Worker(object):
                 continue
             if (key is not None and _batch_key(c.job) != key) \
                     or c.job.get("batch_of"):
-
                 job = dict(c.job)           # not for this request: back, as
                 job["available_at"] = _now()    # it was, for the next batch
                 self._move(c, job, "incoming", None, {})
@@ -7137,14 +7184,34 @@ class Worker(object):
         self._held_changed = True
         if old is None:
             self.log("hold", dest=t, why=why, until=iso(until))
-            # The record (for stats, check and a restart) is written once,
-            # not at each job put back, and for the first 1,024 held types
-            # only: a flood of unknown types neither writes the flash full
-            # nor makes every poll read thousands of records.  Other
-            # workers are not held by it unless they lack the handler too.
-            if recorded:
-                self._write_hold(t, why, until, missing=True)
-        self._park(run, until, why, noted=recorded)
+        # The record (for stats, check and a restart) is written once a
+        # hold, not at each job put back, and for the first 1,024 held
+        # types only: a flood of unknown types neither writes the flash
+        # full nor makes every poll read thousands of records.  Other
+        # workers are not held by it unless they lack the handler too; one
+        # that has it releases it (_load_holds), and this worker's next
+        # probe, a job it found still without a handler, writes it again:
+        # the jobs it put back are never left to wait out their time.
+        if recorded and (old is None or self.spool.hold_of(t) is None):
+            self._write_hold(t, why, until, missing=True, pid=self.me.pid,
+                             start=self.me.start)
+        # Back into its type's lane, ready: this worker does not look there
+        # until its probe; a worker that has the handler takes it now.  (A
+        # lane is a directory and a descriptor: for the first LANED types
+        # held; the others wait their time in incoming/, see _park.)
+        lanes = self.spool.lane_types
+        if t not in lanes and len(lanes) >= self.LANED:
+            self._park(run, until, why, noted=recorded)
+            return
+        self.spool.set_lane_types(lanes | {t})
+        c = run.claim
+        job = dict(c.job)
+        job["available_at"] = _now()
+        job["last_error"] = "held: " + why
+        self._free(run)
+        self._move(c, job, "incoming", None, {})
+
+    LANED = 64
 
     def _write_hold(self, dest, why, until, **extra):
         rec = {"dest": dest, "why": why, "since": round(_now(), 3),
@@ -7246,6 +7313,9 @@ class Worker(object):
         for t, v in self._held.items():
             holds[t] = v[2]
         self._holds = holds
+        self.spool.set_lane_types(sorted(set(
+            [h["dest"] for h in held if h.get("missing")]
+            + [t for t, v in self._held.items() if v[3]]))[:self.LANED])
         self._streaky = self.spool.streaky()
 
     def _lacks(self, type):

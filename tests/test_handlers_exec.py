@@ -269,8 +269,9 @@ def test_exec_handlers_leave_no_descriptor_open(myq, spool, handlers_dir,
     after = _fds()
     assert {k: v for k, v in after.items() if before.get(k) != v} == {}
     assert len(os.listdir(os.path.join(spool, "done"))) == 6
-    held = [n for n in os.listdir(os.path.join(spool, "incoming"))
-            if n.endswith(".json")]     # no handler: the type is held
+    held = [n for n in os.listdir(os.path.join(
+        spool, "incoming", "lanes", "missing@0")) if n.endswith(".json")]
+    # no handler: the type is held, its jobs wait in its lane
     assert len(held) == 3               # the 3 of type "missing"
     assert len(os.listdir(os.path.join(spool, "dlq"))) == 6
 

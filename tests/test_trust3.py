@@ -298,7 +298,9 @@ def test_many_held_types_cost_an_idle_poll_no_reading(myq, spool):
     assert w.run(drain=True) == 0
     names = os.listdir(os.path.join(spool, "locks", "held"))
     assert len([n for n in names if n.endswith(".json")]) == 1024, len(names)
-    assert len([n for n in names if n.endswith(".jobs")]) == 1024
+    # (the first Worker.LANED held types wait in their lanes, no list of
+    # jobs; the others' jobs are listed for the release)
+    assert len([n for n in names if n.endswith(".jobs")]) == 1024 - myq.Worker.LANED
     reads = []
     real = sp.read_file
     sp.read_file = lambda *a, **k: (reads.append(a[0]), real(*a, **k))[1]

@@ -1,0 +1,402 @@
+"""A week in the field (issue 23): what a soak at sensor rates found, each
+finding made for real and fixed.
+
+1. idempotency records bounded in count, and never what keeps a backlog
+   from draining when inodes run short;
+2. delivery below the guards: a worker that starts on a full disk and
+   drains the backlog that filled it;
+3. a batch cut by a kill -9 goes again with the same ids in the same order
+   (the same Idempotency-Key);
+4. batch_wait for every claim, not only the first after a quiet spell;
+8. a type whose handler one worker lacks is held for that worker only;
+6. what is removed unrun is counted (stats removed=);
+7. retry refuses a file the service user cannot read, naming owner and mode.
+(5, --probe-max, and 9, `held` in list and show, are in test_handlers_exec.)
+"""
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+import myq
+from _core import FAST, MYQ, call_myq, clean_env, ls, run_myq, wait_for
+from _procs import alive, wait_gone
+
+
+def _tmpfs(tmp_path, opts):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if not shutil.which("mount"):
+        pytest.skip("mount not found")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cp = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "myq-field",
+                         str(mnt)], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, universal_newlines=True)
+    if cp.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here: %s" % cp.stdout.strip())
+    return str(mnt)
+
+
+def _umount(mnt):
+    if subprocess.run(["umount", mnt]).returncode != 0:
+        subprocess.run(["umount", "-l", mnt])
+
+
+@pytest.fixture
+def few_inodes(tmp_path):
+    mnt = _tmpfs(tmp_path, "size=8m,nr_inodes=160,mode=0755")
+    yield mnt
+    _umount(mnt)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = _tmpfs(tmp_path, "size=1m,mode=0755")
+    yield mnt
+    _umount(mnt)
+
+
+def _fill(path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (65536, 4096, 512, 1):
+            while True:
+                try:
+                    os.write(fd, b"\0" * size)
+                except OSError:
+                    break
+    finally:
+        os.close(fd)
+
+
+def _handler(tmp_path, name, body, batch_log=None):
+    """An exec handler in Python; with batch_log it appends the ids it ran
+    (a batch's: one JSON object a line on stdin), as one line, to that
+    file."""
+    d = tmp_path / "handlers"
+    d.mkdir(exist_ok=True)
+    p = d / name
+    p.write_text("#!%s\nimport json, os, sys, time\n"
+                 "ids = ([json.loads(l)['id'] for l in sys.stdin if l.strip()]\n"
+                 "       if os.environ.get('MYQ_BATCH') else\n"
+                 "       [os.environ['MYQ_JOB_ID']])\n"
+                 "log = %r\n"
+                 "if log:\n"
+                 "    with open(log, 'a') as f:\n"
+                 "        f.write(' '.join(ids) + '\\n')\n%s\n"
+                 % (sys.executable, str(batch_log or ""), body))
+    p.chmod(0o755)
+    return str(d)
+
+
+def _lines(path):
+    try:
+        with open(str(path)) as f:
+            return [l.split() for l in f.read().splitlines() if l.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _states(spool, ids):
+    return [json.loads(call_myq("--spool", spool, "show", i).stdout)["state"]
+            for i in ids]
+
+
+# 1. idempotency records ######################################################
+
+def test_idempotency_records_are_bounded_in_count(spool, tmp_path):
+    """20 producer-chosen ids done, retention removes their done files: at
+    most --keep-ok-max records stay, the oldest went, and stats counts
+    them as removed (the field: 6,548 records after 18 minutes, ~6 million
+    a week, none ever removed within the 7-day window)."""
+    h = _handler(tmp_path, "t", "")
+    ids = ["r%02d" % i for i in range(20)]
+    for i in ids:
+        myq.enqueue(spool, "t", {"n": i}, id=i)
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    cp = call_myq("--spool", spool, "prune", "--keep-done", "0",
+                  "--keep-ok-max", "5")
+    assert cp.returncode == 0, cp.stderr
+    assert ls(spool, "done") == []
+    assert len(ls(spool, "locks/ok")) == 5
+    st = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
+    assert st["removed"] == 15, st
+    # the five kept are the newest; an id of theirs is still refused
+    assert call_myq("--spool", spool, "enqueue", "t", "1", "--id",
+                    sorted(ls(spool, "locks/ok"))[-1]).returncode != 0
+
+
+def test_short_of_inodes_records_go_first_and_the_backlog_drains(few_inodes,
+                                                                 tmp_path):
+    """An 8 MiB filesystem with 160 inodes, most of them idempotency
+    records: below --min-free-inodes the worker frees records (oldest
+    first) and delivers the backlog, instead of claiming nothing (the
+    field: jobs sat ready for good, `prune` removed ok=0)."""
+    spool = os.path.join(few_inodes, "spool")
+    assert call_myq("--spool", spool, "init").returncode == 0
+    ok = os.path.join(spool, "locks", "ok")
+    os.makedirs(ok, exist_ok=True)
+    n = 0
+    while os.statvfs(spool).f_favail > 40:
+        open(os.path.join(ok, "old%03d" % n), "w").close()
+        n += 1
+    ids = ["b%02d" % i for i in range(10)]
+    for i in ids:
+        assert call_myq("--spool", spool, "enqueue", "t", "1", "--id", i,
+                       "--min-free-inodes", "0").returncode == 0
+    h = _handler(tmp_path, "t", "")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h,
+                 "--min-free-inodes", "60", *FAST, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert _states(spool, ids) == ["done"] * 10
+    assert len(ls(spool, "locks/ok")) < n       # records went, not jobs
+
+
+# 2. delivery below the guards ################################################
+
+def test_a_worker_starts_and_drains_on_a_full_disk(small_fs, tmp_path):
+    """The disk is full (a filler file took the rest, after a worker ran
+    there): `myq worker` starts all the same (it used to exit 75: a
+    restart loop under supervise) and delivers what waits, in the room of
+    the reserve (locks/room) that the first worker set aside."""
+    spool = os.path.join(small_fs, "spool")
+    assert call_myq("--spool", spool, "init").returncode == 0
+    h = _handler(tmp_path, "t", "")
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h,
+                 "--min-free", "64K", *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert os.path.getsize(os.path.join(spool, "locks", "room")) == myq.Spool.ROOM
+    ids = ["f%02d" % i for i in range(8)]
+    for i in ids:
+        assert call_myq("--spool", spool, "enqueue", "t", "1", "--id", i,
+                       "--min-free", "0").returncode == 0
+    _fill(os.path.join(small_fs, "filler"))
+    assert os.statvfs(spool).f_bavail == 0
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h,
+                 "--min-free", "64K", *FAST, timeout=60)
+    assert cp.returncode == 0, (cp.returncode, cp.stderr)
+    assert ls(spool, "incoming") == [] and ls(spool, "processing") == []
+    assert ls(spool, "failed") == []
+    # every job finished: done, or (its done file freed for room) refused
+    # again as a duplicate of a finished id
+    for i in ids:
+        s = call_myq("--spool", spool, "show", i)
+        assert s.returncode != 0 or json.loads(s.stdout)["state"] == "done", i
+
+
+# 3. a batch cut by a crash ###################################################
+
+def test_a_batch_cut_by_a_kill_goes_again_with_its_ids(spool, tmp_path):
+    """A worker runs a batch of three and is killed (-9) mid-run; meanwhile
+    another job came.  The next worker sends those three again together, in
+    the same order (the same Idempotency-Key for http), and the newcomer on
+    its own: before, the batch was formed afresh from what was ready, so its
+    jobs went again split over two batches under two new keys (the field:
+    a receiver that de-duplicates on the key stored 100 readings twice)."""
+    p = call_myq("--spool", spool, "policy", "t", "batch=3")
+    assert p.returncode == 0, p.stderr
+    log, started = tmp_path / "batches", tmp_path / "started"
+    h = _handler(tmp_path, "t",
+                 "if not os.path.exists(%r):\n"
+                 "    with open(%r, 'w') as f:\n"
+                 "        f.write(str(os.getpid()))\n"
+                 "    time.sleep(60)\n" % (str(started), str(started)),
+                 batch_log=log)
+    for i in ("b5", "b6", "b7"):
+        myq.enqueue(spool, "t", {"n": i}, id=i)
+    w = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "worker",
+                          "--handlers", h] + list(FAST), env=clean_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        wait_for(lambda: started.exists() and started.read_text(),
+                 what="the first batch's handler")
+        assert _lines(log) == [["b5", "b6", "b7"]]
+        myq.enqueue(spool, "t", {"n": "a"}, id="a3")    # sorts first
+        os.killpg(w.pid, signal.SIGKILL)                # the worker
+        w.wait(10)
+        os.kill(int(started.read_text()), signal.SIGKILL)   # its handler
+        wait_gone(int(started.read_text()))
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait(10)
+    # the dead worker's claims are taken back by the next worker's reap
+    rp = call_myq("--spool", spool, "reap")
+    assert rp.returncode == 0, rp.stderr
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _states(spool, ["a3", "b5", "b6", "b7"]) == ["done"] * 4
+    after = _lines(log)[1:]
+    assert ["b5", "b6", "b7"] in after, after
+    assert sorted(sum(after, [])) == ["a3", "b5", "b6", "b7"], after
+    assert ls(spool, "processing") == []
+
+
+# 4. batch_wait for every claim ###############################################
+
+def test_batch_wait_applies_after_a_full_batch_too(spool, tmp_path):
+    """batch=3 batch_wait=3s, four jobs at once: three go at once (a whole
+    batch is ready); the fourth waits its window, and two more that come
+    within it go with it: one request, not one a reading (the field: 40 %
+    of requests carried one reading, the ones just after a full batch)."""
+    p = call_myq("--spool", spool, "policy", "t", "batch=3", "batch_wait=3s")
+    assert p.returncode == 0, p.stderr
+    log, ran = tmp_path / "batches", tmp_path / "ran"
+    h = _handler(tmp_path, "t", "open(%r + '.' + ids[0], 'w').close()"
+                 % str(ran), batch_log=log)
+    for i in ("j1", "j2", "j3", "j4"):
+        myq.enqueue(spool, "t", {"n": i}, id=i)
+    w = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "worker",
+                          "--handlers", h] + list(FAST), env=clean_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        wait_for(lambda: _lines(log), what="the first batch")
+        first = _lines(log)[0]
+        assert len(first) == 3, first
+        myq.enqueue(spool, "t", {"n": "j5"}, id="j5")
+        myq.enqueue(spool, "t", {"n": "j6"}, id="j6")
+        wait_for(lambda: len(sum(_lines(log), [])) == 6, timeout=20,
+                 what="all six jobs run")
+        assert len(_lines(log)) == 2, _lines(log)
+        assert sorted(_lines(log)[1]) == sorted(
+            {"j1", "j2", "j3", "j4", "j5", "j6"} - set(first))
+    finally:
+        os.killpg(w.pid, signal.SIGTERM)
+        w.wait(15)
+
+
+# 8. a handler one worker lacks ###############################################
+
+def test_a_worker_without_the_handler_does_not_starve_the_type(spool, tmp_path):
+    """Two workers on one spool, only one with the handler of type t (an
+    operator trying `myq worker --module test.py` on a live spool): every
+    job of t is done by the one that has it.  Before, the other held the
+    type spool-wide, the first released it, and 100 ms later it was held
+    again: 0 of 20 done in 8 s."""
+    h = _handler(tmp_path, "t", "")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "u").write_text("#!/bin/sh\nexit 0\n")
+    (other / "u").chmod(0o755)
+    ids = [myq.enqueue(spool, "t", {"n": i}) for i in range(20)]
+    logs = [open(str(tmp_path / n), "w") for n in ("lacking.log", "having.log")]
+    lacking = subprocess.Popen(
+        [sys.executable, MYQ, "--spool", spool, "worker", "--handlers",
+         str(other)] + list(FAST), env=clean_env(),
+        stdout=subprocess.DEVNULL, stderr=logs[0], start_new_session=True)
+    having = None
+    try:
+        wait_for(lambda: ls(spool, "locks/held"), what="t held by the worker "
+                 "without its handler")
+        having = subprocess.Popen(
+            [sys.executable, MYQ, "--spool", spool, "worker", "--handlers",
+             h] + list(FAST), env=clean_env(), stdout=subprocess.DEVNULL,
+            stderr=logs[1], start_new_session=True)
+        wait_for(lambda: len(ls(spool, "done")) == 20, timeout=30,
+                 what="the 20 jobs done by the worker that has the handler: "
+                 "%s" % [l.name for l in logs])
+        assert _states(spool, ids) == ["done"] * 20
+        assert lacking.poll() is None       # and the other keeps running
+    finally:
+        for w in (lacking, having):
+            if w is not None:
+                os.killpg(w.pid, signal.SIGTERM)
+                w.wait(15)
+
+
+# 6. removed unrun, counted ###################################################
+
+def test_what_is_removed_unrun_is_counted(spool):
+    """A stray in tmp/ (a producer's write that never got its mv) older
+    than --keep-tmp: prune removes it and stats says so (removed=), in the
+    JSON, the status line and per type where one is known.  Before, only
+    a log line said it."""
+    stray = os.path.join(spool, "tmp", "reading.123")
+    with open(stray, "w") as f:
+        f.write('{"type": "t", "payload": 1}')
+    old = time.time() - 2 * 3600
+    os.utime(stray, (old, old))
+    cp = call_myq("--spool", spool, "prune")
+    assert cp.returncode == 0, cp.stderr
+    assert not os.path.exists(stray)
+    st = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
+    assert st["removed"] == 1, st
+    line = call_myq("--spool", spool, "stats").stdout
+    assert " removed=1 " in " %s " % line.replace("\n", " "), line
+
+
+# 7. a file the service user cannot read ######################################
+
+def test_retry_refuses_a_file_the_service_user_cannot_read():
+    """A root producer's 0600 file was quarantined (the worker, the spool's
+    owner, cannot read it).  `myq retry` refuses it, naming its owner and
+    mode, instead of saying retried=1 and leaving it to be quarantined
+    again at the next poll, endlessly."""
+    if os.geteuid() != 0:
+        pytest.skip("a file another user cannot read needs root to make")
+    base = tempfile.mkdtemp(prefix="myq-field-")    # (tmp_path is root's 0700)
+    os.chmod(base, 0o755)
+    spool = os.path.join(base, "spool")
+    cp = run_myq("--spool", spool, "init", "--owner",
+                 pwd.getpwuid(65534).pw_name)
+    assert cp.returncode == 0, cp.stderr
+    bad = os.path.join(spool, "failed", "hot1.json")
+    with open(bad, "w") as f:
+        f.write(json.dumps({"id": "hot1", "type": "t", "payload": 1}))
+    os.chown(bad, 0, 0)
+    os.chmod(bad, 0o600)
+    cp = run_myq("--spool", spool, "retry", "hot1")    # (it drops to the owner)
+    assert cp.returncode != 0, (cp.returncode, cp.stdout, cp.stderr)
+    assert "uid 0" in cp.stderr and "0600" in cp.stderr, cp.stderr
+    assert os.path.exists(bad) and ls(spool, "incoming") == []
+    shutil.rmtree(base)
+
+
+# 6. the README's shell recipe ################################################
+
+def _readme_recipe():
+    """The shell producer recipe, as the README gives it."""
+    with open(os.path.join(os.path.dirname(MYQ), "README.md")) as f:
+        text = f.read()
+    start = text.index("#!/bin/sh\n# One job from a shell")
+    return text[start:text.index("```", start)]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["room", "full"])
+def test_the_readme_shell_recipe_checks_its_write(small_fs, tmp_path, full):
+    """The recipe under BusyBox sh: with room, one job in incoming/; on a
+    full disk it exits 75 and publishes nothing (before: printf failed, the
+    unconditional mv published an empty file, 183 in a minute, and nothing
+    counted the readings lost)."""
+    sh = shutil.which("busybox")
+    if not sh:
+        pytest.skip("busybox not installed (apt-get install busybox)")
+    spool = os.path.join(small_fs, "spool")
+    assert call_myq("--spool", spool, "init").returncode == 0
+    script = tmp_path / "produce.sh"
+    script.write_text(_readme_recipe())
+    if full:
+        _fill(os.path.join(small_fs, "filler"))
+    cp = subprocess.run([sh, "sh", str(script)], env=dict(
+        clean_env(), SPOOL=spool), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, universal_newlines=True, timeout=30)
+    if full:
+        assert cp.returncode == 75, (cp.returncode, cp.stderr)
+        assert ls(spool, "incoming") == [] and ls(spool, "tmp") == []
+    else:
+        assert cp.returncode == 0, cp.stderr
+        names = ls(spool, "incoming")
+        assert len(names) == 1 and ls(spool, "tmp") == []
+        with open(os.path.join(spool, "incoming", names[0])) as f:
+            assert json.load(f)["type"] == "greet"
