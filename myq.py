@@ -4920,6 +4920,11 @@ def _mqtt_url(url):
     """(scheme, user or None, host, port) of a broker URL."""
     m = _MQTT_URL.match(url or "")
     if not m:
+        # echoed without the password of its user part (USER:PASSWORD@)
+        head, at, tail = (url or "").rpartition("@")
+        scheme, sep, userinfo = head.rpartition("://")
+        if at and ":" in userinfo:
+            url = "%s%s%s:***@%s" % (scheme, sep, userinfo.partition(":")[0], tail)
         raise UsageError("--mqtt %r is not an MQTT broker URL: give "
                          "mqtt://[USER@]HOST[:PORT] or mqtts://[USER@]HOST[:PORT]"
                          % (url,))
@@ -7498,9 +7503,14 @@ def open_log_file(path, ids=None):
                               % (path, _file_kind(st.st_mode) or "a hard link"))
         if ids is not None and stat.S_ISREG(st.st_mode) \
                 and (st.st_uid, st.st_gid) != tuple(ids):
-            if st.st_uid not in (0, ids[0]):
-                raise ConfigError("log file %s belongs to uid %d; remove it or "
-                                  "give it to the service user" % (path, st.st_uid))
+            # handed over: a file just created (empty), or the user's own;
+            # never an existing file of root's (MYQ_LOG=/var/log/messages)
+            if st.st_uid != ids[0] and (st.st_uid != 0 or st.st_size):
+                raise ConfigError("log file %s belongs to uid %d%s; not handed "
+                                  "to the service user: give another path, or "
+                                  "chown it to the service user" % (
+                                      path, st.st_uid,
+                                      " and is not empty" if st.st_uid == 0 else ""))
             os.fchown(fd, ids[0], ids[1])
         os.set_blocking(fd, True)
     except BaseException:
@@ -7551,8 +7561,18 @@ class Supervisor(object):
         fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
                      | os.O_NONBLOCK | O_CLOEXEC, 0o644)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise ConfigError("pidfile %s is not a plain file" % self.pidfile)
+            # a hard link to another file (/etc/shadow, put in a directory
+            # another user may write to) or another user's file: never
+            # truncated, never written
+            if st.st_nlink != 1:
+                raise ConfigError("pidfile %s has %d hard links (another file's "
+                                  "name?); remove it" % (self.pidfile, st.st_nlink))
+            if st.st_uid != os.geteuid():
+                raise ConfigError("pidfile %s belongs to uid %d; remove it"
+                                  % (self.pidfile, st.st_uid))
             os.ftruncate(fd, 0)
             os.write(fd, b"%d\n" % os.getpid())
         finally:
@@ -8068,14 +8088,17 @@ def _resolve(args, table, env):
 
 def _header_lines(lines, source):
     headers = {}
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         name, sep, value = line.partition(":")
         if not sep or not name.strip() or " " in name.strip():
-            raise UsageError("bad http header %r in %s: use 'Name: value'"
-                             % (line, source))
+            # the line number and the name, never the line: its value is
+            # a credential (and stderr may be a log file)
+            raise UsageError("bad http header in %s, line %d%s: use 'Name: value'"
+                             % (source, n, " (name %r)" % name.strip()[:64]
+                                if sep and name.strip() else " (no ':')"))
         headers[name.strip()] = value.strip()
     return headers
 
