@@ -8108,12 +8108,33 @@ def _make_log(o):
                facility=o.get("syslog_facility"), tag=o.get("syslog_tag"))
 
 
-def _option_argv(o, table):
+# Worker options whose values may be credentials (a header's token, the
+# user of a broker): supervise gives them to its workers in their
+# environment, which only their user and root can read, never on their
+# command line, which every user can (ps, /proc/PID/cmdline).
+_SECRET_OPTIONS = ("http_header", "mqtt")
+
+
+def _secret_env(o):
+    """The MYQ_* variables that give a worker the _SECRET_OPTIONS of `o`."""
+    env = {}
+    for dest in _SECRET_OPTIONS:
+        v = o.get(dest)
+        if v:
+            env["MYQ_" + dest.upper()] = "\n".join(v) if isinstance(v, list) else v
+    return env
+
+
+def _option_argv(o, table, skip=()):
     """The command line that gives a worker the options `o` (resolved
-    from flags and MYQ_* variables): what supervise starts its workers with."""
+    from flags and MYQ_* variables): what supervise starts its workers
+    with, but the options named in `skip`."""
     argv = []
     for flag, typ, default, _ in table:
-        v = o.get(flag[2:].replace("-", "_"))
+        dest = flag[2:].replace("-", "_")
+        if dest in skip:
+            continue
+        v = o.get(dest)
         if typ is None:
             if v:
                 argv.append(flag)
@@ -8255,12 +8276,14 @@ def _supervise(args, spool, guards, env):
         log("warning", problem="no --handlers and no --module: only http%s jobs "
             "have a handler; give MYQ_ARGS=\"--handlers DIR\""
             % (" and mqtt" if o["mqtt"] else ""))
-    wargv = _option_argv(o, WORKER_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
+    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS) \
+        + _option_argv(guards, GUARD_OPTIONS)
+    wenv = _clean_env(o["pass_env"], user)
+    wenv.update(_secret_env(o))
     _give_back_heap(reexec=True)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile,
-                      stop_timeout=stop_timeout,
-                      env=_clean_env(o["pass_env"], user)).run()
+                      stop_timeout=stop_timeout, env=wenv).run()
 
 
 def _make_log_dir(path, ids):
