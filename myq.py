@@ -7448,15 +7448,26 @@ def _worker_start(python=None, cached=False):
     # Loaded as a module, by its path, so that the workers use its cached
     # .pyc (a script is compiled at every start, and the compiler's memory
     # stays in the worker's heap); its directory takes the place of the
-    # current one on sys.path, as for a script.
+    # current one on sys.path, as for a script.  The .pyc only where
+    # _trusted_cache says so, checked by the new process itself (its own
+    # user, at its start): else myq.py is compiled from its source, as a
+    # script would be, and the heap given back as after a script's compile.
     return [python or sys.executable, "-c", "import sys\n"
             "if sys.path[:1] == ['']:\n    del sys.path[0]\n"
             "sys.path.insert(0, %r)\n"
             "import importlib.util as u\n"
+            "%s"
             "s = u.spec_from_file_location('myq', %r)\n"
             "m = sys.modules['myq'] = u.module_from_spec(s)\n"
-            "%ss.loader.exec_module(m)\n"
-            "sys.exit(m.main())\n" % (os.path.dirname(me), me,
+            "%s"
+            "if not s.cached or _trusted_cache(s.origin, s.cached):\n"
+            "    s.loader.exec_module(m)\n"
+            "else:\n"
+            "    m.__cached__ = None\n"
+            "    with open(s.origin, 'rb') as f:\n"
+            "        exec(compile(f.read(), s.origin, 'exec'), m.__dict__)\n"
+            "    m._COMPILED_AT_START.append(True)\n"
+            "sys.exit(m.main())\n" % (os.path.dirname(me), _TRUSTED_CACHE, me,
                                        "m._FROM_CACHE = 1\n" if cached else "")]
 
 
@@ -8734,6 +8745,30 @@ def _compiled_here():
         return False
 
 
+# Byte code is code: a .pyc is used only where no one but us (or root) can
+# have put it or can put it: the source's directory, __pycache__/ and the
+# .pyc each ours or root's, no symlink, none writable by group or others (a
+# copy in /tmp, sticky and world-writable, must not run what another user
+# left in /tmp/__pycache__/).  What is not there yet is made by us.  Source
+# text, run here and at the start of every worker (_worker_start), before
+# myq is imported there: one check for both ways in.
+_TRUSTED_CACHE = """def _trusted_cache(me, pyc):
+    import os
+    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        if st.st_mode & 0o170000 == 0o120000 or st.st_mode & 0o022 \\
+                or st.st_uid not in (0, os.geteuid()):
+            return False
+    return True
+"""
+exec(_TRUSTED_CACHE)
+
+
 def _run_from_cache():
     """A long-running command of myq.py run as a script: start it again in
     this process (execv: the same pid, descriptors and words of the command
@@ -8755,17 +8790,8 @@ def _run_from_cache():
         pyc = importlib.util.cache_from_source(me)
     except (ImportError, NotImplementedError, ValueError):
         return
-    # Byte code is code: only where no one but us (or root) can have put
-    # it or can put it (a copy in /tmp, sticky and world-writable, must not
-    # run what another user left in /tmp/__pycache__/).
-    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
-        try:
-            st = os.lstat(p)
-        except OSError:
-            continue            # not there yet: made by py_compile, ours
-        if stat.S_ISLNK(st.st_mode) or st.st_uid not in (0, os.geteuid()) \
-                or st.st_mode & 0o022:
-            return
+    if not _trusted_cache(me, pyc):
+        return
     try:
         fresh = os.stat(pyc).st_mtime >= os.stat(me).st_mtime
     except OSError:
