@@ -8315,10 +8315,30 @@ def _make_log_dir(path, ids):
         raise ConfigError("cannot create the log directory %s: %s" % (d, e.strerror))
 
 
-def _is_supervisor(pid):
-    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path)?"""
+def _proc_uids(pid):
+    """The real, effective, saved and filesystem uids of a process (the
+    Uid: line of /proc/PID/status), or () when it is gone."""
+    for line in (_read_small("/proc/%d/status" % pid, 1 << 14) or b"").splitlines():
+        if line.startswith(b"Uid:"):
+            try:
+                return tuple(int(u) for u in line.split()[1:])
+            except ValueError:
+                return ()
+    return ()
+
+
+def _is_supervisor(pid, uids):
+    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path) as
+    one of `uids` (every one of its uids)?  A command line is anyone's to
+    choose; the user a process runs as is not."""
     argv = (_read_small("/proc/%d/cmdline" % pid, 1 << 16) or b"").split(b"\0")
-    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv
+    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv \
+        and _ours(pid, uids)
+
+
+def _ours(pid, uids):
+    got = _proc_uids(pid)
+    return bool(got) and set(got) <= set(uids)
 
 
 def stop_supervisor(spool, pidfile, timeout=10.0):
@@ -8329,14 +8349,22 @@ def stop_supervisor(spool, pidfile, timeout=10.0):
     see it gone), SIGKILL what is still there after `timeout` + 5 s, then
     `myq reap` as the spool's owner: claims of killed workers go back and
     their handlers are ended.  A pidfile whose pid now belongs to another
-    program: nothing is signalled.  Exit 0, or 1 when something survived."""
+    program: nothing is signalled.  What is signalled or waited for runs
+    as root, the caller or the spool's owner (the service user): a
+    process of another user is none of the supervisor's, whatever its
+    command line.  Exit 0, or 1 when something survived."""
     if not pidfile:
         raise UsageError("supervise --stop needs --pidfile FILE")
     data = _read_small(pidfile, 64)
     pid = int(data.split()[0]) if data and data.split() and data.split()[0].isdigit() \
         else 0
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(os.stat(spool.path).st_uid)
+    except OSError:
+        pass
     if pid > 1:
-        if _is_supervisor(pid):
+        if _is_supervisor(pid, uids):
             try:
                 os.kill(pid, 15)
             except OSError:
@@ -8346,7 +8374,8 @@ def stop_supervisor(spool, pidfile, timeout=10.0):
         end = _mono() + timeout + 5.0
         killed_at = None
         while True:
-            group = [p for p, (_, pgrp, _) in _proc_table().items() if pgrp == pid]
+            group = [p for p, (_, pgrp, _) in _proc_table().items()
+                     if pgrp == pid and _ours(p, uids)]
             if not group:
                 break
             if killed_at is None and _mono() >= end:
