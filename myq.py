@@ -7540,7 +7540,9 @@ class Supervisor(object):
     - as root with --user, it creates the log's directory and opens the
       log file safely (open_log_file), writes the pidfile, then becomes
       that user for good; it reads and writes nothing in the spool itself;
-      the workers get a clean environment;
+      the workers get a clean environment, and in it (not on their command
+      line, which any user can read) the options that may be credentials
+      (_SECRET_OPTIONS);
     - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
       reset after 60 s up); workers stop by themselves when the supervisor
       is gone (they watch their parent);
