@@ -4963,6 +4963,11 @@ def _mqtt_url(url):
     """(scheme, user or None, host, port) of a broker URL."""
     m = _MQTT_URL.match(url or "")
     if not m:
+        # echoed without the password of its user part (USER:PASSWORD@)
+        head, at, tail = (url or "").rpartition("@")
+        scheme, sep, userinfo = head.rpartition("://")
+        if at and ":" in userinfo:
+            url = "%s%s%s:***@%s" % (scheme, sep, userinfo.partition(":")[0], tail)
         raise UsageError("--mqtt %r is not an MQTT broker URL: give "
                          "mqtt://[USER@]HOST[:PORT] or mqtts://[USER@]HOST[:PORT]"
                          % (url,))
@@ -7513,15 +7518,26 @@ def _worker_start(python=None, cached=False):
     # Loaded as a module, by its path, so that the workers use its cached
     # .pyc (a script is compiled at every start, and the compiler's memory
     # stays in the worker's heap); its directory takes the place of the
-    # current one on sys.path, as for a script.
+    # current one on sys.path, as for a script.  The .pyc only where
+    # _trusted_cache says so, checked by the new process itself (its own
+    # user, at its start): else myq.py is compiled from its source, as a
+    # script would be, and the heap given back as after a script's compile.
     return [python or sys.executable, "-c", "import sys\n"
             "if sys.path[:1] == ['']:\n    del sys.path[0]\n"
             "sys.path.insert(0, %r)\n"
             "import importlib.util as u\n"
+            "%s"
             "s = u.spec_from_file_location('myq', %r)\n"
             "m = sys.modules['myq'] = u.module_from_spec(s)\n"
-            "%ss.loader.exec_module(m)\n"
-            "sys.exit(m.main())\n" % (os.path.dirname(me), me,
+            "%s"
+            "if not s.cached or _trusted_cache(s.origin, s.cached):\n"
+            "    s.loader.exec_module(m)\n"
+            "else:\n"
+            "    m.__cached__ = None\n"
+            "    with open(s.origin, 'rb') as f:\n"
+            "        exec(compile(f.read(), s.origin, 'exec'), m.__dict__)\n"
+            "    m._COMPILED_AT_START.append(True)\n"
+            "sys.exit(m.main())\n" % (os.path.dirname(me), _TRUSTED_CACHE, me,
                                        "m._FROM_CACHE = 1\n" if cached else "")]
 
 
@@ -7568,9 +7584,14 @@ def open_log_file(path, ids=None):
                               % (path, _file_kind(st.st_mode) or "a hard link"))
         if ids is not None and stat.S_ISREG(st.st_mode) \
                 and (st.st_uid, st.st_gid) != tuple(ids):
-            if st.st_uid not in (0, ids[0]):
-                raise ConfigError("log file %s belongs to uid %d; remove it or "
-                                  "give it to the service user" % (path, st.st_uid))
+            # handed over: a file just created (empty), or the user's own;
+            # never an existing file of root's (MYQ_LOG=/var/log/messages)
+            if st.st_uid != ids[0] and (st.st_uid != 0 or st.st_size):
+                raise ConfigError("log file %s belongs to uid %d%s; not handed "
+                                  "to the service user: give another path, or "
+                                  "chown it to the service user" % (
+                                      path, st.st_uid,
+                                      " and is not empty" if st.st_uid == 0 else ""))
             os.fchown(fd, ids[0], ids[1])
         os.set_blocking(fd, True)
     except BaseException:
@@ -7589,7 +7610,9 @@ class Supervisor(object):
     - as root with --user, it creates the log's directory and opens the
       log file safely (open_log_file), writes the pidfile, then becomes
       that user for good; it reads and writes nothing in the spool itself;
-      the workers get a clean environment;
+      the workers get a clean environment, and in it (not on their command
+      line, which any user can read) the options that may be credentials
+      (_SECRET_OPTIONS);
     - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
       reset after 60 s up); workers stop by themselves when the supervisor
       is gone (they watch their parent);
@@ -7621,8 +7644,18 @@ class Supervisor(object):
         fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
                      | os.O_NONBLOCK | O_CLOEXEC, 0o644)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise ConfigError("pidfile %s is not a plain file" % self.pidfile)
+            # a hard link to another file (/etc/shadow, put in a directory
+            # another user may write to) or another user's file: never
+            # truncated, never written
+            if st.st_nlink != 1:
+                raise ConfigError("pidfile %s has %d hard links (another file's "
+                                  "name?); remove it" % (self.pidfile, st.st_nlink))
+            if st.st_uid != os.geteuid():
+                raise ConfigError("pidfile %s belongs to uid %d; remove it"
+                                  % (self.pidfile, st.st_uid))
             os.ftruncate(fd, 0)
             os.write(fd, b"%d\n" % os.getpid())
         finally:
@@ -8138,14 +8171,17 @@ def _resolve(args, table, env):
 
 def _header_lines(lines, source):
     headers = {}
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         name, sep, value = line.partition(":")
         if not sep or not name.strip() or " " in name.strip():
-            raise UsageError("bad http header %r in %s: use 'Name: value'"
-                             % (line, source))
+            # the line number and the name, never the line: its value is
+            # a credential (and stderr may be a log file)
+            raise UsageError("bad http header in %s, line %d%s: use 'Name: value'"
+                             % (source, n, " (name %r)" % name.strip()[:64]
+                                if sep and name.strip() else " (no ':')"))
         headers[name.strip()] = value.strip()
     return headers
 
@@ -8155,12 +8191,33 @@ def _make_log(o):
                facility=o.get("syslog_facility"), tag=o.get("syslog_tag"))
 
 
-def _option_argv(o, table):
+# Worker options whose values may be credentials (a header's token, the
+# user of a broker): supervise gives them to its workers in their
+# environment, which only their user and root can read, never on their
+# command line, which every user can (ps, /proc/PID/cmdline).
+_SECRET_OPTIONS = ("http_header", "mqtt")
+
+
+def _secret_env(o):
+    """The MYQ_* variables that give a worker the _SECRET_OPTIONS of `o`."""
+    env = {}
+    for dest in _SECRET_OPTIONS:
+        v = o.get(dest)
+        if v:
+            env["MYQ_" + dest.upper()] = "\n".join(v) if isinstance(v, list) else v
+    return env
+
+
+def _option_argv(o, table, skip=()):
     """The command line that gives a worker the options `o` (resolved
-    from flags and MYQ_* variables): what supervise starts its workers with."""
+    from flags and MYQ_* variables): what supervise starts its workers
+    with, but the options named in `skip`."""
     argv = []
     for flag, typ, default, _ in table:
-        v = o.get(flag[2:].replace("-", "_"))
+        dest = flag[2:].replace("-", "_")
+        if dest in skip:
+            continue
+        v = o.get(dest)
         if typ is None:
             if v:
                 argv.append(flag)
@@ -8302,12 +8359,14 @@ def _supervise(args, spool, guards, env):
         log("warning", problem="no --handlers and no --module: only http%s jobs "
             "have a handler; give MYQ_ARGS=\"--handlers DIR\""
             % (" and mqtt" if o["mqtt"] else ""))
-    wargv = _option_argv(o, WORKER_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
+    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS) \
+        + _option_argv(guards, GUARD_OPTIONS)
+    wenv = _clean_env(o["pass_env"], user)
+    wenv.update(_secret_env(o))
     _give_back_heap(reexec=True)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile,
-                      stop_timeout=stop_timeout,
-                      env=_clean_env(o["pass_env"], user)).run()
+                      stop_timeout=stop_timeout, env=wenv).run()
 
 
 def _make_log_dir(path, ids):
@@ -8328,10 +8387,30 @@ def _make_log_dir(path, ids):
         raise ConfigError("cannot create the log directory %s: %s" % (d, e.strerror))
 
 
-def _is_supervisor(pid):
-    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path)?"""
+def _proc_uids(pid):
+    """The real, effective, saved and filesystem uids of a process (the
+    Uid: line of /proc/PID/status), or () when it is gone."""
+    for line in (_read_small("/proc/%d/status" % pid, 1 << 14) or b"").splitlines():
+        if line.startswith(b"Uid:"):
+            try:
+                return tuple(int(u) for u in line.split()[1:])
+            except ValueError:
+                return ()
+    return ()
+
+
+def _is_supervisor(pid, uids):
+    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path) as
+    one of `uids` (every one of its uids)?  A command line is anyone's to
+    choose; the user a process runs as is not."""
     argv = (_read_small("/proc/%d/cmdline" % pid, 1 << 16) or b"").split(b"\0")
-    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv
+    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv \
+        and _ours(pid, uids)
+
+
+def _ours(pid, uids):
+    got = _proc_uids(pid)
+    return bool(got) and set(got) <= set(uids)
 
 
 def stop_supervisor(spool, pidfile, timeout=10.0):
@@ -8342,14 +8421,22 @@ def stop_supervisor(spool, pidfile, timeout=10.0):
     see it gone), SIGKILL what is still there after `timeout` + 5 s, then
     `myq reap` as the spool's owner: claims of killed workers go back and
     their handlers are ended.  A pidfile whose pid now belongs to another
-    program: nothing is signalled.  Exit 0, or 1 when something survived."""
+    program: nothing is signalled.  What is signalled or waited for runs
+    as root, the caller or the spool's owner (the service user): a
+    process of another user is none of the supervisor's, whatever its
+    command line.  Exit 0, or 1 when something survived."""
     if not pidfile:
         raise UsageError("supervise --stop needs --pidfile FILE")
     data = _read_small(pidfile, 64)
     pid = int(data.split()[0]) if data and data.split() and data.split()[0].isdigit() \
         else 0
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(os.stat(spool.path).st_uid)
+    except OSError:
+        pass
     if pid > 1:
-        if _is_supervisor(pid):
+        if _is_supervisor(pid, uids):
             try:
                 os.kill(pid, 15)
             except OSError:
@@ -8359,7 +8446,8 @@ def stop_supervisor(spool, pidfile, timeout=10.0):
         end = _mono() + timeout + 5.0
         killed_at = None
         while True:
-            group = [p for p, (_, pgrp, _) in _proc_table().items() if pgrp == pid]
+            group = [p for p, (_, pgrp, _) in _proc_table().items()
+                     if pgrp == pid and _ours(p, uids)]
             if not group:
                 break
             if killed_at is None and _mono() >= end:
@@ -8758,6 +8846,30 @@ def _compiled_here():
         return False
 
 
+# Byte code is code: a .pyc is used only where no one but us (or root) can
+# have put it or can put it: the source's directory, __pycache__/ and the
+# .pyc each ours or root's, no symlink, none writable by group or others (a
+# copy in /tmp, sticky and world-writable, must not run what another user
+# left in /tmp/__pycache__/).  What is not there yet is made by us.  Source
+# text, run here and at the start of every worker (_worker_start), before
+# myq is imported there: one check for both ways in.
+_TRUSTED_CACHE = """def _trusted_cache(me, pyc):
+    import os
+    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        if st.st_mode & 0o170000 == 0o120000 or st.st_mode & 0o022 \\
+                or st.st_uid not in (0, os.geteuid()):
+            return False
+    return True
+"""
+exec(_TRUSTED_CACHE)
+
+
 def _run_from_cache():
     """A long-running command of myq.py run as a script: start it again in
     this process (execv: the same pid, descriptors and words of the command
@@ -8779,17 +8891,8 @@ def _run_from_cache():
         pyc = importlib.util.cache_from_source(me)
     except (ImportError, NotImplementedError, ValueError):
         return
-    # Byte code is code: only where no one but us (or root) can have put
-    # it or can put it (a copy in /tmp, sticky and world-writable, must not
-    # run what another user left in /tmp/__pycache__/).
-    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
-        try:
-            st = os.lstat(p)
-        except OSError:
-            continue            # not there yet: made by py_compile, ours
-        if stat.S_ISLNK(st.st_mode) or st.st_uid not in (0, os.geteuid()) \
-                or st.st_mode & 0o022:
-            return
+    if not _trusted_cache(me, pyc):
+        return
     try:
         fresh = os.stat(pyc).st_mtime >= os.stat(me).st_mtime
     except OSError:
