@@ -46,8 +46,8 @@ def _cannot_mount():
     return None
 
 
-needs_mounts = pytest.mark.skipif(_cannot_mount() is not None,
-                                  reason=str(_cannot_mount()))
+_WHY_NOT = _cannot_mount()
+needs_mounts = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
 
 
 # -- no root needed ---------------------------------------------------------
