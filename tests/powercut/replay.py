@@ -20,6 +20,12 @@ and, with --subsets K, K more images adding a random subset of the writes
 logged before the next flush; on each it runs e2fsck -p, mounts it, runs
 myq's recovery and checks (check.py).  A job counts as promised at a point
 when the workload's mark for its returned enqueue lies before the point.
+
+Each cut is checked on its own disk, provably, or fails (stale=1): a new
+image file, labelled for the cut, on a new loop device; the mounted
+filesystem must report that label before any check; the umount and the
+detach must be seen done.  The replay runs in a private mount namespace
+(this script re-executes itself under `unshare -m --propagation private`).
 """
 
 import argparse
