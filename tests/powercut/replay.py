@@ -311,6 +311,20 @@ def umount(mnt, tries=20):
     return []
 
 
+def drop_other_cuts():
+    """A new mount namespace is a copy: it holds every mount that was in
+    the one it came from, among them a cut that a replay mounting in that
+    namespace (the old way; or a test) had mounted just then, whose
+    superblock this copy would keep alive.  Lazily unmount those here
+    (this namespace's mounts propagate nowhere).  Returns the paths."""
+    dropped = []
+    for _, path, _, _ in reversed(mounts()):
+        if "/pc-replay-" in path:
+            if run(["umount", "-l", path]).returncode == 0:
+                dropped.append(path)
+    return dropped
+
+
 def fsck_verdict(rc):
     """e2fsck -p's exit status -> the count it goes to: 0 none; 1
     (errors corrected, the preen a boot would do) "fsck_fixed", the cut
@@ -586,6 +600,9 @@ def main(argv=None):
         except OSError as e:
             print("replay: cannot run unshare: %s" % e, file=sys.stderr)
             return 2
+    for path in drop_other_cuts():
+        print("replay: dropped this namespace's copy of another replay's cut "
+              "%s" % path, file=sys.stderr, flush=True)
     totals, found = replay(a.log, a.base, a.journal, a.myq, a.subsets, seed=a.seed,
                            max_points=a.max_points, work=a.work,
                            verbose=not a.quiet, report=a.report)

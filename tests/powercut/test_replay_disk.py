@@ -160,8 +160,9 @@ def test_namespace_copies_made_elsewhere_cannot_hold_a_cut(synth, tmp_path):
     holders, seen = [], {}
     while p.poll() is None:
         seen.update(_cut_mounts("self"))
-        holders.append(subprocess.Popen(["unshare", "--mount", "sleep", "30"]))
-        time.sleep(0.01)
+        # short-lived (they copy this namespace, others' mounts too)
+        holders.append(subprocess.Popen(["unshare", "--mount", "sleep", "3"]))
+        time.sleep(0.02)
     rc, out, rep = _finish(p, report, holders)
     t = rep["totals"]
     assert len(holders) > 10, "too few namespace copies made: %d" % len(holders)
