@@ -17,6 +17,9 @@ returns a dict of counts:
   nul_tails job files that end in NUL bytes before recovery (read past them)
   stuck     anything left in processing/ after recovery
   recover   the worker or `myq check` failed (exit status, or problems)
+  ids       {kind: [id, ...]} every id behind the counts above (lost,
+            doubled, corrupt, stuck, in_failed), complete: notes are
+            prose for people, these are for counting
   rerun     promised jobs that ran during recovery (not done before it:
             pending, or done but its success record not durable; allowed),
             for information
@@ -184,6 +187,7 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
     res = dict(lost=0, doubled=0, corrupt=0, stuck=0, recover=0, rerun=0,
                in_failed=0, nul_tails=0)
     notes = []
+    ids = dict(lost=[], doubled=[], corrupt=[], stuck=[], in_failed=[])
     import time
     clock = [time.monotonic(), _idle()]
     spent = {}
@@ -250,6 +254,7 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
     for jid in sorted(set(ran)):
         if jid in finished_pre:
             res["doubled"] += 1
+            ids["doubled"].append(jid)
             notes.append("ran again although done/dead before recovery: %s (pre: %s)"
                          % (jid, [s for s, _, _ in pre.get(jid, [])]
                             + (["locks/ok"] if jid in pre_ok else [])))
@@ -258,28 +263,34 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
     for jid, locs in post.items():
         if any(s == "processing" for s, _, _ in locs):
             res["stuck"] += 1
+            ids["stuck"].append(jid)
             notes.append("left in processing/: %s" % [n for _, n, _ in locs])
         if len(locs) > 1:
             res["doubled"] += 1
+            ids["doubled"].append(jid)
             notes.append("in %d places after recovery: %s" % (
                 len(locs), ["%s/%s" % (s, n) for s, n, _ in locs]))
         for s, n, job in locs:
             if job is None or not _intact(job, promised.get(jid)):
                 if jid in promised or job is not None:
                     res["corrupt"] += 1
+                    ids["corrupt"].append(jid)
                     notes.append("bad content: %s/%s" % (s, n))
     quarantined = {}
     for name, job in failed_valid:
         res["in_failed"] += 1
+        ids["in_failed"].append(job.get("id") or name[:-5])
         quarantined[job.get("id") or name[:-5]] = name
         notes.append("valid job quarantined in failed/: %s (id %s, intact: %s)"
                      % (name, job.get("id"), _intact(job)))
     for jid in promised:
         if jid not in post and jid not in post_ok and jid not in pruned:
             res["lost"] += 1
+            ids["lost"].append(jid)
             notes.append("lost: %s (pre-recovery: %s)%s" % (
                 jid, [n for _, n, _ in pre.get(jid, [])] or "nowhere",
                 " -> failed/%s" % quarantined[jid] if jid in quarantined else ""))
     res["notes"] = notes
+    res["ids"] = ids
     res["spent"] = spent
     return res

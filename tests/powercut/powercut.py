@@ -124,10 +124,34 @@ def part_ext4(a, out, k=0):
         if line.startswith(("workload:", "0 ")) or "log-writes" in line:
             say("  guest:", line)
     t1 = time.monotonic()
-    totals, found = replay.replay(
-        logd, base, os.path.join(share, "journal"), MYQ, subsets=a.subsets,
-        seed=a.seed, max_points=a.max_points, verbose=a.verbose,
-        report=os.path.join(out, "ext4-report.json"))
+    # replay.py in a process of its own: it re-executes itself in a private
+    # mount namespace (no other process's copy of the namespace can hold
+    # its cuts' mounts)
+    report = os.path.join(out, "ext4-report.json")
+    try:
+        os.unlink(report)
+    except OSError:
+        pass
+    cmd = [sys.executable, os.path.join(HERE, "replay.py"), "--log", logd,
+           "--base", base, "--journal", os.path.join(share, "journal"),
+           "--myq", MYQ, "--subsets", str(a.subsets), "--seed", str(a.seed),
+           "--max-points", str(a.max_points), "--report", report]
+    p = subprocess.Popen(cmd + ([] if a.verbose else ["--quiet"]),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in p.stdout:
+        line = line.decode("utf-8", "replace").rstrip("\n")
+        if not line.startswith("powercut: fs="):    # the part's line: below
+            say(line)
+    rc = p.wait()
+    try:
+        with open(report) as f:
+            rep = json.load(f)
+        totals, found = rep["totals"], rep["found"]
+    except (OSError, ValueError, KeyError) as e:
+        say("powercut: ext4 replay exit %s, no report (%s)" % (rc, e))
+        return None
+    say("powercut: ext4 replay: exit %d; e2fsck -p exit statuses: %s" % (
+        rc, rep.get("fsck_exits")))
     totals["vm_seconds"] = round(t_vm, 1)
     say("powercut: ext4 replay: %.0fs" % (time.monotonic() - t1))
     for f in found[:10]:
