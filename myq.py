@@ -1690,6 +1690,243 @@ def _noop_log(event, **kv):
     pass
 
 
+class Breaker(object):
+    """Holds (SPEC 5, 9): a destination that fails, or a type whose handler
+    is missing, waits, and its probes say when it is back.  The records
+    are the spool's (locks/held/: DEST.json the hold, DEST.jobs the jobs it
+    put back, DEST.streak the failures in a row; cat-able), shared by its
+    workers; a worker's own view of them is Worker._holds."""
+
+    def __init__(self, spool):
+        import weakref          # (no cycle: a Spool goes when its last user does)
+        self.spool = weakref.proxy(spool)
+        self._noted = {}            # dest -> the names note_job wrote
+        self._held_cache = None     # records()' last look
+
+    def _path(self, dest, ext=".json"):
+        return self.spool.d("locks", "held", _safe_dest(dest) + ext)
+
+    def records(self):
+        """[{"dest", "why", "since", "until", "probes"}] of the held
+        destinations, from locks/held/ (written by workers; cat-able).
+        Read again only when the directory changed, and then only the
+        records that changed: thousands of holds cost a poll one stat."""
+        d = self.spool.d("locks", "held")
+        try:
+            st = _dir_stat(d)
+            key = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            return []
+        cache = self._held_cache
+        if cache is not None and cache[0] == key and cache[1] > st.st_mtime + 1:
+            return cache[2]
+        old = cache[3] if cache is not None else {}
+        recs, out = {}, []
+        for e in _scandir(d):
+            name = e.name
+            if not name.endswith(".json") or name[:1] == ".":
+                continue
+            try:
+                s = e.stat(follow_symlinks=False)
+                k = (s.st_mtime_ns, s.st_ino, s.st_size)
+                rec = old.get(name)
+                if rec is None or rec[0] != k:
+                    rec = (k, json.loads(self.spool.read_file(d + "/" + name, 4096)[0]))
+            except (OSError, ValueError, InvalidJob):
+                continue
+            recs[name] = rec
+            r = rec[1]
+            if isinstance(r, dict) and isinstance(r.get("dest"), str) \
+                    and _is_num(r.get("until")):
+                out.append(r)
+        out.sort(key=lambda r: r["dest"])
+        # (trusted while the directory has not changed since a second
+        # before this look: a change within its mtime's granularity is seen)
+        self._held_cache = (key, _now(), out, recs)
+        return out
+
+    def record(self, dest):
+        try:
+            rec = json.loads(self.spool.read_file(self._path(dest), 4096)[0])
+        except (OSError, ValueError, InvalidJob):
+            return None
+        return rec if isinstance(rec, dict) and _is_num(rec.get("until")) else None
+
+    def _dir(self):
+        self.spool.fs.mkdir("locks/held")
+
+    def write(self, rec):
+        """Write a hold's record (locks/held/DEST.json, cat-able), beside
+        it and renamed over the old one; no fsync (after a power cut a
+        probe is due at once anyway)."""
+        self._dir()
+        _replace(self._path(rec["dest"]), dumps(rec))
+
+    def _lock(self):
+        self._dir()
+        return _lock(self.spool.d("locks", "held", ".lock"))
+
+    def note_job(self, dest, name):
+        """A job of a held (or failing) destination waits at `name` (its
+        path in the spool): the release makes it ready at once.  A name is
+        written once per hold (this process remembers what it wrote; what
+        several workers wrote twice is compacted by held_jobs), so that the
+        record does not grow with the outage's length."""
+        noted = self._noted.get(dest)
+        if noted is None:
+            if len(self._noted) > 1024:
+                self._noted.clear()
+            noted = self._noted[dest] = set()
+        if name in noted:
+            return
+        try:
+            self._dir()
+            _append(self._path(dest, ".jobs"), (name + "\n").encode("utf-8"))
+            if len(noted) < 1 << 17:
+                noted.add(name)
+        except OSError as e:        # it waits its own time instead
+            self.spool.log("error", during="breaker", dest=dest,
+                     error=e.strerror or str(e))
+
+
+    def jobs(self, dest):
+        """The jobs a hold put back (their paths in the spool), each once,
+        in the order they were put back."""
+        path = self._path(dest, ".jobs")
+        data = _read_small(path, 1 << 22, tail=True)
+        seen, out = set(), []
+        names = (data or b"").decode("utf-8", "replace").split()
+        for name in names:
+            if name not in seen and name.startswith("incoming/") \
+                    and name.endswith(".json") and ".." not in name.split("/"):
+                seen.add(name)
+                out.append(name)
+        if len(names) > 256 and len(names) > 2 * len(out):
+            # several workers (or restarts) wrote names twice: compacted,
+            # so that the record stays one line per waiting job
+            try:
+                fd = self._lock()
+                try:
+                    _replace(path, "".join(n + "\n" for n in out).encode("utf-8"))
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+        return out
+
+    def take_probe(self, dest, delay, job=None):
+        """A hold's backoff is over: take the probe (one job of `dest` may
+        start; the next probe is `delay(probes)` seconds later), unless
+        another worker took it.  A hold from another boot is due at once.
+        `job`: the path of the job that probes, kept as the hold's "last"
+        (the next probe is the one after it, see Worker._probe_claim).
+        Returns the hold's new until, 0 when it was released meanwhile, or
+        None when the probe is not ours."""
+        try:
+            fd = self._lock()
+        except OSError:
+            return None
+        try:
+            rec = self.record(dest)
+            if rec is None:
+                return 0.0              # released meanwhile
+            now = _now()
+            if rec["until"] > now and rec.get("boot") == boot_id():
+                return None
+            n = rec.get("probes") if rec.get("probes").__class__ is int else 0
+            until = now + delay(n + 2)
+            rec.update(until=round(until, 3), probes=n + 1, boot=boot_id())
+            if job is not None:
+                rec["last"] = job
+            self.write(rec)
+            return until
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def streak(self, dest, jid):
+        """A destination failure of job `jid`: (whether it starts a streak,
+        how many different jobs failed in the streak so far, how many
+        failures in all)."""
+        path = self._path(dest, ".streak")
+        data = _read_small(path, 1 << 16, tail=True)
+        seen = (data or b"").decode("utf-8", "replace").split()
+        try:
+            self._dir()
+            if len(seen) >= 512:
+                # bounded: the streak's last 256 failures say all it needs
+                # (different jobs up to any breaker, the backoff's step)
+                seen = seen[-256:]
+                _replace(path, "".join(j + "\n" for j in seen + [jid])
+                         .encode("utf-8"))
+            else:
+                _append(path, (jid + "\n").encode("utf-8"))
+        except OSError as e:        # the breaker counts less: never a job
+            self.spool.log("error", during="breaker", dest=dest,
+                     error=e.strerror or str(e))
+        return not data, len(set(seen + [jid])), len(seen) + 1
+
+    def streaky(self):
+        """The destinations with failures in a row, as file names
+        (_safe_dest): one listing."""
+        return set(n[:-7] for n in _listdir(self.spool.d("locks", "held"))
+                   if n.endswith(".streak"))
+
+    def dest_ok(self, dest):
+        """An answer that is not the destination's failure: the streak
+        ends, and a hold is released (True)."""
+        _quiet_unlink(self._path(dest, ".streak"))
+        if _lexists(self._path(dest)):
+            self.release(dest)
+            return True
+        return False
+
+    def release(self, dest):
+        """End a hold: the jobs put back while it lasted are ready now."""
+        jobs = self._path(dest, ".jobs")
+        names = set((_read_small(jobs, 1 << 22, tail=True) or b"").decode("utf-8", "replace")
+                    .split())
+        now = _now()
+        for name in names:
+            if "/" not in name:
+                name = "incoming/" + name
+            parts = name.split("/")
+            if parts[0] != "incoming" or ".." in parts or not name.endswith(".json"):
+                continue
+            p = self.spool.d(name)
+            try:
+                if _lstat(p).st_mtime > now:
+                    _utime(p, now)
+            except OSError:
+                pass
+        _quiet_unlink(jobs)
+        _quiet_unlink(self._path(dest, ".streak"))
+        _quiet_unlink(self._path(dest))
+        self._noted.pop(dest, None)
+        self.spool.poke()
+
+    def prune(self):
+        """Holds of types whose jobs are gone (none of those it put back
+        waits any more: run by a worker that has the handler, deleted,
+        expired) are removed: a type that vanished holds nothing."""
+        n = 0
+        for h in self.records():
+            dest = h["dest"]
+            if "://" in dest and not h.get("missing"):
+                continue        # a server's hold ends by its probes
+            if h.get("since", 0) > _now() - 60:
+                continue
+            if not any(_lexists(self.spool.d(name)) for name in self.jobs(dest)):
+                _quiet_unlink(self._path(dest, ".jobs"))
+                _quiet_unlink(self._path(dest, ".streak"))
+                _quiet_unlink(self._path(dest))
+                self._noted.pop(dest, None)
+                self.spool.log("release", dest=dest, why="no job of it waits")
+                n += 1
+        return n
+
+
 class Spool(object):
     """One queue: the directory layout and every move of a job file."""
 
@@ -1722,8 +1959,7 @@ class Spool(object):
         self.policy_error = None
         self.intake = False     # _claim moved a producer's file to its lane
         self.lane_problems = {}     # lane -> why the door refused it
-        self._noted = {}            # dest -> the names note_held wrote
-        self._held_cache = None     # held()'s last look
+        self.breaker = Breaker(self)
 
         # Every step on the spool's files goes through its door (the
         # filesystem steps above); its descriptors are closed at the end of
@@ -2381,11 +2617,11 @@ class Spool(object):
         """{path in the spool: hold record} of the waiting jobs that held
         destinations put back (list and show say "held" for them)."""
         out = {}
-        for h in self.held():
+        for h in self.breaker.records():
             if h.get("missing"):        # all its type's jobs wait for it
                 out[("type", h["dest"])] = h
                 continue
-            for rel in self.held_jobs(h["dest"]):
+            for rel in self.breaker.jobs(h["dest"]):
                 out[rel] = h
         return out
 
@@ -2532,7 +2768,7 @@ class Spool(object):
                 sum(tot["removed"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
-                         for h in self.held()]}
+                         for h in self.breaker.records()]}
 
     # Policy and lanes (SPEC 9) -----------------------------------------------
 
@@ -2824,231 +3060,6 @@ class Spool(object):
                     out[k] = dict((t, n) for t, n in v.items()
                                   if n.__class__ is int and n >= 0)
         return out
-
-    # Held types (SPEC 5): a handler that is missing or cannot start ------
-
-    def _held_path(self, dest, ext=".json"):
-        return self.d("locks", "held", _safe_dest(dest) + ext)
-
-    def held(self):
-        """[{"dest", "why", "since", "until", "probes"}] of the held
-        destinations, from locks/held/ (written by workers; cat-able).
-        Read again only when the directory changed, and then only the
-        records that changed: thousands of holds cost a poll one stat."""
-        d = self.d("locks", "held")
-        try:
-            st = _dir_stat(d)
-            key = (st.st_mtime_ns, st.st_ino)
-        except OSError:
-            return []
-        cache = self._held_cache
-        if cache is not None and cache[0] == key and cache[1] > st.st_mtime + 1:
-            return cache[2]
-        old = cache[3] if cache is not None else {}
-        recs, out = {}, []
-        for e in _scandir(d):
-            name = e.name
-            if not name.endswith(".json") or name[:1] == ".":
-                continue
-            try:
-                s = e.stat(follow_symlinks=False)
-                k = (s.st_mtime_ns, s.st_ino, s.st_size)
-                rec = old.get(name)
-                if rec is None or rec[0] != k:
-                    rec = (k, json.loads(self.read_file(d + "/" + name, 4096)[0]))
-            except (OSError, ValueError, InvalidJob):
-                continue
-            recs[name] = rec
-            r = rec[1]
-            if isinstance(r, dict) and isinstance(r.get("dest"), str) \
-                    and _is_num(r.get("until")):
-                out.append(r)
-        out.sort(key=lambda r: r["dest"])
-        # (trusted while the directory has not changed since a second
-        # before this look: a change within its mtime's granularity is seen)
-        self._held_cache = (key, _now(), out, recs)
-        return out
-
-    def hold_of(self, dest):
-        try:
-            rec = json.loads(self.read_file(self._held_path(dest), 4096)[0])
-        except (OSError, ValueError, InvalidJob):
-            return None
-        return rec if isinstance(rec, dict) and _is_num(rec.get("until")) else None
-
-    def _held_dir(self):
-        self.fs.mkdir("locks/held")
-
-    def write_hold(self, rec):
-        """Write a hold's record (locks/held/DEST.json, cat-able), beside
-        it and renamed over the old one; no fsync (after a power cut a
-        probe is due at once anyway)."""
-        self._held_dir()
-        _replace(self._held_path(rec["dest"]), dumps(rec))
-
-    def _holds_lock(self):
-        self._held_dir()
-        return _lock(self.d("locks", "held", ".lock"))
-
-    def note_held(self, dest, name):
-        """A job of a held (or failing) destination waits at `name` (its
-        path in the spool): the release makes it ready at once.  A name is
-        written once per hold (this process remembers what it wrote; what
-        several workers wrote twice is compacted by held_jobs), so that the
-        record does not grow with the outage's length."""
-        noted = self._noted.get(dest)
-        if noted is None:
-            if len(self._noted) > 1024:
-                self._noted.clear()
-            noted = self._noted[dest] = set()
-        if name in noted:
-            return
-        try:
-            self._held_dir()
-            _append(self._held_path(dest, ".jobs"), (name + "\n").encode("utf-8"))
-            if len(noted) < 1 << 17:
-                noted.add(name)
-        except OSError as e:        # it waits its own time instead
-            self.log("error", during="breaker", dest=dest,
-                     error=e.strerror or str(e))
-
-
-    def held_jobs(self, dest):
-        """The jobs a hold put back (their paths in the spool), each once,
-        in the order they were put back."""
-        path = self._held_path(dest, ".jobs")
-        data = _read_small(path, 1 << 22, tail=True)
-        seen, out = set(), []
-        names = (data or b"").decode("utf-8", "replace").split()
-        for name in names:
-            if name not in seen and name.startswith("incoming/") \
-                    and name.endswith(".json") and ".." not in name.split("/"):
-                seen.add(name)
-                out.append(name)
-        if len(names) > 256 and len(names) > 2 * len(out):
-            # several workers (or restarts) wrote names twice: compacted,
-            # so that the record stays one line per waiting job
-            try:
-                fd = self._holds_lock()
-                try:
-                    _replace(path, "".join(n + "\n" for n in out).encode("utf-8"))
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-        return out
-
-    def take_probe(self, dest, delay, job=None):
-        """A hold's backoff is over: take the probe (one job of `dest` may
-        start; the next probe is `delay(probes)` seconds later), unless
-        another worker took it.  A hold from another boot is due at once.
-        `job`: the path of the job that probes, kept as the hold's "last"
-        (the next probe is the one after it, see Worker._probe_claim).
-        Returns the hold's new until, 0 when it was released meanwhile, or
-        None when the probe is not ours."""
-        try:
-            fd = self._holds_lock()
-        except OSError:
-            return None
-        try:
-            rec = self.hold_of(dest)
-            if rec is None:
-                return 0.0              # released meanwhile
-            now = _now()
-            if rec["until"] > now and rec.get("boot") == boot_id():
-                return None
-            n = rec.get("probes") if rec.get("probes").__class__ is int else 0
-            until = now + delay(n + 2)
-            rec.update(until=round(until, 3), probes=n + 1, boot=boot_id())
-            if job is not None:
-                rec["last"] = job
-            self.write_hold(rec)
-            return until
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-
-    def streak(self, dest, jid):
-        """A destination failure of job `jid`: (whether it starts a streak,
-        how many different jobs failed in the streak so far, how many
-        failures in all)."""
-        path = self._held_path(dest, ".streak")
-        data = _read_small(path, 1 << 16, tail=True)
-        seen = (data or b"").decode("utf-8", "replace").split()
-        try:
-            self._held_dir()
-            if len(seen) >= 512:
-                # bounded: the streak's last 256 failures say all it needs
-                # (different jobs up to any breaker, the backoff's step)
-                seen = seen[-256:]
-                _replace(path, "".join(j + "\n" for j in seen + [jid])
-                         .encode("utf-8"))
-            else:
-                _append(path, (jid + "\n").encode("utf-8"))
-        except OSError as e:        # the breaker counts less: never a job
-            self.log("error", during="breaker", dest=dest,
-                     error=e.strerror or str(e))
-        return not data, len(set(seen + [jid])), len(seen) + 1
-
-    def streaky(self):
-        """The destinations with failures in a row, as file names
-        (_safe_dest): one listing."""
-        return set(n[:-7] for n in _listdir(self.d("locks", "held"))
-                   if n.endswith(".streak"))
-
-    def dest_ok(self, dest):
-        """An answer that is not the destination's failure: the streak
-        ends, and a hold is released (True)."""
-        _quiet_unlink(self._held_path(dest, ".streak"))
-        if _lexists(self._held_path(dest)):
-            self._release(dest)
-            return True
-        return False
-
-    def _release(self, dest):
-        """End a hold: the jobs put back while it lasted are ready now."""
-        jobs = self._held_path(dest, ".jobs")
-        names = set((_read_small(jobs, 1 << 22, tail=True) or b"").decode("utf-8", "replace")
-                    .split())
-        now = _now()
-        for name in names:
-            if "/" not in name:
-                name = "incoming/" + name
-            parts = name.split("/")
-            if parts[0] != "incoming" or ".." in parts or not name.endswith(".json"):
-                continue
-            p = self.d(name)
-            try:
-                if _lstat(p).st_mtime > now:
-                    _utime(p, now)
-            except OSError:
-                pass
-        _quiet_unlink(jobs)
-        _quiet_unlink(self._held_path(dest, ".streak"))
-        _quiet_unlink(self._held_path(dest))
-        self._noted.pop(dest, None)
-        self.poke()
-
-    def prune_holds(self):
-        """Holds of types whose jobs are gone (none of those it put back
-        waits any more: run by a worker that has the handler, deleted,
-        expired) are removed: a type that vanished holds nothing."""
-        n = 0
-        for h in self.held():
-            dest = h["dest"]
-            if "://" in dest and not h.get("missing"):
-                continue        # a server's hold ends by its probes
-            if h.get("since", 0) > _now() - 60:
-                continue
-            if not any(_lexists(self.d(name)) for name in self.held_jobs(dest)):
-                _quiet_unlink(self._held_path(dest, ".jobs"))
-                _quiet_unlink(self._held_path(dest, ".streak"))
-                _quiet_unlink(self._held_path(dest))
-                self._noted.pop(dest, None)
-                self.log("release", dest=dest, why="no job of it waits")
-                n += 1
-        return n
 
     def status_line(self, now=None):
         now = _now() if now is None else now
@@ -3863,7 +3874,7 @@ class Spool(object):
             out["workers"] = self._prune_workers(now)
             self._compact_retries(now)
             out["tmp"] += self._prune_strays(now)
-            self.prune_holds()
+            self.breaker.prune()
         return out
 
     def make_space(self, n=256):
@@ -4116,7 +4127,7 @@ class Spool(object):
         if failed:
             out.append("%d file(s) quarantined in failed/; see: %s list failed "
                        "(repair and retry, or delete)" % (failed, spool))
-        for h in self.held():
+        for h in self.breaker.records():
             if h.get("missing"):
                 out.append("type %s is held: %s; its jobs wait (no attempt "
                            "counts) and run once the handler is there"
@@ -5611,7 +5622,7 @@ class Worker(object):
         self._held = {}     # held type -> (why, delay, until, recorded)
 
         self._held_changed = False
-        self._holds_from = None     # the spool.held() list _holds came from
+        self._holds_from = None     # the spool.breaker.records() list _holds came from
         self._lack = {}             # type -> no handler here (_lacks)
         self._handlers_seen, self._handlers_next = None, 0.0
 
@@ -5789,7 +5800,7 @@ class Worker(object):
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
         sp.fs.kept += 1             # its descriptors stay (closed at polls)
-        for h in sp.held():         # holds whose handler is there by now,
+        for h in sp.breaker.records():         # holds whose handler is there by now,
             if not h.get("missing"):    # unless a live worker lacks it
                 continue
             if self._lacks(h["dest"]):
@@ -5797,7 +5808,7 @@ class Worker(object):
                                          h["until"], True)
             elif not (_is_num(h.get("pid")) and proc_start(
                     int(h["pid"]), living=True) == h.get("start")):
-                sp._release(h["dest"])
+                sp.breaker.release(h["dest"])
                 self.log("release", dest=h["dest"])
         self._load_holds()
         try:
@@ -6481,7 +6492,7 @@ class Worker(object):
         now = _now()
         dest = L.dest or L.type
         if dest in self._holds:
-            until = sp.take_probe(dest, self.probe_backoff)
+            until = sp.breaker.take_probe(dest, self.probe_backoff)
             if until is None:
                 L.blocked = now + min(self.poll, 1.0)
                 return L.blocked
@@ -6601,12 +6612,12 @@ class Worker(object):
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
         if until is not None and run.probe != run.dest \
-                and self.spool.hold_of(run.dest) is None:
+                and self.spool.breaker.record(run.dest) is None:
             self._holds.pop(run.dest, None)     # released by another worker
             self.dirty = True
             until = None
         if until is not None and run.probe != run.dest:
-            new = None if until > _now() else self.spool.take_probe(
+            new = None if until > _now() else self.spool.breaker.take_probe(
                 run.dest, self.probe_backoff, self.spool.waits_at(c.job, c.jid))
             if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
@@ -6973,7 +6984,7 @@ class Worker(object):
                 self._safe(run.dest) in self._streaky):
             # an answer that is not the destination's failure (SPEC 9)
             self._streaky.discard(self._safe(run.dest))
-            if self.spool.dest_ok(run.dest) or run.dest in self._holds:
+            if self.spool.breaker.dest_ok(run.dest) or run.dest in self._holds:
                 self._holds.pop(run.dest, None)
                 self.dirty = True
                 self.log("release", dest=run.dest, id=run.claim.jid)
@@ -7027,7 +7038,7 @@ class Worker(object):
             until = self._holds.get(run.dest)
             shown = min(d, max(0.0, until - now)) if until else d
             kv.update(retry_in=round(shown, 3), error=error, counted=False)
-            self.spool.note_held(run.dest, self.spool.waits_at(job, c.jid))
+            self.spool.breaker.note_job(run.dest, self.spool.waits_at(job, c.jid))
             self._move(c, job, "incoming", "retry", kv, now + d)
             return
         if outcome == "retry" and c.attempt >= c.max_attempts:
@@ -7044,7 +7055,7 @@ class Worker(object):
         kv["error"] = error
         until = None
         if run.dest_fail:       # the release makes it ready at once
-            self.spool.note_held(run.dest, self.spool.waits_at(job, c.jid))
+            self.spool.breaker.note_job(run.dest, self.spool.waits_at(job, c.jid))
             job["available_at"], until = now, now + d   # see Spool._move_on
         self._move(c, job, "incoming", "retry", kv, until)
 
@@ -7053,7 +7064,7 @@ class Worker(object):
         batch: one failure): (does it count an attempt, the delay before
         the job may run again)."""
         sp, c = self.spool, run.claim
-        started, distinct, total = sp.streak(run.dest, c.jid)
+        started, distinct, total = sp.breaker.streak(run.dest, c.jid)
         self._streaky.add(self._safe(run.dest))
         # The destination's backoff grows with the streak, not with the
         # attempts its jobs spent, to --probe-max; a server's Retry-After
@@ -7062,7 +7073,7 @@ class Worker(object):
         delay = min(ra, self.backoff_max) if ra else self.probe_backoff(total)
         until = self._holds.get(run.dest)
         if until is not None:
-            rec = sp.hold_of(run.dest)      # (released by another worker?)
+            rec = sp.breaker.record(run.dest)      # (released by another worker?)
             if rec is None:
                 self._holds.pop(run.dest, None)
                 until = None
@@ -7197,7 +7208,7 @@ class Worker(object):
         # that has it releases it (_load_holds), and this worker's next
         # probe, a job it found still without a handler, writes it again:
         # the jobs it put back are never left to wait out their time.
-        if recorded and (old is None or self.spool.hold_of(t) is None):
+        if recorded and (old is None or self.spool.breaker.record(t) is None):
             self._write_hold(t, why, until, missing=True, pid=self.me.pid,
                              start=self.me.start)
         # Back into its type's lane, ready: this worker does not look there
@@ -7223,7 +7234,7 @@ class Worker(object):
                "until": round(until, 3), "probes": 0, "boot": boot_id()}
         rec.update(extra)
         try:
-            self.spool.write_hold(rec)
+            self.spool.breaker.write(rec)
         except OSError as e:    # the local hold stands; say why it is not on disk
             self.log("error", during="breaker", dest=dest,
                      error=e.strerror or str(e))
@@ -7237,7 +7248,7 @@ class Worker(object):
         job["available_at"] = _now()        # see Spool._move_on
         job["last_error"] = "held: " + why
         if noted:
-            self.spool.note_held(run.dest or job["type"],
+            self.spool.breaker.note_job(run.dest or job["type"],
                                  self.spool.waits_at(job, c.jid))
 
         self._free(run)
@@ -7255,15 +7266,15 @@ class Worker(object):
         another job.  None when none is there (a lane's head is then the
         probe, see _reserve)."""
         sp = self.spool
-        names = sp.held_jobs(dest)
+        names = sp.breaker.jobs(dest)
         if not names:
             return None
         # the one after the last probe's job (which a job that came due by
         # itself may have been, see _start)
-        last = (sp.hold_of(dest) or {}).get("last")
+        last = (sp.breaker.record(dest) or {}).get("last")
         k = names.index(last) + 1 if last in names else 0
         names = names[k:] + names[:k]
-        until = sp.take_probe(dest, self.probe_backoff, names[0])
+        until = sp.breaker.take_probe(dest, self.probe_backoff, names[0])
         if not until:
             if until == 0.0:
                 self._holds.pop(dest, None)     # released meanwhile
@@ -7292,7 +7303,7 @@ class Worker(object):
         self._holds.pop(t, None)
         self._lack.pop(t, None)
         self._held_changed = True
-        self.spool._release(t)
+        self.spool.breaker.release(t)
         self.dirty = True
         self.next_due = None
         self.log("release", dest=t)
@@ -7302,7 +7313,7 @@ class Worker(object):
         from another boot has its probe due at once.  A missing handler's
         hold holds only the workers that lack the handler (SPEC 9): this
         one's own (_held), and another's when this one lacks it too."""
-        held = self.spool.held()
+        held = self.spool.breaker.records()
         if held is self._holds_from and not self._held_changed:
             return                  # (the same records: nothing to learn)
         self._holds_from, self._held_changed = held, False
@@ -7321,7 +7332,7 @@ class Worker(object):
         self.spool.set_lane_types(sorted(set(
             [h["dest"] for h in held if h.get("missing")]
             + [t for t, v in self._held.items() if v[3]]))[:self.LANED])
-        self._streaky = self.spool.streaky()
+        self._streaky = self.spool.breaker.streaky()
 
     def _lacks(self, type):
         """Has this worker no handler for `type`?  (Asked again when the
@@ -8598,10 +8609,10 @@ def _cmd_resume(a):
             sp.set_policy(t, {"paused": False})
     missing = []
     for dest in args.dest:
-        if sp.hold_of(dest) is None:
+        if sp.breaker.record(dest) is None:
             missing.append(dest)
             continue
-        sp._release(dest)
+        sp.breaker.release(dest)
     if missing:
         raise NoSuchJob("no held destination %s (see: myq --spool %s stats "
                         "--json, under held)" % (", ".join(missing), sp.path))

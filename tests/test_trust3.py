@@ -121,7 +121,7 @@ def test_no_owner_record_is_made_in_tmp(myq, spool):
         sp.set_policy("t", {"max_queued": 5})
         ident = myq.Identity(sp)
         ident.register()
-        sp.write_hold({"dest": "d", "why": "x", "until": time.time() + 60})
+        sp.breaker.write({"dest": "d", "why": "x", "until": time.time() + 60})
         sp.count("dropped", "t")
         ident.unregister()
     finally:
@@ -242,7 +242,7 @@ def test_control_characters_never_reach_the_status_line_or_check(myq, spool):
     Prometheus labels none either."""
     sp = myq.Spool(spool)
     dest = "http://evil\tqueue=forged\nx=1:80"
-    sp.write_hold({"dest": dest, "why": "503: \x1b[2J\x1b[31mgone",
+    sp.breaker.write({"dest": dest, "why": "503: \x1b[2J\x1b[31mgone",
                    "until": time.time() + 600, "probes": 0})
     line = call_myq("--spool", spool, "stats").stdout
     assert line.count("\n") == 1 and "\t" not in line, repr(line)
@@ -264,15 +264,15 @@ def test_a_hold_records_each_waiting_job_once(myq, spool):
     sp = myq.Spool(spool)
     for _ in range(20):
         for i in range(5):
-            sp.note_held("http://down:80", "incoming/j%d.json" % i)
-    path = sp._held_path("http://down:80", ".jobs")
+            sp.breaker.note_job("http://down:80", "incoming/j%d.json" % i)
+    path = sp.breaker._path("http://down:80", ".jobs")
     with open(path) as f:
         assert len(f.read().split()) == 5
     # several workers (fresh processes) wrote the same names again: the
     # list is compacted when read
     with open(path, "a") as f:
         f.write("incoming/j0.json\n" * 600)
-    assert len(sp.held_jobs("http://down:80")) == 5
+    assert len(sp.breaker.jobs("http://down:80")) == 5
     with open(path) as f:
         assert len(f.read().split()) == 5
 
@@ -280,10 +280,10 @@ def test_a_hold_records_each_waiting_job_once(myq, spool):
 def test_a_streak_record_is_bounded(myq, spool):
     sp = myq.Spool(spool)
     for i in range(2000):
-        sp.streak("d", "j%d" % (i % 7))
-    with open(sp._held_path("d", ".streak")) as f:
+        sp.breaker.streak("d", "j%d" % (i % 7))
+    with open(sp.breaker._path("d", ".streak")) as f:
         assert len(f.read().split()) <= 512
-    started, distinct, total = sp.streak("d", "new")
+    started, distinct, total = sp.breaker.streak("d", "new")
     assert not started and distinct == 8
 
 
@@ -306,7 +306,7 @@ def test_many_held_types_cost_an_idle_poll_no_reading(myq, spool):
     sp.read_file = lambda *a, **k: (reads.append(a[0]), real(*a, **k))[1]
     w2 = myq.Worker(sp, handlers={}, log=lambda *a, **k: None, poll=0.01,
                     stats_interval=0)
-    w2._held = dict((h["dest"], ("x", 1.0, h["until"], True)) for h in sp.held())
+    w2._held = dict((h["dest"], ("x", 1.0, h["until"], True)) for h in sp.breaker.records())
     w2._handlers_next = float("inf")
     w2._load_holds()
     reads[:] = []
