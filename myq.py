@@ -29,7 +29,8 @@ in exactly one place):
   when retention or delete removes it within the de-duplication window and
   the id is not one myq made); directory fsyncs are group-committed (a
   power cut may re-run a job, never lose one).  Retry and dead-letter write the
-  new job to tmp/ (fsync), rename the claim to ID+TOKEN.fin (ownership),
+  new job beside the claim, processing/ID+TOKEN.new (fsync; the owner's
+  directory), rename the claim to ID+TOKEN.fin (ownership),
   rename the new file into incoming/ (mtime = next attempt) or dlq/, then
   unlink the .fin.
 - liveness: a claim whose worker is gone (no record, pid dead, pid reused,
@@ -42,6 +43,40 @@ in exactly one place):
 - time: stored times are wall clock; every duration and sleep is monotonic.
   A file whose ctime lies in the future (the clock went back) gets its mtime
   moved to now + the delay it had left.
+
+The map: the sections, in file order, each using only those above it
+(tests/test_structure.py keeps it so), and where each is tested.
+
+  Errors            the exceptions and their exit codes (test_bad_input)
+  Small helpers     time, values, names, formats (test_clock, test_policy)
+  Filesystem steps: the one door to the disk   _Door, every step on a
+                    spool's file by directory descriptor (test_trust3,
+                    test_security, test_crashpoints, test_storage_faults)
+  Processes         /proc, process start times, kill_run, become
+                    (test_liveness, test_ownership)
+  The job model     parse, normalize, job files (test_hostile, test_enqueue)
+  Per-type policy (SPEC 9)   policy values and rules (test_policy)
+  The spool         Identity, Claim, Breaker (holds' records), Claims (the
+                    claim protocol, recovery), _Producing (enqueue, the
+                    guard, idempotency), _Upkeep (retry, delete, prune,
+                    check), Spool (layout, reading, lanes, stats)
+                    (test_spool_layout, test_retry_dlq, test_operator)
+  Logging           Log and its file (test_initd)
+  Handlers          exec, Python, http (HttpPool) (test_handlers_exec,
+                    test_handlers_module, test_http, test_http_forward)
+  MQTT (SPEC 10)    MqttClient (test_mqtt)
+  A run's pieces    batch keys, outcomes, pipes (test_handlers_exec)
+  The scheduler     lanes, scan caches, gates, rates (test_scan, test_policy)
+  Running a job     handlers started, outcomes collected (test_handlers_*)
+  Holds, the worker's side   held types and destinations, probes
+                    (test_outage, test_field)
+  The worker        Worker: the loop, signals, finishing (test_worker_modes,
+                    test_timeouts_shutdown, test_chaos)
+  The process image   byte-code cache, heap, a worker's command
+                    (test_script_start)
+  Supervision       Supervisor, supervise --daemon (test_initd, test_procd)
+  Command line      the commands and their parsers (test_operator_cli)
+  Run as a script   the script's start (test_script_start, test_light)
 """
 
 import errno
@@ -51,6 +86,7 @@ import re
 import stat
 import sys
 import time
+import weakref
 
 if sys.version_info < (3, 7):
     # Python 2 parses this whole file (so: the coding line above, and no
@@ -289,91 +325,6 @@ _FIELD = re.compile(r"[\s,=]")     # what would end a status line's field
 _BOOT_ID = None
 
 
-def boot_id():
-    global _BOOT_ID
-    if _BOOT_ID is None:
-        data = _read_small("/proc/sys/kernel/random/boot_id")
-        _BOOT_ID = data.decode().strip() if data else ""
-    return _BOOT_ID
-
-
-def proc_start(pid, living=False):
-    """The process's start time in clock ticks since boot (field 22 of
-    /proc/PID/stat), or None when there is no such process (or no /proc);
-    with `living`, None too for a zombie (killed, not yet waited for: it
-    runs nothing and holds nothing)."""
-    data = _read_small("/proc/%d/stat" % pid, 1024)
-    if not data:
-        return None
-    try:
-        f = data[data.rindex(b")") + 2:].split()
-        if living and f[0] in (b"Z", b"X"):
-            return None
-        return int(f[19])
-    except (ValueError, IndexError):
-        return None
-
-
-def _proc_table():
-    """{pid: (ppid, pgrp, session)} of every live process, from /proc."""
-    table = {}
-    for name in _listdir("/proc"):
-        if not name.isdigit():
-            continue
-        data = _read_small("/proc/%s/stat" % name, 1024)
-        try:
-            f = data[data.rindex(b")") + 2:].split()
-            if f[0] not in (b"Z", b"X"):
-                table[int(name)] = (int(f[1]), int(f[2]), int(f[3]))
-        except (AttributeError, ValueError, IndexError):
-            continue            # gone meanwhile
-    return table
-
-
-def run_processes(leader, token=None, start=None):
-    """The processes of one handler run: its process group and session
-    (`leader` started them with setsid), every descendant of those, and
-    every process that carries the run's MYQ_CLAIM=token in its environment
-    (a child that called setsid and was re-parented to init still has it).
-    With `start` (a record read from disk, not our own child), the group
-    counts only while the leader is that very process: its pid may have
-    been handed out again.  Standard library only: no cgroups, no prctl."""
-    table = _proc_table()
-    found = set()
-    if start is None or _pid_alive(leader, start):
-        found.update(p for p, (_, pgrp, sid) in table.items()
-                     if leader in (p, pgrp, sid))
-    if token:
-        marker = ("MYQ_CLAIM=" + token).encode()
-        for p in table:
-            if p not in found:
-                env = _read_small("/proc/%d/environ" % p, 1 << 20)
-                if env and marker in env.split(b"\0"):
-                    found.add(p)
-    more = True
-    while more:             # descendants, to the last generation
-        more = False
-        for p, (ppid, _, _) in table.items():
-            if ppid in found and p not in found:
-                found.add(p)
-                more = True
-    found.difference_update((0, 1, os.getpid(), os.getppid()))
-    return found
-
-
-def kill_run(leader, sig, token=None, start=None):
-    """Signal everything a handler run started (see run_processes).
-    Returns how many processes were signalled."""
-    n = 0
-    for p in run_processes(leader, token, start):
-        try:
-            os.kill(p, sig)
-            n += 1
-        except OSError:
-            pass
-    return n
-
-
 def pid_namespace():
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -381,15 +332,19 @@ def pid_namespace():
         return ""
 
 
-def _pid_alive(pid, start):
-    """True when `pid` runs and is the process that started at `start`.
-    A record's values are checked here: a pid that is not a number above 1
-    (or a start that is not a number) is never alive."""
-    if pid.__class__ is not int or pid <= 1 or start.__class__ is not int:
-        return False
-    s = proc_start(pid, living=True)
-    return s is not None and s == start
+def _format_duration(v):
+    """3600.0 -> '1h', 90.0 -> '90s', 0.2 -> '0.2s': what --help shows."""
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if v >= max(n, 120) and v % n == 0:
+            return "%d%s" % (v // n, unit)
+    return "%gs" % v
 
+
+def _format_size(v):
+    for unit, n in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if v >= n and v % n == 0:
+            return "%d%s" % (v // n, unit)
+    return str(v)
 
 
 # Filesystem steps: the one door to the disk #################################
@@ -483,6 +438,13 @@ class _Door(object):
     def of(cls, top):
         door = _DOORS.get(top)
         if door is None:
+            # Another spool: the descriptors of those no worker of this
+            # process keeps go (opened again, and checked again, when one
+            # is used again), so that a process that goes through many
+            # spools (a test suite, a script) does not run out of them.
+            for other in _DOORS.values():
+                if not other.kept:
+                    other.close()
             door = _DOORS[top] = cls(top)
             _HEADS.clear()          # (paths below it were taken as outside)
         return door
@@ -1016,7 +978,6 @@ def _scandir(path):
         os.close(fd)
 
 
-
 def _dir_stat(path):
     """stat of a directory of the spool, through its descriptor."""
     fd = _dir_fd(path)
@@ -1026,6 +987,130 @@ def _dir_stat(path):
 def _space_error(exc):
     return isinstance(exc, OSError) and exc.errno in (
         errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+# Processes ###################################################################
+
+def boot_id():
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        data = _read_small("/proc/sys/kernel/random/boot_id")
+        _BOOT_ID = data.decode().strip() if data else ""
+    return _BOOT_ID
+
+
+def proc_start(pid, living=False):
+    """The process's start time in clock ticks since boot (field 22 of
+    /proc/PID/stat), or None when there is no such process (or no /proc);
+    with `living`, None too for a zombie (killed, not yet waited for: it
+    runs nothing and holds nothing)."""
+    data = _read_small("/proc/%d/stat" % pid, 1024)
+    if not data:
+        return None
+    try:
+        f = data[data.rindex(b")") + 2:].split()
+        if living and f[0] in (b"Z", b"X"):
+            return None
+        return int(f[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _proc_table():
+    """{pid: (ppid, pgrp, session)} of every live process, from /proc."""
+    table = {}
+    for name in _listdir("/proc"):
+        if not name.isdigit():
+            continue
+        data = _read_small("/proc/%s/stat" % name, 1024)
+        try:
+            f = data[data.rindex(b")") + 2:].split()
+            if f[0] not in (b"Z", b"X"):
+                table[int(name)] = (int(f[1]), int(f[2]), int(f[3]))
+        except (AttributeError, ValueError, IndexError):
+            continue            # gone meanwhile
+    return table
+
+
+def run_processes(leader, token=None, start=None):
+    """The processes of one handler run: its process group and session
+    (`leader` started them with setsid), every descendant of those, and
+    every process that carries the run's MYQ_CLAIM=token in its environment
+    (a child that called setsid and was re-parented to init still has it).
+    With `start` (a record read from disk, not our own child), the group
+    counts only while the leader is that very process: its pid may have
+    been handed out again.  Standard library only: no cgroups, no prctl."""
+    table = _proc_table()
+    found = set()
+    if start is None or _pid_alive(leader, start):
+        found.update(p for p, (_, pgrp, sid) in table.items()
+                     if leader in (p, pgrp, sid))
+    if token:
+        marker = ("MYQ_CLAIM=" + token).encode()
+        for p in table:
+            if p not in found:
+                env = _read_small("/proc/%d/environ" % p, 1 << 20)
+                if env and marker in env.split(b"\0"):
+                    found.add(p)
+    more = True
+    while more:             # descendants, to the last generation
+        more = False
+        for p, (ppid, _, _) in table.items():
+            if ppid in found and p not in found:
+                found.add(p)
+                more = True
+    found.difference_update((0, 1, os.getpid(), os.getppid()))
+    return found
+
+
+def kill_run(leader, sig, token=None, start=None):
+    """Signal everything a handler run started (see run_processes).
+    Returns how many processes were signalled."""
+    n = 0
+    for p in run_processes(leader, token, start):
+        try:
+            os.kill(p, sig)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _pid_alive(pid, start):
+    """True when `pid` runs and is the process that started at `start`.
+    A record's values are checked here: a pid that is not a number above 1
+    (or a start that is not a number) is never alive."""
+    if pid.__class__ is not int or pid <= 1 or start.__class__ is not int:
+        return False
+    s = proc_start(pid, living=True)
+    return s is not None and s == start
+
+
+def _user_ids(owner):
+    """'USER[:GROUP]' (names or numbers) -> (uid, gid)."""
+    import pwd
+    import grp
+    user, _, group = owner.partition(":")
+    try:
+        pw = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
+        gid = pw.pw_gid
+        if group:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except (KeyError, ValueError):
+        raise ConfigError("no such user or group %r; give --owner USER[:GROUP]"
+                          % owner)
+    return pw.pw_uid, gid
+
+
+def become(uid, gid):
+    """Switch this process to uid/gid for good (from root): its groups too."""
+    import pwd
+    try:
+        os.initgroups(pwd.getpwuid(uid).pw_name, gid)
+    except (KeyError, OSError):
+        os.setgroups([gid])
+    os.setgid(gid)
+    os.setuid(uid)
 
 
 # The job model ###############################################################
@@ -1551,7 +1636,6 @@ def policy_value(key, value):
                          % (_clip(json.dumps(value), 80), key, spec[1]))
 
 
-
 def check_policy(obj):
     """A policy file's object, validated and in canonical form."""
     if not isinstance(obj, dict):
@@ -1587,33 +1671,6 @@ def _safe_dest(dest):
 
 
 # The spool ###################################################################
-
-def _user_ids(owner):
-    """'USER[:GROUP]' (names or numbers) -> (uid, gid)."""
-    import pwd
-    import grp
-    user, _, group = owner.partition(":")
-    try:
-        pw = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
-        gid = pw.pw_gid
-        if group:
-            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-    except (KeyError, ValueError):
-        raise ConfigError("no such user or group %r; give --owner USER[:GROUP]"
-                          % owner)
-    return pw.pw_uid, gid
-
-
-def become(uid, gid):
-    """Switch this process to uid/gid for good (from root): its groups too."""
-    import pwd
-    try:
-        os.initgroups(pwd.getpwuid(uid).pw_name, gid)
-    except (KeyError, OSError):
-        os.setgroups([gid])
-    os.setgid(gid)
-    os.setuid(uid)
-
 
 
 class Identity:
@@ -1698,8 +1755,7 @@ class Breaker(object):
     workers; a worker's own view of them is Worker._holds."""
 
     def __init__(self, spool):
-        import weakref          # (no cycle: a Spool goes when its last user does)
-        self.spool = weakref.proxy(spool)
+        self.spool = weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self._noted = {}            # dest -> the names note_job wrote
         self._held_cache = None     # records()' last look
 
@@ -1927,188 +1983,544 @@ class Breaker(object):
         return n
 
 
-class Spool(object):
-    """One queue: the directory layout and every move of a job file."""
+class Claims(object):
+    """The claim protocol (SPEC 3, 5): a job claimed by renaming it into
+    processing/ with the claimer's token, its lease appended; finished by
+    a new version put in place (done/, incoming/ for a retry, dlq/);
+    handler records (locks/workers/TOKEN.run); a batch's identity kept
+    across a crash; recovery (reap) of what a dead worker held; the
+    quarantine of what cannot be a job.  The spool's, as spool.claims."""
 
-    def __init__(self, path=None, log=None, **options):
-        self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
-                                    or DEFAULT_SPOOL)
-        self.name = os.path.basename(self.path.rstrip("/")) or "myq"
-        self.opt = dict(DEFAULTS)
-        for k, v in options.items():
-            if k not in DEFAULTS:
-                raise TypeError("unknown spool option %r" % k)
-            if v is not None:
-                self.opt[k] = v
-        self.log = log or _noop_log
-        self._pre = self.path if self.path.endswith("/") else self.path + "/"
-        self._incoming = os.path.join(self.path, "incoming", "")
-        self._processing = os.path.join(self.path, "processing", "")
-        self._done = os.path.join(self.path, "done", "")
-        self._ok = os.path.join(self.path, "locks", "ok", "")
-        self._tmp = os.path.join(self.path, "tmp", "")
-        self._wake = os.path.join(self.path, "locks", "wake")
-        self._ready = False
-        self._free_checked = (-1e9, True)
-        self._budget = (-1e9, 0, 0, 0)    # _room_for's
-        self._seq = 0
-        self._pol, self._pol_key, self._pol_next = {}, None, 0.0
-        self._rules, self._homes = {}, {}     # per type, for this policy
-        self.lane_types = frozenset()   # held for a missing handler: laned
-        self.pol_polled = False
-        self.policy_error = None
-        self.intake = False     # _claim moved a producer's file to its lane
-        self.lane_problems = {}     # lane -> why the door refused it
-        self.breaker = Breaker(self)
+    def __init__(self, spool):
+        self.spool = weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
 
-        # Every step on the spool's files goes through its door (the
-        # filesystem steps above); its descriptors are closed at the end of
-        # each public call unless a worker of this process keeps them.
-        self.fs = _Door.of(self.path)
-
-    def d(self, *parts):
-        """A path in the spool: os.path.join(path, *parts), built without
-        it for the relative parts every caller passes (it runs per job)."""
-        for p in parts:
-            if p[:1] == "/":
-                return os.path.join(self.path, *parts)
-        return self._pre + "/".join(parts) if parts else self.path
-
-
-    # Layout ------------------------------------------------------------------
-
-    def init(self, owner=None):
-        """Create the spool and its layout (idempotent).  Every entry is
-        reached through its parent's descriptor, never through a symlink,
-        and `owner` gets each one through its own descriptor: the owner of
-        an existing spool cannot make init (run as root at every boot) chown
-        or create anything outside it."""
-        ids = _user_ids(owner) if owner else None
+    def claim(self, name, me, default_max_attempts=5, scheduled=False,
+               sub="incoming"):
+        """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
+        Claim, or None when the job was lost to another worker, quarantined,
+        deferred, expired, moved to its lane, or already done."""
+        if not name.endswith(".json"):
+            return None
+        stem = name[:-5]
+        src = self.spool._incoming + name if sub == "incoming" else self.spool.d(sub, name)
+        if not NAME_RE.match(stem):
+            try:
+                self.quarantine(src, name, "bad file name: a job file is ID.json, "
+                                "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
+            except OSError:
+                if _lexists(src):
+                    raise           # it stays: the worker logs why, backs off
+            return None
+        token = me.token()
+        path = self.spool._processing + _claim_name(stem, token)
+        if not _take(src, path):
+            return None                 # another worker was faster
+        got = self._read_claimed(path, src, name, scheduled)
+        if got is None:
+            return None
+        job, trailers, fd, st = got
+        c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
+                  trailers=trailers,
+                  max_attempts=job.get("max_attempts") or default_max_attempts)
+        now = _now()
+        if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
+            return None
+        c.attempt = job["attempts"] + 1
         try:
-            os.makedirs(self.path, 0o750, exist_ok=True)
-            st = os.lstat(self.path)
-            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
-                raise ConfigError(
-                    "%s is a symlink owned by uid %d; refusing to follow it "
-                    "(give the real directory as --spool)" % (self.path, st.st_uid))
-            fds = {"": os.open(self.path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)}
-        except OSError as e:
-            raise ConfigError("cannot create the spool %s: %s; check the path "
-                              "and its permissions" % (self.path, e.strerror))
-        try:
-            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
-                parent, _, name = sub.rpartition("/")
-                p = self.d(sub)
-                try:
-                    _step("mkdir", p, "before")
-                    os.mkdir(name, 0o750, dir_fd=fds[parent])
-                    _step("mkdir", p, "after")
-                except FileExistsError:
-                    pass
-                fds[sub] = _open_dir(name, fds[parent], p)
-            dev = os.fstat(fds[""]).st_dev
-            for sub, fd in fds.items():
-                if os.fstat(fd).st_dev != dev:
-                    raise ConfigError(_other_fs(self.d(sub), self.path))
-            if hasattr(os, "mkfifo"):
-                try:
-                    os.mkfifo("wake", 0o660, dir_fd=fds["locks"])
-                except FileExistsError:
-                    pass
-            if ids:
-                for fd in fds.values():
-                    os.fchown(fd, ids[0], ids[1])
-                try:
-                    fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
-                                 | O_CLOEXEC, dir_fd=fds["locks"])
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise ConfigError("%s is not a FIFO; remove it and run "
-                                          "myq init" % self.d("locks", "wake"))
-                else:
-                    try:
-                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                            os.fchown(fd, ids[0], ids[1])
-                    finally:
-                        os.close(fd)
-        except OSError as e:
-            raise ConfigError("cannot create the spool %s: %s; check the path "
-                              "and its permissions (--owner needs root)"
-                              % (self.path, e.strerror))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return self
-
-    def require(self):
-        """Raise ConfigError unless the spool exists and is initialised."""
-        if self._ready:
-            return self
-        for sub in SUBDIRS:
-            if not os.path.isdir(self.d(sub)):
-                self._unusable(sub)
-                if not os.path.isdir(self.path):
-                    raise ConfigError("spool %s does not exist; create it with: "
-                                      "myq --spool %s init" % (self.path, self.path))
-                raise ConfigError("spool %s is not initialised (no %s/); run: "
-                                  "myq --spool %s init" % (self.path, sub, self.path))
-        self._ready = True      # checked once per Spool object
-        return self
-
-    def _unusable(self, sub):
-        """Raise ConfigError when spool/SUB is there but this user may not
-        reach it (EACCES) or a part of the path is not a directory: not the
-        'not initialised' of a spool that is missing."""
-        p = self.d(sub)
-        try:
-            st = os.stat(p)
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EPERM):
-                where = self.path
-                try:
-                    os.stat(self.path)
-                except OSError:
-                    where = os.path.dirname(self.path)  # above the spool
-                raise ConfigError(
-                    "permission denied: uid %d may not enter %s; run myq as "
-                    "the spool's owner%s, or give this user access"
-                    % (os.geteuid(), where, self._owner_hint()))
-            if e.errno == errno.ENOTDIR:
-                raise ConfigError("spool %s: a part of the path is not a "
-                                  "directory; give the spool directory as "
-                                  "--spool" % self.path)
-            return
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError("spool %s: %s is not a directory; move it away "
-                              "and run: myq --spool %s init"
-                              % (self.path, p, self.path))
-
-    def _check_readable(self):
-        """stats and list read every state directory: say so when this user
-        may not, rather than count nothing."""
-        for sub in ("incoming", "processing", "done", "dlq", "failed"):
-            if not os.access(self.d(sub), os.R_OK | os.X_OK):
-                raise ConfigError(
-                    "permission denied: uid %d may not read %s; run myq as "
-                    "the spool's owner%s or a member of its group"
-                    % (os.geteuid(), self.d(sub), self._owner_hint()))
-
-    def _owner_hint(self):
-        try:
-            st = os.stat(self.path)
+            _append(path, me.lease_line(token, c.attempt, now + me.lease), fd)
         except OSError:
-            return ""
-        try:
-            import pwd
-            return " (%s)" % pwd.getpwuid(st.st_uid).pw_name
-        except (ImportError, KeyError):
-            return " (uid %d)" % st.st_uid
+            self.close(c)
+            try:                        # give it back untouched
+                _rename(path, src)
+            except OSError:
+                pass
+            raise
+        return c
 
-    def check_filesystem(self):
-        dev = os.stat(self.path).st_dev
-        for sub in SUBDIRS + ("locks/ok",):
-            if os.stat(self.d(sub)).st_dev != dev:
-                raise ConfigError(_other_fs(self.d(sub), self.path))
+    def _read_claimed(self, path, src, name, scheduled):
+        """The job in the file just claimed at `path`: (job, trailers, fd
+        open for the lease, stat), or None when it was quarantined or is
+        not written yet."""
+        stem = name[:-5]
+        fd = None
+        limit = self.spool.opt["max_job_bytes"]
+        try:
+            st = _lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidJob("not a regular file (%s)"
+                                 % _file_kind(st.st_mode))
+            if st.st_size > limit + SLACK:
+                raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
+                                 % (st.st_size, limit))
+            if st.st_nlink > 1:
+                # Another name for this file exists.  Appending would change
+                # it there too: refuse, unless the other name is an enqueue's
+                # own tmp/ file (unlinked a moment after its link, or left by
+                # a producer that died in between): drop that name.  Then
+                # look again: the producer may have unlinked it itself since
+                # the lstat (no tmp/ name found, one name left: a job).
+                mine = [self.spool._tmp + e.name for e in _scandir(self.spool.d("tmp"))
+                        if e.inode() == st.st_ino]
+                for p in mine:
+                    _quiet_unlink(p)
+                if _lstat(path).st_nlink > 1:
+                    raise InvalidJob("a hard link (%d names): copy the file "
+                                 "instead of linking it" % st.st_nlink)
+            # The name is ours alone (unique token) and lstat said regular;
+            # O_NOFOLLOW|O_NONBLOCK still guard against a swap meanwhile.
+            fd = _open(path, os.O_RDWR | os.O_APPEND | os.O_NONBLOCK)
+            data = os.read(fd, st.st_size + 65536)
+            if not data.strip(b"\0 \t\r\n"):
+                os.close(fd)
+                fd = None
+                self._unwritten(path, src, name, scheduled)
+                return None
+            obj, trailers = parse(data)
+            if trailers:
+                raise InvalidJob("worker records (lease or handler lines) after "
+                                 "the job: only a worker writes those; a "
+                                 "producer's file holds the job object alone")
+            if len(data) > limit and not (
+                    isinstance(obj, dict) and _rewritten(obj)
+                    and len(data) <= limit + SLACK):
+                raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
+                                 % (len(data), limit))
+            job = normalize(obj, stem, st.st_mtime)
+        except (InvalidJob, OSError) as e:
+            if fd is not None:
+                os.close(fd)
+            if isinstance(e, OSError):
+                if e.errno in (errno.EACCES, errno.EPERM):
+                    e = InvalidJob(
+                        "permission denied: the worker (uid %d) cannot read and "
+                        "append to it (the file belongs to uid %d, mode %04o); "
+                        "producers must write jobs as the spool's owner, or "
+                        "give the file to it before the mv (or use myq "
+                        "enqueue, which hands the file over); then: chown it "
+                        "and myq retry" % ((os.geteuid(),) + _owner_mode(path)))
+                elif e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR,
+                                     errno.ENODEV):
+                    raise
+            self.quarantine(path, name, str(e))
+            return None
+        return job, trailers, fd, st
+
+    def _admit(self, c, job, me, src, sub, size, scheduled, now):
+        """May the job just read run now?  False when it went elsewhere:
+        put back for later, done already, expired, or into its lane."""
+        stem, name = c.jid, c.jid + ".json"
+        # `scheduled`: the file's mtime was the schedule and it is due now.
+        # Otherwise (a producer's own file) the JSON says when, capped at
+        # now + the intended delay when its clock was ahead.
+        due = now if scheduled else _effective_available(job, now)
+        if due > now + 0.5:
+            # The producer's clock was ahead, or it wrote available_at
+            # without the mtime: put it back with the mtime that schedules it.
+            job["available_at"] = due
+            self.move_on(c, job, "incoming", me)
+            self.spool.log("deferred", id=stem, until=iso(due))
+            return False
+        if self.spool.ok_fresh(stem, now):
+            self.spool.log("skipped", id=stem, why="already done (idempotency record)")
+            self.complete(c)
+            return False
+        rules = self.spool.rules(job["type"])
+        exp = self.spool.expiry(job, rules)
+        if exp is not None and now >= exp:
+            self.refuse(c, job, me, "expired", "expired at %s, before any run "
+                         "could start (ttl)" % iso(exp))
+            return False
+        home = self.spool.home(job, rules)
+        if home != sub:
+            # A producer's file (or one from before a policy) into its lane,
+            # under the type's bounds, its priority fixed now; a job found
+            # in a lane not its own goes to its own home first, so that its
+            # own type's rules (pause, rate, concurrency, bounds) hold.
+            if job.get("priority") is None:
+                job["priority"] = rules.get("priority", 0)
+                home = self.spool.home(job, rules)
+            self.spool.intake = True
+            try:
+                full = home != "incoming" and self.spool.make_room(
+                    job["type"], size, exclude=name)
+                if full:
+                    self.refuse(c, job, me, "rejected", full)
+                else:
+                    self.move_on(c, job, home, me)
+            except OSError:
+                if c.path.endswith(".json"):
+                    try:                # give it back untouched
+                        _rename(c.path, src)
+                    except OSError:
+                        pass
+                raise
+            return False
+        return True
+
+    def _unwritten(self, path, src, name, scheduled):
+        """A job file with nothing in it (no bytes, or NULs): not written
+        yet (a producer between its create and its write), or never (an
+        enqueue that a crash or power cut ended before it returned: its
+        rename came before its fsync).  It holds no job, so nothing is lost
+        and nothing is quarantined: it waits a minute (its mtime then, on
+        purpose), and at its next look, still empty, it is removed."""
+        if scheduled:
+            _unlink(path)
+            self.spool.log("removed", file=name, why="empty: nothing was written in "
+                     "it (an enqueue that a crash or power cut ended before it "
+                     "returned, or a producer that wrote nothing)")
+            self.spool.count("removed", "empty")
+            return
+
+        until = _now() + 60
+        _utime(path, until)
+        _rename(path, src)
+        self.spool.log("deferred", file=name, until=iso(until),
+                 why="empty: not written yet")
+
+    def refuse(self, c, job, me, what, why):
+        """An expired or rejected job (SPEC 9): to dlq/, logged, counted."""
+        job = dict(job)
+        job["last_error"] = what + ": " + why
+        job["failed_at"] = _now()
+        self.move_on(c, job, "dlq", me)
+        self.spool.log(what, id=c.jid, type=job["type"], why=why)
+        self.spool.count(what, job["type"])
+
+    # Batches keep their identity (SPEC 10) ------------------------------------
+    #
+    # A batch of more than one job is recorded while it runs in
+    # processing/LEAD+TOKEN.batch (its ids in order; the owner's directory).
+    # When its jobs go back unfinished (a retry, a shutdown, a dead worker
+    # taken back), the record moves to locks/batches/ and each job's next
+    # version says "batch_of": the first of them claimed again takes the
+    # others that still wait, in the same order: the same ids, so the same
+    # Idempotency-Key, and a receiver that de-duplicates stores nothing
+    # twice.  A batch that ended (done, dead, split) drops its record.
+
+    def note_batch(self, claims):
+        """Record a new batch's ids (no fsync: a power cut ends it anyway)."""
+        c = claims[0]
+        if c.job.get("batch_of"):           # (formed again: recorded already)
+            name = c.job["batch_of"]
+        else:
+            name = "%s+%s" % (c.jid, c.token)
+            try:
+                _create(self.spool.d("processing", name + ".batch"), json.dumps(
+                    {"ids": [x.jid for x in claims]}).encode("utf-8"), sync=False)
+            except OSError:
+                return                      # it goes as a batch all the same
+        for x in claims:
+            x.batch = name
+
+    def batch_ids(self, name):
+        """The ids of batch `name` in order ([] when its record is gone)."""
+        for p in (self.spool.d("locks", "batches", name), self.spool.d("processing",
+                                                           name + ".batch")):
+            data = _read_small(p, 1 << 20)
+            if data:
+                try:
+                    ids = json.loads(data.decode("utf-8")).get("ids")
+                except (ValueError, AttributeError):
+                    return []
+                return [i for i in ids if isinstance(i, str) and NAME_RE.match(i)] \
+                    if isinstance(ids, list) else []
+        return []
+
+    def keep_batch(self, name):
+        """Its jobs go back unfinished: the record to locks/batches/."""
+        if not name or "/" in name:
+            return
+        src = self.spool.d("processing", name + ".batch")
+        if _lexists(src):
+            try:
+                self.spool.fs.mkdir("locks/batches")
+                _rename(src, self.spool.d("locks", "batches", name))
+            except OSError:
+                pass
+
+    def end_batch(self, name):
+        if name and "/" not in name:
+            _quiet_unlink(self.spool.d("processing", name + ".batch"))
+            _quiet_unlink(self.spool.d("locks", "batches", name))
+
+    def _run_record(self, token):
+
+        return self.spool.d("locks", "workers", token + ".run")
+
+    def note_handler(self, c, pid, start):
+        """Record the handler's process in locks/workers/TOKEN.run, where
+        only the spool's owner writes: a reaper kills what it names, so a
+        producer must not be able to forge it (a line in the job file
+        could be).  The record is a symlink that is never followed, its
+        target "PID:START:BOOT_ID": one syscall, no data block."""
+        path = self._run_record(c.token)
+        try:
+            _step("create", path, "before")
+            fd, name = _at(path)
+            os.symlink("%d:%s:%s" % (pid, start, boot_id()), name, dir_fd=fd)
+            _step("create", path, "after")
+        except OSError:
+            pass
+
+    def end_handler(self, token):
+        _quiet_unlink(self._run_record(token))
+
+    def kill_handler(self, token, sig):
+        """Signal what a run recorded by another process started (see
+        kill_run): only when the record is of this boot and its pid is
+        still the very process it names."""
+        try:
+            fd, name = _at(self._run_record(token))
+            pid, start, boot = os.readlink(name, dir_fd=fd).split(":", 2)
+            pid, start = int(pid), int(start)
+        except (OSError, ValueError):
+            return 0
+
+        if boot != boot_id():
+            return 0
+        if not _pid_alive(pid, start):
+            return kill_run(0, sig, token, start=-1)   # by its MYQ_CLAIM alone
+        return kill_run(pid, sig, token, start=start)
+
+    def close(self, c):
+        if c.fd is not None:
+            try:
+                os.close(c.fd)
+            except OSError:
+                pass
+            c.fd = None
+
+    def complete(self, c):
+        """Success: the rename to done/, whose file is the job's idempotency
+        record (see ok_fresh).  Returns False when the claim was taken back
+        meanwhile."""
+        self.close(c)
+        return _take(c.path, self.spool._done + c.jid + ".json")
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        """Put a new version of a claimed job into incoming/ (mtime =
+        available_at, or `until`) or dlq/.  The claim is first renamed to
+        ID+TOKEN.fin: when that fails, the claim is no longer ours and
+        nothing moves.
+
+        `until`: a job put back for a destination that failed (SPEC 9)
+        waits until then by its mtime alone, while its available_at says
+        now: a release sets the mtime to now, and a file whose mtime is not
+        later than its ctime is due by its available_at (a producer's own
+        file), so a release must not leave a later date there."""
+        self.close(c)
+        job = dict(job)
+        job["updated_at"] = _now()
+        job.pop("lease", None)
+        job.pop("state", None)
+        if dest == "incoming":
+            dest = self.spool.home(job)       # its lane, when it has one
+        waiting = dest.startswith("incoming")
+        if waiting and dest != "incoming":
+            self.spool._make_lane(dest)
+        data = dumps(job)
+        # The next version is written in processing/, the owner's alone
+        # (not in tmp/, where a producer could swap it before the rename).
+        tmp = self.spool.d("processing", _claim_name(c.jid, c.token, "new"))
+        _quiet_unlink(tmp)              # left by an earlier failed try
+
+        _create(tmp, data, sync=True, mtime=None if not waiting else
+                job["available_at"] if until is None else until)
+        if fin is None and c.path.endswith(".fin"):
+            fin = c.path                # an earlier try got this far
+        if fin is None:
+            fin = self.spool.d("processing", _claim_name(c.jid, c.token, "fin"))
+            try:
+                _rename(c.path, fin)
+            except OSError as e:
+                _quiet_unlink(tmp)
+                if e.errno == errno.ENOENT:
+                    return False
+                raise
+            c.path = fin
+        try:
+            _rename(tmp, self.spool.d(dest, c.jid + ".json"))
+        except OSError:
+            _quiet_unlink(tmp)
+            raise
+        _unlink(fin)
+        if waiting:
+            self.spool.poke()
+        return True
+
+    def quarantine(self, path, name, reason):
+        """Move a file that is not a valid job to failed/, reason beside it."""
+        name = name.replace("/", "_") or "unnamed"
+        if len(os.fsencode(name)) > 200:        # room for ".reason"
+            name = os.fsdecode(os.fsencode(name)[:180]) + "." + _rand_hex(3) + ".json"
+        dst = self.spool.d("failed", name)
+        if _lexists(dst) or _lexists(dst + ".reason"):
+            dst = self.spool.d("failed", "%s.%s.json" % (name, _rand_hex(3)))
+        _rename(path, dst)
+        line = "%s %s\n" % (iso(), reason.replace("\n", " "))
+        try:
+            _create(dst + ".reason", line.encode("utf-8", "replace"), sync=False)
+        except OSError:
+            pass
+        self.spool.log("quarantined", file=os.path.basename(dst), reason=reason)
+
+    # Recovery ----------------------------------------------------------------
+
+    def _owner_gone(self, wid, path, cache, now, mono):
+        """None when the claim's owner is (or may be) alive, else why not."""
+        if wid not in cache:
+            rp = self.spool.d("locks", "workers", wid + ".json")
+            try:
+                data, st = self.spool.read_file(rp, 65536)
+                if not data.strip(b"\0 \t\r\n"):
+                    # whole or absent since it is fsync'd (register); an
+                    # empty one is from before that, cut by the power
+                    rec = False
+                else:
+                    rec = json.loads(data.decode("utf-8"))
+                    rec["_beat"] = st.st_mtime
+            except (OSError, ValueError, InvalidJob):
+                rec = None
+            cache[wid] = rec
+        rec = cache[wid]
+        if rec is False:
+            return "worker %s is gone (its record is empty)" % wid
+        if rec is None:
+            if not _lexists(self.spool.d("locks", "workers", wid + ".json")):
+                return "worker %s is gone" % wid
+            rec = {}
+        host = os.uname()[1]
+        same_host = rec.get("host") == host
+        if same_host and rec.get("boot_id") and boot_id() \
+                and rec.get("boot_id") != boot_id():
+            return "worker %s died (the system rebooted)" % wid
+        if (same_host and rec.get("pidns") == pid_namespace()
+                and proc_start(os.getpid()) is not None
+                and isinstance(rec.get("pid"), int)):
+            if not _pid_alive(rec["pid"], rec.get("start")):
+                return "worker %s (pid %d) died" % (wid, rec["pid"])
+            if path.endswith(".fin"):
+                return None
+            lease = rec.get("lease") or 60.0
+            if mono - rec.get("_beat", mono) > lease:
+                return ("worker %s (pid %d) stopped heartbeating for %ds (hung)"
+                        % (wid, rec["pid"], mono - rec["_beat"]))
+            return None
+        # Liveness cannot be checked: the wall-clock lease decides.
+        until = 0.0
+        try:
+            until = _lstat(path).st_mtime
+            _, trailers = parse(self.spool.read_file(path)[0])
+            lease = _lease_of(trailers)
+            if lease and _is_num(lease.get("leased_until")):
+                until = max(until, lease["leased_until"])
+        except (OSError, InvalidJob):
+            pass
+        if until < now:
+            return "lease of worker %s expired at %s" % (wid, iso(until))
+        return None
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back claims whose owner is gone (or whose lease expired where
+        liveness cannot be checked).  Returns how many were taken back."""
+        self.spool.require()
+        mine = me is None and not dry_run
+        if mine:
+            me = Identity(self.spool, kind="r")
+            me.register()
+        try:
+            cache = {}
+            now, mono = _now(), _mono()
+            n = 0
+            names = sorted(_listdir(self.spool.d("processing")))
+            batches = {}        # a dead worker's batch: jid -> its record
+            for name in names if not dry_run else ():
+                if name.endswith(".batch") and "+" in name:
+                    wid = name[:-6].partition("+")[2].rpartition(".")[0]
+                    if wid and (me is None or wid != me.wid) and self._owner_gone(
+                            wid, self.spool.d("processing", name), cache, now, mono):
+                        for jid in self.batch_ids(name[:-6]):
+                            batches[jid] = name[:-6]
+                        self.keep_batch(name[:-6])
+            for name in names:
+                parts = _split_claim(name)
+                if not parts or (me is not None and parts[1] == me.wid):
+                    continue
+                path = self.spool.d("processing", name)
+                why = self._owner_gone(parts[1], path, cache, now, mono)
+                if why is None:
+                    continue
+                if dry_run:
+                    n += 1
+                elif self.take_back(path, parts[0], me, why, max_attempts,
+                                     batches.get(parts[0])):
+                    n += 1
+            return n
+        finally:
+            if mine:
+                me.unregister()
+
+    def own(self, path, jid, me):
+        """Take a job file for `me` to finish it: rename it to
+        processing/ID+TOKEN.fin.  (fin, token), or None when another took
+        it first.  A crash from here on leaves it where a reaper finds it."""
+        token = me.token()
+        fin = self.spool.d("processing", _claim_name(jid, token, "fin"))
+        return (fin, token) if _take(path, fin) else None
+
+    def take_back(self, path, jid, me, why, max_attempts=5, batch=None):
+        owned = self.own(path, jid, me)
+        if owned is None:
+            return False
+        fin, token = owned
+        try:
+            job, trailers, _ = self.spool.load(fin, jid)
+        except InvalidJob as e:
+            self.quarantine(fin, jid + ".json", "taken back from a dead worker "
+                            "but unreadable: %s" % e)
+            return True
+        old_token = _claim_token(path)
+        self.kill_handler(old_token, 9)
+        self.end_handler(old_token)
+        # (a finish it had begun: the next version it wrote, not yet moved)
+        _quiet_unlink(self.spool.d("processing", _claim_name(jid, old_token, "new")))
+        c = Claim(jid=jid, path=fin, token=token, job=job)
+        if self.spool.ok_fresh(jid):
+            _rename(fin, self.spool.d("done", jid + ".json"))
+            self.spool.log("recovered", id=jid, why=why, to="done")
+            return True
+        if (self.queued(jid)
+                or _lexists(self.spool.d("dlq", jid + ".json"))):
+            _unlink(fin)                # a finish that crashed after its move
+            self.spool.log("recovered", id=jid, why=why, to="-")
+            return True
+        lease = _lease_of(trailers)
+        dest = "incoming"
+        if lease:
+            attempt = lease.get("attempt")
+            if not isinstance(attempt, int):
+                attempt = job["attempts"] + 1
+            job["attempts"] = attempt
+            note_failure(job, attempt, "%s during attempt %d" % (why, attempt))
+            if attempt >= (job.get("max_attempts") or max_attempts):
+                dest = "dlq"
+                job["failed_at"] = _now()
+        job["available_at"] = _now()
+        if batch and dest == "incoming":
+            job["batch_of"] = batch     # it goes again as that batch
+        self.move_on(c, job, dest, me, fin=fin)
+        self.spool.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
+        return True
+
+    def queued(self, jid):
+        return any(_lexists(self.spool.d(sub, jid + ".json"))
+                   for sub in self.spool.waiting_dirs())
+
+
+class _Producing(object):
+    """What producers do to a spool: enqueue (through tmp/, fsync'd, a
+    wake-up), the disk-free guard, idempotency records (a part of Spool)."""
 
     # Producers ---------------------------------------------------------------
 
@@ -2537,6 +2949,880 @@ class Spool(object):
             except OSError:
                 pass        # what retention removes is not worth failing for
 
+
+class _Upkeep(object):
+    """The operator's moves (retry, delete, reap) and retention (prune,
+    the guards' make_space, the reserve) and check (a part of Spool)."""
+
+    # Operator moves ----------------------------------------------------------
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back the claims of workers that are gone (Claims.reap)."""
+        return self.claims.reap(me, max_attempts, dry_run)
+
+    def _located(self, ids, missing):
+        """(id, state, path) of each id that exists; the others go to
+        `missing` (the caller reports them all at once, exit 66)."""
+        for jid in ids:
+            try:
+                state, path = self.locate(jid)
+            except NoSuchJob:
+                missing.append(jid)
+                continue
+            yield jid, state, path
+
+    def retry(self, ids=(), all=False, now=False):
+        """Bring dead (or repaired failed) jobs back, attempts reset; with
+        `now`, make waiting (scheduled) jobs ready now, attempts kept."""
+        self.require()
+        ids = [_check_ref(i) for i in _ids(ids)]
+        if all:
+            ids += [n[:-5] for n in sorted(_listdir(self.d("dlq")))
+                    if n.endswith(".json")]
+        missing = []
+        me = Identity(self, kind="r")   # registered when a dead job moves
+        try:
+            n = self._retry(ids, missing, me, now)
+        finally:
+            me.unregister()
+        if missing:
+            raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
+                            "from dlq/ and failed/; retry --now also scheduled "
+                            "ones)" % (", ".join(missing), self.path))
+        return n
+
+    def _retry(self, ids, missing, me, now=False):
+        n = 0
+        for jid, state, path in self._located(ids, missing):
+            if now and state in ("ready", "scheduled"):
+                if not self._make_ready(jid, path, me):
+                    missing.append(jid)
+                    continue
+            elif state == "dead":
+                if self.claims.queued(jid):
+                    raise DuplicateJob("job %s is already queued; delete one "
+                                       "of them first" % jid)
+                job, _, _ = self.load(path, jid)
+                job.update(attempts=0, available_at=_now())
+                job.pop("failed_at", None)
+                if job.pop("expires_at", None) is not None or self.rules(
+                        job["type"]).get("ttl"):
+                    job["retried_at"] = _now()  # the ttl counts from now
+                if not me.registered:
+                    me.register()
+                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
+                # finish: a crash leaves it where a reaper requeues it.
+                owned = self.claims.own(path, jid, me)
+                if owned is None:
+                    missing.append(jid)
+                    continue
+                fin, token = owned
+                self.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                             job, "incoming", me, fin=fin)
+            elif state == "failed":
+                name = os.path.basename(path)
+                if not name.endswith(".json"):
+                    name += ".json"
+                why = self._unreadable_by_worker(path)
+                if why:
+                    raise ConfigError("cannot retry %s: %s" % (jid, why))
+                _rename(path, self.d("incoming", name))
+                _quiet_unlink(path + ".reason")
+            else:
+                missing.append(jid)
+                continue
+            n += 1
+        if n:
+            for sub in self.waiting_dirs():
+                _fsync_dir(self.d(sub))
+            self.poke()
+        return n
+
+    def _unreadable_by_worker(self, path):
+        """Why the spool's owner (whom its worker runs as) may not read and
+        append to the file at `path`, or None: a root producer's 0600 file
+        would be quarantined again at once."""
+        try:
+            st = _lstat(path)
+            top = os.fstat(self.fs(""))
+        except OSError:
+            return None
+        if top.st_uid == 0 or not stat.S_ISREG(st.st_mode):
+            return None
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid == top.st_uid:
+            ok = mode & 0o600 == 0o600
+        elif st.st_gid == top.st_gid:
+            ok = mode & 0o060 == 0o060
+        else:
+            ok = mode & 0o006 == 0o006
+        if ok:
+            return None
+        return ("the file belongs to uid %d, mode %04o, and the worker (uid %d, "
+                "the spool's owner) cannot read and append to it; give it to "
+                "the owner first (chown %d %s) and retry" % (
+                    st.st_uid, mode, top.st_uid, top.st_uid, path))
+
+    def _make_ready(self, jid, path, me):
+        """retry --now: a waiting job's new version, available now, replaces
+        it the way a retry does (owned first, written in tmp/, renamed into
+        incoming/): a worker never sees it half-written, never twice.  False
+        when a worker took it first."""
+        job, _, _ = self.load(path, jid)
+        if job["available_at"] <= _now() and os.lstat(path).st_mtime <= _now():
+            return True                 # ready already
+        job["available_at"] = _now()
+        if not me.registered:
+            me.register()
+        owned = self.claims.own(path, jid, me)
+        if owned is None:
+            return False
+        fin, token = owned
+        self.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                      job, "incoming", me, fin=fin)
+        self.log("retry_now", id=jid)
+        return True
+
+    def delete(self, ids, force=False):
+        self.require()
+        ids = [_check_ref(i) for i in _ids(ids)]
+        missing, n = [], 0
+        for jid, state, path in self._located(ids, missing):
+            if self._delete_one(jid, state, path, force) is None:
+                missing.append(jid)
+                continue
+            n += 1
+        if missing:
+            raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
+        return n
+
+    def _delete_one(self, jid, state, path, force):
+        """1 when the file went, 0 when it was gone already, None when a
+        running job's claim went elsewhere first."""
+        if state == "processing":
+            if not force:
+                raise SpoolBusy("job %s is running; wait for it, or delete "
+                                "it with --force (its handler is killed)" % jid)
+            # Take it from the worker first (its finish then fails with
+            # ENOENT and moves nothing), then stop the handler.
+            self._seq += 1
+            gone = self.d("processing", "%s+deleted.%d.%d.new" % (
+                jid, os.getpid(), self._seq))
+            if not _take(path, gone):
+
+                return None
+            self.claims.kill_handler(_claim_token(path), 15)
+            path = gone
+        elif state == "done":
+            self._outlive(path)
+        try:
+            _unlink(path)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return 0
+        finally:
+            if state == "failed":
+                _quiet_unlink(path + ".reason")
+        return 1
+
+    def delete_where(self, state, type=None, older_than=None, force=False,
+                     now=None):
+        """Delete in bulk (SPEC 4): the jobs in `state`, of `type`, older
+        than `older_than` seconds: counted from created_at for waiting and
+        running jobs, from the finish for done and dead ones, from the
+        quarantine for failed files.  Running jobs only with `force`.
+        Returns how many went."""
+        self.require()
+        if state not in STATES:
+            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
+        if state == "processing" and not force:
+            raise SpoolBusy("running jobs are deleted only with --force (their "
+                            "handlers are killed)")
+        now = _now() if now is None else now
+        sub = STATE_DIRS[state]
+        subs = self.waiting_dirs() if sub == "incoming" else [sub]
+        chosen = []
+        for e in (e for d in subs for e in _scandir(self.d(d))):
+            name = e.name
+            if sub == "failed":
+                if name.endswith(".reason"):
+                    continue
+                jid = name
+            elif sub == "processing":
+                if not _split_claim(name):
+                    continue
+                jid = _split_claim(name)[0]
+            elif not name.endswith(".json"):
+                continue
+            else:
+                jid = name[:-5]
+            try:
+                st = e.stat(follow_symlinks=False)
+                p = self.d(sub, e.name)
+                if sub == "failed":
+                    job = {"state": "failed", "type": type and self._failed_type(p)}
+                else:
+                    job = self._describe(state, p)
+            except OSError:
+                continue                # it moved while we looked
+            except InvalidJob:
+                continue                # not a job: a worker quarantines it
+            if job["state"] != state or (type is not None and job["type"] != type):
+                continue
+            born = job["created_at"] if sub in ("incoming", "processing") \
+                else st.st_ctime
+            if older_than is not None and now - born < older_than:
+                continue
+            chosen.append((jid, self.d(sub, e.name)))
+        n = 0
+        for jid, path in chosen:
+            n += self._delete_one(jid, state, path, force) or 0
+        return n
+
+    def _failed_type(self, path):
+        """The type a quarantined file names, if it is a JSON object at all."""
+        try:
+            obj, _ = parse(self.read_file(path)[0])
+        except (OSError, InvalidJob, ValueError):
+            return None
+        return obj.get("type") if isinstance(obj, dict) else None
+
+    # What retention removes (SPEC 4): directory, the count's name, which
+    # time says how old an entry is, the option of how long it stays, the
+    # option of how many stay at most, and whether the worker's frequent
+    # pass does it too.
+    _RETENTION = (
+        ("done", "done", "ctime", "keep_done", "keep_done_max", True),
+        ("tmp", "tmp", "oldest", "keep_tmp", None, True),
+        ("dlq", "dead", "ctime", "keep_dead", "keep_dead_max", False),
+        ("failed", "failed", "ctime", "keep_failed", None, False),
+        ("locks/ok", "ok", "mtime", "dedupe_window", "keep_ok_max", False),
+    )
+
+    def prune(self, now=None, full=True):
+        """Apply retention: done/, dlq/, failed/, tmp/, idempotency records,
+        records of dead workers.  Returns counts of what was removed.
+        `full=False` (the worker's frequent pass) does done/ and tmp/ only."""
+        self.require()
+        now = _now() if now is None else now
+        out = dict(done=0, dead=0, failed=0, tmp=0, ok=0, workers=0)
+        bound = {}
+        for sub, key, age, keep, most, always in self._RETENTION:
+            if always or full:
+                out[key] += self._expire(sub, age, self.opt[keep],
+                                         self.opt[most] if most else None, now,
+                                         bound)
+        # What is removed unrun is counted (stats removed=): tmp/ strays,
+        # and idempotency records past their bound in count.
+        for what, n in (("tmp", out["tmp"]), ("ok", bound.get("locks/ok", 0))):
+            if n:
+                self.log("removed", what=what, n=n, why="stray in tmp/"
+                         if what == "tmp" else "past --keep-ok-max")
+                self.count("removed", what, n)
+        if full:
+            for e in _scandir(self.d("failed")):      # reasons left alone
+                p = self.d("failed", e.name)
+                if e.name.endswith(".reason") and not _lexists(p[:-7]):
+                    _quiet_unlink(p)
+            out["workers"] = self._prune_workers(now)
+            self._compact_retries(now)
+            out["tmp"] += self._prune_strays(now)
+            self.breaker.prune()
+        return out
+
+    def make_space(self, n=256):
+        """Below a guard (SPEC 4): retention frees done/ first, its n
+        oldest now (a producer-chosen id keeps its de-duplication in
+        locks/ok/: an inode for an inode, the blocks freed).  Short of
+        inodes, the n oldest idempotency records go first, and done files
+        go without one: records are never what keeps a backlog from
+        draining (a job sent again after that may run twice: at least
+        once holds).  Returns how many went."""
+        import heapq
+        problem = self.free_problem()
+        inodes = bool(problem) and "inodes" in problem
+        gone = 0
+        for sub in (("locks/ok", "done") if inodes else ("done",)):
+            old = heapq.nsmallest(n, self._aged(sub, "ctime"))
+            for _, name in old:
+                try:
+                    if sub == "done" and not inodes:
+                        self._outlive(self.d(sub, name))
+                    _unlink(self.d(sub, name))
+                    gone += 1
+                except OSError:
+                    pass
+            if sub == "locks/ok" and old:
+                self.count("removed", "ok", len(old))
+        if not gone and self._free_room():
+            what = "its reserve (locks/room)"
+            gone = 1
+        else:
+            what = "the oldest"
+        if gone:
+            self.log("pruned", why="below a guard: " + (problem or "low"),
+                     n=gone, freed=what)
+        return gone
+
+    # The reserve: locks/room, ROOM bytes the worker sets aside while there
+    # is room (incompressible, so UBIFS keeps them too) and gives up when
+    # retention frees nothing: a full disk (a backlog that filled the
+    # flash, another program's file) still leaves a starting worker room
+    # for its record and the backlog a way out (SPEC 4).
+    ROOM = 65536
+
+    def keep_room(self):
+        """Set the reserve aside when it is not and the guards allow."""
+        path = self.d("locks", "room")
+        if _lexists(path) or self.free_problem():
+            return False
+        try:
+            _replace(path, os.urandom(self.ROOM), mode=0o600)
+        except OSError as e:
+            self.log("error", during="reserve", error=e.strerror or str(e))
+            return False
+        return True
+
+    def _free_room(self):
+        try:
+            _unlink(self.d("locks", "room"))
+        except OSError:
+            return False
+        return True
+
+    def _prune_strays(self, now):
+        """What a crash left of the owner's own writes, older than
+        --keep-tmp: a retry's or dead letter's next version in processing/
+        (ID+TOKEN.new) and a record's new version (.NAME.PID.N.tmp)."""
+        n = 0
+        for sub, end, keep in (
+                ("processing", ".new", "keep_tmp"), ("", ".tmp", "keep_tmp"),
+                ("locks", ".tmp", "keep_tmp"), ("locks/workers", ".tmp", "keep_tmp"),
+                ("locks/held", ".tmp", "keep_tmp"),
+                ("locks/batches", "", "dedupe_window")):
+            for e in _scandir(self.d(sub) if sub else self.path):
+                if not e.name.endswith(end) or (end == ".tmp" and e.name[:1] != "."):
+                    continue
+                try:
+                    if now - e.stat(follow_symlinks=False).st_ctime > self.opt[keep]:
+                        _unlink(self.d(sub, e.name) if sub else self.d(e.name))
+                        n += 1
+                except OSError:
+                    pass
+        return n
+
+    def _aged(self, sub, age):
+        """(time, name) of the entries of SUB that retention may remove, by
+        their "ctime", "mtime" or the "oldest" of the two."""
+        for e in _scandir(self.d(sub)):
+            if sub == "failed" and e.name.endswith(".reason"):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            yield (st.st_ctime if age == "ctime" else st.st_mtime if age == "mtime"
+                   else min(st.st_mtime, st.st_ctime)), e.name
+
+    def _expire(self, sub, age, keep, most, now, bound=None):
+        """Remove what in SUB is older than KEEP seconds, then the oldest
+        beyond the newest MOST; returns how many went (`bound[sub]`: how
+        many of them for MOST).  Memory stays bounded whatever the count:
+        a second pass keeps a heap of at most 10,000 of the oldest (the
+        rest goes at the next prune)."""
+        import heapq
+        n = left = 0
+        for t, name in self._aged(sub, age):
+            if now - t > keep:
+                n += self._remove(sub, self.d(sub, name))
+            else:
+                left += 1
+        if most is None or left <= most:
+            return n
+        oldest = heapq.nsmallest(min(left - most, 10000), self._aged(sub, age))
+        m = sum(self._remove(sub, self.d(sub, name)) for _, name in oldest)
+        if bound is not None:
+            bound[sub] = m
+        return n + m
+
+    def _remove(self, sub, path):
+        """1 when the entry went (a quarantined directory whole, a failed
+        file with its .reason), else 0."""
+        try:
+            if sub == "done" and path.endswith(".json"):
+                self._outlive(path)
+            if sub == "failed" and stat.S_ISDIR(_lstat(path).st_mode):
+                self._rmtree(path)
+            else:
+                _unlink(path)
+        except OSError:
+            return 0
+        if sub == "failed":
+            _quiet_unlink(path + ".reason")
+        return 1
+
+    def _prune_workers(self, now):
+        """Records in locks/workers/ of workers that are gone (and hold no
+        claim), and handler records whose claim has ended."""
+        n = 0
+        claims = _listdir(self.d("processing"))
+        owners = set(p[1] for p in map(_split_claim, claims) if p)
+        tokens = set(map(_claim_token, claims))
+        cache, mono = {}, _mono()
+        for name in _listdir(self.d("locks", "workers")):
+            path = self.d("locks", "workers", name)
+            if name.endswith(".run"):
+                if name[:-4] not in tokens:
+                    n += self._remove("locks/workers", path)
+            elif name.endswith(".json") and name[:-5] not in owners:
+                why = self.claims._owner_gone(name[:-5], path, cache, now, mono)
+                if why and "lease" not in why and "hung" not in why:
+                    n += self._remove("locks/workers", path)
+        return n
+
+    def _rmtree(self, path):
+        """Remove a directory that a producer quarantined, with what is in
+        it, through descriptors: never through a link inside."""
+        fd = _fresh_dir(path)
+        try:
+            for e in os.scandir(fd):
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        self._rmtree(path + "/" + e.name)
+                    else:
+                        os.unlink(e.name, dir_fd=fd)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        parent, _, name = path.rpartition("/")
+        try:
+            os.rmdir(name, dir_fd=_dir_fd(parent))
+        except OSError:
+            pass
+
+    def _compact_retries(self, now):
+        path = self.d("locks", "retries")
+        try:
+            if _lstat(path).st_size < 65536:
+                return
+            data = _read_small(path, 1 << 20, tail=True) or b""
+            lines = [l for l in data.split(b"\n")
+                     if l.strip().isdigit() and int(l) > now - 120]
+            _replace(path, b"".join(l + b"\n" for l in lines))
+        except OSError:
+            pass
+
+    def check(self, operator=True):
+        """Health problems, one line each; [] when healthy.  With
+        `operator`, also what waits for an operator (dead jobs, quarantined
+        files, files in incoming/ no worker takes)."""
+        if not os.path.isdir(self.path):
+            self.require()              # exit 78: there is no spool at all
+        problems = []
+        for sub in SUBDIRS:
+            if not os.path.isdir(self.d(sub)):
+                try:
+                    self._unusable(sub)     # there, but out of this user's reach
+                except ConfigError as e:
+                    return [str(e)]
+                problems.append("%s/ is missing; run: myq --spool %s init"
+                                % (self.d(sub), self.path))
+        if problems:
+            problem = self.free_problem()
+            return problems + ([problem] if problem else [])
+        try:
+            self.check_filesystem()
+        except ConfigError as e:
+            problems.append(str(e))
+        for sub in SUBDIRS + ("locks/ok", "locks/workers"):
+            p = self.d(sub)
+            if not os.path.isdir(p):
+                problems.append("%s is missing; run: myq --spool %s init"
+                                % (p, self.path))
+            elif not os.access(p, os.W_OK | os.X_OK):
+                problems.append("%s is not writable by uid %d; fix its owner "
+                                "(myq init --owner USER)" % (p, os.getuid()))
+        wake = self.d("locks", "wake")
+        try:
+            if not stat.S_ISFIFO(os.lstat(wake).st_mode):
+                problems.append("%s is not a FIFO; remove it and run myq init"
+                                % wake)
+        except OSError:
+            problems.append("%s is missing (workers poll instead of waking); "
+                            "run myq init" % wake)
+        problem = self.free_problem()
+        if problem:
+            problems.append(problem)
+        self.policy()
+        if self.policy_error:
+            problems.append(self.policy_error)
+        self.lanes()
+        for sub, why in sorted(self.lane_problems.items()):
+            problems.append("lane %s is not used: %s" % (sub, why))
+        stale = self.reap(dry_run=True)
+        if stale:
+            problems.append("%d claim(s) in processing/ belong to dead workers or "
+                            "expired leases; run: myq --spool %s reap"
+                            % (stale, self.path))
+        return problems + (self._needs_operator() if operator else [])
+
+    def _needs_operator(self):
+        """What waits for an operator: dead jobs, quarantined files, files
+        in incoming/ that no worker will take."""
+        out = []
+        spool = "myq --spool %s" % self.path
+        dead = _count(self.d("dlq"), ".json")
+        if dead:
+            out.append("%d dead job(s) in dlq/; see: %s list dead; then retry "
+                       "or delete them" % (dead, spool))
+        failed = sum(1 for n in _listdir(self.d("failed")) if not n.endswith(".reason"))
+        if failed:
+            out.append("%d file(s) quarantined in failed/; see: %s list failed "
+                       "(repair and retry, or delete)" % (failed, spool))
+        for h in self.breaker.records():
+            if h.get("missing"):
+                out.append("type %s is held: %s; its jobs wait (no attempt "
+                           "counts) and run once the handler is there"
+                           % (h["dest"], h.get("why")))
+                continue
+            out.append("destination %s is held until %s: %s; its jobs wait (no "
+                       "attempt counts), a probe is sent after each backoff, and "
+                       "they run after its first success (now: %s resume --dest "
+                       "%s)" % (h["dest"], iso(h.get("until") or 0, frac=False),
+                                h.get("why"), spool, h["dest"]))
+        for t in self.paused():
+            out.append("%s is paused: no new job of it starts; resume with: %s "
+                       "resume %s" % ("every type" if t == "*" else "type " + t,
+                                      spool, "--all" if t == "*" else t))
+        stray = [n for n in _listdir(self.d("incoming"))
+                 if not n.endswith(".json") and not n.startswith(".")
+                 and n != "lanes"]
+        if stray:
+            out.append("%d file(s) in incoming/ do not end in .json and are "
+                       "never run (a producer must mv NAME.json into place), "
+                       "e.g. %s" % (len(stray), _kv(stray[0])))
+        return out
+
+
+def _file_kind(mode):
+    """None for a regular file, else what it is."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _count(path, suffix):
+    return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
+
+
+# stats() key -> (metric, type, help) of the Prometheus text format (SPEC 6)
+_PROM_GAUGES = (
+    ("oldest_ready_s", "myq_oldest_ready_seconds", "gauge",
+     "How long the earliest ready job has waited since it became available."),
+    ("retries_1m", "myq_retries_1m", "gauge",
+     "Failed runs scheduled for a retry in the last 60 seconds, by any worker."),
+)
+_PROM_TOTALS = ("dropped", "expired", "rejected", "removed")
+
+
+def _prom_label(value):
+    """A label value, escaped as the format says (backslash, quote, line
+    feed); any other control character as the text \\xNN, so that no
+    terminal reading the file acts on it."""
+    s = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return '"%s"' % _CONTROL.sub(lambda m: "\\\\x%02x" % ord(m.group()), s)
+
+
+def prometheus_text(stats):
+    """A spool's stats() in the Prometheus text exposition format (for
+    node_exporter's textfile collector): # HELP and # TYPE, then the
+    samples; job counts and the like are gauges, totals since init counters."""
+    q = "queue=" + _prom_label(stats["queue"])
+    out = []
+
+    def metric(name, kind, help, samples):
+        out.append("# HELP %s %s" % (name, help))
+        out.append("# TYPE %s %s" % (name, kind))
+        for labels, value in samples:
+            out.append("%s{%s} %s" % (name, ",".join([q] + labels),
+                                      "%d" % value if value == int(value)
+                                      else repr(float(value))))
+
+    metric("myq_jobs", "gauge", "Jobs in the spool, by state.",
+           [(["state=" + _prom_label(st)], stats.get(st, 0)) for st in STATES])
+    for key, name, kind, help in _PROM_GAUGES:
+        metric(name, kind, help, [([], stats.get(key, 0))])
+    if "free_kb" in stats:
+        metric("myq_free_bytes", "gauge", "Bytes free on the spool's "
+               "filesystem for an unprivileged writer.",
+               [([], stats["free_kb"] * 1024)])
+    for key in _PROM_TOTALS:
+        v = stats.get(key)
+        if isinstance(v, dict):         # by type
+            samples = [(["type=" + _prom_label(t)], n)
+                       for t, n in sorted(v.items())]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            samples = [([], v)]
+        else:
+            continue
+        metric("myq_%s_total" % key, "counter", "Jobs %s since myq init." % key
+               if key != "removed" else "Files myq removed unrun since myq "
+               "init: empty job names, tmp/ strays, records past their bound.",
+               samples)
+    if isinstance(stats.get("paused"), list):
+        metric("myq_paused", "gauge", "1 for each job type that is paused.",
+               [(["type=" + _prom_label(t)], 1) for t in stats["paused"]])
+    if isinstance(stats.get("held"), list):
+        metric("myq_held", "gauge", "Until when (epoch seconds) a destination "
+               "is held by its circuit breaker.",
+               [(["destination=" + _prom_label(h.get("dest"))],
+                 h.get("until") or 1) for h in stats["held"]
+                if isinstance(h, dict)])
+    return "\n".join(out) + "\n"
+
+
+def _write_textfile(w):
+    """The worker's --textfile DIR: DIR/myq_QUEUE.prom, by write to a
+    temporary name and rename (node_exporter never reads half a file)."""
+    d = getattr(w, "textfile", None)
+    if not d:
+        return
+    sp = w.spool
+    name = "myq_%s.prom" % re.sub(r"[^A-Za-z0-9_.-]", "_", sp.name)
+    tmp = os.path.join(d, ".%s.%d.tmp" % (name, os.getpid()))
+    try:
+        data = prometheus_text(sp.stats(by_type=True)).encode("utf-8", "replace")
+        target = os.path.join(d, name)
+        try:
+            st = os.lstat(target)
+        except OSError:
+            st = None
+        if st is not None and (st.st_uid != os.geteuid()
+                               or not stat.S_ISREG(st.st_mode)):
+            # another user's file (a shared, sticky directory): never
+            # written through, never trusted to be ours
+            raise OSError(errno.EEXIST, "%s belongs to uid %d, not to this "
+                          "worker: remove it, or give --textfile a directory "
+                          "of its own" % (target, st.st_uid))
+        _quiet_unlink(tmp)
+        _create(tmp, data, sync=False, mode=0o644)
+        _rename(tmp, target)
+
+    except OSError as e:
+        _quiet_unlink(tmp)
+        w.log("error", during="textfile", error="%s: %s" % (d, e.strerror or e))
+
+
+_SPOOLS = {}
+
+
+def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
+            timeout=None, priority=None, ttl=None):
+    """Add a job to the spool durably; returns its id (SPEC 7)."""
+    sp = _SPOOLS.get(spool)
+    if sp is None or not sp._ready:
+        sp = _SPOOLS[spool] = Spool(spool)
+    try:
+        return sp.enqueue(type, payload, id=id, delay=delay,
+                          max_attempts=max_attempts, timeout=timeout,
+                          priority=priority, ttl=ttl)
+    except ConfigError:
+        _SPOOLS.pop(spool, None)
+        raise
+
+
+class Spool(_Producing, _Upkeep):
+    """One queue: the directory layout and every move of a job file."""
+
+    def __init__(self, path=None, log=None, **options):
+        self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
+                                    or DEFAULT_SPOOL)
+        self.name = os.path.basename(self.path.rstrip("/")) or "myq"
+        self.opt = dict(DEFAULTS)
+        for k, v in options.items():
+            if k not in DEFAULTS:
+                raise TypeError("unknown spool option %r" % k)
+            if v is not None:
+                self.opt[k] = v
+        self.log = log or _noop_log
+        self._pre = self.path if self.path.endswith("/") else self.path + "/"
+        self._incoming = os.path.join(self.path, "incoming", "")
+        self._processing = os.path.join(self.path, "processing", "")
+        self._done = os.path.join(self.path, "done", "")
+        self._ok = os.path.join(self.path, "locks", "ok", "")
+        self._tmp = os.path.join(self.path, "tmp", "")
+        self._wake = os.path.join(self.path, "locks", "wake")
+        self._ready = False
+        self._free_checked = (-1e9, True)
+        self._budget = (-1e9, 0, 0, 0)    # _room_for's
+        self._seq = 0
+        self._pol, self._pol_key, self._pol_next = {}, None, 0.0
+        self._rules, self._homes = {}, {}     # per type, for this policy
+        self.lane_types = frozenset()   # held for a missing handler: laned
+        self.pol_polled = False
+        self.policy_error = None
+        self.intake = False     # _claim moved a producer's file to its lane
+        self.lane_problems = {}     # lane -> why the door refused it
+        self.breaker = Breaker(self)
+        self.claims = Claims(self)
+
+        # Every step on the spool's files goes through its door (the
+        # filesystem steps above); its descriptors are closed at the end of
+        # each public call unless a worker of this process keeps them.
+        self.fs = _Door.of(self.path)
+
+    def d(self, *parts):
+        """A path in the spool: os.path.join(path, *parts), built without
+        it for the relative parts every caller passes (it runs per job)."""
+        for p in parts:
+            if p[:1] == "/":
+                return os.path.join(self.path, *parts)
+        return self._pre + "/".join(parts) if parts else self.path
+
+
+    # Layout ------------------------------------------------------------------
+
+    def init(self, owner=None):
+        """Create the spool and its layout (idempotent).  Every entry is
+        reached through its parent's descriptor, never through a symlink,
+        and `owner` gets each one through its own descriptor: the owner of
+        an existing spool cannot make init (run as root at every boot) chown
+        or create anything outside it."""
+        ids = _user_ids(owner) if owner else None
+        try:
+            os.makedirs(self.path, 0o750, exist_ok=True)
+            st = os.lstat(self.path)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+                raise ConfigError(
+                    "%s is a symlink owned by uid %d; refusing to follow it "
+                    "(give the real directory as --spool)" % (self.path, st.st_uid))
+            fds = {"": os.open(self.path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)}
+        except OSError as e:
+            raise ConfigError("cannot create the spool %s: %s; check the path "
+                              "and its permissions" % (self.path, e.strerror))
+        try:
+            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
+                parent, _, name = sub.rpartition("/")
+                p = self.d(sub)
+                try:
+                    _step("mkdir", p, "before")
+                    os.mkdir(name, 0o750, dir_fd=fds[parent])
+                    _step("mkdir", p, "after")
+                except FileExistsError:
+                    pass
+                fds[sub] = _open_dir(name, fds[parent], p)
+            dev = os.fstat(fds[""]).st_dev
+            for sub, fd in fds.items():
+                if os.fstat(fd).st_dev != dev:
+                    raise ConfigError(_other_fs(self.d(sub), self.path))
+            if hasattr(os, "mkfifo"):
+                try:
+                    os.mkfifo("wake", 0o660, dir_fd=fds["locks"])
+                except FileExistsError:
+                    pass
+            if ids:
+                for fd in fds.values():
+                    os.fchown(fd, ids[0], ids[1])
+                try:
+                    fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
+                                 | O_CLOEXEC, dir_fd=fds["locks"])
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise ConfigError("%s is not a FIFO; remove it and run "
+                                          "myq init" % self.d("locks", "wake"))
+                else:
+                    try:
+                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                            os.fchown(fd, ids[0], ids[1])
+                    finally:
+                        os.close(fd)
+        except OSError as e:
+            raise ConfigError("cannot create the spool %s: %s; check the path "
+                              "and its permissions (--owner needs root)"
+                              % (self.path, e.strerror))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return self
+
+    def require(self):
+        """Raise ConfigError unless the spool exists and is initialised."""
+        if self._ready:
+            return self
+        for sub in SUBDIRS:
+            if not os.path.isdir(self.d(sub)):
+                self._unusable(sub)
+                if not os.path.isdir(self.path):
+                    raise ConfigError("spool %s does not exist; create it with: "
+                                      "myq --spool %s init" % (self.path, self.path))
+                raise ConfigError("spool %s is not initialised (no %s/); run: "
+                                  "myq --spool %s init" % (self.path, sub, self.path))
+        self._ready = True      # checked once per Spool object
+        return self
+
+    def _unusable(self, sub):
+        """Raise ConfigError when spool/SUB is there but this user may not
+        reach it (EACCES) or a part of the path is not a directory: not the
+        'not initialised' of a spool that is missing."""
+        p = self.d(sub)
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM):
+                where = self.path
+                try:
+                    os.stat(self.path)
+                except OSError:
+                    where = os.path.dirname(self.path)  # above the spool
+                raise ConfigError(
+                    "permission denied: uid %d may not enter %s; run myq as "
+                    "the spool's owner%s, or give this user access"
+                    % (os.geteuid(), where, self._owner_hint()))
+            if e.errno == errno.ENOTDIR:
+                raise ConfigError("spool %s: a part of the path is not a "
+                                  "directory; give the spool directory as "
+                                  "--spool" % self.path)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError("spool %s: %s is not a directory; move it away "
+                              "and run: myq --spool %s init"
+                              % (self.path, p, self.path))
+
+    def _check_readable(self):
+        """stats and list read every state directory: say so when this user
+        may not, rather than count nothing."""
+        for sub in ("incoming", "processing", "done", "dlq", "failed"):
+            if not os.access(self.d(sub), os.R_OK | os.X_OK):
+                raise ConfigError(
+                    "permission denied: uid %d may not read %s; run myq as "
+                    "the spool's owner%s or a member of its group"
+                    % (os.geteuid(), self.d(sub), self._owner_hint()))
+
+    def _owner_hint(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return ""
+        try:
+            import pwd
+            return " (%s)" % pwd.getpwuid(st.st_uid).pw_name
+        except (ImportError, KeyError):
+            return " (uid %d)" % st.st_uid
+
+    def check_filesystem(self):
+        dev = os.stat(self.path).st_dev
+        for sub in SUBDIRS + ("locks/ok",):
+            if os.stat(self.d(sub)).st_dev != dev:
+                raise ConfigError(_other_fs(self.d(sub), self.path))
+
     # Reading -------------------------------------------------------------------
 
     def read_file(self, path, limit=None):
@@ -2819,10 +4105,9 @@ class Spool(object):
 
     def set_policy(self, name, changes):
         """Apply {KEY: VALUE, or None to remove it} to the policy of `name`
-        (a type, or "*"): under locks/policy.lock, written to tmp/ and
-        renamed over policy.json, so concurrent calls lose nothing.
+        (a type, or "*"): under locks/policy.lock, written beside
+        policy.json and renamed over it, so concurrent calls lose nothing.
         Returns the whole new policy."""
-        import fcntl
         self.require()
         if name != "*":
             _check_name(name, "type")
@@ -3096,1197 +4381,54 @@ class Spool(object):
         except OSError:
             pass        # a statistic, never worth failing a job for
 
-    # Claiming and finishing ----------------------------------------------------
-
-    def _claim(self, name, me, default_max_attempts=5, scheduled=False,
-               sub="incoming"):
-        """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
-        Claim, or None when the job was lost to another worker, quarantined,
-        deferred, expired, moved to its lane, or already done."""
-        if not name.endswith(".json"):
-            return None
-        stem = name[:-5]
-        src = self._incoming + name if sub == "incoming" else self.d(sub, name)
-        if not NAME_RE.match(stem):
-            try:
-                self._quarantine(src, name, "bad file name: a job file is ID.json, "
-                                "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
-            except OSError:
-                if _lexists(src):
-                    raise           # it stays: the worker logs why, backs off
-            return None
-        token = me.token()
-        path = self._processing + _claim_name(stem, token)
-        if not _take(src, path):
-            return None                 # another worker was faster
-        fd = None
-        limit = self.opt["max_job_bytes"]
-        try:
-            st = _lstat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidJob("not a regular file (%s)"
-                                 % _file_kind(st.st_mode))
-            if st.st_size > limit + SLACK:
-                raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
-                                 % (st.st_size, limit))
-            if st.st_nlink > 1:
-                # Another name for this file exists.  Appending would change
-                # it there too: refuse, unless the other name is an enqueue's
-                # own tmp/ file (unlinked a moment after its link, or left by
-                # a producer that died in between): drop that name.  Then
-                # look again: the producer may have unlinked it itself since
-                # the lstat (no tmp/ name found, one name left: a job).
-                mine = [self._tmp + e.name for e in _scandir(self.d("tmp"))
-                        if e.inode() == st.st_ino]
-                for p in mine:
-                    _quiet_unlink(p)
-                if _lstat(path).st_nlink > 1:
-                    raise InvalidJob("a hard link (%d names): copy the file "
-                                 "instead of linking it" % st.st_nlink)
-            # The name is ours alone (unique token) and lstat said regular;
-            # O_NOFOLLOW|O_NONBLOCK still guard against a swap meanwhile.
-            fd = _open(path, os.O_RDWR | os.O_APPEND | os.O_NONBLOCK)
-            data = os.read(fd, st.st_size + 65536)
-            if not data.strip(b"\0 \t\r\n"):
-                os.close(fd)
-                fd = None
-                self._unwritten(path, src, name, scheduled)
-                return None
-            obj, trailers = parse(data)
-            if trailers:
-                raise InvalidJob("worker records (lease or handler lines) after "
-                                 "the job: only a worker writes those; a "
-                                 "producer's file holds the job object alone")
-            if len(data) > limit and not (
-                    isinstance(obj, dict) and _rewritten(obj)
-                    and len(data) <= limit + SLACK):
-                raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
-                                 % (len(data), limit))
-            job = normalize(obj, stem, st.st_mtime)
-        except (InvalidJob, OSError) as e:
-            if fd is not None:
-                os.close(fd)
-            if isinstance(e, OSError):
-                if e.errno in (errno.EACCES, errno.EPERM):
-                    e = InvalidJob(
-                        "permission denied: the worker (uid %d) cannot read and "
-                        "append to it (the file belongs to uid %d, mode %04o); "
-                        "producers must write jobs as the spool's owner, or "
-                        "give the file to it before the mv (or use myq "
-                        "enqueue, which hands the file over); then: chown it "
-                        "and myq retry" % ((os.geteuid(),) + _owner_mode(path)))
-
-                elif e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR,
-                                     errno.ENODEV):
-                    raise
-            self._quarantine(path, name, str(e))
-            return None
-        c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
-                  trailers=trailers,
-                  max_attempts=job.get("max_attempts") or default_max_attempts)
-        now = _now()
-        # `scheduled`: the file's mtime was the schedule and it is due now.
-        # Otherwise (a producer's own file) the JSON says when, capped at
-        # now + the intended delay when its clock was ahead.
-        due = now if scheduled else _effective_available(job, now)
-        if due > now + 0.5:
-            # The producer's clock was ahead, or it wrote available_at
-            # without the mtime: put it back with the mtime that schedules it.
-            job["available_at"] = due
-            self._move_on(c, job, "incoming", me)
-            self.log("deferred", id=stem, until=iso(due))
-            return None
-        if self.ok_fresh(stem, now):
-            self.log("skipped", id=stem, why="already done (idempotency record)")
-            self._complete(c)
-            return None
-        rules = self.rules(job["type"])
-        exp = self.expiry(job, rules)
-        if exp is not None and now >= exp:
-            self._refuse(c, job, me, "expired", "expired at %s, before any run "
-                         "could start (ttl)" % iso(exp))
-            return None
-        home = self.home(job, rules)
-        if home != sub:
-            # A producer's file (or one from before a policy) into its lane,
-            # under the type's bounds, its priority fixed now; a job found
-            # in a lane not its own goes to its own home first, so that its
-            # own type's rules (pause, rate, concurrency, bounds) hold.
-            if job.get("priority") is None:
-                job["priority"] = rules.get("priority", 0)
-                home = self.home(job, rules)
-            self.intake = True
-            try:
-                full = home != "incoming" and self.make_room(
-                    job["type"], st.st_size, exclude=name)
-                if full:
-                    self._refuse(c, job, me, "rejected", full)
-                else:
-                    self._move_on(c, job, home, me)
-            except OSError:
-                if c.path.endswith(".json"):
-                    try:                # give it back untouched
-                        _rename(c.path, src)
-                    except OSError:
-                        pass
-                raise
-            return None
-
-        c.attempt = job["attempts"] + 1
-        try:
-            _append(path, me.lease_line(token, c.attempt, now + me.lease), fd)
-        except OSError:
-            self._close(c)
-            try:                        # give it back untouched
-                _rename(path, src)
-            except OSError:
-                pass
-            raise
-        return c
-
-    def _unwritten(self, path, src, name, scheduled):
-        """A job file with nothing in it (no bytes, or NULs): not written
-        yet (a producer between its create and its write), or never (an
-        enqueue that a crash or power cut ended before it returned: its
-        rename came before its fsync).  It holds no job, so nothing is lost
-        and nothing is quarantined: it waits a minute (its mtime then, on
-        purpose), and at its next look, still empty, it is removed."""
-        if scheduled:
-            _unlink(path)
-            self.log("removed", file=name, why="empty: nothing was written in "
-                     "it (an enqueue that a crash or power cut ended before it "
-                     "returned, or a producer that wrote nothing)")
-            self.count("removed", "empty")
-            return
-
-        until = _now() + 60
-        _utime(path, until)
-        _rename(path, src)
-        self.log("deferred", file=name, until=iso(until),
-                 why="empty: not written yet")
-
-    def _refuse(self, c, job, me, what, why):
-        """An expired or rejected job (SPEC 9): to dlq/, logged, counted."""
-        job = dict(job)
-        job["last_error"] = what + ": " + why
-        job["failed_at"] = _now()
-        self._move_on(c, job, "dlq", me)
-        self.log(what, id=c.jid, type=job["type"], why=why)
-        self.count(what, job["type"])
-
-    # Batches keep their identity (SPEC 10) ------------------------------------
-    #
-    # A batch of more than one job is recorded while it runs in
-    # processing/LEAD+TOKEN.batch (its ids in order; the owner's directory).
-    # When its jobs go back unfinished (a retry, a shutdown, a dead worker
-    # taken back), the record moves to locks/batches/ and each job's next
-    # version says "batch_of": the first of them claimed again takes the
-    # others that still wait, in the same order: the same ids, so the same
-    # Idempotency-Key, and a receiver that de-duplicates stores nothing
-    # twice.  A batch that ended (done, dead, split) drops its record.
-
-    def note_batch(self, claims):
-        """Record a new batch's ids (no fsync: a power cut ends it anyway)."""
-        c = claims[0]
-        if c.job.get("batch_of"):           # (formed again: recorded already)
-            name = c.job["batch_of"]
-        else:
-            name = "%s+%s" % (c.jid, c.token)
-            try:
-                _create(self.d("processing", name + ".batch"), json.dumps(
-                    {"ids": [x.jid for x in claims]}).encode("utf-8"), sync=False)
-            except OSError:
-                return                      # it goes as a batch all the same
-        for x in claims:
-            x.batch = name
-
-    def batch_ids(self, name):
-        """The ids of batch `name` in order ([] when its record is gone)."""
-        for p in (self.d("locks", "batches", name), self.d("processing",
-                                                           name + ".batch")):
-            data = _read_small(p, 1 << 20)
-            if data:
-                try:
-                    ids = json.loads(data.decode("utf-8")).get("ids")
-                except (ValueError, AttributeError):
-                    return []
-                return [i for i in ids if isinstance(i, str) and NAME_RE.match(i)] \
-                    if isinstance(ids, list) else []
-        return []
-
-    def keep_batch(self, name):
-        """Its jobs go back unfinished: the record to locks/batches/."""
-        if not name or "/" in name:
-            return
-        src = self.d("processing", name + ".batch")
-        if _lexists(src):
-            try:
-                self.fs.mkdir("locks/batches")
-                _rename(src, self.d("locks", "batches", name))
-            except OSError:
-                pass
-
-    def end_batch(self, name):
-        if name and "/" not in name:
-            _quiet_unlink(self.d("processing", name + ".batch"))
-            _quiet_unlink(self.d("locks", "batches", name))
-
-    def _run_record(self, token):
-
-        return self.d("locks", "workers", token + ".run")
-
-    def _note_handler(self, c, pid, start):
-        """Record the handler's process in locks/workers/TOKEN.run, where
-        only the spool's owner writes: a reaper kills what it names, so a
-        producer must not be able to forge it (a line in the job file
-        could be).  The record is a symlink that is never followed, its
-        target "PID:START:BOOT_ID": one syscall, no data block."""
-        path = self._run_record(c.token)
-        try:
-            _step("create", path, "before")
-            fd, name = _at(path)
-            os.symlink("%d:%s:%s" % (pid, start, boot_id()), name, dir_fd=fd)
-            _step("create", path, "after")
-        except OSError:
-            pass
-
-    def _end_handler(self, token):
-        _quiet_unlink(self._run_record(token))
-
-    def _kill_handler(self, token, sig):
-        """Signal what a run recorded by another process started (see
-        kill_run): only when the record is of this boot and its pid is
-        still the very process it names."""
-        try:
-            fd, name = _at(self._run_record(token))
-            pid, start, boot = os.readlink(name, dir_fd=fd).split(":", 2)
-            pid, start = int(pid), int(start)
-        except (OSError, ValueError):
-            return 0
-
-        if boot != boot_id():
-            return 0
-        if not _pid_alive(pid, start):
-            return kill_run(0, sig, token, start=-1)   # by its MYQ_CLAIM alone
-        return kill_run(pid, sig, token, start=start)
-
-    def _close(self, c):
-        if c.fd is not None:
-            try:
-                os.close(c.fd)
-            except OSError:
-                pass
-            c.fd = None
-
-    def _complete(self, c):
-        """Success: the rename to done/, whose file is the job's idempotency
-        record (see ok_fresh).  Returns False when the claim was taken back
-        meanwhile."""
-        self._close(c)
-        return _take(c.path, self._done + c.jid + ".json")
-
-    def _move_on(self, c, job, dest, me, fin=None, until=None):
-        """Put a new version of a claimed job into incoming/ (mtime =
-        available_at, or `until`) or dlq/.  The claim is first renamed to
-        ID+TOKEN.fin: when that fails, the claim is no longer ours and
-        nothing moves.
-
-        `until`: a job put back for a destination that failed (SPEC 9)
-        waits until then by its mtime alone, while its available_at says
-        now: a release sets the mtime to now, and a file whose mtime is not
-        later than its ctime is due by its available_at (a producer's own
-        file), so a release must not leave a later date there."""
-        self._close(c)
-        job = dict(job)
-        job["updated_at"] = _now()
-        job.pop("lease", None)
-        job.pop("state", None)
-        if dest == "incoming":
-            dest = self.home(job)       # its lane, when it has one
-        waiting = dest.startswith("incoming")
-        if waiting and dest != "incoming":
-            self._make_lane(dest)
-        data = dumps(job)
-        # The next version is written in processing/, the owner's alone
-        # (not in tmp/, where a producer could swap it before the rename).
-        tmp = self.d("processing", _claim_name(c.jid, c.token, "new"))
-        _quiet_unlink(tmp)              # left by an earlier failed try
-
-        _create(tmp, data, sync=True, mtime=None if not waiting else
-                job["available_at"] if until is None else until)
-        if fin is None and c.path.endswith(".fin"):
-            fin = c.path                # an earlier try got this far
-        if fin is None:
-            fin = self.d("processing", _claim_name(c.jid, c.token, "fin"))
-            try:
-                _rename(c.path, fin)
-            except OSError as e:
-                _quiet_unlink(tmp)
-                if e.errno == errno.ENOENT:
-                    return False
-                raise
-            c.path = fin
-        try:
-            _rename(tmp, self.d(dest, c.jid + ".json"))
-        except OSError:
-            _quiet_unlink(tmp)
-            raise
-        _unlink(fin)
-        if waiting:
-            self.poke()
-        return True
-
-    def _quarantine(self, path, name, reason):
-        """Move a file that is not a valid job to failed/, reason beside it."""
-        name = name.replace("/", "_") or "unnamed"
-        if len(os.fsencode(name)) > 200:        # room for ".reason"
-            name = os.fsdecode(os.fsencode(name)[:180]) + "." + _rand_hex(3) + ".json"
-        dst = self.d("failed", name)
-        if _lexists(dst) or _lexists(dst + ".reason"):
-            dst = self.d("failed", "%s.%s.json" % (name, _rand_hex(3)))
-        _rename(path, dst)
-        line = "%s %s\n" % (iso(), reason.replace("\n", " "))
-        try:
-            _create(dst + ".reason", line.encode("utf-8", "replace"), sync=False)
-        except OSError:
-            pass
-        self.log("quarantined", file=os.path.basename(dst), reason=reason)
-
-    # Recovery ----------------------------------------------------------------
-
-    def _owner_gone(self, wid, path, cache, now, mono):
-        """None when the claim's owner is (or may be) alive, else why not."""
-        if wid not in cache:
-            rp = self.d("locks", "workers", wid + ".json")
-            try:
-                data, st = self.read_file(rp, 65536)
-                if not data.strip(b"\0 \t\r\n"):
-                    # whole or absent since it is fsync'd (register); an
-                    # empty one is from before that, cut by the power
-                    rec = False
-                else:
-                    rec = json.loads(data.decode("utf-8"))
-                    rec["_beat"] = st.st_mtime
-            except (OSError, ValueError, InvalidJob):
-                rec = None
-            cache[wid] = rec
-        rec = cache[wid]
-        if rec is False:
-            return "worker %s is gone (its record is empty)" % wid
-        if rec is None:
-            if not _lexists(self.d("locks", "workers", wid + ".json")):
-                return "worker %s is gone" % wid
-            rec = {}
-        host = os.uname()[1]
-        same_host = rec.get("host") == host
-        if same_host and rec.get("boot_id") and boot_id() \
-                and rec.get("boot_id") != boot_id():
-            return "worker %s died (the system rebooted)" % wid
-        if (same_host and rec.get("pidns") == pid_namespace()
-                and proc_start(os.getpid()) is not None
-                and isinstance(rec.get("pid"), int)):
-            if not _pid_alive(rec["pid"], rec.get("start")):
-                return "worker %s (pid %d) died" % (wid, rec["pid"])
-            if path.endswith(".fin"):
-                return None
-            lease = rec.get("lease") or 60.0
-            if mono - rec.get("_beat", mono) > lease:
-                return ("worker %s (pid %d) stopped heartbeating for %ds (hung)"
-                        % (wid, rec["pid"], mono - rec["_beat"]))
-            return None
-        # Liveness cannot be checked: the wall-clock lease decides.
-        until = 0.0
-        try:
-            until = _lstat(path).st_mtime
-            _, trailers = parse(self.read_file(path)[0])
-            lease = _lease_of(trailers)
-            if lease and _is_num(lease.get("leased_until")):
-                until = max(until, lease["leased_until"])
-        except (OSError, InvalidJob):
-            pass
-        if until < now:
-            return "lease of worker %s expired at %s" % (wid, iso(until))
-        return None
-
-    def reap(self, me=None, max_attempts=5, dry_run=False):
-        """Take back claims whose owner is gone (or whose lease expired where
-        liveness cannot be checked).  Returns how many were taken back."""
-        self.require()
-        mine = me is None and not dry_run
-        if mine:
-            me = Identity(self, kind="r")
-            me.register()
-        try:
-            cache = {}
-            now, mono = _now(), _mono()
-            n = 0
-            names = sorted(_listdir(self.d("processing")))
-            batches = {}        # a dead worker's batch: jid -> its record
-            for name in names if not dry_run else ():
-                if name.endswith(".batch") and "+" in name:
-                    wid = name[:-6].partition("+")[2].rpartition(".")[0]
-                    if wid and (me is None or wid != me.wid) and self._owner_gone(
-                            wid, self.d("processing", name), cache, now, mono):
-                        for jid in self.batch_ids(name[:-6]):
-                            batches[jid] = name[:-6]
-                        self.keep_batch(name[:-6])
-            for name in names:
-                parts = _split_claim(name)
-                if not parts or (me is not None and parts[1] == me.wid):
-                    continue
-                path = self.d("processing", name)
-                why = self._owner_gone(parts[1], path, cache, now, mono)
-                if why is None:
-                    continue
-                if dry_run:
-                    n += 1
-                elif self._take_back(path, parts[0], me, why, max_attempts,
-                                     batches.get(parts[0])):
-                    n += 1
-            return n
-        finally:
-            if mine:
-                me.unregister()
-
-    def _own(self, path, jid, me):
-        """Take a job file for `me` to finish it: rename it to
-        processing/ID+TOKEN.fin.  (fin, token), or None when another took
-        it first.  A crash from here on leaves it where a reaper finds it."""
-        token = me.token()
-        fin = self.d("processing", _claim_name(jid, token, "fin"))
-        return (fin, token) if _take(path, fin) else None
-
-    def _take_back(self, path, jid, me, why, max_attempts=5, batch=None):
-        owned = self._own(path, jid, me)
-        if owned is None:
-            return False
-        fin, token = owned
-        try:
-            job, trailers, _ = self.load(fin, jid)
-        except InvalidJob as e:
-            self._quarantine(fin, jid + ".json", "taken back from a dead worker "
-                            "but unreadable: %s" % e)
-            return True
-        old_token = _claim_token(path)
-        self._kill_handler(old_token, 9)
-        self._end_handler(old_token)
-        # (a finish it had begun: the next version it wrote, not yet moved)
-        _quiet_unlink(self.d("processing", _claim_name(jid, old_token, "new")))
-        c = Claim(jid=jid, path=fin, token=token, job=job)
-        if self.ok_fresh(jid):
-            _rename(fin, self.d("done", jid + ".json"))
-            self.log("recovered", id=jid, why=why, to="done")
-            return True
-        if (self._queued(jid)
-                or _lexists(self.d("dlq", jid + ".json"))):
-            _unlink(fin)                # a finish that crashed after its move
-            self.log("recovered", id=jid, why=why, to="-")
-            return True
-        lease = _lease_of(trailers)
-        dest = "incoming"
-        if lease:
-            attempt = lease.get("attempt")
-            if not isinstance(attempt, int):
-                attempt = job["attempts"] + 1
-            job["attempts"] = attempt
-            note_failure(job, attempt, "%s during attempt %d" % (why, attempt))
-            if attempt >= (job.get("max_attempts") or max_attempts):
-                dest = "dlq"
-                job["failed_at"] = _now()
-        job["available_at"] = _now()
-        if batch and dest == "incoming":
-            job["batch_of"] = batch     # it goes again as that batch
-        self._move_on(c, job, dest, me, fin=fin)
-        self.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
-        return True
-
-    def _queued(self, jid):
-        return any(_lexists(self.d(sub, jid + ".json"))
-                   for sub in self.waiting_dirs())
-
-    # Operator moves ----------------------------------------------------------
-
-    def _located(self, ids, missing):
-        """(id, state, path) of each id that exists; the others go to
-        `missing` (the caller reports them all at once, exit 66)."""
-        for jid in ids:
-            try:
-                state, path = self.locate(jid)
-            except NoSuchJob:
-                missing.append(jid)
-                continue
-            yield jid, state, path
-
-    def retry(self, ids=(), all=False, now=False):
-        """Bring dead (or repaired failed) jobs back, attempts reset; with
-        `now`, make waiting (scheduled) jobs ready now, attempts kept."""
-        self.require()
-        ids = [_check_ref(i) for i in _ids(ids)]
-        if all:
-            ids += [n[:-5] for n in sorted(_listdir(self.d("dlq")))
-                    if n.endswith(".json")]
-        missing = []
-        me = Identity(self, kind="r")   # registered when a dead job moves
-        try:
-            n = self._retry(ids, missing, me, now)
-        finally:
-            me.unregister()
-        if missing:
-            raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
-                            "from dlq/ and failed/; retry --now also scheduled "
-                            "ones)" % (", ".join(missing), self.path))
-        return n
-
-    def _retry(self, ids, missing, me, now=False):
-        n = 0
-        for jid, state, path in self._located(ids, missing):
-            if now and state in ("ready", "scheduled"):
-                if not self._make_ready(jid, path, me):
-                    missing.append(jid)
-                    continue
-            elif state == "dead":
-                if self._queued(jid):
-                    raise DuplicateJob("job %s is already queued; delete one "
-                                       "of them first" % jid)
-                job, _, _ = self.load(path, jid)
-                job.update(attempts=0, available_at=_now())
-                job.pop("failed_at", None)
-                if job.pop("expires_at", None) is not None or self.rules(
-                        job["type"]).get("ttl"):
-                    job["retried_at"] = _now()  # the ttl counts from now
-                if not me.registered:
-                    me.register()
-                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
-                # finish: a crash leaves it where a reaper requeues it.
-                owned = self._own(path, jid, me)
-                if owned is None:
-                    missing.append(jid)
-                    continue
-                fin, token = owned
-                self._move_on(Claim(jid=jid, path=fin, token=token, job=job),
-                             job, "incoming", me, fin=fin)
-            elif state == "failed":
-                name = os.path.basename(path)
-                if not name.endswith(".json"):
-                    name += ".json"
-                why = self._unreadable_by_worker(path)
-                if why:
-                    raise ConfigError("cannot retry %s: %s" % (jid, why))
-                _rename(path, self.d("incoming", name))
-                _quiet_unlink(path + ".reason")
-            else:
-                missing.append(jid)
-                continue
-            n += 1
-        if n:
-            for sub in self.waiting_dirs():
-                _fsync_dir(self.d(sub))
-            self.poke()
-        return n
-
-    def _unreadable_by_worker(self, path):
-        """Why the spool's owner (whom its worker runs as) may not read and
-        append to the file at `path`, or None: a root producer's 0600 file
-        would be quarantined again at once."""
-        try:
-            st = _lstat(path)
-            top = os.fstat(self.fs(""))
-        except OSError:
-            return None
-        if top.st_uid == 0 or not stat.S_ISREG(st.st_mode):
-            return None
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid == top.st_uid:
-            ok = mode & 0o600 == 0o600
-        elif st.st_gid == top.st_gid:
-            ok = mode & 0o060 == 0o060
-        else:
-            ok = mode & 0o006 == 0o006
-        if ok:
-            return None
-        return ("the file belongs to uid %d, mode %04o, and the worker (uid %d, "
-                "the spool's owner) cannot read and append to it; give it to "
-                "the owner first (chown %d %s) and retry" % (
-                    st.st_uid, mode, top.st_uid, top.st_uid, path))
-
-    def _make_ready(self, jid, path, me):
-        """retry --now: a waiting job's new version, available now, replaces
-        it the way a retry does (owned first, written in tmp/, renamed into
-        incoming/): a worker never sees it half-written, never twice.  False
-        when a worker took it first."""
-        job, _, _ = self.load(path, jid)
-        if job["available_at"] <= _now() and os.lstat(path).st_mtime <= _now():
-            return True                 # ready already
-        job["available_at"] = _now()
-        if not me.registered:
-            me.register()
-        owned = self._own(path, jid, me)
-        if owned is None:
-            return False
-        fin, token = owned
-        self._move_on(Claim(jid=jid, path=fin, token=token, job=job),
-                      job, "incoming", me, fin=fin)
-        self.log("retry_now", id=jid)
-        return True
-
-    def delete(self, ids, force=False):
-        self.require()
-        ids = [_check_ref(i) for i in _ids(ids)]
-        missing, n = [], 0
-        for jid, state, path in self._located(ids, missing):
-            if self._delete_one(jid, state, path, force) is None:
-                missing.append(jid)
-                continue
-            n += 1
-        if missing:
-            raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
-        return n
-
-    def _delete_one(self, jid, state, path, force):
-        """1 when the file went, 0 when it was gone already, None when a
-        running job's claim went elsewhere first."""
-        if state == "processing":
-            if not force:
-                raise SpoolBusy("job %s is running; wait for it, or delete "
-                                "it with --force (its handler is killed)" % jid)
-            # Take it from the worker first (its finish then fails with
-            # ENOENT and moves nothing), then stop the handler.
-            self._seq += 1
-            gone = self.d("processing", "%s+deleted.%d.%d.new" % (
-                jid, os.getpid(), self._seq))
-            if not _take(path, gone):
-
-                return None
-            self._kill_handler(_claim_token(path), 15)
-            path = gone
-        elif state == "done":
-            self._outlive(path)
-        try:
-            _unlink(path)
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                raise
-            return 0
-        finally:
-            if state == "failed":
-                _quiet_unlink(path + ".reason")
-        return 1
-
-    def delete_where(self, state, type=None, older_than=None, force=False,
-                     now=None):
-        """Delete in bulk (SPEC 4): the jobs in `state`, of `type`, older
-        than `older_than` seconds: counted from created_at for waiting and
-        running jobs, from the finish for done and dead ones, from the
-        quarantine for failed files.  Running jobs only with `force`.
-        Returns how many went."""
-        self.require()
-        if state not in STATES:
-            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
-        if state == "processing" and not force:
-            raise SpoolBusy("running jobs are deleted only with --force (their "
-                            "handlers are killed)")
-        now = _now() if now is None else now
-        sub = STATE_DIRS[state]
-        subs = self.waiting_dirs() if sub == "incoming" else [sub]
-        chosen = []
-        for e in (e for d in subs for e in _scandir(self.d(d))):
-            name = e.name
-            if sub == "failed":
-                if name.endswith(".reason"):
-                    continue
-                jid = name
-            elif sub == "processing":
-                if not _split_claim(name):
-                    continue
-                jid = _split_claim(name)[0]
-            elif not name.endswith(".json"):
-                continue
-            else:
-                jid = name[:-5]
-            try:
-                st = e.stat(follow_symlinks=False)
-                p = self.d(sub, e.name)
-                if sub == "failed":
-                    job = {"state": "failed", "type": type and self._failed_type(p)}
-                else:
-                    job = self._describe(state, p)
-            except OSError:
-                continue                # it moved while we looked
-            except InvalidJob:
-                continue                # not a job: a worker quarantines it
-            if job["state"] != state or (type is not None and job["type"] != type):
-                continue
-            born = job["created_at"] if sub in ("incoming", "processing") \
-                else st.st_ctime
-            if older_than is not None and now - born < older_than:
-                continue
-            chosen.append((jid, self.d(sub, e.name)))
-        n = 0
-        for jid, path in chosen:
-            n += self._delete_one(jid, state, path, force) or 0
-        return n
-
-    def _failed_type(self, path):
-        """The type a quarantined file names, if it is a JSON object at all."""
-        try:
-            obj, _ = parse(self.read_file(path)[0])
-        except (OSError, InvalidJob, ValueError):
-            return None
-        return obj.get("type") if isinstance(obj, dict) else None
-
-    # What retention removes (SPEC 4): directory, the count's name, which
-    # time says how old an entry is, the option of how long it stays, the
-    # option of how many stay at most, and whether the worker's frequent
-    # pass does it too.
-    _RETENTION = (
-        ("done", "done", "ctime", "keep_done", "keep_done_max", True),
-        ("tmp", "tmp", "oldest", "keep_tmp", None, True),
-        ("dlq", "dead", "ctime", "keep_dead", "keep_dead_max", False),
-        ("failed", "failed", "ctime", "keep_failed", None, False),
-        ("locks/ok", "ok", "mtime", "dedupe_window", "keep_ok_max", False),
-    )
-
-    def prune(self, now=None, full=True):
-        """Apply retention: done/, dlq/, failed/, tmp/, idempotency records,
-        records of dead workers.  Returns counts of what was removed.
-        `full=False` (the worker's frequent pass) does done/ and tmp/ only."""
-        self.require()
-        now = _now() if now is None else now
-        out = dict(done=0, dead=0, failed=0, tmp=0, ok=0, workers=0)
-        bound = {}
-        for sub, key, age, keep, most, always in self._RETENTION:
-            if always or full:
-                out[key] += self._expire(sub, age, self.opt[keep],
-                                         self.opt[most] if most else None, now,
-                                         bound)
-        # What is removed unrun is counted (stats removed=): tmp/ strays,
-        # and idempotency records past their bound in count.
-        for what, n in (("tmp", out["tmp"]), ("ok", bound.get("locks/ok", 0))):
-            if n:
-                self.log("removed", what=what, n=n, why="stray in tmp/"
-                         if what == "tmp" else "past --keep-ok-max")
-                self.count("removed", what, n)
-        if full:
-            for e in _scandir(self.d("failed")):      # reasons left alone
-                p = self.d("failed", e.name)
-                if e.name.endswith(".reason") and not _lexists(p[:-7]):
-                    _quiet_unlink(p)
-            out["workers"] = self._prune_workers(now)
-            self._compact_retries(now)
-            out["tmp"] += self._prune_strays(now)
-            self.breaker.prune()
-        return out
-
-    def make_space(self, n=256):
-        """Below a guard (SPEC 4): retention frees done/ first, its n
-        oldest now (a producer-chosen id keeps its de-duplication in
-        locks/ok/: an inode for an inode, the blocks freed).  Short of
-        inodes, the n oldest idempotency records go first, and done files
-        go without one: records are never what keeps a backlog from
-        draining (a job sent again after that may run twice: at least
-        once holds).  Returns how many went."""
-        import heapq
-        problem = self.free_problem()
-        inodes = bool(problem) and "inodes" in problem
-        gone = 0
-        for sub in (("locks/ok", "done") if inodes else ("done",)):
-            old = heapq.nsmallest(n, self._aged(sub, "ctime"))
-            for _, name in old:
-                try:
-                    if sub == "done" and not inodes:
-                        self._outlive(self.d(sub, name))
-                    _unlink(self.d(sub, name))
-                    gone += 1
-                except OSError:
-                    pass
-            if sub == "locks/ok" and old:
-                self.count("removed", "ok", len(old))
-        if not gone and self._free_room():
-            what = "its reserve (locks/room)"
-            gone = 1
-        else:
-            what = "the oldest"
-        if gone:
-            self.log("pruned", why="below a guard: " + (problem or "low"),
-                     n=gone, freed=what)
-        return gone
-
-    # The reserve: locks/room, ROOM bytes the worker sets aside while there
-    # is room (incompressible, so UBIFS keeps them too) and gives up when
-    # retention frees nothing: a full disk (a backlog that filled the
-    # flash, another program's file) still leaves a starting worker room
-    # for its record and the backlog a way out (SPEC 4).
-    ROOM = 65536
-
-    def keep_room(self):
-        """Set the reserve aside when it is not and the guards allow."""
-        path = self.d("locks", "room")
-        if _lexists(path) or self.free_problem():
-            return False
-        try:
-            _replace(path, os.urandom(self.ROOM), mode=0o600)
-        except OSError as e:
-            self.log("error", during="reserve", error=e.strerror or str(e))
-            return False
-        return True
-
-    def _free_room(self):
-        try:
-            _unlink(self.d("locks", "room"))
-        except OSError:
-            return False
-        return True
-
-    def _prune_strays(self, now):
-        """What a crash left of the owner's own writes, older than
-        --keep-tmp: a retry's or dead letter's next version in processing/
-        (ID+TOKEN.new) and a record's new version (.NAME.PID.N.tmp)."""
-        n = 0
-        for sub, end, keep in (
-                ("processing", ".new", "keep_tmp"), ("", ".tmp", "keep_tmp"),
-                ("locks", ".tmp", "keep_tmp"), ("locks/workers", ".tmp", "keep_tmp"),
-                ("locks/held", ".tmp", "keep_tmp"),
-                ("locks/batches", "", "dedupe_window")):
-            for e in _scandir(self.d(sub) if sub else self.path):
-                if not e.name.endswith(end) or (end == ".tmp" and e.name[:1] != "."):
-                    continue
-                try:
-                    if now - e.stat(follow_symlinks=False).st_ctime > self.opt[keep]:
-                        _unlink(self.d(sub, e.name) if sub else self.d(e.name))
-                        n += 1
-                except OSError:
-                    pass
-        return n
-
-    def _aged(self, sub, age):
-        """(time, name) of the entries of SUB that retention may remove, by
-        their "ctime", "mtime" or the "oldest" of the two."""
-        for e in _scandir(self.d(sub)):
-            if sub == "failed" and e.name.endswith(".reason"):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            yield (st.st_ctime if age == "ctime" else st.st_mtime if age == "mtime"
-                   else min(st.st_mtime, st.st_ctime)), e.name
-
-    def _expire(self, sub, age, keep, most, now, bound=None):
-        """Remove what in SUB is older than KEEP seconds, then the oldest
-        beyond the newest MOST; returns how many went (`bound[sub]`: how
-        many of them for MOST).  Memory stays bounded whatever the count:
-        a second pass keeps a heap of at most 10,000 of the oldest (the
-        rest goes at the next prune)."""
-        import heapq
-        n = left = 0
-        for t, name in self._aged(sub, age):
-            if now - t > keep:
-                n += self._remove(sub, self.d(sub, name))
-            else:
-                left += 1
-        if most is None or left <= most:
-            return n
-        oldest = heapq.nsmallest(min(left - most, 10000), self._aged(sub, age))
-        m = sum(self._remove(sub, self.d(sub, name)) for _, name in oldest)
-        if bound is not None:
-            bound[sub] = m
-        return n + m
-
-    def _remove(self, sub, path):
-        """1 when the entry went (a quarantined directory whole, a failed
-        file with its .reason), else 0."""
-        try:
-            if sub == "done" and path.endswith(".json"):
-                self._outlive(path)
-            if sub == "failed" and stat.S_ISDIR(_lstat(path).st_mode):
-                self._rmtree(path)
-            else:
-                _unlink(path)
-        except OSError:
-            return 0
-        if sub == "failed":
-            _quiet_unlink(path + ".reason")
-        return 1
-
-    def _prune_workers(self, now):
-        """Records in locks/workers/ of workers that are gone (and hold no
-        claim), and handler records whose claim has ended."""
-        n = 0
-        claims = _listdir(self.d("processing"))
-        owners = set(p[1] for p in map(_split_claim, claims) if p)
-        tokens = set(map(_claim_token, claims))
-        cache, mono = {}, _mono()
-        for name in _listdir(self.d("locks", "workers")):
-            path = self.d("locks", "workers", name)
-            if name.endswith(".run"):
-                if name[:-4] not in tokens:
-                    n += self._remove("locks/workers", path)
-            elif name.endswith(".json") and name[:-5] not in owners:
-                why = self._owner_gone(name[:-5], path, cache, now, mono)
-                if why and "lease" not in why and "hung" not in why:
-                    n += self._remove("locks/workers", path)
-        return n
-
-    def _rmtree(self, path):
-        """Remove a directory that a producer quarantined, with what is in
-        it, through descriptors: never through a link inside."""
-        fd = _fresh_dir(path)
-        try:
-            for e in os.scandir(fd):
-                try:
-                    if e.is_dir(follow_symlinks=False):
-                        self._rmtree(path + "/" + e.name)
-                    else:
-                        os.unlink(e.name, dir_fd=fd)
-                except OSError:
-                    pass
-        finally:
-            os.close(fd)
-        parent, _, name = path.rpartition("/")
-        try:
-            os.rmdir(name, dir_fd=_dir_fd(parent))
-        except OSError:
-            pass
-
-    def _compact_retries(self, now):
-        path = self.d("locks", "retries")
-        try:
-            if _lstat(path).st_size < 65536:
-                return
-            data = _read_small(path, 1 << 20, tail=True) or b""
-            lines = [l for l in data.split(b"\n")
-                     if l.strip().isdigit() and int(l) > now - 120]
-            _replace(path, b"".join(l + b"\n" for l in lines))
-        except OSError:
-            pass
-
-    def check(self, operator=True):
-        """Health problems, one line each; [] when healthy.  With
-        `operator`, also what waits for an operator (dead jobs, quarantined
-        files, files in incoming/ no worker takes)."""
-        if not os.path.isdir(self.path):
-            self.require()              # exit 78: there is no spool at all
-        problems = []
-        for sub in SUBDIRS:
-            if not os.path.isdir(self.d(sub)):
-                try:
-                    self._unusable(sub)     # there, but out of this user's reach
-                except ConfigError as e:
-                    return [str(e)]
-                problems.append("%s/ is missing; run: myq --spool %s init"
-                                % (self.d(sub), self.path))
-        if problems:
-            problem = self.free_problem()
-            return problems + ([problem] if problem else [])
-        try:
-            self.check_filesystem()
-        except ConfigError as e:
-            problems.append(str(e))
-        for sub in SUBDIRS + ("locks/ok", "locks/workers"):
-            p = self.d(sub)
-            if not os.path.isdir(p):
-                problems.append("%s is missing; run: myq --spool %s init"
-                                % (p, self.path))
-            elif not os.access(p, os.W_OK | os.X_OK):
-                problems.append("%s is not writable by uid %d; fix its owner "
-                                "(myq init --owner USER)" % (p, os.getuid()))
-        wake = self.d("locks", "wake")
-        try:
-            if not stat.S_ISFIFO(os.lstat(wake).st_mode):
-                problems.append("%s is not a FIFO; remove it and run myq init"
-                                % wake)
-        except OSError:
-            problems.append("%s is missing (workers poll instead of waking); "
-                            "run myq init" % wake)
-        problem = self.free_problem()
-        if problem:
-            problems.append(problem)
-        self.policy()
-        if self.policy_error:
-            problems.append(self.policy_error)
-        self.lanes()
-        for sub, why in sorted(self.lane_problems.items()):
-            problems.append("lane %s is not used: %s" % (sub, why))
-        stale = self.reap(dry_run=True)
-        if stale:
-            problems.append("%d claim(s) in processing/ belong to dead workers or "
-                            "expired leases; run: myq --spool %s reap"
-                            % (stale, self.path))
-        return problems + (self._needs_operator() if operator else [])
-
-    def _needs_operator(self):
-        """What waits for an operator: dead jobs, quarantined files, files
-        in incoming/ that no worker will take."""
-        out = []
-        spool = "myq --spool %s" % self.path
-        dead = _count(self.d("dlq"), ".json")
-        if dead:
-            out.append("%d dead job(s) in dlq/; see: %s list dead; then retry "
-                       "or delete them" % (dead, spool))
-        failed = sum(1 for n in _listdir(self.d("failed")) if not n.endswith(".reason"))
-        if failed:
-            out.append("%d file(s) quarantined in failed/; see: %s list failed "
-                       "(repair and retry, or delete)" % (failed, spool))
-        for h in self.breaker.records():
-            if h.get("missing"):
-                out.append("type %s is held: %s; its jobs wait (no attempt "
-                           "counts) and run once the handler is there"
-                           % (h["dest"], h.get("why")))
-                continue
-            out.append("destination %s is held until %s: %s; its jobs wait (no "
-                       "attempt counts), a probe is sent after each backoff, and "
-                       "they run after its first success (now: %s resume --dest "
-                       "%s)" % (h["dest"], iso(h.get("until") or 0, frac=False),
-                                h.get("why"), spool, h["dest"]))
-        for t in self.paused():
-            out.append("%s is paused: no new job of it starts; resume with: %s "
-                       "resume %s" % ("every type" if t == "*" else "type " + t,
-                                      spool, "--all" if t == "*" else t))
-        stray = [n for n in _listdir(self.d("incoming"))
-                 if not n.endswith(".json") and not n.startswith(".")
-                 and n != "lanes"]
-        if stray:
-            out.append("%d file(s) in incoming/ do not end in .json and are "
-                       "never run (a producer must mv NAME.json into place), "
-                       "e.g. %s" % (len(stray), _kv(stray[0])))
-        return out
-
-
-def _file_kind(mode):
-    """None for a regular file, else what it is."""
-    if stat.S_ISREG(mode):
-        return None
-    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
-                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device")):
-        if test(mode):
-            return name
-    return "special file"
-
-
-def _count(path, suffix):
-    return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
-
-
-# stats() key -> (metric, type, help) of the Prometheus text format (SPEC 6)
-_PROM_GAUGES = (
-    ("oldest_ready_s", "myq_oldest_ready_seconds", "gauge",
-     "How long the earliest ready job has waited since it became available."),
-    ("retries_1m", "myq_retries_1m", "gauge",
-     "Failed runs scheduled for a retry in the last 60 seconds, by any worker."),
-)
-_PROM_TOTALS = ("dropped", "expired", "rejected", "removed")
-
-
-def _prom_label(value):
-    """A label value, escaped as the format says (backslash, quote, line
-    feed); any other control character as the text \\xNN, so that no
-    terminal reading the file acts on it."""
-    s = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return '"%s"' % _CONTROL.sub(lambda m: "\\\\x%02x" % ord(m.group()), s)
-
-
-
-def prometheus_text(stats):
-    """A spool's stats() in the Prometheus text exposition format (for
-    node_exporter's textfile collector): # HELP and # TYPE, then the
-    samples; job counts and the like are gauges, totals since init counters."""
-    q = "queue=" + _prom_label(stats["queue"])
-    out = []
-
-    def metric(name, kind, help, samples):
-        out.append("# HELP %s %s" % (name, help))
-        out.append("# TYPE %s %s" % (name, kind))
-        for labels, value in samples:
-            out.append("%s{%s} %s" % (name, ",".join([q] + labels),
-                                      "%d" % value if value == int(value)
-                                      else repr(float(value))))
-
-    metric("myq_jobs", "gauge", "Jobs in the spool, by state.",
-           [(["state=" + _prom_label(st)], stats.get(st, 0)) for st in STATES])
-    for key, name, kind, help in _PROM_GAUGES:
-        metric(name, kind, help, [([], stats.get(key, 0))])
-    if "free_kb" in stats:
-        metric("myq_free_bytes", "gauge", "Bytes free on the spool's "
-               "filesystem for an unprivileged writer.",
-               [([], stats["free_kb"] * 1024)])
-    for key in _PROM_TOTALS:
-        v = stats.get(key)
-        if isinstance(v, dict):         # by type
-            samples = [(["type=" + _prom_label(t)], n)
-                       for t, n in sorted(v.items())]
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            samples = [([], v)]
-        else:
-            continue
-        metric("myq_%s_total" % key, "counter", "Jobs %s since myq init." % key
-               if key != "removed" else "Files myq removed unrun since myq "
-               "init: empty job names, tmp/ strays, records past their bound.",
-               samples)
-    if isinstance(stats.get("paused"), list):
-        metric("myq_paused", "gauge", "1 for each job type that is paused.",
-               [(["type=" + _prom_label(t)], 1) for t in stats["paused"]])
-    if isinstance(stats.get("held"), list):
-        metric("myq_held", "gauge", "Until when (epoch seconds) a destination "
-               "is held by its circuit breaker.",
-               [(["destination=" + _prom_label(h.get("dest"))],
-                 h.get("until") or 1) for h in stats["held"]
-                if isinstance(h, dict)])
-    return "\n".join(out) + "\n"
-
-
-def _write_textfile(w):
-    """The worker's --textfile DIR: DIR/myq_QUEUE.prom, by write to a
-    temporary name and rename (node_exporter never reads half a file)."""
-    d = getattr(w, "textfile", None)
-    if not d:
-        return
-    sp = w.spool
-    name = "myq_%s.prom" % re.sub(r"[^A-Za-z0-9_.-]", "_", sp.name)
-    tmp = os.path.join(d, ".%s.%d.tmp" % (name, os.getpid()))
-    try:
-        data = prometheus_text(sp.stats(by_type=True)).encode("utf-8", "replace")
-        target = os.path.join(d, name)
-        try:
-            st = os.lstat(target)
-        except OSError:
-            st = None
-        if st is not None and (st.st_uid != os.geteuid()
-                               or not stat.S_ISREG(st.st_mode)):
-            # another user's file (a shared, sticky directory): never
-            # written through, never trusted to be ours
-            raise OSError(errno.EEXIST, "%s belongs to uid %d, not to this "
-                          "worker: remove it, or give --textfile a directory "
-                          "of its own" % (target, st.st_uid))
-        _quiet_unlink(tmp)
-        _create(tmp, data, sync=False, mode=0o644)
-        _rename(tmp, target)
-
-    except OSError as e:
-        _quiet_unlink(tmp)
-        w.log("error", during="textfile", error="%s: %s" % (d, e.strerror or e))
-
-
-_SPOOLS = {}
-
-
-def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
-            timeout=None, priority=None, ttl=None):
-    """Add a job to the spool durably; returns its id (SPEC 7)."""
-    sp = _SPOOLS.get(spool)
-    if sp is None or not sp._ready:
-        sp = _SPOOLS[spool] = Spool(spool)
-    try:
-        return sp.enqueue(type, payload, id=id, delay=delay,
-                          max_attempts=max_attempts, timeout=timeout,
-                          priority=priority, ttl=ttl)
-    except ConfigError:
-        _SPOOLS.pop(spool, None)
-        raise
-
 
 # Logging #####################################################################
+
+def open_log_file(path, ids=None):
+    """Open (create) a log file for appending, safely as root in a
+    directory another user may write to: never through a symlink, never a
+    FIFO or a device, never a file with another name (a hard link);
+    created 0640 and, with `ids` (uid, gid), handed to that user through
+    its descriptor.  Returns the descriptor.  The checks apply where they
+    matter: to root, in a directory that someone else may write to (a
+    /dev/null or a /dev/stderr given by root stays usable)."""
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | O_CLOEXEC
+             | getattr(os, "O_NOCTTY", 0))
+    strict = os.geteuid() == 0
+    if strict:
+        try:
+            st = os.stat(os.path.dirname(os.path.abspath(path)))
+            strict = st.st_uid != 0 or bool(st.st_mode & 0o022)
+        except OSError:
+            pass
+    try:
+        fd = os.open(path, flags | (O_NOFOLLOW if strict else 0), 0o640)
+    except OSError as e:
+        raise ConfigError("cannot open log file %s: %s%s" % (
+            path, e.strerror, " (a symlink is not followed)"
+            if e.errno == errno.ELOOP else ""))
+    try:
+        st = os.fstat(fd)
+        if strict and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
+            raise ConfigError("log file %s is not a plain file (%s); remove it"
+                              % (path, _file_kind(st.st_mode) or "a hard link"))
+        if ids is not None and stat.S_ISREG(st.st_mode) \
+                and (st.st_uid, st.st_gid) != tuple(ids):
+            # handed over: a file just created (empty), or the user's own;
+            # never an existing file of root's (MYQ_LOG=/var/log/messages)
+            if st.st_uid != ids[0] and (st.st_uid != 0 or st.st_size):
+                raise ConfigError("log file %s belongs to uid %d%s; not handed "
+                                  "to the service user: give another path, or "
+                                  "chown it to the service user" % (
+                                      path, st.st_uid,
+                                      " and is not empty" if st.st_uid == 0 else ""))
+            os.fchown(fd, ids[0], ids[1])
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
 
 _DEV_LOG = "/dev/log"        # syslog(3)'s socket
 
@@ -5527,7 +5669,81 @@ class _Run(object):
         self.timed_out = self.released = False
 
 
-# The worker ##################################################################
+# A run's pieces ##############################################################
+
+def _batch_key(job):
+    """Which http jobs may share one request: method, url, headers."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return None
+    return json.dumps([str(p.get("method") or "POST").upper(), p.get("url"),
+                       p.get("headers")], sort_keys=True, default=str)
+
+
+def _abort(run):
+    """Cut the http request of a run from the worker's thread: its blocked
+    read returns at once and the run ends."""
+    conn = run.conn
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        import socket
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _cannot_run(path, e):
+    """Why an executable handler did not start, in words that name the
+    culprit: "No such file or directory" for a file that exists means its
+    #! interpreter is missing."""
+    why = getattr(e, "strerror", None) or str(e)
+    errno_ = getattr(e, "errno", None)
+    if errno_ in (errno.ENOENT, errno.ENOEXEC, errno.EACCES) and os.path.isfile(path):
+        head = _read_small(path, 256) or b""
+        line = head.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+        if errno_ == errno.ENOEXEC or not line.startswith("#!"):
+            return ("cannot run %s: not a program (no #! line; start a script "
+                    "with e.g. #!/bin/sh)" % path)
+        if errno_ == errno.ENOENT:
+            return ("cannot run %s: its interpreter is missing (%s); install "
+                    "it or fix the #! line" % (path, line))
+    return "cannot run %s: %s" % (path, why)
+
+
+def _tb_tail(e, lines=6):
+    """The last lines of an exception's traceback (where it was raised)."""
+    try:
+        import traceback
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:       # a broken __str__, no traceback module
+        return None
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def _exc_text(e):
+    msg = str(e)
+    return "%s: %s" % (type(e).__name__, msg) if msg else type(e).__name__
+
+
+def _drain(fd):
+    """Read what a pipe holds; True when there was something."""
+    got = False
+    try:
+        while os.read(fd, 4096):
+            got = True
+    except OSError:
+        pass
+    return got
+
+
+# The scheduler ###############################################################
+#
+# Which job a worker starts next: the lanes (incoming/ and its typed and
+# prioritised lanes), each with a bounded scan cache refilled by passes over
+# its directory; the gates (pause, a held destination, concurrency slots,
+# rates, batch_wait).  A part of Worker (its state is the worker's:
+# _lanes, _top, runs, _holds, poll), kept in one room.
 
 class _Lane(object):
     """A directory of waiting jobs as one worker sees it: incoming/ itself,
@@ -5550,87 +5766,509 @@ class _Lane(object):
             self.sweep = None
 
 
-class Worker(object):
-    """Claims ready jobs and runs them through their handlers."""
+class _Scheduling(object):
+    """The worker's choice of its next job (mixed into Worker)."""
 
-    def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
-                 concurrency=1, lease=60.0, timeout=300.0, max_attempts=5,
-                 backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
-                 probe_max=30.0,
-                 stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
-                 scan_cache=2048, log=None, reap_interval=None,
-                 prune_interval=60.0, parent=None, mqtt=None,
-                 mqtt_password_file=None, mqtt_client_id=None, mqtt_ca=None,
-                 mqtt_cert=None, mqtt_key=None, http_ca=None,
-                 **spool_options):
-        self.log = log or Log()
-        if isinstance(spool, Spool):
-            self.spool = spool
+    def _check_incoming(self):
+        """On each poll tick: rescan only when incoming/ changed (a shell
+        producer's mv does not poke the FIFO) or the wall clock jumped; the
+        policy, when its file changed."""
+        # The door's descriptors are opened (and checked) again from here
+        # on: a directory replaced meanwhile is not used through its old one.
+        self.spool.fs.close()
+        self.spool.policy()
+        try:
+            st = _dir_stat(self.spool.d("incoming"))
+            key = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            key = None
+        if key != self._dir_key:
+            self._dir_key = key
+            self.dirty = True
+        offset = _now() - _mono()
+        if abs(offset - self._clock_offset) > 2.0:
+            self.log("clock_jump", seconds=offset - self._clock_offset)
+            self._clock_offset = offset
+            self.dirty = True
+            self.next_due = None
+
+    # Scheduling ----------------------------------------------------------------
+
+    def _rescan(self, L=None):
+        """Refill lane L's scan cache (default: incoming/ itself) with its N
+        earliest jobs (by mtime = available_at, then name): memory stays
+        bounded whatever the depth of the queue.
+
+        A directory of up to 4N entries is scanned whole; a deeper one, or
+        one with more than N ready, is worked through in one pass of a
+        directory iterator kept open (a "sweep"): the first refill takes the
+        N earliest ready jobs of the first 4N entries, each later one the
+        next N ready files, in order among themselves.  So the first job
+        starts after 4N entries, not the whole directory; a refill costs N
+        entries; every ready job is reached within one pass (or the next,
+        for the ready ones of the first 4N beyond N).  A pass that saw jobs
+        not yet due, or left ready ones, ends with a marker in the cache (at
+        the soonest of them) that starts the next pass when it comes due."""
+        import heapq
+        import itertools
+        L = L or self._top
+        sp = self.spool
+        now = _now()
+        inc = sp.d(L.sub)
+        bad = []
+        nread = [0]                             # jobs entries() gave
+        sweeping = L.sweep is not None          # new arrivals: next pass
+
+        def entries(it):
+            return self._entries(it, inc, now, bad, nread)
+
+        n = self.scan_cache
+        if not sweeping:
+            it = _scandir(inc)
+            best = heapq.nsmallest(n, itertools.islice(entries(it), 4 * n + 1))
+            if nread[0] <= 4 * n:               # the whole directory
+                it.close()
+                if len(best) >= n and best[-1][0] <= now:
+                    L.sweep = _scandir(inc)     # more ready than N
+                    L.soonest = None
+            else:                               # deep: a pass starts here
+                L.sweep = it
+                later = [e[0] for e in best if e[0] > now]
+                best = [e for e in best if e[0] <= now]
+                # All N ready: more may be, and later ones unseen: the
+                # next pass must come right after this one.
+                L.soonest = later[0] if later else now
         else:
-            self.spool = Spool(spool, **spool_options)
-        self.spool.log = self.log
-        self.handlers_dir = handlers_dir
-        self.handlers = dict(handlers or {})
-        self.module = load_module(module) if module else None
-        if self.module is not None:
-            for k, v in _module_types(self.module).items():
-                self.handlers.setdefault(k, v)
-        if concurrency < 1:
-            raise UsageError("--concurrency must be at least 1")
-        self.concurrency = int(concurrency)
-        self.lease, self.timeout = float(lease), float(timeout)
-        self.max_attempts = int(max_attempts)
-        self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
-        self.probe_max = float(probe_max)
-        self.jitter, self.poll = float(jitter), max(0.01, float(poll))
-        self.stats_interval, self.grace = float(stats_interval), float(grace)
-        self.pass_env = list(pass_env or ())
-        self.http_headers = dict(http_headers or {})
-        # kept http connections: one per destination and slot (SPEC 10)
-        self.http_pool = HttpPool(self.concurrency, ca=http_ca)
-        self.scan_cache = max(1, int(scan_cache))
-        self.reap_interval = reap_interval or max(0.5, min(self.lease / 2, 10.0))
-        self.prune_interval = prune_interval
-        self.parent = parent        # the supervisor's pid: stop when it is gone
-        self.runs = []
-        self._top = _Lane("incoming", path=self.spool.d("incoming"))
-        self._lanes_path = self.spool.d(LANES)
-        self._lanes, self._lanes_key = [self._top], None
-        self._lanes_look = 0.0      # no lanes yet: when to look again
-        self._holds = {}            # held destination -> until (wall clock)
-        self._streaky = set()       # destinations with failures in a row
-        self._safe_names = {}       # destination -> its name as a file
-        self._taken = (None, None, None)    # the last claim's slot, probe, lane
-        self._no_wait = False
-        self.next_due = None
-        self.stopping = self.hard_stop = False
-        self.stop_deadline = None
-        self.me = None
-        self._inline = None
-        self._dir_key = None
-        self._pending = 0
-        self._pending_since = 0.0
-        self._timer = 0.0           # the SIGALRM tick armed now (0: none)
-        self._null = None           # /dev/null, for exec handlers' stdout
-        self._stuck = []            # finishes that failed on I/O: callables
-        self._io_pause_until = 0.0
-        self._io_backoff = 0.5
-        self._low_logged = False
-        self._clock_offset = _now() - _mono()
-        self._next_beat = float("inf")     # set when run() starts
-        self._splits = []   # halves of failed batches, to start: (claims, kind, target)
-        self._held = {}     # held type -> (why, delay, until, recorded)
+            best = []
+            soonest = L.soonest
+            if L.dirty and (soonest is None or soonest > now):
+                soonest = now           # arrivals the iterator may miss
+            for ent in entries(L.sweep):
+                if ent[0] <= now:
+                    best.append(ent)
+                    if len(best) >= n:
+                        break
+                elif soonest is None or ent[0] < soonest:
+                    soonest = ent[0]
+            else:
+                L.end_sweep()
+                if soonest is not None:         # wake for them: a new pass
+                    best.append((soonest, "", False))
+            L.soonest = soonest
+            best.sort()
+        for name, kind in bad:
+            self._tick()
+            try:
+                sp.claims.quarantine(os.path.join(inc, name), name,
+                              "not a regular file (%s)" % kind)
+            except OSError:
+                pass
+        best.reverse()
+        L.cache = best
+        L.cache_full = len(best) >= self.scan_cache or L.sweep is not None
+        L.dirty = False
+        L.next_due = None
 
-        self._held_changed = False
-        self._holds_from = None     # the spool.breaker.records() list _holds came from
-        self._lack = {}             # type -> no handler here (_lacks)
-        self._handlers_seen, self._handlers_next = None, 0.0
+    @staticmethod
+    def _entries(it, inc, now, bad, nread):
+        """(due, name, scheduled) of the job files a directory iterator
+        gives; what is not a regular file goes to `bad`, counted in
+        nread[0] are the jobs."""
+        for e in it:
+            name = e.name
+            if not name.endswith(".json"):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                bad.append((name, _file_kind(st.st_mode)))
+                continue
+            m = st.st_mtime
+            # An mtime later than the ctime was set on purpose (by myq,
+            # or `touch -d` before the mv): it IS the schedule.
+            scheduled = m > st.st_ctime
+            if st.st_ctime > now + 5 and m > now:
+                # The clock went back since this file was scheduled:
+                # keep the delay it had left, not the old date.
+                m = now + max(0.0, m - st.st_ctime)
+                scheduled = True
+                try:
+                    _utime(inc + "/" + name, m)
+                except OSError:
+                    pass
+            nread[0] += 1
+            yield (m, name, scheduled)
 
-        # --mqtt: the options are checked now, the broker connected at the
-        # first mqtt job (one connection per worker, shared by its threads)
-        self._mqtt_client = None if not mqtt else _mqtt_client(
-            mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
-            mqtt_key, timeout=min(self.timeout, 30.0))
+    # The top lane (incoming/ itself) under the names the scan had before
+    # there were lanes.
+    @property
+    def dirty(self):
+        return self._top.dirty
+
+    @dirty.setter
+    def dirty(self, value):
+        if value:
+            self._lanes_look = 0.0      # a producer's lane may be new
+        for L in self._lanes:
+            L.dirty = L.dirty or value
+
+    @property
+    def _sweep(self):
+        return self._top.sweep
+
+    @_sweep.setter
+    def _sweep(self, value):
+        self._top.sweep = value
+
+    def _end_sweep(self):
+        for L in self._lanes:
+            L.end_sweep()
+
+    def _sync_lanes(self, fresh=False):
+        """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
+        producer poked the wake FIFO since (read here at each claim: while
+        jobs run back to back the loop's select comes only now and then),
+        which changed: a stat each."""
+        if self._lanes_key is None:
+            # No lanes yet: look for incoming/lanes/ when a poke waits in
+            # the FIFO (the job may have made the first lane; poll() is
+            # cheap), after a change of incoming/ (the dirty setter), at a
+            # fresh look (the scan may have moved producers' files to new
+            # lanes), else every 50 ms: not at each claim, where the path
+            # lookup was 5% of a drained job.
+            now = _mono()
+            fifo = getattr(self, "_wake_poll", None)
+            if now < self._lanes_look and not fresh and (
+                    fifo is None or not fifo.poll(0)):
+                return
+            self._lanes_look = now + 0.05
+            try:
+                inc = self.spool.fs("incoming")
+            except OSError:
+                return
+            if not os.access("lanes", os.F_OK, dir_fd=inc,
+                             follow_symlinks=False):
+                return  # no lanes, as before: access() raises no exception
+        try:
+            st = _dir_stat(self._lanes_path)
+            key = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            key = None
+        if key is None and key == self._lanes_key:
+            return                      # no lanes: nothing to learn
+        wake = getattr(self, "_wake_fds", None)
+        if not wake:
+            poked = True
+        elif self._wake_poll is not None and not self._wake_poll.poll(0):
+            poked = False
+        else:
+            poked = _drain(wake[0])
+        for L in self._lanes if poked else ():
+            if L.type is not None:
+                try:
+                    st = _dir_stat(L.path)
+                    k = (st.st_mtime_ns, st.st_ino)
+                except OSError:
+                    k = None
+
+                if k != L.key:
+                    L.key, L.dirty = k, True
+        if key == self._lanes_key:
+            return
+        self._lanes_key = key
+        have = dict((L.sub, L) for L in self._lanes)
+        lanes = [self._top]
+        for p, t, sub in self.spool.lanes():
+            lanes.append(have.pop(sub, None) or _Lane(sub, t, p,
+                                                      self.spool.d(sub)))
+        have.pop(self._top.sub, None)
+        for L in have.values():
+            L.end_sweep()
+        lanes.sort(key=lambda L: -L.prio)       # stable: incoming/ first of 0
+        self._lanes = lanes
+
+    def _head(self, L, force=False):
+        """Lane L's next job that is due now, (mtime, name, scheduled), or
+        None (L.next_due: when one will be)."""
+        forced = restarted = False
+        while True:
+            if _mono() >= self._next_beat:      # (_tick, inline: per claim)
+                self._heartbeat()
+            if not L.cache:
+                if not (L.dirty or L.cache_full or (force and not forced)):
+                    return None
+                forced = True
+                self._rescan(L)
+                if not L.cache:
+                    if L.sweep is None:
+                        return None
+                    continue            # an open pass goes on
+            m, name, scheduled = L.cache[-1]
+            if m > _now():
+                if L.dirty or (force and not forced):
+                    forced = True
+                    self._rescan(L)
+                    continue
+                L.next_due = m
+                return None
+            if not name:                # a pass's marker: time for the next
+                L.cache.pop()
+                L.dirty = True
+                if restarted:           # nothing claimable: not again now,
+                    L.next_due = _now() + min(self.poll, 0.25)  # soon
+                    return None
+                restarted = True
+                continue
+            return L.cache[-1]
+
+    def _next_claim(self, force=False):
+        """The next job to start: among the lanes whose type may start one
+        now, the highest priority, then the earliest, then the id."""
+        budget = 256        # files that could not be claimed, before a break
+        inf = float("inf")
+        fresh = False       # force: a fresh look at every lane, once, when
+        while True:         # the caches gave nothing
+            self._sync_lanes(fresh)
+            # the time for the holds and the gates of typed lanes (none:
+            # not read)
+            now = _now() if self._holds or len(self._lanes) > 1 else None
+            best, due = None, inf
+            for dest, until in list(self._holds.items()) if self._holds else ():
+                if until <= now and dest not in self._held:
+                    c = self._probe_claim(dest)
+                    if c is not None:
+                        return c
+            if self.spool.intake:
+                # Producers' files are being moved to their lanes: go on
+                # with incoming/ first, so that their bounds see them all
+                # before any of them starts (SPEC 9: "at the next scan").
+                head = self._head(self._top, fresh)
+                if head is not None:
+                    best = (self._top, head)
+                self.spool.intake = False
+            for L in self._lanes if best is None else ():
+                if best is not None and L.prio < best[0].prio:
+                    break
+                if L.type is not None:
+                    wait = self._gate(L, now)
+                    if wait is not None:
+                        due = min(due, wait)
+                        continue
+                head = self._head(L, fresh)
+                if head is None:
+                    if L.next_due is not None:
+                        due = min(due, L.next_due)
+                    continue
+                if L.type is not None:
+                    wait = self._batch_wait(L, now)
+                    if wait is not None:
+                        due = min(due, wait)
+                        continue
+
+                if best is None or head[:2] < best[1][:2]:
+                    best = (L, head)
+            if best is None and force and not fresh:
+                fresh = True
+                continue
+            if best is None:
+                self.next_due = None if due == inf else due
+                return None
+            L, (m, name, scheduled) = best
+            if L.type is not None:
+                wait = self._reserve(L)
+                if wait is not None:
+                    continue            # another worker was faster
+            L.cache.pop()
+            try:
+                c = self.spool.claims.claim(name, self.me, self.max_attempts,
+                                      scheduled, L.sub)
+            except BaseException:
+                self._unreserve(L)
+                raise
+            if c is not None:
+                self._taken = (L.slot, L.probe, L)
+                L.slot = L.probe = None
+                L.rated = False
+                return c
+            self._unreserve(L)
+            budget -= 1
+            if budget <= 0 and not force:
+                # A flood of bad files: the loop's housekeeping (reaping,
+                # the status line, commits) goes first, then on at once.
+                self.next_due = _now()
+                return None
+
+    def _ready_now(self):
+        """For --drain: is any job ready now (after a fresh scan)?  Jobs of
+        a paused type or a held destination are not, unless a probe is
+        due."""
+        self._sync_lanes(True)
+        now = _now()
+        for L in self._lanes:
+            if L.type is not None and (self.spool.rules(L.type).get("paused") or
+                                       self._holds.get(L.dest or L.type, 0) > now):
+                continue        # (a rate or a slot only makes ready jobs wait)
+            if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
+                return True
+            self._rescan(L)
+            while not L.cache and L.sweep is not None:
+                self._rescan(L)
+            if L.cache and L.cache[-1][0] <= _now():
+                return True
+        return False
+
+    # Policy at the start of a run (SPEC 9) -------------------------------------
+
+    def _gate(self, L, now):
+        """None when a job of lane L may start now, else the wall time when
+        it may (inf: not by time: a pause, all slots busy here)."""
+        rules = self.spool.rules(L.type)
+        if rules.get("paused"):
+            return float("inf")
+        until = self._holds.get(L.dest or L.type)
+        if until is not None and until > now:
+            return until
+        n = rules.get("concurrency")
+        if n is not None and sum(1 for r in self.runs
+                                 if r.claim.job["type"] == L.type) >= n:
+            return float("inf")
+        if L.blocked > now:
+            return L.blocked
+        return None
+
+    def _batch_wait(self, L, now):
+        """None when lane L's batch may start now, else the wall time when
+        it may: up to batch_wait after its first ready job, unless a whole
+        batch is ready (SPEC 10: for every claim, so asked after the scan
+        that found the jobs; --drain and --once do not wait)."""
+        if self._no_wait:
+            return None
+        rules = self.spool.rules(L.type)
+        wait, n = rules.get("batch_wait"), rules.get("batch")
+        if not wait or not n:
+            return None
+        ready = [e[0] for e in L.cache if e[1] and e[0] <= now]
+        if not ready or len(ready) >= n:
+            return None
+        first = min(ready) + wait
+        return first if first > now else None
+
+    def _reserve(self, L):
+        """Take what a start of lane L's type needs: the probe of a held
+        destination, a concurrency slot (locks/slots/TYPE.K, flock'd: a
+        kill -9 frees it), a place in the rate's window.  None when taken,
+        else the lane waits (L.blocked) and it returns the time."""
+        sp = self.spool
+        rules = sp.rules(L.type)
+        now = _now()
+        dest = L.dest or L.type
+        if dest in self._holds:
+            until = sp.breaker.take_probe(dest, self.probe_backoff)
+            if until is None:
+                L.blocked = now + min(self.poll, 1.0)
+                return L.blocked
+            if until:
+                self._holds[dest] = until
+                L.probe = dest
+            else:
+                self._holds.pop(dest, None)     # released meanwhile
+        n = rules.get("concurrency")
+        if n is not None and L.slot is None:
+            L.slot = self._slot(L.type, n)
+            if L.slot is None:
+                L.probe = None
+                L.blocked = now + min(self.poll, 0.25)
+                return L.blocked
+        rate = rules.get("rate")
+        if rate:
+            wait = self._rate_take(L.type, rate)
+            if wait:
+                L.probe = None
+                L.blocked = now + wait
+                return L.blocked
+            L.rated = True
+        return None
+
+    def _unreserve(self, L):
+        """The lane gave no job: give back its slot and its place in the
+        rate's window."""
+        L.probe = None
+        if L.slot is not None:
+            os.close(L.slot)
+            L.slot = None
+        if L.rated:
+            L.rated = False
+            self._rate_take(L.type, self.spool.rules(L.type).get("rate"),
+                            give_back=True)
+
+    def _slot(self, type, n):
+        """One of the type's n slots, or None: a locked descriptor."""
+        d = self.spool.d("locks", "slots")
+        try:
+            self.spool.fs.mkdir("locks/slots")
+        except OSError:
+            return None
+        for k in range(n):
+            try:
+                fd = _lock("%s/%s.%d" % (d, type, k), block=False)
+            except OSError:
+                continue
+            if fd is not None:
+                return fd
+        return None
+
+    def _rate_take(self, type, rate, give_back=False):
+        """Take a start in the type's window (locks/rate/TYPE: this boot's
+        monotonic start times, under flock): 0 when taken, else how long
+        until one is free.  With give_back, return the last one taken."""
+        n, per = rate_of(rate)
+        d = self.spool.d("locks", "rate")
+        try:
+            self.spool.fs.mkdir("locks/rate")
+            fd = _lock(d + "/" + type)
+        except OSError:
+            return 0            # no window to keep: never hold a job for it
+        try:
+            lines = os.pread(fd, 1 << 20, 0).decode("utf-8", "replace").split("\n")
+            now = _mono()
+            times = []
+            if lines[0] == boot_id():
+                for t in lines[1:]:
+                    try:
+                        t = float(t)
+                    except ValueError:
+                        continue
+                    if now - per < t <= now:
+                        times.append(t)
+            if give_back:
+                if times:
+                    times.pop()
+                wait = 0
+            elif len(times) >= n:
+                wait = max(0.001, times[-n] + per - now)
+            else:
+                times.append(now)
+                wait = 0
+            data = "\n".join([boot_id()] + ["%.6f" % t for t in times[-n:]])
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data.encode("utf-8"), 0)
+            return wait
+        except OSError:
+            return 0
+        finally:
+            os.close(fd)
+
+
+# Running a job ###############################################################
+#
+# A claimed job (or batch) started through its handler: an exec handler as a
+# process fed on stdin, a Python function inline or in a thread, http and
+# mqtt through their clients; its outcome collected.  A part of Worker.
+
+class _Running(object):
+    """Starting handlers and collecting what they did (mixed into Worker)."""
 
     # Handlers ----------------------------------------------------------------
 
@@ -5742,6 +6380,680 @@ class Worker(object):
                 run.conn = None
             client.lock.release()
 
+    # Running -------------------------------------------------------------------
+
+    def _job_for_handler(self, c):
+        job = dict(c.job)
+        job["attempts"] = c.attempt
+        if job.get("max_attempts") is None:
+            job["max_attempts"] = c.max_attempts
+        return job
+
+    def _start(self, c):
+        (slot, probe, lane), self._taken = self._taken, (None, None, None)
+        rules = self.spool.rules(c.job["type"])
+        kind, target = self.resolve(c.job["type"], rules)
+        run = _Run(c, kind)
+        run.slot, run.probe = slot, probe      # (_launch times the run)
+        if kind is None:
+            self._hold(run, target)
+            return
+        if c.job["type"] in self._held:
+            self._unhold(c.job["type"])
+        run.dest = self._dest_of(c.job, kind)
+        if lane is not None and lane.type is not None and run.dest != lane.type:
+            lane.dest = run.dest    # where this lane's jobs go, for its gate
+        until = self._holds.get(run.dest)
+        if until is not None and run.probe != run.dest \
+                and self.spool.breaker.record(run.dest) is None:
+            self._holds.pop(run.dest, None)     # released by another worker
+            self.dirty = True
+            until = None
+        if until is not None and run.probe != run.dest:
+            new = None if until > _now() else self.spool.breaker.take_probe(
+                run.dest, self.probe_backoff, self.spool.waits_at(c.job, c.jid))
+            if new is None:
+                self._park(run, max(until, _now() + self.poll), "destination %s "
+                           "is held" % run.dest)
+                return
+            if new:
+                self._holds[run.dest] = new
+                run.probe = run.dest
+            else:
+                self._holds.pop(run.dest, None)
+        if run.probe:
+            self.log("probe", dest=run.dest, id=c.jid)
+        run.target = target
+        if rules.get("batch") and not run.probe and lane is not None \
+                and lane.type == c.job["type"]:
+            if c.job.get("batch_of"):
+                run.batch = self._claim_batch(lane, c)
+            else:
+                run.batch = [c] + self._claim_more(
+                    lane, c, rules["batch"] - 1, rules.get("batch_bytes"), kind)
+            if len(run.batch) > 1:
+                self.spool.claims.note_batch(run.batch)
+        self._launch(run)
+
+    def _claim_batch(self, L, first):
+        """A batch that a dead worker had in flight, formed again (SPEC 10):
+        the same ids in the same order, so the same Idempotency-Key, of
+        those that still wait in lane L."""
+        sp = self.spool
+        ids = sp.claims.batch_ids(first.job["batch_of"])
+        out = {first.jid: first}
+        for jid in ids:
+            if jid in out or not _lexists(sp.d(L.sub, jid + ".json")):
+                continue
+            c = sp.claims.claim(jid + ".json", self.me, self.max_attempts, False, L.sub)
+            if c is not None and c.job.get("batch_of") == first.job["batch_of"]:
+                out[jid] = c
+            elif c is not None:
+                self._release_one(c)
+        order = dict((jid, i) for i, jid in enumerate(ids))
+        return sorted(out.values(), key=lambda c: order.get(c.jid, -1))
+
+    def _launch(self, run):
+        """Run the handler: an exec handler as a process, a function in
+        this thread (concurrency 1) or a thread of its own."""
+        run.started = _mono()
+        c = run.claim
+        run.deadline = run.started + (c.job.get("timeout") or self.timeout)
+        kind, target = run.kind, run.target
+        if kind == "exec":
+            self._spawn(run, target)
+            return
+        if kind in ("http", "mqtt"):
+            target = lambda job, fn=target: fn(job, run)    # noqa: E731
+        if self.concurrency == 1 and self._main:
+            self._run_inline(run, target)
+        else:
+            self._run_thread(run, target)
+
+    def _claim_more(self, L, first, n, limit, kind):
+        """A batch (SPEC 10): up to n more ready jobs of lane L, within
+        `limit` bytes; for http only jobs that go in the same request."""
+        out = []
+        size = len(dumps(first.job))
+        key = _batch_key(first.job) if kind == "http" else None
+        sp = self.spool
+        while len(out) < n:
+            head = self._head(L)
+            if head is None:
+                break
+            m, name, scheduled = head
+            try:
+                sz = _lstat(sp.d(L.sub, name)).st_size
+            except OSError:
+                L.cache.pop()
+                continue
+            if limit and size + sz > limit:
+                break
+            L.cache.pop()
+            c = sp.claims.claim(name, self.me, self.max_attempts, scheduled, L.sub)
+            if c is None:
+                continue
+            if (key is not None and _batch_key(c.job) != key) \
+                    or c.job.get("batch_of"):
+                job = dict(c.job)           # not for this request: back, as
+                job["available_at"] = _now()    # it was, for the next batch
+                self._move(c, job, "incoming", None, {})
+                break
+            size += sz
+            out.append(c)
+        return out
+
+    def _env(self, c):
+        env = {}
+        for k, v in os.environ.items():
+            if k in ("PATH", "HOME", "LANG", "TZ") or k.startswith("LC_") \
+                    or k in self.pass_env:
+                env[k] = v
+        env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        env.update(MYQ_JOB_ID=c.jid, MYQ_JOB_TYPE=c.job["type"],
+                   MYQ_ATTEMPT=str(c.attempt), MYQ_MAX_ATTEMPTS=str(c.max_attempts),
+                   MYQ_SPOOL=self.spool.path,
+                   # marks every process of this run, even one that left
+                   # the handler's session: see kill_run()
+                   MYQ_CLAIM=c.token)
+        return env
+
+    def _spawn(self, run, path):
+        """Start an exec handler in its own session: the payload on a pipe
+        to its stdin, its stderr on a pipe (for last_error), stdout to
+        /dev/null.  The pipes are made here, not by Popen: it would wrap
+        each in a file object (three syscalls apiece) used for nothing."""
+        c = run.claim
+        fds = []
+        try:
+            import subprocess           # here: it can fail with EMFILE too
+            if self._null is None:
+                self._null = os.open(os.devnull, os.O_WRONLY | O_CLOEXEC)
+            fds.extend(os.pipe())       # close-on-exec; Popen dup2s them
+            fds.extend(os.pipe())
+            in_r, in_w, err_r, err_w = fds
+            env = self._env(c)
+            if run.batch:
+                env["MYQ_BATCH"] = str(len(run.batch))
+            proc = subprocess.Popen(
+                [path], stdin=in_r, stdout=self._null, stderr=err_w,
+                env=env, close_fds=True, start_new_session=True)
+        except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
+            for fd in fds:
+                os.close(fd)
+            if getattr(e, "errno", None) in (errno.ENOENT, errno.ENOEXEC,
+                                             errno.EACCES):
+                self._hold(run, _cannot_run(path, e))   # a deployment matter
+            else:
+                self._finish(run, "retry", _cannot_run(path, e))
+            return
+        run.proc = proc
+        # First of all: the handler's pid, for a reaper should we die now.
+        start = proc_start(proc.pid)
+        for one in run.batch or [c]:
+            self.spool.claims.note_handler(one, proc.pid, start)
+        os.close(in_r)
+        os.close(err_w)
+        run.stdin_fd, run.err_fd = in_w, err_r
+        os.set_blocking(in_w, False)
+        os.set_blocking(err_r, False)
+        if run.batch:       # one JSON object a line (SPEC 10)
+            run.stdin = memoryview(b"".join(json.dumps(
+                {"id": one.jid, "type": one.job["type"], "payload":
+                 one.job["payload"], "attempt": one.attempt}).encode("utf-8")
+                + b"\n" for one in run.batch))
+        else:
+            run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8")
+                                   + b"\n")
+        self.runs.append(run)
+        self._feed(run)
+
+    def _feed(self, run):
+        try:
+            while run.stdin:
+                n = os.write(run.stdin_fd, run.stdin)
+                run.stdin = run.stdin[n:]
+        except BlockingIOError:
+            return
+        except OSError:         # EPIPE: the handler did not read it all
+            pass
+        os.close(run.stdin_fd)
+        run.stdin_fd = None
+
+    def _read_err(self, run, final=False):
+        try:
+            while True:
+                b = os.read(run.err_fd, 65536)
+                if not b:
+                    break
+                run.err += b
+                del run.err[:-STDERR_TAIL]
+        except (BlockingIOError, InterruptedError):
+            if not final:
+                return
+        except OSError:
+            pass
+        os.close(run.err_fd)
+        run.err_fd = None
+
+    def _kill(self, run, sig):
+        """Signal everything the run's handler started (kill_run)."""
+        if run.proc is not None:
+            kill_run(run.proc.pid, sig, run.claim.token)
+
+    def _collect(self):
+        """Finish the runs that ended; enforce time limits."""
+        now = _mono()
+        for run in list(self.runs):
+            if run.kind == "exec":
+                rc = run.proc.poll()
+                if rc is None:
+                    if run.kill_at is not None and now >= run.kill_at:
+                        self._kill(run, 9)
+                        run.kill_at = now + 1.0
+                    elif run.kill_at is None and now >= run.deadline:
+                        run.timed_out = True
+                        self._kill(run, 15)
+                        run.kill_at = now + 2.0
+                        self.log("timeout", id=run.claim.jid, pid=run.proc.pid)
+                    continue
+                if run.timed_out or run.released:
+                    self._kill(run, 9)          # no descendant survives
+                for c in run.batch or [run.claim]:
+                    self.spool.claims.end_handler(c.token)
+                if run.stdin_fd is not None:
+                    os.close(run.stdin_fd)
+                    run.stdin_fd = None
+                if run.err_fd is not None:
+                    self._read_err(run, final=True)
+                self.runs.remove(run)
+                self._exec_outcome(run, rc)
+            else:
+                if run.result is not None:
+                    self.runs.remove(run)
+                    if run.released:
+                        self._release(run)
+                    elif run.timed_out and run.result[0] != "done":
+                        # a built-in handler's time-out is its destination's
+                        run.dest_fail = run.kind in ("http", "mqtt")
+                        self._finish(run, "retry", "timed out after %gs (%s)" % (
+                            run.deadline - run.started, run.result[1]),
+                            None, run.result[3] if len(run.result) > 3 else None)
+                    else:
+                        self._finish(run, *run.result)
+                elif run.released:
+                    # A thread cannot be killed: the process exits next.
+                    self.runs.remove(run)
+                    _abort(run)
+                    self._release(run)
+                elif now >= run.deadline and not run.timed_out:
+                    # The job stays this run's until the thread returns (it
+                    # is never in flight twice); an http request is cut now.
+                    run.timed_out = True
+                    self.log("timeout", id=run.claim.jid)
+                    _abort(run)
+
+    def _exec_outcome(self, run, rc):
+        if run.released:
+            self._release(run)
+            return
+        tail = bytes(run.err).decode("utf-8", "replace").strip()
+        if run.timed_out:
+            why = "timed out after %gs (process group killed)" % (
+                run.deadline - run.started)
+            self._finish(run, "retry", why + (": " + tail if tail else ""))
+        elif rc == 0:
+            self._finish(run, "done")
+        else:
+            why = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
+            if tail:
+                why += ": " + tail
+            run.dest_fail = rc in (EX_TEMPFAIL, EX_OSERR)
+            if run.dest_fail or not 64 <= rc <= 78:
+                self._finish(run, "retry", why)
+            else:
+                self._finish(run, "dead", why)
+
+    def _call(self, run, fn):
+        """Run an in-process handler; returns (outcome[, error, delay,
+        traceback]).  A batch's function gets the list of its jobs; the
+        built-in handlers send it their way (mqtt: one outcome a job)."""
+        try:
+            if run.batch:
+                jobs = [self._job_for_handler(c) for c in run.batch]
+                if run.kind == "mqtt":
+                    return ("each", self.mqtt_batch(jobs))
+                if run.kind == "http":
+                    self._http_batch(jobs, run)
+                else:
+                    fn(jobs)
+                return ("done",)
+            fn(self._job_for_handler(run.claim))
+            return ("done",)
+        except PermanentError as e:
+            run.unsent = isinstance(e, _Unsent)
+            return ("dead", _exc_text(e), None, _tb_tail(e))
+        except RetryLater as e:
+            run.dest_fail = True    # the destination's failure (SPEC 9)
+            run.retry_after = getattr(e, "retry_after", e.seconds)
+            return ("retry", _exc_text(e), e.seconds)
+        except Exception as e:
+            return ("retry", _exc_text(e), None, _tb_tail(e))
+
+    def _run_inline(self, run, fn):
+        """concurrency 1 in the main thread: call the handler right here;
+        SIGALRM ticks heartbeat it and enforce the time limit (raising
+        _Timeout into the handler) and the shutdown grace."""
+        signal = self._signal
+        tick = min(0.5, self.lease / 3, max(0.01, run.deadline - run.started))
+        self._inline = run
+        result = None
+        try:
+            if tick != self._timer:     # armed once for a run of jobs
+                signal.setitimer(signal.ITIMER_REAL, tick, tick)
+                self._timer = tick
+            result = self._call(run, fn)
+            self._inline = None
+        except _Timeout:
+            result = ("retry", "timed out after %gs (interrupted)"
+                      % (run.deadline - run.started))
+        except _Shutdown:
+            run.released = True
+        finally:
+            self._inline = None
+        if run.released:
+            self._release(run)
+        else:
+            if run.timed_out:
+                self.log("timeout", id=run.claim.jid)
+            self._finish(run, *result)
+
+    def _run_thread(self, run, fn):
+        import threading
+
+        def main():
+            run.result = self._call(run, fn)
+            try:
+                os.write(self._pipe[1], b"t")
+            except OSError:
+                pass
+
+        run.thread = threading.Thread(target=main, name="myq-" + run.claim.jid)
+        run.thread.daemon = True
+        self.runs.append(run)
+        run.thread.start()
+
+
+# Holds, the worker's side ####################################################
+#
+# The records are the spool's (Breaker); this is what a worker does with
+# them: a missing handler holds its type for this worker, a failing
+# destination is held for all, probes take the held jobs in turn, and a
+# release makes them ready.  A part of Worker.
+
+class _Holding(object):
+    """The worker's holds (mixed into Worker)."""
+
+    # Holds (SPEC 5): a type whose handler is missing or cannot start is a
+    # deployment not finished, not a bad job: its jobs wait, no attempt
+    # counts, and they run once the handler is there.
+
+    def _hold(self, run, why):
+        """A missing or unstartable handler: its type is held at once (a
+        deployment not finished); the job waits, no attempt counted."""
+        c = run.claim
+        t = run.dest = c.job["type"]
+        old = self._held.get(t)
+        delay = min(max(old[1] * 2 if old else self.backoff_base, 1.0),
+                    self.backoff_max, 300.0)
+        until = _now() + delay
+        recorded = old[3] if old else len(self._held) < 1024
+        self._held[t] = (why, delay, until, recorded)
+        self._holds[t] = until
+        self._held_changed = True
+        if old is None:
+            self.log("hold", dest=t, why=why, until=iso(until))
+        # The record (for stats, check and a restart) is written once a
+        # hold, not at each job put back, and for the first 1,024 held
+        # types only: a flood of unknown types neither writes the flash
+        # full nor makes every poll read thousands of records.  Other
+        # workers are not held by it unless they lack the handler too; one
+        # that has it releases it (_load_holds), and this worker's next
+        # probe, a job it found still without a handler, writes it again:
+        # the jobs it put back are never left to wait out their time.
+        if recorded and (old is None or self.spool.breaker.record(t) is None):
+            self._write_hold(t, why, until, missing=True, pid=self.me.pid,
+                             start=self.me.start)
+        # Back into its type's lane, ready: this worker does not look there
+        # until its probe; a worker that has the handler takes it now.  (A
+        # lane is a directory and a descriptor: for the first LANED types
+        # held; the others wait their time in incoming/, see _park.)
+        lanes = self.spool.lane_types
+        if t not in lanes and len(lanes) >= self.LANED:
+            self._park(run, until, why, noted=recorded)
+            return
+        self.spool.set_lane_types(lanes | {t})
+        c = run.claim
+        job = dict(c.job)
+        job["available_at"] = _now()
+        job["last_error"] = "held: " + why
+        self._free(run)
+        self._move(c, job, "incoming", None, {})
+
+    LANED = 64
+
+    def _write_hold(self, dest, why, until, **extra):
+        rec = {"dest": dest, "why": why, "since": round(_now(), 3),
+               "until": round(until, 3), "probes": 0, "boot": boot_id()}
+        rec.update(extra)
+        try:
+            self.spool.breaker.write(rec)
+        except OSError as e:    # the local hold stands; say why it is not on disk
+            self.log("error", during="breaker", dest=dest,
+                     error=e.strerror or str(e))
+
+    def _park(self, run, until, why, noted=True):
+        """Put a job of a held destination back, no attempt counted, until
+        the hold's next probe; the release makes it ready at once.  (Not
+        `noted`: a held type past the cap of records waits its own time.)"""
+        c = run.claim
+        job = dict(c.job)
+        job["available_at"] = _now()        # see Spool._move_on
+        job["last_error"] = "held: " + why
+        if noted:
+            self.spool.breaker.note_job(run.dest or job["type"],
+                                 self.spool.waits_at(job, c.jid))
+
+        self._free(run)
+        self._move(c, job, "incoming", None, {}, until + self._parked_for())
+
+    def _parked_for(self):
+        """How long a held destination's jobs wait past the hold's next
+        probe: the probes take them in turn (_probe_claim) and the release
+        makes them ready; this is only for a release that never comes."""
+        return min(max(10 * self.backoff_max, 60.0), 3600.0)
+
+    def _probe_claim(self, dest):
+        """A held destination's probe is due: claim the next of the jobs it
+        put back (locks/held/DEST.jobs), in turn, so that each probe is
+        another job.  None when none is there (a lane's head is then the
+        probe, see _reserve)."""
+        sp = self.spool
+        names = sp.breaker.jobs(dest)
+        if not names:
+            return None
+        # the one after the last probe's job (which a job that came due by
+        # itself may have been, see _start)
+        last = (sp.breaker.record(dest) or {}).get("last")
+        k = names.index(last) + 1 if last in names else 0
+        names = names[k:] + names[:k]
+        until = sp.breaker.take_probe(dest, self.probe_backoff, names[0])
+        if not until:
+            if until == 0.0:
+                self._holds.pop(dest, None)     # released meanwhile
+                self.dirty = True
+            return None
+        self._holds[dest] = until
+        for rel in names:
+            sub, _, name = rel.rpartition("/")
+            if not _lexists(sp.d(rel)):
+                continue
+            c = sp.claims.claim(name, self.me, self.max_attempts, True, sub)
+            if c is not None:
+                self._taken = (None, dest, None)
+                return c
+        return None
+
+    def _free(self, run):
+        if run.slot is not None:
+            os.close(run.slot)
+            run.slot = None
+
+    def _unhold(self, t):
+        """The handler of a held type is there: release the hold; the jobs
+        it put back are ready now."""
+        self._held.pop(t, None)
+        self._holds.pop(t, None)
+        self._lack.pop(t, None)
+        self._held_changed = True
+        self.spool.breaker.release(t)
+        self.dirty = True
+        self.next_due = None
+        self.log("release", dest=t)
+
+    def _load_holds(self):
+        """The holds of every worker of the spool (locks/held/); a hold
+        from another boot has its probe due at once.  A missing handler's
+        hold holds only the workers that lack the handler (SPEC 9): this
+        one's own (_held), and another's when this one lacks it too."""
+        held = self.spool.breaker.records()
+        if held is self._holds_from and not self._held_changed:
+            return                  # (the same records: nothing to learn)
+        self._holds_from, self._held_changed = held, False
+        now, boot = _now(), boot_id()
+        holds = {}
+        for h in held:
+            dest = h["dest"]
+            if h.get("missing") and dest not in self._held \
+                    and not self._lacks(dest):
+                continue
+            holds[dest] = h["until"] if h.get("boot") == boot \
+                else min(h["until"], now)
+        for t, v in self._held.items():
+            holds[t] = v[2]
+        self._holds = holds
+        self.spool.set_lane_types(sorted(set(
+            [h["dest"] for h in held if h.get("missing")]
+            + [t for t, v in self._held.items() if v[3]]))[:self.LANED])
+        self._streaky = self.spool.breaker.streaky()
+
+    def _lacks(self, type):
+        """Has this worker no handler for `type`?  (Asked again when the
+        handlers changed: _check_holds.)"""
+        lack = self._lack.get(type)
+        if lack is None:
+            if len(self._lack) > 4096:
+                self._lack.clear()
+            lack = self._lack[type] = self.resolve(type)[0] is None
+        return lack
+
+    def _handlers_key(self):
+        if not self.handlers_dir:
+            return None
+        try:
+            st = os.stat(self.handlers_dir)
+            return (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            return None
+
+    def _check_holds(self):
+        """At each poll tick: the holds on disk (other workers' too), and
+        has the handler of a held type appeared?  (Looked for when the
+        handlers directory changed, or once a minute: many held types cost
+        a poll no more than one.)"""
+        before = self._holds
+        self._load_holds()
+        if before is not self._holds and set(before) - set(self._holds):
+            self.dirty = True       # released by another worker
+        key, now = self._handlers_key(), _mono()
+        if self._held and (key != self._handlers_seen or now >= self._handlers_next):
+            self._handlers_seen, self._handlers_next = key, now + 60.0
+            self._lack.clear()
+            for t in list(self._held):
+                if self.resolve(t)[0] is not None:
+                    self._unhold(t)
+
+    def _safe(self, dest):
+        safe = self._safe_names.get(dest)
+        if safe is None:
+            if len(self._safe_names) > 1000:
+                self._safe_names.clear()
+            safe = self._safe_names[dest] = _safe_dest(dest)
+        return safe
+
+    def _dest_of(self, job, kind):
+        """The circuit breaker's destination (SPEC 9): for http its
+        scheme://host:port, for mqtt the broker, else the type."""
+        if kind == "http":
+            p = job.get("payload")
+            url = p.get("url") if isinstance(p, dict) else None
+            if isinstance(url, str):
+                m = re.match(r"(https?)://(?:[^@/?#]*@)?(\[[^\]]*\]|[^:/?#]*)"
+                             r"(?::(\d+))?", url, re.I)
+                if m and m.group(2):
+                    scheme = m.group(1).lower()
+                    return "%s://%s:%s" % (scheme, m.group(2).lower(), m.group(3)
+                                           or (443 if scheme == "https" else 80))
+        elif kind == "mqtt":
+            client = getattr(self, "_mqtt_client", None)
+            return client.dest if client is not None else "mqtt"
+        return job["type"]
+
+
+# The worker ##################################################################
+
+class Worker(_Scheduling, _Running, _Holding):
+    """Claims ready jobs and runs them through their handlers."""
+
+    def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
+                 concurrency=1, lease=60.0, timeout=300.0, max_attempts=5,
+                 backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
+                 probe_max=30.0,
+                 stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
+                 scan_cache=2048, log=None, reap_interval=None,
+                 prune_interval=60.0, parent=None, mqtt=None,
+                 mqtt_password_file=None, mqtt_client_id=None, mqtt_ca=None,
+                 mqtt_cert=None, mqtt_key=None, http_ca=None,
+                 **spool_options):
+        self.log = log or Log()
+        if isinstance(spool, Spool):
+            self.spool = spool
+        else:
+            self.spool = Spool(spool, **spool_options)
+        self.spool.log = self.log
+        self.handlers_dir = handlers_dir
+        self.handlers = dict(handlers or {})
+        self.module = load_module(module) if module else None
+        if self.module is not None:
+            for k, v in _module_types(self.module).items():
+                self.handlers.setdefault(k, v)
+        if concurrency < 1:
+            raise UsageError("--concurrency must be at least 1")
+        self.concurrency = int(concurrency)
+        self.lease, self.timeout = float(lease), float(timeout)
+        self.max_attempts = int(max_attempts)
+        self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
+        self.probe_max = float(probe_max)
+        self.jitter, self.poll = float(jitter), max(0.01, float(poll))
+        self.stats_interval, self.grace = float(stats_interval), float(grace)
+        self.pass_env = list(pass_env or ())
+        self.http_headers = dict(http_headers or {})
+        # kept http connections: one per destination and slot (SPEC 10)
+        self.http_pool = HttpPool(self.concurrency, ca=http_ca)
+        self.scan_cache = max(1, int(scan_cache))
+        self.reap_interval = reap_interval or max(0.5, min(self.lease / 2, 10.0))
+        self.prune_interval = prune_interval
+        self.parent = parent        # the supervisor's pid: stop when it is gone
+        self.runs = []
+        self._top = _Lane("incoming", path=self.spool.d("incoming"))
+        self._lanes_path = self.spool.d(LANES)
+        self._lanes, self._lanes_key = [self._top], None
+        self._lanes_look = 0.0      # no lanes yet: when to look again
+        self._holds = {}            # held destination -> until (wall clock)
+        self._streaky = set()       # destinations with failures in a row
+        self._safe_names = {}       # destination -> its name as a file
+        self._taken = (None, None, None)    # the last claim's slot, probe, lane
+        self._no_wait = False
+        self.next_due = None
+        self.stopping = self.hard_stop = False
+        self.stop_deadline = None
+        self.me = None
+        self._inline = None
+        self._dir_key = None
+        self._pending = 0
+        self._pending_since = 0.0
+        self._timer = 0.0           # the SIGALRM tick armed now (0: none)
+        self._null = None           # /dev/null, for exec handlers' stdout
+        self._stuck = []            # finishes that failed on I/O: callables
+        self._io_pause_until = 0.0
+        self._io_backoff = 0.5
+        self._low_logged = False
+        self._clock_offset = _now() - _mono()
+        self._next_beat = float("inf")     # set when run() starts
+        self._splits = []   # halves of failed batches, to start: (claims, kind, target)
+        self._held = {}     # held type -> (why, delay, until, recorded)
+
+        self._held_changed = False
+        self._holds_from = None     # the spool.breaker.records() list _holds came from
+        self._lack = {}             # type -> no handler here (_lacks)
+        self._handlers_seen, self._handlers_next = None, 0.0
+
+        # --mqtt: the options are checked now, the broker connected at the
+        # first mqtt job (one connection per worker, shared by its threads)
+        self._mqtt_client = None if not mqtt else _mqtt_client(
+            mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
+            mqtt_key, timeout=min(self.timeout, 30.0))
+
     def backoff(self, n):
         d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
         return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
@@ -5800,8 +7112,21 @@ class Worker(object):
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
         sp.fs.kept += 1             # its descriptors stay (closed at polls)
-        for h in sp.breaker.records():         # holds whose handler is there by now,
-            if not h.get("missing"):    # unless a live worker lacks it
+        self._take_holds()
+        try:
+            self._reap()
+            self._loop(once, drain)
+        finally:
+            self._shut_down(saved)
+        return 0
+
+    def _take_holds(self):
+        """At the start: the missing-handler holds on disk.  This worker's
+        own where it lacks the handler too; released where it has it,
+        unless the worker that wrote it lives (and lacks it)."""
+        sp = self.spool
+        for h in sp.breaker.records():
+            if not h.get("missing"):
                 continue
             if self._lacks(h["dest"]):
                 self._held[h["dest"]] = (h.get("why"), self.backoff_base,
@@ -5811,48 +7136,48 @@ class Worker(object):
                 sp.breaker.release(h["dest"])
                 self.log("release", dest=h["dest"])
         self._load_holds()
-        try:
-            self._reap()
-            self._loop(once, drain)
-        finally:
-            for run in list(self.runs):
-                self._kill(run, 9)
-                if run.proc is not None:
-                    for c in run.batch or [run.claim]:
-                        self.spool._end_handler(c.token)
-                for fd in (run.stdin_fd, run.err_fd):
-                    if fd is not None:
-                        os.close(fd)
-                run.stdin_fd = run.err_fd = None
-                self._release(run)
-            self._release_splits()
-            self._retry_stuck(final=True)
-            self._commit(final=True)
-            self.http_pool.close()
-            if saved:
-                self._restore_signals(saved)
-            for fd in self._wake_fds + list(self._pipe):
-                try:
+
+    def _shut_down(self, saved):
+        """The end of run(): what still runs killed and given back, what
+        is pending committed, every descriptor closed, the record gone."""
+        sp = self.spool
+        for run in list(self.runs):
+            self._kill(run, 9)
+            if run.proc is not None:
+                for c in run.batch or [run.claim]:
+                    self.spool.claims.end_handler(c.token)
+            for fd in (run.stdin_fd, run.err_fd):
+                if fd is not None:
                     os.close(fd)
-                except OSError:
-                    pass
-            self._end_sweep()
-            for L in self._lanes:               # a later run starts afresh
-                L.cache, L.dirty = [], True
-                if L.slot is not None:
-                    os.close(L.slot)
-                    L.slot = None
-            if self._null is not None:
-                os.close(self._null)
-                self._null = None
-            if self._mqtt_client is not None:
-                self._mqtt_client.close()
-            self.me.unregister()
-            sp.pol_polled = False
-            sp.fs.kept -= 1
-            sp.fs.release()
-            self.log("stop", worker=self.me.wid)
-        return 0
+            run.stdin_fd = run.err_fd = None
+            self._release(run)
+        self._release_splits()
+        self._retry_stuck(final=True)
+        self._commit(final=True)
+        self.http_pool.close()
+        if saved:
+            self._restore_signals(saved)
+        for fd in self._wake_fds + list(self._pipe):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._end_sweep()
+        for L in self._lanes:               # a later run starts afresh
+            L.cache, L.dirty = [], True
+            if L.slot is not None:
+                os.close(L.slot)
+                L.slot = None
+        if self._null is not None:
+            os.close(self._null)
+            self._null = None
+        if self._mqtt_client is not None:
+            self._mqtt_client.close()
+        self.me.unregister()
+        sp.pol_polled = False
+        sp.fs.kept -= 1
+        sp.fs.release()
+        self.log("stop", worker=self.me.wid)
 
     def _open_wake(self):
         path = self.spool.d("locks", "wake")
@@ -6103,853 +7428,6 @@ class Worker(object):
                 self._read_err(run)
         self._collect()
 
-    def _check_incoming(self):
-        """On each poll tick: rescan only when incoming/ changed (a shell
-        producer's mv does not poke the FIFO) or the wall clock jumped; the
-        policy, when its file changed."""
-        # The door's descriptors are opened (and checked) again from here
-        # on: a directory replaced meanwhile is not used through its old one.
-        self.spool.fs.close()
-        self.spool.policy()
-        try:
-            st = _dir_stat(self.spool.d("incoming"))
-            key = (st.st_mtime_ns, st.st_ino)
-        except OSError:
-            key = None
-        if key != self._dir_key:
-            self._dir_key = key
-            self.dirty = True
-        offset = _now() - _mono()
-        if abs(offset - self._clock_offset) > 2.0:
-            self.log("clock_jump", seconds=offset - self._clock_offset)
-            self._clock_offset = offset
-            self.dirty = True
-            self.next_due = None
-
-    # Scheduling ----------------------------------------------------------------
-
-    def _rescan(self, L=None):
-        """Refill lane L's scan cache (default: incoming/ itself) with its N
-        earliest jobs (by mtime = available_at, then name): memory stays
-        bounded whatever the depth of the queue.
-
-        A directory of up to 4N entries is scanned whole; a deeper one, or
-        one with more than N ready, is worked through in one pass of a
-        directory iterator kept open (a "sweep"): the first refill takes the
-        N earliest ready jobs of the first 4N entries, each later one the
-        next N ready files, in order among themselves.  So the first job
-        starts after 4N entries, not the whole directory; a refill costs N
-        entries; every ready job is reached within one pass (or the next,
-        for the ready ones of the first 4N beyond N).  A pass that saw jobs
-        not yet due, or left ready ones, ends with a marker in the cache (at
-        the soonest of them) that starts the next pass when it comes due."""
-        import heapq
-        import itertools
-        L = L or self._top
-        sp = self.spool
-        now = _now()
-        inc = sp.d(L.sub)
-        bad = []
-        nread = [0]                             # jobs entries() gave
-        sweeping = L.sweep is not None          # new arrivals: next pass
-
-        def entries(it):
-            for e in it:
-                name = e.name
-                if not name.endswith(".json"):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    bad.append((name, _file_kind(st.st_mode)))
-                    continue
-                m = st.st_mtime
-                # An mtime later than the ctime was set on purpose (by myq,
-                # or `touch -d` before the mv): it IS the schedule.
-                scheduled = m > st.st_ctime
-                if st.st_ctime > now + 5 and m > now:
-                    # The clock went back since this file was scheduled:
-                    # keep the delay it had left, not the old date.
-                    m = now + max(0.0, m - st.st_ctime)
-                    scheduled = True
-                    try:
-                        _utime(inc + "/" + name, m)
-                    except OSError:
-                        pass
-                nread[0] += 1
-                yield (m, name, scheduled)
-
-        n = self.scan_cache
-        if not sweeping:
-            it = _scandir(inc)
-            best = heapq.nsmallest(n, itertools.islice(entries(it), 4 * n + 1))
-            if nread[0] <= 4 * n:               # the whole directory
-                it.close()
-                if len(best) >= n and best[-1][0] <= now:
-                    L.sweep = _scandir(inc)     # more ready than N
-                    L.soonest = None
-            else:                               # deep: a pass starts here
-                L.sweep = it
-                later = [e[0] for e in best if e[0] > now]
-                best = [e for e in best if e[0] <= now]
-                # All N ready: more may be, and later ones unseen: the
-                # next pass must come right after this one.
-                L.soonest = later[0] if later else now
-        else:
-            best = []
-            soonest = L.soonest
-            if L.dirty and (soonest is None or soonest > now):
-                soonest = now           # arrivals the iterator may miss
-            for ent in entries(L.sweep):
-                if ent[0] <= now:
-                    best.append(ent)
-                    if len(best) >= n:
-                        break
-                elif soonest is None or ent[0] < soonest:
-                    soonest = ent[0]
-            else:
-                L.end_sweep()
-                if soonest is not None:         # wake for them: a new pass
-                    best.append((soonest, "", False))
-            L.soonest = soonest
-            best.sort()
-        for name, kind in bad:
-            self._tick()
-            try:
-                sp._quarantine(os.path.join(inc, name), name,
-                              "not a regular file (%s)" % kind)
-            except OSError:
-                pass
-        best.reverse()
-        L.cache = best
-        L.cache_full = len(best) >= self.scan_cache or L.sweep is not None
-        L.dirty = False
-        L.next_due = None
-
-    # The top lane (incoming/ itself) under the names the scan had before
-    # there were lanes.
-    @property
-    def dirty(self):
-        return self._top.dirty
-
-    @dirty.setter
-    def dirty(self, value):
-        if value:
-            self._lanes_look = 0.0      # a producer's lane may be new
-        for L in self._lanes:
-            L.dirty = L.dirty or value
-
-    @property
-    def _sweep(self):
-        return self._top.sweep
-
-    @_sweep.setter
-    def _sweep(self, value):
-        self._top.sweep = value
-
-    def _end_sweep(self):
-        for L in self._lanes:
-            L.end_sweep()
-
-    def _sync_lanes(self, fresh=False):
-        """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
-        producer poked the wake FIFO since (read here at each claim: while
-        jobs run back to back the loop's select comes only now and then),
-        which changed: a stat each."""
-        if self._lanes_key is None:
-            # No lanes yet: look for incoming/lanes/ when a poke waits in
-            # the FIFO (the job may have made the first lane; poll() is
-            # cheap), after a change of incoming/ (the dirty setter), at a
-            # fresh look (the scan may have moved producers' files to new
-            # lanes), else every 50 ms: not at each claim, where the path
-            # lookup was 5% of a drained job.
-            now = _mono()
-            fifo = getattr(self, "_wake_poll", None)
-            if now < self._lanes_look and not fresh and (
-                    fifo is None or not fifo.poll(0)):
-                return
-            self._lanes_look = now + 0.05
-            try:
-                inc = self.spool.fs("incoming")
-            except OSError:
-                return
-            if not os.access("lanes", os.F_OK, dir_fd=inc,
-                             follow_symlinks=False):
-                return  # no lanes, as before: access() raises no exception
-        try:
-            st = _dir_stat(self._lanes_path)
-            key = (st.st_mtime_ns, st.st_ino)
-        except OSError:
-            key = None
-        if key is None and key == self._lanes_key:
-            return                      # no lanes: nothing to learn
-        wake = getattr(self, "_wake_fds", None)
-        if not wake:
-            poked = True
-        elif self._wake_poll is not None and not self._wake_poll.poll(0):
-            poked = False
-        else:
-            poked = _drain(wake[0])
-        for L in self._lanes if poked else ():
-            if L.type is not None:
-                try:
-                    st = _dir_stat(L.path)
-                    k = (st.st_mtime_ns, st.st_ino)
-                except OSError:
-                    k = None
-
-                if k != L.key:
-                    L.key, L.dirty = k, True
-        if key == self._lanes_key:
-            return
-        self._lanes_key = key
-        have = dict((L.sub, L) for L in self._lanes)
-        lanes = [self._top]
-        for p, t, sub in self.spool.lanes():
-            lanes.append(have.pop(sub, None) or _Lane(sub, t, p,
-                                                      self.spool.d(sub)))
-        have.pop(self._top.sub, None)
-        for L in have.values():
-            L.end_sweep()
-        lanes.sort(key=lambda L: -L.prio)       # stable: incoming/ first of 0
-        self._lanes = lanes
-
-    def _head(self, L, force=False):
-        """Lane L's next job that is due now, (mtime, name, scheduled), or
-        None (L.next_due: when one will be)."""
-        forced = restarted = False
-        while True:
-            if _mono() >= self._next_beat:      # (_tick, inline: per claim)
-                self._heartbeat()
-            if not L.cache:
-                if not (L.dirty or L.cache_full or (force and not forced)):
-                    return None
-                forced = True
-                self._rescan(L)
-                if not L.cache:
-                    if L.sweep is None:
-                        return None
-                    continue            # an open pass goes on
-            m, name, scheduled = L.cache[-1]
-            if m > _now():
-                if L.dirty or (force and not forced):
-                    forced = True
-                    self._rescan(L)
-                    continue
-                L.next_due = m
-                return None
-            if not name:                # a pass's marker: time for the next
-                L.cache.pop()
-                L.dirty = True
-                if restarted:           # nothing claimable: not again now,
-                    L.next_due = _now() + min(self.poll, 0.25)  # soon
-                    return None
-                restarted = True
-                continue
-            return L.cache[-1]
-
-    def _next_claim(self, force=False):
-        """The next job to start: among the lanes whose type may start one
-        now, the highest priority, then the earliest, then the id."""
-        budget = 256        # files that could not be claimed, before a break
-        inf = float("inf")
-        fresh = False       # force: a fresh look at every lane, once, when
-        while True:         # the caches gave nothing
-            self._sync_lanes(fresh)
-            # the time for the holds and the gates of typed lanes (none:
-            # not read)
-            now = _now() if self._holds or len(self._lanes) > 1 else None
-            best, due = None, inf
-            for dest, until in list(self._holds.items()) if self._holds else ():
-                if until <= now and dest not in self._held:
-                    c = self._probe_claim(dest)
-                    if c is not None:
-                        return c
-            if self.spool.intake:
-                # Producers' files are being moved to their lanes: go on
-                # with incoming/ first, so that their bounds see them all
-                # before any of them starts (SPEC 9: "at the next scan").
-                head = self._head(self._top, fresh)
-                if head is not None:
-                    best = (self._top, head)
-                self.spool.intake = False
-            for L in self._lanes if best is None else ():
-                if best is not None and L.prio < best[0].prio:
-                    break
-                if L.type is not None:
-                    wait = self._gate(L, now)
-                    if wait is not None:
-                        due = min(due, wait)
-                        continue
-                head = self._head(L, fresh)
-                if head is None:
-                    if L.next_due is not None:
-                        due = min(due, L.next_due)
-                    continue
-                if L.type is not None:
-                    wait = self._batch_wait(L, now)
-                    if wait is not None:
-                        due = min(due, wait)
-                        continue
-
-                if best is None or head[:2] < best[1][:2]:
-                    best = (L, head)
-            if best is None and force and not fresh:
-                fresh = True
-                continue
-            if best is None:
-                self.next_due = None if due == inf else due
-                return None
-            L, (m, name, scheduled) = best
-            if L.type is not None:
-                wait = self._reserve(L)
-                if wait is not None:
-                    continue            # another worker was faster
-            L.cache.pop()
-            try:
-                c = self.spool._claim(name, self.me, self.max_attempts,
-                                      scheduled, L.sub)
-            except BaseException:
-                self._unreserve(L)
-                raise
-            if c is not None:
-                self._taken = (L.slot, L.probe, L)
-                L.slot = L.probe = None
-                L.rated = False
-                return c
-            self._unreserve(L)
-            budget -= 1
-            if budget <= 0 and not force:
-                # A flood of bad files: the loop's housekeeping (reaping,
-                # the status line, commits) goes first, then on at once.
-                self.next_due = _now()
-                return None
-
-    def _ready_now(self):
-        """For --drain: is any job ready now (after a fresh scan)?  Jobs of
-        a paused type or a held destination are not, unless a probe is
-        due."""
-        self._sync_lanes(True)
-        now = _now()
-        for L in self._lanes:
-            if L.type is not None and (self.spool.rules(L.type).get("paused") or
-                                       self._holds.get(L.dest or L.type, 0) > now):
-                continue        # (a rate or a slot only makes ready jobs wait)
-            if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
-                return True
-            self._rescan(L)
-            while not L.cache and L.sweep is not None:
-                self._rescan(L)
-            if L.cache and L.cache[-1][0] <= _now():
-                return True
-        return False
-
-    # Policy at the start of a run (SPEC 9) -------------------------------------
-
-    def _gate(self, L, now):
-        """None when a job of lane L may start now, else the wall time when
-        it may (inf: not by time: a pause, all slots busy here)."""
-        rules = self.spool.rules(L.type)
-        if rules.get("paused"):
-            return float("inf")
-        until = self._holds.get(L.dest or L.type)
-        if until is not None and until > now:
-            return until
-        n = rules.get("concurrency")
-        if n is not None and sum(1 for r in self.runs
-                                 if r.claim.job["type"] == L.type) >= n:
-            return float("inf")
-        if L.blocked > now:
-            return L.blocked
-        return None
-
-    def _batch_wait(self, L, now):
-        """None when lane L's batch may start now, else the wall time when
-        it may: up to batch_wait after its first ready job, unless a whole
-        batch is ready (SPEC 10: for every claim, so asked after the scan
-        that found the jobs; --drain and --once do not wait)."""
-        if self._no_wait:
-            return None
-        rules = self.spool.rules(L.type)
-        wait, n = rules.get("batch_wait"), rules.get("batch")
-        if not wait or not n:
-            return None
-        ready = [e[0] for e in L.cache if e[1] and e[0] <= now]
-        if not ready or len(ready) >= n:
-            return None
-        first = min(ready) + wait
-        return first if first > now else None
-
-    def _reserve(self, L):
-        """Take what a start of lane L's type needs: the probe of a held
-        destination, a concurrency slot (locks/slots/TYPE.K, flock'd: a
-        kill -9 frees it), a place in the rate's window.  None when taken,
-        else the lane waits (L.blocked) and it returns the time."""
-        sp = self.spool
-        rules = sp.rules(L.type)
-        now = _now()
-        dest = L.dest or L.type
-        if dest in self._holds:
-            until = sp.breaker.take_probe(dest, self.probe_backoff)
-            if until is None:
-                L.blocked = now + min(self.poll, 1.0)
-                return L.blocked
-            if until:
-                self._holds[dest] = until
-                L.probe = dest
-            else:
-                self._holds.pop(dest, None)     # released meanwhile
-        n = rules.get("concurrency")
-        if n is not None and L.slot is None:
-            L.slot = self._slot(L.type, n)
-            if L.slot is None:
-                L.probe = None
-                L.blocked = now + min(self.poll, 0.25)
-                return L.blocked
-        rate = rules.get("rate")
-        if rate:
-            wait = self._rate_take(L.type, rate)
-            if wait:
-                L.probe = None
-                L.blocked = now + wait
-                return L.blocked
-            L.rated = True
-        return None
-
-    def _unreserve(self, L):
-        """The lane gave no job: give back its slot and its place in the
-        rate's window."""
-        L.probe = None
-        if L.slot is not None:
-            os.close(L.slot)
-            L.slot = None
-        if L.rated:
-            L.rated = False
-            self._rate_take(L.type, self.spool.rules(L.type).get("rate"),
-                            give_back=True)
-
-    def _slot(self, type, n):
-        """One of the type's n slots, or None: a locked descriptor."""
-        d = self.spool.d("locks", "slots")
-        try:
-            self.spool.fs.mkdir("locks/slots")
-        except OSError:
-            return None
-        for k in range(n):
-            try:
-                fd = _lock("%s/%s.%d" % (d, type, k), block=False)
-            except OSError:
-                continue
-            if fd is not None:
-                return fd
-        return None
-
-    def _rate_take(self, type, rate, give_back=False):
-        """Take a start in the type's window (locks/rate/TYPE: this boot's
-        monotonic start times, under flock): 0 when taken, else how long
-        until one is free.  With give_back, return the last one taken."""
-        n, per = rate_of(rate)
-        d = self.spool.d("locks", "rate")
-        try:
-            self.spool.fs.mkdir("locks/rate")
-            fd = _lock(d + "/" + type)
-        except OSError:
-            return 0            # no window to keep: never hold a job for it
-        try:
-            lines = os.pread(fd, 1 << 20, 0).decode("utf-8", "replace").split("\n")
-            now = _mono()
-            times = []
-            if lines[0] == boot_id():
-                for t in lines[1:]:
-                    try:
-                        t = float(t)
-                    except ValueError:
-                        continue
-                    if now - per < t <= now:
-                        times.append(t)
-            if give_back:
-                if times:
-                    times.pop()
-                wait = 0
-            elif len(times) >= n:
-                wait = max(0.001, times[-n] + per - now)
-            else:
-                times.append(now)
-                wait = 0
-            data = "\n".join([boot_id()] + ["%.6f" % t for t in times[-n:]])
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data.encode("utf-8"), 0)
-            return wait
-        except OSError:
-            return 0
-        finally:
-            os.close(fd)
-
-    # Running -------------------------------------------------------------------
-
-    def _job_for_handler(self, c):
-        job = dict(c.job)
-        job["attempts"] = c.attempt
-        if job.get("max_attempts") is None:
-            job["max_attempts"] = c.max_attempts
-        return job
-
-    def _start(self, c):
-        (slot, probe, lane), self._taken = self._taken, (None, None, None)
-        rules = self.spool.rules(c.job["type"])
-        kind, target = self.resolve(c.job["type"], rules)
-        run = _Run(c, kind)
-        run.slot, run.probe = slot, probe      # (_launch times the run)
-        if kind is None:
-            self._hold(run, target)
-            return
-        if c.job["type"] in self._held:
-            self._unhold(c.job["type"])
-        run.dest = self._dest_of(c.job, kind)
-        if lane is not None and lane.type is not None and run.dest != lane.type:
-            lane.dest = run.dest    # where this lane's jobs go, for its gate
-        until = self._holds.get(run.dest)
-        if until is not None and run.probe != run.dest \
-                and self.spool.breaker.record(run.dest) is None:
-            self._holds.pop(run.dest, None)     # released by another worker
-            self.dirty = True
-            until = None
-        if until is not None and run.probe != run.dest:
-            new = None if until > _now() else self.spool.breaker.take_probe(
-                run.dest, self.probe_backoff, self.spool.waits_at(c.job, c.jid))
-            if new is None:
-                self._park(run, max(until, _now() + self.poll), "destination %s "
-                           "is held" % run.dest)
-                return
-            if new:
-                self._holds[run.dest] = new
-                run.probe = run.dest
-            else:
-                self._holds.pop(run.dest, None)
-        if run.probe:
-            self.log("probe", dest=run.dest, id=c.jid)
-        run.target = target
-        if rules.get("batch") and not run.probe and lane is not None \
-                and lane.type == c.job["type"]:
-            if c.job.get("batch_of"):
-                run.batch = self._claim_batch(lane, c)
-            else:
-                run.batch = [c] + self._claim_more(
-                    lane, c, rules["batch"] - 1, rules.get("batch_bytes"), kind)
-            if len(run.batch) > 1:
-                self.spool.note_batch(run.batch)
-        self._launch(run)
-
-    def _claim_batch(self, L, first):
-        """A batch that a dead worker had in flight, formed again (SPEC 10):
-        the same ids in the same order, so the same Idempotency-Key, of
-        those that still wait in lane L."""
-        sp = self.spool
-        ids = sp.batch_ids(first.job["batch_of"])
-        out = {first.jid: first}
-        for jid in ids:
-            if jid in out or not _lexists(sp.d(L.sub, jid + ".json")):
-                continue
-            c = sp._claim(jid + ".json", self.me, self.max_attempts, False, L.sub)
-            if c is not None and c.job.get("batch_of") == first.job["batch_of"]:
-                out[jid] = c
-            elif c is not None:
-                self._release_one(c)
-        order = dict((jid, i) for i, jid in enumerate(ids))
-        return sorted(out.values(), key=lambda c: order.get(c.jid, -1))
-
-    def _launch(self, run):
-        """Run the handler: an exec handler as a process, a function in
-        this thread (concurrency 1) or a thread of its own."""
-        run.started = _mono()
-        c = run.claim
-        run.deadline = run.started + (c.job.get("timeout") or self.timeout)
-        kind, target = run.kind, run.target
-        if kind == "exec":
-            self._spawn(run, target)
-            return
-        if kind in ("http", "mqtt"):
-            target = lambda job, fn=target: fn(job, run)    # noqa: E731
-        if self.concurrency == 1 and self._main:
-            self._run_inline(run, target)
-        else:
-            self._run_thread(run, target)
-
-    def _claim_more(self, L, first, n, limit, kind):
-        """A batch (SPEC 10): up to n more ready jobs of lane L, within
-        `limit` bytes; for http only jobs that go in the same request."""
-        out = []
-        size = len(dumps(first.job))
-        key = _batch_key(first.job) if kind == "http" else None
-        sp = self.spool
-        while len(out) < n:
-            head = self._head(L)
-            if head is None:
-                break
-            m, name, scheduled = head
-            try:
-                sz = _lstat(sp.d(L.sub, name)).st_size
-            except OSError:
-                L.cache.pop()
-                continue
-            if limit and size + sz > limit:
-                break
-            L.cache.pop()
-            c = sp._claim(name, self.me, self.max_attempts, scheduled, L.sub)
-            if c is None:
-                continue
-            if (key is not None and _batch_key(c.job) != key) \
-                    or c.job.get("batch_of"):
-                job = dict(c.job)           # not for this request: back, as
-                job["available_at"] = _now()    # it was, for the next batch
-                self._move(c, job, "incoming", None, {})
-                break
-            size += sz
-            out.append(c)
-        return out
-
-    def _env(self, c):
-        env = {}
-        for k, v in os.environ.items():
-            if k in ("PATH", "HOME", "LANG", "TZ") or k.startswith("LC_") \
-                    or k in self.pass_env:
-                env[k] = v
-        env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        env.update(MYQ_JOB_ID=c.jid, MYQ_JOB_TYPE=c.job["type"],
-                   MYQ_ATTEMPT=str(c.attempt), MYQ_MAX_ATTEMPTS=str(c.max_attempts),
-                   MYQ_SPOOL=self.spool.path,
-                   # marks every process of this run, even one that left
-                   # the handler's session: see kill_run()
-                   MYQ_CLAIM=c.token)
-        return env
-
-    def _spawn(self, run, path):
-        """Start an exec handler in its own session: the payload on a pipe
-        to its stdin, its stderr on a pipe (for last_error), stdout to
-        /dev/null.  The pipes are made here, not by Popen: it would wrap
-        each in a file object (three syscalls apiece) used for nothing."""
-        c = run.claim
-        fds = []
-        try:
-            import subprocess           # here: it can fail with EMFILE too
-            if self._null is None:
-                self._null = os.open(os.devnull, os.O_WRONLY | O_CLOEXEC)
-            fds.extend(os.pipe())       # close-on-exec; Popen dup2s them
-            fds.extend(os.pipe())
-            in_r, in_w, err_r, err_w = fds
-            env = self._env(c)
-            if run.batch:
-                env["MYQ_BATCH"] = str(len(run.batch))
-            proc = subprocess.Popen(
-                [path], stdin=in_r, stdout=self._null, stderr=err_w,
-                env=env, close_fds=True, start_new_session=True)
-        except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
-            for fd in fds:
-                os.close(fd)
-            if getattr(e, "errno", None) in (errno.ENOENT, errno.ENOEXEC,
-                                             errno.EACCES):
-                self._hold(run, _cannot_run(path, e))   # a deployment matter
-            else:
-                self._finish(run, "retry", _cannot_run(path, e))
-            return
-        run.proc = proc
-        # First of all: the handler's pid, for a reaper should we die now.
-        start = proc_start(proc.pid)
-        for one in run.batch or [c]:
-            self.spool._note_handler(one, proc.pid, start)
-        os.close(in_r)
-        os.close(err_w)
-        run.stdin_fd, run.err_fd = in_w, err_r
-        os.set_blocking(in_w, False)
-        os.set_blocking(err_r, False)
-        if run.batch:       # one JSON object a line (SPEC 10)
-            run.stdin = memoryview(b"".join(json.dumps(
-                {"id": one.jid, "type": one.job["type"], "payload":
-                 one.job["payload"], "attempt": one.attempt}).encode("utf-8")
-                + b"\n" for one in run.batch))
-        else:
-            run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8")
-                                   + b"\n")
-        self.runs.append(run)
-        self._feed(run)
-
-    def _feed(self, run):
-        try:
-            while run.stdin:
-                n = os.write(run.stdin_fd, run.stdin)
-                run.stdin = run.stdin[n:]
-        except BlockingIOError:
-            return
-        except OSError:         # EPIPE: the handler did not read it all
-            pass
-        os.close(run.stdin_fd)
-        run.stdin_fd = None
-
-    def _read_err(self, run, final=False):
-        try:
-            while True:
-                b = os.read(run.err_fd, 65536)
-                if not b:
-                    break
-                run.err += b
-                del run.err[:-STDERR_TAIL]
-        except (BlockingIOError, InterruptedError):
-            if not final:
-                return
-        except OSError:
-            pass
-        os.close(run.err_fd)
-        run.err_fd = None
-
-    def _kill(self, run, sig):
-        """Signal everything the run's handler started (kill_run)."""
-        if run.proc is not None:
-            kill_run(run.proc.pid, sig, run.claim.token)
-
-    def _collect(self):
-        """Finish the runs that ended; enforce time limits."""
-        now = _mono()
-        for run in list(self.runs):
-            if run.kind == "exec":
-                rc = run.proc.poll()
-                if rc is None:
-                    if run.kill_at is not None and now >= run.kill_at:
-                        self._kill(run, 9)
-                        run.kill_at = now + 1.0
-                    elif run.kill_at is None and now >= run.deadline:
-                        run.timed_out = True
-                        self._kill(run, 15)
-                        run.kill_at = now + 2.0
-                        self.log("timeout", id=run.claim.jid, pid=run.proc.pid)
-                    continue
-                if run.timed_out or run.released:
-                    self._kill(run, 9)          # no descendant survives
-                for c in run.batch or [run.claim]:
-                    self.spool._end_handler(c.token)
-                if run.stdin_fd is not None:
-                    os.close(run.stdin_fd)
-                    run.stdin_fd = None
-                if run.err_fd is not None:
-                    self._read_err(run, final=True)
-                self.runs.remove(run)
-                self._exec_outcome(run, rc)
-            else:
-                if run.result is not None:
-                    self.runs.remove(run)
-                    if run.released:
-                        self._release(run)
-                    elif run.timed_out and run.result[0] != "done":
-                        # a built-in handler's time-out is its destination's
-                        run.dest_fail = run.kind in ("http", "mqtt")
-                        self._finish(run, "retry", "timed out after %gs (%s)" % (
-                            run.deadline - run.started, run.result[1]),
-                            None, run.result[3] if len(run.result) > 3 else None)
-                    else:
-                        self._finish(run, *run.result)
-                elif run.released:
-                    # A thread cannot be killed: the process exits next.
-                    self.runs.remove(run)
-                    _abort(run)
-                    self._release(run)
-                elif now >= run.deadline and not run.timed_out:
-                    # The job stays this run's until the thread returns (it
-                    # is never in flight twice); an http request is cut now.
-                    run.timed_out = True
-                    self.log("timeout", id=run.claim.jid)
-                    _abort(run)
-
-    def _exec_outcome(self, run, rc):
-        if run.released:
-            self._release(run)
-            return
-        tail = bytes(run.err).decode("utf-8", "replace").strip()
-        if run.timed_out:
-            why = "timed out after %gs (process group killed)" % (
-                run.deadline - run.started)
-            self._finish(run, "retry", why + (": " + tail if tail else ""))
-        elif rc == 0:
-            self._finish(run, "done")
-        else:
-            why = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
-            if tail:
-                why += ": " + tail
-            run.dest_fail = rc in (EX_TEMPFAIL, EX_OSERR)
-            if run.dest_fail or not 64 <= rc <= 78:
-                self._finish(run, "retry", why)
-            else:
-                self._finish(run, "dead", why)
-
-    def _call(self, run, fn):
-        """Run an in-process handler; returns (outcome[, error, delay,
-        traceback]).  A batch's function gets the list of its jobs; the
-        built-in handlers send it their way (mqtt: one outcome a job)."""
-        try:
-            if run.batch:
-                jobs = [self._job_for_handler(c) for c in run.batch]
-                if run.kind == "mqtt":
-                    return ("each", self.mqtt_batch(jobs))
-                if run.kind == "http":
-                    self._http_batch(jobs, run)
-                else:
-                    fn(jobs)
-                return ("done",)
-            fn(self._job_for_handler(run.claim))
-            return ("done",)
-        except PermanentError as e:
-            run.unsent = isinstance(e, _Unsent)
-            return ("dead", _exc_text(e), None, _tb_tail(e))
-        except RetryLater as e:
-            run.dest_fail = True    # the destination's failure (SPEC 9)
-            run.retry_after = getattr(e, "retry_after", e.seconds)
-            return ("retry", _exc_text(e), e.seconds)
-        except Exception as e:
-            return ("retry", _exc_text(e), None, _tb_tail(e))
-
-    def _run_inline(self, run, fn):
-        """concurrency 1 in the main thread: call the handler right here;
-        SIGALRM ticks heartbeat it and enforce the time limit (raising
-        _Timeout into the handler) and the shutdown grace."""
-        signal = self._signal
-        tick = min(0.5, self.lease / 3, max(0.01, run.deadline - run.started))
-        self._inline = run
-        result = None
-        try:
-            if tick != self._timer:     # armed once for a run of jobs
-                signal.setitimer(signal.ITIMER_REAL, tick, tick)
-                self._timer = tick
-            result = self._call(run, fn)
-            self._inline = None
-        except _Timeout:
-            result = ("retry", "timed out after %gs (interrupted)"
-                      % (run.deadline - run.started))
-        except _Shutdown:
-            run.released = True
-        finally:
-            self._inline = None
-        if run.released:
-            self._release(run)
-        else:
-            if run.timed_out:
-                self.log("timeout", id=run.claim.jid)
-            self._finish(run, *result)
-
-    def _run_thread(self, run, fn):
-        import threading
-
-        def main():
-            run.result = self._call(run, fn)
-            try:
-                os.write(self._pipe[1], b"t")
-            except OSError:
-                pass
-
-        run.thread = threading.Thread(target=main, name="myq-" + run.claim.jid)
-        run.thread.daemon = True
-        self.runs.append(run)
-        run.thread.start()
-
     # Finishing -----------------------------------------------------------------
 
     def _finish(self, run, outcome, error=None, delay=None, tb=None):
@@ -6960,7 +7438,7 @@ class Worker(object):
         10); "each" carries one outcome per job (mqtt)."""
         self._free(run)
         if outcome == "each":
-            self.spool.end_batch(run.batch[0].batch)
+            self.spool.claims.end_batch(run.batch[0].batch)
             for c, res in zip(run.batch, error):
                 one = _Run(c, run.kind)
                 one.started, one.dest, one.probe = run.started, run.dest, run.probe
@@ -6998,7 +7476,7 @@ class Worker(object):
             # Each half is first in line, as its own group, and starts as a
             # slot frees (_start_split): a split never runs more at once
             # than --concurrency and the type's concurrency allow.
-            self.spool.end_batch(claims[0].batch)
+            self.spool.claims.end_batch(claims[0].batch)
             for c in claims:            # (its halves are groups of their own)
                 c.batch = None
                 c.job.pop("batch_of", None)
@@ -7009,9 +7487,9 @@ class Worker(object):
             self._finish_one(run, c, outcome, error, delay, tb, counts)
         if len(claims) > 1:
             if outcome == "retry":
-                self.spool.keep_batch(claims[0].batch)
+                self.spool.claims.keep_batch(claims[0].batch)
             else:
-                self.spool.end_batch(claims[0].batch)
+                self.spool.claims.end_batch(claims[0].batch)
 
     def _finish_one(self, run, c, outcome, error, delay, tb, counts):
         ms = int((_mono() - run.started) * 1000)
@@ -7099,7 +7577,7 @@ class Worker(object):
         for c in run.batch or [run.claim]:
             self._release_one(c)
         if run.batch:
-            self.spool.keep_batch(run.batch[0].batch)
+            self.spool.claims.keep_batch(run.batch[0].batch)
 
 
     def _start_split(self):
@@ -7140,7 +7618,7 @@ class Worker(object):
         """Success: done/ (fsync'd by the next group commit).  An I/O error
         leaves it to _retry_stuck."""
         try:
-            ok = self.spool._complete(c)
+            ok = self.spool.claims.complete(c)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
             self._stuck.append(lambda: self._complete(c, kv))
@@ -7156,7 +7634,7 @@ class Worker(object):
     def _move(self, c, job, dest, event, kv, until=None):
         """A retry or a release (dest incoming) or a dead letter (dlq)."""
         try:
-            ok = self.spool._move_on(c, job, dest, self.me, until=until)
+            ok = self.spool.claims.move_on(c, job, dest, self.me, until=until)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
             self._stuck.append(lambda: self._move(c, job, dest, event, kv,
@@ -7180,221 +7658,6 @@ class Worker(object):
         except MyqError:
             why = "the job was deleted meanwhile (myq delete --force)"
         self.log("lost", id=c.jid, why=why)
-
-    # Holds (SPEC 5): a type whose handler is missing or cannot start is a
-    # deployment not finished, not a bad job: its jobs wait, no attempt
-    # counts, and they run once the handler is there.
-
-    def _hold(self, run, why):
-        """A missing or unstartable handler: its type is held at once (a
-        deployment not finished); the job waits, no attempt counted."""
-        c = run.claim
-        t = run.dest = c.job["type"]
-        old = self._held.get(t)
-        delay = min(max(old[1] * 2 if old else self.backoff_base, 1.0),
-                    self.backoff_max, 300.0)
-        until = _now() + delay
-        recorded = old[3] if old else len(self._held) < 1024
-        self._held[t] = (why, delay, until, recorded)
-        self._holds[t] = until
-        self._held_changed = True
-        if old is None:
-            self.log("hold", dest=t, why=why, until=iso(until))
-        # The record (for stats, check and a restart) is written once a
-        # hold, not at each job put back, and for the first 1,024 held
-        # types only: a flood of unknown types neither writes the flash
-        # full nor makes every poll read thousands of records.  Other
-        # workers are not held by it unless they lack the handler too; one
-        # that has it releases it (_load_holds), and this worker's next
-        # probe, a job it found still without a handler, writes it again:
-        # the jobs it put back are never left to wait out their time.
-        if recorded and (old is None or self.spool.breaker.record(t) is None):
-            self._write_hold(t, why, until, missing=True, pid=self.me.pid,
-                             start=self.me.start)
-        # Back into its type's lane, ready: this worker does not look there
-        # until its probe; a worker that has the handler takes it now.  (A
-        # lane is a directory and a descriptor: for the first LANED types
-        # held; the others wait their time in incoming/, see _park.)
-        lanes = self.spool.lane_types
-        if t not in lanes and len(lanes) >= self.LANED:
-            self._park(run, until, why, noted=recorded)
-            return
-        self.spool.set_lane_types(lanes | {t})
-        c = run.claim
-        job = dict(c.job)
-        job["available_at"] = _now()
-        job["last_error"] = "held: " + why
-        self._free(run)
-        self._move(c, job, "incoming", None, {})
-
-    LANED = 64
-
-    def _write_hold(self, dest, why, until, **extra):
-        rec = {"dest": dest, "why": why, "since": round(_now(), 3),
-               "until": round(until, 3), "probes": 0, "boot": boot_id()}
-        rec.update(extra)
-        try:
-            self.spool.breaker.write(rec)
-        except OSError as e:    # the local hold stands; say why it is not on disk
-            self.log("error", during="breaker", dest=dest,
-                     error=e.strerror or str(e))
-
-    def _park(self, run, until, why, noted=True):
-        """Put a job of a held destination back, no attempt counted, until
-        the hold's next probe; the release makes it ready at once.  (Not
-        `noted`: a held type past the cap of records waits its own time.)"""
-        c = run.claim
-        job = dict(c.job)
-        job["available_at"] = _now()        # see Spool._move_on
-        job["last_error"] = "held: " + why
-        if noted:
-            self.spool.breaker.note_job(run.dest or job["type"],
-                                 self.spool.waits_at(job, c.jid))
-
-        self._free(run)
-        self._move(c, job, "incoming", None, {}, until + self._parked_for())
-
-    def _parked_for(self):
-        """How long a held destination's jobs wait past the hold's next
-        probe: the probes take them in turn (_probe_claim) and the release
-        makes them ready; this is only for a release that never comes."""
-        return min(max(10 * self.backoff_max, 60.0), 3600.0)
-
-    def _probe_claim(self, dest):
-        """A held destination's probe is due: claim the next of the jobs it
-        put back (locks/held/DEST.jobs), in turn, so that each probe is
-        another job.  None when none is there (a lane's head is then the
-        probe, see _reserve)."""
-        sp = self.spool
-        names = sp.breaker.jobs(dest)
-        if not names:
-            return None
-        # the one after the last probe's job (which a job that came due by
-        # itself may have been, see _start)
-        last = (sp.breaker.record(dest) or {}).get("last")
-        k = names.index(last) + 1 if last in names else 0
-        names = names[k:] + names[:k]
-        until = sp.breaker.take_probe(dest, self.probe_backoff, names[0])
-        if not until:
-            if until == 0.0:
-                self._holds.pop(dest, None)     # released meanwhile
-                self.dirty = True
-            return None
-        self._holds[dest] = until
-        for rel in names:
-            sub, _, name = rel.rpartition("/")
-            if not _lexists(sp.d(rel)):
-                continue
-            c = sp._claim(name, self.me, self.max_attempts, True, sub)
-            if c is not None:
-                self._taken = (None, dest, None)
-                return c
-        return None
-
-    def _free(self, run):
-        if run.slot is not None:
-            os.close(run.slot)
-            run.slot = None
-
-    def _unhold(self, t):
-        """The handler of a held type is there: release the hold; the jobs
-        it put back are ready now."""
-        self._held.pop(t, None)
-        self._holds.pop(t, None)
-        self._lack.pop(t, None)
-        self._held_changed = True
-        self.spool.breaker.release(t)
-        self.dirty = True
-        self.next_due = None
-        self.log("release", dest=t)
-
-    def _load_holds(self):
-        """The holds of every worker of the spool (locks/held/); a hold
-        from another boot has its probe due at once.  A missing handler's
-        hold holds only the workers that lack the handler (SPEC 9): this
-        one's own (_held), and another's when this one lacks it too."""
-        held = self.spool.breaker.records()
-        if held is self._holds_from and not self._held_changed:
-            return                  # (the same records: nothing to learn)
-        self._holds_from, self._held_changed = held, False
-        now, boot = _now(), boot_id()
-        holds = {}
-        for h in held:
-            dest = h["dest"]
-            if h.get("missing") and dest not in self._held \
-                    and not self._lacks(dest):
-                continue
-            holds[dest] = h["until"] if h.get("boot") == boot \
-                else min(h["until"], now)
-        for t, v in self._held.items():
-            holds[t] = v[2]
-        self._holds = holds
-        self.spool.set_lane_types(sorted(set(
-            [h["dest"] for h in held if h.get("missing")]
-            + [t for t, v in self._held.items() if v[3]]))[:self.LANED])
-        self._streaky = self.spool.breaker.streaky()
-
-    def _lacks(self, type):
-        """Has this worker no handler for `type`?  (Asked again when the
-        handlers changed: _check_holds.)"""
-        lack = self._lack.get(type)
-        if lack is None:
-            if len(self._lack) > 4096:
-                self._lack.clear()
-            lack = self._lack[type] = self.resolve(type)[0] is None
-        return lack
-
-    def _handlers_key(self):
-        if not self.handlers_dir:
-            return None
-        try:
-            st = os.stat(self.handlers_dir)
-            return (st.st_mtime_ns, st.st_ino)
-        except OSError:
-            return None
-
-    def _check_holds(self):
-        """At each poll tick: the holds on disk (other workers' too), and
-        has the handler of a held type appeared?  (Looked for when the
-        handlers directory changed, or once a minute: many held types cost
-        a poll no more than one.)"""
-        before = self._holds
-        self._load_holds()
-        if before is not self._holds and set(before) - set(self._holds):
-            self.dirty = True       # released by another worker
-        key, now = self._handlers_key(), _mono()
-        if self._held and (key != self._handlers_seen or now >= self._handlers_next):
-            self._handlers_seen, self._handlers_next = key, now + 60.0
-            self._lack.clear()
-            for t in list(self._held):
-                if self.resolve(t)[0] is not None:
-                    self._unhold(t)
-
-    def _safe(self, dest):
-        safe = self._safe_names.get(dest)
-        if safe is None:
-            if len(self._safe_names) > 1000:
-                self._safe_names.clear()
-            safe = self._safe_names[dest] = _safe_dest(dest)
-        return safe
-
-    def _dest_of(self, job, kind):
-        """The circuit breaker's destination (SPEC 9): for http its
-        scheme://host:port, for mqtt the broker, else the type."""
-        if kind == "http":
-            p = job.get("payload")
-            url = p.get("url") if isinstance(p, dict) else None
-            if isinstance(url, str):
-                m = re.match(r"(https?)://(?:[^@/?#]*@)?(\[[^\]]*\]|[^:/?#]*)"
-                             r"(?::(\d+))?", url, re.I)
-                if m and m.group(2):
-                    scheme = m.group(1).lower()
-                    return "%s://%s:%s" % (scheme, m.group(2).lower(), m.group(3)
-                                           or (443 if scheme == "https" else 80))
-        elif kind == "mqtt":
-            client = getattr(self, "_mqtt_client", None)
-            return client.dest if client is not None else "mqtt"
-        return job["type"]
 
     def _retry_stuck(self, final=False):
         """Finishes that failed on I/O, tried again after the pause."""
@@ -7452,73 +7715,10 @@ class Worker(object):
             self.log("error", during="reap", error=str(e))
 
 
-def _batch_key(job):
-    """Which http jobs may share one request: method, url, headers."""
-    p = job.get("payload")
-    if not isinstance(p, dict):
-        return None
-    return json.dumps([str(p.get("method") or "POST").upper(), p.get("url"),
-                       p.get("headers")], sort_keys=True, default=str)
+# The process image ###########################################################
 
+_COMPILED_AT_START = []     # [True]: run as a script, so compiled at start
 
-def _abort(run):
-    """Cut the http request of a run from the worker's thread: its blocked
-    read returns at once and the run ends."""
-    conn = run.conn
-    sock = getattr(conn, "sock", None)
-    if sock is not None:
-        import socket
-        try:
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-def _cannot_run(path, e):
-    """Why an executable handler did not start, in words that name the
-    culprit: "No such file or directory" for a file that exists means its
-    #! interpreter is missing."""
-    why = getattr(e, "strerror", None) or str(e)
-    errno_ = getattr(e, "errno", None)
-    if errno_ in (errno.ENOENT, errno.ENOEXEC, errno.EACCES) and os.path.isfile(path):
-        head = _read_small(path, 256) or b""
-        line = head.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
-        if errno_ == errno.ENOEXEC or not line.startswith("#!"):
-            return ("cannot run %s: not a program (no #! line; start a script "
-                    "with e.g. #!/bin/sh)" % path)
-        if errno_ == errno.ENOENT:
-            return ("cannot run %s: its interpreter is missing (%s); install "
-                    "it or fix the #! line" % (path, line))
-    return "cannot run %s: %s" % (path, why)
-
-
-def _tb_tail(e, lines=6):
-    """The last lines of an exception's traceback (where it was raised)."""
-    try:
-        import traceback
-        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    except Exception:       # a broken __str__, no traceback module
-        return None
-    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
-
-
-def _exc_text(e):
-    msg = str(e)
-    return "%s: %s" % (type(e).__name__, msg) if msg else type(e).__name__
-
-
-def _drain(fd):
-    """Read what a pipe holds; True when there was something."""
-    got = False
-    try:
-        while os.read(fd, 4096):
-            got = True
-    except OSError:
-        pass
-    return got
-
-
-# Supervision #################################################################
 
 def _worker_start(python=None, cached=False):
     """argv that starts this very file as a worker process (`cached`: for
@@ -7552,6 +7752,130 @@ def _worker_start(python=None, cached=False):
                                        "m._FROM_CACHE = 1\n" if cached else "")]
 
 
+def _compiled_here():
+    """Did this process compile myq.py?  Run as a script; or imported with
+    no current .pyc (none, older than the source, or written since this
+    process started)."""
+    if _COMPILED_AT_START:
+        return True
+    if globals().get("_FROM_CACHE"):
+        return False            # _run_from_cache wrote it, then exec'd
+    pyc = globals().get("__cached__")
+    if not pyc:
+        return False            # runpy, exec: not ours to guess
+    try:
+        made = os.stat(pyc).st_mtime
+    except OSError:
+        return True
+    try:
+        if made < os.stat(__file__).st_mtime:
+            return True
+        up = time.clock_gettime(time.CLOCK_BOOTTIME)
+        ticks = proc_start(os.getpid())
+        return ticks is not None and \
+            made >= time.time() - up + ticks / float(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+# Byte code is code: a .pyc is used only where no one but us (or root) can
+# have put it or can put it: the source's directory, __pycache__/ and the
+# .pyc each ours or root's, no symlink, none writable by group or others (a
+# copy in /tmp, sticky and world-writable, must not run what another user
+# left in /tmp/__pycache__/).  What is not there yet is made by us.  Source
+# text, run here and at the start of every worker (_worker_start), before
+# myq is imported there: one check for both ways in.
+_TRUSTED_CACHE = """def _trusted_cache(me, pyc):
+    import os
+    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        if st.st_mode & 0o170000 == 0o120000 or st.st_mode & 0o022 \\
+                or st.st_uid not in (0, os.geteuid()):
+            return False
+    return True
+"""
+
+
+exec(_TRUSTED_CACHE)
+
+
+def _run_from_cache():
+    """A long-running command of myq.py run as a script: start it again in
+    this process (execv: the same pid, descriptors and words of the command
+    line) with myq.py imported, by its path, from the byte code Python
+    caches beside it (__pycache__/), written here first when missing.  The
+    new image never compiles myq.py, so it keeps none of the ~4 MiB that
+    the compile leaves fragmented in pymalloc (3.10+): its RSS is the
+    installed layout's.  Nothing happens where that cache cannot be (byte
+    code writing off and no fresh .pyc, a read-only directory, no
+    py_compile), where another user could write it (its directory, or
+    __pycache__/, or the .pyc is not ours or root's alone), or where the
+    file is not NAME.py (an installed /usr/bin/myq that is myq.py itself:
+    Python caches no byte code for it)."""
+    me = os.path.abspath(__file__)
+    if not _COMPILED_AT_START or not me.endswith(".py") or not sys.executable:
+        return
+    try:
+        import importlib.util
+        pyc = importlib.util.cache_from_source(me)
+    except (ImportError, NotImplementedError, ValueError):
+        return
+    if not _trusted_cache(me, pyc):
+        return
+    try:
+        fresh = os.stat(pyc).st_mtime >= os.stat(me).st_mtime
+    except OSError:
+        fresh = False
+    try:
+        if not fresh:
+            if sys.flags.dont_write_bytecode:
+                return
+            import py_compile
+            try:
+                os.mkdir(os.path.dirname(pyc), 0o755)   # not the umask's 775
+            except FileExistsError:
+                pass
+            py_compile.compile(me, cfile=pyc, doraise=True)
+        import subprocess
+        flags = subprocess._args_from_interpreter_flags()
+    except Exception:   # no py_compile, a read-only directory, ...
+        return
+    argv = _worker_start(cached=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv[:1] + flags + argv[1:] + sys.argv[1:])
+
+
+def _give_back_heap(reexec=False):
+    """A long-running command (worker, supervise) in a process that
+    compiled myq.py: with `reexec` (a worker that runs until stopped, a
+    supervisor) first _run_from_cache, which does not return where it
+    works; else give the C heap's free pages back to the system.  The
+    compiler's memory, once freed, stays in glibc's heap, pinned by what
+    was allocated after it (~13 MiB of RSS on Python 3.9+), until
+    malloc_trim(0).  Without ctypes (python3-light) or without malloc_trim
+    (musl) this does nothing, and the C library's free() alone decides.
+    What stays either way is pymalloc's arenas that the compile left
+    fragmented (~1 MiB on 3.7-3.9, ~3-4 MiB on 3.10+)."""
+    if not _compiled_here():
+        return
+    if reexec:
+        _run_from_cache()
+    try:
+        import ctypes
+        ctypes.CDLL(None).malloc_trim(0)
+    except Exception:
+        pass
+
+
+# Supervision #################################################################
+
+
 def _clean_env(pass_env=(), user=None):
     """What a process myq starts gets of our environment (SPEC 5): PATH,
     HOME, LANG, LC_*, TZ and the names given with --pass-env; for another
@@ -7563,52 +7887,6 @@ def _clean_env(pass_env=(), user=None):
     if user is not None:
         env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
     return env
-
-
-def open_log_file(path, ids=None):
-    """Open (create) a log file for appending, safely as root in a
-    directory another user may write to: never through a symlink, never a
-    FIFO or a device, never a file with another name (a hard link);
-    created 0640 and, with `ids` (uid, gid), handed to that user through
-    its descriptor.  Returns the descriptor.  The checks apply where they
-    matter: to root, in a directory that someone else may write to (a
-    /dev/null or a /dev/stderr given by root stays usable)."""
-    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | O_CLOEXEC
-             | getattr(os, "O_NOCTTY", 0))
-    strict = os.geteuid() == 0
-    if strict:
-        try:
-            st = os.stat(os.path.dirname(os.path.abspath(path)))
-            strict = st.st_uid != 0 or bool(st.st_mode & 0o022)
-        except OSError:
-            pass
-    try:
-        fd = os.open(path, flags | (O_NOFOLLOW if strict else 0), 0o640)
-    except OSError as e:
-        raise ConfigError("cannot open log file %s: %s%s" % (
-            path, e.strerror, " (a symlink is not followed)"
-            if e.errno == errno.ELOOP else ""))
-    try:
-        st = os.fstat(fd)
-        if strict and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
-            raise ConfigError("log file %s is not a plain file (%s); remove it"
-                              % (path, _file_kind(st.st_mode) or "a hard link"))
-        if ids is not None and stat.S_ISREG(st.st_mode) \
-                and (st.st_uid, st.st_gid) != tuple(ids):
-            # handed over: a file just created (empty), or the user's own;
-            # never an existing file of root's (MYQ_LOG=/var/log/messages)
-            if st.st_uid != ids[0] and (st.st_uid != 0 or st.st_size):
-                raise ConfigError("log file %s belongs to uid %d%s; not handed "
-                                  "to the service user: give another path, or "
-                                  "chown it to the service user" % (
-                                      path, st.st_uid,
-                                      " and is not empty" if st.st_uid == 0 else ""))
-            os.fchown(fd, ids[0], ids[1])
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class Supervisor(object):
@@ -7916,21 +8194,6 @@ _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": 
              "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
              "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
              "mqtt_key": "FILE"}
-
-
-def _format_duration(v):
-    """3600.0 -> '1h', 90.0 -> '90s', 0.2 -> '0.2s': what --help shows."""
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if v >= max(n, 120) and v % n == 0:
-            return "%d%s" % (v // n, unit)
-    return "%gs" % v
-
-
-def _format_size(v):
-    for unit, n in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if v >= n and v % n == 0:
-            return "%d%s" % (v // n, unit)
-    return str(v)
 
 
 def _option_help(flag, typ, default, help):
@@ -8805,9 +9068,6 @@ class _BodyDone(BaseException):
     """Leaves the module body of myq.py run as a script."""
 
 
-_COMPILED_AT_START = []     # [True]: run as a script, so compiled at start
-
-
 def _after_body(prev):
     """The sys.excepthook that runs main() once the body is left; prev is
     the hook it replaces, put back at once."""
@@ -8829,125 +9089,6 @@ def _after_body(prev):
             status = 1
         sys.exit(status)
     return hook
-
-
-def _compiled_here():
-    """Did this process compile myq.py?  Run as a script; or imported with
-    no current .pyc (none, older than the source, or written since this
-    process started)."""
-    if _COMPILED_AT_START:
-        return True
-    if globals().get("_FROM_CACHE"):
-        return False            # _run_from_cache wrote it, then exec'd
-    pyc = globals().get("__cached__")
-    if not pyc:
-        return False            # runpy, exec: not ours to guess
-    try:
-        made = os.stat(pyc).st_mtime
-    except OSError:
-        return True
-    try:
-        if made < os.stat(__file__).st_mtime:
-            return True
-        up = time.clock_gettime(time.CLOCK_BOOTTIME)
-        ticks = proc_start(os.getpid())
-        return ticks is not None and \
-            made >= time.time() - up + ticks / float(os.sysconf("SC_CLK_TCK"))
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
-# Byte code is code: a .pyc is used only where no one but us (or root) can
-# have put it or can put it: the source's directory, __pycache__/ and the
-# .pyc each ours or root's, no symlink, none writable by group or others (a
-# copy in /tmp, sticky and world-writable, must not run what another user
-# left in /tmp/__pycache__/).  What is not there yet is made by us.  Source
-# text, run here and at the start of every worker (_worker_start), before
-# myq is imported there: one check for both ways in.
-_TRUSTED_CACHE = """def _trusted_cache(me, pyc):
-    import os
-    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return False
-        if st.st_mode & 0o170000 == 0o120000 or st.st_mode & 0o022 \\
-                or st.st_uid not in (0, os.geteuid()):
-            return False
-    return True
-"""
-exec(_TRUSTED_CACHE)
-
-
-def _run_from_cache():
-    """A long-running command of myq.py run as a script: start it again in
-    this process (execv: the same pid, descriptors and words of the command
-    line) with myq.py imported, by its path, from the byte code Python
-    caches beside it (__pycache__/), written here first when missing.  The
-    new image never compiles myq.py, so it keeps none of the ~4 MiB that
-    the compile leaves fragmented in pymalloc (3.10+): its RSS is the
-    installed layout's.  Nothing happens where that cache cannot be (byte
-    code writing off and no fresh .pyc, a read-only directory, no
-    py_compile), where another user could write it (its directory, or
-    __pycache__/, or the .pyc is not ours or root's alone), or where the
-    file is not NAME.py (an installed /usr/bin/myq that is myq.py itself:
-    Python caches no byte code for it)."""
-    me = os.path.abspath(__file__)
-    if not _COMPILED_AT_START or not me.endswith(".py") or not sys.executable:
-        return
-    try:
-        import importlib.util
-        pyc = importlib.util.cache_from_source(me)
-    except (ImportError, NotImplementedError, ValueError):
-        return
-    if not _trusted_cache(me, pyc):
-        return
-    try:
-        fresh = os.stat(pyc).st_mtime >= os.stat(me).st_mtime
-    except OSError:
-        fresh = False
-    try:
-        if not fresh:
-            if sys.flags.dont_write_bytecode:
-                return
-            import py_compile
-            try:
-                os.mkdir(os.path.dirname(pyc), 0o755)   # not the umask's 775
-            except FileExistsError:
-                pass
-            py_compile.compile(me, cfile=pyc, doraise=True)
-        import subprocess
-        flags = subprocess._args_from_interpreter_flags()
-    except Exception:   # no py_compile, a read-only directory, ...
-        return
-    argv = _worker_start(cached=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(argv[0], argv[:1] + flags + argv[1:] + sys.argv[1:])
-
-
-def _give_back_heap(reexec=False):
-    """A long-running command (worker, supervise) in a process that
-    compiled myq.py: with `reexec` (a worker that runs until stopped, a
-    supervisor) first _run_from_cache, which does not return where it
-    works; else give the C heap's free pages back to the system.  The
-    compiler's memory, once freed, stays in glibc's heap, pinned by what
-    was allocated after it (~13 MiB of RSS on Python 3.9+), until
-    malloc_trim(0).  Without ctypes (python3-light) or without malloc_trim
-    (musl) this does nothing, and the C library's free() alone decides.
-    What stays either way is pymalloc's arenas that the compile left
-    fragmented (~1 MiB on 3.7-3.9, ~3-4 MiB on 3.10+)."""
-    if not _compiled_here():
-        return
-    if reexec:
-        _run_from_cache()
-    try:
-        import ctypes
-        ctypes.CDLL(None).malloc_trim(0)
-    except Exception:
-        pass
 
 
 if __name__ == "__main__":

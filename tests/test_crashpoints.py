@@ -138,7 +138,7 @@ def claimed(path, jid):
     sp = myq.Spool(path)
     me = myq.Identity(sp, lease=60)
     me.register()
-    c = sp._claim(jid + ".json", me)
+    c = sp.claims.claim(jid + ".json", me)
     assert c is not None, "could not claim " + jid
     return sp, me, c
 
@@ -246,7 +246,7 @@ def _():
         me = myq.Identity(sp, lease=60)
         me.register()
         arm()
-        assert sp._claim("j.json", me) is not None
+        assert sp.claims.claim("j.json", me) is not None
     return _one, act
 
 
@@ -268,7 +268,7 @@ def _():
         sp, me, c = claimed(path, "j")
         _record(c.job)                  # the handler ran and succeeded
         arm()
-        assert sp._complete(c)
+        assert sp.claims.complete(c)
         myq._fsync_dir(sp.d("done"))            # the worker's group commit
     return _one, act
 
@@ -281,7 +281,7 @@ def _move(dest):
         if dest == "dlq":
             job["failed_at"] = time.time()
         arm()
-        assert sp._move_on(c, job, dest, me)
+        assert sp.claims.move_on(c, job, dest, me)
         if dest == "incoming":
             sp._note_retry()
     return _one, act
@@ -319,7 +319,7 @@ def _crashed_move(dest, op, where):
         job = dict(c.job, attempts=c.attempt, last_error="x",
                    available_at=time.time())
         myq._hook = _die_on(op, where)
-        sp._move_on(c, job, dest, me)
+        sp.claims.move_on(c, job, dest, me)
         raise AssertionError("move_on did not crash")
     return then
 

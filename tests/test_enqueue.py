@@ -272,13 +272,13 @@ def test_an_explicit_id_claimed_while_its_producer_unlinks_tmp(myq, spool,
     def claim_now(op, path, when):
         if op == "link" and when == "after" and "/incoming/" in path:
             monkeypatch.setattr(myq, "_scandir", producer_unlinks_first)
-            got.append(sp._claim(os.path.basename(path), me))
+            got.append(sp.claims.claim(os.path.basename(path), me))
             monkeypatch.setattr(myq, "_scandir", real_scandir)
     monkeypatch.setattr(myq, "_hook", claim_now)
     assert sp.enqueue("ok", {"x": 1}, id="linked-1") == "linked-1"
     monkeypatch.setattr(myq, "_hook", None)
     assert got and got[0] is not None and got[0].jid == "linked-1"
-    sp._close(got[0])
+    sp.claims.close(got[0])
     assert ls(spool, "failed") == []
     assert [n.split("+")[0] for n in ls(spool, "processing")] == ["linked-1"]
 

@@ -312,9 +312,9 @@ def test_claim_of_a_worker_whose_record_is_empty_is_taken_back_at_once(
     jid = sp.enqueue("t", {"n": 1})
     me = myq.Identity(sp)
     me.register()
-    c = sp._claim(jid + ".json", me)
+    c = sp.claims.claim(jid + ".json", me)
     assert c is not None
-    sp._close(c)
+    sp.claims.close(c)
     open(me.path, "w").close()          # the record, as a cut left it
     assert sp.reap() == 1
     assert ls(spool, "processing") == []

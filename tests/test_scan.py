@@ -195,7 +195,7 @@ def test_a_job_enqueued_during_a_deep_pass_is_claimed_without_waiting(
         if c is None:
             break
         claimed.append(c.jid)
-        w.spool._complete(c)
+        w.spool.claims.complete(c)
     assert sorted(claimed) == sorted(ready + [arrived])
 
 
@@ -271,7 +271,7 @@ def test_a_pass_that_claims_nothing_still_wakes_the_worker_soon(
     w.me = myq.Identity(w.spool)
     c = w._next_claim(force=True)
     assert c is not None and c.jid == "0001-F1"
-    w.spool._complete(c)
+    w.spool.claims.complete(c)
     w.dirty = True                      # a poke between two calls
     c = w._next_claim()
     if c is None:

@@ -348,9 +348,9 @@ def test_a_zombie_worker_holds_no_claim(myq, spool):
         ident.wid = "w-%d-zzz" % child.pid
         ident.path = sp.d("locks", "workers", ident.wid + ".json")
         ident.register()
-        c = sp._claim("z1.json", ident)
+        c = sp.claims.claim("z1.json", ident)
         assert c is not None and c.jid == "z1"
-        sp._close(c)
+        sp.claims.close(c)
         assert sp.reap() == 1
         assert state(call_myq, spool, "z1") == "ready"
     finally:
