@@ -7600,6 +7600,91 @@ def open_log_file(path, ids=None):
     return fd
 
 
+class _NotStarted(MyqError):
+    """What the supervisor of `supervise --daemon` said instead of ready."""
+
+    def __init__(self, message, code=1):
+        MyqError.__init__(self, message)
+        self.code = code
+
+
+def _error_report(e):
+    """(exit status, one line) of an exception, as main() would say it."""
+    if isinstance(e, MyqError):
+        return e.code, str(e)
+    if isinstance(e, OSError):
+        return EX_TEMPFAIL, "%s%s" % (e.strerror or e, " (%s)" % e.filename
+                                      if getattr(e, "filename", None) else "")
+    return 1, "%s: %s" % (e.__class__.__name__, e)
+
+
+def _open_fds():
+    try:
+        return [int(n) for n in os.listdir("/proc/self/fd")]
+    except (OSError, ValueError):
+        return range(3, 1024)
+
+
+def fork_daemon(keep=()):
+    """`supervise --daemon`: fork, as os.fork() does: (pid, fd) in the
+    caller, the child's pid and the pipe on which the child says whether
+    it started; (0, that pipe's write end) in the child.  The child leads
+    a session of its own (its pid is its process group, the one that
+    `supervise --stop` waits for), reads and writes /dev/null on 0, 1 and
+    2, and holds no other descriptor of the caller's but `keep`: a shell
+    leaks its saved ones (BusyBox ash), and one that is the init script's
+    $(...) pipe would hold the script up as long as the daemon runs."""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        os.close(w)
+        return pid, r
+    os.close(r)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    keep = set(keep) | {w}
+    for fd in _open_fds():
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    return 0, w
+
+
+def await_daemon(pid, fd, log_name, timeout=30.0):
+    """The caller's half of `supervise --daemon`: 0 once the child said it
+    is ready (the pidfile written, the first worker started); else raise
+    what it said instead, with its exit status."""
+    import select
+    data = b""
+    end = _mono() + timeout
+    try:
+        while not data.endswith(b"\n"):
+            if not select.select([fd], [], [], max(0.0, end - _mono()))[0]:
+                raise _NotStarted("the supervisor (pid %d) did not say it started "
+                                  "within %ds; see %s" % (pid, timeout, log_name))
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    code, _, message = data.decode("utf-8", "replace").strip().partition(" ")
+    if code == "0":
+        return 0
+    if code.isdigit() and message:
+        raise _NotStarted(message, int(code))
+    _, status = os.waitpid(pid, 0)      # it died without a word
+    raise _NotStarted("the supervisor exited at once; see %s" % log_name,
+                      os.WEXITSTATUS(status) if os.WIFEXITED(status)
+                      and os.WEXITSTATUS(status) else 1)
+
+
 class Supervisor(object):
     """`myq supervise`: keeps N worker processes running (for the init
     script and procd).  It owns process management, so that the init
@@ -7616,14 +7701,19 @@ class Supervisor(object):
     - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
       reset after 60 s up); workers stop by themselves when the supervisor
       is gone (they watch their parent);
+    - with `ready` (the pipe of fork_daemon), it says there "0" once the
+      pidfile is written and its first worker started, or the exit status
+      and the error that stopped it;
     - SIGTERM/SIGINT: TERM to the workers, KILL after --stop-timeout (a
       second signal: at once), then `myq reap` as the spool's owner, which
       takes back the claims of killed workers and ends their handlers; then
       it exits 0.  SIGHUP reopens the log and is passed on."""
 
     def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
-                 pidfile=None, stop_timeout=10.0, env=None, python=None):
+                 pidfile=None, stop_timeout=10.0, env=None, python=None,
+                 ready=None):
         self.spool, self.n, self.log = spool, workers, log
+        self.ready = ready
         self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
         self.pidfile, self.stop_timeout = pidfile, stop_timeout
         self.argv = _worker_start(python) + [
@@ -7661,6 +7751,20 @@ class Supervisor(object):
         finally:
             os.close(fd)
 
+    def _tell(self, code=0, message=""):
+        """--daemon: tell the caller that we are ready (0), or why not;
+        once (a caller that is gone is not an error)."""
+        fd, self.ready = self.ready, None
+        if fd is None:
+            return
+        try:
+            os.write(fd, ("%d %s\n" % (code, message.replace("\n", " ")))
+                     .encode("utf-8", "replace"))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def _remove_pidfile(self):
         data = _read_small(self.pidfile, 64)
         if data and data.strip() == str(os.getpid()).encode():
@@ -7688,19 +7792,26 @@ class Supervisor(object):
                         (signal.SIGCHLD, lambda s, f: None)):
             signal.signal(sig, fn)
         signal.set_wakeup_fd(pipe[1])
-        if self.pidfile:
-            self._write_pidfile()
-        if self.ids is not None:
-            # Root's part is done (the pidfile, the log file): from here on
-            # the supervisor, its workers and the final reap run as the
-            # user.  The pidfile stays root's: the init script removes it.
-            become(self.ids[0], self.ids[1])
-            self.pidfile = None
         try:
-            self._loop(select, signal, pipe[0])
-        finally:
             if self.pidfile:
-                self._remove_pidfile()
+                self._write_pidfile()
+            try:
+                if self.ids is not None:
+                    # Root's part is done (the pidfile, the log file): from
+                    # here on the supervisor, its workers and the final reap
+                    # run as the user.  The pidfile stays root's: the init
+                    # script removes it.
+                    become(self.ids[0], self.ids[1])
+                    self.pidfile = None
+                self._loop(select, signal, pipe[0])
+            finally:
+                if self.pidfile:
+                    self._remove_pidfile()
+        except BaseException as e:
+            self._tell(*_error_report(e))
+            raise
+        finally:
+            self._tell(1, "the supervisor stopped before its first worker started")
         return 0
 
     def _loop(self, select, signal, wake):
@@ -7750,17 +7861,11 @@ class Supervisor(object):
                         p.send_signal(signal.SIGKILL)
                     kill_at = None
             else:
-                for i, s in enumerate(slots):
-                    if s["proc"] is None and now >= s["at"]:
-                        try:
-                            s["proc"] = self._spawn(self.argv, self.log.fileno())
-                            s["since"] = now
-                            log("worker_start", slot=i, pid=s["proc"].pid)
-                        except (OSError, ValueError) as e:
-                            log("error", during="start worker",
-                                error=getattr(e, "strerror", None) or str(e))
-                            s["at"] = now + s["backoff"]
-                            s["backoff"] = min(30.0, s["backoff"] * 2)
+                error = self._start_workers(slots, now)
+                if error and self.ready is not None:    # --daemon: not started
+                    self.stop = 1
+                    self._tell(1, "cannot start a worker: %s" % error)
+                self._tell()        # the first round: --daemon's word, once
             waits = [s["at"] - now for s in slots if s["proc"] is None]
             if self.stop:
                 wait = max(0.05, kill_at - now) if kill_at is not None else 1.0
@@ -7773,6 +7878,22 @@ class Supervisor(object):
             _drain(wake)
         self._reap_after_stop()
         log("supervise_stop", pid=os.getpid())
+
+    def _start_workers(self, slots, now):
+        """Start the workers that are due; the last error, or None."""
+        error = None
+        for i, s in enumerate(slots):
+            if s["proc"] is None and now >= s["at"]:
+                try:
+                    s["proc"] = self._spawn(self.argv, self.log.fileno())
+                    s["since"] = now
+                    self.log("worker_start", slot=i, pid=s["proc"].pid)
+                except (OSError, ValueError) as e:
+                    error = getattr(e, "strerror", None) or str(e)
+                    self.log("error", during="start worker", error=error)
+                    s["at"] = now + s["backoff"]
+                    s["backoff"] = min(30.0, s["backoff"] * 2)
+        return error
 
     def _reap_after_stop(self):
         """Workers that were killed leave claims and maybe handlers: `myq
@@ -8048,6 +8169,10 @@ def _args_supervise(p):
                    "after SIGTERM before SIGKILL (default 10s)")
     p.add_argument("--dry-run", action="store_true", help="check the options "
                    "and the spool, start nothing (exit 0 when all is well)")
+    p.add_argument("--daemon", action="store_true", help="run in the "
+                   "background: exit 0 once the pidfile is written and the "
+                   "first worker started, else with the error that stopped it "
+                   "(the init script's start)")
     p.add_argument("--stop", action="store_true", help="stop the supervisor of "
                    "--pidfile: SIGTERM, wait for its workers (SIGKILL after "
                    "--stop-timeout + 5 s), then reap (the init script's stop)")
@@ -8389,11 +8514,19 @@ def _supervise(args, spool, guards, env):
                          "another takes its id); leave it out for unique ids" % n)
     if args.dry_run:
         return 0
+    # before the log is open and the caller's stderr replaced: the image
+    # started again does both (and a daemon forks from it)
+    _give_back_heap(reexec=True)
     if o.get("log"):
         _make_log_dir(o["log"], ids)
     log = Log(path=o.get("log"), syslog=o.get("syslog"),
               facility=o.get("syslog_facility"), tag=o.get("syslog_tag"),
               owner=ids)
+    ready = None
+    if args.daemon:
+        pid, ready = fork_daemon(keep=[log.fileno()])
+        if pid:
+            return await_daemon(pid, ready, o.get("log") or "syslog")
     if log.fileno() is not None:        # a traceback lands in the log too
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -8405,10 +8538,9 @@ def _supervise(args, spool, guards, env):
         + _option_argv(guards, GUARD_OPTIONS)
     wenv = _clean_env(o["pass_env"], user)
     wenv.update(_secret_env(o))
-    _give_back_heap(reexec=True)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
-                      pidfile=args.pidfile,
-                      stop_timeout=stop_timeout, env=wenv).run()
+                      pidfile=args.pidfile, stop_timeout=stop_timeout,
+                      env=wenv, ready=ready).run()
 
 
 def _make_log_dir(path, ids):
