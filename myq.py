@@ -7889,6 +7889,91 @@ def _clean_env(pass_env=(), user=None):
     return env
 
 
+class _NotStarted(MyqError):
+    """What the supervisor of `supervise --daemon` said instead of ready."""
+
+    def __init__(self, message, code=1):
+        MyqError.__init__(self, message)
+        self.code = code
+
+
+def _error_report(e):
+    """(exit status, one line) of an exception, as main() would say it."""
+    if isinstance(e, MyqError):
+        return e.code, str(e)
+    if isinstance(e, OSError):
+        return EX_TEMPFAIL, "%s%s" % (e.strerror or e, " (%s)" % e.filename
+                                      if getattr(e, "filename", None) else "")
+    return 1, "%s: %s" % (e.__class__.__name__, e)
+
+
+def _open_fds():
+    try:
+        return [int(n) for n in os.listdir("/proc/self/fd")]
+    except (OSError, ValueError):
+        return range(3, 1024)
+
+
+def fork_daemon(keep=()):
+    """`supervise --daemon`: fork, as os.fork() does: (pid, fd) in the
+    caller, the child's pid and the pipe on which the child says whether
+    it started; (0, that pipe's write end) in the child.  The child leads
+    a session of its own (its pid is its process group, the one that
+    `supervise --stop` waits for), reads and writes /dev/null on 0, 1 and
+    2, and holds no other descriptor of the caller's but `keep`: a shell
+    leaks its saved ones (BusyBox ash), and one that is the init script's
+    $(...) pipe would hold the script up as long as the daemon runs."""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        os.close(w)
+        return pid, r
+    os.close(r)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    keep = set(keep) | {w}
+    for fd in _open_fds():
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    return 0, w
+
+
+def await_daemon(pid, fd, log_name, timeout=30.0):
+    """The caller's half of `supervise --daemon`: 0 once the child said it
+    is ready (the pidfile written, the first worker started); else raise
+    what it said instead, with its exit status."""
+    import select
+    data = b""
+    end = _mono() + timeout
+    try:
+        while not data.endswith(b"\n"):
+            if not select.select([fd], [], [], max(0.0, end - _mono()))[0]:
+                raise _NotStarted("the supervisor (pid %d) did not say it started "
+                                  "within %ds; see %s" % (pid, timeout, log_name))
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    code, _, message = data.decode("utf-8", "replace").strip().partition(" ")
+    if code == "0":
+        return 0
+    if code.isdigit() and message:
+        raise _NotStarted(message, int(code))
+    _, status = os.waitpid(pid, 0)      # it died without a word
+    raise _NotStarted("the supervisor exited at once; see %s" % log_name,
+                      os.WEXITSTATUS(status) if os.WIFEXITED(status)
+                      and os.WEXITSTATUS(status) else 1)
+
+
 class Supervisor(object):
     """`myq supervise`: keeps N worker processes running (for the init
     script and procd).  It owns process management, so that the init
@@ -7905,14 +7990,19 @@ class Supervisor(object):
     - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
       reset after 60 s up); workers stop by themselves when the supervisor
       is gone (they watch their parent);
+    - with `ready` (the pipe of fork_daemon), it says there "0" once the
+      pidfile is written and its first worker started, or the exit status
+      and the error that stopped it;
     - SIGTERM/SIGINT: TERM to the workers, KILL after --stop-timeout (a
       second signal: at once), then `myq reap` as the spool's owner, which
       takes back the claims of killed workers and ends their handlers; then
       it exits 0.  SIGHUP reopens the log and is passed on."""
 
     def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
-                 pidfile=None, stop_timeout=10.0, env=None, python=None):
+                 pidfile=None, stop_timeout=10.0, env=None, python=None,
+                 ready=None):
         self.spool, self.n, self.log = spool, workers, log
+        self.ready = ready
         self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
         self.pidfile, self.stop_timeout = pidfile, stop_timeout
         self.argv = _worker_start(python) + [
@@ -7950,6 +8040,20 @@ class Supervisor(object):
         finally:
             os.close(fd)
 
+    def _tell(self, code=0, message=""):
+        """--daemon: tell the caller that we are ready (0), or why not;
+        once (a caller that is gone is not an error)."""
+        fd, self.ready = self.ready, None
+        if fd is None:
+            return
+        try:
+            os.write(fd, ("%d %s\n" % (code, message.replace("\n", " ")))
+                     .encode("utf-8", "replace"))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def _remove_pidfile(self):
         data = _read_small(self.pidfile, 64)
         if data and data.strip() == str(os.getpid()).encode():
@@ -7977,19 +8081,26 @@ class Supervisor(object):
                         (signal.SIGCHLD, lambda s, f: None)):
             signal.signal(sig, fn)
         signal.set_wakeup_fd(pipe[1])
-        if self.pidfile:
-            self._write_pidfile()
-        if self.ids is not None:
-            # Root's part is done (the pidfile, the log file): from here on
-            # the supervisor, its workers and the final reap run as the
-            # user.  The pidfile stays root's: the init script removes it.
-            become(self.ids[0], self.ids[1])
-            self.pidfile = None
         try:
-            self._loop(select, signal, pipe[0])
-        finally:
             if self.pidfile:
-                self._remove_pidfile()
+                self._write_pidfile()
+            try:
+                if self.ids is not None:
+                    # Root's part is done (the pidfile, the log file): from
+                    # here on the supervisor, its workers and the final reap
+                    # run as the user.  The pidfile stays root's: the init
+                    # script removes it.
+                    become(self.ids[0], self.ids[1])
+                    self.pidfile = None
+                self._loop(select, signal, pipe[0])
+            finally:
+                if self.pidfile:
+                    self._remove_pidfile()
+        except BaseException as e:
+            self._tell(*_error_report(e))
+            raise
+        finally:
+            self._tell(1, "the supervisor stopped before its first worker started")
         return 0
 
     def _loop(self, select, signal, wake):
@@ -8039,17 +8150,11 @@ class Supervisor(object):
                         p.send_signal(signal.SIGKILL)
                     kill_at = None
             else:
-                for i, s in enumerate(slots):
-                    if s["proc"] is None and now >= s["at"]:
-                        try:
-                            s["proc"] = self._spawn(self.argv, self.log.fileno())
-                            s["since"] = now
-                            log("worker_start", slot=i, pid=s["proc"].pid)
-                        except (OSError, ValueError) as e:
-                            log("error", during="start worker",
-                                error=getattr(e, "strerror", None) or str(e))
-                            s["at"] = now + s["backoff"]
-                            s["backoff"] = min(30.0, s["backoff"] * 2)
+                error = self._start_workers(slots, now)
+                if error and self.ready is not None:    # --daemon: not started
+                    self.stop = 1
+                    self._tell(1, "cannot start a worker: %s" % error)
+                self._tell()        # the first round: --daemon's word, once
             waits = [s["at"] - now for s in slots if s["proc"] is None]
             if self.stop:
                 wait = max(0.05, kill_at - now) if kill_at is not None else 1.0
@@ -8062,6 +8167,22 @@ class Supervisor(object):
             _drain(wake)
         self._reap_after_stop()
         log("supervise_stop", pid=os.getpid())
+
+    def _start_workers(self, slots, now):
+        """Start the workers that are due; the last error, or None."""
+        error = None
+        for i, s in enumerate(slots):
+            if s["proc"] is None and now >= s["at"]:
+                try:
+                    s["proc"] = self._spawn(self.argv, self.log.fileno())
+                    s["since"] = now
+                    self.log("worker_start", slot=i, pid=s["proc"].pid)
+                except (OSError, ValueError) as e:
+                    error = getattr(e, "strerror", None) or str(e)
+                    self.log("error", during="start worker", error=error)
+                    s["at"] = now + s["backoff"]
+                    s["backoff"] = min(30.0, s["backoff"] * 2)
+        return error
 
     def _reap_after_stop(self):
         """Workers that were killed leave claims and maybe handlers: `myq
@@ -8175,8 +8296,8 @@ WORKER_OPTIONS = [
 ]
 
 
-# The guard options each command's --help shows (worker and supervise: all);
-# the others are accepted and ignored, as they always were.
+# The commands that take the guard options, and those each one's --help
+# shows (None: all); the others are accepted and ignored, as they always were.
 _RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
                     "--keep-dead", "--keep-dead-max", "--keep-failed",
                     "--keep-ok-max")
@@ -8186,6 +8307,8 @@ _GUARDS_SHOWN = {
                 "--dedupe-window"),
     "prune": _RETENTION_FLAGS,
     "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
+    "worker": None,
+    "supervise": None,
 }
 
 
@@ -8212,118 +8335,105 @@ def _option_help(flag, typ, default, help):
     return "%s (default %s; %s)" % (help, default, var)
 
 
-class _Unparsed(object):
-    """Stands in for the parser of a command not given: building all of
-    them costs a `myq enqueue` 15-30 ms of its ~70."""
-
-    def add_argument(self, *args, **kw):
-        pass
-
-
-def _parser(only=None):
-    """The command line's parser; with `only`, that command's alone."""
+def _arg_error(message):
     import argparse
+    return argparse.ArgumentTypeError(message)
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise UsageError("%s (see: myq %s--help)" % (
-                message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
 
-    def duration(text):
-        try:
-            return parse_duration(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError("%r is %s" % (text, e))
+def _duration_arg(text):
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise _arg_error("%r is %s" % (text, e))
 
-    def positive_duration(text):
-        v = duration(text)
-        if v <= 0:
-            raise argparse.ArgumentTypeError("%r: must be more than 0" % text)
-        return v
 
-    def priority(text):
-        try:
-            p = int(text)
-            if -9 <= p <= 9:
-                return p
-        except ValueError:
-            pass
-        raise argparse.ArgumentTypeError("%r: a priority is an integer from "
-                                         "-9 to 9" % text)
+def _positive_duration_arg(text):
+    v = _duration_arg(text)
+    if v <= 0:
+        raise _arg_error("%r: must be more than 0" % text)
+    return v
 
-    def count(text):
-        try:
-            return _posint(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError("%r is %s" % (text, e))
 
-    def add(p, table, shown=None):
-        for flag, typ, default, help in table:
-            dest = flag[2:].replace("-", "_")
-            if shown is not None and flag not in shown:
-                help = argparse.SUPPRESS     # accepted, but not its concern
-            else:
-                help = _option_help(flag, typ, default, help)
-            if typ is None:
-                p.add_argument(flag, dest=dest, action="store_const", const=True,
-                               default=None, help=help)
-            elif typ == "append":
-                p.add_argument(flag, dest=dest, action="append", default=None,
-                               metavar=dest.upper().rsplit("_", 1)[-1], help=help)
-            else:
-                p.add_argument(flag, dest=dest, default=None, help=help,
-                               metavar="N" if typ in (_posint, _natural) else
-                               "S" if typ is _seconds else
-                               "SIZE" if typ is parse_size else
-                               "F" if typ is _fraction else
-                               _METAVARS.get(dest) or dest.split("_")[-1].upper())
+def _priority_arg(text):
+    try:
+        p = int(text)
+        if -9 <= p <= 9:
+            return p
+    except ValueError:
+        pass
+    raise _arg_error("%r: a priority is an integer from -9 to 9" % text)
 
-    top = Parser(prog="myq", description="A job queue worker for small Linux "
-                 "devices: one spool directory, one file per job.")
-    top.add_argument("--spool", help="the spool directory (default $MYQ_SPOOL "
-                     "or %s)" % DEFAULT_SPOOL)
-    top.add_argument("--version", action="version", version="myq " + __version__)
-    sub = top.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
 
-    def cmd(name, help, guards=False, worker=False):
-        if only is not None and name != only:
-            return _Unparsed()
-        p = sub.add_parser(name, help=help, description=help)
-        p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
-        if worker:
-            add(p, WORKER_OPTIONS)
-        if guards:
-            add(p, GUARD_OPTIONS, None if worker else _GUARDS_SHOWN[name])
-        return p
+def _count_arg(text):
+    try:
+        return _posint(text)
+    except ValueError as e:
+        raise _arg_error("%r is %s" % (text, e))
 
-    p = cmd("init", "create the spool and its layout (idempotent)", guards=True)
+
+def _metavar(typ, dest):
+    return "N" if typ in (_posint, _natural) else "S" if typ is _seconds else \
+        "SIZE" if typ is parse_size else "F" if typ is _fraction else \
+        _METAVARS.get(dest) or dest.split("_")[-1].upper()
+
+
+def _add_options(p, table, shown=None):
+    """The options of a table (WORKER_OPTIONS, GUARD_OPTIONS); those not
+    in `shown` are accepted but left out of --help."""
+    import argparse
+    for flag, typ, default, help in table:
+        dest = flag[2:].replace("-", "_")
+        if shown is not None and flag not in shown:
+            help = argparse.SUPPRESS     # accepted, but not its concern
+        else:
+            help = _option_help(flag, typ, default, help)
+        if typ is None:
+            p.add_argument(flag, dest=dest, action="store_const", const=True,
+                           default=None, help=help)
+        elif typ == "append":
+            p.add_argument(flag, dest=dest, action="append", default=None,
+                           metavar=dest.upper().rsplit("_", 1)[-1], help=help)
+        else:
+            p.add_argument(flag, dest=dest, default=None, help=help,
+                           metavar=_metavar(typ, dest))
+
+
+# One parser builder per command: its own arguments, after the worker and
+# guard options that _add_command gives it.
+
+def _args_init(p):
     p.add_argument("--owner", help="chown the layout to USER[:GROUP]")
-    p = cmd("enqueue", "add a job; prints its id", guards=True)
+
+
+def _args_enqueue(p):
     p.add_argument("type", help="the job's type: selects its handler")
     p.add_argument("payload", nargs="?", default="null",
                    help="JSON text, or - for standard input (default null)")
     p.add_argument("--id", help="the job's id (default: generated, in "
                    "creation order); exit 73 when that id is queued, running, "
                    "dead or done within the --dedupe-window")
-    p.add_argument("--delay", type=duration, default=0, metavar="S",
+    p.add_argument("--delay", type=_duration_arg, default=0, metavar="S",
                    help="run it no sooner than this from now (default 0)")
     p.add_argument("--max-attempts", type=int, metavar="N",
                    help="runs the job gets (default: the worker's "
                    "--max-attempts)")
-    p.add_argument("--timeout", type=duration, metavar="S",
+    p.add_argument("--timeout", type=_duration_arg, metavar="S",
                    help="the handler's time limit for this job (default: "
                    "the worker's --timeout)")
-    p.add_argument("--priority", type=priority, metavar="P",
+    p.add_argument("--priority", type=_priority_arg, metavar="P",
                    help="-9 to 9, higher first (default: the type's policy, "
                    "else 0)")
-    p.add_argument("--ttl", type=positive_duration, metavar="S",
+    p.add_argument("--ttl", type=_positive_duration_arg, metavar="S",
                    help="never start it later than this from now: it goes to "
                    "dlq/ as expired (default: the type's policy ttl)")
-    p = cmd("worker", "run jobs", guards=True, worker=True)
+
+
+def _args_worker(p):
+    import argparse
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
-    p = cmd("supervise", "run and restart N workers (for the init script)",
-            guards=True, worker=True)
+
+
+def _args_supervise(p):
     p.add_argument("--workers", default=None, metavar="N",
                    help="worker processes to keep running (default 1; MYQ_WORKERS)")
     p.add_argument("--user", help="run the workers as USER[:GROUP] (root only); "
@@ -8333,27 +8443,39 @@ def _parser(only=None):
                    "after SIGTERM before SIGKILL (default 10s)")
     p.add_argument("--dry-run", action="store_true", help="check the options "
                    "and the spool, start nothing (exit 0 when all is well)")
+    p.add_argument("--daemon", action="store_true", help="run in the "
+                   "background: exit 0 once the pidfile is written and the "
+                   "first worker started, else with the error that stopped it "
+                   "(the init script's start)")
     p.add_argument("--stop", action="store_true", help="stop the supervisor of "
                    "--pidfile: SIGTERM, wait for its workers (SIGKILL after "
                    "--stop-timeout + 5 s), then reap (the init script's stop)")
-    p = cmd("stats", "print the status line")
+
+
+def _args_stats(p):
     p.add_argument("--json", action="store_true",
                    help="one JSON object instead of the status line")
     p.add_argument("--prometheus", action="store_true",
                    help="the Prometheus text format (node_exporter's "
                    "textfile collector) instead of the status line")
-    p = cmd("list", "list jobs")
+
+
+def _args_list(p):
     p.add_argument("state", nargs="?", choices=STATES + ("held",),
                    help="only jobs in this state: %s (held: waiting for a "
                    "held destination)" % ", ".join(STATES + ("held",)))
     p.add_argument("--type", help="only jobs of this type")
-    p.add_argument("--limit", type=count, metavar="N",
+    p.add_argument("--limit", type=_count_arg, metavar="N",
                    help="at most N jobs (default: all)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per line instead of text")
-    p = cmd("show", "print one job as JSON")
+
+
+def _args_show(p):
     p.add_argument("id", help="a job id, or the name of a file in failed/")
-    p = cmd("retry", "bring dead (or repaired failed) jobs back")
+
+
+def _args_retry(p):
     p.add_argument("ids", nargs="*", metavar="ID",
                    help="dead job ids, or names of repaired files in failed/")
     p.add_argument("--all", action="store_true",
@@ -8361,13 +8483,15 @@ def _parser(only=None):
     p.add_argument("--now", action="store_true",
                    help="also make these scheduled jobs ready now")
     p.add_argument("--json", action="store_true", help='print {"retried": N}')
-    p = cmd("delete", "remove jobs")
+
+
+def _args_delete(p):
     p.add_argument("ids", nargs="*", metavar="ID",
                    help="job ids, or names of files in failed/")
     p.add_argument("--state", choices=STATES,
                    help="in bulk: every job in this state (%s)" % ", ".join(STATES))
     p.add_argument("--type", help="with --state: only jobs of this type")
-    p.add_argument("--older-than", type=duration, metavar="S",
+    p.add_argument("--older-than", type=_duration_arg, metavar="S",
                    help="with --state: only jobs older than this (waiting "
                    "and running: since created, done and dead: since the "
                    "finish, failed: since quarantined)")
@@ -8375,18 +8499,23 @@ def _parser(only=None):
                    help="delete running jobs too (their handlers are killed)")
     p.add_argument("--json", action="store_true",
                    help='print {"deleted": N} instead of deleted=N')
-    p = cmd("reap", "requeue claims of dead workers and expired leases")
+
+
+def _args_reap(p):
     p.add_argument("--json", action="store_true", help='print {"requeued": N}')
-    p = cmd("prune", "apply retention now", guards=True)
+
+
+def _args_prune(p):
     p.add_argument("--json", action="store_true",
                    help="print the counts of what was removed as one JSON object")
-    p = cmd("check", "health: layout, permissions, free space, stale claims, "
-            "and what needs an operator (exit 1, one line per problem)",
-            guards=True)
+
+
+def _args_check(p):
     p.add_argument("--json", action="store_true",
                    help='one JSON object: {"ok", "spool", "problems"}')
-    p = cmd("policy", "show or set the per-type rules (TYPE KEY=VALUE ...; "
-            "an empty VALUE removes the key)")
+
+
+def _args_policy(p):
     p.add_argument("type", nargs="?", help="a job type")
     p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
                    help="keys: " + " ".join(sorted(POLICY_KEYS)))
@@ -8395,17 +8524,60 @@ def _parser(only=None):
                    "value (shown as *)")
     p.add_argument("--json", action="store_true",
                    help="the policy as one JSON object")
-    p = cmd("pause", "no new job of these types starts (running ones finish)")
+
+
+def _args_pause(p):
     p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
     p.add_argument("--all", action="store_true",
                    help="every type, new ones too (the default rules)")
-    p = cmd("resume", "undo pause; or release a held destination now")
+
+
+def _args_resume(p):
     p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
     p.add_argument("--all", action="store_true", help="every paused type")
     p.add_argument("--dest", action="append", default=[], metavar="DEST",
                    help="release this held destination now (as myq stats "
                    "--json shows it under held)")
-    cmd("version", "print the version")
+
+
+def _args_version(p):
+    pass
+
+
+def _add_command(sub, name, help):
+    """A command's parser: the hidden --spool after the command word, the
+    worker options (worker, supervise), the guard options, then its own
+    (its builder in _COMMAND_TABLE)."""
+    import argparse
+    p = sub.add_parser(name, help=help, description=help)
+    p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
+    if name in ("worker", "supervise"):
+        _add_options(p, WORKER_OPTIONS)
+    if name in _GUARDS_SHOWN:
+        _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
+    return p
+
+
+def _parser(only=None):
+    """The command line's parser; with `only`, that command's alone
+    (building all of them costs a `myq enqueue` 15-30 ms of its ~70)."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise UsageError("%s (see: myq %s--help)" % (
+                message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
+
+    top = Parser(prog="myq", description="A job queue worker for small Linux "
+                 "devices: one spool directory, one file per job.")
+    top.add_argument("--spool", help="the spool directory (default $MYQ_SPOOL "
+                     "or %s)" % DEFAULT_SPOOL)
+    top.add_argument("--version", action="version", version="myq " + __version__)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (_, build, help) in _COMMAND_TABLE.items():
+        if only is None or name == only:
+            build(_add_command(sub, name, help))
     return top
 
 
@@ -8585,11 +8757,6 @@ def _worker_from(spool, o):
                   **_mqtt_options(o))
 
 
-_COMMANDS = ("init", "enqueue", "worker", "supervise", "stats", "list", "show",
-             "retry", "delete", "reap", "prune", "check", "policy", "pause",
-             "resume", "version")
-
-
 def _supervise(args, spool, guards, env):
     o = _resolve(args, WORKER_OPTIONS, env)
     n = args.workers or env.get("MYQ_WORKERS") or "1"
@@ -8621,11 +8788,19 @@ def _supervise(args, spool, guards, env):
                          "another takes its id); leave it out for unique ids" % n)
     if args.dry_run:
         return 0
+    # before the log is open and the caller's stderr replaced: the image
+    # started again does both (and a daemon forks from it)
+    _give_back_heap(reexec=True)
     if o.get("log"):
         _make_log_dir(o["log"], ids)
     log = Log(path=o.get("log"), syslog=o.get("syslog"),
               facility=o.get("syslog_facility"), tag=o.get("syslog_tag"),
               owner=ids)
+    ready = None
+    if args.daemon:
+        pid, ready = fork_daemon(keep=[log.fileno()])
+        if pid:
+            return await_daemon(pid, ready, o.get("log") or "syslog")
     if log.fileno() is not None:        # a traceback lands in the log too
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -8637,10 +8812,9 @@ def _supervise(args, spool, guards, env):
         + _option_argv(guards, GUARD_OPTIONS)
     wenv = _clean_env(o["pass_env"], user)
     wenv.update(_secret_env(o))
-    _give_back_heap(reexec=True)
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
-                      pidfile=args.pidfile,
-                      stop_timeout=stop_timeout, env=wenv).run()
+                      pidfile=args.pidfile, stop_timeout=stop_timeout,
+                      env=wenv, ready=ready).run()
 
 
 def _make_log_dir(path, ids):
@@ -9002,6 +9176,39 @@ def _cmd_check(a):
     _print("ok spool=%s" % a.spool.path)
 
 
+# The commands: name -> (its function, its parser builder, its help), in
+# the order --help lists them.
+_COMMAND_TABLE = {
+    "init": (_cmd_init, _args_init,
+             "create the spool and its layout (idempotent)"),
+    "enqueue": (_cmd_enqueue, _args_enqueue, "add a job; prints its id"),
+    "worker": (_cmd_worker, _args_worker, "run jobs"),
+    "supervise": (_cmd_supervise, _args_supervise,
+                  "run and restart N workers (for the init script)"),
+    "stats": (_cmd_stats, _args_stats, "print the status line"),
+    "list": (_cmd_list, _args_list, "list jobs"),
+    "show": (_cmd_show, _args_show, "print one job as JSON"),
+    "retry": (_cmd_retry, _args_retry,
+              "bring dead (or repaired failed) jobs back"),
+    "delete": (_cmd_delete, _args_delete, "remove jobs"),
+    "reap": (_cmd_reap, _args_reap,
+             "requeue claims of dead workers and expired leases"),
+    "prune": (_cmd_prune, _args_prune, "apply retention now"),
+    "check": (_cmd_check, _args_check,
+              "health: layout, permissions, free space, stale claims, and "
+              "what needs an operator (exit 1, one line per problem)"),
+    "policy": (_cmd_policy, _args_policy,
+               "show or set the per-type rules (TYPE KEY=VALUE ...; an empty "
+               "VALUE removes the key)"),
+    "pause": (_cmd_pause, _args_pause,
+              "no new job of these types starts (running ones finish)"),
+    "resume": (_cmd_resume, _args_resume,
+               "undo pause; or release a held destination now"),
+    "version": (_cmd_version, _args_version, "print the version"),
+}
+_COMMANDS = tuple(_COMMAND_TABLE)
+
+
 class _Call(object):
     """What a command function gets: the parsed args, the spool, the
     resolved guard options and the environment."""
@@ -9024,12 +9231,11 @@ def main(argv=None):
         path = getattr(args, "spool_sub", None) or args.spool \
             or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
         guards = {}
-        if args.command in ("enqueue", "worker", "supervise", "prune", "check",
-                            "init"):
+        if args.command in _GUARDS_SHOWN:
             guards = _resolve(args, GUARD_OPTIONS, env)
         _drop_root(path, args.command)
         spool = Spool(path, **guards)
-        fn = globals()["_cmd_" + args.command]
+        fn = _COMMAND_TABLE[args.command][0]
         return fn(_Call(args, spool, guards, env)) or 0
     except MyqError as e:
         msg = str(e).replace("\n", " ")

@@ -600,7 +600,7 @@ def test_bad_settings(service, setting, value, code, message):
 @needs_busybox
 def test_bad_worker_option_with_syslog_says_why(service):
     """With syslog as the log, a bad option is still said on the terminal:
-    start checks the command line (supervise --dry-run) before it starts."""
+    supervise --daemon checks the command line before it forks."""
     s = service("plain", settings={"MYQ_LOG": None})
     s.settings["MYQ_ARGS"] += " --no-such-option"
     s.write_defaults()

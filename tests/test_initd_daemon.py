@@ -1,0 +1,54 @@
+"""init.d/myq's start through `myq supervise --daemon` (issue 24), under
+`busybox sh` with the helpers of test_initd.py: start returns once the
+supervisor runs its first worker, or with the child's own error line.
+"""
+import os
+import re
+
+import pytest
+
+from test_initd import BUSYBOX, SCRIPT, bindirs, service  # noqa: F401 (fixtures)
+
+needs_busybox = pytest.mark.skipif(
+    not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
+
+
+@needs_busybox
+@pytest.mark.parametrize("kind", ["ssd", "plain"])
+def test_start_returns_with_the_worker_running(service, kind):
+    """No waiting after start: its OK means the pidfile names the
+    supervisor and the supervisor's worker has been started."""
+    s = service(kind, settings={"MYQ_WORKERS": "2"})
+    r = s.run("start")
+    assert r.returncode == 0 and r.stdout == "Starting myq: OK\n", r
+    assert r.stderr == ""
+    assert " --daemon " in open("/proc/%d/cmdline" % s.pid()).read().replace("\0", " ")
+    assert len(s.workers()) == 2, "start returned before the workers started"
+    assert s.run("stop").returncode == 0
+    assert s.leftovers() == []
+
+
+@needs_busybox
+def test_an_error_of_the_daemon_is_starts_one_line(service):
+    """What only the forked supervisor finds (here: its pidfile is a
+    symlink, which it does not follow) is said by start, with FAIL and
+    exit 1; nothing runs, nothing is made where the link points."""
+    s = service("plain")
+    os.makedirs(os.path.dirname(s.pidfile))
+    target = os.path.join(s.base, "elsewhere")
+    os.symlink(target, s.pidfile)
+    r = s.run("start")
+    assert r.returncode == 1 and r.stdout == "Starting myq: FAIL\n", r
+    assert re.match(r"^myq: Too many levels of symbolic links \(%s\)\n$"
+                    % re.escape(s.pidfile), r.stderr), r.stderr
+    assert not os.path.lexists(target)
+    assert s.leftovers() == [] and s.run("status").returncode == 3
+
+
+def test_one_place_runs_myq():
+    """The init script runs myq through its myq() function alone, and
+    leaves the waiting to supervise --daemon."""
+    text = open(SCRIPT).read()
+    assert text.count("env -i") == 1
+    assert "start-stop-daemon -" not in text and "/proc/uptime" not in text
+    assert len(text.splitlines()) <= 200
