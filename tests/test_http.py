@@ -1,15 +1,15 @@
 """The built-in `http` handler (SPEC §5.3, §1), against a real HTTP server.
 
-Each test starts a stdlib ThreadingHTTPServer on 127.0.0.1 (port 0) in a
-thread; its routes decide the behaviour (status, Retry-After, slow, reset,
-close mid-response, redirect) and it records every request it receives.
+Each test starts the suite's test server (_http.Server, 127.0.0.1, port 0)
+in a thread; its routes decide the behaviour (status, Retry-After, slow,
+reset, close mid-response, redirect) and it records every request it
+receives.
 Jobs are run one at a time, in process (`myq.Worker(...).run(once=True)`) or
 through the CLI (`worker --once`) where a worker option is under test.
 The python3-light tests run myq in a child interpreter whose import system
 refuses the modules OpenWrt's python3-light does not ship.
 """
 import email.utils
-import http.server
 import json
 import os
 import socket
@@ -17,32 +17,21 @@ import struct
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 
 from _core import ROOT, call_myq
+from _http import answer, http_server, http_servers  # noqa: F401 (fixtures)
 
 SECRET = "s3cret-TOKEN-7f3a"
 
 
 # --------------------------------------------------------------------------
-# the test server
+# the test server (_http.Server): every answer closes its connection
 
 def reply(h, status, body=b"", headers=()):
-    if isinstance(body, str):
-        body = body.encode("utf-8")
-    h.send_response(status)
-    for k, v in headers:
-        h.send_header(k, v)
-    h.send_header("Content-Type", "text/plain; charset=utf-8")
-    h.send_header("Content-Length", str(len(body)))
-    h.send_header("Connection", "close")
-    h.end_headers()
-    if h.command != "HEAD":
-        h.wfile.write(body)
-    h.close_connection = True
+    answer(h, status, body, headers, close=True, ctype="text/plain; charset=utf-8")
 
 
 def status(code, body=None, headers=()):
@@ -50,51 +39,10 @@ def status(code, body=None, headers=()):
                            if body is None else body, headers)
 
 
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def _any(self):
-        n = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(n) if n else b""
-        path = self.path.split("?", 1)[0]
-        self.server.requests.append({"method": self.command, "path": path,
-                                     "headers": self.headers, "body": body})
-        self.server.routes.get(path, status(200, "ok"))(self)
-
-    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _any
-
-
-class Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def handle_error(self, request, client_address):
-        pass  # resets and half-closed sockets are on purpose here
-
-    def url(self, path="/"):
-        return "http://127.0.0.1:%d%s" % (self.server_address[1], path)
-
-    def hits(self, path):
-        return [r for r in self.requests if r["path"] == path]
-
-
 @pytest.fixture
-def server():
-    srv = Server(("127.0.0.1", 0), Handler)
-    srv.requests = []
-    srv.routes = {}
-    srv.release = threading.Event()   # lets slow routes finish at teardown
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True)
-    t.start()
-    yield srv
-    srv.release.set()
-    srv.shutdown()
-    srv.server_close()
-    t.join(5)
+def server(http_server):
+    http_server.default = status(200, "ok")
+    return http_server
 
 
 def slow(h):

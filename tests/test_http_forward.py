@@ -2,23 +2,17 @@
 kept connections, TLS with --http-ca and session reuse, gzip bodies, the
 batch request, User-Agent.
 
-The test server is a stdlib ThreadingHTTPServer speaking HTTP/1.1
+The test server is the suite's (_http.Server), speaking HTTP/1.1
 keep-alive; it counts connections (one handler instance is one connection),
 requests, requests per connection, TLS handshakes and resumed sessions, and
-sets an event when it sees a client close a connection.  Its routes decide
+notifies its Condition when it sees a client close a connection.  Its routes decide
 the behaviour per path, some by the request's number on its connection
 (a server that drops a kept connection just as the next request comes).
 """
 import gzip
 import hashlib
-import http.server
 import json
-import os
-import shutil
-import select
 import signal
-import socket
-import ssl
 import subprocess
 import sys
 import threading
@@ -27,22 +21,14 @@ import time
 import pytest
 
 from _core import ROOT, call_myq, wait_for
+from _http import (answer, client_gone, http_server, http_servers,  # noqa: F401
+                   self_signed, tls_context)
 
 from test_http import NOT_IN_LIGHT
 
 
 # --------------------------------------------------------------------------
-# the test server
-
-def answer(h, status=200, body=b"ok", headers=()):
-    h.send_response(status)
-    for k, v in headers:
-        h.send_header(k, v)
-    h.send_header("Content-Length", str(len(body)))
-    h.end_headers()
-    if h.command != "HEAD":
-        h.wfile.write(body)
-
+# the test server (_http.Server; its default route is _http.answer)
 
 def drop(h):
     """Read the request, close without a byte of answer."""
@@ -67,16 +53,6 @@ def partial_on_reuse(h):
         answer(h)
 
 
-def client_gone(sock):
-    r, _, _ = select.select([sock], [], [], 0)
-    if not r:
-        return False
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
-
-
 def slow_for_b(h):
     """Job b gets no answer; the server waits until the client gives up."""
     if h.headers["Idempotency-Key"] != "b":
@@ -97,139 +73,20 @@ def close_after(h):
     h.close_connection = True
 
 
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    timeout = 20                # a connection the client forgot
-
-    def log_message(self, *args):
-        pass
-
-    def setup(self):
-        srv = self.server
-        if srv.tls is not None:
-            self.request.settimeout(5)
-            try:
-                self.request.do_handshake()
-            except (OSError, ssl.SSLError) as e:
-                with srv.lock:
-                    srv.tls_failures.append(str(e))
-                raise
-            with srv.lock:
-                srv.handshakes += 1
-                srv.resumed.append(self.request.session_reused)
-            self.request.settimeout(None)
-        http.server.BaseHTTPRequestHandler.setup(self)
-        with srv.lock:
-            srv.connections += 1
-            self.conn_no = srv.connections
-        self.n = 0
-
-    def finish(self):
-        try:
-            http.server.BaseHTTPRequestHandler.finish(self)
-        finally:
-            srv = self.server
-            with srv.lock:
-                srv.closed.append(getattr(self, "conn_no", None))
-                srv.closed_cond.notify_all()
-
-    def _any(self):
-        self.n += 1
-        n = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(n) if n else b""
-        path = self.path.split("?", 1)[0]
-        with self.server.lock:
-            self.server.requests.append({
-                "method": self.command, "path": path, "headers": self.headers,
-                "body": body, "conn": self.conn_no, "n": self.n})
-        self.server.routes.get(path, answer)(self)
-
-    do_GET = do_POST = do_PUT = do_HEAD = _any
-
-
-class Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    tls = None
-
-    def get_request(self):
-        sock, addr = self.socket.accept()
-        if self.tls is not None:    # the handshake runs in the handler's thread
-            sock = self.tls.wrap_socket(sock, server_side=True,
-                                        do_handshake_on_connect=False)
-        return sock, addr
-
-    def handle_error(self, request, client_address):
-        pass
-
-    def url(self, path="/"):
-        return "%s://127.0.0.1:%d%s" % ("https" if self.tls else "http",
-                                       self.server_address[1], path)
-
-    def keys(self, path=None):
-        return [r["headers"]["Idempotency-Key"] for r in self.requests
-                if path is None or r["path"] == path]
-
-    def wait_closed(self, n=1, timeout=10):
-        """Until the server saw the client close n connections."""
-        with self.lock:
-            return self.closed_cond.wait_for(lambda: len(self.closed) >= n,
-                                             timeout)
-
-
-def start_server(tls=None):
-    srv = Server(("127.0.0.1", 0), Handler)
-    srv.tls = tls
-    srv.lock = threading.Lock()
-    srv.closed_cond = threading.Condition(srv.lock)
-    srv.requests, srv.routes, srv.closed = [], {}, []
-    srv.connections = srv.handshakes = 0
-    srv.resumed, srv.tls_failures = [], []
-    srv.release = threading.Event()
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True)
-    t.start()
-    srv.thread = t
-    return srv
-
-
-def stop_server(srv):
-    srv.release.set()
-    srv.shutdown()
-    srv.server_close()
-    srv.thread.join(5)
-
-
 @pytest.fixture
-def server():
-    srv = start_server()
-    yield srv
-    stop_server(srv)
+def server(http_server):
+    return http_server
 
 
 @pytest.fixture
 def cert(tmp_path):
     """A self-signed certificate for 127.0.0.1: (cert.pem, key.pem)."""
-    if not shutil.which("openssl"):
-        pytest.skip("needs the openssl command to make a test certificate "
-                    "(apt-get install openssl)")
-    c, k = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
-    p = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
-                        "-keyout", k, "-out", c, "-days", "2", "-subj", "/CN=127.0.0.1",
-                        "-addext", "subjectAltName=IP:127.0.0.1"],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
-    if p.returncode != 0:
-        pytest.skip("openssl cannot make a certificate here: %s"
-                    % p.stderr.decode(errors="replace")[-300:])
-    return c, k
+    return self_signed(tmp_path)
 
 
 @pytest.fixture
-def tls_server(cert):
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(*cert)
-    srv = start_server(ctx)
-    yield srv
-    stop_server(srv)
+def tls_server(http_servers, cert):
+    return http_servers(tls=tls_context(*cert))
 
 
 def job(jid, url, body=None, **payload):
@@ -413,9 +270,8 @@ def test_time_out_closes_the_connection_and_never_resends(myq, spool, server,
     if concurrency == 1:
         assert rb["n"] == 2, "b did not reuse a's connection"
     assert server.wait_closed(1)
-    with server.lock:
-        assert server.closed_cond.wait_for(lambda: rb["conn"] in server.closed, 10), \
-            "the timed-out connection was not closed"
+    assert server.wait(lambda: rb["conn"] in server.closed, 10), \
+        "the timed-out connection was not closed"
     assert w.http_pool.waiting() == 0
 
 

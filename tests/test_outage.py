@@ -19,15 +19,14 @@ reached in some second, and the whole backlog takes about N/RATE seconds
 slower than the rate).
 """
 import collections
-import http.server
 import json
 import os
-import threading
 import time
 
 import pytest
 
 from _core import call_myq, wait_for
+from _http import answer, http_servers  # noqa: F401 (a fixture)
 
 N = 2000
 OUTAGE = 20.0
@@ -37,52 +36,25 @@ RATE = 100                      # per second; ~4x below what 2 workers reach her
 WORKERS, CONC = 2, 2
 
 
-class _H(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        n = int(self.headers.get("Content-Length") or 0)
-        if n:
-            self.rfile.read(n)
-        srv = self.server
-        now = time.time()
-        with srv.lock:
-            if srv.t_up is None:
-                srv.t_up = now + OUTAGE
-            code = 503 if now < srv.t_up else 200
-            srv.hits.append((now, code, self.headers.get("Idempotency-Key")))
-        body = b"down" if code == 503 else b"ok"
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-        self.close_connection = True
-
-
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 64
-
-    def handle_error(self, request, client_address):
-        pass
+def outage_then_up(h):
+    """503 for OUTAGE seconds from the first request, then 200 (by the
+    time the server read the request)."""
+    srv = h.server
+    now = h.record["time"]
+    with srv.lock:
+        if srv.t_up is None:
+            srv.t_up = now + OUTAGE
+        code = 503 if now < srv.t_up else 200
+    answer(h, code, b"down" if code == 503 else b"ok", close=True)
 
 
 @pytest.fixture
-def server():
-    srv = _Server(("127.0.0.1", 0), _H)
-    srv.hits, srv.t_up, srv.lock = [], None, threading.Lock()
-    t = threading.Thread(target=srv.serve_forever,
-                         kwargs={"poll_interval": 0.05}, daemon=True)
-    t.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    t.join(5)
+def server(http_servers):
+    """The shared test server (_http), every request answered by
+    outage_then_up; its answers() are (time, status, Idempotency-Key)."""
+    srv = http_servers(default=outage_then_up)
+    srv.t_up = None
+    return srv
 
 
 def probe_bound(outage):
@@ -151,7 +123,7 @@ def test_a_20s_outage_costs_no_job_and_the_backlog_drains_at_the_rate(
     # After it
     wait_for(lambda: count_json(spool, "done") >= N, timeout=N / RATE * 2 + 60,
              interval=0.5, what="the backlog to drain")
-    hits = list(server.hits)
+    hits = server.answers()
     during = [h for h in hits if h[0] < t_up]
     trip = BREAKER + WORKERS * CONC
     probes = probe_bound(OUTAGE)

@@ -25,14 +25,12 @@ first (proof that the worker scanned), and where the SPEC grants a delay
 grants PICKUP seconds, no more.
 """
 import glob
-import http.server
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -40,6 +38,8 @@ import pytest
 from _core import (FAST, MYQ, STATUS_RE, blocking_handler, call_myq,
                    clean_env, enqueue, kill_quiet, ls, one_line_error, show,
                    state, wait_for, worker, write_incoming)
+import _http
+from _http import http_servers  # noqa: F401 (a fixture)
 from _procs import alive, lines
 
 PICKUP = 2.0            # SPEC 9: "within a couple of seconds"
@@ -307,64 +307,17 @@ def gone_or_not_waiting(spool, jid):
 
 # A test HTTP server ###########################################################
 
-class _H(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        n = int(self.headers.get("Content-Length") or 0)
-        if n:
-            self.rfile.read(n)
-        code = self.server.answer(self)
-        self.server.hits.append((time.time(), code,
-                                 self.headers.get("Idempotency-Key")))
-        body = b"status %d" % code
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-        self.close_connection = True
-
-    do_PUT = do_GET = do_POST
-
-
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def handle_error(self, request, client_address):
-        pass
-
-    def url(self, path="/"):
-        return "http://127.0.0.1:%d%s" % (self.server_address[1], path)
-
-    def origin(self):
-        return "http://127.0.0.1:%d" % self.server_address[1]
-
-
 @pytest.fixture
-def servers():
-    """make(answer) -> a running server whose answer(handler) gives the
-    status; .hits lists (time, status, Idempotency-Key)."""
-    made = []
-
+def servers(http_servers):
+    """make(answer) -> a running server (the shared one, _http) whose
+    answer(handler) gives the status; srv.answers() lists (time, status,
+    Idempotency-Key)."""
     def make(answer=lambda h: 200):
-        srv = _Server(("127.0.0.1", 0), _H)
-        srv.hits = []
-        srv.answer = answer
-        t = threading.Thread(target=srv.serve_forever,
-                             kwargs={"poll_interval": 0.05}, daemon=True)
-        t.start()
-        made.append((srv, t))
-        return srv
-    yield make
-    for srv, t in made:
-        srv.shutdown()
-        srv.server_close()
-        t.join(5)
+        def route(h):
+            code = answer(h)
+            _http.answer(h, code, b"status %d" % code, close=True)
+        return http_servers(default=route)
+    return make
 
 
 def http_job(spool, url, *opts):
@@ -555,7 +508,7 @@ def test_handler_key_runs_the_type_with_a_builtin(run_myq, spool, servers):
     cp = worker(run_myq, spool, timeout=30)
     assert cp.returncode == 0, cp.stderr
     assert state(call_myq, spool, jid) == "done", show(call_myq, spool, jid)
-    assert [h[2] for h in srv.hits] == [jid]
+    assert [h[2] for h in srv.answers()] == [jid]
 
 
 # 2. pause, resume #############################################################
@@ -1303,7 +1256,7 @@ def test_http_4xx_never_trips_and_a_4xx_answer_releases(run_myq, spool, servers,
     ids = [http_job(spool, bad.url("/x")) for _ in range(3)]
     cp = worker(run_myq, spool, timeout=30)
     assert cp.returncode == 0, cp.stderr
-    assert len(bad.hits) == 3 and "event=hold" not in cp.stderr
+    assert len(bad.answers()) == 3 and "event=hold" not in cp.stderr
     assert all(state(call_myq, spool, j) == "dead" for j in ids)
     # down (503) -> held; the first probe gets 404: released, the rest run
     mode = {"code": 503}
@@ -1324,12 +1277,12 @@ def test_http_4xx_never_trips_and_a_4xx_answer_releases(run_myq, spool, servers,
     # The probe's answer is a 404, once; then the server is up (switched by
     # the server itself: the released jobs follow the probe within ms)
     mode["code"] = "404 once"
-    wait_for(lambda: any(c == 404 for _, c, _ in srv.hits), timeout=20,
+    wait_for(lambda: any(c == 404 for _, c, _ in srv.answers()), timeout=20,
              what="the probe")
     wait_for(lambda: [l for l in log.read_text().splitlines()
                       if "event=release" in l and dest in l.split()],
              timeout=20, what="the 404 to release the hold")
-    wait_for(lambda: len([1 for _, c, _ in srv.hits if c == 200]) == 3,
+    wait_for(lambda: len([1 for _, c, _ in srv.answers() if c == 200]) == 3,
              timeout=20, what="the other three to be delivered")
 
 
@@ -1447,8 +1400,8 @@ def test_http_destination_is_scheme_host_port(run_myq, spool, servers):
         http_job(spool, fine.url("/f%d" % i))
     cp = worker(run_myq, spool, timeout=30)                   # backoff 60 s
     assert cp.returncode == 0, cp.stderr
-    assert len([1 for _, c, _ in fine.hits if c == 200]) == 3
-    assert len(down.hits) == 2
+    assert len([1 for _, c, _ in fine.answers() if c == 200]) == 3
+    assert len(down.answers()) == 2
     assert [x["dest"] for x in stats(spool)["held"]] == [down.origin()]
     assert "event=hold dest=%s" % down.origin() in cp.stderr, cp.stderr
     ok(cli(spool, "resume", "--dest", down.origin()))

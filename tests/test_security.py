@@ -12,10 +12,8 @@ file, a root `sleep 1000`.
 Every test here fails on the code of issue 11 (see the docstrings) except
 the ones marked "guard": those pin what the fixes must keep.
 """
-import http.server
 import json
 import os
-import select
 import signal
 import socket
 import stat
@@ -28,6 +26,7 @@ import pytest
 
 import myq
 from _core import MYQ, clean_env, ls, wait_for
+from _http import answer, client_gone, http_servers  # noqa: F401 (a fixture)
 from _sec import (DAEMON, SECRET, Box, Victim, become, is_root, make_user,
                   traceback_in, world_python)
 
@@ -745,57 +744,11 @@ def test_flood_of_bad_files_keeps_the_heartbeat(run_myq, spool, tmp_path,
 
 # 7. http: never in flight twice; redirects ##################################
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *a):
-        pass
-
-    def do_GET(self):
-        self.server.behave(self)
-
-    do_POST = do_GET
-
-
-class Server(object):
-    """A threading HTTP server on 127.0.0.1; behave(handler) answers."""
-
-    def __init__(self, behave):
-        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.srv.daemon_threads = True
-        self.srv.behave = behave
-        self.port = self.srv.server_address[1]
-        self.url = "http://127.0.0.1:%d" % self.port
-        self.t = threading.Thread(target=self.srv.serve_forever)
-        self.t.daemon = True
-        self.t.start()
-
-    def close(self):
-        self.srv.shutdown()
-        self.srv.server_close()
-
-
 @pytest.fixture
-def servers():
-    made = []
-
-    def make(behave):
-        s = Server(behave)
-        made.append(s)
-        return s
-    yield make
-    for s in made:
-        s.close()
-
-
-def client_gone(sock):
-    r, _, _ = select.select([sock], [], [], 0)
-    if not r:
-        return False
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
+def servers(http_servers):
+    """make(behave) -> a running test server (_http) where behave(handler)
+    answers every request; it records them (srv.requests)."""
+    return lambda behave: http_servers(default=behave)
 
 
 def test_http_job_never_in_flight_twice(run_myq, spool, servers, procs,
@@ -805,13 +758,7 @@ def test_http_job_never_in_flight_twice(run_myq, spool, servers, procs,
     same Idempotency-Key are ever open at once (the server sees when the
     client closes).  Fails today: the timed-out thread is abandoned, still
     reading, while the job is retried."""
-    lock = threading.Lock()
-    seen = []           # [key, start, end]
-
     def trickle(h):
-        rec = [h.headers.get("Idempotency-Key"), time.monotonic(), None]
-        with lock:
-            seen.append(rec)
         try:
             h.send_response(200)
             h.send_header("Content-Length", "60")
@@ -826,12 +773,11 @@ def test_http_job_never_in_flight_twice(run_myq, spool, servers, procs,
         except OSError:
             pass
         finally:
-            rec[2] = time.monotonic()
             h.close_connection = True
     srv = servers(trickle)
     for i in range(4):
         r = run_myq("--spool", spool, "enqueue", "http", json.dumps(
-            {"url": srv.url + "/slow", "method": "GET"}), "--id", "h%d" % i,
+            {"url": srv.url("/slow"), "method": "GET"}), "--id", "h%d" % i,
             "--timeout", "1", "--max-attempts", "3")
         assert r.returncode == 0, r.stderr
     log = tmp_path / "worker.log"
@@ -844,8 +790,10 @@ def test_http_job_never_in_flight_twice(run_myq, spool, servers, procs,
         pass            # judged by what the server saw
     w.send_signal(signal.SIGTERM)
     w.wait(15)
-    wait_for(lambda: all(rec[2] is not None for rec in seen), timeout=10,
-             what="every request to end")
+    assert srv.wait(lambda: all(r["end"] is not None for r in srv.requests),
+                    timeout=10), "timed out waiting for every request to end"
+    seen = [(r["headers"].get("Idempotency-Key"), r["mono"], r["end"])
+            for r in srv.requests]      # (key, start, end)
     text = log.read_text()
     assert not traceback_in(text), text
     overlaps = []
@@ -867,29 +815,18 @@ def test_http_redirect_drops_configured_headers(run_myq, spool, servers):
     """A GET to server A that redirects to server B (another port: another
     origin), worker --http-header 'Authorization: Bearer secret': B never
     sees the Authorization header.  Fails today (urllib copies it)."""
-    got = []
-
-    def b(h):
-        got.append(dict(h.headers))
-        h.send_response(200)
-        h.send_header("Content-Length", "0")
-        h.end_headers()
-    srv_b = servers(b)
-
-    def a(h):
-        h.send_response(302)
-        h.send_header("Location", srv_b.url + "/landing")
-        h.send_header("Content-Length", "0")
-        h.end_headers()
-    srv_a = servers(a)
+    srv_b = servers(lambda h: answer(h, 200, b""))
+    srv_a = servers(lambda h: answer(h, 302, b"",
+                                     [("Location", srv_b.url("/landing"))]))
     r = run_myq("--spool", spool, "enqueue", "http", json.dumps(
-        {"url": srv_a.url + "/start", "method": "GET"}), "--id", "redir",
+        {"url": srv_a.url("/start"), "method": "GET"}), "--id", "redir",
         "--max-attempts", "1")
     assert r.returncode == 0, r.stderr
     r = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
                 "--http-header", "Authorization: Bearer secret", timeout=60)
     assert r.returncode == 0, r.stderr
-    leaked = [h for h in got if any(k.lower() == "authorization" for k in h)]
+    leaked = [req["headers"] for req in srv_b.requests
+              if any(k.lower() == "authorization" for k in req["headers"])]
     assert leaked == [], "the Authorization header followed the redirect"
 
 
@@ -902,15 +839,10 @@ def test_http_redirect_to_ftp_not_followed(run_myq, spool, servers):
     lsock.setblocking(False)
     ftp = "ftp://127.0.0.1:%d/x" % lsock.getsockname()[1]
 
-    def a(h):
-        h.send_response(302)
-        h.send_header("Location", ftp)
-        h.send_header("Content-Length", "0")
-        h.end_headers()
-    srv_a = servers(a)
+    srv_a = servers(lambda h: answer(h, 302, b"", [("Location", ftp)]))
     try:
         r = run_myq("--spool", spool, "enqueue", "http", json.dumps(
-            {"url": srv_a.url + "/start", "method": "GET"}), "--id", "toftp",
+            {"url": srv_a.url("/start"), "method": "GET"}), "--id", "toftp",
             "--max-attempts", "1", "--timeout", "3")
         assert r.returncode == 0, r.stderr
         r = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
@@ -1023,22 +955,15 @@ def test_log_file_not_world_readable(spool, tmp_path):
 def test_myq_http_header_variable_is_one_header(run_myq, spool, servers):
     """MYQ_HTTP_HEADER='Authorization: Bearer x' is one header, and it
     arrives.  Fails today (split on blanks: exit 64)."""
-    got = []
-
-    def ok(h):
-        got.append(h.headers.get("Authorization"))
-        h.send_response(200)
-        h.send_header("Content-Length", "0")
-        h.end_headers()
-    srv = servers(ok)
+    srv = servers(lambda h: answer(h, 200, b""))
     r = run_myq("--spool", spool, "enqueue", "http", json.dumps(
-        {"url": srv.url + "/x", "method": "GET"}), "--id", "hdr")
+        {"url": srv.url("/x"), "method": "GET"}), "--id", "hdr")
     assert r.returncode == 0, r.stderr
     r = run_myq("--spool", spool, "worker", "--drain", "--poll", "0.05",
                 env={"MYQ_HTTP_HEADER": "Authorization: Bearer x"}, timeout=60)
     assert r.returncode != 64, r.stderr
     assert r.returncode == 0, r.stderr
-    assert got == ["Bearer x"]
+    assert [req["headers"].get("Authorization") for req in srv.requests] == ["Bearer x"]
     assert "hdr.json" in ls(spool, "done")
 
 
@@ -1047,25 +972,18 @@ def test_retry_after_zero_is_not_a_busy_loop(run_myq, spool, servers, procs,
     """A server that answers 503 with `Retry-After: 0` to a job with
     max_attempts 1000: in 3 s the worker sends at most 5 requests.  Fails
     today (thousands: the job is rewritten as fast as the disk allows)."""
-    hits = []
-
-    def busy(h):
-        hits.append(time.monotonic())
-        h.send_response(503)
-        h.send_header("Retry-After", "0")
-        h.send_header("Content-Length", "0")
-        h.end_headers()
-    srv = servers(busy)
+    srv = servers(lambda h: answer(h, 503, b"", [("Retry-After", "0")]))
     r = run_myq("--spool", spool, "enqueue", "http", json.dumps(
-        {"url": srv.url + "/busy", "method": "GET"}), "--id", "ra0",
+        {"url": srv.url("/busy"), "method": "GET"}), "--id", "ra0",
         "--max-attempts", "1000")
     assert r.returncode == 0, r.stderr
     w = procs.worker(spool, "--poll", "0.05", "--backoff-base", "0.2",
                      "--jitter", "0", log=tmp_path / "w.log")
-    wait_for(lambda: hits, what="the first request")
+    assert srv.wait_requests(1, timeout=15), "timed out waiting for the first request"
     time.sleep(3.0)             # the window being measured
     w.send_signal(signal.SIGTERM)
     w.wait(15)
+    hits = [r["mono"] for r in srv.requests]
     first = hits[0]
     n = len([t for t in hits if t - first <= 3.0])
     assert n <= 5, "%d requests in 3 s" % n

@@ -19,7 +19,6 @@ attack; each fails on 5f3026f.
    would trust it: a cache of another user, or writable by others, is
    never run.
 """
-import http.server
 import importlib.util
 import json
 import marshal
@@ -31,13 +30,13 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
 
 from _core import MYQ, call_myq, clean_env, one_line_error, run_myq, wait_for
 from _core import world_python
+from _http import Server, answer
 from _procs import alive, children
 from _sec import SECRET, become, make_user
 
@@ -148,26 +147,13 @@ def state(spool, jid):
 
 # 1. secrets on the workers' command line ###################################
 
-class _Seen(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.server.seen.append(self.headers.get("Authorization"))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *a):
-        pass
-
-
 def test_supervise_gives_secrets_to_workers_through_the_environment(spool, tmp_path):
     """MYQ_HTTP_HEADER (a bearer token) and MYQ_MQTT (a broker URL with a
     user) given to supervise: no worker has them in its command line; the
     worker has them in its environment (owner-only), and the header still
     goes with an http job.  Fails on 5f3026f: the worker's command line
     holds `--http-header 'Authorization: Bearer SECRET'`."""
-    srv = http.server.HTTPServer(("127.0.0.1", 0), _Seen)
-    srv.seen = []
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = Server(default=lambda h: answer(h, 200, b""), protocol="HTTP/1.0").start()
     token = "Bearer " + SECRET
     user = "dev-" + SECRET[:12]
     sup = spawn([sys.executable, MYQ, "--spool", spool, "supervise", "--workers",
@@ -182,19 +168,18 @@ def test_supervise_gives_secrets_to_workers_through_the_environment(spool, tmp_p
         env = environ(pid)
         assert env.get("MYQ_HTTP_HEADER") == "Authorization: " + token
         assert env.get("MYQ_MQTT") == "mqtt://%s@127.0.0.1:1" % user
-        url = "http://127.0.0.1:%d/x" % srv.server_address[1]
+        url = srv.url("/x")
         cp = call_myq("--spool", spool, "enqueue", "http",
                       json.dumps({"url": url, "method": "GET"}), "--id", "h1")
         assert cp.returncode == 0, cp.stderr
         wait_for(lambda: state(spool, "h1") == "done", timeout=30,
                  what="the http job")
-        assert srv.seen == [token]
+        assert [r["headers"].get("Authorization") for r in srv.requests] == [token]
         for p in workers_of(sup):       # nor any later worker
             assert SECRET not in cmdline(p)
     finally:
         err = end(sup)
-        srv.shutdown()
-        srv.server_close()
+        srv.stop()
     assert SECRET not in err
 
 

@@ -10,13 +10,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from _core import (FAST, MYQ, call_myq, enqueue, ls, run_myq, show, state,
                    wait_for, write_incoming)
+from _http import Server, answer
 
 
 def _job(t, **kw):
@@ -196,23 +196,9 @@ def test_an_unsendable_header_is_the_jobs_own_failure(spool, myq):
     """Jobs whose own header value carries a newline (or is not Latin-1)
     never reach the server and never hold it: a good job right after them
     goes at once, and they end dead, naming why, without a hold."""
-    import http.server
-    hits = []
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            hits.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = Server(default=lambda h: answer(h, 200, b""), protocol="HTTP/1.0").start()
     try:
-        url = "http://127.0.0.1:%d/x" % srv.server_address[1]
+        url = srv.url("/x")
         for i, value in enumerate(["a\nInjected: 1", "caf\u00e9\u2603", "x\r\ny"]):
             enqueue(call_myq, spool, "http", json.dumps(
                 {"url": url, "headers": {"X-Bad": value}}), "--id", "bad%d" % i)
@@ -225,12 +211,11 @@ def test_an_unsendable_header_is_the_jobs_own_failure(spool, myq):
         for i in range(3):
             j = show(call_myq, spool, "bad%d" % i)
             assert j["state"] == "dead" and "cannot be sent" in j["last_error"], j
-        assert hits == ["/x?good"]
+        assert [r["target"] for r in srv.requests] == ["/x?good"]
         assert json.loads(call_myq("--spool", spool, "stats", "--json")
                           .stdout)["held"] == []
     finally:
-        srv.shutdown()
-        srv.server_close()
+        srv.stop()
 
 
 # What an operator reads ######################################################
