@@ -70,7 +70,10 @@ class Events(BaseHTTPRequestHandler):
                                for e in events]
                 rec["runs"] = sorted({str(e.get("run")) for e in events
                                       if isinstance(e, dict)})
-                rec["tmin"] = min(e.get("t", 0) for e in events if isinstance(e, dict))
+                ts = [e.get("t") for e in events if isinstance(e, dict)
+                      and isinstance(e.get("t"), (int, float))]
+                if ts:
+                    rec["tmin"] = min(ts)
             except ValueError as e:
                 rec["error"] = "bad json: %s" % e
         except Exception as e:      # noqa: BLE001 - logged for the harness

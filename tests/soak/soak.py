@@ -196,7 +196,11 @@ class Soak(object):
             f.write("#!%s\nimport sys\nsys.path.insert(0, %r)\nimport myq\n"
                     "sys.exit(myq.main())\n" % (self.py, lib))
         os.chmod(self.myq, 0o755)
-        self.run([self.py, self.myq, "version"])           # writes __pycache__
+        # the bytecode cache that `myq version` as root writes on a device
+        # (written here whatever PYTHONDONTWRITEBYTECODE says)
+        self.run([self.py, "-c", "import py_compile,sys; py_compile.compile(sys.argv[1], "
+                  "doraise=True)", os.path.join(lib, "myq.py")])
+        self.run([self.py, self.myq, "version"])
         if not os.listdir(os.path.join(lib, "__pycache__")):
             raise RuntimeError("no bytecode cache was written")
         sys.path.insert(0, lib)
