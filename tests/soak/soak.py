@@ -90,6 +90,7 @@ class Soak(object):
         self.outage_cpu_pct = None
         self.t_drained = self.t_up = None
         self.probe_s = 0.0
+        self.cpu_samples = []      # (time, worker pid, its CPU seconds so far)
 
     # ------------------------------------------------------------------ util
     def say(self, *a):
@@ -524,6 +525,9 @@ class Soak(object):
         while not self.stop_all.is_set():
             try:
                 self.sample_worker()
+                c = self.worker_cpu_now()
+                if c is not None:
+                    self.cpu_samples.append((time.time(), self.worker.pid, c))
                 st = os.statvfs(self.spool)
                 self.inodes_max = max(self.inodes_max, st.f_files - st.f_ffree)
             except OSError:
@@ -661,6 +665,7 @@ class Soak(object):
         self.t_up = time.time()
         e.update(t_up=self.t_up, cpu_s=(c1 - c0) if c0 is not None and c1 is not None else None,
                  wall_s=t1 - t0)
+        self.event("link-up", t_down=t0, t_up=self.t_up, cpu_s=e["cpu_s"], wall_s=t1 - t0)
         self.outage_cpu_pct = 100.0 * e["cpu_s"] / (t1 - t0) if e["cpu_s"] is not None else None
         # it was down: nothing arrived in the middle of the outage
         mid = [r for r in _recs(self.recv_log) + _recs(self.sub_log)
@@ -683,9 +688,16 @@ class Soak(object):
         except RuntimeError as e:
             self.problem(str(e))
             return
-        time.sleep(0.3)
-        with self.lock:
-            left = len([j for j in backlog if j not in self.first])
+        # then kill -9 while jobs are in flight and the backlog is not
+        # yet delivered (a claim within 10 s)
+        d = os.path.join(self.spool, "processing")
+        end = time.time() + 10
+        while time.time() < end:
+            with self.lock:
+                left = len([j for j in backlog if j not in self.first])
+            if left == 0 or any(n.endswith(".json") and "+" in n for n in os.listdir(d)):
+                break
+            time.sleep(0.01)
         e = self.kill_worker("kill2-mid-drain", require_inflight=False)
         e["backlog_left"] = left
         if left == 0:
@@ -894,6 +906,8 @@ class Soak(object):
         self.say("worker: lives=%d cpu_s=%.2f vmhwm_kb=%d; spool %s; link: %s; probe %.2f s" % (
             len(self.worker_lives), cpu, self.worker_hwm, self.fs_desc, self.link_desc,
             self.probe_s))
+        self.say("worker cpu % by phase: " + " ".join(
+            "%s=%.1f" % kv for kv in self.cpu_by_phase()))
         self.say("goals: linkup_to_drained_s=%.1f (<= 60)  http_full_window=%.3f (%d of %d "
                  "steady-state requests; >= 0.95)" % (drained, frac, len(full), len(steady)))
         self.say("logs: %s (myq.py %s, python %s)" % (self.dir, self.myq_sha,
@@ -910,6 +924,20 @@ class Soak(object):
         if lost_ids or unexplained:
             return 1
         return 2 if self.problems else 0
+
+    def cpu_by_phase(self):
+        """The worker's CPU over wall time in each phase (from the samples:
+        consecutive ones of one worker process)."""
+        acc = {}
+        for (t0, p0, c0), (t1, p1, c1) in zip(self.cpu_samples, self.cpu_samples[1:]):
+            if p0 != p1:
+                continue
+            name = _phase_at(self.phases, t0)
+            a = acc.setdefault(name, [0.0, 0.0])
+            a[0] += c1 - c0
+            a[1] += t1 - t0
+        return [(name, 100.0 * acc[name][0] / acc[name][1]) for _, name in self.phases
+                if name in acc and acc[name][1] > 0]
 
     def check_broker_order(self):
         """Each time the broker started, the subscriber subscribed before
