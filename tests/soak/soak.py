@@ -91,6 +91,7 @@ class Soak(object):
         self.t_drained = self.t_up = None
         self.probe_s = 0.0
         self.cpu_samples = []      # (time, worker pid, its CPU seconds so far)
+        self.worker_dead_seen = False
 
     # ------------------------------------------------------------------ util
     def say(self, *a):
@@ -172,6 +173,9 @@ class Soak(object):
     def setup_dirs(self):
         base = self.args.dir or "/var/tmp/myq-soak"
         os.makedirs(base, exist_ok=True)
+        runs = sorted(n for n in os.listdir(base) if n.startswith("run-"))
+        for old in runs[:-4]:               # the logs of the last 5 runs stay
+            shutil.rmtree(os.path.join(base, old), ignore_errors=True)
         self.dir = os.path.join(base, "run-%s-%s" % (time.strftime("%Y%m%dT%H%M%S"), self.nonce))
         os.makedirs(self.dir)
         last = os.path.join(base, "last")
@@ -340,6 +344,10 @@ class Soak(object):
                         10, "the receiver")
         self.wait_until(lambda: any('"suback"' in l for l in _lines(self.sub_log)),
                         15, "the MQTT subscriber's SUBACK")
+        for name, ns in (("receiver", srv), ("broker", srv), ("subscriber", srv),
+                         ("link", dev)):
+            if name in self.procs:
+                self.check_ns(self.procs[name].pid, ns, "the " + name)
         # the path through the link, from the device's namespace
         probe = ("import time,urllib.request as u;t=time.time();"
                  "r=u.urlopen(u.Request(%r,data=b'[]',headers={'Content-Type':"
@@ -380,24 +388,38 @@ class Soak(object):
         self.wait_until(lambda: b"worker" in _read(b"/proc/%d/cmdline" % p.pid)
                         and not _read(b"/proc/%d/cmdline" % p.pid).startswith(b"ip\0"),
                         10, "the worker to start")
+        self.check_ns(p.pid, self.ns_dev, "the worker")
         self.worker = p
         self.worker_lives.append({"pid": p.pid, "start": time.time(), "how": how})
         self.event("worker-start", pid=p.pid, how=how)
 
-    def worker_cpu_now(self):
+    def check_ns(self, pid, ns, what):
+        """`what` (pid) runs in network namespace ns, not the host's."""
+        try:
+            mine = os.stat("/proc/%d/ns/net" % pid).st_ino
+            want = os.stat("/run/netns/%s" % ns).st_ino
+        except OSError as e:
+            self.problem("cannot tell the namespace of %s: %s" % (what, e))
+            return
+        if mine != want:
+            self.problem("%s (pid %d) is not in the namespace %s" % (what, pid, ns))
+
+    def worker_cpu_now(self, w=None):
         """utime+stime+cutime+cstime of the live worker, seconds."""
-        if self.worker is None:
+        w = w or self.worker
+        if w is None:
             return None
-        f = _read(b"/proc/%d/stat" % self.worker.pid).decode()
+        f = _read(b"/proc/%d/stat" % w.pid).decode()
         if not f:
             return None
         v = f.rsplit(")", 1)[1].split()
         return sum(int(x) for x in v[11:15]) / float(os.sysconf("SC_CLK_TCK"))
 
     def sample_worker(self):
-        if self.worker is None:
+        w = self.worker
+        if w is None:
             return
-        st = _read(b"/proc/%d/status" % self.worker.pid).decode()
+        st = _read(b"/proc/%d/status" % w.pid).decode()
         m = re.search(r"VmHWM:\s+(\d+) kB", st)
         if m:
             self.worker_hwm = max(self.worker_hwm, int(m.group(1)))
@@ -407,6 +429,7 @@ class Soak(object):
     def reap_worker(self, sig):
         p = self.worker
         self.sample_worker()
+        self.worker = None          # (the monitor: not a death of its own)
         os.kill(p.pid, sig)
         _, status, ru = os.wait4(p.pid, 0)
         p.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
@@ -415,7 +438,7 @@ class Soak(object):
         life.update(end=t, cpu_s=ru.ru_utime + ru.ru_stime, status=p.returncode,
                     maxrss_kb=ru.ru_maxrss)
         self.worker_hwm = max(self.worker_hwm, ru.ru_maxrss)
-        self.worker = None
+        self.worker_dead_seen = False
         del self.procs["worker"]
         return t, p.returncode
 
@@ -525,12 +548,19 @@ class Soak(object):
         while not self.stop_all.is_set():
             try:
                 self.sample_worker()
-                c = self.worker_cpu_now()
+                w = self.worker
+                if w is not None and not self.worker_dead_seen:
+                    stat = _read(b"/proc/%d/stat" % w.pid).decode()
+                    if stat and stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        self.worker_dead_seen = True
+                        self.problem("the worker (pid %d) died by itself at +%.1f s"
+                                     % (w.pid, time.time() - self.t0))
+                c = self.worker_cpu_now(w) if w is not None else None
                 if c is not None:
-                    self.cpu_samples.append((time.time(), self.worker.pid, c))
+                    self.cpu_samples.append((time.time(), w.pid, c))
                 st = os.statvfs(self.spool)
                 self.inodes_max = max(self.inodes_max, st.f_files - st.f_ffree)
-            except OSError:
+            except (OSError, ValueError, IndexError):
                 pass
             for path in offs:
                 with open(path) as f:
@@ -775,7 +805,9 @@ class Soak(object):
         time.sleep(1.0)     # the last records of the receivers
         self.net1 = self.net_bytes()
         self.event("stopped", final_wait_s=time.time() - t_stop)
-        self.reap_worker(signal.SIGTERM)
+        _, rc = self.reap_worker(signal.SIGTERM)
+        if rc != 0:
+            self.problem("the worker exited %s on SIGTERM, not 0" % rc)
         self.stop_all.set()
         self.mon.join(5)
 
@@ -1053,6 +1085,11 @@ def main():
     args = p.parse_args()
     s = Soak(args)
     rc = 2
+
+    def stop(sig, frame):
+        raise KeyboardInterrupt("signal %d" % sig)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
     try:
         s.preflight()
         stale_cleanup()
@@ -1067,6 +1104,9 @@ def main():
     except CannotRun as e:
         print("soak: cannot run here: %s" % e, flush=True)
         rc = 3
+    except KeyboardInterrupt as e:
+        print("soak: could not check: interrupted (%s)" % (e or "SIGINT"), flush=True)
+        rc = 2
     except Exception as e:          # noqa: BLE001 - a loud failure, not a pass
         import traceback
         traceback.print_exc()
