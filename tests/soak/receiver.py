@@ -64,6 +64,7 @@ class Events(BaseHTTPRequestHandler):
             rec["ids"] = [i for i in (self.headers.get("X-Myq-Ids") or "").split(",") if i]
             try:
                 events = json.loads(body)
+                rec["array"] = isinstance(events, list)
                 if not isinstance(events, list):
                     events = [events]
                 rec["rids"] = [e.get("rid") if isinstance(e, dict) else None

