@@ -445,6 +445,7 @@ class Soak(object):
         self.worker_hwm = max(self.worker_hwm, ru.ru_maxrss)
         self.worker_dead_seen = False
         del self.procs["worker"]
+        self.event("worker-end", **life)
         return t, p.returncode
 
     def inflight(self):
