@@ -21,7 +21,6 @@ import json
 import os
 import random
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -370,7 +369,6 @@ class Soak(object):
                          % self.probe_s)
         if not any('"/probe"' in l for l in _lines(self.recv_log)):
             self.problem("the probe request did not reach this run's receiver")
-        # and nothing reaches the server's addresses from the root namespace
         self.event("probe", seconds=self.probe_s)
 
     def start_broker(self):
