@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast lint bench bench-peers bench-cpu dist install uninstall clean
+.PHONY: demo test test-fast lint bench bench-peers bench-cpu dist install uninstall clean soak
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -110,3 +110,17 @@ POWERCUT_MAX_POINTS ?= 300
 powercut:
 	@if [ "$$(id -u)" != 0 ]; then echo "powercut: skipped: needs root (apt-get, qemu, loop devices, mount)"; exit 0; fi; \
 	POWERCUT_MAX_POINTS=$(POWERCUT_MAX_POINTS) $(PYTHON) tests/powercut/powercut.py $(POWERCUT_PARTS) $(POWERCUT_ARGS)
+
+# The soak (issue 23; tests/soak/README.md): the field trial, time-compressed:
+# 20 readings/s from Python, the shell recipe and `myq enqueue`, over HTTP
+# (batch=100 batch_wait=5s gzip) and MQTT QoS 1 (batch=50, Mosquitto) to
+# receivers in a network namespace behind an emulated cellular link, through
+# a link outage, two kill -9 of the worker, 503s, a broker kill, a full disk.
+# ~4 minutes; SOAK_MINUTES=N stretches the timeline to ~N minutes.  Root
+# only (netns, loop mount); ends with one `soak: accepted=N ... lost=N
+# dup=N dup_unexplained=N ...` line; fails when lost or dup_unexplained > 0.
+SOAK_MINUTES ?=
+SOAK_PYTHON ?= $(BENCH_PYTHON)
+soak:
+	@if [ "$$(id -u)" != 0 ]; then echo "soak: cannot run here: needs root (network namespaces, a loop mount)"; exit 0; fi; \
+	$(SOAK_PYTHON) tests/soak/soak.py $(if $(SOAK_MINUTES),--minutes $(SOAK_MINUTES)) $(SOAK_ARGS)
