@@ -7383,7 +7383,9 @@ class Worker(_Scheduling, _Running, _Holding):
             deadlines.append(max(self._io_pause_until, now + 0.5))
         if self.stopping:
             deadlines.append(self.stop_deadline)
-        if self.next_due is not None:
+        if self.next_due is not None and len(self.runs) < self.concurrency:
+            # (all slots busy: a due claim waits for a run's end, which
+            # wakes this select; a due time past would make it spin)
             deadlines.append(now + max(0.0, self.next_due - _now()))
         for run in self.runs:
             if run.kind == "exec" or not run.timed_out:

@@ -400,3 +400,78 @@ def test_the_readme_shell_recipe_checks_its_write(small_fs, tmp_path, full):
         assert len(names) == 1 and ls(spool, "tmp") == []
         with open(os.path.join(spool, "incoming", names[0])) as f:
             assert json.load(f)["type"] == "greet"
+
+
+# 10. no spin while every slot is busy ########################################
+
+_COUNTING = r'''
+import signal, sys
+sys.path.insert(0, sys.argv[1])
+import myq
+n = [0]
+real = myq.Worker._wait
+def counted(self, busy):
+    n[0] += 1
+    return real(self, busy)
+myq.Worker._wait = counted
+w = myq.Worker(sys.argv[2], concurrency=2, stats_interval=0,
+               log=lambda *a, **k: None)
+def report(*a):
+    sys.stdout.write("%d\n" % n[0])
+    sys.stdout.flush()
+signal.signal(signal.SIGUSR1, report)
+w.run()
+'''
+
+
+def test_a_worker_whose_slots_are_all_busy_sleeps(spool, tmp_path):
+    """batch=10 batch_wait=1s, two requests to a server that answers after
+    a long while, --concurrency 2: both slots wait.  The worker's loop
+    sleeps until a run ends (a handful of turns in 3 s: the poll, the
+    heartbeat).  Before, the claim made at batch_wait's due time left that
+    time, now past, as the loop's next deadline: select() with timeout 0,
+    a core spent (the soak: 99 % while the link was down, 28 ms a job)."""
+    import socket
+    import threading
+    p = call_myq("--spool", spool, "policy", "tele", "handler=http",
+                 "batch=10", "batch_wait=1s")
+    assert p.returncode == 0, p.stderr
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    got, release = [], threading.Event()
+
+    def hold(c):
+        got.append(c.recv(65536))
+        release.wait(30)
+        c.close()
+
+    def accept():
+        while not release.is_set():
+            try:
+                c = srv.accept()[0]
+            except OSError:
+                return
+            threading.Thread(target=hold, args=(c,), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    for path in ("a", "b"):     # two urls: two batches, one per slot
+        myq.enqueue(spool, "tele", {"url": "http://127.0.0.1:%d/%s" % (port, path),
+                                    "body": {"n": 1}})
+    w = subprocess.Popen([sys.executable, "-c", _COUNTING,
+                          os.path.dirname(MYQ), spool], env=clean_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         universal_newlines=True)
+    try:
+        wait_for(lambda: len(got) == 2, timeout=30, what="both requests sent")
+        w.send_signal(signal.SIGUSR1)
+        before = int(w.stdout.readline())
+        time.sleep(3)           # (the span over which the turns are counted)
+        w.send_signal(signal.SIGUSR1)
+        turns = int(w.stdout.readline()) - before
+        assert turns < 300, "%d turns of the loop in 3 s with every slot busy" % turns
+    finally:
+        release.set()
+        srv.close()
+        w.terminate()
+        w.wait(15)
