@@ -7440,8 +7440,11 @@ class Worker(_Scheduling, _Running, _Holding):
         10); "each" carries one outcome per job (mqtt)."""
         self._free(run)
         if outcome == "each":
+            # (one outcome a job, mqtt's: nothing of the batch is kept, so
+            # what goes again is batched afresh, not one at a time)
             self.spool.claims.end_batch(run.batch[0].batch)
             for c, res in zip(run.batch, error):
+                c.batch = None
                 one = _Run(c, run.kind)
                 one.started, one.dest, one.probe = run.started, run.dest, run.probe
                 if res is None:
