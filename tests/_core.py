@@ -6,6 +6,7 @@ Everything here drives myq from the outside: the CLI as a subprocess
 process proves nothing more), or the files of the spool. Waiting is always
 "poll a condition until a deadline".
 """
+import errno
 import io
 import json
 import locale
@@ -159,6 +160,22 @@ def start_worker(spool, *opts, env=None, stderr=None, python=None):
         stdout=subprocess.DEVNULL,
         stderr=stderr if stderr is not None else subprocess.DEVNULL,
         env=clean_env(env), start_new_session=True)
+
+
+def fill_disk(path):
+    """Write path until the filesystem says ENOSPC."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (65536, 4096, 512, 1):
+            while True:
+                try:
+                    os.write(fd, b"\0" * size)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(fd)
 
 
 def stop(proc, sig=signal.SIGTERM, timeout=15):

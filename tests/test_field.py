@@ -26,8 +26,9 @@ import time
 import pytest
 
 import myq
-from _core import FAST, MYQ, call_myq, clean_env, ls, run_myq, wait_for
-from _procs import alive, wait_gone
+from _core import (FAST, MYQ, call_myq, clean_env, fill_disk, ls, run_myq,
+                   start_worker, wait_for)
+from _procs import wait_gone
 
 
 def _tmpfs(tmp_path, opts):
@@ -62,19 +63,6 @@ def small_fs(tmp_path):
     mnt = _tmpfs(tmp_path, "size=1m,mode=0755")
     yield mnt
     _umount(mnt)
-
-
-def _fill(path):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for size in (65536, 4096, 512, 1):
-            while True:
-                try:
-                    os.write(fd, b"\0" * size)
-                except OSError:
-                    break
-    finally:
-        os.close(fd)
 
 
 def _handler(tmp_path, name, body, batch_log=None):
@@ -179,7 +167,7 @@ def test_a_worker_starts_and_drains_on_a_full_disk(small_fs, tmp_path):
     for i in ids:
         assert call_myq("--spool", spool, "enqueue", "t", "1", "--id", i,
                        "--min-free", "0").returncode == 0
-    _fill(os.path.join(small_fs, "filler"))
+    fill_disk(os.path.join(small_fs, "filler"))
     assert os.statvfs(spool).f_bavail == 0
     cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h,
                  "--min-free", "64K", *FAST, timeout=60)
@@ -213,10 +201,7 @@ def test_a_batch_cut_by_a_kill_goes_again_with_its_ids(spool, tmp_path):
                  batch_log=log)
     for i in ("b5", "b6", "b7"):
         myq.enqueue(spool, "t", {"n": i}, id=i)
-    w = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "worker",
-                          "--handlers", h] + list(FAST), env=clean_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    w = start_worker(spool, "--handlers", h, *FAST)
     try:
         wait_for(lambda: started.exists() and started.read_text(),
                  what="the first batch's handler")
@@ -256,10 +241,7 @@ def test_batch_wait_applies_after_a_full_batch_too(spool, tmp_path):
                  % str(ran), batch_log=log)
     for i in ("j1", "j2", "j3", "j4"):
         myq.enqueue(spool, "t", {"n": i}, id=i)
-    w = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "worker",
-                          "--handlers", h] + list(FAST), env=clean_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    w = start_worker(spool, "--handlers", h, *FAST)
     try:
         wait_for(lambda: _lines(log), what="the first batch")
         first = _lines(log)[0]
@@ -291,18 +273,13 @@ def test_a_worker_without_the_handler_does_not_starve_the_type(spool, tmp_path):
     (other / "u").chmod(0o755)
     ids = [myq.enqueue(spool, "t", {"n": i}) for i in range(20)]
     logs = [open(str(tmp_path / n), "w") for n in ("lacking.log", "having.log")]
-    lacking = subprocess.Popen(
-        [sys.executable, MYQ, "--spool", spool, "worker", "--handlers",
-         str(other)] + list(FAST), env=clean_env(),
-        stdout=subprocess.DEVNULL, stderr=logs[0], start_new_session=True)
+    lacking = start_worker(spool, "--handlers", str(other), *FAST,
+                           stderr=logs[0])
     having = None
     try:
         wait_for(lambda: ls(spool, "locks/held"), what="t held by the worker "
                  "without its handler")
-        having = subprocess.Popen(
-            [sys.executable, MYQ, "--spool", spool, "worker", "--handlers",
-             h] + list(FAST), env=clean_env(), stdout=subprocess.DEVNULL,
-            stderr=logs[1], start_new_session=True)
+        having = start_worker(spool, "--handlers", h, *FAST, stderr=logs[1])
         wait_for(lambda: len(ls(spool, "done")) == 20, timeout=30,
                  what="the 20 jobs done by the worker that has the handler: "
                  "%s" % [l.name for l in logs])
@@ -313,6 +290,8 @@ def test_a_worker_without_the_handler_does_not_starve_the_type(spool, tmp_path):
             if w is not None:
                 os.killpg(w.pid, signal.SIGTERM)
                 w.wait(15)
+        for f in logs:
+            f.close()
 
 
 # 6. removed unrun, counted ###################################################
@@ -387,7 +366,7 @@ def test_the_readme_shell_recipe_checks_its_write(small_fs, tmp_path, full):
     script = tmp_path / "produce.sh"
     script.write_text(_readme_recipe())
     if full:
-        _fill(os.path.join(small_fs, "filler"))
+        fill_disk(os.path.join(small_fs, "filler"))
     cp = subprocess.run([sh, "sh", str(script)], env=dict(
         clean_env(), SPOOL=spool), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, universal_newlines=True, timeout=30)
@@ -504,10 +483,8 @@ def test_an_mqtt_batch_that_fails_together_is_batched_afresh(spool, tmp_path):
     ids = [myq.enqueue(spool, "reading", {"topic": "t/x", "message": {"n": i}})
            for i in range(20)]
     log = tmp_path / "w.log"
-    w = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "worker",
-                          "--mqtt", "mqtt://127.0.0.1:%d" % port, "--timeout",
-                          "3", "--log", str(log)] + list(FAST), env=clean_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    w = start_worker(spool, "--mqtt", "mqtt://127.0.0.1:%d" % port,
+                     "--timeout", "3", "--log", str(log), *FAST)
     try:
         wait_for(lambda: log.exists() and log.read_text().count("event=retry") == 20,
                  timeout=30, what="the 20 jobs put back for a retry")

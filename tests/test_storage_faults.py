@@ -27,6 +27,7 @@ import pytest
 
 import myq
 from _core import MYQ, ROOT, clean_env, ls, under
+from _core import fill_disk as fill
 from _core import run_myq as cli
 from _core import wait_for as _wait_for
 
@@ -57,22 +58,6 @@ def small_fs(tmp_path):
     finally:
         if subprocess.run(["umount", str(mnt)]).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)])
-
-
-def fill(path):
-    """Write path until the filesystem says ENOSPC."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for size in (65536, 4096, 512, 1):
-            while True:
-                try:
-                    os.write(fd, b"\0" * size)
-                except OSError as e:
-                    if e.errno != errno.ENOSPC:
-                        raise
-                    break
-    finally:
-        os.close(fd)
 
 
 def test_real_full_disk(small_fs, tmp_path):
