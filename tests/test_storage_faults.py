@@ -108,9 +108,15 @@ def test_real_full_disk(small_fs, tmp_path):
         gate.touch()
         wait_for(lambda: "No space left" in log.read_text(), what="an ENOSPC log line")
         assert w.poll() is None, "the worker died on a full disk"
-        states = {j: [s for s in ("incoming", "processing", "done", "dlq")
-                      if any(n.startswith(j + "+") or n == j + ".json"
-                             for n in ls(spool, s))] for j in ids}
+        # (looked at with the worker stopped: it may go on meanwhile, in the
+        # room of its reserve, and four listings are not one moment)
+        os.kill(w.pid, signal.SIGSTOP)
+        try:
+            states = {j: [s for s in ("incoming", "processing", "done", "dlq")
+                          if any(n.startswith(j + "+") or n == j + ".json"
+                                 for n in ls(spool, s))] for j in ids}
+        finally:
+            os.kill(w.pid, signal.SIGCONT)
         assert all(len(v) == 1 for v in states.values()), states
 
         os.unlink(os.path.join(small_fs, "filler"))
