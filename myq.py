@@ -98,6 +98,8 @@ if sys.version_info < (3, 7):
                      "(run it with python3)\n" % tuple(sys.version_info[:2]))
     sys.exit(78)
 
+import _thread  # noqa: E402  (Python 2 names it thread)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -368,8 +370,22 @@ _MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
 _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
 _WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
 _SHARED = ("tmp", "incoming")   # the directories where producers write
-_DOORS = {}     # a spool's path -> its _Door (shared by its Spool objects)
-_HEADS = {}     # a directory's path -> (its spool's _Door or None, sub)
+_TOPS = {}      # a spool's path -> True: every spool this process uses
+
+
+class _Here(_thread._local):
+    """A thread's own doors: a descriptor one thread holds is never closed
+    by another (a worker closes its doors at each poll tick while a --module
+    handler's thread enqueues; shared, that thread's next step went through
+    a closed or reused number).  Dropped, and closed, when the thread ends."""
+
+    def __init__(self):
+        self.doors = {}     # a spool's path -> this thread's _Door of it
+        self.heads = {}     # a directory's path -> (its _Door or None, sub)
+        self.tops = 0       # len(_TOPS) when heads was filled
+
+
+_HERE = _Here()
 
 # spool path -> the _mono() time before which a producer does not look for a
 # listening worker again (Spool.poke)
@@ -436,17 +452,19 @@ class _Door(object):
 
     @classmethod
     def of(cls, top):
-        door = _DOORS.get(top)
+        """This thread's door of the spool at `top`."""
+        doors = _HERE.doors
+        door = doors.get(top)
         if door is None:
             # Another spool: the descriptors of those no worker of this
-            # process keeps go (opened again, and checked again, when one
+            # thread keeps go (opened again, and checked again, when one
             # is used again), so that a process that goes through many
             # spools (a test suite, a script) does not run out of them.
-            for other in _DOORS.values():
+            for other in doors.values():
                 if not other.kept:
                     other.close()
-            door = _DOORS[top] = cls(top)
-            _HEADS.clear()          # (paths below it were taken as outside)
+            door = doors[top] = cls(top)
+            _TOPS[top] = True       # (paths below it are the spool's now)
         return door
 
     def __call__(self, sub=""):
@@ -588,31 +606,37 @@ class _Door(object):
 
     def release(self):
         """The end of a call: the descriptors go, unless a worker of this
-        process keeps them."""
+        thread keeps them."""
         if not self.kept:
             self.close()
+
+    __del__ = close         # (a thread's doors go with it)
 
 
 def _door_of(path):
     """(the door of the spool that `path` lies in, the sub-directory of its
     directory); (None, None) outside every spool this process uses."""
     head = path.rpartition("/")[0]
-    hit = _HEADS.get(head)
+    here = _HERE
+    heads = here.heads
+    if here.tops != len(_TOPS):     # (a spool new since: paths below it
+        heads.clear()               # were taken as outside)
+        here.tops = len(_TOPS)
+    hit = heads.get(head)
     if hit is None:
         hit = (None, None)
         p = head
         while p:
-            door = _DOORS.get(p)
-            if door is not None:
+            if p in _TOPS:
                 sub = head[len(p) + 1:].strip("/")
                 if ".." in sub.split("/") or "." in sub.split("/"):
                     raise _Refused("%s: not a path of the spool %s" % (path, p))
-                hit = (door, sub)
+                hit = (_Door.of(p), sub)
                 break
             p = p.rpartition("/")[0]
-        if len(_HEADS) > 4096:
-            _HEADS.clear()
-        _HEADS[head] = hit
+        if len(heads) > 4096:
+            heads.clear()
+        heads[head] = hit
     return hit
 
 
@@ -629,9 +653,8 @@ def _dir_fd(path):
     """The door's descriptor of directory `path` itself, or None outside
     every spool."""
     path = path.rstrip("/")
-    door = _DOORS.get(path)
-    if door is not None:
-        return door("")
+    if path in _TOPS:
+        return _Door.of(path)("")
     door, sub = _door_of(path + "/.")
     return None if door is None else door(sub)
 
@@ -936,9 +959,8 @@ def _fresh_dir(path):
     of its own (a scan beside another, or a sweep kept open, reads its
     own)."""
     path = path.rstrip("/")
-    door = _DOORS.get(path)
-    if door is not None:
-        return door.fresh("")
+    if path in _TOPS:
+        return _Door.of(path).fresh("")
     door, sub = _door_of(path + "/.")
     if door is None:
         return os.open(path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
@@ -2199,7 +2221,8 @@ class Claims(object):
     # twice.  A batch that ended (done, dead, split) drops its record.
 
     def note_batch(self, claims):
-        """Record a new batch's ids (no fsync: a power cut ends it anyway)."""
+        """Record a new batch's ids, of one job too (no fsync: a power cut
+        ends it anyway)."""
         c = claims[0]
         if c.job.get("batch_of"):           # (formed again: recorded already)
             name = c.job["batch_of"]
@@ -3674,10 +3697,15 @@ class Spool(_Producing, _Upkeep):
         self.breaker = Breaker(self)
         self.claims = Claims(self)
 
-        # Every step on the spool's files goes through its door (the
-        # filesystem steps above); its descriptors are closed at the end of
-        # each public call unless a worker of this process keeps them.
-        self.fs = _Door.of(self.path)
+        _Door.of(self.path)
+
+    @property
+    def fs(self):
+        """Every step on the spool's files goes through its door (the
+        filesystem steps above), this thread's: its descriptors are closed
+        at the end of each public call unless a worker of this thread keeps
+        them."""
+        return _Door.of(self.path)
 
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
@@ -6424,28 +6452,34 @@ class _Running(object):
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
         run.target = target
-        if rules.get("batch") and not run.probe and lane is not None \
-                and lane.type == c.job["type"]:
-            if c.job.get("batch_of"):
-                run.batch = self._claim_batch(lane, c)
+        n = rules.get("batch")
+        if n and (run.probe or (lane is not None and lane.type == c.job["type"])):
+            # A job of a batched type always goes in a batch's form, and
+            # every batch is recorded, one job alone too: what went out
+            # under one Idempotency-Key goes again under it (a probe sent
+            # alone, then batched with others after a kill, was stored
+            # twice by a receiver that de-duplicates).
+            if c.job.get("batch_of") and lane is not None:
+                run.batch = self._claim_batch(lane.sub, c)
+            elif run.probe or c.job.get("batch_of"):
+                run.batch = [c]
             else:
                 run.batch = [c] + self._claim_more(
-                    lane, c, rules["batch"] - 1, rules.get("batch_bytes"), kind)
-            if len(run.batch) > 1:
-                self.spool.claims.note_batch(run.batch)
+                    lane, c, n - 1, rules.get("batch_bytes"), kind)
+            self.spool.claims.note_batch(run.batch)
         self._launch(run)
 
-    def _claim_batch(self, L, first):
+    def _claim_batch(self, sub, first):
         """A batch that a dead worker had in flight, formed again (SPEC 10):
         the same ids in the same order, so the same Idempotency-Key, of
-        those that still wait in lane L."""
+        those that still wait in lane `sub`."""
         sp = self.spool
         ids = sp.claims.batch_ids(first.job["batch_of"])
         out = {first.jid: first}
         for jid in ids:
-            if jid in out or not _lexists(sp.d(L.sub, jid + ".json")):
+            if jid in out or not _lexists(sp.d(sub, jid + ".json")):
                 continue
-            c = sp.claims.claim(jid + ".json", self.me, self.max_attempts, False, L.sub)
+            c = sp.claims.claim(jid + ".json", self.me, self.max_attempts, False, sub)
             if c is not None and c.job.get("batch_of") == first.job["batch_of"]:
                 out[jid] = c
             elif c is not None:
@@ -6860,7 +6894,8 @@ class _Holding(object):
                 continue
             c = sp.claims.claim(name, self.me, self.max_attempts, True, sub)
             if c is not None:
-                self._taken = (None, dest, None)
+                # (its lane: where the rest of a batch it went in waits)
+                self._taken = (None, dest, _Lane(sub))
                 return c
         return None
 
@@ -7490,7 +7525,7 @@ class Worker(_Scheduling, _Running, _Holding):
             return
         for c in claims:
             self._finish_one(run, c, outcome, error, delay, tb, counts)
-        if len(claims) > 1:
+        if run.batch:
             if outcome == "retry":
                 self.spool.claims.keep_batch(claims[0].batch)
             else:
