@@ -227,6 +227,50 @@ def test_a_batch_cut_by_a_kill_goes_again_with_its_ids(spool, tmp_path):
     assert ls(spool, "processing") == []
 
 
+def test_a_lone_job_of_a_batched_type_cut_by_a_kill_goes_again_alone(spool,
+                                                                     tmp_path):
+    """A job of a batched type that ran alone (nothing else was ready) is a
+    batch of one, recorded like any other: killed (-9) mid-run, it goes
+    again alone, the same one-id batch (the same Idempotency-Key for http),
+    not batched with what came meanwhile (before, a batch of one was not
+    recorded: it went again inside a new batch under a new key, and a
+    held destination's probe, sent alone, the same)."""
+    p = call_myq("--spool", spool, "policy", "t", "batch=3")
+    assert p.returncode == 0, p.stderr
+    log, started = tmp_path / "batches", tmp_path / "started"
+    h = _handler(tmp_path, "t",
+                 "if not os.path.exists(%r):\n"
+                 "    with open(%r, 'w') as f:\n"
+                 "        f.write(str(os.getpid()))\n"
+                 "    time.sleep(60)\n" % (str(started), str(started)),
+                 batch_log=log)
+    myq.enqueue(spool, "t", {"n": 1}, id="b1")
+    w = start_worker(spool, "--handlers", h, *FAST)
+    try:
+        wait_for(lambda: started.exists() and started.read_text(),
+                 what="the lone job's handler")
+        assert _lines(log) == [["b1"]]
+        for i in ("a1", "a2"):                          # sort first
+            myq.enqueue(spool, "t", {"n": i}, id=i)
+        os.killpg(w.pid, signal.SIGKILL)
+        w.wait(10)
+        os.kill(int(started.read_text()), signal.SIGKILL)
+        wait_gone(int(started.read_text()))
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait(10)
+    rp = call_myq("--spool", spool, "reap")
+    assert rp.returncode == 0, rp.stderr
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _states(spool, ["a1", "a2", "b1"]) == ["done"] * 3
+    after = _lines(log)[1:]
+    assert ["b1"] in after, after
+    assert sorted(sum(after, [])) == ["a1", "a2", "b1"], after
+    assert ls(spool, "processing") == [] and ls(spool, "locks/batches") == []
+
+
 # 4. batch_wait for every claim ###############################################
 
 def test_batch_wait_applies_after_a_full_batch_too(spool, tmp_path):
