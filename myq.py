@@ -65,7 +65,10 @@ The map: the sections, in file order, each using only those above it
   Handlers          exec, Python, http (HttpPool) (test_handlers_exec,
                     test_handlers_module, test_http, test_http_forward)
   MQTT (SPEC 10)    MqttClient (test_mqtt)
-  A run's pieces    batch keys, outcomes, pipes (test_handlers_exec)
+  A run's pieces    Backoff (every retry delay), Handler and its kinds
+                    (ExecHandler, PyHandler, HttpHandler, MqttHandler: time
+                    limit, destination, batch key, how it runs), outcomes,
+                    pipes (test_handlers_exec, test_http_forward)
   The scheduler     lanes, scan caches, gates, rates (test_scan, test_policy)
   Running a job     handlers started, outcomes collected (test_handlers_*)
   Holds, the worker's side   held types and destinations, probes
@@ -4651,6 +4654,24 @@ def _origin(parts):
     return parts.scheme, (parts.hostname or "").lower(), port
 
 
+def http_dest(url):
+    """The circuit breaker's destination of an http URL (SPEC 9): its
+    origin as _origin() gives it to HttpPool, "scheme://host:port"; None
+    when the URL has none (not http or https, no host, a bad port)."""
+    if not isinstance(url, str):
+        return None
+    try:
+        from urllib.parse import urlsplit
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return None
+        scheme, host, port = _origin(parts)
+    except (ImportError, ValueError):
+        return None
+    return "%s://%s:%d" % (scheme, "[%s]" % host if ":" in host else host,
+                           port)
+
+
 # Forwarding over slow links (SPEC 10): kept connections, gzip, batches.
 
 HTTP_IDLE = 30.0        # a kept connection idle this long is closed (SPEC
@@ -5677,20 +5698,20 @@ def mqtt_publish(client, jobs, timeout):
 
 
 class _Run(object):
-    """One job in flight in this worker."""
-    __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
+    """One job in flight in this worker, run by its Handler."""
+    __slots__ = ("claim", "handler", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
                  "thread", "result", "conn", "slot", "probe", "dest",
-                 "dest_fail", "batch", "split", "target", "unsent",
+                 "dest_fail", "batch", "split", "unsent",
                  "retry_after")
 
-    def __init__(self, claim, kind):
-        self.claim, self.kind = claim, kind
+    def __init__(self, claim, handler):
+        self.claim, self.handler = claim, handler
         self.proc = self.started = self.deadline = self.kill_at = None
         self.stdin = self.stdin_fd = self.err_fd = self.thread = None
         self.result = self.conn = None
         self.slot = self.probe = self.dest = None
-        self.batch = self.target = None     # batch: the claims of a batch
+        self.batch = None           # the claims of a batch
         self.dest_fail = self.split = self.unsent = False
         self.retry_after = None     # a destination failure's own delay
         self.err = bytearray()
@@ -5699,13 +5720,186 @@ class _Run(object):
 
 # A run's pieces ##############################################################
 
-def _batch_key(job):
-    """Which http jobs may share one request: method, url, headers."""
-    p = job.get("payload")
-    if not isinstance(p, dict):
+class Backoff(object):
+    """Every wait a worker gives a job before it goes again, in one place:
+    a retry's (--backoff-base doubling per attempt, to --backoff-max), a
+    held destination's probes (doubling per failure of its streak, to
+    --probe-max), a held type's, and how long parked jobs wait; each
+    jittered by --jitter where it is a backoff."""
+    __slots__ = ("base", "most", "probe_max", "jitter")
+
+    def __init__(self, base, most, probe_max, jitter):
+        self.base, self.most = float(base), float(most)
+        self.probe_max, self.jitter = float(probe_max), float(jitter)
+
+    def _jittered(self, d):
+        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
+
+    def retry(self, attempt, asked=None):
+        """The wait after a job's `attempt`-th run failed: what the handler
+        `asked` (RetryLater, a server's Retry-After) capped at
+        --backoff-max, else the backoff of that attempt."""
+        if asked is not None:
+            return min(asked, self.most)
+        return self._jittered(min(self.base * 2 ** min(attempt - 1, 60),
+                                  self.most))
+
+    def at_least(self, asked, attempt):
+        """A server's Retry-After is a lower bound, not leave to hammer it
+        ("Retry-After: 0" a thousand times): the backoff holds too."""
+        return max(asked or 0.0, self.retry(attempt))
+
+    def probe(self, n):
+        """A held destination's n-th wait: --backoff-base doubling to
+        --probe-max (and never past --backoff-max), jittered: a link that
+        comes back is used within --probe-max, whatever a job's backoff."""
+        return self._jittered(min(self.base * 2 ** min(n - 1, 60),
+                                  self.probe_max, self.most))
+
+    def dest(self, asked, streak):
+        """A failing destination's wait: grows with its streak, not with
+        the attempts its jobs spent, to --probe-max; a server's Retry-After
+        (or a handler's RetryLater) sets it, capped at --backoff-max."""
+        return min(asked, self.most) if asked else self.probe(streak)
+
+    def held_type(self, last):
+        """A type held for its missing handler: its wait doubles from
+        --backoff-base (at least 1 s), to --backoff-max and 5 minutes."""
+        return min(max(last * 2 if last else self.base, 1.0), self.most, 300.0)
+
+    def parked(self):
+        """How long a held destination's jobs wait past the hold's next
+        probe: the probes take them in turn and the release makes them
+        ready; this is only for a release that never comes."""
+        return min(max(10 * self.most, 60.0), 3600.0)
+
+
+class Handler(object):
+    """How the jobs of a type run, as Worker.resolve() found it: what it
+    is (`kind`, the word of the log and of the policy's `handler`), its
+    time limit, its destination (the circuit breaker's, SPEC 9), which
+    jobs may share one batch, and how it runs.  This base is a call in
+    this process; the worker asks its handler, never its kind."""
+    __slots__ = ("target",)
+    kind = None
+    spawned = False     # a process the worker feeds and reaps (exec)
+    remote = False      # a built-in sender: its time-out is its destination's
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def time_limit(self, job, default):
+        """Seconds a run of `job` may take: its own timeout, else the
+        worker's --timeout."""
+        return job.get("timeout") or default
+
+    def dest(self, job, worker):
+        """The circuit breaker's destination of `job`: its type."""
+        return job["type"]
+
+    def batch_key(self, job, worker):
+        """Jobs with the same key may share a batch; None: any of the type."""
         return None
-    return json.dumps([str(p.get("method") or "POST").upper(), p.get("url"),
-                       p.get("headers")], sort_keys=True, default=str)
+
+    def start(self, worker, run):
+        """A function in this thread (concurrency 1) or a thread of its own."""
+        if worker.concurrency == 1 and worker._main:
+            worker._run_inline(run)
+        else:
+            worker._run_thread(run)
+
+    def call(self, worker, run, job):
+        self.target(job)
+
+    def call_batch(self, worker, run, jobs):
+        """A batch's outcome: ("done",), or ("each", [None or the
+        exception, one a job]); a failure raises, as call() does."""
+        self.target(jobs)
+        return ("done",)
+
+
+class ExecHandler(Handler):
+    """An executable of --handlers: a process of its own, the payload on
+    its stdin (Running a job: _spawn, _collect)."""
+    __slots__ = ()
+    kind = "exec"
+    spawned = True
+
+    def start(self, worker, run):
+        worker._spawn(run, self.target)
+
+
+class PyHandler(Handler):
+    """A function of --module or of Worker(handlers=...)."""
+    __slots__ = ()
+    kind = "py"
+
+
+class HttpHandler(Handler):
+    """The built-in `http` type (SPEC 5.3, 10): its destination is the
+    URL's origin, scheme://host:port (the one HttpPool keeps connections
+    to); jobs share a request when http_group_key() says so.  The run's
+    time limit is the job's; a payload's own `timeout` bounds the request
+    within it (http_handler)."""
+    __slots__ = ()
+    kind = "http"
+    remote = True
+
+    def dest(self, job, worker):
+        p = job.get("payload")
+        return http_dest(p.get("url") if isinstance(p, dict) else None) \
+            or job["type"]
+
+    def batch_key(self, job, worker):
+        return http_group_key(job, worker.http_headers)
+
+    def call(self, worker, run, job):
+        try:
+            http_handler(job, worker.http_headers, worker.backoff_max,
+                         self.time_limit(job, worker.timeout), run,
+                         worker.http_pool, gzip=bool(
+                             worker.spool.rules(job["type"]).get("gzip")))
+        except RetryLater as e:
+            e.retry_after = e.seconds
+            e.seconds = worker.delays.at_least(e.seconds, job["attempts"])
+            raise
+
+    def call_batch(self, worker, run, jobs):
+        """A batch of http jobs as one request (SPEC 10)."""
+        rules = worker.spool.rules(jobs[0]["type"])
+        try:
+            http_batch(jobs, worker.http_headers, worker.backoff_max,
+                       self.time_limit(jobs[0], worker.timeout), run,
+                       getattr(worker, "http_pool", None),
+                       gzip=bool(rules.get("gzip")))
+        except RetryLater as e:
+            e.retry_after = e.seconds
+            e.seconds = worker.delays.at_least(e.seconds, jobs[0]["attempts"])
+            raise
+        return ("done",)
+
+
+class MqttHandler(Handler):
+    """The built-in `mqtt` type (SPEC 10): its destination is the broker
+    of --mqtt; a batch is published all in flight, one outcome a job."""
+    __slots__ = ()
+    kind = "mqtt"
+    remote = True
+
+    def dest(self, job, worker):
+        client = getattr(worker, "_mqtt_client", None)
+        return client.dest if client is not None else "mqtt"
+
+    def call(self, worker, run, job):
+        err = worker.mqtt_batch([job], run)[0]
+        if err is not None:
+            raise err
+
+    def call_batch(self, worker, run, jobs):
+        return ("each", worker.mqtt_batch(jobs))
+
+
+_HTTP, _MQTT = HttpHandler(), MqttHandler()     # (they hold nothing)
 
 
 def _abort(run):
@@ -6193,7 +6387,7 @@ class _Scheduling(object):
         now = _now()
         dest = L.dest or L.type
         if dest in self._holds:
-            until = sp.breaker.take_probe(dest, self.probe_backoff)
+            until = sp.breaker.take_probe(dest, self.delays.probe)
             if until is None:
                 L.blocked = now + min(self.poll, 1.0)
                 return L.blocked
@@ -6301,8 +6495,8 @@ class _Running(object):
     # Handlers ----------------------------------------------------------------
 
     def resolve(self, type, rules=None):
-        """('exec', path) or ('py', function) or (None, why not).  `rules`:
-        the type's, when the caller has them."""
+        """(handler, None): its Handler, or (None, why not).  `rules`: the
+        type's, when the caller has them."""
         builtin = (self.spool.rules(type) if rules is None else rules).get(
             "handler")
         if builtin == "http":
@@ -6313,12 +6507,12 @@ class _Running(object):
             path = os.path.join(self.handlers_dir, type)
             if os.path.isfile(path):
                 if os.access(path, os.X_OK):
-                    return "exec", path
+                    return ExecHandler(path), None
                 return None, ("handler %s is not executable (chmod +x %s)"
                               % (path, path))
         fn = self.handlers.get(type)
         if callable(fn) and not type.startswith("_"):
-            return "py", fn
+            return PyHandler(fn), None
         if type == "http":
             return self.resolve_http(type)
         if type == "mqtt":
@@ -6337,46 +6531,13 @@ class _Running(object):
         except ImportError:
             return None, ("the http handler needs Python's http.client and "
                           "urllib (OpenWrt: opkg install python3-urllib)")
-        return "http", self._http
+        return _HTTP, None
 
     def resolve_mqtt(self, type):
         if self._mqtt_client is not None:
-            return "mqtt", self._mqtt
+            return _MQTT, None
         return None, ("no --mqtt broker configured for type %s (give the "
                       "worker --mqtt mqtt://HOST)" % type)
-
-    def _http(self, job, run=None):
-        try:
-            return http_handler(job, self.http_headers, self.backoff_max,
-                                job.get("timeout") or self.timeout, run,
-                                self.http_pool, gzip=bool(
-                                    self.spool.rules(job["type"]).get("gzip")))
-        except RetryLater as e:
-            # A server's Retry-After is a lower bound, not leave to hammer
-            # it ("Retry-After: 0" a thousand times): the backoff holds too.
-            e.retry_after = e.seconds
-            e.seconds = max(e.seconds or 0.0, self.backoff(job["attempts"]))
-            raise
-
-
-    def _http_batch(self, jobs, run):
-        """A batch of http jobs as one request (SPEC 10)."""
-        rules = self.spool.rules(jobs[0]["type"])
-        try:
-            return http_batch(jobs, self.http_headers, self.backoff_max,
-                              jobs[0].get("timeout") or self.timeout, run,
-                              getattr(self, "http_pool", None),
-                              gzip=bool(rules.get("gzip")))
-        except RetryLater as e:
-            e.retry_after = e.seconds
-            e.seconds = max(e.seconds or 0.0, self.backoff(jobs[0]["attempts"]))
-            raise
-
-    def _mqtt(self, job, run=None):
-        """The built-in `mqtt` type, one job (SPEC 10)."""
-        err = self.mqtt_batch([job], run)[0]
-        if err is not None:
-            raise err
 
     def mqtt_batch(self, jobs, run=None):
         """Publish `mqtt` jobs through the worker's connection, all in
@@ -6384,7 +6545,7 @@ class _Running(object):
         exception: PermanentError, DestinationDown).  With `run`, the
         connection is cut when the run's time is up (_abort)."""
         client = self._mqtt_client
-        limit = min(j.get("timeout") or self.timeout for j in jobs)
+        limit = min(_MQTT.time_limit(j, self.timeout) for j in jobs)
         if run is not None:
             # a little before the worker's own limit, so that a time-out is
             # ours: a destination failure (SPEC 9), not the job's
@@ -6420,15 +6581,15 @@ class _Running(object):
     def _start(self, c):
         (slot, probe, lane), self._taken = self._taken, (None, None, None)
         rules = self.spool.rules(c.job["type"])
-        kind, target = self.resolve(c.job["type"], rules)
-        run = _Run(c, kind)
+        handler, why = self.resolve(c.job["type"], rules)
+        run = _Run(c, handler)
         run.slot, run.probe = slot, probe      # (_launch times the run)
-        if kind is None:
-            self._hold(run, target)
+        if handler is None:
+            self._hold(run, why)
             return
         if c.job["type"] in self._held:
             self._unhold(c.job["type"])
-        run.dest = self._dest_of(c.job, kind)
+        run.dest = handler.dest(c.job, self)
         if lane is not None and lane.type is not None and run.dest != lane.type:
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
@@ -6439,7 +6600,7 @@ class _Running(object):
             until = None
         if until is not None and run.probe != run.dest:
             new = None if until > _now() else self.spool.breaker.take_probe(
-                run.dest, self.probe_backoff, self.spool.waits_at(c.job, c.jid))
+                run.dest, self.delays.probe, self.spool.waits_at(c.job, c.jid))
             if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
                            "is held" % run.dest)
@@ -6451,7 +6612,6 @@ class _Running(object):
                 self._holds.pop(run.dest, None)
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
-        run.target = target
         n = rules.get("batch")
         if n and (run.probe or (lane is not None and lane.type == c.job["type"])):
             # A job of a batched type always goes in a batch's form, and
@@ -6465,7 +6625,7 @@ class _Running(object):
                 run.batch = [c]
             else:
                 run.batch = [c] + self._claim_more(
-                    lane, c, n - 1, rules.get("batch_bytes"), kind)
+                    lane, c, n - 1, rules.get("batch_bytes"), handler)
             self.spool.claims.note_batch(run.batch)
         self._launch(run)
 
@@ -6488,28 +6648,19 @@ class _Running(object):
         return sorted(out.values(), key=lambda c: order.get(c.jid, -1))
 
     def _launch(self, run):
-        """Run the handler: an exec handler as a process, a function in
-        this thread (concurrency 1) or a thread of its own."""
+        """Run the handler, timed by its limit: it starts as it does
+        (Handler.start: a process, a call here or in a thread)."""
         run.started = _mono()
-        c = run.claim
-        run.deadline = run.started + (c.job.get("timeout") or self.timeout)
-        kind, target = run.kind, run.target
-        if kind == "exec":
-            self._spawn(run, target)
-            return
-        if kind in ("http", "mqtt"):
-            target = lambda job, fn=target: fn(job, run)    # noqa: E731
-        if self.concurrency == 1 and self._main:
-            self._run_inline(run, target)
-        else:
-            self._run_thread(run, target)
+        run.deadline = run.started + run.handler.time_limit(run.claim.job,
+                                                            self.timeout)
+        run.handler.start(self, run)
 
-    def _claim_more(self, L, first, n, limit, kind):
+    def _claim_more(self, L, first, n, limit, handler):
         """A batch (SPEC 10): up to n more ready jobs of lane L, within
-        `limit` bytes; for http only jobs that go in the same request."""
+        `limit` bytes, of the first's batch key (http: the same request)."""
         out = []
         size = len(dumps(first.job))
-        key = _batch_key(first.job) if kind == "http" else None
+        key = handler.batch_key(first.job, self)
         sp = self.spool
         while len(out) < n:
             head = self._head(L)
@@ -6527,7 +6678,7 @@ class _Running(object):
             c = sp.claims.claim(name, self.me, self.max_attempts, scheduled, L.sub)
             if c is None:
                 continue
-            if (key is not None and _batch_key(c.job) != key) \
+            if (key is not None and handler.batch_key(c.job, self) != key) \
                     or c.job.get("batch_of"):
                 job = dict(c.job)           # not for this request: back, as
                 job["available_at"] = _now()    # it was, for the next batch
@@ -6639,7 +6790,7 @@ class _Running(object):
         """Finish the runs that ended; enforce time limits."""
         now = _mono()
         for run in list(self.runs):
-            if run.kind == "exec":
+            if run.handler.spawned:
                 rc = run.proc.poll()
                 if rc is None:
                     if run.kill_at is not None and now >= run.kill_at:
@@ -6669,7 +6820,7 @@ class _Running(object):
                         self._release(run)
                     elif run.timed_out and run.result[0] != "done":
                         # a built-in handler's time-out is its destination's
-                        run.dest_fail = run.kind in ("http", "mqtt")
+                        run.dest_fail = run.handler.remote
                         self._finish(run, "retry", "timed out after %gs (%s)" % (
                             run.deadline - run.started, run.result[1]),
                             None, run.result[3] if len(run.result) > 3 else None)
@@ -6708,21 +6859,15 @@ class _Running(object):
             else:
                 self._finish(run, "dead", why)
 
-    def _call(self, run, fn):
+    def _call(self, run):
         """Run an in-process handler; returns (outcome[, error, delay,
         traceback]).  A batch's function gets the list of its jobs; the
         built-in handlers send it their way (mqtt: one outcome a job)."""
         try:
             if run.batch:
-                jobs = [self._job_for_handler(c) for c in run.batch]
-                if run.kind == "mqtt":
-                    return ("each", self.mqtt_batch(jobs))
-                if run.kind == "http":
-                    self._http_batch(jobs, run)
-                else:
-                    fn(jobs)
-                return ("done",)
-            fn(self._job_for_handler(run.claim))
+                return run.handler.call_batch(self, run, [
+                    self._job_for_handler(c) for c in run.batch])
+            run.handler.call(self, run, self._job_for_handler(run.claim))
             return ("done",)
         except PermanentError as e:
             run.unsent = isinstance(e, _Unsent)
@@ -6734,7 +6879,7 @@ class _Running(object):
         except Exception as e:
             return ("retry", _exc_text(e), None, _tb_tail(e))
 
-    def _run_inline(self, run, fn):
+    def _run_inline(self, run):
         """concurrency 1 in the main thread: call the handler right here;
         SIGALRM ticks heartbeat it and enforce the time limit (raising
         _Timeout into the handler) and the shutdown grace."""
@@ -6746,7 +6891,7 @@ class _Running(object):
             if tick != self._timer:     # armed once for a run of jobs
                 signal.setitimer(signal.ITIMER_REAL, tick, tick)
                 self._timer = tick
-            result = self._call(run, fn)
+            result = self._call(run)
             self._inline = None
         except _Timeout:
             result = ("retry", "timed out after %gs (interrupted)"
@@ -6762,11 +6907,11 @@ class _Running(object):
                 self.log("timeout", id=run.claim.jid)
             self._finish(run, *result)
 
-    def _run_thread(self, run, fn):
+    def _run_thread(self, run):
         import threading
 
         def main():
-            run.result = self._call(run, fn)
+            run.result = self._call(run)
             try:
                 os.write(self._pipe[1], b"t")
             except OSError:
@@ -6798,8 +6943,7 @@ class _Holding(object):
         c = run.claim
         t = run.dest = c.job["type"]
         old = self._held.get(t)
-        delay = min(max(old[1] * 2 if old else self.backoff_base, 1.0),
-                    self.backoff_max, 300.0)
+        delay = self.delays.held_type(old[1] if old else None)
         until = _now() + delay
         recorded = old[3] if old else len(self._held) < 1024
         self._held[t] = (why, delay, until, recorded)
@@ -6859,13 +7003,7 @@ class _Holding(object):
                                  self.spool.waits_at(job, c.jid))
 
         self._free(run)
-        self._move(c, job, "incoming", None, {}, until + self._parked_for())
-
-    def _parked_for(self):
-        """How long a held destination's jobs wait past the hold's next
-        probe: the probes take them in turn (_probe_claim) and the release
-        makes them ready; this is only for a release that never comes."""
-        return min(max(10 * self.backoff_max, 60.0), 3600.0)
+        self._move(c, job, "incoming", None, {}, until + self.delays.parked())
 
     def _probe_claim(self, dest):
         """A held destination's probe is due: claim the next of the jobs it
@@ -6881,7 +7019,7 @@ class _Holding(object):
         last = (sp.breaker.record(dest) or {}).get("last")
         k = names.index(last) + 1 if last in names else 0
         names = names[k:] + names[:k]
-        until = sp.breaker.take_probe(dest, self.probe_backoff, names[0])
+        until = sp.breaker.take_probe(dest, self.delays.probe, names[0])
         if not until:
             if until == 0.0:
                 self._holds.pop(dest, None)     # released meanwhile
@@ -6986,24 +7124,6 @@ class _Holding(object):
             safe = self._safe_names[dest] = _safe_dest(dest)
         return safe
 
-    def _dest_of(self, job, kind):
-        """The circuit breaker's destination (SPEC 9): for http its
-        scheme://host:port, for mqtt the broker, else the type."""
-        if kind == "http":
-            p = job.get("payload")
-            url = p.get("url") if isinstance(p, dict) else None
-            if isinstance(url, str):
-                m = re.match(r"(https?)://(?:[^@/?#]*@)?(\[[^\]]*\]|[^:/?#]*)"
-                             r"(?::(\d+))?", url, re.I)
-                if m and m.group(2):
-                    scheme = m.group(1).lower()
-                    return "%s://%s:%s" % (scheme, m.group(2).lower(), m.group(3)
-                                           or (443 if scheme == "https" else 80))
-        elif kind == "mqtt":
-            client = getattr(self, "_mqtt_client", None)
-            return client.dest if client is not None else "mqtt"
-        return job["type"]
-
 
 # The worker ##################################################################
 
@@ -7040,6 +7160,8 @@ class Worker(_Scheduling, _Running, _Holding):
         self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
         self.probe_max = float(probe_max)
         self.jitter, self.poll = float(jitter), max(0.01, float(poll))
+        self.delays = Backoff(self.backoff_base, self.backoff_max,
+                              self.probe_max, self.jitter)
         self.stats_interval, self.grace = float(stats_interval), float(grace)
         self.pass_env = list(pass_env or ())
         self.http_headers = dict(http_headers or {})
@@ -7075,7 +7197,7 @@ class Worker(_Scheduling, _Running, _Holding):
         self._low_logged = False
         self._clock_offset = _now() - _mono()
         self._next_beat = float("inf")     # set when run() starts
-        self._splits = []   # halves of failed batches, to start: (claims, kind, target)
+        self._splits = []   # halves of failed batches, to start: (claims, handler)
         self._held = {}     # held type -> (why, delay, until, recorded)
 
         self._held_changed = False
@@ -7088,18 +7210,6 @@ class Worker(_Scheduling, _Running, _Holding):
         self._mqtt_client = None if not mqtt else _mqtt_client(
             mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
             mqtt_key, timeout=min(self.timeout, 30.0))
-
-    def backoff(self, n):
-        d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
-        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
-
-    def probe_backoff(self, n):
-        """A held destination's n-th wait: --backoff-base doubling to
-        --probe-max (and never past --backoff-max), jittered: a link that
-        comes back is used within --probe-max, whatever a job's backoff."""
-        d = min(self.backoff_base * 2 ** min(n - 1, 60), self.probe_max,
-                self.backoff_max)
-        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
 
     # The loop ------------------------------------------------------------------
 
@@ -7164,7 +7274,7 @@ class Worker(_Scheduling, _Running, _Holding):
             if not h.get("missing"):
                 continue
             if self._lacks(h["dest"]):
-                self._held[h["dest"]] = (h.get("why"), self.backoff_base,
+                self._held[h["dest"]] = (h.get("why"), self.delays.base,
                                          h["until"], True)
             elif not (_is_num(h.get("pid")) and proc_start(
                     int(h["pid"]), living=True) == h.get("start")):
@@ -7423,7 +7533,7 @@ class Worker(_Scheduling, _Running, _Holding):
             # wakes this select; a due time past would make it spin)
             deadlines.append(now + max(0.0, self.next_due - _now()))
         for run in self.runs:
-            if run.kind == "exec" or not run.timed_out:
+            if run.handler.spawned or not run.timed_out:
                 deadlines.append(run.kill_at or run.deadline)
         if self._pending:
             deadlines.append(self._pending_since + 1.0)
@@ -7480,7 +7590,7 @@ class Worker(_Scheduling, _Running, _Holding):
             self.spool.claims.end_batch(run.batch[0].batch)
             for c, res in zip(run.batch, error):
                 c.batch = None
-                one = _Run(c, run.kind)
+                one = _Run(c, run.handler)
                 one.started, one.dest, one.probe = run.started, run.dest, run.probe
                 if res is None:
                     self._finish(one, "done")
@@ -7520,7 +7630,7 @@ class Worker(_Scheduling, _Running, _Holding):
             for c in claims:            # (its halves are groups of their own)
                 c.batch = None
                 c.job.pop("batch_of", None)
-            self._splits[:0] = [(part, run.kind, run.target)
+            self._splits[:0] = [(part, run.handler)
                                 for part in (claims[:half], claims[half:])]
             return
         for c in claims:
@@ -7549,7 +7659,7 @@ class Worker(_Scheduling, _Running, _Holding):
             job.pop("batch_of", None)
         if not counts:
             # The destination's failure inside a streak: no attempt spent.
-            d = delay if delay is not None else self.backoff(max(1, c.attempt))
+            d = delay if delay is not None else self.delays.retry(max(1, c.attempt))
             job["available_at"] = now = _now()      # see Spool._move_on
             # (held: it runs at the release, which the next probe may make;
             # its file waits longer only for a release that never comes)
@@ -7566,7 +7676,7 @@ class Worker(_Scheduling, _Running, _Holding):
             kv["error"] = error
             self._move(c, job, "dlq", "dead", kv)
             return
-        d = self.backoff(c.attempt) if delay is None else min(delay, self.backoff_max)
+        d = self.delays.retry(c.attempt, delay)
         now = _now()
         job["available_at"] = now + d
         kv["retry_in"] = round(d, 3)
@@ -7584,11 +7694,7 @@ class Worker(_Scheduling, _Running, _Holding):
         sp, c = self.spool, run.claim
         started, distinct, total = sp.breaker.streak(run.dest, c.jid)
         self._streaky.add(self._safe(run.dest))
-        # The destination's backoff grows with the streak, not with the
-        # attempts its jobs spent, to --probe-max; a server's Retry-After
-        # (or a handler's RetryLater) sets it, capped at --backoff-max.
-        ra = run.retry_after
-        delay = min(ra, self.backoff_max) if ra else self.probe_backoff(total)
+        delay = self.delays.dest(run.retry_after, total)
         until = self._holds.get(run.dest)
         if until is not None:
             rec = sp.breaker.record(run.dest)      # (released by another worker?)
@@ -7599,7 +7705,7 @@ class Worker(_Scheduling, _Running, _Holding):
                 until = rec["until"]
         if until is not None:
             # held: it waits with the others; the probes take them in turn
-            return False, max(0.0, until - _now()) + self._parked_for()
+            return False, max(0.0, until - _now()) + self.delays.parked()
         n = sp.rules(c.job["type"]).get("breaker", 3)
         if n and distinct >= n:
             d = delay
@@ -7623,7 +7729,7 @@ class Worker(_Scheduling, _Running, _Holding):
     def _start_split(self):
         """Start the first half of a split batch waiting (_finish) when a
         slot of the worker and of its type is free; False when none may."""
-        part, kind, target = self._splits[0]
+        part, handler = self._splits[0]
         t = part[0].job["type"]
         n = self.spool.rules(t).get("concurrency")
         slot = None
@@ -7634,15 +7740,15 @@ class Worker(_Scheduling, _Running, _Holding):
             if slot is None:
                 return False
         del self._splits[0]
-        new = _Run(part[0], kind)
-        new.batch, new.split, new.target, new.slot = part, True, target, slot
+        new = _Run(part[0], handler)
+        new.batch, new.split, new.slot = part, True, slot
         self._launch(new)
         return True
 
     def _release_splits(self):
         """Stopping: the halves not started go back, ready now."""
         splits, self._splits = self._splits, []
-        for part, kind, target in splits:
+        for part, _ in splits:
             for c in part:
                 self._release_one(c)
 
@@ -7736,7 +7842,7 @@ class Worker(_Scheduling, _Running, _Holding):
         until = _now() + self.lease
         try:
             self.me.beat()
-            claims = [c for part, _, _ in self._splits for c in part]
+            claims = [c for part, _ in self._splits for c in part]
             for run in self.runs + ([self._inline] if self._inline else []):
                 claims.extend(run.batch or [run.claim])
             for c in claims:
