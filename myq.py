@@ -48,14 +48,18 @@ The map: the sections, in file order, each using only those above it
 (tests/test_structure.py keeps it so), and where each is tested.
 
   Errors            the exceptions and their exit codes (test_bad_input)
-  Small helpers     time, values, names, formats (test_clock, test_policy)
+  Small helpers     time, names, formats; values: one parser per kind
+                    (Kind: BOOL, COUNT, SIZE, SECONDS, ...), for flags,
+                    MYQ_* variables and policy files alike (test_clock,
+                    test_policy, test_operator_cli)
   Filesystem steps: the one door to the disk   _Door, every step on a
                     spool's file by directory descriptor (test_trust3,
                     test_security, test_crashpoints, test_storage_faults)
   Processes         /proc, process start times, kill_run, become
                     (test_liveness, test_ownership)
   The job model     parse, normalize, job files (test_hostile, test_enqueue)
-  Per-type policy (SPEC 9)   policy values and rules (test_policy)
+  Per-type policy (SPEC 9)   Policy: its keys, each a Kind; a policy
+                    file checked, in canonical form (test_policy)
   The spool         Identity, Claim, Breaker (holds' records), Claims (the
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
@@ -245,7 +249,12 @@ def iso(t=None, frac=True):
 
 
 def parse_size(text):
-    """'256K' -> 262144.  Binary suffixes K, M, G; a plain number is bytes."""
+    """'256K' -> 262144.  Binary suffixes K, M, G; a plain number is bytes
+    (a JSON integer too)."""
+    if text.__class__ is int and 0 <= text < 1 << 60:
+        return text
+    if not isinstance(text, str):
+        raise ValueError("not a size (use e.g. 512K, 1M, 2G): %r" % (text,))
     m = re.match(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)[iI]?[bB]?\s*\Z", str(text))
     if not m:
         raise ValueError("not a size (use e.g. 512K, 1M, 2G): %r" % text)
@@ -263,24 +272,61 @@ DURATION_FORMS = "seconds such as 0.2 or 90, or a unit: 500ms, 30s, 15m, 1h, 7d"
 
 def parse_duration(text):
     """'0.2', '90', '500ms', '30s', '15m', '1h', '7d' -> seconds (a float,
-    not range-checked: a caller that takes a job's delay judges it)."""
+    not range-checked: a caller that takes a job's delay judges it).  A
+    JSON number too, never a boolean."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
+    if not isinstance(text, str):
+        raise ValueError("not a duration (use %s)" % DURATION_FORMS)
     try:
         return float(text)
-    except (TypeError, ValueError):
+    except ValueError:
         m = _DURATION_RE.match(str(text))
         if not m:
             raise ValueError("not a duration (use %s)" % DURATION_FORMS)
         return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def parse_seconds(text):
-    """A duration (parse_duration) that is finite and >= 0."""
+def parse_seconds(text, positive=False, most=float("inf")):
+    """A duration (parse_duration) that is >= 0 (with `positive`: > 0)
+    and below `most` (so finite)."""
     v = parse_duration(text)
-    if not v >= 0 or v == float("inf"):
-        raise ValueError("not a duration >= 0 (use %s)" % DURATION_FORMS)
+    if not (v > 0 if positive else v >= 0) or not v < most:
+        raise ValueError("not a duration %s (use %s)" % (
+            "> 0" if positive else ">= 0", DURATION_FORMS))
     return v
+
+
+def parse_bool(v):
+    """True or false: a JSON boolean, or 1/0, true/false, yes/no, on/off
+    in any case."""
+    if isinstance(v, bool):
+        return v
+    t = str(v).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("not true or false: %r" % (v,))
+
+
+def parse_int(v, lo=None, hi=None):
+    """A whole number from lo to hi (None: no bound): a JSON integer, or
+    its digits (a sign and blanks around them allowed)."""
+    if isinstance(v, str) and re.match(r"\s*[-+]?\d+\s*\Z", v):
+        v = int(v)
+    if v.__class__ is not int or (lo is not None and v < lo) or (
+            hi is not None and v > hi):
+        raise ValueError("not a whole number in range: %r" % (v,))
+    return v
+
+
+def parse_fraction(v):
+    """A number from 0 to 1."""
+    f = None if isinstance(v, bool) else float(v)
+    if f is None or not 0 <= f <= 1:
+        raise ValueError("not a fraction: %r" % (v,))
+    return f
 
 
 def _rand_hex(n=4):
@@ -350,6 +396,47 @@ def _format_size(v):
         if v >= n and v % n == 0:
             return "%d%s" % (v // n, unit)
     return str(v)
+
+
+class Kind(object):
+    """One kind of value, read the same way from a flag, a MYQ_* variable
+    and a policy file: kind(value) is its canonical form, else a
+    ValueError that says what it takes (the caller names the key and the
+    value).  "" is a value of no kind: where empty means something (a
+    MYQ_* variable: unset; a policy VALUE: remove the key) the caller
+    decides that before it parses.  `show` writes a value as --help and
+    `myq policy` print it, `metavar` names it in --help."""
+    __slots__ = ("parse", "takes", "metavar", "show")
+
+    def __init__(self, parse, takes, metavar="V", show=str):
+        self.parse, self.takes = parse, takes
+        self.metavar, self.show = metavar, show
+
+    def __call__(self, value):
+        try:
+            return self.parse(value)
+        except (ValueError, TypeError, AttributeError, OverflowError):
+            raise ValueError("it takes " + self.takes)
+
+
+def _whole(v):
+    """A policy's canonical number: 3600, not 3600.0."""
+    return int(v) if v == int(v) else v
+
+
+BOOL = Kind(parse_bool, "true or false (or 1/0, yes/no, on/off)",
+            show=lambda v: "true" if v else "false")
+COUNT = Kind(lambda v: parse_int(v, 1), "a whole number >= 1", "N")
+NATURAL = Kind(lambda v: parse_int(v, 0), "a whole number >= 0", "N")
+PRIORITY = Kind(lambda v: parse_int(v, -9, 9), "an integer from -9 to 9", "P")
+SIZE = Kind(parse_size, "a size such as 512K, 1M or 2G", "SIZE", _format_size)
+SECONDS = Kind(parse_seconds, "a duration >= 0: " + DURATION_FORMS, "S",
+               _format_duration)
+POSITIVE_SECONDS = Kind(lambda v: parse_seconds(v, positive=True),
+                        "a duration > 0: " + DURATION_FORMS, "S",
+                        _format_duration)
+DURATION = Kind(parse_duration, "a duration: " + DURATION_FORMS, "S")
+FRACTION = Kind(parse_fraction, "a fraction from 0 to 1, such as 0.1", "F")
 
 
 # Filesystem steps: the one door to the disk #################################
@@ -1561,48 +1648,7 @@ _RATE_RE = re.compile(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
 SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
 
 
-def _pv_int(lo, hi):
-    def value(v):
-        if isinstance(v, str) and re.match(r"\s*[-+]?\d+\s*\Z", v):
-            v = int(v)
-        if v.__class__ is not int or not lo <= v <= hi:
-            raise ValueError(v)
-        return v
-    return value
-
-
-def _pv_size(v):
-    if v.__class__ is int and 0 <= v < 1 << 60:
-        return v
-    if isinstance(v, str):
-        return parse_size(v)
-    raise ValueError(v)
-
-
-def _pv_duration(v, zero=False):
-    if _is_num(v):
-        v = float(v)
-    elif isinstance(v, str):
-        v = parse_duration(v)
-    else:
-        raise ValueError(v)
-    if not (0 <= v if zero else 0 < v) or v >= 1e10:
-        raise ValueError(v)
-    return int(v) if v == int(v) else v
-
-
-def _pv_bool(v):
-    if isinstance(v, bool):
-        return v
-    t = str(v).strip().lower()
-    if t in ("true", "yes", "on", "1"):
-        return True
-    if t in ("false", "no", "off", "0"):
-        return False
-    raise ValueError(v)
-
-
-def _pv_choice(*allowed):
+def _choice(*allowed):
     def value(v):
         if v not in allowed:
             raise ValueError(v)
@@ -1621,68 +1667,81 @@ def rate_of(text):
     return n, per
 
 
-def _pv_rate(v):
+def parse_rate(v):
+    """A rate's canonical text: '30 / 1m' -> '30/m' (rate_of: its numbers)."""
     rate_of(v)              # the check; then its canonical text
     n, per, unit = _RATE_RE.match(str(v)).groups()
     return "%s/%s%s" % (n, "" if per in ("", "1") else per, unit)
 
 
-# key: (check and canonical form, what it takes)
-POLICY_KEYS = {
-    "handler": (_pv_choice("http", "mqtt"), "http or mqtt"),
-    "max_queued": (_pv_int(0, 10 ** 9), "a number of jobs"),
-    "max_bytes": (_pv_size, "a size such as 512K or 10M"),
-    "overflow": (_pv_choice("reject", "drop-oldest"), "reject or drop-oldest"),
-    "ttl": (_pv_duration, "a duration such as 90s, 15m, 1h, 7d"),
-    "priority": (_pv_int(-9, 9), "an integer from -9 to 9"),
-    "concurrency": (_pv_int(1, 10000), "a number of runs >= 1"),
-    "rate": (_pv_rate, "N/PERIOD such as 1/s, 30/m, 500/h"),
-    "breaker": (_pv_int(0, 10 ** 6), "a number of failures (0: off)"),
-    "paused": (_pv_bool, "true or false"),
-    "batch": (_pv_int(1, 10000), "a number of jobs >= 1"),
-    "batch_bytes": (_pv_size, "a size such as 64K"),
-    "batch_wait": (lambda v: _pv_duration(v, zero=True),
-                   "a duration such as 0, 500ms, 5s"),
-    "gzip": (_pv_bool, "true or false"),
-}
+class Policy(object):
+    """The per-type rules (SPEC 9): its keys, each one Kind of value (the
+    kinds the command line's options are, where they are the same), and
+    a policy file's object checked and in canonical form (numbers whole
+    where they are: 3600, not 3600.0).  The spool reads and writes the
+    file (Spool.policy, rules, set_policy)."""
 
+    KEYS = {
+        "handler": Kind(_choice("http", "mqtt"), "http or mqtt"),
+        "max_queued": Kind(lambda v: parse_int(v, 0, 10 ** 9),
+                           "a number of jobs"),
+        "max_bytes": Kind(parse_size, "a size such as 512K or 10M",
+                          show=_format_size),
+        "overflow": Kind(_choice("reject", "drop-oldest"),
+                         "reject or drop-oldest"),
+        "ttl": Kind(lambda v: _whole(parse_seconds(v, True, 1e10)),
+                    "a duration such as 90s, 15m, 1h, 7d",
+                    show=_format_duration),
+        "priority": PRIORITY,
+        "concurrency": Kind(lambda v: parse_int(v, 1, 10000),
+                            "a number of runs >= 1"),
+        "rate": Kind(parse_rate, "N/PERIOD such as 1/s, 30/m, 500/h"),
+        "breaker": Kind(lambda v: parse_int(v, 0, 10 ** 6),
+                        "a number of failures (0: off)"),
+        "paused": BOOL,
+        "batch": Kind(lambda v: parse_int(v, 1, 10000),
+                      "a number of jobs >= 1"),
+        "batch_bytes": Kind(parse_size, "a size such as 64K", show=_format_size),
+        "batch_wait": Kind(lambda v: _whole(parse_seconds(v, False, 1e10)),
+                           "a duration such as 0, 500ms, 5s",
+                           show=_format_duration),
+        "gzip": BOOL,
+    }
 
-def policy_value(key, value):
-    """The canonical form of one policy value; UsageError (64) when the key
-    or the value is bad."""
-    spec = POLICY_KEYS.get(key)
-    if spec is None:
-        raise UsageError("unknown policy key %r; the keys are: %s"
-                         % (key, " ".join(sorted(POLICY_KEYS))))
-    try:
-        return spec[0](value)
-    except (ValueError, TypeError, AttributeError, OverflowError):
-        raise UsageError("bad value %s for policy key %s: it takes %s"
-                         % (_clip(json.dumps(value), 80), key, spec[1]))
+    @classmethod
+    def value(cls, key, value):
+        """The canonical form of one value; UsageError (64) that names the
+        key and the value when either is bad."""
+        kind = cls.KEYS.get(key)
+        if kind is None:
+            raise UsageError("unknown policy key %r; the keys are: %s"
+                             % (key, " ".join(sorted(cls.KEYS))))
+        try:
+            return kind(value)
+        except ValueError:
+            raise UsageError("bad value %s for policy key %s: %s"
+                             % (_clip(json.dumps(value), 80), key,
+                                "it takes " + kind.takes))
 
+    @classmethod
+    def check(cls, obj):
+        """A policy file's object, validated and in canonical form."""
+        if not isinstance(obj, dict):
+            raise ValueError("the policy is a JSON object {TYPE: {KEY: VALUE}}")
+        out = {}
+        for name, keys in obj.items():
+            if name != "*":
+                _check_name(name, "type")
+            if not isinstance(keys, dict):
+                raise ValueError("the policy of %s is not an object" % name)
+            out[name] = dict((k, cls.value(k, v)) for k, v in keys.items())
+        return out
 
-def check_policy(obj):
-    """A policy file's object, validated and in canonical form."""
-    if not isinstance(obj, dict):
-        raise ValueError("the policy is a JSON object {TYPE: {KEY: VALUE}}")
-    out = {}
-    for name, keys in obj.items():
-        if name != "*":
-            _check_name(name, "type")
-        if not isinstance(keys, dict):
-            raise ValueError("the policy of %s is not an object" % name)
-        out[name] = dict((k, policy_value(k, v)) for k, v in keys.items())
-    return out
-
-
-def format_policy(key, v):
-    if key in ("ttl", "batch_wait"):
-        return _format_duration(v)
-    if key in ("max_bytes", "batch_bytes"):
-        return _format_size(v)
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
+    @classmethod
+    def show(cls, key, v):
+        """A value as `myq policy` prints it."""
+        kind = cls.KEYS.get(key)
+        return kind.show(v) if kind is not None else str(v)
 
 
 def _safe_dest(dest):
@@ -4111,7 +4170,7 @@ class Spool(_Producing, _Upkeep):
             else:
                 try:
                     data = self.read_file(path, 1 << 20)[0]
-                    self._pol = check_policy(json.loads(data.decode("utf-8")))
+                    self._pol = Policy.check(json.loads(data.decode("utf-8")))
                     self.policy_error = None
                 except (OSError, ValueError, MyqError) as e:
                     self.policy_error = (
@@ -4142,8 +4201,8 @@ class Spool(_Producing, _Upkeep):
         self.require()
         if name != "*":
             _check_name(name, "type")
-        changes = dict((k, policy_value(k, v) if v is not None or
-                        k not in POLICY_KEYS else None)
+        changes = dict((k, Policy.value(k, v) if v is not None or
+                        k not in Policy.KEYS else None)
                        for k, v in changes.items())
         try:
             fd = _lock(self.d("locks", "policy.lock"))
@@ -4164,7 +4223,7 @@ class Spool(_Producing, _Upkeep):
             pol = {}
             if data is not None:
                 try:
-                    pol = check_policy(json.loads(data.decode("utf-8")))
+                    pol = Policy.check(json.loads(data.decode("utf-8")))
                 except (ValueError, MyqError) as e:
                     raise ConfigError(
                         "%s does not parse (%s); nothing was changed: fix it "
@@ -8351,77 +8410,36 @@ class Supervisor(object):
 
 # Command line ################################################################
 
-def _seconds(text):
-    return parse_seconds(text)
-
-
-def _posint(text):
-    try:
-        v = int(text)
-    except (TypeError, ValueError):
-        raise ValueError("not a whole number >= 1")
-    if v < 1:
-        raise ValueError("must be at least 1")
-    return v
-
-
-def _natural(text):
-    try:
-        v = int(text)
-    except (TypeError, ValueError):
-        raise ValueError("not a whole number >= 0")
-    if v < 0:
-        raise ValueError("must be >= 0")
-    return v
-
-
-def _fraction(text):
-    try:
-        v = float(text)
-    except (TypeError, ValueError):
-        raise ValueError("not a fraction (a number from 0 to 1, e.g. 0.1)")
-    if not 0 <= v <= 1:
-        raise ValueError("must be between 0 and 1")
-    return v
-
-
-def _flag(text):
-    v = str(text).strip().lower()
-    if v in ("1", "yes", "true", "on"):
-        return True
-    if v in ("", "0", "no", "false", "off"):
-        return False
-    raise ValueError("not a boolean (use 1 or 0)")
-
-
-# (flag, type, default, help); `type` None means a switch.
+# (flag, kind, default, help); the kind is a Kind (Small helpers: the same
+# parser as a policy file's value of that kind), str, "append" (repeatable)
+# or None (a switch; its MYQ_* variable is a BOOL).
 GUARD_OPTIONS = [
-    ("--min-free", parse_size, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
-    ("--min-free-inodes", _natural, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
-    ("--max-job-bytes", parse_size, DEFAULTS["max_job_bytes"], "largest job file"),
-    ("--dedupe-window", _seconds, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
-    ("--keep-done", _seconds, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
-    ("--keep-done-max", _natural, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
-    ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
-    ("--keep-dead-max", _natural, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
-    ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
-    ("--keep-ok-max", _natural, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
+    ("--min-free", SIZE, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
+    ("--min-free-inodes", NATURAL, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
+    ("--max-job-bytes", SIZE, DEFAULTS["max_job_bytes"], "largest job file"),
+    ("--dedupe-window", SECONDS, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
+    ("--keep-done", SECONDS, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
+    ("--keep-done-max", NATURAL, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
+    ("--keep-dead", SECONDS, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
+    ("--keep-dead-max", NATURAL, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
+    ("--keep-failed", SECONDS, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
+    ("--keep-ok-max", NATURAL, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
 ]
 WORKER_OPTIONS = [
     ("--handlers", str, None, "directory of executable handlers, one per type"),
     ("--module", str, None, "Python file of handler functions"),
-    ("--concurrency", _posint, 1, "handlers run at once by this worker"),
-    ("--lease", _seconds, 60.0, "claim lease, renewed by heartbeats"),
-    ("--timeout", _seconds, 300.0, "handler time limit, unless the job has a timeout"),
-    ("--max-attempts", _posint, 5, "runs a job gets when it does not say"),
-    ("--backoff-base", _seconds, 5.0, "delay of the first retry, doubling after each failure"),
-    ("--backoff-max", _seconds, 3600.0, "longest retry delay"),
-    ("--probe-max", _seconds, 30.0, "longest wait between two probes of a held destination (a link that is back is used within it)"),
-    ("--jitter", _fraction, 0.1, "random spread of retry delays, a fraction"),
-    ("--poll", _seconds, 1.0, "how often to look for files dropped without a wake-up"),
-    ("--stats-interval", _seconds, 60.0, "time between status lines in the log, 0 for none"),
-    ("--grace", _seconds, 5.0, "time running handlers get after SIGTERM"),
-    ("--scan-cache", _posint, 2048, "ready jobs remembered per directory scan"),
+    ("--concurrency", COUNT, 1, "handlers run at once by this worker"),
+    ("--lease", SECONDS, 60.0, "claim lease, renewed by heartbeats"),
+    ("--timeout", SECONDS, 300.0, "handler time limit, unless the job has a timeout"),
+    ("--max-attempts", COUNT, 5, "runs a job gets when it does not say"),
+    ("--backoff-base", SECONDS, 5.0, "delay of the first retry, doubling after each failure"),
+    ("--backoff-max", SECONDS, 3600.0, "longest retry delay"),
+    ("--probe-max", SECONDS, 30.0, "longest wait between two probes of a held destination (a link that is back is used within it)"),
+    ("--jitter", FRACTION, 0.1, "random spread of retry delays, a fraction"),
+    ("--poll", SECONDS, 1.0, "how often to look for files dropped without a wake-up"),
+    ("--stats-interval", SECONDS, 60.0, "time between status lines in the log, 0 for none"),
+    ("--grace", SECONDS, 5.0, "time running handlers get after SIGTERM"),
+    ("--scan-cache", COUNT, 2048, "ready jobs remembered per directory scan"),
     ("--once", None, False, "run at most one job, then exit"),
     ("--drain", None, False, "run until nothing is ready or running, then exit"),
     ("--pass-env", "append", [], "pass this variable to exec handlers"),
@@ -8468,10 +8486,8 @@ _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": 
 def _option_help(flag, typ, default, help):
     """A table option's help: what it does, its default, its variable."""
     var = "MYQ_" + flag[2:].replace("-", "_").upper()
-    if typ is _seconds:
-        return "%s (default %s; %s)" % (help, _format_duration(default), var)
-    if typ is parse_size:
-        return "%s (default %s; %s)" % (help, _format_size(default), var)
+    if isinstance(typ, Kind):
+        return "%s (default %s; %s)" % (help, typ.show(default), var)
     if typ is None:
         return "%s (%s=1)" % (help, var)
     if typ == "append":
@@ -8486,40 +8502,19 @@ def _arg_error(message):
     return argparse.ArgumentTypeError(message)
 
 
-def _duration_arg(text):
-    try:
-        return parse_duration(text)
-    except ValueError as e:
-        raise _arg_error("%r is %s" % (text, e))
-
-
-def _positive_duration_arg(text):
-    v = _duration_arg(text)
-    if v <= 0:
-        raise _arg_error("%r: must be more than 0" % text)
-    return v
-
-
-def _priority_arg(text):
-    try:
-        p = int(text)
-        if -9 <= p <= 9:
-            return p
-    except ValueError:
-        pass
-    raise _arg_error("%r: a priority is an integer from -9 to 9" % text)
-
-
-def _count_arg(text):
-    try:
-        return _posint(text)
-    except ValueError as e:
-        raise _arg_error("%r is %s" % (text, e))
+def _arg(kind):
+    """An argparse type of a Kind: its error names the value."""
+    def value(text):
+        try:
+            return kind(text)
+        except ValueError as e:
+            raise _arg_error("%r: %s" % (text, e))
+    value.__name__ = kind.metavar
+    return value
 
 
 def _metavar(typ, dest):
-    return "N" if typ in (_posint, _natural) else "S" if typ is _seconds else \
-        "SIZE" if typ is parse_size else "F" if typ is _fraction else \
+    return typ.metavar if isinstance(typ, Kind) else \
         _METAVARS.get(dest) or dest.split("_")[-1].upper()
 
 
@@ -8558,18 +8553,18 @@ def _args_enqueue(p):
     p.add_argument("--id", help="the job's id (default: generated, in "
                    "creation order); exit 73 when that id is queued, running, "
                    "dead or done within the --dedupe-window")
-    p.add_argument("--delay", type=_duration_arg, default=0, metavar="S",
+    p.add_argument("--delay", type=_arg(DURATION), default=0, metavar="S",
                    help="run it no sooner than this from now (default 0)")
     p.add_argument("--max-attempts", type=int, metavar="N",
                    help="runs the job gets (default: the worker's "
                    "--max-attempts)")
-    p.add_argument("--timeout", type=_duration_arg, metavar="S",
+    p.add_argument("--timeout", type=_arg(DURATION), metavar="S",
                    help="the handler's time limit for this job (default: "
                    "the worker's --timeout)")
-    p.add_argument("--priority", type=_priority_arg, metavar="P",
+    p.add_argument("--priority", type=_arg(PRIORITY), metavar="P",
                    help="-9 to 9, higher first (default: the type's policy, "
                    "else 0)")
-    p.add_argument("--ttl", type=_positive_duration_arg, metavar="S",
+    p.add_argument("--ttl", type=_arg(POSITIVE_SECONDS), metavar="S",
                    help="never start it later than this from now: it goes to "
                    "dlq/ as expired (default: the type's policy ttl)")
 
@@ -8611,7 +8606,7 @@ def _args_list(p):
                    help="only jobs in this state: %s (held: waiting for a "
                    "held destination)" % ", ".join(STATES + ("held",)))
     p.add_argument("--type", help="only jobs of this type")
-    p.add_argument("--limit", type=_count_arg, metavar="N",
+    p.add_argument("--limit", type=_arg(COUNT), metavar="N",
                    help="at most N jobs (default: all)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per line instead of text")
@@ -8637,7 +8632,7 @@ def _args_delete(p):
     p.add_argument("--state", choices=STATES,
                    help="in bulk: every job in this state (%s)" % ", ".join(STATES))
     p.add_argument("--type", help="with --state: only jobs of this type")
-    p.add_argument("--older-than", type=_duration_arg, metavar="S",
+    p.add_argument("--older-than", type=_arg(DURATION), metavar="S",
                    help="with --state: only jobs older than this (waiting "
                    "and running: since created, done and dead: since the "
                    "finish, failed: since quarantined)")
@@ -8664,7 +8659,7 @@ def _args_check(p):
 def _args_policy(p):
     p.add_argument("type", nargs="?", help="a job type")
     p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
-                   help="keys: " + " ".join(sorted(POLICY_KEYS)))
+                   help="keys: " + " ".join(sorted(Policy.KEYS)))
     p.add_argument("--default", action="store_true",
                    help="the default rules, for every type without its own "
                    "value (shown as *)")
@@ -8742,7 +8737,7 @@ def _resolve(args, table, env):
                 value = raw.splitlines() if dest == "http_header" else raw.split()
             elif typ is None:
                 try:
-                    value = _flag(raw)
+                    value = BOOL(raw)
                 except ValueError as e:
                     raise UsageError("%s=%s: %s" % (name, raw, e))
             else:
@@ -8752,7 +8747,7 @@ def _resolve(args, table, env):
             source = "%s %s" % (flag, value)
         if value is None:
             value = default
-        elif typ not in (None, "append", str):
+        elif isinstance(typ, Kind):
             try:
                 value = typ(value)
             except (ValueError, TypeError) as e:
@@ -8907,7 +8902,7 @@ def _supervise(args, spool, guards, env):
     o = _resolve(args, WORKER_OPTIONS, env)
     n = args.workers or env.get("MYQ_WORKERS") or "1"
     try:
-        n = _posint(n)
+        n = COUNT(n)
     except ValueError:
         raise UsageError("bad --workers %r: a number >= 1" % n)
     try:
@@ -9151,8 +9146,8 @@ def _cmd_policy(a):
             if not eq:
                 raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
                                  "the key)" % pair)
-            if k not in POLICY_KEYS:
-                policy_value(k, v)          # the error that names the keys
+            if k not in Policy.KEYS:
+                Policy.value(k, v)          # the error that names the keys
             changes[k] = v if v != "" else None
         sp.set_policy(name, changes)
     sp._pol_next = 0.0
@@ -9165,7 +9160,7 @@ def _cmd_policy(a):
         _print(json.dumps(pol, sort_keys=True))
         return
     for t in sorted(pol, key=lambda t: (t != "*", t)):
-        _print(" ".join([t] + ["%s=%s" % (k, format_policy(k, v))
+        _print(" ".join([t] + ["%s=%s" % (k, Policy.show(k, v))
                                for k, v in sorted(pol[t].items())]))
 
 
