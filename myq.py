@@ -47,6 +47,8 @@ in exactly one place):
 The map: the sections, in file order, each using only those above it
 (tests/test_structure.py keeps it so), and where each is tested.
 
+  Platform and process state   feature flags, every mutable global
+                    (test_structure, test_light)
   Errors            the exceptions and their exit codes (test_bad_input)
   Small helpers     time, names, formats; values: one parser per kind
                     (Kind: BOOL, COUNT, SIZE, SECONDS, ...), for flags,
@@ -136,12 +138,77 @@ EX_OSERR, EX_CANTCREAT, EX_TEMPFAIL, EX_CONFIG = 71, 73, 75, 78
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 GENERATED_ID_RE = re.compile(r"[0-9]{13}-[0-9a-f]{8}\Z")     # _new_id's
-O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 STDERR_TAIL = 2000          # bytes of a handler's stderr kept for last_error
 ERROR_MAX = 1000            # characters of last_error stored
 SLACK = 16384               # what a worker may add to a job (error, lease lines)
+
+
+# Platform and process state ##################################################
+#
+# What this platform has, read once at import, and every module-level name
+# that changes after import, each with what changes it: a reader finds the
+# process's state here, not spread over the file.  They stay plain globals
+# (one dictionary lookup on the hot paths; a list or dict is changed in
+# place, a flag by `global` in the one function named).
+
+# Platform: flags of os.open() this system may lack (0: not there).
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+# mknod(2) makes an empty file in one call; _create_empty sets it False at
+# the first refusal (a sandbox: EPERM, ENOSYS, EINVAL) and opens instead.
+_MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
+# posix_fadvise(2): enqueue_many starts each file's writeback with it.
+_FADVISE = hasattr(os, "posix_fadvise")
+
+# The test hook of every step on a spool's file (Filesystem steps):
+# `_hook(op, path, "before"|"after")`, set by the crash and fault tests.
+_hook = None
+
+# This boot's id (/proc/sys/kernel/random/boot_id), read once by boot_id().
+_BOOT_ID = None
+
+# iso(): [the second, its strftime], so the time is formatted once a second.
+_ISO_CACHE = [None, ""]
+
+# _replace(): a counter for the names of its temporary files.
+_SEQ = [0]
+
+# _new_id(): [the last millisecond, its count], so that ids sort in order.
+_LAST_ID = [0, 0]
+
+# A spool's path -> True: every spool this process uses (Filesystem steps:
+# a path inside one goes through the door).
+_TOPS = {}
+
+
+class _Here(_thread._local):
+    """A thread's own doors: a descriptor one thread holds is never closed
+    by another (a worker closes its doors at each poll tick while a --module
+    handler's thread enqueues; shared, that thread's next step went through
+    a closed or reused number).  Dropped, and closed, when the thread ends."""
+
+    def __init__(self):
+        self.doors = {}     # a spool's path -> this thread's _Door of it
+        self.heads = {}     # a directory's path -> (its _Door or None, sub)
+        self.tops = 0       # len(_TOPS) when heads was filled
+
+
+_HERE = _Here()
+
+# spool path -> the _mono() time before which a producer does not look for a
+# listening worker again (Spool.poke)
+_UNHEARD = {}
+
+# enqueue(): a path -> its Spool, kept for the next call.
+_SPOOLS = {}
+
+# The HTTPSConnection subclass (HTTP forwarding), made on first use.
+_tls_class = []
+
+# [True] once run as a script, so compiled at its start (The process image,
+# Run as a script); the launcher of a cached byte code sets _FROM_CACHE.
+_COMPILED_AT_START = []
 
 
 # Errors ######################################################################
@@ -232,9 +299,6 @@ def _ms_repr(t):
         s = ("%.3f" % t).rstrip("0")
         return s + "0" if s[-1] == "." else s
     return repr(round(t, 3))
-
-
-_ISO_CACHE = [None, ""]
 
 
 def iso(t=None, frac=True):
@@ -373,9 +437,6 @@ def _plain(text, more=None):
 _FIELD = re.compile(r"[\s,=]")     # what would end a status line's field
 
 
-_BOOT_ID = None
-
-
 def pid_namespace():
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -455,32 +516,9 @@ FRACTION = Kind(parse_fraction, "a fraction from 0 to 1, such as 0.1", "F")
 # program just before or just after any step:
 # `_hook(op, path, "before"|"after")` may call os._exit() or raise OSError.
 
-_hook = None
-_MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
 _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
 _WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
 _SHARED = ("tmp", "incoming")   # the directories where producers write
-_TOPS = {}      # a spool's path -> True: every spool this process uses
-
-
-class _Here(_thread._local):
-    """A thread's own doors: a descriptor one thread holds is never closed
-    by another (a worker closes its doors at each poll tick while a --module
-    handler's thread enqueues; shared, that thread's next step went through
-    a closed or reused number).  Dropped, and closed, when the thread ends."""
-
-    def __init__(self):
-        self.doors = {}     # a spool's path -> this thread's _Door of it
-        self.heads = {}     # a directory's path -> (its _Door or None, sub)
-        self.tops = 0       # len(_TOPS) when heads was filled
-
-
-_HERE = _Here()
-
-# spool path -> the _mono() time before which a producer does not look for a
-# listening worker again (Spool.poke)
-_UNHEARD = {}
-_FADVISE = hasattr(os, "posix_fadvise")
 
 
 def _other_fs(sub, top):
@@ -793,9 +831,6 @@ def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
         return ino, fd
     os.close(fd)
     return ino
-
-
-_SEQ = [0]
 
 
 def _replace(path, data, sync=False, mode=0o640):
@@ -1495,9 +1530,6 @@ def normalize(obj, stem=None, mtime=None):
     if e is not None and not isinstance(e, str):
         job["last_error"] = str(e)
     return job
-
-
-_LAST_ID = [0, 0]
 
 
 def _new_id(now):
@@ -3706,9 +3738,6 @@ def _write_textfile(w):
         w.log("error", during="textfile", error="%s: %s" % (d, e.strerror or e))
 
 
-_SPOOLS = {}
-
-
 def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
             timeout=None, priority=None, ttl=None):
     """Add a job to the spool durably; returns its id (SPEC 7)."""
@@ -4740,7 +4769,6 @@ HTTP_IDLE = 30.0        # a kept connection idle this long is closed (SPEC
 # any byte of the answer: such a request goes once more on a fresh one.
 _STALE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
-_tls_class = []         # the HTTPSConnection subclass, made on first use
 
 
 def _tls_connection():
@@ -7922,7 +7950,6 @@ class Worker(_Scheduling, _Running, _Holding):
 
 # The process image ###########################################################
 
-_COMPILED_AT_START = []     # [True]: run as a script, so compiled at start
 
 
 def _worker_start(python=None, cached=False):
