@@ -68,7 +68,8 @@ The map: the sections, in file order, each using only those above it
                     check), Spool (layout, reading, lanes, stats)
                     (test_spool_layout, test_retry_dlq, test_operator)
   Logging           Log and its file (test_initd)
-  Handlers          exec, Python, http (HttpPool) (test_handlers_exec,
+  Handlers          --module files; http: requests, answers, http_dest,
+                    HttpPool, batches (test_handlers_exec,
                     test_handlers_module, test_http, test_http_forward)
   MQTT (SPEC 10)    MqttClient (test_mqtt)
   A run's pieces    Backoff (every retry delay), Handler and its kinds
@@ -79,7 +80,9 @@ The map: the sections, in file order, each using only those above it
   Running a job     handlers started, outcomes collected (test_handlers_*)
   Holds, the worker's side   held types and destinations, probes
                     (test_outage, test_field)
-  The worker        Worker: the loop, signals, finishing (test_worker_modes,
+  The worker        WorkerOptions (what a worker is told, made once of
+                    flags or keywords), Worker: the loop, signals,
+                    finishing (test_worker_modes,
                     test_timeouts_shutdown, test_chaos)
   The process image   byte-code cache, heap, a worker's command
                     (test_script_start)
@@ -7214,50 +7217,85 @@ class _Holding(object):
 
 # The worker ##################################################################
 
+class WorkerOptions(object):
+    """What a worker is told, checked and in its types once: the options of
+    `myq worker` (SPEC 7: the keywords of Worker()), the command line's
+    from its flags and MYQ_* variables (_worker_from), the Python API's
+    from Worker(spool, **keywords).  A Worker copies them to attributes
+    of the same names (self.lease, ...: no lookup through here on the hot
+    paths); `module` is the --module file's path, `parent` the
+    supervisor's pid (stop when it is gone), `textfile` the directory of
+    --textfile."""
+
+    KEYS = (("handlers_dir", None), ("module", None), ("concurrency", 1),
+            ("lease", 60.0), ("timeout", 300.0), ("max_attempts", 5),
+            ("backoff_base", 5.0), ("backoff_max", 3600.0), ("jitter", 0.1),
+            ("poll", 1.0), ("probe_max", 30.0), ("stats_interval", 60.0),
+            ("grace", 5.0), ("pass_env", ()), ("http_headers", None),
+            ("http_ca", None), ("scan_cache", 2048), ("reap_interval", None),
+            ("prune_interval", 60.0), ("parent", None), ("textfile", None),
+            ("mqtt", None), ("mqtt_password_file", None),
+            ("mqtt_client_id", None), ("mqtt_ca", None), ("mqtt_cert", None),
+            ("mqtt_key", None))
+    __slots__ = tuple(k for k, _ in KEYS)
+
+    def __init__(self, **keywords):
+        for k, default in self.KEYS:
+            setattr(self, k, keywords.pop(k, default))
+        if keywords:
+            raise TypeError("unknown worker option(s): %s"
+                            % ", ".join(sorted(keywords)))
+        if self.concurrency < 1:
+            raise UsageError("--concurrency must be at least 1")
+        self.concurrency = int(self.concurrency)
+        self.lease, self.timeout = float(self.lease), float(self.timeout)
+        self.max_attempts = int(self.max_attempts)
+        self.backoff_base = float(self.backoff_base)
+        self.backoff_max = float(self.backoff_max)
+        self.probe_max = float(self.probe_max)
+        self.jitter, self.poll = float(self.jitter), max(0.01, float(self.poll))
+        self.stats_interval = float(self.stats_interval)
+        self.grace = float(self.grace)
+        self.pass_env = list(self.pass_env or ())
+        self.http_headers = dict(self.http_headers or {})
+        self.scan_cache = max(1, int(self.scan_cache))
+        self.reap_interval = self.reap_interval or max(
+            0.5, min(self.lease / 2, 10.0))
+
+
 class Worker(_Scheduling, _Running, _Holding):
     """Claims ready jobs and runs them through their handlers."""
 
     def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
-                 concurrency=1, lease=60.0, timeout=300.0, max_attempts=5,
-                 backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
-                 probe_max=30.0,
-                 stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
-                 scan_cache=2048, log=None, reap_interval=None,
-                 prune_interval=60.0, parent=None, mqtt=None,
-                 mqtt_password_file=None, mqtt_client_id=None, mqtt_ca=None,
-                 mqtt_cert=None, mqtt_key=None, http_ca=None,
-                 **spool_options):
+                 options=None, log=None, **keywords):
+        """`options`: a WorkerOptions; else they are made of the keywords
+        that are WorkerOptions' (SPEC 7), the others are the Spool's."""
+        mine = dict((k, keywords.pop(k)) for k, _ in WorkerOptions.KEYS
+                    if k in keywords)
+        if options is None:
+            options = WorkerOptions(handlers_dir=handlers_dir, module=module,
+                                    **mine)
+        elif mine or handlers_dir or module:
+            raise TypeError("Worker(): give options=WorkerOptions(...) or "
+                            "its keywords, not both")
+        self.options = o = options
+        for k, _ in WorkerOptions.KEYS:
+            setattr(self, k, getattr(o, k))
         self.log = log or Log()
         if isinstance(spool, Spool):
             self.spool = spool
         else:
-            self.spool = Spool(spool, **spool_options)
+            self.spool = Spool(spool, **keywords)
         self.spool.log = self.log
-        self.handlers_dir = handlers_dir
         self.handlers = dict(handlers or {})
-        self.module = load_module(module) if module else None
+        self.module = load_module(o.module) if o.module else None
         if self.module is not None:
             for k, v in _module_types(self.module).items():
                 self.handlers.setdefault(k, v)
-        if concurrency < 1:
-            raise UsageError("--concurrency must be at least 1")
-        self.concurrency = int(concurrency)
-        self.lease, self.timeout = float(lease), float(timeout)
-        self.max_attempts = int(max_attempts)
-        self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
-        self.probe_max = float(probe_max)
-        self.jitter, self.poll = float(jitter), max(0.01, float(poll))
-        self.delays = Backoff(self.backoff_base, self.backoff_max,
-                              self.probe_max, self.jitter)
-        self.stats_interval, self.grace = float(stats_interval), float(grace)
-        self.pass_env = list(pass_env or ())
-        self.http_headers = dict(http_headers or {})
+        self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
+                              o.jitter)
         # kept http connections: one per destination and slot (SPEC 10)
-        self.http_pool = HttpPool(self.concurrency, ca=http_ca)
-        self.scan_cache = max(1, int(scan_cache))
-        self.reap_interval = reap_interval or max(0.5, min(self.lease / 2, 10.0))
-        self.prune_interval = prune_interval
-        self.parent = parent        # the supervisor's pid: stop when it is gone
+        self.http_pool = HttpPool(o.concurrency, ca=o.http_ca)
         self.runs = []
         self._top = _Lane("incoming", path=self.spool.d("incoming"))
         self._lanes_path = self.spool.d(LANES)
@@ -7291,12 +7329,19 @@ class Worker(_Scheduling, _Running, _Holding):
         self._holds_from = None     # the spool.breaker.records() list _holds came from
         self._lack = {}             # type -> no handler here (_lacks)
         self._handlers_seen, self._handlers_next = None, 0.0
+        # set when run() starts: its modules, pipe, wake-up FIFO, thread
+        self._select = self._signal = self._pipe = self._main = None
+        self._wake_fds = self._wake_poll = self._parent = None
+        # the loop's timers (_loop sets them, on the monotonic clock)
+        self._next_stats = self._next_reap = self._next_poll = float("inf")
+        self._next_prune = self._next_full_prune = float("inf")
+        self._started = 0           # jobs started by this run()
 
         # --mqtt: the options are checked now, the broker connected at the
         # first mqtt job (one connection per worker, shared by its threads)
-        self._mqtt_client = None if not mqtt else _mqtt_client(
-            mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
-            mqtt_key, timeout=min(self.timeout, 30.0))
+        self._mqtt_client = None if not o.mqtt else _mqtt_client(
+            o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
+            o.mqtt_cert, o.mqtt_key, timeout=min(self.timeout, 30.0))
 
     # The loop ------------------------------------------------------------------
 
@@ -8908,21 +8953,21 @@ def _check_http_ca(path):
                           "(%s)" % (path, e))
 
 
-def _worker_from(spool, o):
+def _worker_from(spool, o, parent=None):
     headers = _http_headers(o)
     _check_http_ca(o.get("http_ca"))
     if o["handlers"] and not os.path.isdir(o["handlers"]):
         raise ConfigError("--handlers %s is not a directory" % o["handlers"])
-    return Worker(spool, handlers_dir=o["handlers"], module=o["module"],
-                  concurrency=o["concurrency"], lease=o["lease"],
-                  timeout=o["timeout"], max_attempts=o["max_attempts"],
-                  backoff_base=o["backoff_base"], backoff_max=o["backoff_max"],
-                  probe_max=o["probe_max"], jitter=o["jitter"], poll=o["poll"],
-                  stats_interval=o["stats_interval"], grace=o["grace"],
-                  pass_env=o["pass_env"], http_headers=headers,
-                  http_ca=o.get("http_ca"),
-                  scan_cache=o["scan_cache"], log=_make_log(o),
-                  **_mqtt_options(o))
+    kw = dict((k, o[k]) for k in (
+        "concurrency", "lease", "timeout", "max_attempts", "backoff_base",
+        "backoff_max", "probe_max", "jitter", "poll", "stats_interval",
+        "grace", "pass_env", "scan_cache"))
+    kw.update(_mqtt_options(o))
+    options = WorkerOptions(
+        handlers_dir=o["handlers"], module=o["module"], http_headers=headers,
+        http_ca=o.get("http_ca"), textfile=o.get("textfile"), parent=parent,
+        **kw)
+    return Worker(spool, options=options, log=_make_log(o))
 
 
 def _supervise(args, spool, guards, env):
@@ -9228,9 +9273,7 @@ def _cmd_worker(a):
     a.spool.require()
     if o["textfile"] and not os.path.isdir(o["textfile"]):
         raise ConfigError("--textfile %s is not a directory" % o["textfile"])
-    w = _worker_from(a.spool, o)
-    w.parent = a.args.parent_pid
-    w.textfile = o["textfile"]
+    w = _worker_from(a.spool, o, a.args.parent_pid)
     _give_back_heap(reexec=not (o["once"] or o["drain"]))
     return w.run(once=o["once"], drain=o["drain"])
 
