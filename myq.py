@@ -6602,7 +6602,10 @@ class _Running(object):
                               % (path, path))
         fn = self.handlers.get(type)
         if callable(fn) and not type.startswith("_"):
-            return PyHandler(fn), None
+            h = self._py.get(type)
+            if h is None or h.target is not fn:     # (one a type, not a job)
+                h = self._py[type] = PyHandler(fn)
+            return h, None
         if type == "http":
             return self.resolve_http(type)
         if type == "mqtt":
@@ -7288,6 +7291,7 @@ class Worker(_Scheduling, _Running, _Holding):
             self.spool = Spool(spool, **keywords)
         self.spool.log = self.log
         self.handlers = dict(handlers or {})
+        self._py = {}               # type -> its PyHandler (resolve)
         self.module = load_module(o.module) if o.module else None
         if self.module is not None:
             for k, v in _module_types(self.module).items():
