@@ -8982,7 +8982,7 @@ def _supervise(args, spool, guards, env):
     except ValueError:
         raise UsageError("bad --workers %r: a number >= 1" % n)
     try:
-        stop_timeout = parse_seconds(args.stop_timeout or "10")
+        stop_timeout = SECONDS(args.stop_timeout or "10")
     except ValueError as e:
         raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
     if args.stop:
