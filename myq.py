@@ -8823,7 +8823,7 @@ def _resolve(args, table, env):
             source = "%s %s" % (flag, value)
         if value is None:
             value = default
-        elif isinstance(typ, Kind):
+        elif typ not in (None, "append", str):     # a Kind
             try:
                 value = typ(value)
             except (ValueError, TypeError) as e:
