@@ -1226,6 +1226,16 @@ def kill_run(leader, sig, token=None, start=None):
     return n
 
 
+def _writer_lives(name):
+    """Does the process that is writing .NAME.PID.N.tmp still run?  Such a
+    file is a crash's leftover only once it does not: by its age alone, a
+    process whose clock jumped a year ahead took another's record from
+    under its rename (seen in test_clock)."""
+    pid = name.split(".")[-3:-2]
+    return bool(pid) and pid[0].isdigit() and int(pid[0]) > 1 \
+        and proc_start(int(pid[0]), living=True) is not None
+
+
 def _pid_alive(pid, start):
     """True when `pid` runs and is the process that started at `start`.
     A record's values are checked here: a pid that is not a number above 1
@@ -3424,6 +3434,8 @@ class _Upkeep(object):
             for e in _scandir(self.d(sub) if sub else self.path):
                 if not e.name.endswith(end) or (end == ".tmp" and e.name[:1] != "."):
                     continue
+                if end == ".tmp" and _writer_lives(e.name):
+                    continue        # (old by a clock that jumped: in use)
                 try:
                     if now - e.stat(follow_symlinks=False).st_ctime > self.opt[keep]:
                         _unlink(self.d(sub, e.name) if sub else self.d(e.name))
