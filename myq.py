@@ -5882,8 +5882,8 @@ def listen_address(text):
     127.0.0.1; [::1]:PORT for IPv6)."""
     m = re.match(r"(?:(\[[0-9A-Fa-f:.]+\]|[0-9.]+|localhost|\*)?:)?(\d{1,5})\Z",
                  text or "")
-    port = int(m.group(2)) if m else 0
-    if not m or not 0 < port < 65536:
+    port = int(m.group(2)) if m else -1
+    if not m or not 0 <= port < 65536:          # (0: any free port, logged)
         raise UsageError("--listen %r is not [ADDR]:PORT (e.g. 127.0.0.1:8440, "
                          "[::1]:8440, 0.0.0.0:8440); ADDR is an IP address"
                          % (text,))
@@ -6362,7 +6362,7 @@ class MqttIntake(MqttClient):
                 self.log("intake_connected", broker=self.dest,
                          client_id=self.client_id)
                 backoff = 1.0
-                self._session(stopping)
+                self._serve(stopping)
             except Exception as e:      # (a hostile broker: never a crash)
                 self.log("error", during="intake from %s" % self.dest,
                          error=str(e) if isinstance(e, (DestinationDown,
@@ -6385,7 +6385,7 @@ class MqttIntake(MqttClient):
             body += _mqtt_str(flt.encode("utf-8")) + b"\x01"
         return b"\x82" + _mqtt_len(len(body)) + body
 
-    def _session(self, stopping):
+    def _serve(self, stopping):
         """One connection's life: SUBSCRIBE, then messages in, PUBACKs
         out, PINGREQ when idle; returns when `stopping()`, raises when the
         connection fails or the broker breaks the protocol."""
@@ -6393,6 +6393,7 @@ class MqttIntake(MqttClient):
         sock = self.sock
         self._send(self._subscribe_packet(), _mono() + self.timeout)
         ping_sent = None
+        self._parse_buffered()          # what came with the CONNACK
         while not stopping():
             now = _mono()
             if self.pending and now >= self._retry_at:
@@ -6424,13 +6425,19 @@ class MqttIntake(MqttClient):
             if not data:
                 raise _MqttBroken("the broker closed the connection")
             self._buf += data
-            while True:
-                got = _mqtt_parse(self._buf, self.max_packet)
-                if got is None:
-                    break
-                del self._buf[:got[2]]
-                if self._packet(got[0], got[1]):
-                    ping_sent = None
+            if self._parse_buffered():
+                ping_sent = None
+
+    def _parse_buffered(self):
+        """Handle the whole packets in the buffer; True if one was a
+        PINGRESP."""
+        pong = False
+        while True:
+            got = _mqtt_parse(self._buf, self.max_packet)
+            if got is None:
+                return pong
+            del self._buf[:got[2]]
+            pong = self._packet(got[0], got[1]) or pong
 
     def _packet(self, kind, body):
         """Handle one packet from the broker; True for a PINGRESP."""
@@ -6590,7 +6597,7 @@ def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
             if parent and os.getppid() != parent:
                 log("supervisor_gone", pid=parent)
                 break
-            if thread is not None and not thread.is_alive():
+            if thread is not None and not thread.is_alive() and not stop:
                 raise ConfigError("the MQTT intake stopped; see the log")
     finally:
         stop.append("stop")
