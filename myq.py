@@ -8945,6 +8945,9 @@ class Supervisor(object):
     - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
       reset after 60 s up); workers stop by themselves when the supervisor
       is gone (they watch their parent);
+    - with `intake` (the options of `myq intake`), it keeps one intake
+      process running beside the workers, started, restarted and stopped
+      as they are (the same _spawn);
     - with `ready` (the pipe of fork_daemon), it says there "0" once the
       pidfile is written and its first worker started, or the exit status
       and the error that stopped it;
@@ -8955,7 +8958,7 @@ class Supervisor(object):
 
     def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
                  pidfile=None, stop_timeout=10.0, env=None, python=None,
-                 ready=None):
+                 ready=None, intake=None):
         self.spool, self.n, self.log = spool, workers, log
         self.ready = ready
         self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
@@ -8964,6 +8967,9 @@ class Supervisor(object):
             "--spool", spool.path, "worker", "--parent-pid", str(os.getpid())] \
             + list(worker_argv)
         self.reap_argv = _worker_start(python) + ["--spool", spool.path, "reap"]
+        self.intake_argv = None if intake is None else _worker_start(python) + [
+            "--spool", spool.path, "intake", "--parent-pid", str(os.getpid())] \
+            + list(intake)
         self.env = dict(env or {})
         self.stop = 0
         self.hup = False
@@ -9060,10 +9066,14 @@ class Supervisor(object):
 
     def _loop(self, select, signal, wake):
         log = self.log
-        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0}
-                 for _ in range(self.n)]
+        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
+                  "argv": self.argv, "slot": i} for i in range(self.n)]
+        if self.intake_argv:
+            slots.append({"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
+                          "argv": self.intake_argv, "slot": "intake"})
         log("supervise", workers=self.n, pid=os.getpid(), spool=self.spool.path,
-            user=self.user.pw_name if self.user else None)
+            user=self.user.pw_name if self.user else None,
+            intake=1 if self.intake_argv else None)
         sent = 0
         kill_at = None
         while True:
@@ -9077,14 +9087,15 @@ class Supervisor(object):
                 for s in slots:
                     if s["proc"] is not None:
                         s["proc"].send_signal(signal.SIGHUP)
-            for i, s in enumerate(slots):
+            for s in slots:
                 p = s["proc"]
                 if p is not None and p.poll() is not None:
                     up = now - s["since"]
                     if up >= 60:
                         s["backoff"] = 1.0
                     s["at"] = now + s["backoff"]
-                    log("worker_exit", slot=i, pid=p.pid, status=p.returncode,
+                    log("worker_exit", slot=s["slot"], pid=p.pid,
+                        status=p.returncode,
                         uptime=round(up, 1),
                         restart_in=None if self.stop else s["backoff"])
                     s["backoff"] = min(30.0, s["backoff"] * 2)
@@ -9126,12 +9137,12 @@ class Supervisor(object):
     def _start_workers(self, slots, now):
         """Start the workers that are due; the last error, or None."""
         error = None
-        for i, s in enumerate(slots):
+        for s in slots:
             if s["proc"] is None and now >= s["at"]:
                 try:
-                    s["proc"] = self._spawn(self.argv, self.log.fileno())
+                    s["proc"] = self._spawn(s["argv"], self.log.fileno())
                     s["since"] = now
-                    self.log("worker_start", slot=i, pid=s["proc"].pid)
+                    self.log("worker_start", slot=s["slot"], pid=s["proc"].pid)
                 except (OSError, ValueError) as e:
                     error = getattr(e, "strerror", None) or str(e)
                     self.log("error", during="start worker", error=error)
@@ -9762,7 +9773,8 @@ def _supervise(args, spool, guards, env):
             ids = None
     spool.require()
     _check_worker_options(o)
-    if o["mqtt_client_id"] and n > 1:
+    intake = _intake_argv(args, spool, o, guards, env)
+    if o["mqtt_client_id"] and n > 1 and not intake:
         raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
                          "its own client id (the broker drops a connection when "
                          "another takes its id); leave it out for unique ids" % n)
@@ -9788,13 +9800,32 @@ def _supervise(args, spool, guards, env):
         log("warning", problem="no --handlers and no --module: only http%s jobs "
             "have a handler; give MYQ_ARGS=\"--handlers DIR\""
             % (" and mqtt" if o["mqtt"] else ""))
-    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS) \
+    # with subscriptions, --mqtt-client-id is the intake's (its session)
+    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS + (
+        ("mqtt_client_id",) if intake and o.get("mqtt_client_id") else ())) \
         + _option_argv(guards, GUARD_OPTIONS)
     wenv = _clean_env(o["pass_env"], user)
     wenv.update(_secret_env(o))
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready).run()
+                      env=wenv, ready=ready, intake=intake).run()
+
+
+def _intake_argv(args, spool, o, guards, env):
+    """The options of the intake process that supervise keeps running
+    (SPEC 12), checked; None without --listen and --subscribe.  It gets
+    the worker's log and --mqtt options (the URL in its environment, as
+    the workers do) and the guards."""
+    io = _resolve(args, INTAKE_OPTIONS, env)
+    if not io["listen"] and not io["subscribe"]:
+        for k in ("listen_token_file",):
+            if io[k]:
+                raise UsageError("--listen-token-file without --listen")
+        return None
+    _intake_options(dict(o, **io), spool.path)
+    shared = [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
+    return _option_argv(io, INTAKE_OPTIONS) + _option_argv(
+        o, shared, skip=_SECRET_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
 
 
 def _make_log_dir(path, ids):

@@ -571,3 +571,105 @@ def test_a_hostile_broker_is_an_error_and_a_reconnect_never_a_crash(
         for c in seen:
             c.close()
     assert jobs(spool) == []
+
+
+# 5. Running it: supervise and the init scripts ################################
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def intake_pids(log_text):
+    return [int(p) for p in re.findall(r"event=worker_start slot=intake pid=(\d+)",
+                                       log_text)]
+
+
+def test_supervise_keeps_an_intake_running_beside_its_workers(spool, tmp_path):
+    port = free_port()
+    log = str(tmp_path / "sup.log")
+    sup = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "supervise",
+                            "--log", log, "--listen", "127.0.0.1:%d" % port,
+                            "--listen-timeout", "3s"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=clean_env(), start_new_session=True)
+    text = lambda: open(log).read() if os.path.exists(log) else ""  # noqa: E731
+    try:
+        wait_for(lambda: "event=intake_start" in text(), what="the intake")
+        first = intake_pids(text())[0]
+        assert "--listen-timeout" in open("/proc/%d/cmdline" % first).read()
+        assert post(port, "t", "1")[0] == 202
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: len(intake_pids(text())) == 2 and
+                 text().count("event=intake_start") == 2, what="a new intake")
+        assert post(port, "t", "2")[0] == 202
+        second = intake_pids(text())[1]
+    finally:
+        assert stop(sup) == 0
+    assert "event=intake_stop pid=%d" % second in text()
+    assert not os.path.exists("/proc/%d/cmdline" % second) or \
+        open("/proc/%d/stat" % second).read().split(") ")[1][0] in "ZX"
+    assert len(jobs(spool)) == 2
+
+
+def test_supervise_refuses_bad_intake_options_at_once(spool):
+    for args, want in ((["--listen", "0.0.0.0:1"], "--listen-token-file"),
+                       (["--subscribe", "a/#=t"], "--mqtt"),
+                       (["--listen", "nowhere"], "[ADDR]:PORT"),
+                       (["--subscribe", "a/#b=t", "--mqtt", "mqtt://h"], "filter")):
+        cp = run_myq("--spool", spool, "supervise", "--dry-run", *args)
+        assert cp.returncode == 64, (args, cp.stderr)
+        assert want in one_line_error(cp)
+
+
+def test_initd_passes_the_intake_settings(tmp_path):
+    import test_initd
+    if not test_initd.BUSYBOX:
+        pytest.skip("busybox not installed (apt-get install busybox)")
+    bindir = tmp_path / "bb"
+    bindir.mkdir()
+    subprocess.check_call([test_initd.BUSYBOX, "--install", "-s", str(bindir)])
+    if os.path.lexists(str(bindir / "python3")):
+        os.unlink(str(bindir / "python3"))
+    os.symlink(sys.executable, str(bindir / "python3"))
+    port = free_port()
+    svc = test_initd.Service(tmp_path / "svc", str(bindir), settings={
+        "MYQ_LISTEN": "127.0.0.1:%d" % port,
+        "MYQ_SUBSCRIBE": "a/+/b=t1 c/#=t2", "MYQ_ARGS": "--mqtt mqtt://127.0.0.1:1"})
+    try:
+        r = svc.run("start")
+        assert r.returncode == 0, r.stdout + r.stderr
+        cmd = test_initd.cmdline(svc.pid())
+        assert "--listen 127.0.0.1:%d --subscribe a/+/b=t1 --subscribe c/#=t2" \
+            % port in cmd, cmd
+        assert wait_for(lambda: post(port, "t", "1")[0] == 202
+                        if "event=intake_start" in test_initd.read(svc.logfile)
+                        else False, what="the intake of the service")
+        r = svc.run("stop")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert svc.leftovers() == []
+    finally:
+        svc.cleanup()
+
+
+def test_procd_passes_the_intake_settings(tmp_path):
+    import test_procd
+    if not test_procd.BUSYBOX:
+        pytest.skip("busybox not installed (apt-get install busybox)")
+    o = test_procd.OpenWrt(tmp_path)
+    try:
+        o.settings(listen="127.0.0.1:8440", subscribe=" a/+/b=t1  c/#=t2 ",
+                   args="--mqtt mqtt://127.0.0.1:1")
+        o.ok("start")
+        cmd = o.params()["command"]
+        i = cmd.index("--listen")
+        assert cmd[i:] == ["--listen", "127.0.0.1:8440", "--subscribe", "a/+/b=t1",
+                           "--subscribe", "c/#=t2", "--log", o.log], cmd
+        o.settings(listen="0.0.0.0:8440")           # no token: refused at start
+        r = o.run("reload")
+        assert "--listen-token-file" in r.stderr
+    finally:
+        o.cleanup()
