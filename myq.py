@@ -3,8 +3,8 @@
 """myq - a job queue worker for small Linux devices, in one file.
 
     myq [--spool DIR] init | enqueue TYPE [PAYLOAD] | worker | supervise |
-                      stats | list | show | retry | delete | reap | prune |
-                      check | version
+                      intake | stats | list | show | retry | delete | reap |
+                      prune | check | version
 
 One spool directory is one queue; every state is a directory and every job
 one JSON file, so `ls` and `cat` show everything.  CPython 3.7-3.13, standard
@@ -5737,6 +5737,8 @@ _HTTP_REASONS = {
 _NDJSON = ("application/x-ndjson", "application/ndjson", "application/jsonl",
            "application/x-jsonlines", "application/jsonlines")
 _INTAKE_BATCH = 256             # jobs in one enqueue_many (one commit)
+_INTAKE_LINES = 10000           # jobs in one HTTP request
+_INTAKE_IDS = _thread.allocate_lock()     # the HTTP and MQTT threads' _new_id
 
 
 class _Refusal(Exception):
@@ -5758,10 +5760,16 @@ def _same_job(spool, jid, type, payload):
     return job.get("type") == type and job.get("payload") == payload
 
 
-def _refused(spool, e, items):
-    """The _Refusal of a MyqError that enqueue raised for `items`."""
+def _intake_id(now=None):
+    with _INTAKE_IDS:
+        return _new_id(_now() if now is None else now)
+
+
+def _refused(spool, e, items, count=True):
+    """The _Refusal of a MyqError that enqueue raised for `items`
+    (`count`: count them refused)."""
     if isinstance(e, SpoolFull):
-        for t in sorted(set(it[1] for it in items)):
+        for t in sorted(set(it[1] for it in items)) if count else ():
             spool.count("refused", t, sum(1 for it in items if it[1] == t))
         bound = "at its bound" in str(e)
         return _Refusal(429 if bound else 503, str(e), 5 if bound else 30)
@@ -5783,26 +5791,31 @@ def _withdraw_new(spool, ids):
             pass        # claimed meanwhile, or never placed
 
 
-def take_in(spool, items):
+def take_in(spool, items, count=True):
     """Enqueue `items`, [(id, type, payload)], durably, all or none: the
     ids, in order; a job already there under its id with the same type
     and payload counts as taken (an answer lost to a crash, sent again).
     Raises DuplicateJob when an id is taken by another job, _Refusal when
-    the spool refuses (a bound, a guard: counted `refused`)."""
+    the spool refuses (a bound, a guard: counted `refused` unless not
+    `count`)."""
     for _ in range(3):
-        new = []
+        new, waiting = [], False
         for jid, type, payload in items:
-            if spool.find_id(jid) is None:
+            where = spool.find_id(jid)
+            if where is None:
                 new.append((jid, type, payload))
             elif not _same_job(spool, jid, type, payload):
                 raise DuplicateJob("job id %s is taken by another job (%s); "
-                                   "give this one another id" % (
-                                       jid, spool.find_id(jid) or "gone"))
-        if not new:
-            return [it[0] for it in items]
+                                   "give this one another id" % (jid, where))
+            waiting = waiting or where == "queued"
         try:
-            spool.enqueue_many([{"type": t, "payload": p, "id": j}
-                                for j, t, p in new])
+            if new:
+                spool.enqueue_many([{"type": t, "payload": p, "id": j}
+                                    for j, t, p in new])
+            if waiting:
+                # placed by an intake killed before its answer, perhaps
+                # before its fsync: durable before this answer says so
+                os.sync()
             return [it[0] for it in items]
         except DuplicateJob:
             continue        # another producer, meanwhile: look again
@@ -5811,7 +5824,7 @@ def take_in(spool, items):
             # would have been a DuplicateJob; the HTTP loop takes one
             # request at a time)
             _withdraw_new(spool, [it[0] for it in new])
-            raise _refused(spool, e, new)
+            raise _refused(spool, e, new, count)
     raise _Refusal(503, "spool %s: the ids of this request keep changing "
                    "hands; try again" % spool.path, 1)
 
@@ -5854,6 +5867,9 @@ def http_jobs(type, body, ndjson, key=None, now=None):
     if ndjson:
         lines = [(n, line) for n, line in enumerate(text.split("\n"), 1)
                  if line.strip()]
+        if len(lines) > _INTAKE_LINES:
+            raise _Refusal(413, "%d jobs in one request: send at most %d a "
+                           "request" % (len(lines), _INTAKE_LINES))
         values = [(_json_value(line, "line %d" % n), "line %d" % n)
                   for n, line in lines]
     else:
@@ -5869,7 +5885,7 @@ def http_jobs(type, body, ndjson, key=None, now=None):
             if len(jid) > 128:
                 raise _Refusal(400, "Idempotency-Key is too long for %d jobs "
                                "(KEY.N must fit 128 characters)" % len(values))
-        jid = jid or _new_id(now)
+        jid = jid or _intake_id(now)
         if jid in seen:
             raise _Refusal(400, "%s repeats id %s of an earlier line" % (what, jid))
         seen.add(jid)
@@ -6311,7 +6327,7 @@ def mqtt_job(topic, data, type, now=None):
         text = data.decode("utf-8")
     except UnicodeError:
         import binascii
-        return _new_id(_now() if now is None else now), type, {
+        return _intake_id(now), type, {
             "topic": topic,
             "message_base64": binascii.b2a_base64(data).decode().strip()}
     try:
@@ -6321,7 +6337,7 @@ def mqtt_job(topic, data, type, now=None):
             jid = msg["id"]
     except (ValueError, RecursionError):
         msg = text
-    return jid or _new_id(_now() if now is None else now), type, {
+    return jid or _intake_id(now), type, {
         "topic": topic, "message": msg}
 
 
@@ -6349,6 +6365,7 @@ class MqttIntake(MqttClient):
         self.taken = self.acked = self.refused = 0
         self._retry_at = 0.0
         self._refusals = 0
+        self._counted = None        # the id last counted refused
 
     def _keep_alive(self):
         """(The session loop pings; no thread of MqttClient's.)"""
@@ -6363,6 +6380,7 @@ class MqttIntake(MqttClient):
                          client_id=self.client_id)
                 backoff = 1.0
                 self._serve(stopping)
+                self._send(b"\xe0\x00", _mono() + 1.0)       # DISCONNECT
             except Exception as e:      # (a hostile broker: never a crash)
                 self.log("error", during="intake from %s" % self.dest,
                          error=str(e) if isinstance(e, (DestinationDown,
@@ -6524,6 +6542,10 @@ class MqttIntake(MqttClient):
                 self._ack(self.pending[:1])
                 continue
             self._refusals += 1
+            head = self.pending[0][1]
+            if self._counted != head[0]:        # once a message, not a retry
+                self._counted = head[0]
+                self.spool.count("refused", head[1])
             delay = min(5.0, 0.5 * 2 ** min(self._refusals - 1, 4))
             self._retry_at = _mono() + delay
             if self._refusals == 1:
@@ -6534,7 +6556,7 @@ class MqttIntake(MqttClient):
 
     def _take(self, batch):
         try:
-            take_in(self.spool, [it[1] for it in batch])
+            take_in(self.spool, [it[1] for it in batch], count=False)
         except DuplicateJob as e:
             if len(batch) > 1:
                 for it in batch:
@@ -10116,6 +10138,7 @@ def _cmd_intake(a):
                  + INTAKE_OPTIONS, a.env)
     a.spool.require()
     kw = _intake_options(o, a.spool.path)
+    _give_back_heap(reexec=True)        # (it runs until stopped, as a worker)
     log = _make_log(o)
     a.spool.log = log
     return run_intake(a.spool, log, parent=a.args.parent_pid, **kw)
