@@ -13,10 +13,12 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -613,6 +615,43 @@ def test_supervise_keeps_an_intake_running_beside_its_workers(spool, tmp_path):
     assert not os.path.exists("/proc/%d/cmdline" % second) or \
         open("/proc/%d/stat" % second).read().split(") ")[1][0] in "ZX"
     assert len(jobs(spool)) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a spool owned by nobody)")
+def test_intake_runs_as_the_spools_owner(tmp_path):
+    import pwd
+    from _core import world_python
+    python = world_python()
+    if python is None:
+        pytest.skip("no interpreter that user nobody may run")
+    nobody = pwd.getpwnam("nobody")
+    top = tempfile.mkdtemp(prefix="myq-intake-owner-")     # (tmp_path is 0700)
+    os.chmod(top, 0o755)
+    tmp_path = type(tmp_path)(top)
+    spool = str(tmp_path / "spool")
+    assert run_myq("--spool", spool, "init", "--owner", "nobody").returncode == 0
+    os.mkdir(str(tmp_path / "log"))
+    os.chown(str(tmp_path / "log"), nobody.pw_uid, nobody.pw_gid)
+    log = str(tmp_path / "log" / "intake.log")
+    p = subprocess.Popen([python, MYQ, "--spool", spool, "intake", "--listen",
+                          "127.0.0.1:0", "--log", log], env=clean_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        port = int(wait_for(lambda: re.search(
+            r"listen=127.0.0.1:(\d+)", open(log).read() if os.path.exists(log)
+            else "") or (p.poll() is not None and pytest.fail(p.stderr.read().decode())),
+            what="the intake").group(1))
+        uids = [line.split()[1:] for line in open("/proc/%d/status" % p.pid)
+                if line.startswith("Uid:")][0]
+        assert set(int(u) for u in uids) == {nobody.pw_uid}
+        status, _, answer = post(port, "t", "1")
+        assert status == 202, answer
+        assert os.stat(os.path.join(spool, "incoming", answer["ids"][0] + ".json")
+                       ).st_uid == nobody.pw_uid
+    finally:
+        stop(p)
+        p.stderr.close()
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_supervise_refuses_bad_intake_options_at_once(spool):
