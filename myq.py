@@ -9320,7 +9320,8 @@ _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": 
              "http_ca": "FILE",
              "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
              "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
-             "mqtt_key": "FILE"}
+             "mqtt_key": "FILE", "listen": "[ADDR]:PORT",
+             "subscribe": "FILTER=TYPE"}
 
 
 def _option_help(flag, typ, default, help):
@@ -9396,7 +9397,8 @@ def _add_options(p, table, shown=None):
                            default=None, help=help)
         elif typ == "append":
             p.add_argument(flag, dest=dest, action="append", default=None,
-                           metavar=dest.upper().rsplit("_", 1)[-1], help=help)
+                           metavar=_METAVARS.get(dest) or
+                           dest.upper().rsplit("_", 1)[-1], help=help)
         else:
             p.add_argument(flag, dest=dest, default=None, help=help,
                            metavar=_metavar(typ, dest))
