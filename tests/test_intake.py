@@ -525,6 +525,35 @@ def test_a_full_spool_withholds_the_puback_until_there_is_room(spool, intake, pb
                   for x in got) == [0, 1, 2, 3, 4]
 
 
+@needs_mosquitto
+@pytest.mark.skipif(shutil.which("openssl") is None,
+                    reason="needs the openssl command to make test certificates")
+def test_messages_over_mqtts_become_jobs(spool, intake, tmp_path):
+    from test_mqtt import _make_certs
+    d = tmp_path / "pki"
+    d.mkdir()
+    _make_certs(d)
+    plain = free_port()
+    b = Broker(tmp_path / "broker", extra=[
+        "cafile %s/ca.pem" % d, "certfile %s/server.pem" % d,
+        "keyfile %s/server.key" % d,
+        "listener %d 127.0.0.1" % plain]).start()       # the publisher's
+    try:
+        i = intake("--mqtt", "mqtts://127.0.0.1:%d" % b.port, "--mqtt-ca",
+                   str(d / "ca.pem"), "--mqtt-client-id", "myq-intake-test",
+                   "--subscribe", "s/#=r")
+        i.started(listen=False)
+        subscribed(b, i)
+        publish(plain, [("s/%d" % n, b'{"n": %d}' % n) for n in range(20)])
+        got = wait_jobs(spool, 20)
+        assert sorted(payload_of(spool, x["id"])["payload"]["message"]["n"]
+                      for x in got) == list(range(20))
+        wait_for(lambda: b.count("Received PUBACK from myq-intake-test") >= 20,
+                 what="20 PUBACKs over TLS")
+    finally:
+        b.stop()
+
+
 def hostile_broker(answers):
     """A TCP server that answers each connection's CONNECT with the next
     of `answers` (bytes) and counts the connections."""
