@@ -6090,7 +6090,14 @@ class HttpIntake(object):
             del c.buf[:c.need]
             method, path, headers = c.head
             c.head, c.need, c.continued = None, 0, False
-            self._reply(fd, c, *self._request(method, path, headers, body))
+            try:
+                answer = self._request(method, path, headers, body)
+            except Exception as e:      # (a bug: said, and the loop goes on)
+                self.log("error", during="intake request", error="%s: %s" % (
+                    type(e).__name__, e))
+                answer = (500, {"error": "myq failed on this request: %s"
+                                % type(e).__name__}, {})
+            self._reply(fd, c, *answer)
 
     def _read_head(self, fd, c):
         """Parse the head in c.buf; False while it is incomplete (or the
@@ -6525,7 +6532,7 @@ class MqttIntake(MqttClient):
                 continue
             except _Refusal as e:
                 refusal = e
-            if refusal.status in (429, 503) and len(self.pending) > 1:
+            if refusal.status not in (400, 413) and len(self.pending) > 1:
                 refusal = None
                 for _ in range(min(_INTAKE_BATCH, len(self.pending))):
                     try:
@@ -6535,7 +6542,7 @@ class MqttIntake(MqttClient):
                         break
                 if refusal is None:
                     continue
-            if refusal.status not in (429, 503):    # can never be a job
+            if refusal.status in (400, 413):        # can never be a job
                 self.log("error", during="intake", broker=self.dest,
                          topic=self.pending[0][1][2]["topic"][:200],
                          error="message dropped: %s" % refusal)

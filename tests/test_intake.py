@@ -526,6 +526,21 @@ def test_a_full_spool_withholds_the_puback_until_there_is_room(spool, intake, pb
 
 
 @needs_mosquitto
+def test_a_message_too_large_for_a_job_is_said_and_acknowledged(spool, intake,
+                                                                  pbroker):
+    i = intake(*subscribe_args(pbroker, "s/#=r") + ["--max-job-bytes", "1K"])
+    i.started(listen=False)
+    subscribed(pbroker, i)
+    publish(pbroker.port, [("s/big", b'"%s"' % (b"x" * 4000)), ("s/small", b"1")])
+    got = wait_jobs(spool, 1)
+    wait_for(lambda: pbroker.count("Received PUBACK from myq-intake-test") >= 2,
+             what="both PUBACKs")
+    assert [payload_of(spool, x["id"])["payload"]["topic"] for x in got] == ["s/small"]
+    assert re.search(r"event=error .*topic=s/big .*message dropped.*--max-job-bytes",
+                     i.text()), i.text()
+
+
+@needs_mosquitto
 @pytest.mark.skipif(shutil.which("openssl") is None,
                     reason="needs the openssl command to make test certificates")
 def test_messages_over_mqtts_become_jobs(spool, intake, tmp_path):
