@@ -513,6 +513,10 @@ def test_a_full_spool_withholds_the_puback_until_there_is_room(spool, intake, pb
     publish(pbroker.port, [("s/1", b'{"n": %d}' % n) for n in range(5)])
     wait_jobs(spool, 2)
     wait_for(lambda: "event=intake_held" in i.text(), what="the intake to wait")
+    # (the broker logs a PUBACK a moment after the intake sent it)
+    wait_for(lambda: pbroker.count("Received PUBACK from myq-intake-test") >= 2,
+             what="2 PUBACKs")
+    time.sleep(1.5)     # two more tries of the held message (0.5 s, 1 s)
     assert pbroker.count("Received PUBACK from myq-intake-test") == 2
     assert len(jobs(spool)) == 2
     assert stats(spool)["refused"] == 1, stats(spool)     # once, not per retry
