@@ -3,8 +3,8 @@
 """myq - a job queue worker for small Linux devices, in one file.
 
     myq [--spool DIR] init | enqueue TYPE [PAYLOAD] | worker | supervise |
-                      stats | list | show | retry | delete | reap | prune |
-                      check | version
+                      intake | stats | list | show | retry | delete | reap |
+                      prune | check | version
 
 One spool directory is one queue; every state is a directory and every job
 one JSON file, so `ls` and `cat` show everything.  CPython 3.7-3.13, standard
@@ -72,6 +72,8 @@ The map: the sections, in file order, each using only those above it
                     HttpPool, batches (test_handlers_exec,
                     test_handlers_module, test_http, test_http_forward)
   MQTT (SPEC 10)    MqttClient (test_mqtt)
+  Intake (SPEC 12)  take_in, HttpIntake, MqttIntake, run_intake
+                    (test_intake)
   A run's pieces    Backoff (every retry delay), Handler and its kinds
                     (ExecHandler, PyHandler, HttpHandler, MqttHandler: time
                     limit, destination, batch key, how it runs), outcomes,
@@ -3662,7 +3664,7 @@ _PROM_GAUGES = (
     ("retries_1m", "myq_retries_1m", "gauge",
      "Failed runs scheduled for a retry in the last 60 seconds, by any worker."),
 )
-_PROM_TOTALS = ("dropped", "expired", "rejected", "removed")
+_PROM_TOTALS = ("dropped", "expired", "rejected", "removed", "refused")
 
 
 def _prom_label(value):
@@ -4186,6 +4188,8 @@ class Spool(_Producing, _Upkeep):
                 sum(tot["rejected"].values()),
                 "removed": tot["removed"] if by_type else
                 sum(tot["removed"].values()),
+                "refused": tot["refused"] if by_type else
+                sum(tot["refused"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.breaker.records()]}
@@ -4464,8 +4468,10 @@ class Spool(_Producing, _Upkeep):
             os.close(fd)
 
     def totals(self):
-        """{"dropped"|"expired"|"rejected"|"removed": {TYPE: N}}."""
-        out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {}}
+        """{"dropped"|"expired"|"rejected"|"removed"|"refused": {TYPE: N}}
+        (refused: what intake refused at arrival, SPEC 12)."""
+        out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {},
+               "refused": {}}
 
         data = _read_small(self.d("locks", "totals.json"), 1 << 20)
         try:
@@ -4487,7 +4493,7 @@ class Spool(_Producing, _Upkeep):
             " %s=%d" % (k, s[k]) for k in (
                 "ready", "processing", "done", "dead", "oldest_ready_s",
                 "retries_1m", "scheduled", "failed", "free_kb", "dropped",
-                "expired", "rejected", "removed")) + " paused=%s held=%s" % (
+                "expired", "rejected", "removed", "refused")) + " paused=%s held=%s" % (
             ",".join(s["paused"]) or "-",
             ",".join(_plain(h["dest"], _FIELD) for h in s["held"]) or "-")
 
@@ -5311,17 +5317,18 @@ def _mqtt_str(b):
     return len(b).to_bytes(2, "big") + b
 
 
-def _mqtt_parse(buf):
+def _mqtt_parse(buf, limit=65536):
     """(first byte, body, length used) of the packet at the start of buf,
-    or None while it is incomplete.  We only ever get small packets back
-    (CONNACK, PUBACK, PINGRESP): anything larger than 64K is not MQTT."""
+    or None while it is incomplete.  A publisher only ever gets small
+    packets back (CONNACK, PUBACK, PINGRESP): anything larger than `limit`
+    (64K; a subscriber's: its largest message) is not MQTT."""
     n = shift = 0
     for i in range(1, min(len(buf), 5)):
         b = buf[i]
         n |= (b & 127) << shift
         shift += 7
         if not b & 128:
-            if n > 65536:
+            if n > limit:
                 raise _MqttBroken("the broker sent a %d-byte packet (protocol "
                                   "error)" % n)
             end = i + 1 + n
@@ -5460,6 +5467,8 @@ class MqttClient(object):
         self._ctx = self._session = None
         self._pinger = None
         self._closed = False
+        self.clean = True           # clean session (a subscriber's is not)
+        self.max_packet = 65536     # the largest packet taken from the broker
 
     # Packets ---------------------------------------------------------------
 
@@ -5481,7 +5490,7 @@ class MqttClient(object):
         until the first is acknowledged, and a delayed ACK costs 40 ms."""
         buf = self._buf
         while True:
-            got = _mqtt_parse(buf)
+            got = _mqtt_parse(buf, self.max_packet)
             if got is not None:
                 del buf[:got[2]]
                 return got[0], got[1]
@@ -5548,7 +5557,7 @@ class MqttClient(object):
             self._pinger.start()
 
     def _connect_packet(self):
-        flags = 0x02                                    # clean session
+        flags = 0x02 if self.clean else 0               # clean session
         payload = _mqtt_str(self.client_id.encode("utf-8"))
         if self.user is not None:
             flags |= 0x80
@@ -5818,6 +5827,941 @@ class _Run(object):
         self.retry_after = None     # a destination failure's own delay
         self.err = bytearray()
         self.timed_out = self.released = False
+
+
+# Intake (SPEC 12) ############################################################
+#
+# Jobs that arrive over the network: a local HTTP endpoint and MQTT
+# subscriptions, each answered only once its jobs are durable (the spool's
+# own enqueue_many, which fsyncs before it returns).  `myq intake` runs
+# both in one process, as the spool's user.  The HTTP endpoint is one
+# thread's poll(2) loop over non-blocking sockets: a slow client costs a
+# buffer and one of _HTTP_CONNS slots for at most --listen-timeout, never a
+# wait of anyone else's (a thread per connection would let a slowloris
+# hold threads, and each thread's stack).  The subscriptions are a thread
+# of their own, whose connect and reconnects may block.
+#
+# Every job taken in gets its id before it is written (the producer's, or
+# one made here as _new_id makes them), so that a request that fails half
+# way is taken back whole, and one sent again after a crash finds the jobs
+# it already placed: the same id with the same type and payload is the
+# same job (answered as before, never queued twice); another payload under
+# a known id is a conflict.
+
+_HTTP_CONNS = 64                # connections at once; the oldest goes first
+_HTTP_HEAD_MAX = 8192           # bytes of request line and headers
+_HTTP_REASONS = {
+    100: "Continue", 200: "OK", 202: "Accepted", 400: "Bad Request",
+    401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+    408: "Request Timeout", 409: "Conflict", 411: "Length Required",
+    413: "Payload Too Large", 429: "Too Many Requests",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+_NDJSON = ("application/x-ndjson", "application/ndjson", "application/jsonl",
+           "application/x-jsonlines", "application/jsonlines")
+_INTAKE_BATCH = 256             # jobs in one enqueue_many (one commit)
+_INTAKE_LINES = 10000           # jobs in one HTTP request
+_INTAKE_IDS = _thread.allocate_lock()     # the HTTP and MQTT threads' _new_id
+
+
+class _Refusal(Exception):
+    """A request answered with an error `status` (and Retry-After)."""
+
+    def __init__(self, status, message, retry_after=None):
+        Exception.__init__(self, message)
+        self.status, self.retry_after = status, retry_after
+
+
+def _same_job(spool, jid, type, payload):
+    """Is job `jid`, already in the spool, this one (same type, same
+    payload)?  False also when it cannot be read (only its idempotency
+    record is left)."""
+    try:
+        job = spool.show(jid)
+    except (MyqError, OSError):
+        return False
+    return job.get("type") == type and job.get("payload") == payload
+
+
+def _intake_id(now=None):
+    with _INTAKE_IDS:
+        return _new_id(_now() if now is None else now)
+
+
+def _refused(spool, e, items, count=True):
+    """The _Refusal of a MyqError that enqueue raised for `items`
+    (`count`: count them refused)."""
+    if isinstance(e, SpoolFull):
+        for t in sorted(set(it[1] for it in items)) if count else ():
+            spool.count("refused", t, sum(1 for it in items if it[1] == t))
+        bound = "at its bound" in str(e)
+        return _Refusal(429 if bound else 503, str(e), 5 if bound else 30)
+    if isinstance(e, InvalidJob):
+        return _Refusal(413 if "--max-job-bytes" in str(e) else 400, str(e))
+    if isinstance(e, SpoolBusy):
+        return _Refusal(503, str(e), 1)
+    return _Refusal(500, str(e))
+
+
+def _withdraw_new(spool, ids):
+    """Take back what a failed enqueue_many placed of `ids` (still
+    waiting): nothing of a refused request is kept (SPEC 12)."""
+    for jid in ids:
+        try:
+            if spool.locate(jid)[0] in ("ready", "scheduled"):
+                spool.delete([jid])
+        except (MyqError, OSError):
+            pass        # claimed meanwhile, or never placed
+
+
+def take_in(spool, items, count=True):
+    """Enqueue `items`, [(id, type, payload)], durably, all or none: the
+    ids, in order; a job already there under its id with the same type
+    and payload counts as taken (an answer lost to a crash, sent again).
+    Raises DuplicateJob when an id is taken by another job, _Refusal when
+    the spool refuses (a bound, a guard: counted `refused` unless not
+    `count`)."""
+    for _ in range(3):
+        new, waiting = [], False
+        for jid, type, payload in items:
+            where = spool.find_id(jid)
+            if where is None:
+                new.append((jid, type, payload))
+            elif not _same_job(spool, jid, type, payload):
+                raise DuplicateJob("job id %s is taken by another job (%s); "
+                                   "give this one another id" % (jid, where))
+            waiting = waiting or where == "queued"
+        try:
+            if new:
+                spool.enqueue_many([{"type": t, "payload": p, "id": j}
+                                    for j, t, p in new])
+            if waiting:
+                # placed by an intake killed before its answer, perhaps
+                # before its fsync: durable before this answer says so
+                os.sync()
+            return [it[0] for it in items]
+        except DuplicateJob:
+            continue        # another producer, meanwhile: look again
+        except MyqError as e:
+            # (what it placed is ours: an id placed by another meanwhile
+            # would have been a DuplicateJob; the HTTP loop takes one
+            # request at a time)
+            _withdraw_new(spool, [it[0] for it in new])
+            raise _refused(spool, e, new, count)
+    raise _Refusal(503, "spool %s: the ids of this request keep changing "
+                   "hands; try again" % spool.path, 1)
+
+
+def _json_value(text, what):
+    try:
+        return _DECODER.decode(text)
+    except RecursionError:
+        raise _Refusal(400, "%s is nested too deep" % what)
+    except ValueError as e:
+        raise _Refusal(400, "%s is not JSON (%s)" % (what, e))
+
+
+def _own_id(value, what):
+    """The id a payload names for itself (its `id` field), or None."""
+    if not isinstance(value, dict) or value.get("id") is None:
+        return None
+    jid = value["id"]
+    if not isinstance(jid, str) or not NAME_RE.match(jid):
+        raise _Refusal(400, "%s: id %s is not a job id (1-128 of A-Z a-z 0-9 "
+                       ". _ -, not starting with .)" % (what, json.dumps(jid)[:140]))
+    return jid
+
+
+def http_jobs(type, body, ndjson, key=None, now=None):
+    """[(id, type, payload)] of a POST /jobs/TYPE body: one JSON payload,
+    or (`ndjson`) one a line.  The id: the Idempotency-Key `key` (one job;
+    KEY.N for line N of many), else the payload's own `id` field, else a
+    new one.  Raises _Refusal (400)."""
+    if not isinstance(type, str) or not NAME_RE.match(type):
+        raise _Refusal(400, "job type %r is not a type name (1-128 of A-Z a-z "
+                       "0-9 . _ -); POST to /jobs/TYPE" % (type,)[:140])
+    if key is not None and not NAME_RE.match(key):
+        raise _Refusal(400, "Idempotency-Key %r is not a job id (1-128 of A-Z "
+                       "a-z 0-9 . _ -)" % key[:140])
+    try:
+        text = body.decode("utf-8")
+    except UnicodeError:
+        raise _Refusal(400, "the body is not UTF-8 text")
+    if ndjson:
+        lines = [(n, line) for n, line in enumerate(text.split("\n"), 1)
+                 if line.strip()]
+        if len(lines) > _INTAKE_LINES:
+            raise _Refusal(413, "%d jobs in one request: send at most %d a "
+                           "request" % (len(lines), _INTAKE_LINES))
+        values = [(_json_value(line, "line %d" % n), "line %d" % n)
+                  for n, line in lines]
+    else:
+        values = [(_json_value(text, "the body"), "the body")]
+    if not values:
+        raise _Refusal(400, "the body holds no job (one JSON payload a line)")
+    out, seen = [], set()
+    now = _now() if now is None else now
+    for n, (value, what) in enumerate(values, 1):
+        jid = _own_id(value, what)
+        if key is not None:
+            jid = key if len(values) == 1 else "%s.%d" % (key, n)
+            if len(jid) > 128:
+                raise _Refusal(400, "Idempotency-Key is too long for %d jobs "
+                               "(KEY.N must fit 128 characters)" % len(values))
+        jid = jid or _intake_id(now)
+        if jid in seen:
+            raise _Refusal(400, "%s repeats id %s of an earlier line" % (what, jid))
+        seen.add(jid)
+        out.append((jid, type, value))
+    return out
+
+
+def listen_address(text):
+    """(host, port, loopback?) of --listen [ADDR]:PORT (ADDR default
+    127.0.0.1; [::1]:PORT for IPv6)."""
+    m = re.match(r"(?:(\[[0-9A-Fa-f:.]+\]|[0-9.]+|localhost|\*)?:)?(\d{1,5})\Z",
+                 text or "")
+    port = int(m.group(2)) if m else -1
+    if not m or not 0 <= port < 65536:          # (0: any free port, logged)
+        raise UsageError("--listen %r is not [ADDR]:PORT (e.g. 127.0.0.1:8440, "
+                         "[::1]:8440, 0.0.0.0:8440); ADDR is an IP address"
+                         % (text,))
+    host = (m.group(1) or "127.0.0.1").strip("[]")
+    host = {"localhost": "127.0.0.1", "*": "0.0.0.0"}.get(host, host)
+    loop = host == "::1" or host.startswith("127.")
+    return host, port, loop
+
+
+def _read_token(path):
+    """The bearer token in --listen-token-file (one line)."""
+    try:
+        with open(path, "rb") as f:
+            token = f.read(4097).strip()
+    except OSError as e:
+        raise ConfigError("cannot read --listen-token-file %s: %s (the intake "
+                          "runs as the spool's user, which must read it)"
+                          % (path, _os_text(e)))
+    if not token or len(token) > 4096 or b"\n" in token or b" " in token:
+        raise ConfigError("--listen-token-file %s must hold one token: 1-4096 "
+                          "characters, no blanks" % path)
+    return token
+
+
+def _equal_secret(a, b):
+    """Compare without telling by the time taken where they differ."""
+    try:
+        from _operator import _compare_digest
+        return _compare_digest(a, b)
+    except ImportError:
+        n = len(a) ^ len(b)
+        for x, y in zip(a, b if len(a) == len(b) else a):
+            n |= x ^ y
+        return n == 0
+
+
+class _HttpConn(object):
+    """One client connection: what it sent, what is still to go out."""
+    __slots__ = ("sock", "buf", "out", "deadline", "head", "need", "close",
+                 "started", "continued")
+
+    def __init__(self, sock, deadline):
+        self.sock, self.deadline = sock, deadline
+        self.started = _mono()
+        self.buf, self.out = bytearray(), bytearray()
+        self.head = None            # (method, path, headers) once read
+        self.need = 0               # body bytes the head announced
+        self.close = self.continued = False
+
+
+class HttpIntake(object):
+    """The local HTTP endpoint (SPEC 12): POST /jobs/TYPE, GET /health,
+    GET /metrics, on non-blocking sockets served by `serve()` (one poll).
+    `token`: the bearer token every request must carry (bytes), or None."""
+
+    def __init__(self, spool, listen, token=None, max_bytes=1 << 20,
+                 timeout=10.0, log=None):
+        import socket
+        import select
+        self.spool, self.token, self.log = spool, token, log or _noop_log
+        self.max_bytes, self.timeout = max_bytes, float(timeout)
+        host, port, loop = listen_address(listen)
+        if not loop and token is None:
+            raise UsageError("--listen %s is not a loopback address: give "
+                             "--listen-token-file FILE (a bearer token every "
+                             "request must carry)" % listen)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(64)
+        except OSError as e:
+            sock.close()
+            raise ConfigError("cannot listen on %s: %s (another program on "
+                              "that port? a port below 1024 needs root)"
+                              % (listen, _os_text(e)))
+        sock.setblocking(False)
+        self.sock, self.address = sock, sock.getsockname()[:2]
+        self._socket, self._select = socket, select
+        self.poller = select.poll()
+        self.poller.register(sock.fileno(), select.POLLIN)
+        self.conns = {}             # fd -> _HttpConn
+        self.served = self.cut = 0  # requests answered; connections cut
+        self._cache = {}            # path -> (until, answer): /health, /metrics
+
+    def close(self):
+        for fd in list(self.conns):
+            self._drop(fd)
+        self.sock.close()
+
+    def serve(self, wait=1.0):
+        """One round: wait up to `wait` seconds for sockets, then serve
+        what is there (never blocking on any client)."""
+        now = _mono()
+        soonest = min([c.deadline for c in self.conns.values()] or [now + wait])
+        try:
+            ready = self.poller.poll(max(0, min(wait, soonest - now)) * 1000)
+        except InterruptedError:
+            ready = []
+        for fd, ev in ready:
+            if fd == self.sock.fileno():
+                self._accept()
+                continue
+            c = self.conns.get(fd)
+            if c is None:
+                continue
+            try:
+                if ev & self._select.POLLOUT and c.out:
+                    self._flush(fd, c)
+                    if fd in self.conns and not c.out:
+                        self._advance(fd, c)
+                if ev & (self._select.POLLIN | self._select.POLLHUP
+                         | self._select.POLLERR) and fd in self.conns:
+                    self._receive(fd, c)
+            except OSError:
+                self._drop(fd)
+        now = _mono()
+        for fd, c in list(self.conns.items()):
+            if now >= c.deadline:
+                self._expire(fd, c)
+
+    def _accept(self):
+        for _ in range(16):
+            try:
+                s, _addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:        # EMFILE and the like: later
+                self.log("error", during="accept", error=_os_text(e))
+                return
+            if len(self.conns) >= _HTTP_CONNS:
+                # the connection that has taken longest goes (a slowloris
+                # opening many holds each for --listen-timeout at most)
+                old = min(self.conns, key=lambda fd: self.conns[fd].started)
+                self.cut += 1
+                self._drop(old)
+            s.setblocking(False)
+            self.conns[s.fileno()] = _HttpConn(s, _mono() + self.timeout)
+            self.poller.register(s.fileno(), self._select.POLLIN)
+
+    def _drop(self, fd):
+        c = self.conns.pop(fd, None)
+        if c is not None:
+            try:
+                self.poller.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            c.sock.close()
+
+    def _expire(self, fd, c):
+        """A request that took too long: 408 (best effort), closed."""
+        if c.buf or c.head is not None:
+            self.cut += 1
+            try:
+                c.sock.send(self._answer(408, {"error": "the request took "
+                                               "longer than %gs" % self.timeout},
+                                         close=True))
+            except OSError:
+                pass
+        self._drop(fd)
+
+    def _receive(self, fd, c):
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            self._drop(fd)
+            return
+        c.buf += data
+        if len(c.buf) > self.max_bytes + _HTTP_HEAD_MAX:
+            self._drop(fd)          # more than a request, unasked
+            return
+        if c.out:               # pipelined before our answer went: later
+            return
+        self._advance(fd, c)
+
+    def _advance(self, fd, c):
+        """Serve the requests that c.buf holds whole."""
+        while fd in self.conns and not c.out and c.buf:
+            if c.head is None:
+                if not self._read_head(fd, c):
+                    return
+            if len(c.buf) < c.need:
+                return
+            body = bytes(c.buf[:c.need])
+            del c.buf[:c.need]
+            method, path, headers = c.head
+            c.head, c.need, c.continued = None, 0, False
+            try:
+                answer = self._request(method, path, headers, body)
+            except Exception as e:      # (a bug: said, and the loop goes on)
+                self.log("error", during="intake request", error="%s: %s" % (
+                    type(e).__name__, e))
+                answer = (500, {"error": "myq failed on this request: %s"
+                                % type(e).__name__}, {})
+            self._reply(fd, c, *answer)
+
+    def _read_head(self, fd, c):
+        """Parse the head in c.buf; False while it is incomplete (or the
+        connection was answered and closed)."""
+        end = c.buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(c.buf) > _HTTP_HEAD_MAX:
+                self._reply(fd, c, 431, {"error": "the request head is larger "
+                                         "than %d bytes" % _HTTP_HEAD_MAX},
+                            close=True)
+            return False
+        if end > _HTTP_HEAD_MAX:
+            self._reply(fd, c, 431, {"error": "the request head is larger than "
+                                     "%d bytes" % _HTTP_HEAD_MAX}, close=True)
+            return False
+        head = bytes(c.buf[:end]).decode("latin-1")
+        del c.buf[:end + 4]
+        try:
+            method, path, headers, close = self._parse_head(head)
+        except _Refusal as e:
+            self._reply(fd, c, e.status, {"error": str(e)}, close=True)
+            return False
+        c.close = close
+        refusal = self._refuse_early(method, path, headers)
+        if refusal is not None:
+            self._reply(fd, c, refusal.status, {"error": str(refusal)},
+                        close=True, retry_after=refusal.retry_after)
+            return False
+        c.head, c.need = (method, path, headers), int(headers.get(
+            "content-length", "0"))
+        if c.need and len(c.buf) < c.need and \
+                headers.get("expect", "").lower() == "100-continue":
+            try:
+                c.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")   # (curl waits 1 s)
+            except (BlockingIOError, InterruptedError):
+                pass
+        return True
+
+    def _parse_head(self, head):
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            if len(parts) == 3 and parts[2].startswith("HTTP/"):
+                raise _Refusal(505, "only HTTP/1.x is spoken here")
+            raise _Refusal(400, "not an HTTP/1.x request line")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            name = name.strip().lower()
+            if not sep or not name or " " in name:
+                raise _Refusal(400, "a header line is not 'Name: value'")
+            value = value.strip()
+            if name in headers and name in ("content-length", "authorization",
+                                            "idempotency-key", "content-type"):
+                if headers[name] != value:
+                    raise _Refusal(400, "header %s given twice" % name)
+            headers[name] = value
+        conn = headers.get("connection", "").lower()
+        close = conn == "close" or (parts[2] == "HTTP/1.0" and conn != "keep-alive")
+        return parts[0], parts[1], headers, close
+
+    def _refuse_early(self, method, path, headers):
+        """What is refused on the head alone, before any body is read:
+        the token, chunked bodies, bad or too large lengths."""
+        if self.token is not None:
+            auth = headers.get("authorization", "")
+            scheme, _, given = auth.partition(" ")
+            if scheme.lower() != "bearer" or not _equal_secret(
+                    given.strip().encode("latin-1"), self.token):
+                return _Refusal(401, "this endpoint needs 'Authorization: "
+                                "Bearer TOKEN' (the token of "
+                                "--listen-token-file)")
+        if "transfer-encoding" in headers:
+            return _Refusal(411, "send the body with a Content-Length, not "
+                            "chunked")
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or len(length) > 18:
+            return _Refusal(400, "Content-Length %r is not a byte count" % length[:40])
+        if int(length) > self.max_bytes:
+            return _Refusal(413, "the body is %s bytes, more than "
+                            "--listen-max-bytes (%d)" % (length, self.max_bytes))
+        if method == "POST" and "content-length" not in headers:
+            return _Refusal(411, "a POST needs a Content-Length")
+        return None
+
+    def _request(self, method, path, headers, body):
+        """(status, answer object or text, {"retry_after": S}) of one
+        whole request."""
+        path = path.split("?", 1)[0]
+        if path.startswith("/jobs/"):
+            if method != "POST":
+                return 405, {"error": "POST a job to /jobs/TYPE"}, {"allow": "POST"}
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            try:
+                items = http_jobs(path[6:], body, ctype in _NDJSON,
+                                  headers.get("idempotency-key"))
+                ids = take_in(self.spool, items)
+            except _Refusal as e:
+                return e.status, {"error": str(e)}, {"retry_after": e.retry_after}
+            except DuplicateJob as e:
+                return 409, {"error": str(e)}, {}
+            self.log("intake", via="http", type=path[6:], jobs=len(ids))
+            return 202, {"ids": ids}, {}
+        if path in ("/health", "/metrics"):
+            if method != "GET":
+                return 405, {"error": "GET %s" % path}, {"allow": "GET"}
+            return self._report(path)
+        return 404, {"error": "no %s here: POST /jobs/TYPE, GET /health, GET "
+                     "/metrics" % path[:200]}, {}
+
+    def _report(self, path):
+        """/health (check --json; 503 when not healthy) or /metrics (the
+        Prometheus text of stats), each worked out at most once a second."""
+        until, answer = self._cache.get(path, (0, None))
+        if _mono() < until:
+            return answer
+        try:
+            if path == "/health":
+                problems = self.spool.check()
+                answer = (503 if problems else 200, {
+                    "ok": not problems, "spool": self.spool.path,
+                    "problems": problems}, {})
+            else:
+                answer = (200, prometheus_text(self.spool.stats(by_type=True)),
+                          {"type": "text/plain; version=0.0.4; charset=utf-8"})
+        except (MyqError, OSError) as e:
+            answer = (503, {"ok": False, "spool": self.spool.path,
+                            "problems": [str(e)]}, {})
+        self._cache[path] = (_mono() + 1.0, answer)
+        return answer
+
+    def _answer(self, status, obj, close=False, retry_after=None, extra=None):
+        extra = extra or {}
+        if isinstance(obj, str):
+            body = obj.encode("utf-8")
+        else:
+            body = (json.dumps(obj, sort_keys=True) + "\n").encode("utf-8")
+        head = ["HTTP/1.1 %d %s" % (status, _HTTP_REASONS.get(status, "")),
+                "Content-Type: %s" % extra.get("type", "application/json"),
+                "Content-Length: %d" % len(body), "Cache-Control: no-store"]
+        if retry_after:
+            head.append("Retry-After: %d" % retry_after)
+        if status == 401:
+            head.append('WWW-Authenticate: Bearer realm="myq"')
+        if extra.get("allow"):
+            head.append("Allow: " + extra["allow"])
+        head.append("Connection: close" if close else "Connection: keep-alive")
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+    def _reply(self, fd, c, status, obj, extra=None, close=False,
+               retry_after=None):
+        extra = extra or {}
+        close = close or c.close or status in (408, 411, 413, 431)
+        c.out += self._answer(status, obj, close, retry_after or
+                              extra.get("retry_after"), extra)
+        c.close = close
+        self.served += 1
+        if close:
+            c.buf = bytearray()
+        self._flush(fd, c)
+
+    def _flush(self, fd, c):
+        try:
+            n = c.sock.send(c.out)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        del c.out[:n]
+        if c.out:
+            self.poller.modify(fd, self._select.POLLOUT)
+            return
+        if c.close:
+            self._drop(fd)
+            return
+        self.poller.modify(fd, self._select.POLLIN)
+        c.deadline = _mono() + self.timeout     # the next request's time
+        c.started = _mono()
+
+
+def parse_subscriptions(specs):
+    """[(filter, type)] of --subscribe 'FILTER=TYPE' (the last '=' splits:
+    a filter may hold one)."""
+    out = []
+    for spec in specs or ():
+        flt, eq, type = spec.rpartition("=")
+        if not eq or not flt:
+            raise UsageError("--subscribe %r is not FILTER=TYPE (e.g. "
+                             "'sensors/+/reading=reading')" % spec)
+        if not NAME_RE.match(type):
+            raise UsageError("--subscribe %r: %r is not a job type (1-128 of "
+                             "A-Z a-z 0-9 . _ -)" % (spec, type))
+        levels = flt.split("/")
+        if any(("#" in x and (x != "#" or i != len(levels) - 1)) or
+               ("+" in x and x != "+") for i, x in enumerate(levels)) \
+                or "\0" in flt or len(flt.encode("utf-8", "replace")) > 65535:
+            raise UsageError("--subscribe %r: %r is not an MQTT topic filter "
+                             "(+ stands for a whole level, # for the last ones)"
+                             % (spec, flt))
+        out.append((flt, type))
+    return out
+
+
+def topic_matches(flt, topic):
+    """Does MQTT topic filter `flt` match `topic` (+ one level, # the rest;
+    no wildcard first matches a topic starting with $)?"""
+    f, t = flt.split("/"), topic.split("/")
+    if topic.startswith("$") and f[0] in ("+", "#"):
+        return False
+    for i, x in enumerate(f):
+        if x == "#":
+            return True
+        if i >= len(t) or (x != "+" and x != t[i]):
+            return False
+    return len(f) == len(t)
+
+
+def intake_client_id(spool_path):
+    """The default --mqtt-client-id of intake: stable across restarts (its
+    session is the broker's queue of what it has not acknowledged), from
+    the host and the spool, at most 23 characters."""
+    import binascii
+    host = os.uname()[1]
+    tail = "-%08x" % (binascii.crc32(("%s\0%s" % (host, os.path.abspath(
+        spool_path))).encode("utf-8", "replace")) & 0xffffffff)
+    return ("myqi-" + re.sub(r"[^A-Za-z0-9]", "", host))[:23 - len(tail)] + tail
+
+
+def mqtt_job(topic, data, type, now=None):
+    """(id, type, payload) of a received message: payload {"topic",
+    "message": JSON, else the text; a message that is not UTF-8:
+    "message_base64"}; the id is the message's own `id` when it is an
+    object with a valid one."""
+    jid = None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeError:
+        import binascii
+        return _intake_id(now), type, {
+            "topic": topic,
+            "message_base64": binascii.b2a_base64(data).decode().strip()}
+    try:
+        msg = _DECODER.decode(text)
+        if isinstance(msg, dict) and isinstance(msg.get("id"), str) \
+                and NAME_RE.match(msg["id"]):
+            jid = msg["id"]
+    except (ValueError, RecursionError):
+        msg = text
+    return jid or _intake_id(now), type, {
+        "topic": topic, "message": msg}
+
+
+class MqttIntake(MqttClient):
+    """MQTT subscriptions taken in as jobs (SPEC 12): a persistent session
+    (clean session off, a stable client id), QoS 1, each PUBACK sent once
+    its job is durable, in the order the messages came; withheld while a
+    bound or a guard refuses (the message waits in memory, the broker
+    keeps it until the PUBACK: a crash loses nothing, the broker sends it
+    again).  `run(stopping)` connects, subscribes and takes in until
+    `stopping()`, reconnecting with a backoff after any error."""
+
+    def __init__(self, spool, subs, url, password=None, client_id=None,
+                 ca=None, cert=None, key=None, keepalive=60, timeout=10.0,
+                 log=None):
+        MqttClient.__init__(self, url, password, client_id or
+                            intake_client_id(spool.path), ca, cert, key,
+                            keepalive, timeout)
+        self.clean = False
+        self.spool, self.subs, self.log = spool, subs, log or _noop_log
+        # a message is at most a job: its topic and envelope fit in 64K more
+        self.max_packet = spool.opt["max_job_bytes"] + 65536
+        self.pending = []       # (packet id or None, (id, type, payload), size)
+        self._pending_bytes = 0
+        self.taken = self.acked = self.refused = 0
+        self._retry_at = 0.0
+        self._refusals = 0
+        self._counted = None        # the id last counted refused
+
+    def _keep_alive(self):
+        """(The session loop pings; no thread of MqttClient's.)"""
+
+    def run(self, stopping):
+        backoff = 1.0
+        while not stopping():
+            try:
+                with self.lock:
+                    self._connect(_mono() + self.timeout)
+                self.log("intake_connected", broker=self.dest,
+                         client_id=self.client_id)
+                backoff = 1.0
+                self._serve(stopping)
+                self._send(b"\xe0\x00", _mono() + 1.0)       # DISCONNECT
+            except Exception as e:      # (a hostile broker: never a crash)
+                self.log("error", during="intake from %s" % self.dest,
+                         error=str(e) if isinstance(e, (DestinationDown,
+                                                        _MqttBroken))
+                         else _os_text(e) if isinstance(e, OSError)
+                         else "%s: %s" % (type(e).__name__, e),
+                         retry_in=round(backoff, 1))
+            finally:
+                self._drop()
+                # unacknowledged: the broker sends them again
+                self.pending, self._pending_bytes = [], 0
+            end = _mono() + backoff * (0.75 + 0.5 * _uniform())
+            while not stopping() and _mono() < end:
+                time.sleep(min(0.1, max(0.0, end - _mono())))
+            backoff = min(60.0, backoff * 2)
+
+    def _subscribe_packet(self):
+        body = b"\x00\x01"
+        for flt, _ in self.subs:
+            body += _mqtt_str(flt.encode("utf-8")) + b"\x01"
+        return b"\x82" + _mqtt_len(len(body)) + body
+
+    def _serve(self, stopping):
+        """One connection's life: SUBSCRIBE, then messages in, PUBACKs
+        out, PINGREQ when idle; returns when `stopping()`, raises when the
+        connection fails or the broker breaks the protocol."""
+        import select
+        sock = self.sock
+        self._send(self._subscribe_packet(), _mono() + self.timeout)
+        ping_sent = None
+        self._parse_buffered()          # what came with the CONNACK
+        while not stopping():
+            now = _mono()
+            if self.pending and now >= self._retry_at:
+                self._take_pending()
+            if ping_sent is not None and now - ping_sent > self.timeout:
+                raise _MqttBroken("no PINGRESP from the broker in time")
+            if ping_sent is None and self.keepalive and \
+                    now - self._last_sent >= self.keepalive / 2.0:
+                self._send(b"\xc0\x00", now + self.timeout)
+                ping_sent = now
+            # full: read no more (TCP holds the broker back) until room
+            full = len(self.pending) >= 1000 or self._pending_bytes > 4 << 20
+            wait = 0.5 if not self.pending else max(
+                0.0, min(0.5, self._retry_at - now))
+            if not full and not (hasattr(sock, "pending") and sock.pending()):
+                if not select.select([sock], [], [], wait)[0]:
+                    continue
+            elif full:
+                time.sleep(wait)
+                continue
+            sock.settimeout(0)
+            try:
+                data = sock.recv(65536)
+            except OSError as e:
+                if isinstance(e, BlockingIOError) or \
+                        type(e).__name__ == "SSLWantReadError":
+                    continue
+                raise
+            if not data:
+                raise _MqttBroken("the broker closed the connection")
+            self._buf += data
+            if self._parse_buffered():
+                ping_sent = None
+
+    def _parse_buffered(self):
+        """Handle the whole packets in the buffer; True if one was a
+        PINGRESP."""
+        pong = False
+        while True:
+            got = _mqtt_parse(self._buf, self.max_packet)
+            if got is None:
+                return pong
+            del self._buf[:got[2]]
+            pong = self._packet(got[0], got[1]) or pong
+
+    def _packet(self, kind, body):
+        """Handle one packet from the broker; True for a PINGRESP."""
+        t = kind >> 4
+        if t == 3:
+            self._publish_in(kind, body)
+        elif t == 9:                                        # SUBACK
+            if len(body) != 2 + len(self.subs):
+                raise _MqttBroken("the broker's SUBACK has %d return codes for "
+                                  "%d filters (protocol error)"
+                                  % (max(0, len(body) - 2), len(self.subs)))
+            for (flt, type), code in zip(self.subs, bytearray(body[2:])):
+                if code == 0x80:
+                    self.log("error", during="subscribe", broker=self.dest,
+                             filter=flt, error="the broker refused the "
+                             "subscription; check its access rules (ACL)")
+        elif t == 13:                                       # PINGRESP
+            return True
+        else:
+            raise _MqttBroken("the broker sent packet type %d, which a "
+                              "subscriber never gets (protocol error)" % t)
+        return False
+
+    def _publish_in(self, kind, body):
+        qos = (kind >> 1) & 3
+        if qos == 3 or len(body) < 2:
+            raise _MqttBroken("the broker sent a malformed PUBLISH (protocol "
+                              "error)")
+        n = int.from_bytes(body[:2], "big")
+        end = 2 + n + (2 if qos else 0)
+        if len(body) < end:
+            raise _MqttBroken("the broker sent a PUBLISH shorter than its topic "
+                              "(protocol error)")
+        try:
+            topic = body[2:2 + n].decode("utf-8")
+        except UnicodeError:
+            raise _MqttBroken("the broker sent a topic that is not UTF-8 "
+                              "(protocol error)")
+        pid = int.from_bytes(body[2 + n:end], "big") if qos else None
+        if qos == 2:
+            # we subscribe at QoS 1: a broker must not send more
+            raise _MqttBroken("the broker sent a QoS 2 message on a QoS 1 "
+                              "subscription (protocol error)")
+        if pid == 0:
+            raise _MqttBroken("the broker sent packet id 0 (protocol error)")
+        type = next((ty for flt, ty in self.subs if topic_matches(flt, topic)),
+                    None)
+        if type is None:
+            # a subscription this session kept from an earlier --subscribe
+            self.log("intake_unmatched", broker=self.dest, topic=topic[:200])
+            if pid is not None:
+                self._send(b"\x40\x02" + pid.to_bytes(2, "big"),
+                           _mono() + self.timeout)
+            return
+        self.pending.append((pid, mqtt_job(topic, body[end:], type), len(body)))
+        self._pending_bytes += len(body)
+
+    def _take_pending(self):
+        """Enqueue what waits, in order, and acknowledge it: a batch at a
+        time (one commit); when the spool refuses, one at a time up to the
+        first refused, which waits (its PUBACK withheld) and is tried again
+        after a backoff (0.5 s doubling to 5 s)."""
+        while self.pending:
+            try:
+                self._take(self.pending[:_INTAKE_BATCH])
+                self._refusals = 0
+                continue
+            except _Refusal as e:
+                refusal = e
+            if refusal.status not in (400, 413) and len(self.pending) > 1:
+                refusal = None
+                for _ in range(min(_INTAKE_BATCH, len(self.pending))):
+                    try:
+                        self._take(self.pending[:1])
+                    except _Refusal as e:
+                        refusal = e
+                        break
+                if refusal is None:
+                    continue
+            if refusal.status in (400, 413):        # can never be a job
+                self.log("error", during="intake", broker=self.dest,
+                         topic=self.pending[0][1][2]["topic"][:200],
+                         error="message dropped: %s" % refusal)
+                self._ack(self.pending[:1])
+                continue
+            self._refusals += 1
+            head = self.pending[0][1]
+            if self._counted != head[0]:        # once a message, not a retry
+                self._counted = head[0]
+                self.spool.count("refused", head[1])
+            delay = min(5.0, 0.5 * 2 ** min(self._refusals - 1, 4))
+            self._retry_at = _mono() + delay
+            if self._refusals == 1:
+                self.log("intake_held", broker=self.dest,
+                         waiting=len(self.pending), why=str(refusal),
+                         retry_in=delay)
+            return
+
+    def _take(self, batch):
+        try:
+            take_in(self.spool, [it[1] for it in batch], count=False)
+        except DuplicateJob as e:
+            if len(batch) > 1:
+                for it in batch:
+                    self._take([it])
+                return
+            self.log("duplicate", via="mqtt", id=batch[0][1][0], error=str(e))
+        self.taken += len(batch)
+        self._ack(batch)
+
+    def _ack(self, batch):
+        """PUBACK, in order, for what is now durable (or dropped)."""
+        acks = b"".join(b"\x40\x02" + it[0].to_bytes(2, "big")
+                        for it in batch if it[0] is not None)
+        del self.pending[:len(batch)]
+        self._pending_bytes -= sum(it[2] for it in batch)
+        if acks:
+            self._send(acks, _mono() + self.timeout)
+            self.acked += len(acks) // 4
+
+
+def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
+               max_bytes=1 << 20, timeout=10.0, parent=None):
+    """`myq intake`: the HTTP endpoint in this thread, the subscriptions
+    (`mqtt`: MqttIntake's keyword arguments) in another, each with a Spool
+    of its own, until SIGTERM/SIGINT (or the supervisor `parent` is
+    gone); SIGHUP reopens the log.  Returns 0."""
+    import signal
+    import threading
+    stop = []
+    signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+    signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
+    signal.signal(signal.SIGHUP, lambda s, f: stop.append("hup"))
+    http = HttpIntake(spool, listen, token, max_bytes, timeout, log) \
+        if listen else None
+    mq = thread = None
+    if subs:
+        mq = MqttIntake(Spool(spool.path, log=log, **spool.opt), subs,
+                        log=log, **mqtt)
+        thread = threading.Thread(target=mq.run, name="myq-intake-mqtt",
+                                  args=(lambda: any(s != "hup" for s in stop),))
+        thread.daemon = True
+    log("intake_start", pid=os.getpid(), spool=spool.path,
+        listen="%s:%d" % http.address if http else None,
+        subscribe=",".join(f for f, _ in subs) or None,
+        broker=mq.dest if mq else None)
+    if thread is not None:
+        thread.start()
+    try:
+        while not any(s != "hup" for s in stop):
+            if "hup" in stop:
+                stop.remove("hup")
+                try:
+                    log.reopen()
+                except MyqError as e:
+                    log("error", during="reopen log", error=str(e))
+            if http is not None:
+                http.serve(0.5)
+            else:
+                time.sleep(0.2)
+            if parent and os.getppid() != parent:
+                log("supervisor_gone", pid=parent)
+                break
+            if thread is not None and not thread.is_alive() and not stop:
+                raise ConfigError("the MQTT intake stopped; see the log")
+    finally:
+        stop.append("stop")
+        if thread is not None:
+            thread.join(mq.timeout + 1)
+            mq.close()
+        if http is not None:
+            http.close()
+        log("intake_stop", pid=os.getpid(),
+            served=http.served if http else None,
+            taken=mq.taken if mq else None)
+    return 0
 
 
 # A run's pieces ##############################################################
@@ -8283,6 +9227,9 @@ class Supervisor(object):
     - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
       reset after 60 s up); workers stop by themselves when the supervisor
       is gone (they watch their parent);
+    - with `intake` (the options of `myq intake`), it keeps one intake
+      process running beside the workers, started, restarted and stopped
+      as they are (the same _spawn);
     - with `ready` (the pipe of fork_daemon), it says there "0" once the
       pidfile is written and its first worker started, or the exit status
       and the error that stopped it;
@@ -8293,7 +9240,7 @@ class Supervisor(object):
 
     def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
                  pidfile=None, stop_timeout=10.0, env=None, python=None,
-                 ready=None):
+                 ready=None, intake=None):
         self.spool, self.n, self.log = spool, workers, log
         self.ready = ready
         self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
@@ -8302,6 +9249,9 @@ class Supervisor(object):
             "--spool", spool.path, "worker", "--parent-pid", str(os.getpid())] \
             + list(worker_argv)
         self.reap_argv = _worker_start(python) + ["--spool", spool.path, "reap"]
+        self.intake_argv = None if intake is None else _worker_start(python) + [
+            "--spool", spool.path, "intake", "--parent-pid", str(os.getpid())] \
+            + list(intake)
         self.env = dict(env or {})
         self.stop = 0
         self.hup = False
@@ -8398,10 +9348,14 @@ class Supervisor(object):
 
     def _loop(self, select, signal, wake):
         log = self.log
-        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0}
-                 for _ in range(self.n)]
+        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
+                  "argv": self.argv, "slot": i} for i in range(self.n)]
+        if self.intake_argv:
+            slots.append({"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
+                          "argv": self.intake_argv, "slot": "intake"})
         log("supervise", workers=self.n, pid=os.getpid(), spool=self.spool.path,
-            user=self.user.pw_name if self.user else None)
+            user=self.user.pw_name if self.user else None,
+            intake=1 if self.intake_argv else None)
         sent = 0
         kill_at = None
         while True:
@@ -8415,14 +9369,15 @@ class Supervisor(object):
                 for s in slots:
                     if s["proc"] is not None:
                         s["proc"].send_signal(signal.SIGHUP)
-            for i, s in enumerate(slots):
+            for s in slots:
                 p = s["proc"]
                 if p is not None and p.poll() is not None:
                     up = now - s["since"]
                     if up >= 60:
                         s["backoff"] = 1.0
                     s["at"] = now + s["backoff"]
-                    log("worker_exit", slot=i, pid=p.pid, status=p.returncode,
+                    log("worker_exit", slot=s["slot"], pid=p.pid,
+                        status=p.returncode,
                         uptime=round(up, 1),
                         restart_in=None if self.stop else s["backoff"])
                     s["backoff"] = min(30.0, s["backoff"] * 2)
@@ -8464,12 +9419,12 @@ class Supervisor(object):
     def _start_workers(self, slots, now):
         """Start the workers that are due; the last error, or None."""
         error = None
-        for i, s in enumerate(slots):
+        for s in slots:
             if s["proc"] is None and now >= s["at"]:
                 try:
-                    s["proc"] = self._spawn(self.argv, self.log.fileno())
+                    s["proc"] = self._spawn(s["argv"], self.log.fileno())
                     s["since"] = now
-                    self.log("worker_start", slot=i, pid=s["proc"].pid)
+                    self.log("worker_start", slot=s["slot"], pid=s["proc"].pid)
                 except (OSError, ValueError) as e:
                     error = getattr(e, "strerror", None) or str(e)
                     self.log("error", during="start worker", error=error)
@@ -8547,6 +9502,20 @@ WORKER_OPTIONS = [
     ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
 ]
 
+# `myq intake` (SPEC 12); supervise takes them too, and starts an intake
+# process beside its workers when --listen or --subscribe is given.
+INTAKE_OPTIONS = [
+    ("--listen", str, None, "take jobs over HTTP on [ADDR]:PORT (ADDR default 127.0.0.1): POST /jobs/TYPE"),
+    ("--listen-token-file", str, None, "file of the bearer token every HTTP request must carry (required off loopback)"),
+    ("--listen-max-bytes", SIZE, 1 << 20, "largest HTTP request body"),
+    ("--listen-timeout", SECONDS, 10.0, "time a client gets to send a whole request"),
+    ("--subscribe", "append", [], "'FILTER=TYPE': MQTT messages on FILTER (from --mqtt) become jobs of TYPE"),
+]
+# the worker options that intake takes as well
+_INTAKE_SHARED = ("--log", "--syslog", "--syslog-facility", "--syslog-tag",
+                  "--mqtt", "--mqtt-password-file", "--mqtt-client-id",
+                  "--mqtt-ca", "--mqtt-cert", "--mqtt-key")
+
 
 # The commands that take the guard options, and those each one's --help
 # shows (None: all); the others are accepted and ignored, as they always were.
@@ -8561,6 +9530,8 @@ _GUARDS_SHOWN = {
     "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
     "worker": None,
     "supervise": None,
+    "intake": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+               "--dedupe-window"),
 }
 
 
@@ -8568,7 +9539,8 @@ _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": 
              "http_ca": "FILE",
              "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
              "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
-             "mqtt_key": "FILE"}
+             "mqtt_key": "FILE", "listen": "[ADDR]:PORT",
+             "subscribe": "FILTER=TYPE"}
 
 
 def _option_help(flag, typ, default, help):
@@ -8621,7 +9593,8 @@ def _add_options(p, table, shown=None):
                            default=None, help=help)
         elif typ == "append":
             p.add_argument(flag, dest=dest, action="append", default=None,
-                           metavar=dest.upper().rsplit("_", 1)[-1], help=help)
+                           metavar=_METAVARS.get(dest) or
+                           dest.upper().rsplit("_", 1)[-1], help=help)
         else:
             p.add_argument(flag, dest=dest, default=None, help=help,
                            metavar=_metavar(typ, dest))
@@ -8679,6 +9652,11 @@ def _args_supervise(p):
     p.add_argument("--stop", action="store_true", help="stop the supervisor of "
                    "--pidfile: SIGTERM, wait for its workers (SIGKILL after "
                    "--stop-timeout + 5 s), then reap (the init script's stop)")
+
+
+def _args_intake(p):
+    import argparse
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
 
 
 def _args_stats(p):
@@ -8782,6 +9760,10 @@ def _add_command(sub, name, help):
     p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
     if name in ("worker", "supervise"):
         _add_options(p, WORKER_OPTIONS)
+    if name == "intake":
+        _add_options(p, [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED])
+    if name in ("intake", "supervise"):
+        _add_options(p, INTAKE_OPTIONS)
     if name in _GUARDS_SHOWN:
         _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
     return p
@@ -9011,7 +9993,8 @@ def _supervise(args, spool, guards, env):
             ids = None
     spool.require()
     _check_worker_options(o)
-    if o["mqtt_client_id"] and n > 1:
+    intake = _intake_argv(args, spool, o, guards, env)
+    if o["mqtt_client_id"] and n > 1 and not intake:
         raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
                          "its own client id (the broker drops a connection when "
                          "another takes its id); leave it out for unique ids" % n)
@@ -9037,13 +10020,32 @@ def _supervise(args, spool, guards, env):
         log("warning", problem="no --handlers and no --module: only http%s jobs "
             "have a handler; give MYQ_ARGS=\"--handlers DIR\""
             % (" and mqtt" if o["mqtt"] else ""))
-    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS) \
+    # with subscriptions, --mqtt-client-id is the intake's (its session)
+    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS + (
+        ("mqtt_client_id",) if intake and o.get("mqtt_client_id") else ())) \
         + _option_argv(guards, GUARD_OPTIONS)
     wenv = _clean_env(o["pass_env"], user)
     wenv.update(_secret_env(o))
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready).run()
+                      env=wenv, ready=ready, intake=intake).run()
+
+
+def _intake_argv(args, spool, o, guards, env):
+    """The options of the intake process that supervise keeps running
+    (SPEC 12), checked; None without --listen and --subscribe.  It gets
+    the worker's log and --mqtt options (the URL in its environment, as
+    the workers do) and the guards."""
+    io = _resolve(args, INTAKE_OPTIONS, env)
+    if not io["listen"] and not io["subscribe"]:
+        for k in ("listen_token_file",):
+            if io[k]:
+                raise UsageError("--listen-token-file without --listen")
+        return None
+    _intake_options(dict(o, **io), spool.path)
+    shared = [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
+    return _option_argv(io, INTAKE_OPTIONS) + _option_argv(
+        o, shared, skip=_SECRET_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
 
 
 def _make_log_dir(path, ids):
@@ -9294,6 +10296,50 @@ def _cmd_worker(a):
     return w.run(once=o["once"], drain=o["drain"])
 
 
+def _intake_options(o, spool_path):
+    """run_intake()'s keyword arguments of the intake options `o` (with
+    the shared --mqtt ones), checked: UsageError, ConfigError."""
+    if not o["listen"] and not o["subscribe"]:
+        raise UsageError("intake needs --listen [ADDR]:PORT or --subscribe "
+                         "FILTER=TYPE (with --mqtt URL)")
+    if o["listen_token_file"] and not o["listen"]:
+        raise UsageError("--listen-token-file without --listen")
+    token = None
+    if o["listen"]:
+        loop = listen_address(o["listen"])[2]
+        if o["listen_token_file"]:
+            token = _read_token(o["listen_token_file"])
+        elif not loop:
+            raise UsageError("--listen %s is not a loopback address: give "
+                             "--listen-token-file FILE (a bearer token every "
+                             "request must carry)" % o["listen"])
+    subs = parse_subscriptions(o["subscribe"])
+    mqtt = None
+    if subs:
+        if not o.get("mqtt"):
+            raise UsageError("--subscribe needs --mqtt URL (the broker to "
+                             "subscribe at)")
+        mqtt = dict(url=o["mqtt"], client_id=o.get("mqtt_client_id") or
+                    intake_client_id(spool_path), ca=o.get("mqtt_ca"),
+                    cert=o.get("mqtt_cert"), key=o.get("mqtt_key"))
+        MqttClient(password=b"" if o.get("mqtt_password_file") else None,
+                   **mqtt)          # (every check of the options)
+        mqtt["password"] = _mqtt_password(o.get("mqtt_password_file"))
+    return dict(listen=o["listen"], token=token, subs=subs, mqtt=mqtt,
+                max_bytes=o["listen_max_bytes"], timeout=o["listen_timeout"])
+
+
+def _cmd_intake(a):
+    o = _resolve(a.args, [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
+                 + INTAKE_OPTIONS, a.env)
+    a.spool.require()
+    kw = _intake_options(o, a.spool.path)
+    _give_back_heap(reexec=True)        # (it runs until stopped, as a worker)
+    log = _make_log(o)
+    a.spool.log = log
+    return run_intake(a.spool, log, parent=a.args.parent_pid, **kw)
+
+
 def _cmd_supervise(a):
     return _supervise(a.args, a.spool, a.guards, a.env)
 
@@ -9412,6 +10458,9 @@ _COMMAND_TABLE = {
     "worker": (_cmd_worker, _args_worker, "run jobs"),
     "supervise": (_cmd_supervise, _args_supervise,
                   "run and restart N workers (for the init script)"),
+    "intake": (_cmd_intake, _args_intake,
+               "take jobs in over HTTP (--listen) and MQTT (--subscribe), "
+               "each answered once durable"),
     "stats": (_cmd_stats, _args_stats, "print the status line"),
     "list": (_cmd_list, _args_list, "list jobs"),
     "show": (_cmd_show, _args_show, "print one job as JSON"),
