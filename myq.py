@@ -7050,7 +7050,12 @@ class _Scheduling(object):
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
-        if key != self._dir_key:
+        # A directory's time has the kernel's coarse granularity (a jiffy):
+        # a change in the same jiffy as the one this key saw leaves it
+        # equal, so a time that recent proves nothing (git's "racily
+        # clean" entries): look again.
+        if key != self._dir_key or (
+                key is not None and abs(_now() - st.st_mtime) < 0.05):
             self._dir_key = key
             self.dirty = True
         offset = _now() - _mono()
