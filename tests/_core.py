@@ -44,15 +44,18 @@ FAST = ("--poll", "0.05", "--jitter", "0", "--backoff-base", "60")
 # (test_script_start, test_dist, the init scripts) start the real script.
 # TESTS_AS_SCRIPT=1 makes every start `python myq.py` again.
 CODE_DIR = os.path.join("/tmp", "myq-tests-code-%d" % os.getuid())
-# _myq_tests_code(path, dir) -> the code object of myq.py (source text, for BOOT
-# and test_light's prelude): from dir's cache when dir is a directory of
-# this user's alone (0700, no symlink), else compiled (and cached there).
+# _myq_tests_code(path, dir) -> the code object of myq.py (source text, for
+# BOOT and test_light's prelude): from dir's cache when dir is a directory
+# of this user's alone (0700, no symlink), else compiled (and cached there:
+# one file per interpreter version and source text; a copy elsewhere gets
+# its file name put in, as its compile would; files unused for an hour go
+# at the next compile).
 CODE = r"""def _myq_tests_code(me, d):
-    import os, marshal, sys, zlib
+    import os, marshal, sys, time, zlib
     with open(me, "rb") as f:
         src = f.read()
-    path = os.path.join(d, "%s-%08x-%d" % (sys.implementation.cache_tag,
-                                            zlib.crc32(src), len(src)))
+    tag = sys.implementation.cache_tag
+    path = os.path.join(d, "%s-%08x-%d" % (tag, zlib.crc32(src), len(src)))
 
     def ours():
         try:
@@ -60,10 +63,20 @@ CODE = r"""def _myq_tests_code(me, d):
         except OSError:
             return False
         return st.st_uid == os.getuid() and st.st_mode & 0o177777 == 0o40700
+
+    def named(code):            # co_filename, as compile(src, me) sets it
+        return code.replace(co_filename=me, co_consts=tuple(
+            named(c) if isinstance(c, type(code)) else c
+            for c in code.co_consts))
     if ours():
         try:
             with open(path, "rb") as f:
-                return marshal.load(f)
+                code = marshal.load(f)
+            os.utime(path)
+            if code.co_filename == me:
+                return code
+            if hasattr(code, "replace"):            # 3.8+
+                return named(code)
         except (OSError, EOFError, ValueError, TypeError):
             pass
     code = compile(src, me, "exec", dont_inherit=True)
@@ -74,6 +87,10 @@ CODE = r"""def _myq_tests_code(me, d):
     if ours():
         tmp = "%s.%d" % (path, os.getpid())
         try:
+            for name in os.listdir(d):
+                old = os.path.join(d, name)
+                if os.lstat(old).st_mtime < time.time() - 3600:
+                    os.unlink(old)
             with open(tmp, "wb") as f:
                 marshal.dump(code, f)
             os.replace(tmp, path)
@@ -90,11 +107,12 @@ exec(_myq_tests_code(__file__, %r), globals())
 """ % CODE_DIR
 
 
-def myq_argv(python=None):
-    """The command that starts myq.py (see BOOT): append its arguments."""
+def myq_argv(python=None, path=MYQ):
+    """The command that starts myq.py (or a copy at `path`; see BOOT):
+    append its arguments."""
     if os.environ.get("TESTS_AS_SCRIPT"):
-        return [python or sys.executable, MYQ]
-    return [python or sys.executable, "-c", BOOT, MYQ]
+        return [python or sys.executable, path]
+    return [python or sys.executable, "-c", BOOT, path]
 
 
 def clean_env(extra=None):

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from _core import MYQ, clean_env, world_python  # noqa: F401 (the tests' import)
+from _core import MYQ, clean_env, myq_argv, world_python  # noqa: F401 (the tests' import)
 from _procs import alive as proc_alive, proc_start  # noqa: F401 (the tests' import)
 
 USER = "myqsec1"
@@ -172,7 +172,7 @@ class Box(object):
         raises AssertionError on a hang."""
         try:
             return subprocess.run(
-                [self.python, self.myq, "--spool", self.spool]
+                myq_argv(self.python, self.myq) + ["--spool", self.spool]
                 + [str(a) for a in args],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 universal_newlines=True, env=clean_env(env), cwd="/",
@@ -184,7 +184,7 @@ class Box(object):
     def owner(self, *args, timeout=30, env=None):
         """myq run by the spool's owner."""
         return subprocess.run(
-            [self.python, self.myq, "--spool", self.spool]
+            myq_argv(self.python, self.myq) + ["--spool", self.spool]
             + [str(a) for a in args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             universal_newlines=True, env=clean_env(env), cwd="/",
