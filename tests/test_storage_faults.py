@@ -26,7 +26,7 @@ import traceback
 import pytest
 
 import myq
-from _core import MYQ, ROOT, clean_env, ls, under
+from _core import ROOT, clean_env, ls, myq_argv, under
 from _core import fill_disk as fill
 from _core import run_myq as cli
 from _core import wait_for as _wait_for
@@ -85,7 +85,7 @@ def test_real_full_disk(small_fs, tmp_path):
                  "--min-free", "0")
         assert cp.returncode == 0, cp.stderr
     log = tmp_path / "worker.log"
-    w = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "worker",
+    w = subprocess.Popen(myq_argv() + ["--spool", spool, "worker",
                           "--handlers", str(hdir), "--concurrency", "4",
                           "--poll", "0.05", "--backoff-base", "0.2", "--jitter", "0",
                           "--min-free", "8K", "--stats-interval", "0",
