@@ -121,12 +121,14 @@ def clean_env(extra=None):
     return env
 
 
-def run_myq(*args, input=None, env=None, timeout=60, python=None):
+def run_myq(*args, input=None, env=None, timeout=60, python=None,
+            script=False):
     """myq.py as a real subprocess (the way an operator or a shell script
     runs it), without the caller's MYQ_* variables -> CompletedProcess
-    (text)."""
+    (text).  `script`: `python myq.py` itself, not myq_argv's cached code."""
     return subprocess.run(
-        myq_argv(python) + [str(a) for a in args],
+        ([python or sys.executable, MYQ] if script else myq_argv(python))
+        + [str(a) for a in args],
         input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         universal_newlines=True, env=clean_env(env), timeout=timeout)
 
