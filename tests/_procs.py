@@ -9,10 +9,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
-from _core import MYQ, clean_env, kill_quiet, myq_argv, wait_for
+from _core import clean_env, kill_quiet, myq_argv, wait_for
 
 
 def proc_stat(pid):
