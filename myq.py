@@ -3,8 +3,8 @@
 """myq - a job queue worker for small Linux devices, in one file.
 
     myq [--spool DIR] init | enqueue TYPE [PAYLOAD] | worker | supervise |
-                      stats | list | show | retry | delete | reap | prune |
-                      check | version
+                      intake | stats | list | show | retry | delete | reap |
+                      prune | check | version
 
 One spool directory is one queue; every state is a directory and every job
 one JSON file, so `ls` and `cat` show everything.  CPython 3.7-3.13, standard
@@ -47,30 +47,44 @@ in exactly one place):
 The map: the sections, in file order, each using only those above it
 (tests/test_structure.py keeps it so), and where each is tested.
 
+  Platform and process state   feature flags, every mutable global
+                    (test_structure, test_light)
   Errors            the exceptions and their exit codes (test_bad_input)
-  Small helpers     time, values, names, formats (test_clock, test_policy)
+  Small helpers     time, names, formats; values: one parser per kind
+                    (Kind: BOOL, COUNT, SIZE, SECONDS, ...), for flags,
+                    MYQ_* variables and policy files alike (test_clock,
+                    test_policy, test_operator_cli)
   Filesystem steps: the one door to the disk   _Door, every step on a
                     spool's file by directory descriptor (test_trust3,
                     test_security, test_crashpoints, test_storage_faults)
   Processes         /proc, process start times, kill_run, become
                     (test_liveness, test_ownership)
   The job model     parse, normalize, job files (test_hostile, test_enqueue)
-  Per-type policy (SPEC 9)   policy values and rules (test_policy)
+  Per-type policy (SPEC 9)   Policy: its keys, each a Kind; a policy
+                    file checked, in canonical form (test_policy)
   The spool         Identity, Claim, Breaker (holds' records), Claims (the
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
                     check), Spool (layout, reading, lanes, stats)
                     (test_spool_layout, test_retry_dlq, test_operator)
   Logging           Log and its file (test_initd)
-  Handlers          exec, Python, http (HttpPool) (test_handlers_exec,
+  Handlers          --module files; http: requests, answers, http_dest,
+                    HttpPool, batches (test_handlers_exec,
                     test_handlers_module, test_http, test_http_forward)
   MQTT (SPEC 10)    MqttClient (test_mqtt)
-  A run's pieces    batch keys, outcomes, pipes (test_handlers_exec)
+  Intake (SPEC 12)  take_in, HttpIntake, MqttIntake, run_intake
+                    (test_intake)
+  A run's pieces    Backoff (every retry delay), Handler and its kinds
+                    (ExecHandler, PyHandler, HttpHandler, MqttHandler: time
+                    limit, destination, batch key, how it runs), outcomes,
+                    pipes (test_handlers_exec, test_http_forward)
   The scheduler     lanes, scan caches, gates, rates (test_scan, test_policy)
   Running a job     handlers started, outcomes collected (test_handlers_*)
   Holds, the worker's side   held types and destinations, probes
                     (test_outage, test_field)
-  The worker        Worker: the loop, signals, finishing (test_worker_modes,
+  The worker        WorkerOptions (what a worker is told, made once of
+                    flags or keywords), Worker: the loop, signals,
+                    finishing (test_worker_modes,
                     test_timeouts_shutdown, test_chaos)
   The process image   byte-code cache, heap, a worker's command
                     (test_script_start)
@@ -129,12 +143,77 @@ EX_OSERR, EX_CANTCREAT, EX_TEMPFAIL, EX_CONFIG = 71, 73, 75, 78
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 GENERATED_ID_RE = re.compile(r"[0-9]{13}-[0-9a-f]{8}\Z")     # _new_id's
-O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 STDERR_TAIL = 2000          # bytes of a handler's stderr kept for last_error
 ERROR_MAX = 1000            # characters of last_error stored
 SLACK = 16384               # what a worker may add to a job (error, lease lines)
+
+
+# Platform and process state ##################################################
+#
+# What this platform has, read once at import, and every module-level name
+# that changes after import, each with what changes it: a reader finds the
+# process's state here, not spread over the file.  They stay plain globals
+# (one dictionary lookup on the hot paths; a list or dict is changed in
+# place, a flag by `global` in the one function named).
+
+# Platform: flags of os.open() this system may lack (0: not there).
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+# mknod(2) makes an empty file in one call; _create_empty sets it False at
+# the first refusal (a sandbox: EPERM, ENOSYS, EINVAL) and opens instead.
+_MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
+# posix_fadvise(2): enqueue_many starts each file's writeback with it.
+_FADVISE = hasattr(os, "posix_fadvise")
+
+# The test hook of every step on a spool's file (Filesystem steps):
+# `_hook(op, path, "before"|"after")`, set by the crash and fault tests.
+_hook = None
+
+# This boot's id (/proc/sys/kernel/random/boot_id), read once by boot_id().
+_BOOT_ID = None
+
+# iso(): [the second, its strftime], so the time is formatted once a second.
+_ISO_CACHE = [None, ""]
+
+# _replace(): a counter for the names of its temporary files.
+_SEQ = [0]
+
+# _new_id(): [the last millisecond, its count], so that ids sort in order.
+_LAST_ID = [0, 0]
+
+# A spool's path -> True: every spool this process uses (Filesystem steps:
+# a path inside one goes through the door).
+_TOPS = {}
+
+
+class _Here(_thread._local):
+    """A thread's own doors: a descriptor one thread holds is never closed
+    by another (a worker closes its doors at each poll tick while a --module
+    handler's thread enqueues; shared, that thread's next step went through
+    a closed or reused number).  Dropped, and closed, when the thread ends."""
+
+    def __init__(self):
+        self.doors = {}     # a spool's path -> this thread's _Door of it
+        self.heads = {}     # a directory's path -> (its _Door or None, sub)
+        self.tops = 0       # len(_TOPS) when heads was filled
+
+
+_HERE = _Here()
+
+# spool path -> the _mono() time before which a producer does not look for a
+# listening worker again (Spool.poke)
+_UNHEARD = {}
+
+# enqueue(): a path -> its Spool, kept for the next call.
+_SPOOLS = {}
+
+# The HTTPSConnection subclass (HTTP forwarding), made on first use.
+_tls_class = []
+
+# [True] once run as a script, so compiled at its start (The process image,
+# Run as a script); the launcher of a cached byte code sets _FROM_CACHE.
+_COMPILED_AT_START = []
 
 
 # Errors ######################################################################
@@ -227,9 +306,6 @@ def _ms_repr(t):
     return repr(round(t, 3))
 
 
-_ISO_CACHE = [None, ""]
-
-
 def iso(t=None, frac=True):
     """ISO 8601 UTC ending in Z, with milliseconds unless frac is false."""
     t = _now() if t is None else t
@@ -242,7 +318,12 @@ def iso(t=None, frac=True):
 
 
 def parse_size(text):
-    """'256K' -> 262144.  Binary suffixes K, M, G; a plain number is bytes."""
+    """'256K' -> 262144.  Binary suffixes K, M, G; a plain number is bytes
+    (a JSON integer too)."""
+    if text.__class__ is int and 0 <= text < 1 << 60:
+        return text
+    if not isinstance(text, str):
+        raise ValueError("not a size (use e.g. 512K, 1M, 2G): %r" % (text,))
     m = re.match(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)[iI]?[bB]?\s*\Z", str(text))
     if not m:
         raise ValueError("not a size (use e.g. 512K, 1M, 2G): %r" % text)
@@ -260,24 +341,61 @@ DURATION_FORMS = "seconds such as 0.2 or 90, or a unit: 500ms, 30s, 15m, 1h, 7d"
 
 def parse_duration(text):
     """'0.2', '90', '500ms', '30s', '15m', '1h', '7d' -> seconds (a float,
-    not range-checked: a caller that takes a job's delay judges it)."""
+    not range-checked: a caller that takes a job's delay judges it).  A
+    JSON number too, never a boolean."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
+    if not isinstance(text, str):
+        raise ValueError("not a duration (use %s)" % DURATION_FORMS)
     try:
         return float(text)
-    except (TypeError, ValueError):
+    except ValueError:
         m = _DURATION_RE.match(str(text))
         if not m:
             raise ValueError("not a duration (use %s)" % DURATION_FORMS)
         return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def parse_seconds(text):
-    """A duration (parse_duration) that is finite and >= 0."""
+def parse_seconds(text, positive=False, most=float("inf")):
+    """A duration (parse_duration) that is >= 0 (with `positive`: > 0)
+    and below `most` (so finite)."""
     v = parse_duration(text)
-    if not v >= 0 or v == float("inf"):
-        raise ValueError("not a duration >= 0 (use %s)" % DURATION_FORMS)
+    if not (v > 0 if positive else v >= 0) or not v < most:
+        raise ValueError("not a duration %s (use %s)" % (
+            "> 0" if positive else ">= 0", DURATION_FORMS))
     return v
+
+
+def parse_bool(v):
+    """True or false: a JSON boolean, or 1/0, true/false, yes/no, on/off
+    in any case."""
+    if isinstance(v, bool):
+        return v
+    t = str(v).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("not true or false: %r" % (v,))
+
+
+def parse_int(v, lo=None, hi=None):
+    """A whole number from lo to hi (None: no bound): a JSON integer, or
+    its digits (a sign and blanks around them allowed)."""
+    if isinstance(v, str) and re.match(r"\s*[-+]?\d+\s*\Z", v):
+        v = int(v)
+    if v.__class__ is not int or (lo is not None and v < lo) or (
+            hi is not None and v > hi):
+        raise ValueError("not a whole number in range: %r" % (v,))
+    return v
+
+
+def parse_fraction(v):
+    """A number from 0 to 1."""
+    f = None if isinstance(v, bool) else float(v)
+    if f is None or not 0 <= f <= 1:
+        raise ValueError("not a fraction: %r" % (v,))
+    return f
 
 
 def _rand_hex(n=4):
@@ -324,9 +442,6 @@ def _plain(text, more=None):
 _FIELD = re.compile(r"[\s,=]")     # what would end a status line's field
 
 
-_BOOT_ID = None
-
-
 def pid_namespace():
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -349,6 +464,47 @@ def _format_size(v):
     return str(v)
 
 
+class Kind(object):
+    """One kind of value, read the same way from a flag, a MYQ_* variable
+    and a policy file: kind(value) is its canonical form, else a
+    ValueError that says what it takes (the caller names the key and the
+    value).  "" is a value of no kind: where empty means something (a
+    MYQ_* variable: unset; a policy VALUE: remove the key) the caller
+    decides that before it parses.  `show` writes a value as --help and
+    `myq policy` print it, `metavar` names it in --help."""
+    __slots__ = ("parse", "takes", "metavar", "show")
+
+    def __init__(self, parse, takes, metavar="V", show=str):
+        self.parse, self.takes = parse, takes
+        self.metavar, self.show = metavar, show
+
+    def __call__(self, value):
+        try:
+            return self.parse(value)
+        except (ValueError, TypeError, AttributeError, OverflowError):
+            raise ValueError("it takes " + self.takes)
+
+
+def _whole(v):
+    """A policy's canonical number: 3600, not 3600.0."""
+    return int(v) if v == int(v) else v
+
+
+BOOL = Kind(parse_bool, "true or false (or 1/0, yes/no, on/off)",
+            show=lambda v: "true" if v else "false")
+COUNT = Kind(lambda v: parse_int(v, 1), "a whole number >= 1", "N")
+NATURAL = Kind(lambda v: parse_int(v, 0), "a whole number >= 0", "N")
+PRIORITY = Kind(lambda v: parse_int(v, -9, 9), "an integer from -9 to 9", "P")
+SIZE = Kind(parse_size, "a size such as 512K, 1M or 2G", "SIZE", _format_size)
+SECONDS = Kind(parse_seconds, "a duration >= 0: " + DURATION_FORMS, "S",
+               _format_duration)
+POSITIVE_SECONDS = Kind(lambda v: parse_seconds(v, positive=True),
+                        "a duration > 0: " + DURATION_FORMS, "S",
+                        _format_duration)
+DURATION = Kind(parse_duration, "a duration: " + DURATION_FORMS, "S")
+FRACTION = Kind(parse_fraction, "a fraction from 0 to 1, such as 0.1", "F")
+
+
 # Filesystem steps: the one door to the disk #################################
 #
 # Every step on a spool's files goes through these helpers, and each of them
@@ -365,32 +521,9 @@ def _format_size(v):
 # program just before or just after any step:
 # `_hook(op, path, "before"|"after")` may call os._exit() or raise OSError.
 
-_hook = None
-_MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
 _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
 _WAKE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC
 _SHARED = ("tmp", "incoming")   # the directories where producers write
-_TOPS = {}      # a spool's path -> True: every spool this process uses
-
-
-class _Here(_thread._local):
-    """A thread's own doors: a descriptor one thread holds is never closed
-    by another (a worker closes its doors at each poll tick while a --module
-    handler's thread enqueues; shared, that thread's next step went through
-    a closed or reused number).  Dropped, and closed, when the thread ends."""
-
-    def __init__(self):
-        self.doors = {}     # a spool's path -> this thread's _Door of it
-        self.heads = {}     # a directory's path -> (its _Door or None, sub)
-        self.tops = 0       # len(_TOPS) when heads was filled
-
-
-_HERE = _Here()
-
-# spool path -> the _mono() time before which a producer does not look for a
-# listening worker again (Spool.poke)
-_UNHEARD = {}
-_FADVISE = hasattr(os, "posix_fadvise")
 
 
 def _other_fs(sub, top):
@@ -703,9 +836,6 @@ def _create(path, data, sync=True, mtime=None, mode=0o640, dir_fd=None,
         return ino, fd
     os.close(fd)
     return ino
-
-
-_SEQ = [0]
 
 
 def _replace(path, data, sync=False, mode=0o640):
@@ -1098,6 +1228,16 @@ def kill_run(leader, sig, token=None, start=None):
     return n
 
 
+def _writer_lives(name):
+    """Does the process that is writing .NAME.PID.N.tmp still run?  Such a
+    file is a crash's leftover only once it does not: by its age alone, a
+    process whose clock jumped a year ahead took another's record from
+    under its rename (seen in test_clock)."""
+    pid = name.split(".")[-3:-2]
+    return bool(pid) and pid[0].isdigit() and int(pid[0]) > 1 \
+        and proc_start(int(pid[0]), living=True) is not None
+
+
 def _pid_alive(pid, start):
     """True when `pid` runs and is the process that started at `start`.
     A record's values are checked here: a pid that is not a number above 1
@@ -1407,9 +1547,6 @@ def normalize(obj, stem=None, mtime=None):
     return job
 
 
-_LAST_ID = [0, 0]
-
-
 def _new_id(now):
     """Millisecond time, then a random suffix that counts up within one
     process and millisecond, so that ids sort in creation order."""
@@ -1558,48 +1695,7 @@ _RATE_RE = re.compile(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
 SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
 
 
-def _pv_int(lo, hi):
-    def value(v):
-        if isinstance(v, str) and re.match(r"\s*[-+]?\d+\s*\Z", v):
-            v = int(v)
-        if v.__class__ is not int or not lo <= v <= hi:
-            raise ValueError(v)
-        return v
-    return value
-
-
-def _pv_size(v):
-    if v.__class__ is int and 0 <= v < 1 << 60:
-        return v
-    if isinstance(v, str):
-        return parse_size(v)
-    raise ValueError(v)
-
-
-def _pv_duration(v, zero=False):
-    if _is_num(v):
-        v = float(v)
-    elif isinstance(v, str):
-        v = parse_duration(v)
-    else:
-        raise ValueError(v)
-    if not (0 <= v if zero else 0 < v) or v >= 1e10:
-        raise ValueError(v)
-    return int(v) if v == int(v) else v
-
-
-def _pv_bool(v):
-    if isinstance(v, bool):
-        return v
-    t = str(v).strip().lower()
-    if t in ("true", "yes", "on", "1"):
-        return True
-    if t in ("false", "no", "off", "0"):
-        return False
-    raise ValueError(v)
-
-
-def _pv_choice(*allowed):
+def _choice(*allowed):
     def value(v):
         if v not in allowed:
             raise ValueError(v)
@@ -1618,68 +1714,81 @@ def rate_of(text):
     return n, per
 
 
-def _pv_rate(v):
+def parse_rate(v):
+    """A rate's canonical text: '30 / 1m' -> '30/m' (rate_of: its numbers)."""
     rate_of(v)              # the check; then its canonical text
     n, per, unit = _RATE_RE.match(str(v)).groups()
     return "%s/%s%s" % (n, "" if per in ("", "1") else per, unit)
 
 
-# key: (check and canonical form, what it takes)
-POLICY_KEYS = {
-    "handler": (_pv_choice("http", "mqtt"), "http or mqtt"),
-    "max_queued": (_pv_int(0, 10 ** 9), "a number of jobs"),
-    "max_bytes": (_pv_size, "a size such as 512K or 10M"),
-    "overflow": (_pv_choice("reject", "drop-oldest"), "reject or drop-oldest"),
-    "ttl": (_pv_duration, "a duration such as 90s, 15m, 1h, 7d"),
-    "priority": (_pv_int(-9, 9), "an integer from -9 to 9"),
-    "concurrency": (_pv_int(1, 10000), "a number of runs >= 1"),
-    "rate": (_pv_rate, "N/PERIOD such as 1/s, 30/m, 500/h"),
-    "breaker": (_pv_int(0, 10 ** 6), "a number of failures (0: off)"),
-    "paused": (_pv_bool, "true or false"),
-    "batch": (_pv_int(1, 10000), "a number of jobs >= 1"),
-    "batch_bytes": (_pv_size, "a size such as 64K"),
-    "batch_wait": (lambda v: _pv_duration(v, zero=True),
-                   "a duration such as 0, 500ms, 5s"),
-    "gzip": (_pv_bool, "true or false"),
-}
+class Policy(object):
+    """The per-type rules (SPEC 9): its keys, each one Kind of value (the
+    kinds the command line's options are, where they are the same), and
+    a policy file's object checked and in canonical form (numbers whole
+    where they are: 3600, not 3600.0).  The spool reads and writes the
+    file (Spool.policy, rules, set_policy)."""
 
+    KEYS = {
+        "handler": Kind(_choice("http", "mqtt"), "http or mqtt"),
+        "max_queued": Kind(lambda v: parse_int(v, 0, 10 ** 9),
+                           "a number of jobs"),
+        "max_bytes": Kind(parse_size, "a size such as 512K or 10M",
+                          show=_format_size),
+        "overflow": Kind(_choice("reject", "drop-oldest"),
+                         "reject or drop-oldest"),
+        "ttl": Kind(lambda v: _whole(parse_seconds(v, True, 1e10)),
+                    "a duration such as 90s, 15m, 1h, 7d",
+                    show=_format_duration),
+        "priority": PRIORITY,
+        "concurrency": Kind(lambda v: parse_int(v, 1, 10000),
+                            "a number of runs >= 1"),
+        "rate": Kind(parse_rate, "N/PERIOD such as 1/s, 30/m, 500/h"),
+        "breaker": Kind(lambda v: parse_int(v, 0, 10 ** 6),
+                        "a number of failures (0: off)"),
+        "paused": BOOL,
+        "batch": Kind(lambda v: parse_int(v, 1, 10000),
+                      "a number of jobs >= 1"),
+        "batch_bytes": Kind(parse_size, "a size such as 64K", show=_format_size),
+        "batch_wait": Kind(lambda v: _whole(parse_seconds(v, False, 1e10)),
+                           "a duration such as 0, 500ms, 5s",
+                           show=_format_duration),
+        "gzip": BOOL,
+    }
 
-def policy_value(key, value):
-    """The canonical form of one policy value; UsageError (64) when the key
-    or the value is bad."""
-    spec = POLICY_KEYS.get(key)
-    if spec is None:
-        raise UsageError("unknown policy key %r; the keys are: %s"
-                         % (key, " ".join(sorted(POLICY_KEYS))))
-    try:
-        return spec[0](value)
-    except (ValueError, TypeError, AttributeError, OverflowError):
-        raise UsageError("bad value %s for policy key %s: it takes %s"
-                         % (_clip(json.dumps(value), 80), key, spec[1]))
+    @classmethod
+    def value(cls, key, value):
+        """The canonical form of one value; UsageError (64) that names the
+        key and the value when either is bad."""
+        kind = cls.KEYS.get(key)
+        if kind is None:
+            raise UsageError("unknown policy key %r; the keys are: %s"
+                             % (key, " ".join(sorted(cls.KEYS))))
+        try:
+            return kind(value)
+        except ValueError:
+            raise UsageError("bad value %s for policy key %s: %s"
+                             % (_clip(json.dumps(value), 80), key,
+                                "it takes " + kind.takes))
 
+    @classmethod
+    def check(cls, obj):
+        """A policy file's object, validated and in canonical form."""
+        if not isinstance(obj, dict):
+            raise ValueError("the policy is a JSON object {TYPE: {KEY: VALUE}}")
+        out = {}
+        for name, keys in obj.items():
+            if name != "*":
+                _check_name(name, "type")
+            if not isinstance(keys, dict):
+                raise ValueError("the policy of %s is not an object" % name)
+            out[name] = dict((k, cls.value(k, v)) for k, v in keys.items())
+        return out
 
-def check_policy(obj):
-    """A policy file's object, validated and in canonical form."""
-    if not isinstance(obj, dict):
-        raise ValueError("the policy is a JSON object {TYPE: {KEY: VALUE}}")
-    out = {}
-    for name, keys in obj.items():
-        if name != "*":
-            _check_name(name, "type")
-        if not isinstance(keys, dict):
-            raise ValueError("the policy of %s is not an object" % name)
-        out[name] = dict((k, policy_value(k, v)) for k, v in keys.items())
-    return out
-
-
-def format_policy(key, v):
-    if key in ("ttl", "batch_wait"):
-        return _format_duration(v)
-    if key in ("max_bytes", "batch_bytes"):
-        return _format_size(v)
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
+    @classmethod
+    def show(cls, key, v):
+        """A value as `myq policy` prints it."""
+        kind = cls.KEYS.get(key)
+        return kind.show(v) if kind is not None else str(v)
 
 
 def _safe_dest(dest):
@@ -3327,6 +3436,8 @@ class _Upkeep(object):
             for e in _scandir(self.d(sub) if sub else self.path):
                 if not e.name.endswith(end) or (end == ".tmp" and e.name[:1] != "."):
                     continue
+                if end == ".tmp" and _writer_lives(e.name):
+                    continue        # (old by a clock that jumped: in use)
                 try:
                     if now - e.stat(follow_symlinks=False).st_ctime > self.opt[keep]:
                         _unlink(self.d(sub, e.name) if sub else self.d(e.name))
@@ -3553,7 +3664,7 @@ _PROM_GAUGES = (
     ("retries_1m", "myq_retries_1m", "gauge",
      "Failed runs scheduled for a retry in the last 60 seconds, by any worker."),
 )
-_PROM_TOTALS = ("dropped", "expired", "rejected", "removed")
+_PROM_TOTALS = ("dropped", "expired", "rejected", "removed", "refused")
 
 
 def _prom_label(value):
@@ -3642,9 +3753,6 @@ def _write_textfile(w):
     except OSError as e:
         _quiet_unlink(tmp)
         w.log("error", during="textfile", error="%s: %s" % (d, e.strerror or e))
-
-
-_SPOOLS = {}
 
 
 def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
@@ -4080,6 +4188,8 @@ class Spool(_Producing, _Upkeep):
                 sum(tot["rejected"].values()),
                 "removed": tot["removed"] if by_type else
                 sum(tot["removed"].values()),
+                "refused": tot["refused"] if by_type else
+                sum(tot["refused"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.breaker.records()]}
@@ -4108,7 +4218,7 @@ class Spool(_Producing, _Upkeep):
             else:
                 try:
                     data = self.read_file(path, 1 << 20)[0]
-                    self._pol = check_policy(json.loads(data.decode("utf-8")))
+                    self._pol = Policy.check(json.loads(data.decode("utf-8")))
                     self.policy_error = None
                 except (OSError, ValueError, MyqError) as e:
                     self.policy_error = (
@@ -4139,8 +4249,8 @@ class Spool(_Producing, _Upkeep):
         self.require()
         if name != "*":
             _check_name(name, "type")
-        changes = dict((k, policy_value(k, v) if v is not None or
-                        k not in POLICY_KEYS else None)
+        changes = dict((k, Policy.value(k, v) if v is not None or
+                        k not in Policy.KEYS else None)
                        for k, v in changes.items())
         try:
             fd = _lock(self.d("locks", "policy.lock"))
@@ -4161,7 +4271,7 @@ class Spool(_Producing, _Upkeep):
             pol = {}
             if data is not None:
                 try:
-                    pol = check_policy(json.loads(data.decode("utf-8")))
+                    pol = Policy.check(json.loads(data.decode("utf-8")))
                 except (ValueError, MyqError) as e:
                     raise ConfigError(
                         "%s does not parse (%s); nothing was changed: fix it "
@@ -4358,8 +4468,10 @@ class Spool(_Producing, _Upkeep):
             os.close(fd)
 
     def totals(self):
-        """{"dropped"|"expired"|"rejected"|"removed": {TYPE: N}}."""
-        out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {}}
+        """{"dropped"|"expired"|"rejected"|"removed"|"refused": {TYPE: N}}
+        (refused: what intake refused at arrival, SPEC 12)."""
+        out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {},
+               "refused": {}}
 
         data = _read_small(self.d("locks", "totals.json"), 1 << 20)
         try:
@@ -4381,7 +4493,7 @@ class Spool(_Producing, _Upkeep):
             " %s=%d" % (k, s[k]) for k in (
                 "ready", "processing", "done", "dead", "oldest_ready_s",
                 "retries_1m", "scheduled", "failed", "free_kb", "dropped",
-                "expired", "rejected", "removed")) + " paused=%s held=%s" % (
+                "expired", "rejected", "removed", "refused")) + " paused=%s held=%s" % (
             ",".join(s["paused"]) or "-",
             ",".join(_plain(h["dest"], _FIELD) for h in s["held"]) or "-")
 
@@ -4651,6 +4763,24 @@ def _origin(parts):
     return parts.scheme, (parts.hostname or "").lower(), port
 
 
+def http_dest(url):
+    """The circuit breaker's destination of an http URL (SPEC 9): its
+    origin as _origin() gives it to HttpPool, "scheme://host:port"; None
+    when the URL has none (not http or https, no host, a bad port)."""
+    if not isinstance(url, str):
+        return None
+    try:
+        from urllib.parse import urlsplit
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return None
+        scheme, host, port = _origin(parts)
+    except (ImportError, ValueError):
+        return None
+    return "%s://%s:%d" % (scheme, "[%s]" % host if ":" in host else host,
+                           port)
+
+
 # Forwarding over slow links (SPEC 10): kept connections, gzip, batches.
 
 HTTP_IDLE = 30.0        # a kept connection idle this long is closed (SPEC
@@ -4660,7 +4790,6 @@ HTTP_IDLE = 30.0        # a kept connection idle this long is closed (SPEC
 # any byte of the answer: such a request goes once more on a fresh one.
 _STALE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
-_tls_class = []         # the HTTPSConnection subclass, made on first use
 
 
 def _tls_connection():
@@ -5188,17 +5317,18 @@ def _mqtt_str(b):
     return len(b).to_bytes(2, "big") + b
 
 
-def _mqtt_parse(buf):
+def _mqtt_parse(buf, limit=65536):
     """(first byte, body, length used) of the packet at the start of buf,
-    or None while it is incomplete.  We only ever get small packets back
-    (CONNACK, PUBACK, PINGRESP): anything larger than 64K is not MQTT."""
+    or None while it is incomplete.  A publisher only ever gets small
+    packets back (CONNACK, PUBACK, PINGRESP): anything larger than `limit`
+    (64K; a subscriber's: its largest message) is not MQTT."""
     n = shift = 0
     for i in range(1, min(len(buf), 5)):
         b = buf[i]
         n |= (b & 127) << shift
         shift += 7
         if not b & 128:
-            if n > 65536:
+            if n > limit:
                 raise _MqttBroken("the broker sent a %d-byte packet (protocol "
                                   "error)" % n)
             end = i + 1 + n
@@ -5337,6 +5467,8 @@ class MqttClient(object):
         self._ctx = self._session = None
         self._pinger = None
         self._closed = False
+        self.clean = True           # clean session (a subscriber's is not)
+        self.max_packet = 65536     # the largest packet taken from the broker
 
     # Packets ---------------------------------------------------------------
 
@@ -5358,7 +5490,7 @@ class MqttClient(object):
         until the first is acknowledged, and a delayed ACK costs 40 ms."""
         buf = self._buf
         while True:
-            got = _mqtt_parse(buf)
+            got = _mqtt_parse(buf, self.max_packet)
             if got is not None:
                 del buf[:got[2]]
                 return got[0], got[1]
@@ -5425,7 +5557,7 @@ class MqttClient(object):
             self._pinger.start()
 
     def _connect_packet(self):
-        flags = 0x02                                    # clean session
+        flags = 0x02 if self.clean else 0               # clean session
         payload = _mqtt_str(self.client_id.encode("utf-8"))
         if self.user is not None:
             flags |= 0x80
@@ -5677,35 +5809,1143 @@ def mqtt_publish(client, jobs, timeout):
 
 
 class _Run(object):
-    """One job in flight in this worker."""
-    __slots__ = ("claim", "kind", "proc", "started", "deadline", "kill_at",
+    """One job in flight in this worker, run by its Handler."""
+    __slots__ = ("claim", "handler", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
                  "thread", "result", "conn", "slot", "probe", "dest",
-                 "dest_fail", "batch", "split", "target", "unsent",
+                 "dest_fail", "batch", "split", "unsent",
                  "retry_after")
 
-    def __init__(self, claim, kind):
-        self.claim, self.kind = claim, kind
+    def __init__(self, claim, handler):
+        self.claim, self.handler = claim, handler
         self.proc = self.started = self.deadline = self.kill_at = None
         self.stdin = self.stdin_fd = self.err_fd = self.thread = None
         self.result = self.conn = None
         self.slot = self.probe = self.dest = None
-        self.batch = self.target = None     # batch: the claims of a batch
+        self.batch = None           # the claims of a batch
         self.dest_fail = self.split = self.unsent = False
         self.retry_after = None     # a destination failure's own delay
         self.err = bytearray()
         self.timed_out = self.released = False
 
 
+# Intake (SPEC 12) ############################################################
+#
+# Jobs that arrive over the network: a local HTTP endpoint and MQTT
+# subscriptions, each answered only once its jobs are durable (the spool's
+# own enqueue_many, which fsyncs before it returns).  `myq intake` runs
+# both in one process, as the spool's user.  The HTTP endpoint is one
+# thread's poll(2) loop over non-blocking sockets: a slow client costs a
+# buffer and one of _HTTP_CONNS slots for at most --listen-timeout, never a
+# wait of anyone else's (a thread per connection would let a slowloris
+# hold threads, and each thread's stack).  The subscriptions are a thread
+# of their own, whose connect and reconnects may block.
+#
+# Every job taken in gets its id before it is written (the producer's, or
+# one made here as _new_id makes them), so that a request that fails half
+# way is taken back whole, and one sent again after a crash finds the jobs
+# it already placed: the same id with the same type and payload is the
+# same job (answered as before, never queued twice); another payload under
+# a known id is a conflict.
+
+_HTTP_CONNS = 64                # connections at once; the oldest goes first
+_HTTP_HEAD_MAX = 8192           # bytes of request line and headers
+_HTTP_REASONS = {
+    100: "Continue", 200: "OK", 202: "Accepted", 400: "Bad Request",
+    401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+    408: "Request Timeout", 409: "Conflict", 411: "Length Required",
+    413: "Payload Too Large", 429: "Too Many Requests",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+_NDJSON = ("application/x-ndjson", "application/ndjson", "application/jsonl",
+           "application/x-jsonlines", "application/jsonlines")
+_INTAKE_BATCH = 256             # jobs in one enqueue_many (one commit)
+_INTAKE_LINES = 10000           # jobs in one HTTP request
+_INTAKE_IDS = _thread.allocate_lock()     # the HTTP and MQTT threads' _new_id
+
+
+class _Refusal(Exception):
+    """A request answered with an error `status` (and Retry-After)."""
+
+    def __init__(self, status, message, retry_after=None):
+        Exception.__init__(self, message)
+        self.status, self.retry_after = status, retry_after
+
+
+def _same_job(spool, jid, type, payload):
+    """Is job `jid`, already in the spool, this one (same type, same
+    payload)?  False also when it cannot be read (only its idempotency
+    record is left)."""
+    try:
+        job = spool.show(jid)
+    except (MyqError, OSError):
+        return False
+    return job.get("type") == type and job.get("payload") == payload
+
+
+def _intake_id(now=None):
+    with _INTAKE_IDS:
+        return _new_id(_now() if now is None else now)
+
+
+def _refused(spool, e, items, count=True):
+    """The _Refusal of a MyqError that enqueue raised for `items`
+    (`count`: count them refused)."""
+    if isinstance(e, SpoolFull):
+        for t in sorted(set(it[1] for it in items)) if count else ():
+            spool.count("refused", t, sum(1 for it in items if it[1] == t))
+        bound = "at its bound" in str(e)
+        return _Refusal(429 if bound else 503, str(e), 5 if bound else 30)
+    if isinstance(e, InvalidJob):
+        return _Refusal(413 if "--max-job-bytes" in str(e) else 400, str(e))
+    if isinstance(e, SpoolBusy):
+        return _Refusal(503, str(e), 1)
+    return _Refusal(500, str(e))
+
+
+def _withdraw_new(spool, ids):
+    """Take back what a failed enqueue_many placed of `ids` (still
+    waiting): nothing of a refused request is kept (SPEC 12)."""
+    for jid in ids:
+        try:
+            if spool.locate(jid)[0] in ("ready", "scheduled"):
+                spool.delete([jid])
+        except (MyqError, OSError):
+            pass        # claimed meanwhile, or never placed
+
+
+def take_in(spool, items, count=True):
+    """Enqueue `items`, [(id, type, payload)], durably, all or none: the
+    ids, in order; a job already there under its id with the same type
+    and payload counts as taken (an answer lost to a crash, sent again).
+    Raises DuplicateJob when an id is taken by another job, _Refusal when
+    the spool refuses (a bound, a guard: counted `refused` unless not
+    `count`)."""
+    for _ in range(3):
+        new, waiting = [], False
+        for jid, type, payload in items:
+            where = spool.find_id(jid)
+            if where is None:
+                new.append((jid, type, payload))
+            elif not _same_job(spool, jid, type, payload):
+                raise DuplicateJob("job id %s is taken by another job (%s); "
+                                   "give this one another id" % (jid, where))
+            waiting = waiting or where == "queued"
+        try:
+            if new:
+                spool.enqueue_many([{"type": t, "payload": p, "id": j}
+                                    for j, t, p in new])
+            if waiting:
+                # placed by an intake killed before its answer, perhaps
+                # before its fsync: durable before this answer says so
+                os.sync()
+            return [it[0] for it in items]
+        except DuplicateJob:
+            continue        # another producer, meanwhile: look again
+        except MyqError as e:
+            # (what it placed is ours: an id placed by another meanwhile
+            # would have been a DuplicateJob; the HTTP loop takes one
+            # request at a time)
+            _withdraw_new(spool, [it[0] for it in new])
+            raise _refused(spool, e, new, count)
+    raise _Refusal(503, "spool %s: the ids of this request keep changing "
+                   "hands; try again" % spool.path, 1)
+
+
+def _json_value(text, what):
+    try:
+        return _DECODER.decode(text)
+    except RecursionError:
+        raise _Refusal(400, "%s is nested too deep" % what)
+    except ValueError as e:
+        raise _Refusal(400, "%s is not JSON (%s)" % (what, e))
+
+
+def _own_id(value, what):
+    """The id a payload names for itself (its `id` field), or None."""
+    if not isinstance(value, dict) or value.get("id") is None:
+        return None
+    jid = value["id"]
+    if not isinstance(jid, str) or not NAME_RE.match(jid):
+        raise _Refusal(400, "%s: id %s is not a job id (1-128 of A-Z a-z 0-9 "
+                       ". _ -, not starting with .)" % (what, json.dumps(jid)[:140]))
+    return jid
+
+
+def http_jobs(type, body, ndjson, key=None, now=None):
+    """[(id, type, payload)] of a POST /jobs/TYPE body: one JSON payload,
+    or (`ndjson`) one a line.  The id: the Idempotency-Key `key` (one job;
+    KEY.N for line N of many), else the payload's own `id` field, else a
+    new one.  Raises _Refusal (400)."""
+    if not isinstance(type, str) or not NAME_RE.match(type):
+        raise _Refusal(400, "job type %r is not a type name (1-128 of A-Z a-z "
+                       "0-9 . _ -); POST to /jobs/TYPE" % (type,)[:140])
+    if key is not None and not NAME_RE.match(key):
+        raise _Refusal(400, "Idempotency-Key %r is not a job id (1-128 of A-Z "
+                       "a-z 0-9 . _ -)" % key[:140])
+    try:
+        text = body.decode("utf-8")
+    except UnicodeError:
+        raise _Refusal(400, "the body is not UTF-8 text")
+    if ndjson:
+        lines = [(n, line) for n, line in enumerate(text.split("\n"), 1)
+                 if line.strip()]
+        if len(lines) > _INTAKE_LINES:
+            raise _Refusal(413, "%d jobs in one request: send at most %d a "
+                           "request" % (len(lines), _INTAKE_LINES))
+        values = [(_json_value(line, "line %d" % n), "line %d" % n)
+                  for n, line in lines]
+    else:
+        values = [(_json_value(text, "the body"), "the body")]
+    if not values:
+        raise _Refusal(400, "the body holds no job (one JSON payload a line)")
+    out, seen = [], set()
+    now = _now() if now is None else now
+    for n, (value, what) in enumerate(values, 1):
+        jid = _own_id(value, what)
+        if key is not None:
+            jid = key if len(values) == 1 else "%s.%d" % (key, n)
+            if len(jid) > 128:
+                raise _Refusal(400, "Idempotency-Key is too long for %d jobs "
+                               "(KEY.N must fit 128 characters)" % len(values))
+        jid = jid or _intake_id(now)
+        if jid in seen:
+            raise _Refusal(400, "%s repeats id %s of an earlier line" % (what, jid))
+        seen.add(jid)
+        out.append((jid, type, value))
+    return out
+
+
+def listen_address(text):
+    """(host, port, loopback?) of --listen [ADDR]:PORT (ADDR default
+    127.0.0.1; [::1]:PORT for IPv6)."""
+    m = re.match(r"(?:(\[[0-9A-Fa-f:.]+\]|[0-9.]+|localhost|\*)?:)?(\d{1,5})\Z",
+                 text or "")
+    port = int(m.group(2)) if m else -1
+    if not m or not 0 <= port < 65536:          # (0: any free port, logged)
+        raise UsageError("--listen %r is not [ADDR]:PORT (e.g. 127.0.0.1:8440, "
+                         "[::1]:8440, 0.0.0.0:8440); ADDR is an IP address"
+                         % (text,))
+    host = (m.group(1) or "127.0.0.1").strip("[]")
+    host = {"localhost": "127.0.0.1", "*": "0.0.0.0"}.get(host, host)
+    loop = host == "::1" or host.startswith("127.")
+    return host, port, loop
+
+
+def _read_token(path):
+    """The bearer token in --listen-token-file (one line)."""
+    try:
+        with open(path, "rb") as f:
+            token = f.read(4097).strip()
+    except OSError as e:
+        raise ConfigError("cannot read --listen-token-file %s: %s (the intake "
+                          "runs as the spool's user, which must read it)"
+                          % (path, _os_text(e)))
+    if not token or len(token) > 4096 or b"\n" in token or b" " in token:
+        raise ConfigError("--listen-token-file %s must hold one token: 1-4096 "
+                          "characters, no blanks" % path)
+    return token
+
+
+def _equal_secret(a, b):
+    """Compare without telling by the time taken where they differ."""
+    try:
+        from _operator import _compare_digest
+        return _compare_digest(a, b)
+    except ImportError:
+        n = len(a) ^ len(b)
+        for x, y in zip(a, b if len(a) == len(b) else a):
+            n |= x ^ y
+        return n == 0
+
+
+class _HttpConn(object):
+    """One client connection: what it sent, what is still to go out."""
+    __slots__ = ("sock", "buf", "out", "deadline", "head", "need", "close",
+                 "started", "continued")
+
+    def __init__(self, sock, deadline):
+        self.sock, self.deadline = sock, deadline
+        self.started = _mono()
+        self.buf, self.out = bytearray(), bytearray()
+        self.head = None            # (method, path, headers) once read
+        self.need = 0               # body bytes the head announced
+        self.close = self.continued = False
+
+
+class HttpIntake(object):
+    """The local HTTP endpoint (SPEC 12): POST /jobs/TYPE, GET /health,
+    GET /metrics, on non-blocking sockets served by `serve()` (one poll).
+    `token`: the bearer token every request must carry (bytes), or None."""
+
+    def __init__(self, spool, listen, token=None, max_bytes=1 << 20,
+                 timeout=10.0, log=None):
+        import socket
+        import select
+        self.spool, self.token, self.log = spool, token, log or _noop_log
+        self.max_bytes, self.timeout = max_bytes, float(timeout)
+        host, port, loop = listen_address(listen)
+        if not loop and token is None:
+            raise UsageError("--listen %s is not a loopback address: give "
+                             "--listen-token-file FILE (a bearer token every "
+                             "request must carry)" % listen)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(64)
+        except OSError as e:
+            sock.close()
+            raise ConfigError("cannot listen on %s: %s (another program on "
+                              "that port? a port below 1024 needs root)"
+                              % (listen, _os_text(e)))
+        sock.setblocking(False)
+        self.sock, self.address = sock, sock.getsockname()[:2]
+        self._socket, self._select = socket, select
+        self.poller = select.poll()
+        self.poller.register(sock.fileno(), select.POLLIN)
+        self.conns = {}             # fd -> _HttpConn
+        self.served = self.cut = 0  # requests answered; connections cut
+        self._cache = {}            # path -> (until, answer): /health, /metrics
+
+    def close(self):
+        for fd in list(self.conns):
+            self._drop(fd)
+        self.sock.close()
+
+    def serve(self, wait=1.0):
+        """One round: wait up to `wait` seconds for sockets, then serve
+        what is there (never blocking on any client)."""
+        now = _mono()
+        soonest = min([c.deadline for c in self.conns.values()] or [now + wait])
+        try:
+            ready = self.poller.poll(max(0, min(wait, soonest - now)) * 1000)
+        except InterruptedError:
+            ready = []
+        for fd, ev in ready:
+            if fd == self.sock.fileno():
+                self._accept()
+                continue
+            c = self.conns.get(fd)
+            if c is None:
+                continue
+            try:
+                if ev & self._select.POLLOUT and c.out:
+                    self._flush(fd, c)
+                    if fd in self.conns and not c.out:
+                        self._advance(fd, c)
+                if ev & (self._select.POLLIN | self._select.POLLHUP
+                         | self._select.POLLERR) and fd in self.conns:
+                    self._receive(fd, c)
+            except OSError:
+                self._drop(fd)
+        now = _mono()
+        for fd, c in list(self.conns.items()):
+            if now >= c.deadline:
+                self._expire(fd, c)
+
+    def _accept(self):
+        for _ in range(16):
+            try:
+                s, _addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:        # EMFILE and the like: later
+                self.log("error", during="accept", error=_os_text(e))
+                return
+            if len(self.conns) >= _HTTP_CONNS:
+                # the connection that has taken longest goes (a slowloris
+                # opening many holds each for --listen-timeout at most)
+                old = min(self.conns, key=lambda fd: self.conns[fd].started)
+                self.cut += 1
+                self._drop(old)
+            s.setblocking(False)
+            self.conns[s.fileno()] = _HttpConn(s, _mono() + self.timeout)
+            self.poller.register(s.fileno(), self._select.POLLIN)
+
+    def _drop(self, fd):
+        c = self.conns.pop(fd, None)
+        if c is not None:
+            try:
+                self.poller.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            c.sock.close()
+
+    def _expire(self, fd, c):
+        """A request that took too long: 408 (best effort), closed."""
+        if c.buf or c.head is not None:
+            self.cut += 1
+            try:
+                c.sock.send(self._answer(408, {"error": "the request took "
+                                               "longer than %gs" % self.timeout},
+                                         close=True))
+            except OSError:
+                pass
+        self._drop(fd)
+
+    def _receive(self, fd, c):
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            self._drop(fd)
+            return
+        c.buf += data
+        if len(c.buf) > self.max_bytes + _HTTP_HEAD_MAX:
+            self._drop(fd)          # more than a request, unasked
+            return
+        if c.out:               # pipelined before our answer went: later
+            return
+        self._advance(fd, c)
+
+    def _advance(self, fd, c):
+        """Serve the requests that c.buf holds whole."""
+        while fd in self.conns and not c.out and c.buf:
+            if c.head is None:
+                if not self._read_head(fd, c):
+                    return
+            if len(c.buf) < c.need:
+                return
+            body = bytes(c.buf[:c.need])
+            del c.buf[:c.need]
+            method, path, headers = c.head
+            c.head, c.need, c.continued = None, 0, False
+            try:
+                answer = self._request(method, path, headers, body)
+            except Exception as e:      # (a bug: said, and the loop goes on)
+                self.log("error", during="intake request", error="%s: %s" % (
+                    type(e).__name__, e))
+                answer = (500, {"error": "myq failed on this request: %s"
+                                % type(e).__name__}, {})
+            self._reply(fd, c, *answer)
+
+    def _read_head(self, fd, c):
+        """Parse the head in c.buf; False while it is incomplete (or the
+        connection was answered and closed)."""
+        end = c.buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(c.buf) > _HTTP_HEAD_MAX:
+                self._reply(fd, c, 431, {"error": "the request head is larger "
+                                         "than %d bytes" % _HTTP_HEAD_MAX},
+                            close=True)
+            return False
+        if end > _HTTP_HEAD_MAX:
+            self._reply(fd, c, 431, {"error": "the request head is larger than "
+                                     "%d bytes" % _HTTP_HEAD_MAX}, close=True)
+            return False
+        head = bytes(c.buf[:end]).decode("latin-1")
+        del c.buf[:end + 4]
+        try:
+            method, path, headers, close = self._parse_head(head)
+        except _Refusal as e:
+            self._reply(fd, c, e.status, {"error": str(e)}, close=True)
+            return False
+        c.close = close
+        refusal = self._refuse_early(method, path, headers)
+        if refusal is not None:
+            self._reply(fd, c, refusal.status, {"error": str(refusal)},
+                        close=True, retry_after=refusal.retry_after)
+            return False
+        c.head, c.need = (method, path, headers), int(headers.get(
+            "content-length", "0"))
+        if c.need and len(c.buf) < c.need and \
+                headers.get("expect", "").lower() == "100-continue":
+            try:
+                c.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")   # (curl waits 1 s)
+            except (BlockingIOError, InterruptedError):
+                pass
+        return True
+
+    def _parse_head(self, head):
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            if len(parts) == 3 and parts[2].startswith("HTTP/"):
+                raise _Refusal(505, "only HTTP/1.x is spoken here")
+            raise _Refusal(400, "not an HTTP/1.x request line")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            name = name.strip().lower()
+            if not sep or not name or " " in name:
+                raise _Refusal(400, "a header line is not 'Name: value'")
+            value = value.strip()
+            if name in headers and name in ("content-length", "authorization",
+                                            "idempotency-key", "content-type"):
+                if headers[name] != value:
+                    raise _Refusal(400, "header %s given twice" % name)
+            headers[name] = value
+        conn = headers.get("connection", "").lower()
+        close = conn == "close" or (parts[2] == "HTTP/1.0" and conn != "keep-alive")
+        return parts[0], parts[1], headers, close
+
+    def _refuse_early(self, method, path, headers):
+        """What is refused on the head alone, before any body is read:
+        the token, chunked bodies, bad or too large lengths."""
+        if self.token is not None:
+            auth = headers.get("authorization", "")
+            scheme, _, given = auth.partition(" ")
+            if scheme.lower() != "bearer" or not _equal_secret(
+                    given.strip().encode("latin-1"), self.token):
+                return _Refusal(401, "this endpoint needs 'Authorization: "
+                                "Bearer TOKEN' (the token of "
+                                "--listen-token-file)")
+        if "transfer-encoding" in headers:
+            return _Refusal(411, "send the body with a Content-Length, not "
+                            "chunked")
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or len(length) > 18:
+            return _Refusal(400, "Content-Length %r is not a byte count" % length[:40])
+        if int(length) > self.max_bytes:
+            return _Refusal(413, "the body is %s bytes, more than "
+                            "--listen-max-bytes (%d)" % (length, self.max_bytes))
+        if method == "POST" and "content-length" not in headers:
+            return _Refusal(411, "a POST needs a Content-Length")
+        return None
+
+    def _request(self, method, path, headers, body):
+        """(status, answer object or text, {"retry_after": S}) of one
+        whole request."""
+        path = path.split("?", 1)[0]
+        if path.startswith("/jobs/"):
+            if method != "POST":
+                return 405, {"error": "POST a job to /jobs/TYPE"}, {"allow": "POST"}
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            try:
+                items = http_jobs(path[6:], body, ctype in _NDJSON,
+                                  headers.get("idempotency-key"))
+                ids = take_in(self.spool, items)
+            except _Refusal as e:
+                return e.status, {"error": str(e)}, {"retry_after": e.retry_after}
+            except DuplicateJob as e:
+                return 409, {"error": str(e)}, {}
+            self.log("intake", via="http", type=path[6:], jobs=len(ids))
+            return 202, {"ids": ids}, {}
+        if path in ("/health", "/metrics"):
+            if method != "GET":
+                return 405, {"error": "GET %s" % path}, {"allow": "GET"}
+            return self._report(path)
+        return 404, {"error": "no %s here: POST /jobs/TYPE, GET /health, GET "
+                     "/metrics" % path[:200]}, {}
+
+    def _report(self, path):
+        """/health (check --json; 503 when not healthy) or /metrics (the
+        Prometheus text of stats), each worked out at most once a second."""
+        until, answer = self._cache.get(path, (0, None))
+        if _mono() < until:
+            return answer
+        try:
+            if path == "/health":
+                problems = self.spool.check()
+                answer = (503 if problems else 200, {
+                    "ok": not problems, "spool": self.spool.path,
+                    "problems": problems}, {})
+            else:
+                answer = (200, prometheus_text(self.spool.stats(by_type=True)),
+                          {"type": "text/plain; version=0.0.4; charset=utf-8"})
+        except (MyqError, OSError) as e:
+            answer = (503, {"ok": False, "spool": self.spool.path,
+                            "problems": [str(e)]}, {})
+        self._cache[path] = (_mono() + 1.0, answer)
+        return answer
+
+    def _answer(self, status, obj, close=False, retry_after=None, extra=None):
+        extra = extra or {}
+        if isinstance(obj, str):
+            body = obj.encode("utf-8")
+        else:
+            body = (json.dumps(obj, sort_keys=True) + "\n").encode("utf-8")
+        head = ["HTTP/1.1 %d %s" % (status, _HTTP_REASONS.get(status, "")),
+                "Content-Type: %s" % extra.get("type", "application/json"),
+                "Content-Length: %d" % len(body), "Cache-Control: no-store"]
+        if retry_after:
+            head.append("Retry-After: %d" % retry_after)
+        if status == 401:
+            head.append('WWW-Authenticate: Bearer realm="myq"')
+        if extra.get("allow"):
+            head.append("Allow: " + extra["allow"])
+        head.append("Connection: close" if close else "Connection: keep-alive")
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+    def _reply(self, fd, c, status, obj, extra=None, close=False,
+               retry_after=None):
+        extra = extra or {}
+        close = close or c.close or status in (408, 411, 413, 431)
+        c.out += self._answer(status, obj, close, retry_after or
+                              extra.get("retry_after"), extra)
+        c.close = close
+        self.served += 1
+        if close:
+            c.buf = bytearray()
+        self._flush(fd, c)
+
+    def _flush(self, fd, c):
+        try:
+            n = c.sock.send(c.out)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        del c.out[:n]
+        if c.out:
+            self.poller.modify(fd, self._select.POLLOUT)
+            return
+        if c.close:
+            self._drop(fd)
+            return
+        self.poller.modify(fd, self._select.POLLIN)
+        c.deadline = _mono() + self.timeout     # the next request's time
+        c.started = _mono()
+
+
+def parse_subscriptions(specs):
+    """[(filter, type)] of --subscribe 'FILTER=TYPE' (the last '=' splits:
+    a filter may hold one)."""
+    out = []
+    for spec in specs or ():
+        flt, eq, type = spec.rpartition("=")
+        if not eq or not flt:
+            raise UsageError("--subscribe %r is not FILTER=TYPE (e.g. "
+                             "'sensors/+/reading=reading')" % spec)
+        if not NAME_RE.match(type):
+            raise UsageError("--subscribe %r: %r is not a job type (1-128 of "
+                             "A-Z a-z 0-9 . _ -)" % (spec, type))
+        levels = flt.split("/")
+        if any(("#" in x and (x != "#" or i != len(levels) - 1)) or
+               ("+" in x and x != "+") for i, x in enumerate(levels)) \
+                or "\0" in flt or len(flt.encode("utf-8", "replace")) > 65535:
+            raise UsageError("--subscribe %r: %r is not an MQTT topic filter "
+                             "(+ stands for a whole level, # for the last ones)"
+                             % (spec, flt))
+        out.append((flt, type))
+    return out
+
+
+def topic_matches(flt, topic):
+    """Does MQTT topic filter `flt` match `topic` (+ one level, # the rest;
+    no wildcard first matches a topic starting with $)?"""
+    f, t = flt.split("/"), topic.split("/")
+    if topic.startswith("$") and f[0] in ("+", "#"):
+        return False
+    for i, x in enumerate(f):
+        if x == "#":
+            return True
+        if i >= len(t) or (x != "+" and x != t[i]):
+            return False
+    return len(f) == len(t)
+
+
+def intake_client_id(spool_path):
+    """The default --mqtt-client-id of intake: stable across restarts (its
+    session is the broker's queue of what it has not acknowledged), from
+    the host and the spool, at most 23 characters."""
+    import binascii
+    host = os.uname()[1]
+    tail = "-%08x" % (binascii.crc32(("%s\0%s" % (host, os.path.abspath(
+        spool_path))).encode("utf-8", "replace")) & 0xffffffff)
+    return ("myqi-" + re.sub(r"[^A-Za-z0-9]", "", host))[:23 - len(tail)] + tail
+
+
+def mqtt_job(topic, data, type, now=None):
+    """(id, type, payload) of a received message: payload {"topic",
+    "message": JSON, else the text; a message that is not UTF-8:
+    "message_base64"}; the id is the message's own `id` when it is an
+    object with a valid one."""
+    jid = None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeError:
+        import binascii
+        return _intake_id(now), type, {
+            "topic": topic,
+            "message_base64": binascii.b2a_base64(data).decode().strip()}
+    try:
+        msg = _DECODER.decode(text)
+        if isinstance(msg, dict) and isinstance(msg.get("id"), str) \
+                and NAME_RE.match(msg["id"]):
+            jid = msg["id"]
+    except (ValueError, RecursionError):
+        msg = text
+    return jid or _intake_id(now), type, {
+        "topic": topic, "message": msg}
+
+
+class MqttIntake(MqttClient):
+    """MQTT subscriptions taken in as jobs (SPEC 12): a persistent session
+    (clean session off, a stable client id), QoS 1, each PUBACK sent once
+    its job is durable, in the order the messages came; withheld while a
+    bound or a guard refuses (the message waits in memory, the broker
+    keeps it until the PUBACK: a crash loses nothing, the broker sends it
+    again).  `run(stopping)` connects, subscribes and takes in until
+    `stopping()`, reconnecting with a backoff after any error."""
+
+    def __init__(self, spool, subs, url, password=None, client_id=None,
+                 ca=None, cert=None, key=None, keepalive=60, timeout=10.0,
+                 log=None):
+        MqttClient.__init__(self, url, password, client_id or
+                            intake_client_id(spool.path), ca, cert, key,
+                            keepalive, timeout)
+        self.clean = False
+        self.spool, self.subs, self.log = spool, subs, log or _noop_log
+        # a message is at most a job: its topic and envelope fit in 64K more
+        self.max_packet = spool.opt["max_job_bytes"] + 65536
+        self.pending = []       # (packet id or None, (id, type, payload), size)
+        self._pending_bytes = 0
+        self.taken = self.acked = self.refused = 0
+        self._retry_at = 0.0
+        self._refusals = 0
+        self._counted = None        # the id last counted refused
+
+    def _keep_alive(self):
+        """(The session loop pings; no thread of MqttClient's.)"""
+
+    def run(self, stopping):
+        backoff = 1.0
+        while not stopping():
+            try:
+                with self.lock:
+                    self._connect(_mono() + self.timeout)
+                self.log("intake_connected", broker=self.dest,
+                         client_id=self.client_id)
+                backoff = 1.0
+                self._serve(stopping)
+                self._send(b"\xe0\x00", _mono() + 1.0)       # DISCONNECT
+            except Exception as e:      # (a hostile broker: never a crash)
+                self.log("error", during="intake from %s" % self.dest,
+                         error=str(e) if isinstance(e, (DestinationDown,
+                                                        _MqttBroken))
+                         else _os_text(e) if isinstance(e, OSError)
+                         else "%s: %s" % (type(e).__name__, e),
+                         retry_in=round(backoff, 1))
+            finally:
+                self._drop()
+                # unacknowledged: the broker sends them again
+                self.pending, self._pending_bytes = [], 0
+            end = _mono() + backoff * (0.75 + 0.5 * _uniform())
+            while not stopping() and _mono() < end:
+                time.sleep(min(0.1, max(0.0, end - _mono())))
+            backoff = min(60.0, backoff * 2)
+
+    def _subscribe_packet(self):
+        body = b"\x00\x01"
+        for flt, _ in self.subs:
+            body += _mqtt_str(flt.encode("utf-8")) + b"\x01"
+        return b"\x82" + _mqtt_len(len(body)) + body
+
+    def _serve(self, stopping):
+        """One connection's life: SUBSCRIBE, then messages in, PUBACKs
+        out, PINGREQ when idle; returns when `stopping()`, raises when the
+        connection fails or the broker breaks the protocol."""
+        import select
+        sock = self.sock
+        self._send(self._subscribe_packet(), _mono() + self.timeout)
+        ping_sent = None
+        self._parse_buffered()          # what came with the CONNACK
+        while not stopping():
+            now = _mono()
+            if self.pending and now >= self._retry_at:
+                self._take_pending()
+            if ping_sent is not None and now - ping_sent > self.timeout:
+                raise _MqttBroken("no PINGRESP from the broker in time")
+            if ping_sent is None and self.keepalive and \
+                    now - self._last_sent >= self.keepalive / 2.0:
+                self._send(b"\xc0\x00", now + self.timeout)
+                ping_sent = now
+            # full: read no more (TCP holds the broker back) until room
+            full = len(self.pending) >= 1000 or self._pending_bytes > 4 << 20
+            wait = 0.5 if not self.pending else max(
+                0.0, min(0.5, self._retry_at - now))
+            if not full and not (hasattr(sock, "pending") and sock.pending()):
+                if not select.select([sock], [], [], wait)[0]:
+                    continue
+            elif full:
+                time.sleep(wait)
+                continue
+            sock.settimeout(0)
+            try:
+                data = sock.recv(65536)
+            except OSError as e:
+                if isinstance(e, BlockingIOError) or \
+                        type(e).__name__ == "SSLWantReadError":
+                    continue
+                raise
+            if not data:
+                raise _MqttBroken("the broker closed the connection")
+            self._buf += data
+            if self._parse_buffered():
+                ping_sent = None
+
+    def _parse_buffered(self):
+        """Handle the whole packets in the buffer; True if one was a
+        PINGRESP."""
+        pong = False
+        while True:
+            got = _mqtt_parse(self._buf, self.max_packet)
+            if got is None:
+                return pong
+            del self._buf[:got[2]]
+            pong = self._packet(got[0], got[1]) or pong
+
+    def _packet(self, kind, body):
+        """Handle one packet from the broker; True for a PINGRESP."""
+        t = kind >> 4
+        if t == 3:
+            self._publish_in(kind, body)
+        elif t == 9:                                        # SUBACK
+            if len(body) != 2 + len(self.subs):
+                raise _MqttBroken("the broker's SUBACK has %d return codes for "
+                                  "%d filters (protocol error)"
+                                  % (max(0, len(body) - 2), len(self.subs)))
+            for (flt, type), code in zip(self.subs, bytearray(body[2:])):
+                if code == 0x80:
+                    self.log("error", during="subscribe", broker=self.dest,
+                             filter=flt, error="the broker refused the "
+                             "subscription; check its access rules (ACL)")
+        elif t == 13:                                       # PINGRESP
+            return True
+        else:
+            raise _MqttBroken("the broker sent packet type %d, which a "
+                              "subscriber never gets (protocol error)" % t)
+        return False
+
+    def _publish_in(self, kind, body):
+        qos = (kind >> 1) & 3
+        if qos == 3 or len(body) < 2:
+            raise _MqttBroken("the broker sent a malformed PUBLISH (protocol "
+                              "error)")
+        n = int.from_bytes(body[:2], "big")
+        end = 2 + n + (2 if qos else 0)
+        if len(body) < end:
+            raise _MqttBroken("the broker sent a PUBLISH shorter than its topic "
+                              "(protocol error)")
+        try:
+            topic = body[2:2 + n].decode("utf-8")
+        except UnicodeError:
+            raise _MqttBroken("the broker sent a topic that is not UTF-8 "
+                              "(protocol error)")
+        pid = int.from_bytes(body[2 + n:end], "big") if qos else None
+        if qos == 2:
+            # we subscribe at QoS 1: a broker must not send more
+            raise _MqttBroken("the broker sent a QoS 2 message on a QoS 1 "
+                              "subscription (protocol error)")
+        if pid == 0:
+            raise _MqttBroken("the broker sent packet id 0 (protocol error)")
+        type = next((ty for flt, ty in self.subs if topic_matches(flt, topic)),
+                    None)
+        if type is None:
+            # a subscription this session kept from an earlier --subscribe
+            self.log("intake_unmatched", broker=self.dest, topic=topic[:200])
+            if pid is not None:
+                self._send(b"\x40\x02" + pid.to_bytes(2, "big"),
+                           _mono() + self.timeout)
+            return
+        self.pending.append((pid, mqtt_job(topic, body[end:], type), len(body)))
+        self._pending_bytes += len(body)
+
+    def _take_pending(self):
+        """Enqueue what waits, in order, and acknowledge it: a batch at a
+        time (one commit); when the spool refuses, one at a time up to the
+        first refused, which waits (its PUBACK withheld) and is tried again
+        after a backoff (0.5 s doubling to 5 s)."""
+        while self.pending:
+            try:
+                self._take(self.pending[:_INTAKE_BATCH])
+                self._refusals = 0
+                continue
+            except _Refusal as e:
+                refusal = e
+            if refusal.status not in (400, 413) and len(self.pending) > 1:
+                refusal = None
+                for _ in range(min(_INTAKE_BATCH, len(self.pending))):
+                    try:
+                        self._take(self.pending[:1])
+                    except _Refusal as e:
+                        refusal = e
+                        break
+                if refusal is None:
+                    continue
+            if refusal.status in (400, 413):        # can never be a job
+                self.log("error", during="intake", broker=self.dest,
+                         topic=self.pending[0][1][2]["topic"][:200],
+                         error="message dropped: %s" % refusal)
+                self._ack(self.pending[:1])
+                continue
+            self._refusals += 1
+            head = self.pending[0][1]
+            if self._counted != head[0]:        # once a message, not a retry
+                self._counted = head[0]
+                self.spool.count("refused", head[1])
+            delay = min(5.0, 0.5 * 2 ** min(self._refusals - 1, 4))
+            self._retry_at = _mono() + delay
+            if self._refusals == 1:
+                self.log("intake_held", broker=self.dest,
+                         waiting=len(self.pending), why=str(refusal),
+                         retry_in=delay)
+            return
+
+    def _take(self, batch):
+        try:
+            take_in(self.spool, [it[1] for it in batch], count=False)
+        except DuplicateJob as e:
+            if len(batch) > 1:
+                for it in batch:
+                    self._take([it])
+                return
+            self.log("duplicate", via="mqtt", id=batch[0][1][0], error=str(e))
+        self.taken += len(batch)
+        self._ack(batch)
+
+    def _ack(self, batch):
+        """PUBACK, in order, for what is now durable (or dropped)."""
+        acks = b"".join(b"\x40\x02" + it[0].to_bytes(2, "big")
+                        for it in batch if it[0] is not None)
+        del self.pending[:len(batch)]
+        self._pending_bytes -= sum(it[2] for it in batch)
+        if acks:
+            self._send(acks, _mono() + self.timeout)
+            self.acked += len(acks) // 4
+
+
+def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
+               max_bytes=1 << 20, timeout=10.0, parent=None):
+    """`myq intake`: the HTTP endpoint in this thread, the subscriptions
+    (`mqtt`: MqttIntake's keyword arguments) in another, each with a Spool
+    of its own, until SIGTERM/SIGINT (or the supervisor `parent` is
+    gone); SIGHUP reopens the log.  Returns 0."""
+    import signal
+    import threading
+    stop = []
+    signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+    signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
+    signal.signal(signal.SIGHUP, lambda s, f: stop.append("hup"))
+    http = HttpIntake(spool, listen, token, max_bytes, timeout, log) \
+        if listen else None
+    mq = thread = None
+    if subs:
+        mq = MqttIntake(Spool(spool.path, log=log, **spool.opt), subs,
+                        log=log, **mqtt)
+        thread = threading.Thread(target=mq.run, name="myq-intake-mqtt",
+                                  args=(lambda: any(s != "hup" for s in stop),))
+        thread.daemon = True
+    log("intake_start", pid=os.getpid(), spool=spool.path,
+        listen="%s:%d" % http.address if http else None,
+        subscribe=",".join(f for f, _ in subs) or None,
+        broker=mq.dest if mq else None)
+    if thread is not None:
+        thread.start()
+    try:
+        while not any(s != "hup" for s in stop):
+            if "hup" in stop:
+                stop.remove("hup")
+                try:
+                    log.reopen()
+                except MyqError as e:
+                    log("error", during="reopen log", error=str(e))
+            if http is not None:
+                http.serve(0.5)
+            else:
+                time.sleep(0.2)
+            if parent and os.getppid() != parent:
+                log("supervisor_gone", pid=parent)
+                break
+            if thread is not None and not thread.is_alive() and not stop:
+                raise ConfigError("the MQTT intake stopped; see the log")
+    finally:
+        stop.append("stop")
+        if thread is not None:
+            thread.join(mq.timeout + 1)
+            mq.close()
+        if http is not None:
+            http.close()
+        log("intake_stop", pid=os.getpid(),
+            served=http.served if http else None,
+            taken=mq.taken if mq else None)
+    return 0
+
+
 # A run's pieces ##############################################################
 
-def _batch_key(job):
-    """Which http jobs may share one request: method, url, headers."""
-    p = job.get("payload")
-    if not isinstance(p, dict):
+class Backoff(object):
+    """Every wait a worker gives a job before it goes again, in one place:
+    a retry's (--backoff-base doubling per attempt, to --backoff-max), a
+    held destination's probes (doubling per failure of its streak, to
+    --probe-max), a held type's, and how long parked jobs wait; each
+    jittered by --jitter where it is a backoff."""
+    __slots__ = ("base", "most", "probe_max", "jitter")
+
+    def __init__(self, base, most, probe_max, jitter):
+        self.base, self.most = float(base), float(most)
+        self.probe_max, self.jitter = float(probe_max), float(jitter)
+
+    def _jittered(self, d):
+        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
+
+    def retry(self, attempt, asked=None):
+        """The wait after a job's `attempt`-th run failed: what the handler
+        `asked` (RetryLater, a server's Retry-After) capped at
+        --backoff-max, else the backoff of that attempt."""
+        if asked is not None:
+            return min(asked, self.most)
+        return self._jittered(min(self.base * 2 ** min(attempt - 1, 60),
+                                  self.most))
+
+    def at_least(self, asked, attempt):
+        """A server's Retry-After is a lower bound, not leave to hammer it
+        ("Retry-After: 0" a thousand times): the backoff holds too."""
+        return max(asked or 0.0, self.retry(attempt))
+
+    def probe(self, n):
+        """A held destination's n-th wait: --backoff-base doubling to
+        --probe-max (and never past --backoff-max), jittered: a link that
+        comes back is used within --probe-max, whatever a job's backoff."""
+        return self._jittered(min(self.base * 2 ** min(n - 1, 60),
+                                  self.probe_max, self.most))
+
+    def dest(self, asked, streak):
+        """A failing destination's wait: grows with its streak, not with
+        the attempts its jobs spent, to --probe-max; a server's Retry-After
+        (or a handler's RetryLater) sets it, capped at --backoff-max."""
+        return min(asked, self.most) if asked else self.probe(streak)
+
+    def held_type(self, last):
+        """A type held for its missing handler: its wait doubles from
+        --backoff-base (at least 1 s), to --backoff-max and 5 minutes."""
+        return min(max(last * 2 if last else self.base, 1.0), self.most, 300.0)
+
+    def parked(self):
+        """How long a held destination's jobs wait past the hold's next
+        probe: the probes take them in turn and the release makes them
+        ready; this is only for a release that never comes."""
+        return min(max(10 * self.most, 60.0), 3600.0)
+
+
+class Handler(object):
+    """How the jobs of a type run, as Worker.resolve() found it: what it
+    is (`kind`, the word of the log and of the policy's `handler`), its
+    time limit, its destination (the circuit breaker's, SPEC 9), which
+    jobs may share one batch, and how it runs.  This base is a call in
+    this process; the worker asks its handler, never its kind."""
+    __slots__ = ("target",)
+    kind = None
+    spawned = False     # a process the worker feeds and reaps (exec)
+    remote = False      # a built-in sender: its time-out is its destination's
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def time_limit(self, job, default):
+        """Seconds a run of `job` may take: its own timeout, else the
+        worker's --timeout."""
+        return job.get("timeout") or default
+
+    def dest(self, job, worker):
+        """The circuit breaker's destination of `job`: its type."""
+        return job["type"]
+
+    def batch_key(self, job, worker):
+        """Jobs with the same key may share a batch; None: any of the type."""
         return None
-    return json.dumps([str(p.get("method") or "POST").upper(), p.get("url"),
-                       p.get("headers")], sort_keys=True, default=str)
+
+    def start(self, worker, run):
+        """A function in this thread (concurrency 1) or a thread of its own."""
+        if worker.concurrency == 1 and worker._main:
+            worker._run_inline(run)
+        else:
+            worker._run_thread(run)
+
+    def call(self, worker, run, job):
+        self.target(job)
+
+    def call_batch(self, worker, run, jobs):
+        """A batch's outcome: ("done",), or ("each", [None or the
+        exception, one a job]); a failure raises, as call() does."""
+        self.target(jobs)
+        return ("done",)
+
+
+class ExecHandler(Handler):
+    """An executable of --handlers: a process of its own, the payload on
+    its stdin (Running a job: _spawn, _collect)."""
+    __slots__ = ()
+    kind = "exec"
+    spawned = True
+
+    def start(self, worker, run):
+        worker._spawn(run, self.target)
+
+
+class PyHandler(Handler):
+    """A function of --module or of Worker(handlers=...)."""
+    __slots__ = ()
+    kind = "py"
+
+
+class HttpHandler(Handler):
+    """The built-in `http` type (SPEC 5.3, 10): its destination is the
+    URL's origin, scheme://host:port (the one HttpPool keeps connections
+    to); jobs share a request when http_group_key() says so.  The run's
+    time limit is the job's; a payload's own `timeout` bounds the request
+    within it (http_handler)."""
+    __slots__ = ()
+    kind = "http"
+    remote = True
+
+    def dest(self, job, worker):
+        p = job.get("payload")
+        return http_dest(p.get("url") if isinstance(p, dict) else None) \
+            or job["type"]
+
+    def batch_key(self, job, worker):
+        return http_group_key(job, worker.http_headers)
+
+    def call(self, worker, run, job):
+        try:
+            http_handler(job, worker.http_headers, worker.backoff_max,
+                         self.time_limit(job, worker.timeout), run,
+                         worker.http_pool, gzip=bool(
+                             worker.spool.rules(job["type"]).get("gzip")))
+        except RetryLater as e:
+            e.retry_after = e.seconds
+            e.seconds = worker.delays.at_least(e.seconds, job["attempts"])
+            raise
+
+    def call_batch(self, worker, run, jobs):
+        """A batch of http jobs as one request (SPEC 10)."""
+        rules = worker.spool.rules(jobs[0]["type"])
+        try:
+            http_batch(jobs, worker.http_headers, worker.backoff_max,
+                       self.time_limit(jobs[0], worker.timeout), run,
+                       getattr(worker, "http_pool", None),
+                       gzip=bool(rules.get("gzip")))
+        except RetryLater as e:
+            e.retry_after = e.seconds
+            e.seconds = worker.delays.at_least(e.seconds, jobs[0]["attempts"])
+            raise
+        return ("done",)
+
+
+class MqttHandler(Handler):
+    """The built-in `mqtt` type (SPEC 10): its destination is the broker
+    of --mqtt; a batch is published all in flight, one outcome a job."""
+    __slots__ = ()
+    kind = "mqtt"
+    remote = True
+
+    def dest(self, job, worker):
+        client = getattr(worker, "_mqtt_client", None)
+        return client.dest if client is not None else "mqtt"
+
+    def call(self, worker, run, job):
+        err = worker.mqtt_batch([job], run)[0]
+        if err is not None:
+            raise err
+
+    def call_batch(self, worker, run, jobs):
+        return ("each", worker.mqtt_batch(jobs))
+
+
+_HTTP, _MQTT = HttpHandler(), MqttHandler()     # (they hold nothing)
 
 
 def _abort(run):
@@ -5810,7 +7050,12 @@ class _Scheduling(object):
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             key = None
-        if key != self._dir_key:
+        # A directory's time has the kernel's coarse granularity (a jiffy):
+        # a change in the same jiffy as the one this key saw leaves it
+        # equal, so a time that recent proves nothing (git's "racily
+        # clean" entries): look again.
+        if key != self._dir_key or (
+                key is not None and abs(_now() - st.st_mtime) < 0.05):
             self._dir_key = key
             self.dirty = True
         offset = _now() - _mono()
@@ -6193,7 +7438,7 @@ class _Scheduling(object):
         now = _now()
         dest = L.dest or L.type
         if dest in self._holds:
-            until = sp.breaker.take_probe(dest, self.probe_backoff)
+            until = sp.breaker.take_probe(dest, self.delays.probe)
             if until is None:
                 L.blocked = now + min(self.poll, 1.0)
                 return L.blocked
@@ -6301,8 +7546,8 @@ class _Running(object):
     # Handlers ----------------------------------------------------------------
 
     def resolve(self, type, rules=None):
-        """('exec', path) or ('py', function) or (None, why not).  `rules`:
-        the type's, when the caller has them."""
+        """(handler, None): its Handler, or (None, why not).  `rules`: the
+        type's, when the caller has them."""
         builtin = (self.spool.rules(type) if rules is None else rules).get(
             "handler")
         if builtin == "http":
@@ -6313,12 +7558,15 @@ class _Running(object):
             path = os.path.join(self.handlers_dir, type)
             if os.path.isfile(path):
                 if os.access(path, os.X_OK):
-                    return "exec", path
+                    return ExecHandler(path), None
                 return None, ("handler %s is not executable (chmod +x %s)"
                               % (path, path))
         fn = self.handlers.get(type)
         if callable(fn) and not type.startswith("_"):
-            return "py", fn
+            h = self._py.get(type)
+            if h is None or h.target is not fn:     # (one a type, not a job)
+                h = self._py[type] = PyHandler(fn)
+            return h, None
         if type == "http":
             return self.resolve_http(type)
         if type == "mqtt":
@@ -6337,46 +7585,13 @@ class _Running(object):
         except ImportError:
             return None, ("the http handler needs Python's http.client and "
                           "urllib (OpenWrt: opkg install python3-urllib)")
-        return "http", self._http
+        return _HTTP, None
 
     def resolve_mqtt(self, type):
         if self._mqtt_client is not None:
-            return "mqtt", self._mqtt
+            return _MQTT, None
         return None, ("no --mqtt broker configured for type %s (give the "
                       "worker --mqtt mqtt://HOST)" % type)
-
-    def _http(self, job, run=None):
-        try:
-            return http_handler(job, self.http_headers, self.backoff_max,
-                                job.get("timeout") or self.timeout, run,
-                                self.http_pool, gzip=bool(
-                                    self.spool.rules(job["type"]).get("gzip")))
-        except RetryLater as e:
-            # A server's Retry-After is a lower bound, not leave to hammer
-            # it ("Retry-After: 0" a thousand times): the backoff holds too.
-            e.retry_after = e.seconds
-            e.seconds = max(e.seconds or 0.0, self.backoff(job["attempts"]))
-            raise
-
-
-    def _http_batch(self, jobs, run):
-        """A batch of http jobs as one request (SPEC 10)."""
-        rules = self.spool.rules(jobs[0]["type"])
-        try:
-            return http_batch(jobs, self.http_headers, self.backoff_max,
-                              jobs[0].get("timeout") or self.timeout, run,
-                              getattr(self, "http_pool", None),
-                              gzip=bool(rules.get("gzip")))
-        except RetryLater as e:
-            e.retry_after = e.seconds
-            e.seconds = max(e.seconds or 0.0, self.backoff(jobs[0]["attempts"]))
-            raise
-
-    def _mqtt(self, job, run=None):
-        """The built-in `mqtt` type, one job (SPEC 10)."""
-        err = self.mqtt_batch([job], run)[0]
-        if err is not None:
-            raise err
 
     def mqtt_batch(self, jobs, run=None):
         """Publish `mqtt` jobs through the worker's connection, all in
@@ -6384,7 +7599,7 @@ class _Running(object):
         exception: PermanentError, DestinationDown).  With `run`, the
         connection is cut when the run's time is up (_abort)."""
         client = self._mqtt_client
-        limit = min(j.get("timeout") or self.timeout for j in jobs)
+        limit = min(_MQTT.time_limit(j, self.timeout) for j in jobs)
         if run is not None:
             # a little before the worker's own limit, so that a time-out is
             # ours: a destination failure (SPEC 9), not the job's
@@ -6420,15 +7635,15 @@ class _Running(object):
     def _start(self, c):
         (slot, probe, lane), self._taken = self._taken, (None, None, None)
         rules = self.spool.rules(c.job["type"])
-        kind, target = self.resolve(c.job["type"], rules)
-        run = _Run(c, kind)
+        handler, why = self.resolve(c.job["type"], rules)
+        run = _Run(c, handler)
         run.slot, run.probe = slot, probe      # (_launch times the run)
-        if kind is None:
-            self._hold(run, target)
+        if handler is None:
+            self._hold(run, why)
             return
         if c.job["type"] in self._held:
             self._unhold(c.job["type"])
-        run.dest = self._dest_of(c.job, kind)
+        run.dest = handler.dest(c.job, self)
         if lane is not None and lane.type is not None and run.dest != lane.type:
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
@@ -6439,7 +7654,7 @@ class _Running(object):
             until = None
         if until is not None and run.probe != run.dest:
             new = None if until > _now() else self.spool.breaker.take_probe(
-                run.dest, self.probe_backoff, self.spool.waits_at(c.job, c.jid))
+                run.dest, self.delays.probe, self.spool.waits_at(c.job, c.jid))
             if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
                            "is held" % run.dest)
@@ -6451,7 +7666,6 @@ class _Running(object):
                 self._holds.pop(run.dest, None)
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
-        run.target = target
         n = rules.get("batch")
         if n and (run.probe or (lane is not None and lane.type == c.job["type"])):
             # A job of a batched type always goes in a batch's form, and
@@ -6465,7 +7679,7 @@ class _Running(object):
                 run.batch = [c]
             else:
                 run.batch = [c] + self._claim_more(
-                    lane, c, n - 1, rules.get("batch_bytes"), kind)
+                    lane, c, n - 1, rules.get("batch_bytes"), handler)
             self.spool.claims.note_batch(run.batch)
         self._launch(run)
 
@@ -6488,28 +7702,19 @@ class _Running(object):
         return sorted(out.values(), key=lambda c: order.get(c.jid, -1))
 
     def _launch(self, run):
-        """Run the handler: an exec handler as a process, a function in
-        this thread (concurrency 1) or a thread of its own."""
+        """Run the handler, timed by its limit: it starts as it does
+        (Handler.start: a process, a call here or in a thread)."""
         run.started = _mono()
-        c = run.claim
-        run.deadline = run.started + (c.job.get("timeout") or self.timeout)
-        kind, target = run.kind, run.target
-        if kind == "exec":
-            self._spawn(run, target)
-            return
-        if kind in ("http", "mqtt"):
-            target = lambda job, fn=target: fn(job, run)    # noqa: E731
-        if self.concurrency == 1 and self._main:
-            self._run_inline(run, target)
-        else:
-            self._run_thread(run, target)
+        run.deadline = run.started + run.handler.time_limit(run.claim.job,
+                                                            self.timeout)
+        run.handler.start(self, run)
 
-    def _claim_more(self, L, first, n, limit, kind):
+    def _claim_more(self, L, first, n, limit, handler):
         """A batch (SPEC 10): up to n more ready jobs of lane L, within
-        `limit` bytes; for http only jobs that go in the same request."""
+        `limit` bytes, of the first's batch key (http: the same request)."""
         out = []
         size = len(dumps(first.job))
-        key = _batch_key(first.job) if kind == "http" else None
+        key = handler.batch_key(first.job, self)
         sp = self.spool
         while len(out) < n:
             head = self._head(L)
@@ -6527,7 +7732,7 @@ class _Running(object):
             c = sp.claims.claim(name, self.me, self.max_attempts, scheduled, L.sub)
             if c is None:
                 continue
-            if (key is not None and _batch_key(c.job) != key) \
+            if (key is not None and handler.batch_key(c.job, self) != key) \
                     or c.job.get("batch_of"):
                 job = dict(c.job)           # not for this request: back, as
                 job["available_at"] = _now()    # it was, for the next batch
@@ -6639,7 +7844,7 @@ class _Running(object):
         """Finish the runs that ended; enforce time limits."""
         now = _mono()
         for run in list(self.runs):
-            if run.kind == "exec":
+            if run.handler.spawned:
                 rc = run.proc.poll()
                 if rc is None:
                     if run.kill_at is not None and now >= run.kill_at:
@@ -6669,7 +7874,7 @@ class _Running(object):
                         self._release(run)
                     elif run.timed_out and run.result[0] != "done":
                         # a built-in handler's time-out is its destination's
-                        run.dest_fail = run.kind in ("http", "mqtt")
+                        run.dest_fail = run.handler.remote
                         self._finish(run, "retry", "timed out after %gs (%s)" % (
                             run.deadline - run.started, run.result[1]),
                             None, run.result[3] if len(run.result) > 3 else None)
@@ -6708,21 +7913,15 @@ class _Running(object):
             else:
                 self._finish(run, "dead", why)
 
-    def _call(self, run, fn):
+    def _call(self, run):
         """Run an in-process handler; returns (outcome[, error, delay,
         traceback]).  A batch's function gets the list of its jobs; the
         built-in handlers send it their way (mqtt: one outcome a job)."""
         try:
             if run.batch:
-                jobs = [self._job_for_handler(c) for c in run.batch]
-                if run.kind == "mqtt":
-                    return ("each", self.mqtt_batch(jobs))
-                if run.kind == "http":
-                    self._http_batch(jobs, run)
-                else:
-                    fn(jobs)
-                return ("done",)
-            fn(self._job_for_handler(run.claim))
+                return run.handler.call_batch(self, run, [
+                    self._job_for_handler(c) for c in run.batch])
+            run.handler.call(self, run, self._job_for_handler(run.claim))
             return ("done",)
         except PermanentError as e:
             run.unsent = isinstance(e, _Unsent)
@@ -6734,7 +7933,7 @@ class _Running(object):
         except Exception as e:
             return ("retry", _exc_text(e), None, _tb_tail(e))
 
-    def _run_inline(self, run, fn):
+    def _run_inline(self, run):
         """concurrency 1 in the main thread: call the handler right here;
         SIGALRM ticks heartbeat it and enforce the time limit (raising
         _Timeout into the handler) and the shutdown grace."""
@@ -6746,7 +7945,7 @@ class _Running(object):
             if tick != self._timer:     # armed once for a run of jobs
                 signal.setitimer(signal.ITIMER_REAL, tick, tick)
                 self._timer = tick
-            result = self._call(run, fn)
+            result = self._call(run)
             self._inline = None
         except _Timeout:
             result = ("retry", "timed out after %gs (interrupted)"
@@ -6762,11 +7961,11 @@ class _Running(object):
                 self.log("timeout", id=run.claim.jid)
             self._finish(run, *result)
 
-    def _run_thread(self, run, fn):
+    def _run_thread(self, run):
         import threading
 
         def main():
-            run.result = self._call(run, fn)
+            run.result = self._call(run)
             try:
                 os.write(self._pipe[1], b"t")
             except OSError:
@@ -6798,8 +7997,7 @@ class _Holding(object):
         c = run.claim
         t = run.dest = c.job["type"]
         old = self._held.get(t)
-        delay = min(max(old[1] * 2 if old else self.backoff_base, 1.0),
-                    self.backoff_max, 300.0)
+        delay = self.delays.held_type(old[1] if old else None)
         until = _now() + delay
         recorded = old[3] if old else len(self._held) < 1024
         self._held[t] = (why, delay, until, recorded)
@@ -6859,13 +8057,7 @@ class _Holding(object):
                                  self.spool.waits_at(job, c.jid))
 
         self._free(run)
-        self._move(c, job, "incoming", None, {}, until + self._parked_for())
-
-    def _parked_for(self):
-        """How long a held destination's jobs wait past the hold's next
-        probe: the probes take them in turn (_probe_claim) and the release
-        makes them ready; this is only for a release that never comes."""
-        return min(max(10 * self.backoff_max, 60.0), 3600.0)
+        self._move(c, job, "incoming", None, {}, until + self.delays.parked())
 
     def _probe_claim(self, dest):
         """A held destination's probe is due: claim the next of the jobs it
@@ -6881,7 +8073,7 @@ class _Holding(object):
         last = (sp.breaker.record(dest) or {}).get("last")
         k = names.index(last) + 1 if last in names else 0
         names = names[k:] + names[:k]
-        until = sp.breaker.take_probe(dest, self.probe_backoff, names[0])
+        until = sp.breaker.take_probe(dest, self.delays.probe, names[0])
         if not until:
             if until == 0.0:
                 self._holds.pop(dest, None)     # released meanwhile
@@ -6986,69 +8178,89 @@ class _Holding(object):
             safe = self._safe_names[dest] = _safe_dest(dest)
         return safe
 
-    def _dest_of(self, job, kind):
-        """The circuit breaker's destination (SPEC 9): for http its
-        scheme://host:port, for mqtt the broker, else the type."""
-        if kind == "http":
-            p = job.get("payload")
-            url = p.get("url") if isinstance(p, dict) else None
-            if isinstance(url, str):
-                m = re.match(r"(https?)://(?:[^@/?#]*@)?(\[[^\]]*\]|[^:/?#]*)"
-                             r"(?::(\d+))?", url, re.I)
-                if m and m.group(2):
-                    scheme = m.group(1).lower()
-                    return "%s://%s:%s" % (scheme, m.group(2).lower(), m.group(3)
-                                           or (443 if scheme == "https" else 80))
-        elif kind == "mqtt":
-            client = getattr(self, "_mqtt_client", None)
-            return client.dest if client is not None else "mqtt"
-        return job["type"]
-
 
 # The worker ##################################################################
+
+class WorkerOptions(object):
+    """What a worker is told, checked and in its types once: the options of
+    `myq worker` (SPEC 7: the keywords of Worker()), the command line's
+    from its flags and MYQ_* variables (_worker_from), the Python API's
+    from Worker(spool, **keywords).  A Worker copies them to attributes
+    of the same names (self.lease, ...: no lookup through here on the hot
+    paths); `module` is the --module file's path, `parent` the
+    supervisor's pid (stop when it is gone), `textfile` the directory of
+    --textfile."""
+
+    KEYS = (("handlers_dir", None), ("module", None), ("concurrency", 1),
+            ("lease", 60.0), ("timeout", 300.0), ("max_attempts", 5),
+            ("backoff_base", 5.0), ("backoff_max", 3600.0), ("jitter", 0.1),
+            ("poll", 1.0), ("probe_max", 30.0), ("stats_interval", 60.0),
+            ("grace", 5.0), ("pass_env", ()), ("http_headers", None),
+            ("http_ca", None), ("scan_cache", 2048), ("reap_interval", None),
+            ("prune_interval", 60.0), ("parent", None), ("textfile", None),
+            ("mqtt", None), ("mqtt_password_file", None),
+            ("mqtt_client_id", None), ("mqtt_ca", None), ("mqtt_cert", None),
+            ("mqtt_key", None))
+    __slots__ = tuple(k for k, _ in KEYS)
+
+    def __init__(self, **keywords):
+        for k, default in self.KEYS:
+            setattr(self, k, keywords.pop(k, default))
+        if keywords:
+            raise TypeError("unknown worker option(s): %s"
+                            % ", ".join(sorted(keywords)))
+        if self.concurrency < 1:
+            raise UsageError("--concurrency must be at least 1")
+        self.concurrency = int(self.concurrency)
+        self.lease, self.timeout = float(self.lease), float(self.timeout)
+        self.max_attempts = int(self.max_attempts)
+        self.backoff_base = float(self.backoff_base)
+        self.backoff_max = float(self.backoff_max)
+        self.probe_max = float(self.probe_max)
+        self.jitter, self.poll = float(self.jitter), max(0.01, float(self.poll))
+        self.stats_interval = float(self.stats_interval)
+        self.grace = float(self.grace)
+        self.pass_env = list(self.pass_env or ())
+        self.http_headers = dict(self.http_headers or {})
+        self.scan_cache = max(1, int(self.scan_cache))
+        self.reap_interval = self.reap_interval or max(
+            0.5, min(self.lease / 2, 10.0))
+
 
 class Worker(_Scheduling, _Running, _Holding):
     """Claims ready jobs and runs them through their handlers."""
 
     def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
-                 concurrency=1, lease=60.0, timeout=300.0, max_attempts=5,
-                 backoff_base=5.0, backoff_max=3600.0, jitter=0.1, poll=1.0,
-                 probe_max=30.0,
-                 stats_interval=60.0, grace=5.0, pass_env=(), http_headers=None,
-                 scan_cache=2048, log=None, reap_interval=None,
-                 prune_interval=60.0, parent=None, mqtt=None,
-                 mqtt_password_file=None, mqtt_client_id=None, mqtt_ca=None,
-                 mqtt_cert=None, mqtt_key=None, http_ca=None,
-                 **spool_options):
+                 options=None, log=None, **keywords):
+        """`options`: a WorkerOptions; else they are made of the keywords
+        that are WorkerOptions' (SPEC 7), the others are the Spool's."""
+        mine = dict((k, keywords.pop(k)) for k, _ in WorkerOptions.KEYS
+                    if k in keywords)
+        if options is None:
+            options = WorkerOptions(handlers_dir=handlers_dir, module=module,
+                                    **mine)
+        elif mine or handlers_dir or module:
+            raise TypeError("Worker(): give options=WorkerOptions(...) or "
+                            "its keywords, not both")
+        self.options = o = options
+        for k, _ in WorkerOptions.KEYS:
+            setattr(self, k, getattr(o, k))
         self.log = log or Log()
         if isinstance(spool, Spool):
             self.spool = spool
         else:
-            self.spool = Spool(spool, **spool_options)
+            self.spool = Spool(spool, **keywords)
         self.spool.log = self.log
-        self.handlers_dir = handlers_dir
         self.handlers = dict(handlers or {})
-        self.module = load_module(module) if module else None
+        self._py = {}               # type -> its PyHandler (resolve)
+        self.module = load_module(o.module) if o.module else None
         if self.module is not None:
             for k, v in _module_types(self.module).items():
                 self.handlers.setdefault(k, v)
-        if concurrency < 1:
-            raise UsageError("--concurrency must be at least 1")
-        self.concurrency = int(concurrency)
-        self.lease, self.timeout = float(lease), float(timeout)
-        self.max_attempts = int(max_attempts)
-        self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
-        self.probe_max = float(probe_max)
-        self.jitter, self.poll = float(jitter), max(0.01, float(poll))
-        self.stats_interval, self.grace = float(stats_interval), float(grace)
-        self.pass_env = list(pass_env or ())
-        self.http_headers = dict(http_headers or {})
+        self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
+                              o.jitter)
         # kept http connections: one per destination and slot (SPEC 10)
-        self.http_pool = HttpPool(self.concurrency, ca=http_ca)
-        self.scan_cache = max(1, int(scan_cache))
-        self.reap_interval = reap_interval or max(0.5, min(self.lease / 2, 10.0))
-        self.prune_interval = prune_interval
-        self.parent = parent        # the supervisor's pid: stop when it is gone
+        self.http_pool = HttpPool(o.concurrency, ca=o.http_ca)
         self.runs = []
         self._top = _Lane("incoming", path=self.spool.d("incoming"))
         self._lanes_path = self.spool.d(LANES)
@@ -7075,31 +8287,26 @@ class Worker(_Scheduling, _Running, _Holding):
         self._low_logged = False
         self._clock_offset = _now() - _mono()
         self._next_beat = float("inf")     # set when run() starts
-        self._splits = []   # halves of failed batches, to start: (claims, kind, target)
+        self._splits = []   # halves of failed batches, to start: (claims, handler)
         self._held = {}     # held type -> (why, delay, until, recorded)
 
         self._held_changed = False
         self._holds_from = None     # the spool.breaker.records() list _holds came from
         self._lack = {}             # type -> no handler here (_lacks)
         self._handlers_seen, self._handlers_next = None, 0.0
+        # set when run() starts: its modules, pipe, wake-up FIFO, thread
+        self._select = self._signal = self._pipe = self._main = None
+        self._wake_fds = self._wake_poll = self._parent = None
+        # the loop's timers (_loop sets them, on the monotonic clock)
+        self._next_stats = self._next_reap = self._next_poll = float("inf")
+        self._next_prune = self._next_full_prune = float("inf")
+        self._started = 0           # jobs started by this run()
 
         # --mqtt: the options are checked now, the broker connected at the
         # first mqtt job (one connection per worker, shared by its threads)
-        self._mqtt_client = None if not mqtt else _mqtt_client(
-            mqtt, mqtt_password_file, mqtt_client_id, mqtt_ca, mqtt_cert,
-            mqtt_key, timeout=min(self.timeout, 30.0))
-
-    def backoff(self, n):
-        d = min(self.backoff_base * 2 ** min(n - 1, 60), self.backoff_max)
-        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
-
-    def probe_backoff(self, n):
-        """A held destination's n-th wait: --backoff-base doubling to
-        --probe-max (and never past --backoff-max), jittered: a link that
-        comes back is used within --probe-max, whatever a job's backoff."""
-        d = min(self.backoff_base * 2 ** min(n - 1, 60), self.probe_max,
-                self.backoff_max)
-        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
+        self._mqtt_client = None if not o.mqtt else _mqtt_client(
+            o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
+            o.mqtt_cert, o.mqtt_key, timeout=min(self.timeout, 30.0))
 
     # The loop ------------------------------------------------------------------
 
@@ -7164,7 +8371,7 @@ class Worker(_Scheduling, _Running, _Holding):
             if not h.get("missing"):
                 continue
             if self._lacks(h["dest"]):
-                self._held[h["dest"]] = (h.get("why"), self.backoff_base,
+                self._held[h["dest"]] = (h.get("why"), self.delays.base,
                                          h["until"], True)
             elif not (_is_num(h.get("pid")) and proc_start(
                     int(h["pid"]), living=True) == h.get("start")):
@@ -7423,7 +8630,7 @@ class Worker(_Scheduling, _Running, _Holding):
             # wakes this select; a due time past would make it spin)
             deadlines.append(now + max(0.0, self.next_due - _now()))
         for run in self.runs:
-            if run.kind == "exec" or not run.timed_out:
+            if run.handler.spawned or not run.timed_out:
                 deadlines.append(run.kill_at or run.deadline)
         if self._pending:
             deadlines.append(self._pending_since + 1.0)
@@ -7480,7 +8687,7 @@ class Worker(_Scheduling, _Running, _Holding):
             self.spool.claims.end_batch(run.batch[0].batch)
             for c, res in zip(run.batch, error):
                 c.batch = None
-                one = _Run(c, run.kind)
+                one = _Run(c, run.handler)
                 one.started, one.dest, one.probe = run.started, run.dest, run.probe
                 if res is None:
                     self._finish(one, "done")
@@ -7520,7 +8727,7 @@ class Worker(_Scheduling, _Running, _Holding):
             for c in claims:            # (its halves are groups of their own)
                 c.batch = None
                 c.job.pop("batch_of", None)
-            self._splits[:0] = [(part, run.kind, run.target)
+            self._splits[:0] = [(part, run.handler)
                                 for part in (claims[:half], claims[half:])]
             return
         for c in claims:
@@ -7549,7 +8756,7 @@ class Worker(_Scheduling, _Running, _Holding):
             job.pop("batch_of", None)
         if not counts:
             # The destination's failure inside a streak: no attempt spent.
-            d = delay if delay is not None else self.backoff(max(1, c.attempt))
+            d = delay if delay is not None else self.delays.retry(max(1, c.attempt))
             job["available_at"] = now = _now()      # see Spool._move_on
             # (held: it runs at the release, which the next probe may make;
             # its file waits longer only for a release that never comes)
@@ -7566,7 +8773,7 @@ class Worker(_Scheduling, _Running, _Holding):
             kv["error"] = error
             self._move(c, job, "dlq", "dead", kv)
             return
-        d = self.backoff(c.attempt) if delay is None else min(delay, self.backoff_max)
+        d = self.delays.retry(c.attempt, delay)
         now = _now()
         job["available_at"] = now + d
         kv["retry_in"] = round(d, 3)
@@ -7584,11 +8791,7 @@ class Worker(_Scheduling, _Running, _Holding):
         sp, c = self.spool, run.claim
         started, distinct, total = sp.breaker.streak(run.dest, c.jid)
         self._streaky.add(self._safe(run.dest))
-        # The destination's backoff grows with the streak, not with the
-        # attempts its jobs spent, to --probe-max; a server's Retry-After
-        # (or a handler's RetryLater) sets it, capped at --backoff-max.
-        ra = run.retry_after
-        delay = min(ra, self.backoff_max) if ra else self.probe_backoff(total)
+        delay = self.delays.dest(run.retry_after, total)
         until = self._holds.get(run.dest)
         if until is not None:
             rec = sp.breaker.record(run.dest)      # (released by another worker?)
@@ -7599,7 +8802,7 @@ class Worker(_Scheduling, _Running, _Holding):
                 until = rec["until"]
         if until is not None:
             # held: it waits with the others; the probes take them in turn
-            return False, max(0.0, until - _now()) + self._parked_for()
+            return False, max(0.0, until - _now()) + self.delays.parked()
         n = sp.rules(c.job["type"]).get("breaker", 3)
         if n and distinct >= n:
             d = delay
@@ -7623,7 +8826,7 @@ class Worker(_Scheduling, _Running, _Holding):
     def _start_split(self):
         """Start the first half of a split batch waiting (_finish) when a
         slot of the worker and of its type is free; False when none may."""
-        part, kind, target = self._splits[0]
+        part, handler = self._splits[0]
         t = part[0].job["type"]
         n = self.spool.rules(t).get("concurrency")
         slot = None
@@ -7634,15 +8837,15 @@ class Worker(_Scheduling, _Running, _Holding):
             if slot is None:
                 return False
         del self._splits[0]
-        new = _Run(part[0], kind)
-        new.batch, new.split, new.target, new.slot = part, True, target, slot
+        new = _Run(part[0], handler)
+        new.batch, new.split, new.slot = part, True, slot
         self._launch(new)
         return True
 
     def _release_splits(self):
         """Stopping: the halves not started go back, ready now."""
         splits, self._splits = self._splits, []
-        for part, kind, target in splits:
+        for part, _ in splits:
             for c in part:
                 self._release_one(c)
 
@@ -7736,7 +8939,7 @@ class Worker(_Scheduling, _Running, _Holding):
         until = _now() + self.lease
         try:
             self.me.beat()
-            claims = [c for part, _, _ in self._splits for c in part]
+            claims = [c for part, _ in self._splits for c in part]
             for run in self.runs + ([self._inline] if self._inline else []):
                 claims.extend(run.batch or [run.claim])
             for c in claims:
@@ -7757,7 +8960,6 @@ class Worker(_Scheduling, _Running, _Holding):
 
 # The process image ###########################################################
 
-_COMPILED_AT_START = []     # [True]: run as a script, so compiled at start
 
 
 def _worker_start(python=None, cached=False):
@@ -8030,6 +9232,9 @@ class Supervisor(object):
     - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
       reset after 60 s up); workers stop by themselves when the supervisor
       is gone (they watch their parent);
+    - with `intake` (the options of `myq intake`), it keeps one intake
+      process running beside the workers, started, restarted and stopped
+      as they are (the same _spawn);
     - with `ready` (the pipe of fork_daemon), it says there "0" once the
       pidfile is written and its first worker started, or the exit status
       and the error that stopped it;
@@ -8040,7 +9245,7 @@ class Supervisor(object):
 
     def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
                  pidfile=None, stop_timeout=10.0, env=None, python=None,
-                 ready=None):
+                 ready=None, intake=None):
         self.spool, self.n, self.log = spool, workers, log
         self.ready = ready
         self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
@@ -8049,6 +9254,9 @@ class Supervisor(object):
             "--spool", spool.path, "worker", "--parent-pid", str(os.getpid())] \
             + list(worker_argv)
         self.reap_argv = _worker_start(python) + ["--spool", spool.path, "reap"]
+        self.intake_argv = None if intake is None else _worker_start(python) + [
+            "--spool", spool.path, "intake", "--parent-pid", str(os.getpid())] \
+            + list(intake)
         self.env = dict(env or {})
         self.stop = 0
         self.hup = False
@@ -8145,10 +9353,14 @@ class Supervisor(object):
 
     def _loop(self, select, signal, wake):
         log = self.log
-        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0}
-                 for _ in range(self.n)]
+        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
+                  "argv": self.argv, "slot": i} for i in range(self.n)]
+        if self.intake_argv:
+            slots.append({"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
+                          "argv": self.intake_argv, "slot": "intake"})
         log("supervise", workers=self.n, pid=os.getpid(), spool=self.spool.path,
-            user=self.user.pw_name if self.user else None)
+            user=self.user.pw_name if self.user else None,
+            intake=1 if self.intake_argv else None)
         sent = 0
         kill_at = None
         while True:
@@ -8162,14 +9374,15 @@ class Supervisor(object):
                 for s in slots:
                     if s["proc"] is not None:
                         s["proc"].send_signal(signal.SIGHUP)
-            for i, s in enumerate(slots):
+            for s in slots:
                 p = s["proc"]
                 if p is not None and p.poll() is not None:
                     up = now - s["since"]
                     if up >= 60:
                         s["backoff"] = 1.0
                     s["at"] = now + s["backoff"]
-                    log("worker_exit", slot=i, pid=p.pid, status=p.returncode,
+                    log("worker_exit", slot=s["slot"], pid=p.pid,
+                        status=p.returncode,
                         uptime=round(up, 1),
                         restart_in=None if self.stop else s["backoff"])
                     s["backoff"] = min(30.0, s["backoff"] * 2)
@@ -8211,12 +9424,12 @@ class Supervisor(object):
     def _start_workers(self, slots, now):
         """Start the workers that are due; the last error, or None."""
         error = None
-        for i, s in enumerate(slots):
+        for s in slots:
             if s["proc"] is None and now >= s["at"]:
                 try:
-                    s["proc"] = self._spawn(self.argv, self.log.fileno())
+                    s["proc"] = self._spawn(s["argv"], self.log.fileno())
                     s["since"] = now
-                    self.log("worker_start", slot=i, pid=s["proc"].pid)
+                    self.log("worker_start", slot=s["slot"], pid=s["proc"].pid)
                 except (OSError, ValueError) as e:
                     error = getattr(e, "strerror", None) or str(e)
                     self.log("error", during="start worker", error=error)
@@ -8245,77 +9458,36 @@ class Supervisor(object):
 
 # Command line ################################################################
 
-def _seconds(text):
-    return parse_seconds(text)
-
-
-def _posint(text):
-    try:
-        v = int(text)
-    except (TypeError, ValueError):
-        raise ValueError("not a whole number >= 1")
-    if v < 1:
-        raise ValueError("must be at least 1")
-    return v
-
-
-def _natural(text):
-    try:
-        v = int(text)
-    except (TypeError, ValueError):
-        raise ValueError("not a whole number >= 0")
-    if v < 0:
-        raise ValueError("must be >= 0")
-    return v
-
-
-def _fraction(text):
-    try:
-        v = float(text)
-    except (TypeError, ValueError):
-        raise ValueError("not a fraction (a number from 0 to 1, e.g. 0.1)")
-    if not 0 <= v <= 1:
-        raise ValueError("must be between 0 and 1")
-    return v
-
-
-def _flag(text):
-    v = str(text).strip().lower()
-    if v in ("1", "yes", "true", "on"):
-        return True
-    if v in ("", "0", "no", "false", "off"):
-        return False
-    raise ValueError("not a boolean (use 1 or 0)")
-
-
-# (flag, type, default, help); `type` None means a switch.
+# (flag, kind, default, help); the kind is a Kind (Small helpers: the same
+# parser as a policy file's value of that kind), str, "append" (repeatable)
+# or None (a switch; its MYQ_* variable is a BOOL).
 GUARD_OPTIONS = [
-    ("--min-free", parse_size, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
-    ("--min-free-inodes", _natural, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
-    ("--max-job-bytes", parse_size, DEFAULTS["max_job_bytes"], "largest job file"),
-    ("--dedupe-window", _seconds, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
-    ("--keep-done", _seconds, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
-    ("--keep-done-max", _natural, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
-    ("--keep-dead", _seconds, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
-    ("--keep-dead-max", _natural, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
-    ("--keep-failed", _seconds, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
-    ("--keep-ok-max", _natural, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
+    ("--min-free", SIZE, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
+    ("--min-free-inodes", NATURAL, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
+    ("--max-job-bytes", SIZE, DEFAULTS["max_job_bytes"], "largest job file"),
+    ("--dedupe-window", SECONDS, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
+    ("--keep-done", SECONDS, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
+    ("--keep-done-max", NATURAL, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
+    ("--keep-dead", SECONDS, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
+    ("--keep-dead-max", NATURAL, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
+    ("--keep-failed", SECONDS, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
+    ("--keep-ok-max", NATURAL, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
 ]
 WORKER_OPTIONS = [
     ("--handlers", str, None, "directory of executable handlers, one per type"),
     ("--module", str, None, "Python file of handler functions"),
-    ("--concurrency", _posint, 1, "handlers run at once by this worker"),
-    ("--lease", _seconds, 60.0, "claim lease, renewed by heartbeats"),
-    ("--timeout", _seconds, 300.0, "handler time limit, unless the job has a timeout"),
-    ("--max-attempts", _posint, 5, "runs a job gets when it does not say"),
-    ("--backoff-base", _seconds, 5.0, "delay of the first retry, doubling after each failure"),
-    ("--backoff-max", _seconds, 3600.0, "longest retry delay"),
-    ("--probe-max", _seconds, 30.0, "longest wait between two probes of a held destination (a link that is back is used within it)"),
-    ("--jitter", _fraction, 0.1, "random spread of retry delays, a fraction"),
-    ("--poll", _seconds, 1.0, "how often to look for files dropped without a wake-up"),
-    ("--stats-interval", _seconds, 60.0, "time between status lines in the log, 0 for none"),
-    ("--grace", _seconds, 5.0, "time running handlers get after SIGTERM"),
-    ("--scan-cache", _posint, 2048, "ready jobs remembered per directory scan"),
+    ("--concurrency", COUNT, 1, "handlers run at once by this worker"),
+    ("--lease", SECONDS, 60.0, "claim lease, renewed by heartbeats"),
+    ("--timeout", SECONDS, 300.0, "handler time limit, unless the job has a timeout"),
+    ("--max-attempts", COUNT, 5, "runs a job gets when it does not say"),
+    ("--backoff-base", SECONDS, 5.0, "delay of the first retry, doubling after each failure"),
+    ("--backoff-max", SECONDS, 3600.0, "longest retry delay"),
+    ("--probe-max", SECONDS, 30.0, "longest wait between two probes of a held destination (a link that is back is used within it)"),
+    ("--jitter", FRACTION, 0.1, "random spread of retry delays, a fraction"),
+    ("--poll", SECONDS, 1.0, "how often to look for files dropped without a wake-up"),
+    ("--stats-interval", SECONDS, 60.0, "time between status lines in the log, 0 for none"),
+    ("--grace", SECONDS, 5.0, "time running handlers get after SIGTERM"),
+    ("--scan-cache", COUNT, 2048, "ready jobs remembered per directory scan"),
     ("--once", None, False, "run at most one job, then exit"),
     ("--drain", None, False, "run until nothing is ready or running, then exit"),
     ("--pass-env", "append", [], "pass this variable to exec handlers"),
@@ -8335,6 +9507,20 @@ WORKER_OPTIONS = [
     ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
 ]
 
+# `myq intake` (SPEC 12); supervise takes them too, and starts an intake
+# process beside its workers when --listen or --subscribe is given.
+INTAKE_OPTIONS = [
+    ("--listen", str, None, "take jobs over HTTP on [ADDR]:PORT (ADDR default 127.0.0.1): POST /jobs/TYPE"),
+    ("--listen-token-file", str, None, "file of the bearer token every HTTP request must carry (required off loopback)"),
+    ("--listen-max-bytes", SIZE, 1 << 20, "largest HTTP request body"),
+    ("--listen-timeout", SECONDS, 10.0, "time a client gets to send a whole request"),
+    ("--subscribe", "append", [], "'FILTER=TYPE': MQTT messages on FILTER (from --mqtt) become jobs of TYPE"),
+]
+# the worker options that intake takes as well
+_INTAKE_SHARED = ("--log", "--syslog", "--syslog-facility", "--syslog-tag",
+                  "--mqtt", "--mqtt-password-file", "--mqtt-client-id",
+                  "--mqtt-ca", "--mqtt-cert", "--mqtt-key")
+
 
 # The commands that take the guard options, and those each one's --help
 # shows (None: all); the others are accepted and ignored, as they always were.
@@ -8349,6 +9535,8 @@ _GUARDS_SHOWN = {
     "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
     "worker": None,
     "supervise": None,
+    "intake": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+               "--dedupe-window"),
 }
 
 
@@ -8356,16 +9544,15 @@ _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": 
              "http_ca": "FILE",
              "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
              "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
-             "mqtt_key": "FILE"}
+             "mqtt_key": "FILE", "listen": "[ADDR]:PORT",
+             "subscribe": "FILTER=TYPE"}
 
 
 def _option_help(flag, typ, default, help):
     """A table option's help: what it does, its default, its variable."""
     var = "MYQ_" + flag[2:].replace("-", "_").upper()
-    if typ is _seconds:
-        return "%s (default %s; %s)" % (help, _format_duration(default), var)
-    if typ is parse_size:
-        return "%s (default %s; %s)" % (help, _format_size(default), var)
+    if isinstance(typ, Kind):
+        return "%s (default %s; %s)" % (help, typ.show(default), var)
     if typ is None:
         return "%s (%s=1)" % (help, var)
     if typ == "append":
@@ -8380,40 +9567,19 @@ def _arg_error(message):
     return argparse.ArgumentTypeError(message)
 
 
-def _duration_arg(text):
-    try:
-        return parse_duration(text)
-    except ValueError as e:
-        raise _arg_error("%r is %s" % (text, e))
-
-
-def _positive_duration_arg(text):
-    v = _duration_arg(text)
-    if v <= 0:
-        raise _arg_error("%r: must be more than 0" % text)
-    return v
-
-
-def _priority_arg(text):
-    try:
-        p = int(text)
-        if -9 <= p <= 9:
-            return p
-    except ValueError:
-        pass
-    raise _arg_error("%r: a priority is an integer from -9 to 9" % text)
-
-
-def _count_arg(text):
-    try:
-        return _posint(text)
-    except ValueError as e:
-        raise _arg_error("%r is %s" % (text, e))
+def _arg(kind):
+    """An argparse type of a Kind: its error names the value."""
+    def value(text):
+        try:
+            return kind(text)
+        except ValueError as e:
+            raise _arg_error("%r: %s" % (text, e))
+    value.__name__ = kind.metavar
+    return value
 
 
 def _metavar(typ, dest):
-    return "N" if typ in (_posint, _natural) else "S" if typ is _seconds else \
-        "SIZE" if typ is parse_size else "F" if typ is _fraction else \
+    return typ.metavar if isinstance(typ, Kind) else \
         _METAVARS.get(dest) or dest.split("_")[-1].upper()
 
 
@@ -8432,7 +9598,8 @@ def _add_options(p, table, shown=None):
                            default=None, help=help)
         elif typ == "append":
             p.add_argument(flag, dest=dest, action="append", default=None,
-                           metavar=dest.upper().rsplit("_", 1)[-1], help=help)
+                           metavar=_METAVARS.get(dest) or
+                           dest.upper().rsplit("_", 1)[-1], help=help)
         else:
             p.add_argument(flag, dest=dest, default=None, help=help,
                            metavar=_metavar(typ, dest))
@@ -8452,18 +9619,18 @@ def _args_enqueue(p):
     p.add_argument("--id", help="the job's id (default: generated, in "
                    "creation order); exit 73 when that id is queued, running, "
                    "dead or done within the --dedupe-window")
-    p.add_argument("--delay", type=_duration_arg, default=0, metavar="S",
+    p.add_argument("--delay", type=_arg(DURATION), default=0, metavar="S",
                    help="run it no sooner than this from now (default 0)")
     p.add_argument("--max-attempts", type=int, metavar="N",
                    help="runs the job gets (default: the worker's "
                    "--max-attempts)")
-    p.add_argument("--timeout", type=_duration_arg, metavar="S",
+    p.add_argument("--timeout", type=_arg(DURATION), metavar="S",
                    help="the handler's time limit for this job (default: "
                    "the worker's --timeout)")
-    p.add_argument("--priority", type=_priority_arg, metavar="P",
+    p.add_argument("--priority", type=_arg(PRIORITY), metavar="P",
                    help="-9 to 9, higher first (default: the type's policy, "
                    "else 0)")
-    p.add_argument("--ttl", type=_positive_duration_arg, metavar="S",
+    p.add_argument("--ttl", type=_arg(POSITIVE_SECONDS), metavar="S",
                    help="never start it later than this from now: it goes to "
                    "dlq/ as expired (default: the type's policy ttl)")
 
@@ -8492,6 +9659,11 @@ def _args_supervise(p):
                    "--stop-timeout + 5 s), then reap (the init script's stop)")
 
 
+def _args_intake(p):
+    import argparse
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+
+
 def _args_stats(p):
     p.add_argument("--json", action="store_true",
                    help="one JSON object instead of the status line")
@@ -8505,7 +9677,7 @@ def _args_list(p):
                    help="only jobs in this state: %s (held: waiting for a "
                    "held destination)" % ", ".join(STATES + ("held",)))
     p.add_argument("--type", help="only jobs of this type")
-    p.add_argument("--limit", type=_count_arg, metavar="N",
+    p.add_argument("--limit", type=_arg(COUNT), metavar="N",
                    help="at most N jobs (default: all)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per line instead of text")
@@ -8531,7 +9703,7 @@ def _args_delete(p):
     p.add_argument("--state", choices=STATES,
                    help="in bulk: every job in this state (%s)" % ", ".join(STATES))
     p.add_argument("--type", help="with --state: only jobs of this type")
-    p.add_argument("--older-than", type=_duration_arg, metavar="S",
+    p.add_argument("--older-than", type=_arg(DURATION), metavar="S",
                    help="with --state: only jobs older than this (waiting "
                    "and running: since created, done and dead: since the "
                    "finish, failed: since quarantined)")
@@ -8558,7 +9730,7 @@ def _args_check(p):
 def _args_policy(p):
     p.add_argument("type", nargs="?", help="a job type")
     p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
-                   help="keys: " + " ".join(sorted(POLICY_KEYS)))
+                   help="keys: " + " ".join(sorted(Policy.KEYS)))
     p.add_argument("--default", action="store_true",
                    help="the default rules, for every type without its own "
                    "value (shown as *)")
@@ -8593,6 +9765,10 @@ def _add_command(sub, name, help):
     p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
     if name in ("worker", "supervise"):
         _add_options(p, WORKER_OPTIONS)
+    if name == "intake":
+        _add_options(p, [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED])
+    if name in ("intake", "supervise"):
+        _add_options(p, INTAKE_OPTIONS)
     if name in _GUARDS_SHOWN:
         _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
     return p
@@ -8636,7 +9812,7 @@ def _resolve(args, table, env):
                 value = raw.splitlines() if dest == "http_header" else raw.split()
             elif typ is None:
                 try:
-                    value = _flag(raw)
+                    value = BOOL(raw)
                 except ValueError as e:
                     raise UsageError("%s=%s: %s" % (name, raw, e))
             else:
@@ -8646,7 +9822,7 @@ def _resolve(args, table, env):
             source = "%s %s" % (flag, value)
         if value is None:
             value = default
-        elif typ not in (None, "append", str):
+        elif typ not in (None, "append", str):     # a Kind
             try:
                 value = typ(value)
             except (ValueError, TypeError) as e:
@@ -8780,32 +9956,32 @@ def _check_http_ca(path):
                           "(%s)" % (path, e))
 
 
-def _worker_from(spool, o):
+def _worker_from(spool, o, parent=None):
     headers = _http_headers(o)
     _check_http_ca(o.get("http_ca"))
     if o["handlers"] and not os.path.isdir(o["handlers"]):
         raise ConfigError("--handlers %s is not a directory" % o["handlers"])
-    return Worker(spool, handlers_dir=o["handlers"], module=o["module"],
-                  concurrency=o["concurrency"], lease=o["lease"],
-                  timeout=o["timeout"], max_attempts=o["max_attempts"],
-                  backoff_base=o["backoff_base"], backoff_max=o["backoff_max"],
-                  probe_max=o["probe_max"], jitter=o["jitter"], poll=o["poll"],
-                  stats_interval=o["stats_interval"], grace=o["grace"],
-                  pass_env=o["pass_env"], http_headers=headers,
-                  http_ca=o.get("http_ca"),
-                  scan_cache=o["scan_cache"], log=_make_log(o),
-                  **_mqtt_options(o))
+    kw = dict((k, o[k]) for k in (
+        "concurrency", "lease", "timeout", "max_attempts", "backoff_base",
+        "backoff_max", "probe_max", "jitter", "poll", "stats_interval",
+        "grace", "pass_env", "scan_cache"))
+    kw.update(_mqtt_options(o))
+    options = WorkerOptions(
+        handlers_dir=o["handlers"], module=o["module"], http_headers=headers,
+        http_ca=o.get("http_ca"), textfile=o.get("textfile"), parent=parent,
+        **kw)
+    return Worker(spool, options=options, log=_make_log(o))
 
 
 def _supervise(args, spool, guards, env):
     o = _resolve(args, WORKER_OPTIONS, env)
     n = args.workers or env.get("MYQ_WORKERS") or "1"
     try:
-        n = _posint(n)
+        n = COUNT(n)
     except ValueError:
         raise UsageError("bad --workers %r: a number >= 1" % n)
     try:
-        stop_timeout = parse_seconds(args.stop_timeout or "10")
+        stop_timeout = SECONDS(args.stop_timeout or "10")
     except ValueError as e:
         raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
     if args.stop:
@@ -8822,7 +9998,8 @@ def _supervise(args, spool, guards, env):
             ids = None
     spool.require()
     _check_worker_options(o)
-    if o["mqtt_client_id"] and n > 1:
+    intake = _intake_argv(args, spool, o, guards, env)
+    if o["mqtt_client_id"] and n > 1 and not intake:
         raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
                          "its own client id (the broker drops a connection when "
                          "another takes its id); leave it out for unique ids" % n)
@@ -8848,13 +10025,32 @@ def _supervise(args, spool, guards, env):
         log("warning", problem="no --handlers and no --module: only http%s jobs "
             "have a handler; give MYQ_ARGS=\"--handlers DIR\""
             % (" and mqtt" if o["mqtt"] else ""))
-    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS) \
+    # with subscriptions, --mqtt-client-id is the intake's (its session)
+    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS + (
+        ("mqtt_client_id",) if intake and o.get("mqtt_client_id") else ())) \
         + _option_argv(guards, GUARD_OPTIONS)
     wenv = _clean_env(o["pass_env"], user)
     wenv.update(_secret_env(o))
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready).run()
+                      env=wenv, ready=ready, intake=intake).run()
+
+
+def _intake_argv(args, spool, o, guards, env):
+    """The options of the intake process that supervise keeps running
+    (SPEC 12), checked; None without --listen and --subscribe.  It gets
+    the worker's log and --mqtt options (the URL in its environment, as
+    the workers do) and the guards."""
+    io = _resolve(args, INTAKE_OPTIONS, env)
+    if not io["listen"] and not io["subscribe"]:
+        for k in ("listen_token_file",):
+            if io[k]:
+                raise UsageError("--listen-token-file without --listen")
+        return None
+    _intake_options(dict(o, **io), spool.path)
+    shared = [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
+    return _option_argv(io, INTAKE_OPTIONS) + _option_argv(
+        o, shared, skip=_SECRET_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
 
 
 def _make_log_dir(path, ids):
@@ -9045,8 +10241,8 @@ def _cmd_policy(a):
             if not eq:
                 raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
                                  "the key)" % pair)
-            if k not in POLICY_KEYS:
-                policy_value(k, v)          # the error that names the keys
+            if k not in Policy.KEYS:
+                Policy.value(k, v)          # the error that names the keys
             changes[k] = v if v != "" else None
         sp.set_policy(name, changes)
     sp._pol_next = 0.0
@@ -9059,7 +10255,7 @@ def _cmd_policy(a):
         _print(json.dumps(pol, sort_keys=True))
         return
     for t in sorted(pol, key=lambda t: (t != "*", t)):
-        _print(" ".join([t] + ["%s=%s" % (k, format_policy(k, v))
+        _print(" ".join([t] + ["%s=%s" % (k, Policy.show(k, v))
                                for k, v in sorted(pol[t].items())]))
 
 
@@ -9100,11 +10296,53 @@ def _cmd_worker(a):
     a.spool.require()
     if o["textfile"] and not os.path.isdir(o["textfile"]):
         raise ConfigError("--textfile %s is not a directory" % o["textfile"])
-    w = _worker_from(a.spool, o)
-    w.parent = a.args.parent_pid
-    w.textfile = o["textfile"]
+    w = _worker_from(a.spool, o, a.args.parent_pid)
     _give_back_heap(reexec=not (o["once"] or o["drain"]))
     return w.run(once=o["once"], drain=o["drain"])
+
+
+def _intake_options(o, spool_path):
+    """run_intake()'s keyword arguments of the intake options `o` (with
+    the shared --mqtt ones), checked: UsageError, ConfigError."""
+    if not o["listen"] and not o["subscribe"]:
+        raise UsageError("intake needs --listen [ADDR]:PORT or --subscribe "
+                         "FILTER=TYPE (with --mqtt URL)")
+    if o["listen_token_file"] and not o["listen"]:
+        raise UsageError("--listen-token-file without --listen")
+    token = None
+    if o["listen"]:
+        loop = listen_address(o["listen"])[2]
+        if o["listen_token_file"]:
+            token = _read_token(o["listen_token_file"])
+        elif not loop:
+            raise UsageError("--listen %s is not a loopback address: give "
+                             "--listen-token-file FILE (a bearer token every "
+                             "request must carry)" % o["listen"])
+    subs = parse_subscriptions(o["subscribe"])
+    mqtt = None
+    if subs:
+        if not o.get("mqtt"):
+            raise UsageError("--subscribe needs --mqtt URL (the broker to "
+                             "subscribe at)")
+        mqtt = dict(url=o["mqtt"], client_id=o.get("mqtt_client_id") or
+                    intake_client_id(spool_path), ca=o.get("mqtt_ca"),
+                    cert=o.get("mqtt_cert"), key=o.get("mqtt_key"))
+        MqttClient(password=b"" if o.get("mqtt_password_file") else None,
+                   **mqtt)          # (every check of the options)
+        mqtt["password"] = _mqtt_password(o.get("mqtt_password_file"))
+    return dict(listen=o["listen"], token=token, subs=subs, mqtt=mqtt,
+                max_bytes=o["listen_max_bytes"], timeout=o["listen_timeout"])
+
+
+def _cmd_intake(a):
+    o = _resolve(a.args, [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
+                 + INTAKE_OPTIONS, a.env)
+    a.spool.require()
+    kw = _intake_options(o, a.spool.path)
+    _give_back_heap(reexec=True)        # (it runs until stopped, as a worker)
+    log = _make_log(o)
+    a.spool.log = log
+    return run_intake(a.spool, log, parent=a.args.parent_pid, **kw)
 
 
 def _cmd_supervise(a):
@@ -9225,6 +10463,9 @@ _COMMAND_TABLE = {
     "worker": (_cmd_worker, _args_worker, "run jobs"),
     "supervise": (_cmd_supervise, _args_supervise,
                   "run and restart N workers (for the init script)"),
+    "intake": (_cmd_intake, _args_intake,
+               "take jobs in over HTTP (--listen) and MQTT (--subscribe), "
+               "each answered once durable"),
     "stats": (_cmd_stats, _args_stats, "print the status line"),
     "list": (_cmd_list, _args_list, "list jobs"),
     "show": (_cmd_show, _args_show, "print one job as JSON"),

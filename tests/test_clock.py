@@ -81,9 +81,10 @@ needs_faketime = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 @pytest.fixture
 def stamp(handlers_dir, tmp_path):
-    """Handler `stamp`: creates T/ran.ID; its mtime (real clock) says when."""
-    return handlers_dir("stamp", ': > "%s/ran.$MYQ_JOB_ID"\necho "$MYQ_JOB_ID"'
-                        ' >> "%s/runs"' % (tmp_path, tmp_path))
+    """Handler `stamp`: creates T/ran.ID; its mtime (real clock) says when.
+    T/runs first, so that a test that saw T/ran.ID finds its line there."""
+    return handlers_dir("stamp", 'echo "$MYQ_JOB_ID" >> "%s/runs"\n'
+                        ': > "%s/ran.$MYQ_JOB_ID"' % (tmp_path, tmp_path))
 
 
 def started_worker(procs, tmp_path, spool, *opts, env=None):
@@ -287,3 +288,26 @@ def test_clock_jump_while_running_does_not_rob_the_live_owner(
     assert lines(tmp_path / "runs") == ["r1 1"]
     assert lines(tmp_path / "effects") == ["r1"]
     assert ls(spool, "processing") == []
+
+
+def test_a_record_being_written_is_no_stray_to_a_clock_a_year_ahead(spool):
+    # A process whose clock jumped a year ahead sees every file as a year
+    # old: a record's new version (.NAME.PID.N.tmp) that another process is
+    # writing is pruned only once its writer is gone (before, `myq reap` on
+    # the jumped clock took the other's file from under its rename: ENOENT).
+    import myq
+    sp = myq.Spool(spool)
+    live = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        locks = os.path.join(spool, "locks")
+        for pid in (live.pid, dead.pid):
+            with open(os.path.join(locks, ".r-x.json.%d.1.tmp" % pid), "w"):
+                pass
+        sp._prune_strays(time.time() + YEAR)
+        assert sorted(n for n in os.listdir(locks) if n.endswith(".tmp")) \
+            == [".r-x.json.%d.1.tmp" % live.pid]
+    finally:
+        live.kill()
+        live.wait()

@@ -523,6 +523,24 @@ def test_worker_batches_http_jobs_gzipped_over_one_connection(myq, spool, server
         len(r["headers"]["X-Myq-Ids"].split(",")) for r in server.requests) <= 10
 
 
+def test_worker_batches_as_http_group_key_says(myq, spool, server):
+    """One rule for "which http jobs share a request": the worker's batch
+    is http_group_key()'s (header names in any case are one header), and
+    a job whose payload makes no request goes alone, not with the others
+    (which would fail their batch and split it)."""
+    p = call_myq("--spool", spool, "policy", "tele", "handler=http", "batch=10")
+    assert p.returncode == 0, p.stderr
+    u = server.url("/k")
+    bad = myq.enqueue(spool, "tele", "nope", id="j0")
+    ids = [myq.enqueue(spool, "tele", {"url": u, "body": i, "headers": {
+        ("X-Dev" if i % 2 else "x-dev"): "a"}}, id="j%d" % i)
+        for i in (1, 2, 3)]
+    myq.Worker(spool, jitter=0).run(drain=True)
+    assert states(myq, spool, [bad] + ids) == ["dead", "done", "done", "done"]
+    assert [sorted(r["headers"]["X-Myq-Ids"].split(","))
+            for r in server.requests] == [ids]
+
+
 def test_policy_gzip_without_batch(myq, spool, server):
     p = call_myq("--spool", spool, "policy", "tele", "handler=http", "gzip=true")
     assert p.returncode == 0, p.stderr

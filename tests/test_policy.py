@@ -1453,3 +1453,35 @@ def test_prometheus_has_the_policy_figures(spool):
     assert [l for l in text.splitlines()
             if l.startswith("myq_dropped_total{") and 'type="tele"' in l
             and l.split()[-1] == "1"], text
+
+
+# One parser per kind of value ################################################
+
+@pytest.mark.parametrize("kind", ["BOOL", "COUNT", "NATURAL", "PRIORITY", "SIZE",
+                                  "SECONDS", "POSITIVE_SECONDS", "FRACTION"])
+def test_every_kind_refuses_empty_and_bad_values_saying_what_it_takes(myq, kind):
+    k = getattr(myq, kind)
+    for bad in ("", "bogus", None, [1]):
+        with pytest.raises(ValueError) as e:
+            k(bad)
+        assert str(e.value).startswith("it takes "), e.value
+
+
+def test_the_policy_and_the_command_line_read_a_kind_alike(myq):
+    """A policy file's `paused` and a MYQ_* switch are one BOOL (before,
+    the switch took "" as false and the policy refused it); `priority`
+    is --priority's kind."""
+    P = myq.Policy
+    assert P.KEYS["paused"] is P.KEYS["gzip"] is myq.BOOL
+    assert P.KEYS["priority"] is myq.PRIORITY
+    for text, want in [("yes", True), (" OFF ", False), ("1", True), (False, False)]:
+        assert myq.BOOL(text) is want and P.value("paused", text) is want
+    for bad in ("", "maybe"):
+        with pytest.raises(myq.UsageError) as e:
+            P.value("gzip", bad)
+        assert "%s for policy key gzip: it takes true or false" % json.dumps(bad) \
+            in str(e.value)
+    assert P.value("ttl", "1h") == 3600 and P.value("ttl", 90.5) == 90.5
+    assert P.value("max_bytes", "1M") == P.value("max_bytes", 1 << 20) == 1 << 20
+    with pytest.raises(myq.UsageError):
+        P.value("max_bytes", 1.5)

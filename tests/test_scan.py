@@ -278,3 +278,30 @@ def test_a_pass_that_claims_nothing_still_wakes_the_worker_soon(
         assert w.next_due is not None and w.next_due <= myq._now() + 1.0
     else:
         assert c.jid == "0000-B"
+
+
+def test_a_change_within_the_directory_times_granularity_is_seen(
+        myq, spool, monkeypatch):
+    # incoming/'s time has the kernel's coarse granularity: a shell
+    # producer's mv in the same jiffy as the change the poll tick saw leaves
+    # the time as it was.  A time that recent proves nothing, so the next
+    # tick looks again (before: it took the equal key for "no change", and
+    # the job waited for the next change of incoming/, forever if none came).
+    w = _worker(myq, spool, [], 4)
+    inc = os.path.join(spool, "incoming")
+    st = os.stat(inc)
+    monkeypatch.setattr(myq, "_now", lambda: st.st_mtime + 0.004)  # that jiffy
+    w._check_incoming()
+    w._top.dirty = False
+    with open(os.path.join(spool, "tmp", "j.json"), "w") as f:
+        f.write('{"type": "noop"}')
+    os.rename(os.path.join(spool, "tmp", "j.json"), os.path.join(inc, "j.json"))
+    os.utime(inc, ns=(st.st_atime_ns, st.st_mtime_ns))      # the same jiffy
+    w._check_incoming()
+    assert w.dirty
+    # a time long past (or ahead: a clock that jumped) is a time to trust
+    monkeypatch.setattr(myq, "_now", lambda: st.st_mtime + 3.0)
+    w._check_incoming()
+    w._top.dirty = False
+    w._check_incoming()
+    assert not w.dirty

@@ -5,6 +5,8 @@ import shutil
 import signal
 import time
 
+import pytest
+
 from _core import (FAST, LOG_RE, STATUS_RE, blocking_handler, enqueue,
                    kill_quiet, ls, show, start_worker, stop, wait_for, worker)
 from _core import call_myq
@@ -196,3 +198,25 @@ def test_status_line_in_worker_log(spool, handlers_dir, tmp_path):
     for l in logf.read_text().splitlines():
         if l.strip():
             assert LOG_RE.match(l), l
+
+
+def test_worker_options_are_made_once_of_the_keywords_or_given(myq, spool):
+    """Worker(spool, **keywords) (SPEC 7) and Worker(spool, options=...)
+    are the same worker: the keywords make a WorkerOptions, checked and in
+    their types once; the worker's state is all set by its __init__."""
+    o = myq.WorkerOptions(concurrency=3, lease="9", poll=0, pass_env=("TZ",))
+    given = myq.Worker(spool, options=o)
+    made = myq.Worker(spool, concurrency=3, lease="9", poll=0, pass_env=("TZ",),
+                      min_free=0)       # (a Spool option: the Spool's)
+    assert given.options is o
+    for name, _ in myq.WorkerOptions.KEYS:
+        assert getattr(given, name) == getattr(made, name) == getattr(o, name), name
+    assert (o.lease, o.poll, o.reap_interval, o.pass_env) == (9.0, 0.01, 4.5, ["TZ"])
+    assert made.spool.opt["min_free"] == 0
+    assert (made._started, made._wake_fds, made._next_poll) == (0, None, float("inf"))
+    with pytest.raises(TypeError):
+        myq.Worker(spool, options=o, lease=3)
+    with pytest.raises(TypeError):
+        myq.WorkerOptions(lese=3)
+    with pytest.raises(myq.UsageError):
+        myq.Worker(spool, concurrency=0)
