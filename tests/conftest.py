@@ -28,6 +28,7 @@ LONG_FIRST = [
     "test_security.py",         # ~130 s wall, 29 s CPU: root's and the owner's commands
     "test_security_swaps.py",   # ~130 s, 25 s: its part 1, symlinks and FIFOs
     "test_policy.py",           # ~100 s, 17 s: a 20,000-job depth, rates, pickups
+    "test_intake.py",           # ~115 s, 14 s: HTTP and MQTT intake, brokers, kills
     "test_initd.py",            # 50-120 s, 27 s: init script life cycles
     "test_outage.py",           # ~50 s, 12 s: a 20 s outage, then 20 s at the rate
     "test_crashpoints.py",      # ~45 s, 11 s: a kill at every step
