@@ -94,6 +94,13 @@ def test_real_full_disk(small_fs, tmp_path):
     try:
         wait_for(lambda: len(os.listdir(str(started))) == 4, what="4 handlers")
         fill(os.path.join(small_fs, "filler"))
+        # The worker gives up its reserve (locks/room, 64K) at its first
+        # prune below the guard (5 s after its start): wait for that, then
+        # fill what it freed.  (Before, the enqueues below raced that prune:
+        # on a loaded machine they came after it, and a 6K job fitted.)
+        wait_for(lambda: not os.path.exists(os.path.join(spool, "locks", "room")),
+                 what="the worker to give up its reserve")
+        fill(os.path.join(small_fs, "filler"))
         st = os.statvfs(spool)
         assert st.f_bavail == 0
 
