@@ -33,15 +33,28 @@ $(STAMP):
 	@touch $@
 
 # The whole suite (CI runs exactly this), spread over TEST_JOBS processes by
-# pytest-xdist: twice the cores, as most tests wait (on workers, handlers,
-# leases, timers) rather than compute; on 2 cores ~60 s instead of ~110 s
-# with 2 processes and ~220 s serially.  TEST_JOBS=0 runs in this process.
+# pytest-xdist: twice the cores.  TEST_JOBS=0 runs in this process.
+# Measured for issue 24 on a 2-core machine loaded ~12 by other runs (so
+# only comparisons hold): a mixed third of the suite (12 files, 430 tests)
+# took 301 s with -n 4, 310 s with -n 2, 376 s with -n 6 -- all three held
+# up by test_security, then one file (since split in two); 4 and 2 differ
+# little there because the other runs kept the cores busy, but many tests
+# wait (leases, delays, an outage, timers) rather than compute, and a 3rd
+# and 4th process fill those waits on an idle machine; 6 only add
+# contention and shrink the timing margins.  Beyond that the suite is
+# CPU-bound: ~300 s of CPU run serially (getrusage: self + waited
+# children; ~415 s before the tests started myq.py from cached byte code,
+# tests/README.md), i.e. ~150 s on 2 cores at best.
 # --dist loadfile: the tests of one file run in one process, in file order,
 # so a module fixture (the multi-interpreter flows of test_matrix and
-# test_light) runs once; xdist_group marks would not do (ignored by
-# pytest-xdist 3.8 under pytest 9.2: pytest-xdist issue 1386).
-# --no-loadscope-reorder hands out the files in name order, so the long ones
-# (test_chaos, test_clock) start first.
+# test_light) runs once; worksteal or load would split them and start the
+# flows in every process that gets one of their tests; xdist_group marks
+# would not do (ignored by pytest-xdist 3.8 under pytest 9.2: pytest-xdist
+# issue 1386).
+# --no-loadscope-reorder hands out the files in collection order, which
+# tests/conftest.py sorts longest first (LONG_FIRST: test_security,
+# test_security_swaps, test_policy, test_outage...), so no long file starts
+# last and runs alone; the long files are split where one bounded the run.
 #
 # While working: `make test-fast` (or `pytest -m "not slow" tests`) leaves
 # out the tests marked slow (soaks, big scans, every Python of the matrix,

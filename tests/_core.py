@@ -31,18 +31,104 @@ LOG_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z( [\w.-]+=\S*)+")
 FAST = ("--poll", "0.05", "--jitter", "0", "--backoff-base", "60")
 
 
+# Starting myq.py.  `python myq.py` compiles its ~9,000 lines at every start
+# (a script's byte code is never cached): ~0.1 s of CPU of the ~0.17 s a
+# quick command costs, and the suite starts thousands.  MYQ_ARGV starts it
+# the same way -- a fresh interpreter, argv[0] myq.py, sys.path[0] its
+# directory, run as __main__ with __file__ set -- but from the code object
+# the first start compiled (from the same source, under the same file name,
+# so tracebacks are the same), kept per interpreter version and source
+# checksum in a directory of this user's alone.  What it does not give is
+# the path only a script takes (the body as the outermost frame: the
+# `_COMPILED_AT_START` heap give-back); tests about the process image itself
+# (test_script_start, test_dist, the init scripts) start the real script.
+# TESTS_AS_SCRIPT=1 makes every start `python myq.py` again.
+CODE_DIR = os.path.join("/tmp", "myq-tests-code-%d" % os.getuid())
+# _myq_tests_code(path, dir) -> the code object of myq.py (source text, for
+# BOOT and test_light's prelude): from dir's cache when dir is a directory
+# of this user's alone (0700, no symlink), else compiled (and cached there:
+# one file per interpreter version and source text; a copy elsewhere gets
+# its file name put in, as its compile would; files unused for an hour go
+# at the next compile).
+CODE = r"""def _myq_tests_code(me, d):
+    import os, marshal, sys, time, zlib
+    with open(me, "rb") as f:
+        src = f.read()
+    tag = sys.implementation.cache_tag
+    path = os.path.join(d, "%s-%08x-%d" % (tag, zlib.crc32(src), len(src)))
+
+    def ours():
+        try:
+            st = os.lstat(d)
+        except OSError:
+            return False
+        return st.st_uid == os.getuid() and st.st_mode & 0o177777 == 0o40700
+
+    def named(code):            # co_filename, as compile(src, me) sets it
+        return code.replace(co_filename=me, co_consts=tuple(
+            named(c) if isinstance(c, type(code)) else c
+            for c in code.co_consts))
+    if ours():
+        try:
+            with open(path, "rb") as f:
+                code = marshal.load(f)
+            os.utime(path)
+            if code.co_filename == me:
+                return code
+            if hasattr(code, "replace"):            # 3.8+
+                return named(code)
+        except (OSError, EOFError, ValueError, TypeError):
+            pass
+    code = compile(src, me, "exec", dont_inherit=True)
+    try:
+        os.mkdir(d, 0o700)
+    except OSError:
+        pass
+    if ours():
+        tmp = "%s.%d" % (path, os.getpid())
+        try:
+            for name in os.listdir(d):
+                old = os.path.join(d, name)
+                if os.lstat(old).st_mtime < time.time() - 3600:
+                    os.unlink(old)
+            with open(tmp, "wb") as f:
+                marshal.dump(code, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return code
+"""
+BOOT = CODE + r"""import sys, os
+sys.argv[:2] = sys.argv[1:2]
+if sys.path[:1] == [""]:
+    sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
+__file__, __cached__ = sys.argv[0], None
+exec(_myq_tests_code(__file__, %r), globals())
+""" % CODE_DIR
+
+
+def myq_argv(python=None, path=MYQ):
+    """The command that starts myq.py (or a copy at `path`; see BOOT):
+    append its arguments."""
+    if os.environ.get("TESTS_AS_SCRIPT"):
+        return [python or sys.executable, path]
+    return [python or sys.executable, "-c", BOOT, path]
+
+
 def clean_env(extra=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
     env.update(extra or {})
     return env
 
 
-def run_myq(*args, input=None, env=None, timeout=60, python=None):
+def run_myq(*args, input=None, env=None, timeout=60, python=None,
+            script=False):
     """myq.py as a real subprocess (the way an operator or a shell script
     runs it), without the caller's MYQ_* variables -> CompletedProcess
-    (text)."""
+    (text).  `script`: `python myq.py` itself, not myq_argv's cached code."""
     return subprocess.run(
-        [python or sys.executable, MYQ] + [str(a) for a in args],
+        ([python or sys.executable, MYQ] if script else myq_argv(python))
+        + [str(a) for a in args],
         input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         universal_newlines=True, env=clean_env(env), timeout=timeout)
 
@@ -156,7 +242,7 @@ def worker(run_myq, spool, *opts, handlers=None, mode="--drain", env=None,
 def start_worker(spool, *opts, env=None, stderr=None, python=None):
     """A worker in the background (own session, so the test can kill it)."""
     return subprocess.Popen(
-        [python or sys.executable, MYQ, "--spool", spool, "worker"] + list(opts),
+        myq_argv(python) + ["--spool", spool, "worker"] + list(opts),
         stdout=subprocess.DEVNULL,
         stderr=stderr if stderr is not None else subprocess.DEVNULL,
         env=clean_env(env), start_new_session=True)

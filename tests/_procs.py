@@ -9,10 +9,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
-from _core import MYQ, clean_env, kill_quiet, wait_for
+from _core import clean_env, kill_quiet, myq_argv, wait_for
 
 
 def proc_stat(pid):
@@ -122,7 +121,7 @@ class Procs(object):
         err = open(str(log), "ab") if log else subprocess.DEVNULL
         try:
             p = subprocess.Popen(
-                list(prefix) + [sys.executable, MYQ, "--spool", spool, "worker"]
+                list(prefix) + myq_argv() + ["--spool", spool, "worker"]
                 + [str(o) for o in opts],
                 stdout=subprocess.DEVNULL, stderr=err, env=clean_env(env),
                 start_new_session=True)

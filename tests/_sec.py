@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from _core import MYQ, clean_env, world_python  # noqa: F401 (the tests' import)
+from _core import MYQ, clean_env, myq_argv, world_python  # noqa: F401 (the tests' import)
 from _procs import alive as proc_alive, proc_start  # noqa: F401 (the tests' import)
 
 USER = "myqsec1"
@@ -172,7 +172,7 @@ class Box(object):
         raises AssertionError on a hang."""
         try:
             return subprocess.run(
-                [self.python, self.myq, "--spool", self.spool]
+                myq_argv(self.python, self.myq) + ["--spool", self.spool]
                 + [str(a) for a in args],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 universal_newlines=True, env=clean_env(env), cwd="/",
@@ -184,7 +184,7 @@ class Box(object):
     def owner(self, *args, timeout=30, env=None):
         """myq run by the spool's owner."""
         return subprocess.run(
-            [self.python, self.myq, "--spool", self.spool]
+            myq_argv(self.python, self.myq) + ["--spool", self.spool]
             + [str(a) for a in args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             universal_newlines=True, env=clean_env(env), cwd="/",
@@ -284,3 +284,32 @@ with open(sys.argv[1] + ".tmp", "w") as f:
 os.rename(sys.argv[1] + ".tmp", sys.argv[1])
 time.sleep(1000)
 '''
+
+
+# What test_security.py and test_security_swaps.py share ###################
+
+needs_root = pytest.mark.skipif(not is_root(), reason="needs root: the "
+                                "attacks are on what root does (CI runs as root)")
+
+
+@pytest.fixture(scope="module")
+def owner():
+    for pw in make_user():
+        yield pw
+
+
+@pytest.fixture
+def box(owner):
+    python = world_python()
+    if python is None:
+        pytest.skip("no python3 that the spool's owner may run")
+    b = Box(owner, python)
+    yield b
+    b.cleanup()
+
+
+def one_error_line(r, codes):
+    """An error exit in `codes`, ONE line on stderr starting `myq: `."""
+    assert r.returncode in codes, (r.returncode, r.stdout, r.stderr)
+    err = r.stderr.strip("\n")
+    assert err.startswith("myq: ") and "\n" not in err, r.stderr

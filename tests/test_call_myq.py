@@ -1,11 +1,15 @@
 """_core.call_myq, the in-process CLI most tests use for quick commands,
-answers exactly like the real program (_core.run_myq, a subprocess): the
+and _core.run_myq, the subprocess most others use (myq.py's code cached by
+_core.BOOT), answer exactly like the real program (`python myq.py`): the
 same exit status, stdout and stderr, for output and for every kind of
 error.  (Not `check --min-free`: its answer holds the free space, which
 other tests change meanwhile.)"""
 import pytest
 
-from _core import call_myq, enqueue, run_myq
+import subprocess
+import sys
+
+from _core import MYQ, call_myq, clean_env, enqueue, run_myq
 
 CASES = [
     ("version",),
@@ -42,6 +46,11 @@ def test_call_myq_answers_like_the_program(spool, tmp_path, case):
     args = []
     for a in case:
         args += names.get(a, [a])
+    script = subprocess.run([sys.executable, MYQ] + args, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, universal_newlines=True,
+                            env=clean_env(), timeout=60)
     sub, inproc = run_myq(*args), call_myq(*args)
+    assert (sub.returncode, sub.stdout, sub.stderr) == \
+        (script.returncode, script.stdout, script.stderr)
     assert (inproc.returncode, inproc.stdout, inproc.stderr) == \
         (sub.returncode, sub.stdout, sub.stderr)

@@ -31,7 +31,7 @@ import types
 import pytest
 
 import myq
-from _core import MYQ, under
+from _core import myq_argv, under
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -434,7 +434,7 @@ def recover_cli(path):
     with open(mod, "w") as f:
         f.write(MODULE % effects_file(path))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}
-    cp = subprocess.run([sys.executable, MYQ, "--spool", path, "worker", "--drain",
+    cp = subprocess.run(myq_argv() + ["--spool", path, "worker", "--drain",
                          "--module", mod, "--poll", "0.05", "--backoff-base", "0",
                          "--jitter", "0"], stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, env=env, timeout=60)

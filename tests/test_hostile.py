@@ -23,7 +23,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import myq
-from _core import MYQ, clean_env, one_line_error
+from _core import clean_env, myq_argv, one_line_error
 from _core import call_myq
 from _core import run_myq as cli
 
@@ -751,7 +750,7 @@ def test_cli_lists_hostile_names_in_failed():
         seen, _ = drain(sb)
         assert seen == {"ok": [None]}
         cp = subprocess.run(
-            [sys.executable, MYQ, "--spool", sb.spool, "list", "failed", "--json"],
+            myq_argv() + ["--spool", sb.spool, "list", "failed", "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
             # names are bytes: what the C/POSIX locale (UTF-8 mode) gives; the
             # strict case is the xfail below
@@ -770,7 +769,7 @@ def test_list_failed_survives_non_utf8_names_with_strict_stdout():
         sb.put(os.fsdecode(b"bad\xff.json"), b"{}")
         drain(sb)
         cp = subprocess.run(
-            [sys.executable, MYQ, "--spool", sb.spool, "list", "failed"],
+            myq_argv() + ["--spool", sb.spool, "list", "failed"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=clean_env({"PYTHONIOENCODING": "utf-8:strict"}), timeout=60)
         assert cp.returncode == 0, cp.stderr.decode("utf-8", "replace")[-300:]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from _core import MYQ, ROOT, STATUS_RE, clean_env
+from _core import CODE, CODE_DIR, MYQ, ROOT, STATUS_RE, clean_env
 from _pythons import IDS, PYTHONS, result_of, start_parallel
 
 # SPEC §1's list, with the C extension modules that ship with each package.
@@ -70,16 +70,20 @@ elif mode == "--try":
         except ImportError:
             sys.stdout.write(name + "=blocked\n")
 else:
+    # runpy.run_path(MYQ, run_name="__main__") with the code it would
+    # compile taken from _core's cache (_core.BOOT: the compile is ~2/3 of
+    # a command's CPU, and the flows below start ~160 of them)
     import runpy
     sys.argv = [%r] + sys.argv[1:]
-    runpy.run_path(%r, run_name="__main__")
+    runpy._run_module_code(_myq_tests_code(%r, %r), mod_name="__main__",
+                           pkg_name="", script_name=sys.argv[0])
 '''
 
 
 def prelude(tmp_path):
     log = str(tmp_path / "blocked.log")
     path = tmp_path / "light_boot.py"
-    path.write_text(PRELUDE % (BLOCKED, log, ROOT, MYQ, MYQ))
+    path.write_text(CODE + PRELUDE % (BLOCKED, log, ROOT, MYQ, MYQ, CODE_DIR))
     return str(path), log
 
 

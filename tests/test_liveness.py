@@ -152,11 +152,14 @@ def test_killed_worker_claim_is_taken_by_a_starting_worker(
 # Live owners ################################################################
 
 SLOW_MODULE = '''
-import time
+import os, time
 def slow(job):
     with open(job["payload"]["runs"], "a") as f:
         f.write(job["id"] + "\\n")
-    time.sleep(3)
+    for _ in range(1200):               # until the test releases it (60 s cap)
+        if os.path.exists(job["payload"]["release"]):
+            break
+        time.sleep(0.05)
     with open(job["payload"]["effects"], "a") as f:
         f.write(job["id"] + "\\n")
 '''
@@ -166,34 +169,48 @@ def slow(job):
 @pytest.mark.slow
 def test_live_worker_with_tiny_lease_is_never_robbed(
         run_myq, spool, handlers_dir, tmp_path, procs, kind):
-    """Lease 1 s, handler 3 s; a second worker (lease 1 s, reaping every
-    0.5 s) and repeated `myq reap` meanwhile: the job runs exactly once."""
+    """Lease 1 s; the handler runs until the test releases it: after at
+    least 3 reaps AND 3 leases since a second worker (lease 1 s, reaping
+    every 0.5 s) started.  Meanwhile `myq reap` never takes the job, and it
+    runs exactly once.  (Before, the handler slept 3 s and the test counted
+    the reaps that fit in them: a loaded machine fitted one, not 2.)"""
     runs_f, eff_f = tmp_path / "runs", tmp_path / "effects"
+    release = tmp_path / "release"
     if kind == "exec":
-        h = handlers_dir("slow", 'echo "$MYQ_JOB_ID" >> "%s"\nsleep 3\n'
-                         'echo "$MYQ_JOB_ID" >> "%s"' % (runs_f, eff_f))
+        h = handlers_dir("slow", 'echo "$MYQ_JOB_ID" >> "%s"\n'
+                         'i=0; while [ ! -e "%s" ] && [ $i -lt 1200 ]; do '
+                         'sleep 0.05; i=$((i+1)); done\n'
+                         'echo "$MYQ_JOB_ID" >> "%s"' % (runs_f, release, eff_f))
         opts = ("--handlers", h)
     else:
         mod = tmp_path / "slowmod.py"
         mod.write_text(SLOW_MODULE)
         opts = ("--module", str(mod))
-    payload = json.dumps({"runs": str(runs_f), "effects": str(eff_f)})
+    payload = json.dumps({"runs": str(runs_f), "effects": str(eff_f),
+                          "release": str(release)})
     enqueue(call_myq, spool, "slow", payload, "--id", "s1")
     a = procs.worker(spool, "--lease", "1", *(FAST + opts))
     wait_for(lambda: lines(runs_f), what="the handler to start")
-    b = procs.worker(spool, "--lease", "1", *(FAST + opts))
+    log = tmp_path / "b.log"
+    b = procs.worker(spool, "--lease", "1", *(FAST + opts), log=log)
+    wait_for(lambda: log.exists() and "event=start worker=" in log.read_text(),
+             what="worker B to start")
+    t0 = mono()
     reaps = 0
-    while not lines(eff_f):
+    while reaps < 3 or mono() - t0 < 3 * 1.0:   # 3 leases: a lower bound
         assert reap(run_myq, spool) == 0, "a live owner was robbed"
         reaps += 1
         assert a.poll() is None and b.poll() is None
-        assert reaps < 200, "the handler never finished"
+        assert show(call_myq, spool, "s1")["state"] == "processing"
+        assert lines(eff_f) == [], "the handler ended before its release"
+    release.touch()
     wait_for(lambda: show(call_myq, spool, "s1")["state"] == "done",
              what="s1 to be done")
     assert reaps >= 2
     assert lines(runs_f) == ["s1"] and lines(eff_f) == ["s1"]
     assert stop(a) == 0 and stop(b) == 0
     assert lines(runs_f) == ["s1"]
+    assert "event=requeued" not in log.read_text()
 
 
 # Forged owners: pid reuse, another boot #####################################

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from _core import MYQ, ROOT, STATUS_RE, clean_env
+from _core import MYQ, ROOT, STATUS_RE, clean_env, myq_argv
 from _pythons import (IDS, PYENV_ROOT, PYTHONS, by_minor, result_of,
                       start_parallel)
 
@@ -22,9 +22,12 @@ ID_RE = re.compile(r"^\d{13}-[0-9a-f]{8}$")
 ENV = clean_env({"PYTHONDONTWRITEBYTECODE": "1"})   # no .pyc of 7 versions in ROOT
 
 
-def run(py, *args, input=None, timeout=60):
+def run(py, *args, input=None, timeout=60, script=False):
+    """myq.py on `py`: `script`, as `py myq.py`; else from the code `py`
+    compiled for the flow's first command (_core.BOOT)."""
     return subprocess.run(
-        [py, MYQ] + [str(a) for a in args], input=input,
+        ([py, MYQ] if script else myq_argv(py)) + [str(a) for a in args],
+        input=input,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         universal_newlines=True, env=ENV, timeout=timeout)
 
@@ -135,8 +138,8 @@ def core_flow(py, tmp_path):
     module = tmp_path / "mod.py"
     module.write_text(MODULE % str(out))
 
-    # init (with parents), idempotent; version
-    ok(run(py, "--spool", spool, "init"))
+    # init (with parents), idempotent; version.  The first as a script.
+    ok(run(py, "--spool", spool, "init", script=True))
     ok(run(py, "--spool", spool, "init"))
     for sub in ("tmp", "incoming", "processing", "done", "dlq", "failed", "locks"):
         assert os.path.isdir(os.path.join(spool, sub)), sub

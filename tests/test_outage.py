@@ -1,6 +1,6 @@
 """The outage of issue 12 (SPEC §9, circuit breaker and rate), end to end.
 
-2,000 `http` jobs (shell producer files) against a local HTTP server that
+1,000 `http` jobs (shell producer files) against a local HTTP server that
 answers 503 for OUTAGE seconds from its first request, then 200; two
 `myq worker` processes with `--backoff-base 0.5 --backoff-max 2`, the
 type's policy `rate=RATE/s` (breaker: the default, 3).
@@ -13,10 +13,13 @@ and printed with the count.  No job goes to dlq/, no waiting job has spent
 more than one attempt (only streak-starting failures count one).  After
 it, every job is delivered exactly once (by Idempotency-Key, among the
 200 answers), and the deliveries follow the rate: never more than RATE in
-a second (10% slack for the time between a start and its arrival), RATE
+a second (10 of slack for the time between a start and its arrival), RATE
 reached in some second, and the whole backlog takes about N/RATE seconds
 (the bound is loose: a machine loaded by the rest of the suite drains
-slower than the rate).
+slower than the rate).  RATE is 50/s (it was 100/s with 2,000 jobs: the
+same 20 s of drain, but "the rate is reached" needed 75 deliveries a
+second, which a machine loaded by the rest of the suite did not always
+give two workers).
 """
 import collections
 import json
@@ -28,11 +31,11 @@ import pytest
 from _core import call_myq, wait_for
 from _http import answer, http_servers  # noqa: F401 (a fixture)
 
-N = 2000
+N = 1000
 OUTAGE = 20.0
 BASE, MAX, JITTER = 0.5, 2.0, 0.1
 BREAKER = 3                     # SPEC 9: the default
-RATE = 100                      # per second; ~4x below what 2 workers reach here
+RATE = 50                       # per second; ~8x below what 2 workers reach idle
 WORKERS, CONC = 2, 2
 
 
@@ -153,10 +156,15 @@ def test_a_20s_outage_costs_no_job_and_the_backlog_drains_at_the_rate(
     print("drain: first delivery %.1fs after the outage, %d in %.1fs "
           "(%.0f/s, rate %d/s); most in any second: %d"
           % (ts[0] - t_up, N, span, N / span, RATE, most))
-    assert ts[0] - t_up <= MAX * (1 + JITTER) + 1.0, "late probe after recovery"
-    assert most <= RATE * 1.1, "%d deliveries within 1 s, rate %d/s" % (most, RATE)
+    # the next probe is due at most one backoff step after the outage; 3 s
+    # for a loaded machine to start it (a late-probe bug waits a job's
+    # backoff or a lease: tens of seconds)
+    assert ts[0] - t_up <= MAX * (1 + JITTER) + 3.0, "late probe after recovery"
+    # 10 deliveries of slack for the time between a start and its arrival
+    # (200 ms at 50/s; a limiter the two workers do not share lets 2 x RATE)
+    assert most <= RATE + 10, "%d deliveries within 1 s, rate %d/s" % (most, RATE)
     assert span >= (N - RATE) / float(RATE) * 0.9, "faster than the rate"
-    # the rate is reached; the mean is the machine's (capacity ~4x RATE on
+    # the rate is reached; the mean is the machine's (capacity ~8x RATE on
     # an idle 2-core machine; far less when the suite loads it)
     assert most >= RATE * 0.75, "the rate is never reached: %d in a second" % most
     assert span <= 4 * N / float(RATE) + 10, "the backlog drained at less than " \

@@ -30,14 +30,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from _core import (FAST, MYQ, STATUS_RE, blocking_handler, call_myq,
-                   clean_env, enqueue, kill_quiet, ls, one_line_error, show,
-                   state, wait_for, worker, write_incoming)
+from _core import (FAST, STATUS_RE, blocking_handler, call_myq,
+                   clean_env, enqueue, kill_quiet, ls, myq_argv,
+                   one_line_error, show, state, wait_for, worker,
+                   write_incoming)
 import _http
 from _http import http_servers  # noqa: F401 (a fixture)
 from _procs import alive, lines
@@ -413,7 +413,7 @@ def test_concurrent_policy_calls_lose_nothing(spool):
             ("concurrency", "2"), ("breaker", "4")]
     argvs = [["t%02d" % i, "max_queued=%d" % (100 + i)] for i in range(20)]
     argvs += [["shared", "%s=%s" % kv] for kv in keys]
-    ps = [subprocess.Popen([sys.executable, MYQ, "--spool", spool, "policy"] + a,
+    ps = [subprocess.Popen(myq_argv() + ["--spool", spool, "policy"] + a,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            env=clean_env(), universal_newlines=True)
           for a in argvs]

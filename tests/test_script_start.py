@@ -18,8 +18,18 @@ import time
 
 import pytest
 
+import _core
 from _core import MYQ, clean_env, enqueue, show, wait_for, worker
 from _core import call_myq
+
+
+@pytest.fixture
+def run_myq():
+    """This file is about myq.py started as a script: `python myq.py`
+    itself, never _core.myq_argv's cached code."""
+    def run(*args, **kw):
+        return _core.run_myq(*args, script=True, **kw)
+    return run
 
 STACK_MOD = """\
 import json, sys, traceback

@@ -26,7 +26,7 @@ import traceback
 import pytest
 
 import myq
-from _core import MYQ, ROOT, clean_env, ls, under
+from _core import ROOT, clean_env, ls, myq_argv, under
 from _core import fill_disk as fill
 from _core import run_myq as cli
 from _core import wait_for as _wait_for
@@ -85,7 +85,7 @@ def test_real_full_disk(small_fs, tmp_path):
                  "--min-free", "0")
         assert cp.returncode == 0, cp.stderr
     log = tmp_path / "worker.log"
-    w = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "worker",
+    w = subprocess.Popen(myq_argv() + ["--spool", spool, "worker",
                           "--handlers", str(hdir), "--concurrency", "4",
                           "--poll", "0.05", "--backoff-base", "0.2", "--jitter", "0",
                           "--min-free", "8K", "--stats-interval", "0",
@@ -93,6 +93,13 @@ def test_real_full_disk(small_fs, tmp_path):
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: len(os.listdir(str(started))) == 4, what="4 handlers")
+        fill(os.path.join(small_fs, "filler"))
+        # The worker gives up its reserve (locks/room, 64K) at its first
+        # prune below the guard (5 s after its start): wait for that, then
+        # fill what it freed.  (Before, the enqueues below raced that prune:
+        # on a loaded machine they came after it, and a 6K job fitted.)
+        wait_for(lambda: not os.path.exists(os.path.join(spool, "locks", "room")),
+                 what="the worker to give up its reserve")
         fill(os.path.join(small_fs, "filler"))
         st = os.statvfs(spool)
         assert st.f_bavail == 0

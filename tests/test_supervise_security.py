@@ -376,7 +376,9 @@ def test_procd_stop_is_not_held_by_another_users_process(tmp_path, owner):
         assert r.returncode == 0, r.stdout + r.stderr
         assert ours.poll() is not None, "stop did not wait for the user's worker"
         assert alive(theirs.pid), "stop killed another user's process"
-        assert took < 8, "stop was held %.1f s by another user's process" % took
+        # the bug held it stop_timeout + 20 s = 21 s; ours takes ~2 s, and a
+        # loaded machine may add a few (the bound was 8 s)
+        assert took < 15, "stop was held %.1f s by another user's process" % took
     finally:
         for p in (theirs, ours):
             if p is not None:
