@@ -216,6 +216,28 @@ _tls_class = []
 _COMPILED_AT_START = []
 
 
+def _forked():
+    """In a child of os.fork() (the supervisor's workers, a daemon, a
+    --module handler's own fork): what is this process's alone starts
+    again.  The forking thread's doors are closed (the child's copies of
+    the descriptors; the parent keeps its own) and opened again, and
+    checked, at the child's first step; the caches of spools and wakes
+    go; the id counter starts over, so that two children of one parent
+    never count up from the same random number in one millisecond.
+    _TOPS stays: its entries are paths, still spools in the child, whose
+    steps must go on through the door."""
+    doors, _HERE.doors, _HERE.heads, _HERE.tops = _HERE.doors, {}, {}, 0
+    for door in doors.values():
+        door.close()
+    _SPOOLS.clear()
+    _UNHEARD.clear()
+    _LAST_ID[:] = [0, 0]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 # Errors ######################################################################
 
 class MyqError(Exception):
@@ -9115,6 +9137,65 @@ def _give_back_heap(reexec=False):
         pass
 
 
+def _arg_area():
+    """(start, end) of this process's command line in its own memory: the
+    fields arg_start and arg_end of /proc/self/stat (Linux 3.5+), where
+    /proc/PID/cmdline reads it; None where they cannot be read or this
+    process cannot write its memory (/proc/self/mem)."""
+    data = _read_small("/proc/self/stat", 4096) or b""
+    fields = data.rpartition(b")")[2].split()
+    try:
+        start, end = int(fields[45]), int(fields[46])
+        os.close(os.open("/proc/self/mem", os.O_WRONLY | O_CLOEXEC))
+    except (IndexError, ValueError, OSError):
+        return None
+    return (start, end) if 0 < start < end else None
+
+
+def _title(area, words, need):
+    """The command line `words` as /proc/PID/cmdline will read it, padded
+    to the length of `area` (the parent's _arg_area()): all of it, or the
+    first `need` words and as many more as fit, then "..."; None when
+    the `need` words do not fit."""
+    room = area[1] - area[0]
+    parts = [os.fsencode(w) + b"\0" for w in words]
+    out = b"".join(parts)
+    if len(out) > room:
+        out = b"".join(parts[:need])
+        if len(out) + 4 > room:
+            return None
+        for part in parts[need:]:
+            if len(out) + len(part) + 4 > room:
+                break
+            out += part
+        out += b"...\0"
+    return out.ljust(room, b"\0")
+
+
+def _retitle(area, title):
+    """Write `title` (of _title) over this process's command line, as ps
+    and /proc/PID/cmdline show it: a child forked by the supervisor says
+    it is a worker, not a second supervisor (the init scripts find the
+    supervisor by its command line).  True when it was written."""
+    try:
+        fd = os.open("/proc/self/mem", os.O_WRONLY | O_CLOEXEC)
+        try:
+            return os.pwrite(fd, title, area[0]) == len(title)
+        finally:
+            os.close(fd)
+    except (OSError, OverflowError):
+        return False
+
+
+def _title_prog():
+    """The program a child's title names: the file Python ran (myq.py,
+    the installed launcher), else this module's file."""
+    prog = sys.argv[0] if sys.argv else ""
+    if not prog or prog == "-c" or not os.path.isfile(prog):
+        prog = __file__
+    return os.path.abspath(prog)
+
+
 # Supervision #################################################################
 
 
@@ -9245,27 +9326,67 @@ class Supervisor(object):
 
     def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
                  pidfile=None, stop_timeout=10.0, env=None, python=None,
-                 ready=None, intake=None):
+                 ready=None, intake=None, entry=None):
         self.spool, self.n, self.log = spool, workers, log
         self.ready = ready
         self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
         self.pidfile, self.stop_timeout = pidfile, stop_timeout
-        self.argv = _worker_start(python) + [
-            "--spool", spool.path, "worker", "--parent-pid", str(os.getpid())] \
-            + list(worker_argv)
-        self.reap_argv = _worker_start(python) + ["--spool", spool.path, "reap"]
-        self.intake_argv = None if intake is None else _worker_start(python) + [
+        # the words of each child's command (after the program)
+        self.argv = ["--spool", spool.path, "worker", "--parent-pid",
+                     str(os.getpid())] + list(worker_argv)
+        self.reap_argv = ["--spool", spool.path, "reap"]
+        self.intake_argv = None if intake is None else [
             "--spool", spool.path, "intake", "--parent-pid", str(os.getpid())] \
             + list(intake)
         self.env = dict(env or {})
+        self.python = python
+        # main(): a child forked from this process runs entry(words); with
+        # none (or another interpreter), every child is a new one (exec)
+        self.entry = None if python else entry
+        self.area = _arg_area() if self.entry else None
+        self.frozen = False
         self.stop = 0
         self.hup = False
 
-    def _spawn(self, argv, out=None, quiet=False):
-        import subprocess
-        return subprocess.Popen(argv, close_fds=True, env=self.env, cwd="/",
-                                stdin=subprocess.DEVNULL, stderr=out,
-                                stdout=subprocess.DEVNULL if quiet else out)
+    def _spawn(self, words, out=None, quiet=False):
+        """Start a child (a worker, the intake, the final reap) that runs
+        `myq WORDS`.  Forked from this process, where it can be retitled
+        (_retitle: the command line an exec'd child would have, as much of
+        it as fits in ours), so that it shares our pages: no second
+        interpreter that loads and compiles myq again.  Else (no /proc,
+        our command line too short for the child's first words, another
+        interpreter) exec'd, as a new Python; a child whose retitle fails
+        execs too."""
+        title = None
+        if self.area is not None:
+            title = _title(self.area, [sys.executable or "python3",
+                                       _title_prog()] + words,
+                           2 + words.index("--spool") + 3)
+        if title is None:
+            import subprocess
+            return subprocess.Popen(
+                _worker_start(self.python) + words, close_fds=True,
+                env=self.env, cwd="/", stdin=subprocess.DEVNULL, stderr=out,
+                stdout=subprocess.DEVNULL if quiet else out)
+        import gc
+        import signal
+        if not self.frozen:     # our garbage goes before the first child
+            gc.collect()
+            self.frozen = True
+        # what is there now stays out of every collection, in the children
+        # too: their collector never writes to (so never copies) our pages
+        gc.freeze()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _child_run(self, words, title, out, quiet, signal, sigs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+        return _Child(pid)
 
     def _write_pidfile(self):
         fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
@@ -9447,13 +9568,95 @@ class Supervisor(object):
             self.log("error", during="reap", error=getattr(e, "strerror", None)
                      or str(e))
             return
-        import subprocess
+        end = _mono() + max(5.0, self.stop_timeout)
+        while p.poll() is None:
+            if _mono() >= end:
+                p.kill()
+                while p.poll() is None:
+                    time.sleep(0.01)
+                self.log("error", during="reap", error="timed out")
+                return
+            time.sleep(0.02)
+
+
+class _Child(object):
+    """A child the supervisor forked: what it uses of subprocess.Popen
+    (pid, returncode, poll, send_signal, kill)."""
+
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 255 << 8     # reaped elsewhere
+            if pid:
+                self.returncode = -os.WTERMSIG(status) \
+                    if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:         # (never a pid reused meanwhile)
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(9)
+
+
+def _child_run(sup, words, title, out, quiet, signal, sigs):
+    """The child of Supervisor._spawn, until its end (os._exit: never back
+    into the supervisor's frames, its finally clauses, its objects'
+    descriptors).  It gets what an exec'd child gets: 0 on /dev/null, 1
+    and 2 on `out` (the log; 1 on /dev/null when `quiet`), no other
+    descriptor of ours, the default signals (SIGHUP ignored until the
+    worker's own handler: not a death in that window), no wakeup fd, /
+    as its directory, the supervisor's clean environment; then its title,
+    and entry(words) in this process (else an exec of the same words)."""
+    status = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig, fn in ((signal.SIGTERM, signal.SIG_DFL),
+                        (signal.SIGINT, signal.default_int_handler),
+                        (signal.SIGHUP, signal.SIG_IGN),
+                        (signal.SIGCHLD, signal.SIG_DFL)):
+            signal.signal(sig, fn)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd, to in ((0, null), (1, null if quiet else out), (2, out)):
+            if to is not None and to != fd:
+                os.dup2(to, fd)
+        for fd in _open_fds():
+            if fd > 2:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        os.chdir("/")
+        os.environ.clear()
+        os.environ.update(sup.env)
+        if not _retitle(sup.area, title):
+            argv = _worker_start(sup.python) + words
+            os.execve(argv[0], argv, sup.env)
+        sys.argv[:] = [_title_prog()] + words
+        del _COMPILED_AT_START[:]       # the heap is the supervisor's, shared
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+        status = sup.entry(words)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (e.code is not None)
+    except BaseException:
         try:
-            p.wait(timeout=max(5.0, self.stop_timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            self.log("error", during="reap", error="timed out")
+            import traceback
+            traceback.print_exc()
+        except BaseException:
+            pass
+        status = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(status if isinstance(status, int) else 1)
 
 
 # Command line ################################################################
@@ -10033,7 +10236,7 @@ def _supervise(args, spool, guards, env):
     wenv.update(_secret_env(o))
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready, intake=intake).run()
+                      env=wenv, ready=ready, intake=intake, entry=main).run()
 
 
 def _intake_argv(args, spool, o, guards, env):
