@@ -9340,11 +9340,11 @@ class Supervisor(object):
             + list(intake)
         self.env = dict(env or {})
         self.python = python
-        # main(): a child forked from this process runs entry(words); with
-        # none (or another interpreter), every child is a new one (exec)
+        # _child_entry: a child forked from this process runs what
+        # entry(words) returns; with none (or another interpreter), every
+        # child is a new one (exec)
         self.entry = None if python else entry
         self.area = _arg_area() if self.entry else None
-        self.frozen = False
         self.stop = 0
         self.hup = False
 
@@ -9363,16 +9363,13 @@ class Supervisor(object):
                                        _title_prog()] + words,
                            2 + words.index("--spool") + 3)
         if title is None:
-            import subprocess
-            return subprocess.Popen(
-                _worker_start(self.python) + words, close_fds=True,
-                env=self.env, cwd="/", stdin=subprocess.DEVNULL, stderr=out,
-                stdout=subprocess.DEVNULL if quiet else out)
+            return self._exec(words, out, quiet)
+        run = self.entry(words)
+        if run is None:
+            return self._exec(words, out, quiet)
         import gc
         import signal
-        if not self.frozen:     # our garbage goes before the first child
-            gc.collect()
-            self.frozen = True
+        gc.collect()            # our garbage (the parser) goes first; then
         # what is there now stays out of every collection, in the children
         # too: their collector never writes to (so never copies) our pages
         gc.freeze()
@@ -9383,10 +9380,17 @@ class Supervisor(object):
         try:
             pid = os.fork()
             if pid == 0:
-                _child_run(self, words, title, out, quiet, signal, sigs)
+                _child_run(self, run, words, title, out, quiet, signal, sigs)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
         return _Child(pid)
+
+    def _exec(self, words, out, quiet):
+        import subprocess
+        return subprocess.Popen(
+            _worker_start(self.python) + words, close_fds=True, env=self.env,
+            cwd="/", stdin=subprocess.DEVNULL, stderr=out,
+            stdout=subprocess.DEVNULL if quiet else out)
 
     def _write_pidfile(self):
         fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
@@ -9605,7 +9609,7 @@ class _Child(object):
         self.send_signal(9)
 
 
-def _child_run(sup, words, title, out, quiet, signal, sigs):
+def _child_run(sup, run, words, title, out, quiet, signal, sigs):
     """The child of Supervisor._spawn, until its end (os._exit: never back
     into the supervisor's frames, its finally clauses, its objects'
     descriptors).  It gets what an exec'd child gets: 0 on /dev/null, 1
@@ -9613,7 +9617,8 @@ def _child_run(sup, words, title, out, quiet, signal, sigs):
     descriptor of ours, the default signals (SIGHUP ignored until the
     worker's own handler: not a death in that window), no wakeup fd, /
     as its directory, the supervisor's clean environment; then its title,
-    and entry(words) in this process (else an exec of the same words)."""
+    and run() (main() with the words the supervisor parsed) in this
+    process; else an exec of the same words."""
     status = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -9641,7 +9646,7 @@ def _child_run(sup, words, title, out, quiet, signal, sigs):
         sys.argv[:] = [_title_prog()] + words
         del _COMPILED_AT_START[:]       # the heap is the supervisor's, shared
         signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
-        status = sup.entry(words)
+        status = run()
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (e.code is not None)
     except BaseException:
@@ -10236,7 +10241,7 @@ def _supervise(args, spool, guards, env):
     wenv.update(_secret_env(o))
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready, intake=intake, entry=main).run()
+                      env=wenv, ready=ready, intake=intake, entry=_child_entry).run()
 
 
 def _intake_argv(args, spool, o, guards, env):
@@ -10701,17 +10706,33 @@ class _Call(object):
         self.args, self.spool, self.guards, self.env = args, spool, guards, env
 
 
-def main(argv=None):
-    """The command line; returns the exit status (never calls sys.exit)."""
+def _child_entry(words):
+    """The supervisor's children (Supervisor._spawn): `words` parsed now,
+    in the supervisor, and a function that runs them, in the child: its
+    parser is not built again in every child (~1.4 MiB of pages each
+    child would copy).  None when they do not parse."""
+    i = _command_index(words)
+    try:
+        args = _parser(words[i] if i < len(words) else None).parse_args(words)
+    except SystemExit:
+        return None
+    return lambda: main(words, args)
+
+
+def main(argv=None, parsed=None):
+    """The command line; returns the exit status (never calls sys.exit).
+    `parsed`: argv already parsed (_child_entry)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     env = os.environ
     try:
-        i = _command_index(argv)
-        only = argv[i] if i < len(argv) and argv[i] in _COMMANDS else None
-        try:
-            args = _parser(only).parse_args(argv)
-        except SystemExit as e:         # --help, --version
-            return e.code if isinstance(e.code, int) else 0
+        args = parsed
+        if args is None:
+            i = _command_index(argv)
+            only = argv[i] if i < len(argv) and argv[i] in _COMMANDS else None
+            try:
+                args = _parser(only).parse_args(argv)
+            except SystemExit as e:         # --help, --version
+                return e.code if isinstance(e.code, int) else 0
         path = getattr(args, "spool_sub", None) or args.spool \
             or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
         guards = {}

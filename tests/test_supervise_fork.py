@@ -95,6 +95,8 @@ def test_children_are_forked_and_named_for_what_they_are(spool, tmp_path,
             assert words[:2] == [sys.executable, MYQ], words
         assert "supervise" in cmdline(sup.pid)
         # they work: a job in through the intake, done by a worker
+        wait_for(lambda: "event=intake_start" in open(log).read(),
+                 what="the intake to listen")
         assert post(port, "t", "1")[0] == 202
         jid = enqueue(call_myq, spool, "t")
         wait_for(lambda: os.path.exists(os.path.join(spool, "done", jid + ".json")),
