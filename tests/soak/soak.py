@@ -440,7 +440,7 @@ class Soak(object):
         life = self.worker_lives[-1]
         life.update(end=t, cpu_s=ru.ru_utime + ru.ru_stime, status=p.returncode,
                     maxrss_kb=ru.ru_maxrss)
-        self.worker_hwm = max(self.worker_hwm, ru.ru_maxrss)
+        # (not ru_maxrss: it holds what the harness had when it forked)
         self.worker_dead_seen = False
         del self.procs["worker"]
         self.event("worker-end", **life)
