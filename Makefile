@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast lint bench bench-peers bench-cpu dist install uninstall clean soak
+.PHONY: demo test test-fast lint bench bench-peers bench-cpu bench-device dist install uninstall clean soak
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -95,6 +95,13 @@ bench-peers:
 # Instructions per enqueue and per drained job under callgrind (~30 s).
 bench-cpu:
 	$(BENCH_PYTHON) bench/cpu.py --python $(BENCH_PYTHON) $(CPU_ARGS)
+
+# Absolute figures for a router engineer (bench/device.py, ~5 min): flash,
+# RSS and PSS of supervisor + worker idle and busy, instructions per job,
+# `myq enqueue` start-up, on armv7l too under qemu-user where a Debian armhf
+# root is; each beside the baseline DEVICE_ARGS="--base REV" (main).
+bench-device:
+	$(BENCH_PYTHON) bench/device.py $(DEVICE_ARGS)
 
 dist:
 	$(PYTHON) build/dist.py

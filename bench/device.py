@@ -25,11 +25,15 @@ REV:myq.py`, REV=main unless --base), so that every ratio is within one run.
   build/dist.py's launcher does), against a bare `python3 -I -c pass`:
   wall time (median of 7) and whole-process instructions (callgrind).
 - armv7l: the same start-up under qemu-user (qemu-arm-static) with a
-  Debian armhf root (--arm ROOT, default /root/armhf: `debootstrap
-  --arch=armhf --variant=minbase --include=python3-minimal,busybox
-  --foreign bookworm ROOT`; the first stage's unpack is enough): wall time,
-  median of 3, emulated on this host, so only its ratios carry over.
-  Skipped, with the reason, where there is no qemu-arm-static or no root.
+  Debian armhf root (--arm ROOT, default /root/armhf): wall time, median
+  of 3, emulated on this host, so only its ratios carry over.  Skipped,
+  with the reason, where there is no qemu-arm-static or no root.  The root
+  (bench/README.md): `debootstrap --arch=armhf --variant=minbase
+  --include=python3-minimal,busybox --foreign bookworm ROOT`, then
+  `dpkg-deb -x` of its python3*, libpython3.11-minimal, libexpat1 and
+  busybox .debs (var/cache/apt/archives/) and of libpython3.11-stdlib
+  (python3-minimal has no json; `apt-get download
+  libpython3.11-stdlib:armhf`), libraries copied to usr/lib.
 
 The field workload's CPU per job is the soak's (`make soak`, tests/soak):
 it needs root, network namespaces and ~4 minutes, so it is not run here.
