@@ -9138,18 +9138,29 @@ def _give_back_heap(reexec=False):
 
 
 def _arg_area():
-    """(start, end) of this process's command line in its own memory: the
-    fields arg_start and arg_end of /proc/self/stat (Linux 3.5+), where
-    /proc/PID/cmdline reads it; None where they cannot be read or this
-    process cannot write its memory (/proc/self/mem)."""
+    """(start, end, env_start, env_end): where this process's command line
+    and its first environment are in its own memory, the fields arg_start
+    to env_end of /proc/self/stat (Linux 3.5+), which /proc/PID/cmdline and
+    /proc/PID/environ read; None where they cannot be read or this process
+    cannot write its memory (/proc/self/mem)."""
     data = _read_small("/proc/self/stat", 4096) or b""
     fields = data.rpartition(b")")[2].split()
     try:
-        start, end = int(fields[45]), int(fields[46])
+        area = tuple(int(f) for f in fields[45:49])
         os.close(os.open("/proc/self/mem", os.O_WRONLY | O_CLOEXEC))
-    except (IndexError, ValueError, OSError):
+    except (ValueError, OSError):
         return None
-    return (start, end) if 0 < start < end else None
+    return area if len(area) == 4 and 0 < area[0] < area[1] <= area[2] \
+        <= area[3] else None
+
+
+def _env_block(area, env):
+    """The environment `env` as /proc/PID/environ will read it, padded to
+    the length of the environment in `area`; None when it does not fit."""
+    out = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0"
+                   for k, v in env.items())
+    room = area[3] - area[2]
+    return out.ljust(room, b"\0") if len(out) <= room else None
 
 
 def _title(area, words, need):
@@ -9172,15 +9183,20 @@ def _title(area, words, need):
     return out.ljust(room, b"\0")
 
 
-def _retitle(area, title):
+def _retitle(area, title, env):
     """Write `title` (of _title) over this process's command line, as ps
     and /proc/PID/cmdline show it: a child forked by the supervisor says
     it is a worker, not a second supervisor (the init scripts find the
-    supervisor by its command line).  True when it was written."""
+    supervisor by its command line); and `env` (of _env_block) over the
+    environment it started with, which /proc/PID/environ shows: the
+    child's own (clean) one, not the supervisor's.  Only once the C
+    library's environ points elsewhere (os.environ set anew: putenv and
+    unsetenv copy).  True when both were written."""
     try:
         fd = os.open("/proc/self/mem", os.O_WRONLY | O_CLOEXEC)
         try:
-            return os.pwrite(fd, title, area[0]) == len(title)
+            return os.pwrite(fd, title, area[0]) == len(title) and \
+                os.pwrite(fd, env, area[2]) == len(env)
         finally:
             os.close(fd)
     except (OSError, OverflowError):
@@ -9352,9 +9368,10 @@ class Supervisor(object):
         """Start a child (a worker, the intake, the final reap) that runs
         `myq WORDS`.  Forked from this process, where it can be retitled
         (_retitle: the command line an exec'd child would have, as much of
-        it as fits in ours), so that it shares our pages: no second
-        interpreter that loads and compiles myq again.  Else (no /proc,
-        our command line too short for the child's first words, another
+        it as fits in ours, and its clean environment over ours), so that
+        it shares our pages: no second interpreter that loads and compiles
+        myq again.  Else (no /proc, our command line too short for the
+        child's first words, its environment longer than ours, another
         interpreter) exec'd, as a new Python; a child whose retitle fails
         execs too."""
         title = None
@@ -9362,7 +9379,8 @@ class Supervisor(object):
             title = _title(self.area, [sys.executable or "python3",
                                        _title_prog()] + words,
                            2 + words.index("--spool") + 3)
-        if title is None:
+        env = None if title is None else _env_block(self.area, self.env)
+        if env is None:
             return self._exec(words, out, quiet)
         run = self.entry(words)
         if run is None:
@@ -9380,7 +9398,7 @@ class Supervisor(object):
         try:
             pid = os.fork()
             if pid == 0:
-                _child_run(self, run, words, title, out, quiet, signal, sigs)
+                _child_run(self, run, words, (title, env), out, quiet, signal, sigs)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
         return _Child(pid)
@@ -9609,15 +9627,15 @@ class _Child(object):
         self.send_signal(9)
 
 
-def _child_run(sup, run, words, title, out, quiet, signal, sigs):
+def _child_run(sup, run, words, image, out, quiet, signal, sigs):
     """The child of Supervisor._spawn, until its end (os._exit: never back
     into the supervisor's frames, its finally clauses, its objects'
     descriptors).  It gets what an exec'd child gets: 0 on /dev/null, 1
     and 2 on `out` (the log; 1 on /dev/null when `quiet`), no other
     descriptor of ours, the default signals (SIGHUP ignored until the
     worker's own handler: not a death in that window), no wakeup fd, /
-    as its directory, the supervisor's clean environment; then its title,
-    and run() (main() with the words the supervisor parsed) in this
+    as its directory, the supervisor's clean environment (and shown as
+    its own: _retitle), its title; then run() (main() with the words the supervisor parsed) in this
     process; else an exec of the same words."""
     status = 1
     try:
@@ -9640,7 +9658,7 @@ def _child_run(sup, run, words, title, out, quiet, signal, sigs):
         os.chdir("/")
         os.environ.clear()
         os.environ.update(sup.env)
-        if not _retitle(sup.area, title):
+        if not _retitle(sup.area, image[0], image[1]):
             argv = _worker_start(sup.python) + words
             os.execve(argv[0], argv, sup.env)
         sys.argv[:] = [_title_prog()] + words
