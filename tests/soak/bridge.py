@@ -128,9 +128,11 @@ class Bridge(soak.Soak):
             text += ("\nconnection soak-bridge\naddress 127.0.0.1:%d\n"
                      "topic soak/%s/bridge/# out 1\ncleansession false\n"
                      "remote_clientid soak-bridge-%s\nlocal_clientid soak-bridge-local-%s\n"
-                     "bridge_protocol_version mqttv311\ntry_private false\n"
-                     "notifications false\nkeepalive_interval 10\nrestart_timeout 1 10\n"
+                     "bridge_protocol_version mqttv311\nnotifications false\n"
                      "start_type automatic\n" % (L_MQTT, self.nonce, self.nonce, self.nonce))
+            # (its reconnects on mosquitto's defaults, restart_timeout 5 30
+            # and keepalive_interval 60, as myq's worker runs on its own:
+            # --backoff-base 5, --probe-max 30)
         with open(conf, "w") as f:
             f.write(text)
         return conf, os.path.join(d, "mosquitto.log"), os.path.join(d, "broker.db")
