@@ -169,7 +169,7 @@ class Bridge(soak.Soak):
         for side in SIDES:
             self.start_local(side)
         self.start_proc("intake", self.intake_cmd(), self.ns_dev)
-        up = r"New client connected .* as soak-bridge-%s " % self.nonce
+        up = r"New (client|bridge) connected .* as soak-bridge-%s " % self.nonce
         for rnd in (1, 2):
             self.wait_until(lambda: self.count(ilog, "event=intake_connected") >= rnd, 20,
                             "intake to connect to the local broker")
