@@ -314,11 +314,10 @@ class Bridge(soak.Soak):
         self.mon.start()
         for name, secs in PHASES:
             self.set_phase(name)
-            if name == "link-down":
-                self.outage()
-            else:
+            if name != "link-down":
                 self.sleep(secs)
-            if name == "link-down":
+            else:
+                self.outage()
                 self.set_phase("drain")
                 with self.lock:
                     backlog = [j for j, t in self.acc["myq"].items() if t < self.t_up]
