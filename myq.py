@@ -165,6 +165,13 @@ O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
 # posix_fadvise(2): enqueue_many starts each file's writeback with it.
 _FADVISE = hasattr(os, "posix_fadvise")
+# O_TMPFILE (Linux >= 3.11): a new job is written as an unnamed file in its
+# directory and linked there once whole (linkat through /proc/self/fd), so
+# its name can only ever point to the inode written, and nothing is left in
+# tmp/ by a crash.  _Producing._unnamed sets it False at the first refusal
+# (EOPNOTSUPP: a filesystem without it; EISDIR, EINVAL: an older kernel;
+# ENOENT at the link: no /proc), and enqueues go through tmp/ from then on.
+_TMPFILE = getattr(os, "O_TMPFILE", 0) if sys.platform.startswith("linux") else 0
 
 # The test hook of every step on a spool's file (Filesystem steps):
 # `_hook(op, path, "before"|"after")`, set by the crash and fault tests.
@@ -181,6 +188,22 @@ _SEQ = [0]
 
 # _new_id(): [the last millisecond, its count], so that ids sort in order.
 _LAST_ID = [0, 0]
+
+# [this process's pid], and random numbers for _new_id taken from the
+# kernel 16 at a time: both renewed in a forked child (_forked), which
+# must neither name its files with its parent's pid nor repeat its ids.
+_PID = [os.getpid()]
+_RANDOM = []
+
+
+def _forked():
+    _PID[0] = os.getpid()
+    del _RANDOM[:]
+    _LAST_ID[:] = [0, 0]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 # A spool's path -> True: every spool this process uses (Filesystem steps:
 # a path inside one goes through the door).
@@ -581,6 +604,7 @@ class _Door(object):
         self.kept = 0
         self.uid = self.dev = None
         self._owner = False
+        self._incoming = None
         self._euid = os.geteuid()
 
     @classmethod
@@ -643,6 +667,8 @@ class _Door(object):
         if st.st_dev != self.dev:
             raise _Refused(_other_fs(self._pre + sub, self.top))
         if sub in _SHARED:
+            if sub == "incoming":   # (owner() and file_mode() ask it)
+                self._incoming = (st.st_uid, st.st_gid)
             return
         # The owner's alone: a directory a producer made, or one others may
         # write, is never used (its entries could be a producer's links).
@@ -710,10 +736,16 @@ class _Door(object):
         if self._owner is False:
             self._owner = None
             if self._euid == 0:
-                st = os.fstat(self("incoming"))
-                if st.st_uid != 0:
-                    self._owner = (st.st_uid, st.st_gid)
+                uid, gid = self.incoming()
+                if uid != 0:
+                    self._owner = (uid, gid)
         return self._owner
+
+    def incoming(self):
+        """(uid, gid) of incoming/, as its descriptor was checked."""
+        if "incoming" not in self.fds:
+            self("incoming")
+        return self._incoming
 
     def owns(self):
         """May this process write the owner's directories (lanes, locks/)?"""
@@ -724,7 +756,7 @@ class _Door(object):
         """0640, or 0660 for a producer who is not the spool's owner (in a
         group-writable incoming/): the owner's worker must be able to
         append its lease to the file."""
-        if self._euid == 0 or os.fstat(self("incoming")).st_uid == self._euid:
+        if self._euid == 0 or self.incoming()[0] == self._euid:
             return 0o640
         return 0o660
 
@@ -847,7 +879,7 @@ def _replace(path, data, sync=False, mode=0o640):
     directory after (a record that must survive a power cut whole)."""
     _SEQ[0] += 1
     head, _, name = path.rpartition("/")
-    tmp = "%s/.%s.%d.%d.tmp" % (head, name, os.getpid(), _SEQ[0])
+    tmp = "%s/.%s.%d.%d.tmp" % (head, name, _PID[0], _SEQ[0])
     _create(tmp, data, sync=sync, mode=mode)
     try:
         _rename(tmp, path)
@@ -1554,7 +1586,11 @@ def _new_id(now):
     if ms <= _LAST_ID[0]:
         ms, n = _LAST_ID[0], _LAST_ID[1] + 1
     else:
-        n = int.from_bytes(os.urandom(4), "big") >> 2
+        if not _RANDOM:
+            b = os.urandom(64)
+            _RANDOM[:] = [int.from_bytes(b[i:i + 4], "big") >> 2
+                          for i in range(0, 64, 4)]
+        n = _RANDOM.pop()
     _LAST_ID[:] = [ms, n]
     return "%013d-%08x" % (ms, n)
 
@@ -2824,7 +2860,7 @@ class _Producing(object):
                     _step("fsync", dst, "after")
                 except OSError as e:
                     for x in later:
-                        self._withdraw(x[0], x[1], x[2])
+                        self._withdraw(x[0], x[1], x[2], x[3])
                     gone = set(x[0] for x in later)
                     done[:] = [x for x in done if x[0] not in gone]
                     self._write_error(jid, e)
@@ -2853,7 +2889,7 @@ class _Producing(object):
 
     def _tmpname(self, jid):
         self._seq += 1
-        return "%s%s.%d.%d.new" % (self._tmp, jid, os.getpid(), self._seq)
+        return "%s%s.%d.%d.new" % (self._tmp, jid, _PID[0], self._seq)
 
     def _place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming",
                    later=None):
@@ -2863,33 +2899,18 @@ class _Producing(object):
             if where:
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
-        tmp = self._tmpname(jid)
         dst = (self._incoming if sub == "incoming" else self.d(sub, "")) + jid + ".json"
-        tfd = dfd = fd = None
+        tmp = tfd = fd = None
         try:
-            tfd, dfd = dirs("tmp"), dirs(sub)
-            # Root enqueues into a spool that belongs to the worker's user:
-            # the file is handed over through its own descriptor, before it
-            # has a name anyone else could swap.
-            ino, fd = _create(tmp, data, sync=False, dir_fd=tfd, keep=True,
-                              owner=dirs.owner(), mode=dirs.file_mode(),
-                              mtime=job["available_at"] if delay else None)
-            if not explicit:
-                _rename(tmp, dst, tfd, dfd)
+            dfd = dirs(sub)
+            got = _TMPFILE and self._unnamed(job, data, delay, dirs, dfd, dst)
+            if got:
+                ino, fd = got
             else:
-                try:
-                    _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued now
-                except OSError as e:
-                    if e.errno == errno.EEXIST:
-                        raise DuplicateJob("job id %s is already queued; pick "
-                                           "another id" % jid)
-                    if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
-                                       errno.EMLINK, errno.EXDEV):
-                        raise
-                    if _exists(jid + ".json", dfd):  # no hard links (vfat)
-                        raise DuplicateJob("job id %s is already queued" % jid)
-                    _rename(tmp, dst, tfd, dfd)
-            self._placed(jid, ino, dfd)
+                tmp = self._tmpname(jid)
+                tfd = dirs("tmp")
+                ino, fd = self._through_tmp(job, data, explicit, delay, dirs,
+                                            tmp, tfd, dfd, dst)
             if later is not None:       # (_enqueue: many jobs)
                 try:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -2910,9 +2931,9 @@ class _Producing(object):
                     os.fsync(fd)
                     _step("fsync", dst, "after")
                 except OSError:
-                    self._withdraw(jid, ino, dfd)
+                    self._withdraw(jid, ino, dfd, fd)
                     raise
-            if explicit:
+            if explicit and tfd is not None:
                 _quiet_unlink(tmp, tfd)     # (tmp/ orphans are pruned anyway)
         except MyqError:
             if tfd is not None:
@@ -2925,6 +2946,91 @@ class _Producing(object):
         finally:
             if fd is not None:
                 os.close(fd)
+
+    def _unnamed(self, job, data, delay, dirs, dfd, dst):
+        """The job written as an unnamed file in its directory (O_TMPFILE),
+        then linked at `dst` once whole: nothing can be swapped for it, and
+        a crash before the link leaves nothing behind.  (None, descriptor)
+        for _place_new (the inode asked only if it must be withdrawn), or
+        None where the system refuses O_TMPFILE (never asked again)."""
+        global _TMPFILE
+        _step("create", dst, "before")
+        try:
+            fd = os.open(".", os.O_WRONLY | _TMPFILE | O_CLOEXEC,
+                         dirs.file_mode(), dir_fd=dfd)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            _TMPFILE = 0
+            return None
+        _step("create", dst, "after")
+        try:
+            owner = dirs.owner()
+            if owner is not None:   # given away before it has a name
+                os.fchown(fd, owner[0], owner[1])
+            if dirs.file_mode() & 0o020:    # past the umask
+                os.fchmod(fd, 0o660)
+            _step("write", dst, "before")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            _step("write", dst, "after")
+            if delay:               # (before the fsync: durable too)
+                t = job["available_at"]
+                _step("utime", dst, "before")
+                os.utime(fd, (t, t))
+                _step("utime", dst, "after")
+            _step("link", dst, "before")
+            try:
+                os.link("/proc/self/fd/%d" % fd, dst.rpartition("/")[2],
+                        dst_dir_fd=dfd)
+            except OSError as e:
+                if e.errno == errno.EEXIST:
+                    raise DuplicateJob("job id %s is already queued; pick "
+                                       "another id" % job["id"])
+                if e.errno != errno.ENOENT or os.path.isdir("/proc/self/fd"):
+                    raise
+                _TMPFILE = 0        # no /proc: through tmp/ from now on
+                os.close(fd)
+                return None
+            _step("link", dst, "after")
+        except BaseException:
+            os.close(fd)
+            raise
+        return None, fd
+
+    def _through_tmp(self, job, data, explicit, delay, dirs, tmp, tfd, dfd, dst):
+        """The classic way, where O_TMPFILE is refused: written in tmp/,
+        renamed (an explicit id: linked) into place, checked to be the file
+        written.  (inode, descriptor)."""
+        jid = job["id"]
+        # Root enqueues into a spool that belongs to the worker's user:
+        # the file is handed over through its own descriptor, before it
+        # has a name anyone else could swap.
+        ino, fd = _create(tmp, data, sync=False, dir_fd=tfd, keep=True,
+                          owner=dirs.owner(), mode=dirs.file_mode(),
+                          mtime=job["available_at"] if delay else None)
+        try:
+            if not explicit:
+                _rename(tmp, dst, tfd, dfd)
+            else:
+                try:
+                    _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued now
+                except OSError as e:
+                    if e.errno == errno.EEXIST:
+                        raise DuplicateJob("job id %s is already queued; pick "
+                                           "another id" % jid)
+                    if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
+                                       errno.EMLINK, errno.EXDEV):
+                        raise
+                    if _exists(jid + ".json", dfd):  # no hard links (vfat)
+                        raise DuplicateJob("job id %s is already queued" % jid)
+                    _rename(tmp, dst, tfd, dfd)
+            self._placed(jid, ino, dfd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ino, fd
 
     def _write_error(self, jid, e):
         """Raise the MyqError for OSError `e` while job `jid` was written."""
@@ -2940,11 +3046,14 @@ class _Producing(object):
         raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
                         % (jid, self.path, e.strerror))
 
-    def _withdraw(self, jid, ino, dfd):
+    def _withdraw(self, jid, ino, dfd, fd=None):
         """An enqueue that cannot be made durable takes its file back (if no
-        worker claimed it meanwhile): its error means nothing enqueued."""
+        worker claimed it meanwhile): its error means nothing enqueued.
+        `ino` None: the inode of the open descriptor `fd`."""
         name = jid + ".json"
         try:
+            if ino is None:
+                ino = os.fstat(fd).st_ino
             if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino:
                 os.unlink(name, dir_fd=dfd)
         except OSError:
