@@ -2751,8 +2751,33 @@ class _Producing(object):
         self.require()
         job = new_job(type, payload, id, delay, max_attempts, timeout, _now(),
                       priority, ttl)
-        return self._enqueue([self._prepared(job, id is not None, delay or 0)],
-                             sync)[0]
+        todo = self._prepared(job, id is not None, delay or 0)
+        if todo[4] != "incoming":       # (a lane: make_room, the lane made)
+            return self._enqueue([todo], sync)[0]
+        return self._enqueue_one(todo, sync)
+
+    def _enqueue_one(self, todo, sync):
+        """_enqueue of one job into incoming/, without the batch's lists."""
+        job, data, explicit, delay, sub = todo
+        problem = self._room_for((len(data),))
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        dirs = self.fs
+        jid = job["id"]
+        try:
+            self._place_new(job, data, explicit, delay, sync, dirs)
+            if sync:
+                self._fsync_or_withdraw(((jid, sub),), dirs)
+            self.poke(dirs, often=True)
+        except OSError as e:        # opening the directories
+            if isinstance(e, _Refused):
+                raise ConfigError("spool %s refuses the job: %s; nothing was "
+                                  "enqueued" % (self.path, e))
+            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
+                            % (self.path, e.strerror))
+        finally:
+            dirs.release()
+        return jid
 
     def enqueue_many(self, specs, sync=True):
         """Add many jobs, durable when it returns (sync): on ext4 in one
