@@ -2179,10 +2179,19 @@ class Claims(object):
                     raise           # it stays: the worker logs why, backs off
             return None
         token = me.token()
-        path = self.spool._processing + _claim_name(stem, token)
-        if not _take(src, path):
-            return None                 # another worker was faster
-        got = self._read_claimed(path, src, name, scheduled)
+        cname = _claim_name(stem, token)
+        path = self.spool._processing + cname
+        # by the door's descriptors of the two directories (the worker
+        # keeps them), not their paths looked up at each step
+        fs = self.spool.fs
+        pfd = fs("processing")
+        try:
+            _rename(src, path, fs(sub), pfd)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return None             # another worker was faster
+            raise
+        got = self._read_claimed(path, src, name, scheduled, pfd, cname)
         if got is None:
             return None
         job, trailers, fd, st = got
@@ -2204,15 +2213,15 @@ class Claims(object):
             raise
         return c
 
-    def _read_claimed(self, path, src, name, scheduled):
-        """The job in the file just claimed at `path`: (job, trailers, fd
-        open for the lease, stat), or None when it was quarantined or is
-        not written yet."""
+    def _read_claimed(self, path, src, name, scheduled, pfd, cname):
+        """The job in the file just claimed at `path` (`cname` in the
+        directory `pfd`): (job, trailers, fd open for the lease, stat), or
+        None when it was quarantined or is not written yet."""
         stem = name[:-5]
         fd = None
         limit = self.spool.opt["max_job_bytes"]
         try:
-            st = _lstat(path)
+            st = os.stat(cname, dir_fd=pfd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidJob("not a regular file (%s)"
                                  % _file_kind(st.st_mode))
@@ -2235,7 +2244,8 @@ class Claims(object):
                                  "instead of linking it" % st.st_nlink)
             # The name is ours alone (unique token) and lstat said regular;
             # O_NOFOLLOW|O_NONBLOCK still guard against a swap meanwhile.
-            fd = _open(path, os.O_RDWR | os.O_APPEND | os.O_NONBLOCK)
+            fd = os.open(cname, os.O_RDWR | os.O_APPEND | os.O_NONBLOCK
+                         | O_NOFOLLOW | O_CLOEXEC, dir_fd=pfd)
             data = os.read(fd, st.st_size + 65536)
             if not data.strip(b"\0 \t\r\n"):
                 os.close(fd)
@@ -2464,7 +2474,15 @@ class Claims(object):
         record (see ok_fresh).  Returns False when the claim was taken back
         meanwhile."""
         self.close(c)
-        return _take(c.path, self.spool._done + c.jid + ".json")
+        fs = self.spool.fs
+        try:
+            _rename(c.path, self.spool._done + c.jid + ".json",
+                    fs("processing"), fs("done"))
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        return True
 
     def move_on(self, c, job, dest, me, fin=None, until=None):
         """Put a new version of a claimed job into incoming/ (mtime =
