@@ -13,10 +13,12 @@ library only; at import time only modules of OpenWrt's python3-light.
 The spool protocol (every step is one rename(2), so a crash leaves each job
 in exactly one place):
 
-- enqueue: create tmp/NAME exclusively (O_EXCL|O_NOFOLLOW), write, then
-  link(2) (explicit id: EEXIST means duplicate) or rename(2) it to
-  incoming/ID.json, fsync the file, fsync incoming/ (the file's fsync after
-  the rename: on ext4 one journal commit holds data, inode and name).  The file's mtime is its
+- enqueue: write an unnamed file in incoming/ (O_TMPFILE), then linkat(2)
+  it to incoming/ID.json (EEXIST means duplicate), fsync the file, fsync
+  incoming/ (the file's fsync after the link: on ext4 one journal commit
+  holds data, inode and name).  Where O_TMPFILE is refused: create
+  tmp/NAME exclusively (O_EXCL|O_NOFOLLOW), write, then link(2) (explicit
+  id) or rename(2) it into place, the same fsyncs.  The file's mtime is its
   `available_at`: the directory itself is the schedule, and a scan needs no
   open().  A byte written to the FIFO locks/wake wakes an idle worker.
 - claim: rename incoming/ID.json -> processing/ID+TOKEN.json.  The token

@@ -4,7 +4,8 @@
 (SQLiteAckQueue), with the bare syscall loop of bench/run.py as the floor.
 
     python3 bench/peers.py [--quick] [--runs N] [--dir PATH] [--shm PATH]
-                           [--n-mem N] [--n-disk N] [--skip wear,cpu]
+                           [--n-mem N] [--n-disk N] [--n-depth N]
+                           [--baseline DIR] [--skip rates,wear,cpu]
                            [--json FILE]
 
 `make bench` runs it after bench/run.py (`make bench-peers` alone).  myq's
@@ -38,9 +39,20 @@ handler, the payload {"n": i}:
   so the interpreter's start and the imports are not in it.
 - on tmpfs (N=20,000) and on a disk (ext4, N=2,000), --runs runs (medians);
   in each run every queue is measured once, in an order that rotates from
-  run to run, and the ratio myq/peer is taken within the run.
+  run to run, and the ratio myq/peer is taken within the run.  Each rate
+  also per CPU second (the child's user + system time over the same loop;
+  the floor's enqueue is not timed so): steadier where the machine is
+  shared.
+- depth (issue 25): 5,000 enqueues (--n-depth) into a tmpfs queue already
+  1,000 and 100,000 deep (filled by enqueue_many in the same child first),
+  myq and the baseline only.
+- --baseline DIR: another myq.py (e.g. `git show main:myq.py >
+  DIR/myq.py`) measured as the queue "base" (myq@base) in every step, in
+  the same runs: before and after a change, side by side.
 - wear: bytes the block device is asked to write per durable job (enqueue +
-  drain, N=2,000): a fresh ext4 image on a loop device for every queue
+  drain, N=2,000), on 1 KiB blocks (a 256 MiB image, as mkfs.ext4 formats
+  one that small) and on 4 KiB blocks (512 MiB: every eMMC or SD card
+  filesystem); `make bench-wear` alone: a fresh ext4 image on a loop device for every queue
   (mkfs.ext4 with no lazy init, so no background writes), the sectors
   written from /sys/block/loopN/stat, read after mount and after umount
   (which flushes data and journal); and the journal's commits during the
