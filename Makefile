@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast lint bench bench-peers bench-cpu bench-device dist install uninstall clean soak soak-bridge
+.PHONY: demo test test-fast lint bench bench-peers bench-wear bench-cpu bench-device dist install uninstall clean soak soak-bridge
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -81,7 +81,8 @@ lint:
 # for a short run), then
 # bench-peers: myq beside huey and persist-queue (bench/peers.py makes the
 # bench-only venv bench/.venv-peers; myq itself stays standard library only).
-# PEERS_ARGS passes options, e.g. PEERS_ARGS="--cpu-queues all".
+# PEERS_ARGS passes options, e.g. PEERS_ARGS="--cpu-queues all", or
+# PEERS_ARGS="--baseline DIR" (another myq.py, e.g. main's, in the same runs).
 BENCH_PYTHON ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.11.*/bin/python3) $(PYTHON))
 bench:
 	$(BENCH_PYTHON) bench/run.py
@@ -91,6 +92,10 @@ bench:
 
 bench-peers:
 	$(BENCH_PYTHON) bench/peers.py $(PEERS_ARGS)
+
+# Bytes to disk per job on 1 KiB and 4 KiB ext4 loop devices alone (root, ~2 min).
+bench-wear:
+	$(BENCH_PYTHON) bench/peers.py --skip rates,cpu $(PEERS_ARGS)
 
 # Instructions per enqueue and per drained job under callgrind (~30 s).
 bench-cpu:

@@ -13,10 +13,12 @@ library only; at import time only modules of OpenWrt's python3-light.
 The spool protocol (every step is one rename(2), so a crash leaves each job
 in exactly one place):
 
-- enqueue: create tmp/NAME exclusively (O_EXCL|O_NOFOLLOW), write, then
-  link(2) (explicit id: EEXIST means duplicate) or rename(2) it to
-  incoming/ID.json, fsync the file, fsync incoming/ (the file's fsync after
-  the rename: on ext4 one journal commit holds data, inode and name).  The file's mtime is its
+- enqueue: write an unnamed file in incoming/ (O_TMPFILE), then linkat(2)
+  it to incoming/ID.json (EEXIST means duplicate), fsync the file, fsync
+  incoming/ (the file's fsync after the link: on ext4 one journal commit
+  holds data, inode and name).  Where O_TMPFILE is refused: create
+  tmp/NAME exclusively (O_EXCL|O_NOFOLLOW), write, then link(2) (explicit
+  id) or rename(2) it into place, the same fsyncs.  The file's mtime is its
   `available_at`: the directory itself is the schedule, and a scan needs no
   open().  A byte written to the FIFO locks/wake wakes an idle worker.
 - claim: rename incoming/ID.json -> processing/ID+TOKEN.json.  The token
@@ -165,6 +167,13 @@ O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _MKNOD = hasattr(os, "mknod") and sys.platform.startswith("linux")
 # posix_fadvise(2): enqueue_many starts each file's writeback with it.
 _FADVISE = hasattr(os, "posix_fadvise")
+# O_TMPFILE (Linux >= 3.11): a new job is written as an unnamed file in its
+# directory and linked there once whole (linkat through /proc/self/fd), so
+# its name can only ever point to the inode written, and nothing is left in
+# tmp/ by a crash.  _Producing._unnamed sets it False at the first refusal
+# (EOPNOTSUPP: a filesystem without it; EISDIR, EINVAL: an older kernel;
+# ENOENT at the link: no /proc), and enqueues go through tmp/ from then on.
+_TMPFILE = getattr(os, "O_TMPFILE", 0) if sys.platform.startswith("linux") else 0
 
 # The test hook of every step on a spool's file (Filesystem steps):
 # `_hook(op, path, "before"|"after")`, set by the crash and fault tests.
@@ -181,6 +190,22 @@ _SEQ = [0]
 
 # _new_id(): [the last millisecond, its count], so that ids sort in order.
 _LAST_ID = [0, 0]
+
+# [this process's pid], and random numbers for _new_id taken from the
+# kernel 16 at a time: both renewed in a forked child (_forked), which
+# must neither name its files with its parent's pid nor repeat its ids.
+_PID = [os.getpid()]
+_RANDOM = []
+
+
+def _forked():
+    _PID[0] = os.getpid()
+    del _RANDOM[:]
+    _LAST_ID[:] = [0, 0]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 # A spool's path -> True: every spool this process uses (Filesystem steps:
 # a path inside one goes through the door).
@@ -603,6 +628,7 @@ class _Door(object):
         self.kept = 0
         self.uid = self.dev = None
         self._owner = False
+        self._incoming = None
         self._euid = os.geteuid()
 
     @classmethod
@@ -665,6 +691,8 @@ class _Door(object):
         if st.st_dev != self.dev:
             raise _Refused(_other_fs(self._pre + sub, self.top))
         if sub in _SHARED:
+            if sub == "incoming":   # (owner() and file_mode() ask it)
+                self._incoming = (st.st_uid, st.st_gid)
             return
         # The owner's alone: a directory a producer made, or one others may
         # write, is never used (its entries could be a producer's links).
@@ -732,10 +760,16 @@ class _Door(object):
         if self._owner is False:
             self._owner = None
             if self._euid == 0:
-                st = os.fstat(self("incoming"))
-                if st.st_uid != 0:
-                    self._owner = (st.st_uid, st.st_gid)
+                uid, gid = self.incoming()
+                if uid != 0:
+                    self._owner = (uid, gid)
         return self._owner
+
+    def incoming(self):
+        """(uid, gid) of incoming/, as its descriptor was checked."""
+        if "incoming" not in self.fds:
+            self("incoming")
+        return self._incoming
 
     def owns(self):
         """May this process write the owner's directories (lanes, locks/)?"""
@@ -746,7 +780,7 @@ class _Door(object):
         """0640, or 0660 for a producer who is not the spool's owner (in a
         group-writable incoming/): the owner's worker must be able to
         append its lease to the file."""
-        if self._euid == 0 or os.fstat(self("incoming")).st_uid == self._euid:
+        if self._euid == 0 or self.incoming()[0] == self._euid:
             return 0o640
         return 0o660
 
@@ -869,7 +903,7 @@ def _replace(path, data, sync=False, mode=0o640):
     directory after (a record that must survive a power cut whole)."""
     _SEQ[0] += 1
     head, _, name = path.rpartition("/")
-    tmp = "%s/.%s.%d.%d.tmp" % (head, name, os.getpid(), _SEQ[0])
+    tmp = "%s/.%s.%d.%d.tmp" % (head, name, _PID[0], _SEQ[0])
     _create(tmp, data, sync=sync, mode=mode)
     try:
         _rename(tmp, path)
@@ -1576,7 +1610,11 @@ def _new_id(now):
     if ms <= _LAST_ID[0]:
         ms, n = _LAST_ID[0], _LAST_ID[1] + 1
     else:
-        n = int.from_bytes(os.urandom(4), "big") >> 2
+        if not _RANDOM:
+            b = os.urandom(64)
+            _RANDOM[:] = [int.from_bytes(b[i:i + 4], "big") >> 2
+                          for i in range(0, 64, 4)]
+        n = _RANDOM.pop()
     _LAST_ID[:] = [ms, n]
     return "%013d-%08x" % (ms, n)
 
@@ -2165,10 +2203,19 @@ class Claims(object):
                     raise           # it stays: the worker logs why, backs off
             return None
         token = me.token()
-        path = self.spool._processing + _claim_name(stem, token)
-        if not _take(src, path):
-            return None                 # another worker was faster
-        got = self._read_claimed(path, src, name, scheduled)
+        cname = _claim_name(stem, token)
+        path = self.spool._processing + cname
+        # by the door's descriptors of the two directories (the worker
+        # keeps them), not their paths looked up at each step
+        fs = self.spool.fs
+        pfd = fs("processing")
+        try:
+            _rename(src, path, fs(sub), pfd)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return None             # another worker was faster
+            raise
+        got = self._read_claimed(path, src, name, scheduled, pfd, cname)
         if got is None:
             return None
         job, trailers, fd, st = got
@@ -2190,15 +2237,15 @@ class Claims(object):
             raise
         return c
 
-    def _read_claimed(self, path, src, name, scheduled):
-        """The job in the file just claimed at `path`: (job, trailers, fd
-        open for the lease, stat), or None when it was quarantined or is
-        not written yet."""
+    def _read_claimed(self, path, src, name, scheduled, pfd, cname):
+        """The job in the file just claimed at `path` (`cname` in the
+        directory `pfd`): (job, trailers, fd open for the lease, stat), or
+        None when it was quarantined or is not written yet."""
         stem = name[:-5]
         fd = None
         limit = self.spool.opt["max_job_bytes"]
         try:
-            st = _lstat(path)
+            st = os.stat(cname, dir_fd=pfd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidJob("not a regular file (%s)"
                                  % _file_kind(st.st_mode))
@@ -2221,7 +2268,8 @@ class Claims(object):
                                  "instead of linking it" % st.st_nlink)
             # The name is ours alone (unique token) and lstat said regular;
             # O_NOFOLLOW|O_NONBLOCK still guard against a swap meanwhile.
-            fd = _open(path, os.O_RDWR | os.O_APPEND | os.O_NONBLOCK)
+            fd = os.open(cname, os.O_RDWR | os.O_APPEND | os.O_NONBLOCK
+                         | O_NOFOLLOW | O_CLOEXEC, dir_fd=pfd)
             data = os.read(fd, st.st_size + 65536)
             if not data.strip(b"\0 \t\r\n"):
                 os.close(fd)
@@ -2450,7 +2498,15 @@ class Claims(object):
         record (see ok_fresh).  Returns False when the claim was taken back
         meanwhile."""
         self.close(c)
-        return _take(c.path, self.spool._done + c.jid + ".json")
+        fs = self.spool.fs
+        try:
+            _rename(c.path, self.spool._done + c.jid + ".json",
+                    fs("processing"), fs("done"))
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        return True
 
     def move_on(self, c, job, dest, me, fin=None, until=None):
         """Put a new version of a claimed job into incoming/ (mtime =
@@ -2737,8 +2793,33 @@ class _Producing(object):
         self.require()
         job = new_job(type, payload, id, delay, max_attempts, timeout, _now(),
                       priority, ttl)
-        return self._enqueue([self._prepared(job, id is not None, delay or 0)],
-                             sync)[0]
+        todo = self._prepared(job, id is not None, delay or 0)
+        if todo[4] != "incoming":       # (a lane: make_room, the lane made)
+            return self._enqueue([todo], sync)[0]
+        return self._enqueue_one(todo, sync)
+
+    def _enqueue_one(self, todo, sync):
+        """_enqueue of one job into incoming/, without the batch's lists."""
+        job, data, explicit, delay, sub = todo
+        problem = self._room_for((len(data),))
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        dirs = self.fs
+        jid = job["id"]
+        try:
+            self._place_new(job, data, explicit, delay, sync, dirs)
+            if sync:
+                self._fsync_or_withdraw(((jid, sub),), dirs)
+            self.poke(dirs, often=True)
+        except OSError as e:        # opening the directories
+            if isinstance(e, _Refused):
+                raise ConfigError("spool %s refuses the job: %s; nothing was "
+                                  "enqueued" % (self.path, e))
+            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
+                            % (self.path, e.strerror))
+        finally:
+            dirs.release()
+        return jid
 
     def enqueue_many(self, specs, sync=True):
         """Add many jobs, durable when it returns (sync): on ext4 in one
@@ -2846,7 +2927,7 @@ class _Producing(object):
                     _step("fsync", dst, "after")
                 except OSError as e:
                     for x in later:
-                        self._withdraw(x[0], x[1], x[2])
+                        self._withdraw(x[0], x[1], x[2], x[3])
                     gone = set(x[0] for x in later)
                     done[:] = [x for x in done if x[0] not in gone]
                     self._write_error(jid, e)
@@ -2875,7 +2956,7 @@ class _Producing(object):
 
     def _tmpname(self, jid):
         self._seq += 1
-        return "%s%s.%d.%d.new" % (self._tmp, jid, os.getpid(), self._seq)
+        return "%s%s.%d.%d.new" % (self._tmp, jid, _PID[0], self._seq)
 
     def _place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming",
                    later=None):
@@ -2885,33 +2966,18 @@ class _Producing(object):
             if where:
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
-        tmp = self._tmpname(jid)
         dst = (self._incoming if sub == "incoming" else self.d(sub, "")) + jid + ".json"
-        tfd = dfd = fd = None
+        tmp = tfd = fd = None
         try:
-            tfd, dfd = dirs("tmp"), dirs(sub)
-            # Root enqueues into a spool that belongs to the worker's user:
-            # the file is handed over through its own descriptor, before it
-            # has a name anyone else could swap.
-            ino, fd = _create(tmp, data, sync=False, dir_fd=tfd, keep=True,
-                              owner=dirs.owner(), mode=dirs.file_mode(),
-                              mtime=job["available_at"] if delay else None)
-            if not explicit:
-                _rename(tmp, dst, tfd, dfd)
+            dfd = dirs(sub)
+            got = _TMPFILE and self._unnamed(job, data, delay, dirs, dfd, dst)
+            if got:
+                ino, fd = got
             else:
-                try:
-                    _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued now
-                except OSError as e:
-                    if e.errno == errno.EEXIST:
-                        raise DuplicateJob("job id %s is already queued; pick "
-                                           "another id" % jid)
-                    if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
-                                       errno.EMLINK, errno.EXDEV):
-                        raise
-                    if _exists(jid + ".json", dfd):  # no hard links (vfat)
-                        raise DuplicateJob("job id %s is already queued" % jid)
-                    _rename(tmp, dst, tfd, dfd)
-            self._placed(jid, ino, dfd)
+                tmp = self._tmpname(jid)
+                tfd = dirs("tmp")
+                ino, fd = self._through_tmp(job, data, explicit, delay, dirs,
+                                            tmp, tfd, dfd, dst)
             if later is not None:       # (_enqueue: many jobs)
                 try:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -2932,9 +2998,9 @@ class _Producing(object):
                     os.fsync(fd)
                     _step("fsync", dst, "after")
                 except OSError:
-                    self._withdraw(jid, ino, dfd)
+                    self._withdraw(jid, ino, dfd, fd)
                     raise
-            if explicit:
+            if explicit and tfd is not None:
                 _quiet_unlink(tmp, tfd)     # (tmp/ orphans are pruned anyway)
         except MyqError:
             if tfd is not None:
@@ -2947,6 +3013,91 @@ class _Producing(object):
         finally:
             if fd is not None:
                 os.close(fd)
+
+    def _unnamed(self, job, data, delay, dirs, dfd, dst):
+        """The job written as an unnamed file in its directory (O_TMPFILE),
+        then linked at `dst` once whole: nothing can be swapped for it, and
+        a crash before the link leaves nothing behind.  (None, descriptor)
+        for _place_new (the inode asked only if it must be withdrawn), or
+        None where the system refuses O_TMPFILE (never asked again)."""
+        global _TMPFILE
+        _step("create", dst, "before")
+        try:
+            fd = os.open(".", os.O_WRONLY | _TMPFILE | O_CLOEXEC,
+                         dirs.file_mode(), dir_fd=dfd)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            _TMPFILE = 0
+            return None
+        _step("create", dst, "after")
+        try:
+            owner = dirs.owner()
+            if owner is not None:   # given away before it has a name
+                os.fchown(fd, owner[0], owner[1])
+            if dirs.file_mode() & 0o020:    # past the umask
+                os.fchmod(fd, 0o660)
+            _step("write", dst, "before")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            _step("write", dst, "after")
+            if delay:               # (before the fsync: durable too)
+                t = job["available_at"]
+                _step("utime", dst, "before")
+                os.utime(fd, (t, t))
+                _step("utime", dst, "after")
+            _step("link", dst, "before")
+            try:
+                os.link("/proc/self/fd/%d" % fd, dst.rpartition("/")[2],
+                        dst_dir_fd=dfd)
+            except OSError as e:
+                if e.errno == errno.EEXIST:
+                    raise DuplicateJob("job id %s is already queued; pick "
+                                       "another id" % job["id"])
+                if e.errno != errno.ENOENT or os.path.isdir("/proc/self/fd"):
+                    raise
+                _TMPFILE = 0        # no /proc: through tmp/ from now on
+                os.close(fd)
+                return None
+            _step("link", dst, "after")
+        except BaseException:
+            os.close(fd)
+            raise
+        return None, fd
+
+    def _through_tmp(self, job, data, explicit, delay, dirs, tmp, tfd, dfd, dst):
+        """The classic way, where O_TMPFILE is refused: written in tmp/,
+        renamed (an explicit id: linked) into place, checked to be the file
+        written.  (inode, descriptor)."""
+        jid = job["id"]
+        # Root enqueues into a spool that belongs to the worker's user:
+        # the file is handed over through its own descriptor, before it
+        # has a name anyone else could swap.
+        ino, fd = _create(tmp, data, sync=False, dir_fd=tfd, keep=True,
+                          owner=dirs.owner(), mode=dirs.file_mode(),
+                          mtime=job["available_at"] if delay else None)
+        try:
+            if not explicit:
+                _rename(tmp, dst, tfd, dfd)
+            else:
+                try:
+                    _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued now
+                except OSError as e:
+                    if e.errno == errno.EEXIST:
+                        raise DuplicateJob("job id %s is already queued; pick "
+                                           "another id" % jid)
+                    if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
+                                       errno.EMLINK, errno.EXDEV):
+                        raise
+                    if _exists(jid + ".json", dfd):  # no hard links (vfat)
+                        raise DuplicateJob("job id %s is already queued" % jid)
+                    _rename(tmp, dst, tfd, dfd)
+            self._placed(jid, ino, dfd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ino, fd
 
     def _write_error(self, jid, e):
         """Raise the MyqError for OSError `e` while job `jid` was written."""
@@ -2962,11 +3113,14 @@ class _Producing(object):
         raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
                         % (jid, self.path, e.strerror))
 
-    def _withdraw(self, jid, ino, dfd):
+    def _withdraw(self, jid, ino, dfd, fd=None):
         """An enqueue that cannot be made durable takes its file back (if no
-        worker claimed it meanwhile): its error means nothing enqueued."""
+        worker claimed it meanwhile): its error means nothing enqueued.
+        `ino` None: the inode of the open descriptor `fd`."""
         name = jid + ".json"
         try:
+            if ino is None:
+                ino = os.fstat(fd).st_ino
             if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino:
                 os.unlink(name, dir_fd=dfd)
         except OSError:

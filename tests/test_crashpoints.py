@@ -232,6 +232,21 @@ def _():
     return _keep, act
 
 
+# The same enqueues through tmp/ + rename (link), the way where the system
+# refuses O_TMPFILE (an older kernel, a filesystem without it): both ways
+# have their crash points.
+for _name in [n for n in OPS if n.startswith("enqueue")]:
+    def _classic(spec):
+        def act(path, arm):
+            myq._TMPFILE = 0
+            spec.act(path, arm)
+        return act
+    OPS[_name + "-via-tmp"] = types.SimpleNamespace(
+        **dict(vars(OPS[_name]), name=_name + "-via-tmp",
+               act=_classic(OPS[_name])))
+    assert getattr(myq, "_TMPFILE", 0), "O_TMPFILE is refused here"
+
+
 def _one(path):
     myq.enqueue(path, "rec", {"j": 1}, id="j")
 
@@ -700,12 +715,25 @@ def test_enqueue_durability_order(spool):
     promised before it returns, so a power cut between the rename and the
     fsync may leave a name without data (the power-cut tests show the
     worker quarantines it, and no enqueue that returned is lost)."""
-    for kw in ({}, {"id": "x1"}, {"id": "x2", "delay": 5}):
-        calls = _calls_of(spool, lambda path, arm: (
-            arm(), myq.enqueue(path, "rec", {"a": 1}, **kw)))
+    for via_tmp, kw in [(t, kw) for t in (False, True) for kw in (
+            {}, {"id": "x1%d" % t}, {"id": "x2%d" % t, "delay": 5})]:
+        def act(path, arm):
+            if via_tmp:
+                myq._TMPFILE = 0
+            arm()
+            myq.enqueue(path, "rec", {"a": 1}, **kw)
+        calls = _calls_of(spool, act)
         pub = _published(calls, "incoming", "after")
-        tmp = [p for o, p, w in calls[:pub] if o == "create" and under(p, "tmp")]
-        assert tmp, "the job was not written in tmp/ first: %r" % calls
+        if via_tmp:
+            tmp = [p for o, p, w in calls[:pub] if o == "create"
+                   and under(p, "tmp")]
+            assert tmp, "the job was not written in tmp/ first: %r" % calls
+        else:
+            # O_TMPFILE: an unnamed file in incoming/, linked at its name
+            # (the step's path) once written; nothing in tmp/
+            tmp = [p for o, p, w in calls[:pub] if o == "create"]
+            assert tmp and under(tmp[-1], "incoming") and calls[pub][0] == \
+                "link" and calls[pub][1] == tmp[-1], calls
         wrote = _index(calls, "write", "after", lambda p: p == tmp[-1])
         assert wrote < pub, "the job's data is written before its rename"
         fsync = _index(calls, "fsync", "after", lambda p: under(p, "incoming")

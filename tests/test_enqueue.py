@@ -234,13 +234,19 @@ def test_api_enqueue_spool_full(myq, spool, monkeypatch):
     assert ls(spool, "incoming") == [] and ls(spool, "tmp") == []
 
 
-def test_a_job_claimed_before_enqueue_returns_was_enqueued(myq, spool, monkeypatch):
+@pytest.mark.parametrize("via_tmp", [False, True])
+def test_a_job_claimed_before_enqueue_returns_was_enqueued(myq, spool, monkeypatch,
+                                                           via_tmp):
     """A worker may claim the job between the rename into incoming/ and
     enqueue's check that the file there is the one it wrote: that is not
     "replaced" (found by the power-cut harness: the caller was told nothing
-    was enqueued while the job ran)."""
+    was enqueued while the job ran).  Both ways: through tmp/, and linked
+    from an unnamed file (O_TMPFILE: no such check is needed)."""
+    if via_tmp:
+        monkeypatch.setattr(myq, "_TMPFILE", 0)
+
     def claim_now(op, path, when):
-        if op == "rename" and when == "after" and "/incoming/" in path:
+        if op in ("rename", "link") and when == "after" and "/incoming/" in path:
             jid = os.path.basename(path)[:-5]
             os.rename(path, os.path.join(spool, "processing",
                                          jid + "+w-1-abcdef.1.json"))

@@ -141,18 +141,27 @@ def test_api_enqueue_chown_race(box):
 
 @needs_root
 @pytest.mark.parametrize("sub", ["tmp", "incoming"])
-def test_api_enqueue_refuses_a_symlinked_dir(box, sub):
+def test_api_enqueue_refuses_a_symlinked_dir(box, sub, monkeypatch):
     """A root program's `myq.enqueue(spool, ...)` on the owner's spool
     whose tmp/ or incoming/ is a symlink to a root directory: a MyqError,
     nothing written outside the spool.  Fails today: the job is written
-    into the victim directory."""
+    into the victim directory.  (With O_TMPFILE an enqueue never goes
+    through tmp/: it is refused only where it writes there, the way
+    where the system refuses O_TMPFILE.)"""
     box.replace(sub, "symlink", box.victim_dir)
     myq._SPOOLS.clear()
+    if sub == "tmp":
+        monkeypatch.setattr(myq, "_TMPFILE", 0)
     with pytest.raises(myq.MyqError):
         myq.enqueue(box.spool, "t", {"x": 1}, id="viaapi")
     with pytest.raises(myq.MyqError):
         myq.Spool(box.spool).enqueue("t", None)
     assert box.changed() == []
+    if sub == "tmp":
+        monkeypatch.undo()
+        assert myq._TMPFILE, "O_TMPFILE refused here"
+        myq.Spool(box.spool).enqueue("t", None)     # (not through tmp/)
+        assert box.changed() == []
 
 
 # 3. Forged handler records #################################################

@@ -466,11 +466,14 @@ def known_enqueue_bug(op, path, when):
     return None
 
 
-def test_enqueue_under_injected_faults(tmp_path, capsys):
+@pytest.mark.parametrize("via_tmp", [False, True], ids=["o_tmpfile", "via_tmp"])
+def test_enqueue_under_injected_faults(tmp_path, capsys, monkeypatch, via_tmp):
     """Every step of enqueue (auto id, explicit id, delayed, a batch), ENOSPC
     and EIO: SpoolFull or another MyqError, nothing in tmp/, nothing new in
     incoming/ (a batch keeps the jobs placed before the failing one, as
     documented)."""
+    if via_tmp:     # the way where the system refuses O_TMPFILE
+        monkeypatch.setattr(myq, "_TMPFILE", 0)
     failures, fixed, known, n = [], [], {}, 0
     for name, (fn, ids) in sorted(ENQUEUE.items()):
         p = str(tmp_path / name / "count")
@@ -551,18 +554,24 @@ def hook(op, path, when):
     if op == %r and when == "before" and os.path.dirname(path) == %r:
         raise OSError(errno.%s, os.strerror(errno.%s), path)
 myq._hook = hook
+if %r:
+    myq._TMPFILE = 0        # through tmp/, as where O_TMPFILE is refused
 sys.exit(myq.main(sys.argv[1:]))
 """
 
 
 @pytest.mark.parametrize("op,err,where", [("write", "ENOSPC", "tmp"),
+                                          ("write", "ENOSPC", "incoming"),
                                           ("fsync", "EIO", "incoming")])
 def test_cli_enqueue_under_injected_fault(spool, tmp_path, op, err, where):
     """`myq enqueue` as a program: exit 75, one line on stderr, nothing left.
     (The file's fsync comes after its rename into incoming/: see
-    test_crashpoints.test_enqueue_durability_order.)"""
+    test_crashpoints.test_enqueue_durability_order.)  A write in tmp/: the
+    way without O_TMPFILE; in incoming/: the unnamed file O_TMPFILE makes
+    there."""
     w = tmp_path / "wrapper.py"
-    w.write_text(WRAPPER % (ROOT, op, os.path.join(spool, where), err, err))
+    w.write_text(WRAPPER % (ROOT, op, os.path.join(spool, where), err, err,
+                            where == "tmp"))
     cp = subprocess.run([sys.executable, str(w), "--spool", spool, "enqueue", "ok",
                          '{"a": 1}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         universal_newlines=True, env=clean_env(), timeout=60)
