@@ -94,13 +94,10 @@ The map: the sections, in file order, each using only those above it
 """
 
 import errno
-import json
 import os
-import re
 import stat
 import sys
 import time
-import weakref
 
 if sys.version_info < (3, 7):
     # Python 2 parses this whole file (so: the coding line above, and no
@@ -113,6 +110,53 @@ if sys.version_info < (3, 7):
     sys.exit(78)
 
 import _thread  # noqa: E402  (Python 2 names it thread)
+import _weakref  # noqa: E402  (weakref.proxy is _weakref's: weakref costs 4 M)
+
+
+# json and re are imported at their first use, not at load: together they
+# cost a `myq enqueue` about 30 M instructions (re pulls in enum and its
+# classes), as much as the interpreter's own start; a producer needs
+# neither (its JSON goes through _json's C parts, a name is checked by
+# _is_name).  Regular expressions are compiled at their first use too.
+
+class _OnFirstUse(object):
+    """A module imported at its first use: `json = _OnFirstUse("json")`.
+    The first attribute asked for imports it and rebinds the module's
+    global to the real module, so that every later use is a plain global
+    lookup of it."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        module = __import__(self._name)
+        globals()[self._name] = module
+        return getattr(module, attr)
+
+
+json = _OnFirstUse("json")
+re = _OnFirstUse("re")
+
+
+class _Later(object):
+    """An object made by make() at its first use (a compiled expression,
+    a JSON decoder); its attributes are then copied into this one, so a
+    later `X.match` costs what it costs on the object itself."""
+
+    def __init__(self, make):
+        self._make = make
+
+    def __getattr__(self, name):
+        obj = self._make()
+        for n in dir(obj):
+            if not n.startswith("__"):
+                self.__dict__[n] = getattr(obj, n)
+        return getattr(obj, name)
+
+
+def _Pattern(pattern, flags=0):
+    """re.compile(pattern, flags), at its first use."""
+    return _Later(lambda: re.compile(pattern, flags))
 
 __version__ = "0.1.0"
 
@@ -141,8 +185,8 @@ DEFAULTS = {
 EX_USAGE, EX_DATAERR, EX_NOINPUT = 64, 65, 66
 EX_OSERR, EX_CANTCREAT, EX_TEMPFAIL, EX_CONFIG = 71, 73, 75, 78
 
-NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
-GENERATED_ID_RE = re.compile(r"[0-9]{13}-[0-9a-f]{8}\Z")     # _new_id's
+NAME_RE = _Pattern(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
+GENERATED_ID_RE = _Pattern(r"[0-9]{13}-[0-9a-f]{8}\Z")     # _new_id's
 STDERR_TAIL = 2000          # bytes of a handler's stderr kept for last_error
 ERROR_MAX = 1000            # characters of last_error stored
 SLACK = 16384               # what a worker may add to a job (error, lease lines)
@@ -181,6 +225,9 @@ _SEQ = [0]
 
 # _new_id(): [the last millisecond, its count], so that ids sort in order.
 _LAST_ID = [0, 0]
+
+# _decode(): [_json's scanner], made at the first use.
+_SCANNER = []
 
 # A spool's path -> True: every spool this process uses (Filesystem steps:
 # a path inside one goes through the door).
@@ -334,7 +381,7 @@ def parse_size(text):
     return int(v)
 
 
-_DURATION_RE = re.compile(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(ms|s|m|h|d)\s*\Z")
+_DURATION_RE = _Pattern(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(ms|s|m|h|d)\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 DURATION_FORMS = "seconds such as 0.2 or 90, or a unit: 500ms, 30s, 15m, 1h, 7d"
 
@@ -407,7 +454,7 @@ def _uniform():
     return int.from_bytes(os.urandom(7), "big") / float(1 << 56)
 
 
-_BARE = re.compile(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z")
+_BARE = _Pattern(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z")
 
 
 def _kv(value):
@@ -424,7 +471,7 @@ def _kv(value):
     return json.dumps(s, ensure_ascii=False)
 
 
-_CONTROL = re.compile(u"[\x00-\x1f\x7f-\x9f]")
+_CONTROL = _Pattern(u"[\x00-\x1f\x7f-\x9f]")
 
 
 def _plain(text, more=None):
@@ -439,7 +486,7 @@ def _plain(text, more=None):
     return more.sub(sub, text) if more is not None else text
 
 
-_FIELD = re.compile(r"[\s,=]")     # what would end a status line's field
+_FIELD = _Pattern(r"[\s,=]")     # what would end a status line's field
 
 
 def pid_namespace():
@@ -1288,10 +1335,10 @@ def _finite_float(text):
     return v
 
 
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant,
-                            parse_float=_finite_float)
-_WS = re.compile(r"[ \t\n\r]*")
-_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_DECODER = _Later(lambda: json.JSONDecoder(parse_constant=_reject_constant,
+                                            parse_float=_finite_float))
+_WS = _Pattern(r"[ \t\n\r]*")
+_SURROGATE = _Pattern(r"\\u[dD][89a-fA-F]")
 MAX_DEPTH = 64              # nesting of a job; far below any recursion limit
 MAX_TIME = 1e11             # epoch seconds (year 5138): beyond is a mistake
 
@@ -1323,8 +1370,8 @@ def _check_value(obj, text):
         dumps(obj)
 
 
-_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False,
-                            separators=(",", ":"))
+_ENCODER = _Later(lambda: json.JSONEncoder(ensure_ascii=False, allow_nan=False,
+                                            separators=(",", ":")))
 
 
 def dumps(job):
@@ -1345,20 +1392,56 @@ _NEW_FORMAT = ('{"id":"%s","type":"%s","payload":%s,"attempts":0,'
                '"last_error":null}\n')
 
 
+# json.encoder's C parts, taken from _json itself: importing json.encoder
+# imports json, and json imports re (see _OnFirstUse).
 try:
-    from json.encoder import c_make_encoder as _c_make_encoder, \
-        encode_basestring as _encode_basestring
+    from _json import make_encoder as _c_make_encoder, \
+        encode_basestring as _encode_basestring, make_scanner as _c_make_scanner
 except ImportError:
-    _c_make_encoder = None
+    _c_make_encoder = _c_make_scanner = None
+
+
+def _not_json(o):
+    """JSONEncoder.default's error, word for word (3.7-3.13)."""
+    raise TypeError("Object of type %s is not JSON serializable"
+                    % o.__class__.__name__)
 
 
 def _encode_value(v):
     """_ENCODER.encode(v) without its Python layers (JSONEncoder.iterencode
     makes this very C encoder, with these arguments, in 3.7-3.13)."""
-    if _c_make_encoder is None or v.__class__ is str:
+    if _c_make_encoder is None:
         return _ENCODER.encode(v)
-    return "".join(_c_make_encoder({}, _ENCODER.default, _encode_basestring,
+    if v.__class__ is str:
+        return _encode_basestring(v)    # what encode() does with a str
+    return "".join(_c_make_encoder({}, _not_json, _encode_basestring,
                                    None, ":", ",", False, False, False)(v, 0))
+
+
+class _ScanRules(object):
+    """What _json.make_scanner reads of a JSONDecoder: _DECODER's rules."""
+    strict, object_hook, object_pairs_hook = True, None, None
+    parse_float, parse_int = staticmethod(_finite_float), int
+    parse_constant = staticmethod(_reject_constant)
+
+
+def _decode(text):
+    """_DECODER.decode(text), the same value, by _json's C scanner alone
+    (json's Python layer is not imported); anything but a whole value,
+    ended by blanks only: _DECODER.decode's own error (or value)."""
+    scan = _SCANNER[0] if _SCANNER else None
+    if scan is None and _c_make_scanner is not None:
+        scan = _c_make_scanner(_ScanRules())
+        _SCANNER.append(scan)
+    if scan is not None:
+        start = len(text) - len(text.lstrip(" \t\n\r"))
+        try:
+            obj, end = scan(text, start)
+        except Exception:   # (3.7-3.11: SystemError, as json.decoder, the
+            obj, end = None, -1     # error's class, is not imported yet)
+        if end >= 0 and not text[end:].strip(" \t\n\r"):
+            return obj
+    return _DECODER.decode(text)
 
 
 def _dumps_new(job):
@@ -1456,8 +1539,17 @@ def _ids(ids):
     return list(ids)
 
 
+_NAME_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-"
+
+
+def _is_name(value):
+    """NAME_RE.match(value) for a str, without re (see _OnFirstUse)."""
+    return 0 < len(value) <= 128 and value[0] != "." \
+        and not value.strip(_NAME_CHARS)
+
+
 def _check_name(value, what):
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    if not isinstance(value, str) or not _is_name(value):
         raise InvalidJob("bad %s %s: 1-128 characters of A-Z a-z 0-9 . _ -, "
                          "not starting with '.'" % (what, json.dumps(value)[:140]))
 
@@ -1688,10 +1780,10 @@ def _split_claim(name):
 
 POLICY_FILE = "policy.json"
 LANES = "incoming/lanes"
-LANE_RE = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
+LANE_RE = _Pattern(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
 _LANE_KEYS = ("max_queued", "max_bytes", "paused", "concurrency", "rate",
               "batch")
-_RATE_RE = re.compile(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
+_RATE_RE = _Pattern(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
 SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
 
 
@@ -1886,7 +1978,7 @@ class Breaker(object):
     workers; a worker's own view of them is Worker._holds."""
 
     def __init__(self, spool):
-        self.spool = weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
+        self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self._noted = {}            # dest -> the names note_job wrote
         self._held_cache = None     # records()' last look
 
@@ -2123,7 +2215,7 @@ class Claims(object):
     quarantine of what cannot be a job.  The spool's, as spool.claims."""
 
     def __init__(self, spool):
-        self.spool = weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
+        self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
 
     def claim(self, name, me, default_max_attempts=5, scheduled=False,
                sub="incoming"):
@@ -5008,7 +5100,7 @@ class HttpPool(object):
                     conn.close()
 
 
-_BAD_IN_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_BAD_IN_HEADER = _Pattern(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _unsendable(method, target, hdrs):
@@ -5246,8 +5338,8 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
 # connection idles past keepalive/2 (the broker drops it at 1.5 x keepalive).
 
 MQTT_PORTS = {"mqtt": 1883, "mqtts": 8883}
-_MQTT_URL = re.compile(r"(mqtts?)://(?:([^@/]*)@)?(\[[0-9A-Fa-f:.]+\]|[^\[\]@/:]+)"
-                       r"(?::(\d{1,5}))?/?\Z", re.I)
+_MQTT_URL = _Pattern(r"(?i)(mqtts?)://(?:([^@/]*)@)?(\[[0-9A-Fa-f:.]+\]|[^\[\]@/:]+)"
+                     r"(?::(\d{1,5}))?/?\Z")
 _MQTT_MAX = 268435455          # the largest remaining length MQTT can say
 _MQTT_WINDOW = 65535           # packet ids: at most this many in flight
 _CONNACK = {
@@ -9797,6 +9889,74 @@ def _parser(only=None):
     return top
 
 
+# `myq enqueue`'s own options, each with what argparse's `type` makes of
+# its value (the guard options stay text, as there: _resolve reads them).
+_ENQUEUE_TYPES = {"--id": str, "--delay": DURATION, "--max-attempts": int,
+                  "--timeout": DURATION, "--priority": PRIORITY,
+                  "--ttl": POSITIVE_SECONDS, "--spool": str}
+_GUARD_FLAGS = frozenset(t[0] for t in GUARD_OPTIONS)
+
+
+class _Args(object):
+    """What parse_args returns, made by _fast_args."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _fast_args(argv):
+    """parse_args(argv) for the usual forms of `myq enqueue`, without
+    argparse (importing it and building the parser cost a producer more
+    than the rest of its run): [--spool DIR] enqueue [OPTION]... TYPE
+    [PAYLOAD] [OPTION]..., each OPTION one of enqueue's, spelt out in full,
+    as --name VALUE or --name=VALUE.  Anything else (another command,
+    --help, an abbreviation, an option between TYPE and PAYLOAD, a word
+    starting with '-' where a value or the payload goes, a value its option
+    refuses) returns None: argparse parses that, with its own errors."""
+    got = dict((t[0][2:].replace("-", "_"), None) for t in GUARD_OPTIONS)
+    got.update(spool=None, spool_sub=None, command="enqueue", payload="null",
+               id=None, delay=0, max_attempts=None, timeout=None,
+               priority=None, ttl=None)
+    words, i, n = [], 0, len(argv)
+    where = 0           # 0: before the command, 1: before TYPE, 2: in the
+    while i < n:        # positionals, 3: after them
+        a = argv[i]
+        i += 1
+        if a[:1] != "-" or a == "-":
+            if where == 0 and a != "enqueue" or where == 3:
+                return None
+            if where:
+                words.append(a)
+            where = 2 if where else 1
+            continue
+        name, eq, value = a.partition("=")
+        if not eq:
+            if i == n or argv[i][:1] == "-":
+                return None
+            value = argv[i]
+            i += 1
+        kind = _ENQUEUE_TYPES.get(name) if where else None
+        if name == "--spool":
+            got["spool_sub" if where else "spool"] = value
+        elif kind is not None:
+            try:
+                got[name[2:].replace("-", "_")] = kind(value)
+            except ValueError:
+                return None
+        elif where and name in _GUARD_FLAGS:
+            got[name[2:].replace("-", "_")] = value
+        else:
+            return None
+        if where == 2:
+            where = 3
+    if not 1 <= len(words) <= 2:
+        return None
+    got["type"] = words[0]
+    if len(words) == 2:
+        got["payload"] = words[1]
+    return _Args(**got)
+
+
 def _resolve(args, table, env):
     """Option values: the flag, else MYQ_<OPTION>, else the default."""
     out = {}
@@ -10211,7 +10371,7 @@ def _cmd_enqueue(a):
     args = a.args
     text = sys.stdin.read() if args.payload == "-" else args.payload
     try:
-        payload = _DECODER.decode(text.strip())
+        payload = _decode(text.strip())
     except RecursionError:
         raise InvalidJob("payload nested too deep")
     except ValueError as e:
@@ -10503,12 +10663,14 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     env = os.environ
     try:
-        i = _command_index(argv)
-        only = argv[i] if i < len(argv) and argv[i] in _COMMANDS else None
-        try:
-            args = _parser(only).parse_args(argv)
-        except SystemExit as e:         # --help, --version
-            return e.code if isinstance(e.code, int) else 0
+        args = _fast_args(argv)
+        if args is None:
+            i = _command_index(argv)
+            only = argv[i] if i < len(argv) and argv[i] in _COMMANDS else None
+            try:
+                args = _parser(only).parse_args(argv)
+            except SystemExit as e:         # --help, --version
+                return e.code if isinstance(e.code, int) else 0
         path = getattr(args, "spool_sub", None) or args.spool \
             or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
         guards = {}
