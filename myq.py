@@ -429,8 +429,11 @@ def parse_bool(v):
 def parse_int(v, lo=None, hi=None):
     """A whole number from lo to hi (None: no bound): a JSON integer, or
     its digits (a sign and blanks around them allowed)."""
-    if isinstance(v, str) and re.match(r"\s*[-+]?\d+\s*\Z", v):
-        v = int(v)
+    if isinstance(v, str):
+        # re.match(r"\s*[-+]?\d+\s*\Z", v) without re (see _OnFirstUse)
+        t = v.strip()
+        if t[1:].isdecimal() and t[0] in "+-" or t.isdecimal():
+            v = int(v)
     if v.__class__ is not int or (lo is not None and v < lo) or (
             hi is not None and v > hi):
         raise ValueError("not a whole number in range: %r" % (v,))
@@ -1378,7 +1381,7 @@ def dumps(job):
     """The bytes of a job file: one line of UTF-8 JSON.  Raises InvalidJob
     for what JSON cannot hold (NaN, a lone surrogate, a set …)."""
     try:
-        return (_ENCODER.encode(job) + "\n").encode("utf-8")
+        return (_encode_value(job) + "\n").encode("utf-8")
     except UnicodeError:
         raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
     except (ValueError, TypeError, RecursionError) as e:
@@ -1546,6 +1549,12 @@ def _is_name(value):
     """NAME_RE.match(value) for a str, without re (see _OnFirstUse)."""
     return 0 < len(value) <= 128 and value[0] != "." \
         and not value.strip(_NAME_CHARS)
+
+
+def _is_generated_id(jid):
+    """GENERATED_ID_RE.match(jid) for a str, without re."""
+    return len(jid) == 22 and jid[13] == "-" and not jid[:13].strip(
+        "0123456789") and not jid[14:].strip("0123456789abcdef")
 
 
 def _check_name(value, what):
@@ -1781,6 +1790,13 @@ def _split_claim(name):
 POLICY_FILE = "policy.json"
 LANES = "incoming/lanes"
 LANE_RE = _Pattern(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
+_LANE_PRIORITIES = frozenset(s + str(d) for s in ("", "-") for d in range(10))
+
+
+def _lane_of(name):
+    """LANE_RE.match(name).groups(), or None, without re (see _OnFirstUse)."""
+    stem, at, p = name.partition("@")
+    return (stem, p) if at and p in _LANE_PRIORITIES and _is_name(stem) else None
 _LANE_KEYS = ("max_queued", "max_bytes", "paused", "concurrency", "rate",
               "batch")
 _RATE_RE = _Pattern(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
@@ -3124,7 +3140,7 @@ class _Producing(object):
         now = _now() if now is None else now
         window = self.opt["dedupe_window"]
         records = (("done", jid + ".json", "st_ctime"),)
-        if not GENERATED_ID_RE.match(jid):
+        if not _is_generated_id(jid):
             # (an id myq generated never gets a locks/ok/ record: _outlive)
             records += (("locks/ok", jid, "st_mtime"),)
         for sub, name, when in records:
@@ -4408,7 +4424,7 @@ class Spool(_Producing, _Upkeep):
                 self.lane_problems[LANES] = str(e)
             return out
         for name in names:
-            m = LANE_RE.match(name)
+            m = _lane_of(name)
             if m:
                 sub = LANES + "/" + name
                 try:
@@ -4419,7 +4435,7 @@ class Spool(_Producing, _Upkeep):
                     self.lane_problems[sub] = str(e)
                     continue
                 self.lane_problems.pop(sub, None)
-                out.append((int(m.group(2)), m.group(1), sub))
+                out.append((int(m[1]), m[0], sub))
         out.sort(key=lambda l: (-l[0], l[1]))
         return out
 
