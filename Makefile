@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast lint bench bench-peers bench-cpu dist install uninstall clean soak
+.PHONY: demo test test-fast lint bench bench-peers bench-cpu dist install uninstall embed clean soak
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -103,6 +103,12 @@ dist:
 # manual pages and LICENSE under $(PREFIX)/share.
 install:
 	$(PYTHON) build/dist.py --install "$(DESTDIR)" --prefix "$(PREFIX)"
+
+# myq.py carries init.d/'s files for `python3 myq.py install` (the one file
+# has no init.d/ beside it); after an edit of one of them, refresh it here
+# (tests/test_dist.py fails until then).
+embed:
+	$(PYTHON) build/dist.py --embed
 
 # What install wrote (same DESTDIR and PREFIX); an edited /etc/default/myq stays.
 uninstall:
