@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast lint bench bench-peers bench-cpu dist install uninstall embed clean soak
+.PHONY: demo test test-fast lint bench bench-peers bench-cpu bench-cpu-startup dist install uninstall embed clean soak
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -93,6 +93,9 @@ bench-peers:
 	$(BENCH_PYTHON) bench/peers.py $(PEERS_ARGS)
 
 # Instructions per enqueue and per drained job under callgrind (~30 s).
+bench-cpu-startup:
+	$(BENCH_PYTHON) bench/cpu.py --startup --python $(BENCH_PYTHON) $(CPU_ARGS)
+
 bench-cpu:
 	$(BENCH_PYTHON) bench/cpu.py --python $(BENCH_PYTHON) $(CPU_ARGS)
 
