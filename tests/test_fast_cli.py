@@ -204,6 +204,10 @@ def test_patterns_and_decoder_made_at_first_use():
     assert p.match("ab").group(1) == "b" and p.match("abc") is None
     assert "match" in vars(p) and p.pattern == r"a(b)?\Z"
     assert myq._MQTT_URL.match("MQTTS://u@h:1").groups() == ("MQTTS", "u", "h", "1")
+    # a global names the compiled expression itself once it is made
+    myq._FIELD.search("a b")
+    assert myq._FIELD is re.compile(r"[\s,=]") or \
+        type(myq._FIELD) is type(re.compile(""))
 
 
 ENQUEUE_IMPORTS = r"""
