@@ -2,6 +2,7 @@
 """myq's soak (issue 23): the field trial as a harness, time-compressed.
 
     python3 tests/soak/soak.py [--minutes N] [--dir DIR] [--keep]
+    python3 tests/soak/soak.py --bridge [--dir DIR] [--keep]    (bridge.py)
 
 `make soak` runs the short version (about 4 minutes); `make soak
 SOAK_MINUTES=N` stretches every phase so that the timeline lasts about N
@@ -1090,6 +1091,9 @@ def stale_cleanup():
 
 
 def main():
+    if "--bridge" in sys.argv[1:]:
+        import bridge       # myq intake beside a Mosquitto bridge (issue 27)
+        return bridge.main()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=float(os.environ.get("SOAK_MINUTES") or 0),
                    help="stretch the timeline to about this many minutes "
