@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast lint bench bench-peers bench-wear bench-cpu bench-device dist install uninstall clean soak soak-bridge
+.PHONY: demo test test-fast lint bench bench-peers bench-wear bench-cpu bench-cpu-startup bench-device dist install uninstall embed clean soak soak-bridge
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -98,6 +98,9 @@ bench-wear:
 	$(BENCH_PYTHON) bench/peers.py --skip rates,cpu $(PEERS_ARGS)
 
 # Instructions per enqueue and per drained job under callgrind (~30 s).
+bench-cpu-startup:
+	$(BENCH_PYTHON) bench/cpu.py --startup --python $(BENCH_PYTHON) $(CPU_ARGS)
+
 bench-cpu:
 	$(BENCH_PYTHON) bench/cpu.py --python $(BENCH_PYTHON) $(CPU_ARGS)
 
@@ -115,6 +118,12 @@ dist:
 # manual pages and LICENSE under $(PREFIX)/share.
 install:
 	$(PYTHON) build/dist.py --install "$(DESTDIR)" --prefix "$(PREFIX)"
+
+# myq.py carries init.d/'s files for `python3 myq.py install` (the one file
+# has no init.d/ beside it); after an edit of one of them, refresh it here
+# (tests/test_dist.py fails until then).
+embed:
+	$(PYTHON) build/dist.py --embed
 
 # What install wrote (same DESTDIR and PREFIX); an edited /etc/default/myq stays.
 uninstall:

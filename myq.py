@@ -4,7 +4,7 @@
 
     myq [--spool DIR] init | enqueue TYPE [PAYLOAD] | worker | supervise |
                       intake | stats | list | show | retry | delete | reap |
-                      prune | check | version
+                      prune | check | version | install
 
 One spool directory is one queue; every state is a directory and every job
 one JSON file, so `ls` and `cat` show everything.  CPython 3.7-3.13, standard
@@ -91,18 +91,17 @@ The map: the sections, in file order, each using only those above it
   The process image   byte-code cache, heap, a worker's command
                     (test_script_start)
   Supervision       Supervisor, supervise --daemon (test_initd, test_procd)
+  Install           `myq install`: the module layout, the init files
+                    embedded (test_dist)
   Command line      the commands and their parsers (test_operator_cli)
   Run as a script   the script's start (test_script_start, test_light)
 """
 
 import errno
-import json
 import os
-import re
 import stat
 import sys
 import time
-import weakref
 
 if sys.version_info < (3, 7):
     # Python 2 parses this whole file (so: the coding line above, and no
@@ -115,6 +114,59 @@ if sys.version_info < (3, 7):
     sys.exit(78)
 
 import _thread  # noqa: E402  (Python 2 names it thread)
+import _weakref  # noqa: E402  (weakref.proxy is _weakref's: weakref costs 4 M)
+
+
+# json and re are imported at their first use, not at load: together they
+# cost a `myq enqueue` about 30 M instructions (re pulls in enum and its
+# classes), as much as the interpreter's own start; a producer needs
+# neither (its JSON goes through _json's C parts, a name is checked by
+# _is_name).  Regular expressions are compiled at their first use too.
+
+class _OnFirstUse(object):
+    """A module imported at its first use: `json = _OnFirstUse("json")`.
+    The first attribute asked for imports it and rebinds the module's
+    global to the real module, so that every later use is a plain global
+    lookup of it."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        module = __import__(self._name)
+        globals()[self._name] = module
+        return getattr(module, attr)
+
+
+json = _OnFirstUse("json")
+re = _OnFirstUse("re")
+
+
+class _Later(object):
+    """An object made by make() at its first use (a compiled expression,
+    a JSON decoder).  Then the module's globals that named this one name
+    the object itself (an attribute of an object whose class has
+    __getattr__ costs more to look up, at every use: 8,000 instructions a
+    drained job); a reference kept elsewhere gets its attributes, copied
+    into this one."""
+
+    def __init__(self, make):
+        self._make = make
+
+    def __getattr__(self, name):
+        obj = self._make()
+        for n in dir(obj):
+            if not n.startswith("__"):
+                self.__dict__[n] = getattr(obj, n)
+        g = globals()
+        for k in [k for k, v in g.items() if v is self]:
+            g[k] = obj
+        return getattr(obj, name)
+
+
+def _Pattern(pattern, flags=0):
+    """re.compile(pattern, flags), at its first use."""
+    return _Later(lambda: re.compile(pattern, flags))
 
 __version__ = "0.1.0"
 
@@ -143,8 +195,8 @@ DEFAULTS = {
 EX_USAGE, EX_DATAERR, EX_NOINPUT = 64, 65, 66
 EX_OSERR, EX_CANTCREAT, EX_TEMPFAIL, EX_CONFIG = 71, 73, 75, 78
 
-NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
-GENERATED_ID_RE = re.compile(r"[0-9]{13}-[0-9a-f]{8}\Z")     # _new_id's
+NAME_RE = _Pattern(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
+GENERATED_ID_RE = _Pattern(r"[0-9]{13}-[0-9a-f]{8}\Z")     # _new_id's
 STDERR_TAIL = 2000          # bytes of a handler's stderr kept for last_error
 ERROR_MAX = 1000            # characters of last_error stored
 SLACK = 16384               # what a worker may add to a job (error, lease lines)
@@ -197,15 +249,8 @@ _LAST_ID = [0, 0]
 _PID = [os.getpid()]
 _RANDOM = []
 
-
-def _forked():
-    _PID[0] = os.getpid()
-    del _RANDOM[:]
-    _LAST_ID[:] = [0, 0]
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
+# _decode(): [_json's scanner], made at the first use.
+_SCANNER = []
 
 # A spool's path -> True: every spool this process uses (Filesystem steps:
 # a path inside one goes through the door).
@@ -257,6 +302,8 @@ def _forked():
     _SPOOLS.clear()
     _UNHEARD.clear()
     _LAST_ID[:] = [0, 0]
+    _PID[0] = os.getpid()
+    del _RANDOM[:]
 
 
 if hasattr(os, "register_at_fork"):
@@ -381,7 +428,7 @@ def parse_size(text):
     return int(v)
 
 
-_DURATION_RE = re.compile(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(ms|s|m|h|d)\s*\Z")
+_DURATION_RE = _Pattern(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(ms|s|m|h|d)\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 DURATION_FORMS = "seconds such as 0.2 or 90, or a unit: 500ms, 30s, 15m, 1h, 7d"
 
@@ -429,8 +476,11 @@ def parse_bool(v):
 def parse_int(v, lo=None, hi=None):
     """A whole number from lo to hi (None: no bound): a JSON integer, or
     its digits (a sign and blanks around them allowed)."""
-    if isinstance(v, str) and re.match(r"\s*[-+]?\d+\s*\Z", v):
-        v = int(v)
+    if isinstance(v, str):
+        # re.match(r"\s*[-+]?\d+\s*\Z", v) without re (see _OnFirstUse)
+        t = v.strip()
+        if t[1:].isdecimal() and t[0] in "+-" or t.isdecimal():
+            v = int(v)
     if v.__class__ is not int or (lo is not None and v < lo) or (
             hi is not None and v > hi):
         raise ValueError("not a whole number in range: %r" % (v,))
@@ -454,7 +504,7 @@ def _uniform():
     return int.from_bytes(os.urandom(7), "big") / float(1 << 56)
 
 
-_BARE = re.compile(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z")
+_BARE = _Pattern(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z")
 
 
 def _kv(value):
@@ -471,7 +521,7 @@ def _kv(value):
     return json.dumps(s, ensure_ascii=False)
 
 
-_CONTROL = re.compile(u"[\x00-\x1f\x7f-\x9f]")
+_CONTROL = _Pattern(u"[\x00-\x1f\x7f-\x9f]")
 
 
 def _plain(text, more=None):
@@ -486,7 +536,7 @@ def _plain(text, more=None):
     return more.sub(sub, text) if more is not None else text
 
 
-_FIELD = re.compile(r"[\s,=]")     # what would end a status line's field
+_FIELD = _Pattern(r"[\s,=]")     # what would end a status line's field
 
 
 def pid_namespace():
@@ -1344,10 +1394,10 @@ def _finite_float(text):
     return v
 
 
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant,
-                            parse_float=_finite_float)
-_WS = re.compile(r"[ \t\n\r]*")
-_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_DECODER = _Later(lambda: json.JSONDecoder(parse_constant=_reject_constant,
+                                            parse_float=_finite_float))
+_WS = _Pattern(r"[ \t\n\r]*")
+_SURROGATE = _Pattern(r"\\u[dD][89a-fA-F]")
 MAX_DEPTH = 64              # nesting of a job; far below any recursion limit
 MAX_TIME = 1e11             # epoch seconds (year 5138): beyond is a mistake
 
@@ -1379,15 +1429,15 @@ def _check_value(obj, text):
         dumps(obj)
 
 
-_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False,
-                            separators=(",", ":"))
+_ENCODER = _Later(lambda: json.JSONEncoder(ensure_ascii=False, allow_nan=False,
+                                            separators=(",", ":")))
 
 
 def dumps(job):
     """The bytes of a job file: one line of UTF-8 JSON.  Raises InvalidJob
     for what JSON cannot hold (NaN, a lone surrogate, a set …)."""
     try:
-        return (_ENCODER.encode(job) + "\n").encode("utf-8")
+        return (_encode_value(job) + "\n").encode("utf-8")
     except UnicodeError:
         raise InvalidJob("JSON string with a lone surrogate (\\ud800…)")
     except (ValueError, TypeError, RecursionError) as e:
@@ -1401,20 +1451,56 @@ _NEW_FORMAT = ('{"id":"%s","type":"%s","payload":%s,"attempts":0,'
                '"last_error":null}\n')
 
 
+# json.encoder's C parts, taken from _json itself: importing json.encoder
+# imports json, and json imports re (see _OnFirstUse).
 try:
-    from json.encoder import c_make_encoder as _c_make_encoder, \
-        encode_basestring as _encode_basestring
+    from _json import make_encoder as _c_make_encoder, \
+        encode_basestring as _encode_basestring, make_scanner as _c_make_scanner
 except ImportError:
-    _c_make_encoder = None
+    _c_make_encoder = _c_make_scanner = None
+
+
+def _not_json(o):
+    """JSONEncoder.default's error, word for word (3.7-3.13)."""
+    raise TypeError("Object of type %s is not JSON serializable"
+                    % o.__class__.__name__)
 
 
 def _encode_value(v):
     """_ENCODER.encode(v) without its Python layers (JSONEncoder.iterencode
     makes this very C encoder, with these arguments, in 3.7-3.13)."""
-    if _c_make_encoder is None or v.__class__ is str:
+    if _c_make_encoder is None:
         return _ENCODER.encode(v)
-    return "".join(_c_make_encoder({}, _ENCODER.default, _encode_basestring,
+    if v.__class__ is str:
+        return _encode_basestring(v)    # what encode() does with a str
+    return "".join(_c_make_encoder({}, _not_json, _encode_basestring,
                                    None, ":", ",", False, False, False)(v, 0))
+
+
+class _ScanRules(object):
+    """What _json.make_scanner reads of a JSONDecoder: _DECODER's rules."""
+    strict, object_hook, object_pairs_hook = True, None, None
+    parse_float, parse_int = staticmethod(_finite_float), int
+    parse_constant = staticmethod(_reject_constant)
+
+
+def _decode(text):
+    """_DECODER.decode(text), the same value, by _json's C scanner alone
+    (json's Python layer is not imported); anything but a whole value,
+    ended by blanks only: _DECODER.decode's own error (or value)."""
+    scan = _SCANNER[0] if _SCANNER else None
+    if scan is None and _c_make_scanner is not None:
+        scan = _c_make_scanner(_ScanRules())
+        _SCANNER.append(scan)
+    if scan is not None:
+        start = len(text) - len(text.lstrip(" \t\n\r"))
+        try:
+            obj, end = scan(text, start)
+        except Exception:   # (3.7-3.11: SystemError, as json.decoder, the
+            obj, end = None, -1     # error's class, is not imported yet)
+        if end >= 0 and not text[end:].strip(" \t\n\r"):
+            return obj
+    return _DECODER.decode(text)
 
 
 def _dumps_new(job):
@@ -1512,8 +1598,26 @@ def _ids(ids):
     return list(ids)
 
 
+def _is_name(value):
+    """NAME_RE.match(value) for a str, without re (see _OnFirstUse); as
+    fast (str.strip of the 65 name characters was a third slower: a search
+    of them for each character)."""
+    return 0 < len(value) <= 128 and value[0] != "." and value.isascii() and (
+        value.replace("-", "").replace("_", "").replace(".", "").isalnum()
+        or not value.strip("._-"))
+
+
+def _is_generated_id(jid):
+    """GENERATED_ID_RE.match(jid) for a str, without re."""
+    return len(jid) == 22 and jid[13] == "-" and jid.isascii() \
+        and jid[:13].isdigit() and not jid[14:].strip("0123456789abcdef")
+
+
 def _check_name(value, what):
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    # _is_name until re is imported (a producer), then the expression (a
+    # worker checks two names a job: 2,600 instructions less a drained job)
+    if not isinstance(value, str) or not (
+            _is_name(value) if re.__class__ is _OnFirstUse else NAME_RE.match(value)):
         raise InvalidJob("bad %s %s: 1-128 characters of A-Z a-z 0-9 . _ -, "
                          "not starting with '.'" % (what, json.dumps(value)[:140]))
 
@@ -1748,10 +1852,17 @@ def _split_claim(name):
 
 POLICY_FILE = "policy.json"
 LANES = "incoming/lanes"
-LANE_RE = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
+LANE_RE = _Pattern(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
+_LANE_PRIORITIES = frozenset(s + str(d) for s in ("", "-") for d in range(10))
+
+
+def _lane_of(name):
+    """LANE_RE.match(name).groups(), or None, without re (see _OnFirstUse)."""
+    stem, at, p = name.partition("@")
+    return (stem, p) if at and p in _LANE_PRIORITIES and _is_name(stem) else None
 _LANE_KEYS = ("max_queued", "max_bytes", "paused", "concurrency", "rate",
               "batch")
-_RATE_RE = re.compile(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
+_RATE_RE = _Pattern(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
 SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
 
 
@@ -1946,7 +2057,7 @@ class Breaker(object):
     workers; a worker's own view of them is Worker._holds."""
 
     def __init__(self, spool):
-        self.spool = weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
+        self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self._noted = {}            # dest -> the names note_job wrote
         self._held_cache = None     # records()' last look
 
@@ -2183,7 +2294,7 @@ class Claims(object):
     quarantine of what cannot be a job.  The spool's, as spool.claims."""
 
     def __init__(self, spool):
-        self.spool = weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
+        self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
 
     def claim(self, name, me, default_max_attempts=5, scheduled=False,
                sub="incoming"):
@@ -3208,7 +3319,7 @@ class _Producing(object):
         now = _now() if now is None else now
         window = self.opt["dedupe_window"]
         records = (("done", jid + ".json", "st_ctime"),)
-        if not GENERATED_ID_RE.match(jid):
+        if not _is_generated_id(jid):
             # (an id myq generated never gets a locks/ok/ record: _outlive)
             records += (("locks/ok", jid, "st_mtime"),)
         for sub, name, when in records:
@@ -4492,7 +4603,7 @@ class Spool(_Producing, _Upkeep):
                 self.lane_problems[LANES] = str(e)
             return out
         for name in names:
-            m = LANE_RE.match(name)
+            m = _lane_of(name)
             if m:
                 sub = LANES + "/" + name
                 try:
@@ -4503,7 +4614,7 @@ class Spool(_Producing, _Upkeep):
                     self.lane_problems[sub] = str(e)
                     continue
                 self.lane_problems.pop(sub, None)
-                out.append((int(m.group(2)), m.group(1), sub))
+                out.append((int(m[1]), m[0], sub))
         out.sort(key=lambda l: (-l[0], l[1]))
         return out
 
@@ -5184,7 +5295,7 @@ class HttpPool(object):
                     conn.close()
 
 
-_BAD_IN_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_BAD_IN_HEADER = _Pattern(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _unsendable(method, target, hdrs):
@@ -5422,8 +5533,8 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
 # connection idles past keepalive/2 (the broker drops it at 1.5 x keepalive).
 
 MQTT_PORTS = {"mqtt": 1883, "mqtts": 8883}
-_MQTT_URL = re.compile(r"(mqtts?)://(?:([^@/]*)@)?(\[[0-9A-Fa-f:.]+\]|[^\[\]@/:]+)"
-                       r"(?::(\d{1,5}))?/?\Z", re.I)
+_MQTT_URL = _Pattern(r"(?i)(mqtts?)://(?:([^@/]*)@)?(\[[0-9A-Fa-f:.]+\]|[^\[\]@/:]+)"
+                     r"(?::(\d{1,5}))?/?\Z")
 _MQTT_MAX = 268435455          # the largest remaining length MQTT can say
 _MQTT_WINDOW = 65535           # packet ids: at most this many in flight
 _CONNACK = {
@@ -9836,6 +9947,654 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
             os._exit(status if isinstance(status, int) else 1)
 
 
+# Install #####################################################################
+#
+# `python3 myq.py install`: the one file lays itself out as build/dist.py's
+# `make install` does -- PREFIX/lib/myq/myq.py (this file, unchanged), its
+# bytecode beside it, the launcher PREFIX/bin/myq that imports it, the init
+# script and its settings -- so that "copy one file, run one command" ends
+# in the layout whose `myq enqueue` starts from bytecode (a script is
+# compiled at every start: 7x the instructions).  The one file has no
+# init.d/ beside it: the init files travel inside it (_INIT_FILES).
+
+# The init files of init.d/, as they are there: `make embed` writes this
+# block (build/dist.py --embed), tests/test_dist.py fails when they differ.
+# _INIT_FILES begin
+_INIT_FILES = {
+    "myq": (
+        "#!/bin/sh\n"
+        "### BEGIN INIT INFO\n"
+        "# Provides:          myq\n"
+        "# Required-Start:    $local_fs $remote_fs $syslog\n"
+        "# Required-Stop:     $local_fs $remote_fs $syslog\n"
+        "# Should-Start:      $network $time\n"
+        "# Should-Stop:       $network\n"
+        "# Default-Start:     2 3 4 5\n"
+        "# Default-Stop:      0 1 6\n"
+        "# Short-Description: myq job queue workers\n"
+        "# Description:       Keeps MYQ_WORKERS myq worker processes running on one\n"
+        "#                    spool directory, under one \"myq supervise\" process.\n"
+        "### END INIT INFO\n"
+        "# init.d/myq start|stop|restart|force-reload|reload|status: a SysV init\n"
+        "# script for BusyBox ash (Buildroot, OpenWrt, Alpine) and Debian.\n"
+        "# Settings come from /etc/default/myq, or from the file named by MYQ_DEFAULTS;\n"
+        "# a missing file means the defaults below. See init.d/myq.default.\n"
+        "#\n"
+        "# \"myq supervise --daemon\" does the work: it forks into a session of its\n"
+        "# own, writes the pidfile, opens the log safely, becomes MYQ_USER, starts\n"
+        "# the workers, and only then returns (or says why not); on SIGTERM it stops\n"
+        "# them (SIGKILL after MYQ_STOP_TIMEOUT) and takes back what they held. This\n"
+        "# script signals it by its pidfile and never touches a file the service\n"
+        "# user could have replaced. \"boot\" and \"shutdown\" (OpenWrt) mean start, stop.\n"
+        "\n"
+        "fail() {\n"
+        "\tprintf 'myq: %s\\n' \"$2\" >&2\n"
+        "\texit \"$1\"\n"
+        "}\n"
+        "\n"
+        "DEFAULTS=${MYQ_DEFAULTS:-/etc/default/myq}\n"
+        "case $DEFAULTS in */*) ;; *) DEFAULTS=./$DEFAULTS ;; esac # \".\" would search PATH\n"
+        "if [ -e \"$DEFAULTS\" ]; then\n"
+        "\t[ -r \"$DEFAULTS\" ] || fail 6 \"cannot read $DEFAULTS\"\n"
+        "\t# shellcheck source=/dev/null\n"
+        "\t. \"$DEFAULTS\"\n"
+        "fi\n"
+        "\n"
+        "SPOOL=${MYQ_SPOOL:-/var/spool/myq}\n"
+        "PYTHON=${MYQ_PYTHON:-python3}\n"
+        "BIN=${MYQ_BIN:-/usr/bin/myq}\n"
+        "RUNAS=${MYQ_USER:-root} # USER or USER:GROUP (the spool's group, for producers)\n"
+        "USERNAME=${RUNAS%%:*}\n"
+        "ARGS=${MYQ_ARGS:-}\n"
+        "WORKERS=${MYQ_WORKERS:-1}\n"
+        "PIDFILE=${MYQ_PIDFILE:-/var/run/myq.pid}\n"
+        "LOG=${MYQ_LOG:-syslog}\n"
+        "STOP_TIMEOUT=${MYQ_STOP_TIMEOUT:-10}\n"
+        "LISTEN=${MYQ_LISTEN:-}       # intake over HTTP: [ADDR]:PORT\n"
+        "LISTEN_TOKEN_FILE=${MYQ_LISTEN_TOKEN_FILE:-}\n"
+        "SUBSCRIBE=${MYQ_SUBSCRIBE:-} # intake over MQTT: FILTER=TYPE ..., split on blanks\n"
+        "\n"
+        "check_settings() {\n"
+        "\tfor _v in \"MYQ_SPOOL=$SPOOL\" \"MYQ_BIN=$BIN\" \"MYQ_PIDFILE=$PIDFILE\"; do\n"
+        "\t\tcase ${_v#*=} in /*) ;; *) fail 6 \"${_v%%=*} must be an absolute path, not '${_v#*=}'\" ;; esac\n"
+        "\tdone\n"
+        "\tcase $LOG in syslog | /*) ;; *) fail 6 \"MYQ_LOG must be 'syslog' or an absolute path, not '$LOG'\" ;; esac\n"
+        "\tcase $WORKERS in '' | *[!0-9]* | 0*) fail 6 \"MYQ_WORKERS must be a number >= 1, not '$WORKERS'\" ;; esac\n"
+        "\tcase $STOP_TIMEOUT in '' | *[!0-9]*) fail 6 \"MYQ_STOP_TIMEOUT must be whole seconds, not '$STOP_TIMEOUT'\" ;; esac\n"
+        "\tSTOP_TIMEOUT=${STOP_TIMEOUT#\"${STOP_TIMEOUT%%[!0]*}\"}\n"
+        "\tSTOP_TIMEOUT=${STOP_TIMEOUT:-0}\n"
+        "}\n"
+        "\n"
+        "# myq ARGS: the one place that runs myq, with a clean environment: no MYQ_*\n"
+        "# variable of the caller's (myq would read it as an option) and nothing else\n"
+        "# of root's but PATH, LANG, TZ and PYTHONPATH.\n"
+        "myq() {\n"
+        "\tenv -i PATH=\"${PATH:-/usr/sbin:/usr/bin:/sbin:/bin}\" ${LANG:+LANG=\"$LANG\"} \\\n"
+        "\t\t${TZ:+TZ=\"$TZ\"} ${PYTHONPATH:+PYTHONPATH=\"$PYTHONPATH\"} \"$PY\" \"$BIN\" --spool \"$SPOOL\" \"$@\"\n"
+        "}\n"
+        "\n"
+        "# is_supervisor PID: PID runs \"myq --spool DIR supervise\" as root or\n"
+        "# MYQ_USER (every uid of it: a command line is anyone's to choose, a uid\n"
+        "# is not). Any DIR, any program path: after an edit of the settings, stop\n"
+        "# must still find the supervisor that the old ones started.\n"
+        "is_supervisor() {\n"
+        "\t_cmd=$(tr '\\0' ' ' 2>/dev/null <\"/proc/$1/cmdline\") || return 1\n"
+        "\tcase \" $_cmd\" in\n"
+        "\t*\" --stop \"*) return 1 ;;\n"
+        "\t*\" --spool \"*\" supervise \"*) ;;\n"
+        "\t*) return 1 ;;\n"
+        "\tesac\n"
+        "\t_uid=$(id -u \"$USERNAME\" 2>/dev/null) || _uid=0\n"
+        "\t_me=$(id -u)\n"
+        "\twhile read -r _k _r _e _s _f; do\n"
+        "\t\t[ \"$_k\" = Uid: ] || continue\n"
+        "\t\tfor _u in \"$_r\" \"$_e\" \"$_s\" \"$_f\"; do\n"
+        "\t\t\t[ \"$_u\" = 0 ] || [ \"$_u\" = \"$_uid\" ] || [ \"$_u\" = \"$_me\" ] || return 1\n"
+        "\t\tdone\n"
+        "\t\treturn 0\n"
+        "\tdone 2>/dev/null <\"/proc/$1/status\"\n"
+        "\treturn 1\n"
+        "}\n"
+        "\n"
+        "# check: 0 running (PID set), 1 a pidfile but no supervisor, 3 no pidfile.\n"
+        "check() {\n"
+        "\tPID=\n"
+        "\t[ -e \"$PIDFILE\" ] || return 3\n"
+        "\tPID=$(cat \"$PIDFILE\" 2>/dev/null)\n"
+        "\tPID=${PID%%[!0-9]*}\n"
+        "\tcase $PID in '' | 0* | 1) PID= ;; esac\n"
+        "\t[ -n \"$PID\" ] && is_supervisor \"$PID\"\n"
+        "}\n"
+        "\n"
+        "# resolve: set PY (the interpreter's path); else set WHY, return 5 or 4\n"
+        "resolve() {\n"
+        "\tWHY=\"MYQ_PYTHON: no '$PYTHON' in PATH\"\n"
+        "\tPY=$(command -v \"$PYTHON\") || return 5\n"
+        "\tWHY=\"only root can run myq as MYQ_USER=$RUNAS\"\n"
+        "\t[ \"$(id -u)\" = 0 ] || [ \"$USERNAME\" = \"$(id -un)\" ] || [ \"$USERNAME\" = \"$(id -u)\" ] || return 4\n"
+        "}\n"
+        "\n"
+        "# stop_supervisor: \"myq supervise --stop\" SIGTERMs the supervisor of the\n"
+        "# pidfile (it stops its workers and takes back their jobs), waits for its\n"
+        "# process group (SIGKILL after MYQ_STOP_TIMEOUT + 5 s), then reaps: claims\n"
+        "# of killed workers go back, their handlers are ended.\n"
+        "stop_supervisor() {\n"
+        "\tresolve || return 0\n"
+        "\tmyq supervise --stop --pidfile \"$PIDFILE\" --stop-timeout \"$STOP_TIMEOUT\"\n"
+        "}\n"
+        "\n"
+        "# failed CODE MESSAGE: end a start that did not happen\n"
+        "failed() { echo \"FAIL\"; printf 'myq: %s\\n' \"$2\" >&2; return \"$1\"; }\n"
+        "\n"
+        "start() {\n"
+        "\tprintf 'Starting myq: '\n"
+        "\tcheck\n"
+        "\tcase $? in\n"
+        "\t0) echo \"already running (pid $PID)\"; return 0 ;;\n"
+        "\t1) stop_supervisor; rm -f \"$PIDFILE\" ;; # what a dead supervisor left\n"
+        "\tesac\n"
+        "\tresolve || { failed $? \"$WHY\"; return; }\n"
+        "\t[ -r \"$BIN\" ] || { failed 5 \"MYQ_BIN: cannot read $BIN\"; return; }\n"
+        "\tid \"$USERNAME\" >/dev/null 2>&1 || { failed 6 \"MYQ_USER: no user '$USERNAME'\"; return; }\n"
+        "\tcd / || return 1\n"
+        "\tmkdir -p \"${PIDFILE%/*}/\"\n"
+        "\tset -f\n"
+        "\t# shellcheck disable=SC2086 # MYQ_ARGS is a list of options, split on blanks\n"
+        "\tset -- supervise --workers \"$WORKERS\" --daemon --pidfile \"$PIDFILE\" \\\n"
+        "\t\t--stop-timeout \"$STOP_TIMEOUT\" $ARGS\n"
+        "\t# the intake process, beside the workers (its --mqtt broker: in MYQ_ARGS)\n"
+        "\t[ -z \"$LISTEN\" ] || set -- \"$@\" --listen \"$LISTEN\"\n"
+        "\t[ -z \"$LISTEN_TOKEN_FILE\" ] || set -- \"$@\" --listen-token-file \"$LISTEN_TOKEN_FILE\"\n"
+        "\tfor _s in $SUBSCRIBE; do set -- \"$@\" --subscribe \"$_s\"; done\n"
+        "\tset +f\n"
+        "\t[ \"$(id -u)\" != 0 ] || [ \"$USERNAME\" = root ] || [ \"$USERNAME\" = 0 ] || set -- \"$@\" --user \"$RUNAS\"\n"
+        "\tif [ \"$LOG\" = syslog ]; then set -- \"$@\" --syslog; else set -- \"$@\" --log \"$LOG\"; fi\n"
+        "\t# the spool (idempotent, the workers' user's), then the supervisor: it returns\n"
+        "\t# once its pidfile is written and its first worker started, or says why not\n"
+        "\t_why=$(myq init --owner \"$RUNAS\" 2>&1 >/dev/null && myq \"$@\" 2>&1 >/dev/null) ||\n"
+        "\t\t{ failed 1 \"${_why#myq: }\"; return; }\n"
+        "\techo \"OK\"\n"
+        "}\n"
+        "\n"
+        "stop() {\n"
+        "\tprintf 'Stopping myq: '\n"
+        "\tcheck\n"
+        "\t[ $? != 3 ] || { echo \"not running\"; return 0; }\n"
+        "\tstop_supervisor || { echo \"FAIL\"; return 1; }\n"
+        "\trm -f \"$PIDFILE\"\n"
+        "\techo \"OK\"\n"
+        "}\n"
+        "\n"
+        "status() {\n"
+        "\tcheck\n"
+        "\tcase $? in\n"
+        "\t0)\n"
+        "\t\techo \"myq is running (pid $PID)\"\n"
+        "\t\t# without --handlers or --module only http jobs can run (the log says so too)\n"
+        "\t\tcase \" $ARGS \" in\n"
+        "\t\t*\" --handlers \"* | *\" --handlers=\"* | *\" --module \"* | *\" --module=\"*) ;;\n"
+        "\t\t*) printf 'myq: warning: MYQ_ARGS has no --handlers or --module: only http jobs can run\\n' >&2 ;;\n"
+        "\t\tesac\n"
+        "\t\treturn 0\n"
+        "\t\t;;\n"
+        "\t1) echo \"myq is not running, but $PIDFILE exists\"; return 1 ;;\n"
+        "\tesac\n"
+        "\techo \"myq is not running\"\n"
+        "\treturn 3\n"
+        "}\n"
+        "\n"
+        "reload() {\n"
+        "\tprintf 'Reloading myq: '\n"
+        "\tcheck || { echo \"not running\"; return 7; }\n"
+        "\t# the supervisor passes SIGHUP on: every process reopens the log file\n"
+        "\tkill -s HUP \"$PID\" || { echo \"FAIL\"; return 1; }\n"
+        "\techo \"OK\"\n"
+        "}\n"
+        "\n"
+        "case $1 in\n"
+        "start | boot) check_settings && start ;;\n"
+        "stop | shutdown) check_settings && stop ;;\n"
+        "restart | force-reload) check_settings && stop && start ;;\n"
+        "reload) check_settings && reload ;;\n"
+        "status) status ;;\n"
+        "*) echo \"Usage: $0 {start|stop|restart|force-reload|reload|status}\" >&2; exit 2 ;;\n"
+        "esac\n"
+    ),
+    "myq.default": (
+        "# Settings for /etc/init.d/myq, installed as /etc/default/myq (read by sh).\n"
+        "# Every line is optional; the commented value is the default.\n"
+        "# Restart the service after a change: /etc/init.d/myq restart\n"
+        "\n"
+        "# The spool directory (one spool = one queue). On flash it survives a power\n"
+        "# cut; on a tmpfs (/tmp, /var on many devices) the queue is lost at reboot.\n"
+        "#MYQ_SPOOL=/var/spool/myq\n"
+        "\n"
+        "# The interpreter, and the myq program.\n"
+        "#MYQ_PYTHON=python3\n"
+        "#MYQ_BIN=/usr/bin/myq\n"
+        "\n"
+        "# The user the workers run as (\"myq init --owner\" gives it the spool).\n"
+        "#MYQ_USER=root\n"
+        "\n"
+        "# Worker options, split on blanks (no quoting), e.g.\n"
+        "#MYQ_ARGS=\"--handlers /etc/myq/handlers --concurrency 2 --grace 5\"\n"
+        "# This is the only way to give myq options: no MYQ_* variable (not even an\n"
+        "# exported one, such as MYQ_CONCURRENCY) reaches the workers.\n"
+        "#MYQ_ARGS=\n"
+        "\n"
+        "# Worker processes kept running by \"myq supervise\". One worker with\n"
+        "# --concurrency N (in MYQ_ARGS) is the cheap way to run N exec or http jobs\n"
+        "# at once; more workers suit Python (--module) handlers.\n"
+        "#MYQ_WORKERS=1\n"
+        "\n"
+        "# Intake (man myq: INTAKE): jobs taken in over HTTP and MQTT by one more\n"
+        "# process beside the workers, each acknowledged once it is on the disk.\n"
+        "# HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. MYQ_LISTEN=127.0.0.1:8440\n"
+        "# (loopback unless ADDR says otherwise; another address needs a token file,\n"
+        "# readable by MYQ_USER).\n"
+        "#MYQ_LISTEN=\n"
+        "#MYQ_LISTEN_TOKEN_FILE=\n"
+        "# MQTT: FILTER=TYPE subscriptions, split on blanks, at the broker of\n"
+        "# --mqtt URL in MYQ_ARGS, e.g. MYQ_SUBSCRIBE=\"sensors/+/temp=reading alarms/#=alarm\"\n"
+        "#MYQ_SUBSCRIBE=\n"
+        "\n"
+        "# The pid of the supervising process.\n"
+        "#MYQ_PIDFILE=/var/run/myq.pid\n"
+        "\n"
+        "# \"syslog\", or an absolute file path (reopened by \"/etc/init.d/myq reload\",\n"
+        "# e.g. after logrotate has moved it aside). With MYQ_USER, give the log a\n"
+        "# directory of its own (created for the user when missing), e.g.\n"
+        "# /var/log/myq/myq.log, so that the user can create the new file.\n"
+        "#MYQ_LOG=syslog\n"
+        "\n"
+        "# Seconds \"stop\" waits after SIGTERM before SIGKILL. Keep it above the\n"
+        "# worker's --grace, or running jobs are killed rather than put back.\n"
+        "#MYQ_STOP_TIMEOUT=10\n"
+    ),
+    "myq.procd": (
+        "#!/bin/sh /etc/rc.common\n"
+        "# OpenWrt (procd) init script for myq, installed as /etc/init.d/myq by the\n"
+        "# .ipk package. Settings: UCI, /etc/config/myq (see init.d/myq.config):\n"
+        "#   uci set myq.main.workers=2; uci commit myq; /etc/init.d/myq reload\n"
+        "#   /etc/init.d/myq enable; /etc/init.d/myq start\n"
+        "#\n"
+        "# procd keeps \"myq supervise\" running as root; supervise does the rest: it\n"
+        "# opens the log file safely, becomes the service user, keeps the workers\n"
+        "# running, and on SIGTERM stops them (SIGKILL after stop_timeout) and takes\n"
+        "# back what they held. This script never touches the log file nor its\n"
+        "# directory: the service user could have put a symlink there.\n"
+        "#\n"
+        "# reload: SIGHUP (the log file is reopened, e.g. after logrotate), then the\n"
+        "# settings again: an instance whose command line changed is restarted by\n"
+        "# procd (no reload_signal: with one, procd would only send that signal to a\n"
+        "# changed instance, and new settings would never take effect). A commit of\n"
+        "# /etc/config/myq runs reload (service_triggers).\n"
+        "# stop: after procd has stopped the instance, service_stopped waits for the\n"
+        "# supervisor and its workers to be gone and runs \"myq reap\": the jobs and\n"
+        "# handlers of workers that were killed are taken back.\n"
+        "# shellcheck shell=sh disable=SC2034 # START, STOP, USE_PROCD: for rc.common\n"
+        "\n"
+        "START=95\n"
+        "STOP=10\n"
+        "USE_PROCD=1\n"
+        "\n"
+        "# myq_settings: the settings from UCI (config myq 'main'); false, with a\n"
+        "# message, when one is wrong. Never exported: myq would read a MYQ_* one.\n"
+        "myq_settings() {\n"
+        "\tspool='' python='' bin='' user='' args='' workers='' log='' stop_timeout=''\n"
+        "\tlisten='' listen_token_file='' subscribe=''\n"
+        "\tconfig_load myq\n"
+        "\tconfig_get spool main spool /var/spool/myq\n"
+        "\tconfig_get python main python python3\n"
+        "\tconfig_get bin main bin /usr/bin/myq\n"
+        "\tconfig_get user main user root\n"
+        "\tconfig_get args main args ''\n"
+        "\tconfig_get workers main workers 1\n"
+        "\tconfig_get log main log syslog\n"
+        "\tconfig_get stop_timeout main stop_timeout 10\n"
+        "\tconfig_get listen main listen ''\n"
+        "\tconfig_get listen_token_file main listen_token_file ''\n"
+        "\tconfig_get subscribe main subscribe ''\n"
+        "\tfor _v in \"spool=$spool\" \"bin=$bin\"; do\n"
+        "\t\tcase ${_v#*=} in\n"
+        "\t\t/*) ;;\n"
+        "\t\t*) myq_fail \"${_v%%=*} must be an absolute path, not '${_v#*=}'\" || return ;;\n"
+        "\t\tesac\n"
+        "\tdone\n"
+        "\twhile [ \"$spool\" != / ] && [ \"${spool%/}\" != \"$spool\" ]; do\n"
+        "\t\tspool=${spool%/} # as myq names it in the workers' command lines\n"
+        "\tdone\n"
+        "\tcase $log in\n"
+        "\tsyslog | /*) ;;\n"
+        "\t*) myq_fail \"log must be 'syslog' or an absolute path, not '$log'\" || return ;;\n"
+        "\tesac\n"
+        "\tcase $workers in\n"
+        "\t'' | *[!0-9]* | 0*) myq_fail \"workers must be a number >= 1, not '$workers'\" || return ;;\n"
+        "\tesac\n"
+        "\tcase $stop_timeout in\n"
+        "\t'' | *[!0-9]*) myq_fail \"stop_timeout must be whole seconds, not '$stop_timeout'\" || return ;;\n"
+        "\tesac\n"
+        "\tstop_timeout=${stop_timeout#\"${stop_timeout%%[!0]*}\"}\n"
+        "\tstop_timeout=${stop_timeout:-0}\n"
+        "\t# procd's SIGKILL comes after supervise has had stop_timeout for its\n"
+        "\t# workers and time for its \"myq reap\" (a Python start on a slow CPU)\n"
+        "\tterm_timeout=$((stop_timeout + 10))\n"
+        "\tpy=$(command -v \"$python\") || myq_fail \"python: no '$python' in PATH\"\n"
+        "}\n"
+        "\n"
+        "myq_fail() {\n"
+        "\tprintf 'myq: %s\\n' \"$1\" >&2\n"
+        "\treturn 1\n"
+        "}\n"
+        "\n"
+        "# myq ARGS: run myq with no variable of the caller's but PATH (myq reads\n"
+        "# MYQ_* variables as options)\n"
+        "myq() {\n"
+        "\tenv -i PATH=\"${PATH:-/usr/sbin:/usr/bin:/sbin:/bin}\" \"$py\" \"$bin\" --spool \"$spool\" \"$@\"\n"
+        "}\n"
+        "\n"
+        "# myq_argv FUNCTION: FUNCTION with the arguments of \"myq --spool SPOOL\"\n"
+        "# that start the supervisor\n"
+        "myq_argv() {\n"
+        "\t_fn=$1\n"
+        "\tset -f\n"
+        "\t# shellcheck disable=SC2086 # args is a list of options, split on blanks\n"
+        "\tset -- supervise --workers \"$workers\" --stop-timeout \"$stop_timeout\" $args\n"
+        "\t# the intake process, beside the workers (its --mqtt broker: in args)\n"
+        "\t[ -z \"$listen\" ] || set -- \"$@\" --listen \"$listen\"\n"
+        "\t[ -z \"$listen_token_file\" ] || set -- \"$@\" --listen-token-file \"$listen_token_file\"\n"
+        "\tfor _s in $subscribe; do set -- \"$@\" --subscribe \"$_s\"; done\n"
+        "\tset +f\n"
+        "\tif [ \"$user\" != root ] && [ \"$user\" != 0 ]; then\n"
+        "\t\tset -- \"$@\" --user \"$user\" # supervise becomes the user itself\n"
+        "\tfi\n"
+        "\tif [ \"$log\" = syslog ]; then\n"
+        "\t\tset -- \"$@\" --syslog\n"
+        "\telse\n"
+        "\t\tset -- \"$@\" --log \"$log\" # created and opened by supervise\n"
+        "\tfi\n"
+        "\t\"$_fn\" \"$@\"\n"
+        "}\n"
+        "\n"
+        "myq_dry_run() {\n"
+        "\tmyq \"$@\" --dry-run\n"
+        "}\n"
+        "\n"
+        "# myq_prepare: the settings, the spool; false, with a message, when the\n"
+        "# service cannot start (a typo in args, a spool that is not one: said\n"
+        "# here, not in a loop of respawns)\n"
+        "myq_prepare() {\n"
+        "\tmyq_settings || return 1\n"
+        "\t[ -r \"$bin\" ] || myq_fail \"bin: cannot read $bin\" || return 1\n"
+        "\tid \"$user\" >/dev/null 2>&1 || myq_fail \"user: no user '$user'\" || return 1\n"
+        "\t# the spool (idempotent), owned by the user the workers run as\n"
+        "\t_why=$(myq init --owner \"$user\" 2>&1 >/dev/null) || myq_fail \"$_why\" || return 1\n"
+        "\t_why=$(myq_argv myq_dry_run 2>&1 >/dev/null) || myq_fail \"$_why\" || return 1\n"
+        "}\n"
+        "\n"
+        "myq_instance() {\n"
+        "\tprocd_open_instance\n"
+        "\tprocd_set_param command \"$py\" \"$bin\" --spool \"$spool\" \"$@\"\n"
+        "\tprocd_set_param respawn 3600 5 0\n"
+        "\tprocd_set_param term_timeout \"$term_timeout\"\n"
+        "\tprocd_set_param stdout 1 # early errors and tracebacks go to logd\n"
+        "\tprocd_set_param stderr 1\n"
+        "\tprocd_close_instance\n"
+        "}\n"
+        "\n"
+        "start_service() {\n"
+        "\t[ -n \"$myq_prepared\" ] || myq_prepare || return 1\n"
+        "\tmyq_argv myq_instance\n"
+        "}\n"
+        "\n"
+        "service_triggers() {\n"
+        "\tprocd_add_reload_trigger \"myq\"\n"
+        "}\n"
+        "\n"
+        "reload_service() {\n"
+        "\t# wrong settings: said, and the service runs on as it is\n"
+        "\tmyq_prepare || return 1\n"
+        "\tmyq_prepared=1\n"
+        "\t# the running supervisor reopens the log and passes SIGHUP on ...\n"
+        "\tprocd_send_signal myq '*' HUP >/dev/null 2>&1\n"
+        "\t# ... and runs on, unless the settings changed: then procd restarts it\n"
+        "\tstart\n"
+        "}\n"
+        "\n"
+        "# myq_procs: the pids of this spool's \"myq supervise\", workers and intake: the\n"
+        "# processes with those words in their command line that run as root or\n"
+        "# as the service user (uid $_uid). A command line is anyone's to choose:\n"
+        "# another user's process with these words is not waited for, nor killed.\n"
+        "myq_procs() {\n"
+        "\tfor _d in /proc/[0-9]*; do\n"
+        "\t\t_cmd=$(tr '\\0' ' ' 2>/dev/null <\"$_d/cmdline\") || continue\n"
+        "\t\tcase \" $_cmd\" in\n"
+        "\t\t*\" --spool $spool supervise \"* | *\" --spool $spool worker \"* | *\" --spool $spool intake \"*)\n"
+        "\t\t\tmyq_ours \"$_d\" && echo \"${_d#/proc/}\"\n"
+        "\t\t\t;;\n"
+        "\t\tesac\n"
+        "\tdone\n"
+        "}\n"
+        "\n"
+        "# myq_ours /proc/PID: every uid of the process (real, effective, saved,\n"
+        "# filesystem) is root's or the service user's\n"
+        "myq_ours() {\n"
+        "\twhile read -r _k _r _e _s _f; do\n"
+        "\t\t[ \"$_k\" = Uid: ] || continue\n"
+        "\t\tfor _u in \"$_r\" \"$_e\" \"$_s\" \"$_f\"; do\n"
+        "\t\t\t[ \"$_u\" = 0 ] || [ \"$_u\" = \"$_uid\" ] || return 1\n"
+        "\t\tdone\n"
+        "\t\treturn 0\n"
+        "\tdone 2>/dev/null <\"$1/status\"\n"
+        "\treturn 1\n"
+        "}\n"
+        "\n"
+        "myq_now() {\n"
+        "\tread -r _up _ </proc/uptime\n"
+        "\techo \"${_up%.*}\"\n"
+        "}\n"
+        "\n"
+        "# after procd_kill, which only asks procd to stop the instance\n"
+        "service_stopped() {\n"
+        "\tmyq_settings 2>/dev/null || return 0\n"
+        "\t_uid=$(id -u \"$user\" 2>/dev/null) || _uid=0\n"
+        "\t# procd sends SIGKILL after term_timeout; workers then see their\n"
+        "\t# supervisor gone and stop by themselves\n"
+        "\t_end=$(($(myq_now) + term_timeout + 10))\n"
+        "\twhile [ -n \"$(myq_procs)\" ]; do\n"
+        "\t\tif [ \"$(myq_now)\" -ge \"$_end\" ]; then\n"
+        "\t\t\tfor _p in $(myq_procs); do kill -s KILL \"$_p\" 2>/dev/null; done\n"
+        "\t\t\tsleep 1\n"
+        "\t\t\tbreak\n"
+        "\t\tfi\n"
+        "\t\tsleep 0.2 2>/dev/null || sleep 1\n"
+        "\tdone\n"
+        "\t# claims of workers that were killed, and their handlers: \"myq reap\"\n"
+        "\t# (as the spool's owner) takes them back and ends the handlers\n"
+        "\t[ ! -d \"$spool\" ] || myq reap >/dev/null 2>&1\n"
+        "\treturn 0\n"
+        "}\n"
+    ),
+    "myq.config": (
+        "# Settings of the myq service on OpenWrt (/etc/init.d/myq, run by procd),\n"
+        "# installed as /etc/config/myq. Every option is optional; the commented\n"
+        "# value is the default. Change them with uci, or here, then:\n"
+        "#   uci set myq.main.workers='2'; uci commit myq; /etc/init.d/myq reload\n"
+        "# reload restarts the workers when a setting changed (and reopens the log\n"
+        "# file in any case). The same settings as /etc/default/myq of the SysV\n"
+        "# script, lower case, without MYQ_ (no pidfile: procd keeps the pid).\n"
+        "\n"
+        "config myq 'main'\n"
+        "\t# The spool directory (one spool = one queue). On OpenWrt /var is in\n"
+        "\t# RAM (a link to /tmp): the default spool is lost at reboot. Put it on\n"
+        "\t# flash (the overlay, or a data partition) to keep the queue.\n"
+        "\t#option spool '/var/spool/myq'\n"
+        "\n"
+        "\t# The interpreter, and the myq program.\n"
+        "\t#option python 'python3'\n"
+        "\t#option bin '/usr/bin/myq'\n"
+        "\n"
+        "\t# The user the workers run as (\"myq init --owner\" gives it the spool).\n"
+        "\t# procd starts \"myq supervise\" as root; it becomes this user itself.\n"
+        "\t#option user 'root'\n"
+        "\n"
+        "\t# Worker options, split on blanks (no quoting), e.g.\n"
+        "\t#option args '--handlers /etc/myq/handlers --concurrency 2 --grace 5'\n"
+        "\t# This is the only way to give myq options: no MYQ_* variable reaches\n"
+        "\t# the workers.\n"
+        "\t#option args ''\n"
+        "\n"
+        "\t# Worker processes kept running by \"myq supervise\". One worker with\n"
+        "\t# --concurrency N (in args) is the cheap way to run N exec or http jobs\n"
+        "\t# at once; more workers suit Python (--module) handlers.\n"
+        "\t#option workers '1'\n"
+        "\n"
+        "\t# \"syslog\" (read it with logread), or an absolute file path, created\n"
+        "\t# by \"myq supervise\" for the user (never by the init script). With a\n"
+        "\t# user, give the log a directory of its own (created for the user when\n"
+        "\t# missing), e.g. /var/log/myq/myq.log, so that the user can create the\n"
+        "\t# new file after logrotate has moved the old one aside.\n"
+        "\t#option log 'syslog'\n"
+        "\n"
+        "\t# Intake (man myq: INTAKE): jobs taken in over HTTP and MQTT by one\n"
+        "\t# more process beside the workers, each acknowledged once on the disk.\n"
+        "\t# HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. '127.0.0.1:8440' (loopback\n"
+        "\t# unless ADDR says otherwise; another address needs a token file that\n"
+        "\t# the user can read).\n"
+        "\t#option listen ''\n"
+        "\t#option listen_token_file ''\n"
+        "\t# MQTT: FILTER=TYPE subscriptions, split on blanks, at the broker of\n"
+        "\t# --mqtt URL in args, e.g. 'sensors/+/temp=reading alarms/#=alarm'\n"
+        "\t#option subscribe ''\n"
+        "\n"
+        "\t# Seconds the workers get after SIGTERM before SIGKILL. Keep it above\n"
+        "\t# the worker's --grace, or running jobs are killed rather than put back.\n"
+        "\t# procd waits 10 s longer before it kills \"myq supervise\" itself.\n"
+        "\t#option stop_timeout '10'\n"
+    ),
+}
+# _INIT_FILES end
+
+_LIB = "lib/myq"        # under PREFIX: myq.py and its __pycache__/
+
+# build/dist.py's LAUNCHER, word for word (tests/test_dist.py checks).
+# %(lib)s is PREFIX/lib/myq as a Python literal.
+_LAUNCHER = """#!/usr/bin/env python3
+# myq launcher: runs %(lib)s/myq.py as a module, so that Python keeps its
+# compiled bytecode in __pycache__/ there (a script is compiled again on
+# every run). Installed by myq's build/dist.py; imports nothing but sys.
+import sys
+sys.path.insert(0, %(lib)r)
+import myq
+sys.exit(myq.main())
+"""
+
+# What each init system gets: (its script, the line naming myq's program
+# in it, that line's form for PREFIX/bin/myq, its settings file, its
+# shipped settings).
+_INIT_SYSTEMS = {
+    "sysv": ("myq", "BIN=${MYQ_BIN:-/usr/bin/myq}", "BIN=${MYQ_BIN:-%s}",
+             "/etc/default/myq", "myq.default"),
+    "procd": ("myq.procd", "config_get bin main bin /usr/bin/myq",
+              "config_get bin main bin %s", "/etc/config/myq", "myq.config"),
+}
+
+
+class _InstallError(MyqError):
+    """A file of the layout that could not be written."""
+    code = EX_CANTCREAT
+
+
+def _install_file(path, data, mode, said):
+    """Write aside, then rename into place (a running myq never reads a
+    half-written file); say so in `said`."""
+    d = os.path.dirname(path)
+    try:
+        os.makedirs(d, 0o755, exist_ok=True)
+        tmp = "%s.%d.tmp" % (path, os.getpid())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW
+                     | O_CLOEXEC, mode)
+        try:
+            os.write(fd, data)
+            os.fchmod(fd, mode)         # (not the umask's)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError as e:
+        raise _InstallError("cannot write %s: %s" % (
+            e.filename or path, e.strerror or e))
+    said.append(path)
+
+
+def _compile_installed(module, said):
+    """module's bytecode where its import looks (__pycache__/myq.TAG.pyc),
+    hash-checked (PEP 552: valid while myq.py's bytes are the same, whatever
+    its mtime becomes), as build/dist.py compiles it; other versions' .pyc
+    removed.  Without py_compile (python3-light may lack it) the first
+    import writes it: imported here, in a child."""
+    tag = sys.implementation.cache_tag
+    if not tag:
+        return                          # this Python caches no bytecode
+    cache = os.path.join(os.path.dirname(module), "__pycache__")
+    pyc = os.path.join(cache, "myq.%s.pyc" % tag)
+    for f in (os.listdir(cache) if os.path.isdir(cache) else ()):
+        if f.startswith("myq.") and f.endswith(".pyc") and f != os.path.basename(pyc):
+            os.unlink(os.path.join(cache, f))
+    try:
+        import py_compile
+        py_compile.compile(module, cfile=pyc, doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    except ImportError:
+        import subprocess
+        subprocess.call([sys.executable, "-c", "import sys; sys.path.insert(0, "
+                         "%r); import myq" % os.path.dirname(module)])
+    except (OSError, SyntaxError) as e:
+        raise _InstallError("cannot compile %s: %s" % (module, e))
+    if os.path.exists(pyc):
+        said.append(pyc)
+
+
+def install(prefix="/usr", destdir="", init=None):
+    """Lay out myq under DESTDIR (the target's root; '' is /): PREFIX/lib/
+    myq/myq.py (this file's bytes) and its bytecode, PREFIX/bin/myq (the
+    launcher), /etc/init.d/myq (`init`: sysv, or procd for OpenWrt; by
+    default procd where DESTDIR has /etc/rc.common) naming PREFIX/bin/myq,
+    and its settings file only where there is none yet (an operator's
+    settings are kept).  Again over an installed copy: the same files.
+    Returns what it did, a line each."""
+    if not prefix.startswith("/") or "\n" in prefix or "\0" in prefix:
+        raise UsageError("--prefix must be an absolute path, not %r" % prefix)
+    prefix = prefix.rstrip("/") or "/"
+    top = destdir or "/"
+
+    def at(path):
+        return os.path.join(top, path.lstrip("/"))
+    if destdir and not os.path.isdir(destdir):
+        raise UsageError("--destdir %s is not a directory" % destdir)
+    if init is None:
+        init = "procd" if os.path.exists(at("/etc/rc.common")) else "sysv"
+    script, line, form, conf, example = _INIT_SYSTEMS[init]
+    with open(os.path.abspath(__file__), "rb") as f:
+        me = f.read()
+    binpath = os.path.join(prefix, "bin", "myq")
+    lib = os.path.join(prefix, _LIB)
+    module = at(os.path.join(lib, "myq.py"))
+    said = []
+    # the module and its bytecode first, then what starts it
+    _install_file(module, me, 0o644, said)
+    _compile_installed(module, said)
+    _install_file(at(binpath), (_LAUNCHER % {"lib": lib}).encode("utf-8"), 0o755, said)
+    text = _INIT_FILES[script]
+    _install_file(at("/etc/init.d/myq"), text.replace(
+        line, form % binpath).encode("utf-8"), 0o755, said)
+    if os.path.exists(at(conf)):
+        said.append("%s kept (the shipped example is init.d/%s)" % (at(conf), example))
+    else:
+        _install_file(at(conf), _INIT_FILES[example].encode("utf-8"), 0o644, said)
+    return said
+
+
 # Command line ################################################################
 
 # (flag, kind, default, help); the kind is a Kind (Small helpers: the same
@@ -10136,6 +10895,16 @@ def _args_version(p):
     pass
 
 
+def _args_install(p):
+    p.add_argument("--prefix", default="/usr", help="myq.py goes to "
+                   "PREFIX/lib/myq, the launcher to PREFIX/bin/myq (default /usr)")
+    p.add_argument("--destdir", default="", metavar="DIR", help="the target's "
+                   "root, for an image being built (default /)")
+    p.add_argument("--init", choices=sorted(_INIT_SYSTEMS), help="the init "
+                   "script: sysv (/etc/default/myq) or procd (OpenWrt, "
+                   "/etc/config/myq); default procd where DIR/etc/rc.common is")
+
+
 def _add_command(sub, name, help):
     """A command's parser: the hidden --spool after the command word, the
     worker options (worker, supervise), the guard options, then its own
@@ -10175,6 +10944,74 @@ def _parser(only=None):
         if only is None or name == only:
             build(_add_command(sub, name, help))
     return top
+
+
+# `myq enqueue`'s own options, each with what argparse's `type` makes of
+# its value (the guard options stay text, as there: _resolve reads them).
+_ENQUEUE_TYPES = {"--id": str, "--delay": DURATION, "--max-attempts": int,
+                  "--timeout": DURATION, "--priority": PRIORITY,
+                  "--ttl": POSITIVE_SECONDS, "--spool": str}
+_GUARD_FLAGS = frozenset(t[0] for t in GUARD_OPTIONS)
+
+
+class _Args(object):
+    """What parse_args returns, made by _fast_args."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _fast_args(argv):
+    """parse_args(argv) for the usual forms of `myq enqueue`, without
+    argparse (importing it and building the parser cost a producer more
+    than the rest of its run): [--spool DIR] enqueue [OPTION]... TYPE
+    [PAYLOAD] [OPTION]..., each OPTION one of enqueue's, spelt out in full,
+    as --name VALUE or --name=VALUE.  Anything else (another command,
+    --help, an abbreviation, an option between TYPE and PAYLOAD, a word
+    starting with '-' where a value or the payload goes, a value its option
+    refuses) returns None: argparse parses that, with its own errors."""
+    got = dict((t[0][2:].replace("-", "_"), None) for t in GUARD_OPTIONS)
+    got.update(spool=None, spool_sub=None, command="enqueue", payload="null",
+               id=None, delay=0, max_attempts=None, timeout=None,
+               priority=None, ttl=None)
+    words, i, n = [], 0, len(argv)
+    where = 0           # 0: before the command, 1: before TYPE, 2: in the
+    while i < n:        # positionals, 3: after them
+        a = argv[i]
+        i += 1
+        if a[:1] != "-" or a == "-":
+            if where == 0 and a != "enqueue" or where == 3:
+                return None
+            if where:
+                words.append(a)
+            where = 2 if where else 1
+            continue
+        name, eq, value = a.partition("=")
+        if not eq:
+            if i == n or argv[i][:1] == "-":
+                return None
+            value = argv[i]
+            i += 1
+        kind = _ENQUEUE_TYPES.get(name) if where else None
+        if name == "--spool":
+            got["spool_sub" if where else "spool"] = value
+        elif kind is not None:
+            try:
+                got[name[2:].replace("-", "_")] = kind(value)
+            except ValueError:
+                return None
+        elif where and name in _GUARD_FLAGS:
+            got[name[2:].replace("-", "_")] = value
+        else:
+            return None
+        if where == 2:
+            where = 3
+    if not 1 <= len(words) <= 2:
+        return None
+    got["type"] = words[0]
+    if len(words) == 2:
+        got["payload"] = words[1]
+    return _Args(**got)
 
 
 def _resolve(args, table, env):
@@ -10540,7 +11377,7 @@ def _drop_root(path, command):
     /etc/shadow, a FIFO) can make root read, write, chown or signal
     anything the owner could not.  `init` (which chowns through
     descriptors) and `supervise` (which switches its workers) excepted."""
-    if command in ("init", "supervise", "version") or os.geteuid() != 0:
+    if command in ("init", "supervise", "version", "install") or os.geteuid() != 0:
         return
     try:
         st = os.stat(path)
@@ -10580,6 +11417,11 @@ def _cmd_version(a):
     _print("myq " + __version__)
 
 
+def _cmd_install(a):
+    for line in install(a.args.prefix, a.args.destdir, a.args.init):
+        _print(line)
+
+
 def _cmd_init(a):
     a.spool.init(owner=a.args.owner)
     low = a.spool.free_problem()
@@ -10591,7 +11433,7 @@ def _cmd_enqueue(a):
     args = a.args
     text = sys.stdin.read() if args.payload == "-" else args.payload
     try:
-        payload = _DECODER.decode(text.strip())
+        payload = _decode(text.strip())
     except RecursionError:
         raise InvalidJob("payload nested too deep")
     except ValueError as e:
@@ -10866,6 +11708,9 @@ _COMMAND_TABLE = {
     "resume": (_cmd_resume, _args_resume,
                "undo pause; or release a held destination now"),
     "version": (_cmd_version, _args_version, "print the version"),
+    "install": (_cmd_install, _args_install,
+                "lay out this file as an installed myq: the module and its "
+                "bytecode, the launcher, the init script and its settings"),
 }
 _COMMANDS = tuple(_COMMAND_TABLE)
 
@@ -10897,7 +11742,7 @@ def main(argv=None, parsed=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     env = os.environ
     try:
-        args = parsed
+        args = parsed if parsed is not None else _fast_args(argv)
         if args is None:
             i = _command_index(argv)
             only = argv[i] if i < len(argv) and argv[i] in _COMMANDS else None

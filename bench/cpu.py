@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,6 +117,92 @@ def child(op, d, n, prof_out=None):
             raise SystemExit("drain: %d done, %d left of %d" % (done, left, n))
 
 
+# A producer's whole process: --startup (issue 25) ############################
+
+def _instructions(cmd, env, cwd, children=False):
+    """Ir of one process under callgrind (with `children`: it and every
+    process it starts, summed)."""
+    out = os.path.join(cwd, "cg.%p")
+    subprocess.check_call(
+        ["valgrind", "--tool=callgrind", "-q", "--callgrind-out-file=" + out,
+         "--trace-children=" + ("yes" if children else "no")] + cmd,
+        env=env, cwd=cwd, stdout=subprocess.DEVNULL)
+    total = 0
+    for name in os.listdir(cwd):
+        if name.startswith("cg."):
+            with open(os.path.join(cwd, name)) as f:
+                for line in f:
+                    if line.startswith(("summary:", "totals:")):
+                        total += int(line.split()[1])
+                        break
+            os.unlink(os.path.join(cwd, name))
+    return total
+
+
+def _shell_recipe():
+    """README's "One job from a shell" script."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("#!/bin/sh\n# One job from a shell")
+    return text[start:text.index("```", start)]
+
+
+def startup(py, base, runs=3):
+    """Instructions of one `myq enqueue` process, whole, beside its floors,
+    medians of `runs`.  The interpreter is a venv of `py` without packages:
+    a floor that is the interpreter, not what its site-packages' .pth
+    files import at every start (here certifi and more: 138 M for `-c
+    pass`, 34 M in the venv), as on a device with an empty site-packages."""
+    venv = os.path.join(base, "venv")
+    subprocess.check_call([py, "-m", "venv", "--without-pip", venv])
+    vpy = os.path.join(venv, "bin", "python3")
+    dest, prefix = os.path.join(base, "dest"), os.path.join(base, "target", "usr")
+    os.makedirs(dest)
+    one = os.path.join(base, "one", "myq.py")       # the copy a user makes
+    os.makedirs(os.path.dirname(one))
+    shutil.copy(os.path.join(ROOT, "myq.py"), one)
+    subprocess.check_call([vpy, one, "install", "--destdir", dest, "--prefix",
+                           prefix], stdout=subprocess.DEVNULL)
+    shutil.copytree(os.path.join(dest, prefix.lstrip("/")), prefix)
+    spool = os.path.join(base, "spool")
+    subprocess.check_call([vpy, one, "--spool", spool, "init"])
+    recipe = os.path.join(base, "recipe.sh")
+    with open(recipe, "w") as f:
+        f.write(_shell_recipe())
+    env = child_env()
+    env.pop("PYTHONPYCACHEPREFIX")      # the layout's own __pycache__/
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    sh_env = dict(env, SPOOL=spool)
+    enq = ["--spool", spool, "enqueue", "greet", '{"n": 1}']
+    rows = [
+        ("myq enqueue, installed by `python3 myq.py install`",
+         [vpy, os.path.join(prefix, "bin", "myq")] + enq, env, False),
+        ("python3 myq.py enqueue (the one file, compiled at every start)",
+         [vpy, one] + enq, env, False),
+        ("python3 -c pass", [vpy, "-c", "pass"], env, False),
+        ("python3 -I -c 'import json'", [vpy, "-I", "-c", "import json"], env,
+         False),
+        ("the shell recipe (README), sh alone", ["sh", recipe], sh_env, False),
+        ("the shell recipe, with the programs it runs", ["sh", recipe], sh_env,
+         True),
+    ]
+    got = {}
+    for name, cmd, e, kids in rows:
+        subprocess.run(cmd, env=e, stdout=subprocess.DEVNULL)   # warm
+        work = os.path.join(base, "w")
+        os.makedirs(work, exist_ok=True)
+        got[name] = statistics.median(_instructions(cmd, e, work, kids)
+                                      for _ in range(runs))
+    inst, bare = got[rows[0][0]], float(got[rows[2][0]])
+    print("instructions per process (callgrind, medians of %d; x: of "
+          "python3 -c pass), a venv of %s" % (runs, py))
+    for name, _, _, _ in rows:
+        print("%8.1f M %6.2fx  %s" % (got[name] / 1e6, got[name] / bare, name))
+    print("installed enqueue / python3 -c pass: %.2fx; / python3 -I -c "
+          "'import json': %.2fx" % (inst / got[rows[2][0]], inst / got[rows[3][0]]))
+    return dict((name, got[name]) for name, _, _, _ in rows)
+
+
 # The parent ##################################################################
 
 def prepare(py, d, op, n):
@@ -189,8 +276,21 @@ def main():
                     help="cProfile the N runs (no valgrind) into DIR/OP.txt")
     ap.add_argument("--only", choices=("enqueue", "drain"))
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--startup", action="store_true",
+                    help="instead: one `myq enqueue` process, installed and "
+                    "one-file, beside python3 and the shell recipe")
     o = ap.parse_args()
     py = o.python or default_python()
+    if o.startup:
+        base = tempfile.mkdtemp(prefix="myq-startup-", dir=o.dir)
+        try:
+            res = startup(py, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        if o.json:
+            with open(o.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     ops = [o.only] if o.only else ["enqueue", "drain"]
     base = tempfile.mkdtemp(prefix="myq-cpu-", dir=o.dir)
     t0 = time.monotonic()

@@ -4,6 +4,7 @@
     python3 build/dist.py [--out DIR]          (make dist)
     python3 build/dist.py --install DESTDIR [--prefix /usr]   (make install)
     python3 build/dist.py --uninstall DESTDIR [--prefix /usr] (make uninstall)
+    python3 build/dist.py --embed    (make embed: init.d/ into myq.py)
 
 `make dist` writes, into dist/ (or --out):
 
@@ -443,8 +444,58 @@ def uninstall(destdir, prefix, root=ROOT):
     return 0
 
 
+# The init files that myq.py carries for `myq install` (the one file has no
+# init.d/ beside it): between these lines of myq.py, as _INIT_FILES.
+EMBEDDED = ["init.d/myq", "init.d/myq.default", "init.d/myq.procd",
+            "init.d/myq.config"]
+EMBED_BEGIN, EMBED_END = "# _INIT_FILES begin\n", "# _INIT_FILES end\n"
+
+
+def embedded_block(root=ROOT):
+    """_INIT_FILES as Python source: a string literal a line (JSON's
+    quoting, which Python reads the same), checked to read back."""
+    import ast
+    import json
+    out = ["_INIT_FILES = {\n"]
+    files = {}
+    for rel in EMBEDDED:
+        text = read(rel, root).decode("utf-8")
+        files[os.path.basename(rel)] = text
+        out.append("    %s: (\n" % json.dumps(os.path.basename(rel)))
+        out.extend("        %s\n" % json.dumps(line, ensure_ascii=False)
+                   for line in text.splitlines(True) or [""])
+        out.append("    ),\n")
+    out.append("}\n")
+    block = "".join(out)
+    if ast.literal_eval(block.partition("=")[2].strip()) != files:
+        raise SystemExit("dist: the embedded init files do not read back")
+    return block
+
+
+def embed(root=ROOT):
+    """Write embedded_block() into myq.py, between its markers; say whether
+    anything changed."""
+    path = os.path.join(root, "myq.py")
+    text = read("myq.py", root).decode("utf-8")
+    head, sep, rest = text.partition(EMBED_BEGIN)
+    _, sep2, tail = rest.partition(EMBED_END)
+    if not sep or not sep2:
+        raise SystemExit("dist: myq.py has no %r ... %r block"
+                         % (EMBED_BEGIN.strip(), EMBED_END.strip()))
+    new = head + EMBED_BEGIN + embedded_block(root) + EMBED_END + tail
+    if new == text:
+        print("myq.py: the embedded init files are init.d/'s already")
+        return 0
+    st = os.stat(path)
+    write(path, new.encode("utf-8"), st.st_mode & 0o7777)
+    print("myq.py: the embedded init files written from init.d/")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--embed", action="store_true",
+                   help="write init.d/'s files into myq.py (make embed)")
     p.add_argument("--out", default=os.path.join(ROOT, "dist"),
                    help="where release files go (default: dist/)")
     p.add_argument("--install", metavar="DESTDIR", default=None,
@@ -453,6 +504,8 @@ def main(argv=None):
                    help="remove what --install put into DESTDIR")
     p.add_argument("--prefix", default="/usr", help="default /usr")
     a = p.parse_args(argv)
+    if a.embed:
+        return embed()
     if a.install is not None and a.uninstall is not None:
         p.error("--install or --uninstall, not both")
     if a.install is not None:

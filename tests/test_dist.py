@@ -883,3 +883,168 @@ def test_myq_spool_5_documents_the_layout():
     for state in myq.STATES:
         assert re.search(r"^\.TP\n.*\b%s\b" % state, states, re.M), state
     assert "myq(1)" in section(text + ".SH ", "SEE ALSO")
+
+
+# `python3 myq.py install`: the one file lays out the same program files
+# (issue 25), with the init files it carries ###############################
+
+def _dist_module():
+    sys.path.insert(0, os.path.join(ROOT, "build"))
+    try:
+        import dist
+    finally:
+        sys.path.pop(0)
+    return dist
+
+
+def test_embedded_init_files_are_init_d():
+    """myq._INIT_FILES is init.d/ as it is (else: make embed)."""
+    got = {}
+    for rel in _dist_module().EMBEDDED:
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            got[os.path.basename(rel)] = f.read()
+    assert myq._INIT_FILES == got, "init.d/ changed: run make embed"
+    assert myq._LAUNCHER == _dist_module().LAUNCHER
+
+
+def test_make_embed_writes_init_d_into_myq_py(tmp_path):
+    repo = repo_copy(tmp_path / "repo")
+    embed = [sys.executable, os.path.join(repo, "build", "dist.py"), "--embed"]
+    with open(os.path.join(repo, "myq.py"), "rb") as f:
+        before = f.read()
+    assert "already" in ok(run(embed))
+    with open(os.path.join(repo, "init.d", "myq"), "a") as f:
+        f.write('# an edit: "quoted", \\ and \ttab, caf\u00e9\n')
+    assert "written" in ok(run(embed))
+    out = ok(run([sys.executable, "-c", "import sys; sys.path.insert(0, %r); "
+                  "import myq; sys.stdout.write(myq._INIT_FILES['myq'])" % repo]))
+    with open(os.path.join(repo, "init.d", "myq"), encoding="utf-8") as f:
+        assert out == f.read()
+    with open(os.path.join(repo, "myq.py"), "rb") as f:
+        after = f.read()
+    assert after != before and len(after) - len(before) < 200
+
+
+def one_file_install(tmp_path, *args, python=sys.executable, me=None):
+    """A copy of myq.py alone (no init.d/ beside it) runs `install --destdir
+    dest --prefix <tmp>/target/usr ARGS`; returns (dest, prefix, output)."""
+    if me is None:
+        one = tmp_path / "one"
+        one.mkdir(exist_ok=True)
+        me = str(one / "myq.py")
+        shutil.copy(os.path.join(ROOT, "myq.py"), me)
+    dest = tmp_path / "dest"
+    dest.mkdir(exist_ok=True)
+    prefix = str(tmp_path / "target" / "usr")
+    out = ok(run([python, me, "install", "--destdir", dest, "--prefix", prefix]
+                 + list(args), env={"PYTHONDONTWRITEBYTECODE": None}))
+    return dest, prefix, out
+
+
+def staged(dest, prefix, rel):
+    return os.path.join(str(dest), prefix.lstrip("/"), rel)
+
+
+def test_one_file_install_layout_and_run(tmp_path):
+    dest, prefix, out = one_file_install(tmp_path)
+    p = prefix.lstrip("/")
+    pyc = p + "/lib/myq/__pycache__/myq.%s.pyc" % TAG
+    assert installed_files(dest) == {
+        p + "/bin/myq": 0o755, p + "/lib/myq/myq.py": 0o644, pyc: 0o644,
+        "etc/init.d/myq": 0o755, "etc/default/myq": 0o644}
+    assert all(str(dest / n) in out for n in installed_files(dest))
+    with open(staged(dest, prefix, "lib/myq/myq.py"), "rb") as f, \
+            open(os.path.join(ROOT, "myq.py"), "rb") as g:
+        assert f.read() == g.read()
+    with open(staged(dest, prefix, "bin/myq"), "rb") as f:
+        launcher = f.read()
+    check_launcher(launcher, prefix + "/lib/myq")
+    assert launcher == _dist_module().launcher(prefix)
+    script = (dest / "etc/init.d/myq").read_text()
+    with open(os.path.join(ROOT, "init.d", "myq")) as f:
+        assert script == f.read().replace(
+            "BIN=${MYQ_BIN:-/usr/bin/myq}", "BIN=${MYQ_BIN:-%s/bin/myq}" % prefix)
+    with open(os.path.join(ROOT, "init.d", "myq.default")) as f:
+        assert (dest / "etc/default/myq").read_text() == f.read()
+    # the staged tree where it names itself (an image, new file times): the
+    # launcher starts from the bytecode: enqueue, a draining worker
+    shutil.copytree(staged(dest, prefix, ""), prefix, copy_function=shutil.copy)
+    bin_, spool = os.path.join(prefix, "bin", "myq"), str(tmp_path / "spool")
+    hdir = tmp_path / "handlers"
+    hdir.mkdir()
+    (hdir / "greet").write_text('#!/bin/sh\ncat >> "%s"\n' % (tmp_path / "out"))
+    (hdir / "greet").chmod(0o755)
+    ok(run([sys.executable, bin_, "--spool", spool, "init"]))
+    r = ok_r(run([sys.executable, "-v", bin_, "--spool", spool, "enqueue",
+                  "greet", '"one file"']))
+    assert loaded_from(r.stderr, os.path.join(prefix, pyc[len(p) + 1:]))
+    assert "argparse" not in importtime_modules(ok_r(run(
+        [sys.executable, "-I", "-X", "importtime", bin_, "--spool", spool,
+         "enqueue", "greet", '"two"'])).stderr)
+    ok(run([sys.executable, bin_, "--spool", spool, "worker", "--handlers", hdir,
+            "--drain"]))
+    assert (tmp_path / "out").read_text().splitlines() == ['"one file"', '"two"']
+
+
+def test_one_file_install_again_keeps_the_settings(tmp_path):
+    """Again, from the installed copy itself: the same files (program files
+    replaced by a rename), another Python's stale bytecode gone, the
+    operator's settings kept."""
+    dest, prefix, _ = one_file_install(tmp_path)
+    (dest / "etc/default/myq").write_text("MYQ_WORKERS=4\n")
+    stale = staged(dest, prefix, "lib/myq/__pycache__/myq.cpython-30.pyc")
+    with open(stale, "wb") as f:
+        f.write(b"stale")
+    files = installed_files(dest)
+    ino = os.stat(staged(dest, prefix, "bin/myq")).st_ino
+    _, _, out = one_file_install(tmp_path, me=staged(dest, prefix, "lib/myq/myq.py"))
+    assert "kept" in out and (dest / "etc/default/myq").read_text() == "MYQ_WORKERS=4\n"
+    assert not os.path.exists(stale)
+    del files[os.path.relpath(stale, str(dest))]
+    assert installed_files(dest) == files
+    assert os.stat(staged(dest, prefix, "bin/myq")).st_ino != ino
+    with open(staged(dest, prefix, "lib/myq/myq.py"), "rb") as f, \
+            open(os.path.join(ROOT, "myq.py"), "rb") as g:
+        assert f.read() == g.read()
+
+
+def test_one_file_install_procd(tmp_path):
+    """--init procd (and by default where the target has /etc/rc.common):
+    OpenWrt's script, naming PREFIX/bin/myq, and /etc/config/myq."""
+    (tmp_path / "dest" / "etc").mkdir(parents=True)
+    (tmp_path / "dest" / "etc" / "rc.common").write_text("#!/bin/sh\n")
+    for args in ([], ["--init", "procd"]):
+        dest, prefix, out = one_file_install(tmp_path, *args)
+        script = (dest / "etc/init.d/myq").read_text()
+        with open(os.path.join(ROOT, "init.d", "myq.procd")) as f:
+            assert script == f.read().replace(
+                "bin main bin /usr/bin/myq", "bin main bin %s/bin/myq" % prefix)
+        with open(os.path.join(ROOT, "init.d", "myq.config")) as f:
+            assert (dest / "etc/config/myq").read_text() == f.read()
+        assert not (dest / "etc/default").exists()
+    dest, _, _ = one_file_install(tmp_path, "--init", "sysv")
+    assert "BIN=${MYQ_BIN:-" in (dest / "etc/init.d/myq").read_text()
+
+
+def test_one_file_install_refuses_what_it_cannot_do(tmp_path):
+    one = tmp_path / "one"
+    one.mkdir()
+    me = str(one / "myq.py")
+    shutil.copy(os.path.join(ROOT, "myq.py"), me)
+    (tmp_path / "dest").mkdir()
+    (tmp_path / "file").write_text("")
+    for args, code, said in [
+            (["--prefix", "usr"], 64, "--prefix must be an absolute path, not 'usr'"),
+            (["--prefix", ""], 64, "--prefix must be an absolute path"),
+            (["--destdir", tmp_path / "none"], 64, "is not a directory"),
+            (["--destdir", tmp_path / "file"], 64, "is not a directory"),
+            (["--init", "systemd"], 64, "invalid choice")]:
+        r = run([sys.executable, me, "install"] + args)
+        assert r.returncode == code, (args, r.stderr)
+        assert said in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+    # a file where a directory of the layout goes: said, exit 73
+    (tmp_path / "dest" / "usr").write_text("")
+    r = run([sys.executable, me, "install", "--destdir", tmp_path / "dest"])
+    assert r.returncode == 73, r.stderr
+    assert r.stderr.startswith("myq: cannot write %s" % (tmp_path / "dest" / "usr")), r.stderr
+    assert os.listdir(str(tmp_path / "dest")) == ["usr"]
