@@ -62,7 +62,7 @@ The map: the sections, in file order, each using only those above it
   Processes         /proc, process start times, kill_run, become
                     (test_liveness, test_ownership)
   The job model     parse, normalize, job files (test_hostile, test_enqueue)
-  Per-type policy (SPEC 9)   Policy: its keys, each a Kind; a policy
+  Per-type policy            Policy: its keys, each a Kind; a policy
                     file checked, in canonical form (test_policy)
   The spool         Identity, Claim, Breaker (holds' records), Claims (the
                     claim protocol, recovery), _Producing (enqueue, the
@@ -73,8 +73,8 @@ The map: the sections, in file order, each using only those above it
   Handlers          --module files; http: requests, answers, http_dest,
                     HttpPool, batches (test_handlers_exec,
                     test_handlers_module, test_http, test_http_forward)
-  MQTT (SPEC 10)    MqttClient (test_mqtt)
-  Intake (SPEC 12)  take_in, HttpIntake, MqttIntake, run_intake
+  MQTT              MqttClient (test_mqtt)
+  Intake            take_in, HttpIntake, MqttIntake, run_intake
                     (test_intake)
   A run's pieces    Backoff (every retry delay), Handler and its kinds
                     (ExecHandler, PyHandler, HttpHandler, MqttHandler: time
@@ -184,7 +184,7 @@ STATE_DIRS = {"ready": "incoming", "scheduled": "incoming",
               "processing": "processing", "done": "done", "dead": "dlq",
               "failed": "failed"}
 
-# Guards and retention (SPEC 4); every one is also a MYQ_<OPTION> variable.
+# Guards and retention (myq(1) guards); every one is also a MYQ_<OPTION> variable.
 DEFAULTS = {
     "min_free": 1 << 20, "min_free_inodes": 64, "max_job_bytes": 256 << 10,
     "dedupe_window": 7 * 86400.0, "keep_done": 86400.0, "keep_done_max": 1000,
@@ -353,7 +353,7 @@ class _Unsent(PermanentError):
     """A built-in handler's request that the job itself made unsendable (a
     header value with a newline, a path that is not ASCII): nothing
     reached the destination, so it is the job's own failure, which neither
-    trips nor releases a hold (SPEC 9)."""
+    trips nor releases a hold (myq(1) holds)."""
 
 
 class RetryLater(Exception):
@@ -368,7 +368,7 @@ class RetryLater(Exception):
 class DestinationDown(RetryLater):
     """Raised by a handler (the built-in ones too): the destination failed,
     not the job (network error, time-out, HTTP 408/425/429/5xx, an MQTT
-    broker that refused).  The circuit breaker counts it (SPEC 9); it costs a
+    broker that refused).  The circuit breaker counts it (myq(1) holds); it costs a
     job no attempt unless it starts a streak."""
 
 
@@ -1649,7 +1649,7 @@ def _check_priority(p):
 
 
 def normalize(obj, stem=None, mtime=None):
-    """Validate a job object and fill in the defaults of SPEC 3.
+    """Validate a job object and fill in the defaults of myq-spool(5) JOB FILES.
 
     `stem` is the file name without .json (the id when the job has none);
     `mtime` stands in for a missing created_at (a shell producer's file).
@@ -1725,7 +1725,7 @@ def _new_id(now):
 
 def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
             timeout=None, now=None, priority=None, ttl=None):
-    """A fresh job object with the defaults of SPEC 3, validated as
+    """A fresh job object with the defaults of myq-spool(5) JOB FILES, validated as
     normalize() would (raises InvalidJob).  What JSON cannot hold (NaN, a
     lone surrogate, a set) is refused by dumps(), which every caller runs."""
     now = _now() if now is None else now
@@ -1766,7 +1766,7 @@ def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
     return job
 
 
-FAILURES_KEPT = 5           # failures a job keeps for `show` (SPEC 3)
+FAILURES_KEPT = 5           # failures a job keeps for `show` (myq-spool(5) JOB FILES)
 
 
 def _clip(text, limit=ERROR_MAX):
@@ -1840,7 +1840,7 @@ def _split_claim(name):
     return jid, wid, ext
 
 
-# Per-type policy (SPEC 9) ####################################################
+# Per-type policy #############################################################
 #
 # The rules live in SPOOL/policy.json, {"*": {KEY: VALUE}, "TYPE": {...}},
 # the values in canonical form (seconds, bytes, "N/PERIOD", true/false).
@@ -1893,7 +1893,7 @@ def parse_rate(v):
 
 
 class Policy(object):
-    """The per-type rules (SPEC 9): its keys, each one Kind of value (the
+    """The per-type rules (myq(1) policy): its keys, each one Kind of value (the
     kinds the command line's options are, where they are the same), and
     a policy file's object checked and in canonical form (numbers whole
     where they are: 3600, not 3600.0).  The spool reads and writes the
@@ -2050,7 +2050,7 @@ def _noop_log(event, **kv):
 
 
 class Breaker(object):
-    """Holds (SPEC 5, 9): a destination that fails, or a type whose handler
+    """Holds (myq(1) holds): a destination that fails, or a type whose handler
     is missing, waits, and its probes say when it is back.  The records
     are the spool's (locks/held/: DEST.json the hold, DEST.jobs the jobs it
     put back, DEST.streak the failures in a row; cat-able), shared by its
@@ -2286,7 +2286,7 @@ class Breaker(object):
 
 
 class Claims(object):
-    """The claim protocol (SPEC 3, 5): a job claimed by renaming it into
+    """The claim protocol (myq-spool(5) CLAIMS): a job claimed by renaming it into
     processing/ with the claimer's token, its lease appended; finished by
     a new version put in place (done/, incoming/ for a retry, dlq/);
     handler records (locks/workers/TOKEN.run); a batch's identity kept
@@ -2491,7 +2491,7 @@ class Claims(object):
                  why="empty: not written yet")
 
     def refuse(self, c, job, me, what, why):
-        """An expired or rejected job (SPEC 9): to dlq/, logged, counted."""
+        """An expired or rejected job (myq(1) policy): to dlq/, logged, counted."""
         job = dict(job)
         job["last_error"] = what + ": " + why
         job["failed_at"] = _now()
@@ -2499,7 +2499,7 @@ class Claims(object):
         self.spool.log(what, id=c.jid, type=job["type"], why=why)
         self.spool.count(what, job["type"])
 
-    # Batches keep their identity (SPEC 10) ------------------------------------
+    # Batches keep their identity (myq(1) batches) ----------------------------
     #
     # A batch of more than one job is recorded while it runs in
     # processing/LEAD+TOKEN.batch (its ids in order; the owner's directory).
@@ -2625,7 +2625,7 @@ class Claims(object):
         ID+TOKEN.fin: when that fails, the claim is no longer ours and
         nothing moves.
 
-        `until`: a job put back for a destination that failed (SPEC 9)
+        `until`: a job put back for a destination that failed (myq(1) holds)
         waits until then by its mtime alone, while its available_at says
         now: a release sets the mtime to now, and a file whose mtime is not
         later than its ctime is due by its available_at (a producer's own
@@ -2948,12 +2948,12 @@ class _Producing(object):
 
     def _prepared(self, job, explicit, delay):
         """(job, its bytes, explicit id, delay, its directory) for _enqueue;
-        the type's priority fixed now (SPEC 9).  Raises InvalidJob."""
+        the type's priority fixed now (myq(1) policy).  Raises InvalidJob."""
         rules = self.rules(job["type"])
         if job.get("priority") is None:
             p = rules.get("priority")
             if p:
-                job["priority"] = p     # fixed now (SPEC 9)
+                job["priority"] = p     # fixed now (myq(1) policy)
         data = _dumps_new(job)
         if len(data) > self.opt["max_job_bytes"]:
             raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
@@ -3310,7 +3310,7 @@ class _Producing(object):
             return "done within the de-duplication window"
         return None
 
-    # Idempotency records -------------------------------------------------------
+    # Idempotency records -----------------------------------------------------
 
     def ok_fresh(self, jid, now=None, dirs=None):
         """Was `jid` done within the de-duplication window?  Its done/ file
@@ -3547,7 +3547,7 @@ class _Upkeep(object):
 
     def delete_where(self, state, type=None, older_than=None, force=False,
                      now=None):
-        """Delete in bulk (SPEC 4): the jobs in `state`, of `type`, older
+        """Delete in bulk (myq(1) guards): the jobs in `state`, of `type`, older
         than `older_than` seconds: counted from created_at for waiting and
         running jobs, from the finish for done and dead ones, from the
         quarantine for failed files.  Running jobs only with `force`.
@@ -3607,7 +3607,7 @@ class _Upkeep(object):
             return None
         return obj.get("type") if isinstance(obj, dict) else None
 
-    # What retention removes (SPEC 4): directory, the count's name, which
+    # What retention removes (myq(1) guards): directory, the count's name, which
     # time says how old an entry is, the option of how long it stays, the
     # option of how many stay at most, and whether the worker's frequent
     # pass does it too.
@@ -3651,7 +3651,7 @@ class _Upkeep(object):
         return out
 
     def make_space(self, n=256):
-        """Below a guard (SPEC 4): retention frees done/ first, its n
+        """Below a guard (myq(1) guards): retention frees done/ first, its n
         oldest now (a producer-chosen id keeps its de-duplication in
         locks/ok/: an inode for an inode, the blocks freed).  Short of
         inodes, the n oldest idempotency records go first, and done files
@@ -3688,7 +3688,7 @@ class _Upkeep(object):
     # is room (incompressible, so UBIFS keeps them too) and gives up when
     # retention frees nothing: a full disk (a backlog that filled the
     # flash, another program's file) still leaves a starting worker room
-    # for its record and the backlog a way out (SPEC 4).
+    # for its record and the backlog a way out (myq(1) guards).
     ROOM = 65536
 
     def keep_room(self):
@@ -3944,7 +3944,7 @@ def _count(path, suffix):
     return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
 
 
-# stats() key -> (metric, type, help) of the Prometheus text format (SPEC 6)
+# stats() key -> (metric, type, help) of the Prometheus text format (myq-spool(5) STATISTICS)
 _PROM_GAUGES = (
     ("oldest_ready_s", "myq_oldest_ready_seconds", "gauge",
      "How long the earliest ready job has waited since it became available."),
@@ -4044,7 +4044,7 @@ def _write_textfile(w):
 
 def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
             timeout=None, priority=None, ttl=None):
-    """Add a job to the spool durably; returns its id (SPEC 7)."""
+    """Add a job to the spool durably; returns its id (myq(1) PYTHON API)."""
     sp = _SPOOLS.get(spool)
     if sp is None or not sp._ready:
         sp = _SPOOLS[spool] = Spool(spool)
@@ -4246,7 +4246,7 @@ class Spool(_Producing, _Upkeep):
             if os.stat(self.d(sub)).st_dev != dev:
                 raise ConfigError(_other_fs(self.d(sub), self.path))
 
-    # Reading -------------------------------------------------------------------
+    # Reading -----------------------------------------------------------------
 
     def read_file(self, path, limit=None):
         """(bytes, stat) of a regular file; never follows a symlink, never
@@ -4279,7 +4279,7 @@ class Spool(_Producing, _Upkeep):
 
     def locate(self, jid):
         """(state, path) of a job id, or raise NoSuchJob.  A name that is not
-        an id (SPEC 3) is looked up in failed/ only, where quarantined files
+        an id (myq-spool(5) JOB FILES) is looked up in failed/ only, where quarantined files
         keep the names they came with; InvalidJob when it could not be a
         name there either."""
         if not NAME_RE.match(_check_ref(jid)):
@@ -4436,7 +4436,7 @@ class Spool(_Producing, _Upkeep):
             yield row
 
     def stats(self, now=None, by_type=False):
-        """The counters of the status line (SPEC 6), from the directories."""
+        """The counters of the status line (myq-spool(5) STATISTICS), from the directories."""
         now = _now() if now is None else now
         ready = scheduled = 0
         oldest = None
@@ -4481,7 +4481,7 @@ class Spool(_Producing, _Upkeep):
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.breaker.records()]}
 
-    # Policy and lanes (SPEC 9) -----------------------------------------------
+    # Policy and lanes (myq(1) policy) ----------------------------------------
 
     def policy(self):
         """{TYPE or "*": {KEY: VALUE}}: the last good policy, re-read when
@@ -4662,7 +4662,7 @@ class Spool(_Producing, _Upkeep):
             self.fs.mkdir(sub)
 
     def expiry(self, job, rules=None):
-        """When a job expires (SPEC 9), or None: its own expires_at, else
+        """When a job expires (myq(1) policy), or None: its own expires_at, else
         (its retry, or its creation) + its type's ttl.  Times from a clock
         that was never set (before 2020) expire nothing: a device without
         a real-time clock boots in 1970 and jumps at its first NTP sync.
@@ -4694,7 +4694,7 @@ class Spool(_Producing, _Upkeep):
         return out
 
     def make_room(self, type, size, dirs=None, exclude=None):
-        """The type's bounds (SPEC 9) for one new arrival of `size` bytes:
+        """The type's bounds (myq(1) policy) for one new arrival of `size` bytes:
         None when it fits (drop-oldest: after the oldest waiting jobs were
         removed), else why it does not."""
         rules = self.rules(type)
@@ -4735,7 +4735,7 @@ class Spool(_Producing, _Upkeep):
 
     def count(self, what, type, n=1):
         """Add to a total since init (dropped, expired, rejected, removed;
-        SPEC 6): locks/totals.json, replaced under locks/totals.lock."""
+        myq-spool(5) STATISTICS): locks/totals.json, replaced under locks/totals.lock."""
         try:
             fd = _lock(self.d("locks", "totals.lock"))
         except OSError:
@@ -4756,7 +4756,7 @@ class Spool(_Producing, _Upkeep):
 
     def totals(self):
         """{"dropped"|"expired"|"rejected"|"removed"|"refused": {TYPE: N}}
-        (refused: what intake refused at arrival, SPEC 12)."""
+        (refused: what intake refused at arrival, myq(1) INTAKE)."""
         out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {},
                "refused": {}}
 
@@ -4952,7 +4952,7 @@ def load_module(path):
 
 
 def _module_types(mod):
-    """The job types of a --module file (SPEC 5): exactly its HANDLERS dict
+    """The job types of a --module file (myq(1) HANDLERS): exactly its HANDLERS dict
     when it has one, else the functions the file itself defines -- never
     what it imports (`from subprocess import run` must not make a type
     `run`), never a name starting with '_'."""
@@ -4990,8 +4990,8 @@ _CREDENTIALS = ("authorization", "cookie", "proxy-authorization")
 
 
 def http_request(job, headers=None):
-    """(method, url, body bytes or None, headers) of an `http` job (SPEC
-    5.3); PermanentError when the payload cannot make a request.  The
+    """(method, url, body bytes or None, headers) of an `http` job
+    (myq(1) the http type); PermanentError when the payload cannot make a request.  The
     configured `headers` win over the job's own; `User-Agent` is
     myq/VERSION unless one of them sets it."""
     p = job.get("payload")
@@ -5027,7 +5027,7 @@ def http_request(job, headers=None):
 
 
 def http_verdict(status, header, head, method, backoff_max=3600.0):
-    """What an answer means (SPEC 5.3): None when the job is done, else the
+    """What an answer means (myq(1) the http type): None when the job is done, else the
     exception to raise.  `header(name)` gives a response header or None;
     `head` is the start of the body.  Pure: no I/O."""
     text = head[:200].decode("utf-8", "replace").strip()
@@ -5051,7 +5051,7 @@ def _origin(parts):
 
 
 def http_dest(url):
-    """The circuit breaker's destination of an http URL (SPEC 9): its
+    """The circuit breaker's destination of an http URL (myq(1) holds): its
     origin as _origin() gives it to HttpPool, "scheme://host:port"; None
     when the URL has none (not http or https, no host, a bad port)."""
     if not isinstance(url, str):
@@ -5068,10 +5068,10 @@ def http_dest(url):
                            port)
 
 
-# Forwarding over slow links (SPEC 10): kept connections, gzip, batches.
+# Forwarding over slow links (myq(1) the http type): kept connections, gzip, batches.
 
-HTTP_IDLE = 30.0        # a kept connection idle this long is closed (SPEC
-                        # 10: cellular NATs drop idle flows); tests lower it
+HTTP_IDLE = 30.0        # a kept connection idle this long is closed
+                        # (cellular NATs drop idle flows); tests lower it
 
 # Errors that a kept connection the server closed meanwhile gives before
 # any byte of the answer: such a request goes once more on a fresh one.
@@ -5100,7 +5100,7 @@ def _tls_connection():
 
 
 class HttpPool(object):
-    """A worker's kept http connections (SPEC 10).
+    """A worker's kept http connections (myq(1) the http type).
 
     Each connection is taken by one request at a time (never two requests
     on one connection at once) and given back when its answer was read to
@@ -5381,7 +5381,7 @@ def _http_modules():
 def _http_send(method, url, data, hdrs, headers, t, backoff_max, run, pool,
                gzip):
     """Send a request made by http_request() or http_batch() and judge the
-    answer: None when done, else raise (SPEC 5.3).  `t` bounds the whole
+    answer: None when done, else raise (myq(1) the http type).  `t` bounds the whole
     request (connect, send, answer, redirects).  GET and HEAD follow up to
     5 redirects, to http and https only; a redirect to another origin
     drops the configured headers and credentials."""
@@ -5452,7 +5452,7 @@ def http_handler(job, headers=None, backoff_max=3600.0, timeout=None, run=None,
 
 
 def http_group_key(job, headers=None):
-    """Which http jobs may share a request (SPEC 10, batches): the same key
+    """Which http jobs may share a request (myq(1) the http type, batches): the same key
     means the same method, url and headers (names in any case; the
     Idempotency-Key and a Content-Type that the job did not set itself do
     not count).  A job whose payload cannot make a request gets a key of
@@ -5489,7 +5489,7 @@ def _ids_key(ids):
 
 def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
                pool=None, gzip=False):
-    """Jobs of one http_group_key() as ONE request (SPEC 10): the body is
+    """Jobs of one http_group_key() as ONE request (myq(1) the http type): the body is
     a JSON array of their bodies in job order (null for a job without
     one), `X-Myq-Ids` lists their ids in array order, the Idempotency-Key
     is derived from the ids (the same ids give the same key).  One outcome
@@ -5524,7 +5524,7 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
                       pool, gzip)
 
 
-# MQTT (SPEC 10) ##############################################################
+# MQTT ########################################################################
 #
 # MQTT 3.1.1 on the standard library: socket (and ssl for mqtts), imported
 # when a connection is made, never at load.  One connection per worker,
@@ -5584,7 +5584,7 @@ def _mqtt_url(url):
 
 
 def mqtt_dest(url):
-    """The broker of a --mqtt URL as the circuit breaker names it (SPEC 9):
+    """The broker of a --mqtt URL as the circuit breaker names it (myq(1) holds):
     scheme://host:port, lower case, the port explicit, no user."""
     scheme, _, host, port = _mqtt_url(url)
     return "%s://%s:%d" % (scheme, host, port)
@@ -6012,7 +6012,7 @@ class MqttClient(object):
                     err = DestinationDown(None, "mqtt: %s: %s" % (
                         self.dest, _os_text(e)))
                     # A connection that had been idle may have died unseen:
-                    # once more on a fresh one, as SPEC 10 does for http.
+                    # once more on a fresh one, as for any http job (myq(1) the http type).
                     if reused and not self._answered and not retried \
                             and _mono() < deadline:
                         retried, err = True, None
@@ -6075,7 +6075,7 @@ def _mqtt_client(url, password_file=None, client_id=None, ca=None, cert=None,
 
 
 def mqtt_publish(client, jobs, timeout):
-    """Publish `mqtt` jobs (SPEC 10) through `client`, all in flight at
+    """Publish `mqtt` jobs (myq(1) the mqtt type) through `client`, all in flight at
     once: one outcome per job, in order: None when done (QoS 1: its PUBACK
     came; QoS 0: written), a PermanentError for a payload that cannot be
     published, a DestinationDown for the rest when the connection, the
@@ -6116,7 +6116,7 @@ class _Run(object):
         self.timed_out = self.released = False
 
 
-# Intake (SPEC 12) ############################################################
+# Intake ######################################################################
 #
 # Jobs that arrive over the network: a local HTTP endpoint and MQTT
 # subscriptions, each answered only once its jobs are durable (the spool's
@@ -6192,7 +6192,7 @@ def _refused(spool, e, items, count=True):
 
 def _withdraw_new(spool, ids):
     """Take back what a failed enqueue_many placed of `ids` (still
-    waiting): nothing of a refused request is kept (SPEC 12)."""
+    waiting): nothing of a refused request is kept (myq(1) INTAKE)."""
     for jid in ids:
         try:
             if spool.locate(jid)[0] in ("ready", "scheduled"):
@@ -6361,7 +6361,7 @@ class _HttpConn(object):
 
 
 class HttpIntake(object):
-    """The local HTTP endpoint (SPEC 12): POST /jobs/TYPE, GET /health,
+    """The local HTTP endpoint (myq(1) INTAKE): POST /jobs/TYPE, GET /health,
     GET /metrics, on non-blocking sockets served by `serve()` (one poll).
     `token`: the bearer token every request must carry (bytes), or None."""
 
@@ -6759,7 +6759,7 @@ def mqtt_job(topic, data, type, now=None):
 
 
 class MqttIntake(MqttClient):
-    """MQTT subscriptions taken in as jobs (SPEC 12): a persistent session
+    """MQTT subscriptions taken in as jobs (myq(1) INTAKE): a persistent session
     (clean session off, a stable client id), QoS 1, each PUBACK sent once
     its job is durable, in the order the messages came; withheld while a
     bound or a guard refuses (the message waits in memory, the broker
@@ -7110,7 +7110,7 @@ class Backoff(object):
 class Handler(object):
     """How the jobs of a type run, as Worker.resolve() found it: what it
     is (`kind`, the word of the log and of the policy's `handler`), its
-    time limit, its destination (the circuit breaker's, SPEC 9), which
+    time limit, its destination (the circuit breaker's, myq(1) holds), which
     jobs may share one batch, and how it runs.  This base is a call in
     this process; the worker asks its handler, never its kind."""
     __slots__ = ("target",)
@@ -7169,7 +7169,7 @@ class PyHandler(Handler):
 
 
 class HttpHandler(Handler):
-    """The built-in `http` type (SPEC 5.3, 10): its destination is the
+    """The built-in `http` type (myq(1) the http type): its destination is the
     URL's origin, scheme://host:port (the one HttpPool keeps connections
     to); jobs share a request when http_group_key() says so.  The run's
     time limit is the job's; a payload's own `timeout` bounds the request
@@ -7198,7 +7198,7 @@ class HttpHandler(Handler):
             raise
 
     def call_batch(self, worker, run, jobs):
-        """A batch of http jobs as one request (SPEC 10)."""
+        """A batch of http jobs as one request (myq(1) the http type)."""
         rules = worker.spool.rules(jobs[0]["type"])
         try:
             http_batch(jobs, worker.http_headers, worker.backoff_max,
@@ -7213,7 +7213,7 @@ class HttpHandler(Handler):
 
 
 class MqttHandler(Handler):
-    """The built-in `mqtt` type (SPEC 10): its destination is the broker
+    """The built-in `mqtt` type (myq(1) the mqtt type): its destination is the broker
     of --mqtt; a batch is published all in flight, one outcome a job."""
     __slots__ = ()
     kind = "mqtt"
@@ -7352,7 +7352,7 @@ class _Scheduling(object):
             self.dirty = True
             self.next_due = None
 
-    # Scheduling ----------------------------------------------------------------
+    # Scheduling --------------------------------------------------------------
 
     def _rescan(self, L=None):
         """Refill lane L's scan cache (default: incoming/ itself) with its N
@@ -7603,7 +7603,7 @@ class _Scheduling(object):
             if self.spool.intake:
                 # Producers' files are being moved to their lanes: go on
                 # with incoming/ first, so that their bounds see them all
-                # before any of them starts (SPEC 9: "at the next scan").
+                # before any of them starts (myq(1) policy: "at the next scan").
                 head = self._head(self._top, fresh)
                 if head is not None:
                     best = (self._top, head)
@@ -7679,7 +7679,7 @@ class _Scheduling(object):
                 return True
         return False
 
-    # Policy at the start of a run (SPEC 9) -------------------------------------
+    # Policy at the start of a run (myq(1) policy) ----------------------------
 
     def _gate(self, L, now):
         """None when a job of lane L may start now, else the wall time when
@@ -7701,7 +7701,7 @@ class _Scheduling(object):
     def _batch_wait(self, L, now):
         """None when lane L's batch may start now, else the wall time when
         it may: up to batch_wait after its first ready job, unless a whole
-        batch is ready (SPEC 10: for every claim, so asked after the scan
+        batch is ready (myq(1) batches: for every claim, so asked after the scan
         that found the jobs; --drain and --once do not wait)."""
         if self._no_wait:
             return None
@@ -7865,7 +7865,7 @@ class _Running(object):
 
     def resolve_http(self, type):
         """The http handler, or why not: without Python's http.client the
-        type is held (SPEC 10), not dead: install it and the jobs run."""
+        type is held (myq(1) batches), not dead: install it and the jobs run."""
         try:
             import http.client  # noqa: F401
             import urllib.parse  # noqa: F401
@@ -7889,7 +7889,7 @@ class _Running(object):
         limit = min(_MQTT.time_limit(j, self.timeout) for j in jobs)
         if run is not None:
             # a little before the worker's own limit, so that a time-out is
-            # ours: a destination failure (SPEC 9), not the job's
+            # ours: a destination failure (myq(1) holds), not the job's
             limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
         start = _mono()
         # one exchange at a time on the connection (other threads' runs,
@@ -7910,7 +7910,7 @@ class _Running(object):
                 run.conn = None
             client.lock.release()
 
-    # Running -------------------------------------------------------------------
+    # Running -----------------------------------------------------------------
 
     def _job_for_handler(self, c):
         job = dict(c.job)
@@ -7971,7 +7971,7 @@ class _Running(object):
         self._launch(run)
 
     def _claim_batch(self, sub, first):
-        """A batch that a dead worker had in flight, formed again (SPEC 10):
+        """A batch that a dead worker had in flight, formed again (myq(1) batches):
         the same ids in the same order, so the same Idempotency-Key, of
         those that still wait in lane `sub`."""
         sp = self.spool
@@ -7997,7 +7997,7 @@ class _Running(object):
         run.handler.start(self, run)
 
     def _claim_more(self, L, first, n, limit, handler):
-        """A batch (SPEC 10): up to n more ready jobs of lane L, within
+        """A batch (myq(1) batches): up to n more ready jobs of lane L, within
         `limit` bytes, of the first's batch key (http: the same request)."""
         out = []
         size = len(dumps(first.job))
@@ -8083,7 +8083,7 @@ class _Running(object):
         run.stdin_fd, run.err_fd = in_w, err_r
         os.set_blocking(in_w, False)
         os.set_blocking(err_r, False)
-        if run.batch:       # one JSON object a line (SPEC 10)
+        if run.batch:       # one JSON object a line (myq(1) batches)
             run.stdin = memoryview(b"".join(json.dumps(
                 {"id": one.jid, "type": one.job["type"], "payload":
                  one.job["payload"], "attempt": one.attempt}).encode("utf-8")
@@ -8214,7 +8214,7 @@ class _Running(object):
             run.unsent = isinstance(e, _Unsent)
             return ("dead", _exc_text(e), None, _tb_tail(e))
         except RetryLater as e:
-            run.dest_fail = True    # the destination's failure (SPEC 9)
+            run.dest_fail = True    # the destination's failure (myq(1) holds)
             run.retry_after = getattr(e, "retry_after", e.seconds)
             return ("retry", _exc_text(e), e.seconds)
         except Exception as e:
@@ -8274,7 +8274,7 @@ class _Running(object):
 class _Holding(object):
     """The worker's holds (mixed into Worker)."""
 
-    # Holds (SPEC 5): a type whose handler is missing or cannot start is a
+    # Holds (myq(1) HANDLERS): a type whose handler is missing or cannot start is a
     # deployment not finished, not a bad job: its jobs wait, no attempt
     # counts, and they run once the handler is there.
 
@@ -8398,7 +8398,7 @@ class _Holding(object):
     def _load_holds(self):
         """The holds of every worker of the spool (locks/held/); a hold
         from another boot has its probe due at once.  A missing handler's
-        hold holds only the workers that lack the handler (SPEC 9): this
+        hold holds only the workers that lack the handler (myq(1) holds): this
         one's own (_held), and another's when this one lacks it too."""
         held = self.spool.breaker.records()
         if held is self._holds_from and not self._held_changed:
@@ -8470,7 +8470,7 @@ class _Holding(object):
 
 class WorkerOptions(object):
     """What a worker is told, checked and in its types once: the options of
-    `myq worker` (SPEC 7: the keywords of Worker()), the command line's
+    `myq worker` (myq(1) PYTHON API: the keywords of Worker()), the command line's
     from its flags and MYQ_* variables (_worker_from), the Python API's
     from Worker(spool, **keywords).  A Worker copies them to attributes
     of the same names (self.lease, ...: no lookup through here on the hot
@@ -8520,7 +8520,7 @@ class Worker(_Scheduling, _Running, _Holding):
     def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
                  options=None, log=None, **keywords):
         """`options`: a WorkerOptions; else they are made of the keywords
-        that are WorkerOptions' (SPEC 7), the others are the Spool's."""
+        that are WorkerOptions' (myq(1) PYTHON API), the others are the Spool's."""
         mine = dict((k, keywords.pop(k)) for k, _ in WorkerOptions.KEYS
                     if k in keywords)
         if options is None:
@@ -8546,7 +8546,7 @@ class Worker(_Scheduling, _Running, _Holding):
                 self.handlers.setdefault(k, v)
         self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
                               o.jitter)
-        # kept http connections: one per destination and slot (SPEC 10)
+        # kept http connections: one per destination and slot (myq(1) the http type)
         self.http_pool = HttpPool(o.concurrency, ca=o.http_ca)
         self.runs = []
         self._top = _Lane("incoming", path=self.spool.d("incoming"))
@@ -8595,7 +8595,7 @@ class Worker(_Scheduling, _Running, _Holding):
             o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
             o.mqtt_cert, o.mqtt_key, timeout=min(self.timeout, 30.0))
 
-    # The loop ------------------------------------------------------------------
+    # The loop ----------------------------------------------------------------
 
     def run(self, once=False, drain=False):
         """Work until stopped (or, with once/drain, until that is done)."""
@@ -8619,7 +8619,7 @@ class Worker(_Scheduling, _Running, _Holding):
             try:
                 self.me.register()
             except OSError as e:
-                # A worker starts on a full disk (SPEC 4): room for its
+                # A worker starts on a full disk (myq(1) guards): room for its
                 # record from done/ (or old idempotency records) first.
                 if not _space_error(e) or not sp.make_space():
                     raise
@@ -8833,7 +8833,7 @@ class Worker(_Scheduling, _Running, _Holding):
         while len(self.runs) < self.concurrency and not self.stopping \
                 and now >= self._io_pause_until:
             # Below a guard the worker goes on: delivering the backlog is
-            # how a store-and-forward spool gets its room back (SPEC 4).
+            # how a store-and-forward spool gets its room back (myq(1) guards).
             # Producers are refused, retention frees done/ first
             # (_housekeep), and a step that cannot be made waits (_stuck).
             low = self.spool.low_on_space(now)
@@ -8959,14 +8959,14 @@ class Worker(_Scheduling, _Running, _Holding):
                 self._read_err(run)
         self._collect()
 
-    # Finishing -----------------------------------------------------------------
+    # Finishing ---------------------------------------------------------------
 
     def _finish(self, run, outcome, error=None, delay=None, tb=None):
         """The run's outcome: "done", "retry" (or "dead" once the attempts
         are spent) or "dead", with the error, a delay (RetryLater) and a
         Python handler's traceback.  A batch's outcome is every job's; a
-        batch that fails for good is split in halves, run at once (SPEC
-        10); "each" carries one outcome per job (mqtt)."""
+        batch that fails for good is split in halves, run at once
+        (myq(1) batches); "each" carries one outcome per job (mqtt)."""
         self._free(run)
         if outcome == "each":
             # (one outcome a job, mqtt's: nothing of the batch is kept, so
@@ -8994,7 +8994,7 @@ class Worker(_Scheduling, _Running, _Holding):
         elif (outcome == "done" or outcome == "dead") and run.dest and (
                 run.dest in self._holds or self._streaky and
                 self._safe(run.dest) in self._streaky):
-            # an answer that is not the destination's failure (SPEC 9)
+            # an answer that is not the destination's failure (myq(1) holds)
             self._streaky.discard(self._safe(run.dest))
             if self.spool.breaker.dest_ok(run.dest) or run.dest in self._holds:
                 self._holds.pop(run.dest, None)
@@ -9072,7 +9072,7 @@ class Worker(_Scheduling, _Running, _Holding):
         self._move(c, job, "incoming", "retry", kv, until)
 
     def _dest_failed(self, run, delay, error):
-        """The circuit breaker (SPEC 9) after a destination failure (of a
+        """The circuit breaker (myq(1) holds) after a destination failure (of a
         batch: one failure): (does it count an attempt, the delay before
         the job may run again)."""
         sp, c = self.spool, run.claim
@@ -9481,7 +9481,7 @@ def _title_prog():
 
 
 def _clean_env(pass_env=(), user=None):
-    """What a process myq starts gets of our environment (SPEC 5): PATH,
+    """What a process myq starts gets of our environment (myq(1) HANDLERS): PATH,
     HOME, LANG, LC_*, TZ and the names given with --pass-env; for another
     user, its own HOME, USER and LOGNAME."""
     env = dict((k, v) for k, v in os.environ.items()
@@ -10646,7 +10646,7 @@ WORKER_OPTIONS = [
     ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
 ]
 
-# `myq intake` (SPEC 12); supervise takes them too, and starts an intake
+# `myq intake` (myq(1) INTAKE); supervise takes them too, and starts an intake
 # process beside its workers when --listen or --subscribe is given.
 INTAKE_OPTIONS = [
     ("--listen", str, None, "take jobs over HTTP on [ADDR]:PORT (ADDR default 127.0.0.1): POST /jobs/TYPE"),
@@ -11255,7 +11255,7 @@ def _supervise(args, spool, guards, env):
 
 def _intake_argv(args, spool, o, guards, env):
     """The options of the intake process that supervise keeps running
-    (SPEC 12), checked; None without --listen and --subscribe.  It gets
+    (myq(1) INTAKE), checked; None without --listen and --subscribe.  It gets
     the worker's log and --mqtt options (the URL in its environment, as
     the workers do) and the guards."""
     io = _resolve(args, INTAKE_OPTIONS, env)
@@ -11780,7 +11780,7 @@ def main(argv=None, parsed=None):
         return 130
 
 
-# Run as a script ###############################################################
+# Run as a script #############################################################
 #
 # Python 3.9+ parses a script into an arena (its PEG parser's memo and
 # nodes: ~15 MB for myq.py's 300 KB) that it frees only when the script's
