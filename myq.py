@@ -1371,8 +1371,13 @@ def _user_ids(owner):
 
 
 def become(uid, gid):
-    """Switch this process to uid/gid for good (from root): its groups too."""
+    """Switch this process to uid/gid for good (from root): its groups too.
+    json and re, imported at their first use (a producer's fast start),
+    are imported first: the interpreter's library may be one the new user
+    cannot read (a Python under /root), and the command goes on to use
+    them."""
     import pwd
+    json.loads, re.compile
     try:
         os.initgroups(pwd.getpwuid(uid).pw_name, gid)
     except (KeyError, OSError):
