@@ -517,6 +517,10 @@ def parse_prometheus(text):
 def test_stats_prometheus_has_the_figures_of_stats_json(spool, handlers_dir):
     d = handlers_dir("no", "exit 65")
     enqueue(call_myq, spool, "no", "null", "--id", "dead1")    # --once: this one
+    # ...the earliest: enqueues a clock tick apart can share an mtime
+    # (coarse on tmpfs), and then the name decides.
+    t = time.time() - 60
+    os.utime(os.path.join(spool, "incoming", "dead1.json"), (t, t))
     for i in range(3):
         enqueue(call_myq, spool, "t", "null")
     enqueue(call_myq, spool, "t", "null", "--delay", "1h")
