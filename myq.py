@@ -4,7 +4,8 @@
 
     myq [--spool DIR] init | enqueue TYPE [PAYLOAD] | worker | supervise |
                       intake | stats | list | show | retry | delete | reap |
-                      prune | check | version | install
+                      prune | check | export [STATE...] | import [FILE] |
+                      version | install
 
 One spool directory is one queue; every state is a directory and every job
 one JSON file, so `ls` and `cat` show everything.  CPython 3.7-3.13, standard
@@ -67,8 +68,10 @@ The map: the sections, in file order, each using only those above it
   The spool         Identity, Claim, Breaker (holds' records), Claims (the
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
-                    check), Spool (layout, reading, lanes, stats)
-                    (test_spool_layout, test_retry_dlq, test_operator)
+                    check), _Backlog (export, import: JSON lines),
+                    Spool (layout, reading, lanes, stats)
+                    (test_spool_layout, test_retry_dlq, test_operator,
+                    test_export)
   Logging           Log and its file (test_initd)
   Handlers          --module files; http: requests, answers, http_dest,
                     HttpPool, batches (test_handlers_exec,
@@ -2966,7 +2969,12 @@ class _Producing(object):
                              % (job["id"], len(data), self.opt["max_job_bytes"]))
         return job, data, explicit, delay, self.home(job, rules)
 
-    def _enqueue(self, todo, sync):
+    def _enqueue(self, todo, sync, refused=None, done=None):
+        """Place the jobs of `todo` (_prepared's); their ids.  With
+        `refused` (a list: import), a duplicate id or a type's bound
+        refuses that job alone, (id, error) appended, and the rest go on;
+        `done` (a list) gets (id, directory) of each placed, kept when an
+        error ends the call."""
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
@@ -2974,7 +2982,7 @@ class _Producing(object):
         # symlink: a root producer never writes outside a spool it does not
         # own, whatever its owner puts in place of tmp/ or incoming/.
         dirs = self.fs
-        done = []
+        done = [] if done is None else done
         # Many jobs: each file's writeback is started (posix_fadvise) and its
         # fsync left for later (_fsync_later), so that the blocks of all are
         # allocated before the first fsync: its journal commit then holds
@@ -2985,8 +2993,11 @@ class _Producing(object):
         try:
             try:
                 for job, data, explicit, delay, sub in todo:
-                    if sub != "incoming":
+                    if sub.startswith(LANES):
                         full = self.make_room(job["type"], len(data), dirs)
+                        if full and refused is not None:
+                            refused.append((job["id"], SpoolFull(full)))
+                            continue
                         if full:
                             raise SpoolFull(full)
                         if dirs.owns():
@@ -2995,8 +3006,14 @@ class _Producing(object):
                             # lanes are the owner's: a producer drops into
                             # incoming/, and a worker moves it to its lane
                             sub = "incoming"
-                    self._place_new(job, data, explicit, delay, sync, dirs, sub,
-                                    later)
+                    try:
+                        self._place_new(job, data, explicit, delay, sync, dirs,
+                                        sub, later)
+                    except DuplicateJob as e:
+                        if refused is None:
+                            raise
+                        refused.append((job["id"], e))
+                        continue
                     done.append((job["id"], sub))
                     if later and len(later) >= 256:     # descriptors
                         self._fsync_later(later, done)
@@ -3932,6 +3949,197 @@ class _Upkeep(object):
         return out
 
 
+class _Backlog(object):
+    """export and import (myq(1) export): a backlog as JSON lines, one
+    job a line with its state, between spools, stores and devices (a part
+    of Spool; an SQLite store gives the same lines)."""
+
+    EXPORTED = ("ready", "scheduled", "processing", "done", "dead")
+    BATCH = 256                 # jobs an import places in one commit
+
+    # Export ------------------------------------------------------------------
+
+    def export(self, states=(), type=None, skip=None):
+        """The jobs in `states` (default: all but failed), of `type`, as
+        dicts with their `state`: each as its file holds it, a waiting
+        job's schedule its file's, a claimed one as a reaper would put it
+        back (its lease gone, its attempt counted).  Streamed: one
+        directory entry at a time, in no order within a state.  A file
+        that is not a job is left out, and skip(path, why) called."""
+        self.require()
+        self._check_readable()
+        states = frozenset(states or self.EXPORTED)
+        for s in states:
+            if s not in STATES:
+                raise UsageError("unknown state %r; one of: %s"
+                                 % (s, " ".join(STATES)))
+        skip = skip or (lambda path, why: None)
+        subs = self.waiting_dirs() if states & {"ready", "scheduled"} else []
+        subs += [STATE_DIRS[s] for s in ("processing", "done", "dead")
+                 if s in states]
+        for sub in subs:
+            for e in _scandir(self.d(sub)):
+                row = self._exported(sub, e.name, skip)
+                if row is not None and row["state"] in states and (
+                        type is None or row["type"] == type):
+                    yield row
+        if "failed" in states and type is None:
+            for row in self._exported_failed():
+                yield row
+
+    def _exported(self, sub, name, skip):
+        """The row of one entry of `sub`, or None (not a job file, gone)."""
+        if sub == "processing":
+            parts = _split_claim(name)
+            if not parts or parts[2] != "json":
+                return None             # (a .fin: being finished)
+            stem = parts[0]
+        elif name.endswith(".json"):
+            stem = name[:-5]
+        else:
+            return None
+        path = self.d(sub, name)
+        try:
+            job, trailers, st = self.load(path, stem)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                skip(path, e.strerror or str(e))
+            return None                 # (it moved while we looked)
+        except InvalidJob as e:
+            skip(path, str(e))
+            return None
+        lease = _lease_of(trailers)
+        if lease and isinstance(lease.get("attempt"), int):
+            job["attempts"] = lease["attempt"]      # (as a reaper counts it)
+        job.pop("lease", None)
+        if sub.startswith("incoming"):
+            # the file's mtime is its schedule when later than its ctime
+            # (a retry's, a hold's); the same within a millisecond: the
+            # job's own (what a utime to it made of the float)
+            t = st.st_mtime
+            if t > st.st_ctime and abs(t - job["available_at"]) > 1e-3:
+                job["available_at"] = t
+            state = "scheduled" if job["available_at"] > _now() else "ready"
+        else:
+            state = {"processing": "processing", "done": "done",
+                     "dlq": "dead"}[sub]
+        job["state"] = state
+        return job
+
+    def _exported_failed(self):
+        """Quarantined files (asked for by name: not jobs): the file's
+        name, its reason, its bytes as text when they are UTF-8."""
+        for e in _scandir(self.d("failed")):
+            if e.name.endswith(".reason"):
+                continue
+            path = self.d("failed", e.name)
+            reason = _read_small(path + ".reason")
+            try:
+                text = self.read_file(path)[0].decode("utf-8")
+            except (OSError, InvalidJob, UnicodeError):
+                text = None
+            yield {"state": "failed", "file": e.name,
+                   "reason": reason.decode("utf-8", "replace").strip()
+                   if reason else None, "bytes": text}
+
+    # Import ------------------------------------------------------------------
+
+    def import_jobs(self, lines, refuse=None):
+        """Add the jobs of export's lines (bytes or text, numbered from 1),
+        each durable as enqueue makes it and with its state: ready,
+        scheduled and processing ones wait (mtime = available_at; a
+        claimed one as ready, its attempt kept), dead ones go to dlq/,
+        done ones to done/ (there, the id's idempotency record).  An id
+        the spool has is refused as enqueue refuses it, and the rest go
+        on; so does a bad line (refuse(lineno, why) for either, a
+        type's bound too).  Counts {"imported", "duplicate", "bad",
+        "refused"}; the disk-free guard raises SpoolFull, its `counts`
+        and `line` (the first not imported) set."""
+        self.require()
+        refuse = refuse or (lambda n, why: None)
+        counts = dict(imported=0, duplicate=0, bad=0, refused=0)
+        todo, nums = [], []
+        for n, line in enumerate(lines, 1):
+            try:
+                todo.append(self._imported(line))
+            except InvalidJob as e:
+                counts["bad"] += 1
+                refuse(n, str(e))
+                continue
+            nums.append(n)
+            if len(todo) >= self.BATCH:
+                self._import_batch(todo, nums, counts, refuse)
+                todo, nums = [], []
+        if todo:
+            self._import_batch(todo, nums, counts, refuse)
+        return counts
+
+    def _imported(self, line):
+        """_prepared's tuple for one line, or InvalidJob."""
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeError as e:
+                raise InvalidJob("not UTF-8: %s" % e)
+        if not line.strip():
+            raise InvalidJob("an empty line")
+        try:
+            obj = _decode(line)
+        except RecursionError:
+            raise InvalidJob("JSON nested too deep")
+        except ValueError as e:
+            raise InvalidJob("not JSON: %s" % e)
+        if not isinstance(obj, dict):
+            raise InvalidJob("a job is a JSON object, not %s"
+                             % type(obj).__name__)
+        _check_value(obj, line)
+        state = obj.pop("state", "ready")
+        if state == "failed":
+            raise InvalidJob("a quarantined file (failed/), not a job: "
+                             "repair it, then enqueue it")
+        if state not in self.EXPORTED:
+            raise InvalidJob("unknown state %s; one of: %s" % (
+                json.dumps(state)[:40], " ".join(self.EXPORTED)))
+        if obj.get("id") is None:
+            raise InvalidJob("job has no id (import keeps each job's id: "
+                             "a second run must not add it again)")
+        job = normalize(obj)
+        job.pop("lease", None)
+        data = dumps(job)
+        most = self.opt["max_job_bytes"] + (SLACK if _rewritten(job) else 0)
+        if len(data) > most:
+            raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
+                             "(%d)" % (job["id"], len(data), most))
+        if state in ("dead", "done"):
+            return job, data, True, 0, STATE_DIRS[state]
+        delay = max(0.0, job["available_at"] - _now())
+        return job, data, True, delay, self.home(job)
+
+    def _import_batch(self, todo, nums, counts, refuse):
+        """_enqueue of one batch (`nums`: the line of each), each refusal
+        counted, and said unless it is a duplicate."""
+        refused, placed = [], []
+        try:
+            self._enqueue(todo, True, refused, placed)
+        except SpoolFull as e:
+            counts["imported"] += len(placed)
+            counts["duplicate"] += sum(
+                1 for _, x in refused if isinstance(x, DuplicateJob))
+            done = set(jid for jid, _ in placed) | set(j for j, _ in refused)
+            e.counts = counts
+            e.line = min([n for t, n in zip(todo, nums)
+                          if t[0]["id"] not in done] or [nums[0]])
+            raise
+        counts["imported"] += len(placed)
+        line = dict((t[0]["id"], n) for t, n in zip(todo, nums))
+        for jid, e in refused:
+            if isinstance(e, DuplicateJob):
+                counts["duplicate"] += 1
+            else:
+                counts["refused"] += 1
+                refuse(line[jid], str(e))
+
+
 def _file_kind(mode):
     """None for a regular file, else what it is."""
     if stat.S_ISREG(mode):
@@ -4062,7 +4270,7 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
         raise
 
 
-class Spool(_Producing, _Upkeep):
+class Spool(_Producing, _Upkeep, _Backlog):
     """One queue: the directory layout and every move of a job file."""
 
     def __init__(self, path=None, log=None, **options):
@@ -10681,6 +10889,8 @@ _GUARDS_SHOWN = {
     "supervise": None,
     "intake": ("--min-free", "--min-free-inodes", "--max-job-bytes",
                "--dedupe-window"),
+    "import": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+               "--dedupe-window"),
 }
 
 
@@ -10894,6 +11104,19 @@ def _args_resume(p):
     p.add_argument("--dest", action="append", default=[], metavar="DEST",
                    help="release this held destination now (as myq stats "
                    "--json shows it under held)")
+
+
+def _args_export(p):
+    p.add_argument("states", nargs="*", metavar="STATE",
+                   help="only jobs in these states: %s (default: all but "
+                   "failed, which holds files, not jobs)" % ", ".join(STATES))
+    p.add_argument("--type", help="only jobs of this type")
+
+
+def _args_import(p):
+    p.add_argument("file", nargs="?", default="-", metavar="FILE",
+                   help="JSON lines, as export writes them (default -: "
+                   "standard input)")
 
 
 def _args_version(p):
@@ -11681,6 +11904,73 @@ def _cmd_check(a):
     _print("ok spool=%s" % a.spool.path)
 
 
+def _cmd_export(a):
+    skipped = []
+
+    def skip(path, why):
+        skipped.append(path)
+        sys.stderr.write("myq: skipped %s: %s\n" % (
+            _plain(path), _plain(why)))
+    out = getattr(sys.stdout, "buffer", None)
+    sys.stdout.flush()
+    chunk = []
+    for job in a.spool.export(a.args.states, a.args.type, skip):
+        chunk.append(dumps(job))
+        if len(chunk) >= 256:
+            _write_out(out, chunk)
+    _write_out(out, chunk)
+    if skipped:
+        sys.stderr.write("myq: %d file(s) skipped: not jobs (a worker "
+                         "quarantines them; see: myq list failed)\n"
+                         % len(skipped))
+        return EX_DATAERR
+
+
+def _write_out(out, chunk):
+    data = b"".join(chunk)
+    del chunk[:]
+    if out is None:
+        sys.stdout.write(data.decode("utf-8", "replace"))
+        sys.stdout.flush()
+    else:
+        out.write(data)
+        out.flush()
+
+
+def _cmd_import(a):
+    name = a.args.file
+    try:
+        f = sys.stdin.buffer if name == "-" else open(name, "rb")
+    except OSError as e:
+        raise NoSuchJob("cannot read %s: %s" % (name, e.strerror))
+
+    def refuse(n, why):
+        sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
+    try:
+        counts = a.spool.import_jobs(f, refuse)
+    except SpoolFull as e:
+        c = getattr(e, "counts", None)
+        if c is None:
+            raise
+        sys.stderr.write("myq: %s; not imported from line %d on (free space, "
+                         "then run the same import again: what was imported "
+                         "is refused as duplicate)\n" % (e, e.line))
+        _import_counts(c)
+        return EX_TEMPFAIL
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
+    _import_counts(counts)
+    return EX_TEMPFAIL if counts["refused"] else EX_DATAERR if counts["bad"] \
+        else EX_CANTCREAT if counts["duplicate"] else 0
+
+
+def _import_counts(c):
+    sys.stderr.write("myq: imported %d, duplicate %d, bad %d%s\n" % (
+        c["imported"], c["duplicate"], c["bad"],
+        ", refused %d" % c["refused"] if c["refused"] else ""))
+
+
 # The commands: name -> (its function, its parser builder, its help), in
 # the order --help lists them.
 _COMMAND_TABLE = {
@@ -11712,6 +12002,11 @@ _COMMAND_TABLE = {
               "no new job of these types starts (running ones finish)"),
     "resume": (_cmd_resume, _args_resume,
                "undo pause; or release a held destination now"),
+    "export": (_cmd_export, _args_export,
+               "write jobs as JSON lines, each with its state"),
+    "import": (_cmd_import, _args_import,
+               "add the jobs of export's lines, keeping their states; "
+               "ids the spool has are refused"),
     "version": (_cmd_version, _args_version, "print the version"),
     "install": (_cmd_install, _args_install,
                 "lay out this file as an installed myq: the module and its "
