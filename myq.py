@@ -2260,12 +2260,7 @@ class Breaker(object):
             parts = name.split("/")
             if parts[0] != "incoming" or ".." in parts or not name.endswith(".json"):
                 continue
-            p = self.spool.d(name)
-            try:
-                if _lstat(p).st_mtime > now:
-                    _utime(p, now)
-            except OSError:
-                pass
+            self.spool.claims.due(name, now)
         _quiet_unlink(jobs)
         _quiet_unlink(self._path(dest, ".streak"))
         _quiet_unlink(self._path(dest))
@@ -2283,7 +2278,7 @@ class Breaker(object):
                 continue        # a server's hold ends by its probes
             if h.get("since", 0) > _now() - 60:
                 continue
-            if not any(_lexists(self.spool.d(name)) for name in self.jobs(dest)):
+            if not any(self.spool.claims.waits(name) for name in self.jobs(dest)):
                 _quiet_unlink(self._path(dest, ".jobs"))
                 _quiet_unlink(self._path(dest, ".streak"))
                 _quiet_unlink(self._path(dest))
@@ -2841,6 +2836,185 @@ class Claims(object):
         self.move_on(c, job, dest, me, fin=fin)
         self.spool.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
         return True
+
+    # What the scheduler sees of the waiting jobs -----------------------------
+    #
+    # The worker's scheduler (lanes, gates, rates, batches, probes) reads
+    # the waiting jobs only through these, so that another store (the
+    # SQLite one) plugs in under it unchanged.
+
+    def change_key(self):
+        """(key, racy): a key that changes when the waiting jobs of
+        incoming/ may have; racy when it cannot prove they did not.  A
+        directory's time has the kernel's coarse granularity (a jiffy): a
+        change in the same jiffy as the one this key saw leaves it equal,
+        so a time that recent proves nothing (git's "racily clean"
+        entries)."""
+        try:
+            st = _dir_stat(self.spool.d("incoming"))
+        except OSError:
+            return None, False
+        return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
+
+    def lanes_key(self):
+        """A key that changes when lanes come or go (None: no lanes)."""
+        try:
+            st = _dir_stat(self.spool.d(LANES))
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_ino)
+
+    def maybe_lanes(self):
+        """False when there is surely no lane (one cheap look)."""
+        try:
+            inc = self.spool.fs("incoming")
+        except OSError:
+            return False
+        return os.access("lanes", os.F_OK, dir_fd=inc, follow_symlinks=False)
+
+    def lane_key(self, L):
+        """(key, racy) of lane L, as change_key for incoming/."""
+        try:
+            st = _dir_stat(L.path)
+        except OSError:
+            return None, False
+        return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
+
+    def waits(self, rel):
+        """Does a job wait at `rel` (LANE/ID.json)?"""
+        return _lexists(self.spool.d(rel))
+
+    def size(self, sub, name):
+        """The bytes of the job NAME waiting in `sub` (OSError: gone)."""
+        return _lstat(self.spool.d(sub, name)).st_size
+
+    def due(self, rel, now):
+        """The job waiting at `rel`, held by a breaker, is due now."""
+        p = self.spool.d(rel)
+        try:
+            if _lstat(p).st_mtime > now:
+                _utime(p, now)
+        except OSError:
+            pass
+
+    def extend(self, claims, until):
+        """The heartbeat: these claims' leases run until `until`."""
+        for c in claims:
+            try:
+                _utime(c.path, until)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+
+    def commit(self):
+        """Group commit of what complete() did since the last (done/'s
+        fsync; a lost rename runs a job again, as at-least-once allows)."""
+        _fsync_dir(self.spool.d("done"))
+
+    def scan(self, L, n, tick):
+        """Refill lane L's scan cache (default: incoming/ itself) with its N
+        earliest jobs (by mtime = available_at, then name): memory stays
+        bounded whatever the depth of the queue.
+
+        A directory of up to 4N entries is scanned whole; a deeper one, or
+        one with more than N ready, is worked through in one pass of a
+        directory iterator kept open (a "sweep"): the first refill takes the
+        N earliest ready jobs of the first 4N entries, each later one the
+        next N ready files, in order among themselves.  So the first job
+        starts after 4N entries, not the whole directory; a refill costs N
+        entries; every ready job is reached within one pass (or the next,
+        for the ready ones of the first 4N beyond N).  A pass that saw jobs
+        not yet due, or left ready ones, ends with a marker in the cache (at
+        the soonest of them) that starts the next pass when it comes due."""
+        import heapq
+        import itertools
+        sp = self.spool
+        now = _now()
+        inc = sp.d(L.sub)
+        bad = []
+        nread = [0]                             # jobs entries() gave
+        sweeping = L.sweep is not None          # new arrivals: next pass
+
+        def entries(it):
+            return self._entries(it, inc, now, bad, nread)
+
+        if not sweeping:
+            it = _scandir(inc)
+            best = heapq.nsmallest(n, itertools.islice(entries(it), 4 * n + 1))
+            if nread[0] <= 4 * n:               # the whole directory
+                it.close()
+                if len(best) >= n and best[-1][0] <= now:
+                    L.sweep = _scandir(inc)     # more ready than N
+                    L.soonest = None
+            else:                               # deep: a pass starts here
+                L.sweep = it
+                later = [e[0] for e in best if e[0] > now]
+                best = [e for e in best if e[0] <= now]
+                # All N ready: more may be, and later ones unseen: the
+                # next pass must come right after this one.
+                L.soonest = later[0] if later else now
+        else:
+            best = []
+            soonest = L.soonest
+            if L.dirty and (soonest is None or soonest > now):
+                soonest = now           # arrivals the iterator may miss
+            for ent in entries(L.sweep):
+                if ent[0] <= now:
+                    best.append(ent)
+                    if len(best) >= n:
+                        break
+                elif soonest is None or ent[0] < soonest:
+                    soonest = ent[0]
+            else:
+                L.end_sweep()
+                if soonest is not None:         # wake for them: a new pass
+                    best.append((soonest, "", False))
+            L.soonest = soonest
+            best.sort()
+        for name, kind in bad:
+            tick()
+            try:
+                self.quarantine(os.path.join(inc, name), name,
+                              "not a regular file (%s)" % kind)
+            except OSError:
+                pass
+        best.reverse()
+        L.cache = best
+        L.cache_full = len(best) >= n or L.sweep is not None
+        L.dirty = False
+        L.next_due = None
+
+    @staticmethod
+    def _entries(it, inc, now, bad, nread):
+        """(due, name, scheduled) of the job files a directory iterator
+        gives; what is not a regular file goes to `bad`, counted in
+        nread[0] are the jobs."""
+        for e in it:
+            name = e.name
+            if not name.endswith(".json"):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                bad.append((name, _file_kind(st.st_mode)))
+                continue
+            m = st.st_mtime
+            # An mtime later than the ctime was set on purpose (by myq,
+            # or `touch -d` before the mv): it IS the schedule.
+            scheduled = m > st.st_ctime
+            if st.st_ctime > now + 5 and m > now:
+                # The clock went back since this file was scheduled:
+                # keep the delay it had left, not the old date.
+                m = now + max(0.0, m - st.st_ctime)
+                scheduled = True
+                try:
+                    _utime(inc + "/" + name, m)
+                except OSError:
+                    pass
+            nread[0] += 1
+            yield (m, name, scheduled)
 
     def queued(self, jid):
         return any(_lexists(self.spool.d(sub, jid + ".json"))
@@ -7545,17 +7719,8 @@ class _Scheduling(object):
         # on: a directory replaced meanwhile is not used through its old one.
         self.spool.fs.close()
         self.spool.policy()
-        try:
-            st = _dir_stat(self.spool.d("incoming"))
-            key = (st.st_mtime_ns, st.st_ino)
-        except OSError:
-            key = None
-        # A directory's time has the kernel's coarse granularity (a jiffy):
-        # a change in the same jiffy as the one this key saw leaves it
-        # equal, so a time that recent proves nothing (git's "racily
-        # clean" entries): look again.
-        if key != self._dir_key or (
-                key is not None and abs(_now() - st.st_mtime) < 0.05):
+        key, racy = self.spool.claims.change_key()
+        if key != self._dir_key or racy:
             self._dir_key = key
             self.dirty = True
         offset = _now() - _mono()
@@ -7569,110 +7734,8 @@ class _Scheduling(object):
 
     def _rescan(self, L=None):
         """Refill lane L's scan cache (default: incoming/ itself) with its N
-        earliest jobs (by mtime = available_at, then name): memory stays
-        bounded whatever the depth of the queue.
-
-        A directory of up to 4N entries is scanned whole; a deeper one, or
-        one with more than N ready, is worked through in one pass of a
-        directory iterator kept open (a "sweep"): the first refill takes the
-        N earliest ready jobs of the first 4N entries, each later one the
-        next N ready files, in order among themselves.  So the first job
-        starts after 4N entries, not the whole directory; a refill costs N
-        entries; every ready job is reached within one pass (or the next,
-        for the ready ones of the first 4N beyond N).  A pass that saw jobs
-        not yet due, or left ready ones, ends with a marker in the cache (at
-        the soonest of them) that starts the next pass when it comes due."""
-        import heapq
-        import itertools
-        L = L or self._top
-        sp = self.spool
-        now = _now()
-        inc = sp.d(L.sub)
-        bad = []
-        nread = [0]                             # jobs entries() gave
-        sweeping = L.sweep is not None          # new arrivals: next pass
-
-        def entries(it):
-            return self._entries(it, inc, now, bad, nread)
-
-        n = self.scan_cache
-        if not sweeping:
-            it = _scandir(inc)
-            best = heapq.nsmallest(n, itertools.islice(entries(it), 4 * n + 1))
-            if nread[0] <= 4 * n:               # the whole directory
-                it.close()
-                if len(best) >= n and best[-1][0] <= now:
-                    L.sweep = _scandir(inc)     # more ready than N
-                    L.soonest = None
-            else:                               # deep: a pass starts here
-                L.sweep = it
-                later = [e[0] for e in best if e[0] > now]
-                best = [e for e in best if e[0] <= now]
-                # All N ready: more may be, and later ones unseen: the
-                # next pass must come right after this one.
-                L.soonest = later[0] if later else now
-        else:
-            best = []
-            soonest = L.soonest
-            if L.dirty and (soonest is None or soonest > now):
-                soonest = now           # arrivals the iterator may miss
-            for ent in entries(L.sweep):
-                if ent[0] <= now:
-                    best.append(ent)
-                    if len(best) >= n:
-                        break
-                elif soonest is None or ent[0] < soonest:
-                    soonest = ent[0]
-            else:
-                L.end_sweep()
-                if soonest is not None:         # wake for them: a new pass
-                    best.append((soonest, "", False))
-            L.soonest = soonest
-            best.sort()
-        for name, kind in bad:
-            self._tick()
-            try:
-                sp.claims.quarantine(os.path.join(inc, name), name,
-                              "not a regular file (%s)" % kind)
-            except OSError:
-                pass
-        best.reverse()
-        L.cache = best
-        L.cache_full = len(best) >= self.scan_cache or L.sweep is not None
-        L.dirty = False
-        L.next_due = None
-
-    @staticmethod
-    def _entries(it, inc, now, bad, nread):
-        """(due, name, scheduled) of the job files a directory iterator
-        gives; what is not a regular file goes to `bad`, counted in
-        nread[0] are the jobs."""
-        for e in it:
-            name = e.name
-            if not name.endswith(".json"):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                bad.append((name, _file_kind(st.st_mode)))
-                continue
-            m = st.st_mtime
-            # An mtime later than the ctime was set on purpose (by myq,
-            # or `touch -d` before the mv): it IS the schedule.
-            scheduled = m > st.st_ctime
-            if st.st_ctime > now + 5 and m > now:
-                # The clock went back since this file was scheduled:
-                # keep the delay it had left, not the old date.
-                m = now + max(0.0, m - st.st_ctime)
-                scheduled = True
-                try:
-                    _utime(inc + "/" + name, m)
-                except OSError:
-                    pass
-            nread[0] += 1
-            yield (m, name, scheduled)
+        earliest jobs: the store's scan (Claims.scan)."""
+        self.spool.claims.scan(L or self._top, self.scan_cache, self._tick)
 
     # The top lane (incoming/ itself) under the names the scan had before
     # there were lanes.
@@ -7717,18 +7780,9 @@ class _Scheduling(object):
                     fifo is None or not fifo.poll(0)):
                 return
             self._lanes_look = now + 0.05
-            try:
-                inc = self.spool.fs("incoming")
-            except OSError:
-                return
-            if not os.access("lanes", os.F_OK, dir_fd=inc,
-                             follow_symlinks=False):
-                return  # no lanes, as before: access() raises no exception
-        try:
-            st = _dir_stat(self._lanes_path)
-            key = (st.st_mtime_ns, st.st_ino)
-        except OSError:
-            key = None
+            if not self.spool.claims.maybe_lanes():
+                return  # no lanes, as before
+        key = self.spool.claims.lanes_key()
         if key is None and key == self._lanes_key:
             return                      # no lanes: nothing to learn
         wake = getattr(self, "_wake_fds", None)
@@ -7740,13 +7794,9 @@ class _Scheduling(object):
             poked = _drain(wake[0])
         for L in self._lanes if poked else ():
             if L.type is not None:
-                try:
-                    st = _dir_stat(L.path)
-                    k = (st.st_mtime_ns, st.st_ino)
-                except OSError:
-                    k = None
-                # (a time that recent proves nothing: see _check_incoming)
-                if k != L.key or (k is not None and abs(_now() - st.st_mtime) < 0.05):
+                # (a time that recent proves nothing: see change_key)
+                k, racy = self.spool.claims.lane_key(L)
+                if k != L.key or racy:
                     L.key, L.dirty = k, True
         if key == self._lanes_key:
             return
@@ -8191,7 +8241,7 @@ class _Running(object):
         ids = sp.claims.batch_ids(first.job["batch_of"])
         out = {first.jid: first}
         for jid in ids:
-            if jid in out or not _lexists(sp.d(sub, jid + ".json")):
+            if jid in out or not sp.claims.waits(sub + "/" + jid + ".json"):
                 continue
             c = sp.claims.claim(jid + ".json", self.me, self.max_attempts, False, sub)
             if c is not None and c.job.get("batch_of") == first.job["batch_of"]:
@@ -8222,7 +8272,7 @@ class _Running(object):
                 break
             m, name, scheduled = head
             try:
-                sz = _lstat(sp.d(L.sub, name)).st_size
+                sz = sp.claims.size(L.sub, name)
             except OSError:
                 L.cache.pop()
                 continue
@@ -8582,7 +8632,7 @@ class _Holding(object):
         self._holds[dest] = until
         for rel in names:
             sub, _, name = rel.rpartition("/")
-            if not _lexists(sp.d(rel)):
+            if not sp.claims.waits(rel):
                 continue
             c = sp.claims.claim(name, self.me, self.max_attempts, True, sub)
             if c is not None:
@@ -9422,7 +9472,7 @@ class Worker(_Scheduling, _Running, _Holding):
         if not self._pending:
             return
         try:
-            _fsync_dir(self.spool.d("done"))
+            self.spool.claims.commit()
             self._pending = 0
             self._io_backoff = 0.5
         except OSError as e:
@@ -9442,12 +9492,7 @@ class Worker(_Scheduling, _Running, _Holding):
             claims = [c for part, _ in self._splits for c in part]
             for run in self.runs + ([self._inline] if self._inline else []):
                 claims.extend(run.batch or [run.claim])
-            for c in claims:
-                try:
-                    _utime(c.path, until)
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise
+            self.spool.claims.extend(claims, until)
         except OSError as e:
             self.log("error", during="heartbeat", error=e.strerror)
 
