@@ -72,6 +72,9 @@ The map: the sections, in file order, each using only those above it
                     Spool (layout, reading, lanes, stats)
                     (test_spool_layout, test_retry_dlq, test_operator,
                     test_export)
+  The SQLite store  SqlSpool and _SqlClaims: the same interface over
+                    queue.db (myq init --store sqlite), the drop box taken
+                    in (test_sqlite, and the store-parametrised tests)
   Logging           Log and its file (test_initd)
   Handlers          --module files; http: requests, answers, http_dest,
                     HttpPool, batches (test_handlers_exec,
@@ -280,6 +283,14 @@ _UNHEARD = {}
 
 # enqueue(): a path -> its Spool, kept for the next call.
 _SPOOLS = {}
+
+# The stores a spool may keep its jobs in, besides files: name -> the
+# Spool class (the SQLite store registers itself, below the spool).
+_STORES = {}
+
+# Database connections a forked child inherited: never closed in the child
+# (closing may end the parent's locks), never used.
+_FORKED_DBS = []
 
 # The HTTPSConnection subclass (HTTP forwarding), made on first use.
 _tls_class = []
@@ -2732,6 +2743,13 @@ class Claims(object):
                         % (wid, rec["pid"], mono - rec["_beat"]))
             return None
         # Liveness cannot be checked: the wall-clock lease decides.
+        until = self._until_of(path)
+        if until < now:
+            return "lease of worker %s expired at %s" % (wid, iso(until))
+        return None
+
+    def _until_of(self, path):
+        """The wall-clock end of the lease of the claim at `path`."""
         until = 0.0
         try:
             until = _lstat(path).st_mtime
@@ -2741,9 +2759,7 @@ class Claims(object):
                 until = max(until, lease["leased_until"])
         except (OSError, InvalidJob):
             pass
-        if until < now:
-            return "lease of worker %s expired at %s" % (wid, iso(until))
-        return None
+        return until
 
     def reap(self, me=None, max_attempts=5, dry_run=False):
         """Take back claims whose owner is gone (or whose lease expired where
@@ -2758,15 +2774,8 @@ class Claims(object):
             now, mono = _now(), _mono()
             n = 0
             names = sorted(_listdir(self.spool.d("processing")))
-            batches = {}        # a dead worker's batch: jid -> its record
-            for name in names if not dry_run else ():
-                if name.endswith(".batch") and "+" in name:
-                    wid = name[:-6].partition("+")[2].rpartition(".")[0]
-                    if wid and (me is None or wid != me.wid) and self._owner_gone(
-                            wid, self.spool.d("processing", name), cache, now, mono):
-                        for jid in self.batch_ids(name[:-6]):
-                            batches[jid] = name[:-6]
-                        self.keep_batch(name[:-6])
+            batches = {} if dry_run else self._dead_batches(
+                names, me, cache, now, mono)
             for name in names:
                 parts = _split_claim(name)
                 if not parts or (me is not None and parts[1] == me.wid):
@@ -2784,6 +2793,20 @@ class Claims(object):
         finally:
             if mine:
                 me.unregister()
+
+    def _dead_batches(self, names, me, cache, now, mono):
+        """{jid: its batch} of the batches (processing/*.batch) whose
+        workers are gone; their records kept (keep_batch)."""
+        batches = {}        # a dead worker's batch: jid -> its record
+        for name in names:
+            if name.endswith(".batch") and "+" in name:
+                wid = name[:-6].partition("+")[2].rpartition(".")[0]
+                if wid and (me is None or wid != me.wid) and self._owner_gone(
+                        wid, self.spool.d("processing", name), cache, now, mono):
+                    for jid in self.batch_ids(name[:-6]):
+                        batches[jid] = name[:-6]
+                    self.keep_batch(name[:-6])
+        return batches
 
     def own(self, path, jid, me):
         """Take a job file for `me` to finish it: rename it to
@@ -3822,12 +3845,7 @@ class _Upkeep(object):
         self.require()
         now = _now() if now is None else now
         out = dict(done=0, dead=0, failed=0, tmp=0, ok=0, workers=0)
-        bound = {}
-        for sub, key, age, keep, most, always in self._RETENTION:
-            if always or full:
-                out[key] += self._expire(sub, age, self.opt[keep],
-                                         self.opt[most] if most else None, now,
-                                         bound)
+        bound = self._prune_jobs(now, full, out)
         # What is removed unrun is counted (stats removed=): tmp/ strays,
         # and idempotency records past their bound in count.
         for what, n in (("tmp", out["tmp"]), ("ok", bound.get("locks/ok", 0))):
@@ -3845,6 +3863,17 @@ class _Upkeep(object):
             out["tmp"] += self._prune_strays(now)
             self.breaker.prune()
         return out
+
+    def _prune_jobs(self, now, full, out):
+        """prune's part of the jobs' states (the counts into `out`); what
+        went for a bound in count, by directory."""
+        bound = {}
+        for sub, key, age, keep, most, always in self._RETENTION:
+            if always or full:
+                out[key] += self._expire(sub, age, self.opt[keep],
+                                         self.opt[most] if most else None, now,
+                                         bound)
+        return bound
 
     def make_space(self, n=256):
         """Below a guard (myq(1) guards): retention frees done/ first, its n
@@ -3983,9 +4012,7 @@ class _Upkeep(object):
         """Records in locks/workers/ of workers that are gone (and hold no
         claim), and handler records whose claim has ended."""
         n = 0
-        claims = _listdir(self.d("processing"))
-        owners = set(p[1] for p in map(_split_claim, claims) if p)
-        tokens = set(map(_claim_token, claims))
+        owners, tokens = self._holders()
         cache, mono = {}, _mono()
         for name in _listdir(self.d("locks", "workers")):
             path = self.d("locks", "workers", name)
@@ -3997,6 +4024,12 @@ class _Upkeep(object):
                 if why and "lease" not in why and "hung" not in why:
                     n += self._remove("locks/workers", path)
         return n
+
+    def _holders(self):
+        """(worker ids, tokens) of the claims held now."""
+        claims = _listdir(self.d("processing"))
+        return (set(p[1] for p in map(_split_claim, claims) if p),
+                set(map(_claim_token, claims)))
 
     def _rmtree(self, path):
         """Remove a directory that a producer quarantined, with what is in
@@ -4090,11 +4123,11 @@ class _Upkeep(object):
         in incoming/ that no worker will take."""
         out = []
         spool = "myq --spool %s" % self.path
-        dead = _count(self.d("dlq"), ".json")
+        dead = self._counts(_now())[5]
         if dead:
             out.append("%d dead job(s) in dlq/; see: %s list dead; then retry "
                        "or delete them" % (dead, spool))
-        failed = sum(1 for n in _listdir(self.d("failed")) if not n.endswith(".reason"))
+        failed = self._counts(_now())[6]
         if failed:
             out.append("%d file(s) quarantined in failed/; see: %s list failed "
                        "(repair and retry, or delete)" % (failed, spool))
@@ -4444,196 +4477,10 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
         raise
 
 
-class Spool(_Producing, _Upkeep, _Backlog):
-    """One queue: the directory layout and every move of a job file."""
+class _Reading(object):
+    """What the commands read of a spool: a job file, where an id is,
+    show, list, stats (a part of Spool)."""
 
-    def __init__(self, path=None, log=None, **options):
-        self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
-                                    or DEFAULT_SPOOL)
-        self.name = os.path.basename(self.path.rstrip("/")) or "myq"
-        self.opt = dict(DEFAULTS)
-        for k, v in options.items():
-            if k not in DEFAULTS:
-                raise TypeError("unknown spool option %r" % k)
-            if v is not None:
-                self.opt[k] = v
-        self.log = log or _noop_log
-        self._pre = self.path if self.path.endswith("/") else self.path + "/"
-        self._incoming = os.path.join(self.path, "incoming", "")
-        self._processing = os.path.join(self.path, "processing", "")
-        self._done = os.path.join(self.path, "done", "")
-        self._ok = os.path.join(self.path, "locks", "ok", "")
-        self._tmp = os.path.join(self.path, "tmp", "")
-        self._wake = os.path.join(self.path, "locks", "wake")
-        self._ready = False
-        self._free_checked = (-1e9, True)
-        self._budget = (-1e9, 0, 0, 0)    # _room_for's
-        self._seq = 0
-        self._pol, self._pol_key, self._pol_next = {}, None, 0.0
-        self._rules, self._homes = {}, {}     # per type, for this policy
-        self.lane_types = frozenset()   # held for a missing handler: laned
-        self.pol_polled = False
-        self.policy_error = None
-        self.intake = False     # _claim moved a producer's file to its lane
-        self.lane_problems = {}     # lane -> why the door refused it
-        self.breaker = Breaker(self)
-        self.claims = Claims(self)
-
-        _Door.of(self.path)
-
-    @property
-    def fs(self):
-        """Every step on the spool's files goes through its door (the
-        filesystem steps above), this thread's: its descriptors are closed
-        at the end of each public call unless a worker of this thread keeps
-        them."""
-        return _Door.of(self.path)
-
-    def d(self, *parts):
-        """A path in the spool: os.path.join(path, *parts), built without
-        it for the relative parts every caller passes (it runs per job)."""
-        for p in parts:
-            if p[:1] == "/":
-                return os.path.join(self.path, *parts)
-        return self._pre + "/".join(parts) if parts else self.path
-
-
-    # Layout ------------------------------------------------------------------
-
-    def init(self, owner=None):
-        """Create the spool and its layout (idempotent).  Every entry is
-        reached through its parent's descriptor, never through a symlink,
-        and `owner` gets each one through its own descriptor: the owner of
-        an existing spool cannot make init (run as root at every boot) chown
-        or create anything outside it."""
-        ids = _user_ids(owner) if owner else None
-        try:
-            os.makedirs(self.path, 0o750, exist_ok=True)
-            st = os.lstat(self.path)
-            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
-                raise ConfigError(
-                    "%s is a symlink owned by uid %d; refusing to follow it "
-                    "(give the real directory as --spool)" % (self.path, st.st_uid))
-            fds = {"": os.open(self.path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)}
-        except OSError as e:
-            raise ConfigError("cannot create the spool %s: %s; check the path "
-                              "and its permissions" % (self.path, e.strerror))
-        try:
-            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
-                parent, _, name = sub.rpartition("/")
-                p = self.d(sub)
-                try:
-                    _step("mkdir", p, "before")
-                    os.mkdir(name, 0o750, dir_fd=fds[parent])
-                    _step("mkdir", p, "after")
-                except FileExistsError:
-                    pass
-                fds[sub] = _open_dir(name, fds[parent], p)
-            dev = os.fstat(fds[""]).st_dev
-            for sub, fd in fds.items():
-                if os.fstat(fd).st_dev != dev:
-                    raise ConfigError(_other_fs(self.d(sub), self.path))
-            if hasattr(os, "mkfifo"):
-                try:
-                    os.mkfifo("wake", 0o660, dir_fd=fds["locks"])
-                except FileExistsError:
-                    pass
-            if ids:
-                for fd in fds.values():
-                    os.fchown(fd, ids[0], ids[1])
-                try:
-                    fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
-                                 | O_CLOEXEC, dir_fd=fds["locks"])
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise ConfigError("%s is not a FIFO; remove it and run "
-                                          "myq init" % self.d("locks", "wake"))
-                else:
-                    try:
-                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                            os.fchown(fd, ids[0], ids[1])
-                    finally:
-                        os.close(fd)
-        except OSError as e:
-            raise ConfigError("cannot create the spool %s: %s; check the path "
-                              "and its permissions (--owner needs root)"
-                              % (self.path, e.strerror))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return self
-
-    def require(self):
-        """Raise ConfigError unless the spool exists and is initialised."""
-        if self._ready:
-            return self
-        for sub in SUBDIRS:
-            if not os.path.isdir(self.d(sub)):
-                self._unusable(sub)
-                if not os.path.isdir(self.path):
-                    raise ConfigError("spool %s does not exist; create it with: "
-                                      "myq --spool %s init" % (self.path, self.path))
-                raise ConfigError("spool %s is not initialised (no %s/); run: "
-                                  "myq --spool %s init" % (self.path, sub, self.path))
-        self._ready = True      # checked once per Spool object
-        return self
-
-    def _unusable(self, sub):
-        """Raise ConfigError when spool/SUB is there but this user may not
-        reach it (EACCES) or a part of the path is not a directory: not the
-        'not initialised' of a spool that is missing."""
-        p = self.d(sub)
-        try:
-            st = os.stat(p)
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EPERM):
-                where = self.path
-                try:
-                    os.stat(self.path)
-                except OSError:
-                    where = os.path.dirname(self.path)  # above the spool
-                raise ConfigError(
-                    "permission denied: uid %d may not enter %s; run myq as "
-                    "the spool's owner%s, or give this user access"
-                    % (os.geteuid(), where, self._owner_hint()))
-            if e.errno == errno.ENOTDIR:
-                raise ConfigError("spool %s: a part of the path is not a "
-                                  "directory; give the spool directory as "
-                                  "--spool" % self.path)
-            return
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError("spool %s: %s is not a directory; move it away "
-                              "and run: myq --spool %s init"
-                              % (self.path, p, self.path))
-
-    def _check_readable(self):
-        """stats and list read every state directory: say so when this user
-        may not, rather than count nothing."""
-        for sub in ("incoming", "processing", "done", "dlq", "failed"):
-            if not os.access(self.d(sub), os.R_OK | os.X_OK):
-                raise ConfigError(
-                    "permission denied: uid %d may not read %s; run myq as "
-                    "the spool's owner%s or a member of its group"
-                    % (os.geteuid(), self.d(sub), self._owner_hint()))
-
-    def _owner_hint(self):
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return ""
-        try:
-            import pwd
-            return " (%s)" % pwd.getpwuid(st.st_uid).pw_name
-        except (ImportError, KeyError):
-            return " (uid %d)" % st.st_uid
-
-    def check_filesystem(self):
-        dev = os.stat(self.path).st_dev
-        for sub in SUBDIRS + ("locks/ok",):
-            if os.stat(self.d(sub)).st_dev != dev:
-                raise ConfigError(_other_fs(self.d(sub), self.path))
-
-    # Reading -----------------------------------------------------------------
 
     def read_file(self, path, limit=None):
         """(bytes, stat) of a regular file; never follows a symlink, never
@@ -4825,27 +4672,9 @@ class Spool(_Producing, _Upkeep, _Backlog):
     def stats(self, now=None, by_type=False):
         """The counters of the status line (myq-spool(5) STATISTICS), from the directories."""
         now = _now() if now is None else now
-        ready = scheduled = 0
-        oldest = None
-        for e in (e for sub in self.waiting_dirs() for e in _scandir(self.d(sub))):
-            if not e.name.endswith(".json"):
-                continue
-            try:
-                m = e.stat(follow_symlinks=False).st_mtime
-            except OSError:
-                continue
-            if m <= now:
-                ready += 1
-                oldest = m if oldest is None or m < oldest else oldest
-            else:
-                scheduled += 1
-        processing = sum(1 for n in _listdir(self.d("processing"))
-                         if _split_claim(n))
+        ready, scheduled, oldest, processing, done, dead, failed = \
+            self._counts(now)
         tot = self.totals()
-        done = _count(self.d("done"), ".json")
-        dead = _count(self.d("dlq"), ".json")
-        failed = sum(1 for n in _listdir(self.d("failed"))
-                     if not n.endswith(".reason"))
         try:
             st = os.statvfs(self.path)
             free_kb = st.f_bavail * st.f_frsize // 1024
@@ -4867,6 +4696,257 @@ class Spool(_Producing, _Upkeep, _Backlog):
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.breaker.records()]}
+
+    def _counts(self, now):
+        """(ready, scheduled, the earliest ready one's time, processing,
+        done, dead, failed), from the directories."""
+        ready = scheduled = 0
+        oldest = None
+        for e in (e for sub in self.waiting_dirs() for e in _scandir(self.d(sub))):
+            if not e.name.endswith(".json"):
+                continue
+            try:
+                m = e.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            if m <= now:
+                ready += 1
+                oldest = m if oldest is None or m < oldest else oldest
+            else:
+                scheduled += 1
+        processing = sum(1 for n in _listdir(self.d("processing"))
+                         if _split_claim(n))
+        return (ready, scheduled, oldest, processing,
+                _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
+                self._failed_files())
+
+    def _failed_files(self):
+        return sum(1 for n in _listdir(self.d("failed")) if not n.endswith(".reason"))
+
+
+class Spool(_Producing, _Upkeep, _Backlog, _Reading):
+    """One queue: the directory layout and every move of a job file.
+    Spool(path) is the class of the store the spool records (SPOOL/store:
+    "sqlite" for the SQLite store; none for files)."""
+
+    def __new__(cls, path=None, log=None, **options):
+        if cls is Spool:
+            name = _read_small(os.path.join(os.path.abspath(
+                path or os.environ.get("MYQ_SPOOL") or DEFAULT_SPOOL), "store"), 64)
+            name = name.decode("ascii", "replace").strip() if name else "files"
+            if name != "files":
+                if name not in _STORES:
+                    raise ConfigError("spool %s records the store %r, which this "
+                                      "myq does not know (one of: files %s)"
+                                      % (path, name, " ".join(sorted(_STORES))))
+                cls = _STORES[name]
+        return object.__new__(cls)
+
+    store = "files"
+
+    def __init__(self, path=None, log=None, **options):
+        self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
+                                    or DEFAULT_SPOOL)
+        self.name = os.path.basename(self.path.rstrip("/")) or "myq"
+        self.opt = dict(DEFAULTS)
+        for k, v in options.items():
+            if k not in DEFAULTS:
+                raise TypeError("unknown spool option %r" % k)
+            if v is not None:
+                self.opt[k] = v
+        self.log = log or _noop_log
+        self._pre = self.path if self.path.endswith("/") else self.path + "/"
+        self._incoming = os.path.join(self.path, "incoming", "")
+        self._processing = os.path.join(self.path, "processing", "")
+        self._done = os.path.join(self.path, "done", "")
+        self._ok = os.path.join(self.path, "locks", "ok", "")
+        self._tmp = os.path.join(self.path, "tmp", "")
+        self._wake = os.path.join(self.path, "locks", "wake")
+        self._ready = False
+        self._free_checked = (-1e9, True)
+        self._budget = (-1e9, 0, 0, 0)    # _room_for's
+        self._seq = 0
+        self._pol, self._pol_key, self._pol_next = {}, None, 0.0
+        self._rules, self._homes = {}, {}     # per type, for this policy
+        self.lane_types = frozenset()   # held for a missing handler: laned
+        self.pol_polled = False
+        self.policy_error = None
+        self.intake = False     # _claim moved a producer's file to its lane
+        self.lane_problems = {}     # lane -> why the door refused it
+        self.breaker = Breaker(self)
+        self.claims = Claims(self)
+
+        _Door.of(self.path)
+
+    @property
+    def fs(self):
+        """Every step on the spool's files goes through its door (the
+        filesystem steps above), this thread's: its descriptors are closed
+        at the end of each public call unless a worker of this thread keeps
+        them."""
+        return _Door.of(self.path)
+
+    def d(self, *parts):
+        """A path in the spool: os.path.join(path, *parts), built without
+        it for the relative parts every caller passes (it runs per job)."""
+        for p in parts:
+            if p[:1] == "/":
+                return os.path.join(self.path, *parts)
+        return self._pre + "/".join(parts) if parts else self.path
+
+
+    # Layout ------------------------------------------------------------------
+
+    def init(self, owner=None, store=None):
+        """Create the spool and its layout (idempotent).  Every entry is
+        reached through its parent's descriptor, never through a symlink,
+        and `owner` gets each one through its own descriptor: the owner of
+        an existing spool cannot make init (run as root at every boot) chown
+        or create anything outside it.  `store`: "files" (default) or
+        "sqlite" (myq-spool(5) SQLITE STORE), for a new spool; an existing
+        one keeps its own."""
+        store = store or self.store
+        if store != self.store:
+            if store not in _STORES:
+                raise UsageError("unknown store %r; one of: files %s"
+                                 % (store, " ".join(sorted(_STORES))))
+            if os.path.isdir(self.d("incoming")):
+                raise ConfigError(
+                    "spool %s keeps its jobs in %s; init cannot change its "
+                    "store: make a new spool with myq --spool NEW init --store "
+                    "%s, then move the jobs: myq --spool %s export | myq "
+                    "--spool NEW import" % (self.path, self.store, store, self.path))
+            self._init(owner)
+            return _STORES[store].create(self, owner)
+        return self._init(owner)
+
+    def _init(self, owner):
+        ids = _user_ids(owner) if owner else None
+        try:
+            os.makedirs(self.path, 0o750, exist_ok=True)
+            st = os.lstat(self.path)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+                raise ConfigError(
+                    "%s is a symlink owned by uid %d; refusing to follow it "
+                    "(give the real directory as --spool)" % (self.path, st.st_uid))
+            fds = {"": os.open(self.path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)}
+        except OSError as e:
+            raise ConfigError("cannot create the spool %s: %s; check the path "
+                              "and its permissions" % (self.path, e.strerror))
+        try:
+            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
+                parent, _, name = sub.rpartition("/")
+                p = self.d(sub)
+                try:
+                    _step("mkdir", p, "before")
+                    os.mkdir(name, 0o750, dir_fd=fds[parent])
+                    _step("mkdir", p, "after")
+                except FileExistsError:
+                    pass
+                fds[sub] = _open_dir(name, fds[parent], p)
+            dev = os.fstat(fds[""]).st_dev
+            for sub, fd in fds.items():
+                if os.fstat(fd).st_dev != dev:
+                    raise ConfigError(_other_fs(self.d(sub), self.path))
+            if hasattr(os, "mkfifo"):
+                try:
+                    os.mkfifo("wake", 0o660, dir_fd=fds["locks"])
+                except FileExistsError:
+                    pass
+            if ids:
+                for fd in fds.values():
+                    os.fchown(fd, ids[0], ids[1])
+                try:
+                    fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
+                                 | O_CLOEXEC, dir_fd=fds["locks"])
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise ConfigError("%s is not a FIFO; remove it and run "
+                                          "myq init" % self.d("locks", "wake"))
+                else:
+                    try:
+                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                            os.fchown(fd, ids[0], ids[1])
+                    finally:
+                        os.close(fd)
+        except OSError as e:
+            raise ConfigError("cannot create the spool %s: %s; check the path "
+                              "and its permissions (--owner needs root)"
+                              % (self.path, e.strerror))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return self
+
+    def require(self):
+        """Raise ConfigError unless the spool exists and is initialised."""
+        if self._ready:
+            return self
+        for sub in SUBDIRS:
+            if not os.path.isdir(self.d(sub)):
+                self._unusable(sub)
+                if not os.path.isdir(self.path):
+                    raise ConfigError("spool %s does not exist; create it with: "
+                                      "myq --spool %s init" % (self.path, self.path))
+                raise ConfigError("spool %s is not initialised (no %s/); run: "
+                                  "myq --spool %s init" % (self.path, sub, self.path))
+        self._ready = True      # checked once per Spool object
+        return self
+
+    def _unusable(self, sub):
+        """Raise ConfigError when spool/SUB is there but this user may not
+        reach it (EACCES) or a part of the path is not a directory: not the
+        'not initialised' of a spool that is missing."""
+        p = self.d(sub)
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM):
+                where = self.path
+                try:
+                    os.stat(self.path)
+                except OSError:
+                    where = os.path.dirname(self.path)  # above the spool
+                raise ConfigError(
+                    "permission denied: uid %d may not enter %s; run myq as "
+                    "the spool's owner%s, or give this user access"
+                    % (os.geteuid(), where, self._owner_hint()))
+            if e.errno == errno.ENOTDIR:
+                raise ConfigError("spool %s: a part of the path is not a "
+                                  "directory; give the spool directory as "
+                                  "--spool" % self.path)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError("spool %s: %s is not a directory; move it away "
+                              "and run: myq --spool %s init"
+                              % (self.path, p, self.path))
+
+    def _check_readable(self):
+        """stats and list read every state directory: say so when this user
+        may not, rather than count nothing."""
+        for sub in ("incoming", "processing", "done", "dlq", "failed"):
+            if not os.access(self.d(sub), os.R_OK | os.X_OK):
+                raise ConfigError(
+                    "permission denied: uid %d may not read %s; run myq as "
+                    "the spool's owner%s or a member of its group"
+                    % (os.geteuid(), self.d(sub), self._owner_hint()))
+
+    def _owner_hint(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return ""
+        try:
+            import pwd
+            return " (%s)" % pwd.getpwuid(st.st_uid).pw_name
+        except (ImportError, KeyError):
+            return " (uid %d)" % st.st_uid
+
+    def check_filesystem(self):
+        dev = os.stat(self.path).st_dev
+        for sub in SUBDIRS + ("locks/ok",):
+            if os.stat(self.d(sub)).st_dev != dev:
+                raise ConfigError(_other_fs(self.d(sub), self.path))
 
     # Policy and lanes (myq(1) policy) ----------------------------------------
 
@@ -5110,15 +5190,22 @@ class Spool(_Producing, _Upkeep, _Backlog):
         for p, m, name, sz, sub in waiting:
             if not over(n, b):
                 break
-            try:
-                os.unlink(name, dir_fd=dirs(sub))
-            except OSError:
+            if not self._drop_waiting(sub, name, dirs):
                 continue        # claimed meanwhile: it is not waiting
 
             n, b = n - 1, b - sz
             self.log("dropped", id=name[:-5], type=type, why=bound)
             self.count("dropped", type)
         return None
+
+    def _drop_waiting(self, sub, name, dirs):
+        """Remove the waiting job NAME of `sub` (a bound's drop-oldest):
+        False when it was claimed meanwhile."""
+        try:
+            os.unlink(name, dir_fd=dirs(sub))
+        except OSError:
+            return False
+        return True
 
     def count(self, what, type, n=1):
         """Add to a total since init (dropped, expired, rejected, removed;
@@ -5194,6 +5281,1227 @@ class Spool(_Producing, _Upkeep, _Backlog):
                     b"%d\n" % int(_now() if now is None else now))
         except OSError:
             pass        # a statistic, never worth failing a job for
+
+
+# The SQLite store ############################################################
+#
+# A spool made by `myq init --store sqlite` keeps its jobs in one database
+# file, SPOOL/queue.db (WAL), the rest as for files: locks/ (workers,
+# holds, rates, the wake FIFO), tmp/ and incoming/ as the drop box of shell
+# producers, failed/ for what is not a job.  The same Spool and Claims
+# interface, so that the worker, policy, the breaker, the handlers and the
+# command line do not know which store holds their jobs (myq-spool(5)
+# SQLITE STORE has the schema).  sqlite3 is imported only here, for such a
+# spool: OpenWrt ships it apart (python3-sqlite3).
+
+DB_NAME = "queue.db"
+DB_BUSY = 5.0           # seconds a busy database is waited for (then exit 75;
+                        # MYQ_DB_BUSY)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs(
+    id TEXT PRIMARY KEY,
+    queue TEXT NOT NULL,
+    type TEXT,
+    payload TEXT,
+    status TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    max_attempts INTEGER,
+    available_at REAL NOT NULL,
+    leased_until REAL,
+    worker_id TEXT,
+    last_error TEXT,
+    created_at REAL,
+    updated_at REAL,
+    priority INTEGER,
+    lane TEXT NOT NULL DEFAULT 'incoming',
+    token TEXT,
+    lease TEXT,
+    finished_at REAL,
+    extra TEXT);
+CREATE INDEX IF NOT EXISTS idx_jobs_ready ON jobs(queue, status, available_at);
+CREATE TABLE IF NOT EXISTS ok(id TEXT PRIMARY KEY, at REAL NOT NULL);
+"""
+
+# The job's fields that have a column of their own; the rest (timeout,
+# expires_at, failures, failed_at, batch_of, ...) are kept in `extra`.
+_JOB_COLS = ("id", "type", "payload", "attempts", "max_attempts",
+             "available_at", "last_error", "created_at", "updated_at",
+             "priority")
+_SELECT_COLS = _JOB_COLS + ("extra", "status", "lane", "lease", "finished_at",
+                            "token")
+_SELECT = "SELECT %s FROM jobs" % ", ".join(_SELECT_COLS)
+
+
+def _sqlite3():
+    """The sqlite3 module, or ConfigError (exit 78) naming the package."""
+    try:
+        import sqlite3
+    except ImportError:
+        raise ConfigError(
+            "this spool keeps its jobs in SQLite (queue.db) and this Python "
+            "has no sqlite3 module; install it (OpenWrt: opkg install "
+            "python3-sqlite3), or move the jobs to a spool of files on a "
+            "machine that has it (myq export | myq import)")
+    return sqlite3
+
+
+class _DbError(OSError, SpoolBusy):
+    """The database said no (busy, full, read-only, damaged): an OSError
+    to the worker (it backs off and tries again, as for any I/O error), a
+    MyqError with its exit status to a command."""
+    code = EX_TEMPFAIL
+
+
+class _DbFull(_DbError, SpoolFull):
+    pass
+
+
+class _DbDamaged(_DbError):
+    code = EX_CONFIG
+
+
+def _db_error(sp, e):
+    """The _DbError for sqlite3's exception `e` on spool `sp`."""
+    msg = str(e)
+    low = msg.lower()
+    db = sp.d(DB_NAME)
+    if "full" in low:
+        return _DbFull(errno.ENOSPC, "%s: %s; free some space (myq prune)" % (db, msg))
+    if "locked" in low or "busy" in low:
+        return _DbError(errno.EBUSY, "%s is busy (another process held its "
+                        "write lock for %gs): %s; try again" % (db, DB_BUSY, msg))
+    if "malformed" in low or "not a database" in low or "corrupt" in low:
+        sp.damaged = msg
+        return _DbDamaged(errno.EIO, "%s is damaged (%s): no job is claimed "
+                          "from it; save what can be read with myq --spool %s "
+                          "export > jobs.jsonl, then make a new spool and "
+                          "import them" % (db, msg, sp.path))
+    if "readonly" in low or "read-only" in low:
+        return _DbError(errno.EROFS, "%s is read-only: %s; check the "
+                        "filesystem and the file's owner" % (db, msg))
+    return _DbError(errno.EIO, "%s: %s" % (db, msg))
+
+
+def _row_values(sp, job, status, lane, now, **more):
+    """The columns of a job's row (a dict), its other fields in `extra`."""
+    extra = dict((k, v) for k, v in job.items()
+                 if k not in _JOB_COLS and k not in ("lease", "state"))
+    v = dict((k, job.get(k)) for k in _JOB_COLS)
+    v["payload"] = json.dumps(job.get("payload"), ensure_ascii=False,
+                              separators=(",", ":"))
+    v.update(queue=sp.name, status=status, lane=lane,
+             extra=json.dumps(extra, ensure_ascii=False, separators=(",", ":"))
+             if extra else None)
+    v.setdefault("updated_at", now)
+    v.update(more)
+    return v
+
+
+def _row_of(values):
+    """A row of _SELECT made of _row_values' dict."""
+    return tuple(values.get(k) for k in _SELECT_COLS)
+
+
+def _job_of_row(row):
+    """The job (a dict, normalised) of a row of _SELECT."""
+    try:
+        job = json.loads(row[10]) if row[10] else {}
+        payload = json.loads(row[2]) if row[2] is not None else None
+    except ValueError as e:
+        raise InvalidJob("its row holds bad JSON: %s" % e)
+    if not isinstance(job, dict):
+        raise InvalidJob("its row's extra is not a JSON object")
+    for k, v in zip(_JOB_COLS, row):
+        if v is not None or k in ("payload", "last_error"):
+            job[k] = v
+    job["payload"] = payload
+    return normalize(job)
+
+
+class _SqlClaims(Claims):
+    """The claim protocol over queue.db: a claim is one short transaction
+    (BEGIN IMMEDIATE; the row, still ready in its lane; UPDATE to
+    processing with the claimer's token and lease; COMMIT), every finish
+    an UPDATE of the row that still holds the claimer's token (a claim
+    taken back is the new owner's: its finish changes nothing)."""
+
+    # The scheduler's view -----------------------------------------------------
+
+    def change_key(self):
+        inc, racy = Claims.change_key(self)
+        self._clock()
+        return (inc, self.spool._version()), racy
+
+    def _clock(self):
+        """The clock went back (a row written "later" than now): each job
+        waiting for a time keeps the delay it had left, not the old date
+        (as a file whose ctime lies in the future, Claims._entries)."""
+        offset = _now() - _mono()
+        last = getattr(self, "_offset", None)
+        self._offset = offset
+        if last is not None and offset < last - 2.0:
+            now = _now()
+            n = self.spool._write(
+                "UPDATE jobs SET available_at=?+max(0, available_at-updated_at), "
+                "updated_at=? WHERE status='ready' AND updated_at>? AND "
+                "available_at>?", (now, now, now + 5, now))
+            if n:
+                self.spool.log("rescheduled", n=n, why="the clock went back")
+
+    def lanes_key(self):
+        return self.spool._version()
+
+    def maybe_lanes(self):
+        return True
+
+    def lane_key(self, L):
+        return self.spool._version(), False
+
+    def waits(self, rel):
+        sub, _, name = rel.rpartition("/")
+        return self.spool._one("SELECT 1 FROM jobs WHERE id=? AND status='ready' "
+                               "AND lane=?", (name[:-5], sub)) is not None
+
+    def size(self, sub, name):
+        row = self.spool._one("SELECT length(payload) + length(coalesce(extra, "
+                              "'')) FROM jobs WHERE id=? AND status='ready' AND "
+                              "lane=?", (name[:-5], sub))
+        if row is None:
+            raise OSError(errno.ENOENT, "gone")
+        return row[0] + 200
+
+    def due(self, rel, now):
+        sub, _, name = rel.rpartition("/")
+        self.spool._write("UPDATE jobs SET available_at=? WHERE id=? AND "
+                          "status='ready' AND lane=? AND available_at>?",
+                          (now, name[:-5], sub, now))
+
+    def extend(self, claims, until):
+        tokens = [c.token for c in claims]
+        for i in range(0, len(tokens), 500):
+            part = tokens[i:i + 500]
+            self.spool._write(
+                "UPDATE jobs SET leased_until=? WHERE status='processing' AND "
+                "token IN (%s)" % ",".join("?" * len(part)), [until] + part,
+                sync=False)
+
+    def commit(self):
+        """Finishes commit without waiting for the disk (synchronous=NORMAL
+        in WAL): one fsync of the log here makes them all durable."""
+        try:
+            fd = os.open(self.spool.d(DB_NAME + "-wal"), os.O_RDONLY | O_CLOEXEC)
+        except OSError:
+            return                  # no log: checkpointed, on the disk
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def scan(self, L, n, tick):
+        """Lane L's cache: its N earliest waiting jobs (after the drop box's
+        files are taken in, for incoming/ itself)."""
+        sp = self.spool
+        if L.sub == "incoming":
+            self.take_in(tick)
+        rows = sp._all("SELECT available_at, id FROM jobs WHERE queue=? AND "
+                       "status='ready' AND lane=? ORDER BY available_at, id "
+                       "LIMIT ?", (sp.name, L.sub, n))
+        best = [(t, jid + ".json", True) for t, jid in rows]
+        best.reverse()
+        L.cache = best
+        L.cache_full = len(best) >= n
+        L.dirty = False
+        L.next_due = None
+        L.sweep = None
+
+    # The drop box ---------------------------------------------------------------
+
+    def take_in(self, tick=None):
+        """Move each job file of incoming/ (a shell producer's mv, a file a
+        retry brought back from failed/) into the database, then remove it:
+        a crash between the two leaves the file, whose id the database then
+        has (refused, removed).  What is not a job is quarantined."""
+        sp = self.spool
+        got = []
+        for e in _scandir(sp.d("incoming")):
+            if not e.name.endswith(".json"):
+                continue
+            if tick is not None:
+                tick()
+            job = self._dropped(e)
+            if job is not None:
+                got.append((e.name, job))
+            if len(got) >= 256:
+                self._took(got)
+                got = []
+        if got:
+            self._took(got)
+
+    def _dropped(self, e):
+        """The job of the drop box's entry `e`, or None (quarantined,
+        empty and young, gone)."""
+        sp = self.spool
+        name, path = e.name, sp.d("incoming", e.name)
+        try:
+            data, st = sp.read_file(path, sp.opt["max_job_bytes"] + SLACK)
+            if not data.strip(b"\0 \t\r\n"):
+                if _now() - st.st_mtime > 60:
+                    _quiet_unlink(path)
+                    sp.log("removed", file=name, why="empty: nothing was "
+                           "written in it")
+                    sp.count("removed", "empty")
+                return None
+            obj, trailers = parse(data)
+            if trailers:
+                raise InvalidJob("worker records after the job: a producer's "
+                                 "file holds the job object alone")
+            if not NAME_RE.match(name[:-5]):
+                raise InvalidJob("bad file name: a job file is ID.json, ID being "
+                                 "1-128 characters of A-Z a-z 0-9 . _ -")
+            job = normalize(obj, name[:-5], st.st_mtime)
+        except OSError as e2:
+            if e2.errno == errno.ENOENT:
+                return None
+            try:
+                self.quarantine(path, name, "unreadable: %s" % (e2.strerror or e2))
+            except OSError:
+                pass
+            return None
+        except InvalidJob as e2:
+            try:
+                self.quarantine(path, name, str(e2))
+            except OSError:
+                pass
+            return None
+        if st.st_mtime > st.st_ctime:       # a schedule set on purpose
+            job["available_at"] = st.st_mtime
+        return job
+
+    def _took(self, got):
+        """The drop box's jobs `got` [(name, job)] into the database, durably,
+        then their files removed."""
+        sp = self.spool
+        now = _now()
+        rows, gone = [], []
+        for name, job in got:
+            rules = sp.rules(job["type"])
+            if job.get("priority") is None and rules.get("priority"):
+                job["priority"] = rules["priority"]
+            lane = sp.home(job, rules)
+            full = lane != "incoming" and sp.make_room(job["type"], 0)
+            if full:
+                job["last_error"] = "rejected: " + full
+                job["failed_at"] = now
+                rows.append((name, _row_values(sp, job, "dead", lane, now,
+                                               finished_at=now), full))
+            else:
+                rows.append((name, _row_values(sp, job, "ready", lane, now), None))
+        have = sp._insert([r[1] for r in rows], sync=True)
+        for (name, v, full), dup in zip(rows, have):
+            path = sp.d("incoming", name)
+            if dup is not None:
+                if dup[1] == "done":
+                    _quiet_unlink(path)
+                    sp.log("skipped", id=v["id"], why="already done (its row)")
+                else:
+                    try:
+                        self.quarantine(path, name, "duplicate: job %s is in the "
+                                        "spool already (%s)" % (v["id"], dup[1]))
+                    except OSError:
+                        pass
+                continue
+            gone.append(path)
+            if full:
+                sp.log("rejected", id=v["id"], type=v["type"], why=full)
+                sp.count("rejected", v["type"])
+        for path in gone:
+            _quiet_unlink(path)
+        if gone:
+            sp.intake = True
+
+    # Claim and finish -------------------------------------------------------------
+
+    def claim(self, name, me, default_max_attempts=5, scheduled=False,
+              sub="incoming"):
+        """Take job NAME (ID.json) waiting in lane `sub` for `me`: a Claim,
+        or None (another worker was faster, or it went elsewhere)."""
+        if not name.endswith(".json"):
+            return None
+        jid = name[:-5]
+        sp = self.spool
+        token = me.token()
+        now = _now()
+
+        def take(db):
+            row = db.execute(_SELECT + " WHERE id=? AND status='ready' AND lane=?",
+                             (jid, sub)).fetchone()
+            if row is None:
+                return None
+            lease = me.lease_line(token, row[3] + 1, now + me.lease)
+            db.execute("UPDATE jobs SET status='processing', worker_id=?, "
+                       "token=?, lease=?, leased_until=? WHERE id=?",
+                       (me.wid, token, lease.decode("utf-8").strip(),
+                        now + me.lease, jid))
+            return row
+        row = sp._tx(take, sync=False)
+        if row is None:
+            return None
+        try:
+            job = _job_of_row(row)
+        except InvalidJob as e:
+            sp._write("UPDATE jobs SET status='failed', last_error=?, token=NULL "
+                      "WHERE id=? AND token=?", ("unreadable: %s" % e, jid, token))
+            sp.log("quarantined", id=jid, reason=str(e))
+            return None
+        c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
+                  max_attempts=job.get("max_attempts") or default_max_attempts)
+        if not self._admit(c, job, me, None, sub, len(row[2] or ""),
+                           scheduled, now):
+            return None
+        c.attempt = job["attempts"] + 1
+        return c
+
+    def complete(self, c):
+        """Success: the row is done (the id's idempotency record while it
+        stays); committed without waiting for the disk: see commit()."""
+        now = _now()
+        n = self.spool._write(
+            "UPDATE jobs SET status='done', attempts=?, finished_at=?, "
+            "updated_at=?, token=NULL, worker_id=NULL, leased_until=NULL WHERE "
+            "id=? AND status='processing' AND token=?",
+            (c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token),
+            sync=False)
+        return n == 1
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        """The job's next version: waiting again (dest incoming: its lane;
+        available at its available_at, or `until`) or dead (dlq); durable
+        when it returns.  False when the claim is no longer ours."""
+        sp = self.spool
+        now = _now()
+        job = dict(job)
+        job["updated_at"] = now
+        if dest.startswith("incoming"):
+            lane, status = sp.home(job), "ready"
+            more = dict(finished_at=None)
+            if until is not None:
+                job["available_at"] = until
+        else:
+            lane, status, more = "incoming", "dead", dict(finished_at=now)
+        v = _row_values(sp, job, status, lane, now, token=None, worker_id=None,
+                        lease=None, leased_until=None, **more)
+        keys = [k for k in v if k != "id"]
+        n = sp._write("UPDATE jobs SET %s WHERE id=? AND status='processing' AND "
+                      "token=?" % ", ".join(k + "=?" for k in keys),
+                      [v[k] for k in keys] + [c.jid, c.token])
+        if n != 1:
+            return False
+        if status == "ready":
+            sp.poke()
+        return True
+
+    def close(self, c):
+        pass
+
+    def queued(self, jid):
+        return self.spool._one("SELECT 1 FROM jobs WHERE id=? AND status='ready'",
+                               (jid,)) is not None
+
+    # Recovery -----------------------------------------------------------------
+
+    def _until_of(self, path):
+        row = self.spool._one("SELECT leased_until FROM jobs WHERE id=?",
+                              (path[3:],))
+        return row[0] or 0.0 if row else 0.0
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back the claims whose owner is gone (Claims.reap)."""
+        sp = self.spool
+        sp.require()
+        mine = me is None and not dry_run
+        if mine:
+            me = Identity(sp, kind="r")
+            me.register()
+        try:
+            cache, now, mono = {}, _now(), _mono()
+            batches = {} if dry_run else self._dead_batches(
+                sorted(_listdir(sp.d("processing"))), me, cache, now, mono)
+            n = 0
+            for jid, wid, token in sp._all(
+                    "SELECT id, worker_id, token FROM jobs WHERE status="
+                    "'processing'"):
+                if me is not None and wid == me.wid:
+                    continue
+                why = self._owner_gone(wid or "-", "db:" + jid, cache, now, mono)
+                if why is None:
+                    continue
+                if dry_run or self._taken_back(jid, token, me, why, max_attempts,
+                                               batches.get(jid)):
+                    n += 1
+            return n
+        finally:
+            if mine:
+                me.unregister()
+
+    def _taken_back(self, jid, token, me, why, max_attempts, batch):
+        sp = self.spool
+        row = sp._one(_SELECT + " WHERE id=? AND status='processing' AND "
+                      "token IS ?", (jid, token))
+        if row is None:
+            return False
+        self.kill_handler(token, 9)
+        self.end_handler(token)
+        c = Claim(jid=jid, path="", token=token)
+        try:
+            c.job = job = _job_of_row(row)
+        except InvalidJob as e:
+            sp._write("UPDATE jobs SET status='failed', last_error=? WHERE id=? "
+                      "AND token IS ?", ("taken back from a dead worker but "
+                                         "unreadable: %s" % e, jid, token))
+            return True
+        try:
+            attempt = json.loads(row[13] or "{}")["lease"]["attempt"]
+        except (ValueError, KeyError, TypeError):
+            attempt = None
+        if not isinstance(attempt, int):
+            attempt = job["attempts"] + 1
+        job["attempts"] = attempt
+        note_failure(job, attempt, "%s during attempt %d" % (why, attempt))
+        dest = "incoming"
+        if attempt >= (job.get("max_attempts") or max_attempts):
+            dest = "dlq"
+            job["failed_at"] = _now()
+        job["available_at"] = _now()
+        if batch and dest == "incoming":
+            job["batch_of"] = batch
+        if not self.move_on(c, job, dest, me):
+            return False                # another reaper was faster
+        sp.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
+        return True
+
+
+class _SqlUpkeep(object):
+    """The operator's moves and retention over queue.db (a part of
+    SqlSpool): retry, delete, prune, make_space, check, export."""
+
+    def retry(self, ids=(), all=False, now=False):
+        if all:
+            self.require()
+            ids = list(_ids(ids)) + [r[0] for r in self._all(
+                "SELECT id FROM jobs WHERE status='dead' ORDER BY id")]
+            all = False
+        return Spool.retry(self, ids, all, now)
+
+    def _retry(self, ids, missing, me, now=False):
+        n = 0
+        for jid, state, path in self._located(ids, missing):
+            if not path.startswith("db:"):
+                if state != "failed":
+                    missing.append(jid)
+                    continue
+                name = os.path.basename(path)
+                name = name if name.endswith(".json") else name + ".json"
+                why = self._unreadable_by_worker(path)
+                if why:
+                    raise ConfigError("cannot retry %s: %s" % (jid, why))
+                _rename(path, self.d("incoming", name))     # the drop box
+                _quiet_unlink(path + ".reason")
+            elif not self._retry_row(jid, state, now):
+                missing.append(jid)
+                continue
+            n += 1
+        if n:
+            _fsync_dir(self.d("incoming"))
+            self.poke()
+        return n
+
+    def _retry_row(self, jid, state, now):
+        """retry (--now) of the row of `jid`: False when it is not there."""
+        t = _now()
+        if now and state in ("ready", "scheduled"):
+            self._write("UPDATE jobs SET available_at=? WHERE id=? AND "
+                        "status='ready' AND available_at>?", (t, jid, t))
+            self.log("retry_now", id=jid)
+            return True
+        if state != "dead":
+            return False
+        row = self._one(_SELECT + " WHERE id=? AND status='dead'", (jid,))
+        if row is None:
+            return False
+        job = _job_of_row(row)
+        job.update(attempts=0, available_at=t)
+        job.pop("failed_at", None)
+        if job.pop("expires_at", None) is not None or self.rules(
+                job["type"]).get("ttl"):
+            job["retried_at"] = t       # the ttl counts from now
+        v = _row_values(self, job, "ready", self.home(job), t, finished_at=None)
+        keys = [k for k in v if k != "id"]
+        return self._write("UPDATE jobs SET %s WHERE id=? AND status='dead'"
+                           % ", ".join(k + "=?" for k in keys),
+                           [v[k] for k in keys] + [jid]) == 1
+
+    def _delete_one(self, jid, state, path, force):
+        if not path.startswith("db:"):
+            return Spool._delete_one(self, jid, state, path, force)
+        row = self._one("SELECT status, token, finished_at FROM jobs WHERE id=?",
+                        (jid,))
+        if row is None:
+            return 0
+        if row[0] == "processing" and not force:
+            raise SpoolBusy("job %s is running; wait for it, or delete it with "
+                            "--force (its handler is killed)" % jid)
+
+        def gone(db):
+            n = db.execute("DELETE FROM jobs WHERE id=? AND status=? AND token "
+                           "IS ?", (jid, row[0], row[1])).rowcount
+            if n and row[0] == "done":
+                self._outlive_row(db, jid, row[2], _now())
+            return n
+        n = self._tx(gone)
+        if n and row[0] == "processing":
+            self.claims.kill_handler(row[1], 15)
+        return n if n or row[0] != "processing" else None
+
+    def _outlive_row(self, db, jid, t, now):
+        """A done row goes: its id's de-duplication kept in `ok` while its
+        window lasts (not for an id myq generated)."""
+        if t and t + self.opt["dedupe_window"] > now and NAME_RE.match(jid) \
+                and not GENERATED_ID_RE.match(jid):
+            db.execute("INSERT OR REPLACE INTO ok(id, at) VALUES(?, ?)", (jid, t))
+
+    def delete_where(self, state, type=None, older_than=None, force=False,
+                     now=None):
+        self.require()
+        if state not in STATES:
+            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
+        if state == "processing" and not force:
+            raise SpoolBusy("running jobs are deleted only with --force (their "
+                            "handlers are killed)")
+        now = _now() if now is None else now
+        n = 0
+        if state == "failed":
+            n = Spool.delete_where(self, state, type, older_than, force, now)
+        status = {"ready": "ready", "scheduled": "ready"}.get(state, state)
+        if state in ("ready", "scheduled"):
+            born = "created_at"
+        else:
+            born = "coalesce(finished_at, updated_at)"
+        sql = "SELECT id FROM jobs WHERE status=?"
+        args = [status]
+        if state == "ready":
+            sql += " AND available_at<=?"
+            args.append(now)
+        elif state == "scheduled":
+            sql += " AND available_at>?"
+            args.append(now)
+        if type is not None:
+            sql += " AND type=?"
+            args.append(type)
+        if older_than is not None:
+            sql += " AND %s<=?" % born
+            args.append(now - older_than)
+        for (jid,) in self._all(sql, args):
+            n += self._delete_one(jid, state, "db:" + jid, force) or 0
+        return n
+
+    def _prune_jobs(self, now, full, out):
+        bound = {}
+        out["tmp"] += self._expire("tmp", "oldest", self.opt["keep_tmp"], None, now)
+        out["done"] += self._expire_rows("done", "keep_done", "keep_done_max", now)
+        if full:
+            out["dead"] += self._expire_rows("dead", "keep_dead", "keep_dead_max", now)
+            out["failed"] += self._expire("failed", "ctime", self.opt["keep_failed"],
+                                          None, now)
+            out["failed"] += self._expire_rows("failed", "keep_failed", None, now)
+            window, most = self.opt["dedupe_window"], self.opt["keep_ok_max"]
+
+            def ok(db):
+                n = db.execute("DELETE FROM ok WHERE at<=?", (now - window,)).rowcount
+                m = db.execute("DELETE FROM ok WHERE id IN (SELECT id FROM ok "
+                               "ORDER BY at DESC LIMIT -1 OFFSET ?)", (most,)).rowcount
+                return n, m
+            n, m = self._tx(ok, sync=False)
+            out["ok"] += n + m
+            if m:
+                bound["locks/ok"] = m
+        return bound
+
+    def _expire_rows(self, status, keep, most, now):
+        """Rows of `status` finished longer than the option `keep` ago, then
+        the oldest beyond the option `most`: deleted (a done one's id kept
+        in `ok` for its window).  How many went."""
+        keep = self.opt[keep]
+        most = self.opt[most] if most else None
+
+        def expire(db):
+            ids = db.execute("SELECT id, finished_at FROM jobs WHERE status=? AND "
+                             "coalesce(finished_at, updated_at)<=?",
+                             (status, now - keep)).fetchall()
+            if most is not None:
+                ids += db.execute(
+                    "SELECT id, finished_at FROM jobs WHERE status=? AND "
+                    "coalesce(finished_at, updated_at)>? ORDER BY "
+                    "coalesce(finished_at, updated_at) DESC LIMIT -1 OFFSET ?",
+                    (status, now - keep, most)).fetchall()
+            for jid, t in ids:
+                if status == "done":
+                    self._outlive_row(db, jid, t, now)
+                db.execute("DELETE FROM jobs WHERE id=? AND status=?", (jid, status))
+            return len(ids)
+        return self._tx(expire, sync=False)
+
+    def _holders(self):
+        owners, tokens = Spool._holders(self)
+        for wid, token in self._all("SELECT worker_id, token FROM jobs WHERE "
+                                    "status='processing'"):
+            owners.add(wid)
+            tokens.add(token)
+        return owners, tokens
+
+    def make_space(self, n=256):
+        """Below a guard: the n oldest done rows go (ids kept in `ok`), and
+        the pages they held go back to the filesystem (incremental vacuum);
+        then the reserve, as for files."""
+        problem = self.free_problem()
+        now = _now()
+
+        def free(db):
+            ids = db.execute("SELECT id, finished_at FROM jobs WHERE "
+                             "status='done' ORDER BY finished_at LIMIT ?",
+                             (n,)).fetchall()
+            for jid, t in ids:
+                self._outlive_row(db, jid, t, now)
+                db.execute("DELETE FROM jobs WHERE id=? AND status='done'", (jid,))
+            return len(ids)
+        try:
+            gone = self._tx(free, sync=False)
+            self._vacuum()
+        except _DbError:
+            gone = 0
+        what = "the oldest"
+        if not gone and self._free_room():
+            what, gone = "its reserve (locks/room)", 1
+        if gone:
+            self.log("pruned", why="below a guard: " + (problem or "low"),
+                     n=gone, freed=what)
+        return gone
+
+    def _vacuum(self):
+        """Free pages back to the filesystem (auto_vacuum=INCREMENTAL), and
+        the log's pages into the database (a checkpoint)."""
+        with self._mutex:
+            db = self._db()
+            try:
+                db.execute("PRAGMA incremental_vacuum").fetchall()
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except _sqlite3().Error as e:
+                raise _db_error(self, e)
+
+    def check(self, operator=True):
+        problems = Spool.check(self, operator)
+        if problems and problems[0].startswith("permission denied"):
+            return problems
+        try:
+            bad = self.damaged or self._quick_check()
+        except MyqError as e:
+            bad = str(e)
+        if bad:
+            problems.insert(0, "%s is damaged: %s; no job is claimed from it; "
+                            "save what can be read: myq --spool %s export > "
+                            "jobs.jsonl, then import them into a new spool"
+                            % (self.d(DB_NAME), bad, self.path))
+        return problems
+
+    def _quick_check(self):
+        """None, or what PRAGMA quick_check says is wrong."""
+        rows = self._all("PRAGMA quick_check")
+        out = [r[0] for r in rows if r and r[0] != "ok"]
+        return "; ".join(out[:3]) if out else None
+
+    # Export -----------------------------------------------------------------------
+
+    def export(self, states=(), type=None, skip=None):
+        self.require()
+        states = frozenset(states or self.EXPORTED)
+        for s in states:
+            if s not in STATES:
+                raise UsageError("unknown state %r; one of: %s"
+                                 % (s, " ".join(STATES)))
+        skip = skip or (lambda path, why: None)
+        if states & {"ready", "scheduled"}:
+            for e in _scandir(self.d("incoming")):      # the drop box
+                row = self._exported("incoming", e.name, skip)
+                if row is not None and row["state"] in states and (
+                        type is None or row["type"] == type):
+                    state = row.pop("state")
+                    row = _job_of_row(_row_of(_row_values(
+                        self, row, "ready", "incoming", _now())))
+                    row["state"] = state        # (as a row's: its keys' order)
+                    yield row
+        for status in ("ready", "processing", "done", "dead"):
+            if status in states or (status == "ready" and "scheduled" in states):
+                for job in self._exported_rows(status, states, type, skip):
+                    yield job
+        if "failed" in states and type is None:
+            for row in self._exported_failed():
+                yield row
+            for jid, reason, text in self._all(
+                    "SELECT id, last_error, payload FROM jobs WHERE "
+                    "status='failed'"):
+                yield {"state": "failed", "file": jid, "reason": reason,
+                       "bytes": text}
+
+    def _exported_rows(self, status, states, type, skip):
+        sql, args = "SELECT id FROM jobs WHERE status=?", [status]
+        if type is not None:
+            sql += " AND type=?"
+            args.append(type)
+        ids = [r[0] for r in self._all(sql, args)]
+        for i in range(0, len(ids), 256):
+            part = ids[i:i + 256]
+            for row in self._all(_SELECT + " WHERE id IN (%s) AND status=?" % (
+                    ",".join("?" * len(part))), part + [status]):
+                try:
+                    job = _job_of_row(row)
+                except InvalidJob as e:
+                    skip(self.d(DB_NAME) + ":" + row[0], str(e))
+                    continue
+                if status == "processing":
+                    job["attempts"] = _row_attempt(row, job)
+                    state = status
+                elif status == "ready":
+                    state = "scheduled" if job["available_at"] > _now() else "ready"
+                else:
+                    state = {"dead": "dead"}.get(status, status)
+                if state in states:
+                    job["state"] = state
+                    yield job
+
+
+def _row_attempt(row, job):
+    """The attempt a claimed row's lease runs (as a reaper counts it)."""
+    try:
+        a = json.loads(row[13] or "{}")["lease"]["attempt"]
+    except (ValueError, KeyError, TypeError):
+        a = None
+    return a if isinstance(a, int) else job["attempts"] + 1
+
+
+class SqlSpool(_SqlUpkeep, Spool):
+    """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
+    queue.db, the rest as for files."""
+
+    store = "sqlite"
+
+    def __init__(self, path=None, log=None, **options):
+        Spool.__init__(self, path, log, **options)
+        self.claims = _SqlClaims(self)
+        self._conn = self._conn_pid = self._sync = None
+        self._mutex = _thread.allocate_lock()     # one statement at a time
+        self.damaged = None
+
+    @classmethod
+    def create(cls, spool, owner=None):
+        """queue.db made in the initialised spool `spool` (its schema, WAL,
+        free pages given back), then the store recorded in SPOOL/store."""
+        sqlite3 = _sqlite3()
+        path = spool.d(DB_NAME)
+        try:
+            db = sqlite3.connect(path, timeout=DB_BUSY, isolation_level=None)
+            try:
+                db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                db.execute("PRAGMA journal_mode=WAL").fetchall()
+                db.executescript(_SCHEMA)
+            finally:
+                db.close()
+            ids = _user_ids(owner) if owner else None
+            if ids:
+                fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
+                try:
+                    os.fchown(fd, ids[0], ids[1])
+                finally:
+                    os.close(fd)
+            os.chmod(path, 0o640)       # (the log and its index get its mode)
+            _replace(spool.d("store"), b"sqlite\n", sync=True, mode=0o644)
+            _fsync_dir(spool.path)
+        except (sqlite3.Error, OSError) as e:
+            raise ConfigError("cannot make %s: %s; check the spool's filesystem "
+                              "and permissions" % (path, e))
+        return cls(spool.path, spool.log, **dict(
+            (k, v) for k, v in spool.opt.items() if DEFAULTS.get(k) != v))
+
+    def check_filesystem(self):
+        """The spool's filesystem as for files, and the database whole
+        (PRAGMA quick_check, at a worker's start): a damaged one claims
+        nothing (ConfigError, exit 78), and says how to save its jobs."""
+        Spool.check_filesystem(self)
+        bad = self._quick_check()
+        if bad:
+            raise _db_error(self, _sqlite3().DatabaseError(
+                "database disk image is malformed: " + bad))
+
+    def require(self):
+        if not self._ready:
+            Spool.require(self)
+            if not _lexists(self.d(DB_NAME)):
+                self._ready = False
+                raise ConfigError(
+                    "spool %s keeps its jobs in SQLite and %s is missing; "
+                    "restore it, or make the spool again (myq --spool %s init "
+                    "--store sqlite after moving the old one away)"
+                    % (self.path, self.d(DB_NAME), self.path))
+        return self
+
+    # The connection -----------------------------------------------------------------
+
+    def _db(self):
+        """This process's connection (a forked child makes its own; its
+        parent's is kept, never closed: see _FORKED_DBS)."""
+        db = self._conn
+        if db is not None and self._conn_pid == os.getpid():
+            return db
+        if db is not None:
+            _FORKED_DBS.append(db)
+            self._conn = None
+        sqlite3 = _sqlite3()
+        self.require()
+        path = self.d(DB_NAME)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError("%s is not a regular file (%s); move it away "
+                                  "and restore the database" % (
+                                      path, _file_kind(st.st_mode)))
+            busy = parse_seconds(os.environ.get("MYQ_DB_BUSY") or DB_BUSY)
+            db = sqlite3.connect(path, timeout=busy, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA synchronous=FULL")
+        except OSError as e:
+            raise _DbError(e.errno, "%s: %s" % (path, e.strerror))
+        except sqlite3.Error as e:
+            raise _db_error(self, e)
+        self._conn, self._conn_pid, self._sync = db, os.getpid(), True
+        return db
+
+    def _tx(self, fn, sync=True):
+        """fn(db) in one write transaction (BEGIN IMMEDIATE ... COMMIT),
+        durable at its commit with `sync` (synchronous=FULL), else at the
+        next fsync of the log (claims.commit, or a durable commit)."""
+        sqlite3 = _sqlite3()
+        with self._mutex:
+            db = self._db()
+            try:
+                if self._sync != sync:
+                    db.execute("PRAGMA synchronous=%s" % ("FULL" if sync else
+                                                          "NORMAL"))
+                    self._sync = sync
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    out = fn(db)
+                    if _hook is not None:       # (the crash points' seam)
+                        _hook("commit", self.d(DB_NAME), "before")
+                    db.execute("COMMIT")
+                    if _hook is not None:
+                        _hook("commit", self.d(DB_NAME), "after")
+                except BaseException:
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    raise
+                return out
+            except sqlite3.Error as e:
+                raise _db_error(self, e)
+
+    def _write(self, sql, args=(), sync=True):
+        """One statement in its own transaction: the rows it changed."""
+        return self._tx(lambda db: db.execute(sql, args).rowcount, sync)
+
+    def _all(self, sql, args=()):
+        sqlite3 = _sqlite3()
+        with self._mutex:
+            try:
+                return self._db().execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise _db_error(self, e)
+
+    def _one(self, sql, args=()):
+        rows = self._all(sql, args)
+        return rows[0] if rows else None
+
+    def _version(self):
+        """Changes when another connection commits (PRAGMA data_version)."""
+        return self._one("PRAGMA data_version")[0]
+
+    # Producers ------------------------------------------------------------------------
+
+    def _drop_box(self):
+        """True when this user cannot write queue.db (a producer of the
+        spool's group): its jobs go into incoming/ as files, and a worker
+        takes them in."""
+        return not os.access(self.d(DB_NAME), os.R_OK | os.W_OK)
+
+    def _enqueue_one(self, todo, sync):
+        return self._enqueue([todo], sync)[0]
+
+    def _enqueue(self, todo, sync, refused=None, done=None):
+        """Place the jobs of `todo` (_prepared's) in one transaction, durable
+        at its commit (sync); their ids.  A duplicate id raises
+        DuplicateJob and places nothing, unless `refused` (import) takes
+        it."""
+        self.require()
+        if self._drop_box():
+            return Spool._enqueue(self, todo, sync, refused, done)
+        problem = self._room_for([len(t[1]) for t in todo])
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        done = [] if done is None else done
+        now = _now()
+        rows = []
+
+        def dup(v, where):
+            e = DuplicateJob("job id %s already exists (%s); pick another id "
+                             "or delete the old job" % (v["id"], where))
+            if refused is None:
+                raise e
+            refused.append((v["id"], e))
+        for job, data, explicit, delay, sub in todo:
+            if sub in ("done", "dlq"):
+                rows.append(_row_values(self, job, "done" if sub == "done" else
+                                        "dead", "incoming", now, finished_at=now))
+            elif not sub.startswith(LANES) or not self._bounded(job["type"]):
+                rows.append(_row_values(self, job, "ready", sub, now))
+            else:
+                # A type's bound counts what waits: each of its jobs is
+                # counted and placed on its own, after those before it.
+                self._placed(self._insert(rows, sync, dup), rows, done)
+                rows = []
+                full = self.make_room(job["type"], len(data))
+                if full and refused is not None:
+                    refused.append((job["id"], SpoolFull(full)))
+                    continue
+                if full:
+                    raise SpoolFull(full)
+                rows.append(_row_values(self, job, "ready", sub, now))
+        self._placed(self._insert(rows, sync, dup), rows, done)
+        if done:
+            self.poke(often=True)
+        return [jid for jid, _ in done]
+
+    def _bounded(self, type):
+        rules = self.rules(type)
+        return "max_queued" in rules or "max_bytes" in rules
+
+    @staticmethod
+    def _placed(have, rows, done):
+        for v, d in zip(rows, have):
+            if d is None:
+                done.append((v["id"], v["lane"] if v["status"] == "ready" else
+                             "done" if v["status"] == "done" else "dlq"))
+
+    def _insert(self, rows, sync, dup=None):
+        """INSERT the rows (dicts of columns) in one transaction; for each,
+        None or (id, where it is already) when its id is taken: a done row
+        past the de-duplication window is replaced, an `ok` record within
+        it refuses.  dup(row, where) is told of each refusal inside the
+        transaction (raising rolls back them all)."""
+        if not rows:
+            return []
+        sqlite3 = _sqlite3()
+        window = self.opt["dedupe_window"]
+        now = _now()
+        where = {"ready": "queued", "processing": "processing", "dead": "dead",
+                 "failed": "failed",
+                 "done": "done within the de-duplication window"}
+
+        def put(db):
+            out = []
+            for v in rows:
+                keys = list(v)
+                sql = "INSERT INTO jobs(%s) VALUES(%s)" % (
+                    ",".join(keys), ",".join("?" * len(keys)))
+                ok = None if GENERATED_ID_RE.match(v["id"]) else db.execute(
+                    "SELECT at FROM ok WHERE id=?", (v["id"],)).fetchone()
+                if ok is not None and ok[0] + window > now:
+                    out.append((v["id"], "done"))
+                else:
+                    try:
+                        db.execute(sql, [v[k] for k in keys])
+                        out.append(None)
+                        continue
+                    except sqlite3.IntegrityError:
+                        old = db.execute("SELECT status, finished_at FROM jobs "
+                                         "WHERE id=?", (v["id"],)).fetchone()
+                    if old and old[0] == "done" and (old[1] or 0) + window <= now:
+                        db.execute("DELETE FROM jobs WHERE id=?", (v["id"],))
+                        db.execute(sql, [v[k] for k in keys])
+                        out.append(None)
+                        continue
+                    out.append((v["id"], old[0] if old else "queued"))
+                if dup is not None:
+                    dup(v, where.get(out[-1][1], out[-1][1]))
+            return out
+        return self._tx(put, sync)
+
+    def find_id(self, jid, now=None, dirs=None):
+        if _exists(jid + ".json", (dirs or self.fs)("incoming")):
+            return "queued"                 # in the drop box
+        if self._drop_box():
+            return None                     # (the worker's take-in decides)
+        row = self._one("SELECT status FROM jobs WHERE id=?", (jid,))
+        if row is not None and row[0] != "done":
+            return {"ready": "queued"}.get(row[0], row[0])
+        if self.ok_fresh(jid, now):
+            return "done within the de-duplication window"
+        return None
+
+    def ok_fresh(self, jid, now=None, dirs=None):
+        now = _now() if now is None else now
+        window = self.opt["dedupe_window"]
+        row = self._one("SELECT finished_at FROM jobs WHERE id=? AND "
+                        "status='done'", (jid,))
+        if row is None and not _is_generated_id(jid):
+            row = self._one("SELECT at FROM ok WHERE id=?", (jid,))
+        return row is not None and (row[0] or 0) + window > now
+
+    # Reading ------------------------------------------------------------------------
+
+    def locate(self, jid):
+        if NAME_RE.match(_check_ref(jid)):
+            row = self._one("SELECT status, available_at FROM jobs WHERE id=?",
+                            (jid,))
+            if row is not None:
+                state = {"ready": "scheduled" if row[1] > _now() else "ready",
+                         "dead": "dead"}.get(row[0], row[0])
+                return state, "db:" + jid
+        return Spool.locate(self, jid)          # the drop box, failed/
+
+    def _describe(self, state, path, holding=None):
+        if not path.startswith("db:"):
+            return Spool._describe(self, state, path, holding)
+        jid = path[3:]
+        row = self._one(_SELECT + " WHERE id=?", (jid,))
+        if row is None:
+            raise OSError(errno.ENOENT, "no longer in the spool")
+        status = row[11]
+        if status == "failed":
+            return {"id": jid, "state": "failed", "type": row[1],
+                    "attempts": row[3], "available_at": None,
+                    "file": self.d(DB_NAME), "last_error": row[6],
+                    "content": row[2]}
+        job = _job_of_row(row)
+        if status == "processing":
+            job["attempts"] = _row_attempt(row, job)
+            try:
+                job["lease"] = json.loads(row[13])["lease"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            state = "processing"
+        elif status == "ready":
+            state = "scheduled" if job["available_at"] > _now() else "ready"
+            h = (holding.get(row[12] + "/" + jid + ".json") or holding.get(
+                ("type", job["type"]))) if holding else None
+            if h is not None and (state == "scheduled" or h.get("missing")):
+                state = "held"
+                job["held"] = {"dest": h["dest"], "until": h.get("until"),
+                               "why": h.get("why")}
+        else:
+            state = status
+        if state == "done":
+            job["last_error"] = None
+        job["state"] = state
+        return job
+
+    def _rows(self, state):
+        """Jobs by state, then time, then id (the drop box's files among
+        the ready ones, failed/'s after the rows)."""
+        if state in (None, "ready", "scheduled", "held"):
+            for row in Spool._rows(self, state):     # the drop box's files
+                if row["state"] != "failed" and (state != "failed"):
+                    yield row
+        holding = self._holding() if state in (None, "scheduled", "held") \
+            else None
+        for status in ("ready", "processing", "done", "dead", "failed"):
+            if state not in (None, "held") and status != {
+                    "ready": "ready", "scheduled": "ready"}.get(state, state):
+                continue
+            if state == "held" and status != "ready":
+                continue
+            ids = [r[0] for r in self._all(
+                "SELECT id FROM jobs WHERE status=? ORDER BY coalesce("
+                "finished_at, available_at), id", (status,))]
+            for jid in ids:
+                try:
+                    row = self._describe(status, "db:" + jid, holding)
+                except OSError:
+                    continue            # it moved while we looked
+                except InvalidJob as e:
+                    row = {"id": jid, "type": None, "state": status,
+                           "attempts": None, "available_at": None,
+                           "last_error": "unreadable: %s" % e}
+                if state and row["state"] != state:
+                    continue
+                yield row
+        if state in (None, "failed"):
+            for row in Spool._rows(self, "failed"):
+                yield row
+
+    def _counts(self, now):
+        ready = scheduled = processing = done = dead = failed = 0
+        oldest = None
+        for status, due, n, first in self._all(
+                "SELECT status, available_at<=?, count(*), min(available_at) "
+                "FROM jobs GROUP BY 1, 2", (now,)):
+            if status == "ready" and due:
+                ready += n
+                oldest = first
+            elif status == "ready":
+                scheduled += n
+            elif status == "processing":
+                processing += n
+            elif status == "done":
+                done += n
+            elif status == "dead":
+                dead += n
+            elif status == "failed":
+                failed += n
+        for e in _scandir(self.d("incoming")):      # the drop box
+            if e.name.endswith(".json"):
+                ready += 1
+        return (ready, scheduled, oldest, processing, done, dead,
+                failed + self._failed_files())
+
+    # Lanes -------------------------------------------------------------------------------
+
+    def lanes(self):
+        out = []
+        for (sub,) in self._all("SELECT DISTINCT lane FROM jobs WHERE "
+                                "status='ready' AND lane!='incoming'"):
+            m = _lane_of(sub[len(LANES) + 1:]) if sub.startswith(LANES + "/") \
+                else None
+            if m:
+                out.append((int(m[1]), m[0], sub))
+        out.sort(key=lambda l: (-l[0], l[1]))
+        return out
+
+    def _make_lane(self, sub, dirs=None):
+        pass                        # a lane is a column's value
+
+    def _waiting_of(self, type):
+        out = []
+        for jid, t, size, sub in self._all(
+                "SELECT id, available_at, length(payload) + length(coalesce("
+                "extra, '')) + 200, lane FROM jobs WHERE status='ready' AND "
+                "type=? AND lane!='incoming'", (type,)):
+            m = _lane_of(sub[len(LANES) + 1:])
+            out.append((int(m[1]) if m else 0, t, jid + ".json", size, sub))
+        return out
+
+    def _drop_waiting(self, sub, name, dirs):
+        return self._write("DELETE FROM jobs WHERE id=? AND status='ready' AND "
+                           "lane=?", (name[:-5], sub)) == 1
+
+
+_STORES["sqlite"] = SqlSpool
 
 
 # Logging #####################################################################
@@ -11009,6 +12317,9 @@ def _add_options(p, table, shown=None):
 
 def _args_init(p):
     p.add_argument("--owner", help="chown the layout to USER[:GROUP]")
+    p.add_argument("--store", choices=("files", "sqlite"), default=None,
+                   help="where a new spool keeps its jobs: a file each "
+                   "(default) or one SQLite database, queue.db")
 
 
 def _args_enqueue(p):
@@ -11696,7 +13007,7 @@ def _cmd_install(a):
 
 
 def _cmd_init(a):
-    a.spool.init(owner=a.args.owner)
+    a.spool.init(owner=a.args.owner, store=a.args.store)
     low = a.spool.free_problem()
     if low:                 # the spool is there; workers will wait
         sys.stderr.write("myq: warning: %s\n" % low)

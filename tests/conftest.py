@@ -5,6 +5,7 @@ script would); `myq` is the module imported in-process, for library tests.
 The helpers themselves live in _core.py (`_core.call_myq`: a quick command
 in this process).
 """
+import os
 import sys
 
 import pytest
@@ -50,6 +51,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_configure(config):
     config.addinivalue_line(
+        "markers", "files_only: a test of the file store's own files "
+        "(runs once, on files, in a file of BOTH_STORES)")
+    config.addinivalue_line(
         "markers", "slow: a long test (soak, big scan, every interpreter); "
         "`make test` runs it, `make test-fast` (-m 'not slow') leaves it out")
 
@@ -59,10 +63,36 @@ def myq():
     return _myq
 
 
+# The stores (myq-spool(5) SQLITE STORE): the test files named here run
+# every test that takes `spool` once per store, the same test against both
+# (issue 26); MYQ_TEST_STORE=sqlite makes the SQLite store every other
+# file's default too (`make test-sqlite`: what else holds there).
+BOTH_STORES = {
+    "test_enqueue", "test_retry_dlq", "test_export", "test_sqlite",
+}
+STORE = os.environ.get("MYQ_TEST_STORE", "files")
+
+
+def pytest_generate_tests(metafunc):
+    """A test of those files that is about the files of a spool (marked
+    files_only: a job file's mode, the claim's rename) runs on files alone."""
+    if "store" in metafunc.fixturenames and \
+            metafunc.module.__name__.rpartition(".")[2] in BOTH_STORES:
+        only = metafunc.definition.get_closest_marker("files_only")
+        metafunc.parametrize("store", ["files"] if only else ["files", "sqlite"],
+                             indirect=True)
+
+
 @pytest.fixture
-def spool(tmp_path):
+def store(request):
+    """The store of the `spool` fixture: "files" or "sqlite"."""
+    return getattr(request, "param", STORE)
+
+
+@pytest.fixture
+def spool(tmp_path, store):
     path = str(tmp_path / "spool")
-    _myq.main(["--spool", path, "init"])
+    _myq.main(["--spool", path, "init", "--store", store])
     return path
 
 
