@@ -6039,10 +6039,16 @@ class _SqlUpkeep(object):
                         self, row, "ready", "incoming", _now())))
                     row["state"] = state        # (as a row's: its keys' order)
                     yield row
-        for status in ("ready", "processing", "done", "dead"):
-            if status in states or (status == "ready" and "scheduled" in states):
-                for job in self._exported_rows(status, states, type, skip):
-                    yield job
+        try:
+            for status in ("ready", "processing", "done", "dead"):
+                if status in states or (status == "ready" and
+                                        "scheduled" in states):
+                    for job in self._exported_rows(status, states, type, skip):
+                        yield job
+        except _DbDamaged as e:
+            skip(self.d(DB_NAME), str(e))
+            for job in self._salvaged(states, type, skip):
+                yield job
         if "failed" in states and type is None:
             for row in self._exported_failed():
                 yield row
@@ -6051,6 +6057,32 @@ class _SqlUpkeep(object):
                     "status='failed'"):
                 yield {"state": "failed", "file": jid, "reason": reason,
                        "bytes": text}
+
+    def _salvaged(self, states, type, skip):
+        """Every row of a damaged database that can still be read, one at a
+        time by its rowid (a query over the whole table stops at the first
+        bad page): what export writes when the database is damaged."""
+        seen = set()
+        try:
+            top = self._one("SELECT max(rowid) FROM jobs")[0] or 0
+        except MyqError:
+            top = None
+        if top is None:                 # (guessed from the file's size)
+            top = os.stat(self.d(DB_NAME)).st_size // 64
+        for rowid in range(1, top + 1):
+            try:
+                row = self._one(_SELECT + " WHERE rowid=?", (rowid,))
+                if row is None or row[0] in seen:
+                    continue
+                job = _job_of_row(row)
+            except (MyqError, InvalidJob) as e:
+                skip("%s: row %d" % (self.d(DB_NAME), rowid), str(e))
+                continue
+            seen.add(row[0])
+            state = _salvage_state(row, job, states)
+            if state is not None and (type is None or job["type"] == type):
+                job["state"] = state
+                yield job
 
     def _exported_rows(self, status, states, type, skip):
         sql, args = "SELECT id FROM jobs WHERE status=?", [status]
@@ -6077,6 +6109,16 @@ class _SqlUpkeep(object):
                 if state in states:
                     job["state"] = state
                     yield job
+
+
+def _salvage_state(row, job, states):
+    """The export state of a salvaged row, or None (not asked for)."""
+    status = row[11]
+    if status == "processing":
+        job["attempts"] = _row_attempt(row, job)
+    elif status == "ready":
+        status = "scheduled" if job["available_at"] > _now() else "ready"
+    return status if status in states else None
 
 
 def _row_attempt(row, job):

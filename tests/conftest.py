@@ -68,7 +68,7 @@ def myq():
 # (issue 26); MYQ_TEST_STORE=sqlite makes the SQLite store every other
 # file's default too (`make test-sqlite`: what else holds there).
 BOTH_STORES = {
-    "test_enqueue", "test_retry_dlq", "test_export", "test_sqlite",
+    "test_enqueue", "test_retry_dlq", "test_export",
 }
 STORE = os.environ.get("MYQ_TEST_STORE", "files")
 
