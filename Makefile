@@ -139,11 +139,15 @@ clean:
 # Root only (apt-get, qemu, loop mounts); installs what it needs.
 # POWERCUT_MAX_POINTS=0 replays every flush point (default: 300 spread over
 # the log, with random subsets each).  POWERCUT_PARTS="ext4 boot": some.
+# ext4-sqlite and ubifs-sqlite: the same on a spool of the SQLite store;
+# POWERCUT_SQLITE_MAX_POINTS: ext4-sqlite's flush points (>= 200 cuts).
 POWERCUT_MAX_POINTS ?= 300
+POWERCUT_SQLITE_MAX_POINTS ?= 100
 .PHONY: powercut
 powercut:
 	@if [ "$$(id -u)" != 0 ]; then echo "powercut: skipped: needs root (apt-get, qemu, loop devices, mount)"; exit 0; fi; \
-	POWERCUT_MAX_POINTS=$(POWERCUT_MAX_POINTS) $(PYTHON) tests/powercut/powercut.py $(POWERCUT_PARTS) $(POWERCUT_ARGS)
+	POWERCUT_MAX_POINTS=$(POWERCUT_MAX_POINTS) POWERCUT_SQLITE_MAX_POINTS=$(POWERCUT_SQLITE_MAX_POINTS) \
+	$(PYTHON) tests/powercut/powercut.py $(POWERCUT_PARTS) $(POWERCUT_ARGS)
 
 # The soak (issue 23; tests/soak/README.md): the field trial, time-compressed:
 # 20 readings/s from Python, the shell recipe and `myq enqueue`, over HTTP

@@ -5318,8 +5318,10 @@ CREATE TABLE IF NOT EXISTS jobs(
     token TEXT,
     lease TEXT,
     finished_at REAL,
+    size INTEGER,
     extra TEXT);
-CREATE INDEX IF NOT EXISTS idx_jobs_ready ON jobs(queue, status, available_at);
+CREATE INDEX IF NOT EXISTS idx_jobs_ready ON jobs(queue, status, lane,
+                                                 available_at);
 CREATE TABLE IF NOT EXISTS ok(id TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
@@ -5383,6 +5385,22 @@ def _db_error(sp, e):
     return _DbError(errno.EIO, "%s: %s" % (db, msg))
 
 
+def _cloexec_files(prefix):
+    """Close-on-exec for this process's descriptors of the files whose
+    path starts with `prefix` (SQLite opens its database, log and index
+    without it): a handler started by exec inherits none of them."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for n in names:
+        try:
+            if os.readlink("/proc/self/fd/" + n).startswith(prefix):
+                os.set_inheritable(int(n), False)
+        except (OSError, ValueError):
+            pass
+
+
 def _row_values(sp, job, status, lane, now, **more):
     """The columns of a job's row (a dict), its other fields in `extra`."""
     extra = dict((k, v) for k, v in job.items()
@@ -5395,6 +5413,8 @@ def _row_values(sp, job, status, lane, now, **more):
              if extra else None)
     v.setdefault("updated_at", now)
     v.update(more)
+    if v.get("size") is None:
+        v["size"] = len(dumps(job))     # (what its file would hold)
     return v
 
 
@@ -5463,13 +5483,13 @@ class _SqlClaims(Claims):
         return self.spool._one("SELECT 1 FROM jobs WHERE id=? AND status='ready' "
                                "AND lane=?", (name[:-5], sub)) is not None
 
+
     def size(self, sub, name):
-        row = self.spool._one("SELECT length(payload) + length(coalesce(extra, "
-                              "'')) FROM jobs WHERE id=? AND status='ready' AND "
-                              "lane=?", (name[:-5], sub))
+        row = self.spool._one("SELECT size FROM jobs WHERE id=? AND "
+                              "status='ready' AND lane=?", (name[:-5], sub))
         if row is None:
             raise OSError(errno.ENOENT, "gone")
-        return row[0] + 200
+        return row[0] or 0
 
     def due(self, rel, now):
         sub, _, name = rel.rpartition("/")
@@ -5522,16 +5542,25 @@ class _SqlClaims(Claims):
         retry brought back from failed/) into the database, then remove it:
         a crash between the two leaves the file, whose id the database then
         has (refused, removed).  What is not a job is quarantined."""
+        import heapq
         sp = self.spool
         got = []
+        # the earliest first (by mtime, then name, as the scan of files
+        # goes): a type's bound keeps the first arrivals; at most 1,024 a
+        # pass (memory stays small; the rest at the next)
+        seen = []
         for e in _scandir(sp.d("incoming")):
-            if not e.name.endswith(".json"):
-                continue
+            if e.name.endswith(".json"):
+                try:
+                    seen.append((e.stat(follow_symlinks=False).st_mtime, e.name, e))
+                except OSError:
+                    pass
+        for _, _, e in heapq.nsmallest(1024, seen, key=lambda x: x[:2]):
             if tick is not None:
                 tick()
             job = self._dropped(e)
             if job is not None:
-                got.append((e.name, job))
+                got.append((e.name,) + job)
             if len(got) >= 256:
                 self._took(got)
                 got = []
@@ -5543,16 +5572,16 @@ class _SqlClaims(Claims):
         empty and young, gone)."""
         sp = self.spool
         name, path = e.name, sp.d("incoming", e.name)
+        limit = sp.opt["max_job_bytes"]
         try:
-            data, st = sp.read_file(path, sp.opt["max_job_bytes"] + SLACK)
+            data, st = sp.read_file(path, limit + SLACK)
             if not data.strip(b"\0 \t\r\n"):
-                if _now() - st.st_mtime > 60:
-                    _quiet_unlink(path)
-                    sp.log("removed", file=name, why="empty: nothing was "
-                           "written in it")
-                    sp.count("removed", "empty")
+                self._empty(path, name, st)
                 return None
             obj, trailers = parse(data)
+            if len(data) > limit and not (isinstance(obj, dict) and _rewritten(obj)):
+                raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
+                                 % (len(data), limit))
             if trailers:
                 raise InvalidJob("worker records after the job: a producer's "
                                  "file holds the job object alone")
@@ -5576,27 +5605,58 @@ class _SqlClaims(Claims):
             return None
         if st.st_mtime > st.st_ctime:       # a schedule set on purpose
             job["available_at"] = st.st_mtime
-        return job
+        return job, len(data)
+
+    def _empty(self, path, name, st):
+        """An empty file in the drop box (Claims._unwritten): put back for a
+        minute (its mtime, on purpose), then removed, never quarantined."""
+        if st.st_mtime <= st.st_ctime:
+            until = _now() + 60
+            _utime(path, until)
+            self.spool.log("deferred", file=name, until=iso(until),
+                           why="empty: not written yet")
+        elif st.st_mtime <= _now():
+            _quiet_unlink(path)
+            self.spool.log("removed", file=name, why="empty: nothing was "
+                           "written in it (an enqueue that a crash or power "
+                           "cut ended before it returned, or a producer "
+                           "that wrote nothing)")
+            self.spool.count("removed", "empty")
 
     def _took(self, got):
         """The drop box's jobs `got` [(name, job)] into the database, durably,
         then their files removed."""
         sp = self.spool
         now = _now()
-        rows, gone = [], []
-        for name, job in got:
+        rows = []
+        for name, job, size in got:
             rules = sp.rules(job["type"])
             if job.get("priority") is None and rules.get("priority"):
                 job["priority"] = rules["priority"]
             lane = sp.home(job, rules)
-            full = lane != "incoming" and sp.make_room(job["type"], 0)
+            full = None
+            if lane != "incoming" and sp._bounded(job["type"]):
+                # (its type's bound counts what waits: those before it first)
+                self._settled(rows)
+                rows = []
+                full = sp.make_room(job["type"], size)
             if full:
                 job["last_error"] = "rejected: " + full
                 job["failed_at"] = now
                 rows.append((name, _row_values(sp, job, "dead", lane, now,
-                                               finished_at=now), full))
+                                               finished_at=now, size=size), full))
             else:
-                rows.append((name, _row_values(sp, job, "ready", lane, now), None))
+                rows.append((name, _row_values(sp, job, "ready", lane, now,
+                                               size=size), None))
+        self._settled(rows)
+
+    def _settled(self, rows):
+        """The rows [(file name, values, why rejected)] in, their files
+        removed (or quarantined: an id the spool has, not done)."""
+        if not rows:
+            return
+        sp = self.spool
+        gone = []
         have = sp._insert([r[1] for r in rows], sync=True)
         for (name, v, full), dup in zip(rows, have):
             path = sp.d("incoming", name)
@@ -6140,6 +6200,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         Spool.__init__(self, path, log, **options)
         self.claims = _SqlClaims(self)
         self._conn = self._conn_pid = self._sync = None
+        self._commits = 0
         self._mutex = _thread.allocate_lock()     # one statement at a time
         self.damaged = None
 
@@ -6219,6 +6280,8 @@ class SqlSpool(_SqlUpkeep, Spool):
             db = sqlite3.connect(path, timeout=busy, isolation_level=None,
                                  check_same_thread=False)
             db.execute("PRAGMA synchronous=FULL")
+            db.execute("SELECT 1 FROM jobs LIMIT 0").fetchall()    # (-wal, -shm)
+            _cloexec_files(path)
         except OSError as e:
             raise _DbError(e.errno, "%s: %s" % (path, e.strerror))
         except sqlite3.Error as e:
@@ -6244,6 +6307,9 @@ class SqlSpool(_SqlUpkeep, Spool):
                     if _hook is not None:       # (the crash points' seam)
                         _hook("commit", self.d(DB_NAME), "before")
                     db.execute("COMMIT")
+                    self._commits += 1
+                    if self._commits == 1:      # (the log, made by a write)
+                        _cloexec_files(self.d(DB_NAME))
                     if _hook is not None:
                         _hook("commit", self.d(DB_NAME), "after")
                 except BaseException:
@@ -6271,8 +6337,9 @@ class SqlSpool(_SqlUpkeep, Spool):
         return rows[0] if rows else None
 
     def _version(self):
-        """Changes when another connection commits (PRAGMA data_version)."""
-        return self._one("PRAGMA data_version")[0]
+        """Changes when anything commits: another connection (PRAGMA
+        data_version, which its own commits leave alone) or this one."""
+        return self._one("PRAGMA data_version")[0], self._commits
 
     # Producers ------------------------------------------------------------------------
 
@@ -6309,9 +6376,11 @@ class SqlSpool(_SqlUpkeep, Spool):
         for job, data, explicit, delay, sub in todo:
             if sub in ("done", "dlq"):
                 rows.append(_row_values(self, job, "done" if sub == "done" else
-                                        "dead", "incoming", now, finished_at=now))
+                                        "dead", "incoming", now, finished_at=now,
+                                        size=len(data)))
             elif not sub.startswith(LANES) or not self._bounded(job["type"]):
-                rows.append(_row_values(self, job, "ready", sub, now))
+                rows.append(_row_values(self, job, "ready", sub, now,
+                                        size=len(data)))
             else:
                 # A type's bound counts what waits: each of its jobs is
                 # counted and placed on its own, after those before it.
@@ -6323,7 +6392,8 @@ class SqlSpool(_SqlUpkeep, Spool):
                     continue
                 if full:
                     raise SpoolFull(full)
-                rows.append(_row_values(self, job, "ready", sub, now))
+                rows.append(_row_values(self, job, "ready", sub, now,
+                                        size=len(data)))
         self._placed(self._insert(rows, sync, dup), rows, done)
         if done:
             self.poke(often=True)
@@ -6515,9 +6585,17 @@ class SqlSpool(_SqlUpkeep, Spool):
     # Lanes -------------------------------------------------------------------------------
 
     def lanes(self):
+        """The lanes that hold ready rows: one index lookup each (a skip
+        scan of idx_jobs_ready), not a pass over the ready rows."""
         out = []
-        for (sub,) in self._all("SELECT DISTINCT lane FROM jobs WHERE "
-                                "status='ready' AND lane!='incoming'"):
+        sub = "incoming"
+        while True:
+            row = self._one("SELECT lane FROM jobs WHERE queue=? AND status="
+                            "'ready' AND lane>? ORDER BY lane LIMIT 1",
+                            (self.name, sub))
+            if row is None:
+                break
+            sub = row[0]
             m = _lane_of(sub[len(LANES) + 1:]) if sub.startswith(LANES + "/") \
                 else None
             if m:
@@ -6531,9 +6609,9 @@ class SqlSpool(_SqlUpkeep, Spool):
     def _waiting_of(self, type):
         out = []
         for jid, t, size, sub in self._all(
-                "SELECT id, available_at, length(payload) + length(coalesce("
-                "extra, '')) + 200, lane FROM jobs WHERE status='ready' AND "
-                "type=? AND lane!='incoming'", (type,)):
+                "SELECT id, available_at, size, lane FROM jobs WHERE queue=? "
+                "AND status='ready' AND type=? AND lane!='incoming'",
+                (self.name, type)):
             m = _lane_of(sub[len(LANES) + 1:])
             out.append((int(m[1]) if m else 0, t, jid + ".json", size, sub))
         return out

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """myq side by side with the SQLite-backed queues a user would pick instead
 (issue 15): huey 3.5 (SqliteHuey, fsync=True) and persist-queue 1.1
-(SQLiteAckQueue), with the bare syscall loop of bench/run.py as the floor.
+(SQLiteAckQueue), with the bare syscall loop of bench/run.py as the floor;
+and myq's own SQLite store (issue 26, "myq-sqlite") beside all of them.
 
     python3 bench/peers.py [--quick] [--runs N] [--dir PATH] [--shm PATH]
                            [--n-mem N] [--n-disk N] [--n-depth N]
@@ -19,6 +20,9 @@ handler, the payload {"n": i}:
 
 - enqueue: N durable enqueues, one at a time, in one process.
     myq           Spool(dir).enqueue("noop", {"n": i})          (sync=True)
+    myq-sqlite    the same on a spool made by Spool(dir).init(store="sqlite")
+                  (`myq init --store sqlite`: Spool(dir) is a SqlSpool;
+                  queue.db in WAL, synchronous=FULL for an enqueue)
     huey          SqliteHuey(filename=..., fsync=True, immediate=False);
                   calling the @huey.task() enqueues it
     persist-queue SQLiteAckQueue(dir).put({"n": i})  (WAL, synchronous=FULL,
@@ -29,6 +33,9 @@ handler, the payload {"n": i}:
   queue is empty.
     myq           Worker(dir, handlers={"noop": fn}).run(drain=True), its log
                   in a file on the same filesystem
+    myq-sqlite    the same (claims and successes commit with
+                  synchronous=NORMAL; the worker's group commit fsyncs the
+                  WAL)
     huey          the consumer's own loop without its threads:
                   task = huey.dequeue(); huey.execute(task)
     persist-queue item = q.get(block=False, raw=True); fn(item["data"]);
@@ -39,13 +46,14 @@ handler, the payload {"n": i}:
   so the interpreter's start and the imports are not in it.
 - on tmpfs (N=20,000) and on a disk (ext4, N=2,000), --runs runs (medians);
   in each run every queue is measured once, in an order that rotates from
-  run to run, and the ratio myq/peer is taken within the run.  Each rate
+  run to run, and the ratio myq/peer is taken within the run (a second
+  table: myq-sqlite/peer and myq-sqlite/myq, the same way).  Each rate
   also per CPU second (the child's user + system time over the same loop;
   the floor's enqueue is not timed so): steadier where the machine is
   shared.
 - depth (issue 25): 5,000 enqueues (--n-depth) into a tmpfs queue already
   1,000 and 100,000 deep (filled by enqueue_many in the same child first),
-  myq and the baseline only.
+  myq, myq-sqlite and the baseline only.
 - --baseline DIR: another myq.py (e.g. `git show main:myq.py >
   DIR/myq.py`) measured as the queue "base" (myq@base) in every step, in
   the same runs: before and after a change, side by side.
@@ -57,15 +65,16 @@ handler, the payload {"n": i}:
   written from /sys/block/loopN/stat, read after mount and after umount
   (which flushes data and journal); and the journal's commits during the
   enqueues (/proc/fs/jbd2/loopN-8/info), per job.  Once more for myq with
-  Spool.enqueue_many, 100 jobs a call ("myq-batch": its enqueue bytes and
-  commits a batch, printed below the table).  Needs root (losetup, mount); skipped
+  Spool.enqueue_many, 100 jobs a call ("myq-batch", and "myq-sqlite-batch"
+  for the SQLite store: its enqueue bytes and commits a batch, printed
+  below the table).  Needs root (losetup, mount); skipped
   with a message otherwise.
 - instructions per job (valgrind --tool=callgrind, whole process, every
   thread): N=500 enqueues or drained jobs minus the same program with N=0,
   divided by N; PYTHONHASHSEED=0, byte code cached first, and myq's
   worker on a clock that moves 1 us a reading (its timers would otherwise
-  fire by how slow valgrind is).  myq's and the floor's by default, the
-  peers' with --cpu-queues all (bench/README.md keeps them).  This is
+  fire by how slow valgrind is).  myq's (both stores) and the floor's by
+  default, the peers' with --cpu-queues all (bench/README.md keeps them).  This is
   deterministic, unlike the rates: reruns, on any load, agree to within
   0.1% (enqueue) and 0.5% (drain: the job ids and timestamps differ, and
   the worker's SIGALRM tick runs on real time); bench/README.md tracks it,
@@ -73,6 +82,13 @@ handler, the payload {"n": i}:
   Skipped with a message when valgrind is missing (apt-get install valgrind).
   perf stat -e instructions would do too where the machine exposes the
   counter (a VM often does not: "<not supported>").
+
+The goals (printed below the tables where measured): issue 25's for myq's
+files, and issue 26's for the SQLite store: enqueue and drain on tmpfs >=
+1.2x huey and >= 1.0x persist-queue; a single durable enqueue on the disk
+>= 1.0x huey and persist-queue; drain on the disk >= 1.2x huey; bytes
+written per job <= huey's (1 KiB and 4 KiB blocks); flat from 1,000 to
+100,000 queued (>= 0.95x).
 """
 
 import argparse
@@ -89,9 +105,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 VENV = os.path.join(HERE, ".venv-peers")
 PKGS = ["huey>=3.5,<3.6", "persist-queue>=1.1,<1.2"]
-QUEUES = ("floor", "myq", "huey", "pq")
+QUEUES = ("floor", "myq", "myq-sqlite", "huey", "pq")
+MYQS = ("myq", "myq-sqlite", "base")        # the queues that are myq
 LABEL = {"floor": "bare syscall floor", "myq": "myq", "huey": "huey (SqliteHuey)",
-         "pq": "persist-queue (SQLiteAckQueue)"}
+         "pq": "persist-queue (SQLiteAckQueue)",
+         "myq-sqlite": "myq (SQLite store)"}
 
 clock = time.perf_counter
 cpu = time.process_time       # this process's user + system time
@@ -180,11 +198,13 @@ def open_queue(q, d, fake_clock=False, base=None):
     def handler(*a, **k):
         done[0] += 1
 
-    if q in ("myq", "base"):
+    if q in MYQS:
         sys.path.insert(0, base if q == "base" else ROOT)
         import myq
         sp = myq.Spool(d)
         sp.require()
+        if q == "myq-sqlite":
+            assert sp.store == "sqlite", sp.store
         if fake_clock:
             # For the instruction count: the worker's timers (group commit
             # after 1 s, prune after 5 s, ...) run on myq._mono; under
@@ -267,9 +287,23 @@ def open_queue(q, d, fake_clock=False, base=None):
 def child(a):
     q, op, d, n = a["q"], a["op"], a["dir"], a["n"]
     got = open_queue(q, d, a.get("fake_clock"), a.get("base"))
-    if a.get("prefill"):            # (myq, base: a queue this deep first)
+    if a.get("prefill"):            # (myq, base, myq-sqlite: this deep first)
         got[3](10 ** 9, a["prefill"])
     enq, drain, done = got[:3]
+    if a.get("cprofile"):           # --cprofile: the timed loop alone
+        import cProfile
+        prof = cProfile.Profile()
+        if op == "enqueue":
+            def drain(enq=enq):
+                for i in range(n):
+                    enq(i)
+            op = "drain"            # (timed and counted as one loop below)
+            done[0] = n
+        inner = drain
+
+        def drain():
+            prof.runcall(inner)
+            prof.dump_stats(a["cprofile"])
     if op == "enqueue":
         if q == "floor":
             t = got[3](n) if n else 0.0
@@ -294,9 +328,18 @@ def child(a):
 
 
 def prepare(q, d):
-    """A fresh, empty queue directory (myq's layout for myq and the floor)."""
+    """A fresh, empty queue directory (myq's layout for myq and the floor;
+    myq-sqlite: `myq init --store sqlite`)."""
     os.makedirs(d)
-    if q in ("myq", "floor", "base"):
+    if q == "myq-sqlite":
+        # In a child: init(store="sqlite") leaves a descriptor of the spool
+        # open in its process, which would keep the wear step's loop
+        # device busy at its umount.
+        subprocess.check_call([sys.executable, "-c", "import sys; "
+                               "sys.path.insert(0, sys.argv[1]); import myq; "
+                               "myq.Spool(sys.argv[2]).init(store='sqlite')",
+                               ROOT, d], env=child_env())
+    elif q in ("myq", "floor", "base"):
         sys.path.insert(0, ROOT)
         import myq
         myq.Spool(d).init()
@@ -336,10 +379,11 @@ DEPTHS = (1000, 100000)
 
 
 def depth(py, o, res, r):
-    """Enqueues into a queue already DEPTHS deep (tmpfs, myq and the
-    baseline): the create and rename in a directory of 100,000 entries
-    against one of 1,000."""
-    qs = [q for q in o.queues if q in ("myq", "base")]
+    """Enqueues into a queue already DEPTHS deep (tmpfs, myq, myq-sqlite and
+    the baseline): the create and rename in a directory of 100,000 entries
+    against one of 1,000 (myq-sqlite: an insert into a table and index of
+    100,000 rows against 1,000)."""
+    qs = [q for q in o.queues if q in MYQS]
     n = o.n_depth
     for k in DEPTHS:
         for q in (qs if r % 2 else qs[::-1]):
@@ -408,6 +452,7 @@ def sectors_written(dev):
 
 
 WEAR_FS = (("1k", 1024, 256), ("4k", 4096, 512))   # (key, block size, MiB)
+BATCHES = ("myq-batch", "myq-sqlite-batch")         # enqueue_many, 100 a call
 
 
 def wear(py, o, res):
@@ -441,7 +486,7 @@ def wear_on(py, o, res, key, bs, mib):
     used again was at times still busy after the umount)."""
     work = tempfile.mkdtemp(prefix="myq-peers-wear-", dir=o.dir)
     try:
-        for q in o.queues + ("myq-batch",):
+        for q in o.queues + BATCHES:
             img = os.path.join(work, q + ".img")
             with open(img, "wb") as f:
                 f.truncate(mib << 20)
@@ -461,10 +506,10 @@ def wear_one(py, o, res, key, q, dev, mnt):
     n, w = o.n_wear, "wear" + key
     os.makedirs(mnt, exist_ok=True)
     subprocess.check_call(["mount", "-t", "ext4", dev, mnt])
-    # myq-batch: Spool.enqueue_many, 100 jobs a call
+    # myq-batch, myq-sqlite-batch: Spool.enqueue_many, 100 jobs a call
     a = {"q": q, "op": "enqueue", "n": n}
-    if q == "myq-batch":
-        a.update(q="myq", batch=100)
+    if q in BATCHES:
+        a.update(q=q[:-len("-batch")], batch=100)
     try:
         d = os.path.join(mnt, q)
         os.sync()
@@ -552,15 +597,27 @@ def fmt(v):
     return "%.1f" % v
 
 
-def peers_of(o):
+def peers_of(o, me="myq"):
+    """Whom `me` is compared with: myq (files) with the peers and the
+    baseline; myq-sqlite with the peers and myq (files)."""
+    if me == "myq-sqlite":
+        return tuple(q for q in ("huey", "pq", "myq") if q in o.queues)
     return ("huey", "pq") + (("base",) if "base" in o.queues else ())
 
 
-def ratio_cells(res, key, o):
-    """Medians of myq/peer, the ratio taken run by run."""
+def ratio(res, key, me, peer):
+    """The median of me/peer, the ratio taken run by run, or None."""
+    m, p = res.get(key + (me,)), res.get(key + (peer,))
+    if not m or not p:
+        return None
+    return statistics.median([a / b for a, b in zip(m, p)])
+
+
+def ratio_cells(res, key, o, me="myq"):
+    """Medians of me/peer, the ratio taken run by run."""
     out = []
-    for peer in peers_of(o):
-        m, p = res.get(key + ("myq",)), res.get(key + (peer,))
+    for peer in peers_of(o, me):
+        m, p = res.get(key + (me,)), res.get(key + (peer,))
         if not m or not p:
             out.append("-")
             continue
@@ -592,13 +649,13 @@ def report(res, o, info, notes):
     for op in ("enqueue", "drain"):
         rows.append(("instructions/job, %s (callgrind)" % op, ("cpu", op)))
     names = {"floor": "floor", "myq": "myq", "huey": "huey", "pq": "persist-queue",
-             "base": "myq@base"}
+             "base": "myq@base", "myq-sqlite": "myq-sqlite"}
     head = ["metric"] + [names[q] for q in o.queues] + [
         "myq/" + names[p] for p in peers_of(o)]
+    rows = [(label, key) for label, key in rows
+            if any(res.get(key + (q,)) for q in o.queues)]
     lines = []
     for label, key in rows:
-        if not any(res.get(key + (q,)) for q in o.queues):
-            continue
         cells = [label]
         for q in o.queues:
             v = res.get(key + (q,))
@@ -631,15 +688,31 @@ def report(res, o, info, notes):
     for c in lines:
         out.append("  ".join(x.ljust(w) for x, w in zip(c, widths)))
     out.append("")
+    if "myq-sqlite" in o.queues:
+        # The SQLite store against the peers and against myq's files, the
+        # same rows (its own figures are in the myq-sqlite column above).
+        head = ["myq-sqlite (SQLite store) against"] + [
+            "sqlite/" + names[p] for p in peers_of(o, "myq-sqlite")]
+        lines = [[label] + ratio_cells(res, key, o, "myq-sqlite")
+                 for label, key in rows if res.get(key + ("myq-sqlite",))]
+        widths = [max(len(c[i]) for c in lines + [head]) for i in range(len(head))]
+        out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        out.append("-" * len(out[-1]))
+        for c in lines:
+            out.append("  ".join(x.ljust(w) for x, w in zip(c, widths)))
+        out.append("")
     for k, v in notes.items():
         out.append("%s: %s" % (k, v))
     for key, _, _ in WEAR_FS:
-        b = res.get(("wear" + key, "enqueue", "myq-batch"))
-        if b:
-            c = res.get(("commits" + key, "enqueue", "myq-batch"))
-            out.append("wear %s, myq enqueue_many (100 a call): %.2f KB/job to "
-                       "enqueue%s" % (key, b[0] / 1024.0, ", %.2f journal commits "
-                                      "a batch" % (c[0] * 100) if c else ""))
+        for q in BATCHES:
+            b = res.get(("wear" + key, "enqueue", q))
+            if b:
+                c = res.get(("commits" + key, "enqueue", q))
+                out.append("wear %s, %s enqueue_many (100 a call): %.2f KB/job "
+                           "to enqueue%s" % (
+                               key, q[:-len("-batch")], b[0] / 1024.0,
+                               ", %.2f journal commits a batch" % (c[0] * 100)
+                               if c else ""))
     goals = check_goals(res, o)
     if goals:
         out.append("")
@@ -648,15 +721,21 @@ def report(res, o, info, notes):
 
 
 def check_goals(res, o):
-    """Issue 25's goals (and 15's that still hold), where measured."""
-    def r(key, peer):
-        m, p = res.get(key + ("myq",)), res.get(key + (peer,))
-        if not m or not p:
-            return None
-        return statistics.median([a / b for a, b in zip(m, p)])
+    """Issue 25's goals (and 15's that still hold), and issue 26's for the
+    SQLite store, where measured."""
     goals = []
     disk = [fs for fs, _, _ in o.targets if fs != "tmpfs"]
     d = disk[0] if disk else "ext4"
+    for me, text, key, peer, want, higher in SQL_GOALS(d) if \
+            "myq-sqlite" in o.queues else ():
+        x = ratio(res, key, me, peer)
+        if x is None:
+            continue
+        ok = x >= want if higher else x <= want
+        goals.append("goal %-48s %.2fx  %s" % (text + ":", x, "pass" if ok else "MISS"))
+
+    def r(key, peer):
+        return ratio(res, key, "myq", peer)
     for text, key, peer, want, higher in (
             ("tmpfs enqueue >= 0.95x huey", ("tmpfs", "enqueue"), "huey", 0.95, True),
             ("  per CPU second", ("tmpfs", "enqueue-cpu"), "huey", 0.95, True),
@@ -671,14 +750,14 @@ def check_goals(res, o):
         if x is None:
             continue
         ok = x >= want if higher else x <= want
-        goals.append("goal %-36s %.2fx  %s" % (text + ":", x, "pass" if ok else "MISS"))
-    for q in ("myq",) + (("base",) if "base" in o.queues else ()):
+        goals.append("goal %-48s %.2fx  %s" % (text + ":", x, "pass" if ok else "MISS"))
+    for q in [q for q in MYQS if q in o.queues]:
         for op in ("enqueue", "enqueue-cpu"):
             a = res.get(("depth%d" % DEPTHS[1], op, q))
             b = res.get(("depth%d" % DEPTHS[0], op, q))
             if a and b:
                 x = statistics.median([i / j for i, j in zip(a, b)])
-                goals.append("goal %-36s %.2fx  %s" % (
+                goals.append("goal %-48s %.2fx  %s" % (
                     "%s 100k queued >= 0.95x 1k%s:" % (
                         q, " (CPU)" if op.endswith("cpu") else ""),
                     x, "pass" if x >= 0.95 else "MISS"))
@@ -687,10 +766,63 @@ def check_goals(res, o):
                            ("commits/enqueue_many(100) <= 1", "myq-batch", 100)):
             c = res.get(("commits" + key, "enqueue", q))
             if c:
-                goals.append("goal %-36s %.2f   %s" % (
+                goals.append("goal %-48s %.2f   %s" % (
                     "%s (%s):" % (text, key), c[0] * k,
                     "pass" if c[0] * k <= 1.0 else "MISS"))
     return goals
+
+
+def SQL_GOALS(d):
+    """Issue 26's goals for the SQLite store (me, text, key, peer, want,
+    higher is better); d: the disk's filesystem type."""
+    s = "myq-sqlite"
+    return (
+        (s, "sqlite tmpfs enqueue >= 1.2x huey", ("tmpfs", "enqueue"), "huey", 1.2, True),
+        (s, "  per CPU second", ("tmpfs", "enqueue-cpu"), "huey", 1.2, True),
+        (s, "sqlite tmpfs enqueue >= 1.0x persist-queue", ("tmpfs", "enqueue"), "pq",
+         1.0, True),
+        (s, "  per CPU second", ("tmpfs", "enqueue-cpu"), "pq", 1.0, True),
+        (s, "sqlite tmpfs drain >= 1.2x huey", ("tmpfs", "drain"), "huey", 1.2, True),
+        (s, "  per CPU second", ("tmpfs", "drain-cpu"), "huey", 1.2, True),
+        (s, "sqlite tmpfs drain >= 1.0x persist-queue", ("tmpfs", "drain"), "pq",
+         1.0, True),
+        (s, "  per CPU second", ("tmpfs", "drain-cpu"), "pq", 1.0, True),
+        (s, "sqlite %s single enqueue >= 1.0x huey" % d, (d, "enqueue"), "huey",
+         1.0, True),
+        (s, "sqlite %s single enqueue >= 1.0x persist-queue" % d, (d, "enqueue"),
+         "pq", 1.0, True),
+        (s, "sqlite %s drain >= 1.2x huey" % d, (d, "drain"), "huey", 1.2, True),
+        (s, "sqlite bytes/job <= huey, 1 KiB blocks", ("wear1k", "total"), "huey",
+         1.0, False),
+        (s, "sqlite bytes/job <= huey, 4 KiB blocks", ("wear4k", "total"), "huey",
+         1.0, False))
+
+
+def cprofile(py, o):
+    """--cprofile DIR: each queue's enqueue of --n-mem jobs and their drain,
+    one child each on tmpfs under cProfile (the timed loop alone), the
+    stats in DIR and their top printed, by own time and by cumulative."""
+    import io
+    import pstats
+    os.makedirs(o.cprofile, exist_ok=True)
+    base = tempfile.mkdtemp(prefix="myq-peers-prof-", dir=o.shm)
+    try:
+        for q in o.cprofile_queues.split(","):
+            d = os.path.join(base, q)
+            prepare(q, d)
+            for op in ("enqueue", "drain"):
+                out = os.path.abspath(os.path.join(o.cprofile, "%s.%s.pstats" % (q, op)))
+                r = run_child(py, {"q": q, "op": op, "dir": d, "n": o.n_mem,
+                                   "cprofile": out})
+                s = io.StringIO()
+                st = pstats.Stats(out, stream=s)
+                st.sort_stats("tottime").print_stats(20)
+                st.sort_stats("cumulative").print_stats(25)
+                sys.stdout.write("%s %s: %d jobs, %.2f s under cProfile (%s)\n%s\n" % (
+                    q, op, r["n"], r["t"], out, s.getvalue()))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
 
 
 def main(argv=None):
@@ -715,13 +847,20 @@ def main(argv=None):
                     help="a directory holding another myq.py (e.g. main's: "
                     "git show main:myq.py > DIR/myq.py): measured as "
                     "myq@base in the same runs")
-    ap.add_argument("--cpu-queues", default="floor,myq",
-                    help="whose instructions to count: floor,myq,huey,pq or "
+    ap.add_argument("--cpu-queues", default="floor,myq,myq-sqlite",
+                    help="whose instructions to count: floor,myq,myq-sqlite,"
+                    "huey,pq or "
                     "all (the peers' counts do not change unless their "
                     "versions do: bench/README.md has them; counting them "
                     "adds ~1 min)")
     ap.add_argument("--skip", default="", help="any of: rates,wear,cpu")
     ap.add_argument("--json", help="also write the raw figures here")
+    ap.add_argument("--cprofile", metavar="DIR",
+                    help="instead of the bench: cProfile of one child each, "
+                    "enqueue and drain on tmpfs (--n-mem), of --cprofile-queues; "
+                    "DIR/QUEUE.OP.pstats and the top functions printed")
+    ap.add_argument("--cprofile-queues", default="myq-sqlite",
+                    help="for --cprofile (default myq-sqlite; e.g. myq,myq-sqlite)")
     o = ap.parse_args(argv)
     o.recorded = set()
     if o.quick:
@@ -744,6 +883,8 @@ def main(argv=None):
         log("%s is not tmpfs; skipping tmpfs" % o.shm)
     o.targets.append((fstype(o.dir), o.dir, o.n_disk))
     py = venv_python()
+    if o.cprofile:
+        return cprofile(py, o)
     info = versions(py)
     info["date"] = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
     info["load0"] = " ".join(open("/proc/loadavg").read().split()[:3])

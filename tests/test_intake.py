@@ -28,13 +28,15 @@ from _core import MYQ, ROOT, call_myq, clean_env, ls, one_line_error, run_myq, \
     stop, wait_for
 from _mosquitto import MOSQUITTO, Broker, _enc_len, _s
 
+# The enqueue's durable step: incoming/'s fsync (files), or the commit of
+# its transaction (the SQLite store).
 CRASH_AFTER_COMMIT = (
     "import os, sys\n"
     "sys.path.insert(0, %r)\n"
     "import myq\n"
     "def hook(op, path, when):\n"
-    "    if op == 'fsync' and when == 'after' and "
-    "path.rstrip('/').endswith('/incoming'):\n"
+    "    if when == 'after' and (op == 'fsync' and "
+    "path.rstrip('/').endswith('/incoming') or op == 'commit'):\n"
     "        os._exit(137)\n"
     "myq._hook = hook\n"
     "sys.exit(myq.main(sys.argv[1:]))\n" % ROOT)

@@ -96,7 +96,8 @@ def test_the_schema_is_the_seeds_for_the_sqlite3_shell(tmp_path):
               "created_at", "updated_at"):
         assert c in cols, c
     idx = rows(sp, "PRAGMA index_info(idx_jobs_ready)")
-    assert [r[2] for r in idx] == ["queue", "status", "available_at"]
+    # the seed's index, with the lane: every scan is one lane's
+    assert [r[2] for r in idx] == ["queue", "status", "lane", "available_at"]
     assert rows(sp, "PRAGMA journal_mode") == [("wal",)]
     (jid, queue, payload, status, extra), = rows(
         sp, "SELECT id, queue, payload, status, extra FROM jobs")

@@ -23,6 +23,16 @@ returns a dict of counts:
   rerun     promised jobs that ran during recovery (not done before it:
             pending, or done but its success record not durable; allowed),
             for information
+
+On a spool of the SQLite store (SPOOL/store says "sqlite") the jobs are
+the rows of queue.db, read with sqlite3 itself (read-only: no checkpoint,
+the log left as the cut left it), not through myq: a row is a place
+(ready, processing, done, dead), a pruned done job counts by its `ok`
+row, a `failed` row whose payload is intact is a valid job quarantined.
+The drop box (incoming/ files), failed/ and processing/, done/, dlq/ (which
+stay empty) are read as for files: a file there beside a row is a second
+place.  A database sqlite3 cannot read is a failed recovery, and every
+promised job then counts lost.
 """
 
 import hashlib
@@ -91,10 +101,84 @@ def _load(data, myq):
     return None, data.endswith(b"\0")
 
 
-def scan(spool, myq, read=STATE_DIRS + ("failed",)):
+def store_of(spool):
+    """The store SPOOL/store records: "files" (no record) or its word."""
+    try:
+        with open(os.path.join(spool, "store")) as f:
+            return f.read().strip() or "files"
+    except OSError:
+        return "files"
+
+
+DB_STATES = {"ready": "incoming", "processing": "processing", "done": "done",
+             "dead": "dlq"}     # a row's status -> the directory it would be
+
+
+def db_rows(spool, what="id, status, payload, type"):
+    """The rows of SPOOL/queue.db's jobs (`what`), its ok ids, and None or
+    the error sqlite3 gave.  Opened read-only: nothing is written to the
+    database or its log (no checkpoint at the close)."""
+    import sqlite3
+    from urllib.parse import quote
+    path = os.path.join(spool, "queue.db")
+    if not os.path.exists(path):
+        return [], set(), "%s is missing" % path
+    rows, ok = [], set()
+    try:
+        db = sqlite3.connect("file:%s?mode=ro" % quote(path), uri=True,
+                             timeout=30)
+        try:
+            rows = db.execute("SELECT %s FROM jobs" % what).fetchall()
+            ok = set(r[0] for r in db.execute("SELECT id FROM ok"))
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        return rows, ok, "%s: %s" % (path, e)
+    return rows, ok, None
+
+
+def done_ids(spool):
+    """The ids of the done jobs (done/ files, or done rows): what a prune
+    may remove (a done job whose id myq generated keeps no record once
+    gone: the checker's `pruned`)."""
+    if store_of(spool) == "sqlite":
+        rows, _, err = db_rows(spool, "id, status")
+        if err:
+            raise OSError("cannot list the done rows: %s" % err)
+        return sorted(r[0] for r in rows if r[1] == "done")
+    return sorted(n[:-5] for n in os.listdir(os.path.join(spool, "done"))
+                  if n.endswith(".json"))
+
+
+def busy(spool):
+    """How many jobs wait or run (flaky ones waiting for a retry too): the
+    files of incoming/ and processing/ (and the ready and processing rows)."""
+    n = len(os.listdir(os.path.join(spool, "incoming"))) + \
+        len(os.listdir(os.path.join(spool, "processing")))
+    if store_of(spool) == "sqlite":
+        rows, _, err = db_rows(spool, "status")
+        n += sum(r[0] in ("ready", "processing") for r in rows) + bool(err)
+    return n
+
+
+def _row_job(jid, status, payload, typ):
+    """The job a checker reads from a row: None when its payload is not
+    JSON."""
+    try:
+        p = json.loads(payload) if payload is not None else None
+    except ValueError:
+        return None
+    return {"id": jid, "type": typ, "status": status, "payload": p}
+
+
+def scan(spool, myq, read=STATE_DIRS + ("failed",), store="files", errors=None):
     """{id: [(state, name, job or None)]}, ok ids, failed valid jobs, the
     files that end in NUL bytes.  Files are read (and parsed) only in the
-    directories named in `read`; elsewhere job is None."""
+    directories named in `read`; elsewhere job is None.  store "sqlite":
+    the rows of queue.db too (state "db:STATUS", name "queue.db:ID"; the
+    payload parsed when the directory the status stands for is in `read`),
+    its ok ids, and the failed rows whose payload is intact; what sqlite3
+    said to `errors` (a list)."""
     where, tails = {}, []
     for sub in STATE_DIRS:
         for name in _listdir(os.path.join(spool, sub)):
@@ -124,6 +208,22 @@ def scan(spool, myq, read=STATE_DIRS + ("failed",)):
             job = None
         if isinstance(job, dict) and "type" in job:
             failed_valid.append((name, job))
+    if store == "sqlite":
+        rows, db_ok, err = db_rows(spool)
+        if err and errors is not None:
+            errors.append(err)
+        ok |= db_ok
+        for jid, status, payload, typ in rows:
+            sub = DB_STATES.get(status)
+            if sub is None:         # failed: a row myq could not read
+                job = _row_job(jid, status, payload, typ) \
+                    if "failed" in read else None
+                if job is not None and _intact(job):
+                    failed_valid.append(("queue.db:" + jid, job))
+                continue
+            job = _row_job(jid, status, payload, typ) if sub in read else None
+            where.setdefault(jid, []).append(("db:" + status, "queue.db:" + jid,
+                                              job))
     return where, ok, failed_valid, tails
 
 
@@ -174,9 +274,20 @@ class _Done(object):
         self.returncode, self.stdout = rc, out
 
 
+FINISHED = ("done", "dlq", "db:done", "db:dead")
+CLAIMED = ("processing", "db:processing")
+
+
 def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
-                      python=None, fork=False, pruned=()):
+                      python=None, fork=False, pruned=(), store=None):
+    """store: the store the spool must have ("files", "sqlite"); None: the
+    one SPOOL/store records."""
     myq = _myq(myq_path)
+    found_store = store_of(spool)
+    store = store or found_store
+    if not promised and os.path.isdir(spool):
+        store = found_store     # a cut in `myq init` (nothing promised yet)
+    db_errors = []
     py = python or sys.executable
 
     def run(args, env):
@@ -200,11 +311,18 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
     # Before recovery only what recovery works on is read: done/ and dlq/
     # files are read (all of them) after it, and recovery does not touch
     # those that were there before.
-    pre, pre_ok, _, pre_tails = scan(spool, myq, read=("incoming", "processing"))
+    pre, pre_ok, _, pre_tails = scan(spool, myq, read=("incoming", "processing"),
+                                     store=store, errors=db_errors)
     lap("scan_pre")
+    if found_store != store:
+        res["recover"] += 1
+        notes.append("the spool's store is %r, not %r" % (found_store, store))
+    for err in db_errors:
+        notes.append("before recovery, sqlite3 could not read the database: %s"
+                     % err)
     finished_pre = set(pre_ok)
     for jid, locs in pre.items():
-        if any(s in ("done", "dlq") for s, _, _ in locs):
+        if any(s in FINISHED for s, _, _ in locs):
             finished_pre.add(jid)
     runlog = os.path.join(workdir, "recovery-runs.log")
     try:
@@ -236,8 +354,14 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
     if problems:
         res["recover"] += 1
         notes.append("myq check: %s" % "; ".join(problems)[-600:])
-    post, post_ok, failed_valid, post_tails = scan(spool, myq)
+    del db_errors[:]
+    post, post_ok, failed_valid, post_tails = scan(spool, myq, store=store,
+                                                   errors=db_errors)
     lap("scan_post")
+    if db_errors:
+        res["recover"] += 1
+        notes.extend("after recovery, sqlite3 could not read the database: %s"
+                     % err for err in db_errors)
     old = set("%s/%s" % (s, n) for locs in pre.values() for s, n, _ in locs
               if s in ("done", "dlq"))
     pre_tails += [t for t in post_tails if t in old]
@@ -257,11 +381,12 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
             ids["doubled"].append(jid)
             notes.append("ran again although done/dead before recovery: %s (pre: %s)"
                          % (jid, [s for s, _, _ in pre.get(jid, [])]
-                            + (["locks/ok"] if jid in pre_ok else [])))
+                            + ([("locks/ok", "ok")[store == "sqlite"]]
+                               if jid in pre_ok else [])))
         elif jid in promised:
             res["rerun"] += 1
     for jid, locs in post.items():
-        if any(s == "processing" for s, _, _ in locs):
+        if any(s in CLAIMED for s, _, _ in locs):
             res["stuck"] += 1
             ids["stuck"].append(jid)
             notes.append("left in processing/: %s" % [n for _, n, _ in locs])
@@ -281,8 +406,13 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
         res["in_failed"] += 1
         ids["in_failed"].append(job.get("id") or name[:-5])
         quarantined[job.get("id") or name[:-5]] = name
-        notes.append("valid job quarantined in failed/: %s (id %s, intact: %s)"
-                     % (name, job.get("id"), _intact(job)))
+        try:
+            with open(os.path.join(spool, "failed", name + ".reason")) as f:
+                why = "; reason: " + f.read(300).strip()
+        except OSError:
+            why = ""
+        notes.append("valid job quarantined in failed/: %s (id %s, intact: %s)%s"
+                     % (name, job.get("id"), _intact(job), why))
     for jid in promised:
         if jid not in post and jid not in post_ok and jid not in pruned:
             res["lost"] += 1

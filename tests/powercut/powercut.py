@@ -15,6 +15,13 @@ Parts:
          the workload runs there; replay.py replays the block log on the
          host at every flush point (plus random subsets of the unflushed
          writes), recovers and checks each image.
+  ext4-sqlite, ubifs-sqlite
+         the same on a spool of the SQLite store (myq init --store sqlite:
+         the jobs in queue.db, the shell recipe's files in its drop box);
+         the checker reads the database.  ext4-sqlite replays
+         --sqlite-max-points flush points (>= --sqlite-min-cuts cuts, or
+         the part fails); ubifs-sqlite makes the same cuts as ubifs and
+         --sqlite-faults fault rounds.
 
 Each VM is a task in a child process; --parallel of them run at once
 (default: 2 on a machine with 2 CPUs or more; a VM under TCG keeps one CPU
@@ -77,7 +84,7 @@ dmsetup message log 0 mark mounted
 t0=$(cut -d' ' -f1 /proc/uptime)
 python3 {here}/workload.py --myq {myq} --spool /run/mnt/spool \
     --journal /run/pc/journal --runlog /run/pc/runs --jobs {jobs} \
-    --cli {cli} --shell {shell} --seed {seed} \
+    --cli {cli} --shell {shell} --seed {seed} --store {store} \
     --mark "dmsetup message log 0 mark" 2> /run/pc/workload.log
 t1=$(cut -d' ' -f1 /proc/uptime)
 echo "workload seconds: $t0 $t1"
@@ -88,8 +95,10 @@ sync
 """
 
 
-def part_ext4(a, out, k=0):
-    work = tempfile.mkdtemp(prefix="pc-ext4-", dir=a.tmp)
+def part_ext4(a, out, k=0, store="files"):
+    fs = "ext4" if store == "files" else "ext4-" + store
+    max_points = a.max_points if store == "files" else a.sqlite_max_points
+    work = tempfile.mkdtemp(prefix="pc-%s-" % fs, dir=a.tmp)
     base = os.path.join(work, "base.img")
     data = os.path.join(work, "data.img")
     logd = os.path.join(work, "log.img")
@@ -103,15 +112,15 @@ def part_ext4(a, out, k=0):
     share = os.path.join(work, "share")
     os.makedirs(share)
     script = EXT4_GUEST.format(here=HERE, myq=MYQ, jobs=a.jobs, cli=a.cli,
-                               shell=a.shell, seed=a.seed,
+                               shell=a.shell, seed=a.seed, store=store,
                                hostname=os.uname()[1])
     t0 = time.monotonic()
     r = vm.boot(script, work=share, disks=[data, logd], timeout=a.vm_timeout)
     t_vm = time.monotonic() - t0
     guest = open(os.path.join(share, "guest.log")).read() \
         if os.path.exists(os.path.join(share, "guest.log")) else ""
-    say("powercut: ext4 VM: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs" % (
-        r["rc"], r["boot_seconds"] or -1, t_vm, r["cpu_seconds"]))
+    say("powercut: %s VM: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs" % (
+        fs, r["rc"], r["boot_seconds"] or -1, t_vm, r["cpu_seconds"]))
     if r["rc"] != 0:
         say(r["console"][-3000:])
         say(guest[-3000:])
@@ -127,7 +136,7 @@ def part_ext4(a, out, k=0):
     # replay.py in a process of its own: it re-executes itself in a private
     # mount namespace (no other process's copy of the namespace can hold
     # its cuts' mounts)
-    report = os.path.join(out, "ext4-report.json")
+    report = os.path.join(out, fs + "-report.json")
     try:
         os.unlink(report)
     except OSError:
@@ -135,7 +144,9 @@ def part_ext4(a, out, k=0):
     cmd = [sys.executable, os.path.join(HERE, "replay.py"), "--log", logd,
            "--base", base, "--journal", os.path.join(share, "journal"),
            "--myq", MYQ, "--subsets", str(a.subsets), "--seed", str(a.seed),
-           "--max-points", str(a.max_points), "--report", report]
+           "--max-points", str(max_points), "--report", report]
+    if store != "files":
+        cmd += ["--store", store]
     p = subprocess.Popen(cmd + ([] if a.verbose else ["--quiet"]),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for line in p.stdout:
@@ -148,17 +159,17 @@ def part_ext4(a, out, k=0):
             rep = json.load(f)
         totals, found = rep["totals"], rep["found"]
     except (OSError, ValueError, KeyError) as e:
-        say("powercut: ext4 replay exit %s, no report (%s)" % (rc, e))
+        say("powercut: %s replay exit %s, no report (%s)" % (fs, rc, e))
         return None
-    say("powercut: ext4 replay: exit %d; e2fsck -p exit statuses: %s" % (
-        rc, rep.get("fsck_exits")))
+    say("powercut: %s replay: exit %d; e2fsck -p exit statuses: %s" % (
+        fs, rc, rep.get("fsck_exits")))
     totals["vm_seconds"] = round(t_vm, 1)
-    say("powercut: ext4 replay: %.0fs" % (time.monotonic() - t1))
+    say("powercut: %s replay: %.0fs" % (fs, time.monotonic() - t1))
     for f in found[:10]:
         say("  found:", json.dumps(f)[:1500])
     for name in ("journal", "guest.log", "workload.log"):
         try:
-            shutil.copy(os.path.join(share, name), os.path.join(out, "ext4-" + name))
+            shutil.copy(os.path.join(share, name), os.path.join(out, fs + "-" + name))
         except OSError:
             pass
     if not a.keep:
@@ -167,24 +178,29 @@ def part_ext4(a, out, k=0):
     return totals
 
 
-def report_ext4(a, results):
+def report_ext4(a, results, store="files"):
+    fs = "ext4" if store == "files" else "ext4-" + store
     totals = results[0]
     if totals is None:
-        say("powercut: fs=ext4: no result (the VM or the replay did not finish;"
-            " see above)")
+        say("powercut: fs=%s: no result (the VM or the replay did not finish;"
+            " see above)" % fs)
         return None
-    say(replay.summary("ext4", totals) + " vm_seconds=%.0f" % totals["vm_seconds"])
-    say("powercut: fs=ext4-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
+    say(replay.summary(fs, totals) + " vm_seconds=%.0f" % totals["vm_seconds"])
+    say("powercut: fs=%s-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
         "disk_bytes_written=%d flushes=%d per_1000_jobs: bytes=%d flushes=%d"
-        % (a.jobs, totals["bytes_written"], totals["flushes"],
+        % (fs, a.jobs, totals["bytes_written"], totals["flushes"],
            totals["bytes_written"] * 1000 // a.jobs, totals["flushes"] * 1000 // a.jobs))
+    if store != "files" and totals["cuts"] < a.sqlite_min_cuts:
+        say("powercut: %s: %d cuts, fewer than the %d asked for (raise "
+            "--sqlite-max-points)" % (fs, totals["cuts"], a.sqlite_min_cuts))
+        totals["recover"] = totals.get("recover", 0) + 1
     return totals
 
 
 UBIFS_GUEST = r"""exec > /run/pc/guest.log 2>&1
 PC_PROFILE={profile} python3 {here}/ubifs_guest.py --myq {myq} --out /run/pc \
     --cuts {cuts} --faults {faults} --fault-first {fault_first} \
-    --wear-jobs {wear} --seed {seed}
+    --wear-jobs {wear} --seed {seed}{more}
 """
 
 
@@ -194,17 +210,21 @@ def _share(n, k, total):
     return base + (k < extra)
 
 
-def part_ubifs(a, out, k=0):
+def part_ubifs(a, out, k=0, store="files"):
     """One UBIFS VM (of --ubifs-vms): its share of the cuts and the fault
     rounds; the first also measures the wear."""
+    fs = "ubifs" if store == "files" else "ubifs-" + store
     n = max(1, a.ubifs_vms)
+    nfaults = a.faults if store == "files" else a.sqlite_faults
     cuts = _share(n, k, a.cuts)
-    faults = _share(n, k, a.faults)
-    share = tempfile.mkdtemp(prefix="pc-ubifs-", dir=a.tmp)
+    faults = _share(n, k, nfaults)
+    share = tempfile.mkdtemp(prefix="pc-%s-" % fs, dir=a.tmp)
     script = UBIFS_GUEST.format(
         here=HERE, myq=MYQ, cuts=cuts, faults=faults,
-        fault_first=sum(_share(n, j, a.faults) for j in range(k)),
-        wear=a.wear_jobs if k == 0 else 0, seed=a.seed + 1000 * k,
+        fault_first=sum(_share(n, j, nfaults) for j in range(k)),
+        wear=a.wear_jobs if k == 0 else 0,
+        seed=a.seed + 1000 * k + (0 if store == "files" else 500),
+        more="" if store == "files" else " --store " + store,
         profile=os.environ.get("PC_PROFILE", ""))
     t0 = time.monotonic()
     # A write that fails after the cut makes UBIFS dump the whole LEB to
@@ -214,8 +234,8 @@ def part_ubifs(a, out, k=0):
     r = vm.boot(script, work=share, timeout=a.vm_timeout * 2,
                 append="log_buf_len=16M loglevel=3")
     t_vm = time.monotonic() - t0
-    say("powercut: ubifs VM %d: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs cuts=%d "
-        "faults=%d" % (k, r["rc"], r["boot_seconds"] or -1, t_vm,
+    say("powercut: %s VM %d: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs cuts=%d "
+        "faults=%d" % (fs, k, r["rc"], r["boot_seconds"] or -1, t_vm,
                        r["cpu_seconds"], cuts, faults))
     try:
         with open(os.path.join(share, "ubifs-result.json")) as f:
@@ -227,7 +247,7 @@ def part_ubifs(a, out, k=0):
         except OSError:
             pass
         return None
-    dest = os.path.join(out, "ubifs-vm%d" % k)
+    dest = os.path.join(out, "%s-vm%d" % (fs, k))
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
     for name in os.listdir(share):
@@ -238,8 +258,8 @@ def part_ubifs(a, out, k=0):
     for f in res["found"][:10]:
         say("  found:", json.dumps(f)[:1500])
     if res.get("stage") != "end":
-        say("powercut: ubifs VM %d stopped during the %s stage (timeout?)"
-            % (k, res.get("stage")))
+        say("powercut: %s VM %d stopped during the %s stage (timeout?)"
+            % (fs, k, res.get("stage")))
     res.update(vm_seconds=round(t_vm, 1), cpu_seconds=round(r["cpu_seconds"], 1),
                want_cuts=cuts)
     return res
@@ -254,11 +274,12 @@ def _add(into, d):
     return into
 
 
-def report_ubifs(a, results):
+def report_ubifs(a, results, store="files"):
     """One set of lines for all the UBIFS VMs."""
+    fs = "ubifs" if store == "files" else "ubifs-" + store
     if not results or any(r is None for r in results):
-        say("powercut: fs=ubifs: no result from %d of %d VMs (see above)" % (
-            sum(r is None for r in results), len(results)))
+        say("powercut: fs=%s: no result from %d of %d VMs (see above)" % (
+            fs, sum(r is None for r in results), len(results)))
         return None
     ct, t, timing, ends = {}, {}, {}, {}
     for res in results:
@@ -274,9 +295,9 @@ def report_ubifs(a, results):
     info = [i for res in results for i in res.get("info", [])]
     for i in info[:10]:
         say("  odd round:", json.dumps(i)[:600])
-    say("powercut: ubifs rounds ended by: %s; guest seconds per phase (all VMs): %s"
-        % (ends, {k: round(v) for k, v in sorted(timing.items())}))
-    say(replay.summary("ubifs", ct) + " rounds=%d ro_rounds=%d vms=%d vm_seconds=%s "
+    say("powercut: %s rounds ended by: %s; guest seconds per phase (all VMs): %s"
+        % (fs, ends, {k: round(v) for k, v in sorted(timing.items())}))
+    say(replay.summary(fs, ct) + " rounds=%d ro_rounds=%d vms=%d vm_seconds=%s "
         "cpu_seconds=%s" % (
             ct["rounds"], ct.get("ro_rounds", 0), len(results),
             "+".join("%.0f" % res["vm_seconds"] for res in results),
@@ -284,25 +305,25 @@ def report_ubifs(a, results):
     fault = {k: t[k] - ct.get(k, 0) for k in t if isinstance(t[k], int)}
     fault["seconds"] = max(res.get("fault_seconds", 0) for res in results)
     fault["cuts"] = fault.get("rounds", 0)     # each fault round ends in a reboot
-    say(replay.summary("ubifs-faults", fault) + " producer_errors=%d "
+    say(replay.summary(fs + "-faults", fault) + " producer_errors=%d "
         "ubi_io_errors=%d ubi_bitflips=%d ubi_ro_mode=%d worker_died=%d" % (
             t.get("fault_errors", 0), t.get("io_errors", 0), t.get("bitflips", 0),
             t.get("ro_mode", 0), t.get("worker_died", 0)))
     w = results[0].get("wear")
     if w:
-        say("powercut: fs=ubifs-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
+        say("powercut: fs=%s-wear cuts=0 lost=0 doubled=0 corrupt=0 jobs=%d "
             "nand_bytes_written=%s mtd_writes=%s erase_blocks_written=%s "
             "ubi_erases=%d erase_block_bytes=%d per_1000_jobs: bytes=%s "
             "erase_blocks_written=%s bytes_in_erase_blocks=%s ubi_erases=%.1f" % (
-                w["jobs"], w.get("bytes"), w.get("writes"), w.get("blocks_written"),
+                fs, w["jobs"], w.get("bytes"), w.get("writes"), w.get("blocks_written"),
                 w["erases"], w["erase_bytes"], w.get("bytes_per_1000"),
                 w.get("blocks_written_per_1000"), w.get("block_equivalents_per_1000"),
                 w["erases_per_1000"]))
     merged = dict(t)
     if unfinished or short:
-        say("powercut: ubifs: %s" % "; ".join(
+        say("powercut: %s: %s" % (fs, "; ".join(
             (["VM %s did not finish" % unfinished] if unfinished else [])
-            + (["%d cuts fewer than the %d asked for" % (short, a.cuts)] if short else [])))
+            + (["%d cuts fewer than the %d asked for" % (short, a.cuts)] if short else []))))
         merged["recover"] = merged.get("recover", 0) + 1    # an unfinished part fails
     return merged
 
@@ -321,16 +342,22 @@ def report_boot(a, results):
     return t
 
 
+def _on(store, fn):
+    return lambda *args: fn(*args, store=store)
+
+
 # name: (task, report); the order is the start order (longest first)
 PARTS = {"ext4": (part_ext4, report_ext4), "ubifs": (part_ubifs, report_ubifs),
+         "ubifs-sqlite": (_on("sqlite", part_ubifs), _on("sqlite", report_ubifs)),
+         "ext4-sqlite": (_on("sqlite", part_ext4), _on("sqlite", report_ext4)),
          "boot": (part_boot, report_boot)}
 
 
 def tasks_of(a, parts):
     out = []
-    for name in ("ext4", "ubifs", "boot"):
+    for name in PARTS:
         if name in parts:
-            for k in range(max(1, a.ubifs_vms) if name == "ubifs" else 1):
+            for k in range(max(1, a.ubifs_vms) if name.startswith("ubifs") else 1):
                 out.append((name, k))
     return out
 
@@ -350,7 +377,7 @@ def run_task(a, spec, result_path):
     global PREFIX
     _terminate_on_sigterm()
     name, k = spec.split(":")
-    PREFIX = "[%s] " % (name if name != "ubifs" else "ubifs-%s" % k)
+    PREFIX = "[%s] " % (name if not name.startswith("ubifs") else "%s-%s" % (name, k))
     t0 = time.monotonic()
     # the task's disks and shared directories (the guest sees /var/tmp);
     # gone at the end, also when the task is stopped, unless --keep
@@ -452,6 +479,13 @@ def main(argv=None):
     ap.add_argument("--subsets", type=int, default=2)
     ap.add_argument("--max-points", type=int, default=int(
         os.environ.get("POWERCUT_MAX_POINTS", "0")))
+    ap.add_argument("--sqlite-max-points", type=int, default=int(
+        os.environ.get("POWERCUT_SQLITE_MAX_POINTS", "100")),
+        help="ext4-sqlite: flush points replayed (0: all)")
+    ap.add_argument("--sqlite-min-cuts", type=int, default=200,
+                    help="ext4-sqlite: fewer cuts fail the part")
+    ap.add_argument("--sqlite-faults", type=int, default=2,
+                    help="ubifs-sqlite: fault rounds (shared by its VMs)")
     ap.add_argument("--ext4-mb", type=int, default=64)
     ap.add_argument("--cuts", type=int, default=int(
         os.environ.get("POWERCUT_CUTS", "200")))

@@ -2,6 +2,7 @@
 """Replay a dm-log-writes log onto a disk image, at every flush point.
 
     replay.py --log LOG --base IMG --journal J --myq myq.py [--subsets K]
+              [--store sqlite]
 
 The log format (the kernel's Documentation/admin-guide/device-mapper/
 log-writes.rst and drivers/md/dm-log-writes.c): sector 0 holds the super
@@ -351,7 +352,8 @@ def new_image(src, path):
         os.close(fd)
 
 
-def check_cut(img, label, promised, myq_path, work, fs="ext4", pruned=()):
+def check_cut(img, label, promised, myq_path, work, fs="ext4", pruned=(),
+              store=None):
     """One cut, on img (a file made for this cut alone): e2fsck -p; the
     cut's label set; a loop device of its own; mount; the mounted
     filesystem proven to be this one (verify_mounted); recover and check;
@@ -405,7 +407,7 @@ def check_cut(img, label, promised, myq_path, work, fs="ext4", pruned=()):
             # recovery in forked children of this process (no interpreter
             # start per command: most of the time of a cut otherwise)
             chk = check.recover_and_check(spool, promised, myq_path, work,
-                                          fork=True, pruned=pruned)
+                                          fork=True, pruned=pruned, store=store)
             notes.extend(chk.pop("notes", []))
             res.update(chk)
         finally:
@@ -442,7 +444,7 @@ def add_cut(totals, distinct, res):
 
 
 def replay(log_path, base, journal, myq_path, subsets=2, seed=14,
-           max_points=0, work=None, verbose=False, report=None):
+           max_points=0, work=None, verbose=False, report=None, store=None):
     """Every chosen cut on a disk of its own (check_cut).  Only in a
     private mount namespace (main() makes one): a process that copies the
     namespace this replay mounts in would hold its cuts.  Returns (totals,
@@ -516,7 +518,7 @@ def replay(log_path, base, journal, myq_path, subsets=2, seed=14,
                             disk.apply(t, e)
                 try:
                     res = check_cut(test, label, dict(promised), myq_path, work,
-                                    pruned=pruned)
+                                    pruned=pruned, store=store)
                 finally:
                     os.unlink(test)
                 add_cut(totals, distinct, res)
@@ -575,6 +577,9 @@ def main(argv=None):
     ap.add_argument("--work", help="the directory for the cuts' images "
                     "(default /dev/shm; a temp dir is made in it)")
     ap.add_argument("--report")
+    ap.add_argument("--store", default="files", choices=("files", "sqlite"),
+                    help="the store of the workload's spool (the checker "
+                    "reads queue.db for sqlite)")
     ap.add_argument("--quiet", action="store_true",
                     help="no line per failed cut (the report has them)")
     ap.add_argument("--list", action="store_true", help="print the entries")
@@ -605,8 +610,8 @@ def main(argv=None):
               "%s" % path, file=sys.stderr, flush=True)
     totals, found = replay(a.log, a.base, a.journal, a.myq, a.subsets, seed=a.seed,
                            max_points=a.max_points, work=a.work,
-                           verbose=not a.quiet, report=a.report)
-    print(summary("ext4", totals))
+                           verbose=not a.quiet, report=a.report, store=a.store)
+    print(summary("ext4" if a.store == "files" else "ext4-" + a.store, totals))
     return 0 if not found else 1
 
 

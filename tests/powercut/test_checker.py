@@ -146,3 +146,108 @@ def test_the_ubifs_report_adds_up_the_vms_and_flags_missing_cuts(capsys):
     assert " cuts=3 lost=1 " in line and " ro_rounds=1 " in line, line
     assert "1 cuts fewer than the 4 asked for" in out
     assert merged["lost"] == 1 and merged["recover"] == 1
+
+
+# The SQLite store: the checker reads queue.db (sqlite3, read-only) ##########
+
+def _sql_spool(myq, tmp_path):
+    path = str(tmp_path / "sqlspool")
+    myq.main(["--spool", path, "init", "--store", "sqlite"])
+    return path
+
+
+def _sql(spool, sql, args=()):
+    import sqlite3
+    db = sqlite3.connect(os.path.join(spool, "queue.db"), isolation_level=None)
+    try:
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
+
+
+def _check_sql(spool, promised, tmp_path, **kw):
+    res = check.recover_and_check(spool, promised, MYQ, str(tmp_path), fork=True,
+                                  store="sqlite", **kw)
+    return {k: res[k] for k in ("lost", "doubled", "corrupt", "stuck", "recover",
+                                "in_failed", "nul_tails")}, res["notes"]
+
+
+def test_sqlite_a_recovered_spool_is_clean_and_its_pruned_jobs_count_by_ok(
+        myq, tmp_path):
+    spool = _sql_spool(myq, tmp_path)
+    promised = dict(_enqueue(myq, spool, n) for n in range(4))
+    promised.update([_enqueue(myq, spool, 9, id="x-9")])
+    counts, notes = _check_sql(spool, promised, tmp_path)
+    assert counts == CLEAN, notes
+    assert sorted(r[0] for r in _sql(spool, "SELECT id FROM jobs WHERE "
+                                     "status='done'")) == sorted(promised)
+    assert check.done_ids(spool) == sorted(promised)
+    assert os.listdir(os.path.join(spool, "done")) == []
+    # retention: x-9 keeps its ok row; the generated ids count only when
+    # the workload saw them done before the prune
+    assert myq.Spool(spool, keep_done=0).prune()["done"] == 5
+    assert _sql(spool, "SELECT id FROM ok") == [("x-9",)]
+    counts, notes = _check_sql(spool, promised, tmp_path)
+    assert counts == dict(CLEAN, lost=4), notes
+    counts, notes = _check_sql(spool, promised, tmp_path,
+                               pruned=set(promised) - {"x-9"})
+    assert counts == CLEAN, notes
+
+
+def test_sqlite_a_lost_row_a_doubled_job_and_a_corrupt_payload_are_found(
+        myq, tmp_path):
+    spool = _sql_spool(myq, tmp_path)
+    promised = dict(_enqueue(myq, spool, n) for n in range(3))
+    a, b, c = sorted(promised)
+    _sql(spool, "DELETE FROM jobs WHERE id=?", (a,))                 # lost
+    counts, notes = _check_sql(spool, promised, tmp_path)
+    assert counts == dict(CLEAN, lost=1), notes
+    assert any("lost: %s" % a in n for n in notes), notes
+    # doubled: a done job in a state directory beside its row (which stay
+    # empty in this store) ...
+    row = _sql(spool, "SELECT payload FROM jobs WHERE id=?", (b,))[0][0]
+    with open(os.path.join(spool, "dlq", b + ".json"), "w") as f:
+        json.dump({"id": b, "type": "ok", "payload": json.loads(row)}, f)
+    counts, notes = _check_sql(spool, promised, tmp_path)
+    assert counts["doubled"] == 1 and counts["lost"] == 1, notes
+    assert any("in 2 places after recovery" in n and "db:done/queue.db:" + b in n
+               for n in notes), notes
+    os.unlink(os.path.join(spool, "dlq", b + ".json"))
+    # ... and a job done before recovery that runs again during it (its
+    # done row replaced by a file in the drop box past the de-duplication
+    # window)
+    _sql(spool, "UPDATE jobs SET finished_at=1000 WHERE id=?", (c,))
+    row = _sql(spool, "SELECT payload FROM jobs WHERE id=?", (c,))[0][0]
+    with open(os.path.join(spool, "incoming", c + ".json"), "w") as f:
+        json.dump({"type": "ok", "payload": json.loads(row)}, f)
+    counts, notes = _check_sql(spool, promised, tmp_path)
+    assert counts == dict(CLEAN, lost=1, doubled=1), notes
+    assert any("ran again although done/dead before recovery: %s" % c in n
+               for n in notes), notes
+    # a payload that does not match its checksum
+    p = json.loads(row)
+    p["blob"] = "0" + p["blob"][1:]
+    _sql(spool, "UPDATE jobs SET payload=? WHERE id=?", (json.dumps(p), b))
+    counts, notes = _check_sql(spool, promised, tmp_path)
+    assert counts == dict(CLEAN, lost=1, corrupt=1), notes
+
+
+def test_sqlite_a_valid_job_in_a_failed_row_is_counted_and_lost(myq, tmp_path):
+    spool = _sql_spool(myq, tmp_path)
+    promised = dict(_enqueue(myq, spool, n) for n in range(2))
+    a = sorted(promised)[0]
+    _sql(spool, "UPDATE jobs SET status='failed', last_error='x' WHERE id=?", (a,))
+    counts, notes = _check_sql(spool, promised, tmp_path)
+    # and `myq check` says so (a failed recovery)
+    assert counts == dict(CLEAN, in_failed=1, lost=1, recover=1), notes
+
+
+def test_sqlite_a_database_sqlite_cannot_read_fails_the_recovery(myq, tmp_path):
+    spool = _sql_spool(myq, tmp_path)
+    promised = dict(_enqueue(myq, spool, n) for n in range(2))
+    _sql(spool, "PRAGMA wal_checkpoint(TRUNCATE)")
+    with open(os.path.join(spool, "queue.db"), "r+b") as f:
+        f.write(b"\xff" * 100)          # the header gone
+    counts, notes = _check_sql(spool, promised, tmp_path)
+    assert counts["recover"] >= 1 and counts["lost"] == 2, notes
+    assert any("sqlite3 could not read" in n for n in notes), notes

@@ -2,7 +2,7 @@
 """UBIFS on simulated NAND, run inside the VM: emulated power cuts, faults,
 and the flash wear figure.
 
-    ubifs_guest.py --myq myq.py --out DIR [--cuts N] [--faults N]
+    ubifs_guest.py --myq myq.py --out DIR [--cuts N] [--faults N] [--store sqlite]
 
 nandsim (64 MiB, 2 KiB pages, 128 KiB erase blocks) -> UBI -> a UBIFS
 volume holding the spool.  Each round arms UBI's debugfs power-cut emulation
@@ -24,6 +24,9 @@ The kernel log is read from /dev/kmsg as it is written (a cut is seen by
 UBI's "emulating a power cut" line; all of it goes to ubifs-kmsg.log).  Boot
 the guest with a big log_buf_len: after a cut UBIFS dumps the LEB it failed
 to write, more than Debian's 128 KiB ring buffer holds.
+
+--store sqlite: the same on a spool of the SQLite store (queue.db, the
+shell recipe's files in its drop box); the checker reads the database.
 """
 
 import argparse
@@ -245,6 +248,28 @@ def detach(timing=None):
             timing[k] = timing.get(k, 0) + v
 
 
+def close_db(sp):
+    """What a call on a Spool of the SQLite store leaves open in this
+    process, which unmounts the spool at every reboot: the connection to
+    queue.db (SqlSpool._conn; an exception's traceback would keep the
+    Spool alive), and the descriptors of SPOOL and SPOOL/locks in the
+    spool's door (SqlSpool's create and enqueue_many do not release it as
+    the files store's calls do: the umount failed with EBUSY; reported)."""
+    if sp is None:
+        return
+    db = getattr(sp, "_conn", None)
+    if db is not None:
+        sp._conn = None
+        try:
+            db.close()
+        except Exception:
+            pass
+    try:
+        sp.fs.release()
+    except Exception:
+        pass
+
+
 def payload(rng, n):
     blob = "%x" % rng.getrandbits(4 * rng.choice((16, 64, 400, 1500)))
     return {"n": n, "blob": blob,
@@ -356,7 +381,11 @@ class Run(object):
                 if rng.random() < 0.2:
                     spec["id"] = "x-%d" % (self.n + i)
                 specs.append(spec)
-            ids = myq.Spool(self.spool).enqueue_many(specs)
+            sp = myq.Spool(self.spool)
+            try:
+                ids = sp.enqueue_many(specs)
+            finally:
+                close_db(sp)
             self.promise({jid: s["payload"]["sum"] for jid, s in zip(ids, specs)}, "api")
             self.n += k
             self.counts["api"] += k
@@ -364,24 +393,36 @@ class Run(object):
             # The worker is stopped from the listing to the prune's end: a
             # job it finished in between would be removed unlisted, and
             # counted lost (seen once in a fault round: a retried job).
-            if self.wpid:
-                os.kill(self.wpid, signal.SIGSTOP)
-            try:
-                # what the prune may remove (an id myq generated keeps no
-                # record)
-                self.pruned.update(n[:-5] for n in os.listdir(os.path.join(
-                    self.spool, "done")) if n.endswith(".json"))
-                rc, out = check.fork_myq(myq, ["--spool", self.spool, "prune"],
-                                         dict(self.env, MYQ_KEEP_DONE_MAX="40"))
-            finally:
+            # A worker stopped in a write transaction of queue.db keeps
+            # its lock: the prune waits MYQ_DB_BUSY seconds and exits 75;
+            # the worker then runs a moment, and both are done again.
+            env = dict(self.env, MYQ_KEEP_DONE_MAX="40")
+            if a.store == "sqlite":
+                env["MYQ_DB_BUSY"] = "1"
+            for k in range(10):
                 if self.wpid:
-                    os.kill(self.wpid, signal.SIGCONT)
+                    os.kill(self.wpid, signal.SIGSTOP)
+                try:
+                    # what the prune may remove (an id myq generated keeps no
+                    # record)
+                    self.pruned.update(check.done_ids(self.spool))
+                    rc, out = check.fork_myq(myq, ["--spool", self.spool, "prune"],
+                                             env)
+                finally:
+                    if self.wpid:
+                        os.kill(self.wpid, signal.SIGCONT)
+                if rc != 75 or a.store != "sqlite":
+                    break
+                self.totals["prune_busy"] = self.totals.get("prune_busy", 0) + 1
+                time.sleep(0.1)
             if rc:
-                raise OSError("prune exit %d" % rc)
+                raise OSError("prune exit %d: %s" % (
+                    rc, out.decode("utf-8", "replace")[-200:]))
 
     def recover(self, what, work):
         res = check.recover_and_check(self.spool, dict(self.promised), self.a.myq,
-                                      work, fork=True, pruned=self.pruned)
+                                      work, fork=True, pruned=self.pruned,
+                                      store=self.a.store)
         for k in self.totals:
             if k in res:
                 self.totals[k] += res[k]
@@ -514,9 +555,7 @@ def wear(run, a, t0):
     while run.n - n0 < a.wear_jobs:
         run.produce_one()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (
-            os.listdir(os.path.join(run.spool, "incoming"))
-            or os.listdir(os.path.join(run.spool, "processing"))):
+    while time.monotonic() < deadline and check.busy(run.spool):
         time.sleep(0.5)
     os.kill(wpid, signal.SIGTERM)
     os.waitpid(wpid, 0)
@@ -555,6 +594,7 @@ def main(argv=None):
     ap.add_argument("--fault-steps", type=int, default=150)
     ap.add_argument("--cli-rate", type=float, default=0.01)
     ap.add_argument("--shell-rate", type=float, default=0.05)
+    ap.add_argument("--store", default="files", choices=("files", "sqlite"))
     a = ap.parse_args(argv)
     for m in ("lzo", "zstd", "ubifs"):
         sh("modprobe %s" % m, False)
@@ -565,7 +605,7 @@ def main(argv=None):
     os.makedirs(MNT, exist_ok=True)
     attach(first=True)
     run = Run(a)
-    run.myq.Spool(run.spool).init()
+    close_db(run.myq.Spool(run.spool).init(store=a.store))
     work = "/tmp/pc-ubifs"
     os.makedirs(work, exist_ok=True)
     t0 = time.monotonic()
@@ -616,6 +656,11 @@ def main(argv=None):
         json.dump(out, f, indent=1)
     out["files"] = {d: len(os.listdir(os.path.join(run.spool, d))) for d in
                     ("incoming", "processing", "done", "dlq", "failed", "locks/ok")}
+    if a.store == "sqlite":
+        rows, ok, err = check.db_rows(run.spool, "status")
+        for (st,) in rows:
+            out["files"]["rows_" + st] = out["files"].get("rows_" + st, 0) + 1
+        out["files"]["rows_ok"] = len(ok)
     print("ubifs: files at the end: %s" % out["files"], flush=True)
     if os.environ.get("PC_PROFILE"):
         import cProfile

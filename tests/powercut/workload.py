@@ -2,7 +2,7 @@
 """The power-cut workload, run inside the VM on the spool under test.
 
     workload.py --myq /path/myq.py --spool DIR --journal FILE [--jobs N]
-                [--mark CMD] [--seed S]
+                [--mark CMD] [--seed S] [--store sqlite]
 
 A worker (myq worker --module handlers.py) runs in the background while
 producers add at least --jobs jobs, mixing:
@@ -18,7 +18,8 @@ then runs `MARK NAME` (e.g. `dmsetup message log 0 mark`), so the log of
 block writes says where each promise was made: a job counts as promised at a
 replay point only when its mark lies before that point.  Every payload
 carries a random blob and its sha256, so the checker sees a torn or mixed
-file.
+file.  --store sqlite: the same on a spool of the SQLite store (queue.db;
+the shell recipe drops its files in the drop box).
 """
 
 import argparse
@@ -33,6 +34,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import check  # noqa: E402
 
 
 def payload(rng, n):
@@ -54,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--prune-every", type=int, default=150)
     ap.add_argument("--keep-done-max", type=int, default=40)
+    ap.add_argument("--store", default="files", choices=("files", "sqlite"))
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.myq)))
     import myq
@@ -82,7 +86,9 @@ def main(argv=None):
         if a.mark:
             subprocess.run(shlex.split(a.mark) + [name], check=True)
 
-    subprocess.run([py, a.myq, "--spool", a.spool, "init"], check=True, env=env)
+    subprocess.run([py, a.myq, "--spool", a.spool, "init"]
+                   + (["--store", a.store] if a.store != "files" else []),
+                   check=True, env=env)
     event("init")
     worker = subprocess.Popen(
         [py, a.myq, "--spool", a.spool, "worker", "--module",
@@ -98,8 +104,35 @@ def main(argv=None):
     def done_ids():
         """What a prune may remove: done jobs with an id myq generated keep
         no record once gone (the checker's `pruned`)."""
-        return sorted(n[:-5] for n in os.listdir(os.path.join(a.spool, "done"))
-                      if n.endswith(".json"))
+        return check.done_ids(a.spool)
+
+    def prune():
+        """myq prune, the worker stopped from the listing to the prune's
+        end: a job it finished in between would be removed unlisted, and
+        counted lost (seen once on UBIFS: a retried job).  A worker stopped
+        in a write transaction of queue.db keeps its lock: the prune waits
+        MYQ_DB_BUSY seconds and exits 75; then the worker runs a moment and
+        the listing and the prune are done again."""
+        for k in range(20):
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                event("preprune", done=done_ids())
+                rc = subprocess.run([py, a.myq, "--spool", a.spool, "prune"],
+                                    env=dict(env, MYQ_DB_BUSY="1",
+                                             MYQ_KEEP_DONE_MAX=str(a.keep_done_max))
+                                    if a.store == "sqlite" else dict(
+                                        env, MYQ_KEEP_DONE_MAX=str(a.keep_done_max))
+                                    ).returncode
+            finally:
+                worker.send_signal(signal.SIGCONT)
+            if rc == 0:
+                break
+            if rc != 75 or a.store != "sqlite":
+                raise subprocess.CalledProcessError(rc, "myq prune")
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("myq prune: the database stayed busy")
+        event("prune")
 
     def pick_type():
         r = rng.random()
@@ -148,31 +181,15 @@ def main(argv=None):
             counts["api"] += k
         if n >= next_prune:
             next_prune += a.prune_every
-            # The worker is stopped from the listing to the prune's end: a
-            # job it finished in between would be removed unlisted, and
-            # counted lost (seen once on UBIFS: a retried job).
-            worker.send_signal(signal.SIGSTOP)
-            try:
-                event("preprune", done=done_ids())
-                subprocess.run([py, a.myq, "--spool", a.spool, "prune"],
-                               check=True, env=dict(
-                                   env, MYQ_KEEP_DONE_MAX=str(a.keep_done_max)))
-            finally:
-                worker.send_signal(signal.SIGCONT)
-            event("prune")
+            prune()
         time.sleep(rng.choice((0, 0, 0.05, 0.2)))
     # Let the worker finish (flaky jobs wait for their retries).
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        busy = os.listdir(os.path.join(a.spool, "incoming")) + \
-            os.listdir(os.path.join(a.spool, "processing"))
-        if not busy:
+        if not check.busy(a.spool):
             break
         time.sleep(0.5)
-    event("preprune", done=done_ids())
-    subprocess.run([py, a.myq, "--spool", a.spool, "prune"], check=True,
-                   env=dict(env, MYQ_KEEP_DONE_MAX=str(a.keep_done_max)))
-    event("prune")
+    prune()
     worker.send_signal(signal.SIGTERM)
     worker.wait(60)
     event("end")
