@@ -4786,6 +4786,10 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
         them."""
         return _Door.of(self.path)
 
+    def close(self):
+        """What this object keeps open of the spool, closed (a worker's run
+        ends with it); the spool of files keeps nothing between calls."""
+
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
         it for the relative parts every caller passes (it runs per job)."""
@@ -4807,10 +4811,10 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
         one keeps its own."""
         store = store or self.store
         if store != self.store:
-            if store not in _STORES:
+            if store != "files" and store not in _STORES:
                 raise UsageError("unknown store %r; one of: files %s"
                                  % (store, " ".join(sorted(_STORES))))
-            if os.path.isdir(self.d("incoming")):
+            if os.path.isdir(self.d("incoming")) or store == "files":
                 raise ConfigError(
                     "spool %s keeps its jobs in %s; init cannot change its "
                     "store: make a new spool with myq --spool NEW init --store "
@@ -6288,6 +6292,15 @@ class SqlSpool(_SqlUpkeep, Spool):
             raise _db_error(self, e)
         self._conn, self._conn_pid, self._sync = db, os.getpid(), True
         return db
+
+    def close(self):
+        with self._mutex:
+            db, self._conn = self._conn, None
+            if db is not None and self._conn_pid == os.getpid():
+                try:
+                    db.close()
+                except _sqlite3().Error:
+                    pass
 
     def _tx(self, fn, sync=True):
         """fn(db) in one write transaction (BEGIN IMMEDIATE ... COMMIT),
@@ -10397,6 +10410,7 @@ class Worker(_Scheduling, _Running, _Holding):
         sp.pol_polled = False
         sp.fs.kept -= 1
         sp.fs.release()
+        sp.close()
         self.log("stop", worker=self.me.wid)
 
     def _open_wake(self):
@@ -11699,6 +11713,7 @@ _INIT_FILES = {
         "LISTEN=${MYQ_LISTEN:-}       # intake over HTTP: [ADDR]:PORT\n"
         "LISTEN_TOKEN_FILE=${MYQ_LISTEN_TOKEN_FILE:-}\n"
         "SUBSCRIBE=${MYQ_SUBSCRIBE:-} # intake over MQTT: FILTER=TYPE ..., split on blanks\n"
+        "STORE=${MYQ_STORE:-}         # a new spool's store: files (default) or sqlite\n"
         "\n"
         "check_settings() {\n"
         "\tfor _v in \"MYQ_SPOOL=$SPOOL\" \"MYQ_BIN=$BIN\" \"MYQ_PIDFILE=$PIDFILE\"; do\n"
@@ -11797,7 +11812,7 @@ _INIT_FILES = {
         "\tif [ \"$LOG\" = syslog ]; then set -- \"$@\" --syslog; else set -- \"$@\" --log \"$LOG\"; fi\n"
         "\t# the spool (idempotent, the workers' user's), then the supervisor: it returns\n"
         "\t# once its pidfile is written and its first worker started, or says why not\n"
-        "\t_why=$(myq init --owner \"$RUNAS\" 2>&1 >/dev/null && myq \"$@\" 2>&1 >/dev/null) ||\n"
+        "\t_why=$(myq init --owner \"$RUNAS\" ${STORE:+--store \"$STORE\"} 2>&1 >/dev/null && myq \"$@\" 2>&1 >/dev/null) ||\n"
         "\t\t{ failed 1 \"${_why#myq: }\"; return; }\n"
         "\techo \"OK\"\n"
         "}\n"
@@ -11854,6 +11869,11 @@ _INIT_FILES = {
         "# The spool directory (one spool = one queue). On flash it survives a power\n"
         "# cut; on a tmpfs (/tmp, /var on many devices) the queue is lost at reboot.\n"
         "#MYQ_SPOOL=/var/spool/myq\n"
+        "\n"
+        "# Where a new spool keeps its jobs: files (one a job) or sqlite (one\n"
+        "# database, SPOOL/queue.db; needs python3's sqlite3 module). An existing\n"
+        "# spool keeps its own (man myq-spool: SQLITE STORE).\n"
+        "#MYQ_STORE=files\n"
         "\n"
         "# The interpreter, and the myq program.\n"
         "#MYQ_PYTHON=python3\n"
@@ -11928,7 +11948,7 @@ _INIT_FILES = {
         "# message, when one is wrong. Never exported: myq would read a MYQ_* one.\n"
         "myq_settings() {\n"
         "\tspool='' python='' bin='' user='' args='' workers='' log='' stop_timeout=''\n"
-        "\tlisten='' listen_token_file='' subscribe=''\n"
+        "\tlisten='' listen_token_file='' subscribe='' store=''\n"
         "\tconfig_load myq\n"
         "\tconfig_get spool main spool /var/spool/myq\n"
         "\tconfig_get python main python python3\n"
@@ -11941,6 +11961,7 @@ _INIT_FILES = {
         "\tconfig_get listen main listen ''\n"
         "\tconfig_get listen_token_file main listen_token_file ''\n"
         "\tconfig_get subscribe main subscribe ''\n"
+        "\tconfig_get store main store ''\n"
         "\tfor _v in \"spool=$spool\" \"bin=$bin\"; do\n"
         "\t\tcase ${_v#*=} in\n"
         "\t\t/*) ;;\n"
@@ -12014,7 +12035,7 @@ _INIT_FILES = {
         "\t[ -r \"$bin\" ] || myq_fail \"bin: cannot read $bin\" || return 1\n"
         "\tid \"$user\" >/dev/null 2>&1 || myq_fail \"user: no user '$user'\" || return 1\n"
         "\t# the spool (idempotent), owned by the user the workers run as\n"
-        "\t_why=$(myq init --owner \"$user\" 2>&1 >/dev/null) || myq_fail \"$_why\" || return 1\n"
+        "\t_why=$(myq init --owner \"$user\" ${store:+--store \"$store\"} 2>&1 >/dev/null) || myq_fail \"$_why\" || return 1\n"
         "\t_why=$(myq_argv myq_dry_run 2>&1 >/dev/null) || myq_fail \"$_why\" || return 1\n"
         "}\n"
         "\n"
@@ -12115,6 +12136,11 @@ _INIT_FILES = {
         "\t# RAM (a link to /tmp): the default spool is lost at reboot. Put it on\n"
         "\t# flash (the overlay, or a data partition) to keep the queue.\n"
         "\t#option spool '/var/spool/myq'\n"
+        "\n"
+        "\t# Where a new spool keeps its jobs: files (one a job) or sqlite (one\n"
+        "\t# database, spool/queue.db; needs python3-sqlite3). An existing spool\n"
+        "\t# keeps its own (man myq-spool: SQLITE STORE).\n"
+        "\t#option store 'files'\n"
         "\n"
         "\t# The interpreter, and the myq program.\n"
         "\t#option python 'python3'\n"

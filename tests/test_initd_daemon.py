@@ -52,3 +52,29 @@ def test_one_place_runs_myq():
     assert text.count("env -i") == 1
     assert "start-stop-daemon -" not in text and "/proc/uptime" not in text
     assert len(text.splitlines()) <= 200
+
+
+@needs_busybox
+def test_myq_store_sqlite_makes_an_sqlite_spool_and_it_delivers(service):
+    """MYQ_STORE=sqlite in /etc/default/myq: start makes a spool of the
+    SQLite store (myq-spool(5) SQLITE STORE), its worker runs what is
+    enqueued; an existing spool of the other store is refused, saying how
+    to move its jobs."""
+    from _core import wait_for
+    s = service("plain", settings={"MYQ_STORE": "sqlite"})
+    r = s.run("start")
+    assert r.returncode == 0 and r.stdout == "Starting myq: OK\n", r
+    try:
+        assert open(os.path.join(s.spool, "store")).read() == "sqlite\n"
+        s.myq("enqueue", "ok", '"via sqlite"')
+        wait_for(lambda: os.path.exists(s.out) and "via sqlite" in open(s.out).read(),
+                 timeout=20, what="the job run")
+    finally:
+        assert s.run("stop").returncode == 0
+    files = service("plain", settings={"MYQ_STORE": "files"})
+    os.makedirs(os.path.join(files.spool, "incoming"))
+    s.settings["MYQ_STORE"] = "files"
+    s.write_defaults()
+    r = s.run("start")
+    assert r.returncode != 0 and "export" in r.stdout + r.stderr, r
+    assert s.leftovers() == []
