@@ -2446,7 +2446,7 @@ class Claims(object):
             self.move_on(c, job, "incoming", me)
             self.spool.log("deferred", id=stem, until=iso(due))
             return False
-        if self.spool.ok_fresh(stem, now):
+        if self._done_already(stem, now):
             self.spool.log("skipped", id=stem, why="already done (idempotency record)")
             self.complete(c)
             return False
@@ -2482,6 +2482,10 @@ class Claims(object):
                 raise
             return False
         return True
+
+    def _done_already(self, jid, now):
+        """Was the job just claimed done within the de-duplication window?"""
+        return self.spool.ok_fresh(jid, now)
 
     def _unwritten(self, path, src, name, scheduled):
         """A job file with nothing in it (no bytes, or NULs): not written
@@ -5324,8 +5328,8 @@ CREATE TABLE IF NOT EXISTS jobs(
     finished_at REAL,
     size INTEGER,
     extra TEXT);
-CREATE INDEX IF NOT EXISTS idx_jobs_ready ON jobs(queue, status, lane,
-                                                 available_at);
+CREATE INDEX IF NOT EXISTS idx_jobs_ready ON jobs(queue, lane, available_at)
+    WHERE status='ready';
 CREATE TABLE IF NOT EXISTS ok(id TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
@@ -5410,11 +5414,9 @@ def _row_values(sp, job, status, lane, now, **more):
     extra = dict((k, v) for k, v in job.items()
                  if k not in _JOB_COLS and k not in ("lease", "state"))
     v = dict((k, job.get(k)) for k in _JOB_COLS)
-    v["payload"] = json.dumps(job.get("payload"), ensure_ascii=False,
-                              separators=(",", ":"))
+    v["payload"] = _encode_value(job.get("payload"))
     v.update(queue=sp.name, status=status, lane=lane,
-             extra=json.dumps(extra, ensure_ascii=False, separators=(",", ":"))
-             if extra else None)
+             extra=_encode_value(extra) if extra else None)
     v.setdefault("updated_at", now)
     v.update(more)
     if v.get("size") is None:
@@ -5430,9 +5432,9 @@ def _row_of(values):
 def _job_of_row(row):
     """The job (a dict, normalised) of a row of _SELECT."""
     try:
-        job = json.loads(row[10]) if row[10] else {}
-        payload = json.loads(row[2]) if row[2] is not None else None
-    except ValueError as e:
+        job = _decode(row[10]) if row[10] else {}
+        payload = _decode(row[2]) if row[2] is not None else None
+    except (ValueError, RecursionError) as e:
         raise InvalidJob("its row holds bad JSON: %s" % e)
     if not isinstance(job, dict):
         raise InvalidJob("its row's extra is not a JSON object")
@@ -5469,7 +5471,7 @@ class _SqlClaims(Claims):
             n = self.spool._write(
                 "UPDATE jobs SET available_at=?+max(0, available_at-updated_at), "
                 "updated_at=? WHERE status='ready' AND updated_at>? AND "
-                "available_at>?", (now, now, now + 5, now))
+                "available_at>?", (now, now, now + 5, now), fresh=True)
             if n:
                 self.spool.log("rescheduled", n=n, why="the clock went back")
 
@@ -5499,7 +5501,7 @@ class _SqlClaims(Claims):
         sub, _, name = rel.rpartition("/")
         self.spool._write("UPDATE jobs SET available_at=? WHERE id=? AND "
                           "status='ready' AND lane=? AND available_at>?",
-                          (now, name[:-5], sub, now))
+                          (now, name[:-5], sub, now), fresh=True)
 
     def extend(self, claims, until):
         tokens = [c.token for c in claims]
@@ -5696,19 +5698,22 @@ class _SqlClaims(Claims):
         sp = self.spool
         token = me.token()
         now = _now()
-
-        def take(db):
-            row = db.execute(_SELECT + " WHERE id=? AND status='ready' AND lane=?",
-                             (jid, sub)).fetchone()
-            if row is None:
-                return None
-            lease = me.lease_line(token, row[3] + 1, now + me.lease)
-            db.execute("UPDATE jobs SET status='processing', worker_id=?, "
-                       "token=?, lease=?, leased_until=? WHERE id=?",
-                       (me.wid, token, lease.decode("utf-8").strip(),
-                        now + me.lease, jid))
-            return row
-        row = sp._tx(take, sync=False)
+        until = now + me.lease
+        # the lease as a file's claim appends it, its attempt the row's next
+        pre, _, post = me.lease_line(token, 0, until).decode(
+            "utf-8").strip().partition('"attempt":0')
+        args = (me.wid, token, pre + '"attempt":', post, until, jid, sub)
+        take = ("UPDATE jobs SET status='processing', worker_id=?, token=?, "
+                "lease=?||(attempts+1)||?, leased_until=? WHERE id=? AND "
+                "status='ready' AND lane=?")
+        if sp._returning():
+            rows = sp._write(take + " RETURNING " + ", ".join(_SELECT_COLS),
+                             args, sync=False, rows=True)
+            row = rows[0] if rows else None
+        else:
+            row = sp._tx(lambda db: db.execute(_SELECT + " WHERE id=?", (
+                jid,)).fetchone() if db.execute(take, args).rowcount else None,
+                sync=False)
         if row is None:
             return None
         try:
@@ -5725,6 +5730,13 @@ class _SqlClaims(Claims):
             return None
         c.attempt = job["attempts"] + 1
         return c
+
+    def _done_already(self, jid, now):
+        """(The claimed row is not done: only an `ok` record can say so.)"""
+        if _is_generated_id(jid):
+            return False
+        row = self.spool._one("SELECT at FROM ok WHERE id=?", (jid,))
+        return row is not None and row[0] + self.spool.opt["dedupe_window"] > now
 
     def complete(self, c):
         """Success: the row is done (the id's idempotency record while it
@@ -5758,7 +5770,8 @@ class _SqlClaims(Claims):
         keys = [k for k in v if k != "id"]
         n = sp._write("UPDATE jobs SET %s WHERE id=? AND status='processing' AND "
                       "token=?" % ", ".join(k + "=?" for k in keys),
-                      [v[k] for k in keys] + [c.jid, c.token])
+                      [v[k] for k in keys] + [c.jid, c.token],
+                      fresh=status == "ready")
         if n != 1:
             return False
         if status == "ready":
@@ -5885,7 +5898,8 @@ class _SqlUpkeep(object):
         t = _now()
         if now and state in ("ready", "scheduled"):
             self._write("UPDATE jobs SET available_at=? WHERE id=? AND "
-                        "status='ready' AND available_at>?", (t, jid, t))
+                        "status='ready' AND available_at>?", (t, jid, t),
+                        fresh=True)
             self.log("retry_now", id=jid)
             return True
         if state != "dead":
@@ -5903,7 +5917,7 @@ class _SqlUpkeep(object):
         keys = [k for k in v if k != "id"]
         return self._write("UPDATE jobs SET %s WHERE id=? AND status='dead'"
                            % ", ".join(k + "=?" for k in keys),
-                           [v[k] for k in keys] + [jid]) == 1
+                           [v[k] for k in keys] + [jid], fresh=True) == 1
 
     def _delete_one(self, jid, state, path, force):
         if not path.startswith("db:"):
@@ -6204,7 +6218,8 @@ class SqlSpool(_SqlUpkeep, Spool):
         Spool.__init__(self, path, log, **options)
         self.claims = _SqlClaims(self)
         self._conn = self._conn_pid = self._sync = None
-        self._commits = 0
+        self._commits = self._fresh = 0
+        self._writer = None
         self._mutex = _thread.allocate_lock()     # one statement at a time
         self.damaged = None
 
@@ -6217,6 +6232,10 @@ class SqlSpool(_SqlUpkeep, Spool):
         try:
             db = sqlite3.connect(path, timeout=DB_BUSY, isolation_level=None)
             try:
+                # 1 KiB pages: a commit appends the pages it changed to the
+                # log, whole; a job's row and index entries fit in a few
+                # (bench/README.md: a third of the bytes of 4 KiB pages)
+                db.execute("PRAGMA page_size=1024")
                 db.execute("PRAGMA auto_vacuum=INCREMENTAL")
                 db.execute("PRAGMA journal_mode=WAL").fetchall()
                 db.executescript(_SCHEMA)
@@ -6235,6 +6254,8 @@ class SqlSpool(_SqlUpkeep, Spool):
         except (sqlite3.Error, OSError) as e:
             raise ConfigError("cannot make %s: %s; check the spool's filesystem "
                               "and permissions" % (path, e))
+        finally:
+            spool.fs.release()
         return cls(spool.path, spool.log, **dict(
             (k, v) for k, v in spool.opt.items() if DEFAULTS.get(k) != v))
 
@@ -6266,7 +6287,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         """This process's connection (a forked child makes its own; its
         parent's is kept, never closed: see _FORKED_DBS)."""
         db = self._conn
-        if db is not None and self._conn_pid == os.getpid():
+        if db is not None and self._conn_pid == _PID[0]:
             return db
         if db is not None:
             _FORKED_DBS.append(db)
@@ -6290,7 +6311,7 @@ class SqlSpool(_SqlUpkeep, Spool):
             raise _DbError(e.errno, "%s: %s" % (path, e.strerror))
         except sqlite3.Error as e:
             raise _db_error(self, e)
-        self._conn, self._conn_pid, self._sync = db, os.getpid(), True
+        self._conn, self._conn_pid, self._sync = db, _PID[0], True
         return db
 
     def close(self):
@@ -6302,10 +6323,11 @@ class SqlSpool(_SqlUpkeep, Spool):
                 except _sqlite3().Error:
                     pass
 
-    def _tx(self, fn, sync=True):
+    def _tx(self, fn, sync=True, fresh=False):
         """fn(db) in one write transaction (BEGIN IMMEDIATE ... COMMIT),
         durable at its commit with `sync` (synchronous=FULL), else at the
-        next fsync of the log (claims.commit, or a durable commit)."""
+        next fsync of the log (claims.commit, or a durable commit).
+        `fresh`: it may add waiting rows (a lane the scheduler must learn)."""
         sqlite3 = _sqlite3()
         with self._mutex:
             db = self._db()
@@ -6320,9 +6342,7 @@ class SqlSpool(_SqlUpkeep, Spool):
                     if _hook is not None:       # (the crash points' seam)
                         _hook("commit", self.d(DB_NAME), "before")
                     db.execute("COMMIT")
-                    self._commits += 1
-                    if self._commits == 1:      # (the log, made by a write)
-                        _cloexec_files(self.d(DB_NAME))
+                    self._after_commit(fresh)
                     if _hook is not None:
                         _hook("commit", self.d(DB_NAME), "after")
                 except BaseException:
@@ -6333,9 +6353,34 @@ class SqlSpool(_SqlUpkeep, Spool):
             except sqlite3.Error as e:
                 raise _db_error(self, e)
 
-    def _write(self, sql, args=(), sync=True):
-        """One statement in its own transaction: the rows it changed."""
-        return self._tx(lambda db: db.execute(sql, args).rowcount, sync)
+    def _after_commit(self, fresh):
+        self._commits += 1
+        if fresh:
+            self._fresh += 1
+        if self._commits == 1:      # (the log, made by a write)
+            _cloexec_files(self.d(DB_NAME))
+
+    def _write(self, sql, args=(), sync=True, fresh=False, rows=False):
+        """One statement in its own transaction (autocommit: a write
+        statement takes the write lock at its start): the rows it changed,
+        or with `rows`, what it returned."""
+        if _hook is not None:           # (the crash points see its commit)
+            return self._tx(lambda db: db.execute(sql, args).fetchall() if rows
+                            else db.execute(sql, args).rowcount, sync, fresh)
+        sqlite3 = _sqlite3()
+        with self._mutex:
+            db = self._db()
+            try:
+                if self._sync != sync:
+                    db.execute("PRAGMA synchronous=%s" % ("FULL" if sync else
+                                                          "NORMAL"))
+                    self._sync = sync
+                cur = db.execute(sql, args)
+                out = cur.fetchall() if rows else cur.rowcount
+            except sqlite3.Error as e:
+                raise _db_error(self, e)
+            self._after_commit(fresh)
+            return out
 
     def _all(self, sql, args=()):
         sqlite3 = _sqlite3()
@@ -6349,21 +6394,45 @@ class SqlSpool(_SqlUpkeep, Spool):
         rows = self._all(sql, args)
         return rows[0] if rows else None
 
+    def _returning(self):
+        """Does this SQLite know UPDATE ... RETURNING (3.35), and may a claim
+        be one statement (no crash point wants to see its commit)?"""
+        r = self.__dict__.get("_ret")
+        if r is None:
+            r = self._ret = _sqlite3().sqlite_version_info >= (3, 35, 0)
+        return r and _hook is None
+
     def _version(self):
         """Changes when anything commits: another connection (PRAGMA
         data_version, which its own commits leave alone) or this one."""
-        return self._one("PRAGMA data_version")[0], self._commits
+        return self._one("PRAGMA data_version")[0], self._fresh
 
     # Producers ------------------------------------------------------------------------
 
     def _drop_box(self):
         """True when this user cannot write queue.db (a producer of the
         spool's group): its jobs go into incoming/ as files, and a worker
-        takes them in."""
-        return not os.access(self.d(DB_NAME), os.R_OK | os.W_OK)
+        takes them in.  (Asked once.)"""
+        w = self._writer
+        if w is None:
+            w = self._writer = os.access(self.d(DB_NAME), os.R_OK | os.W_OK)
+        return not w
 
     def _enqueue_one(self, todo, sync):
-        return self._enqueue([todo], sync)[0]
+        """One job of a generated id into incoming/'s lane: one INSERT, in
+        its own transaction (no batch's lists, no duplicate to look for)."""
+        job, data, explicit, delay, sub = todo
+        if explicit or sub != "incoming" or self._drop_box():
+            return self._enqueue([todo], sync)[0]
+        problem = self._room_for((len(data),))
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        v = _row_values(self, job, "ready", "incoming", _now(), size=len(data))
+        self._write("INSERT INTO jobs(%s) VALUES(%s)" % (
+            ",".join(v), ",".join("?" * len(v))), tuple(v.values()), sync,
+            fresh=True)
+        self.poke(often=True)
+        return job["id"]
 
     def _enqueue(self, todo, sync, refused=None, done=None):
         """Place the jobs of `todo` (_prepared's) in one transaction, durable
@@ -6465,7 +6534,7 @@ class SqlSpool(_SqlUpkeep, Spool):
                 if dup is not None:
                     dup(v, where.get(out[-1][1], out[-1][1]))
             return out
-        return self._tx(put, sync)
+        return self._tx(put, sync, fresh=True)
 
     def find_id(self, jid, now=None, dirs=None):
         if _exists(jid + ".json", (dirs or self.fs)("incoming")):

@@ -96,8 +96,13 @@ def test_the_schema_is_the_seeds_for_the_sqlite3_shell(tmp_path):
               "created_at", "updated_at"):
         assert c in cols, c
     idx = rows(sp, "PRAGMA index_info(idx_jobs_ready)")
-    # the seed's index, with the lane: every scan is one lane's
-    assert [r[2] for r in idx] == ["queue", "status", "lane", "available_at"]
+    # the seed's index of the ready rows alone, by lane (every scan is one
+    # lane's): a claim or a success takes the row out of it, and nothing
+    # else of a finished job is indexed
+    assert [r[2] for r in idx] == ["queue", "lane", "available_at"]
+    (sql,), = rows(sp, "SELECT sql FROM sqlite_master WHERE name='idx_jobs_ready'")
+    assert sql.endswith("WHERE status='ready'"), sql
+    assert rows(sp, "PRAGMA page_size") == [(1024,)]
     assert rows(sp, "PRAGMA journal_mode") == [("wal",)]
     (jid, queue, payload, status, extra), = rows(
         sp, "SELECT id, queue, payload, status, extra FROM jobs")
