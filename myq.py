@@ -2883,8 +2883,9 @@ class Claims(object):
             return None, False
         return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
 
-    def lanes_key(self):
-        """A key that changes when lanes come or go (None: no lanes)."""
+    def lanes_key(self, wake=None):
+        """A key that changes when lanes come or go (None: no lanes).
+        `wake`: the poll object of the worker's wake FIFO, if any."""
         try:
             st = _dir_stat(self.spool.d(LANES))
         except OSError:
@@ -5459,6 +5460,23 @@ class _SqlClaims(Claims):
         self._clock()
         return (inc, self.spool._version()), racy
 
+    def _ahead(self, rows):
+        """Rows at a lane's head written by a clock ahead of this one (a
+        producer's, or this worker's before its clock went back): each
+        waits the delay it was given from now, not until its date (as a
+        file whose ctime lies in the future, Claims._entries).  True when
+        one was moved."""
+        now = _now()
+        moved = False
+        for t, jid, upd in rows:
+            if t > now and upd is not None and upd > now + 5:
+                self.spool._write(
+                    "UPDATE jobs SET available_at=?, updated_at=? WHERE id=? AND "
+                    "status='ready' AND updated_at=?",
+                    (now + max(0.0, t - upd), now, jid, upd), fresh=True)
+                moved = True
+        return moved
+
     def _clock(self):
         """The clock went back (a row written "later" than now): each job
         waiting for a time keeps the delay it had left, not the old date
@@ -5475,12 +5493,13 @@ class _SqlClaims(Claims):
             if n:
                 self.spool.log("rescheduled", n=n, why="the clock went back")
 
-    def lanes_key(self):
+    def lanes_key(self, wake=None):
         """Another process's commits are looked for at most every 50 ms
-        here (as the lanes of files are, at a claim); this one's at once."""
+        here, or at once after a producer's poke (as the lanes of files
+        are, at a claim); this one's at once."""
         now = _mono()
         seen = self.__dict__.get("_seen")
-        if seen is None or now >= seen[0]:
+        if seen is None or now >= seen[0] or (wake is not None and wake.poll(0)):
             seen = self._seen = (now + 0.05, self.spool._version()[0])
         return seen[1], self.spool._fresh
 
@@ -5536,10 +5555,12 @@ class _SqlClaims(Claims):
         sp = self.spool
         if L.sub == "incoming":
             self.take_in(tick)
-        rows = sp._all("SELECT available_at, id FROM jobs WHERE queue=? AND "
-                       "status='ready' AND lane=? ORDER BY available_at, id "
-                       "LIMIT ?", (sp.name, L.sub, n))
-        best = [(t, jid + ".json", True) for t, jid in rows]
+        sql = ("SELECT available_at, id, updated_at FROM jobs WHERE queue=? AND "
+               "status='ready' AND lane=? ORDER BY available_at, id LIMIT ?")
+        rows = sp._all(sql, (sp.name, L.sub, n))
+        if self._ahead(rows):
+            rows = sp._all(sql, (sp.name, L.sub, n))
+        best = [(t, jid + ".json", True) for t, jid, _ in rows]
         best.reverse()
         L.cache = best
         L.cache_full = len(best) >= n
@@ -5615,8 +5636,9 @@ class _SqlClaims(Claims):
             except OSError:
                 pass
             return None
-        if st.st_mtime > st.st_ctime:       # a schedule set on purpose
-            job["available_at"] = st.st_mtime
+        if st.st_mtime > st.st_ctime:       # a schedule set on purpose,
+            job["available_at"] = st.st_mtime   # by this clock: the JSON's
+            job["updated_at"] = st.st_ctime     # times may be of another
         return job, len(data)
 
     def _empty(self, path, name, st):
@@ -9298,7 +9320,7 @@ class _Scheduling(object):
             self._lanes_look = now + 0.05
             if not self.spool.claims.maybe_lanes():
                 return  # no lanes, as before
-        key = self.spool.claims.lanes_key()
+        key = self.spool.claims.lanes_key(getattr(self, "_wake_poll", None))
         if key is None and key == self._lanes_key:
             return                      # no lanes: nothing to learn
         wake = getattr(self, "_wake_fds", None)

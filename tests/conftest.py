@@ -68,7 +68,41 @@ def myq():
 # (issue 26); MYQ_TEST_STORE=sqlite makes the SQLite store every other
 # file's default too (`make test-sqlite`: what else holds there).
 BOTH_STORES = {
-    "test_enqueue", "test_retry_dlq", "test_export",
+    "test_enqueue", "test_retry_dlq", "test_export", "test_clock",
+    "test_handlers_module",
+}
+# ... and these tests of other files: every handler kind, forwarding,
+# intake, the policy keys, the breaker (the rest of those files inspects
+# the spool's files, or would double a long file's time).
+BOTH_STORES_TESTS = {
+    "test_http_forward": {
+        "test_worker_batches_http_jobs_gzipped_over_one_connection",
+        "test_worker_batches_as_http_group_key_says"},
+    "test_mqtt": {
+        "test_qos1_200_jobs_each_received_once_in_order_per_topic",
+        "test_bad_payload_is_dead_with_a_clear_error_and_others_go",
+        "test_broker_restarted_mid_run_loses_nothing"},
+    "test_intake": {
+        "test_ndjson_is_many_jobs_in_order_with_their_own_ids",
+        "test_idempotency_key_gives_the_id_and_a_repeat_the_same_answer",
+        "test_a_conflicting_line_refuses_the_whole_request",
+        "test_a_bound_is_429_a_guard_503_with_retry_after_and_counted",
+        "test_killed_between_the_commit_and_the_202_the_retry_makes_no_second_job",
+        "test_killed_before_the_puback_the_message_comes_again_as_the_same_job",
+        "test_a_full_spool_withholds_the_puback_until_there_is_room"},
+    "test_policy": {
+        "test_paused_type_does_not_start_drain_exits_stats_and_check_show_it",
+        "test_max_queued_reject_counts_waiting_jobs_only",
+        "test_shell_producer_files_past_the_bound_are_rejected_at_scan",
+        "test_drop_oldest_removes_lowest_priority_then_earliest",
+        "test_expired_job_is_never_started",
+        "test_priority_then_available_at_then_id",
+        "test_priority_9_is_next_to_start_at_depth",
+        "test_rate_holds_across_two_workers",
+        "test_concurrency_slots_come_back_after_kill_9",
+        "test_destination_failures_of_different_jobs_hold_it",
+        "test_missing_handler_holds_at_once_and_releases_when_it_appears",
+        "test_http_4xx_never_trips_and_a_4xx_answer_releases"},
 }
 STORE = os.environ.get("MYQ_TEST_STORE", "files")
 
@@ -76,8 +110,10 @@ STORE = os.environ.get("MYQ_TEST_STORE", "files")
 def pytest_generate_tests(metafunc):
     """A test of those files that is about the files of a spool (marked
     files_only: a job file's mode, the claim's rename) runs on files alone."""
-    if "store" in metafunc.fixturenames and \
-            metafunc.module.__name__.rpartition(".")[2] in BOTH_STORES:
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if "store" in metafunc.fixturenames and (
+            module in BOTH_STORES or metafunc.definition.name in
+            BOTH_STORES_TESTS.get(module, ())):
         only = metafunc.definition.get_closest_marker("files_only")
         metafunc.parametrize("store", ["files"] if only else ["files", "sqlite"],
                              indirect=True)
