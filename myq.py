@@ -5363,6 +5363,9 @@ class _DbError(OSError, SpoolBusy):
     MyqError with its exit status to a command."""
     code = EX_TEMPFAIL
 
+    def __str__(self):
+        return self.strerror or OSError.__str__(self)
+
 
 class _DbFull(_DbError, SpoolFull):
     pass
@@ -5388,9 +5391,10 @@ def _db_error(sp, e):
                           "from it; save what can be read with myq --spool %s "
                           "export > jobs.jsonl, then make a new spool and "
                           "import them" % (db, msg, sp.path))
-    if "readonly" in low or "read-only" in low:
-        return _DbError(errno.EROFS, "%s is read-only: %s; check the "
-                        "filesystem and the file's owner" % (db, msg))
+    if "readonly" in low or "read-only" in low or _read_only_fs(db):
+        return _DbError(errno.EROFS, "%s is read-only (%s): nothing can be "
+                        "written to it; check the filesystem (mounted "
+                        "read-only?) and the file's owner" % (db, msg))
     return _DbError(errno.EIO, "%s: %s" % (db, msg))
 
 
@@ -5408,6 +5412,13 @@ def _cloexec_files(prefix):
                 os.set_inheritable(int(n), False)
         except (OSError, ValueError):
             pass
+
+
+def _read_only_fs(path):
+    try:
+        return bool(os.statvfs(path).f_flag & getattr(os, "ST_RDONLY", 1))
+    except OSError:
+        return False
 
 
 def _row_values(sp, job, status, lane, now, **more):
@@ -6330,16 +6341,39 @@ class SqlSpool(_SqlUpkeep, Spool):
                                   "and restore the database" % (
                                       path, _file_kind(st.st_mode)))
             busy = parse_seconds(os.environ.get("MYQ_DB_BUSY") or DB_BUSY)
-            db = sqlite3.connect(path, timeout=busy, isolation_level=None,
-                                 check_same_thread=False)
-            db.execute("PRAGMA synchronous=FULL")
-            db.execute("SELECT 1 FROM jobs LIMIT 0").fetchall()    # (-wal, -shm)
-            _cloexec_files(path)
+            try:
+                db = self._connect(sqlite3, path, busy, False)
+            except sqlite3.Error:
+                if not _read_only_fs(path):
+                    raise
+                db = self._connect(sqlite3, path, busy, True)
         except OSError as e:
             raise _DbError(e.errno, "%s: %s" % (path, e.strerror))
         except sqlite3.Error as e:
             raise _db_error(self, e)
         self._conn, self._conn_pid, self._sync = db, _PID[0], True
+        return db
+
+    def _connect(self, sqlite3, path, busy, read_only):
+        """A connection to queue.db; `read_only` (its filesystem is mounted
+        so): immutable, which reads what queue.db holds without the log and
+        index WAL needs to write, and so only when the log holds nothing
+        (it would be missed)."""
+        if read_only:
+            if os.path.exists(path + "-wal") and os.path.getsize(path + "-wal"):
+                raise _DbError(errno.EROFS, "%s is on a read-only filesystem and "
+                               "its log (-wal) holds commits not yet in it; mount "
+                               "it read-write, or copy the spool elsewhere, to "
+                               "read them" % path)
+            db = sqlite3.connect("file:%s?immutable=1" % path, uri=True,
+                                 timeout=busy, isolation_level=None,
+                                 check_same_thread=False)
+        else:
+            db = sqlite3.connect(path, timeout=busy, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA synchronous=FULL")
+        db.execute("SELECT 1 FROM jobs LIMIT 0").fetchall()    # (-wal, -shm)
+        _cloexec_files(path)
         return db
 
     def close(self):

@@ -485,3 +485,35 @@ def test_workers_killed_at_random_lose_nothing_and_never_overlap(
     text = log.read_text()
     assert "overlap" not in text, [l for l in text.splitlines() if "overlap" in l]
     assert set(l.split()[1] for l in text.splitlines()) == set(ids)
+
+
+def test_a_read_only_filesystem_refuses_writes_and_reads_what_is_there(
+        small_fs):
+    """The flash remounted read-only (after an error, as devices do): a
+    write exits 75 saying so, nothing changes; list, show, stats and export
+    still read every job."""
+    sp = sql_spool(os.path.join(small_fs, "s"))
+    ids = [run_myq("--spool", sp, "enqueue", "ok", str(i)).stdout.strip()
+           for i in range(3)]
+    cp = subprocess.run(["mount", "-o", "remount,ro", small_fs],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        universal_newlines=True)
+    if cp.returncode != 0:
+        pytest.skip("cannot remount read-only: %s" % cp.stdout.strip())
+    try:
+        for args in (["enqueue", "ok", "9"], ["worker", "--drain"]):
+            cp = run_myq("--spool", sp, *args)
+            assert cp.returncode == 75, (args, cp.stderr)
+            assert "Read-only" in cp.stderr or "read-only" in cp.stderr
+            assert "Traceback" not in cp.stderr
+        cp = run_myq("--spool", sp, "export")
+        assert cp.returncode == 0, cp.stderr
+        assert sorted(json.loads(l)["id"] for l in cp.stdout.splitlines()) == \
+            sorted(ids)
+        assert show(call_myq, sp, ids[0])["state"] == "ready"
+        assert " ready=3 " in run_myq("--spool", sp, "stats").stdout
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", small_fs])
+    del RAN[:]
+    drain(sp)
+    assert sorted(RAN) == sorted(ids)
