@@ -43,7 +43,7 @@ MYQ = os.path.join(ROOT, "myq.py")
 BUSYBOX = shutil.which("busybox")
 SHELLCHECK = shutil.which("shellcheck")
 OPTIONS = ["spool", "python", "bin", "user", "args", "workers", "log",
-           "stop_timeout", "listen", "listen_token_file", "subscribe"]
+           "stop_timeout", "listen", "listen_token_file", "subscribe", "store"]
 
 pytestmark = pytest.mark.skipif(
     not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
