@@ -517,3 +517,38 @@ def test_a_read_only_filesystem_refuses_writes_and_reads_what_is_there(
     del RAN[:]
     drain(sp)
     assert sorted(RAN) == sorted(ids)
+
+
+def test_the_supervisor_never_opens_the_database_its_workers_fork_from(
+        tmp_path, handlers_dir):
+    """SQLite's locks and its per-file bookkeeping do not survive a fork:
+    a supervisor that had the database open would hand its children a
+    state they must not use.  It never opens it; each worker does, and
+    runs jobs."""
+    sp = sql_spool(tmp_path / "s")
+    h = handlers_dir("ok", "cat >/dev/null")
+    log = str(tmp_path / "sup.log")
+    sup = subprocess.Popen([sys.executable, MYQ, "--spool", sp, "supervise",
+                            "--workers", "2", "--handlers", h, "--log", log,
+                            "--poll", "0.05"], env=clean_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def opened(pid):
+        out = []
+        for n in os.listdir("/proc/%d/fd" % pid):
+            try:
+                out.append(os.readlink("/proc/%d/fd/%s" % (pid, n)))
+            except OSError:
+                pass
+        return [p for p in out if "queue.db" in p]
+    try:
+        jid = myq.enqueue(sp, "ok", 1)
+        wait_for(lambda: dict(rows(sp)).get(jid) == "done", timeout=30,
+                 what="the job done")
+        kids = [int(p) for p in open("/proc/%d/task/%d/children" % (
+            sup.pid, sup.pid)).read().split()]
+        assert len(kids) == 2 and all(opened(k) for k in kids), kids
+        assert opened(sup.pid) == []
+    finally:
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(30) == 0
