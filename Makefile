@@ -142,7 +142,7 @@ clean:
 # ext4-sqlite and ubifs-sqlite: the same on a spool of the SQLite store;
 # POWERCUT_SQLITE_MAX_POINTS: ext4-sqlite's flush points (>= 200 cuts).
 POWERCUT_MAX_POINTS ?= 300
-POWERCUT_SQLITE_MAX_POINTS ?= 100
+POWERCUT_SQLITE_MAX_POINTS ?= 200
 .PHONY: powercut
 powercut:
 	@if [ "$$(id -u)" != 0 ]; then echo "powercut: skipped: needs root (apt-get, qemu, loop devices, mount)"; exit 0; fi; \

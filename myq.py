@@ -5709,6 +5709,8 @@ class _SqlClaims(Claims):
                 if dup[1] == "done":
                     _quiet_unlink(path)
                     sp.log("skipped", id=v["id"], why="already done (its row)")
+                elif self._taken_in(v):
+                    gone.append(path)       # (its removal was lost: a cut)
                 else:
                     try:
                         self.quarantine(path, name, "duplicate: job %s is in the "
@@ -5724,6 +5726,17 @@ class _SqlClaims(Claims):
             _quiet_unlink(path)
         if gone:
             sp.intake = True
+            # the removals made durable: a power cut must not bring back a
+            # file whose job is a row (it would be taken for a duplicate)
+            _fsync_dir(sp.d("incoming"))
+
+    def _taken_in(self, v):
+        """Is the row of v's id this file's job, taken in before (a crash
+        or a cut between the commit and the file's removal; or the same
+        job sent again while it waits: one job either way)?"""
+        row = self.spool._one("SELECT type, payload FROM jobs WHERE id=?",
+                              (v["id"],))
+        return row is not None and row == (v["type"], v["payload"])
 
     # Claim and finish -------------------------------------------------------------
 
@@ -6377,6 +6390,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         return db
 
     def close(self):
+        self.fs.release()
         with self._mutex:
             db, self._conn = self._conn, None
             if db is not None and self._conn_pid == os.getpid():
@@ -6490,10 +6504,13 @@ class SqlSpool(_SqlUpkeep, Spool):
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         v = _row_values(self, job, "ready", "incoming", _now(), size=len(data))
-        self._write("INSERT INTO jobs(%s) VALUES(%s)" % (
-            ",".join(v), ",".join("?" * len(v))), tuple(v.values()), sync,
-            fresh=True)
-        self.poke(often=True)
+        try:
+            self._write("INSERT INTO jobs(%s) VALUES(%s)" % (
+                ",".join(v), ",".join("?" * len(v))), tuple(v.values()), sync,
+                fresh=True)
+            self.poke(often=True)
+        finally:
+            self.fs.release()
         return job["id"]
 
     def _enqueue(self, todo, sync, refused=None, done=None):
@@ -6538,9 +6555,12 @@ class SqlSpool(_SqlUpkeep, Spool):
                     raise SpoolFull(full)
                 rows.append(_row_values(self, job, "ready", sub, now,
                                         size=len(data)))
-        self._placed(self._insert(rows, sync, dup), rows, done)
-        if done:
-            self.poke(often=True)
+        try:
+            self._placed(self._insert(rows, sync, dup), rows, done)
+            if done:
+                self.poke(often=True)
+        finally:
+            self.fs.release()
         return [jid for jid, _ in done]
 
     def _bounded(self, type):

@@ -189,6 +189,15 @@ def test_a_file_taken_in_and_left_by_a_crash_is_one_job(tmp_path):
     drain(sp)
     assert RAN == ["once"]
     assert not os.path.exists(path) and dict(rows(sp)) == {"once": "done"}
+    # its own job, not a duplicate: nothing quarantined, nothing to repair
+    assert os.listdir(os.path.join(sp, "failed")) == []
+    assert run_myq("--spool", sp, "check").returncode == 0
+    # another job under the same id, while the first waits: a duplicate
+    myq.enqueue(sp, "ok", 1, id="twice", delay=3600)
+    write_incoming(sp, "twice.json", {"type": "ok", "payload": "other"})
+    s.claims.take_in()
+    assert os.listdir(os.path.join(sp, "failed")) == ["twice.json",
+                                                       "twice.json.reason"]
     shutil.copy(keep, path)             # sent again while its row stays
     drain(sp)
     assert RAN == ["once"] and not os.path.exists(path)

@@ -480,7 +480,7 @@ def main(argv=None):
     ap.add_argument("--max-points", type=int, default=int(
         os.environ.get("POWERCUT_MAX_POINTS", "0")))
     ap.add_argument("--sqlite-max-points", type=int, default=int(
-        os.environ.get("POWERCUT_SQLITE_MAX_POINTS", "100")),
+        os.environ.get("POWERCUT_SQLITE_MAX_POINTS", "200")),
         help="ext4-sqlite: flush points replayed (0: all)")
     ap.add_argument("--sqlite-min-cuts", type=int, default=200,
                     help="ext4-sqlite: fewer cuts fail the part")

@@ -257,13 +257,16 @@ def close_db(sp):
     the files store's calls do: the umount failed with EBUSY; reported)."""
     if sp is None:
         return
-    db = getattr(sp, "_conn", None)
-    if db is not None:
-        sp._conn = None
-        try:
-            db.close()
-        except Exception:
-            pass
+    if callable(getattr(sp, "close", None)):
+        sp.close()              # (Spool.close: the SQLite store's connection)
+    else:
+        db = getattr(sp, "_conn", None)
+        if db is not None:
+            sp._conn = None
+            try:
+                db.close()
+            except Exception:
+                pass
     try:
         sp.fs.release()
     except Exception:
