@@ -6010,8 +6010,9 @@ class _SqlUpkeep(object):
                             "handlers are killed)")
         now = _now() if now is None else now
         n = 0
-        if state == "failed":
-            n = Spool.delete_where(self, state, type, older_than, force, now)
+        if state in ("failed", "ready", "scheduled"):     # (files: failed/,
+            n = Spool.delete_where(self, state, type,    # the drop box)
+                                   older_than, force, now)
         status = {"ready": "ready", "scheduled": "ready"}.get(state, state)
         if state in ("ready", "scheduled"):
             born = "created_at"
@@ -6742,7 +6743,15 @@ class SqlSpool(_SqlUpkeep, Spool):
                 failed += n
         for e in _scandir(self.d("incoming")):      # the drop box
             if e.name.endswith(".json"):
-                ready += 1
+                try:
+                    m = e.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
+                if m <= now:
+                    ready += 1
+                    oldest = m if oldest is None or m < oldest else oldest
+                else:
+                    scheduled += 1
         return (ready, scheduled, oldest, processing, done, dead,
                 failed + self._failed_files())
 

@@ -69,7 +69,7 @@ def myq():
 # file's default too (`make test-sqlite`: what else holds there).
 BOTH_STORES = {
     "test_enqueue", "test_retry_dlq", "test_export", "test_clock",
-    "test_handlers_module",
+    "test_handlers_module", "test_worker_modes", "test_operator",
 }
 # ... and these tests of other files: every handler kind, forwarding,
 # intake, the policy keys, the breaker (the rest of those files inspects

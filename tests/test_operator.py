@@ -386,6 +386,7 @@ def test_supervised_workers_import_this_file_whatever_its_name_and_cwd(
     assert "shadowed" not in text and "Error" not in text, text
 
 
+@pytest.mark.files_only
 # Retention of dlq/ by count, the end of a pipe ###############################
 
 def test_prune_keeps_at_most_keep_dead_max_dead_jobs(spool):
@@ -511,6 +512,7 @@ def myq_iso(t):
     return myq.iso(t)
 
 
+@pytest.mark.files_only
 def test_show_follows_a_job_that_moves_while_it_looks(myq, spool, monkeypatch):
     """`show` between locate and read: the job moved on (a worker finished
     it); show finds it again instead of failing (exit 75, seen in CI)."""

@@ -112,6 +112,7 @@ def test_other_worker_options_from_env(run_myq, spool, handlers_dir, tmp_path):
     assert t0 + 40 - 0.05 <= job["available_at"] <= t1 + 40 + 0.05
 
 
+@pytest.mark.files_only
 def test_success_record_prevents_a_second_run(run_myq, spool, handlers_dir, tmp_path):
     h, runs = counting_handler(handlers_dir, tmp_path)
     j = enqueue(call_myq, spool, "t", '{"side": "effect"}', "--id", "once-only")
@@ -130,6 +131,7 @@ def test_success_record_prevents_a_second_run(run_myq, spool, handlers_dir, tmp_
     assert ls(spool, "incoming") == []
 
 
+@pytest.mark.files_only
 def test_drain_first_requeues_claims_of_dead_workers(run_myq, spool, handlers_dir, tmp_path):
     body, started, release = blocking_handler(tmp_path)
     h = handlers_dir("block", body)
