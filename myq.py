@@ -6409,10 +6409,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         with self._mutex:
             db = self._db()
             try:
-                if self._sync != sync:
-                    db.execute("PRAGMA synchronous=%s" % ("FULL" if sync else
-                                                          "NORMAL"))
-                    self._sync = sync
+                self._synced(db, sync)
                 db.execute("BEGIN IMMEDIATE")
                 try:
                     out = fn(db)
@@ -6429,6 +6426,13 @@ class SqlSpool(_SqlUpkeep, Spool):
                 return out
             except sqlite3.Error as e:
                 raise _db_error(self, e)
+
+    def _synced(self, db, sync):
+        """The next commit durable at once (FULL) or at the next fsync of
+        the log (NORMAL): a connection's setting, changed only when it must."""
+        if self._sync != sync:
+            db.execute("PRAGMA synchronous=%s" % ("FULL" if sync else "NORMAL"))
+            self._sync = sync
 
     def _after_commit(self, fresh):
         self._commits += 1
@@ -6448,10 +6452,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         with self._mutex:
             db = self._db()
             try:
-                if self._sync != sync:
-                    db.execute("PRAGMA synchronous=%s" % ("FULL" if sync else
-                                                          "NORMAL"))
-                    self._sync = sync
+                self._synced(db, sync)
                 cur = db.execute(sql, args)
                 out = cur.fetchall() if rows else cur.rowcount
             except sqlite3.Error as e:
