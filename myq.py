@@ -5429,7 +5429,8 @@ def _row_values(sp, job, status, lane, now, **more):
     v["payload"] = _encode_value(job.get("payload"))
     v.update(queue=sp.name, status=status, lane=lane,
              extra=_encode_value(extra) if extra else None)
-    v.setdefault("updated_at", now)
+    if v["updated_at"] is None:
+        v["updated_at"] = now
     v.update(more)
     if v.get("size") is None:
         v["size"] = len(dumps(job))     # (what its file would hold)
