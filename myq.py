@@ -4705,9 +4705,19 @@ class _Reading(object):
     def _counts(self, now):
         """(ready, scheduled, the earliest ready one's time, processing,
         done, dead, failed), from the directories."""
+        ready, scheduled, oldest = self._waiting_files(self.waiting_dirs(), now)
+        processing = sum(1 for n in _listdir(self.d("processing"))
+                         if _split_claim(n))
+        return (ready, scheduled, oldest, processing,
+                _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
+                self._failed_files())
+
+    def _waiting_files(self, subs, now):
+        """(ready, scheduled, the earliest ready one's time) of the job
+        files in the directories `subs`, each due at its mtime."""
         ready = scheduled = 0
         oldest = None
-        for e in (e for sub in self.waiting_dirs() for e in _scandir(self.d(sub))):
+        for e in (e for sub in subs for e in _scandir(self.d(sub))):
             if not e.name.endswith(".json"):
                 continue
             try:
@@ -4719,11 +4729,7 @@ class _Reading(object):
                 oldest = m if oldest is None or m < oldest else oldest
             else:
                 scheduled += 1
-        processing = sum(1 for n in _listdir(self.d("processing"))
-                         if _split_claim(n))
-        return (ready, scheduled, oldest, processing,
-                _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
-                self._failed_files())
+        return ready, scheduled, oldest
 
     def _failed_files(self):
         return sum(1 for n in _listdir(self.d("failed")) if not n.endswith(".reason"))
@@ -6725,14 +6731,15 @@ class SqlSpool(_SqlUpkeep, Spool):
                 yield row
 
     def _counts(self, now):
-        ready = scheduled = processing = done = dead = failed = 0
-        oldest = None
+        # the drop box's files first, each due at its mtime
+        ready, scheduled, oldest = self._waiting_files(("incoming",), now)
+        processing = done = dead = failed = 0
         for status, due, n, first in self._all(
                 "SELECT status, available_at<=?, count(*), min(available_at) "
                 "FROM jobs GROUP BY 1, 2", (now,)):
             if status == "ready" and due:
                 ready += n
-                oldest = first
+                oldest = first if oldest is None or first < oldest else oldest
             elif status == "ready":
                 scheduled += n
             elif status == "processing":
@@ -6743,17 +6750,6 @@ class SqlSpool(_SqlUpkeep, Spool):
                 dead += n
             elif status == "failed":
                 failed += n
-        for e in _scandir(self.d("incoming")):      # the drop box
-            if e.name.endswith(".json"):
-                try:
-                    m = e.stat(follow_symlinks=False).st_mtime
-                except OSError:
-                    continue
-                if m <= now:
-                    ready += 1
-                    oldest = m if oldest is None or m < oldest else oldest
-                else:
-                    scheduled += 1
         return (ready, scheduled, oldest, processing, done, dead,
                 failed + self._failed_files())
 

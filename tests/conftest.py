@@ -133,6 +133,36 @@ def spool(tmp_path, store):
 
 
 @pytest.fixture
+def small_tmpfs(tmp_path):
+    """small_tmpfs(size) -> the path of a tmpfs of that size (a real full
+    disk, a read-only remount), unmounted at the test's end; root only:
+    the test is skipped, saying why, where it cannot be had."""
+    import shutil
+    import subprocess
+    mounted = []
+
+    def make(size):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        if not shutil.which("mount") or not shutil.which("umount"):
+            pytest.skip("mount/umount not found")
+        mnt = tmp_path / ("mnt%d" % len(mounted))
+        mnt.mkdir()
+        cp = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%s,mode=0755"
+                             % size, "myq-test", str(mnt)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            universal_newlines=True)
+        if cp.returncode != 0:
+            pytest.skip("cannot mount a tmpfs here: %s" % cp.stdout.strip())
+        mounted.append(str(mnt))
+        return str(mnt)
+    yield make
+    for mnt in mounted:
+        if subprocess.run(["umount", mnt]).returncode != 0:
+            subprocess.run(["umount", "-l", mnt])
+
+
+@pytest.fixture
 def run_myq():
     """run_myq(*args, input=None, env=None, timeout=60, python=None) ->
     CompletedProcess (text): _core.run_myq, a real subprocess."""

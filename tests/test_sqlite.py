@@ -269,23 +269,8 @@ def test_a_busy_database_is_waited_for_then_exit_75(tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if not shutil.which("mount"):
-        pytest.skip("mount not found")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    cp = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755",
-                         "myq-test", str(mnt)], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, universal_newlines=True)
-    if cp.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here: %s" % cp.stdout.strip())
-    try:
-        yield str(mnt)
-    finally:
-        if subprocess.run(["umount", str(mnt)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)])
+def small_fs(small_tmpfs):
+    return small_tmpfs("4m")
 
 
 def test_a_full_disk_refuses_with_75_and_keeps_every_job(small_fs, tmp_path):

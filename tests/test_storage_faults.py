@@ -16,7 +16,6 @@
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,23 +40,8 @@ def wait_for(pred, timeout=20.0, what="condition"):
 # 1. A real full disk ########################################################
 
 @pytest.fixture
-def small_fs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if not shutil.which("mount") or not shutil.which("umount"):
-        pytest.skip("mount/umount not found")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    cp = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k,mode=0755",
-                         "myq-test", str(mnt)], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, universal_newlines=True)
-    if cp.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here: %s" % cp.stdout.strip())
-    try:
-        yield str(mnt)
-    finally:
-        if subprocess.run(["umount", str(mnt)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)])
+def small_fs(small_tmpfs):
+    return small_tmpfs("512k")
 
 
 def _logged_done(log, jid):
