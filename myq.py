@@ -3776,13 +3776,7 @@ class _Upkeep(object):
         running jobs, from the finish for done and dead ones, from the
         quarantine for failed files.  Running jobs only with `force`.
         Returns how many went."""
-        self.require()
-        if state not in STATES:
-            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
-        if state == "processing" and not force:
-            raise SpoolBusy("running jobs are deleted only with --force (their "
-                            "handlers are killed)")
-        now = _now() if now is None else now
+        now = self._bulk_delete(state, force, now)
         sub = STATE_DIRS[state]
         subs = self.waiting_dirs() if sub == "incoming" else [sub]
         chosen = []
@@ -3822,6 +3816,16 @@ class _Upkeep(object):
         for jid, path in chosen:
             n += self._delete_one(jid, state, path, force) or 0
         return n
+
+    def _bulk_delete(self, state, force, now):
+        """delete_where's checks of its words (either store's); its `now`."""
+        self.require()
+        if state not in STATES:
+            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
+        if state == "processing" and not force:
+            raise SpoolBusy("running jobs are deleted only with --force (their "
+                            "handlers are killed)")
+        return _now() if now is None else now
 
     def _failed_type(self, path):
         """The type a quarantined file names, if it is a JSON object at all."""
@@ -6009,13 +6013,7 @@ class _SqlUpkeep(object):
 
     def delete_where(self, state, type=None, older_than=None, force=False,
                      now=None):
-        self.require()
-        if state not in STATES:
-            raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
-        if state == "processing" and not force:
-            raise SpoolBusy("running jobs are deleted only with --force (their "
-                            "handlers are killed)")
-        now = _now() if now is None else now
+        now = self._bulk_delete(state, force, now)
         n = 0
         if state in ("failed", "ready", "scheduled"):     # (files: failed/,
             n = Spool.delete_where(self, state, type,    # the drop box)
