@@ -52,6 +52,12 @@ def kinds(sup):
     return out
 
 
+def workers(sup):
+    """The supervisor's children that are workers by now: one seen between
+    its fork and its title (or exec) still reads "supervise"."""
+    return [p for p, k in kinds(sup).items() if k == "worker"]
+
+
 def forked(pid, sup):
     return os.readlink("/proc/%d/exe" % pid) == os.readlink("/proc/%d/exe" % sup) \
         and shared_dirty_kb(pid) > 1024
@@ -113,9 +119,9 @@ def test_a_killed_child_is_forked_again(spool, tmp_path, handlers_dir):
     sup = start([sys.executable, MYQ, "--spool", spool, "supervise",
                  "--handlers", handlers_dir.path, "--log", log], log)
     try:
-        (first,) = wait_for(lambda: list(kinds(sup)), timeout=30, what="a worker")
+        (first,) = wait_for(lambda: workers(sup), timeout=30, what="a worker")
         os.kill(first, signal.SIGKILL)
-        second = wait_for(lambda: [p for p in kinds(sup) if p != first],
+        second = wait_for(lambda: [p for p in workers(sup) if p != first],
                           timeout=30, what="a new worker")[0]
         assert forked(second, sup.pid) and "worker" in cmdline(second)
         assert "event=worker_exit slot=0 pid=%d status=-9" % first in open(log).read()
@@ -145,7 +151,7 @@ def test_sighup_reopens_the_log_in_the_children(spool, tmp_path, handlers_dir):
         return out
 
     try:
-        pids = wait_for(lambda: len(kinds(sup)) == 2 and list(kinds(sup)),
+        pids = wait_for(lambda: len(workers(sup)) == 2 and workers(sup),
                         timeout=30, what="two workers")
         wait_for(lambda: all(log in logs(p) for p in pids), what="their logs open")
         os.rename(log, log + ".1")
@@ -172,7 +178,9 @@ def test_a_title_that_does_not_fit_means_an_exec(spool, tmp_path, handlers_dir):
                      "MYQ_LOG": log})
     sup = start([sys.executable, prog, "supervise"], log, env=env)
     try:
-        (pid,) = wait_for(lambda: list(kinds(sup)), timeout=30, what="a worker")
+        # A child seen between its fork and its exec still has the
+        # supervisor's command line ("supervise"): wait for the exec'd one.
+        (pid,) = wait_for(lambda: workers(sup), timeout=30, what="a worker exec'd")
         words = cmdline(pid)
         assert words[:5] == [sys.executable, prog, "--spool", spool, "worker"]
         assert not forked(pid, sup.pid), shared_dirty_kb(pid)
