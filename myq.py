@@ -2017,13 +2017,22 @@ class Identity:
     def lease_line(self, token, attempt, until):
         """The `{"lease": …}` record a claim appends: what dumps() would
         write, formatted here (it is written for every job)."""
+        return ('%s%s","attempt":%d,"leased_until":%s}}\n' % (
+            self._lease_head(), token, attempt, _ms_repr(until))).encode("utf-8")
+
+    def lease_parts(self, token, until):
+        """lease_line's text around its attempt (the SQLite store's claim
+        puts the row's next attempt between them)."""
+        return ('%s%s","attempt":' % (self._lease_head(), token),
+                ',"leased_until":%s}}' % _ms_repr(until))
+
+    def _lease_head(self):
         head = getattr(self, "_head", None)
         if head is None:
             head = self._head = dumps({"lease": {
                 "worker": self.wid, "pid": self.pid, "start": self.start,
                 "boot_id": boot_id(), "token": ""}})[:-4].decode("utf-8")
-        return ('%s%s","attempt":%d,"leased_until":%s}}\n'
-                % (head, token, attempt, _ms_repr(until))).encode("utf-8")
+        return head
 
     def record(self):
         return {"worker": self.wid, "pid": self.pid, "start": self.start,
@@ -5352,6 +5361,16 @@ _JOB_COLS = ("id", "type", "payload", "attempts", "max_attempts",
 _SELECT_COLS = _JOB_COLS + ("extra", "status", "lane", "lease", "finished_at",
                             "token")
 _SELECT = "SELECT %s FROM jobs" % ", ".join(_SELECT_COLS)
+# A new job of the usual shape (new_job's keys, no options: SqlSpool.enqueue)
+_INSERT_NEW = ("INSERT INTO jobs(id, queue, type, payload, status, attempts, "
+               "available_at, created_at, updated_at, lane, size) "
+               "VALUES(?, ?, ?, ?, 'ready', 0, ?, ?, ?, 'incoming', ?)")
+_NEW_SIZE = len(_NEW_FORMAT) - 2 * _NEW_FORMAT.count("%s")
+# A claim: the row still ready in its lane, the claimer's token and lease
+_CLAIM = ("UPDATE jobs SET status='processing', worker_id=?, token=?, "
+          "lease=?||(attempts+1)||?, leased_until=? WHERE id=? AND "
+          "status='ready' AND lane=?")
+_CLAIM_RETURNING = _CLAIM + " RETURNING " + ", ".join(_SELECT_COLS)
 
 
 def _sqlite3():
@@ -5763,19 +5782,14 @@ class _SqlClaims(Claims):
         now = _now()
         until = now + me.lease
         # the lease as a file's claim appends it, its attempt the row's next
-        pre, _, post = me.lease_line(token, 0, until).decode(
-            "utf-8").strip().partition('"attempt":0')
-        args = (me.wid, token, pre + '"attempt":', post, until, jid, sub)
-        take = ("UPDATE jobs SET status='processing', worker_id=?, token=?, "
-                "lease=?||(attempts+1)||?, leased_until=? WHERE id=? AND "
-                "status='ready' AND lane=?")
+        pre, post = me.lease_parts(token, until)
+        args = (me.wid, token, pre, post, until, jid, sub)
         if sp._returning():
-            rows = sp._write(take + " RETURNING " + ", ".join(_SELECT_COLS),
-                             args, sync=False, rows=True)
+            rows = sp._write(_CLAIM_RETURNING, args, sync=False, rows=True)
             row = rows[0] if rows else None
         else:
             row = sp._tx(lambda db: db.execute(_SELECT + " WHERE id=?", (
-                jid,)).fetchone() if db.execute(take, args).rowcount else None,
+                jid,)).fetchone() if db.execute(_CLAIM, args).rowcount else None,
                 sync=False)
         if row is None:
             return None
@@ -6500,6 +6514,44 @@ class SqlSpool(_SqlUpkeep, Spool):
         if w is None:
             w = self._writer = os.access(self.d(DB_NAME), os.R_OK | os.W_OK)
         return not w
+
+    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
+                timeout=None, sync=True, priority=None, ttl=None):
+        """Spool.enqueue.  The usual call (a generated id, no options, a type
+        whose jobs wait in incoming/ unbounded) is one INSERT of a prepared
+        statement: no job file's bytes, no dict of columns (bench/README.md:
+        its Python costs less than the INSERT).  Anything else, and any
+        error, goes the general way, which words it."""
+        if id is not None or delay or max_attempts is not None \
+                or timeout is not None or priority is not None \
+                or ttl is not None or not self._ready or self._drop_box():
+            return Spool.enqueue(self, type, payload, id, delay, max_attempts,
+                                 timeout, sync, priority, ttl)
+        now = _now()
+        job = new_job(type, payload, None, 0, None, None, now)
+        rules = self.rules(type)
+        try:
+            if now.__class__ is not float or rules and (
+                    rules.get("priority") or self.home(job, rules) != "incoming"):
+                raise ValueError
+            pj = "null" if payload is None else _encode_value(payload)
+            # len(_dumps_new(job)): what its file would hold (test_sqlite)
+            size = _NEW_SIZE + len(job["id"]) + len(type) + 3 * len(repr(now)) \
+                + len(pj if pj.isascii() else pj.encode("utf-8"))
+        except (ValueError, TypeError, RecursionError, UnicodeError):
+            return Spool.enqueue(self, type, payload, None, 0, None, None, sync)
+        if size > self.opt["max_job_bytes"]:
+            return Spool.enqueue(self, type, payload, None, 0, None, None, sync)
+        problem = self._room_for((size,))
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        try:
+            self._write(_INSERT_NEW, (job["id"], self.name, type, pj, now, now,
+                                      now, size), sync, fresh=True)
+            self.poke(often=True)
+        finally:
+            self.fs.release()
+        return job["id"]
 
     def _enqueue_one(self, todo, sync):
         """One job of a generated id into incoming/'s lane: one INSERT, in

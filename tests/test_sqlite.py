@@ -111,6 +111,43 @@ def test_the_schema_is_the_seeds_for_the_sqlite3_shell(tmp_path):
     assert json.loads(extra) == {"timeout": 5}
 
 
+@pytest.mark.parametrize("payload", [None, 0, "x", {"a": [1, 2.5]},
+                                     {"k": "\u00e9\u4e2d\U0001f600"}, [True, None]])
+def test_the_usual_enqueue_stores_the_row_the_general_way_would(
+        tmp_path, payload, monkeypatch):
+    """SqlSpool.enqueue's INSERT of the usual shape against _row_values of
+    the same job: every column the same, the size what its file would hold
+    (utf-8 bytes)."""
+    sp = myq.Spool(sql_spool(tmp_path / "s")).require()
+    general = myq.Spool.enqueue
+    with monkeypatch.context() as m:    # (the usual way, not the general)
+        m.setattr(myq.Spool, "enqueue", None)
+        jid = sp.enqueue("ok", payload)
+        sp.enqueue("ok", 1)
+    assert myq.Spool.enqueue is general
+    cols = ", ".join(myq._SELECT_COLS + ("queue", "size", "worker_id",
+                                         "leased_until"))
+    db = sqlite3.connect(os.path.join(sp.path, "queue.db"))
+    got = db.execute("SELECT %s FROM jobs WHERE id=?" % cols, (jid,)).fetchone()
+    (got2,) = db.execute("SELECT %s FROM jobs WHERE id!=?" % cols, (jid,))
+    db.close()
+    for row, pl in ((got, payload), (got2, 1)):
+        job = myq._job_of_row(row[:len(myq._SELECT_COLS)])
+        assert job["payload"] == pl
+        want = myq._row_values(sp, dict(job, last_error=None), "ready",
+                               "incoming", job["created_at"])
+        new = myq.new_job("ok", pl, job["id"], now=job["created_at"])
+        assert want["size"] == len(myq._dumps_new(new))
+        assert dict(zip(cols.split(", "), row)) == dict(
+            want, lease=None, finished_at=None, token=None, worker_id=None,
+            leased_until=None)
+    # what the general way refuses, the usual call refuses the same
+    with pytest.raises(myq.InvalidJob, match="lone surrogate"):
+        sp.enqueue("ok", "\ud800")
+    with pytest.raises(myq.InvalidJob, match="cannot be stored as JSON"):
+        sp.enqueue("ok", float("nan"))
+
+
 def _blocked(args, sp_env=None):
     """myq with `import sqlite3` failing, as on OpenWrt without
     python3-sqlite3."""
