@@ -6467,14 +6467,17 @@ class SqlSpool(_SqlUpkeep, Spool):
         if _hook is not None:           # (the crash points see its commit)
             return self._tx(lambda db: db.execute(sql, args).fetchall() if rows
                             else db.execute(sql, args).rowcount, sync, fresh)
-        sqlite3 = _sqlite3()
         with self._mutex:
-            db = self._db()
+            # (every enqueue, claim and success: the usual case spelt out)
+            db = self._conn
+            if db is None or self._conn_pid != _PID[0]:
+                db = self._db()
             try:
-                self._synced(db, sync)
+                if self._sync != sync:
+                    self._synced(db, sync)
                 cur = db.execute(sql, args)
                 out = cur.fetchall() if rows else cur.rowcount
-            except sqlite3.Error as e:
+            except _sqlite3().Error as e:       # (looked up on an error alone)
                 raise _db_error(self, e)
             self._after_commit(fresh)
             return out
@@ -6527,16 +6530,21 @@ class SqlSpool(_SqlUpkeep, Spool):
                 or ttl is not None or not self._ready or self._drop_box():
             return Spool.enqueue(self, type, payload, id, delay, max_attempts,
                                  timeout, sync, priority, ttl)
+        # new_job's checks, in its order, without its dict
         now = _now()
-        job = new_job(type, payload, None, 0, None, None, now)
+        _check_name(type, "type")
+        if isinstance(payload, (dict, list, tuple)):
+            _check_depth(payload, 2)     # the job object is level 1
         rules = self.rules(type)
         try:
-            if now.__class__ is not float or rules and (
-                    rules.get("priority") or self.home(job, rules) != "incoming"):
+            if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10 \
+                    or rules.get("priority") \
+                    or self.home({"type": type}, rules) != "incoming":
                 raise ValueError
             pj = "null" if payload is None else _encode_value(payload)
+            jid = _new_id(now)
             # len(_dumps_new(job)): what its file would hold (test_sqlite)
-            size = _NEW_SIZE + len(job["id"]) + len(type) + 3 * len(repr(now)) \
+            size = _NEW_SIZE + len(jid) + len(type) + 3 * len(repr(now)) \
                 + len(pj if pj.isascii() else pj.encode("utf-8"))
         except (ValueError, TypeError, RecursionError, UnicodeError):
             return Spool.enqueue(self, type, payload, None, 0, None, None, sync)
@@ -6546,12 +6554,12 @@ class SqlSpool(_SqlUpkeep, Spool):
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         try:
-            self._write(_INSERT_NEW, (job["id"], self.name, type, pj, now, now,
-                                      now, size), sync, fresh=True)
+            self._write(_INSERT_NEW, (jid, self.name, type, pj, now, now, now,
+                                      size), sync, fresh=True)
             self.poke(often=True)
         finally:
             self.fs.release()
-        return job["id"]
+        return jid
 
     def _enqueue_one(self, todo, sync):
         """One job of a generated id into incoming/'s lane: one INSERT, in

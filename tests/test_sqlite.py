@@ -141,6 +141,10 @@ def test_the_usual_enqueue_stores_the_row_the_general_way_would(
         assert dict(zip(cols.split(", "), row)) == dict(
             want, lease=None, finished_at=None, token=None, worker_id=None,
             leased_until=None)
+    # a type held for a missing handler waits in its lane, priority or not
+    sp.set_lane_types({"held"})
+    assert rows(sp.path, "SELECT lane FROM jobs WHERE id='%s'"
+                % sp.enqueue("held", payload)) == [("incoming/lanes/held@0",)]
     # what the general way refuses, the usual call refuses the same
     with pytest.raises(myq.InvalidJob, match="lone surrogate"):
         sp.enqueue("ok", "\ud800")
