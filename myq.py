@@ -5594,8 +5594,12 @@ class _SqlClaims(Claims):
         """Lane L's cache: its N earliest waiting jobs (after the drop box's
         files are taken in, for incoming/ itself)."""
         sp = self.spool
+        failed = None
         if L.sub == "incoming":
-            self.take_in(tick)
+            try:
+                self.take_in(tick)
+            except OSError as e:    # (raised below, once the lane is read)
+                failed = e
         sql = ("SELECT available_at, id, updated_at FROM jobs WHERE queue=? AND "
                "status='ready' AND lane=? ORDER BY available_at, id LIMIT ?")
         rows = sp._all(sql, (sp.name, L.sub, n))
@@ -5608,6 +5612,8 @@ class _SqlClaims(Claims):
         L.dirty = False
         L.next_due = None
         L.sweep = None
+        if failed is not None:
+            raise failed
 
     # The drop box ---------------------------------------------------------------
 
@@ -5629,10 +5635,15 @@ class _SqlClaims(Claims):
                     seen.append((e.stat(follow_symlinks=False).st_mtime, e.name, e))
                 except OSError:
                     pass
+        failed = None
         for _, _, e in heapq.nsmallest(1024, seen, key=lambda x: x[:2]):
             if tick is not None:
                 tick()
-            job = self._dropped(e)
+            try:
+                job = self._dropped(e)
+            except OSError as err:  # a quarantine that failed: said below
+                failed = err
+                continue
             if job is not None:
                 got.append((e.name,) + job)
             if len(got) >= 256:
@@ -5640,6 +5651,10 @@ class _SqlClaims(Claims):
                 got = []
         if got:
             self._took(got)
+        if failed is not None:
+            # as a claim of files says it (the worker logs it and pauses
+            # its claims, backing off), once the other files are in
+            raise failed
 
     def _dropped(self, e):
         """The job of the drop box's entry `e`, or None (quarantined,
@@ -5663,19 +5678,15 @@ class _SqlClaims(Claims):
                 raise InvalidJob("bad file name: a job file is ID.json, ID being "
                                  "1-128 characters of A-Z a-z 0-9 . _ -")
             job = normalize(obj, name[:-5], st.st_mtime)
-        except OSError as e2:
-            if e2.errno == errno.ENOENT:
+        except (OSError, InvalidJob) as e2:
+            if getattr(e2, "errno", None) == errno.ENOENT:
                 return None
             try:
-                self.quarantine(path, name, "unreadable: %s" % (e2.strerror or e2))
-            except OSError:
-                pass
-            return None
-        except InvalidJob as e2:
-            try:
-                self.quarantine(path, name, str(e2))
-            except OSError:
-                pass
+                self.quarantine(path, name, str(e2) if isinstance(
+                    e2, InvalidJob) else "unreadable: %s" % (e2.strerror or e2))
+            except OSError as e3:
+                if e3.errno != errno.ENOENT or _lexists(path):
+                    raise           # (not: the file gone, another worker's)
             return None
         if st.st_mtime > st.st_ctime:       # a schedule set on purpose,
             job["available_at"] = st.st_mtime   # by this clock: the JSON's

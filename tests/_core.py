@@ -216,6 +216,36 @@ def ls(spool, sub):
         con.close()
 
 
+def has(spool, sub, jid):
+    """Is job `jid` in SPOOL/SUB (ls's sense: on an SQLite spool, a row of
+    that state)?"""
+    return jid + ".json" in ls(spool, sub)
+
+
+def read_job(spool, sub, jid):
+    """The job `jid` of SPOOL/SUB as a dict (the file's first JSON value;
+    on an SQLite spool, its row of that state as the file would hold it),
+    or None where it is not."""
+    import myq
+    path = os.path.join(spool, sub, jid + ".json")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            return myq.parse(f.read())[0]
+    status = {"incoming": "ready", "processing": "processing", "done": "done",
+              "dlq": "dead", "failed": "failed"}.get(sub)
+    db = os.path.join(spool, "queue.db")
+    if status is None or not os.path.exists(db):
+        return None
+    import sqlite3
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        row = con.execute(myq._SELECT + " WHERE id=? AND status=?",
+                          (jid, status)).fetchone()
+    finally:
+        con.close()
+    return None if row is None else myq._job_of_row(row)
+
+
 def one_line_error(cp):
     """Every error is ONE line on stderr (SPEC §4)."""
     err = cp.stderr.strip("\n")

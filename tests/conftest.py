@@ -47,12 +47,27 @@ LONG_FIRST = [
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    if STORE != "files":
+        # `make test-sqlite`: the tests whose spool this changes, alone (the
+        # others would run as `make test` ran them: on files, or on both)
+        keep = [item for item in items if _store_follows_env(item)]
+        config.hook.pytest_deselected(
+            items=[item for item in items if item not in keep])
+        items[:] = keep
+
+
+def _store_follows_env(item):
+    callspec = getattr(item, "callspec", None)
+    return ("store" in getattr(item, "fixturenames", ())
+            and not item.get_closest_marker("files_only")
+            and not (callspec and "store" in callspec.params))
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "files_only: a test of the file store's own files "
-        "(runs once, on files, in a file of BOTH_STORES)")
+        "markers", "files_only(why): a test of the file store's own files "
+        "(its layout, a job file's bytes, a directory's entries): runs on "
+        "files alone, in a file of BOTH_STORES and under MYQ_TEST_STORE=sqlite")
     config.addinivalue_line(
         "markers", "slow: a long test (soak, big scan, every interpreter); "
         "`make test` runs it, `make test-fast` (-m 'not slow') leaves it out")
@@ -121,7 +136,11 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def store(request):
-    """The store of the `spool` fixture: "files" or "sqlite"."""
+    """The store of the `spool` fixture: "files" or "sqlite" (a test marked
+    files_only, or in a module so marked: files, whatever MYQ_TEST_STORE
+    says)."""
+    if request.node.get_closest_marker("files_only"):
+        return "files"
     return getattr(request, "param", STORE)
 
 

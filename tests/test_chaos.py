@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from _core import MYQ, clean_env, ls, wait_for
+from _core import MYQ, clean_env, ls, read_job, wait_for
 from _procs import Procs, children, job_of, proc_stat
 
 PER_PRODUCER = 2500
@@ -69,8 +69,7 @@ def handler_body(effects):
 
 
 def count(spool, sub):
-    return sum(1 for n in os.listdir(os.path.join(spool, sub))
-               if n.endswith(".json"))
+    return sum(1 for n in ls(spool, sub) if n.endswith(".json"))
 
 
 class Chaos(object):
@@ -103,8 +102,19 @@ class Chaos(object):
     def running(self, pid):
         """Jobs whose claim (or .fin) in processing/ belongs to worker pid."""
         tag = "+w-%d-" % pid
-        return {n.split("+", 1)[0] for n in ls(self.spool, "processing")
-                if tag in n}
+        out = {n.split("+", 1)[0] for n in ls(self.spool, "processing")
+               if tag in n}
+        db = os.path.join(self.spool, "queue.db")
+        if os.path.exists(db):          # the SQLite store: its claimed rows
+            import sqlite3
+            con = sqlite3.connect(db, timeout=30)
+            try:
+                out.update(r[0] for r in con.execute(
+                    "SELECT id FROM jobs WHERE status='processing' AND "
+                    "worker_id LIKE ?", ("w-%d-%%" % pid,)))
+            finally:
+                con.close()
+        return out
 
     def kill_worker(self):
         i = self.rng.randrange(WORKERS)
@@ -221,8 +231,7 @@ def test_chaos_soak(run_myq, spool, handlers_dir, tmp_path):
     unexplained = sorted(j for j, n in runs.items() if n - 1 > killed.get(j, 0))
     n_workers = sum(1 for k, _ in chaos.kills if k == "worker")
     for j in dead:
-        with open(os.path.join(spool, "dlq", j + ".json")) as f:
-            job = json.loads(f.readline())
+        job = read_job(spool, "dlq", j)
         assert job["attempts"] >= MAX_ATTEMPTS, job
     print("\nchaos seed=%d jobs=%d kills=%d (workers=%d handlers=%d, misses=%d)"
           " lost=%d dead=%d duplicate_effects=%d tmp_left=%d"

@@ -707,6 +707,7 @@ def _assert_published_durably(calls, dest, via=("rename", "link")):
     return pub
 
 
+@pytest.mark.files_only("the order of a job file's steps into incoming/")
 def test_enqueue_durability_order(spool):
     """An enqueue writes its file in tmp/, renames (or links) it into
     incoming/, then fsyncs the file and incoming/: the file's fsync after

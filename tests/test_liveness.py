@@ -11,6 +11,7 @@ claim back.
 import json
 import os
 import signal
+import sqlite3
 import uuid
 
 import pytest
@@ -52,6 +53,26 @@ def start_holding(procs, run_myq, spool, hold, tmp_path, *opts, jid="j1",
                    for n in os.listdir(os.path.join(spool, "locks", "workers")))
     wait_for(recorded, what="the handler record in locks/workers/")
     return w, hpid, gpid
+
+
+def end_lease(spool, jid, t):
+    """Make job `jid`'s claim's wall-clock lease end at `t`, through its
+    store: the claim file's mtime in processing/, or its row's
+    leased_until."""
+    db = os.path.join(spool, "queue.db")
+    if not os.path.exists(db):
+        names = [n for n in ls(spool, "processing") if n.startswith(jid + "+")]
+        assert len(names) == 1, names
+        os.utime(os.path.join(spool, "processing", names[0]), (t, t))
+        return
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        with con:
+            n = con.execute("UPDATE jobs SET leased_until=? WHERE id=? AND "
+                            "status='processing'", (t, jid)).rowcount
+    finally:
+        con.close()
+    assert n == 1, (jid, n)
 
 
 def sigkill(p):
@@ -239,8 +260,7 @@ def test_owner_identity(run_myq, spool, hold, tmp_path, procs, case):
         json.dump(rec, f)
     beat = mono()                               # heartbeat: monotonic mtime
     os.utime(path, (beat, beat))
-    claim = os.path.join(spool, "processing", ls(spool, "processing")[0])
-    os.utime(claim, (1000000000, 1000000000))   # wall-clock lease: 2001
+    end_lease(spool, "j1", 1000000000)          # wall-clock lease: 2001
     n = reap(run_myq, spool)
     job = show(call_myq, spool, "j1")
     if case == "alive":

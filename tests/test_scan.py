@@ -4,15 +4,19 @@ A directory of up to 4 × --scan-cache entries is scanned whole (the N
 earliest first, the next due time exact); a deeper one is worked through in
 passes of a directory iterator, and the first job starts after 4 × N
 entries, not the whole directory.  Small scan caches make small directories
-"deep" here.
+"deep" here.  On the SQLite store a lane's cache is its N earliest rows:
+what a worker must do (every job once, the earliest first, future jobs
+left, due ones woken for) holds there too; the passes of a directory
+iterator are the file store's own (files_only).
 """
 import os
 import signal
+import sqlite3
 import threading
 
 import pytest
 
-from _core import wait_for
+from _core import ls, wait_for
 
 
 def _worker(myq, spool, seen, scan_cache, **kw):
@@ -29,8 +33,25 @@ def _ids(myq, spool, n, delay=0):
 
 
 def _names(spool, state):
-    return sorted(n[:-5] for n in os.listdir(os.path.join(spool, state))
-                  if n.endswith(".json"))
+    """The ids of the jobs in `state` (_core.ls: either store)."""
+    return sorted(n[:-5] for n in ls(spool, state) if n.endswith(".json"))
+
+
+def _schedule(spool, jid, t):
+    """Make waiting job `jid` available at `t` through its store: the
+    mtime of its file in incoming/, or its row's available_at."""
+    db = os.path.join(spool, "queue.db")
+    if not os.path.exists(db):
+        os.utime(os.path.join(spool, "incoming", jid + ".json"), (t, t))
+        return
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        with con:
+            n = con.execute("UPDATE jobs SET available_at=? WHERE id=? AND "
+                            "status='ready'", (t, jid)).rowcount
+    finally:
+        con.close()
+    assert n == 1, (jid, n)
 
 
 @pytest.mark.parametrize("n,scan_cache", [(5, 4), (16, 4), (17, 4), (203, 4),
@@ -42,21 +63,21 @@ def test_every_job_runs_exactly_once_at_any_depth(myq, spool, n, scan_cache):
     assert sorted(seen) == sorted(ids)
     assert len(seen) == n
     assert _names(spool, "done") == sorted(ids)
-    assert os.listdir(os.path.join(spool, "incoming")) == []
+    assert ls(spool, "incoming") == []
 
 
 @pytest.mark.parametrize("n", [4, 16, 17, 40])
 def test_the_first_refill_is_the_n_earliest_by_available_at(myq, spool, n):
-    """The mtime in incoming/ is the schedule; given in reverse of the ids,
-    it alone decides.  Up to 4N entries the first N are the N earliest of
-    the directory; deeper, the N earliest of the first 4N+1 entries."""
+    """The schedule (the mtime in incoming/, a row's available_at); given
+    in reverse of the ids, it alone decides.  Up to 4N entries the first N
+    are the N earliest of the directory; deeper, the N earliest of the
+    first 4N+1 entries."""
     ids = _ids(myq, spool, n)
     past = myq._now() - 1000
     mtime = {}
     for i, jid in enumerate(ids):       # the last id is the most overdue
         mtime[jid] = past - i
-        os.utime(os.path.join(spool, "incoming", jid + ".json"),
-                 (past - i, past - i))
+        _schedule(spool, jid, past - i)
     seen = []
     _worker(myq, spool, seen, 4).run(drain=True)
     assert sorted(seen) == sorted(ids)
@@ -65,6 +86,7 @@ def test_the_first_refill_is_the_n_earliest_by_available_at(myq, spool, n):
         assert seen[:4] == ids[::-1][:4]
 
 
+@pytest.mark.files_only("counts the entries a directory iterator reads")
 def test_a_deep_backlog_starts_before_reading_the_whole_directory(
         myq, spool, monkeypatch):
     _ids(myq, spool, 300)
@@ -173,6 +195,7 @@ class _Snapshot(object):
         self.rest = []
 
 
+@pytest.mark.files_only("a pass of a directory iterator over incoming/")
 @pytest.mark.parametrize("ready_before", [0, 3])
 def test_a_job_enqueued_during_a_deep_pass_is_claimed_without_waiting(
         myq, spool, ready_before):

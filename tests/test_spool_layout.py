@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from _core import enqueue, ls, one_line_error
+from _core import enqueue, has, ls, one_line_error
 from _core import call_myq
 
 LAYOUT = ("tmp", "incoming", "processing", "done", "dlq", "failed", "locks")
@@ -122,6 +122,7 @@ def test_the_lease_line_is_what_dumps_would_write(myq, spool):
             "leased_until": round(until, 3)}})
 
 
+@pytest.mark.files_only("done/ files and locks/ok/ records (mknod)")
 @pytest.mark.parametrize("refused", [None, errno.EPERM, errno.ENOSYS])
 def test_success_needs_no_record_until_done_goes_early(myq, spool, monkeypatch,
                                                        refused):
@@ -165,6 +166,38 @@ def test_success_needs_no_record_until_done_goes_early(myq, spool, monkeypatch,
     assert sp.find_id("mine-0", now=done_at + 0.5) is not None
 
 
+def test_a_chosen_id_stays_refused_for_the_window_when_done_goes_early(
+        myq, spool):
+    """What the test above proves of the files, on either store: retention
+    removes the done jobs within the de-duplication window, and an id a
+    producer chose stays refused until the window (from when the job was
+    done) ends."""
+    sp = myq.Spool(spool)
+    ids = sp.enqueue_many([{"type": "noop"} for _ in range(3)])
+    ids += sp.enqueue_many([{"type": "noop", "id": "mine-%d" % i}
+                            for i in range(2)])
+    before = myq._now()
+    w = myq.Worker(spool, handlers={"noop": lambda job: None},
+                   log=myq.Log(path=os.devnull))
+    assert w.run(drain=True) == 0
+    after = myq._now()
+    for jid in ids:
+        assert has(spool, "done", jid), jid
+    with pytest.raises(myq.DuplicateJob):
+        myq.enqueue(spool, "noop", id="mine-0")
+    out = myq.Spool(spool, keep_done=0).prune()
+    assert out["done"] == 5 and ls(spool, "done") == []
+    for jid in ("mine-0", "mine-1"):
+        with pytest.raises(myq.NoSuchJob):
+            sp.show(jid)
+        with pytest.raises(myq.DuplicateJob):
+            myq.enqueue(spool, "noop", id=jid)
+    # the window ends: the id may come again
+    sp = myq.Spool(spool, dedupe_window=1)
+    assert sp.find_id("mine-0", now=after + 2) is None
+    assert sp.find_id("mine-0", now=before + 0.5) is not None
+
+
 def test_deleting_a_done_job_keeps_its_id_refused(myq, spool):
     sp = myq.Spool(spool)
     sp.enqueue("noop", id="d1")
@@ -172,7 +205,7 @@ def test_deleting_a_done_job_keeps_its_id_refused(myq, spool):
                    log=myq.Log(path=os.devnull))
     assert w.run(drain=True) == 0
     assert sp.delete(["d1"]) == 1
-    assert not os.path.exists(os.path.join(spool, "done", "d1.json"))
+    assert not has(spool, "done", "d1")
     with pytest.raises(myq.DuplicateJob):
         sp.enqueue("noop", id="d1")
 

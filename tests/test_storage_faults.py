@@ -544,6 +544,7 @@ sys.exit(myq.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.files_only("faults injected into writes in tmp/, incoming/")
 @pytest.mark.parametrize("op,err,where", [("write", "ENOSPC", "tmp"),
                                           ("write", "ENOSPC", "incoming"),
                                           ("fsync", "EIO", "incoming")])

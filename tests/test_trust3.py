@@ -8,6 +8,7 @@ what a producer (or a server) did in the review and look at what myq did.
 """
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -25,8 +26,48 @@ def _job(t, **kw):
     return d
 
 
+def _db(spool):
+    """The SQLite store's database of `spool`, or None (a spool of files)."""
+    db = os.path.join(spool, "queue.db")
+    return db if os.path.exists(db) else None
+
+
+def _put_in_lane(myq, spool, lane, job):
+    """Job `job` (with its id) waiting in lane `lane` (incoming/lanes/T@P),
+    whatever its own home: a file written there, or its row moved there."""
+    db = _db(spool)
+    if db is None:
+        with open(os.path.join(spool, lane, job["id"] + ".json"), "w") as f:
+            json.dump(job, f)
+        return
+    myq.Spool(spool).enqueue(job["type"], job.get("payload"), id=job["id"],
+                             priority=job.get("priority"))
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        with con:
+            n = con.execute("UPDATE jobs SET lane=? WHERE id=? AND "
+                            "status='ready'", (lane, job["id"])).rowcount
+    finally:
+        con.close()
+    assert n == 1, n
+
+
+def _in_lane(spool, lane, jid):
+    """Does job `jid` wait in lane `lane` (its file, or its row)?"""
+    db = _db(spool)
+    if db is None:
+        return os.path.exists(os.path.join(spool, lane, jid + ".json"))
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        return con.execute("SELECT 1 FROM jobs WHERE id=? AND status='ready' "
+                           "AND lane=?", (jid, lane)).fetchone() is not None
+    finally:
+        con.close()
+
+
 # A symlink among the lanes ###################################################
 
+@pytest.mark.files_only("a lane is a directory, here a symlink")
 def test_a_lane_that_is_a_symlink_is_never_followed(spool, tmp_path,
                                                     handlers_dir):
     """A producer (who could write incoming/, so incoming/lanes/) puts a
@@ -53,6 +94,7 @@ def test_a_lane_that_is_a_symlink_is_never_followed(spool, tmp_path,
         chk.stdout
 
 
+@pytest.mark.files_only("incoming/lanes is a directory, here a symlink")
 def test_a_lanes_directory_that_is_a_symlink_is_never_followed(spool, tmp_path):
     """incoming/lanes itself replaced by a link to a directory of lanes
     outside: no lane is used, nothing is written there."""
@@ -65,6 +107,7 @@ def test_a_lanes_directory_that_is_a_symlink_is_never_followed(spool, tmp_path):
     assert call_myq("--spool", spool, "list").stdout == ""
 
 
+@pytest.mark.files_only("the modes of the lanes' directories")
 def test_lanes_are_the_owners_alone(spool):
     """A lane and incoming/lanes/ are made mode 0750, whatever incoming/'s
     mode (group-writable for producers): a producer cannot put anything
@@ -76,6 +119,7 @@ def test_lanes_are_the_owners_alone(spool):
         assert mode & 0o022 == 0, (p, oct(mode))
 
 
+@pytest.mark.files_only("the modes of the lanes' directories")
 def test_an_old_group_writable_lane_is_made_the_owners_again(spool):
     """A lane made by an earlier version took incoming/'s group-writable
     mode: the owner's door takes the write bits of others away."""
@@ -88,7 +132,7 @@ def test_an_old_group_writable_lane_is_made_the_owners_again(spool):
     assert len(os.listdir(lane)) == 1
 
 
-def test_a_job_in_another_types_lane_obeys_its_own_types_rules(spool,
+def test_a_job_in_another_types_lane_obeys_its_own_types_rules(myq, spool,
                                                                handlers_dir,
                                                                tmp_path):
     """A job of a paused type found in another type's lane does not run
@@ -97,15 +141,18 @@ def test_a_job_in_another_types_lane_obeys_its_own_types_rules(spool,
     handlers_dir("b", 'touch "%s"' % (tmp_path / "b-ran"))
     assert call_myq("--spool", spool, "policy", "a", "priority=5").returncode == 0
     assert call_myq("--spool", spool, "pause", "b").returncode == 0
-    enqueue(call_myq, spool, "a", "1")              # makes the lane a@5
-    lane = os.path.join(spool, "incoming", "lanes", "a@5")
-    with open(os.path.join(lane, "intruder.json"), "w") as f:
-        json.dump(_job("b", priority=5), f)
+    a = enqueue(call_myq, spool, "a", "1")          # makes the lane a@5
+    lane = "incoming/lanes/a@5"
+    assert _in_lane(spool, lane, a)
+    _put_in_lane(myq, spool, lane, _job("b", priority=5, id="intruder"))
+    assert _in_lane(spool, lane, "intruder")
     cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h, *FAST)
     assert cp.returncode == 0, cp.stderr
     assert not (tmp_path / "b-ran").exists()
-    assert show(call_myq, spool, "intruder")["type"] == "b"
-    assert not os.path.exists(os.path.join(lane, "intruder.json"))
+    assert show(call_myq, spool, a)["state"] == "done"
+    job = show(call_myq, spool, "intruder")
+    assert job["type"] == "b" and job["state"] == "ready", job
+    assert not _in_lane(spool, lane, "intruder")
 
 
 # The owner's records are never written through tmp/ ##########################
@@ -133,6 +180,7 @@ def test_no_owner_record_is_made_in_tmp(myq, spool):
     assert pol.st_mode & 0o022 == 0
 
 
+@pytest.mark.files_only("the files a retry writes")
 def test_a_retry_is_not_written_in_tmp(myq, spool):
     """A retried job's next version is written beside its claim, in
     processing/ (the owner's), then renamed into incoming/."""

@@ -9,6 +9,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import pytest  # noqa: E402
+
 import check  # noqa: E402
 import powercut  # noqa: E402
 
@@ -36,7 +38,12 @@ def _check(spool, promised, tmp_path):
 CLEAN = dict(lost=0, doubled=0, corrupt=0, stuck=0, recover=0, in_failed=0,
              nul_tails=0)
 
+# The checker of the file layout, given files made by hand (in done/, dlq/,
+# failed/, processing/): the SQLite store's own are the test_sqlite_* below.
+FILES = pytest.mark.files_only("the checker of the file layout")
 
+
+@FILES
 def test_a_recovered_spool_with_every_promised_job_is_clean(myq, spool, tmp_path):
     promised = dict(_enqueue(myq, spool, n) for n in range(5))
     counts, notes = _check(spool, promised, tmp_path)
@@ -53,6 +60,7 @@ def test_a_promised_job_that_is_nowhere_is_lost(myq, spool, tmp_path):
     assert any("lost: 1796000000000-deadbeef" in n for n in notes)
 
 
+@FILES
 def test_a_pruned_done_job_is_no_loss_only_when_the_workload_saw_it_done(
         myq, spool, tmp_path):
     """A done job whose id myq generated keeps no record once retention
@@ -74,6 +82,7 @@ def test_a_pruned_done_job_is_no_loss_only_when_the_workload_saw_it_done(
     assert res["lost"] == 0, res["notes"]
 
 
+@FILES
 def test_a_payload_that_does_not_match_its_checksum_is_corrupt(myq, spool, tmp_path):
     jid, want = _enqueue(myq, spool, 1)
     path = os.path.join(spool, "incoming", jid + ".json")
@@ -86,6 +95,7 @@ def test_a_payload_that_does_not_match_its_checksum_is_corrupt(myq, spool, tmp_p
     assert counts["corrupt"] == 1, notes
 
 
+@FILES
 def test_a_valid_job_in_failed_is_counted_and_lost(myq, spool, tmp_path):
     jid, want = _enqueue(myq, spool, 1)
     os.rename(os.path.join(spool, "incoming", jid + ".json"),
@@ -95,6 +105,7 @@ def test_a_valid_job_in_failed_is_counted_and_lost(myq, spool, tmp_path):
     assert counts == dict(CLEAN, in_failed=1, lost=1, recover=1), notes
 
 
+@FILES
 def test_a_job_in_two_places_is_doubled(myq, spool, tmp_path):
     jid, want = _enqueue(myq, spool, 1)
     counts, notes = _check(spool, {jid: want}, tmp_path)
@@ -108,6 +119,7 @@ def test_a_job_in_two_places_is_doubled(myq, spool, tmp_path):
     assert any("in 2 places after recovery" in n for n in notes), notes
 
 
+@FILES
 def test_a_torn_lease_append_is_counted_and_the_claim_recovers(myq, spool, tmp_path):
     """What a power cut leaves on ext4: the claim's file kept its new length
     but not the appended lease line."""
