@@ -9061,6 +9061,7 @@ def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
     signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
     signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
     signal.signal(signal.SIGHUP, lambda s, f: stop.append("hup"))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))  # (_child_run)
     http = HttpIntake(spool, listen, token, max_bytes, timeout, log) \
         if listen else None
     mq = thread = None
@@ -10671,12 +10672,17 @@ class Worker(_Scheduling, _Running, _Holding):
                         (signal.SIGALRM, self._on_alarm)):
             saved[sig] = signal.signal(sig, fn)
         saved["wakeup"] = signal.set_wakeup_fd(self._pipe[1])
+        # A supervisor's child starts with SIGHUP blocked (_child_run): one
+        # sent before this handler was here is delivered to it now.
+        saved["mask"] = signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))
         return saved
 
     def _restore_signals(self, saved):
         signal = self._signal
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.set_wakeup_fd(saved.pop("wakeup"))
+        if signal.SIGHUP in saved.pop("mask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))
         for sig, fn in saved.items():
             signal.signal(sig, fn)
 
@@ -11824,8 +11830,9 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
     into the supervisor's frames, its finally clauses, its objects'
     descriptors).  It gets what an exec'd child gets: 0 on /dev/null, 1
     and 2 on `out` (the log; 1 on /dev/null when `quiet`), no other
-    descriptor of ours, the default signals (SIGHUP ignored until the
-    worker's own handler: not a death in that window), no wakeup fd, /
+    descriptor of ours, the default signals (SIGHUP blocked until the
+    worker's or intake's own handler unblocks it: a logrotate in that
+    window is neither a death nor lost), no wakeup fd, /
     as its directory, the supervisor's clean environment (and shown as
     its own: _retitle), its title; then run() (main() with the words the supervisor parsed) in this
     process; else an exec of the same words."""
@@ -11834,7 +11841,7 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
         signal.set_wakeup_fd(-1)
         for sig, fn in ((signal.SIGTERM, signal.SIG_DFL),
                         (signal.SIGINT, signal.default_int_handler),
-                        (signal.SIGHUP, signal.SIG_IGN),
+                        (signal.SIGHUP, signal.SIG_DFL),   # (blocked: kept)
                         (signal.SIGCHLD, signal.SIG_DFL)):
             signal.signal(sig, fn)
         null = os.open(os.devnull, os.O_RDWR)
@@ -11850,12 +11857,13 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
         os.chdir("/")
         os.environ.clear()
         os.environ.update(sup.env)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [
+            s for s in sigs if s != signal.SIGHUP])
         if not _retitle(sup.area, image[0], image[1]):
             argv = _worker_start(sup.python) + words
             os.execve(argv[0], argv, sup.env)
         sys.argv[:] = [_title_prog()] + words
         del _COMPILED_AT_START[:]       # the heap is the supervisor's, shared
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
         status = run()
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (e.code is not None)

@@ -255,11 +255,17 @@ def test_exec_handlers_leave_no_descriptor_open(myq, spool, handlers_dir,
     hd = handlers_dir("slow", "sleep 5")
     sp = myq.Spool(spool)
     big = {"x": "y" * 200000}
+    missing = []
     for t, payload, timeout in (("ok", big, None), ("early", big, None),
                                 ("noisy", {}, None), ("slow", {}, 0.3),
                                 ("missing", {}, None)):
         for _ in range(3):
-            sp.enqueue(t, payload, max_attempts=1, timeout=timeout)
+            jid = sp.enqueue(t, payload, max_attempts=1, timeout=timeout)
+            if t == "missing":
+                missing.append(jid)
+    # (an SQLite spool's connection: the worker's own cannot close its
+    # descriptor of queue.db while another of this process holds the file)
+    sp.close()
     before = _fds()
     w = myq.Worker(spool, handlers_dir=hd, concurrency=concurrency,
                    log=myq.Log(path=os.devnull), stats_interval=0)
@@ -268,12 +274,27 @@ def test_exec_handlers_leave_no_descriptor_open(myq, spool, handlers_dir,
     del w
     after = _fds()
     assert {k: v for k, v in after.items() if before.get(k) != v} == {}
-    assert len(os.listdir(os.path.join(spool, "done"))) == 6
-    held = [n for n in os.listdir(os.path.join(
-        spool, "incoming", "lanes", "missing@0")) if n.endswith(".json")]
+    assert len(ls(spool, "done")) == 6
     # no handler: the type is held, its jobs wait in its lane
-    assert len(held) == 3               # the 3 of type "missing"
-    assert len(os.listdir(os.path.join(spool, "dlq"))) == 6
+    assert sorted(_in_lane(spool, "missing@0")) == sorted(missing)
+    assert len(ls(spool, "dlq")) == 6
+
+
+def _in_lane(spool, lane):
+    """The ids of the jobs waiting in lane `lane` (incoming/lanes/LANE/ of
+    a spool of files; on an SQLite spool, the ready rows of that lane)."""
+    sub = "incoming/lanes/" + lane
+    db = os.path.join(spool, "queue.db")
+    if not os.path.exists(db):
+        return [n[:-5] for n in os.listdir(os.path.join(spool, sub))
+                if n.endswith(".json")]
+    import sqlite3
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        return [r[0] for r in con.execute(
+            "SELECT id FROM jobs WHERE status='ready' AND lane=?", (sub,))]
+    finally:
+        con.close()
 
 
 def test_out_of_descriptors_retries_the_job_and_the_worker_goes_on(

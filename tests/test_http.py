@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from _core import ROOT, call_myq
+from _core import ROOT, call_myq, has
 from _http import answer, http_server, http_servers  # noqa: F401 (fixtures)
 
 SECRET = "s3cret-TOKEN-7f3a"
@@ -379,7 +379,7 @@ def _check_merge(server, spool, jid, secret):
     assert h.get_all("Authorization") == ["Bearer " + secret], h.get_all("Authorization")
     assert h["X-Job"] == "job-own"
     assert h["Idempotency-Key"] == jid
-    assert os.path.exists(os.path.join(spool, "done", jid + ".json"))
+    assert has(spool, "done", jid)
     assert spool_files_containing(spool, secret) == []
 
 
@@ -461,6 +461,7 @@ def run_light(block, *args):
                           universal_newlines=True, env=env, timeout=60)
 
 
+@pytest.mark.files_only("python3-light has no sqlite3: SQLite is refused")
 def test_python3_light_http_job_is_held_naming_python3_urllib(spool, server):
     """SPEC 10: without Python's http modules the http type is held (its
     jobs wait, no attempt spent), not dead."""

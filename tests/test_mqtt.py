@@ -454,6 +454,7 @@ def test_mqtt_dest_names_the_broker(myq):
 
 # 6. python3-light ################################################################
 
+@pytest.mark.files_only("python3-light has no sqlite3: SQLite is refused")
 def test_mqtt_runs_under_python3_light(spool, broker, tmp_path):
     """socket and select are in python3-light: an mqtt job goes, and no
     import that python3-light lacks is tried."""

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from _core import call_myq, enqueue, one_line_error, run_myq, show, world_python
+from _core import (call_myq, enqueue, ls, one_line_error, run_myq, show,
+                   world_python)
 
 BAD_FORMS = "500ms, 30s, 15m, 1h, 7d"
 
@@ -288,8 +289,8 @@ def test_retry_now_makes_a_scheduled_job_ready(spool, handlers_dir, tmp_path):
     assert after["available_at"] <= time.time()
     assert {k: after[k] for k in ("payload", "created_at", "attempts")} == \
         {k: before[k] for k in ("payload", "created_at", "attempts")}
-    assert sorted(os.listdir(os.path.join(spool, "incoming"))) == ["s1.json"]
-    assert os.listdir(os.path.join(spool, "processing")) == []
+    assert ls(spool, "incoming") == ["s1.json"]
+    assert ls(spool, "processing") == []
     out = tmp_path / "ran"
     d = handlers_dir("t", 'cat >> "%s"' % out)
     cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", d)
@@ -514,13 +515,32 @@ def parse_prometheus(text):
     return metrics
 
 
+def _age(spool, jid, seconds):
+    """Ready job `jid` `seconds` earlier in the order workers take jobs in:
+    its file's mtime; on an SQLite spool, its row's available_at."""
+    db = os.path.join(spool, "queue.db")
+    if not os.path.exists(db):
+        t = time.time() - seconds
+        os.utime(os.path.join(spool, "incoming", jid + ".json"), (t, t))
+        return
+    import sqlite3
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        with con:
+            n = con.execute("UPDATE jobs SET available_at=available_at-? "
+                            "WHERE id=? AND status='ready'",
+                            (seconds, jid)).rowcount
+    finally:
+        con.close()
+    assert n == 1, jid
+
+
 def test_stats_prometheus_has_the_figures_of_stats_json(spool, handlers_dir):
     d = handlers_dir("no", "exit 65")
     enqueue(call_myq, spool, "no", "null", "--id", "dead1")    # --once: this one
     # ...the earliest: enqueues a clock tick apart can share an mtime
-    # (coarse on tmpfs), and then the name decides.
-    t = time.time() - 60
-    os.utime(os.path.join(spool, "incoming", "dead1.json"), (t, t))
+    # (coarse on tmpfs) or an available_at, and then the name decides.
+    _age(spool, "dead1", 60)
     for i in range(3):
         enqueue(call_myq, spool, "t", "null")
     enqueue(call_myq, spool, "t", "null", "--delay", "1h")

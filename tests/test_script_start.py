@@ -19,7 +19,7 @@ import time
 import pytest
 
 import _core
-from _core import MYQ, clean_env, enqueue, show, wait_for, worker
+from _core import MYQ, clean_env, enqueue, has, show, wait_for, worker
 from _core import call_myq
 
 
@@ -215,8 +215,8 @@ def test_supervisor_as_script_trims_the_heap(spool, tmp_path, handlers_dir, proc
                      "--workers", "1", "--handlers", handlers_dir.path,
                      "--log", str(tmp_path / "sup.log")], env=clean_env(env))
     try:
-        wait_for(lambda: os.path.exists(os.path.join(spool, "done", job_id + ".json")),
-                 timeout=20, what="the supervised worker to run the job")
+        wait_for(lambda: has(spool, "done", job_id), timeout=20,
+                 what="the supervised worker to run the job")
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(15)
@@ -258,9 +258,8 @@ def test_long_running_script_runs_again_from_its_byte_code(
     p = procs.spawn([sys.executable, prog] + words, env=env)
     job_id = enqueue(call_myq, spool, "t")
     try:
-        wait_for(lambda: os.path.exists(os.path.join(spool, "done",
-                                                     job_id + ".json")),
-                 timeout=30, what="the job to be done")
+        wait_for(lambda: has(spool, "done", job_id), timeout=30,
+                 what="the job to be done")
         got = cmdline(p.pid)
         assert got[1] == "-c" and "spec_from_file_location" in got[2], got
         assert got[3:] == words, got
@@ -288,9 +287,8 @@ def test_no_second_start_without_a_safe_byte_code_cache(
                      "--handlers", handlers_dir.path], env=env)
     job_id = enqueue(call_myq, spool, "t")
     try:
-        wait_for(lambda: os.path.exists(os.path.join(spool, "done",
-                                                     job_id + ".json")),
-                 timeout=30, what="the job to be done")
+        wait_for(lambda: has(spool, "done", job_id), timeout=30,
+                 what="the job to be done")
         assert cmdline(p.pid)[1] == prog
         assert not os.path.exists(os.path.join(os.path.dirname(prog),
                                                "__pycache__"))

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from _core import MYQ, call_myq, clean_env, enqueue, wait_for
+from _core import MYQ, call_myq, clean_env, enqueue, has, wait_for
 from _procs import alive, children
 from test_intake import free_port, post
 
@@ -105,8 +105,8 @@ def test_children_are_forked_and_named_for_what_they_are(spool, tmp_path,
                  what="the intake to listen")
         assert post(port, "t", "1")[0] == 202
         jid = enqueue(call_myq, spool, "t")
-        wait_for(lambda: os.path.exists(os.path.join(spool, "done", jid + ".json")),
-                 timeout=30, what="the job done")
+        wait_for(lambda: has(spool, "done", jid), timeout=30,
+                 what="the job done")
     finally:
         assert finish(sup) == 0
     text = open(log).read()
@@ -126,8 +126,8 @@ def test_a_killed_child_is_forked_again(spool, tmp_path, handlers_dir):
         assert forked(second, sup.pid) and "worker" in cmdline(second)
         assert "event=worker_exit slot=0 pid=%d status=-9" % first in open(log).read()
         jid = enqueue(call_myq, spool, "t")
-        wait_for(lambda: os.path.exists(os.path.join(spool, "done", jid + ".json")),
-                 timeout=30, what="the job done")
+        wait_for(lambda: has(spool, "done", jid), timeout=30,
+                 what="the job done")
     finally:
         assert finish(sup) == 0
 
@@ -151,11 +151,14 @@ def test_sighup_reopens_the_log_in_the_children(spool, tmp_path, handlers_dir):
         return out
 
     try:
-        pids = wait_for(lambda: len(workers(sup)) == 2 and workers(sup),
-                        timeout=30, what="two workers")
-        wait_for(lambda: all(log in logs(p) for p in pids), what="their logs open")
+        # As soon as the children are there, before their workers' own
+        # handlers maybe: a child keeps SIGHUP blocked until its worker's
+        # handler is in place, which then gets it (not ignored, not lost)
+        wait_for(lambda: len(kinds(sup)) == 2, timeout=30, what="two children")
         os.rename(log, log + ".1")
         sup.send_signal(signal.SIGHUP)
+        pids = wait_for(lambda: len(workers(sup)) == 2 and workers(sup),
+                        timeout=30, what="two workers")
         wait_for(lambda: all(log in logs(p) for p in pids + [sup.pid]),
                  what="every process to reopen the log")
         jid = enqueue(call_myq, spool, "t")
@@ -185,8 +188,8 @@ def test_a_title_that_does_not_fit_means_an_exec(spool, tmp_path, handlers_dir):
         assert words[:5] == [sys.executable, prog, "--spool", spool, "worker"]
         assert not forked(pid, sup.pid), shared_dirty_kb(pid)
         jid = enqueue(call_myq, spool, "t")
-        wait_for(lambda: os.path.exists(os.path.join(spool, "done", jid + ".json")),
-                 timeout=30, what="the job done")
+        wait_for(lambda: has(spool, "done", jid), timeout=30,
+                 what="the job done")
     finally:
         assert finish(sup) == 0
 
