@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from test_initd import BUSYBOX, SCRIPT, bindirs, service  # noqa: F401 (fixtures)
+from test_initd import BUSYBOX, SCRIPT, bindirs, children, service  # noqa: F401 (fixtures)
 
 needs_busybox = pytest.mark.skipif(
     not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
@@ -23,7 +23,10 @@ def test_start_returns_with_the_worker_running(service, kind):
     assert r.returncode == 0 and r.stdout == "Starting myq: OK\n", r
     assert r.stderr == ""
     assert " --daemon " in open("/proc/%d/cmdline" % s.pid()).read().replace("\0", " ")
-    assert len(s.workers()) == 2, "start returned before the workers started"
+    # both forked by then (a child between its fork and its title still
+    # reads "supervise": the supervisor's children are its workers alone)
+    assert len(children(s.pid())) == 2, "start returned before the workers started"
+    s.wait_workers(2)
     assert s.run("stop").returncode == 0
     assert s.leftovers() == []
 
