@@ -4184,6 +4184,16 @@ class _Backlog(object):
 
     # Export ------------------------------------------------------------------
 
+    def _export_args(self, states, skip):
+        """export's words checked (both stores): the states as a set, and
+        skip (a no-op when None)."""
+        states = frozenset(states or self.EXPORTED)
+        for s in states:
+            if s not in STATES:
+                raise UsageError("unknown state %r; one of: %s"
+                                 % (s, " ".join(STATES)))
+        return states, skip or (lambda path, why: None)
+
     def export(self, states=(), type=None, skip=None):
         """The jobs in `states` (default: all but failed), of `type`, as
         dicts with their `state`: each as its file holds it, a waiting
@@ -4193,12 +4203,7 @@ class _Backlog(object):
         that is not a job is left out, and skip(path, why) called."""
         self.require()
         self._check_readable()
-        states = frozenset(states or self.EXPORTED)
-        for s in states:
-            if s not in STATES:
-                raise UsageError("unknown state %r; one of: %s"
-                                 % (s, " ".join(STATES)))
-        skip = skip or (lambda path, why: None)
+        states, skip = self._export_args(states, skip)
         subs = self.waiting_dirs() if states & {"ready", "scheduled"} else []
         subs += [STATE_DIRS[s] for s in ("processing", "done", "dead")
                  if s in states]
@@ -6184,12 +6189,7 @@ class _SqlUpkeep(object):
 
     def export(self, states=(), type=None, skip=None):
         self.require()
-        states = frozenset(states or self.EXPORTED)
-        for s in states:
-            if s not in STATES:
-                raise UsageError("unknown state %r; one of: %s"
-                                 % (s, " ".join(STATES)))
-        skip = skip or (lambda path, why: None)
+        states, skip = self._export_args(states, skip)
         if states & {"ready", "scheduled"}:
             for e in _scandir(self.d("incoming")):      # the drop box
                 row = self._exported("incoming", e.name, skip)

@@ -192,6 +192,22 @@ def wait_for(pred, timeout=15.0, interval=0.02, what="condition"):
         time.sleep(interval)
 
 
+def sql(spool, statement, args=()):
+    """On a spool of the SQLite store: what `statement` returns (its rows;
+    a write: committed, the rows it changed); on a spool of files: None."""
+    db = os.path.join(spool, "queue.db")
+    if not os.path.exists(db):
+        return None
+    import sqlite3
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        with con:
+            cur = con.execute(statement, args)
+            return cur.fetchall() if cur.description else cur.rowcount
+    finally:
+        con.close()
+
+
 def ls(spool, sub):
     """The names in SPOOL/SUB; on a spool of the SQLite store, a state's
     directory lists its rows as the files the file store would hold there
@@ -203,17 +219,10 @@ def ls(spool, sub):
         names = []
     status = {"incoming": "ready", "processing": "processing", "done": "done",
               "dlq": "dead"}.get(sub)
-    db = os.path.join(spool, "queue.db")
-    if status is None or not os.path.exists(db):
-        return names
-    import sqlite3
-    con = sqlite3.connect(db, timeout=30)
-    try:
-        rows = con.execute("SELECT id FROM jobs WHERE status=? AND (? OR "
-                           "lane='incoming')", (status, sub != "incoming"))
-        return sorted(names + [r[0] + ".json" for r in rows])
-    finally:
-        con.close()
+    rows = None if status is None else sql(
+        spool, "SELECT id FROM jobs WHERE status=? AND (? OR lane='incoming')",
+        (status, sub != "incoming"))
+    return names if rows is None else sorted(names + [r[0] + ".json" for r in rows])
 
 
 def has(spool, sub, jid):
@@ -233,17 +242,9 @@ def read_job(spool, sub, jid):
             return myq.parse(f.read())[0]
     status = {"incoming": "ready", "processing": "processing", "done": "done",
               "dlq": "dead", "failed": "failed"}.get(sub)
-    db = os.path.join(spool, "queue.db")
-    if status is None or not os.path.exists(db):
-        return None
-    import sqlite3
-    con = sqlite3.connect(db, timeout=30)
-    try:
-        row = con.execute(myq._SELECT + " WHERE id=? AND status=?",
-                          (jid, status)).fetchone()
-    finally:
-        con.close()
-    return None if row is None else myq._job_of_row(row)
+    rows = None if status is None else sql(
+        spool, myq._SELECT + " WHERE id=? AND status=?", (jid, status))
+    return myq._job_of_row(rows[0]) if rows else None
 
 
 def one_line_error(cp):

@@ -11,7 +11,6 @@ effect, and a job has a duplicate effect only if one of its runs was killed
 
 The seed is printed; CHAOS_SEED=N replays the same kill schedule.
 """
-import json
 import os
 import random
 import signal
@@ -20,7 +19,7 @@ import time
 
 import pytest
 
-from _core import MYQ, clean_env, ls, read_job, wait_for
+from _core import MYQ, clean_env, ls, read_job, sql, wait_for
 from _procs import Procs, children, job_of, proc_stat
 
 PER_PRODUCER = 2500
@@ -104,16 +103,10 @@ class Chaos(object):
         tag = "+w-%d-" % pid
         out = {n.split("+", 1)[0] for n in ls(self.spool, "processing")
                if tag in n}
-        db = os.path.join(self.spool, "queue.db")
-        if os.path.exists(db):          # the SQLite store: its claimed rows
-            import sqlite3
-            con = sqlite3.connect(db, timeout=30)
-            try:
-                out.update(r[0] for r in con.execute(
-                    "SELECT id FROM jobs WHERE status='processing' AND "
-                    "worker_id LIKE ?", ("w-%d-%%" % pid,)))
-            finally:
-                con.close()
+        # the SQLite store: its claimed rows
+        out.update(r[0] for r in sql(
+            self.spool, "SELECT id FROM jobs WHERE status='processing' AND "
+            "worker_id LIKE ?", ("w-%d-%%" % pid,)) or ())
         return out
 
     def kill_worker(self):

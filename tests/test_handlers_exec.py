@@ -10,7 +10,7 @@ import pytest
 from _core import (MYQ, enqueue, ls, procs_with_cmdline, show, start_worker, state,
                    stop, wait_for, worker,
                    write_incoming)
-from _core import call_myq
+from _core import call_myq, sql
 
 
 def run_one(run_myq, spool, handlers_dir, body, *enqueue_opts, worker_opts=(),
@@ -284,17 +284,12 @@ def _in_lane(spool, lane):
     """The ids of the jobs waiting in lane `lane` (incoming/lanes/LANE/ of
     a spool of files; on an SQLite spool, the ready rows of that lane)."""
     sub = "incoming/lanes/" + lane
-    db = os.path.join(spool, "queue.db")
-    if not os.path.exists(db):
+    rows = sql(spool, "SELECT id FROM jobs WHERE status='ready' AND lane=?",
+               (sub,))
+    if rows is None:
         return [n[:-5] for n in os.listdir(os.path.join(spool, sub))
                 if n.endswith(".json")]
-    import sqlite3
-    con = sqlite3.connect(db, timeout=30)
-    try:
-        return [r[0] for r in con.execute(
-            "SELECT id FROM jobs WHERE status='ready' AND lane=?", (sub,))]
-    finally:
-        con.close()
+    return [r[0] for r in rows]
 
 
 def test_out_of_descriptors_retries_the_job_and_the_worker_goes_on(

@@ -11,12 +11,11 @@ claim back.
 import json
 import os
 import signal
-import sqlite3
 import uuid
 
 import pytest
 
-from _core import FAST, enqueue, ls, show, stop, wait_for, worker
+from _core import FAST, enqueue, ls, show, sql, stop, wait_for, worker
 from _core import call_myq
 from _procs import (alive, holding_handler, lines, mono, proc_start,
                     read_pid, reap, wait_gone)
@@ -59,20 +58,14 @@ def end_lease(spool, jid, t):
     """Make job `jid`'s claim's wall-clock lease end at `t`, through its
     store: the claim file's mtime in processing/, or its row's
     leased_until."""
-    db = os.path.join(spool, "queue.db")
-    if not os.path.exists(db):
+    n = sql(spool, "UPDATE jobs SET leased_until=? WHERE id=? AND "
+            "status='processing'", (t, jid))
+    if n is None:
         names = [n for n in ls(spool, "processing") if n.startswith(jid + "+")]
         assert len(names) == 1, names
         os.utime(os.path.join(spool, "processing", names[0]), (t, t))
-        return
-    con = sqlite3.connect(db, timeout=30)
-    try:
-        with con:
-            n = con.execute("UPDATE jobs SET leased_until=? WHERE id=? AND "
-                            "status='processing'", (t, jid)).rowcount
-    finally:
-        con.close()
-    assert n == 1, (jid, n)
+    else:
+        assert n == 1, (jid, n)
 
 
 def sigkill(p):

@@ -35,7 +35,7 @@ import time
 import pytest
 
 from _core import (FAST, STATUS_RE, blocking_handler, call_myq,
-                   clean_env, enqueue, kill_quiet, ls, myq_argv,
+                   clean_env, enqueue, kill_quiet, ls, myq_argv, sql,
                    one_line_error, show, state, wait_for, worker,
                    write_incoming)
 import _http
@@ -278,16 +278,10 @@ def waiting_bytes(spool, type_):
     """The size of the waiting job files of `type_` (incoming/ and any
     sub-directory a worker keeps there; on an SQLite spool, the sizes of
     its ready rows, each the bytes of the file the job would be)."""
-    db = os.path.join(spool, "queue.db")
-    if os.path.exists(db):
-        import sqlite3
-        con = sqlite3.connect(db, timeout=30)
-        try:
-            return con.execute("SELECT coalesce(sum(size), 0) FROM jobs WHERE "
-                               "status='ready' AND type=?",
-                               (type_,)).fetchone()[0]
-        finally:
-            con.close()
+    rows = sql(spool, "SELECT coalesce(sum(size), 0) FROM jobs WHERE "
+               "status='ready' AND type=?", (type_,))
+    if rows is not None:
+        return rows[0][0]
     total = 0
     for d, _, files in os.walk(os.path.join(spool, "incoming")):
         for n in files:

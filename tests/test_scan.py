@@ -11,12 +11,11 @@ iterator are the file store's own (files_only).
 """
 import os
 import signal
-import sqlite3
 import threading
 
 import pytest
 
-from _core import ls, wait_for
+from _core import ls, sql, wait_for
 
 
 def _worker(myq, spool, seen, scan_cache, **kw):
@@ -40,18 +39,12 @@ def _names(spool, state):
 def _schedule(spool, jid, t):
     """Make waiting job `jid` available at `t` through its store: the
     mtime of its file in incoming/, or its row's available_at."""
-    db = os.path.join(spool, "queue.db")
-    if not os.path.exists(db):
+    n = sql(spool, "UPDATE jobs SET available_at=? WHERE id=? AND "
+            "status='ready'", (t, jid))
+    if n is None:
         os.utime(os.path.join(spool, "incoming", jid + ".json"), (t, t))
-        return
-    con = sqlite3.connect(db, timeout=30)
-    try:
-        with con:
-            n = con.execute("UPDATE jobs SET available_at=? WHERE id=? AND "
-                            "status='ready'", (t, jid)).rowcount
-    finally:
-        con.close()
-    assert n == 1, (jid, n)
+    else:
+        assert n == 1, (jid, n)
 
 
 @pytest.mark.parametrize("n,scan_cache", [(5, 4), (16, 4), (17, 4), (203, 4),

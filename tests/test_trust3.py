@@ -8,15 +8,14 @@ what a producer (or a server) did in the review and look at what myq did.
 """
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import time
 
 import pytest
 
-from _core import (FAST, MYQ, call_myq, enqueue, ls, run_myq, show, state,
-                   wait_for, write_incoming)
+from _core import (FAST, MYQ, call_myq, enqueue, ls, run_myq, show, sql,
+                   state, wait_for, write_incoming)
 from _http import Server, answer
 
 
@@ -26,43 +25,27 @@ def _job(t, **kw):
     return d
 
 
-def _db(spool):
-    """The SQLite store's database of `spool`, or None (a spool of files)."""
-    db = os.path.join(spool, "queue.db")
-    return db if os.path.exists(db) else None
-
-
 def _put_in_lane(myq, spool, lane, job):
     """Job `job` (with its id) waiting in lane `lane` (incoming/lanes/T@P),
     whatever its own home: a file written there, or its row moved there."""
-    db = _db(spool)
-    if db is None:
+    if not os.path.exists(os.path.join(spool, "queue.db")):
         with open(os.path.join(spool, lane, job["id"] + ".json"), "w") as f:
             json.dump(job, f)
         return
     myq.Spool(spool).enqueue(job["type"], job.get("payload"), id=job["id"],
                              priority=job.get("priority"))
-    con = sqlite3.connect(db, timeout=30)
-    try:
-        with con:
-            n = con.execute("UPDATE jobs SET lane=? WHERE id=? AND "
-                            "status='ready'", (lane, job["id"])).rowcount
-    finally:
-        con.close()
+    n = sql(spool, "UPDATE jobs SET lane=? WHERE id=? AND status='ready'",
+            (lane, job["id"]))
     assert n == 1, n
 
 
 def _in_lane(spool, lane, jid):
     """Does job `jid` wait in lane `lane` (its file, or its row)?"""
-    db = _db(spool)
-    if db is None:
+    rows = sql(spool, "SELECT 1 FROM jobs WHERE id=? AND status='ready' AND "
+               "lane=?", (jid, lane))
+    if rows is None:
         return os.path.exists(os.path.join(spool, lane, jid + ".json"))
-    con = sqlite3.connect(db, timeout=30)
-    try:
-        return con.execute("SELECT 1 FROM jobs WHERE id=? AND status='ready' "
-                           "AND lane=?", (jid, lane)).fetchone() is not None
-    finally:
-        con.close()
+    return bool(rows)
 
 
 # A symlink among the lanes ###################################################
