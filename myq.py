@@ -5560,7 +5560,6 @@ class _SqlClaims(Claims):
         return self.spool._one("SELECT 1 FROM jobs WHERE id=? AND status='ready' "
                                "AND lane=?", (name[:-5], sub)) is not None
 
-
     def size(self, sub, name):
         row = self.spool._one("SELECT size FROM jobs WHERE id=? AND "
                               "status='ready' AND lane=?", (name[:-5], sub))
@@ -6424,7 +6423,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         self.fs.release()
         with self._mutex:
             db, self._conn = self._conn, None
-            if db is not None and self._conn_pid == os.getpid():
+            if db is not None and self._conn_pid == _PID[0]:
                 try:
                     db.close()
                 except _sqlite3().Error:
@@ -6538,7 +6537,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         error, goes the general way, which words it."""
         if id is not None or delay or max_attempts is not None \
                 or timeout is not None or priority is not None \
-                or ttl is not None or not self._ready or self._drop_box():
+                or ttl is not None or self.require()._drop_box():
             return Spool.enqueue(self, type, payload, id, delay, max_attempts,
                                  timeout, sync, priority, ttl)
         # new_job's checks, in its order, without its dict
@@ -6561,16 +6560,21 @@ class SqlSpool(_SqlUpkeep, Spool):
             return Spool.enqueue(self, type, payload, None, 0, None, None, sync)
         if size > self.opt["max_job_bytes"]:
             return Spool.enqueue(self, type, payload, None, 0, None, None, sync)
+        self._insert_one(_INSERT_NEW, (jid, self.name, type, pj, now, now, now,
+                                       size), size, sync)
+        return jid
+
+    def _insert_one(self, sql, args, size, sync):
+        """One new row waiting in incoming/ (`size`: its file's bytes),
+        under the disk guard, in its own commit; a worker woken."""
         problem = self._room_for((size,))
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         try:
-            self._write(_INSERT_NEW, (jid, self.name, type, pj, now, now, now,
-                                      size), sync, fresh=True)
+            self._write(sql, args, sync, fresh=True)
             self.poke(often=True)
         finally:
             self.fs.release()
-        return jid
 
     def _enqueue_one(self, todo, sync):
         """One job of a generated id into incoming/'s lane: one INSERT, in
@@ -6578,17 +6582,10 @@ class SqlSpool(_SqlUpkeep, Spool):
         job, data, explicit, delay, sub = todo
         if explicit or sub != "incoming" or self._drop_box():
             return self._enqueue([todo], sync)[0]
-        problem = self._room_for((len(data),))
-        if problem:
-            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         v = _row_values(self, job, "ready", "incoming", _now(), size=len(data))
-        try:
-            self._write("INSERT INTO jobs(%s) VALUES(%s)" % (
-                ",".join(v), ",".join("?" * len(v))), tuple(v.values()), sync,
-                fresh=True)
-            self.poke(often=True)
-        finally:
-            self.fs.release()
+        self._insert_one("INSERT INTO jobs(%s) VALUES(%s)" % (
+            ",".join(v), ",".join("?" * len(v))), tuple(v.values()), len(data),
+            sync)
         return job["id"]
 
     def _enqueue(self, todo, sync, refused=None, done=None):
