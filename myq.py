@@ -2892,9 +2892,9 @@ class Claims(object):
             return None, False
         return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
 
-    def lanes_key(self, wake=None):
+    def lanes_key(self, poked=False):
         """A key that changes when lanes come or go (None: no lanes).
-        `wake`: the poll object of the worker's wake FIFO, if any."""
+        `poked`: a producer's poke waits in the worker's wake FIFO."""
         try:
             st = _dir_stat(self.spool.d(LANES))
         except OSError:
@@ -5375,7 +5375,9 @@ _NEW_SIZE = len(_NEW_FORMAT) - 2 * _NEW_FORMAT.count("%s")
 _CLAIM = ("UPDATE jobs SET status='processing', worker_id=?, token=?, "
           "lease=?||(attempts+1)||?, leased_until=? WHERE id=? AND "
           "status='ready' AND lane=?")
-_CLAIM_RETURNING = _CLAIM + " RETURNING " + ", ".join(_SELECT_COLS)
+# (what _job_of_row reads, no more: the lease the claim just wrote, its
+# token and its status are known; each column returned is a Python object)
+_CLAIM_RETURNING = _CLAIM + " RETURNING " + ", ".join(_JOB_COLS + ("extra",))
 
 
 def _sqlite3():
@@ -5539,13 +5541,13 @@ class _SqlClaims(Claims):
             if n:
                 self.spool.log("rescheduled", n=n, why="the clock went back")
 
-    def lanes_key(self, wake=None):
+    def lanes_key(self, poked=False):
         """Another process's commits are looked for at most every 50 ms
         here, or at once after a producer's poke (as the lanes of files
         are, at a claim); this one's at once."""
         now = _mono()
         seen = self.__dict__.get("_seen")
-        if seen is None or now >= seen[0] or (wake is not None and wake.poll(0)):
+        if seen is None or now >= seen[0] or poked:
             seen = self._seen = (now + 0.05, self.spool._version()[0])
         return seen[1], self.spool._fresh
 
@@ -9433,28 +9435,29 @@ class _Scheduling(object):
         producer poked the wake FIFO since (read here at each claim: while
         jobs run back to back the loop's select comes only now and then),
         which changed: a stat each."""
+        # (the FIFO asked once a claim: poll() is cheap, not free)
+        fifo = getattr(self, "_wake_poll", None)
+        waiting = fifo is not None and bool(fifo.poll(0))
         if self._lanes_key is None:
             # No lanes yet: look for incoming/lanes/ when a poke waits in
-            # the FIFO (the job may have made the first lane; poll() is
-            # cheap), after a change of incoming/ (the dirty setter), at a
-            # fresh look (the scan may have moved producers' files to new
-            # lanes), else every 50 ms: not at each claim, where the path
-            # lookup was 5% of a drained job.
+            # the FIFO (the job may have made the first lane), after a
+            # change of incoming/ (the dirty setter), at a fresh look (the
+            # scan may have moved producers' files to new lanes), else
+            # every 50 ms: not at each claim, where the path lookup was 5%
+            # of a drained job.
             now = _mono()
-            fifo = getattr(self, "_wake_poll", None)
-            if now < self._lanes_look and not fresh and (
-                    fifo is None or not fifo.poll(0)):
+            if now < self._lanes_look and not fresh and not waiting:
                 return
             self._lanes_look = now + 0.05
             if not self.spool.claims.maybe_lanes():
                 return  # no lanes, as before
-        key = self.spool.claims.lanes_key(getattr(self, "_wake_poll", None))
+        key = self.spool.claims.lanes_key(waiting)
         if key is None and key == self._lanes_key:
             return                      # no lanes: nothing to learn
         wake = getattr(self, "_wake_fds", None)
         if not wake:
             poked = True
-        elif self._wake_poll is not None and not self._wake_poll.poll(0):
+        elif fifo is not None and not waiting:
             poked = False
         else:
             poked = _drain(wake[0])
@@ -11092,7 +11095,16 @@ class Worker(_Scheduling, _Running, _Holding):
             if not self._pending:
                 self._pending_since = _mono()
             self._pending += 1
-            self.log("done", **kv)      # (_logged's way when ok)
+            log = self.log
+            if log.__class__ is Log and len(kv) == 4 \
+                    and kv["attempt"].__class__ is int:
+                # (Log's line of every job, formatted at once: 5% of a
+                # drained job's instructions less; a claimed job's id and
+                # type are names, never quoted, and ms is an int)
+                log.write("%s event=done id=%s type=%s attempt=%d ms=%d" % (
+                    iso(), kv["id"], kv["type"], kv["attempt"], kv["ms"]))
+            else:
+                log("done", **kv)       # (_logged's way when ok)
             return
         self._logged(ok, c, "done", kv)
 

@@ -171,6 +171,29 @@ def test_worker_log_lines(run_myq, spool, handlers_dir, tmp_path):
     assert any("log-bad" in l for l in lines), lines
 
 
+def test_a_done_line_is_the_line_log_makes_of_its_fields(spool):
+    """The worker formats a job's done line at once (its usual line, the
+    one of every job): the bytes Log makes of the same fields, apart from
+    the time."""
+    import io
+    import myq
+    sp = myq.Spool(spool)
+    ids = [sp.enqueue("t", {"n": 1}), sp.enqueue("t.x-y_z", None, id="a.b-c_d")]
+    out = io.StringIO()
+    myq.Worker(spool, handlers={"t": lambda p: None, "t.x-y_z": lambda p: None},
+               log=myq.Log(stream=out)).run(drain=True)
+    done = [l for l in out.getvalue().splitlines() if " event=done " in l]
+    assert len(done) == 2, out.getvalue()
+    for line in done:
+        assert LOG_RE.match(line), line
+        fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+        assert fields["id"] in ids
+        general = io.StringIO()
+        myq.Log(stream=general)("done", id=fields["id"], type=fields["type"],
+                                attempt=1, ms=int(fields["ms"]))
+        assert line.split(" ", 1)[1] == general.getvalue().split(" ", 1)[1].rstrip("\n")
+
+
 def test_status_line_in_worker_log(spool, handlers_dir, tmp_path):
     body, started, release = blocking_handler(tmp_path)
     h = handlers_dir("block", body)
