@@ -29,6 +29,9 @@ handler, the payload {"n": i}:
                   set explicitly; it is SQLite's default too)
     floor         run.floor_enqueue: create in tmp/, write, rename into
                   incoming/, fsync, close, fsync incoming/
+    sql-floor     the SQLite store's INSERT of the usual enqueue alone, on
+                  its own connection (synchronous=FULL): what no Python
+                  above the store's schema and statements can beat
 - drain: in another process (as a consumer is), after os.sync(), until the
   queue is empty.
     myq           Worker(dir, handlers={"noop": fn}).run(drain=True), its log
@@ -42,6 +45,10 @@ handler, the payload {"n": i}:
                   q.ack(id=item["pqid"])
     floor         run.floor_drain: rename into processing/, read, rename into
                   done/, fsync done/ every 64 jobs
+    sql-floor     the store's claim (UPDATE ... RETURNING) and success
+                  (UPDATE) of each ready row alone, NORMAL, the log
+                  fsync'd every 64 jobs; each goal line of the SQLite
+                  store says where this floor stands against the peer
   The time is taken inside the child from the opened queue to the last job,
   so the interpreter's start and the imports are not in it.
 - on tmpfs (N=20,000) and on a disk (ext4, N=2,000), --runs runs (medians);
@@ -105,11 +112,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 VENV = os.path.join(HERE, ".venv-peers")
 PKGS = ["huey>=3.5,<3.6", "persist-queue>=1.1,<1.2"]
-QUEUES = ("floor", "myq", "myq-sqlite", "huey", "pq")
+QUEUES = ("floor", "myq", "myq-sqlite", "sql-floor", "huey", "pq")
 MYQS = ("myq", "myq-sqlite", "base")        # the queues that are myq
 LABEL = {"floor": "bare syscall floor", "myq": "myq", "huey": "huey (SqliteHuey)",
          "pq": "persist-queue (SQLiteAckQueue)",
-         "myq-sqlite": "myq (SQLite store)"}
+         "myq-sqlite": "myq (SQLite store)",
+         "sql-floor": "the SQLite store's statements alone"}
 
 clock = time.perf_counter
 cpu = time.process_time       # this process's user + system time
@@ -267,6 +275,46 @@ def open_queue(q, d, fake_clock=False, base=None):
                 handler(item["data"])
                 pq.ack(id=item["pqid"])
         return enq, drain, done
+    if q == "sql-floor":
+        # The SQLite store's own statements and nothing else, on a spool of
+        # the store (its connection: page size, WAL, indexes, synchronous as
+        # the store sets them): an enqueue is the usual one's INSERT (FULL),
+        # a drain each ready row's claim (UPDATE ... RETURNING) and success
+        # (UPDATE), both NORMAL, the log fsync'd every 64 jobs as the
+        # worker's group commit does.  What no Python above it can beat.
+        sys.path.insert(0, ROOT)
+        import myq
+        sp = myq.Spool(d)
+        sp.require()
+        assert sp.store == "sqlite", sp.store
+        db, name = sp._db(), sp.name
+        success = ("UPDATE jobs SET status='done', attempts=?, finished_at=?, "
+                   "updated_at=?, token=NULL, worker_id=NULL, leased_until=NULL "
+                   "WHERE id=? AND status='processing' AND token=?")
+
+        def enq(i):
+            now = time.time()
+            pj = '{"n":%d}' % i
+            db.execute(myq._INSERT_NEW, (myq._new_id(now), name, "noop", pj,
+                                         now, now, now, 150 + len(pj)))
+
+        def drain():
+            db.execute("PRAGMA synchronous=NORMAL")
+            ids = [r[0] for r in db.execute(
+                "SELECT id FROM jobs WHERE status='ready' ORDER BY available_at")]
+            wal = os.path.join(d, myq.DB_NAME + "-wal")
+            for k, jid in enumerate(ids):
+                now = time.time()
+                row = db.execute(myq._CLAIM_RETURNING, (
+                    "w", "t", '{"lease":{"attempt":', "}}", now + 60, jid,
+                    "incoming")).fetchall()[0]
+                handler(json.loads(row[2]))
+                db.execute(success, (1, now, now, jid, "t"))
+                if k % 64 == 63:
+                    fd = os.open(wal, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
+        return enq, drain, done
     if q == "floor":
         run = _run_module()
         sys.path.insert(0, ROOT)
@@ -331,7 +379,7 @@ def prepare(q, d):
     """A fresh, empty queue directory (myq's layout for myq and the floor;
     myq-sqlite: `myq init --store sqlite`)."""
     os.makedirs(d)
-    if q == "myq-sqlite":
+    if q in ("myq-sqlite", "sql-floor"):
         # In a child: init(store="sqlite") leaves a descriptor of the spool
         # open in its process, which would keep the wear step's loop
         # device busy at its umount.
@@ -486,7 +534,7 @@ def wear_on(py, o, res, key, bs, mib):
     used again was at times still busy after the umount)."""
     work = tempfile.mkdtemp(prefix="myq-peers-wear-", dir=o.dir)
     try:
-        for q in o.queues + BATCHES:
+        for q in [q for q in o.queues if q != "sql-floor"] + list(BATCHES):
             img = os.path.join(work, q + ".img")
             with open(img, "wb") as f:
                 f.truncate(mib << 20)
@@ -649,7 +697,8 @@ def report(res, o, info, notes):
     for op in ("enqueue", "drain"):
         rows.append(("instructions/job, %s (callgrind)" % op, ("cpu", op)))
     names = {"floor": "floor", "myq": "myq", "huey": "huey", "pq": "persist-queue",
-             "base": "myq@base", "myq-sqlite": "myq-sqlite"}
+             "base": "myq@base", "myq-sqlite": "myq-sqlite",
+             "sql-floor": "sql-floor"}
     head = ["metric"] + [names[q] for q in o.queues] + [
         "myq/" + names[p] for p in peers_of(o)]
     rows = [(label, key) for label, key in rows
@@ -732,7 +781,10 @@ def check_goals(res, o):
         if x is None:
             continue
         ok = x >= want if higher else x <= want
-        goals.append("goal %-48s %.2fx  %s" % (text + ":", x, "pass" if ok else "MISS"))
+        f = ratio(res, key, "sql-floor", peer)
+        goals.append("goal %-48s %.2fx  %s%s" % (
+            text + ":", x, "pass" if ok else "MISS",
+            "  (its statements alone: %.2fx)" % f if f is not None else ""))
 
     def r(key, peer):
         return ratio(res, key, "myq", peer)
