@@ -288,9 +288,6 @@ def open_queue(q, d, fake_clock=False, base=None):
         sp.require()
         assert sp.store == "sqlite", sp.store
         db, name = sp._db(), sp.name
-        success = ("UPDATE jobs SET status='done', attempts=?, finished_at=?, "
-                   "updated_at=?, token=NULL, worker_id=NULL, leased_until=NULL "
-                   "WHERE id=? AND status='processing' AND token=?")
 
         def enq(i):
             now = time.time()
@@ -309,7 +306,7 @@ def open_queue(q, d, fake_clock=False, base=None):
                     "w", "t", '{"lease":{"attempt":', "}}", now + 60, jid,
                     "incoming")).fetchall()[0]
                 handler(json.loads(row[2]))
-                db.execute(success, (1, now, now, jid, "t"))
+                db.execute(myq._SUCCESS, (1, now, now, jid, "t"))
                 if k % 64 == 63:
                     fd = os.open(wal, os.O_RDONLY)
                     os.fsync(fd)

@@ -208,6 +208,11 @@ def sql(spool, statement, args=()):
         con.close()
 
 
+# A state's directory -> the status of its rows on an SQLite spool
+STATUS_OF_DIR = {"incoming": "ready", "processing": "processing",
+                 "done": "done", "dlq": "dead", "failed": "failed"}
+
+
 def ls(spool, sub):
     """The names in SPOOL/SUB; on a spool of the SQLite store, a state's
     directory lists its rows as the files the file store would hold there
@@ -217,8 +222,7 @@ def ls(spool, sub):
         names = sorted(os.listdir(os.path.join(spool, sub)))
     except FileNotFoundError:
         names = []
-    status = {"incoming": "ready", "processing": "processing", "done": "done",
-              "dlq": "dead"}.get(sub)
+    status = None if sub == "failed" else STATUS_OF_DIR.get(sub)
     rows = None if status is None else sql(
         spool, "SELECT id FROM jobs WHERE status=? AND (? OR lane='incoming')",
         (status, sub != "incoming"))
@@ -240,8 +244,7 @@ def read_job(spool, sub, jid):
     if os.path.exists(path):
         with open(path, "rb") as f:
             return myq.parse(f.read())[0]
-    status = {"incoming": "ready", "processing": "processing", "done": "done",
-              "dlq": "dead", "failed": "failed"}.get(sub)
+    status = STATUS_OF_DIR.get(sub)
     rows = None if status is None else sql(
         spool, myq._SELECT + " WHERE id=? AND status=?", (jid, status))
     return myq._job_of_row(rows[0]) if rows else None

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import myq
-from _core import ROOT, clean_env, myq_argv, run_myq, write_incoming
+from _core import ROOT, clean_env, myq_argv, run_myq, sql, write_incoming
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -272,15 +272,9 @@ def _ids_once(path):
     """{id: [the directories it is in]}; an SQLite spool's rows as the
     directory of their state."""
     where = {}
-    if os.path.exists(os.path.join(path, "queue.db")):
-        import sqlite3
-        db = sqlite3.connect(os.path.join(path, "queue.db"), timeout=30)
-        try:
-            for jid, status in db.execute("SELECT id, status FROM jobs"):
-                where.setdefault(jid, []).append({
-                    "ready": "incoming", "dead": "dlq"}.get(status, status))
-        finally:
-            db.close()
+    for jid, status in sql(path, "SELECT id, status FROM jobs") or ():
+        where.setdefault(jid, []).append({
+            "ready": "incoming", "dead": "dlq"}.get(status, status))
     for sub in ("incoming", "done", "dlq", "processing"):
         for name in os.listdir(os.path.join(path, sub)):
             if name.endswith(".json"):

@@ -19,7 +19,8 @@ import pytest
 
 import myq
 from _core import (MYQ, ROOT, STATUS_RE, call_myq, clean_env, fill_disk,
-                   run_myq, show, start_worker, stop, wait_for, write_incoming)
+                   run_myq, show, sql, start_worker, stop, wait_for,
+                   write_incoming)
 
 
 def sql_spool(path):
@@ -28,12 +29,8 @@ def sql_spool(path):
     return path
 
 
-def rows(path, sql="SELECT id, status FROM jobs ORDER BY id"):
-    db = sqlite3.connect(os.path.join(path, "queue.db"), timeout=30)
-    try:
-        return db.execute(sql).fetchall()
-    finally:
-        db.close()
+def rows(path, statement="SELECT id, status FROM jobs ORDER BY id"):
+    return sql(str(path), statement)
 
 
 def quiet(event, **kv):
@@ -127,10 +124,8 @@ def test_the_usual_enqueue_stores_the_row_the_general_way_would(
     assert myq.Spool.enqueue is general
     cols = ", ".join(myq._SELECT_COLS + ("queue", "size", "worker_id",
                                          "leased_until"))
-    db = sqlite3.connect(os.path.join(sp.path, "queue.db"))
-    got = db.execute("SELECT %s FROM jobs WHERE id=?" % cols, (jid,)).fetchone()
-    (got2,) = db.execute("SELECT %s FROM jobs WHERE id!=?" % cols, (jid,))
-    db.close()
+    (got,) = sql(sp.path, "SELECT %s FROM jobs WHERE id=?" % cols, (jid,))
+    (got2,) = sql(sp.path, "SELECT %s FROM jobs WHERE id!=?" % cols, (jid,))
     for row, pl in ((got, payload), (got2, 1)):
         job = myq._job_of_row(row[:len(myq._SELECT_COLS)])
         assert job["payload"] == pl
