@@ -62,7 +62,13 @@ def test_fast_args_are_argparse_args(argv):
     fast = myq._fast_args(argv)
     if fast is None:
         return
-    assert vars(fast) == _argparse(argv), argv
+    # (compared by repr: both parsers take `--timeout NaN` as nan, which
+    # is not equal to itself; the job's own checks refuse it later)
+    assert _same(vars(fast)) == _same(_argparse(argv)), argv
+
+
+def _same(answer):
+    return repr(sorted(answer.items())) if isinstance(answer, dict) else answer
 
 
 def test_fast_args_take_the_usual_forms():
