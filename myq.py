@@ -2308,6 +2308,38 @@ class Breaker(object):
         return n
 
 
+def _job_entries(it, inc, now, bad, nread):
+    """(due, name, scheduled) of the job files a directory iterator
+    gives; what is not a regular file goes to `bad`, counted in
+    nread[0] are the jobs."""
+    for e in it:
+        name = e.name
+        if not name.endswith(".json"):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            bad.append((name, _file_kind(st.st_mode)))
+            continue
+        m = st.st_mtime
+        # An mtime later than the ctime was set on purpose (by myq,
+        # or `touch -d` before the mv): it IS the schedule.
+        scheduled = m > st.st_ctime
+        if st.st_ctime > now + 5 and m > now:
+            # The clock went back since this file was scheduled:
+            # keep the delay it had left, not the old date.
+            m = now + max(0.0, m - st.st_ctime)
+            scheduled = True
+            try:
+                _utime(inc + "/" + name, m)
+            except OSError:
+                pass
+        nread[0] += 1
+        yield (m, name, scheduled)
+
+
 class Claims(object):
     """The claim protocol (myq-spool(5) CLAIMS): a job claimed by renaming it into
     processing/ with the claimer's token, its lease appended; finished by
@@ -2320,10 +2352,12 @@ class Claims(object):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
 
     def claim(self, name, me, default_max_attempts=5, scheduled=False,
-               sub="incoming"):
+               sub="incoming", anytime=False):
         """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
         Claim, or None when the job was lost to another worker, quarantined,
-        deferred, expired, moved to its lane, or already done."""
+        deferred, expired, moved to its lane, already done, or (scheduled:
+        the scheduler saw it due by its schedule) scheduled again since,
+        unless `anytime` (a held destination's probe runs it now)."""
         if not name.endswith(".json"):
             return None
         stem = name[:-5]
@@ -2353,10 +2387,17 @@ class Claims(object):
         if got is None:
             return None
         job, trailers, fd, st = got
+        now = _now()
+        if scheduled and not anytime and st.st_mtime > now + 0.5:
+            # Another worker ran it and put it back with its backoff since
+            # this one's scan saw it due (the mtime is the schedule): it
+            # goes back untouched, to wait its time.
+            os.close(fd)
+            _rename(path, src, pfd, fs(sub))
+            return None
         c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
                   trailers=trailers,
                   max_attempts=job.get("max_attempts") or default_max_attempts)
-        now = _now()
         if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
             return None
         c.attempt = job["attempts"] + 1
@@ -2973,7 +3014,7 @@ class Claims(object):
         sweeping = L.sweep is not None          # new arrivals: next pass
 
         def entries(it):
-            return self._entries(it, inc, now, bad, nread)
+            return _job_entries(it, inc, now, bad, nread)
 
         if not sweeping:
             it = _scandir(inc)
@@ -3020,38 +3061,6 @@ class Claims(object):
         L.cache_full = len(best) >= n or L.sweep is not None
         L.dirty = False
         L.next_due = None
-
-    @staticmethod
-    def _entries(it, inc, now, bad, nread):
-        """(due, name, scheduled) of the job files a directory iterator
-        gives; what is not a regular file goes to `bad`, counted in
-        nread[0] are the jobs."""
-        for e in it:
-            name = e.name
-            if not name.endswith(".json"):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                bad.append((name, _file_kind(st.st_mode)))
-                continue
-            m = st.st_mtime
-            # An mtime later than the ctime was set on purpose (by myq,
-            # or `touch -d` before the mv): it IS the schedule.
-            scheduled = m > st.st_ctime
-            if st.st_ctime > now + 5 and m > now:
-                # The clock went back since this file was scheduled:
-                # keep the delay it had left, not the old date.
-                m = now + max(0.0, m - st.st_ctime)
-                scheduled = True
-                try:
-                    _utime(inc + "/" + name, m)
-                except OSError:
-                    pass
-            nread[0] += 1
-            yield (m, name, scheduled)
 
     def queued(self, jid):
         return any(_lexists(self.spool.d(sub, jid + ".json"))
@@ -5374,7 +5383,7 @@ _NEW_SIZE = len(_NEW_FORMAT) - 2 * _NEW_FORMAT.count("%s")
 # A claim: the row still ready in its lane, the claimer's token and lease
 _CLAIM = ("UPDATE jobs SET status='processing', worker_id=?, token=?, "
           "lease=?||(attempts+1)||?, leased_until=? WHERE id=? AND "
-          "status='ready' AND lane=?")
+          "status='ready' AND lane=? AND available_at<=?")
 # A success: the row still the claimer's
 _SUCCESS = ("UPDATE jobs SET status='done', attempts=?, finished_at=?, "
             "updated_at=?, token=NULL, worker_id=NULL, leased_until=NULL WHERE "
@@ -5792,9 +5801,10 @@ class _SqlClaims(Claims):
     # Claim and finish -------------------------------------------------------------
 
     def claim(self, name, me, default_max_attempts=5, scheduled=False,
-              sub="incoming"):
+              sub="incoming", anytime=False):
         """Take job NAME (ID.json) waiting in lane `sub` for `me`: a Claim,
-        or None (another worker was faster, or it went elsewhere)."""
+        or None (another worker was faster, it went elsewhere, or it is
+        not due: Claims.claim)."""
         if not name.endswith(".json"):
             return None
         jid = name[:-5]
@@ -5804,7 +5814,10 @@ class _SqlClaims(Claims):
         until = now + me.lease
         # the lease as a file's claim appends it, its attempt the row's next
         pre, post = me.lease_parts(token, until)
-        args = (me.wid, token, pre, post, until, jid, sub)
+        # (the row's own time, not the scan's: another worker's retry
+        # may have put it back with its backoff since)
+        args = (me.wid, token, pre, post, until, jid, sub,
+                now + 0.5 if scheduled and not anytime else MAX_TIME)
         if sp._returning():
             rows = sp._write(_CLAIM_RETURNING, args, sync=False, rows=True)
             row = rows[0] if rows else None
@@ -10312,7 +10325,8 @@ class _Holding(object):
             sub, _, name = rel.rpartition("/")
             if not sp.claims.waits(rel):
                 continue
-            c = sp.claims.claim(name, self.me, self.max_attempts, True, sub)
+            c = sp.claims.claim(name, self.me, self.max_attempts, True, sub,
+                                anytime=True)
             if c is not None:
                 # (its lane: where the rest of a batch it went in waits)
                 self._taken = (None, dest, _Lane(sub))

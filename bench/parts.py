@@ -183,11 +183,12 @@ def child(a):
                 tok = me.token()
                 now = now_()
                 pre, post = me.lease_parts(tok, now + 60)
-                args = (me.wid, tok, pre, post, now + 60, jid, "incoming")
+                args = (me.wid, tok, pre, post, now + 60, jid, "incoming",
+                        now + 0.5)
             else:
                 tok, now = "t", now_()
                 args = ("w", tok, '{"lease":{"attempt":', "}}", now + 60, jid,
-                        "incoming")
+                        "incoming", now + 0.5)
             row = db.execute(myq._CLAIM_RETURNING, args).fetchall()[0]
             t0 = mono()
             handler({"id": row[0], "type": row[1], "payload": loads(row[2]),

@@ -304,7 +304,7 @@ def open_queue(q, d, fake_clock=False, base=None):
                 now = time.time()
                 row = db.execute(myq._CLAIM_RETURNING, (
                     "w", "t", '{"lease":{"attempt":', "}}", now + 60, jid,
-                    "incoming")).fetchall()[0]
+                    "incoming", now + 0.5)).fetchall()[0]
                 handler(json.loads(row[2]))
                 db.execute(myq._SUCCESS, (1, now, now, jid, "t"))
                 if k % 64 == 63:

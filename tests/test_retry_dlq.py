@@ -145,3 +145,26 @@ def test_retry_unknown_id_is_66(spool):
     assert cp.returncode == 66, (cp.returncode, cp.stderr)
     one_line_error(cp)
     assert ls(spool, "incoming") == []
+
+
+def test_a_retry_waits_its_backoff_though_another_worker_saw_it_due(myq, spool):
+    """Two workers: one runs a job and puts it back with its backoff while
+    the other's scan still holds it as due (its own handler ran long
+    meanwhile).  That scan's claim must not take it: it waits its time
+    (the SQLite store ran it again at once, the backoff ignored).  A held
+    destination's probe (anytime) still takes it now."""
+    sp = myq.Spool(spool)
+    jid = sp.enqueue("f", {"n": 1})
+    a, b = myq.Identity(sp, 60.0), myq.Identity(sp, 60.0)
+    c = sp.claims.claim(jid + ".json", a, 5, True)
+    assert c is not None and c.attempt == 1
+    job = dict(c.job)
+    job["attempts"] = 1
+    job["available_at"] = myq._now() + 30
+    assert sp.claims.move_on(c, job, "incoming", a)
+    assert sp.claims.claim(jid + ".json", b, 5, True) is None    # b's scan
+    got = show(call_myq, spool, jid)
+    assert got["state"] == "scheduled" and got["attempts"] == 1, got
+    assert 25 < got["available_at"] - time.time() <= 30, got
+    p = sp.claims.claim(jid + ".json", b, 5, True, anytime=True)
+    assert p is not None and p.attempt == 2
