@@ -9018,7 +9018,9 @@ class MqttIntake(MqttClient):
                 continue
             except _Refusal as e:
                 refusal = e
-            if refusal.status not in (400, 413) and len(self.pending) > 1:
+            if len(self.pending) > 1:
+                # (one at a time: what is refused, and why, is the first's
+                # alone; a bad message behind good ones drops itself only)
                 refusal = None
                 for _ in range(min(_INTAKE_BATCH, len(self.pending))):
                     try:

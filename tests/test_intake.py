@@ -490,6 +490,27 @@ def test_killed_before_the_puback_the_message_comes_again_as_the_same_job(
 
 
 @needs_mosquitto
+def test_a_bad_message_behind_good_ones_drops_itself_alone(spool, intake, pbroker):
+    """Messages that come together are taken in as one batch; one too
+    large refused the batch, and the batch's first -- a good one -- was
+    dropped and acknowledged in its place: its job lost (review)."""
+    args = subscribe_args(pbroker, "in/#=t") + ["--max-job-bytes", "2K"]
+    i = intake(*args)
+    i.started(listen=False)
+    subscribed(pbroker, i)
+    i.stop()                # the session stays: these wait at the broker
+    publish(pbroker.port, [("in/ok1", b'{"id": "good1"}'), ("in/big", b"a" * 5000),
+                           ("in/ok2", b'{"id": "good2"}')])
+    j = intake(*args)
+    j.started(listen=False)
+    wait_for(lambda: pbroker.count("Received PUBACK from myq-intake-test") >= 3,
+             what="3 PUBACKs")
+    assert sorted(x["id"] for x in jobs(spool)) == ["good1", "good2"]
+    drops = [x for x in j.text().splitlines() if "message dropped" in x]
+    assert len(drops) == 1 and "topic=in/big" in drops[0], drops
+
+
+@needs_mosquitto
 def test_a_broker_restart_is_reconnected(spool, intake, pbroker):
     i = intake(*subscribe_args(pbroker, "s/#=reading"))
     i.started(listen=False)
