@@ -1653,8 +1653,8 @@ _NUM = (int, float)     # exactly: bool is not a number here
 # file a worker reads) both call these.
 
 def _check_max_attempts(m):
-    if m is not None and (m.__class__ is not int or m < 1):
-        raise InvalidJob("max_attempts must be an integer >= 1")
+    if m is not None and (m.__class__ is not int or not 1 <= m < 10 ** 9):
+        raise InvalidJob("max_attempts must be an integer >= 1 (below 1e9)")
 
 
 def _check_timeout(t):
@@ -1690,8 +1690,8 @@ def normalize(obj, stem=None, mtime=None):
     _check_name(job["type"], "type")
     job.setdefault("payload", None)
     a = job.setdefault("attempts", 0)
-    if a.__class__ is not int or a < 0:
-        raise InvalidJob("attempts must be an integer >= 0")
+    if a.__class__ is not int or not 0 <= a < 10 ** 9:
+        raise InvalidJob("attempts must be an integer >= 0 (below 1e9)")
     v = job.get("max_attempts")
     if v is not None:
         _check_max_attempts(v)

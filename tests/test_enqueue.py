@@ -63,6 +63,28 @@ def test_options_id_max_attempts_timeout(spool):
     assert s["state"] == "ready"
 
 
+def test_attempt_counts_a_store_cannot_hold_are_refused(spool, handlers_dir,
+                                                       run_myq):
+    """max_attempts or attempts of 2**63 or more: the SQLite store cannot
+    hold them (its enqueue, and every worker at a producer's file of one,
+    died in a traceback: review).  Refused (65) on both stores, and such a
+    producer's file quarantined while the other jobs run."""
+    cp = call_myq("--spool", spool, "enqueue", "t", "--max-attempts", str(2 ** 63))
+    assert cp.returncode == 65, cp.stderr
+    one_line_error(cp)
+    for name, field in (("big", "max_attempts"), ("many", "attempts")):
+        with open(os.path.join(spool, "tmp", name), "w") as f:
+            json.dump({"type": "t", field: 10 ** 20}, f)
+        os.rename(os.path.join(spool, "tmp", name),
+                  os.path.join(spool, "incoming", name + ".json"))
+    other = enqueue(call_myq, spool, "t", "1")
+    cp = worker(run_myq, spool, handlers=handlers_dir("t", "true"))
+    assert cp.returncode == 0 and "Traceback" not in cp.stderr, cp.stderr
+    assert show(call_myq, spool, other)["state"] == "done"
+    for name in ("big", "many"):
+        assert show(call_myq, spool, name)["state"] == "failed", name
+
+
 def test_delay_makes_it_scheduled(spool):
     t0 = time.time()
     job_id = enqueue(call_myq, spool, "t", "null", "--delay", "100.5")
