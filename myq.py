@@ -1354,7 +1354,8 @@ def _writer_lives(name):
     process whose clock jumped a year ahead took another's record from
     under its rename (seen in test_clock)."""
     pid = name.split(".")[-3:-2]
-    return bool(pid) and pid[0].isdigit() and int(pid[0]) > 1 \
+    return bool(pid) and pid[0].isascii() and pid[0].isdigit() \
+        and int(pid[0]) > 1 \
         and proc_start(int(pid[0]), living=True) is not None
 
 
@@ -7051,7 +7052,7 @@ def _retry_after(value, now=None):
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():     # ('²' is a digit too)
         return float(value)
     try:
         from email.utils import parsedate_to_datetime
@@ -8503,6 +8504,9 @@ class HttpIntake(object):
                     self._receive(fd, c)
             except OSError:
                 self._drop(fd)
+            except Exception as e:      # (a client's bytes met a bug: it
+                self.log("error", during="intake", error=_exc_text(e))
+                self._drop(fd)          # goes, the endpoint serves on)
         now = _mono()
         for fd, c in list(self.conns.items()):
             if now >= c.deadline:
@@ -8660,7 +8664,7 @@ class HttpIntake(object):
             return _Refusal(411, "send the body with a Content-Length, not "
                             "chunked")
         length = headers.get("content-length", "0")
-        if not length.isdigit() or len(length) > 18:
+        if not (length.isascii() and length.isdigit()) or len(length) > 18:
             return _Refusal(400, "Content-Length %r is not a byte count" % length[:40])
         if int(length) > self.max_bytes:
             return _Refusal(413, "the body is %s bytes, more than "
@@ -11532,7 +11536,7 @@ def await_daemon(pid, fd, log_name, timeout=30.0):
     code, _, message = data.decode("utf-8", "replace").strip().partition(" ")
     if code == "0":
         return 0
-    if code.isdigit() and message:
+    if code.isascii() and code.isdigit() and message:
         raise _NotStarted(message, int(code))
     _, status = os.waitpid(pid, 0)      # it died without a word
     raise _NotStarted("the supervisor exited at once; see %s" % log_name,

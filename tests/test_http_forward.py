@@ -451,6 +451,18 @@ def test_http_batch_one_outcome(myq, server, code, exc):
     assert len(server.requests) == 1
 
 
+def test_a_malformed_retry_after_is_no_delay_not_the_jobs_failure(myq, server):
+    """'\u00b2' is a digit to str.isdigit, not to float(): a 503 carrying it
+    in Retry-After raised ValueError, the job's own failure, which spent
+    its attempts in an outage (review)."""
+    server.routes["/batch"] = lambda h: answer(h, 503, b"busy",
+                                               [("Retry-After", "\u00b2")])
+    with pytest.raises(myq.DestinationDown) as e:
+        myq.http_batch(batch_jobs(server.url("/batch")))
+    assert e.value.seconds is None
+    assert myq._retry_after("\u00b2") is None and myq._retry_after(" 7 ") == 7.0
+
+
 def test_http_batch_refuses_jobs_of_different_groups(myq, server):
     jobs = [job("a", server.url("/1"), 1), job("b", server.url("/2"), 2)]
     with pytest.raises(ValueError) as e:

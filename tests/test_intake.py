@@ -357,7 +357,10 @@ def test_garbage_is_answered_400_and_the_endpoint_goes_on(spool, intake):
     for junk in (b"\x16\x03\x01\x02\x00\r\n\r\n", b"GET /\r\n\r\n",
                  b"POST /jobs/t HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
                  b"POST /jobs/t HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
-                 b"POST /jobs/t HTTP/1.1\r\nbad header\r\n\r\n"):
+                 b"POST /jobs/t HTTP/1.1\r\nbad header\r\n\r\n",
+                 # ('\xb2' is '²', a digit to str.isdigit, not to int():
+                 # the whole intake died of it, review)
+                 b"POST /jobs/t HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n"):
         s = socket.create_connection(("127.0.0.1", i.port), 10)
         s.sendall(junk)
         head = s.recv(4096)
