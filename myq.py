@@ -6181,19 +6181,29 @@ class _SqlUpkeep(object):
                 raise _db_error(self, e)
 
     def check(self, operator=True):
-        problems = Spool.check(self, operator)
-        if problems and problems[0].startswith("permission denied"):
-            return problems
+        """Spool.check, the database first: damaged, it says so (with the
+        filesystem's problems; what needs its rows cannot be asked)."""
+        bad = None
+        if _lexists(self.d(DB_NAME)):
+            try:
+                bad = self.damaged or self._quick_check()
+                bad = bad and (
+                    "%s is damaged: %s; no job is claimed from it; save what "
+                    "can be read: myq --spool %s export > jobs.jsonl, then "
+                    "import them into a new spool" % (self.d(DB_NAME), bad,
+                                                      self.path))
+            except _DbDamaged as e:
+                bad = str(e)
+            except MyqError:
+                pass            # (busy, out of reach: Spool.check says)
+        if not bad:
+            return Spool.check(self, operator)
+        problems = [bad]
         try:
-            bad = self.damaged or self._quick_check()
-        except MyqError as e:
-            bad = str(e)
-        if bad:
-            problems.insert(0, "%s is damaged: %s; no job is claimed from it; "
-                            "save what can be read: myq --spool %s export > "
-                            "jobs.jsonl, then import them into a new spool"
-                            % (self.d(DB_NAME), bad, self.path))
-        return problems
+            Spool.check_filesystem(self)
+        except ConfigError as e:
+            problems.append(str(e))
+        return problems + [p for p in (self.free_problem(),) if p]
 
     def _quick_check(self):
         """None, or what PRAGMA quick_check says is wrong."""
@@ -6216,15 +6226,17 @@ class _SqlUpkeep(object):
                         self, row, "ready", "incoming", _now())))
                     row["state"] = state        # (as a row's: its keys' order)
                     yield row
+        seen = set()        # (what a damaged database's salvage skips)
         try:
             for status in ("ready", "processing", "done", "dead"):
                 if status in states or (status == "ready" and
                                         "scheduled" in states):
                     for job in self._exported_rows(status, states, type, skip):
+                        seen.add(job["id"])
                         yield job
         except _DbDamaged as e:
             skip(self.d(DB_NAME), str(e))
-            for job in self._salvaged(states, type, skip):
+            for job in self._salvaged(states, type, skip, seen):
                 yield job
         if "failed" in states and type is None:
             for row in self._exported_failed():
@@ -6235,11 +6247,11 @@ class _SqlUpkeep(object):
                 yield {"state": "failed", "file": jid, "reason": reason,
                        "bytes": text}
 
-    def _salvaged(self, states, type, skip):
+    def _salvaged(self, states, type, skip, seen):
         """Every row of a damaged database that can still be read, one at a
         time by its rowid (a query over the whole table stops at the first
-        bad page): what export writes when the database is damaged."""
-        seen = set()
+        bad page), but those of ids in `seen` (written already): what
+        export writes when the database is damaged."""
         try:
             top = self._one("SELECT max(rowid) FROM jobs")[0] or 0
         except MyqError:

@@ -273,8 +273,10 @@ def test_a_damaged_database_stops_claims_check_says_so_export_saves(tmp_path):
     s.enqueue_many([{"type": "ok", "payload": "x" * 3000, "id": "j%03d" % i}
                     for i in range(60)])
     assert _damage(sp) > 20
-    cp = run_myq("--spool", sp, "check")
-    assert cp.returncode != 0 and "damaged" in cp.stdout + cp.stderr
+    cp = run_myq("--spool", sp, "check")          # a problem found: 1, not 78
+    assert cp.returncode == 1 and "damaged" in cp.stdout, (cp.returncode, cp.stderr)
+    cp = run_myq("--spool", sp, "check", "--json")
+    assert cp.returncode == 1 and not json.loads(cp.stdout)["ok"], cp.stderr
     cp = run_myq("--spool", sp, "worker", "--drain")
     assert cp.returncode == 78, cp.stderr
     assert "damaged" in cp.stderr and "export" in cp.stderr
@@ -284,6 +286,26 @@ def test_a_damaged_database_stops_claims_check_says_so_export_saves(tmp_path):
     assert "Traceback" not in cp.stderr
     assert 30 <= len(got) < 60, (len(got), cp.stderr)
     assert len(set(got)) == len(got)
+
+
+def test_export_of_a_damaged_database_writes_each_job_once(tmp_path):
+    """Damage past the first 256 rows (export reads 256 at a time): those
+    were written, then the salvage wrote every readable row from the
+    first again (review)."""
+    sp = sql_spool(tmp_path / "s")
+    myq.Spool(sp).enqueue_many([{"type": "ok", "payload": "x" * 3000,
+                                 "id": "j%03d" % i} for i in range(300)])
+    db = sqlite3.connect(os.path.join(sp, "queue.db"))
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    with open(os.path.join(sp, "queue.db"), "r+b") as f:
+        data = f.read()
+        f.seek(data.rfind(b"x" * 900) - 500)    # the last job's payload
+        f.write(os.urandom(1000))
+    cp = run_myq("--spool", sp, "export")
+    assert "Traceback" not in cp.stderr and "damaged" in cp.stderr
+    got = [json.loads(line)["id"] for line in cp.stdout.splitlines()]
+    assert len(got) == len(set(got)) and len(got) >= 299, (len(got), len(set(got)))
 
 
 def test_a_busy_database_is_waited_for_then_exit_75(tmp_path):
