@@ -5430,8 +5430,10 @@ def _db_error(sp, e):
     msg = str(e)
     low = msg.lower()
     db = sp.d(DB_NAME)
-    if "full" in low:
-        return _DbFull(errno.ENOSPC, "%s: %s; free some space (myq prune)" % (db, msg))
+    if "full" in low or ("i/o" in low and _fs_full(db)):
+        # (a full disk fails the log index's first page as an I/O error)
+        return _DbFull(errno.ENOSPC, "%s: %s; the disk is full: free some "
+                       "space (myq prune)" % (db, msg))
     if "locked" in low or "busy" in low:
         return _DbError(errno.EBUSY, "%s is busy (another process held its "
                         "write lock for %gs): %s; try again" % (db, DB_BUSY, msg))
@@ -5462,6 +5464,14 @@ def _cloexec_files(prefix):
                 os.set_inheritable(int(n), False)
         except (OSError, ValueError):
             pass
+
+
+def _fs_full(path):
+    """No block left for this user on the filesystem of `path`."""
+    try:
+        return os.statvfs(path).f_bavail == 0
+    except OSError:
+        return False
 
 
 def _read_only_fs(path):
@@ -6147,6 +6157,7 @@ class _SqlUpkeep(object):
         then the reserve, as for files."""
         problem = self.free_problem()
         now = _now()
+        self._small_log(True)
 
         def free(db):
             ids = db.execute("SELECT id, finished_at FROM jobs WHERE "
@@ -6168,6 +6179,30 @@ class _SqlUpkeep(object):
             self.log("pruned", why="below a guard: " + (problem or "low"),
                      n=gone, freed=what)
         return gone
+
+    def _small_log(self, small):
+        """Below a guard (make_space) the log is checkpointed at 16 pages,
+        not SQLite's 1,000 (a MiB it would need free), and at once: its
+        next commits go to its own first blocks, not to new ones the full
+        disk no longer has; back to 1,000 once the reserve is set aside
+        again (keep_room)."""
+        if not small and not self.__dict__.get("_small"):
+            return
+        with self._mutex:
+            try:
+                db = self._db()
+                db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else 1000))
+                if small:
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                self._small = small
+            except (_sqlite3().Error, MyqError):
+                pass            # (best effort: the next call tries again)
+
+    def keep_room(self):
+        kept = Spool.keep_room(self)
+        if kept and self.__dict__.get("_small"):
+            self._small_log(False)
+        return kept
 
     def _vacuum(self):
         """Free pages back to the filesystem (auto_vacuum=INCREMENTAL), and
@@ -10578,7 +10613,14 @@ class Worker(_Scheduling, _Running, _Holding):
         self._select, self._signal = select, signal
         sp = self.spool
         sp.require()
-        sp.check_filesystem()
+        try:
+            sp.check_filesystem()
+        except OSError as e:
+            # (a full disk: the SQLite store's log index is made at the
+            # first open after the last close; the reserve is for that)
+            if not _space_error(e) or not sp.make_space():
+                raise
+            sp.check_filesystem()
         sp._pol_next = 0.0
         sp.policy()
         sp.pol_polled = True        # re-read at each poll tick, not per job

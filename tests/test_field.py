@@ -192,19 +192,22 @@ def test_short_of_inodes_records_go_first_and_the_backlog_drains(few_inodes,
 
 # 2. delivery below the guards ################################################
 
-def test_a_worker_starts_and_drains_on_a_full_disk(small_fs, tmp_path):
+@pytest.mark.parametrize("store", ["files", "sqlite"])
+def test_a_worker_starts_and_drains_on_a_full_disk(small_fs, tmp_path, store):
     """The disk is full (a filler file took the rest, after a worker ran
     there): `myq worker` starts all the same (it used to exit 75: a
     restart loop under supervise) and delivers what waits, in the room of
-    the reserve (locks/room) that the first worker set aside."""
+    the reserve (locks/room) that the first worker set aside.  (SQLite:
+    the log index is made again at the first open after the last close,
+    and the log must wrap within what it has: review.)"""
     spool = os.path.join(small_fs, "spool")
-    assert call_myq("--spool", spool, "init").returncode == 0
+    assert call_myq("--spool", spool, "init", "--store", store).returncode == 0
     h = _handler(tmp_path, "t", "")
     cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h,
                  "--min-free", "64K", *FAST)
     assert cp.returncode == 0, cp.stderr
     assert os.path.getsize(os.path.join(spool, "locks", "room")) == myq.Spool.ROOM
-    ids = ["f%02d" % i for i in range(8)]
+    ids = ["f%02d" % i for i in range(8 if store == "files" else 40)]
     for i in ids:
         assert call_myq("--spool", spool, "enqueue", "t", "1", "--id", i,
                        "--min-free", "0").returncode == 0
