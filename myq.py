@@ -8552,7 +8552,8 @@ class HttpIntake(object):
             except OSError:
                 self._drop(fd)
             except Exception as e:      # (a client's bytes met a bug: it
-                self.log("error", during="intake", error=_exc_text(e))
+                self.log("error", during="intake", error="%s: %s" % (
+                    type(e).__name__, e))
                 self._drop(fd)          # goes, the endpoint serves on)
         now = _mono()
         for fd, c in list(self.conns.items()):
