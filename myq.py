@@ -6074,6 +6074,8 @@ class _SqlUpkeep(object):
         if state in ("failed", "ready", "scheduled"):     # (files: failed/,
             n = Spool.delete_where(self, state, type,    # the drop box)
                                    older_than, force, now)
+        if type is not None and not NAME_RE.match(type):
+            return n            # (no row's; not even sqlite's to encode)
         status = {"ready": "ready", "scheduled": "ready"}.get(state, state)
         if state in ("ready", "scheduled"):
             born = "created_at"
@@ -6309,6 +6311,8 @@ class _SqlUpkeep(object):
                 yield job
 
     def _exported_rows(self, status, states, type, skip):
+        if type is not None and not NAME_RE.match(type):
+            return              # (no row's; not even sqlite's to encode)
         sql, args = "SELECT id FROM jobs WHERE status=?", [status]
         if type is not None:
             sql += " AND type=?"

@@ -152,6 +152,13 @@ def test_export_filters_and_failed_on_request(tmp_path, store):
     assert rows[0]["bytes"] == "{not json" and rows[0]["reason"]
     cp = run_myq("--spool", a, "export", "nosuch")
     assert cp.returncode == 64
+    # a type no job can have, not UTF-8 at all (byte 0xff): no rows, as
+    # files say (the SQLite store died encoding it: review)
+    for args in (("export", "--type", "\udcff"),
+                 ("delete", "--state", "done", "--type", "\udcff")):
+        cp = run_myq("--spool", a, *args)
+        assert cp.returncode == 0 and "Traceback" not in cp.stderr, cp.stderr
+        assert cp.stdout.strip() in ("", "deleted=0"), cp.stdout
 
 
 @pytest.mark.files_only
