@@ -5839,17 +5839,33 @@ class _SqlClaims(Claims):
         if row is None:
             return None
         try:
-            job = _job_of_row(row)
-        except InvalidJob as e:
-            sp._write("UPDATE jobs SET status='failed', last_error=?, token=NULL "
-                      "WHERE id=? AND token=?", ("unreadable: %s" % e, jid, token))
-            sp.log("quarantined", id=jid, reason=str(e))
-            return None
-        c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
-                  max_attempts=job.get("max_attempts") or default_max_attempts)
-        if not self._admit(c, job, me, None, sub, len(row[2] or ""),
-                           scheduled, now):
-            return None
+            try:
+                job = _job_of_row(row)
+            except InvalidJob as e:
+                sp._write("UPDATE jobs SET status='failed', last_error=?, "
+                          "token=NULL WHERE id=? AND token=?",
+                          ("unreadable: %s" % e, jid, token))
+                sp.log("quarantined", id=jid, reason=str(e))
+                return None
+            c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
+                      max_attempts=job.get("max_attempts") or default_max_attempts)
+            if not self._admit(c, job, me, None, sub, len(row[2] or ""),
+                               scheduled, now):
+                return None
+        except OSError as e:
+            # Its next write failed (busy, full): the claim goes back
+            # untouched, now, or at the worker's next try (Worker._fill);
+            # else it stayed this live worker's until it stopped.
+            def back():
+                sp._write("UPDATE jobs SET status='ready', token=NULL, "
+                          "worker_id=NULL, lease=NULL, leased_until=NULL "
+                          "WHERE id=? AND token=?", (jid, token), sync=False,
+                          fresh=True)
+            try:
+                back()
+            except OSError:
+                e.give_back = back
+            raise
         c.attempt = job["attempts"] + 1
         return c
 
@@ -10871,6 +10887,8 @@ class Worker(_Scheduling, _Running, _Holding):
                 c = self._next_claim(force=(once or drain) and not self.runs)
             except OSError as e:
                 self._io_error("claim", e)
+                if getattr(e, "give_back", None):   # (_SqlClaims.claim)
+                    self._give_back(e.give_back)
                 return False
             if c is None:
                 return False
@@ -11218,6 +11236,17 @@ class Worker(_Scheduling, _Running, _Holding):
         except MyqError:
             why = "the job was deleted meanwhile (myq delete --force)"
         self.log("lost", id=c.jid, why=why)
+
+    def _give_back(self, back):
+        """A claim whose admission failed on I/O: ready again at a try
+        after the pause (_retry_stuck), until one succeeds."""
+        def again():
+            try:
+                back()
+            except OSError as e:
+                self._io_error("claim", e)
+                self._stuck.append(again)
+        self._stuck.append(again)
 
     def _retry_stuck(self, final=False):
         """Finishes that failed on I/O, tried again after the pause."""

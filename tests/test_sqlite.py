@@ -308,6 +308,44 @@ def test_export_of_a_damaged_database_writes_each_job_once(tmp_path):
     assert len(got) == len(set(got)) and len(got) >= 299, (len(got), len(set(got)))
 
 
+def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
+                                                             monkeypatch):
+    """The claim commits, then a write of its admission fails (busy, full):
+    the row goes back to ready untouched, at once or, that write failing
+    too, at the worker's next try; it stayed this live worker's claim
+    until it stopped (review)."""
+    import errno
+    sp = sql_spool(tmp_path / "s")
+    s = myq.Spool(sp)
+    jid = s.enqueue("ok", None)
+    calls = {"admit": 0, "back": 0}
+    real_admit, real_write = myq._SqlClaims._admit, myq.SqlSpool._write
+
+    def admit(self, *a):
+        calls["admit"] += 1
+        if calls["admit"] <= 2:
+            raise myq._DbError(errno.EBUSY, "busy")
+        return real_admit(self, *a)
+
+    def write(self, statement, *a, **kw):
+        if statement.startswith("UPDATE jobs SET status='ready', token=NULL") \
+                and calls["admit"] == 2 and not calls["back"]:
+            calls["back"] += 1
+            raise myq._DbError(errno.EBUSY, "busy")
+        return real_write(self, statement, *a, **kw)
+    monkeypatch.setattr(myq._SqlClaims, "_admit", admit)
+    monkeypatch.setattr(myq.SqlSpool, "_write", write)
+    with pytest.raises(OSError) as e:          # given back at once
+        s.claims.claim(jid + ".json", myq.Identity(s, 60.0), 5, True)
+    assert not getattr(e.value, "give_back", None)
+    assert rows(sp, "SELECT status, token, attempts FROM jobs") == [
+        ("ready", None, 0)]
+    del RAN[:]
+    drain(sp)       # its give-back fails once: the worker's next try
+    assert RAN == [jid] and calls == {"admit": 3, "back": 1}, calls
+    assert rows(sp) == [(jid, "done")]
+
+
 def test_a_busy_database_is_waited_for_then_exit_75(tmp_path):
     sp = sql_spool(tmp_path / "s")
     db = sqlite3.connect(os.path.join(sp, "queue.db"), isolation_level=None)
