@@ -9688,6 +9688,17 @@ class _Scheduling(object):
                 self.next_due = _now()
                 return None
 
+    def _give_back(self, back):
+        """A claim whose admission failed on I/O: ready again at a try
+        after the pause (_retry_stuck), until one succeeds."""
+        def again():
+            try:
+                back()
+            except OSError as e:
+                self._io_error("claim", e)
+                self._stuck.append(again)
+        self._stuck.append(again)
+
     def _ready_now(self):
         """For --drain: is any job ready now (after a fresh scan)?  Jobs of
         a paused type or a held destination are not, unless a probe is
@@ -11236,17 +11247,6 @@ class Worker(_Scheduling, _Running, _Holding):
         except MyqError:
             why = "the job was deleted meanwhile (myq delete --force)"
         self.log("lost", id=c.jid, why=why)
-
-    def _give_back(self, back):
-        """A claim whose admission failed on I/O: ready again at a try
-        after the pause (_retry_stuck), until one succeeds."""
-        def again():
-            try:
-                back()
-            except OSError as e:
-                self._io_error("claim", e)
-                self._stuck.append(again)
-        self._stuck.append(again)
 
     def _retry_stuck(self, final=False):
         """Finishes that failed on I/O, tried again after the pause."""
