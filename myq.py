@@ -5782,6 +5782,11 @@ class _SqlClaims(Claims):
                     sp.log("skipped", id=v["id"], why="already done (its row)")
                 elif self._taken_in(v):
                     gone.append(path)       # (its removal was lost: a cut)
+                    if dup[1] not in ("ready", "processing"):   # (it won't run)
+                        sp.log("skipped", id=v["id"], why="the same job is %s "
+                               "already (its row): myq retry %s runs it again"
+                               % (dup[1], v["id"]))
+                        sp.count("removed", v["type"])
                 else:
                     try:
                         self.quarantine(path, name, "duplicate: job %s is in the "

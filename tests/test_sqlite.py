@@ -239,6 +239,25 @@ def test_a_file_taken_in_and_left_by_a_crash_is_one_job(tmp_path):
     assert RAN == ["once"] and not os.path.exists(path)
 
 
+def test_a_dropped_file_of_a_dead_job_is_said_and_counted_not_lost(tmp_path):
+    """A producer drops the same job again (id, type, payload) after it
+    went dead: one job, so the file goes, but said and counted (it went
+    without a word: review), with the way to run it again."""
+    sp = sql_spool(tmp_path / "s")
+    job = {"id": "X", "type": "bad", "payload": {"n": 1}}
+    write_incoming(sp, "X.json", job)
+    drain(sp)
+    assert rows(sp) == [("X", "dead")]
+    write_incoming(sp, "X.json", job)
+    events = []
+    myq.Worker(sp, handlers={"bad": _bad}, poll=0.05, jitter=0,
+               log=lambda ev, **kv: events.append((ev, kv))).run(drain=True)
+    assert os.listdir(os.path.join(sp, "incoming")) == []
+    assert ("skipped", {"id": "X", "why": "the same job is dead already (its "
+            "row): myq retry X runs it again"}) in events, events
+    assert myq.Spool(sp).totals()["removed"] == {"bad": 1}
+
+
 def test_a_producer_that_cannot_write_the_database_drops_a_file(tmp_path,
                                                                  monkeypatch):
     sp = sql_spool(tmp_path / "s")
