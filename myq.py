@@ -4859,6 +4859,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                     "store: make a new spool with myq --spool NEW init --store "
                     "%s, then move the jobs: myq --spool %s export | myq "
                     "--spool NEW import" % (self.path, self.store, store, self.path))
+            _STORES[store].usable()     # (nothing made where it cannot be)
             self._init(owner)
             return _STORES[store].create(self, owner)
         return self._init(owner)
@@ -6393,6 +6394,11 @@ class SqlSpool(_SqlUpkeep, Spool):
         self._writer = None
         self._mutex = _thread.allocate_lock()     # one statement at a time
         self.damaged = None
+
+    @staticmethod
+    def usable():
+        """ConfigError (exit 78, naming the package) without sqlite3."""
+        _sqlite3()
 
     @classmethod
     def create(cls, spool, owner=None):

@@ -166,8 +166,12 @@ def test_without_the_sqlite3_module_exit_78_names_the_package(tmp_path):
         cp = _blocked(["--spool", sp] + args)
         assert cp.returncode == 78, (args, cp.stderr)
         assert "python3-sqlite3" in cp.stderr and "Traceback" not in cp.stderr
-    cp = _blocked(["--spool", str(tmp_path / "t"), "init", "--store", "sqlite"])
+    t = str(tmp_path / "t")
+    cp = _blocked(["--spool", t, "init", "--store", "sqlite"])
     assert cp.returncode == 78 and "python3-sqlite3" in cp.stderr
+    # nothing made: a spool of files was left, which init then refused to
+    # make SQLite once the module was there (review)
+    assert not os.path.exists(t)
 
 
 def test_a_file_spool_never_imports_sqlite3(tmp_path, handlers_dir):
