@@ -5437,8 +5437,10 @@ def _db_error(sp, e):
                        "space (myq prune)" % (db, msg))
     if "locked" in low or "busy" in low:
         return _DbError(errno.EBUSY, "%s is busy (another process held its "
-                        "write lock for %gs): %s; try again" % (db, DB_BUSY, msg))
-    if "malformed" in low or "not a database" in low or "corrupt" in low:
+                        "write lock for %gs): %s; try again" % (db, parse_seconds(
+                            os.environ.get("MYQ_DB_BUSY") or DB_BUSY), msg))
+    if "malformed" in low or "not a database" in low or "corrupt" in low \
+            or "no such table" in low:      # (emptied: no schema)
         sp.damaged = msg
         return _DbDamaged(errno.EIO, "%s is damaged (%s): no job is claimed "
                           "from it; save what can be read with myq --spool %s "

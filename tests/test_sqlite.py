@@ -369,6 +369,17 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
     assert rows(sp) == [(jid, "done")]
 
 
+def test_an_emptied_database_is_damaged_not_busy(tmp_path):
+    """queue.db emptied (0 bytes: no schema): every command said "try
+    again later" (75), check too (review); it is damaged: 78, check 1."""
+    sp = sql_spool(tmp_path / "s")
+    open(os.path.join(sp, "queue.db"), "w").close()
+    cp = run_myq("--spool", sp, "enqueue", "ok")
+    assert cp.returncode == 78 and "damaged" in cp.stderr, cp.stderr
+    cp = run_myq("--spool", sp, "check")
+    assert cp.returncode == 1 and "damaged" in cp.stdout, (cp.stdout, cp.stderr)
+
+
 def test_a_busy_database_is_waited_for_then_exit_75(tmp_path):
     sp = sql_spool(tmp_path / "s")
     db = sqlite3.connect(os.path.join(sp, "queue.db"), isolation_level=None)
@@ -379,6 +390,7 @@ def test_a_busy_database_is_waited_for_then_exit_75(tmp_path):
         waited = time.monotonic() - t0
         assert cp.returncode == 75, cp.stderr
         assert "busy" in cp.stderr and "\n" not in cp.stderr.strip()
+        assert "for 0.3s" in cp.stderr         # (the wait it was given)
         assert waited >= 0.3
     finally:
         db.execute("ROLLBACK")
