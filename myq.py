@@ -5226,10 +5226,9 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
         if bound is None:
             return None
         if rules.get("overflow") != "drop-oldest" or over(0, 0):
-            return ("type %s is at its bound %s (overflow=reject): %d jobs, "
-                    "%s waiting; the job was refused; try again later, or "
-                    "raise the bound with myq policy" % (
-                        type, bound, n, _format_size(b)))
+            return ("type %s is at its bound %s (overflow=reject): %d jobs "
+                    "(%d bytes) waiting; the job was refused; try again later, "
+                    "or raise the bound with myq policy" % (type, bound, n, b))
         waiting.sort()      # lowest priority, then the earliest, then id
         for p, m, name, sz, sub in waiting:
             if not over(n, b):
