@@ -110,10 +110,10 @@ def spec_verdict(data, stem, limit=DEFAULT_LIMIT):
     if jid != stem or not spec_name(obj.get("type")):
         return BAD
     a = obj.get("attempts", 0)
-    if not (type(a) is int and a >= 0):
-        return BAD
+    if not (type(a) is int and 0 <= a < 10 ** 9):     # (SQLite's INTEGER
+        return BAD                                      # holds that)
     m = obj.get("max_attempts")
-    if m is not None and not (type(m) is int and m >= 1):
+    if m is not None and not (type(m) is int and 1 <= m < 10 ** 9):
         return BAD
     if any(obj.get(k) is not None and not (
             _num(obj[k]) and abs(obj[k]) < myq.MAX_TIME) for k in TIME_KEYS):
@@ -357,7 +357,7 @@ def job_objects(draw, stem):
         "type": st.one_of(st.just("t"), st.just("t"), VALID_NAMES.filter(
             lambda s: s not in ("t", "http"))),
         "payload": field(JSON_VALUES),
-        "attempts": field(st.integers(0, 10), st.just(2 ** 40)),
+        "attempts": field(st.integers(0, 10), st.just(10 ** 9 - 1)),
         "max_attempts": field(st.none(), st.integers(1, 10)),
         "timeout": field(st.none(), st.floats(0.5, 1e6), st.integers(1, 10 ** 6)),
         "last_error": field(JSON_VALUES),
@@ -367,8 +367,9 @@ def job_objects(draw, stem):
                         HOSTILE_VALUES),
         "type": st.one_of(st.just(ABSENT), st.none(), HOSTILE_NAMES, HOSTILE_VALUES),
         "attempts": st.one_of(st.integers(-5, -1), st.floats(0, 5), HOSTILE_VALUES,
-                              st.none()),
-        "max_attempts": st.one_of(st.integers(-3, 0), st.just(2.0), HOSTILE_VALUES),
+                              st.none(), st.just(2 ** 40), st.just(2 ** 63)),
+        "max_attempts": st.one_of(st.integers(-3, 0), st.just(2.0), HOSTILE_VALUES,
+                                  st.just(10 ** 9)),
         "timeout": st.one_of(st.integers(-3, 0), st.just(0.0), HOSTILE_VALUES),
     }
     for key in TIME_KEYS:
