@@ -11193,6 +11193,7 @@ class Worker(_Scheduling, _Running, _Holding):
         del self._splits[0]
         new = _Run(part[0], handler)
         new.batch, new.split, new.slot = part, True, slot
+        new.dest = handler.dest(part[0].job, self)  # (its failure: _dest_failed)
         self._launch(new)
         return True
 

@@ -227,6 +227,24 @@ def test_a_worker_starts_and_drains_on_a_full_disk(small_fs, tmp_path, store):
 
 # 3. a batch cut by a crash ###################################################
 
+def test_a_split_half_that_meets_a_destination_failure_waits(spool, tmp_path):
+    """A batch fails for good and is split; a half then meets a failure
+    of the destination (exit 75): its jobs wait without an attempt spent,
+    as any job's (the worker died of it in a traceback, the halves left
+    in processing/: review)."""
+    assert call_myq("--spool", spool, "policy", "t", "batch=4").returncode == 0
+    h = _handler(tmp_path, "t", "sys.exit(65 if len(ids) == 4 else 75)")
+    for i in ("j1", "j2", "j3", "j4"):
+        myq.enqueue(spool, "t", {}, id=i)
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h, *FAST)
+    assert cp.returncode == 0 and "Traceback" not in cp.stderr, cp.stderr
+    assert ls(spool, "processing") == []
+    jobs = [json.loads(call_myq("--spool", spool, "show", i).stdout)
+            for i in ("j1", "j2", "j3", "j4")]
+    assert [j["state"] for j in jobs] == ["scheduled"] * 4, jobs
+    assert sorted(j["attempts"] for j in jobs) == [0, 0, 1, 1], jobs
+
+
 def test_a_batch_cut_by_a_kill_goes_again_with_its_ids(spool, tmp_path):
     """A worker runs a batch of three and is killed (-9) mid-run; meanwhile
     another job came.  The next worker sends those three again together, in
