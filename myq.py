@@ -11084,6 +11084,10 @@ class Worker(_Scheduling, _Running, _Holding):
             self._splits[:0] = [(part, run.handler)
                                 for part in (claims[:half], claims[half:])]
             return
+        if len(claims) > 1 and outcome == "retry" and delay is None:
+            # one wait for the batch, not a jittered one a job: it comes
+            # due as one, and goes again as that batch (myq(1) batches)
+            delay = self.delays.retry(max(c.attempt for c in claims))
         for c in claims:
             self._finish_one(run, c, outcome, error, delay, tb, counts)
         if run.batch:

@@ -245,6 +245,25 @@ def test_a_split_half_that_meets_a_destination_failure_waits(spool, tmp_path):
     assert sorted(j["attempts"] for j in jobs) == [0, 0, 1, 1], jobs
 
 
+def test_a_retried_batch_waits_one_wait_and_comes_due_as_one(spool, tmp_path):
+    """A batch that failed goes again as that batch (the same ids, the same
+    Idempotency-Key): its jobs wait one wait, not a jittered one each, or
+    the first due went alone and the rest were put back, deferred, and
+    sent later in other requests under other keys (review)."""
+    assert call_myq("--spool", spool, "policy", "t", "batch=4").returncode == 0
+    h = _handler(tmp_path, "t", "sys.exit(1)")
+    ids = ["j1", "j2", "j3", "j4"]
+    for i in ids:
+        myq.enqueue(spool, "t", {}, id=i)
+    cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h,
+                 "--poll", "0.05", "--jitter", "0.5", "--backoff-base", "60")
+    assert cp.returncode == 0, cp.stderr
+    jobs = [json.loads(call_myq("--spool", spool, "show", i).stdout) for i in ids]
+    assert [j["state"] for j in jobs] == ["scheduled"] * 4, jobs
+    due = [j["available_at"] for j in jobs]
+    assert max(due) - min(due) < 0.1, due       # (jittered: 30-90 s apart)
+
+
 def test_a_batch_cut_by_a_kill_goes_again_with_its_ids(spool, tmp_path):
     """A worker runs a batch of three and is killed (-9) mid-run; meanwhile
     another job came.  The next worker sends those three again together, in
