@@ -1369,6 +1369,18 @@ def _pid_alive(pid, start):
     return s is not None and s == start
 
 
+def _kill_hung(pid, start):
+    """SIGKILL the process `pid` that started at `start` (a hung worker):
+    True when it was sent."""
+    if not _pid_alive(pid, start):
+        return False
+    try:
+        os.kill(pid, 9)
+    except OSError:         # (another user's: taken back all the same)
+        return False
+    return True
+
+
 def _user_ids(owner):
     """'USER[:GROUP]' (names or numbers) -> (uid, gid)."""
     import pwd
@@ -2757,8 +2769,11 @@ class Claims(object):
 
     # Recovery ----------------------------------------------------------------
 
-    def _owner_gone(self, wid, path, cache, now, mono):
-        """None when the claim's owner is (or may be) alive, else why not."""
+    def _owner_gone(self, wid, path, cache, now, mono, kill=False):
+        """None when the claim's owner is (or may be) alive, else why not.
+        `kill`: a hung owner (alive, silent past its lease) is killed first,
+        as a watchdog would: a handler running in its process would go on
+        beside the job's next run."""
         if wid not in cache:
             rp = self.spool.d("locks", "workers", wid + ".json")
             try:
@@ -2794,8 +2809,11 @@ class Claims(object):
                 return None
             lease = rec.get("lease") or 60.0
             if mono - rec.get("_beat", mono) > lease:
-                return ("worker %s (pid %d) stopped heartbeating for %ds (hung)"
-                        % (wid, rec["pid"], mono - rec["_beat"]))
+                why = ("worker %s (pid %d) stopped heartbeating for %ds (hung)"
+                       % (wid, rec["pid"], mono - rec["_beat"]))
+                if kill and rec.get("kill") is None:
+                    rec["kill"] = _kill_hung(rec["pid"], rec.get("start"))
+                return why + ("; killed" if rec.get("kill") else "")
             return None
         # Liveness cannot be checked: the wall-clock lease decides.
         until = self._until_of(path)
@@ -2836,7 +2854,8 @@ class Claims(object):
                 if not parts or (me is not None and parts[1] == me.wid):
                     continue
                 path = self.spool.d("processing", name)
-                why = self._owner_gone(parts[1], path, cache, now, mono)
+                why = self._owner_gone(parts[1], path, cache, now, mono,
+                                       kill=not dry_run)
                 if why is None:
                     continue
                 if dry_run:
@@ -2857,7 +2876,8 @@ class Claims(object):
             if name.endswith(".batch") and "+" in name:
                 wid = name[:-6].partition("+")[2].rpartition(".")[0]
                 if wid and (me is None or wid != me.wid) and self._owner_gone(
-                        wid, self.spool.d("processing", name), cache, now, mono):
+                        wid, self.spool.d("processing", name), cache, now, mono,
+                        kill=True):
                     for jid in self.batch_ids(name[:-6]):
                         batches[jid] = name[:-6]
                     self.keep_batch(name[:-6])
@@ -5952,7 +5972,8 @@ class _SqlClaims(Claims):
                     "'processing'"):
                 if me is not None and wid == me.wid:
                     continue
-                why = self._owner_gone(wid or "-", "db:" + jid, cache, now, mono)
+                why = self._owner_gone(wid or "-", "db:" + jid, cache, now, mono,
+                                       kill=not dry_run)
                 if why is None:
                     continue
                 if dry_run or self._taken_back(jid, token, me, why, max_attempts,
