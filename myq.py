@@ -9698,7 +9698,7 @@ class _Scheduling(object):
                 return None
             L, (m, name, scheduled) = best
             if L.type is not None:
-                wait = self._reserve(L)
+                wait = self._reserve(L, L.sub + "/" + name)
                 if wait is not None:
                     continue            # another worker was faster
             L.cache.pop()
@@ -9787,17 +9787,18 @@ class _Scheduling(object):
         first = min(ready) + wait
         return first if first > now else None
 
-    def _reserve(self, L):
+    def _reserve(self, L, job=None):
         """Take what a start of lane L's type needs: the probe of a held
-        destination, a concurrency slot (locks/slots/TYPE.K, flock'd: a
-        kill -9 frees it), a place in the rate's window.  None when taken,
-        else the lane waits (L.blocked) and it returns the time."""
+        destination (`job`: the one it will be, Breaker.take_probe), a
+        concurrency slot (locks/slots/TYPE.K, flock'd: a kill -9 frees
+        it), a place in the rate's window.  None when taken, else the lane
+        waits (L.blocked) and it returns the time."""
         sp = self.spool
         rules = sp.rules(L.type)
         now = _now()
         dest = L.dest or L.type
         if dest in self._holds:
-            until = sp.breaker.take_probe(dest, self.delays.probe)
+            until = sp.breaker.take_probe(dest, self.delays.probe, job)
             if until is None:
                 L.blocked = now + min(self.poll, 1.0)
                 return L.blocked
@@ -10431,7 +10432,36 @@ class _Holding(object):
         # itself may have been, see _start)
         last = (sp.breaker.record(dest) or {}).get("last")
         k = names.index(last) + 1 if last in names else 0
+        wrapped = k == len(names)
         names = names[k:] + names[:k]
+        sub = names[0].rpartition("/")[0]
+        L = next((L for L in self._lanes if L.sub == sub), None)
+        if L is not None and L.type is not None:
+            # A start of its type like any other: paused, its slots and its
+            # rate hold for a probe too, taken the lane's own way
+            # (_reserve); and once the recorded jobs had their turn, the
+            # lane's head is the next probe (what the hold kept from
+            # starting is never recorded: the same job was probed forever).
+            L.dest = dest
+            head = self._head(L) if wrapped else None
+            if self._gate(L, _now()) is not None or head is not None and \
+                    sub + "/" + head[1] not in names:
+                return None
+            if self._reserve(L, names[0]) is not None or L.probe != dest:
+                self._unreserve(L)
+                return None
+            for rel in names:
+                if rel.startswith(sub + "/") and sp.claims.waits(rel):
+                    c = sp.claims.claim(rel.rpartition("/")[2], self.me,
+                                        self.max_attempts, True, sub,
+                                        anytime=True)
+                    if c is not None:
+                        self._taken = (L.slot, L.probe, L)
+                        L.slot = L.probe = None
+                        L.rated = False
+                        return c
+            self._unreserve(L)
+            return None
         until = sp.breaker.take_probe(dest, self.delays.probe, names[0])
         if not until:
             if until == 0.0:
