@@ -7488,7 +7488,8 @@ def _unsendable(method, target, hdrs):
         return "a control character or a space in the method or the path"
     for k, v in hdrs.items():
         k, v = str(k), str(v)
-        if not k or _BAD_IN_HEADER.search(k) or ":" in k or " " in k:
+        if not k or not k.isascii() or _BAD_IN_HEADER.search(k) or ":" in k \
+                or " " in k:
             return "a bad header name %r" % _clip(k, 60)
         try:
             v.encode("latin-1")
@@ -9413,7 +9414,7 @@ class MqttHandler(Handler):
             raise err
 
     def call_batch(self, worker, run, jobs):
-        return ("each", worker.mqtt_batch(jobs))
+        return ("each", worker.mqtt_batch(jobs, run))
 
 
 _HTTP, _MQTT = HttpHandler(), MqttHandler()     # (they hold nothing)
@@ -10308,6 +10309,8 @@ class _Running(object):
             result = self._call(run)
             self._inline = None
         except _Timeout:
+            # a built-in handler's time-out is its destination's (_collect)
+            run.dest_fail = getattr(run.handler, "remote", False)
             result = ("retry", "timed out after %gs (interrupted)"
                       % (run.deadline - run.started))
         except _Shutdown:

@@ -12,6 +12,7 @@ the behaviour per path, some by the request's number on its connection
 import gzip
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -273,6 +274,26 @@ def test_time_out_closes_the_connection_and_never_resends(myq, spool, server,
     assert server.wait(lambda: rb["conn"] in server.closed, 10), \
         "the timed-out connection was not closed"
     assert w.http_pool.waiting() == 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 2], ids=["inline", "thread"])
+def test_a_time_out_is_the_destinations_failure_inline_too(myq, spool, server,
+                                                          concurrency):
+    """A destination that never answers: the run's time limit ends it, and
+    that is the destination's failure (a streak of the breaker, no attempt
+    spent past the first), inline as in a thread.  Inline, the worker's
+    own timer (armed at the run's start: it ends the run right at its
+    limit, before the socket's) made it the job's: an outage spent all
+    its attempts and put it in dlq/ (review)."""
+    server.routes["/s"] = slow_for_b
+    b = myq.enqueue(spool, "http", {"url": server.url("/s")}, id="b",
+                    timeout=0.5)
+    myq.Worker(spool, jitter=0, backoff_base=60,
+               concurrency=concurrency).run(drain=True)
+    assert states(myq, spool, [b]) == ["scheduled"]
+    held = os.path.join(spool, "locks", "held")
+    assert [n for n in os.listdir(held) if n.endswith(".streak")], \
+        os.listdir(held)
 
 
 def test_payload_timeout_bounds_the_whole_request_without_a_worker(myq, server):

@@ -230,16 +230,20 @@ def test_an_unsendable_header_is_the_jobs_own_failure(spool, myq):
     srv = Server(default=lambda h: answer(h, 200, b""), protocol="HTTP/1.0").start()
     try:
         url = srv.url("/x")
-        for i, value in enumerate(["a\nInjected: 1", "caf\u00e9\u2603", "x\r\ny"]):
+        # (and a name that is not ASCII: retried for ever as the server's
+        # failure, holding it: review)
+        for i, hdrs in enumerate([{"X-Bad": "a\nInjected: 1"},
+                                  {"X-Bad": "caf\u00e9\u2603"}, {"X-Bad": "x\r\ny"},
+                                  {"X-Na\u00efve": "1"}]):
             enqueue(call_myq, spool, "http", json.dumps(
-                {"url": url, "headers": {"X-Bad": value}}), "--id", "bad%d" % i)
+                {"url": url, "headers": hdrs}), "--id", "bad%d" % i)
         enqueue(call_myq, spool, "http", json.dumps({"url": url + "?good"}),
                 "--id", "good")
         cp = run_myq("--spool", spool, "worker", "--drain", *FAST, timeout=60)
         assert cp.returncode == 0, cp.stderr
         assert "event=hold" not in cp.stderr, cp.stderr
         assert show(call_myq, spool, "good")["state"] == "done"
-        for i in range(3):
+        for i in range(4):
             j = show(call_myq, spool, "bad%d" % i)
             assert j["state"] == "dead" and "cannot be sent" in j["last_error"], j
         assert [r["target"] for r in srv.requests] == ["/x?good"]
