@@ -3770,10 +3770,16 @@ class _Upkeep(object):
         ids = [_check_ref(i) for i in _ids(ids)]
         missing, n = [], 0
         for jid, state, path in self._located(ids, missing):
-            if self._delete_one(jid, state, path, force) is None:
+            r = self._delete_one(jid, state, path, force)
+            if r == 0:
+                # it moved since it was found (a worker claimed or finished
+                # it): once more, where it is now (running: exit 75)
+                again = list(self._located([jid], []))
+                r = self._delete_one(*(again[0] + (force,))) if again else None
+            if r is None:
                 missing.append(jid)
                 continue
-            n += 1
+            n += r
         if missing:
             raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
         return n
@@ -6082,12 +6088,14 @@ class _SqlUpkeep(object):
                            % ", ".join(k + "=?" for k in keys),
                            [v[k] for k in keys] + [jid], fresh=True) == 1
 
-    def _delete_one(self, jid, state, path, force):
+    def _delete_one(self, jid, state, path, force, status=None):
+        """(`status`: a bulk delete's, which a row changed since it was
+        selected no longer matches: it is left alone.)"""
         if not path.startswith("db:"):
             return Spool._delete_one(self, jid, state, path, force)
         row = self._one("SELECT status, token, finished_at FROM jobs WHERE id=?",
                         (jid,))
-        if row is None:
+        if row is None or status is not None and row[0] != status:
             return 0
         if row[0] == "processing" and not force:
             raise SpoolBusy("job %s is running; wait for it, or delete it with "
@@ -6140,7 +6148,7 @@ class _SqlUpkeep(object):
             sql += " AND %s<=?" % born
             args.append(now - older_than)
         for (jid,) in self._all(sql, args):
-            n += self._delete_one(jid, state, "db:" + jid, force) or 0
+            n += self._delete_one(jid, state, "db:" + jid, force, status) or 0
         return n
 
     def _prune_jobs(self, now, full, out):

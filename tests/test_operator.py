@@ -192,6 +192,34 @@ def test_delete_processing_needs_force(spool, handlers_dir, tmp_path):
     assert not set(states) & {"ready", "scheduled", "processing"}, states
 
 
+def test_a_delete_leaves_a_job_a_worker_took_meanwhile(spool, monkeypatch):
+    """A worker claims a job between a delete's look and its removal: a
+    bulk delete leaves it and deletes the rest (SQLite: exit 75 part-way,
+    review); `delete ID` says it runs now (75), not deleted=1 (files,
+    review).  Neither touches the claim."""
+    import myq
+    sp = myq.Spool(spool)
+    ids = [sp.enqueue("t", {"n": i}) for i in range(3)]
+    me, race = myq.Identity(sp, 60.0), [ids[0]]
+    real = type(sp)._delete_one
+
+    def racing(self, jid, *a, **kw):
+        if jid in race:         # a worker, in between
+            race.remove(jid)
+            assert self.claims.claim(jid + ".json", me, 5, True) is not None
+        return real(self, jid, *a, **kw)
+    monkeypatch.setattr(type(sp), "_delete_one", racing)
+    assert sp.delete_where("ready") == 2
+    assert show(call_myq, spool, ids[0])["state"] == "processing"
+    assert [call_myq("--spool", spool, "show", i).returncode
+            for i in ids[1:]] == [66, 66]
+    race.append(sp.enqueue("t", None, id="one"))
+    cp = call_myq("--spool", spool, "delete", "one")
+    assert cp.returncode == 75 and "running" in cp.stderr, (cp.returncode,
+                                                            cp.stdout)
+    assert show(call_myq, spool, "one")["state"] == "processing"
+
+
 def test_reap_and_check_after_a_worker_died(spool, handlers_dir, tmp_path):
     body, started, release = blocking_handler(tmp_path)
     handlers_dir("block", body)
