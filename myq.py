@@ -5319,7 +5319,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
     def status_line(self, now=None):
         now = _now() if now is None else now
         s = self.stats(now)
-        return iso(now, frac=False) + " queue=" + s["queue"] + "".join(
+        return iso(now, frac=False) + " queue=" + _plain(s["queue"], _FIELD) + "".join(
             " %s=%d" % (k, s[k]) for k in (
                 "ready", "processing", "done", "dead", "oldest_ready_s",
                 "retries_1m", "scheduled", "failed", "free_kb", "dropped",

@@ -255,6 +255,17 @@ def test_an_unsendable_header_is_the_jobs_own_failure(spool, myq):
 
 # What an operator reads ######################################################
 
+def test_a_spool_named_with_a_space_keeps_the_status_line_one_field_each(
+        myq, tmp_path):
+    """The queue is the spool's directory name: "my q=1" printed as is
+    made 'queue=my q=1 ready=0', a field more (review)."""
+    sp = str(tmp_path / "my q=1")
+    assert call_myq("--spool", sp, "init").returncode == 0
+    line = call_myq("--spool", sp, "stats").stdout.strip()
+    assert line.split()[1] == "queue=my\\x20q\\x3d1", line
+    assert all(f.count("=") == 1 for f in line.split()[1:]), line
+
+
 def test_control_characters_never_reach_the_status_line_or_check(myq, spool):
     """A destination name with a tab, a newline and an '=' and a hold
     reason with an escape sequence (a server's 503 body): the status line
