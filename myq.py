@@ -6735,6 +6735,9 @@ class SqlSpool(_SqlUpkeep, Spool):
                 raise e
             refused.append((v["id"], e))
         for job, data, explicit, delay, sub in todo:
+            if explicit and _lexists(self.d("incoming", job["id"] + ".json")):
+                dup(job, "a producer's file in incoming/, not taken in yet")
+                continue
             if sub in ("done", "dlq"):
                 rows.append(_row_values(self, job, "done" if sub == "done" else
                                         "dead", "incoming", now, finished_at=now,
