@@ -5230,6 +5230,19 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                     out.append((p, st.st_mtime, e.name, st.st_size, sub))
         return out
 
+    def _made(self, w, now):
+        """When the waiting job `w` (_waiting_of's) was made: its file's
+        mtime, unless that is a time to come (a retry's or a delay's
+        schedule): then the created_at it holds."""
+        m = w[1]
+        if m <= now:
+            return m
+        try:
+            t = parse(self.read_file(self.d(w[4], w[2]))[0])[0]["created_at"]
+        except (OSError, MyqError, ValueError, TypeError, KeyError):
+            return m
+        return t if t.__class__ in _NUM and t == t else m
+
     def make_room(self, type, size, dirs=None, exclude=None):
         """The type's bounds (myq(1) policy) for one new arrival of `size` bytes:
         None when it fits (drop-oldest: after the oldest waiting jobs were
@@ -5255,7 +5268,8 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
             return ("type %s is at its bound %s (overflow=reject): %d jobs "
                     "(%d bytes) waiting; the job was refused; try again later, "
                     "or raise the bound with myq policy" % (type, bound, n, b))
-        waiting.sort()      # lowest priority, then the earliest, then id
+        now = _now()        # lowest priority, then the earliest made, then id
+        waiting.sort(key=lambda w: (w[0], self._made(w, now), w[2]))
         for p, m, name, sz, sub in waiting:
             if not over(n, b):
                 break
@@ -6974,12 +6988,15 @@ class SqlSpool(_SqlUpkeep, Spool):
     def _waiting_of(self, type):
         out = []
         for jid, t, size, sub in self._all(
-                "SELECT id, available_at, size, lane FROM jobs WHERE queue=? "
+                "SELECT id, created_at, size, lane FROM jobs WHERE queue=? "
                 "AND status='ready' AND type=? AND lane!='incoming'",
                 (self.name, type)):
             m = _lane_of(sub[len(LANES) + 1:])
             out.append((int(m[1]) if m else 0, t, jid + ".json", size, sub))
         return out
+
+    def _made(self, w, now):
+        return w[1]         # (created_at: _waiting_of)
 
     def _drop_waiting(self, sub, name, dirs):
         return self._write("DELETE FROM jobs WHERE id=? AND status='ready' AND "

@@ -665,6 +665,14 @@ def test_drop_oldest_removes_lowest_priority_then_earliest(spool):
     for jid in ("a", "c", "d"):
         assert gone_or_not_waiting(spool, jid), jid
     assert stats(spool)["dropped"] == 3
+    # the earliest made, not the earliest due: a job made first that waits
+    # for a time to come (a delay, a retry) went last (review)
+    ok(cli(spool, "policy", "tz", "max_queued=2", "overflow=drop-oldest"))
+    enqueue(call_myq, spool, "tz", None, "--id", "x1", "--delay", "100")
+    for jid in ("x2", "x3"):
+        enqueue(call_myq, spool, "tz", None, "--id", jid)
+    assert gone_or_not_waiting(spool, "x1")
+    assert sorted(waiting(spool, "tz")) == ["x2", "x3"], waiting(spool, "tz")
 
 
 def test_drop_oldest_at_scan_is_logged_and_counted(run_myq, spool, handlers_dir,
