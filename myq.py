@@ -2353,6 +2353,23 @@ def _job_entries(it, inc, now, bad, nread):
         yield (m, name, scheduled)
 
 
+def _elsewhere(sp, jid, mine):
+    """Where else than the claim at `mine` job `jid` of spool `sp` (of
+    files) waits (a lane), runs or lies dead: a state, or None.  (A claim
+    is ID+TOKEN.json; what a crash left of a finish, .fin and .new, is
+    not a run: the reaper settles it.)"""
+    for sub in sp.waiting_dirs():
+        if sub != "incoming" and _lexists(sp.d(sub, jid + ".json")):
+            return "queued"
+    if _lexists(sp.d("dlq", jid + ".json")):
+        return "dead"
+    prefix, mine = jid + "+", mine.rpartition("/")[2]
+    if any(n.startswith(prefix) and n.endswith(".json") and n != mine
+           for n in _listdir(sp.d("processing"))):
+        return "processing"
+    return None
+
+
 class Claims(object):
     """The claim protocol (myq-spool(5) CLAIMS): a job claimed by renaming it into
     processing/ with the claimer's token, its lease appended; finished by
@@ -2498,6 +2515,16 @@ class Claims(object):
         """May the job just read run now?  False when it went elsewhere:
         put back for later, done already, expired, or into its lane."""
         stem, name = c.jid, c.jid + ".json"
+        if sub == "incoming" and not scheduled and not _is_generated_id(stem):
+            # A producer's file of an id that waits, runs or lies dead
+            # elsewhere: a duplicate (it ran twice at once, or replaced the
+            # one in its lane: review), as the SQLite store's take-in says.
+            where = _elsewhere(self.spool, stem, c.path)
+            if where:
+                self.close(c)
+                self.quarantine(c.path, name, "duplicate: job %s is in the "
+                                "spool already (%s)" % (stem, where))
+                return False
         # `scheduled`: the file's mtime was the schedule and it is due now.
         # Otherwise (a producer's own file) the JSON says when, capped at
         # now + the intended delay when its clock was ahead.

@@ -95,6 +95,34 @@ def test_an_id_a_producers_file_has_is_a_duplicate(spool):
     one_line_error(cp)
 
 
+def test_a_producers_file_of_an_id_the_spool_has_is_quarantined(spool,
+                                                               handlers_dir,
+                                                               run_myq):
+    """A shell producer's file of an id that waits in a lane or lies dead:
+    a duplicate, quarantined, the job there untouched (files: the lane's
+    job was replaced, the dead one ran again, one running ran twice at
+    once: review; SQLite's take-in said so already)."""
+    h = handlers_dir("t", 'case "$(cat)" in *dead*) exit 65;; esac')
+    enqueue(call_myq, spool, "t", '"dead"', "--id", "d1")
+    assert worker(run_myq, spool, handlers=h).returncode == 0
+    enqueue(call_myq, spool, "t", '"later"', "--id", "w1", "--delay", "3600",
+            "--priority", "5")
+    for jid in ("d1", "w1"):
+        write_incoming(spool, jid + ".json", {"type": "t", "payload": "shell"})
+    cp = worker(run_myq, spool, handlers=h)
+    assert cp.returncode == 0, cp.stderr
+    rows = [json.loads(l) for l in call_myq("--spool", spool, "list",
+                                            "--json").stdout.splitlines()]
+    got = sorted((r["id"], r["state"]) for r in rows)
+    assert got == [("d1", "dead"), ("d1", "failed"), ("w1", "failed"),
+                   ("w1", "scheduled")], got
+    for r in rows:
+        if r["state"] == "failed":
+            assert "duplicate" in r["last_error"], r
+        else:
+            assert r["payload"] in ("dead", "later"), r
+
+
 def test_delay_makes_it_scheduled(spool):
     t0 = time.time()
     job_id = enqueue(call_myq, spool, "t", "null", "--delay", "100.5")
