@@ -13549,18 +13549,25 @@ def stop_supervisor(spool, pidfile, timeout=10.0):
     except OSError:
         pass
     if pid > 1:
-        if _is_supervisor(pid, uids):
+        alive = _is_supervisor(pid, uids)
+        if alive:
             try:
                 os.kill(pid, 15)
             except OSError:
                 pass
         elif pid in _proc_table():      # alive, not a zombie
             return 0            # the pid was handed to another program
+        # Its process group; of a supervisor that died, only the workers it
+        # started (--parent-pid PID): a group of that number may be another
+        # program's now, whose leader left (review: an unrelated root
+        # daemon was SIGKILLed by a stop on a stale pidfile).
+        mark = b"\0--parent-pid\0%d\0" % pid
         end = _mono() + timeout + 5.0
         killed_at = None
         while True:
             group = [p for p, (_, pgrp, _) in _proc_table().items()
-                     if pgrp == pid and _ours(p, uids)]
+                     if pgrp == pid and _ours(p, uids) and (alive or mark in (
+                         _read_small("/proc/%d/cmdline" % p, 1 << 16) or b""))]
             if not group:
                 break
             if killed_at is None and _mono() >= end:

@@ -118,6 +118,30 @@ def test_pidfile_with_another_hard_link_is_the_error(spool, tmp_path):
     wait_for(lambda: not procs_of(spool), what="the child to exit")
 
 
+def test_stop_on_a_stale_pidfile_leaves_a_group_of_that_number(spool, tmp_path):
+    """The supervisor died (the OOM killer); its pid is now the number of
+    another program's process group whose leader left (a daemon that
+    forked twice): stop waited for that group and SIGKILLed it (review).
+    Of a dead supervisor, only the workers it started are its own."""
+    sh = subprocess.Popen(["sh", "-c", "sleep 60 </dev/null >/dev/null 2>&1 & "
+                           "echo $!"], stdout=subprocess.PIPE,
+                          universal_newlines=True, start_new_session=True)
+    other = int(sh.stdout.readline())
+    sh.wait(10)                         # the group's leader is gone
+    try:
+        assert proc_stat(other)[2] == sh.pid    # (its group: the dead pid)
+        (tmp_path / "myq.pid").write_text("%d\n" % sh.pid)
+        cp = subprocess.run([sys.executable, MYQ, "--spool", spool, "supervise",
+                             "--stop", "--pidfile", str(tmp_path / "myq.pid"),
+                             "--stop-timeout", "0.2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, universal_newlines=True,
+                            env=clean_env(), timeout=30)
+        assert cp.returncode == 0, cp.stderr
+        assert alive(other), "stop killed another program's process group"
+    finally:
+        os.kill(other, signal.SIGKILL)
+
+
 def procs_of(spool):
     found = []
     for p in os.listdir("/proc"):
