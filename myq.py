@@ -11871,10 +11871,23 @@ class Supervisor(object):
             if st.st_uid != os.geteuid():
                 raise ConfigError("pidfile %s belongs to uid %d; remove it"
                                   % (self.pidfile, st.st_uid))
+            # held while this supervisor lives: a second start (two init
+            # scripts at once) ran a second supervisor, which stop then
+            # left running (review)
+            import fcntl
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise ConfigError("another myq supervise runs with pidfile %s "
+                                  "(pid %s); stop it first" % (self.pidfile, (
+                                      _read_small(self.pidfile, 64) or b"?")
+                                      .decode("ascii", "replace").strip()))
             os.ftruncate(fd, 0)
             os.write(fd, b"%d\n" % os.getpid())
+            self._pid_fd, fd = fd, None
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def _tell(self, code=0, message=""):
         """--daemon: tell the caller that we are ready (0), or why not;

@@ -104,6 +104,33 @@ def test_shell_substitution_returns_at_once(spool, tmp_path, handlers_dir):
         stop(spool, tmp_path)
 
 
+def test_a_second_start_refuses_while_the_first_runs(spool, tmp_path):
+    """Two starts at once (two init scripts) ran two supervisors, and stop
+    then left one running (review): the pidfile is held while the
+    supervisor lives; the second says so (78) and runs nothing."""
+    cp = daemon(spool, tmp_path)
+    assert cp.returncode == 0, cp
+    first = read_pid(tmp_path)
+    try:
+        cp = daemon(spool, tmp_path)
+        assert cp.returncode == 78 and "another myq supervise runs" in \
+            cp.stderr, cp
+        one_line_error(cp)
+        assert read_pid(tmp_path) == first and alive(first)
+        def supervisors():
+            out = []
+            for p in procs_of(spool):
+                try:
+                    if "\0supervise\0" in open("/proc/%d/cmdline" % p).read():
+                        out.append(p)
+                except OSError:
+                    pass
+            return out
+        wait_for(lambda: supervisors() == [first], what="one supervisor")
+    finally:
+        stop(spool, tmp_path)
+
+
 def test_pidfile_with_another_hard_link_is_the_error(spool, tmp_path):
     """The child refuses the pidfile: the command says so (exit 78, one
     line), nothing runs, the linked file is untouched."""
