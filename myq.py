@@ -4175,6 +4175,16 @@ class _Upkeep(object):
             elif not os.access(p, os.W_OK | os.X_OK):
                 problems.append("%s is not writable by uid %d; fix its owner "
                                 "(myq init --owner USER)" % (p, os.getuid()))
+        for sub in ("tmp", "incoming"):
+            try:
+                mode = os.stat(self.d(sub)).st_mode
+            except OSError:
+                continue
+            if mode & 0o022 and not mode & stat.S_ISVTX:
+                problems.append(
+                    "%s is writable by others than its owner without the sticky "
+                    "bit: a producer can rename the lanes and other producers' "
+                    "jobs out of it; chmod +t %s" % (self.d(sub), self.d(sub)))
         wake = self.d("locks", "wake")
         try:
             if not stat.S_ISFIFO(os.lstat(wake).st_mode):

@@ -102,6 +102,20 @@ def test_lanes_are_the_owners_alone(spool):
         assert mode & 0o022 == 0, (p, oct(mode))
 
 
+def test_check_says_when_a_producer_can_move_what_is_not_its_own(spool):
+    """incoming/ group-writable without the sticky bit: a producer could mv
+    incoming/lanes away, hiding every job waiting there from list, show,
+    check and the workers (review); check says so, and what to do."""
+    inc = os.path.join(spool, "incoming")
+    os.chmod(inc, 0o2770)
+    cp = call_myq("--spool", spool, "check")
+    assert cp.returncode == 1 and "sticky" in cp.stdout and "chmod +t" in \
+        cp.stdout, (cp.stdout, cp.stderr)
+    os.chmod(inc, 0o3770)
+    cp = call_myq("--spool", spool, "check")
+    assert cp.returncode == 0, (cp.stdout, cp.stderr)
+
+
 @pytest.mark.files_only("the modes of the lanes' directories")
 def test_an_old_group_writable_lane_is_made_the_owners_again(spool):
     """A lane made by an earlier version took incoming/'s group-writable
