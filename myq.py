@@ -1402,7 +1402,7 @@ def become(uid, gid):
     json and re, imported at their first use (a producer's fast start),
     are imported first: the interpreter's library may be one the new user
     cannot read (a Python under /root), and the command goes on to use
-    them."""
+    them (a long-running one: _readable_library)."""
     import pwd
     json.loads, re.compile
     try:
@@ -1411,6 +1411,18 @@ def become(uid, gid):
         os.setgroups([gid])
     os.setgid(gid)
     os.setuid(uid)
+
+
+def _readable_library(uid):
+    """A worker, an intake or a supervisor that became `uid` imports much
+    more than json and re: ConfigError when it cannot read this Python's
+    library (a worker died of "No module named 'select'", a supervisor's
+    restarted without a word: review)."""
+    lib = os.path.dirname(os.__file__)
+    if not os.access(lib, os.R_OK | os.X_OK):
+        raise ConfigError("uid %d cannot read this Python's library (%s): run "
+                          "myq with a Python installed where that user can "
+                          "read it (not under /root)" % (uid, lib))
 
 
 # The job model ###############################################################
@@ -11950,6 +11962,7 @@ class Supervisor(object):
                     # run as the user.  The pidfile stays root's: the init
                     # script removes it.
                     become(self.ids[0], self.ids[1])
+                    _readable_library(self.ids[0])
                     self.pidfile = None
                 self._loop(select, signal, pipe[0])
             finally:
@@ -12137,12 +12150,16 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
         status = run()
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (e.code is not None)
-    except BaseException:
+    except BaseException as e:
         try:
             import traceback
             traceback.print_exc()
-        except BaseException:
-            pass
+        except BaseException:       # (no traceback module to be had: its
+            try:                    # words at least)
+                os.write(2, ("myq: %s: %s\n" % (type(e).__name__, e)).encode(
+                    "utf-8", "replace"))
+            except BaseException:
+                pass
         status = 1
     finally:
         try:
@@ -13627,6 +13644,8 @@ def _drop_root(path, command):
         return                  # no spool: the command says so
     if st.st_uid != 0:
         become(st.st_uid, st.st_gid)
+        if command in ("worker", "intake"):
+            _readable_library(st.st_uid)
 
 
 def _command_index(argv):

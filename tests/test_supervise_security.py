@@ -504,3 +504,15 @@ def test_workers_use_only_a_trusted_byte_code_cache(base, spool, cache, request)
     else:
         assert not ran, "a worker ran byte code that another user could " \
             "have written (%s)" % open(mark).read().split()
+
+
+def test_a_worker_that_drops_root_needs_a_library_it_can_read(myq, monkeypatch):
+    """A worker or supervisor that became the spool's user with a Python
+    that user cannot read (one under /root) died importing its modules one
+    by one, or restarted without a word (review): it says so (78)."""
+    seen = []
+    monkeypatch.setattr(myq.os, "access", lambda p, m: seen.append(p) and False)
+    with pytest.raises(myq.ConfigError) as e:
+        myq._readable_library(1234)
+    assert "uid 1234 cannot read this Python's library" in str(e.value)
+    assert seen == [os.path.dirname(os.__file__)]
