@@ -1258,12 +1258,14 @@ def test_a_probe_is_a_start_of_its_type_pause_and_rate_hold_it(
     ok(cli(spool, "policy", "sink", "breaker=1",
            "concurrency=5" if how == "paused" else how))
     enqueue(call_myq, spool, "sink", None, "--id", "j1")
+    wait = 3 if how == "paused" else 1      # (the pause lands first, loaded)
     w, log = bg_worker(procs, tmp_path, spool, "--handlers", h, "--poll", "0.05",
-                       "--jitter", "0", "--backoff-base", "1", "--backoff-max", "1")
+                       "--jitter", "0", "--backoff-base", str(wait),
+                       "--backoff-max", str(wait))
     wait_for(lambda: "event=hold" in log.read_text(), what="the hold")
     if how == "paused":
         ok(cli(spool, "pause", "sink"))
-    time.sleep(2.5)         # the probe was due after 1 s
+    time.sleep(wait + 1.5)  # the probe was due after `wait` s
     assert [r[0] for r in starts(tmp_path)] == ["j1"], starts(tmp_path)
     assert "event=probe" not in log.read_text()
     if how == "paused":     # (and it was the pause that held it)
