@@ -9780,16 +9780,8 @@ class _Scheduling(object):
                 if wait is not None:
                     continue            # another worker was faster
             L.cache.pop()
-            try:
-                c = self.spool.claims.claim(name, self.me, self.max_attempts,
-                                      scheduled, L.sub)
-            except BaseException:
-                self._unreserve(L)
-                raise
+            c = self._lane_claim(L, name, scheduled)
             if c is not None:
-                self._taken = (L.slot, L.probe, L)
-                L.slot = L.probe = None
-                L.rated = False
                 return c
             self._unreserve(L)
             budget -= 1
@@ -9809,6 +9801,21 @@ class _Scheduling(object):
                 self._io_error("claim", e)
                 self._stuck.append(again)
         self._stuck.append(again)
+
+    def _lane_claim(self, L, name, scheduled, anytime=False):
+        """Claim NAME of lane L, what _reserve took for it handed to the
+        run (_start), or None (L keeps it: the caller gives it back)."""
+        try:
+            c = self.spool.claims.claim(name, self.me, self.max_attempts,
+                                        scheduled, L.sub, anytime=anytime)
+        except BaseException:
+            self._unreserve(L)
+            raise
+        if c is not None:
+            self._taken = (L.slot, L.probe, L)
+            L.slot = L.probe = None
+            L.rated = False
+        return c
 
     def _ready_now(self):
         """For --drain: is any job ready now (after a fresh scan)?  Jobs of
@@ -10532,13 +10539,9 @@ class _Holding(object):
                 return None
             for rel in names:
                 if rel.startswith(sub + "/") and sp.claims.waits(rel):
-                    c = sp.claims.claim(rel.rpartition("/")[2], self.me,
-                                        self.max_attempts, True, sub,
-                                        anytime=True)
+                    c = self._lane_claim(L, rel.rpartition("/")[2], True,
+                                         anytime=True)
                     if c is not None:
-                        self._taken = (L.slot, L.probe, L)
-                        L.slot = L.probe = None
-                        L.rated = False
                         return c
             self._unreserve(L)
             return None
