@@ -150,3 +150,23 @@ def test_directories_not_ours_alone_are_refused(copy, tmp_path, case):
     assert os.listdir(str(elsewhere)) == []
     assert case != "foreign-home" or not cache.exists()
 
+
+def test_the_program_freezes_what_its_import_made(tmp_path):
+    """main() run for the process's own command line (the launcher, the
+    script) puts what the import made out of the collector's reach (gc.
+    freeze: its full collections and the exit's stop walking ~1,000
+    functions and their classes); main(argv) called by a program leaves
+    that program's collector alone."""
+    code = ("import gc, sys; sys.path.insert(0, %r); import myq\n"
+            "sys.argv = ['myq', 'version']\n"
+            "assert gc.get_freeze_count() == 0\n"
+            "myq.main(%s)\n"
+            "sys.stderr.write('frozen=%%d' %% gc.get_freeze_count())\n")
+    root = os.path.dirname(MYQ)
+    for argv, frozen in (("", True), ("['version']", False)):
+        p = subprocess.run([sys.executable, "-c", code % (root, argv)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=clean_env(), universal_newlines=True)
+        assert p.returncode == 0, p.stderr
+        count = int(p.stderr.rsplit("frozen=", 1)[1])
+        assert (count > 1000) == frozen, (argv, count)
