@@ -104,6 +104,7 @@ The map: the sections, in file order, each using only those above it
 """
 
 import errno
+import gc
 import os
 import stat
 import sys
@@ -14087,7 +14088,6 @@ def main(argv=None, parsed=None):
         # stops walking it at each full collection, and at the exit's 3-4
         # (9 M instructions of a 64 M `myq enqueue`, issue 42).  Not for a
         # caller's main(argv): its garbage is not ours to keep.
-        import gc
         gc.freeze()
     argv = sys.argv[1:] if argv is None else list(argv)
     env = os.environ
