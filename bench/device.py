@@ -19,11 +19,17 @@ REV:myq.py`, REV=main unless --base), so that every ratio is within one run.
 - instructions per enqueue and per delivered job: bench/cpu.py (callgrind;
   durable Spool.enqueue, a no-op --module drain), run once per tree: the
   counts are deterministic to ~0.5 %.
-- start-up of `myq enqueue` (one job, a new process, the spool on tmpfs):
-  the one-file copy (`python3 myq.py ...`, compiled at every start) and the
-  installed layout (the module imported from its cached byte code, as
-  build/dist.py's launcher does), against a bare `python3 -I -c pass`:
-  wall time (median of 7) and whole-process instructions (callgrind).
+- start-up of `myq enqueue` (one job, a new process, the spool on tmpfs),
+  in a venv of --python made here (a plain interpreter: a pyenv build's
+  site-packages may run .pth files, ~100 M instructions a start, that
+  hide the difference): the one-file copy (bin/myq, a copy of myq.py run
+  as a script: compiled at every start) and the installed layout (`myq.py
+  install --destdir`: its launcher imports myq.py from the hash-checked
+  byte code install wrote), against a bare `python3 -c pass` (the same
+  site start-up as the launcher's): wall time (median of 7), peak RSS
+  (/usr/bin/time's %M, median of 5: a child's own ru_maxrss counts the
+  forking parent's pages) and whole-process instructions (callgrind,
+  median of --runs).
 - armv7l: the same start-up under qemu-user (qemu-arm-static) with a
   Debian armhf root (--arm ROOT, default /root/armhf): wall time, median
   of 3, emulated on this host, so only its ratios carry over.  Skipped,
@@ -224,13 +230,33 @@ def memory_run(py, tree, base, n, sink):
 
 # start-up ####################################################################
 
+def installed(py, tree):
+    """The layout `myq install` lays out for `tree`'s myq.py, under
+    tree/root; its launcher pointed at it.  -> the launcher's path."""
+    root = os.path.join(tree, "root")
+    if not os.path.isdir(root):
+        os.mkdir(root)
+        subprocess.check_call([py, os.path.join(tree, "myq.py"), "install",
+                               "--destdir", root, "--prefix", "/usr"],
+                              env=env_for(), stdout=subprocess.DEVNULL)
+        bindir = os.path.join(tree, "bin")
+        os.mkdir(bindir)
+        shutil.copy(os.path.join(tree, "myq.py"), os.path.join(bindir, "myq"))
+    launcher = os.path.join(root, "usr", "bin", "myq")
+    with open(launcher) as f:
+        text = f.read()
+    with open(launcher, "w") as f:
+        f.write(text.replace(repr("/usr/lib/myq"),
+                             repr(os.path.join(root, "usr", "lib", "myq"))))
+    return launcher
+
+
 def startup_argvs(py, tree, spool):
     words = ["--spool", spool, "enqueue", "t", '{"n": 1}']
     return {
-        "bare": [py, "-I", "-c", "pass"],
-        "onefile": [py, os.path.join(tree, "myq.py")] + words,
-        "installed": [py, "-c", "import sys; sys.path.insert(0, %r); import myq; "
-                      "sys.exit(myq.main())" % tree] + words,
+        "bare": [py, "-c", "pass"],
+        "onefile": [py, os.path.join(tree, "bin", "myq")] + words,
+        "installed": [py, installed(py, tree)] + words,
     }
 
 
@@ -241,6 +267,21 @@ def wall_ms(argv, env, runs, prefix=()):
         subprocess.check_call(list(prefix) + argv, env=env, stdout=subprocess.DEVNULL)
         times.append((time.perf_counter() - t0) * 1000.0)
     return statistics.median(times)
+
+
+def peak_kb(argv, env, runs, where):
+    """Median peak RSS of argv, KB, as /usr/bin/time measures it (its own
+    fork and exec: a child of this Python would count its pages); None
+    without GNU time."""
+    if not os.access("/usr/bin/time", os.X_OK):
+        return None
+    out, got = os.path.join(where, "time.out"), []
+    for _ in range(runs):
+        subprocess.check_call(["/usr/bin/time", "-f", "%M", "-o", out] + argv,
+                              env=env, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            got.append(int(f.read().split()[-1]))
+    return statistics.median(got)
 
 
 def instructions(argv, env, where):
@@ -256,19 +297,51 @@ def instructions(argv, env, where):
     raise RuntimeError("no summary in " + out)
 
 
-def startup(py, tree, base, cpu):
-    spool = tempfile.mkdtemp(dir=base)
-    env = env_for()
-    subprocess.check_call([py, os.path.join(tree, "myq.py"), "--spool", spool,
-                           "init"], env=env, stdout=subprocess.DEVNULL)
-    out = {}
-    for k, argv in startup_argvs(py, tree, spool).items():
-        subprocess.check_call(argv, env=env, stdout=subprocess.DEVNULL)  # caches
-        out[k + "_ms"] = wall_ms(argv, env, 7)
-        if cpu:
-            out[k + "_instr"] = instructions(argv, env, base)
-    shutil.rmtree(spool, ignore_errors=True)
-    return out
+def plain_venv(py, base):
+    """A venv of `py` (no site-packages of its own: none of its .pth
+    files); `py` itself where venv is missing."""
+    where = os.path.join(base, "venv")
+    if not os.path.isdir(where):
+        try:
+            subprocess.check_call([py, "-m", "venv", "--without-pip", where],
+                                  stdout=subprocess.DEVNULL)
+        except (OSError, subprocess.CalledProcessError):
+            return py
+    return os.path.join(where, "bin", "python3")
+
+
+def startup(py, trees, base, cpu, runs):
+    """The start-up figures of each tree, interleaved, medians."""
+    plain = plain_venv(py, base)
+    said = py if plain == py else "a venv of " + py
+    py, env = plain, env_for()
+    res, samples = {}, dict((name, {}) for name, _ in trees)
+    for name, tree in trees:
+        spool = tempfile.mkdtemp(dir=base)
+        subprocess.check_call([py, os.path.join(tree, "myq.py"), "--spool", spool,
+                               "init"], env=env, stdout=subprocess.DEVNULL)
+        argvs = startup_argvs(py, tree, spool)
+        for argv in argvs.values():
+            subprocess.check_call(argv, env=env, stdout=subprocess.DEVNULL)  # caches
+        res[name] = {"python": py, "argvs": argvs}
+    for _ in range(max(1, runs)):
+        for name, _ in trees:
+            for k, argv in res[name]["argvs"].items():
+                got = samples[name].setdefault(k, {"ms": [], "kb": [], "instr": []})
+                got["ms"].append(wall_ms(argv, env, 7))
+                kb = peak_kb(argv, env, 5, base)
+                if kb is not None:
+                    got["kb"].append(kb)
+                if cpu:
+                    got["instr"].append(instructions(argv, env, base))
+    for name, _ in trees:
+        out = {"python": said}
+        for k, got in samples[name].items():
+            for unit, values in got.items():
+                if values:
+                    out["%s_%s" % (k, unit)] = statistics.median(values)
+        res[name] = out
+    return res
 
 
 def arm(root, trees, base):
@@ -339,15 +412,28 @@ def report(res):
                      ("drain", "instructions per delivered job (no-op)")):
         if k in b.get("cpu", {}):
             row(label, b["cpu"][k], t["cpu"][k], "%.0f")
-    for k, label in (("bare_ms", "bare `python3 -I -c pass`, ms"),
+    if "start" in t:
+        print("| `myq enqueue` start-up (%s): | | | |"
+              % t["start"]["python"])
+    for k, label in (("bare_ms", "bare `python3 -c pass`, ms"),
                      ("installed_ms", "`myq enqueue`, installed layout, ms"),
-                     ("onefile_ms", "`python3 myq.py enqueue` (one file), ms"),
+                     ("onefile_ms", "`myq enqueue`, one-file copy, ms"),
+                     ("bare_kb", "bare interpreter, peak RSS, MB"),
+                     ("installed_kb", "`myq enqueue` installed, peak RSS, MB"),
+                     ("onefile_kb", "`myq enqueue` one-file copy, peak RSS, MB"),
                      ("bare_instr", "bare interpreter, M instructions"),
                      ("installed_instr", "`myq enqueue` installed, M instructions"),
-                     ("onefile_instr", "`python3 myq.py enqueue`, M instructions")):
-        if k in b.get("start", {}):
-            div = 1e6 if k.endswith("instr") else 1.0
+                     ("onefile_instr", "`myq enqueue` one-file copy, M instructions")):
+        if k in b.get("start", {}) and k in t.get("start", {}):
+            div = {"instr": 1e6, "kb": 1024.0}.get(k.rsplit("_", 1)[1], 1.0)
             row(label, b["start"][k] / div, t["start"][k] / div)
+    for name, st in (("baseline", b.get("start", {})), ("this tree", t.get("start", {}))):
+        for unit, div in (("instr", 1.0), ("kb", 1.0)):
+            if "bare_" + unit in st and "installed_" + unit in st:
+                print("| %s: installed / bare, %s | | | %.2fx (one file %.2fx) |"
+                      % (name, "instructions" if unit == "instr" else "peak RSS",
+                         st["installed_" + unit] / st["bare_" + unit],
+                         st["onefile_" + unit] / st["bare_" + unit]))
     a = res.get("arm")
     if isinstance(a, dict):
         print("| armv7l (qemu-user, %s): | | | |" % a.get("machine"))
@@ -383,6 +469,7 @@ def main():
                  ("this", make_tree(os.path.join(base, "this"), mine))]
         for name, tree in trees:
             res[name] = {"flash": flash(py, tree)}
+            installed(py, tree)
         if "memory" not in skip:
             sink = Sink()
             runs = dict((name, []) for name, _ in trees)
@@ -398,8 +485,9 @@ def main():
             for name, tree in trees:
                 res[name]["cpu"] = cpu_counts(py, tree, base)
         if "start" not in skip:
-            for name, tree in trees:
-                res[name]["start"] = startup(py, tree, base, have_vg and "cpu" not in skip)
+            got = startup(py, trees, base, have_vg and "cpu" not in skip, o.runs)
+            for name, _ in trees:
+                res[name]["start"] = got[name]
         if "arm" not in skip:
             res["arm"] = arm(o.arm, trees, base)
     finally:
