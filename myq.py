@@ -100,7 +100,8 @@ The map: the sections, in file order, each using only those above it
   Install           `myq install`: the module layout, the init files
                     embedded (test_dist)
   Command line      the commands and their parsers (test_operator_cli)
-  Run as a script   the script's start (test_script_start, test_light)
+  Run as a script   the script's start, its one hint (test_script_start,
+                    test_light, test_onefile)
 """
 
 import errno
