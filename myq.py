@@ -14092,7 +14092,7 @@ def main(argv=None, parsed=None):
         # import made (~1,000 functions, their classes and dicts) lives
         # until the exit; frozen (out of every collection), the collector
         # stops walking it at each full collection, and at the exit's 3-4
-        # (9 M instructions of a 64 M `myq enqueue`, issue 42).  Not for a
+        # (8.6 M instructions of a 62.7 M `myq enqueue`, issue 42).  Not for a
         # caller's main(argv): its garbage is not ours to keep.
         gc.freeze()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -14155,7 +14155,7 @@ class _BodyDone(BaseException):
 # And a script is compiled at every start, all of it, before its first
 # line runs (Python never caches a script's byte code; a stub at the top
 # would run after the compile): one `myq enqueue` from the one-file copy
-# peaks at ~45 MB of RAM and ~10x the instructions of the installed
+# peaks at ~45 MB of RAM and ~14x the instructions of the installed
 # layout, whose launcher imports myq.py from byte code (12 MB; bench/
 # device.py).  No interpreter compiles 600 KB in less, so the copy says,
 # once, what makes it cheap: on a terminal (a script's or cron's standard
