@@ -14092,8 +14092,8 @@ def main(argv=None, parsed=None):
         # import made (~1,000 functions, their classes and dicts) lives
         # until the exit; frozen (out of every collection), the collector
         # stops walking it at each full collection, and at the exit's 3-4
-        # (8.6 M instructions of a 62.7 M `myq enqueue`, issue 42).  Not for a
-        # caller's main(argv): its garbage is not ours to keep.
+        # (8.6 M instructions of a 62.7 M `myq enqueue`, issue 42).  Not
+        # for a caller's main(argv): its garbage is not ours to keep.
         gc.freeze()
     argv = sys.argv[1:] if argv is None else list(argv)
     env = os.environ
