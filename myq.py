@@ -1929,6 +1929,76 @@ def rate_of(text):
     return n, per
 
 
+def url_origin(url):
+    """The circuit breaker's destination of an http URL (myq(1) holds),
+    "scheme://host:port" (lower case, the port explicit), or None when it
+    is not an http or https URL with a host.  Without urllib (a policy is
+    set where python3-light has none); http_dest() agrees with it."""
+    scheme, sep, rest = str(url).partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in ("http", "https"):
+        return None
+    for ch in "/?#":
+        rest = rest.partition(ch)[0]
+    netloc = rest.rpartition("@")[2]
+    if netloc.startswith("["):
+        host, close, tail = netloc[1:].partition("]")
+        if not close or tail and not tail.startswith(":"):
+            return None
+        port, host = tail[1:], "[%s]" % host.lower()
+    else:
+        host, _, port = netloc.partition(":")
+        host = host.lower()
+    if not host or host == "[]" or port and not (
+            port.isascii() and port.isdigit() and int(port) <= 65535):
+        return None
+    port = int(port) if port else (443 if scheme == "https" else 80)
+    return "%s://%s:%d" % (scheme, host, port)
+
+
+def parse_urls(v):
+    """A type's destinations (myq(1) policy `url`): one or more http or
+    https URLs, in order, space-separated: canonical "A B", at most 8."""
+    urls = str(v).split()
+    if not 1 <= len(urls) <= 8 or len(set(urls)) != len(urls):
+        raise ValueError(v)
+    for u in urls:
+        if url_origin(u) is None or any(ord(ch) < 33 or ord(ch) == 127
+                                        for ch in u):
+            raise ValueError(v)
+    return " ".join(urls)
+
+
+def parse_topic(v):
+    """A type's MQTT topic (myq(1) policy `topic`): no wildcard, no NUL."""
+    if not isinstance(v, str) or not v or "+" in v or "#" in v or "\0" in v \
+            or len(v.encode("utf-8", "surrogatepass")) > 65535:
+        raise ValueError(v)
+    return v
+
+
+def parse_percent(v):
+    """'50%' or 50 -> 50: a share from 0 to 100."""
+    text = str(v).strip()
+    return parse_int(text[:-1] if text.endswith("%") else text, 0, 100)
+
+
+def own_destination(job, rules):
+    """Why `job` may not be queued under its type's `url` or `topic`
+    (myq(1) policy: the producer sends only the body), or None: its
+    payload is an object that names a destination of its own."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return None
+    for key, field in (("url", "url"), ("topic", "topic")):
+        if rules.get(key) and field in p:
+            return ("job %s of type %s names its own %s, but the type's policy "
+                    "gives it (%s=%s): enqueue only the body as the payload"
+                    % (job.get("id"), job.get("type"), field, key,
+                       _clip(rules[key], 200)))
+    return None
+
+
 def parse_rate(v):
     """A rate's canonical text: '30 / 1m' -> '30/m' (rate_of: its numbers)."""
     rate_of(v)              # the check; then its canonical text
@@ -1968,6 +2038,10 @@ class Policy(object):
                            "a duration such as 0, 500ms, 5s",
                            show=_format_duration),
         "gzip": BOOL,
+        "url": Kind(parse_urls, "one or more http or https URLs, in order, "
+                    "space-separated (the first not held is used)"),
+        "topic": Kind(parse_topic, "an MQTT topic without + or #"),
+        "format": Kind(_choice("json", "kafka"), "json or kafka"),
     }
 
     @classmethod
@@ -2553,6 +2627,12 @@ class Claims(object):
             self.complete(c)
             return False
         rules = self.spool.rules(job["type"])
+        own = sub == "incoming" and src is not None and \
+            own_destination(job, rules)
+        if own:     # a shell producer's file (myq(1) policy `url`)
+            self.close(c)
+            self.quarantine(c.path, name, own)
+            return False
         exp = self.spool.expiry(job, rules)
         if exp is not None and now >= exp:
             self.refuse(c, job, me, "expired", "expired at %s, before any run "
@@ -3238,6 +3318,9 @@ class _Producing(object):
         """(job, its bytes, explicit id, delay, its directory) for _enqueue;
         the type's priority fixed now (myq(1) policy).  Raises InvalidJob."""
         rules = self.rules(job["type"])
+        own = own_destination(job, rules)
+        if own:
+            raise InvalidJob(own)
         if job.get("priority") is None:
             p = rules.get("priority")
             if p:
@@ -4245,6 +4328,13 @@ class _Upkeep(object):
                        "they run after its first success (now: %s resume --dest "
                        "%s)" % (h["dest"], iso(h.get("until") or 0, frac=False),
                                 h.get("why"), spool, h["dest"]))
+        for t, dests in self.dest_states().items():
+            if len(dests) > 1 and any(d["state"] == "held" for d in dests):
+                up = [d["dest"] for d in dests if d["state"] == "ok"]
+                out.append("type %s fails over: %s; its jobs go to %s" % (
+                    t, ", ".join("%s %s" % (d["dest"], d["state"])
+                                 for d in dests),
+                    up[0] if up else "none (every destination is held)"))
         for t in self.paused():
             out.append("%s is paused: no new job of it starts; resume with: %s "
                        "resume %s" % ("every type" if t == "*" else "type " + t,
@@ -4803,7 +4893,28 @@ class _Reading(object):
                 sum(tot["refused"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
-                         for h in self.breaker.records()]}
+                         for h in self.breaker.records()],
+                "destinations": self.dest_states(now)}
+
+    def dest_states(self, now=None):
+        """Each destination of the types whose policy gives `url`, in order,
+        and its state (myq(1) failover): {TYPE: [{"url", "dest", "state":
+        "ok" or "held", "until"}]}; the first "ok" one gets the new starts."""
+        holds = dict((h["dest"], h) for h in self.breaker.records())
+        now = _now() if now is None else now
+        out = {}
+        for t, keys in sorted(self.policy().items()):
+            urls = keys.get("url") if t != "*" else None
+            if not urls:
+                continue
+            out[t] = []
+            for u in urls.split():
+                d = url_origin(u) or t
+                h = holds.get(d)
+                out[t].append({"url": u, "dest": d, "state":
+                               "held" if h else "ok",
+                               "until": h.get("until") if h else None})
+        return out
 
     def _counts(self, now):
         """(ready, scheduled, the earliest ready one's time, processing,
@@ -5799,6 +5910,9 @@ class _SqlClaims(Claims):
                 raise InvalidJob("bad file name: a job file is ID.json, ID being "
                                  "1-128 characters of A-Z a-z 0-9 . _ -")
             job = normalize(obj, name[:-5], st.st_mtime)
+            own = own_destination(job, sp.rules(job["type"]))
+            if own:     # (myq(1) policy `url`)
+                raise InvalidJob(own)
         except (OSError, InvalidJob) as e2:
             if getattr(e2, "errno", None) == errno.ENOENT:
                 return None
@@ -6736,7 +6850,8 @@ class SqlSpool(_SqlUpkeep, Spool):
         rules = self.rules(type)
         try:
             if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10 \
-                    or rules.get("priority") \
+                    or rules.get("priority") or "url" in rules \
+                    or "topic" in rules \
                     or self.home({"type": type}, rules) != "incoming":
                 raise ValueError
             pj = "null" if payload is None else _encode_value(payload)
@@ -7742,14 +7857,20 @@ def _ids_key(ids):
             zlib.adler32(rev) ^ zlib.crc32(data, 0x5bd1e995))
 
 
+KAFKA_JSON = "application/vnd.kafka.json.v2+json"
+
+
 def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
-               pool=None, gzip=False):
+               pool=None, gzip=False, fmt=None, alone=False):
     """Jobs of one http_group_key() as ONE request (myq(1) the http type): the body is
     a JSON array of their bodies in job order (null for a job without
     one), `X-Myq-Ids` lists their ids in array order, the Idempotency-Key
     is derived from the ids (the same ids give the same key).  One outcome
     for all: returns or raises as http_handler() does.  The time limit is
-    the largest `timeout` of their payloads, else `timeout`."""
+    the largest `timeout` of their payloads, else `timeout`.  `fmt`
+    "kafka": the body is Kafka REST v2's {"records": [{"key": ID, "value":
+    BODY}, ...]} (myq(1) policy `format`); `alone`: one job of a type
+    without `batch`, its Idempotency-Key its id."""
     jobs = list(jobs)
     if not jobs:
         return
@@ -7763,16 +7884,20 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
                              "http_group_key()" % (job["id"], jobs[0]["id"]))
     _http_modules()
     ids = [str(j["id"]) for j in jobs]
-    data = json.dumps([j["payload"].get("body") for j in jobs],
-                      separators=(",", ":")).encode("utf-8")
+    bodies = [j["payload"].get("body") for j in jobs]
+    if fmt == "kafka":
+        bodies = {"records": [{"key": i, "value": b}
+                              for i, b in zip(ids, bodies)]}
+    data = json.dumps(bodies, separators=(",", ":")).encode("utf-8")
     configured = set(k.lower() for k in (headers or {}))
     own = set(k.lower() for k in (jobs[0]["payload"].get("headers") or {}))
     if "content-type" not in own | configured:
         for k in [k for k in hdrs if k.lower() == "content-type"]:
             del hdrs[k]
-        hdrs["Content-Type"] = "application/json"
+        hdrs["Content-Type"] = KAFKA_JSON if fmt == "kafka" \
+            else "application/json"
     if "idempotency-key" not in configured:
-        hdrs["Idempotency-Key"] = _ids_key(ids)
+        hdrs["Idempotency-Key"] = ids[0] if alone else _ids_key(ids)
     hdrs["X-Myq-Ids"] = ",".join(ids)
     t = max(_job_timeout(j, timeout) for j in jobs)
     return _http_send(method, url, data, hdrs, headers, t, backoff_max, run,
@@ -8356,7 +8481,7 @@ class _Run(object):
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
                  "thread", "result", "conn", "slot", "probe", "dest",
                  "dest_fail", "batch", "split", "unsent",
-                 "retry_after")
+                 "retry_after", "failovers")
 
     def __init__(self, claim, handler):
         self.claim, self.handler = claim, handler
@@ -8367,6 +8492,7 @@ class _Run(object):
         self.batch = None           # the claims of a batch
         self.dest_fail = self.split = self.unsent = False
         self.retry_after = None     # a destination failure's own delay
+        self.failovers = []         # [(dest, its failure)] passed over
         self.err = bytearray()
         self.timed_out = self.released = False
 
@@ -9388,8 +9514,9 @@ class Handler(object):
         worker's --timeout."""
         return job.get("timeout") or default
 
-    def dest(self, job, worker):
-        """The circuit breaker's destination of `job`: its type."""
+    def dest(self, job, worker, run=None):
+        """The circuit breaker's destination of `job`: its type.  (`run`:
+        the run it starts, whose probe a failover may take.)"""
         return job["type"]
 
     def batch_key(self, job, worker):
@@ -9440,38 +9567,85 @@ class HttpHandler(Handler):
     kind = "http"
     remote = True
 
-    def dest(self, job, worker):
+    def dest(self, job, worker, run=None):
+        urls = worker.spool.rules(job["type"]).get("url")
+        if urls:            # the type's own, in order (myq(1) failover)
+            return worker._pick_dest(_dests_of(urls, job["type"]), job, run)
         p = job.get("payload")
         return http_dest(p.get("url") if isinstance(p, dict) else None) \
             or job["type"]
 
     def batch_key(self, job, worker):
+        if worker.spool.rules(job["type"]).get("url"):
+            return ("url",)     # (all go to the type's destination)
         return http_group_key(job, worker.http_headers)
 
     def call(self, worker, run, job):
-        try:
-            http_handler(job, worker.http_headers, worker.backoff_max,
-                         self.time_limit(job, worker.timeout), run,
-                         worker.http_pool, gzip=bool(
-                             worker.spool.rules(job["type"]).get("gzip")))
-        except RetryLater as e:
-            e.retry_after = e.seconds
-            e.seconds = worker.delays.at_least(e.seconds, job["attempts"])
-            raise
+        self.call_batch(worker, run, [job], False)
 
-    def call_batch(self, worker, run, jobs):
-        """A batch of http jobs as one request (myq(1) the http type)."""
+    def call_batch(self, worker, run, jobs, batched=True):
+        """A batch of http jobs as one request (myq(1) the http type); under
+        the type's `url`, to its first destination that answers."""
         rules = worker.spool.rules(jobs[0]["type"])
+        t = self.time_limit(jobs[0], worker.timeout)
         try:
-            http_batch(jobs, worker.http_headers, worker.backoff_max,
-                       self.time_limit(jobs[0], worker.timeout), run,
-                       getattr(worker, "http_pool", None),
-                       gzip=bool(rules.get("gzip")))
+            if rules.get("url"):
+                self._failover(worker, run, jobs, rules, batched, t)
+            else:
+                self._send(worker, run, jobs, rules, batched, t)
         except RetryLater as e:
             e.retry_after = e.seconds
             e.seconds = worker.delays.at_least(e.seconds, jobs[0]["attempts"])
             raise
         return ("done",)
+
+    def _send(self, worker, run, jobs, rules, batched, t):
+        gzip, fmt = bool(rules.get("gzip")), rules.get("format")
+        if batched or fmt == "kafka":
+            http_batch(jobs, worker.http_headers, worker.backoff_max, t, run,
+                       getattr(worker, "http_pool", None), gzip=gzip, fmt=fmt,
+                       alone=not batched)
+        else:
+            http_handler(jobs[0], worker.http_headers, worker.backoff_max, t,
+                         run, getattr(worker, "http_pool", None), gzip=gzip)
+
+    def _failover(self, worker, run, jobs, rules, batched, t):
+        """Send to the type's destination picked at the start (run.dest),
+        then on to the next ones not held, in order, after a destination
+        failure: the same ids and Idempotency-Key everywhere, no attempt
+        counted; each failure is the breaker's (run.failovers, booked by
+        the worker at the finish).  Each destination has its share of
+        the run's time, so that a hung one leaves time for the next."""
+        for job in jobs:
+            why = own_destination(job, rules)
+            if why:
+                raise PermanentError(why)
+        urls = rules["url"].split()
+        dests = _dests_of(rules["url"], jobs[0]["type"])
+        first = dests.index(run.dest) if run.dest in dests else 0
+        todo = list(range(first, len(urls)))
+        end = _mono() + t if run.deadline is None else min(_mono() + t,
+                                                           run.deadline)
+        while todo:
+            i = todo.pop(0)
+            if todo and i != first and worker._holds.get(dests[i], 0) > _now():
+                continue        # held: not tried, unless it is the last
+            share = max(0.05, (end - _mono()) / (1 + len(todo)))
+            sent = [dict(j, payload={"url": urls[i], "body": j["payload"],
+                                     "timeout": share}) for j in jobs]
+            run.dest = dests[i]
+            try:
+                return self._send(worker, run, sent, rules, batched, share)
+            except DestinationDown as e:
+                if not todo or end - _mono() < 0.1 or run.timed_out \
+                        or run.released:
+                    raise
+                run.failovers.append((dests[i], e))
+
+
+def _dests_of(urls, type):
+    """The breaker's destinations of a type's `url` list, in order."""
+    return [url_origin(u) or type for u in urls.split()]
 
 
 class MqttHandler(Handler):
@@ -9486,12 +9660,29 @@ class MqttHandler(Handler):
         return client.dest if client is not None else "mqtt"
 
     def call(self, worker, run, job):
-        err = worker.mqtt_batch([job], run)[0]
+        err = self.call_batch(worker, run, [job])[1][0]
         if err is not None:
             raise err
 
     def call_batch(self, worker, run, jobs):
-        return ("each", worker.mqtt_batch(jobs, run))
+        rules = worker.spool.rules(jobs[0]["type"])
+        topic = rules.get("topic")
+        if not topic:
+            return ("each", worker.mqtt_batch(jobs, run))
+        # The type's topic (myq(1) policy `topic`): the payload is the message.
+        out, sent, where = [None] * len(jobs), [], []
+        for i, job in enumerate(jobs):
+            why = own_destination(job, rules)
+            if why:
+                out[i] = PermanentError(why)
+            else:
+                sent.append(dict(job, payload={"topic": topic,
+                                               "message": job["payload"]}))
+                where.append(i)
+        if sent:
+            for i, e in zip(where, worker.mqtt_batch(sent, run)):
+                out[i] = e
+        return ("each", out)
 
 
 _HTTP, _MQTT = HttpHandler(), MqttHandler()     # (they hold nothing)
@@ -9993,8 +10184,9 @@ class _Running(object):
     def resolve(self, type, rules=None):
         """(handler, None): its Handler, or (None, why not).  `rules`: the
         type's, when the caller has them."""
-        builtin = (self.spool.rules(type) if rules is None else rules).get(
-            "handler")
+        rules = self.spool.rules(type) if rules is None else rules
+        builtin = rules.get("handler") or ("http" if rules.get("url") else
+                                           "mqtt" if rules.get("topic") else None)
         if builtin == "http":
             return self.resolve_http(type)
         if builtin == "mqtt":
@@ -10088,7 +10280,7 @@ class _Running(object):
             return
         if c.job["type"] in self._held:
             self._unhold(c.job["type"])
-        run.dest = handler.dest(c.job, self)
+        run.dest = handler.dest(c.job, self, run)
         if lane is not None and lane.type is not None and run.dest != lane.type:
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
@@ -10643,6 +10835,51 @@ class _Holding(object):
                 if self.resolve(t)[0] is not None:
                     self._unhold(t)
 
+    # Failover (myq(1) policy `url`): a type's destinations, in order.
+
+    def _pick_dest(self, dests, job, run=None):
+        """Where a start of `job` goes: the first of `dests` not held; a
+        held one whose probe is due takes this start as its probe (run.
+        probe), so that a destination that is back gets new starts again;
+        all held: the one due first (the start then waits for it)."""
+        if run is not None and run.probe in dests:
+            return run.probe
+        now = _now()
+        for d in dests:
+            until = self._holds.get(d)
+            if until is None:
+                return d
+            if until > now or run is None or run.probe:
+                continue
+            new = self.spool.breaker.take_probe(
+                d, self.delays.probe, self.spool.waits_at(job, run.claim.jid))
+            if new == 0.0:
+                self._holds.pop(d, None)        # released meanwhile
+                self.dirty = True
+                return d
+            if new:
+                self._holds[d] = new
+                run.probe = d
+                return d
+        return min(dests, key=lambda d: self._holds.get(d, 0))
+
+    def _failed_over(self, run):
+        """The destinations a run passed over after their failure: each
+        one the breaker's failure (its streak, its hold), the job's
+        attempts untouched; its type's lanes go where the run went."""
+        for dest, e in run.failovers:
+            one = _Run(run.claim, run.handler)
+            one.dest, one.dest_fail = dest, True
+            one.probe = run.probe if run.probe == dest else None
+            one.retry_after = getattr(e, "retry_after", e.seconds)
+            self._dest_failed(one, None, _exc_text(e))
+            self.log("failover", id=run.claim.jid, dest=dest, to=run.dest,
+                     error=_clip(_exc_text(e), 200))
+        run.failovers = []
+        for L in self._lanes:
+            if L.type == run.claim.job["type"]:
+                L.dest = run.dest
+
     def _safe(self, dest):
         safe = self._safe_names.get(dest)
         if safe is None:
@@ -11169,6 +11406,8 @@ class Worker(_Scheduling, _Running, _Holding):
         batch that fails for good is split in halves, run at once
         (myq(1) batches); "each" carries one outcome per job (mqtt)."""
         self._free(run)
+        if run.failovers:
+            self._failed_over(run)      # (myq(1) policy `url`)
         if outcome == "each":
             # (one outcome a job, mqtt's: nothing of the batch is kept, so
             # what goes again is batched afresh, not one at a time)

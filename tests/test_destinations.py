@@ -1,0 +1,222 @@
+"""Where a type's jobs go (issue 41, SPEC §10 "Destinations, failover, live
+data first, the uplink's budget"): a type's own destination (policy `url`,
+`topic`), failover between destinations in order, and the Kafka REST body
+(`format=kafka`).
+
+The receivers are the suite's HTTP server (_http.Server, on 127.0.0.1),
+one per destination, and for MQTT a real mosquitto (_mosquitto).  Waiting
+is on the server's Condition or on a worker's --drain ending, never a
+sleep.
+"""
+import json
+import os
+
+import pytest
+
+from _core import FAST, call_myq, run_myq, wait_for, write_incoming
+from _http import answer, http_servers  # noqa: F401 (a fixture)
+
+
+def policy(spool, *args):
+    cp = call_myq("--spool", spool, "policy", *args)
+    assert cp.returncode == 0, cp.stderr
+    return cp
+
+
+def drain(spool, *opts, timeout=60):
+    cp = run_myq("--spool", spool, "worker", "--drain", *(FAST + opts),
+                 timeout=timeout)
+    assert cp.returncode == 0, cp.stderr
+    return cp
+
+
+def listed(spool, state):
+    cp = call_myq("--spool", spool, "list", state, "--json")
+    assert cp.returncode == 0, cp.stderr
+    return [json.loads(line) for line in cp.stdout.splitlines()]
+
+
+def down(h):
+    answer(h, 503, b"down")
+
+
+# --------------------------------------------------------------------------
+# 1. A type's destination
+
+def test_policy_url_topic_and_format_are_checked(spool):
+    cp = call_myq("--spool", spool, "policy", "tele",
+                  "url=http://a.example/in  https://B.example:8443/in",
+                  "format=kafka")
+    assert cp.returncode == 0, cp.stderr
+    pol = json.loads(call_myq("--spool", spool, "policy", "--json").stdout)
+    assert pol["tele"]["url"] == "http://a.example/in https://B.example:8443/in"
+    assert pol["tele"]["format"] == "kafka"
+    for bad in ("url=ftp://x/", "url=http:///nohost", "url=http://h:99999/",
+                "url=", "topic=a/+/b", "topic=a/#", "format=xml"):
+        if bad == "url=":
+            continue        # (an empty value removes the key)
+        cp = call_myq("--spool", spool, "policy", "tele", bad)
+        assert cp.returncode == 64, (bad, cp.stderr)
+        assert bad.partition("=")[0] in cp.stderr
+    assert call_myq("--spool", spool, "policy", "m", "topic=site/7/temp"
+                    ).returncode == 0
+
+
+def test_a_job_that_names_its_own_destination_is_refused_at_enqueue(spool):
+    policy(spool, "tele", "url=http://127.0.0.1:9/in")
+    cp = call_myq("--spool", spool, "enqueue", "tele",
+                  '{"url": "http://elsewhere/", "body": {"t": 1}}')
+    assert cp.returncode == 65, cp.stderr
+    assert "own url" in cp.stderr and "body" in cp.stderr
+    policy(spool, "alarm", "topic=site/alarm")
+    cp = call_myq("--spool", spool, "enqueue", "alarm",
+                  '{"topic": "x/y", "message": 1}')
+    assert cp.returncode == 65, cp.stderr
+    # the body alone is fine
+    assert call_myq("--spool", spool, "enqueue", "tele", '{"t": 1}'
+                    ).returncode == 0
+    assert call_myq("--spool", spool, "enqueue", "alarm", '"hot"'
+                    ).returncode == 0
+
+
+def test_the_type_url_gets_the_body_with_the_id_as_key(spool, http_servers):
+    srv = http_servers()
+    policy(spool, "tele", "url=" + srv.url("/in"))
+    a = call_myq("--spool", spool, "enqueue", "tele", '{"t": 21.5}').stdout.strip()
+    b = call_myq("--spool", spool, "enqueue", "tele", '"text"').stdout.strip()
+    drain(spool)
+    assert srv.wait_requests(2)
+    got = dict((r["headers"]["Idempotency-Key"], r) for r in srv.requests)
+    assert set(got) == {a, b}
+    assert json.loads(got[a]["body"]) == {"t": 21.5}
+    assert got[a]["headers"]["Content-Type"] == "application/json"
+    assert got[a]["path"] == "/in" and got[a]["method"] == "POST"
+    assert got[b]["body"] == b"text"
+    assert [j["id"] for j in listed(spool, "done")] == sorted([a, b]) or \
+        set(j["id"] for j in listed(spool, "done")) == {a, b}
+
+
+def test_a_shell_producers_file_with_its_own_url_is_quarantined(
+        spool, http_servers):
+    srv = http_servers()
+    policy(spool, "tele", "url=" + srv.url("/in"))
+    write_incoming(spool, "own.json", {"type": "tele", "payload": {
+        "url": srv.url("/other"), "body": {"t": 1}}})
+    write_incoming(spool, "good.json", {"type": "tele", "payload": {"t": 2}})
+    drain(spool)
+    failed = listed(spool, "failed")
+    assert [f["id"] for f in failed] == ["own"], failed
+    assert "own url" in json.dumps(failed)
+    assert [j["id"] for j in listed(spool, "done")] == ["good"]
+    assert [json.loads(r["body"]) for r in srv.requests] == [{"t": 2}]
+
+
+def test_kafka_format_sends_rest_v2_records_keyed_by_id(spool, http_servers):
+    srv = http_servers()
+    policy(spool, "k", "url=" + srv.url("/topics/tele"), "format=kafka")
+    policy(spool, "kb", "url=" + srv.url("/topics/batch"), "format=kafka",
+           "batch=10")
+    one = call_myq("--spool", spool, "enqueue", "k", '{"t": 1}').stdout.strip()
+    ids = [call_myq("--spool", spool, "enqueue", "kb", '{"n": %d}' % i
+                    ).stdout.strip() for i in range(3)]
+    drain(spool)
+    r = srv.hits("/topics/tele")[0]
+    assert r["headers"]["Content-Type"] == "application/vnd.kafka.json.v2+json"
+    assert json.loads(r["body"]) == {"records": [{"key": one, "value": {"t": 1}}]}
+    assert r["headers"]["Idempotency-Key"] == one
+    rs = srv.hits("/topics/batch")
+    assert len(rs) == 1, [x["body"] for x in rs]
+    assert rs[0]["headers"]["Content-Type"] == KAFKA
+    assert json.loads(rs[0]["body"]) == {"records": [
+        {"key": i, "value": {"n": n}} for n, i in enumerate(ids)]}
+    assert rs[0]["headers"]["X-Myq-Ids"] == ",".join(ids)
+
+
+KAFKA = "application/vnd.kafka.json.v2+json"
+
+
+# --------------------------------------------------------------------------
+# 2. Failover
+
+def test_a_failing_first_destination_sends_each_job_on_to_the_second(
+        spool, http_servers, tmp_path):
+    """A answers 503: each job goes on to B in the same run, no attempt
+    counted; after `breaker` failures A is held and jobs go to B at once;
+    B sees each id once, under the job's own Idempotency-Key."""
+    a, b = http_servers(default=down), http_servers()
+    policy(spool, "tele", "url=%s %s" % (a.url("/in"), b.url("/in")))
+    ids = [call_myq("--spool", spool, "enqueue", "tele", '{"n": %d}' % i
+                    ).stdout.strip() for i in range(8)]
+    log = tmp_path / "w.log"
+    cp = run_myq("--spool", spool, "worker", "--drain", "--log", str(log),
+                 *FAST)
+    assert cp.returncode == 0, cp.stderr
+    done = listed(spool, "done")
+    assert sorted(j["id"] for j in done) == sorted(ids)
+    assert all(j["attempts"] == 1 for j in done), done
+    keys = [r["headers"]["Idempotency-Key"] for r in b.requests]
+    assert sorted(keys) == sorted(ids), keys
+    assert len(a.requests) == 3, "A is held after the breaker's 3 failures"
+    text = log.read_text()
+    assert text.count("event=failover") == 3
+    assert "event=hold dest=%s" % a.origin() in text
+    st = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
+    assert [(d["dest"], d["state"]) for d in st["destinations"]["tele"]] == [
+        (a.origin(), "held"), (b.origin(), "ok")]
+    cp = call_myq("--spool", spool, "check")
+    assert cp.returncode == 1
+    assert "type tele fails over: %s held, %s ok; its jobs go to %s" % (
+        a.origin(), b.origin(), b.origin()) in cp.stdout + cp.stderr
+
+
+def test_a_batch_fails_over_whole_with_its_key(spool, http_servers):
+    a, b = http_servers(default=down), http_servers()
+    policy(spool, "tele", "url=%s %s" % (a.url("/in"), b.url("/in")),
+           "batch=5")
+    ids = [call_myq("--spool", spool, "enqueue", "tele", '{"n": %d}' % i
+                    ).stdout.strip() for i in range(5)]
+    drain(spool)
+    assert len(a.requests) == len(b.requests) == 1
+    ra, rb = a.requests[0], b.requests[0]
+    assert ra["headers"]["X-Myq-Ids"] == rb["headers"]["X-Myq-Ids"] == ",".join(ids)
+    assert ra["headers"]["Idempotency-Key"] == rb["headers"]["Idempotency-Key"]
+    assert ra["body"] == rb["body"]
+    assert all(j["attempts"] == 1 for j in listed(spool, "done"))
+
+
+def test_a_held_first_destination_gets_new_starts_after_its_probe(
+        spool, http_servers, procs, tmp_path):
+    """While A is held its jobs go to B; once A answers, its probe
+    succeeds and new starts go to A again."""
+    state = {"up": False}
+
+    def flaky(h):
+        answer(h, 200 if state["up"] else 503)
+
+    a, b = http_servers(default=flaky), http_servers()
+    policy(spool, "tele", "url=%s %s" % (a.url("/in"), b.url("/in")))
+    for i in range(4):
+        call_myq("--spool", spool, "enqueue", "tele", '{"n": %d}' % i)
+    procs.worker(spool, "--poll", "0.05", "--jitter", "0", "--backoff-base",
+                 "0.2", "--probe-max", "0.5", log=tmp_path / "w.log")
+    wait_for(lambda: len(b.requests) >= 4, what="B to get the jobs")
+    assert len(a.requests) == 3
+    state["up"] = True
+    # new jobs, one at a time: one of them is A's probe, and after it A
+    # gets every start
+    n = 4
+    while not any(r["status"] == 200 for r in list(a.requests)):
+        call_myq("--spool", spool, "enqueue", "tele", '{"n": %d}' % n)
+        n += 1
+        total = n
+        wait_for(lambda: len(a.requests) + len(b.requests) >= total + 3,
+                 what="job %d delivered" % n)
+        assert n < 60, "A's probe never came"
+    b_before = len(b.requests)
+    for i in range(5):
+        call_myq("--spool", spool, "enqueue", "tele", '{"m": %d}' % i)
+    wait_for(lambda: sum(1 for r in a.requests if r["status"] == 200) >= 6,
+             what="new starts at A")
+    assert len(b.requests) == b_before
+    st = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
+    assert [d["state"] for d in st["destinations"]["tele"]] == ["ok", "ok"]
