@@ -8454,6 +8454,13 @@ def _mqtt_client(url, password_file=None, client_id=None, ca=None, cert=None,
     return client
 
 
+def _mqtt_clients(urls, *args, **kw):
+    """One MqttClient per broker of --mqtt: "URL URL2" gives brokers in
+    order, the second taking the jobs while the first is held (myq(1)
+    failover)."""
+    return [_mqtt_client(u, *args, **kw) for u in str(urls).split()]
+
+
 def mqtt_publish(client, jobs, timeout):
     """Publish `mqtt` jobs (myq(1) the mqtt type) through `client`, all in flight at
     once: one outcome per job, in order: None when done (QoS 1: its PUBACK
@@ -9655,7 +9662,10 @@ class MqttHandler(Handler):
     kind = "mqtt"
     remote = True
 
-    def dest(self, job, worker):
+    def dest(self, job, worker, run=None):
+        clients = getattr(worker, "_mqtt_clients", None) or ()
+        if len(clients) > 1:    # brokers in order (myq(1) failover)
+            return worker._pick_dest([c.dest for c in clients], job, run)
         client = getattr(worker, "_mqtt_client", None)
         return client.dest if client is not None else "mqtt"
 
@@ -9667,22 +9677,47 @@ class MqttHandler(Handler):
     def call_batch(self, worker, run, jobs):
         rules = worker.spool.rules(jobs[0]["type"])
         topic = rules.get("topic")
-        if not topic:
-            return ("each", worker.mqtt_batch(jobs, run))
-        # The type's topic (myq(1) policy `topic`): the payload is the message.
         out, sent, where = [None] * len(jobs), [], []
         for i, job in enumerate(jobs):
-            why = own_destination(job, rules)
+            why = topic and own_destination(job, rules)
             if why:
                 out[i] = PermanentError(why)
-            else:
-                sent.append(dict(job, payload={"topic": topic,
+            elif topic:     # the type's (myq(1) policy `topic`): the payload
+                sent.append(dict(job, payload={"topic": topic,  # is the message
                                                "message": job["payload"]}))
                 where.append(i)
-        if sent:
-            for i, e in zip(where, worker.mqtt_batch(sent, run)):
-                out[i] = e
+            else:
+                sent.append(job)
+                where.append(i)
+        clients = getattr(worker, "_mqtt_clients", None) or [None]
+        self._failover(worker, run, clients, sent, where, out)
         return ("each", out)
+
+    def _failover(self, worker, run, clients, sent, where, out):
+        """Publish through the broker picked at the start (run.dest), then
+        the jobs that its failure left (DestinationDown) through the next
+        brokers not held, in order, as HttpHandler._failover does."""
+        dests = [c.dest if c is not None else None for c in clients]
+        first = dests.index(run.dest) if run.dest in dests else 0
+        todo = list(range(first, len(clients)))
+        while sent and todo:
+            i = todo.pop(0)
+            if todo and i != first and worker._holds.get(dests[i], 0) > _now():
+                continue
+            share = None
+            if todo and run.deadline is not None:
+                share = max(0.05, (run.deadline - _mono()) / (1 + len(todo)))
+            if len(clients) > 1:
+                run.dest = dests[i]
+            res = worker.mqtt_batch(sent, run, clients[i], share)
+            for k, e in zip(where, res):
+                out[k] = e
+            left = [k for k, e in enumerate(res)
+                    if isinstance(e, DestinationDown)]
+            if not left or not todo or run.timed_out or run.released:
+                return
+            run.failovers.append((dests[i], res[left[0]]))
+            sent, where = [sent[k] for k in left], [where[k] for k in left]
 
 
 _HTTP, _MQTT = HttpHandler(), MqttHandler()     # (they hold nothing)
@@ -10181,6 +10216,11 @@ class _Running(object):
 
     # Handlers ----------------------------------------------------------------
 
+    @property
+    def _mqtt_client(self):
+        """The broker of --mqtt (the first, when it gives more: failover)."""
+        return (self._mqtt_clients or [None])[0]
+
     def resolve(self, type, rules=None):
         """(handler, None): its Handler, or (None, why not).  `rules`: the
         type's, when the caller has them."""
@@ -10230,13 +10270,16 @@ class _Running(object):
         return None, ("no --mqtt broker configured for type %s (give the "
                       "worker --mqtt mqtt://HOST)" % type)
 
-    def mqtt_batch(self, jobs, run=None):
-        """Publish `mqtt` jobs through the worker's connection, all in
-        flight at once: one outcome per job, in order (None: done, else the
-        exception: PermanentError, DestinationDown).  With `run`, the
-        connection is cut when the run's time is up (_abort)."""
-        client = self._mqtt_client
+    def mqtt_batch(self, jobs, run=None, client=None, share=None):
+        """Publish `mqtt` jobs through the worker's connection (`client`:
+        to that broker), all in flight at once: one outcome per job, in
+        order (None: done, else the exception: PermanentError,
+        DestinationDown).  With `run`, the connection is cut when the run's
+        time is up (_abort); `share`: at most that many seconds of it."""
+        client = client or self._mqtt_client
         limit = min(_MQTT.time_limit(j, self.timeout) for j in jobs)
+        if share is not None:
+            limit = min(limit, share)
         if run is not None:
             # a little before the worker's own limit, so that a time-out is
             # ours: a destination failure (myq(1) holds), not the job's
@@ -11014,7 +11057,7 @@ class Worker(_Scheduling, _Running, _Holding):
 
         # --mqtt: the options are checked now, the broker connected at the
         # first mqtt job (one connection per worker, shared by its threads)
-        self._mqtt_client = None if not o.mqtt else _mqtt_client(
+        self._mqtt_clients = [] if not o.mqtt else _mqtt_clients(
             o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
             o.mqtt_cert, o.mqtt_key, timeout=min(self.timeout, 30.0))
 
@@ -11130,8 +11173,8 @@ class Worker(_Scheduling, _Running, _Holding):
         if self._null is not None:
             os.close(self._null)
             self._null = None
-        if self._mqtt_client is not None:
-            self._mqtt_client.close()
+        for client in self._mqtt_clients:
+            client.close()
         self.me.unregister()
         sp.pol_polled = False
         sp.fs.kept -= 1
@@ -13628,9 +13671,9 @@ def _mqtt_options(o):
             raise UsageError("%s without --mqtt (give the broker: --mqtt "
                              "mqtt://HOST)" % ", ".join(extra))
         return kw
-    _mqtt_client(*(kw[k] for k in ("mqtt", "mqtt_password_file",
-                                    "mqtt_client_id", "mqtt_ca", "mqtt_cert",
-                                    "mqtt_key")))
+    _mqtt_clients(*(kw[k] for k in ("mqtt", "mqtt_password_file",
+                                     "mqtt_client_id", "mqtt_ca", "mqtt_cert",
+                                     "mqtt_key")))
     return kw
 
 
@@ -14049,7 +14092,7 @@ def _intake_options(o, spool_path):
         if not o.get("mqtt"):
             raise UsageError("--subscribe needs --mqtt URL (the broker to "
                              "subscribe at)")
-        mqtt = dict(url=o["mqtt"], client_id=o.get("mqtt_client_id") or
+        mqtt = dict(url=(o["mqtt"].split() or [""])[0], client_id=o.get("mqtt_client_id") or
                     intake_client_id(spool_path), ca=o.get("mqtt_ca"),
                     cert=o.get("mqtt_cert"), key=o.get("mqtt_key"))
         MqttClient(password=b"" if o.get("mqtt_password_file") else None,

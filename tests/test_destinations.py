@@ -220,3 +220,59 @@ def test_a_held_first_destination_gets_new_starts_after_its_probe(
     assert len(b.requests) == b_before
     st = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
     assert [d["state"] for d in st["destinations"]["tele"]] == ["ok", "ok"]
+
+
+# --------------------------------------------------------------------------
+# MQTT: the type's topic, and a second broker
+
+from _mosquitto import Broker, Subscriber, free_port, needs_mosquitto  # noqa: E402
+
+
+@needs_mosquitto
+def test_the_type_topic_gets_the_payload_as_message(spool, tmp_path):
+    b = Broker(tmp_path / "b").start()
+    sub = Subscriber(b.port, "site/#").start()
+    try:
+        policy(spool, "temp", "topic=site/7/temp")
+        call_myq("--spool", spool, "enqueue", "temp", '{"c": 21.5}')
+        call_myq("--spool", spool, "enqueue", "temp", '"hot"')
+        write_incoming(spool, "own.json", {"type": "temp", "payload": {
+            "topic": "x/y", "message": 1}})
+        drain(spool, "--mqtt", b.url())
+        msgs = sub.wait_count(2)
+        assert sorted((t, p) for t, p, _, _ in msgs) == [
+            ("site/7/temp", b'hot'), ("site/7/temp", b'{"c":21.5}')]
+        assert [f["id"] for f in listed(spool, "failed")] == ["own"]
+    finally:
+        sub.stop()
+        b.stop()
+
+
+@needs_mosquitto
+def test_a_second_broker_takes_the_jobs_while_the_first_is_down(
+        spool, tmp_path):
+    """--mqtt "A B": A refuses connections (nothing listens), so each job
+    goes on to B in its run, no attempt counted; A is held after the
+    breaker's failures; stats show both brokers' states."""
+    b = Broker(tmp_path / "b").start()
+    sub = Subscriber(b.port, "site/#").start()
+    a_url = "mqtt://127.0.0.1:%d" % free_port()
+    try:
+        policy(spool, "temp", "topic=site/7/temp")
+        ids = [call_myq("--spool", spool, "enqueue", "temp", '{"n": %d}' % i
+                        ).stdout.strip() for i in range(6)]
+        log = tmp_path / "w.log"
+        cp = run_myq("--spool", spool, "worker", "--drain", "--log", str(log),
+                     "--mqtt", "%s %s" % (a_url, b.url()), *FAST)
+        assert cp.returncode == 0, cp.stderr
+        msgs = sub.wait_count(6)
+        assert sorted(json.loads(p)["n"] for _, p, _, _ in msgs) == list(range(6))
+        done = listed(spool, "done")
+        assert sorted(j["id"] for j in done) == sorted(ids)
+        assert all(j["attempts"] == 1 for j in done), done
+        text = log.read_text()
+        assert text.count("event=failover") == 3, text
+        assert "event=hold dest=%s" % a_url in text
+    finally:
+        sub.stop()
+        b.stop()
