@@ -2006,6 +2006,23 @@ def parse_rate(v):
     return "%s/%s%s" % (n, "" if per in ("", "1") else per, unit)
 
 
+def parse_uplink(v):
+    """--uplink-rate '16K/s' -> 16384.0 bytes a second (SIZE/PERIOD)."""
+    size, slash, per = str(v).partition("/")
+    per = per.strip()
+    if not slash or per[-1:] not in ("s", "m", "h") or per[-2:] == "ms":
+        raise ValueError(v)
+    n = float(per[:-1] or 1) * _UNITS[per[-1]]
+    rate = parse_size(size.strip()) / n
+    if not 0 < rate < 1e15:
+        raise ValueError(v)
+    return rate
+
+
+UPLINK = Kind(parse_uplink, "SIZE/s such as 16K/s (or /m, /h)", "SIZE/s",
+              lambda v: "%s/s" % _format_size(int(v)) if v else "none")
+
+
 class Policy(object):
     """The per-type rules (myq(1) policy): its keys, each one Kind of value (the
     kinds the command line's options are, where they are the same), and
@@ -7468,6 +7485,60 @@ def _tls_connection():
     return _tls_class[0]
 
 
+UPLINK_WINDOW = 10.0    # --uplink-rate holds over any window this long
+
+
+class Uplink(object):
+    """The worker's uplink budget (--uplink-rate): the bytes of request
+    bodies and MQTT payloads sent by all its runs, to every destination,
+    stay within rate x 10 s over any 10 s; a send larger than that goes
+    alone, once nothing else was sent in the window.  Thread-safe; wait()
+    sleeps the calling run (its time limit is moved on by the wait)."""
+
+    def __init__(self, rate, window=None):
+        import threading
+        self.rate = float(rate)
+        self.window = float(window or UPLINK_WINDOW)
+        self.budget = self.rate * self.window
+        self._lock = threading.Lock()
+        self._sent = []         # [(monotonic time, bytes)], oldest first
+        self.waited = 0.0       # seconds runs waited, in all (tests, bench)
+
+    def _delay(self, n, now):
+        """0 when n bytes may go now (then booked), else how long until."""
+        sent = self._sent
+        while sent and sent[0][0] <= now - self.window:
+            sent.pop(0)
+        used = sum(b for _, b in sent)
+        if not sent or used + n <= self.budget:
+            sent.append((now, n))
+            return 0.0
+        for t, b in sent:       # the first moment enough has left the window
+            used -= b
+            if used + n <= self.budget or used <= 0:
+                return max(0.001, t + self.window - now)
+        return max(0.001, sent[-1][0] + self.window - now)
+
+    def wait(self, n, run=None):
+        """Wait until n bytes may go, book them; the seconds waited."""
+        start = _mono()
+        while True:
+            with self._lock:
+                d = self._delay(n, _mono())
+            if not d:
+                break
+            if run is not None and (run.timed_out or run.released):
+                break
+            time.sleep(min(d, 0.5))
+        waited = _mono() - start
+        if waited > 0.001:
+            with self._lock:
+                self.waited += waited
+            if run is not None and run.deadline is not None:
+                run.deadline += waited      # (pacing is not the job's time)
+        return waited
+
+
 class HttpPool(object):
     """A worker's kept http connections (myq(1) the http type).
 
@@ -7482,8 +7553,9 @@ class HttpPool(object):
     SSLContext for the pool (`ca` adds a CA file to the system's), and the
     last TLS session of each origin is offered to its next connection."""
 
-    def __init__(self, size=1, ca=None, idle=None):
+    def __init__(self, size=1, ca=None, idle=None, uplink=None):
         import threading
+        self.uplink = Uplink(uplink) if uplink else None    # --uplink-rate
         self.size = max(0, int(size))
         self.ca = ca
         self.idle = HTTP_IDLE if idle is None else float(idle)
@@ -7756,15 +7828,17 @@ def _http_send(method, url, data, hdrs, headers, t, backoff_max, run, pool,
     5 redirects, to http and https only; a redirect to another origin
     drops the configured headers and credentials."""
     urljoin, urlsplit = _http_modules()
-    deadline = _mono() + t
-    if run is not None:
-        deadline = min(deadline, run.deadline)
     if pool is None:
         pool = HttpPool(0)
     if gzip and data is not None and \
             not any(k.lower() == "content-encoding" for k in hdrs):
         data = _gzip(data)
         hdrs = dict(hdrs, **{"Content-Encoding": "gzip"})
+    if pool.uplink is not None:     # --uplink-rate: the bytes that go
+        pool.uplink.wait(len(data or b""), run)
+    deadline = _mono() + t
+    if run is not None:
+        deadline = min(deadline, run.deadline)
     configured = set(k.lower() for k in (headers or {}))
     for _ in range(6):
         parts = urlsplit(url)
@@ -8461,7 +8535,7 @@ def _mqtt_clients(urls, *args, **kw):
     return [_mqtt_client(u, *args, **kw) for u in str(urls).split()]
 
 
-def mqtt_publish(client, jobs, timeout):
+def mqtt_publish(client, jobs, timeout, pace=None):
     """Publish `mqtt` jobs (myq(1) the mqtt type) through `client`, all in flight at
     once: one outcome per job, in order: None when done (QoS 1: its PUBACK
     came; QoS 0: written), a PermanentError for a payload that cannot be
@@ -8477,6 +8551,8 @@ def mqtt_publish(client, jobs, timeout):
         except PermanentError as e:
             out[i] = e
     if msgs:
+        if pace is not None:    # --uplink-rate: the payloads' bytes
+            pace(sum(len(m[1]) for m in msgs))
         for i, e in zip(where, client.publish_many(msgs, timeout)):
             out[i] = e
     return out
@@ -10297,7 +10373,9 @@ class _Running(object):
         try:
             if run is not None:
                 run.conn = client
-            return mqtt_publish(client, jobs, max(0.05, limit - (_mono() - start)))
+            up = self.http_pool.uplink
+            return mqtt_publish(client, jobs, max(0.05, limit - (
+                _mono() - start)), up and (lambda n: up.wait(n, run)))
         finally:
             if run is not None:
                 run.conn = None
@@ -10953,7 +11031,7 @@ class WorkerOptions(object):
             ("prune_interval", 60.0), ("parent", None), ("textfile", None),
             ("mqtt", None), ("mqtt_password_file", None),
             ("mqtt_client_id", None), ("mqtt_ca", None), ("mqtt_cert", None),
-            ("mqtt_key", None))
+            ("mqtt_key", None), ("uplink_rate", None))
     __slots__ = tuple(k for k, _ in KEYS)
 
     def __init__(self, **keywords):
@@ -11013,7 +11091,7 @@ class Worker(_Scheduling, _Running, _Holding):
         self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
                               o.jitter)
         # kept http connections: one per destination and slot (myq(1) the http type)
-        self.http_pool = HttpPool(o.concurrency, ca=o.http_ca)
+        self.http_pool = HttpPool(o.concurrency, ca=o.http_ca, uplink=o.uplink_rate)
         self.runs = []
         self._top = _Lane("incoming", path=self.spool.d("incoming"))
         self._lanes_path = self.spool.d(LANES)
@@ -13157,6 +13235,7 @@ WORKER_OPTIONS = [
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
     ("--http-ca", str, None, "PEM file of CA certificates that https trusts besides the system's"),
     ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
+    ("--uplink-rate", UPLINK, None, "at most SIZE/s (e.g. 16K/s) of http bodies and mqtt payloads over any 10 s, to all destinations"),
     ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
     ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
     ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
@@ -13718,7 +13797,7 @@ def _worker_from(spool, o, parent=None):
     kw = dict((k, o[k]) for k in (
         "concurrency", "lease", "timeout", "max_attempts", "backoff_base",
         "backoff_max", "probe_max", "jitter", "poll", "stats_interval",
-        "grace", "pass_env", "scan_cache"))
+        "grace", "pass_env", "scan_cache", "uplink_rate"))
     kw.update(_mqtt_options(o))
     options = WorkerOptions(
         handlers_dir=o["handlers"], module=o["module"], http_headers=headers,

@@ -276,3 +276,68 @@ def test_a_second_broker_takes_the_jobs_while_the_first_is_down(
     finally:
         sub.stop()
         b.stop()
+
+
+# --------------------------------------------------------------------------
+# 4. The uplink's budget
+
+def _windows(times_sizes, window):
+    """The most bytes received within any `window` seconds."""
+    most = 0
+    for i, (t, _) in enumerate(times_sizes):
+        most = max(most, sum(n for u, n in times_sizes[i:] if u - t < window))
+    return most
+
+
+def test_the_uplink_rate_caps_bytes_over_any_window_across_destinations(
+        spool, http_servers, monkeypatch):
+    """--uplink-rate over every destination of the worker (two types, two
+    servers): what the servers receive in any window (2 s here; 10 s in
+    production) stays within rate x window; a job larger than that still
+    goes, alone in its window."""
+    import myq
+    monkeypatch.setattr(myq, "UPLINK_WINDOW", 2.0)
+    s1, s2 = http_servers(), http_servers()
+    policy(spool, "a", "url=" + s1.url("/a"))
+    policy(spool, "b", "url=" + s2.url("/b"))
+    body = json.dumps("x" * 290)            # (sent as text: 290 bytes)
+    for i in range(3):
+        call_myq("--spool", spool, "enqueue", "a", body)
+        call_myq("--spool", spool, "enqueue", "b", body)
+    call_myq("--spool", spool, "enqueue", "a", json.dumps("y" * 900))
+    # 300 B/s: 600 B in any 2 s window, so two bodies a window
+    w = myq.Worker(spool, uplink_rate=myq.parse_uplink("300/s"), poll=0.05,
+                   concurrency=2, log=myq.Log(stream=open(os.devnull, "w")))
+    w.run(drain=True)
+    got = sorted((r["mono"], len(r["body"])) for r in s1.requests + s2.requests)
+    assert len(got) == 7
+    assert sum(n for _, n in got) == 6 * 290 + 900
+    assert _windows(got, 2.0 - 0.3) <= 900, got     # (0.3 s: the way there)
+    big = [t for t, n in got if n == 900][0]
+    assert all(abs(t - big) >= 2.0 - 0.3 for t, n in got if n != 900), got
+    assert w.http_pool.uplink.waited > 0
+
+
+def test_uplink_rate_is_a_worker_option(spool):
+    cp = run_myq("--spool", spool, "worker", "--drain", "--uplink-rate", "fast")
+    assert cp.returncode == 64 and "--uplink-rate" in cp.stderr
+    cp = run_myq("--spool", spool, "worker", "--drain", "--uplink-rate", "16K/s")
+    assert cp.returncode == 0, cp.stderr
+
+
+@needs_mosquitto
+def test_the_uplink_rate_counts_mqtt_payloads(spool, tmp_path, monkeypatch):
+    import myq
+    monkeypatch.setattr(myq, "UPLINK_WINDOW", 1.0)
+    b = Broker(tmp_path / "b").start()
+    try:
+        w = myq.Worker(spool, mqtt=b.url(), uplink_rate=100.0, timeout=10,
+                       log=myq.Log(stream=open(os.devnull, "w")))
+        job = {"id": "j", "payload": {"topic": "t", "message": "x" * 60}}
+        assert w.mqtt_batch([job]) == [None]
+        assert w.http_pool.uplink.waited == 0
+        assert w.mqtt_batch([dict(job, id="k")]) == [None]     # 120 > 100
+        assert w.http_pool.uplink.waited > 0.5
+        w._mqtt_client.close()
+    finally:
+        b.stop()
