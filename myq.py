@@ -77,8 +77,9 @@ The map: the sections, in file order, each using only those above it
                     in (test_sqlite, and the store-parametrised tests)
   Logging           Log and its file (test_initd)
   Handlers          --module files; http: requests, answers, http_dest,
-                    HttpPool, batches (test_handlers_exec,
-                    test_handlers_module, test_http, test_http_forward)
+                    Uplink (--uplink-rate), HttpPool, batches, Kafka's body
+                    (test_handlers_exec, test_handlers_module, test_http,
+                    test_http_forward, test_destinations)
   MQTT              MqttClient (test_mqtt)
   Intake            take_in, HttpIntake, MqttIntake, run_intake
                     (test_intake)
@@ -88,8 +89,9 @@ The map: the sections, in file order, each using only those above it
                     pipes (test_handlers_exec, test_http_forward)
   The scheduler     lanes, scan caches, gates, rates (test_scan, test_policy)
   Running a job     handlers started, outcomes collected (test_handlers_*)
-  Holds, the worker's side   held types and destinations, probes
-                    (test_outage, test_field)
+  Holds, the worker's side   held types and destinations, probes,
+                    failover to a type's next destination (test_outage,
+                    test_field, test_destinations)
   The worker        WorkerOptions (what a worker is told, made once of
                     flags or keywords), Worker: the loop, signals,
                     finishing (test_worker_modes,
@@ -1983,6 +1985,12 @@ def parse_percent(v):
     return parse_int(text[:-1] if text.endswith("%") else text, 0, 100)
 
 
+def _quoted(v):
+    """A value as `myq policy` prints it: in quotes when it has blanks, so
+    that the line can be given back to a shell."""
+    return '"%s"' % v if any(ch.isspace() for ch in v) else v
+
+
 def own_destination(job, rules):
     """Why `job` may not be queued under its type's `url` or `topic`
     (myq(1) policy: the producer sends only the body), or None: its
@@ -2056,8 +2064,10 @@ class Policy(object):
                            show=_format_duration),
         "gzip": BOOL,
         "url": Kind(parse_urls, "one or more http or https URLs, in order, "
-                    "space-separated (the first not held is used)"),
-        "topic": Kind(parse_topic, "an MQTT topic without + or #"),
+                    "space-separated (the first not held is used)",
+                    show=_quoted),
+        "topic": Kind(parse_topic, "an MQTT topic without + or #",
+                      show=_quoted),
         "format": Kind(_choice("json", "kafka"), "json or kafka"),
     }
 
@@ -2087,8 +2097,20 @@ class Policy(object):
                 _check_name(name, "type")
             if not isinstance(keys, dict):
                 raise ValueError("the policy of %s is not an object" % name)
-            out[name] = dict((k, cls.value(k, v)) for k, v in keys.items())
+            out[name] = cls.combined(dict((k, cls.value(k, v))
+                                          for k, v in keys.items()))
         return out
+
+    @classmethod
+    def combined(cls, keys):
+        """`keys` of one type, when they go together: UsageError (64) if
+        not (a type goes to a `url` or to a `topic`, not both)."""
+        if keys.get("url") and keys.get("topic"):
+            raise UsageError("policy keys url and topic do not go together: "
+                             "a type goes to an http url (the http handler) "
+                             "or to an MQTT topic, not both; remove one "
+                             "(url= or topic=)")
+        return keys
 
     @classmethod
     def show(cls, key, v):
@@ -5284,6 +5306,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                     own.pop(k, None)
                 else:
                     own[k] = v
+            Policy.combined(own)
             if own:
                 pol[name] = own
             else:

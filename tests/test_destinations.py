@@ -60,6 +60,14 @@ def test_policy_url_topic_and_format_are_checked(spool):
         assert bad.partition("=")[0] in cp.stderr
     assert call_myq("--spool", spool, "policy", "m", "topic=site/7/temp"
                     ).returncode == 0
+    # a type goes to a url or a topic, not both; `policy` prints a line
+    # that a shell takes back
+    cp = call_myq("--spool", spool, "policy", "tele", "topic=a/b")
+    assert cp.returncode == 64 and "url and topic" in cp.stderr
+    line = call_myq("--spool", spool, "policy").stdout.splitlines()
+    assert 'm topic=site/7/temp' in line
+    assert 'tele format=kafka url="http://a.example/in ' \
+        'https://B.example:8443/in"' in line
 
 
 def test_a_job_that_names_its_own_destination_is_refused_at_enqueue(spool):
