@@ -10971,6 +10971,8 @@ class _Holding(object):
         self._load_holds()
         if before is not self._holds and set(before) - set(self._holds):
             self.dirty = True       # released by another worker
+        if before is not self._holds:
+            self._failover_lanes()
         key, now = self._handlers_key(), _mono()
         if self._held and (key != self._handlers_seen or now >= self._handlers_next):
             self._handlers_seen, self._handlers_next = key, now + 60.0
@@ -10986,9 +10988,16 @@ class _Holding(object):
         held one whose probe is due takes this start as its probe (run.
         probe), so that a destination that is back gets new starts again;
         all held: the one due first (the start then waits for it)."""
-        if run is not None and run.probe in dests:
-            return run.probe
         now = _now()
+        if run is not None and run.probe in dests:
+            # a lane's probe: unless one before it is free now (released
+            # meanwhile), then that one, and no probe
+            free = [d for d in dests[:dests.index(run.probe)]
+                    if d not in self._holds]
+            if not free:
+                return run.probe
+            run.probe = None
+            return free[0]
         for d in dests:
             until = self._holds.get(d)
             if until is None:
@@ -11006,6 +11015,18 @@ class _Holding(object):
                 run.probe = d
                 return d
         return min(dests, key=lambda d: self._holds.get(d, 0))
+
+    def _failover_lanes(self):
+        """The holds changed: each lane of a type with `url` destinations
+        is gated by where its next start would go (the first not held,
+        else the one due first), not by where its last one went."""
+        now = _now()
+        for L in self._lanes:
+            urls = L.type is not None and self.spool.rules(L.type).get("url")
+            if urls and L.dest is not None:
+                dests = _dests_of(urls, L.type)
+                L.dest = next((d for d in dests if self._holds.get(d, 0) <= now),
+                              min(dests, key=lambda d: self._holds.get(d, 0)))
 
     def _failed_over(self, run):
         """The destinations a run passed over after their failure: each
