@@ -349,3 +349,21 @@ def test_the_uplink_rate_counts_mqtt_payloads(spool, tmp_path, monkeypatch):
         w._mqtt_client.close()
     finally:
         b.stop()
+
+
+def test_a_hung_first_destination_leaves_the_second_its_share_of_time(
+        spool, http_servers):
+    """A never answers: the run gives it half of the job's time limit, then
+    sends the job on to B within the same run; no attempt counted."""
+    def hang(h):
+        h.server.release.wait(30)
+
+    a, b = http_servers(default=hang), http_servers()
+    policy(spool, "tele", "url=%s %s" % (a.url("/in"), b.url("/in")))
+    jid = call_myq("--spool", spool, "enqueue", "tele", '{"n": 1}',
+                   "--timeout", "4").stdout.strip()
+    drain(spool)
+    assert [r["headers"]["Idempotency-Key"] for r in b.requests] == [jid]
+    assert len(a.requests) == 1
+    done = listed(spool, "done")
+    assert [(j["id"], j["attempts"]) for j in done] == [(jid, 1)]
