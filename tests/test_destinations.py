@@ -138,6 +138,14 @@ def test_kafka_format_sends_rest_v2_records_keyed_by_id(spool, http_servers):
     assert json.loads(rs[0]["body"]) == {"records": [
         {"key": i, "value": {"n": n}} for n, i in enumerate(ids)]}
     assert rs[0]["headers"]["X-Myq-Ids"] == ",".join(ids)
+    # a type whose jobs say their own url (no url= policy) too
+    policy(spool, "kown", "handler=http", "format=kafka")
+    own = call_myq("--spool", spool, "enqueue", "kown", json.dumps(
+        {"url": srv.url("/topics/own"), "body": [1, 2]})).stdout.strip()
+    drain(spool)
+    r = srv.hits("/topics/own")[0]
+    assert json.loads(r["body"]) == {"records": [{"key": own, "value": [1, 2]}]}
+    assert r["headers"]["Content-Type"] == KAFKA
 
 
 KAFKA = "application/vnd.kafka.json.v2+json"
