@@ -7543,7 +7543,10 @@ class Uplink(object):
         return max(0.001, sent[-1][0] + self.window - now)
 
     def wait(self, n, run=None):
-        """Wait until n bytes may go, book them; the seconds waited."""
+        """Wait until n bytes may go, book them; the seconds waited.  The
+        run's time limit moves on by each wait before it is waited (the
+        worker's clock of the run must not end it meanwhile): pacing is
+        not the job's time."""
         start = _mono()
         while True:
             with self._lock:
@@ -7552,13 +7555,14 @@ class Uplink(object):
                 break
             if run is not None and (run.timed_out or run.released):
                 break
-            time.sleep(min(d, 0.5))
+            d = min(d, 0.5)
+            if run is not None and run.deadline is not None:
+                run.deadline += d
+            time.sleep(d)
         waited = _mono() - start
         if waited > 0.001:
             with self._lock:
                 self.waited += waited
-            if run is not None and run.deadline is not None:
-                run.deadline += waited      # (pacing is not the job's time)
         return waited
 
 
