@@ -11021,16 +11021,26 @@ class _Holding(object):
         return min(dests, key=lambda d: self._holds.get(d, 0))
 
     def _failover_lanes(self):
-        """The holds changed: each lane of a type with `url` destinations
-        is gated by where its next start would go (the first not held,
-        else the one due first), not by where its last one went."""
+        """The holds changed: each lane of a type with destinations to fail
+        over to is gated by where its next start would go (the first not
+        held, else the one due first), not by where its last one went."""
         now = _now()
         for L in self._lanes:
-            urls = L.type is not None and self.spool.rules(L.type).get("url")
-            if urls and L.dest is not None:
-                dests = _dests_of(urls, L.type)
+            dests = L.type is not None and L.dest is not None and \
+                self._dests_of_type(L.type)
+            if dests:
                 L.dest = next((d for d in dests if self._holds.get(d, 0) <= now),
                               min(dests, key=lambda d: self._holds.get(d, 0)))
+
+    def _dests_of_type(self, type):
+        """A type's destinations in order when it has more than one: its
+        policy's `url`, or --mqtt's brokers for an mqtt type; else None."""
+        rules = self.spool.rules(type)
+        if rules.get("url"):
+            return _dests_of(rules["url"], type)
+        if len(self._mqtt_clients) > 1 and self.resolve(type, rules)[0] is _MQTT:
+            return [c.dest for c in self._mqtt_clients]
+        return None
 
     def _failed_over(self, run):
         """The destinations a run passed over after their failure: each
@@ -11139,7 +11149,7 @@ class Worker(_Scheduling, _Running, _Holding):
         self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
                               o.jitter)
         # kept http connections: one per destination and slot (myq(1) the http type)
-        self.http_pool = HttpPool(o.concurrency, ca=o.http_ca, uplink=o.uplink_rate)
+        self.http_pool = HttpPool(o.concurrency, o.http_ca, None, o.uplink_rate)
         self.runs = []
         self._top = _Lane("incoming", path=self.spool.d("incoming"))
         self._lanes_path = self.spool.d(LANES)
@@ -14219,7 +14229,8 @@ def _intake_options(o, spool_path):
         if not o.get("mqtt"):
             raise UsageError("--subscribe needs --mqtt URL (the broker to "
                              "subscribe at)")
-        mqtt = dict(url=(o["mqtt"].split() or [""])[0], client_id=o.get("mqtt_client_id") or
+        mqtt = dict(url=(o["mqtt"].split() or [""])[0],  # (the first broker)
+                    client_id=o.get("mqtt_client_id") or
                     intake_client_id(spool_path), ca=o.get("mqtt_ca"),
                     cert=o.get("mqtt_cert"), key=o.get("mqtt_key"))
         MqttClient(password=b"" if o.get("mqtt_password_file") else None,
