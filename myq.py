@@ -77,8 +77,9 @@ The map: the sections, in file order, each using only those above it
                     in (test_sqlite, and the store-parametrised tests)
   Logging           Log and its file (test_initd)
   Handlers          --module files; http: requests, answers, http_dest,
-                    HttpPool, batches (test_handlers_exec,
-                    test_handlers_module, test_http, test_http_forward)
+                    Uplink (--uplink-rate), HttpPool, batches, Kafka's body
+                    (test_handlers_exec, test_handlers_module, test_http,
+                    test_http_forward, test_destinations)
   MQTT              MqttClient (test_mqtt)
   Intake            take_in, HttpIntake, MqttIntake, run_intake
                     (test_intake)
@@ -88,8 +89,9 @@ The map: the sections, in file order, each using only those above it
                     pipes (test_handlers_exec, test_http_forward)
   The scheduler     lanes, scan caches, gates, rates (test_scan, test_policy)
   Running a job     handlers started, outcomes collected (test_handlers_*)
-  Holds, the worker's side   held types and destinations, probes
-                    (test_outage, test_field)
+  Holds, the worker's side   held types and destinations, probes,
+                    failover to a type's next destination (test_outage,
+                    test_field, test_destinations)
   The worker        WorkerOptions (what a worker is told, made once of
                     flags or keywords), Worker: the loop, signals,
                     finishing (test_worker_modes,
@@ -1931,11 +1933,104 @@ def rate_of(text):
     return n, per
 
 
+def url_origin(url):
+    """The circuit breaker's destination of an http URL (myq(1) holds),
+    "scheme://host:port" (lower case, the port explicit), or None when it
+    is not an http or https URL with a host.  Without urllib (a policy is
+    set where python3-light has none); http_dest() agrees with it."""
+    scheme, sep, rest = str(url).partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in ("http", "https"):
+        return None
+    for ch in "/?#":
+        rest = rest.partition(ch)[0]
+    netloc = rest.rpartition("@")[2]
+    if netloc.startswith("["):
+        host, close, tail = netloc[1:].partition("]")
+        if not close or tail and not tail.startswith(":"):
+            return None
+        port, host = tail[1:], "[%s]" % host.lower()
+    else:
+        host, _, port = netloc.partition(":")
+        host = host.lower()
+    if not host or host == "[]" or port and not (
+            port.isascii() and port.isdigit() and int(port) <= 65535):
+        return None
+    port = int(port) if port else (443 if scheme == "https" else 80)
+    return "%s://%s:%d" % (scheme, host, port)
+
+
+def parse_urls(v):
+    """A type's destinations (myq(1) policy `url`): one or more http or
+    https URLs, in order, space-separated: canonical "A B", at most 8."""
+    urls = str(v).split()
+    if not 1 <= len(urls) <= 8 or len(set(urls)) != len(urls):
+        raise ValueError(v)
+    for u in urls:
+        if url_origin(u) is None or any(ord(ch) < 33 or ord(ch) == 127
+                                        for ch in u):
+            raise ValueError(v)
+    return " ".join(urls)
+
+
+def parse_topic(v):
+    """A type's MQTT topic (myq(1) policy `topic`): no wildcard, no NUL."""
+    if not isinstance(v, str) or not v or "+" in v or "#" in v or "\0" in v \
+            or len(v.encode("utf-8", "surrogatepass")) > 65535:
+        raise ValueError(v)
+    return v
+
+
+def parse_percent(v):
+    """'50%' or 50 -> 50: a share from 0 to 100."""
+    text = str(v).strip()
+    return parse_int(text[:-1] if text.endswith("%") else text, 0, 100)
+
+
+def _quoted(v):
+    """A value as `myq policy` prints it: in quotes when it has blanks, so
+    that the line can be given back to a shell."""
+    return '"%s"' % v if any(ch.isspace() for ch in v) else v
+
+
+def own_destination(job, rules):
+    """Why `job` may not be queued under its type's `url` or `topic`
+    (myq(1) policy: the producer sends only the body), or None: its
+    payload is an object that names a destination of its own."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return None
+    for key, field in (("url", "url"), ("topic", "topic")):
+        if rules.get(key) and field in p:
+            return ("job %s of type %s names its own %s, but the type's policy "
+                    "gives it (%s=%s): enqueue only the body as the payload"
+                    % (job.get("id"), job.get("type"), field, key,
+                       _clip(rules[key], 200)))
+    return None
+
+
 def parse_rate(v):
     """A rate's canonical text: '30 / 1m' -> '30/m' (rate_of: its numbers)."""
     rate_of(v)              # the check; then its canonical text
     n, per, unit = _RATE_RE.match(str(v)).groups()
     return "%s/%s%s" % (n, "" if per in ("", "1") else per, unit)
+
+
+def parse_uplink(v):
+    """--uplink-rate '16K/s' -> 16384.0 bytes a second (SIZE/PERIOD)."""
+    size, slash, per = str(v).partition("/")
+    per = per.strip()
+    if not slash or per[-1:] not in ("s", "m", "h") or per[-2:] == "ms":
+        raise ValueError(v)
+    n = float(per[:-1] or 1) * _UNITS[per[-1]]
+    rate = parse_size(size.strip()) / n
+    if not 0 < rate < 1e15:
+        raise ValueError(v)
+    return rate
+
+
+UPLINK = Kind(parse_uplink, "SIZE/s such as 16K/s (or /m, /h)", "SIZE/s",
+              lambda v: "%s/s" % _format_size(int(v)) if v else "none")
 
 
 class Policy(object):
@@ -1970,6 +2065,12 @@ class Policy(object):
                            "a duration such as 0, 500ms, 5s",
                            show=_format_duration),
         "gzip": BOOL,
+        "url": Kind(parse_urls, "one or more http or https URLs, in order, "
+                    "space-separated (the first not held is used)",
+                    show=_quoted),
+        "topic": Kind(parse_topic, "an MQTT topic without + or #",
+                      show=_quoted),
+        "format": Kind(_choice("json", "kafka"), "json or kafka"),
     }
 
     @classmethod
@@ -1998,8 +2099,20 @@ class Policy(object):
                 _check_name(name, "type")
             if not isinstance(keys, dict):
                 raise ValueError("the policy of %s is not an object" % name)
-            out[name] = dict((k, cls.value(k, v)) for k, v in keys.items())
+            out[name] = cls.combined(dict((k, cls.value(k, v))
+                                          for k, v in keys.items()))
         return out
+
+    @classmethod
+    def combined(cls, keys):
+        """`keys` of one type, when they go together: UsageError (64) if
+        not (a type goes to a `url` or to a `topic`, not both)."""
+        if keys.get("url") and keys.get("topic"):
+            raise UsageError("policy keys url and topic do not go together: "
+                             "a type goes to an http url (the http handler) "
+                             "or to an MQTT topic, not both; remove one "
+                             "(url= or topic=)")
+        return keys
 
     @classmethod
     def show(cls, key, v):
@@ -2555,6 +2668,12 @@ class Claims(object):
             self.complete(c)
             return False
         rules = self.spool.rules(job["type"])
+        own = sub == "incoming" and src is not None and \
+            own_destination(job, rules)
+        if own:     # a shell producer's file (myq(1) policy `url`)
+            self.close(c)
+            self.quarantine(c.path, name, own)
+            return False
         exp = self.spool.expiry(job, rules)
         if exp is not None and now >= exp:
             self.refuse(c, job, me, "expired", "expired at %s, before any run "
@@ -3240,6 +3359,9 @@ class _Producing(object):
         """(job, its bytes, explicit id, delay, its directory) for _enqueue;
         the type's priority fixed now (myq(1) policy).  Raises InvalidJob."""
         rules = self.rules(job["type"])
+        own = own_destination(job, rules)
+        if own:
+            raise InvalidJob(own)
         if job.get("priority") is None:
             p = rules.get("priority")
             if p:
@@ -4247,6 +4369,13 @@ class _Upkeep(object):
                        "they run after its first success (now: %s resume --dest "
                        "%s)" % (h["dest"], iso(h.get("until") or 0, frac=False),
                                 h.get("why"), spool, h["dest"]))
+        for t, dests in self.dest_states().items():
+            if len(dests) > 1 and any(d["state"] == "held" for d in dests):
+                up = [d["dest"] for d in dests if d["state"] == "ok"]
+                out.append("type %s fails over: %s; its jobs go to %s" % (
+                    t, ", ".join("%s %s" % (d["dest"], d["state"])
+                                 for d in dests),
+                    up[0] if up else "none (every destination is held)"))
         for t in self.paused():
             out.append("%s is paused: no new job of it starts; resume with: %s "
                        "resume %s" % ("every type" if t == "*" else "type " + t,
@@ -4805,7 +4934,28 @@ class _Reading(object):
                 sum(tot["refused"].values()),
                 "paused": self.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
-                         for h in self.breaker.records()]}
+                         for h in self.breaker.records()],
+                "destinations": self.dest_states(now)}
+
+    def dest_states(self, now=None):
+        """Each destination of the types whose policy gives `url`, in order,
+        and its state (myq(1) failover): {TYPE: [{"url", "dest", "state":
+        "ok" or "held", "until"}]}; the first "ok" one gets the new starts."""
+        holds = dict((h["dest"], h) for h in self.breaker.records())
+        now = _now() if now is None else now
+        out = {}
+        for t, keys in sorted(self.policy().items()):
+            urls = keys.get("url") if t != "*" else None
+            if not urls:
+                continue
+            out[t] = []
+            for u in urls.split():
+                d = url_origin(u) or t
+                h = holds.get(d)
+                out[t].append({"url": u, "dest": d, "state":
+                               "held" if h else "ok",
+                               "until": h.get("until") if h else None})
+        return out
 
     def _counts(self, now):
         """(ready, scheduled, the earliest ready one's time, processing,
@@ -5158,6 +5308,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                     own.pop(k, None)
                 else:
                     own[k] = v
+            Policy.combined(own)
             if own:
                 pol[name] = own
             else:
@@ -5801,6 +5952,9 @@ class _SqlClaims(Claims):
                 raise InvalidJob("bad file name: a job file is ID.json, ID being "
                                  "1-128 characters of A-Z a-z 0-9 . _ -")
             job = normalize(obj, name[:-5], st.st_mtime)
+            own = own_destination(job, sp.rules(job["type"]))
+            if own:     # (myq(1) policy `url`)
+                raise InvalidJob(own)
         except (OSError, InvalidJob) as e2:
             if getattr(e2, "errno", None) == errno.ENOENT:
                 return None
@@ -6738,7 +6892,8 @@ class SqlSpool(_SqlUpkeep, Spool):
         rules = self.rules(type)
         try:
             if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10 \
-                    or rules.get("priority") \
+                    or rules.get("priority") or "url" in rules \
+                    or "topic" in rules \
                     or self.home({"type": type}, rules) != "incoming":
                 raise ValueError
             pj = "null" if payload is None else _encode_value(payload)
@@ -7355,6 +7510,64 @@ def _tls_connection():
     return _tls_class[0]
 
 
+UPLINK_WINDOW = 10.0    # --uplink-rate holds over any window this long
+
+
+class Uplink(object):
+    """The worker's uplink budget (--uplink-rate): the bytes of request
+    bodies and MQTT payloads sent by all its runs, to every destination,
+    stay within rate x 10 s over any 10 s; a send larger than that goes
+    alone, once nothing else was sent in the window.  Thread-safe; wait()
+    sleeps the calling run (its time limit is moved on by the wait)."""
+
+    def __init__(self, rate, window=None):
+        import threading
+        self.rate = float(rate)
+        self.window = float(window or UPLINK_WINDOW)
+        self.budget = self.rate * self.window
+        self._lock = threading.Lock()
+        self._sent = []         # [(monotonic time, bytes)], oldest first
+        self.waited = 0.0       # seconds runs waited, in all (tests, bench)
+
+    def _delay(self, n, now):
+        """0 when n bytes may go now (then booked), else how long until."""
+        sent = self._sent
+        while sent and sent[0][0] <= now - self.window:
+            sent.pop(0)
+        used = sum(b for _, b in sent)
+        if not sent or used + n <= self.budget:
+            sent.append((now, n))
+            return 0.0
+        for t, b in sent:       # the first moment enough has left the window
+            used -= b
+            if used + n <= self.budget or used <= 0:
+                return max(0.001, t + self.window - now)
+        return max(0.001, sent[-1][0] + self.window - now)
+
+    def wait(self, n, run=None):
+        """Wait until n bytes may go, book them; the seconds waited.  The
+        run's time limit moves on by each wait before it is waited (the
+        worker's clock of the run must not end it meanwhile): pacing is
+        not the job's time."""
+        start = _mono()
+        while True:
+            with self._lock:
+                d = self._delay(n, _mono())
+            if not d:
+                break
+            if run is not None and (run.timed_out or run.released):
+                break
+            d = min(d, 0.5)
+            if run is not None and run.deadline is not None:
+                run.deadline += d
+            time.sleep(d)
+        waited = _mono() - start
+        if waited > 0.001:
+            with self._lock:
+                self.waited += waited
+        return waited
+
+
 class HttpPool(object):
     """A worker's kept http connections (myq(1) the http type).
 
@@ -7369,8 +7582,9 @@ class HttpPool(object):
     SSLContext for the pool (`ca` adds a CA file to the system's), and the
     last TLS session of each origin is offered to its next connection."""
 
-    def __init__(self, size=1, ca=None, idle=None):
+    def __init__(self, size=1, ca=None, idle=None, uplink=None):
         import threading
+        self.uplink = Uplink(uplink) if uplink else None    # --uplink-rate
         self.size = max(0, int(size))
         self.ca = ca
         self.idle = HTTP_IDLE if idle is None else float(idle)
@@ -7643,15 +7857,17 @@ def _http_send(method, url, data, hdrs, headers, t, backoff_max, run, pool,
     5 redirects, to http and https only; a redirect to another origin
     drops the configured headers and credentials."""
     urljoin, urlsplit = _http_modules()
-    deadline = _mono() + t
-    if run is not None:
-        deadline = min(deadline, run.deadline)
     if pool is None:
         pool = HttpPool(0)
     if gzip and data is not None and \
             not any(k.lower() == "content-encoding" for k in hdrs):
         data = _gzip(data)
         hdrs = dict(hdrs, **{"Content-Encoding": "gzip"})
+    if pool.uplink is not None:     # --uplink-rate: the bytes that go
+        pool.uplink.wait(len(data or b""), run)
+    deadline = _mono() + t
+    if run is not None:
+        deadline = min(deadline, run.deadline)
     configured = set(k.lower() for k in (headers or {}))
     for _ in range(6):
         parts = urlsplit(url)
@@ -7744,14 +7960,20 @@ def _ids_key(ids):
             zlib.adler32(rev) ^ zlib.crc32(data, 0x5bd1e995))
 
 
+KAFKA_JSON = "application/vnd.kafka.json.v2+json"
+
+
 def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
-               pool=None, gzip=False):
+               pool=None, gzip=False, fmt=None, alone=False):
     """Jobs of one http_group_key() as ONE request (myq(1) the http type): the body is
     a JSON array of their bodies in job order (null for a job without
     one), `X-Myq-Ids` lists their ids in array order, the Idempotency-Key
     is derived from the ids (the same ids give the same key).  One outcome
     for all: returns or raises as http_handler() does.  The time limit is
-    the largest `timeout` of their payloads, else `timeout`."""
+    the largest `timeout` of their payloads, else `timeout`.  `fmt`
+    "kafka": the body is Kafka REST v2's {"records": [{"key": ID, "value":
+    BODY}, ...]} (myq(1) policy `format`); `alone`: one job of a type
+    without `batch`, its Idempotency-Key its id."""
     jobs = list(jobs)
     if not jobs:
         return
@@ -7765,16 +7987,20 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
                              "http_group_key()" % (job["id"], jobs[0]["id"]))
     _http_modules()
     ids = [str(j["id"]) for j in jobs]
-    data = json.dumps([j["payload"].get("body") for j in jobs],
-                      separators=(",", ":")).encode("utf-8")
+    bodies = [j["payload"].get("body") for j in jobs]
+    if fmt == "kafka":
+        bodies = {"records": [{"key": i, "value": b}
+                              for i, b in zip(ids, bodies)]}
+    data = json.dumps(bodies, separators=(",", ":")).encode("utf-8")
     configured = set(k.lower() for k in (headers or {}))
     own = set(k.lower() for k in (jobs[0]["payload"].get("headers") or {}))
     if "content-type" not in own | configured:
         for k in [k for k in hdrs if k.lower() == "content-type"]:
             del hdrs[k]
-        hdrs["Content-Type"] = "application/json"
+        hdrs["Content-Type"] = KAFKA_JSON if fmt == "kafka" \
+            else "application/json"
     if "idempotency-key" not in configured:
-        hdrs["Idempotency-Key"] = _ids_key(ids)
+        hdrs["Idempotency-Key"] = ids[0] if alone else _ids_key(ids)
     hdrs["X-Myq-Ids"] = ",".join(ids)
     t = max(_job_timeout(j, timeout) for j in jobs)
     return _http_send(method, url, data, hdrs, headers, t, backoff_max, run,
@@ -8331,7 +8557,14 @@ def _mqtt_client(url, password_file=None, client_id=None, ca=None, cert=None,
     return client
 
 
-def mqtt_publish(client, jobs, timeout):
+def _mqtt_clients(urls, *args, **kw):
+    """One MqttClient per broker of --mqtt: "URL URL2" gives brokers in
+    order, the second taking the jobs while the first is held (myq(1)
+    failover)."""
+    return [_mqtt_client(u, *args, **kw) for u in str(urls).split()]
+
+
+def mqtt_publish(client, jobs, timeout, pace=None):
     """Publish `mqtt` jobs (myq(1) the mqtt type) through `client`, all in flight at
     once: one outcome per job, in order: None when done (QoS 1: its PUBACK
     came; QoS 0: written), a PermanentError for a payload that cannot be
@@ -8347,6 +8580,8 @@ def mqtt_publish(client, jobs, timeout):
         except PermanentError as e:
             out[i] = e
     if msgs:
+        if pace is not None:    # --uplink-rate: the payloads' bytes
+            pace(sum(len(m[1]) for m in msgs))
         for i, e in zip(where, client.publish_many(msgs, timeout)):
             out[i] = e
     return out
@@ -8358,7 +8593,7 @@ class _Run(object):
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
                  "thread", "result", "conn", "slot", "probe", "dest",
                  "dest_fail", "batch", "split", "unsent",
-                 "retry_after")
+                 "retry_after", "failovers")
 
     def __init__(self, claim, handler):
         self.claim, self.handler = claim, handler
@@ -8369,6 +8604,7 @@ class _Run(object):
         self.batch = None           # the claims of a batch
         self.dest_fail = self.split = self.unsent = False
         self.retry_after = None     # a destination failure's own delay
+        self.failovers = []         # [(dest, its failure)] passed over
         self.err = bytearray()
         self.timed_out = self.released = False
 
@@ -9390,8 +9626,9 @@ class Handler(object):
         worker's --timeout."""
         return job.get("timeout") or default
 
-    def dest(self, job, worker):
-        """The circuit breaker's destination of `job`: its type."""
+    def dest(self, job, worker, run=None):
+        """The circuit breaker's destination of `job`: its type.  (`run`:
+        the run it starts, whose probe a failover may take.)"""
         return job["type"]
 
     def batch_key(self, job, worker):
@@ -9442,38 +9679,85 @@ class HttpHandler(Handler):
     kind = "http"
     remote = True
 
-    def dest(self, job, worker):
+    def dest(self, job, worker, run=None):
+        urls = worker.spool.rules(job["type"]).get("url")
+        if urls:            # the type's own, in order (myq(1) failover)
+            return worker._pick_dest(_dests_of(urls, job["type"]), job, run)
         p = job.get("payload")
         return http_dest(p.get("url") if isinstance(p, dict) else None) \
             or job["type"]
 
     def batch_key(self, job, worker):
+        if worker.spool.rules(job["type"]).get("url"):
+            return ("url",)     # (all go to the type's destination)
         return http_group_key(job, worker.http_headers)
 
     def call(self, worker, run, job):
-        try:
-            http_handler(job, worker.http_headers, worker.backoff_max,
-                         self.time_limit(job, worker.timeout), run,
-                         worker.http_pool, gzip=bool(
-                             worker.spool.rules(job["type"]).get("gzip")))
-        except RetryLater as e:
-            e.retry_after = e.seconds
-            e.seconds = worker.delays.at_least(e.seconds, job["attempts"])
-            raise
+        self.call_batch(worker, run, [job], False)
 
-    def call_batch(self, worker, run, jobs):
-        """A batch of http jobs as one request (myq(1) the http type)."""
+    def call_batch(self, worker, run, jobs, batched=True):
+        """A batch of http jobs as one request (myq(1) the http type); under
+        the type's `url`, to its first destination that answers."""
         rules = worker.spool.rules(jobs[0]["type"])
+        t = self.time_limit(jobs[0], worker.timeout)
         try:
-            http_batch(jobs, worker.http_headers, worker.backoff_max,
-                       self.time_limit(jobs[0], worker.timeout), run,
-                       getattr(worker, "http_pool", None),
-                       gzip=bool(rules.get("gzip")))
+            if rules.get("url"):
+                self._failover(worker, run, jobs, rules, batched, t)
+            else:
+                self._send(worker, run, jobs, rules, batched, t)
         except RetryLater as e:
             e.retry_after = e.seconds
             e.seconds = worker.delays.at_least(e.seconds, jobs[0]["attempts"])
             raise
         return ("done",)
+
+    def _send(self, worker, run, jobs, rules, batched, t):
+        gzip, fmt = bool(rules.get("gzip")), rules.get("format")
+        if batched or fmt == "kafka":
+            http_batch(jobs, worker.http_headers, worker.backoff_max, t, run,
+                       getattr(worker, "http_pool", None), gzip=gzip, fmt=fmt,
+                       alone=not batched)
+        else:
+            http_handler(jobs[0], worker.http_headers, worker.backoff_max, t,
+                         run, getattr(worker, "http_pool", None), gzip=gzip)
+
+    def _failover(self, worker, run, jobs, rules, batched, t):
+        """Send to the type's destination picked at the start (run.dest),
+        then on to the next ones not held, in order, after a destination
+        failure: the same ids and Idempotency-Key everywhere, no attempt
+        counted; each failure is the breaker's (run.failovers, booked by
+        the worker at the finish).  Each destination has its share of
+        the run's time, so that a hung one leaves time for the next."""
+        for job in jobs:
+            why = own_destination(job, rules)
+            if why:
+                raise PermanentError(why)
+        urls = rules["url"].split()
+        dests = _dests_of(rules["url"], jobs[0]["type"])
+        first = dests.index(run.dest) if run.dest in dests else 0
+        todo = list(range(first, len(urls)))
+        end = _mono() + t if run.deadline is None else min(_mono() + t,
+                                                           run.deadline)
+        while todo:
+            i = todo.pop(0)
+            if todo and i != first and worker._holds.get(dests[i], 0) > _now():
+                continue        # held: not tried, unless it is the last
+            share = max(0.05, (end - _mono()) / (1 + len(todo)))
+            sent = [dict(j, payload={"url": urls[i], "body": j["payload"],
+                                     "timeout": share}) for j in jobs]
+            run.dest = dests[i]
+            try:
+                return self._send(worker, run, sent, rules, batched, share)
+            except DestinationDown as e:
+                if not todo or end - _mono() < 0.1 or run.timed_out \
+                        or run.released:
+                    raise
+                run.failovers.append((dests[i], e))
+
+
+def _dests_of(urls, type):
+    """The breaker's destinations of a type's `url` list, in order."""
+    return [url_origin(u) or type for u in urls.split()]
 
 
 class MqttHandler(Handler):
@@ -9483,17 +9767,62 @@ class MqttHandler(Handler):
     kind = "mqtt"
     remote = True
 
-    def dest(self, job, worker):
+    def dest(self, job, worker, run=None):
+        clients = getattr(worker, "_mqtt_clients", None) or ()
+        if len(clients) > 1:    # brokers in order (myq(1) failover)
+            return worker._pick_dest([c.dest for c in clients], job, run)
         client = getattr(worker, "_mqtt_client", None)
         return client.dest if client is not None else "mqtt"
 
     def call(self, worker, run, job):
-        err = worker.mqtt_batch([job], run)[0]
+        err = self.call_batch(worker, run, [job])[1][0]
         if err is not None:
             raise err
 
     def call_batch(self, worker, run, jobs):
-        return ("each", worker.mqtt_batch(jobs, run))
+        rules = worker.spool.rules(jobs[0]["type"])
+        topic = rules.get("topic")
+        out, sent, where = [None] * len(jobs), [], []
+        for i, job in enumerate(jobs):
+            why = topic and own_destination(job, rules)
+            if why:
+                out[i] = PermanentError(why)
+            elif topic:     # the type's (myq(1) policy `topic`): the payload
+                sent.append(dict(job, payload={"topic": topic,  # is the message
+                                               "message": job["payload"]}))
+                where.append(i)
+            else:
+                sent.append(job)
+                where.append(i)
+        clients = getattr(worker, "_mqtt_clients", None) or [None]
+        self._failover(worker, run, clients, sent, where, out)
+        return ("each", out)
+
+    def _failover(self, worker, run, clients, sent, where, out):
+        """Publish through the broker picked at the start (run.dest), then
+        the jobs that its failure left (DestinationDown) through the next
+        brokers not held, in order, as HttpHandler._failover does."""
+        dests = [c.dest if c is not None else None for c in clients]
+        first = dests.index(run.dest) if run.dest in dests else 0
+        todo = list(range(first, len(clients)))
+        while sent and todo:
+            i = todo.pop(0)
+            if todo and i != first and worker._holds.get(dests[i], 0) > _now():
+                continue
+            share = None
+            if todo and run.deadline is not None:
+                share = max(0.05, (run.deadline - _mono()) / (1 + len(todo)))
+            if len(clients) > 1:
+                run.dest = dests[i]
+            res = worker.mqtt_batch(sent, run, clients[i], share)
+            for k, e in zip(where, res):
+                out[k] = e
+            left = [k for k, e in enumerate(res)
+                    if isinstance(e, DestinationDown)]
+            if not left or not todo or run.timed_out or run.released:
+                return
+            run.failovers.append((dests[i], res[left[0]]))
+            sent, where = [sent[k] for k in left], [where[k] for k in left]
 
 
 _HTTP, _MQTT = HttpHandler(), MqttHandler()     # (they hold nothing)
@@ -9992,11 +10321,17 @@ class _Running(object):
 
     # Handlers ----------------------------------------------------------------
 
+    @property
+    def _mqtt_client(self):
+        """The broker of --mqtt (the first, when it gives more: failover)."""
+        return (self._mqtt_clients or [None])[0]
+
     def resolve(self, type, rules=None):
         """(handler, None): its Handler, or (None, why not).  `rules`: the
         type's, when the caller has them."""
-        builtin = (self.spool.rules(type) if rules is None else rules).get(
-            "handler")
+        rules = self.spool.rules(type) if rules is None else rules
+        builtin = rules.get("handler") or ("http" if rules.get("url") else
+                                           "mqtt" if rules.get("topic") else None)
         if builtin == "http":
             return self.resolve_http(type)
         if builtin == "mqtt":
@@ -10040,13 +10375,16 @@ class _Running(object):
         return None, ("no --mqtt broker configured for type %s (give the "
                       "worker --mqtt mqtt://HOST)" % type)
 
-    def mqtt_batch(self, jobs, run=None):
-        """Publish `mqtt` jobs through the worker's connection, all in
-        flight at once: one outcome per job, in order (None: done, else the
-        exception: PermanentError, DestinationDown).  With `run`, the
-        connection is cut when the run's time is up (_abort)."""
-        client = self._mqtt_client
+    def mqtt_batch(self, jobs, run=None, client=None, share=None):
+        """Publish `mqtt` jobs through the worker's connection (`client`:
+        to that broker), all in flight at once: one outcome per job, in
+        order (None: done, else the exception: PermanentError,
+        DestinationDown).  With `run`, the connection is cut when the run's
+        time is up (_abort); `share`: at most that many seconds of it."""
+        client = client or self._mqtt_client
         limit = min(_MQTT.time_limit(j, self.timeout) for j in jobs)
+        if share is not None:
+            limit = min(limit, share)
         if run is not None:
             # a little before the worker's own limit, so that a time-out is
             # ours: a destination failure (myq(1) holds), not the job's
@@ -10064,7 +10402,9 @@ class _Running(object):
         try:
             if run is not None:
                 run.conn = client
-            return mqtt_publish(client, jobs, max(0.05, limit - (_mono() - start)))
+            up = self.http_pool.uplink
+            return mqtt_publish(client, jobs, max(0.05, limit - (
+                _mono() - start)), up and (lambda n: up.wait(n, run)))
         finally:
             if run is not None:
                 run.conn = None
@@ -10090,7 +10430,7 @@ class _Running(object):
             return
         if c.job["type"] in self._held:
             self._unhold(c.job["type"])
-        run.dest = handler.dest(c.job, self)
+        run.dest = handler.dest(c.job, self, run)
         if lane is not None and lane.type is not None and run.dest != lane.type:
             lane.dest = run.dest    # where this lane's jobs go, for its gate
         until = self._holds.get(run.dest)
@@ -10637,6 +10977,8 @@ class _Holding(object):
         self._load_holds()
         if before is not self._holds and set(before) - set(self._holds):
             self.dirty = True       # released by another worker
+        if before is not self._holds:
+            self._failover_lanes()
         key, now = self._handlers_key(), _mono()
         if self._held and (key != self._handlers_seen or now >= self._handlers_next):
             self._handlers_seen, self._handlers_next = key, now + 60.0
@@ -10644,6 +10986,80 @@ class _Holding(object):
             for t in list(self._held):
                 if self.resolve(t)[0] is not None:
                     self._unhold(t)
+
+    # Failover (myq(1) policy `url`): a type's destinations, in order.
+
+    def _pick_dest(self, dests, job, run=None):
+        """Where a start of `job` goes: the first of `dests` not held; a
+        held one whose probe is due takes this start as its probe (run.
+        probe), so that a destination that is back gets new starts again;
+        all held: the one due first (the start then waits for it)."""
+        now = _now()
+        if run is not None and run.probe in dests:
+            # a lane's probe: unless one before it is free now (released
+            # meanwhile), then that one, and no probe
+            free = [d for d in dests[:dests.index(run.probe)]
+                    if d not in self._holds]
+            if not free:
+                return run.probe
+            run.probe = None
+            return free[0]
+        for d in dests:
+            until = self._holds.get(d)
+            if until is None:
+                return d
+            if until > now or run is None or run.probe:
+                continue
+            new = self.spool.breaker.take_probe(
+                d, self.delays.probe, self.spool.waits_at(job, run.claim.jid))
+            if new == 0.0:
+                self._holds.pop(d, None)        # released meanwhile
+                self.dirty = True
+                return d
+            if new:
+                self._holds[d] = new
+                run.probe = d
+                return d
+        return min(dests, key=lambda d: self._holds.get(d, 0))
+
+    def _failover_lanes(self):
+        """The holds changed: each lane of a type with destinations to fail
+        over to is gated by where its next start would go (the first not
+        held, else the one due first), not by where its last one went."""
+        now = _now()
+        for L in self._lanes:
+            dests = L.type is not None and L.dest is not None and \
+                self._dests_of_type(L.type)
+            if dests:
+                L.dest = next((d for d in dests if self._holds.get(d, 0) <= now),
+                              min(dests, key=lambda d: self._holds.get(d, 0)))
+
+    def _dests_of_type(self, type):
+        """A type's destinations in order when it has more than one: its
+        policy's `url`, or --mqtt's brokers for an mqtt type; else None."""
+        rules = self.spool.rules(type)
+        if rules.get("url"):
+            return _dests_of(rules["url"], type)
+        if len(self._mqtt_clients) > 1 and self.resolve(type, rules)[0] is _MQTT:
+            return [c.dest for c in self._mqtt_clients]
+        return None
+
+    def _failed_over(self, run):
+        """The destinations a run passed over after their failure: each
+        one the breaker's failure (its streak, its hold), the job's
+        attempts untouched; its type's lanes go where the run went."""
+        for dest, e in run.failovers:
+            one = _Run(run.claim, run.handler)
+            one.dest, one.dest_fail = dest, True
+            one.probe = run.probe if run.probe == dest else None
+            one.retry_after = getattr(e, "retry_after", e.seconds)
+            self._dest_failed(one, None, _exc_text(e))
+            self.log("failover", id=run.claim.jid, dest=dest, to=run.dest,
+                     error=_clip(_exc_text(e), 200))
+        run.failovers = []
+        for L in self._lanes:
+            if L.type == run.claim.job["type"]:
+                L.dest = run.dest
 
     def _safe(self, dest):
         safe = self._safe_names.get(dest)
@@ -10675,7 +11091,7 @@ class WorkerOptions(object):
             ("prune_interval", 60.0), ("parent", None), ("textfile", None),
             ("mqtt", None), ("mqtt_password_file", None),
             ("mqtt_client_id", None), ("mqtt_ca", None), ("mqtt_cert", None),
-            ("mqtt_key", None))
+            ("mqtt_key", None), ("uplink_rate", None))
     __slots__ = tuple(k for k, _ in KEYS)
 
     def __init__(self, **keywords):
@@ -10735,7 +11151,7 @@ class Worker(_Scheduling, _Running, _Holding):
         self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
                               o.jitter)
         # kept http connections: one per destination and slot (myq(1) the http type)
-        self.http_pool = HttpPool(o.concurrency, ca=o.http_ca)
+        self.http_pool = HttpPool(o.concurrency, o.http_ca, None, o.uplink_rate)
         self.runs = []
         self._top = _Lane("incoming", path=self.spool.d("incoming"))
         self._lanes_path = self.spool.d(LANES)
@@ -10779,7 +11195,7 @@ class Worker(_Scheduling, _Running, _Holding):
 
         # --mqtt: the options are checked now, the broker connected at the
         # first mqtt job (one connection per worker, shared by its threads)
-        self._mqtt_client = None if not o.mqtt else _mqtt_client(
+        self._mqtt_clients = [] if not o.mqtt else _mqtt_clients(
             o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
             o.mqtt_cert, o.mqtt_key, timeout=min(self.timeout, 30.0))
 
@@ -10895,8 +11311,8 @@ class Worker(_Scheduling, _Running, _Holding):
         if self._null is not None:
             os.close(self._null)
             self._null = None
-        if self._mqtt_client is not None:
-            self._mqtt_client.close()
+        for client in self._mqtt_clients:
+            client.close()
         self.me.unregister()
         sp.pol_polled = False
         sp.fs.kept -= 1
@@ -11171,6 +11587,8 @@ class Worker(_Scheduling, _Running, _Holding):
         batch that fails for good is split in halves, run at once
         (myq(1) batches); "each" carries one outcome per job (mqtt)."""
         self._free(run)
+        if run.failovers:
+            self._failed_over(run)      # (myq(1) policy `url`)
         if outcome == "each":
             # (one outcome a job, mqtt's: nothing of the batch is kept, so
             # what goes again is batched afresh, not one at a time)
@@ -12887,6 +13305,7 @@ WORKER_OPTIONS = [
     ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
     ("--http-ca", str, None, "PEM file of CA certificates that https trusts besides the system's"),
     ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
+    ("--uplink-rate", UPLINK, None, "at most SIZE/s (e.g. 16K/s) of http bodies and mqtt payloads over any 10 s, to all destinations"),
     ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
     ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
     ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
@@ -13401,9 +13820,9 @@ def _mqtt_options(o):
             raise UsageError("%s without --mqtt (give the broker: --mqtt "
                              "mqtt://HOST)" % ", ".join(extra))
         return kw
-    _mqtt_client(*(kw[k] for k in ("mqtt", "mqtt_password_file",
-                                    "mqtt_client_id", "mqtt_ca", "mqtt_cert",
-                                    "mqtt_key")))
+    _mqtt_clients(*(kw[k] for k in ("mqtt", "mqtt_password_file",
+                                     "mqtt_client_id", "mqtt_ca", "mqtt_cert",
+                                     "mqtt_key")))
     return kw
 
 
@@ -13448,7 +13867,7 @@ def _worker_from(spool, o, parent=None):
     kw = dict((k, o[k]) for k in (
         "concurrency", "lease", "timeout", "max_attempts", "backoff_base",
         "backoff_max", "probe_max", "jitter", "poll", "stats_interval",
-        "grace", "pass_env", "scan_cache"))
+        "grace", "pass_env", "scan_cache", "uplink_rate"))
     kw.update(_mqtt_options(o))
     options = WorkerOptions(
         handlers_dir=o["handlers"], module=o["module"], http_headers=headers,
@@ -13822,7 +14241,8 @@ def _intake_options(o, spool_path):
         if not o.get("mqtt"):
             raise UsageError("--subscribe needs --mqtt URL (the broker to "
                              "subscribe at)")
-        mqtt = dict(url=o["mqtt"], client_id=o.get("mqtt_client_id") or
+        mqtt = dict(url=(o["mqtt"].split() or [""])[0],  # (the first broker)
+                    client_id=o.get("mqtt_client_id") or
                     intake_client_id(spool_path), ca=o.get("mqtt_ca"),
                     cert=o.get("mqtt_cert"), key=o.get("mqtt_key"))
         MqttClient(password=b"" if o.get("mqtt_password_file") else None,
