@@ -12737,6 +12737,26 @@ _INIT_SYSTEMS = {
 }
 
 
+def _site_dir(prefix):
+    """Where this Python, were it installed under PREFIX, imports modules
+    from with no sys.path edit: the first of its site directories under
+    PREFIX/lib/ (Debian's /usr/lib/python3/dist-packages, a venv's or
+    OpenWrt's lib/python3.X/site-packages), else PREFIX/lib/python3.X/
+    site-packages (a cross build's target).  build/dist.py's site_dir,
+    word for word but for the name."""
+    lib = prefix.rstrip("/") + "/lib/"
+    try:
+        import site
+        dirs = site.getsitepackages()
+    except (ImportError, AttributeError):
+        dirs = []
+    for d in dirs:
+        if d.startswith(lib):
+            return d
+    return "%spython%d.%d/site-packages" % (lib, sys.version_info[0],
+                                           sys.version_info[1])
+
+
 class _InstallError(MyqError):
     """A file of the layout that could not be written."""
     code = EX_CANTCREAT
@@ -12795,7 +12815,8 @@ def _compile_installed(module, said):
 def install(prefix="/usr", destdir="", init=None):
     """Lay out myq under DESTDIR (the target's root; '' is /): PREFIX/lib/
     myq/myq.py (this file's bytes) and its bytecode, PREFIX/bin/myq (the
-    launcher), /etc/init.d/myq (`init`: sysv, or procd for OpenWrt; by
+    launcher), myq.pth naming PREFIX/lib/myq in this Python's site
+    directory under PREFIX (so that `import myq` works), /etc/init.d/myq (`init`: sysv, or procd for OpenWrt; by
     default procd where DESTDIR has /etc/rc.common) naming PREFIX/bin/myq,
     and its settings file only where there is none yet (an operator's
     settings are kept).  Again over an installed copy: the same files.
@@ -12822,6 +12843,9 @@ def install(prefix="/usr", destdir="", init=None):
     _install_file(module, me, 0o644, said)
     _compile_installed(module, said)
     _install_file(at(binpath), (_LAUNCHER % {"lib": lib}).encode("utf-8"), 0o755, said)
+    # `import myq` in this python3, with no sys.path edit (SPEC 7)
+    _install_file(at(os.path.join(_site_dir(prefix), "myq.pth")),
+                  (lib + "\n").encode("utf-8"), 0o644, said)
     text = _INIT_FILES[script]
     _install_file(at("/etc/init.d/myq"), text.replace(
         line, form % binpath).encode("utf-8"), 0o755, said)
