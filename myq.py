@@ -616,6 +616,27 @@ DURATION = Kind(parse_duration, "a duration: " + DURATION_FORMS, "S")
 FRACTION = Kind(parse_fraction, "a fraction from 0 to 1, such as 0.1", "F")
 
 
+def _syslog_problem(path="/dev/log"):
+    """None when a syslog daemon takes datagrams on `path` (syslog(3)'s
+    socket), else why every line sent there is lost: no socket, or one
+    that no daemon listens on (a syslogd that died, a container's stale
+    /dev/log).  syslog(3) itself drops the lines without a word."""
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        s.connect(path)
+        return None
+    except OSError as e:
+        why = ("there is no %s" % path if e.errno == errno.ENOENT else
+               "nothing listens on %s (%s)" % (path, e.strerror or e))
+    finally:
+        s.close()
+    return ("logs go nowhere: %s, so every syslog line is dropped; start "
+            "syslogd (BusyBox: syslogd; OpenWrt: logd), or log to a file "
+            "(MYQ_LOG=/var/log/myq/myq.log, or --log FILE) and restart"
+            % why)
+
+
 # Filesystem steps: the one door to the disk #################################
 #
 # Every step on a spool's files goes through these helpers, and each of them
@@ -2019,13 +2040,71 @@ def _safe_dest(dest):
 # The spool ###################################################################
 
 
+# Files that are the spool's own and that a change of owner must take
+# along (a spool first run as root, then under MYQ_USER): one stat each
+# tells init whether to walk the whole layout.
+_OWN_FILES = ("policy.json", "locks/policy.lock", "locks/room", "incoming/lanes",
+              "locks/held", "locks/retries", "queue.db")
+
+
+def _give_layout(fds, ids):
+    """init --owner's half for what is in the layout: when the spool, or one
+    of its own files (_OWN_FILES), belongs to another user than `ids`,
+    every entry of it that belongs to that former owner (see uids) is given
+    to `ids` -- policy.json, lanes, locks, done files, queue.db -- each
+    through its directory's descriptor without following a link, never a
+    file with another hard link, never across a mount; producers' files
+    stay theirs.  (The directories of the layout itself: the caller.)"""
+    top = fds[""]
+    st = os.fstat(top)
+    # root's files too where root had the spool, or where it is the new
+    # owner's already (root's leftovers); from one user to another, that
+    # user's alone (it may have moved in a file of root's)
+    uids = set([st.st_uid, 0]) if st.st_uid in (0, ids[0]) else set([st.st_uid])
+    old = (uids - set([ids[0]]), set([st.st_gid, 0]))
+    stale = st.st_uid != ids[0]
+    for rel in _OWN_FILES if not stale else ():
+        try:
+            if os.stat(rel, dir_fd=top, follow_symlinks=False).st_uid in old[0]:
+                stale = True
+                break
+        except OSError:
+            pass
+    if stale and old[0]:
+        _give_tree(top, st.st_dev, old, ids, 0)
+
+
+def _give_tree(fd, dev, old, ids, depth):
+    """_give_layout's walk of one directory (descriptor `fd`)."""
+    for e in list(os.scandir(fd)):
+        try:
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode) or st.st_dev != dev:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if depth < 4:
+                    sub = os.open(e.name, _DIR_FLAGS, dir_fd=fd)
+                    try:
+                        _give_tree(sub, dev, old, ids, depth + 1)
+                    finally:
+                        os.close(sub)
+            elif st.st_nlink != 1:
+                continue
+            if st.st_uid in old[0]:
+                os.chown(e.name, ids[0], ids[1] if st.st_gid in old[1] else -1,
+                         dir_fd=fd, follow_symlinks=False)
+        except OSError as e2:
+            if e2.errno != errno.ENOENT:
+                raise
+
+
 class Identity:
     """Who holds a claim: locks/workers/WID.json (pid, process start time,
     boot id, pid namespace, host, lease).  The file's mtime is the last
     heartbeat on the monotonic clock, comparable across processes of one
     boot and immune to wall-clock jumps."""
 
-    def __init__(self, spool, lease=60.0, kind="w"):
+    def __init__(self, spool, lease=60.0, kind="w", log=None):
         self.spool = spool
         self.pid = os.getpid()
         self.start = proc_start(self.pid)
@@ -2034,6 +2113,7 @@ class Identity:
         self.path = spool.d("locks", "workers", self.wid + ".json")
         self.seq = 0
         self.registered = False
+        self.log = log          # where it logs ("syslog", a path), for check
 
     def token(self):
         self.seq += 1
@@ -2063,7 +2143,7 @@ class Identity:
         return {"worker": self.wid, "pid": self.pid, "start": self.start,
                 "boot_id": boot_id(), "pidns": pid_namespace(),
                 "host": os.uname()[1], "lease": self.lease,
-                "started_at": _now()}
+                "started_at": _now(), "log": self.log}
 
     def register(self):
         # Through tmp/, fsync'd: a record is never seen half-written, not
@@ -4213,13 +4293,85 @@ class _Upkeep(object):
             problems.append(self.policy_error)
         self.lanes()
         for sub, why in sorted(self.lane_problems.items()):
+            if "Permission denied" in why and _lexists(self.d(sub)):
+                continue                # (_unreadable_problems names it)
             problems.append("lane %s is not used: %s" % (sub, why))
         stale = self.reap(dry_run=True)
         if stale:
             problems.append("%d claim(s) in processing/ belong to dead workers or "
                             "expired leases; run: myq --spool %s reap"
                             % (stale, self.path))
+        problems += self._unreadable_problems()
+        problems += self._worker_problems()
         return problems + (self._needs_operator() if operator else [])
+
+    def _live_workers(self):
+        """The records (locks/workers/w-*.json) of this spool's workers
+        that live; one whose liveness cannot be checked from here (another
+        host or pid namespace) counts as living."""
+        out = []
+        host, ns = os.uname()[1], pid_namespace()
+        for name in _listdir(self.d("locks", "workers")):
+            if not (name.startswith("w-") and name.endswith(".json")):
+                continue
+            try:
+                rec = json.loads(self.read_file(self.d("locks", "workers", name),
+                                                65536)[0].decode("utf-8"))
+            except (OSError, ValueError, InvalidJob):
+                continue
+            if not isinstance(rec, dict):
+                continue
+            if rec.get("host") == host and rec.get("pidns") == ns:
+                if rec.get("boot_id") and boot_id() and \
+                        rec.get("boot_id") != boot_id():
+                    continue
+                if not _pid_alive(rec.get("pid"), rec.get("start")):
+                    continue
+            out.append(rec)
+        return out
+
+    def _worker_problems(self):
+        """check's word on the workers: ready jobs waiting over a minute
+        with none alive; living ones logging to a syslog nobody reads."""
+        workers = self._live_workers()
+        if not workers:
+            st = self.stats()
+            if st["ready"] and st["oldest_ready_s"] > 60:
+                return ["%d ready job(s) wait, the oldest for %ds, and no worker "
+                        "runs; start the service: /etc/init.d/myq start (or a "
+                        "worker: myq --spool %s worker --handlers DIR)"
+                        % (st["ready"], st["oldest_ready_s"], self.path)]
+            return []
+        if any(w.get("log") == "syslog" for w in workers):
+            problem = _syslog_problem()
+            if problem:
+                return ["the workers' " + problem]
+        return []
+
+    def chown_fix(self):
+        """The command that gives the whole spool to its owner."""
+        try:
+            import pwd
+            who = pwd.getpwuid(os.stat(self.path).st_uid).pw_name
+        except (ImportError, KeyError, OSError):
+            who = "USER"
+        return "chown -R %s %s (or: myq --spool %s init --owner %s)" % (
+            who, self.path, self.path, who)
+
+    def _unreadable_problems(self):
+        """The spool's own files that this user (its owner, as check runs)
+        cannot read or write: each named, with the chown that fixes it."""
+        out = []
+        for rel, mode in (("locks/policy.lock", os.W_OK),
+                          ("locks/room", os.R_OK | os.W_OK),
+                          ("queue.db", os.R_OK | os.W_OK),
+                          ("incoming/lanes", os.R_OK | os.W_OK | os.X_OK)):
+            p = self.d(*rel.split("/"))
+            if _lexists(p) and not os.access(p, mode):
+                out.append("%s cannot be %s by uid %d (permission denied); give "
+                           "the spool to its owner: %s" % (
+                                   p, "used", os.geteuid(), self.chown_fix()))
+        return out
 
     def _needs_operator(self):
         """What waits for an operator: dead jobs, quarantined files, files
@@ -4973,6 +5125,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                 except FileExistsError:
                     pass
             if ids:
+                _give_layout(fds, ids)
                 for fd in fds.values():
                     os.fchown(fd, ids[0], ids[1])
                 try:
@@ -5093,12 +5246,29 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                     data = self.read_file(path, 1 << 20)[0]
                     self._pol = Policy.check(json.loads(data.decode("utf-8")))
                     self.policy_error = None
-                except (OSError, ValueError, MyqError) as e:
+                except OSError as e:
+                    self.policy_error = (
+                        "%s cannot be read by uid %d (%s): its rules (pauses, "
+                        "bounds, limits) are not applied; %s" % (
+                            path, os.geteuid(), e.strerror or e,
+                            "give the spool to its owner: " + self.chown_fix()
+                            if e.errno in (errno.EACCES, errno.EPERM) else
+                            "fix the file, or remove it and set the policy "
+                            "again with myq policy"))
+                except (ValueError, MyqError) as e:
                     self.policy_error = (
                         "%s does not parse (%s); workers keep the last good "
                         "policy: fix the file, or remove it and set the policy "
                         "again with myq policy" % (path, e))
         return self._pol
+
+    def require_policy(self):
+        """policy(), or ConfigError when its file is there but this user
+        cannot read it: a worker never runs without the types' rules."""
+        pol = self.policy()
+        if self.policy_error and not os.access(self.d(POLICY_FILE), os.R_OK):
+            raise ConfigError(self.policy_error)
+        return pol
 
     def rules(self, type):
         """The policy of one type: its own keys over the default's.  (A
@@ -5131,8 +5301,10 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
             if e.errno == errno.EINVAL:
                 raise ConfigError("%s is not a regular file; remove it"
                                   % self.d("locks", "policy.lock"))
-            raise ConfigError("cannot lock %s: %s" % (
-                self.d("locks", "policy.lock"), e.strerror or e))
+            raise ConfigError("cannot lock %s: %s%s" % (
+                self.d("locks", "policy.lock"), e.strerror or e,
+                "; give the spool to its owner: " + self.chown_fix()
+                if e.errno in (errno.EACCES, errno.EPERM) else ""))
         try:
             path = self.d(POLICY_FILE)
             try:
@@ -5512,6 +5684,11 @@ class _DbFull(_DbError, SpoolFull):
 
 class _DbDamaged(_DbError):
     code = EX_CONFIG
+
+
+class _DbDenied(ConfigError):
+    """queue.db (or its -wal, -shm) out of this user's reach: another
+    owner's (myq-spool(5) OWNERSHIP), said with the chown that fixes it."""
 
 
 def _db_error(sp, e):
@@ -6344,7 +6521,7 @@ class _SqlUpkeep(object):
                     "can be read: myq --spool %s export > jobs.jsonl, then "
                     "import them into a new spool" % (self.d(DB_NAME), bad,
                                                       self.path))
-            except _DbDamaged as e:
+            except (_DbDamaged, _DbDenied) as e:
                 bad = str(e)
             except MyqError:
                 pass            # (busy, out of reach: Spool.check says)
@@ -6355,6 +6532,9 @@ class _SqlUpkeep(object):
             Spool.check_filesystem(self)
         except ConfigError as e:
             problems.append(str(e))
+        self.policy()
+        problems += [p for p in [self.policy_error] + self._unreadable_problems()
+                     if p and self.d(DB_NAME) + " " not in p]
         return problems + [p for p in (self.free_problem(),) if p]
 
     def _quick_check(self):
@@ -6581,6 +6761,12 @@ class SqlSpool(_SqlUpkeep, Spool):
         except OSError as e:
             raise _DbError(e.errno, "%s: %s" % (path, e.strerror))
         except sqlite3.Error as e:
+            for p in (path, path + "-wal", path + "-shm"):
+                if _lexists(p) and not os.access(p, os.R_OK | os.W_OK):
+                    raise _DbDenied(
+                        "%s cannot be used by uid %d (permission denied); give "
+                        "the spool to its owner: %s" % (
+                            p, os.geteuid(), self.chown_fix()))
             raise _db_error(self, e)
         self._conn, self._conn_pid, self._sync = db, _PID[0], True
         return db
@@ -7113,10 +7299,12 @@ class Log(object):
     def __init__(self, path=None, syslog=False, facility="daemon", tag="myq",
                  stream=None, owner=None):
         self.path, self.use_syslog = path, syslog
+        self.dest = "syslog" if syslog else path    # (a worker's record says)
         self.stream = stream
         self.owner = owner          # (uid, gid) a new log file is given to
         self._file = None
         self._syslog = None
+        self.problem = None         # why the lines go nowhere (syslog)
         if syslog:
             import syslog as _syslog
             fac = getattr(_syslog, "LOG_" + str(facility).upper(), None)
@@ -7125,10 +7313,11 @@ class Log(object):
                                  "local0 … local7)" % facility)
             _syslog.openlog(tag, _syslog.LOG_PID, fac)
             self._syslog = _syslog
-            if not os.path.exists(_DEV_LOG):
-                (stream or sys.stderr).write(
-                    "myq: warning: no %s: syslog lines are dropped; use --log "
-                    "FILE or start syslogd\n" % _DEV_LOG)
+            self.problem = _syslog_problem(_DEV_LOG)
+            if self.problem:
+                out = stream or sys.stderr
+                out.write("myq: warning: %s\n" % self.problem)
+                out.flush()
         elif path:
             self.reopen()
 
@@ -10800,9 +10989,9 @@ class Worker(_Scheduling, _Running, _Holding):
                 raise
             sp.check_filesystem()
         sp._pol_next = 0.0
-        sp.policy()
+        sp.require_policy()         # (never the types' rules dropped unsaid)
         sp.pol_polled = True        # re-read at each poll tick, not per job
-        self.me = Identity(sp, self.lease)
+        self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
         self._pipe = os.pipe()
         for fd in self._pipe:
             os.set_blocking(fd, False)
@@ -12340,6 +12529,8 @@ _INIT_FILES = {
         "\t_why=$(myq init --owner \"$RUNAS\" ${STORE:+--store \"$STORE\"} 2>&1 >/dev/null && myq \"$@\" 2>&1 >/dev/null) ||\n"
         "\t\t{ failed 1 \"${_why#myq: }\"; return; }\n"
         "\techo \"OK\"\n"
+        "\t# what it warned of (logs that go nowhere: no syslogd) goes to the terminal\n"
+        "\t[ -z \"$_why\" ] || printf '%s\\n' \"$_why\" >&2\n"
         "}\n"
         "\n"
         "stop() {\n"

@@ -180,3 +180,302 @@ def test_ipk_postinst_makes_myq_importable(tmp_path):
     assert r == str(lib / "myq.py")
     _ok(_run([BUSYBOX, "sh", scripts["prerm"], "remove"], env=env))
     assert not pth.exists()
+
+
+# 1. check: no worker, logs that go nowhere, an unreadable file ##############
+
+import glob  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+from _core import clean_env, start_worker, wait_for, kill_quiet, world_python, sql  # noqa: E402
+from _sec import make_user, is_root  # noqa: E402
+
+sys.path.insert(0, ROOT)
+import myq  # noqa: E402
+
+
+def _import_waiting(run_myq, spool, jid, age=120):
+    """A ready job that has waited `age` seconds (both stores)."""
+    r = run_myq("--spool", spool, "enqueue", "t", "--id", jid)
+    assert r.returncode == 0, r.stderr
+    _backdate(spool, jid, age)
+
+
+def _backdate(spool, jid, age):
+    t = time.time() - age
+    if sql(spool, "UPDATE jobs SET available_at=?, created_at=? WHERE id=?",
+           (t, t, jid)) is None:
+        for p in glob.glob(os.path.join(spool, "incoming", "**", jid + ".json"),
+                           recursive=True):
+            os.utime(p, (t, t))
+
+
+def _check(run_myq, spool):
+    r = run_myq("--spool", spool, "check")
+    return r.returncode, r.stdout + r.stderr
+
+
+def _live_record(spool):
+    return glob.glob(os.path.join(spool, "locks", "workers", "w-*.json"))
+
+
+def test_check_says_no_worker_runs_while_jobs_wait(spool, run_myq, tmp_path):
+    """A ready job waiting over a minute and no live worker: check exits 1
+    and says how to start one; a living worker silences it; killed with -9 (its record left), it is back."""
+    _import_waiting(run_myq, spool, "waits-1")
+    code, out = _check(run_myq, spool)
+    assert code == 1, out
+    assert "no worker runs" in out and "/etc/init.d/myq start" in out \
+        and "myq --spool %s worker" % spool in out, out
+    # a fresh job (under a minute) with no worker is not yet a problem
+    fresh = str(tmp_path / "fresh")
+    myq.main(["--spool", fresh, "init"])
+    _import_waiting(run_myq, fresh, "fresh-1", age=5)
+    assert "no worker runs" not in _check(run_myq, fresh)[1]
+    # a living worker (the type paused: it leaves the job as it is)
+    assert run_myq("--spool", spool, "pause", "t").returncode == 0
+    hdir = tmp_path / "h"
+    hdir.mkdir()
+    w = start_worker(spool, "--handlers", str(hdir), "--poll", "0.05")
+    try:
+        wait_for(lambda: _live_record(spool), what="the worker's record")
+        code, out = _check(run_myq, spool)
+        assert "no worker runs" not in out, out
+    finally:
+        kill_quiet(w.pid)
+        w.wait()
+    assert _live_record(spool)          # (left behind by kill -9)
+    _backdate(spool, "waits-1", 120)    # (its lane took the job's own time)
+    code, out = _check(run_myq, spool)
+    assert code == 1 and "no worker runs" in out, out
+
+
+def _stale_socket(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    s.close()                   # the file stays; nobody listens
+    return path
+
+
+def test_syslog_problem_tells_a_listener_from_none(tmp_path, monkeypatch):
+    """A missing socket and a stale one (a syslogd that died) both lose
+    every line: said, by Log(syslog=True) on its stream too; a socket that
+    a daemon reads is fine."""
+    missing = str(tmp_path / "none")
+    stale = _stale_socket(str(tmp_path / "stale"))
+    assert "there is no %s" % missing in myq._syslog_problem(missing)
+    said = myq._syslog_problem(stale)
+    assert "nothing listens on %s" % stale in said and "MYQ_LOG=" in said
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    live.bind(str(tmp_path / "live"))
+    try:
+        assert myq._syslog_problem(str(tmp_path / "live")) is None
+    finally:
+        live.close()
+    monkeypatch.setattr(myq, "_DEV_LOG", stale)
+    out = io.StringIO()
+    log = myq.Log(syslog=True, stream=out)
+    assert log.problem and "logs go nowhere" in out.getvalue()
+
+
+def _syslogd_listens():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        s.connect("/dev/log")
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+needs_no_syslogd = pytest.mark.skipif(
+    _syslogd_listens(), reason="a syslogd listens on /dev/log here: logs go "
+    "somewhere")
+
+
+@needs_no_syslogd
+def test_check_says_the_workers_logs_go_nowhere(spool, run_myq, tmp_path):
+    """A worker started with --syslog where no syslogd listens: it says so
+    at its start, and check (which cannot see its options) learns it from
+    the worker's record and says so too, with the fix."""
+    err = open(str(tmp_path / "err"), "w+")
+    w = start_worker(spool, "--syslog", "--poll", "0.05", stderr=err)
+    try:
+        wait_for(lambda: _live_record(spool), what="the worker's record")
+        code, out = _check(run_myq, spool)
+        assert code == 1 and "logs go nowhere" in out \
+            and "MYQ_LOG=/var/log/myq/myq.log" in out, out
+    finally:
+        w.send_signal(signal.SIGTERM)
+        w.wait(15)
+    err.seek(0)
+    assert "logs go nowhere" in err.read()
+    # the same worker logging to a file: nothing to say
+    w = start_worker(spool, "--log", str(tmp_path / "w.log"), "--poll", "0.05")
+    try:
+        wait_for(lambda: _live_record(spool), what="the worker's record")
+        assert "logs go nowhere" not in _check(run_myq, spool)[1]
+    finally:
+        w.send_signal(signal.SIGTERM)
+        w.wait(15)
+
+
+@needs_no_syslogd
+@pytest.mark.skipif(not BUSYBOX, reason="busybox not installed")
+def test_init_script_start_says_the_logs_go_nowhere(tmp_path):
+    """`/etc/init.d/myq start` with the default MYQ_LOG=syslog and no
+    syslogd: OK (it runs), and the warning on the terminal."""
+    bb = tmp_path / "bb"
+    bb.mkdir()
+    subprocess.check_call([BUSYBOX, "--install", "-s", str(bb)])
+    if os.path.lexists(str(bb / "python3")):
+        os.unlink(str(bb / "python3"))
+    os.symlink(sys.executable, str(bb / "python3"))
+    pidfile = str(tmp_path / "run" / "myq.pid")
+    defaults = tmp_path / "myq.default"
+    defaults.write_text("MYQ_SPOOL='%s'\nMYQ_BIN='%s'\nMYQ_PIDFILE='%s'\n"
+                        "MYQ_ARGS='--handlers %s'\n" % (
+                            tmp_path / "spool", MYQ, pidfile, tmp_path))
+    env = {"PATH": str(bb), "MYQ_DEFAULTS": str(defaults)}
+    script = os.path.join(ROOT, "init.d", "myq")
+    r = subprocess.run([BUSYBOX, "sh", script, "start"], env=env, timeout=60,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       universal_newlines=True, cwd=str(tmp_path))
+    try:
+        assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+        assert "logs go nowhere" in r.stderr, r.stderr
+    finally:
+        subprocess.run([BUSYBOX, "sh", script, "stop"], env=env, timeout=60,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+# 2. a change of MYQ_USER: the whole layout to the new owner ##################
+
+@pytest.fixture(scope="module")
+def user():
+    for pw in make_user():
+        yield pw
+
+
+@pytest.fixture
+def base():
+    """A directory another user can reach (tmp_path is root's 0700), with a
+    copy of myq.py that user can read."""
+    d = tempfile.mkdtemp(prefix="myq-op4-")
+    os.chmod(d, 0o755)
+    shutil.copy(MYQ, os.path.join(d, "myq.py"))
+    os.chmod(os.path.join(d, "myq.py"), 0o644)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _as(pw, python, me, *args, **kw):
+    def drop():
+        os.setgroups([])
+        os.setgid(pw.pw_gid)
+        os.setuid(pw.pw_uid)
+    return subprocess.run([python, me] + [str(a) for a in args], env=clean_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=60, cwd="/",
+                          preexec_fn=drop if pw else None, **kw)
+
+
+def _not_owned(spool, uid):
+    out = []
+    for d, dirs, files in os.walk(spool):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            if os.lstat(p).st_uid != uid:
+                out.append(os.path.relpath(p, spool))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("store", ["files", "sqlite"])
+def test_a_spool_of_roots_given_to_myq_user(user, base, store):
+    """A spool first run as root (policy, lanes, a held type, done files),
+    then the old init's chown of the directories alone: a worker as the
+    user refuses to run without the type's rules (78, naming the chown),
+    check names the unreadable file (never "does not parse"), pause fails
+    naming the chown.  `init --owner USER` (every start does it) gives the
+    whole layout over: then pause, check and a worker under the user work,
+    and the type's rules hold."""
+    python = world_python()
+    if python is None:
+        pytest.skip("no python3 that another user may run")
+    me = os.path.join(base, "myq.py")
+    spool = os.path.join(base, "spool")
+    hdir = os.path.join(base, "h")
+    os.mkdir(hdir, 0o755)
+    with open(os.path.join(hdir, "t"), "w") as f:
+        f.write("#!/bin/sh\nexit 0\n")
+    os.chmod(os.path.join(hdir, "t"), 0o755)
+    root = lambda *a: _as(None, sys.executable, me, "--spool", spool, *a)  # noqa: E731
+    for args in (["init", "--store", store], ["policy", "t", "max_queued=2"],
+                 ["enqueue", "t", "1"], ["enqueue", "u", "2", "--priority", "3"],
+                 ["worker", "--handlers", hdir, "--drain"]):
+        r = root(*args)
+        assert r.returncode == 0, (args, r.stderr)
+    # what init --owner did before: the directories alone
+    for d in myq.SUBDIRS + ("locks/ok", "locks/workers", ""):
+        os.chown(os.path.join(spool, d), user.pw_uid, user.pw_gid)
+    as_user = lambda *a: _as(user, python, me, "--spool", spool, *a)  # noqa: E731
+    r = as_user("worker", "--handlers", hdir, "--drain")
+    assert r.returncode == 78, r.stderr
+    unreadable = "policy.json cannot be read" if store == "files" else \
+        "queue.db cannot be used"
+    assert unreadable in r.stderr and \
+        "chown -R %s %s" % (user.pw_name, spool) in r.stderr, r.stderr
+    r = as_user("check")
+    assert r.returncode == 1
+    assert "does not parse" not in r.stdout + r.stderr
+    said = r.stdout + r.stderr
+    for name in ("policy.json cannot be read", "locks/room cannot be used",
+                 "policy.lock cannot be used", unreadable):
+        assert name in said, said
+    assert "chown -R %s %s" % (user.pw_name, spool) in said, said
+    r = as_user("pause", "t")
+    assert r.returncode == 78 and "chown -R %s" % user.pw_name in r.stderr, r.stderr
+    # the fix: what every start runs
+    r = root("init", "--owner", user.pw_name)
+    assert r.returncode == 0, r.stderr
+    assert _not_owned(spool, user.pw_uid) == []
+    r = as_user("pause", "t")
+    assert r.returncode == 0, r.stderr
+    r = as_user("resume", "t")
+    assert r.returncode == 0, r.stderr
+    for i in range(2):
+        r = as_user("enqueue", "t", str(i))
+        assert r.returncode == 0, r.stderr
+    r = as_user("enqueue", "t", "3")
+    assert r.returncode == 75, r.stderr         # max_queued=2 holds
+    r = as_user("worker", "--handlers", hdir, "--drain")
+    assert r.returncode == 0, r.stderr
+    r = as_user("check")
+    assert "cannot be" not in r.stdout and "does not parse" not in r.stdout, r.stdout
+
+
+def test_init_owner_gives_only_what_was_the_old_owners(user, base):
+    """The walk takes the former owner's (and root's) files only: a
+    producer's file stays the producer's, a symlink is not followed, a file
+    with a second hard link is not given away."""
+    spool = os.path.join(base, "spool")
+    myq.main(["--spool", spool, "init"])
+    myq.main(["--spool", spool, "policy", "t", "max_queued=5"])
+    outside = os.path.join(base, "outside")
+    with open(outside, "w") as f:
+        f.write("root's\n")
+    os.symlink(outside, os.path.join(spool, "done", "link.json"))
+    os.link(outside, os.path.join(spool, "done", "hard.json"))
+    prod = os.path.join(spool, "incoming", "p.json")
+    with open(prod, "w") as f:
+        f.write('{"type": "t"}')
+    os.chown(prod, 4242, 4242)
+    assert myq.main(["--spool", spool, "init", "--owner", user.pw_name]) == 0
+    assert os.stat(os.path.join(spool, "policy.json")).st_uid == user.pw_uid
+    assert os.stat(outside).st_uid == 0
+    assert os.lstat(os.path.join(spool, "done", "link.json")).st_uid == 0
+    assert os.stat(prod).st_uid == 4242
