@@ -1916,6 +1916,7 @@ def _split_claim(name):
 # priority-9 job among 100,000 others by looking in one small directory.
 
 POLICY_FILE = "policy.json"
+NAME_FILE = "name"          # the queue's name, when not the directory's
 LANES = "incoming/lanes"
 LANE_RE = _Pattern(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
 _LANE_PRIORITIES = frozenset(s + str(d) for s in ("", "-") for d in range(10))
@@ -4511,7 +4512,51 @@ class _Backlog(object):
 
     # Import ------------------------------------------------------------------
 
-    def import_jobs(self, lines, refuse=None):
+    def spool_line(self, type=None):
+        """export's first line: what the spool needs besides its jobs to
+        work the same elsewhere -- its queue's name and its per-type
+        policy (with `type`, that type's rules and the default's); None
+        for a spool with neither a policy nor a name of its own (an
+        export of jobs alone, as before)."""
+        self.require()
+        pol = self.policy()
+        if type is not None:
+            pol = dict((k, v) for k, v in pol.items() if k in (type, "*"))
+        if not pol and not self.named():
+            return None
+        return {"spool": {"queue": self.name, "policy": pol}}
+
+    def _import_spool(self, line, counts, policy):
+        """An export's spool line: its policy applied (each type's rules
+        replace this spool's for that type; other types are kept) unless
+        not `policy`; its queue's name kept where this spool has none of
+        its own and holds no job yet."""
+        try:
+            obj = _decode(line if isinstance(line, str) else line.decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise InvalidJob("not JSON: %s" % e)
+        obj = obj.get("spool") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            raise InvalidJob("a spool line is {\"spool\": {\"queue\", \"policy\"}}")
+        pol = obj.get("policy") or {}
+        try:
+            pol = Policy.check(pol)
+        except (ValueError, MyqError) as e:
+            raise InvalidJob("its policy: %s" % e)
+        name = obj.get("queue")
+        if policy:
+            for t, rules in sorted(pol.items()):
+                own = self.policy().get(t, {})
+                changes = dict(rules)
+                changes.update((k, None) for k in own if k not in rules)
+                self.set_policy(t, changes)
+            counts["policy"] = sorted(pol)
+        if isinstance(name, str) and _is_name(name) and not self.named() \
+                and name != self.name and not any(self._counts(_now())[:-1]):
+            self.set_name(name)
+            counts["queue"] = name
+
+    def import_jobs(self, lines, refuse=None, policy=True):
         """Add the jobs of export's lines (bytes or text, numbered from 1),
         each durable as enqueue makes it and with its state: ready,
         scheduled and processing ones wait (mtime = available_at; a
@@ -4528,6 +4573,9 @@ class _Backlog(object):
         todo, nums = [], []
         for n, line in enumerate(lines, 1):
             try:
+                if line.lstrip()[:9] in (b'{"spool":', '{"spool":'):
+                    self._import_spool(line, counts, policy)
+                    continue
                 todo.append(self._imported(line))
             except InvalidJob as e:
                 counts["bad"] += 1
@@ -5013,7 +5061,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
     def __init__(self, path=None, log=None, **options):
         self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
                                     or DEFAULT_SPOOL)
-        self.name = os.path.basename(self.path.rstrip("/")) or "myq"
+        self._name = None       # (name: read at its first use)
         self.opt = dict(DEFAULTS)
         for k, v in options.items():
             if k not in DEFAULTS:
@@ -5128,6 +5176,12 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                 _give_layout(fds, ids)
                 for fd in fds.values():
                     os.fchown(fd, ids[0], ids[1])
+                if ":" in owner:
+                    # USER:GROUP: the group is the producers' (myq-spool(5)
+                    # OWNERSHIP): tmp/ and incoming/ g+ws,+t, at every start
+                    for sub in ("tmp", "incoming"):
+                        os.fchmod(fds[sub], stat.S_IMODE(os.fstat(
+                            fds[sub]).st_mode) | 0o3070)
                 try:
                     fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
                                  | O_CLOEXEC, dir_fd=fds["locks"])
@@ -5149,6 +5203,34 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
             for fd in fds.values():
                 os.close(fd)
         return self
+
+    @property
+    def name(self):
+        """The queue's name: SPOOL/name (init --name, or kept by an
+        import), else the directory's base name."""
+        if self._name is None:
+            data = _read_small(self.d(NAME_FILE), 256)
+            name = data.decode("utf-8", "replace").strip() if data else ""
+            self._name = name if _is_name(name) else (
+                os.path.basename(self.path.rstrip("/")) or "myq")
+        return self._name
+
+    def named(self):
+        """Whether the spool records a name of its own (SPOOL/name)."""
+        return _lexists(self.d(NAME_FILE))
+
+    def set_name(self, name):
+        """Record the queue's name (init --name): what the status line,
+        stats and metrics say, whatever the directory is called."""
+        if not isinstance(name, str) or not _is_name(name):
+            raise UsageError("bad queue name %s: 1-128 characters of A-Z a-z "
+                             "0-9 . _ -, not starting with '.'"
+                             % json.dumps(name)[:140])
+        if name == self.name and self.named():
+            return
+        _replace(self.d(NAME_FILE), (name + "\n").encode("utf-8"), sync=True,
+                 mode=0o644)
+        self._name = name
 
     def require(self):
         """Raise ConfigError unless the spool exists and is initialised."""
@@ -6508,6 +6590,17 @@ class _SqlUpkeep(object):
                 db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             except _sqlite3().Error as e:
                 raise _db_error(self, e)
+
+    def set_name(self, name):
+        """Spool.set_name, for a spool that holds no job yet: its rows carry
+        the queue's name (the queue column)."""
+        if name != self.name and _is_name(name) and self._one("SELECT count(*) FROM jobs")[0]:
+            raise ConfigError(
+                "spool %s holds jobs of the queue %s; its name cannot change: "
+                "make a new spool (myq --spool NEW init --store sqlite --name "
+                "%s) and move the jobs (myq --spool %s export | myq --spool NEW "
+                "import)" % (self.path, self.name, name, self.path))
+        Spool.set_name(self, name)
 
     def check(self, operator=True):
         """Spool.check, the database first: damaged, it says so (with the
@@ -13202,7 +13295,10 @@ def _add_options(p, table, shown=None):
 # guard options that _add_command gives it.
 
 def _args_init(p):
-    p.add_argument("--owner", help="chown the layout to USER[:GROUP]")
+    p.add_argument("--owner", help="chown the layout to USER[:GROUP] (a "
+                   "GROUP: the producers', tmp/ and incoming/ g+ws,+t)")
+    p.add_argument("--name", help="the queue's name (default: the "
+                   "directory's), for the status line and metrics")
     p.add_argument("--store", choices=("files", "sqlite"), default=None,
                    help="where a new spool keeps its jobs: a file each "
                    "(default) or one SQLite database, queue.db")
@@ -13359,6 +13455,8 @@ def _args_import(p):
     p.add_argument("file", nargs="?", default="-", metavar="FILE",
                    help="JSON lines, as export writes them (default -: "
                    "standard input)")
+    p.add_argument("--no-policy", action="store_true", help="leave this "
+                   "spool's policy as it is (default: the export's applies)")
 
 
 def _args_version(p):
@@ -13902,7 +14000,9 @@ def _cmd_install(a):
 
 
 def _cmd_init(a):
-    a.spool.init(owner=a.args.owner, store=a.args.store)
+    sp = a.spool.init(owner=a.args.owner, store=a.args.store)
+    if a.args.name is not None:
+        sp.set_name(a.args.name)
     low = a.spool.free_problem()
     if low:                 # the spool is there; workers will wait
         sys.stderr.write("myq: warning: %s\n" % low)
@@ -14164,7 +14264,11 @@ def _cmd_export(a):
             _plain(path), _plain(why)))
     out = getattr(sys.stdout, "buffer", None)
     sys.stdout.flush()
-    chunk = []
+    line = a.spool.spool_line(a.args.type)
+    chunk = [dumps(line)] if line else []
+    if a.spool.policy_error:
+        sys.stderr.write("myq: warning: %s; the export carries no policy\n"
+                         % a.spool.policy_error)
     for job in a.spool.export(a.args.states, a.args.type, skip):
         chunk.append(dumps(job))
         if len(chunk) >= 256:
@@ -14198,7 +14302,7 @@ def _cmd_import(a):
     def refuse(n, why):
         sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
     try:
-        counts = a.spool.import_jobs(f, refuse)
+        counts = a.spool.import_jobs(f, refuse, policy=not a.args.no_policy)
     except SpoolFull as e:
         c = getattr(e, "counts", None)
         if c is None:
@@ -14220,6 +14324,10 @@ def _import_counts(c):
     sys.stderr.write("myq: imported %d, duplicate %d, bad %d%s\n" % (
         c["imported"], c["duplicate"], c["bad"],
         ", refused %d" % c["refused"] if c["refused"] else ""))
+    if c.get("policy"):
+        sys.stderr.write("myq: policy applied: %s\n" % " ".join(c["policy"]))
+    if c.get("queue"):
+        sys.stderr.write("myq: queue name kept: %s\n" % c["queue"])
 
 
 # The commands: name -> (its function, its parser builder, its help), in

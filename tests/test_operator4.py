@@ -479,3 +479,108 @@ def test_init_owner_gives_only_what_was_the_old_owners(user, base):
     assert os.stat(outside).st_uid == 0
     assert os.lstat(os.path.join(spool, "done", "link.json")).st_uid == 0
     assert os.stat(prod).st_uid == 4242
+
+
+# 5. export/import: the policy and the queue's name; producers' modes ########
+
+def _lines(text):
+    return [json.loads(l) for l in text.splitlines()]
+
+
+@pytest.mark.parametrize("src", ["files", "sqlite"])
+def test_export_carries_the_policy_and_the_name(tmp_path, src, store, run_myq):
+    """A spool of either store with a name of its own and a policy: export's
+    first line carries both; import into a new spool of either store
+    applies the policy (every type's rules, the pause too) and keeps the
+    name; --no-policy leaves the policy out."""
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    for args in (["init", "--store", src, "--name", "router7"],
+                 ["policy", "telemetry", "max_queued=20000",
+                  "overflow=drop-oldest", "ttl=7d", "rate=20/s"],
+                 ["pause", "alarm"], ["enqueue", "telemetry", "1"]):
+        r = run_myq("--spool", a, *args)
+        assert r.returncode == 0, (args, r.stderr)
+    assert " queue=router7 " in run_myq("--spool", a, "stats").stdout
+    exp = run_myq("--spool", a, "export")
+    assert exp.returncode == 0, exp.stderr
+    rows = _lines(exp.stdout)
+    assert rows[0] == {"spool": {"queue": "router7", "policy": {
+        "alarm": {"paused": True}, "telemetry": {
+            "max_queued": 20000, "overflow": "drop-oldest", "rate": "20/s",
+            "ttl": 604800}}}}
+    assert [r["type"] for r in rows[1:]] == ["telemetry"]
+    myq.Spool(b).init(store=store)
+    imp = run_myq("--spool", b, "import", "-", input=exp.stdout)
+    assert imp.returncode == 0, imp.stderr
+    assert "imported 1" in imp.stderr
+    assert run_myq("--spool", b, "policy").stdout == \
+        run_myq("--spool", a, "policy").stdout
+    assert " queue=router7 " in run_myq("--spool", b, "stats").stdout
+    st = json.loads(run_myq("--spool", b, "stats", "--json").stdout)
+    assert st["queue"] == "router7" and st["paused"] == ["alarm"]
+    # --no-policy
+    myq.Spool(c).init(store=store)
+    imp = run_myq("--spool", c, "import", "--no-policy", "-", input=exp.stdout)
+    assert imp.returncode == 0, imp.stderr
+    assert run_myq("--spool", c, "policy").stdout == ""
+    # a second import of the same lines: the policy again, the jobs refused
+    imp = run_myq("--spool", b, "import", "-", input=exp.stdout)
+    assert imp.returncode == 73 and "duplicate 1" in imp.stderr
+
+
+def test_import_keeps_a_spools_own_name_and_type_rules(tmp_path, run_myq):
+    """A spool that has a name of its own, or holds jobs, keeps its name;
+    the export's rules replace those of their types only."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for sp, name in ((a, "src"), (b, "dst")):
+        assert run_myq("--spool", sp, "init", "--name", name).returncode == 0
+    run_myq("--spool", a, "policy", "t", "max_queued=5")
+    run_myq("--spool", b, "policy", "t", "rate=1/s")
+    run_myq("--spool", b, "policy", "u", "priority=3")
+    imp = run_myq("--spool", b, "import", "-",
+                  input=run_myq("--spool", a, "export").stdout)
+    assert imp.returncode == 0, imp.stderr
+    assert run_myq("--spool", b, "policy").stdout.splitlines() == [
+        "t max_queued=5", "u priority=3"]
+    assert json.loads(run_myq("--spool", b, "stats", "--json").stdout)[
+        "queue"] == "dst"
+
+
+def test_init_name(tmp_path, run_myq):
+    """init --name: checked (64), kept by later inits; an SQLite spool that
+    holds jobs refuses a new one (its rows carry the name) naming export |
+    import."""
+    sp = str(tmp_path / "q")
+    r = run_myq("--spool", sp, "init", "--name", "bad name")
+    assert r.returncode == 64 and "bad queue name" in r.stderr
+    assert run_myq("--spool", sp, "init", "--name", "edge-7").returncode == 0
+    assert run_myq("--spool", sp, "init").returncode == 0
+    assert json.loads(run_myq("--spool", sp, "stats", "--json").stdout)[
+        "queue"] == "edge-7"
+    db = str(tmp_path / "db")
+    assert run_myq("--spool", db, "init", "--store", "sqlite",
+                   "--name", "one").returncode == 0
+    assert run_myq("--spool", db, "enqueue", "t", "1").returncode == 0
+    r = run_myq("--spool", db, "init", "--name", "two")
+    assert r.returncode == 78 and "export" in r.stderr and "import" in r.stderr
+    assert json.loads(run_myq("--spool", db, "list", "--json").stdout)["type"] == "t"
+
+
+def test_init_owner_with_a_group_gives_producers_their_modes(user, tmp_path):
+    """init --owner USER:GROUP (MYQ_USER=myq:producers): tmp/ and incoming/
+    are group-writable, setgid and sticky, at every init (a new spool made
+    for an import, a chmod undone)."""
+    sp = str(tmp_path / "q")
+    grp = str(user.pw_gid)
+    assert myq.main(["--spool", sp, "init", "--owner",
+                     "%s:%s" % (user.pw_name, grp)]) == 0
+    for sub in ("tmp", "incoming"):
+        mode = os.stat(os.path.join(sp, sub)).st_mode
+        assert mode & 0o3070 == 0o3070, (sub, oct(mode))
+        os.chmod(os.path.join(sp, sub), 0o750)
+    assert myq.main(["--spool", sp, "init", "--owner",
+                     "%s:%s" % (user.pw_name, grp)]) == 0
+    for sub in ("tmp", "incoming"):
+        assert os.stat(os.path.join(sp, sub)).st_mode & 0o3070 == 0o3070
+    for sub in ("processing", "done", "locks"):
+        assert os.stat(os.path.join(sp, sub)).st_mode & 0o7077 == 0o050
