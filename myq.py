@@ -11764,6 +11764,7 @@ def _worker_start(python=None, cached=False):
             "    with open(s.origin, 'rb') as f:\n"
             "        exec(compile(f.read(), s.origin, 'exec'), m.__dict__)\n"
             "    m._COMPILED_AT_START.append(True)\n"
+            "m._retitle_self()\n"
             "sys.exit(m.main())\n" % (os.path.dirname(me), _TRUSTED_CACHE, me,
                                        "m._FROM_CACHE = 1\n" if cached else "")]
 
@@ -11952,6 +11953,36 @@ def _retitle(area, title, env):
         finally:
             os.close(fd)
     except (OSError, OverflowError):
+        return False
+
+
+def _retitle_self():
+    """A worker or intake started as a new interpreter (_worker_start's -c
+    text, ~1 KiB of code) shows the command line a forked one shows:
+    python3 PROG WORDS..., written over that text (the environment left
+    as it is)."""
+    area = _arg_area()
+    words = sys.argv[1:]
+    if area is None or sys.argv[:1] != ["-c"]:
+        return
+    title = _title(area, [sys.executable or "python3", _title_prog()] + words,
+                   len(words) + 2)
+    if title is not None:
+        _retitle(area, title, b"")
+
+
+def _dumpable():
+    """After root became the service user, the kernel makes this process
+    undumpable: its /proc/self/mem is root's, so a child forked from it
+    cannot _retitle and would exec a new interpreter (a kilobyte of -c
+    text in ps, none of the supervisor's pages shared).  Dumpable again
+    (prctl PR_SET_DUMPABLE) where ctypes is (not python3-light): this
+    process holds nothing of root's that the user's workers are not
+    given (the log's descriptor, the secrets in their environment)."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0) == 0
+    except Exception:
         return False
 
 
@@ -12248,6 +12279,7 @@ class Supervisor(object):
                     # script removes it.
                     become(self.ids[0], self.ids[1])
                     _readable_library(self.ids[0])
+                    _dumpable()         # (its children forked, not exec'd)
                     self.pidfile = None
                 self._loop(select, signal, pipe[0])
             finally:

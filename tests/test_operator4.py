@@ -584,3 +584,102 @@ def test_init_owner_with_a_group_gives_producers_their_modes(user, tmp_path):
         assert os.stat(os.path.join(sp, sub)).st_mode & 0o3070 == 0o3070
     for sub in ("processing", "done", "locks"):
         assert os.stat(os.path.join(sp, sub)).st_mode & 0o7077 == 0o050
+
+
+# 6. workers under MYQ_USER: root's ps line, root's memory ###################
+
+from _procs import children, alive, wait_gone  # noqa: E402
+
+
+def _pss(pid):
+    try:
+        with open("/proc/%d/smaps_rollup" % pid) as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _service(base, python, spool, user, n=2):
+    """supervise --daemon (as the init script starts it), with --user or
+    not; its pid."""
+    me = os.path.join(base, "myq.py")
+    pidfile = spool + ".pid"
+    r = _as(None, python, me, "--spool", spool, "init",
+            *(["--owner", user] if user else []))
+    assert r.returncode == 0, r.stderr
+    args = ["--spool", spool, "supervise", "--daemon", "--pidfile", pidfile,
+            "--log", spool + ".log", "--workers", str(n), "--handlers", base]
+    r = _as(None, python, me, *(args + (["--user", user] if user else [])))
+    assert r.returncode == 0, r.stderr
+    with open(pidfile) as f:
+        return int(f.read())
+
+
+def _workers(sup, n):
+    def found():
+        kids = [p for p in children([sup]) if _cmdline(p).count("worker")]
+        return kids if len(kids) == n else None
+    return wait_for(found, what="%d workers" % n)
+
+
+def _cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read().decode("utf-8", "replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def test_workers_under_myq_user_look_and_weigh_as_roots(user, base):
+    """supervise --user (MYQ_USER): every worker's command line is
+    `python3 myq.py --spool SPOOL worker ...` as under root (not the -c
+    text of a new interpreter), and the supervisor and its workers cost
+    no more memory (PSS) than root's, give or take a tenth (before: 1.7
+    times: every worker a new interpreter)."""
+    python = world_python()
+    if python is None:
+        pytest.skip("no python3 that another user may run")
+    try:
+        import ctypes  # noqa: F401
+    except ImportError:
+        pytest.skip("no ctypes: a supervisor that became the user cannot "
+                    "fork retitled workers (see _dumpable)")
+    me = os.path.join(base, "myq.py")
+    totals = {}
+    for who in ("root", user.pw_name):
+        spool = os.path.join(base, "spool-" + who)
+        sup = _service(base, python, spool, None if who == "root" else who)
+        try:
+            ws = _workers(sup, 2)
+            for w in ws:
+                cmd = _cmdline(w)
+                assert cmd[:5] == [python, me, "--spool", spool, "worker"], cmd
+                assert sum(len(c) + 1 for c in cmd) < 400, cmd
+            wait_for(lambda: len(_live_record(spool)) == 2,
+                     what="both workers started")
+            totals[who] = sum(_pss(p) or 0 for p in [sup] + ws)
+        finally:
+            os.kill(sup, signal.SIGTERM)
+            wait_gone(sup, 30)
+    assert totals[user.pw_name] <= totals["root"] * 1.1, totals
+
+
+def test_a_worker_started_as_a_new_interpreter_shows_its_command(spool):
+    """Where a worker cannot be forked (python3-light has no ctypes, another
+    interpreter): the exec'd one rewrites its ps line from the -c text to
+    `python3 myq.py --spool SPOOL worker ...`."""
+    argv = myq._worker_start(sys.executable) + ["--spool", spool, "worker",
+                                                "--poll", "0.05"]
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=clean_env())
+    try:
+        wait_for(lambda: _live_record(spool), what="the worker's record")
+        cmd = _cmdline(p.pid)
+        assert cmd[:4] == [sys.executable, MYQ, "--spool", spool], cmd
+        assert cmd[4:7] == ["worker", "--poll", "0.05"], cmd
+    finally:
+        p.terminate()
+        p.wait(15)
