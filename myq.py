@@ -12213,16 +12213,30 @@ class Supervisor(object):
             # scripts at once) ran a second supervisor, which stop then
             # left running (review)
             import fcntl
+            # the lock is on a read-only descriptor of its own, the one kept
+            # while the supervisor lives: as the user, dumpable again
+            # (_dumpable), it holds no descriptor that writes a file of root's
+            lock = os.open(self.pidfile, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK
+                           | O_CLOEXEC)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                raise ConfigError("another myq supervise runs with pidfile %s "
-                                  "(pid %s); stop it first" % (self.pidfile, (
-                                      _read_small(self.pidfile, 64) or b"?")
-                                      .decode("ascii", "replace").strip()))
+                same = os.fstat(lock)
+                if (same.st_dev, same.st_ino) != (st.st_dev, st.st_ino):
+                    raise ConfigError("pidfile %s was replaced while it was "
+                                      "opened; try again" % self.pidfile)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    raise ConfigError(
+                        "another myq supervise runs with pidfile %s (pid %s); "
+                        "stop it first" % (self.pidfile, (
+                            _read_small(self.pidfile, 64) or b"?")
+                            .decode("ascii", "replace").strip()))
+            except BaseException:
+                os.close(lock)
+                raise
             os.ftruncate(fd, 0)
             os.write(fd, b"%d\n" % os.getpid())
-            self._pid_fd, fd = fd, None
+            self._pid_fd = lock
         finally:
             if fd is not None:
                 os.close(fd)

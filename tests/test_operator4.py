@@ -618,6 +618,20 @@ def _service(base, python, spool, user, n=2):
         return int(f.read())
 
 
+def _roots_files_it_writes(pid):
+    out = []
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            st = os.stat("/proc/%d/fd/%s" % (pid, fd))
+            with open("/proc/%d/fdinfo/%s" % (pid, fd)) as f:
+                flags = [int(l.split()[1], 8) for l in f if l.startswith("flags:")][0]
+        except (OSError, IndexError):
+            continue
+        if st.st_uid == 0 and os.path.stat.S_ISREG(st.st_mode) and flags & 3:
+            out.append(os.readlink("/proc/%d/fd/%s" % (pid, fd)))
+    return out
+
+
 def _workers(sup, n):
     def found():
         kids = [p for p in children([sup]) if _cmdline(p).count("worker")]
@@ -660,6 +674,10 @@ def test_workers_under_myq_user_look_and_weigh_as_roots(user, base):
                 assert sum(len(c) + 1 for c in cmd) < 400, cmd
             wait_for(lambda: len(_live_record(spool)) == 2,
                      what="both workers started")
+            if who != "root":
+                # dumpable again, it holds no descriptor that writes a file
+                # of root's (the pidfile's lock is read-only)
+                assert _roots_files_it_writes(sup) == []
             totals[who] = sum(_pss(p) or 0 for p in [sup] + ws)
         finally:
             os.kill(sup, signal.SIGTERM)
