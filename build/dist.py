@@ -26,8 +26,8 @@
   /etc/default/myq: the procd script reads UCI only; the postinst says so
   when an older package left one behind. Its postinst compiles myq.py on
   the device and writes myq.pth (naming /usr/lib/myq, so that `import myq`
-  works) into every /usr/lib/python3.X/site-packages; its prerm removes
-  both. No manual pages and no
+  works) into the site-packages of each python3.X beside the device's
+  python3 (/usr/lib/python3.X); its prerm removes both. No manual pages and no
   LICENSE file (OpenWrt ships no man(1), and flash is scarce): its control
   file says `License: MIT`;
 - SHA256SUMS: `sha256sum -c SHA256SUMS` checks both.
@@ -141,9 +141,15 @@ CONFFILES = ["/etc/config/myq"]
 POSTINST = """#!/bin/sh
 [ "${IPKG_NO_SCRIPT}" = "1" ] && exit 0
 rm -rf "${IPKG_INSTROOT}/usr/lib/myq/__pycache__"
-# `import myq` in python3 (SPEC 7): a myq.pth in the site-packages of every
-# python3.X under /usr/lib (the package cannot know the device's version)
-for d in "${IPKG_INSTROOT}"/usr/lib/python3.[0-9]*; do
+# `import myq` in python3 (SPEC 7): a myq.pth in the site-packages of each
+# python3.X beside the python3 in PATH (/usr/bin -> /usr/lib; the image's
+# /usr/lib while one is built): the package cannot know the version
+if [ -n "${IPKG_INSTROOT}" ]; then
+	lib="${IPKG_INSTROOT}/usr/lib"
+else
+	lib=$(command -v python3) && lib="${lib%/bin/*}/lib" || lib=/nonexistent
+fi
+for d in "$lib"/python3.[0-9]*; do
 	if [ -d "$d" ] && [ ! -L "$d" ]; then
 		mkdir -p "$d/site-packages" && echo /usr/lib/myq >"$d/site-packages/myq.pth"
 	fi
@@ -171,7 +177,12 @@ if [ -s "${IPKG_INSTROOT}/lib/functions.sh" ]; then
 	default_prerm "$0" "$@" || rc=$?
 fi
 rm -rf "${IPKG_INSTROOT}/usr/lib/myq/__pycache__"
-rm -f "${IPKG_INSTROOT}"/usr/lib/python3.[0-9]*/site-packages/myq.pth
+if [ -n "${IPKG_INSTROOT}" ]; then
+	lib="${IPKG_INSTROOT}/usr/lib"
+else
+	lib=$(command -v python3) && lib="${lib%/bin/*}/lib" || lib=/nonexistent
+fi
+rm -f "$lib"/python3.[0-9]*/site-packages/myq.pth
 exit "$rc"
 """
 

@@ -180,6 +180,17 @@ def test_ipk_postinst_makes_myq_importable(tmp_path):
     assert r == str(lib / "myq.py")
     _ok(_run([BUSYBOX, "sh", scripts["prerm"], "remove"], env=env))
     assert not pth.exists()
+    # on the device: beside the python3 in PATH (BIN/python3 -> LIB/python3.X)
+    dev = tmp_path / "dev"
+    (dev / "bin").mkdir(parents=True)
+    (dev / "lib" / "python3.12").mkdir(parents=True)
+    os.symlink(sys.executable, str(dev / "bin" / "python3"))
+    env = {"PATH": "%s:%s" % (dev / "bin", os.path.dirname(BUSYBOX))}
+    _ok(_run([BUSYBOX, "sh", scripts["postinst"], "configure"], env=env))
+    pth = dev / "lib" / "python3.12" / "site-packages" / "myq.pth"
+    assert pth.read_text() == "/usr/lib/myq\n"
+    _ok(_run([BUSYBOX, "sh", scripts["prerm"], "remove"], env=env))
+    assert not pth.exists()
 
 
 # 1. check: no worker, logs that go nowhere, an unreadable file ##############
