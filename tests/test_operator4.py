@@ -668,7 +668,7 @@ def test_workers_under_myq_user_look_and_weigh_as_roots(user, base):
     if python is None:
         pytest.skip("no python3 that another user may run")
     try:
-        import ctypes  # noqa: F401
+        import _ctypes  # noqa: F401
     except ImportError:
         pytest.skip("no ctypes: a supervisor that became the user cannot "
                     "fork retitled workers (see _dumpable)")
