@@ -9868,6 +9868,8 @@ class _Lane(object):
 class _Scheduling(object):
     """The worker's choice of its next job (mixed into Worker)."""
 
+    _pol_said = None            # the policy's problem last logged
+
     def _check_incoming(self):
         """On each poll tick: rescan only when incoming/ changed (a shell
         producer's mv does not poke the FIFO) or the wall clock jumped; the
@@ -9876,6 +9878,10 @@ class _Scheduling(object):
         # on: a directory replaced meanwhile is not used through its old one.
         self.spool.fs.close()
         self.spool.policy()
+        if self.spool.policy_error != self._pol_said:
+            self._pol_said = self.spool.policy_error      # (said once)
+            if self._pol_said:
+                self.log("warning", problem=self._pol_said)
         key, racy = self.spool.claims.change_key()
         if key != self._dir_key or racy:
             self._dir_key = key

@@ -767,3 +767,25 @@ def test_readme_has_the_device_recipe_and_when_jobs_do_not_move():
                          ("permissions", "chown -R")):
         row = [l for l in table.splitlines() if cause in l]
         assert row and tells in row[0], (cause, table)
+
+
+def test_a_running_worker_says_when_the_policy_goes_bad(spool, tmp_path):
+    """A policy file spoiled while a worker runs: it keeps the last good
+    rules and logs a warning that says so, once."""
+    myq.main(["--spool", spool, "policy", "t", "max_queued=5"])
+    log = str(tmp_path / "w.log")
+    w = start_worker(spool, "--log", log, "--poll", "0.05")
+    try:
+        wait_for(lambda: _live_record(spool), what="the worker's record")
+        with open(os.path.join(spool, "policy.json"), "w") as f:
+            f.write("{not json")
+
+        def said():
+            with open(log) as f:
+                return [l for l in f if "event=warning" in l
+                        and "policy.json does not parse" in l]
+        wait_for(said, what="the warning")
+    finally:
+        w.send_signal(signal.SIGTERM)
+        w.wait(15)
+    assert len(said()) == 1
