@@ -620,6 +620,27 @@ DURATION = Kind(parse_duration, "a duration: " + DURATION_FORMS, "S")
 FRACTION = Kind(parse_fraction, "a fraction from 0 to 1, such as 0.1", "F")
 
 
+def _syslog_problem(path="/dev/log"):
+    """None when a syslog daemon takes datagrams on `path` (syslog(3)'s
+    socket), else why every line sent there is lost: no socket, or one
+    that no daemon listens on (a syslogd that died, a container's stale
+    /dev/log).  syslog(3) itself drops the lines without a word."""
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        s.connect(path)
+        return None
+    except OSError as e:
+        why = ("there is no %s" % path if e.errno == errno.ENOENT else
+               "nothing listens on %s (%s)" % (path, e.strerror or e))
+    finally:
+        s.close()
+    return ("logs go nowhere: %s, so every syslog line is dropped; start "
+            "syslogd (BusyBox: syslogd; OpenWrt: logd), or log to a file "
+            "(MYQ_LOG=/var/log/myq/myq.log, or --log FILE) and restart"
+            % why)
+
+
 # Filesystem steps: the one door to the disk #################################
 #
 # Every step on a spool's files goes through these helpers, and each of them
@@ -1899,6 +1920,7 @@ def _split_claim(name):
 # priority-9 job among 100,000 others by looking in one small directory.
 
 POLICY_FILE = "policy.json"
+NAME_FILE = "name"          # the queue's name, when not the directory's
 LANES = "incoming/lanes"
 LANE_RE = _Pattern(r"([A-Za-z0-9_-][A-Za-z0-9._-]{0,127})@(-?[0-9])\Z")
 _LANE_PRIORITIES = frozenset(s + str(d) for s in ("", "-") for d in range(10))
@@ -2134,13 +2156,71 @@ def _safe_dest(dest):
 # The spool ###################################################################
 
 
+# Files that are the spool's own and that a change of owner must take
+# along (a spool first run as root, then under MYQ_USER): one stat each
+# tells init whether to walk the whole layout.
+_OWN_FILES = ("policy.json", "locks/policy.lock", "locks/room", "incoming/lanes",
+              "locks/held", "locks/retries", "queue.db")
+
+
+def _give_layout(fds, ids):
+    """init --owner's half for what is in the layout: when the spool, or one
+    of its own files (_OWN_FILES), belongs to another user than `ids`,
+    every entry of it that belongs to that former owner (see uids) is given
+    to `ids` -- policy.json, lanes, locks, done files, queue.db -- each
+    through its directory's descriptor without following a link, never a
+    file with another hard link, never across a mount; producers' files
+    stay theirs.  (The directories of the layout itself: the caller.)"""
+    top = fds[""]
+    st = os.fstat(top)
+    # root's files too where root had the spool, or where it is the new
+    # owner's already (root's leftovers); from one user to another, that
+    # user's alone (it may have moved in a file of root's)
+    uids = set([st.st_uid, 0]) if st.st_uid in (0, ids[0]) else set([st.st_uid])
+    old = (uids - set([ids[0]]), set([st.st_gid, 0]))
+    stale = st.st_uid != ids[0]
+    for rel in _OWN_FILES if not stale else ():
+        try:
+            if os.stat(rel, dir_fd=top, follow_symlinks=False).st_uid in old[0]:
+                stale = True
+                break
+        except OSError:
+            pass
+    if stale and old[0]:
+        _give_tree(top, st.st_dev, old, ids, 0)
+
+
+def _give_tree(fd, dev, old, ids, depth):
+    """_give_layout's walk of one directory (descriptor `fd`)."""
+    for e in list(os.scandir(fd)):
+        try:
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode) or st.st_dev != dev:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if depth < 4:
+                    sub = os.open(e.name, _DIR_FLAGS, dir_fd=fd)
+                    try:
+                        _give_tree(sub, dev, old, ids, depth + 1)
+                    finally:
+                        os.close(sub)
+            elif st.st_nlink != 1:
+                continue
+            if st.st_uid in old[0]:
+                os.chown(e.name, ids[0], ids[1] if st.st_gid in old[1] else -1,
+                         dir_fd=fd, follow_symlinks=False)
+        except OSError as e2:
+            if e2.errno != errno.ENOENT:
+                raise
+
+
 class Identity:
     """Who holds a claim: locks/workers/WID.json (pid, process start time,
     boot id, pid namespace, host, lease).  The file's mtime is the last
     heartbeat on the monotonic clock, comparable across processes of one
     boot and immune to wall-clock jumps."""
 
-    def __init__(self, spool, lease=60.0, kind="w"):
+    def __init__(self, spool, lease=60.0, kind="w", log=None):
         self.spool = spool
         self.pid = os.getpid()
         self.start = proc_start(self.pid)
@@ -2149,6 +2229,7 @@ class Identity:
         self.path = spool.d("locks", "workers", self.wid + ".json")
         self.seq = 0
         self.registered = False
+        self.log = log          # where it logs ("syslog", a path), for check
 
     def token(self):
         self.seq += 1
@@ -2178,7 +2259,7 @@ class Identity:
         return {"worker": self.wid, "pid": self.pid, "start": self.start,
                 "boot_id": boot_id(), "pidns": pid_namespace(),
                 "host": os.uname()[1], "lease": self.lease,
-                "started_at": _now()}
+                "started_at": _now(), "log": self.log}
 
     def register(self):
         # Through tmp/, fsync'd: a record is never seen half-written, not
@@ -4337,13 +4418,85 @@ class _Upkeep(object):
             problems.append(self.policy_error)
         self.lanes()
         for sub, why in sorted(self.lane_problems.items()):
+            if "Permission denied" in why and _lexists(self.d(sub)):
+                continue                # (_unreadable_problems names it)
             problems.append("lane %s is not used: %s" % (sub, why))
         stale = self.reap(dry_run=True)
         if stale:
             problems.append("%d claim(s) in processing/ belong to dead workers or "
                             "expired leases; run: myq --spool %s reap"
                             % (stale, self.path))
+        problems += self._unreadable_problems()
+        problems += self._worker_problems()
         return problems + (self._needs_operator() if operator else [])
+
+    def _live_workers(self):
+        """The records (locks/workers/w-*.json) of this spool's workers
+        that live; one whose liveness cannot be checked from here (another
+        host or pid namespace) counts as living."""
+        out = []
+        host, ns = os.uname()[1], pid_namespace()
+        for name in _listdir(self.d("locks", "workers")):
+            if not (name.startswith("w-") and name.endswith(".json")):
+                continue
+            try:
+                rec = json.loads(self.read_file(self.d("locks", "workers", name),
+                                                65536)[0].decode("utf-8"))
+            except (OSError, ValueError, InvalidJob):
+                continue
+            if not isinstance(rec, dict):
+                continue
+            if rec.get("host") == host and rec.get("pidns") == ns:
+                if rec.get("boot_id") and boot_id() and \
+                        rec.get("boot_id") != boot_id():
+                    continue
+                if not _pid_alive(rec.get("pid"), rec.get("start")):
+                    continue
+            out.append(rec)
+        return out
+
+    def _worker_problems(self):
+        """check's word on the workers: ready jobs waiting over a minute
+        with none alive; living ones logging to a syslog nobody reads."""
+        workers = self._live_workers()
+        if not workers:
+            st = self.stats()
+            if st["ready"] and st["oldest_ready_s"] > 60:
+                return ["%d ready job(s) wait, the oldest for %ds, and no worker "
+                        "runs; start the service: /etc/init.d/myq start (or a "
+                        "worker: myq --spool %s worker --handlers DIR)"
+                        % (st["ready"], st["oldest_ready_s"], self.path)]
+            return []
+        if any(w.get("log") == "syslog" for w in workers):
+            problem = _syslog_problem()
+            if problem:
+                return ["the workers' " + problem]
+        return []
+
+    def chown_fix(self):
+        """The command that gives the whole spool to its owner."""
+        try:
+            import pwd
+            who = pwd.getpwuid(os.stat(self.path).st_uid).pw_name
+        except (ImportError, KeyError, OSError):
+            who = "USER"
+        return "chown -R %s %s (or: myq --spool %s init --owner %s)" % (
+            who, self.path, self.path, who)
+
+    def _unreadable_problems(self):
+        """The spool's own files that this user (its owner, as check runs)
+        cannot read or write: each named, with the chown that fixes it."""
+        out = []
+        for rel, mode in (("locks/policy.lock", os.W_OK),
+                          ("locks/room", os.R_OK | os.W_OK),
+                          ("queue.db", os.R_OK | os.W_OK),
+                          ("incoming/lanes", os.R_OK | os.W_OK | os.X_OK)):
+            p = self.d(*rel.split("/"))
+            if _lexists(p) and not os.access(p, mode):
+                out.append("%s cannot be %s by uid %d (permission denied); give "
+                           "the spool to its owner: %s" % (
+                                   p, "used", os.geteuid(), self.chown_fix()))
+        return out
 
     def _needs_operator(self):
         """What waits for an operator: dead jobs, quarantined files, files
@@ -4490,7 +4643,51 @@ class _Backlog(object):
 
     # Import ------------------------------------------------------------------
 
-    def import_jobs(self, lines, refuse=None):
+    def spool_line(self, type=None):
+        """export's first line: what the spool needs besides its jobs to
+        work the same elsewhere -- its queue's name and its per-type
+        policy (with `type`, that type's rules and the default's); None
+        for a spool with neither a policy nor a name of its own (an
+        export of jobs alone, as before)."""
+        self.require()
+        pol = self.policy()
+        if type is not None:
+            pol = dict((k, v) for k, v in pol.items() if k in (type, "*"))
+        if not pol and not self.named():
+            return None
+        return {"spool": {"queue": self.name, "policy": pol}}
+
+    def _import_spool(self, line, counts, policy):
+        """An export's spool line: its policy applied (each type's rules
+        replace this spool's for that type; other types are kept) unless
+        not `policy`; its queue's name kept where this spool has none of
+        its own and holds no job yet."""
+        try:
+            obj = _decode(line if isinstance(line, str) else line.decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise InvalidJob("not JSON: %s" % e)
+        obj = obj.get("spool") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            raise InvalidJob("a spool line is {\"spool\": {\"queue\", \"policy\"}}")
+        pol = obj.get("policy") or {}
+        try:
+            pol = Policy.check(pol)
+        except (ValueError, MyqError) as e:
+            raise InvalidJob("its policy: %s" % e)
+        name = obj.get("queue")
+        if policy:
+            for t, rules in sorted(pol.items()):
+                own = self.policy().get(t, {})
+                changes = dict(rules)
+                changes.update((k, None) for k in own if k not in rules)
+                self.set_policy(t, changes)
+            counts["policy"] = sorted(pol)
+        if isinstance(name, str) and _is_name(name) and not self.named() \
+                and name != self.name and not any(self._counts(_now())[:-1]):
+            self.set_name(name)
+            counts["queue"] = name
+
+    def import_jobs(self, lines, refuse=None, policy=True):
         """Add the jobs of export's lines (bytes or text, numbered from 1),
         each durable as enqueue makes it and with its state: ready,
         scheduled and processing ones wait (mtime = available_at; a
@@ -4507,6 +4704,9 @@ class _Backlog(object):
         todo, nums = [], []
         for n, line in enumerate(lines, 1):
             try:
+                if line.lstrip()[:9] in (b'{"spool":', '{"spool":'):
+                    self._import_spool(line, counts, policy)
+                    continue
                 todo.append(self._imported(line))
             except InvalidJob as e:
                 counts["bad"] += 1
@@ -5013,7 +5213,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
     def __init__(self, path=None, log=None, **options):
         self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
                                     or DEFAULT_SPOOL)
-        self.name = os.path.basename(self.path.rstrip("/")) or "myq"
+        self._name = None       # (name: read at its first use)
         self.opt = dict(DEFAULTS)
         for k, v in options.items():
             if k not in DEFAULTS:
@@ -5125,8 +5325,15 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                 except FileExistsError:
                     pass
             if ids:
+                _give_layout(fds, ids)
                 for fd in fds.values():
                     os.fchown(fd, ids[0], ids[1])
+                if ":" in owner:
+                    # USER:GROUP: the group is the producers' (myq-spool(5)
+                    # OWNERSHIP): tmp/ and incoming/ g+ws,+t, at every start
+                    for sub in ("tmp", "incoming"):
+                        os.fchmod(fds[sub], stat.S_IMODE(os.fstat(
+                            fds[sub]).st_mode) | 0o3070)
                 try:
                     fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
                                  | O_CLOEXEC, dir_fd=fds["locks"])
@@ -5148,6 +5355,34 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
             for fd in fds.values():
                 os.close(fd)
         return self
+
+    @property
+    def name(self):
+        """The queue's name: SPOOL/name (init --name, or kept by an
+        import), else the directory's base name."""
+        if self._name is None:
+            data = _read_small(self.d(NAME_FILE), 256)
+            name = data.decode("utf-8", "replace").strip() if data else ""
+            self._name = name if _is_name(name) else (
+                os.path.basename(self.path.rstrip("/")) or "myq")
+        return self._name
+
+    def named(self):
+        """Whether the spool records a name of its own (SPOOL/name)."""
+        return _lexists(self.d(NAME_FILE))
+
+    def set_name(self, name):
+        """Record the queue's name (init --name): what the status line,
+        stats and metrics say, whatever the directory is called."""
+        if not isinstance(name, str) or not _is_name(name):
+            raise UsageError("bad queue name %s: 1-128 characters of A-Z a-z "
+                             "0-9 . _ -, not starting with '.'"
+                             % json.dumps(name)[:140])
+        if name == self.name and self.named():
+            return
+        _replace(self.d(NAME_FILE), (name + "\n").encode("utf-8"), sync=True,
+                 mode=0o644)
+        self._name = name
 
     def require(self):
         """Raise ConfigError unless the spool exists and is initialised."""
@@ -5245,12 +5480,29 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                     data = self.read_file(path, 1 << 20)[0]
                     self._pol = Policy.check(json.loads(data.decode("utf-8")))
                     self.policy_error = None
-                except (OSError, ValueError, MyqError) as e:
+                except OSError as e:
+                    self.policy_error = (
+                        "%s cannot be read by uid %d (%s): its rules (pauses, "
+                        "bounds, limits) are not applied; %s" % (
+                            path, os.geteuid(), e.strerror or e,
+                            "give the spool to its owner: " + self.chown_fix()
+                            if e.errno in (errno.EACCES, errno.EPERM) else
+                            "fix the file, or remove it and set the policy "
+                            "again with myq policy"))
+                except (ValueError, MyqError) as e:
                     self.policy_error = (
                         "%s does not parse (%s); workers keep the last good "
                         "policy: fix the file, or remove it and set the policy "
                         "again with myq policy" % (path, e))
         return self._pol
+
+    def require_policy(self):
+        """policy(), or ConfigError when its file is there but this user
+        cannot read it: a worker never runs without the types' rules."""
+        pol = self.policy()
+        if self.policy_error and not os.access(self.d(POLICY_FILE), os.R_OK):
+            raise ConfigError(self.policy_error)
+        return pol
 
     def rules(self, type):
         """The policy of one type: its own keys over the default's.  (A
@@ -5283,8 +5535,10 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
             if e.errno == errno.EINVAL:
                 raise ConfigError("%s is not a regular file; remove it"
                                   % self.d("locks", "policy.lock"))
-            raise ConfigError("cannot lock %s: %s" % (
-                self.d("locks", "policy.lock"), e.strerror or e))
+            raise ConfigError("cannot lock %s: %s%s" % (
+                self.d("locks", "policy.lock"), e.strerror or e,
+                "; give the spool to its owner: " + self.chown_fix()
+                if e.errno in (errno.EACCES, errno.EPERM) else ""))
         try:
             path = self.d(POLICY_FILE)
             try:
@@ -5665,6 +5919,11 @@ class _DbFull(_DbError, SpoolFull):
 
 class _DbDamaged(_DbError):
     code = EX_CONFIG
+
+
+class _DbDenied(ConfigError):
+    """queue.db (or its -wal, -shm) out of this user's reach: another
+    owner's (myq-spool(5) OWNERSHIP), said with the chown that fixes it."""
 
 
 def _db_error(sp, e):
@@ -6488,6 +6747,17 @@ class _SqlUpkeep(object):
             except _sqlite3().Error as e:
                 raise _db_error(self, e)
 
+    def set_name(self, name):
+        """Spool.set_name, for a spool that holds no job yet: its rows carry
+        the queue's name (the queue column)."""
+        if name != self.name and _is_name(name) and self._one("SELECT count(*) FROM jobs")[0]:
+            raise ConfigError(
+                "spool %s holds jobs of the queue %s; its name cannot change: "
+                "make a new spool (myq --spool NEW init --store sqlite --name "
+                "%s) and move the jobs (myq --spool %s export | myq --spool NEW "
+                "import)" % (self.path, self.name, name, self.path))
+        Spool.set_name(self, name)
+
     def check(self, operator=True):
         """Spool.check, the database first: damaged, it says so (with the
         filesystem's problems; what needs its rows cannot be asked)."""
@@ -6500,7 +6770,7 @@ class _SqlUpkeep(object):
                     "can be read: myq --spool %s export > jobs.jsonl, then "
                     "import them into a new spool" % (self.d(DB_NAME), bad,
                                                       self.path))
-            except _DbDamaged as e:
+            except (_DbDamaged, _DbDenied) as e:
                 bad = str(e)
             except MyqError:
                 pass            # (busy, out of reach: Spool.check says)
@@ -6511,6 +6781,9 @@ class _SqlUpkeep(object):
             Spool.check_filesystem(self)
         except ConfigError as e:
             problems.append(str(e))
+        self.policy()
+        problems += [p for p in [self.policy_error] + self._unreadable_problems()
+                     if p and self.d(DB_NAME) + " " not in p]
         return problems + [p for p in (self.free_problem(),) if p]
 
     def _quick_check(self):
@@ -6737,6 +7010,12 @@ class SqlSpool(_SqlUpkeep, Spool):
         except OSError as e:
             raise _DbError(e.errno, "%s: %s" % (path, e.strerror))
         except sqlite3.Error as e:
+            for p in (path, path + "-wal", path + "-shm"):
+                if _lexists(p) and not os.access(p, os.R_OK | os.W_OK):
+                    raise _DbDenied(
+                        "%s cannot be used by uid %d (permission denied); give "
+                        "the spool to its owner: %s" % (
+                            p, os.geteuid(), self.chown_fix()))
             raise _db_error(self, e)
         self._conn, self._conn_pid, self._sync = db, _PID[0], True
         return db
@@ -7270,10 +7549,12 @@ class Log(object):
     def __init__(self, path=None, syslog=False, facility="daemon", tag="myq",
                  stream=None, owner=None):
         self.path, self.use_syslog = path, syslog
+        self.dest = "syslog" if syslog else path    # (a worker's record says)
         self.stream = stream
         self.owner = owner          # (uid, gid) a new log file is given to
         self._file = None
         self._syslog = None
+        self.problem = None         # why the lines go nowhere (syslog)
         if syslog:
             import syslog as _syslog
             fac = getattr(_syslog, "LOG_" + str(facility).upper(), None)
@@ -7282,10 +7563,11 @@ class Log(object):
                                  "local0 … local7)" % facility)
             _syslog.openlog(tag, _syslog.LOG_PID, fac)
             self._syslog = _syslog
-            if not os.path.exists(_DEV_LOG):
-                (stream or sys.stderr).write(
-                    "myq: warning: no %s: syslog lines are dropped; use --log "
-                    "FILE or start syslogd\n" % _DEV_LOG)
+            self.problem = _syslog_problem(_DEV_LOG)
+            if self.problem:
+                out = stream or sys.stderr
+                out.write("myq: warning: %s\n" % self.problem)
+                out.flush()
         elif path:
             self.reopen()
 
@@ -9917,6 +10199,8 @@ class _Lane(object):
 class _Scheduling(object):
     """The worker's choice of its next job (mixed into Worker)."""
 
+    _pol_said = None            # the policy's problem last logged
+
     def _check_incoming(self):
         """On each poll tick: rescan only when incoming/ changed (a shell
         producer's mv does not poke the FIFO) or the wall clock jumped; the
@@ -9925,6 +10209,10 @@ class _Scheduling(object):
         # on: a directory replaced meanwhile is not used through its old one.
         self.spool.fs.close()
         self.spool.policy()
+        if self.spool.policy_error != self._pol_said:
+            self._pol_said = self.spool.policy_error      # (said once)
+            if self._pol_said:
+                self.log("warning", problem=self._pol_said)
         key, racy = self.spool.claims.change_key()
         if key != self._dir_key or racy:
             self._dir_key = key
@@ -11218,9 +11506,9 @@ class Worker(_Scheduling, _Running, _Holding):
                 raise
             sp.check_filesystem()
         sp._pol_next = 0.0
-        sp.policy()
+        sp.require_policy()         # (never the types' rules dropped unsaid)
         sp.pol_polled = True        # re-read at each poll tick, not per job
-        self.me = Identity(sp, self.lease)
+        self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
         self._pipe = os.pipe()
         for fd in self._pipe:
             os.set_blocking(fd, False)
@@ -11902,6 +12190,7 @@ def _worker_start(python=None, cached=False):
             "    with open(s.origin, 'rb') as f:\n"
             "        exec(compile(f.read(), s.origin, 'exec'), m.__dict__)\n"
             "    m._COMPILED_AT_START.append(True)\n"
+            "m._retitle_self()\n"
             "sys.exit(m.main())\n" % (os.path.dirname(me), _TRUSTED_CACHE, me,
                                        "m._FROM_CACHE = 1\n" if cached else "")]
 
@@ -12095,6 +12384,37 @@ def _retitle(area, title, env):
         finally:
             os.close(fd)
     except (OSError, OverflowError):
+        return False
+
+
+def _retitle_self():
+    """A worker or intake started as a new interpreter (_worker_start's -c
+    text, ~1 KiB of code) shows the command line a forked one shows:
+    python3 PROG WORDS..., written over that text (the environment left
+    as it is)."""
+    area = _arg_area()
+    words = sys.argv[1:]
+    if area is None or sys.argv[:1] != ["-c"]:
+        return
+    title = _title(area, [sys.executable or "python3", _title_prog()] + words,
+                   len(words) + 2)
+    if title is not None:
+        _retitle(area, title, b"")
+
+
+def _dumpable():
+    """After root became the service user, the kernel makes this process
+    undumpable: its /proc/self/mem is root's, so a child forked from it
+    cannot _retitle and would exec a new interpreter (a kilobyte of -c
+    text in ps, none of the supervisor's pages shared).  Dumpable again
+    (prctl PR_SET_DUMPABLE) where ctypes is (not python3-light): this
+    process holds nothing of root's that the user's workers are not
+    given (the log's descriptor, the secrets in their environment)."""
+    try:
+        import _ctypes          # (ctypes itself would cost 0.8 MB, this 0.3)
+        prctl = _ctypes.dlsym(_ctypes.dlopen(None), "prctl")
+        return _ctypes.call_function(prctl, (4, 1, 0, 0, 0)) == 0
+    except Exception:           # PR_SET_DUMPABLE ^
         return False
 
 
@@ -12325,16 +12645,30 @@ class Supervisor(object):
             # scripts at once) ran a second supervisor, which stop then
             # left running (review)
             import fcntl
+            # the lock is on a read-only descriptor of its own, the one kept
+            # while the supervisor lives: as the user, dumpable again
+            # (_dumpable), it holds no descriptor that writes a file of root's
+            lock = os.open(self.pidfile, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK
+                           | O_CLOEXEC)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                raise ConfigError("another myq supervise runs with pidfile %s "
-                                  "(pid %s); stop it first" % (self.pidfile, (
-                                      _read_small(self.pidfile, 64) or b"?")
-                                      .decode("ascii", "replace").strip()))
+                same = os.fstat(lock)
+                if (same.st_dev, same.st_ino) != (st.st_dev, st.st_ino):
+                    raise ConfigError("pidfile %s was replaced while it was "
+                                      "opened; try again" % self.pidfile)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    raise ConfigError(
+                        "another myq supervise runs with pidfile %s (pid %s); "
+                        "stop it first" % (self.pidfile, (
+                            _read_small(self.pidfile, 64) or b"?")
+                            .decode("ascii", "replace").strip()))
+            except BaseException:
+                os.close(lock)
+                raise
             os.ftruncate(fd, 0)
             os.write(fd, b"%d\n" % os.getpid())
-            self._pid_fd, fd = fd, None
+            self._pid_fd = lock
         finally:
             if fd is not None:
                 os.close(fd)
@@ -12391,6 +12725,7 @@ class Supervisor(object):
                     # script removes it.
                     become(self.ids[0], self.ids[1])
                     _readable_library(self.ids[0])
+                    _dumpable()         # (its children forked, not exec'd)
                     self.pidfile = None
                 self._loop(select, signal, pipe[0])
             finally:
@@ -12765,6 +13100,8 @@ _INIT_FILES = {
         "\t_why=$(myq init --owner \"$RUNAS\" ${STORE:+--store \"$STORE\"} 2>&1 >/dev/null && myq \"$@\" 2>&1 >/dev/null) ||\n"
         "\t\t{ failed 1 \"${_why#myq: }\"; return; }\n"
         "\techo \"OK\"\n"
+        "\t# what it warned of (logs that go nowhere: no syslogd) goes to the terminal\n"
+        "\t[ -z \"$_why\" ] || printf '%s\\n' \"$_why\" >&2\n"
         "}\n"
         "\n"
         "stop() {\n"
@@ -13167,6 +13504,26 @@ _INIT_SYSTEMS = {
 }
 
 
+def _site_dir(prefix):
+    """Where this Python, were it installed under PREFIX, imports modules
+    from with no sys.path edit: the first of its site directories under
+    PREFIX/lib/ (Debian's /usr/lib/python3/dist-packages, a venv's or
+    OpenWrt's lib/python3.X/site-packages), else PREFIX/lib/python3.X/
+    site-packages (a cross build's target).  build/dist.py's site_dir,
+    word for word but for the name."""
+    lib = prefix.rstrip("/") + "/lib/"
+    try:
+        import site
+        dirs = site.getsitepackages()
+    except (ImportError, AttributeError):
+        dirs = []
+    for d in dirs:
+        if d.startswith(lib):
+            return d
+    return "%spython%d.%d/site-packages" % (lib, sys.version_info[0],
+                                           sys.version_info[1])
+
+
 class _InstallError(MyqError):
     """A file of the layout that could not be written."""
     code = EX_CANTCREAT
@@ -13225,7 +13582,8 @@ def _compile_installed(module, said):
 def install(prefix="/usr", destdir="", init=None):
     """Lay out myq under DESTDIR (the target's root; '' is /): PREFIX/lib/
     myq/myq.py (this file's bytes) and its bytecode, PREFIX/bin/myq (the
-    launcher), /etc/init.d/myq (`init`: sysv, or procd for OpenWrt; by
+    launcher), myq.pth naming PREFIX/lib/myq in this Python's site
+    directory under PREFIX (so that `import myq` works), /etc/init.d/myq (`init`: sysv, or procd for OpenWrt; by
     default procd where DESTDIR has /etc/rc.common) naming PREFIX/bin/myq,
     and its settings file only where there is none yet (an operator's
     settings are kept).  Again over an installed copy: the same files.
@@ -13252,6 +13610,9 @@ def install(prefix="/usr", destdir="", init=None):
     _install_file(module, me, 0o644, said)
     _compile_installed(module, said)
     _install_file(at(binpath), (_LAUNCHER % {"lib": lib}).encode("utf-8"), 0o755, said)
+    # `import myq` in this python3, with no sys.path edit (SPEC 7)
+    _install_file(at(os.path.join(_site_dir(prefix), "myq.pth")),
+                  (lib + "\n").encode("utf-8"), 0o644, said)
     text = _INIT_FILES[script]
     _install_file(at("/etc/init.d/myq"), text.replace(
         line, form % binpath).encode("utf-8"), 0o755, said)
@@ -13418,7 +13779,10 @@ def _add_options(p, table, shown=None):
 # guard options that _add_command gives it.
 
 def _args_init(p):
-    p.add_argument("--owner", help="chown the layout to USER[:GROUP]")
+    p.add_argument("--owner", help="chown the layout to USER[:GROUP] (a "
+                   "GROUP: the producers', tmp/ and incoming/ g+ws,+t)")
+    p.add_argument("--name", help="the queue's name (default: the "
+                   "directory's), for the status line and metrics")
     p.add_argument("--store", choices=("files", "sqlite"), default=None,
                    help="where a new spool keeps its jobs: a file each "
                    "(default) or one SQLite database, queue.db")
@@ -13575,6 +13939,8 @@ def _args_import(p):
     p.add_argument("file", nargs="?", default="-", metavar="FILE",
                    help="JSON lines, as export writes them (default -: "
                    "standard input)")
+    p.add_argument("--no-policy", action="store_true", help="leave this "
+                   "spool's policy as it is (default: the export's applies)")
 
 
 def _args_version(p):
@@ -14118,7 +14484,9 @@ def _cmd_install(a):
 
 
 def _cmd_init(a):
-    a.spool.init(owner=a.args.owner, store=a.args.store)
+    sp = a.spool.init(owner=a.args.owner, store=a.args.store)
+    if a.args.name is not None:
+        sp.set_name(a.args.name)
     low = a.spool.free_problem()
     if low:                 # the spool is there; workers will wait
         sys.stderr.write("myq: warning: %s\n" % low)
@@ -14381,7 +14749,11 @@ def _cmd_export(a):
             _plain(path), _plain(why)))
     out = getattr(sys.stdout, "buffer", None)
     sys.stdout.flush()
-    chunk = []
+    line = a.spool.spool_line(a.args.type)
+    chunk = [dumps(line)] if line else []
+    if a.spool.policy_error:
+        sys.stderr.write("myq: warning: %s; the export carries no policy\n"
+                         % a.spool.policy_error)
     for job in a.spool.export(a.args.states, a.args.type, skip):
         chunk.append(dumps(job))
         if len(chunk) >= 256:
@@ -14415,7 +14787,7 @@ def _cmd_import(a):
     def refuse(n, why):
         sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
     try:
-        counts = a.spool.import_jobs(f, refuse)
+        counts = a.spool.import_jobs(f, refuse, policy=not a.args.no_policy)
     except SpoolFull as e:
         c = getattr(e, "counts", None)
         if c is None:
@@ -14437,6 +14809,10 @@ def _import_counts(c):
     sys.stderr.write("myq: imported %d, duplicate %d, bad %d%s\n" % (
         c["imported"], c["duplicate"], c["bad"],
         ", refused %d" % c["refused"] if c["refused"] else ""))
+    if c.get("policy"):
+        sys.stderr.write("myq: policy applied: %s\n" % " ".join(c["policy"]))
+    if c.get("queue"):
+        sys.stderr.write("myq: queue name kept: %s\n" % c["queue"])
 
 
 # The commands: name -> (its function, its parser builder, its help), in

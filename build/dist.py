@@ -25,7 +25,9 @@
   /etc/config/myq, a conffile (opkg keeps the operator's edits). No
   /etc/default/myq: the procd script reads UCI only; the postinst says so
   when an older package left one behind. Its postinst compiles myq.py on
-  the device, its prerm removes that bytecode. No manual pages and no
+  the device and writes myq.pth (naming /usr/lib/myq, so that `import myq`
+  works) into the site-packages of each python3.X beside the device's
+  python3 (/usr/lib/python3.X); its prerm removes both. No manual pages and no
   LICENSE file (OpenWrt ships no man(1), and flash is scarce): its control
   file says `License: MIT`;
 - SHA256SUMS: `sha256sum -c SHA256SUMS` checks both.
@@ -40,8 +42,9 @@ it does not depend on sys.path[0] (`python3 -I` leaves the script's
 directory out of it on 3.11+). Copying myq.py alone to /usr/bin/myq still
 works; it is only slower to start.
 
-The tarball carries no bytecode (it cannot know the target's Python): the
-first run as root writes /usr/lib/myq/__pycache__/. Its member times are all
+The tarball carries no bytecode and no myq.pth (it cannot know the
+target's Python): `myq install` after unpacking writes both (the first run
+as root writes /usr/lib/myq/__pycache__/ too). Its member times are all
 SOURCE_DATE_EPOCH, and Python checks a cached .pyc by the source's mtime and
 size only, so an upgrade over an old tarball must remove that directory
 (README says so); the ipk's postinst does.
@@ -55,7 +58,9 @@ same bytes from every Python version), gzip without name or time.
 PREFIX/lib/myq/__pycache__/myq.TAG.pyc compiled by the installing
 interpreter (TAG: its sys.implementation.cache_tag, e.g. cpython-311; other
 versions' stale ones are removed), PREFIX/bin/myq (the launcher, naming
-PREFIX/lib/myq: the path on the target, without DESTDIR), /etc/init.d/myq
+PREFIX/lib/myq: the path on the target, without DESTDIR), myq.pth naming
+PREFIX/lib/myq in the installing interpreter's site directory under PREFIX
+(site_dir: so that the target's python3 can `import myq`), /etc/init.d/myq
 (its MYQ_BIN default follows PREFIX), and /etc/default/myq only when there
 is none yet (the operator's settings are kept), and the documentation:
 PREFIX/share/man/man1/myq.1, PREFIX/share/man/man5/myq-spool.5,
@@ -141,6 +146,19 @@ CONFFILES = ["/etc/config/myq"]
 POSTINST = """#!/bin/sh
 [ "${IPKG_NO_SCRIPT}" = "1" ] && exit 0
 rm -rf "${IPKG_INSTROOT}/usr/lib/myq/__pycache__"
+# `import myq` in python3 (SPEC 7): a myq.pth in the site-packages of each
+# python3.X beside the python3 in PATH (/usr/bin -> /usr/lib; the image's
+# /usr/lib while one is built): the package cannot know the version
+if [ -n "${IPKG_INSTROOT}" ]; then
+	lib="${IPKG_INSTROOT}/usr/lib"
+else
+	lib=$(command -v python3) && lib="${lib%/bin/*}/lib" || lib=/nonexistent
+fi
+for d in "$lib"/python3.[0-9]*; do
+	if [ -d "$d" ] && [ ! -L "$d" ]; then
+		mkdir -p "$d/site-packages" && echo /usr/lib/myq >"$d/site-packages/myq.pth"
+	fi
+done
 if [ -z "${IPKG_INSTROOT}" ]; then
 	python3 -I -c 'import sys; sys.path.insert(0, "/usr/lib/myq"); import myq' \
 		>/dev/null 2>&1 || true
@@ -164,6 +182,12 @@ if [ -s "${IPKG_INSTROOT}/lib/functions.sh" ]; then
 	default_prerm "$0" "$@" || rc=$?
 fi
 rm -rf "${IPKG_INSTROOT}/usr/lib/myq/__pycache__"
+if [ -n "${IPKG_INSTROOT}" ]; then
+	lib="${IPKG_INSTROOT}/usr/lib"
+else
+	lib=$(command -v python3) && lib="${lib%/bin/*}/lib" || lib=/nonexistent
+fi
+rm -f "$lib"/python3.[0-9]*/site-packages/myq.pth
 exit "$rc"
 """
 
@@ -351,6 +375,26 @@ def compile_pyc(source):
     return pyc
 
 
+def site_dir(prefix):
+    """Where this Python, were it installed under PREFIX, imports modules
+    from with no sys.path edit: the first of its site directories under
+    PREFIX/lib/ (Debian's /usr/lib/python3/dist-packages, a venv's or
+    OpenWrt's lib/python3.X/site-packages), else PREFIX/lib/python3.X/
+    site-packages (a cross build's target).  myq.py's _site_dir, word for
+    word but for the name."""
+    lib = prefix.rstrip("/") + "/lib/"
+    try:
+        import site
+        dirs = site.getsitepackages()
+    except (ImportError, AttributeError):
+        dirs = []
+    for d in dirs:
+        if d.startswith(lib):
+            return d
+    return "%spython%d.%d/site-packages" % (lib, sys.version_info[0],
+                                           sys.version_info[1])
+
+
 def check_prefix(prefix):
     if not prefix.startswith("/"):
         raise SystemExit("dist: --prefix must be absolute, not %r" % prefix)
@@ -385,6 +429,10 @@ def install(destdir, prefix, root=ROOT):
         print(pyc)
     write(at(binpath), launcher(prefix), 0o755)
     print(at(binpath))
+    # `import myq` in this python3, with no sys.path edit (SPEC 7)
+    pth = at(os.path.join(site_dir(prefix), "myq.pth"))
+    write(pth, (libdir + "\n").encode("utf-8"), 0o644)
+    print(pth)
     write(at("/etc/init.d/myq"), script, 0o755)
     print(at("/etc/init.d/myq"))
     conf = at("/etc/default/myq")
@@ -425,6 +473,8 @@ def uninstall(destdir, prefix, root=ROOT):
         print("removed " + path + "/")
 
     remove(at(os.path.join(prefix, "bin", "myq")))
+    pth = at(os.path.join(site_dir(prefix), "myq.pth"))
+    remove(pth)
     remove(os.path.join(libdir, "myq.py"))
     if os.path.isdir(cache):
         for name in sorted(os.listdir(cache)):

@@ -566,7 +566,10 @@ def test_make_install_layout(tmp_path):
     dest = tmp_path / "dest"
     make_install(repo, dest)
     pyc = "usr/lib/myq/__pycache__/myq.%s.pyc" % TAG
-    assert installed_files(dest) == dict(TAR_LAYOUT, **{pyc: 0o644})
+    # and myq.pth, naming /usr/lib/myq, where this python3 imports from
+    pth = _dist_module().site_dir("/usr").lstrip("/") + "/myq.pth"
+    assert (dest / pth).read_text() == "/usr/lib/myq\n"
+    assert installed_files(dest) == dict(TAR_LAYOUT, **{pyc: 0o644, pth: 0o644})
     for name, src in DOCS.items():
         assert (dest / name).read_bytes() == \
             open(os.path.join(ROOT, src), "rb").read(), name
@@ -593,7 +596,7 @@ def test_make_install_layout(tmp_path):
     assert (dest / "etc/default/myq").read_text() == "MYQ_WORKERS=4\n"
     assert not old.exists() and other.read_bytes() == b"not ours"
     other.unlink()
-    assert installed_files(dest) == dict(TAR_LAYOUT, **{pyc: 0o644})
+    assert installed_files(dest) == dict(TAR_LAYOUT, **{pyc: 0o644, pth: 0o644})
     r = ok_r(run([sys.executable, "-v", dest / "usr/bin/myq", "version"],
                  env={"PYTHONPATH": str(dest / "usr/lib/myq")}))
     assert r.stdout.strip() == "myq " + VERSION
@@ -950,9 +953,10 @@ def test_one_file_install_layout_and_run(tmp_path):
     dest, prefix, out = one_file_install(tmp_path)
     p = prefix.lstrip("/")
     pyc = p + "/lib/myq/__pycache__/myq.%s.pyc" % TAG
+    pth = _dist_module().site_dir(prefix).lstrip("/") + "/myq.pth"
     assert installed_files(dest) == {
         p + "/bin/myq": 0o755, p + "/lib/myq/myq.py": 0o644, pyc: 0o644,
-        "etc/init.d/myq": 0o755, "etc/default/myq": 0o644}
+        "etc/init.d/myq": 0o755, "etc/default/myq": 0o644, pth: 0o644}
     assert all(str(dest / n) in out for n in installed_files(dest))
     with open(staged(dest, prefix, "lib/myq/myq.py"), "rb") as f, \
             open(os.path.join(ROOT, "myq.py"), "rb") as g:

@@ -703,20 +703,29 @@ def test_syslog_without_dev_log_warns_once(myq, monkeypatch, tmp_path):
     err = io.StringIO()
     myq.Log(syslog=True, stream=err)
     assert err.getvalue() == (
-        "myq: warning: no %s: syslog lines are dropped; use --log FILE or "
-        "start syslogd\n" % (tmp_path / "no-dev-log"))
-    monkeypatch.setattr(myq, "_DEV_LOG", str(tmp_path))       # exists
-    err = io.StringIO()
-    myq.Log(syslog=True, stream=err)
-    assert err.getvalue() == ""
+        "myq: warning: logs go nowhere: there is no %s, so every syslog line "
+        "is dropped; start syslogd (BusyBox: syslogd; OpenWrt: logd), or log "
+        "to a file (MYQ_LOG=/var/log/myq/myq.log, or --log FILE) and restart\n"
+        % (tmp_path / "no-dev-log"))
+    import socket       # a syslogd's socket: nothing to say (issue 38)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(tmp_path / "dev-log"))
+    try:
+        monkeypatch.setattr(myq, "_DEV_LOG", str(tmp_path / "dev-log"))
+        err = io.StringIO()
+        myq.Log(syslog=True, stream=err)
+        assert err.getvalue() == ""
+    finally:
+        s.close()
 
 
 @pytest.mark.skipif(os.path.exists("/dev/log"), reason="this machine has /dev/log")
 def test_worker_syslog_without_dev_log_warns_on_stderr(spool):
     cp = run_myq("--spool", spool, "worker", "--once", "--syslog")
     assert cp.returncode == 0, cp.stderr
-    assert cp.stderr == ("myq: warning: no /dev/log: syslog lines are dropped; "
-                         "use --log FILE or start syslogd\n")
+    assert cp.stderr.startswith("myq: warning: logs go nowhere: there is no "
+                                "/dev/log, so every syslog line is dropped; ")
+    assert cp.stderr.count("\n") == 1
 
 
 def _old_pythons():
