@@ -9567,7 +9567,9 @@ class MqttIntake(MqttClient):
         tmp = self.spool.d("tmp", "%s.%d.%s.dup" % (jid, os.getpid(),
                                                     _rand_hex(4)))
         _create(tmp, data)
-        self.spool.claims.quarantine(tmp, jid + ".json", "duplicate: %s; the "
+        # (a name of its own: the job that holds the id keeps `show ID`)
+        self.spool.claims.quarantine(tmp, "%s.dup-%s.json" % (
+            jid, _rand_hex(3)), "duplicate: %s; the "
                                      "message kept here (give it another id "
                                      "and myq retry it, or delete it)" % why)
         _fsync_dir(self.spool.d("failed"))
