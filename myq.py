@@ -4392,6 +4392,8 @@ class _Backlog(object):
 
     def _imported(self, line):
         """_prepared's tuple for one line, or InvalidJob."""
+        if isinstance(line, InvalidJob):
+            raise line          # (a line too long to read: _bounded_lines)
         if isinstance(line, bytes):
             try:
                 line = line.decode("utf-8")
@@ -14336,7 +14338,8 @@ def _cmd_import(a):
     def refuse(n, why):
         sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
     try:
-        counts = a.spool.import_jobs(f, refuse)
+        counts = a.spool.import_jobs(_bounded_lines(
+            f, a.spool.opt["max_job_bytes"] + 65536), refuse)
     except SpoolFull as e:
         c = getattr(e, "counts", None)
         if c is None:
@@ -14352,6 +14355,27 @@ def _cmd_import(a):
     _import_counts(counts)
     return EX_TEMPFAIL if counts["refused"] else EX_DATAERR if counts["bad"] \
         else EX_CANTCREAT if counts["duplicate"] else 0
+
+
+def _bounded_lines(f, limit):
+    """The lines of binary file `f`, none held longer than `limit` bytes:
+    a longer one is read past (in pieces) and given as the InvalidJob
+    that import counts bad (a 64 MB line was a MemoryError)."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 16)
+            if not line:
+                break
+            size += len(line)
+        yield InvalidJob("a line of %d bytes, longer than a job may be "
+                         "(--max-job-bytes + 64 KiB: %d); skipped" % (size, limit))
 
 
 def _import_counts(c):

@@ -486,3 +486,38 @@ def test_every_intake_log_event_is_in_myq_spool_5():
     section = page[page.index(".SH LOG EVENTS"):page.index(".SH SEE ALSO")]
     defined = set(re.findall(r"\\fB(\w+)\\fR", section))
     assert events <= defined, sorted(events - defined)
+
+
+# 6. import reads its lines bounded (issue 36, low) ###########################
+
+LIMITED = (
+    "import resource, sys\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (256 << 20, 256 << 20))\n"
+    "sys.path.insert(0, %r)\n"
+    "import myq\n"
+    "sys.exit(myq.main(sys.argv[1:]))\n" % ROOT)
+
+
+@BOTH
+def test_import_skips_a_line_too_long_for_a_job_in_bounded_memory(
+        spool, store, tmp_path):
+    """A 64 MB line was a MemoryError under a 256 MB limit: now it is a
+    bad line, said and counted, and the lines around it are imported."""
+    src = tmp_path / "backlog.jsonl"
+    with open(str(src), "wb") as f:
+        f.write(b'{"id": "a", "type": "t", "payload": 1, "state": "ready"}\n')
+        f.write(b'{"id": "big", "type": "t", "payload": "')
+        for _ in range(64):
+            f.write(b"x" * (1 << 20))
+        f.write(b'", "state": "ready"}\n')
+        f.write(b'{"id": "b", "type": "t", "payload": 2, "state": "ready"}\n')
+    cp = subprocess.run([sys.executable, "-c", LIMITED, "--spool", spool,
+                         "import", str(src)], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, universal_newlines=True,
+                        env=clean_env(), timeout=120)
+    assert cp.returncode == 65, cp.stderr
+    assert "Traceback" not in cp.stderr and "MemoryError" not in cp.stderr
+    assert re.search(r"line 2: a line of 671089\d\d bytes, longer than a job "
+                     r"may be", cp.stderr), cp.stderr
+    assert "imported 2, duplicate 0, bad 1" in cp.stderr
+    assert sorted(j["id"] for j in jobs(spool)) == ["a", "b"]
