@@ -9421,6 +9421,14 @@ class MqttIntake(MqttClient):
         self._big = None
         type = next((ty for flt, ty in self.every if topic_matches(flt, topic)),
                     None)
+        if type is None or any(ty == type for _, ty in self.subs):
+            self._said_big(topic, size, type)
+        self.pending.append((pid, None, 0))
+        if len(self.pending) == 1:
+            self._ack(self.pending[:1])
+
+    def _said_big(self, topic, size, type):
+        """An oversized message of this session's: counted and logged."""
         self.refused += 1
         if type is not None:
             self.spool.count("refused", type)
@@ -9428,9 +9436,6 @@ class MqttIntake(MqttClient):
                  topic=topic[:200], bytes=size, type=type,
                  why="larger than a job may be (--max-job-bytes %d)"
                  % self.spool.opt["max_job_bytes"])
-        self.pending.append((pid, None, 0))
-        if len(self.pending) == 1:
-            self._ack(self.pending[:1])
 
     def _packet(self, kind, body):
         """Handle one packet from the broker; True for a PINGRESP."""
