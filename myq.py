@@ -8686,6 +8686,35 @@ def _tcp_socket(listen):
     return sock
 
 
+def _held_socket(fd):
+    """The listening TCP socket that supervise took for this intake
+    (--listen-fd): the port stays taken while the intake restarts."""
+    import socket
+    try:
+        sock = socket.socket(fileno=fd)
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError(errno.EINVAL, "not a listening socket")
+    except OSError as e:
+        raise ConfigError("--listen-fd %d: %s (it is supervise's to give)"
+                          % (fd, _os_text(e)))
+    return sock
+
+
+def _hold_port(argv):
+    """supervise's part (as root, before it drops root): the TCP port of
+    the intake's --listen in `argv`, taken now and kept while supervise
+    runs, so that no other program takes it while the intake (re)starts,
+    and a port below 1024 works; None for unix:PATH or no --listen."""
+    if not argv or "--listen" not in argv:
+        return None
+    listen = argv[argv.index("--listen") + 1]
+    if listen.startswith("unix:"):
+        return None
+    sock = _tcp_socket(listen)
+    sock.set_inheritable(True)
+    return sock
+
+
 def _unix_socket(path, gid):
     """A Unix socket listening at `path`, mode 0660, group `gid` (the
     spool's: its producers).  A stale socket there is replaced; a live
@@ -8789,7 +8818,7 @@ class HttpIntake(object):
     `token`: the bearer token every request must carry (bytes), or None."""
 
     def __init__(self, spool, listen, token=None, max_bytes=1 << 20,
-                 timeout=10.0, log=None):
+                 timeout=10.0, log=None, fd=None):
         import socket
         import select
         self.spool, self.token, self.log = spool, token, log or _noop_log
@@ -8808,7 +8837,7 @@ class HttpIntake(object):
                                  "needs a token (--listen-token-file, default "
                                  "SPOOL/%s), never --listen-open"
                                  % (listen, INTAKE_TOKEN))
-            sock = _tcp_socket(listen)
+            sock = _tcp_socket(listen) if fd is None else _held_socket(fd)
             self.address = "%s:%d" % sock.getsockname()[:2]
         sock.setblocking(False)
         self.sock = sock
@@ -9595,7 +9624,7 @@ class MqttIntake(MqttClient):
 
 
 def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
-               max_bytes=1 << 20, timeout=10.0, parent=None):
+               max_bytes=1 << 20, timeout=10.0, parent=None, listen_fd=None):
     """`myq intake`: the HTTP endpoint in this thread, the subscriptions
     (`mqtt`: MqttIntake's keyword arguments) in others, a session a type
     (session_subs), each with a Spool of its own, until SIGTERM/SIGINT (or
@@ -9607,8 +9636,8 @@ def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
     signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
     signal.signal(signal.SIGHUP, lambda s, f: stop.append("hup"))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))  # (_child_run)
-    http = HttpIntake(spool, listen, token, max_bytes, timeout, log) \
-        if listen else None
+    http = HttpIntake(spool, listen, token, max_bytes, timeout, log,
+                      listen_fd) if listen else None
     sessions, threads = [], []
     for cid, some in session_subs(subs, (mqtt or {}).get("client_id")):
         mq = MqttIntake(Spool(spool.path, log=log, **spool.opt), some,
@@ -12155,8 +12184,9 @@ class Supervisor(object):
 
     def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
                  pidfile=None, stop_timeout=10.0, env=None, python=None,
-                 ready=None, intake=None, entry=None):
+                 ready=None, intake=None, entry=None, keep=()):
         self.spool, self.n, self.log = spool, workers, log
+        self.keep = tuple(keep)     # descriptors the intake gets (its port)
         self.ready = ready
         self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
         self.pidfile, self.stop_timeout = pidfile, stop_timeout
@@ -12221,7 +12251,8 @@ class Supervisor(object):
         return subprocess.Popen(
             _worker_start(self.python) + words, close_fds=True, env=self.env,
             cwd="/", stdin=subprocess.DEVNULL, stderr=out,
-            stdout=subprocess.DEVNULL if quiet else out)
+            stdout=subprocess.DEVNULL if quiet else out,
+            pass_fds=self.keep if words[2:3] == ["intake"] else ())
 
     def _write_pidfile(self):
         fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
@@ -12477,8 +12508,9 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
         for fd, to in ((0, null), (1, null if quiet else out), (2, out)):
             if to is not None and to != fd:
                 os.dup2(to, fd)
+        keep = sup.keep if words[2:3] == ["intake"] else ()
         for fd in _open_fds():
-            if fd > 2:
+            if fd > 2 and fd not in keep:
                 try:
                     os.close(fd)
                 except OSError:
@@ -13387,6 +13419,8 @@ def _args_supervise(p):
 def _args_intake(p):
     import argparse
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    # the port supervise took as root, before it dropped root (_hold_port)
+    p.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
 
 
 def _args_stats(p):
@@ -13820,10 +13854,18 @@ def _supervise(args, spool, guards, env):
                          "its own client id (the broker drops a connection when "
                          "another takes its id); leave it out for unique ids" % n)
     if args.dry_run:
+        port = _hold_port(intake)       # (taken by another program: said)
+        if port is not None:
+            port.close()
         return 0
     # before the log is open and the caller's stderr replaced: the image
     # started again does both (and a daemon forks from it)
     _give_back_heap(reexec=True)
+    # the intake's port, taken as root now (a port another program took is
+    # said at start, not in a restart loop of the intake) and held
+    port = _hold_port(intake)
+    if port is not None:
+        intake = intake + ["--listen-fd", str(port.fileno())]
     if o.get("log"):
         _make_log_dir(o["log"], ids)
     log = Log(path=o.get("log"), syslog=o.get("syslog"),
@@ -13831,7 +13873,8 @@ def _supervise(args, spool, guards, env):
               owner=ids)
     ready = None
     if args.daemon:
-        pid, ready = fork_daemon(keep=[log.fileno()])
+        pid, ready = fork_daemon(keep=[log.fileno()] + (
+            [port.fileno()] if port is not None else []))
         if pid:
             return await_daemon(pid, ready, o.get("log") or "syslog")
     if log.fileno() is not None:        # a traceback lands in the log too
@@ -13849,7 +13892,8 @@ def _supervise(args, spool, guards, env):
     wenv.update(_secret_env(o))
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready, intake=intake, entry=_child_entry).run()
+                      env=wenv, ready=ready, intake=intake, entry=_child_entry,
+                      keep=[port.fileno()] if port is not None else ()).run()
 
 
 def _intake_argv(args, spool, o, guards, env):
@@ -13864,10 +13908,6 @@ def _intake_argv(args, spool, o, guards, env):
                              "--listen")
         return None
     _intake_options(dict(o, **io), spool.path)
-    if io["listen"] and not io["listen"].startswith("unix:"):
-        # (root's word before the drop: a port another program took says
-        # so at start, not in a restart loop of the intake)
-        _tcp_socket(io["listen"]).close()
     shared = [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
     return _option_argv(io, INTAKE_OPTIONS) + _option_argv(
         o, shared, skip=_SECRET_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
@@ -14188,7 +14228,8 @@ def _cmd_intake(a):
     _give_back_heap(reexec=True)        # (it runs until stopped, as a worker)
     log = _make_log(o)
     a.spool.log = log
-    return run_intake(a.spool, log, parent=a.args.parent_pid, **kw)
+    return run_intake(a.spool, log, parent=a.args.parent_pid,
+                      listen_fd=a.args.listen_fd, **kw)
 
 
 def _cmd_supervise(a):

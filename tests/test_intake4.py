@@ -261,6 +261,68 @@ def test_a_squatted_port_is_said_at_once(spool):
         squat.close()
 
 
+def low_port():
+    """A free port below 1024 (only root may bind it)."""
+    for port in range(990, 900, -1):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    pytest.skip("no free port below 1024")
+
+
+@needs_root
+def test_supervise_takes_the_port_as_root_and_holds_it_across_restarts(
+        other, open_dir):
+    """Under supervise --user the intake runs as the user: it could not
+    bind a port below 1024, and while it restarted the port was free for
+    any local account to take (and get the producers' posts and token).
+    supervise takes it as root, before it drops root, and keeps it."""
+    python = world_python()
+    if python is None:
+        pytest.skip("no python3 that another user may run")
+    spool = os.path.join(open_dir, "spool")
+    assert run_myq("--spool", spool, "init", "--owner", other.pw_name
+                   ).returncode == 0
+    port = low_port()
+    log = os.path.join(open_dir, "sup.log")
+    sup = subprocess.Popen([python, MYQ, "--spool", spool, "supervise", "--user",
+                            other.pw_name, "--log", log, "--listen",
+                            "127.0.0.1:%d" % port], env=clean_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    text = lambda: open(log).read() if os.path.exists(log) else ""  # noqa: E731
+    try:
+        wait_for(lambda: "event=intake_start" in text(), what="the intake")
+        assert post(port, "t", "1", auth(spool))[0] == 202
+        pid = int(re.findall(r"event=worker_start slot=intake pid=(\d+)", text())[0])
+        uids = [line.split()[1:] for line in open("/proc/%d/status" % pid)
+                if line.startswith("Uid:")][0]
+        assert set(int(u) for u in uids) == {other.pw_uid}
+        os.kill(pid, 9)
+        wait_for(lambda: "event=worker_exit slot=intake pid=%d" % pid in text(),
+                 what="the intake's death")
+        squat = socket.socket()             # while no intake runs
+        try:
+            with pytest.raises(OSError):
+                squat.bind(("127.0.0.1", port))
+        finally:
+            squat.close()
+        wait_for(lambda: text().count("event=intake_start") == 2,
+                 what="the intake again")
+        assert post(port, "t", "2", auth(spool))[0] == 202
+    finally:
+        assert stop(sup) == 0
+    # (run_myq: in this process, a command on the user's spool becomes
+    # the user)
+    cp = run_myq("--spool", spool, "list")
+    assert cp.returncode == 0 and len(cp.stdout.splitlines()) == 2, cp
+
+
 def test_listen_open_is_refused_where_it_would_open_the_network(spool):
     for args, want in ((["--listen", "0.0.0.0:0", "--listen-open"], "loopback"),
                        (["--listen", "unix:/tmp/x.sock", "--listen-open"],
