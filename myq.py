@@ -5007,7 +5007,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
         spool's group (its producers) read it and no other account does;
         one that is there is kept (given to `ids` only when it is root's
         own, one link, reached without following a link)."""
-        import binascii
         p = self.d(INTAKE_TOKEN)
         try:
             fd = os.open(INTAKE_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -5030,7 +5029,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                 os.close(fd)
             return
         try:
-            os.write(fd, binascii.hexlify(os.urandom(24)) + b"\n")
+            os.write(fd, os.urandom(24).hex().encode("ascii") + b"\n")
             if ids:
                 os.fchown(fd, ids[0], ids[1])
             os.fchmod(fd, 0o640)
