@@ -189,6 +189,7 @@ __all__ = [
 
 DEFAULT_SPOOL = "/var/spool/myq"
 SUBDIRS = ("tmp", "incoming", "processing", "done", "dlq", "failed", "locks")
+INTAKE_TOKEN = "intake.token"   # the HTTP intake's bearer token, made by init
 STATES = ("ready", "scheduled", "processing", "done", "dead", "failed")
 STATE_DIRS = {"ready": "incoming", "scheduled": "incoming",
               "processing": "processing", "done": "done", "dead": "dlq",
@@ -4704,7 +4705,8 @@ class _Backlog(object):
         todo, nums = [], []
         for n, line in enumerate(lines, 1):
             try:
-                if line.lstrip()[:9] in (b'{"spool":', '{"spool":'):
+                if not isinstance(line, InvalidJob) and \
+                        line.lstrip()[:9] in (b'{"spool":', '{"spool":'):
                     self._import_spool(line, counts, policy)
                     continue
                 todo.append(self._imported(line))
@@ -4722,6 +4724,8 @@ class _Backlog(object):
 
     def _imported(self, line):
         """_prepared's tuple for one line, or InvalidJob."""
+        if isinstance(line, InvalidJob):
+            raise line          # (a line too long to read: _bounded_lines)
         if isinstance(line, bytes):
             try:
                 line = line.decode("utf-8")
@@ -5324,6 +5328,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                     os.mkfifo("wake", 0o660, dir_fd=fds["locks"])
                 except FileExistsError:
                     pass
+            self._init_token(fds[""], ids)
             if ids:
                 _give_layout(fds, ids)
                 for fd in fds.values():
@@ -5383,6 +5388,41 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
         _replace(self.d(NAME_FILE), (name + "\n").encode("utf-8"), sync=True,
                  mode=0o644)
         self._name = name
+
+    def _init_token(self, dirfd, ids):
+        """SPOOL/intake.token, the HTTP intake's bearer token (myq(1)
+        INTAKE): made once, random, 0640, so that the owner and the
+        spool's group (its producers) read it and no other account does;
+        one that is there is kept (given to `ids` only when it is root's
+        own, one link, reached without following a link)."""
+        p = self.d(INTAKE_TOKEN)
+        try:
+            fd = os.open(INTAKE_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | O_NOFOLLOW | O_CLOEXEC, 0o600, dir_fd=dirfd)
+        except FileExistsError:
+            try:
+                fd = os.open(INTAKE_TOKEN, os.O_RDONLY | os.O_NONBLOCK
+                             | O_NOFOLLOW | O_CLOEXEC, dir_fd=dirfd)
+            except OSError:
+                raise ConfigError("%s is not a plain file; remove it and run "
+                                  "myq init (it makes a new token)" % p)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    raise ConfigError("%s is not a plain file of one link; "
+                                      "remove it and run myq init" % p)
+                if ids and st.st_uid == os.geteuid() != ids[0]:
+                    os.fchown(fd, ids[0], ids[1])
+            finally:
+                os.close(fd)
+            return
+        try:
+            os.write(fd, os.urandom(24).hex().encode("ascii") + b"\n")
+            if ids:
+                os.fchown(fd, ids[0], ids[1])
+            os.fchmod(fd, 0o640)
+        finally:
+            os.close(fd)
 
     def require(self):
         """Raise ConfigError unless the spool exists and is initialised."""
@@ -8912,6 +8952,7 @@ class _Run(object):
 
 _HTTP_CONNS = 64                # connections at once; the oldest goes first
 _HTTP_HEAD_MAX = 8192           # bytes of request line and headers
+_HTTP_BUFFERED = 4 << 20        # request bytes held at once, all connections
 _HTTP_REASONS = {
     100: "Continue", 200: "OK", 202: "Accepted", 400: "Bad Request",
     401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
@@ -8924,6 +8965,9 @@ _NDJSON = ("application/x-ndjson", "application/ndjson", "application/jsonl",
 _INTAKE_BATCH = 256             # jobs in one enqueue_many (one commit)
 _INTAKE_LINES = 10000           # jobs in one HTTP request
 _INTAKE_IDS = _thread.allocate_lock()     # the HTTP and MQTT threads' _new_id
+# the words of check's problems that stop the intake taking jobs (/health 503)
+_HEALTH_BLOCKING = (" is damaged", " is missing", "is not writable",
+                    "permission denied", "budget", " free on the spool")
 
 
 class _Refusal(Exception):
@@ -8976,23 +9020,52 @@ def _withdraw_new(spool, ids):
             pass        # claimed meanwhile, or never placed
 
 
-def take_in(spool, items, count=True):
+def _sync_placed(spool, ids):
+    """Make the waiting jobs `ids` durable: each one's file and its
+    directory fsync'd (what a killed intake placed, perhaps before its own
+    fsync); a row of the SQLite store was durable at its commit.  Only
+    what this request names: never a sync(2) of every filesystem."""
+    dirs = set()
+    for jid in ids:
+        try:
+            path = spool.locate(jid)[1]
+        except MyqError:
+            continue
+        if path.startswith("db:"):
+            continue
+        try:
+            fd = _open_reg(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue            # claimed meanwhile: a worker has it
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dirs.add(os.path.dirname(path))
+    for d in sorted(dirs):
+        _fsync_dir(d)
+
+
+def take_in(spool, items, count=True, known=None):
     """Enqueue `items`, [(id, type, payload)], durably, all or none: the
     ids, in order; a job already there under its id with the same type
-    and payload counts as taken (an answer lost to a crash, sent again).
-    Raises DuplicateJob when an id is taken by another job, _Refusal when
-    the spool refuses (a bound, a guard: counted `refused` unless not
-    `count`)."""
+    and payload counts as taken (an answer lost to a crash, sent again;
+    its id added to the list `known`).  Raises DuplicateJob when an id is
+    taken by another job, _Refusal when the spool refuses (a bound, a
+    guard: counted `refused` unless not `count`)."""
     for _ in range(3):
-        new, waiting = [], False
+        new, waiting, same = [], [], []
         for jid, type, payload in items:
             where = spool.find_id(jid)
             if where is None:
                 new.append((jid, type, payload))
-            elif not _same_job(spool, jid, type, payload):
+                continue
+            if not _same_job(spool, jid, type, payload):
                 raise DuplicateJob("job id %s is taken by another job (%s); "
                                    "give this one another id" % (jid, where))
-            waiting = waiting or where == "queued"
+            same.append(jid)
+            if where == "queued":
+                waiting.append(jid)
         try:
             if new:
                 spool.enqueue_many([{"type": t, "payload": p, "id": j}
@@ -9000,7 +9073,9 @@ def take_in(spool, items, count=True):
             if waiting:
                 # placed by an intake killed before its answer, perhaps
                 # before its fsync: durable before this answer says so
-                os.sync()
+                _sync_placed(spool, waiting)
+            if known is not None:
+                known.extend(same)
             return [it[0] for it in items]
         except DuplicateJob:
             continue        # another producer, meanwhile: look again
@@ -9086,12 +9161,133 @@ def listen_address(text):
     port = int(m.group(2)) if m else -1
     if not m or not 0 <= port < 65536:          # (0: any free port, logged)
         raise UsageError("--listen %r is not [ADDR]:PORT (e.g. 127.0.0.1:8440, "
-                         "[::1]:8440, 0.0.0.0:8440); ADDR is an IP address"
-                         % (text,))
+                         "[::1]:8440, 0.0.0.0:8440) nor unix:PATH; ADDR is an "
+                         "IP address" % (text,))
     host = (m.group(1) or "127.0.0.1").strip("[]")
     host = {"localhost": "127.0.0.1", "*": "0.0.0.0"}.get(host, host)
     loop = host == "::1" or host.startswith("127.")
     return host, port, loop
+
+
+def _unix_path(listen):
+    """PATH of --listen unix:PATH (absolute, fits a socket's address)."""
+    path = listen[5:]
+    if not path.startswith("/") or len(path.encode("utf-8", "replace")) > 107 \
+            or "\0" in path:
+        raise UsageError("--listen %r: unix:PATH needs an absolute PATH of at "
+                         "most 107 bytes (e.g. unix:/run/myq/intake.sock)"
+                         % (listen,))
+    return path
+
+
+def _tcp_socket(listen):
+    """A TCP socket listening on --listen [ADDR]:PORT.  A port taken by
+    another program is said loudly (ConfigError): whoever listens there
+    gets the producers' posts and their token."""
+    import socket
+    host, port, _ = listen_address(listen)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                "cannot listen on %s: another program already listens on port "
+                "%d (find it: ss -ltnp 'sport = :%d'); it, not myq, would get "
+                "the producers' posts and their token: stop it, or give "
+                "another --listen (unix:PATH is safe from this)"
+                % (listen, port, port))
+        raise ConfigError("cannot listen on %s: %s (a port below 1024 needs "
+                          "root)" % (listen, _os_text(e)))
+    return sock
+
+
+def _held_socket(fd):
+    """The listening TCP socket that supervise took for this intake
+    (--listen-fd): the port stays taken while the intake restarts."""
+    import socket
+    try:
+        sock = socket.socket(fileno=fd)
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError(errno.EINVAL, "not a listening socket")
+    except OSError as e:
+        raise ConfigError("--listen-fd %d: %s (it is supervise's to give)"
+                          % (fd, _os_text(e)))
+    return sock
+
+
+def _hold_port(argv):
+    """supervise's part (as root, before it drops root): the TCP port of
+    the intake's --listen in `argv`, taken now and kept while supervise
+    runs, so that no other program takes it while the intake (re)starts,
+    and a port below 1024 works; None for unix:PATH or no --listen."""
+    if not argv or "--listen" not in argv:
+        return None
+    listen = argv[argv.index("--listen") + 1]
+    if listen.startswith("unix:"):
+        return None
+    sock = _tcp_socket(listen)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _unix_socket(path, gid):
+    """A Unix socket listening at `path`, mode 0660, group `gid` (the
+    spool's: its producers).  A stale socket there is replaced; a live
+    one (another intake), or anything but a socket, is refused."""
+    import socket
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise ConfigError("cannot use --listen unix:%s: %s" % (path, _os_text(e)))
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ConfigError("--listen unix:%s: there is a file there that is "
+                              "not a socket; move it away" % path)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(2)
+            probe.connect(path)
+            live = True
+        except OSError as e:
+            live = e.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+        finally:
+            probe.close()
+        if live:
+            raise ConfigError("--listen unix:%s: another program listens on "
+                              "it (another myq intake?); stop it first" % path)
+        _quiet_unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)           # (0600 until its group is set)
+    try:
+        sock.bind(path)
+        sock.listen(64)
+        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_NOFOLLOW
+                     | O_CLOEXEC)
+        try:                # the inode bound, never a name put in its place
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise OSError(errno.EEXIST, "replaced while being made")
+            at = "/proc/self/fd/%d" % fd
+            if not os.path.exists(at):
+                at = path
+            os.chown(at, -1, gid)
+            os.chmod(at, 0o660)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        sock.close()
+        raise ConfigError("cannot listen on unix:%s: %s (its directory must "
+                          "be the spool user's, and that user in the spool's "
+                          "group)" % (path, _os_text(e)))
+    finally:
+        os.umask(old)
+    return sock
 
 
 def _read_token(path):
@@ -9101,8 +9297,9 @@ def _read_token(path):
             token = f.read(4097).strip()
     except OSError as e:
         raise ConfigError("cannot read --listen-token-file %s: %s (the intake "
-                          "runs as the spool's user, which must read it)"
-                          % (path, _os_text(e)))
+                          "runs as the spool's user, which must read it; "
+                          "myq init makes SPOOL/%s)"
+                          % (path, _os_text(e), INTAKE_TOKEN))
     if not token or len(token) > 4096 or b"\n" in token or b" " in token:
         raise ConfigError("--listen-token-file %s must hold one token: 1-4096 "
                           "characters, no blanks" % path)
@@ -9141,29 +9338,29 @@ class HttpIntake(object):
     `token`: the bearer token every request must carry (bytes), or None."""
 
     def __init__(self, spool, listen, token=None, max_bytes=1 << 20,
-                 timeout=10.0, log=None):
+                 timeout=10.0, log=None, fd=None):
         import socket
         import select
         self.spool, self.token, self.log = spool, token, log or _noop_log
         self.max_bytes, self.timeout = max_bytes, float(timeout)
-        host, port, loop = listen_address(listen)
-        if not loop and token is None:
-            raise UsageError("--listen %s is not a loopback address: give "
-                             "--listen-token-file FILE (a bearer token every "
-                             "request must carry)" % listen)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(64)
-        except OSError as e:
-            sock.close()
-            raise ConfigError("cannot listen on %s: %s (another program on "
-                              "that port? a port below 1024 needs root)"
-                              % (listen, _os_text(e)))
+        # request bytes held at once, across connections (_HTTP_CONNS of
+        # max_bytes each would be 64 M)
+        self.buffer_max = max(_HTTP_BUFFERED, 2 * (max_bytes + _HTTP_HEAD_MAX))
+        self.unix = None
+        if listen.startswith("unix:"):
+            self.unix = _unix_path(listen)
+            sock = _unix_socket(self.unix, os.stat(spool.path).st_gid)
+            self.address, self._ino = listen, os.lstat(self.unix).st_ino
+        else:
+            if not listen_address(listen)[2] and token is None:
+                raise UsageError("--listen %s is not a loopback address: it "
+                                 "needs a token (--listen-token-file, default "
+                                 "SPOOL/%s), never --listen-open"
+                                 % (listen, INTAKE_TOKEN))
+            sock = _tcp_socket(listen) if fd is None else _held_socket(fd)
+            self.address = "%s:%d" % sock.getsockname()[:2]
         sock.setblocking(False)
-        self.sock, self.address = sock, sock.getsockname()[:2]
+        self.sock = sock
         self._socket, self._select = socket, select
         self.poller = select.poll()
         self.poller.register(sock.fileno(), select.POLLIN)
@@ -9175,6 +9372,11 @@ class HttpIntake(object):
         for fd in list(self.conns):
             self._drop(fd)
         self.sock.close()
+        try:                # our socket's name, unless another took it
+            if self.unix and os.lstat(self.unix).st_ino == self._ino:
+                os.unlink(self.unix)
+        except OSError:
+            pass
 
     def serve(self, wait=1.0):
         """One round: wait up to `wait` seconds for sockets, then serve
@@ -9263,6 +9465,20 @@ class HttpIntake(object):
         if len(c.buf) > self.max_bytes + _HTTP_HEAD_MAX:
             self._drop(fd)          # more than a request, unasked
             return
+        if sum(len(x.buf) for x in self.conns.values()) > self.buffer_max:
+            # the bytes held for all clients at once are bounded: the
+            # connection that holds most goes (503, try again)
+            big = max(self.conns, key=lambda f: len(self.conns[f].buf))
+            self.cut += 1
+            try:
+                self.conns[big].sock.send(self._answer(503, {
+                    "error": "the intake holds too many bodies at once; try "
+                    "again"}, close=True, retry_after=1))
+            except OSError:
+                pass
+            self._drop(big)
+            if big == fd:
+                return
         if c.out:               # pipelined before our answer went: later
             return
         self._advance(fd, c)
@@ -9380,14 +9596,20 @@ class HttpIntake(object):
             if method != "POST":
                 return 405, {"error": "POST a job to /jobs/TYPE"}, {"allow": "POST"}
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            known = []
             try:
                 items = http_jobs(path[6:], body, ctype in _NDJSON,
                                   headers.get("idempotency-key"))
-                ids = take_in(self.spool, items)
+                ids = take_in(self.spool, items, known=known)
             except _Refusal as e:
                 return e.status, {"error": str(e)}, {"retry_after": e.retry_after}
             except DuplicateJob as e:
+                self.log("duplicate", via="http", type=path[6:],
+                         kept="refused (409)", error=str(e))
                 return 409, {"error": str(e)}, {}
+            for jid in known:
+                self.log("duplicate", via="http", id=jid, type=path[6:],
+                         kept="the same job, already taken")
             self.log("intake", via="http", type=path[6:], jobs=len(ids))
             return 202, {"ids": ids}, {}
         if path in ("/health", "/metrics"):
@@ -9398,7 +9620,9 @@ class HttpIntake(object):
                      "/metrics" % path[:200]}, {}
 
     def _report(self, path):
-        """/health (check --json; 503 when not healthy) or /metrics (the
+        """/health (check --json; 503 only when the intake cannot take jobs:
+        a guard, the budget, a damaged or unwritable store; what only needs
+        an operator, dead jobs say, answers 200) or /metrics (the
         Prometheus text of stats), each worked out at most once a second."""
         until, answer = self._cache.get(path, (0, None))
         if _mono() < until:
@@ -9406,7 +9630,9 @@ class HttpIntake(object):
         try:
             if path == "/health":
                 problems = self.spool.check()
-                answer = (503 if problems else 200, {
+                blocking = self.spool.free_problem() or any(
+                    any(w in p for w in _HEALTH_BLOCKING) for p in problems)
+                answer = (503 if blocking else 200, {
                     "ok": not problems, "spool": self.spool.path,
                     "problems": problems}, {})
             else:
@@ -9537,31 +9763,74 @@ def mqtt_job(topic, data, type, now=None):
         "topic": topic, "message": msg}
 
 
+def session_subs(subs, client_id):
+    """[(client id, [(filter, type)])]: one MQTT session a type, so that a
+    type held at its bound (its PUBACKs withheld, the broker's window of
+    unacknowledged messages full) holds no other type's messages; one
+    type keeps `client_id` itself, several get CLIENT_ID.TYPE (a CRC of the
+    type when long)."""
+    import binascii
+    types = []
+    for _, t in subs:
+        if t not in types:
+            types.append(t)
+    out = []
+    for t in types:
+        cid = client_id
+        if len(types) > 1:
+            cid = "%s.%s" % (client_id, t if len(t) <= 40 else "%08x" % (
+                binascii.crc32(t.encode("utf-8")) & 0xffffffff))
+        out.append((cid, [x for x in subs if x[1] == t]))
+    return out
+
+
+def _packet_head(buf):
+    """(first byte, body length, head length) of the MQTT packet at the
+    start of `buf`, or None while its head is incomplete."""
+    n = shift = 0
+    for i in range(1, min(len(buf), 5)):
+        b = buf[i]
+        n |= (b & 127) << shift
+        shift += 7
+        if not b & 128:
+            return buf[0], n, i + 1
+    if len(buf) >= 5:
+        raise _MqttBroken("the broker sent a bad packet length (protocol error)")
+    return None
+
+
 class MqttIntake(MqttClient):
-    """MQTT subscriptions taken in as jobs (myq(1) INTAKE): a persistent session
-    (clean session off, a stable client id), QoS 1, each PUBACK sent once
-    its job is durable, in the order the messages came; withheld while a
-    bound or a guard refuses (the message waits in memory, the broker
-    keeps it until the PUBACK: a crash loses nothing, the broker sends it
-    again).  `run(stopping)` connects, subscribes and takes in until
-    `stopping()`, reconnecting with a backoff after any error."""
+    """MQTT subscriptions of one type taken in as jobs (myq(1) INTAKE): a
+    persistent session (clean session off, a stable client id), QoS 1,
+    each PUBACK sent once its job is durable, in the order the messages
+    came; withheld while a bound or a guard refuses (the message waits in
+    memory, the broker keeps it until the PUBACK: a crash loses nothing,
+    the broker sends it again).  `subs`: this session's filters; `every`:
+    all of them (the first filter that matches a topic decides its type,
+    across sessions).  `run(stopping)` connects, subscribes and takes in
+    until `stopping()`, reconnecting with a backoff after any error."""
 
     def __init__(self, spool, subs, url, password=None, client_id=None,
                  ca=None, cert=None, key=None, keepalive=60, timeout=10.0,
-                 log=None):
+                 log=None, every=None):
         MqttClient.__init__(self, url, password, client_id or
                             intake_client_id(spool.path), ca, cert, key,
                             keepalive, timeout)
         self.clean = False
         self.spool, self.subs, self.log = spool, subs, log or _noop_log
+        self.every = every or subs
         # a message is at most a job: its topic and envelope fit in 64K more
         self.max_packet = spool.opt["max_job_bytes"] + 65536
-        self.pending = []       # (packet id or None, (id, type, payload), size)
+        # (packet id or None, (id, type, payload) or None: refused at
+        # arrival, acknowledged in its turn, size)
+        self.pending = []
         self._pending_bytes = 0
         self.taken = self.acked = self.refused = 0
         self._retry_at = 0.0
         self._refusals = 0
         self._counted = None        # the id last counted refused
+        self._skip = 0              # bytes of an oversized message still to come
+        self._big = None            # its (packet id, topic, size)
 
     def _keep_alive(self):
         """(The session loop pings; no thread of MqttClient's.)"""
@@ -9588,6 +9857,7 @@ class MqttIntake(MqttClient):
                 self._drop()
                 # unacknowledged: the broker sends them again
                 self.pending, self._pending_bytes = [], 0
+                self._skip, self._big = 0, None
             end = _mono() + backoff * (0.75 + 0.5 * _uniform())
             while not stopping() and _mono() < end:
                 time.sleep(min(0.1, max(0.0, end - _mono())))
@@ -9644,14 +9914,77 @@ class MqttIntake(MqttClient):
 
     def _parse_buffered(self):
         """Handle the whole packets in the buffer; True if one was a
-        PINGRESP."""
+        PINGRESP.  A PUBLISH larger than a job can be is read past, never
+        buffered (_oversized)."""
         pong = False
         while True:
+            if self._skip:
+                n = min(self._skip, len(self._buf))
+                del self._buf[:n]
+                self._skip -= n
+                if self._skip:
+                    return pong
+                self._refuse_big()
+            head = _packet_head(self._buf)
+            if head is None:
+                return pong
+            if head[1] > self.max_packet:
+                if not self._oversized(*head):
+                    return pong
+                continue
             got = _mqtt_parse(self._buf, self.max_packet)
             if got is None:
                 return pong
             del self._buf[:got[2]]
             pong = self._packet(got[0], got[1]) or pong
+
+    def _oversized(self, kind, size, at):
+        """A packet of `size` bytes, over max_packet: a PUBLISH whose head
+        (topic, packet id) is in the buffer is taken off it, and the rest
+        of its bytes are read past (_skip); True then, False while its head
+        is incomplete.  Any other packet that large breaks the protocol."""
+        if kind >> 4 != 3:
+            raise _MqttBroken("the broker sent a %d-byte packet of type %d "
+                              "(protocol error)" % (size, kind >> 4))
+        qos = (kind >> 1) & 3
+        if len(self._buf) < at + 2:
+            return False
+        end = at + 2 + int.from_bytes(self._buf[at:at + 2], "big") + (
+            2 if qos else 0)
+        if len(self._buf) < end:
+            return False
+        topic = bytes(self._buf[at + 2:end - (2 if qos else 0)]).decode(
+            "utf-8", "replace")
+        pid = int.from_bytes(self._buf[end - 2:end], "big") if qos else None
+        del self._buf[:end]
+        self._skip, self._big = size - (end - at), (pid or None, topic, size)
+        if not self._skip:
+            self._refuse_big()
+        return True
+
+    def _refuse_big(self):
+        """An oversized message, read past: refused (counted, logged) and
+        acknowledged in its turn: it can never be a job, and a message not
+        acknowledged would come again at every connect."""
+        pid, topic, size = self._big
+        self._big = None
+        type = next((ty for flt, ty in self.every if topic_matches(flt, topic)),
+                    None)
+        if type is None or any(ty == type for _, ty in self.subs):
+            self._said_big(topic, size, type)
+        self.pending.append((pid, None, 0))
+        if len(self.pending) == 1:
+            self._ack(self.pending[:1])
+
+    def _said_big(self, topic, size, type):
+        """An oversized message of this session's: counted and logged."""
+        self.refused += 1
+        if type is not None:
+            self.spool.count("refused", type)
+        self.log("intake_refused", via="mqtt", broker=self.dest,
+                 topic=topic[:200], bytes=size, type=type,
+                 why="larger than a job may be (--max-job-bytes %d)"
+                 % self.spool.opt["max_job_bytes"])
 
     def _packet(self, kind, body):
         """Handle one packet from the broker; True for a PINGRESP."""
@@ -9697,14 +10030,17 @@ class MqttIntake(MqttClient):
                               "subscription (protocol error)")
         if pid == 0:
             raise _MqttBroken("the broker sent packet id 0 (protocol error)")
-        type = next((ty for flt, ty in self.subs if topic_matches(flt, topic)),
+        type = next((ty for flt, ty in self.every if topic_matches(flt, topic)),
                     None)
-        if type is None:
-            # a subscription this session kept from an earlier --subscribe
-            self.log("intake_unmatched", broker=self.dest, topic=topic[:200])
-            if pid is not None:
-                self._send(b"\x40\x02" + pid.to_bytes(2, "big"),
-                           _mono() + self.timeout)
+        mine = any(ty == type for _, ty in self.subs)
+        if not mine:
+            if type is None:
+                # a subscription this session kept from an earlier --subscribe
+                self.log("intake_unmatched", broker=self.dest, topic=topic[:200])
+            # (else: an earlier filter of another type's session decides)
+            self.pending.append((pid, None, 0))
+            if len(self.pending) == 1:
+                self._ack(self.pending[:1])
             return
         self.pending.append((pid, mqtt_job(topic, body[end:], type), len(body)))
         self._pending_bytes += len(body)
@@ -9715,17 +10051,22 @@ class MqttIntake(MqttClient):
         first refused, which waits (its PUBACK withheld) and is tried again
         after a backoff (0.5 s doubling to 5 s)."""
         while self.pending:
+            if self.pending[0][1] is None:      # refused at arrival: its turn
+                self._ack(self.pending[:1])
+                continue
+            n = next((k for k, it in enumerate(self.pending[:_INTAKE_BATCH])
+                      if it[1] is None), min(_INTAKE_BATCH, len(self.pending)))
             try:
-                self._take(self.pending[:_INTAKE_BATCH])
+                self._take(self.pending[:n])
                 self._refusals = 0
                 continue
             except _Refusal as e:
                 refusal = e
-            if len(self.pending) > 1:
+            if n > 1:
                 # (one at a time: what is refused, and why, is the first's
                 # alone; a bad message behind good ones drops itself only)
                 refusal = None
-                for _ in range(min(_INTAKE_BATCH, len(self.pending))):
+                for _ in range(n):
                     try:
                         self._take(self.pending[:1])
                     except _Refusal as e:
@@ -9734,9 +10075,12 @@ class MqttIntake(MqttClient):
                 if refusal is None:
                     continue
             if refusal.status in (400, 413):        # can never be a job
-                self.log("error", during="intake", broker=self.dest,
+                self.refused += 1
+                self.spool.count("refused", self.pending[0][1][1])
+                self.log("intake_refused", via="mqtt", broker=self.dest,
                          topic=self.pending[0][1][2]["topic"][:200],
-                         error="message dropped: %s" % refusal)
+                         bytes=self.pending[0][2], type=self.pending[0][1][1],
+                         why="message dropped: %s" % refusal)
                 self._ack(self.pending[:1])
                 continue
             self._refusals += 1
@@ -9747,22 +10091,46 @@ class MqttIntake(MqttClient):
             delay = min(5.0, 0.5 * 2 ** min(self._refusals - 1, 4))
             self._retry_at = _mono() + delay
             if self._refusals == 1:
-                self.log("intake_held", broker=self.dest,
+                self.log("intake_held", broker=self.dest, type=head[1],
                          waiting=len(self.pending), why=str(refusal),
                          retry_in=delay)
             return
 
     def _take(self, batch):
+        known = []
         try:
-            take_in(self.spool, [it[1] for it in batch], count=False)
+            take_in(self.spool, [it[1] for it in batch], count=False,
+                    known=known)
         except DuplicateJob as e:
             if len(batch) > 1:
                 for it in batch:
                     self._take([it])
                 return
-            self.log("duplicate", via="mqtt", id=batch[0][1][0], error=str(e))
+            self._keep_duplicate(batch[0][1], str(e))
+        for jid in known:
+            self.log("duplicate", via="mqtt", id=jid, type=batch[0][1][1],
+                     kept="the same job, already taken")
         self.taken += len(batch)
         self._ack(batch)
+
+    def _keep_duplicate(self, item, why):
+        """A message under an id that another job holds: its job goes to
+        failed/ with the reason (myq(1) INTAKE), durably, before its
+        PUBACK; never dropped, never run under a new id."""
+        jid, type, payload = item
+        data = json.dumps({"id": jid, "type": type, "payload": payload},
+                          sort_keys=True).encode("utf-8") + b"\n"
+        tmp = self.spool.d("tmp", "%s.%d.%s.dup" % (jid, os.getpid(),
+                                                    _rand_hex(4)))
+        _create(tmp, data)
+        # (a name of its own: the job that holds the id keeps `show ID`)
+        self.spool.claims.quarantine(tmp, "%s.dup-%s.json" % (
+            jid, _rand_hex(3)), "duplicate: %s; the "
+                                     "message kept here (give it another id "
+                                     "and myq retry it, or delete it)" % why)
+        _fsync_dir(self.spool.d("failed"))
+        self.log("duplicate", via="mqtt", id=jid, type=type,
+                 topic=payload.get("topic", "")[:200], kept="failed/")
 
     def _ack(self, batch):
         """PUBACK, in order, for what is now durable (or dropped)."""
@@ -9776,11 +10144,11 @@ class MqttIntake(MqttClient):
 
 
 def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
-               max_bytes=1 << 20, timeout=10.0, parent=None):
+               max_bytes=1 << 20, timeout=10.0, parent=None, listen_fd=None):
     """`myq intake`: the HTTP endpoint in this thread, the subscriptions
-    (`mqtt`: MqttIntake's keyword arguments) in another, each with a Spool
-    of its own, until SIGTERM/SIGINT (or the supervisor `parent` is
-    gone); SIGHUP reopens the log.  Returns 0."""
+    (`mqtt`: MqttIntake's keyword arguments) in others, a session a type
+    (session_subs), each with a Spool of its own, until SIGTERM/SIGINT (or
+    the supervisor `parent` is gone); SIGHUP reopens the log.  Returns 0."""
     import signal
     import threading
     stop = []
@@ -9788,20 +10156,23 @@ def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
     signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
     signal.signal(signal.SIGHUP, lambda s, f: stop.append("hup"))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))  # (_child_run)
-    http = HttpIntake(spool, listen, token, max_bytes, timeout, log) \
-        if listen else None
-    mq = thread = None
-    if subs:
-        mq = MqttIntake(Spool(spool.path, log=log, **spool.opt), subs,
-                        log=log, **mqtt)
+    http = HttpIntake(spool, listen, token, max_bytes, timeout, log,
+                      listen_fd) if listen else None
+    sessions, threads = [], []
+    for cid, some in session_subs(subs, (mqtt or {}).get("client_id")):
+        mq = MqttIntake(Spool(spool.path, log=log, **spool.opt), some,
+                        log=log, every=subs, **dict(mqtt, client_id=cid))
         thread = threading.Thread(target=mq.run, name="myq-intake-mqtt",
                                   args=(lambda: any(s != "hup" for s in stop),))
         thread.daemon = True
+        sessions.append(mq)
+        threads.append(thread)
     log("intake_start", pid=os.getpid(), spool=spool.path,
-        listen="%s:%d" % http.address if http else None,
+        listen=http.address if http else None,
         subscribe=",".join(f for f, _ in subs) or None,
-        broker=mq.dest if mq else None)
-    if thread is not None:
+        broker=sessions[0].dest if sessions else None,
+        sessions=len(sessions) or None)
+    for thread in threads:
         thread.start()
     try:
         while not any(s != "hup" for s in stop):
@@ -9818,18 +10189,19 @@ def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
             if parent and os.getppid() != parent:
                 log("supervisor_gone", pid=parent)
                 break
-            if thread is not None and not thread.is_alive() and not stop:
+            if not stop and not all(t.is_alive() for t in threads):
                 raise ConfigError("the MQTT intake stopped; see the log")
     finally:
         stop.append("stop")
-        if thread is not None:
+        for thread, mq in zip(threads, sessions):
             thread.join(mq.timeout + 1)
             mq.close()
         if http is not None:
             http.close()
         log("intake_stop", pid=os.getpid(),
             served=http.served if http else None,
-            taken=mq.taken if mq else None)
+            taken=sum(mq.taken for mq in sessions) if sessions else None,
+            refused=sum(mq.refused for mq in sessions) if sessions else None)
     return 0
 
 
@@ -12557,8 +12929,9 @@ class Supervisor(object):
 
     def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
                  pidfile=None, stop_timeout=10.0, env=None, python=None,
-                 ready=None, intake=None, entry=None):
+                 ready=None, intake=None, entry=None, keep=()):
         self.spool, self.n, self.log = spool, workers, log
+        self.keep = tuple(keep)     # descriptors the intake gets (its port)
         self.ready = ready
         self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
         self.pidfile, self.stop_timeout = pidfile, stop_timeout
@@ -12623,7 +12996,8 @@ class Supervisor(object):
         return subprocess.Popen(
             _worker_start(self.python) + words, close_fds=True, env=self.env,
             cwd="/", stdin=subprocess.DEVNULL, stderr=out,
-            stdout=subprocess.DEVNULL if quiet else out)
+            stdout=subprocess.DEVNULL if quiet else out,
+            pass_fds=self.keep if words[2:3] == ["intake"] else ())
 
     def _write_pidfile(self):
         fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
@@ -12894,8 +13268,9 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
         for fd, to in ((0, null), (1, null if quiet else out), (2, out)):
             if to is not None and to != fd:
                 os.dup2(to, fd)
+        keep = sup.keep if words[2:3] == ["intake"] else ()
         for fd in _open_fds():
-            if fd > 2:
+            if fd > 2 and fd not in keep:
                 try:
                     os.close(fd)
                 except OSError:
@@ -13182,9 +13557,9 @@ _INIT_FILES = {
         "\n"
         "# Intake (man myq: INTAKE): jobs taken in over HTTP and MQTT by one more\n"
         "# process beside the workers, each acknowledged once it is on the disk.\n"
-        "# HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. MYQ_LISTEN=127.0.0.1:8440\n"
-        "# (loopback unless ADDR says otherwise; another address needs a token file,\n"
-        "# readable by MYQ_USER).\n"
+        "# HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. MYQ_LISTEN=127.0.0.1:8440,\n"
+        "# with the token of SPOOL/intake.token (init makes it; --listen-open in\n"
+        "# MYQ_ARGS: none), or on unix:PATH (0660, the spool's group may post).\n"
         "#MYQ_LISTEN=\n"
         "#MYQ_LISTEN_TOKEN_FILE=\n"
         "# MQTT: FILTER=TYPE subscriptions, split on blanks, at the broker of\n"
@@ -13457,9 +13832,9 @@ _INIT_FILES = {
         "\n"
         "\t# Intake (man myq: INTAKE): jobs taken in over HTTP and MQTT by one\n"
         "\t# more process beside the workers, each acknowledged once on the disk.\n"
-        "\t# HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. '127.0.0.1:8440' (loopback\n"
-        "\t# unless ADDR says otherwise; another address needs a token file that\n"
-        "\t# the user can read).\n"
+        "\t# HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. '127.0.0.1:8440', with the\n"
+        "\t# token of SPOOL/intake.token (init makes it; --listen-open in args:\n"
+        "\t# none), or on unix:PATH (0660, the spool's group may post).\n"
         "\t#option listen ''\n"
         "\t#option listen_token_file ''\n"
         "\t# MQTT: FILTER=TYPE subscriptions, split on blanks, at the broker of\n"
@@ -13678,8 +14053,9 @@ WORKER_OPTIONS = [
 # `myq intake` (myq(1) INTAKE); supervise takes them too, and starts an intake
 # process beside its workers when --listen or --subscribe is given.
 INTAKE_OPTIONS = [
-    ("--listen", str, None, "take jobs over HTTP on [ADDR]:PORT (ADDR default 127.0.0.1): POST /jobs/TYPE"),
-    ("--listen-token-file", str, None, "file of the bearer token every HTTP request must carry (required off loopback)"),
+    ("--listen", str, None, "take jobs over HTTP on unix:PATH (a socket, 0660, the spool's group) or [ADDR]:PORT (ADDR default 127.0.0.1): POST /jobs/TYPE"),
+    ("--listen-token-file", str, None, "file of the bearer token every HTTP request must carry (default on a port: SPOOL/%s, made by init)" % INTAKE_TOKEN),
+    ("--listen-open", None, False, "a loopback port without a token: every local account may post"),
     ("--listen-max-bytes", SIZE, 1 << 20, "largest HTTP request body"),
     ("--listen-timeout", SECONDS, 10.0, "time a client gets to send a whole request"),
     ("--subscribe", "append", [], "'FILTER=TYPE': MQTT messages on FILTER (from --mqtt) become jobs of TYPE"),
@@ -13714,7 +14090,7 @@ _METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": 
              "http_ca": "FILE",
              "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
              "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
-             "mqtt_key": "FILE", "listen": "[ADDR]:PORT",
+             "mqtt_key": "FILE", "listen": "unix:PATH|[ADDR]:PORT",
              "subscribe": "FILTER=TYPE"}
 
 
@@ -13838,6 +14214,8 @@ def _args_supervise(p):
 def _args_intake(p):
     import argparse
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    # the port supervise took as root, before it dropped root (_hold_port)
+    p.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
 
 
 def _args_stats(p):
@@ -14273,10 +14651,18 @@ def _supervise(args, spool, guards, env):
                          "its own client id (the broker drops a connection when "
                          "another takes its id); leave it out for unique ids" % n)
     if args.dry_run:
+        port = _hold_port(intake)       # (taken by another program: said)
+        if port is not None:
+            port.close()
         return 0
     # before the log is open and the caller's stderr replaced: the image
     # started again does both (and a daemon forks from it)
     _give_back_heap(reexec=True)
+    # the intake's port, taken as root now (a port another program took is
+    # said at start, not in a restart loop of the intake) and held
+    port = _hold_port(intake)
+    if port is not None:
+        intake = intake + ["--listen-fd", str(port.fileno())]
     if o.get("log"):
         _make_log_dir(o["log"], ids)
     log = Log(path=o.get("log"), syslog=o.get("syslog"),
@@ -14284,7 +14670,8 @@ def _supervise(args, spool, guards, env):
               owner=ids)
     ready = None
     if args.daemon:
-        pid, ready = fork_daemon(keep=[log.fileno()])
+        pid, ready = fork_daemon(keep=[log.fileno()] + (
+            [port.fileno()] if port is not None else []))
         if pid:
             return await_daemon(pid, ready, o.get("log") or "syslog")
     if log.fileno() is not None:        # a traceback lands in the log too
@@ -14302,7 +14689,8 @@ def _supervise(args, spool, guards, env):
     wenv.update(_secret_env(o))
     return Supervisor(spool, n, wargv, log, user=user, ids=ids,
                       pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready, intake=intake, entry=_child_entry).run()
+                      env=wenv, ready=ready, intake=intake, entry=_child_entry,
+                      keep=[port.fileno()] if port is not None else ()).run()
 
 
 def _intake_argv(args, spool, o, guards, env):
@@ -14312,9 +14700,9 @@ def _intake_argv(args, spool, o, guards, env):
     the workers do) and the guards."""
     io = _resolve(args, INTAKE_OPTIONS, env)
     if not io["listen"] and not io["subscribe"]:
-        for k in ("listen_token_file",):
-            if io[k]:
-                raise UsageError("--listen-token-file without --listen")
+        if io["listen_token_file"] or io["listen_open"]:
+            raise UsageError("--listen-token-file and --listen-open need "
+                             "--listen")
         return None
     _intake_options(dict(o, **io), spool.path)
     shared = [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
@@ -14590,19 +14978,31 @@ def _intake_options(o, spool_path):
     """run_intake()'s keyword arguments of the intake options `o` (with
     the shared --mqtt ones), checked: UsageError, ConfigError."""
     if not o["listen"] and not o["subscribe"]:
-        raise UsageError("intake needs --listen [ADDR]:PORT or --subscribe "
+        raise UsageError("intake needs --listen unix:PATH or [ADDR]:PORT, or "
+                         "--subscribe "
                          "FILTER=TYPE (with --mqtt URL)")
-    if o["listen_token_file"] and not o["listen"]:
-        raise UsageError("--listen-token-file without --listen")
+    if (o["listen_token_file"] or o["listen_open"]) and not o["listen"]:
+        raise UsageError("--listen-token-file and --listen-open need --listen")
     token = None
-    if o["listen"]:
-        loop = listen_address(o["listen"])[2]
+    if o["listen"] and o["listen"].startswith("unix:"):
+        _unix_path(o["listen"])
+        if o["listen_open"]:
+            raise UsageError("--listen-open is for a port: on unix:PATH the "
+                             "socket's mode and group decide who posts")
         if o["listen_token_file"]:
             token = _read_token(o["listen_token_file"])
-        elif not loop:
-            raise UsageError("--listen %s is not a loopback address: give "
-                             "--listen-token-file FILE (a bearer token every "
-                             "request must carry)" % o["listen"])
+    elif o["listen"]:
+        loop = listen_address(o["listen"])[2]
+        if o["listen_open"] and o["listen_token_file"]:
+            raise UsageError("--listen-open and --listen-token-file: give one")
+        if o["listen_open"] and not loop:
+            raise UsageError("--listen-open on %s, not a loopback address: "
+                             "every host that reaches it could post; leave "
+                             "it out (the token of SPOOL/%s is then needed)"
+                             % (o["listen"], INTAKE_TOKEN))
+        if not o["listen_open"]:
+            token = _read_token(o["listen_token_file"] or os.path.join(
+                spool_path, INTAKE_TOKEN))
     subs = parse_subscriptions(o["subscribe"])
     mqtt = None
     if subs:
@@ -14628,7 +15028,8 @@ def _cmd_intake(a):
     _give_back_heap(reexec=True)        # (it runs until stopped, as a worker)
     log = _make_log(o)
     a.spool.log = log
-    return run_intake(a.spool, log, parent=a.args.parent_pid, **kw)
+    return run_intake(a.spool, log, parent=a.args.parent_pid,
+                      listen_fd=a.args.listen_fd, **kw)
 
 
 def _cmd_supervise(a):
@@ -14787,7 +15188,9 @@ def _cmd_import(a):
     def refuse(n, why):
         sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
     try:
-        counts = a.spool.import_jobs(f, refuse, policy=not a.args.no_policy)
+        counts = a.spool.import_jobs(_bounded_lines(
+            f, a.spool.opt["max_job_bytes"] + 65536), refuse,
+            policy=not a.args.no_policy)
     except SpoolFull as e:
         c = getattr(e, "counts", None)
         if c is None:
@@ -14803,6 +15206,27 @@ def _cmd_import(a):
     _import_counts(counts)
     return EX_TEMPFAIL if counts["refused"] else EX_DATAERR if counts["bad"] \
         else EX_CANTCREAT if counts["duplicate"] else 0
+
+
+def _bounded_lines(f, limit):
+    """The lines of binary file `f`, none held longer than `limit` bytes:
+    a longer one is read past (in pieces) and given as the InvalidJob
+    that import counts bad (a 64 MB line was a MemoryError)."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 16)
+            if not line:
+                break
+            size += len(line)
+        yield InvalidJob("a line of %d bytes, longer than a job may be "
+                         "(--max-job-bytes + 64 KiB: %d); skipped" % (size, limit))
 
 
 def _import_counts(c):

@@ -19,7 +19,7 @@ import pytest
 
 from _core import MYQ, call_myq, clean_env, enqueue, has, wait_for
 from _procs import alive, children
-from test_intake import free_port, post
+from test_intake import auth, free_port, post
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"),
                                 reason="needs /proc/PID/smaps_rollup")
@@ -103,7 +103,7 @@ def test_children_are_forked_and_named_for_what_they_are(spool, tmp_path,
         # they work: a job in through the intake, done by a worker
         wait_for(lambda: "event=intake_start" in open(log).read(),
                  what="the intake to listen")
-        assert post(port, "t", "1")[0] == 202
+        assert post(port, "t", "1", auth(spool))[0] == 202
         jid = enqueue(call_myq, spool, "t")
         wait_for(lambda: has(spool, "done", jid), timeout=30,
                  what="the job done")
