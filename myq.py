@@ -3213,7 +3213,7 @@ class _Producing(object):
         problem = self._room_for((len(data),))
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge(((job["type"], len(data)),))
+        self._charge(((job["type"], len(data)),), (sub,))
         dirs = self.fs
         jid = job["id"]
         try:
@@ -3270,7 +3270,8 @@ class _Producing(object):
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge([(t[0]["type"], len(t[1])) for t in todo])
+        self._charge([(t[0]["type"], len(t[1])) for t in todo],
+                     [t[4] for t in todo])
         # Through descriptors of the directories, opened without following a
         # symlink: a root producer never writes outside a spool it does not
         # own, whatever its owner puts in place of tmp/ or incoming/.
@@ -4930,15 +4931,19 @@ class _Reading(object):
 # producer's file, a producer who may not write locks/used, its own
 # writes, the SQLite log): the spool is over its budget by at most what
 # arrives between two walks that way, and by no job at all through
-# `enqueue`, the API and intake.  An enqueue with a budget costs one
+# `enqueue`, the API and intake (with no worker, a producer walks when
+# the figure is older than BUDGET_STALE seconds; _SPARE blocks are kept
+# for the records' next versions).  An enqueue with a budget costs one
 # open, flock, pread and pwrite of a 64-byte record (no fsync: a power
 # cut loses at most the figure's last additions, and the worker's next
 # walk measures anew); without one, nothing.
 
 BUDGET_FRESH = 2.0      # seconds a walk is trusted for a shed or a refusal
 BUDGET_EVERY = 10.0     # seconds between a worker's walks
+BUDGET_STALE = 60.0     # seconds after which a producer walks itself
 RATE_WINDOW = 600.0     # seconds of arrivals and deliveries in the rates
-_ENTRY = 64             # a directory entry's share of a new job's cost
+_ENTRY = 128            # a new job's directory entry and locks/rates line
+_SPARE = 2              # blocks kept for the records' next versions
 _USED_LEN = 64          # locks/used: "MEASURED ADDED TIME", padded
 
 
@@ -4955,6 +4960,8 @@ def _records_made(dfd, ids):
             if ids:
                 os.fchown(fd, ids[0], ids[1])
             os.fchmod(fd, mode)
+            if name == "used":      # (its block there before any walk)
+                _Budget._used_write(fd, 0, 0, 0)
         finally:
             os.close(fd)
 
@@ -4964,13 +4971,19 @@ class _Budget(object):
     charge, shedding; and the figures of capacity: arrivals and deliveries
     in locks/rates, what waits by type (a part of Spool)."""
 
+    # A job's cost is what it takes, give or take a directory entry: the
+    # figure is exact enough to shed on (the SQLite store's is not: a row
+    # takes part of a page, its log's pages are reused, so it walks
+    # before it sheds on what producers added).
+    _EXACT = True
+
     def budget_bytes(self):
         """The spool's budget in bytes, or None."""
         own = self.policy().get(SPOOL_POLICY)
         return own.get("budget") if own else None
 
     def _block(self):
-        b = self.__dict__.get("_blk")
+        b = self._budget[3] or self.__dict__.get("_blk")   # (_room_for's)
         if b is None:
             try:
                 b = os.statvfs(self.path).f_frsize or 4096
@@ -4981,8 +4994,12 @@ class _Budget(object):
 
     def _cost(self, size):
         """What a new job of `size` bytes adds: its blocks, its entry."""
+        return self._freed(size) + _ENTRY
+
+    def _freed(self, size):
+        """What removing a waiting job of `size` bytes gives back."""
         b = self._block()
-        return -(-size // b) * b + _ENTRY
+        return -(-size // b) * b
 
     def measure(self):
         """The bytes the spool keeps now, by a walk (see above)."""
@@ -5056,11 +5073,12 @@ class _Budget(object):
             if fd is not None:
                 os.close(fd)
 
-    def _charge(self, items):
-        """The budget for new jobs, `items`: [(type, bytes)]: their cost
-        added to the figure, after shedding what must go (done/ first,
-        then stale records, then waiting jobs of drop-oldest types);
-        SpoolFull when even that leaves no room."""
+    def _charge(self, items, subs=()):
+        """The budget for new jobs, `items`: [(type, bytes)] into the
+        directories `subs`: their cost (and a new lane's) added to the
+        figure, after shedding what must go (done/ first, then stale
+        records, then waiting jobs of drop-oldest types); SpoolFull when
+        even that leaves no room."""
         budget = self.budget_bytes()
         if budget is None:
             return
@@ -5068,23 +5086,29 @@ class _Budget(object):
         if fd is None:
             return
         try:
-            need = sum(self._cost(n) for t, n in items)
+            need = sum(self._cost(n) for t, n in items) + self._block() * sum(
+                1 for sub in set(subs) | set(LANES for s in subs if s != "incoming")
+                if not os.path.isdir(self.d(sub)))
+            budget -= _SPARE * self._block()
             rec = self._used_read(fd)
             now = _now()
-            if rec is None or (rec[0] + rec[1] + need > budget and not
-                               0 <= now - rec[2] <= BUDGET_FRESH):
+            age = now - rec[2] if rec is not None else -1
+            if not 0 <= age <= BUDGET_STALE or (
+                    rec[0] + rec[1] + need > budget and (
+                        age > BUDGET_FRESH or rec[1] and not self._EXACT)):
                 rec = (self.measure(), 0, now)
             m, a, t = rec
-            for _ in range(4):      # (the SQLite store: pages, not rows)
+            for _ in range(8):      # (the SQLite store: pages, not rows)
                 if m + a + need <= budget:
                     break
                 freed = self.shed(m + a + need - budget)
                 if not freed:
                     break
-                m, a, t = self._shed_measured(m - freed, a, t)
+                m, a, t = self._shed_measured(m + a - freed, 0, t)
             if m + a + need > budget:
                 self._used_write(fd, m, a, t)
-                raise SpoolFull(self._at_budget(budget, m + a, items))
+                raise SpoolFull(self._at_budget(self.budget_bytes(), m + a,
+                                                items))
             self._used_write(fd, m, a + need, t)
         finally:
             os.close(fd)
@@ -5114,7 +5138,9 @@ class _Budget(object):
             return
         try:
             m = self.measure()
-            for _ in range(4):
+            if budget is not None:
+                budget -= _SPARE * self._block()
+            for _ in range(8):
                 if budget is None or m <= budget:
                     break
                 freed = self.shed(m - budget)
@@ -5177,8 +5203,8 @@ class _Budget(object):
         now, out = _now(), []
         for t in sorted(set(l[1] for l in self.lanes())):
             if self.rules(t).get("overflow") == "drop-oldest":
-                out.extend((w[0], self._made(w, now), w[2], self._cost(w[3])
-                            - _ENTRY, w[4], t) for w in self._waiting_of(t))
+                out.extend((w[0], self._made(w, now), w[2], self._freed(w[3]),
+                            w[4], t) for w in self._waiting_of(t))
         out.sort()
         return out
 
@@ -5375,7 +5401,7 @@ class _Budget(object):
         now = _now() if now is None else now
         rates = self.rates(now)
         budget = self.budget_bytes()
-        used = self.used_bytes()
+        used = self.used_bytes(0)       # (walked: the figure set right)
         room = max(0, budget - used) if budget is not None else self._free()[1]
         per_s = sum(r[1] for r in rates.values()) / RATE_WINDOW
         out = {"budget_bytes": budget, "used_bytes": used,
@@ -7648,22 +7674,32 @@ class SqlSpool(_SqlUpkeep, Spool):
 
     # The budget (myq-spool(5) BUDGET) ---------------------------------------------------
 
+    _EXACT = False
+
     def _cost(self, size):
-        """A new row: its bytes and the pages of the log its commit writes
-        (three 1 KiB pages and their frames' headers), never less."""
-        return size + 3 * 1024 + _ENTRY
+        """A new row, never less: the 1 KiB pages its commit writes (its
+        row's, with overflow pages of about 1,000 bytes each, and three of
+        the table's and its indexes'), once in the log (each with its
+        frame's header) and once in the database, where they may be new."""
+        pages = -(-(size + 100) // 1000) + 3
+        return pages * (2 * 1024 + 24) + _ENTRY
+
+    def _freed(self, size):
+        """A row deleted: its own pages (the next walk says how many)."""
+        return -(-(size + 100) // 1000) * 1024
 
     def measure(self):
         """Spool.measure, the database counted by its pages in use (its
-        free pages are where its next rows go); a log grown past an
-        eighth of the budget is first checkpointed and truncated."""
+        free pages are where its next rows go); with a budget, its log is
+        first checkpointed and truncated, and free pages given back (a
+        walk is rare: at most every BUDGET_FRESH seconds at the budget)."""
         budget = self.budget_bytes()
         try:
             wal = os.lstat(self.d(DB_NAME + "-wal")).st_size
         except OSError:
             wal = 0
         try:
-            if budget is not None and wal > budget // 8:
+            if budget is not None and wal:
                 self._vacuum()
             free, page = self._one("PRAGMA freelist_count")[0], \
                 self._one("PRAGMA page_size")[0]
