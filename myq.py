@@ -5143,7 +5143,7 @@ class _Budget(object):
             for _ in range(8):
                 if budget is None or m <= budget:
                     break
-                freed = self.shed(m - budget)
+                freed = self.shed(m - budget, records=True)
                 if not freed:
                     break
                 m = self._shed_measured(m - freed, 0, 0)[0]
@@ -5157,11 +5157,14 @@ class _Budget(object):
         its pages again)."""
         return m, a, t
 
-    def shed(self, need):
+    def shed(self, need, records=False):
         """Free at least `need` bytes if that can be done, in the budget's
-        order; the bytes freed."""
+        order; the bytes freed.  `records`: the worker's walk, which also
+        removes the idempotency records past their window (a producer
+        leaves them: empty files, they free no block, and there may be
+        100,000 to look at)."""
         freed = self._shed_done(need)
-        if freed < need:
+        if freed < need and (records or not self._EXACT):
             freed += self._shed_records(need - freed)
         if freed < need:
             freed += self._shed_waiting(need - freed)
