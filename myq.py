@@ -3345,7 +3345,7 @@ class _Producing(object):
             if t[0]["id"] in ids:
                 c = counts.get(t[0]["type"], (0, 0))
                 counts[t[0]["type"]] = (c[0] + 1, c[1] + self._cost(len(t[1])))
-        self.note_rates("a", counts)
+        self.note_arrivals(counts)
 
     def _fsync_later(self, later, done):
         """The fsyncs _place_new left for later, in order, after one of the
@@ -5238,6 +5238,28 @@ class _Budget(object):
     # compacts it (one line per 10 seconds and type, the last RATE_WINDOW
     # seconds kept) once it passes 64 KiB.
 
+    def note_arrivals(self, counts):
+        """A producer's arrivals {TYPE: (N, BYTES)}: appended at once, but
+        within a second of the last append kept and added to the next (or
+        written at exit): a producer that enqueues many opens the file
+        once a second, not once a job."""
+        mono, held = _mono(), self.__dict__.get("_arrivals")
+        if held is None:
+            held = self._arrivals = {}
+            import atexit
+            atexit.register(self.flush_arrivals)
+        for k, (n, b) in counts.items():
+            c = held.get(k, (0, 0))
+            held[k] = (c[0] + n, c[1] + b)
+        if mono - self.__dict__.get("_arrived_at", -1e9) >= 1.0:
+            self.flush_arrivals()
+
+    def flush_arrivals(self):
+        held = self.__dict__.get("_arrivals")
+        if held:
+            self._arrivals, self._arrived_at = {}, _mono()
+            self.note_rates("a", held)
+
     def note_rates(self, kind, counts, now=None):
         """Append {TYPE: (N, BYTES)} of `kind` ("a" or "d") to locks/rates."""
         if not counts:
@@ -5312,6 +5334,7 @@ class _Budget(object):
     def rates(self, now=None):
         """{TYPE: [arrived, their bytes, delivered]} over RATE_WINDOW."""
         now = _now() if now is None else now
+        self.flush_arrivals()
         out = {}
         for t, kind, k, n, b in self._rate_lines(now, now - RATE_WINDOW):
             r = out.setdefault(k, [0, 0, 0])
@@ -7382,7 +7405,7 @@ class SqlSpool(_SqlUpkeep, Spool):
             self._charge(((type, size),))
             self._write(sql, args, sync, fresh=True)
             self.poke(often=True)
-            self.note_rates("a", {type: (1, self._cost(size))})
+            self.note_arrivals({type: (1, self._cost(size))})
         finally:
             self.fs.release()
 
