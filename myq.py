@@ -5332,17 +5332,19 @@ class _Budget(object):
                 yield t, f[1], k, n, b
 
     def rates(self, now=None):
-        """{TYPE: [arrived, their bytes, delivered]} over RATE_WINDOW."""
+        """{TYPE: [arrived, their bytes, delivered, the first delivery's
+        time]} over RATE_WINDOW."""
         now = _now() if now is None else now
         self.flush_arrivals()
         out = {}
         for t, kind, k, n, b in self._rate_lines(now, now - RATE_WINDOW):
-            r = out.setdefault(k, [0, 0, 0])
+            r = out.setdefault(k, [0, 0, 0, None])
             if kind == b"a":
                 r[0] += n
                 r[1] += b
-            else:
+            elif n:
                 r[2] += n
+                r[3] = t if r[3] is None or t < r[3] else r[3]
         return out
 
     def compact_rates(self, now=None):
@@ -5437,12 +5439,15 @@ class _Budget(object):
         waiting, per = self._waiting_types(now), {}
         for t in sorted(set(waiting) | set(rates)):
             jobs, size, first = waiting.get(t, (0, 0, None))
-            a, _, d = rates.get(t, (0, 0, 0))
+            a, _, d, since = rates.get(t, (0, 0, 0, None))
+            # the drain at the rate since deliveries (re)started within
+            # the window: after an outage, not its zeros averaged in
+            span = min(RATE_WINDOW, max(10.0, now - since + 1)) if d else 0
             per[t] = {"waiting": {"jobs": jobs, "bytes": size},
                       "oldest_s": int(max(0, now - first)) if first else 0,
                       "arrival_per_s": round(a / RATE_WINDOW, 4),
                       "delivered_per_s": round(d / RATE_WINDOW, 4),
-                      "est_drain_s": int(jobs * RATE_WINDOW / d) if d else None}
+                      "est_drain_s": int(round(jobs * span / d)) if d else None}
         out["types"] = per
         return out
 

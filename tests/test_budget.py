@@ -279,15 +279,26 @@ def test_capacity_fields_are_there_and_sane(spool, myq):
     assert 0 <= t["oldest_s"] <= 60
     assert t["arrival_per_s"] == pytest.approx(1.0, abs=0.02)
     assert t["delivered_per_s"] == pytest.approx(0.5, abs=0.01)
-    assert t["est_drain_s"] == 10
+    assert t["est_drain_s"] == 10             # 5 jobs at 300 in ~600 s
     assert st["types"]["idle"]["est_drain_s"] is None
+    # deliveries that began a minute ago (an outage before): the drain at
+    # their rate, not at the 10 minutes' average
+    for _ in range(6):
+        assert _enqueue(spool, "back")[0] == 0
+    now = int(time.time())
+    with open(os.path.join(spool, "locks", "rates"), "a") as f:
+        for i in range(6):
+            f.write("%d d back 10 0\n" % (now - 55 + i * 10))
+    b = _stats(spool)["types"]["back"]
+    assert b["delivered_per_s"] == pytest.approx(0.1)
+    assert 4 <= b["est_drain_s"] <= 7
     assert st["types"]["idle"]["delivered_per_s"] == 0
+    st = _stats(spool)
     assert st["budget_bytes"] == budget
     used = st["used_bytes"]
     assert 0 < used < budget
     assert abs(used - _measured(myq, spool)) <= 2 * _one_job(myq, spool)
-    rate = (600 * 5000 + sum(
-        1 for _ in range(6)) * _one_job(myq, spool)) / 600.0
+    rate = (600 * 5000 + 12 * _one_job(myq, spool)) / 600.0
     assert st["outage_capacity_s"] == pytest.approx((budget - used) / rate,
                                                     rel=0.05)
     line = _ok(spool, "stats").strip()
