@@ -4037,7 +4037,8 @@ class _Upkeep(object):
     def keep_room(self):
         """Set the reserve aside when it is not and the guards allow."""
         path = self.d("locks", "room")
-        if _lexists(path) or self.free_problem():
+        if _lexists(path) or self.free_problem() or \
+                not self.budget_takes(self.ROOM):
             return False
         try:
             _replace(path, os.urandom(self.ROOM), mode=0o600)
@@ -4914,8 +4915,9 @@ class _Reading(object):
 # The spool's budget (myq-spool(5) BUDGET) ------------------------------------
 #
 # What a spool keeps is measured as the allocated blocks of every file and
-# directory in it (the SQLite store: its database's pages in use, its log
-# and index), but the guard's reserve (locks/room).  A walk costs a stat a
+# directory in it, as du(1) counts them (the SQLite store's database, log
+# and index among them; the guard's reserve, locks/room, too: the worker
+# sets it aside only where the figure has room for it).  A walk costs a stat a
 # file, too much for every enqueue, so the figure the budget is held to is
 # kept in locks/used as three numbers: the bytes MEASURED by the last walk,
 # the bytes ADDED by producers since, and the walk's time.  A producer,
@@ -5004,7 +5006,6 @@ class _Budget(object):
     def measure(self):
         """The bytes the spool keeps now, by a walk (see above)."""
         total, stack = 0, [self.path]
-        room = self.d("locks", "room")
         while stack:
             d = stack.pop()
             for e in _scandir(d):
@@ -5013,8 +5014,7 @@ class _Budget(object):
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if p != room:
-                    total += st.st_blocks * 512
+                total += st.st_blocks * 512
                 if stat.S_ISDIR(st.st_mode):
                     stack.append(p)
         try:
@@ -5110,6 +5110,23 @@ class _Budget(object):
                 raise SpoolFull(self._at_budget(self.budget_bytes(), m + a,
                                                 items))
             self._used_write(fd, m, a + need, t)
+        finally:
+            os.close(fd)
+
+    def budget_takes(self, size):
+        """May the owner write `size` bytes of its own (the reserve) under
+        the budget?  Added to the figure when it may; no shed for it."""
+        budget = self.budget_bytes()
+        fd = self._used_lock() if budget is not None else None
+        if fd is None:
+            return True
+        try:
+            rec = self._used_read(fd)
+            if rec is None or rec[0] + rec[1] + size > budget - _SPARE * \
+                    self._block():
+                return False
+            self._used_write(fd, rec[0], rec[1] + size, rec[2])
+            return True
         finally:
             os.close(fd)
 
@@ -6973,7 +6990,9 @@ class _SqlUpkeep(object):
         with self._mutex:
             db = self._db()
             try:
-                db.execute("PRAGMA incremental_vacuum").fetchall()
+                # (sqlite3_exec, which steps it to its end: execute() and
+                # fetchall() step it once, and free one page)
+                db.executescript("PRAGMA incremental_vacuum;")
                 db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             except _sqlite3().Error as e:
                 raise _db_error(self, e)
@@ -7720,23 +7739,20 @@ class SqlSpool(_SqlUpkeep, Spool):
         return -(-(size + 100) // 1000) * 1024
 
     def measure(self):
-        """Spool.measure, the database counted by its pages in use (its
-        free pages are where its next rows go); with a budget, its log is
-        first checkpointed and truncated, and free pages given back (a
-        walk is rare: at most every BUDGET_FRESH seconds at the budget)."""
-        budget = self.budget_bytes()
+        """Spool.measure; with a budget, the database's log first
+        checkpointed and truncated and its free pages given back
+        (incremental vacuum), so that what a shed deleted is freed (a walk
+        is rare: at most every BUDGET_FRESH seconds at the budget)."""
         try:
             wal = os.lstat(self.d(DB_NAME + "-wal")).st_size
         except OSError:
             wal = 0
         try:
-            if budget is not None and wal:
+            if wal and self.budget_bytes() is not None:
                 self._vacuum()
-            free, page = self._one("PRAGMA freelist_count")[0], \
-                self._one("PRAGMA page_size")[0]
         except MyqError:
-            free = page = 0
-        return max(0, Spool.measure(self) - free * page)
+            pass                # (busy: measured as it is)
+        return Spool.measure(self)
 
     def _shed_measured(self, m, a, t):
         return self.measure(), 0, _now()
