@@ -69,9 +69,10 @@ The map: the sections, in file order, each using only those above it
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
                     check), _Backlog (export, import: JSON lines),
-                    Spool (layout, reading, lanes, stats)
-                    (test_spool_layout, test_retry_dlq, test_operator,
-                    test_export)
+                    _Budget (the budget's figure and shed, capacity:
+                    locks/used, locks/rates), Spool (layout, reading,
+                    lanes, stats) (test_spool_layout, test_retry_dlq,
+                    test_operator, test_export, test_budget)
   The SQLite store  SqlSpool and _SqlClaims: the same interface over
                     queue.db (myq init --store sqlite), the drop box taken
                     in (test_sqlite, and the store-parametrised tests)
@@ -4928,7 +4929,9 @@ class _Reading(object):
 # turn, so together they cannot pass it either.  Whatever frees space
 # (retention, deliveries, deletes) only makes the figure high, which is
 # safe: nothing is shed or refused on a figure older than BUDGET_FRESH
-# seconds without a walk first.  The worker walks every BUDGET_EVERY
+# seconds without a walk first (on the SQLite store, whose cost of a row
+# is a generous guess, on any figure with producers' additions in it:
+# its walk is a few files and a checkpoint).  The worker walks every BUDGET_EVERY
 # seconds and sheds what came in past the producers' lock (a shell
 # producer's file, a producer who may not write locks/used, its own
 # writes, the SQLite log): the spool is over its budget by at most what
@@ -4938,7 +4941,8 @@ class _Reading(object):
 # for the records' next versions).  An enqueue with a budget costs one
 # open, flock, pread and pwrite of a 64-byte record (no fsync: a power
 # cut loses at most the figure's last additions, and the worker's next
-# walk measures anew); without one, nothing.
+# walk measures anew); without one, nothing (but the arrivals' line in
+# locks/rates, which a producer appends at most once a second).
 
 BUDGET_FRESH = 2.0      # seconds a walk is trusted for a shed or a refusal
 BUDGET_EVERY = 10.0     # seconds between a worker's walks
