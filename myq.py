@@ -4931,8 +4931,8 @@ class _Reading(object):
 # safe: nothing is shed or refused on a figure older than BUDGET_FRESH
 # seconds without a walk first (on the SQLite store, whose cost of a row
 # is a generous guess, on any figure with producers' additions in it:
-# its walk is a few files and a checkpoint).  The worker walks every BUDGET_EVERY
-# seconds and sheds what came in past the producers' lock (a shell
+# its walk is a few files and a checkpoint).  The worker walks every
+# BUDGET_EVERY seconds and sheds what came in past the producers' lock (a shell
 # producer's file, a producer who may not write locks/used, its own
 # writes, the SQLite log): the spool is over its budget by at most what
 # arrives between two walks that way, and by no job at all through
