@@ -6239,6 +6239,11 @@ def _read_only_fs(path):
         return False
 
 
+def _wal_bytes(pages):
+    """The bytes of a log of `pages` 1 KiB pages (its header, a frame's)."""
+    return 32 + pages * (1024 + 24) if pages else 0
+
+
 def _row_values(sp, job, status, lane, now, **more):
     """The columns of a job's row (a dict), its other fields in `extra`."""
     extra = dict((k, v) for k, v in job.items()
@@ -6968,14 +6973,15 @@ class _SqlUpkeep(object):
         """Below a guard (make_space) the log is checkpointed at 16 pages,
         not SQLite's 1,000 (a MiB it would need free), and at once: its
         next commits go to its own first blocks, not to new ones the full
-        disk no longer has; back to 1,000 once the reserve is set aside
-        again (keep_room)."""
+        disk no longer has; back to 1,000 (or the budget's cap) once the
+        reserve is set aside again (keep_room)."""
         if not small and not self.__dict__.get("_small"):
             return
         with self._mutex:
             try:
                 db = self._db()
-                db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else 1000))
+                db.execute("PRAGMA wal_autocheckpoint=%d" % (
+                    16 if small else self._wal_cap() or 1000))
                 if small:
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 self._small = small
@@ -7274,6 +7280,9 @@ class SqlSpool(_SqlUpkeep, Spool):
             db.execute("PRAGMA synchronous=FULL")
         db.execute("SELECT 1 FROM jobs LIMIT 0").fetchall()    # (-wal, -shm)
         _cloexec_files(path)
+        if not read_only:
+            self.__dict__.pop("_cap_set", None)     # (a new connection)
+            self._log_limits(db)
         return db
 
     def close(self):
@@ -7742,21 +7751,50 @@ class SqlSpool(_SqlUpkeep, Spool):
         """A row deleted: its own pages (the next walk says how many)."""
         return -(-(size + 100) // 1000) * 1024
 
-    def measure(self):
-        """Spool.measure; with a budget, the database's log first
-        checkpointed and truncated and its free pages given back
-        (incremental vacuum), so that what a shed deleted is freed (a walk
-        is rare: at most every BUDGET_FRESH seconds at the budget)."""
+    def _log_limits(self, db):
+        """With a budget, the log is checkpointed at a 32nd of it (16 to
+        1,000 pages; SQLite's 1,000 without one) and cut back to that
+        after: what the workers' commits write there stays within what
+        measure() counts for it.  (Below a guard, _small_log's 16.)"""
+        cap = self._wal_cap()
+        if cap == self.__dict__.get("_cap_set", 0):
+            return
         try:
-            wal = os.lstat(self.d(DB_NAME + "-wal")).st_size
+            small = self.__dict__.get("_small")
+            db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else cap or 1000))
+            db.execute("PRAGMA journal_size_limit=%d" % (
+                _wal_bytes(cap) if cap else -1)).fetchall()
+            self._cap_set = cap
+        except _sqlite3().Error:
+            pass                # (the next walk tries again)
+
+    def _wal_cap(self):
+        b = self.budget_bytes()
+        return None if b is None else max(16, min(1000, b // 32768))
+
+    def measure(self):
+        """Spool.measure, the log counted at least at its cap (what the
+        workers' commits may write there before the next checkpoint);
+        with a budget, the log first checkpointed and truncated and the
+        database's free pages given back (incremental vacuum), so that
+        what a shed deleted is freed (a walk is rare: at most every
+        BUDGET_FRESH seconds at the budget)."""
+        wal_path = self.d(DB_NAME + "-wal")
+        try:
+            wal = os.lstat(wal_path).st_blocks * 512
         except OSError:
             wal = 0
+        cap = self._wal_cap()
         try:
-            if wal and self.budget_bytes() is not None:
-                self._vacuum()
-        except MyqError:
+            if cap is not None:
+                with self._mutex:
+                    self._log_limits(self._db())
+                if wal:
+                    self._vacuum()
+                    wal = _lstat(wal_path).st_blocks * 512
+        except (MyqError, OSError):
             pass                # (busy: measured as it is)
-        return Spool.measure(self)
+        return Spool.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
 
     def _shed_measured(self, m, a, t):
         return self.measure(), 0, _now()
