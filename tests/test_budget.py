@@ -195,6 +195,34 @@ def test_never_more_than_one_job_over_the_budget(spool, myq):
         assert _measured(myq, spool) <= budget + one
 
 
+def test_producers_at_once_stay_within_one_job(spool, myq):
+    """Four producers enqueue at once (each its own Spool: its own
+    descriptors and connection): they take the figure's lock in turn."""
+    import threading
+    budget = 256 << 10
+    _budget(spool, str(budget), tele="overflow=drop-oldest")
+    errors = []
+
+    def produce():
+        sp = myq.Spool(spool)
+        try:
+            for _ in range(40):
+                sp.enqueue("tele", "x" * 3000)
+        except Exception as e:          # (reported below)
+            errors.append(e)
+        finally:
+            sp.close()
+    threads = [threading.Thread(target=produce) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert _measured(myq, spool) <= budget + _one_job(myq, spool)
+    st = _stats(spool)
+    assert st["dropped_by"]["tele"]["budget"] == 160 - len(_waiting(spool))
+
+
 def test_delivery_goes_on_at_100_percent(spool, run_myq, tmp_path, myq):
     hd = _handlers(tmp_path, crit="exit 0")
     _budget(spool, "200K")
