@@ -69,9 +69,10 @@ The map: the sections, in file order, each using only those above it
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
                     check), _Backlog (export, import: JSON lines),
-                    Spool (layout, reading, lanes, stats)
-                    (test_spool_layout, test_retry_dlq, test_operator,
-                    test_export)
+                    _Budget (the budget's figure and shed, capacity:
+                    locks/used, locks/rates), Spool (layout, reading,
+                    lanes, stats) (test_spool_layout, test_retry_dlq,
+                    test_operator, test_export, test_budget)
   The SQLite store  SqlSpool and _SqlClaims: the same interface over
                     queue.db (myq init --store sqlite), the drop box taken
                     in (test_sqlite, and the store-parametrised tests)
@@ -1935,6 +1936,7 @@ _LANE_KEYS = ("max_queued", "max_bytes", "paused", "concurrency", "rate",
               "batch")
 _RATE_RE = _Pattern(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
 SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
+SPOOL_POLICY = "@spool"     # the policy file's entry of the spool's own rules
 
 
 def _choice(*allowed):
@@ -2096,14 +2098,22 @@ class Policy(object):
         "format": Kind(_choice("json", "kafka"), "json or kafka"),
     }
 
+    # The spool's own rules, kept in the same file under SPOOL_POLICY (a
+    # name no type can have): the budget (myq(1) budget).
+    SPOOL_KEYS = {
+        "budget": Kind(lambda v: parse_size(v) or int(""),
+                       "a size > 0 such as 512K, 64M or 2G",
+                       show=_format_size),
+    }
+
     @classmethod
-    def value(cls, key, value):
+    def value(cls, key, value, keys=None):
         """The canonical form of one value; UsageError (64) that names the
-        key and the value when either is bad."""
-        kind = cls.KEYS.get(key)
+        key and the value when either is bad.  `keys`: SPOOL_KEYS."""
+        kind = (keys or cls.KEYS).get(key)
         if kind is None:
             raise UsageError("unknown policy key %r; the keys are: %s"
-                             % (key, " ".join(sorted(cls.KEYS))))
+                             % (key, " ".join(sorted(keys or cls.KEYS))))
         try:
             return kind(value)
         except ValueError:
@@ -2118,12 +2128,14 @@ class Policy(object):
             raise ValueError("the policy is a JSON object {TYPE: {KEY: VALUE}}")
         out = {}
         for name, keys in obj.items():
-            if name != "*":
+            if name not in ("*", SPOOL_POLICY):
                 _check_name(name, "type")
             if not isinstance(keys, dict):
                 raise ValueError("the policy of %s is not an object" % name)
-            out[name] = cls.combined(dict((k, cls.value(k, v))
-                                          for k, v in keys.items()))
+            own = cls.SPOOL_KEYS if name == SPOOL_POLICY else None
+            out[name] = dict((k, cls.value(k, v, own)) for k, v in keys.items())
+            if own is None:
+                cls.combined(out[name])
         return out
 
     @classmethod
@@ -2140,7 +2152,7 @@ class Policy(object):
     @classmethod
     def show(cls, key, v):
         """A value as `myq policy` prints it."""
-        kind = cls.KEYS.get(key)
+        kind = cls.KEYS.get(key) or cls.SPOOL_KEYS.get(key)
         return kind.show(v) if kind is not None else str(v)
 
 
@@ -3406,6 +3418,7 @@ class _Producing(object):
         problem = self._room_for((len(data),))
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        self._charge(((job["type"], len(data)),), (sub,))
         dirs = self.fs
         jid = job["id"]
         try:
@@ -3413,6 +3426,7 @@ class _Producing(object):
             if sync:
                 self._fsync_or_withdraw(((jid, sub),), dirs)
             self.poke(dirs, often=True)
+            self._arrived([todo], ((jid, sub),))
         except OSError as e:        # opening the directories
             if isinstance(e, _Refused):
                 raise ConfigError("spool %s refuses the job: %s; nothing was "
@@ -3464,6 +3478,8 @@ class _Producing(object):
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        self._charge([(t[0]["type"], len(t[1])) for t in todo],
+                     [t[4] for t in todo])
         # Through descriptors of the directories, opened without following a
         # symlink: a root producer never writes outside a spool it does not
         # own, whatever its owner puts in place of tmp/ or incoming/.
@@ -3518,6 +3534,7 @@ class _Producing(object):
                 if sync:
                     self._fsync_or_withdraw(done, dirs)
                 self.poke(dirs, often=True)
+                self._arrived(todo, done)
         except OSError as e:        # opening the directories
             if isinstance(e, _Refused):
                 raise ConfigError("spool %s refuses the job: %s; nothing was "
@@ -3527,6 +3544,16 @@ class _Producing(object):
         finally:
             dirs.release()
         return [jid for jid, sub in done]
+
+    def _arrived(self, todo, done):
+        """The arrivals of `todo` that `done` placed, into locks/rates."""
+        ids = set(jid for jid, sub in done if sub not in ("done", "dlq"))
+        counts = {}
+        for t in todo:
+            if t[0]["id"] in ids:
+                c = counts.get(t[0]["type"], (0, 0))
+                counts[t[0]["type"]] = (c[0] + 1, c[1] + self._cost(len(t[1])))
+        self.note_arrivals(counts)
 
     def _fsync_later(self, later, done):
         """The fsyncs _place_new left for later, in order, after one of the
@@ -4218,7 +4245,8 @@ class _Upkeep(object):
     def keep_room(self):
         """Set the reserve aside when it is not and the guards allow."""
         path = self.d("locks", "room")
-        if _lexists(path) or self.free_problem():
+        if _lexists(path) or self.free_problem() or \
+                not self.budget_takes(self.ROOM):
             return False
         try:
             _replace(path, os.urandom(self.ROOM), mode=0o600)
@@ -4825,6 +4853,48 @@ def _prom_label(value):
     return '"%s"' % _CONTROL.sub(lambda m: "\\\\x%02x" % ord(m.group()), s)
 
 
+# capacity key -> (metric, help) (myq-spool(5) CAPACITY)
+_PROM_SPOOL = (
+    ("budget_bytes", "myq_budget_bytes", "The spool's budget (myq policy --budget)."),
+    ("used_bytes", "myq_used_bytes", "Bytes the spool keeps, as the budget counts them."),
+    ("outage_capacity_s", "myq_outage_capacity_seconds", "Seconds more of "
+     "arrivals at the last 10 minutes' rate that the budget (or the free "
+     "space) can take with nothing delivered."),
+)
+_PROM_TYPE = (
+    (("waiting", "jobs"), "myq_waiting_jobs", "Jobs waiting, by type."),
+    (("waiting", "bytes"), "myq_waiting_bytes", "Bytes of the jobs waiting, by type."),
+    (("oldest_s",), "myq_oldest_waiting_seconds", "Age of the oldest waiting job."),
+    (("arrival_per_s",), "myq_arrival_per_second", "Arrivals a second, last 10 minutes."),
+    (("delivered_per_s",), "myq_delivered_per_second", "Deliveries a second, last 10 minutes."),
+    (("est_drain_s",), "myq_est_drain_seconds", "Seconds to deliver what waits "
+     "at the last 10 minutes' delivery rate."),
+)
+
+
+def _prom_capacity(stats, metric):
+    """The capacity's figures (stats' budget_bytes ... types, dropped_by)."""
+    for key, name, help in _PROM_SPOOL:
+        if stats.get(key) is not None:
+            metric(name, "gauge", help, [([], stats[key])])
+    types = stats.get("types") or {}
+    for path, name, help in _PROM_TYPE:
+        samples = []
+        for t, v in sorted(types.items()):
+            for k in path:
+                v = v.get(k) if isinstance(v, dict) else None
+            if v is not None:
+                samples.append((["type=" + _prom_label(t)], v))
+        if samples:
+            metric(name, "gauge", help, samples)
+    by = stats.get("dropped_by") or {}
+    if by:
+        metric("myq_dropped_by_total", "counter", "Jobs removed unrun, by type "
+               "and reason (budget, overflow, ttl).",
+               [(["type=" + _prom_label(t), "reason=" + _prom_label(r)], n)
+                for t, d in sorted(by.items()) for r, n in sorted(d.items())])
+
+
 def prometheus_text(stats):
     """A spool's stats() in the Prometheus text exposition format (for
     node_exporter's textfile collector): # HELP and # TYPE, then the
@@ -4861,6 +4931,7 @@ def prometheus_text(stats):
                if key != "removed" else "Files myq removed unrun since myq "
                "init: empty job names, tmp/ strays, records past their bound.",
                samples)
+    _prom_capacity(stats, metric)
     if isinstance(stats.get("paused"), list):
         metric("myq_paused", "gauge", "1 for each job type that is paused.",
                [(["type=" + _prom_label(t)], 1) for t in stats["paused"]])
@@ -5112,8 +5183,10 @@ class _Reading(object):
                 continue
             yield row
 
-    def stats(self, now=None, by_type=False):
-        """The counters of the status line (myq-spool(5) STATISTICS), from the directories."""
+    def stats(self, now=None, by_type=False, types=True):
+        """The counters of the status line (myq-spool(5) STATISTICS), from
+        the directories; the capacity's figures (without `types`, the
+        spool's alone: the status line's)."""
         now = _now() if now is None else now
         ready, scheduled, oldest, processing, done, dead, failed = \
             self._counts(now)
@@ -5123,7 +5196,7 @@ class _Reading(object):
             free_kb = st.f_bavail * st.f_frsize // 1024
         except OSError:
             free_kb = 0
-        return {"queue": self.name, "ready": ready, "processing": processing,
+        out = {"queue": self.name, "ready": ready, "processing": processing,
                 "done": done, "dead": dead,
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
                 "retries_1m": self.retries_1m(now), "scheduled": scheduled,
@@ -5140,6 +5213,9 @@ class _Reading(object):
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.breaker.records()],
                 "destinations": self.dest_states(now)}
+        out["dropped_by"] = self.dropped_by(tot)
+        out.update(self.capacity(now, types))
+        return out
 
     def dest_states(self, now=None):
         """Each destination of the types whose policy gives `url`, in order,
@@ -5194,7 +5270,592 @@ class _Reading(object):
         return sum(1 for n in _listdir(self.d("failed")) if not n.endswith(".reason"))
 
 
-class Spool(_Producing, _Upkeep, _Backlog, _Reading):
+# The spool's budget (myq-spool(5) BUDGET) ------------------------------------
+#
+# What a spool keeps is measured as the allocated blocks of every file and
+# directory in it, as du(1) counts them (the SQLite store's database, log
+# and index among them; the guard's reserve, locks/room, too: the worker
+# sets it aside only where the figure has room for it).  A walk costs a stat a
+# file, too much for every enqueue, so the figure the budget is held to is
+# kept in locks/used as three numbers: the bytes MEASURED by the last walk,
+# the bytes ADDED by producers since, and the walk's time.  A producer,
+# under that file's lock, adds its jobs' cost (bytes rounded up to the
+# filesystem's block, and a directory entry's share; a row and the log's
+# pages on the SQLite store: never less than what the job takes) and
+# never passes the budget by that figure; producers take the lock in
+# turn, so together they cannot pass it either.  Whatever frees space
+# (retention, deliveries, deletes) only makes the figure high, which is
+# safe: nothing is shed or refused on a figure older than BUDGET_FRESH
+# seconds without a walk first (on the SQLite store, whose cost of a row
+# is a generous guess, on any figure with producers' additions in it:
+# its walk is a few files and a checkpoint).  The worker walks every
+# BUDGET_EVERY seconds and sheds what came in past the producers' lock (a shell
+# producer's file, a producer who may not write locks/used, its own
+# writes, the SQLite log): the spool is over its budget by at most what
+# arrives between two walks that way, and by no job at all through
+# `enqueue`, the API and intake (with no worker, a producer walks when
+# the figure is older than BUDGET_STALE seconds; _SPARE blocks are kept
+# for the records' next versions).  An enqueue with a budget costs one
+# open, flock, pread and pwrite of a 64-byte record (no fsync: a power
+# cut loses at most the figure's last additions, and the worker's next
+# walk measures anew); without one, nothing (but the arrivals' line in
+# locks/rates, which a producer appends at most once a second).
+
+BUDGET_FRESH = 2.0      # seconds a walk is trusted for a shed or a refusal
+BUDGET_EVERY = 10.0     # seconds between a worker's walks
+BUDGET_STALE = 60.0     # seconds after which a producer walks itself
+RATE_WINDOW = 600.0     # seconds of arrivals and deliveries in the rates
+_ENTRY = 128            # a new job's directory entry and locks/rates line
+_SPARE = 2              # blocks kept for the records' next versions
+_USED_LEN = 64          # locks/used: "MEASURED ADDED TIME", padded
+
+
+def _records_made(dfd, ids):
+    """init: locks/used (the owner's) and locks/rates (producers of the
+    spool's group append to it), each given to the owner when new."""
+    for name, mode in (("used", 0o640), ("rates", 0o660)):
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
+                         | O_CLOEXEC, mode, dir_fd=dfd)
+        except FileExistsError:
+            continue
+        try:
+            if ids:
+                os.fchown(fd, ids[0], ids[1])
+            os.fchmod(fd, mode)
+            if name == "used":      # (its block there before any walk)
+                _Budget._used_write(fd, 0, 0, 0)
+        finally:
+            os.close(fd)
+
+
+class _Budget(object):
+    """The budget (myq(1) budget): the used-bytes figure, the producers'
+    charge, shedding; and the figures of capacity: arrivals and deliveries
+    in locks/rates, what waits by type (a part of Spool)."""
+
+    # A job's cost is what it takes, give or take a directory entry: the
+    # figure is exact enough to shed on (the SQLite store's is not: a row
+    # takes part of a page, its log's pages are reused, so it walks
+    # before it sheds on what producers added).
+    _EXACT = True
+
+    def budget_bytes(self):
+        """The spool's budget in bytes, or None."""
+        own = self.policy().get(SPOOL_POLICY)
+        return own.get("budget") if own else None
+
+    def _block(self):
+        b = self._budget[3] or self.__dict__.get("_blk")   # (_room_for's)
+        if b is None:
+            try:
+                b = os.statvfs(self.path).f_frsize or 4096
+            except OSError:
+                b = 4096
+            self._blk = b
+        return b
+
+    def _cost(self, size):
+        """What a new job of `size` bytes adds: its blocks, its entry."""
+        return self._freed(size) + _ENTRY
+
+    def _freed(self, size):
+        """What removing a waiting job of `size` bytes gives back."""
+        b = self._block()
+        return -(-size // b) * b
+
+    def measure(self):
+        """The bytes the spool keeps now, by a walk (see above)."""
+        total, stack = 0, [self.path]
+        while stack:
+            d = stack.pop()
+            for e in _scandir(d):
+                p = d + "/" + e.name
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(p)
+        try:
+            total += os.lstat(self.path).st_blocks * 512
+        except OSError:
+            pass
+        return total
+
+    def _used_lock(self):
+        """locks/used open and locked, or None (this user may not write it:
+        a producer of the spool's group; the worker's walk keeps the
+        budget for its jobs).  Made by init and by the worker only."""
+        import fcntl
+        try:
+            fd = _open_reg(self.d("locks", "used"), os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
+
+    @staticmethod
+    def _used_read(fd):
+        """(measured, added, when) of locks/used, or None."""
+        try:
+            m, a, t = os.pread(fd, _USED_LEN, 0).split()[:3]
+            return int(m), int(a), float(t)
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _used_write(fd, m, a, t):
+        rec = b"%d %d %.3f\n" % (max(0, m), max(0, a), t)
+        try:
+            os.pwrite(fd, rec + b" " * (_USED_LEN - len(rec)), 0)
+        except OSError:
+            pass                # (the next walk measures anew)
+
+    def used_bytes(self, most=30.0):
+        """The figure (locks/used), walked again when older than `most`
+        seconds (and written back where this user may)."""
+        fd = self._used_lock()
+        try:
+            rec = self._used_read(fd) if fd is not None else None
+            now = _now()
+            if rec is not None and 0 <= now - rec[2] <= most:
+                return rec[0] + rec[1]
+            m = self.measure()
+            if fd is not None:
+                self._used_write(fd, m, 0, now)
+            return m
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _charge(self, items, subs=()):
+        """The budget for new jobs, `items`: [(type, bytes)] into the
+        directories `subs`: their cost (and a new lane's) added to the
+        figure, after shedding what must go (done/ first, then stale
+        records, then waiting jobs of drop-oldest types); SpoolFull when
+        even that leaves no room."""
+        budget = self.budget_bytes()
+        if budget is None:
+            return
+        fd = self._used_lock()
+        if fd is None:
+            return
+        try:
+            need = sum(self._cost(n) for t, n in items) + self._block() * sum(
+                1 for sub in set(subs) | set(LANES for s in subs if s != "incoming")
+                if not os.path.isdir(self.d(sub)))
+            budget -= _SPARE * self._block()
+            rec = self._used_read(fd)
+            now = _now()
+            age = now - rec[2] if rec is not None else -1
+            if not 0 <= age <= BUDGET_STALE or (
+                    rec[0] + rec[1] + need > budget and (
+                        age > BUDGET_FRESH or rec[1] and not self._EXACT)):
+                rec = (self.measure(), 0, now)
+            m, a, t = rec
+            for _ in range(8):      # (the SQLite store: pages, not rows)
+                if m + a + need <= budget:
+                    break
+                freed = self.shed(m + a + need - budget)
+                if not freed:
+                    break
+                m, a, t = self._shed_measured(m + a - freed, 0, t)
+            if m + a + need > budget:
+                self._used_write(fd, m, a, t)
+                raise SpoolFull(self._at_budget(self.budget_bytes(), m + a,
+                                                items))
+            self._used_write(fd, m, a + need, t)
+        finally:
+            os.close(fd)
+
+    def budget_takes(self, size):
+        """May the owner write `size` bytes of its own (the reserve) under
+        the budget?  Added to the figure when it may; no shed for it."""
+        budget = self.budget_bytes()
+        fd = self._used_lock() if budget is not None else None
+        if fd is None:
+            return True
+        try:
+            rec = self._used_read(fd)
+            if rec is None or rec[0] + rec[1] + size > budget - _SPARE * \
+                    self._block():
+                return False
+            self._used_write(fd, rec[0], rec[1] + size, rec[2])
+            return True
+        finally:
+            os.close(fd)
+
+    def _at_budget(self, budget, used, items):
+        types = sorted(set(t for t, n in items))
+        return ("spool %s is at its budget %s (%s used): nothing more may "
+                "be shed (dead jobs, and waiting jobs of types with "
+                "overflow=reject, never are); the job of type %s was refused; "
+                "try again later, raise it (myq policy --budget SIZE), or "
+                "let overflow=drop-oldest types give way"
+                % (self.path, _format_size(budget), _format_size(used),
+                   ",".join(types)))
+
+    def keep_budget(self):
+        """The worker's walk (every BUDGET_EVERY seconds): the figure
+        measured anew, and what is over the budget shed."""
+        budget = self.budget_bytes()
+        fd = self._used_lock()
+        if fd is None and not _lexists(self.d("locks", "used")):
+            try:
+                _create_empty(self.d("locks", "used"))
+            except OSError:
+                pass
+            fd = self._used_lock()
+        if fd is None:
+            return
+        try:
+            m = self.measure()
+            if budget is not None:
+                budget -= _SPARE * self._block()
+            for _ in range(8):
+                if budget is None or m <= budget:
+                    break
+                freed = self.shed(m - budget, records=True)
+                if not freed:
+                    break
+                m = self._shed_measured(m - freed, 0, 0)[0]
+            self._used_write(fd, m, 0, _now())
+        finally:
+            os.close(fd)
+
+    def _shed_measured(self, m, a, t):
+        """(measured, added, when) after a shed: `m` is the figure with the
+        bytes of the files removed taken off (the SQLite store measures
+        its pages again)."""
+        return m, a, t
+
+    def shed(self, need, records=False):
+        """Free at least `need` bytes if that can be done, in the budget's
+        order; the bytes freed.  `records`: the worker's walk, which also
+        removes the idempotency records past their window (a producer
+        leaves them: empty files, they free no block, and there may be
+        100,000 to look at)."""
+        freed = self._shed_done(need)
+        if freed < need and (records or not self._EXACT):
+            freed += self._shed_records(need - freed)
+        if freed < need:
+            freed += self._shed_waiting(need - freed)
+        return freed
+
+    def _shed_done(self, need):
+        """Retention of done/ before its time, oldest first."""
+        old = []
+        for e in _scandir(self.d("done")):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            old.append((st.st_ctime, e.name, st.st_blocks * 512))
+        old.sort()
+        freed = n = 0
+        for t, name, size in old:
+            if freed >= need:
+                break
+            if self._remove("done", self.d("done", name)):
+                freed, n = freed + size, n + 1
+        if n:
+            self.log("pruned", reason="budget", what="done", n=n)
+        return freed
+
+    def _shed_records(self, need):
+        """Idempotency records past their window (prune's, sooner)."""
+        now, n = _now(), 0
+        for t, name in list(self._aged("locks/ok", "mtime")):
+            if now - t > self.opt["dedupe_window"]:
+                n += self._remove("locks/ok", self.d("locks", "ok", name))
+        if n:
+            self.log("pruned", reason="budget", what="ok", n=n)
+        return 0                # (empty files: an entry each, no block)
+
+    def _sheddable(self):
+        """[(priority, made, name, bytes, lane, type)] of the waiting jobs
+        of drop-oldest types, in the order they are shed."""
+        now, out = _now(), []
+        for t in sorted(set(l[1] for l in self.lanes())):
+            if self.rules(t).get("overflow") == "drop-oldest":
+                out.extend((w[0], self._made(w, now), w[2], self._freed(w[3]),
+                            w[4], t) for w in self._waiting_of(t))
+        out.sort()
+        return out
+
+    def _shed_waiting(self, need):
+        """Waiting jobs of drop-oldest types: lowest priority first, then
+        the earliest made, across types (logged, counted)."""
+        freed, by_type = 0, {}
+        dirs = self.fs
+        for p, made, name, size, sub, t in self._sheddable():
+            if freed >= need:
+                break
+            if not self._drop_waiting(sub, name, dirs):
+                continue        # claimed meanwhile: it is not waiting
+            freed += size
+            by_type[t] = by_type.get(t, 0) + 1
+            self.log("dropped", id=name[:-5], type=t, reason="budget")
+        for t, n in sorted(by_type.items()):
+            self.count(("dropped", "dropped_budget"), t, n)
+        return freed
+
+    # Arrivals and deliveries (locks/rates) -----------------------------------
+    #
+    # One line per event group, appended with one O_APPEND write (no fsync,
+    # a statistic): "TIME a TYPE N BYTES" by a producer for the jobs of one
+    # enqueue, "TIME d TYPE N" by a worker for what it delivered since its
+    # last group commit.  Producers of the spool's group may append (the
+    # file is 0660); a line that does not parse is skipped.  The worker
+    # compacts it (one line per 10 seconds and type, the last RATE_WINDOW
+    # seconds kept) once it passes 64 KiB.
+
+    def note_arrivals(self, counts):
+        """A producer's arrivals {TYPE: (N, BYTES)}: appended at once, but
+        within a second of the last append kept and added to the next (or
+        written at exit): a producer that enqueues many opens the file
+        once a second, not once a job."""
+        mono, held = _mono(), self.__dict__.get("_arrivals")
+        if held is None:
+            held = self._arrivals = {}
+            import atexit
+            atexit.register(self.flush_arrivals)
+        for k, (n, b) in counts.items():
+            c = held.get(k, (0, 0))
+            held[k] = (c[0] + n, c[1] + b)
+        if mono - self.__dict__.get("_arrived_at", -1e9) >= 1.0:
+            self.flush_arrivals()
+
+    def flush_arrivals(self):
+        held = self.__dict__.get("_arrivals")
+        if held:
+            self._arrivals, self._arrived_at = {}, _mono()
+            self.note_rates("a", held)
+
+    def note_rates(self, kind, counts, now=None):
+        """Append {TYPE: (N, BYTES)} of `kind` ("a" or "d") to locks/rates."""
+        if not counts:
+            return
+        t = int(_now() if now is None else now)
+        data = b"".join(b"%d %s %s %d %d\n" % (t, kind.encode(), k.encode(),
+                                               n, b)
+                        for k, (n, b) in counts.items())
+        try:
+            fd = _open_reg(self.d("locks", "rates"), os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            return              # (none yet, or not this user's to write)
+        try:
+            os.write(fd, data)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def complete(self, c):
+        """A worker's success (Claims.complete), counted for locks/rates."""
+        ok = self.claims.complete(c)
+        if ok:
+            d = self.__dict__.setdefault("_delivered", {})
+            t = c.job["type"]
+            d[t] = d.get(t, 0) + 1
+        return ok
+
+    def note_delivered(self):
+        """The deliveries counted since the last call, into locks/rates."""
+        d = self.__dict__.get("_delivered")
+        if d:
+            self._delivered = {}
+            self.note_rates("d", dict((t, (n, 0)) for t, n in d.items()))
+
+    def upkeep_budget(self, now):
+        """A worker's turn (`now`: its monotonic clock): the deliveries
+        into locks/rates each second; each BUDGET_EVERY seconds (or 100
+        times what the last took) the walk (keep_budget, with a budget)
+        and the rates compacted."""
+        t = self.__dict__.get("_upkept") or (-1e9, -1e9)
+        if now - t[0] < 1.0:
+            return
+        self.note_delivered()
+        if now >= t[1]:
+            # (a walk costs a stat a file: at most 1 % of the time)
+            try:
+                if self.budget_bytes() is not None:
+                    self.keep_budget()
+                self.compact_rates()
+            except (OSError, MyqError) as e:
+                self.log("error", during="budget", error=str(e))
+            t = (now, max(now + BUDGET_EVERY, 101 * _mono() - 100 * now))
+        self._upkept = (now, t[1])
+
+    def _rate_lines(self, now, since):
+        """(time, kind, type, n, bytes) of the lines in locks/rates after
+        `since`."""
+        data = _read_small(self.d("locks", "rates"), 4 << 20, tail=True)
+        for line in (data or b"").split(b"\n"):
+            f = line.split()
+            if len(f) != 5 or f[1] not in (b"a", b"d"):
+                continue
+            try:
+                t, n, b = int(f[0]), int(f[3]), int(f[4])
+                k = f[2].decode("ascii")
+            except (ValueError, UnicodeError):
+                continue
+            if since < t <= now + 1 and n >= 0 and b >= 0 and _is_name(k):
+                yield t, f[1], k, n, b
+
+    def rates(self, now=None):
+        """{TYPE: [arrived, their bytes, delivered, the first delivery's
+        time]} over RATE_WINDOW."""
+        now = _now() if now is None else now
+        self.flush_arrivals()
+        out = {}
+        for t, kind, k, n, b in self._rate_lines(now, now - RATE_WINDOW):
+            r = out.setdefault(k, [0, 0, 0, None])
+            if kind == b"a":
+                r[0] += n
+                r[1] += b
+            elif n:
+                r[2] += n
+                r[3] = t if r[3] is None or t < r[3] else r[3]
+        return out
+
+    def compact_rates(self, now=None):
+        """locks/rates past 64 KiB: one line per 10 s, kind and type."""
+        path = self.d("locks", "rates")
+        now = _now() if now is None else now
+        try:
+            if _lstat(path).st_size < 65536:
+                return
+        except OSError:
+            if not _lexists(path):
+                try:
+                    _create_empty(path, 0o660)
+                except OSError:
+                    pass
+            return
+        sums = {}
+        for t, kind, k, n, b in self._rate_lines(now, now - RATE_WINDOW - 60):
+            s = sums.setdefault((t - t % 10, kind, k), [0, 0])
+            s[0] += n
+            s[1] += b
+        try:
+            _replace(path, b"".join(b"%d %s %s %d %d\n" % (t, kind, k.encode(),
+                                                            n, b)
+                                    for (t, kind, k), (n, b) in sorted(
+                                        sums.items())), mode=0o660)
+        except OSError:
+            pass
+
+    # Capacity (myq-spool(5) CAPACITY) -----------------------------------------
+
+    def _waiting_types(self, now):
+        """{TYPE: [jobs, bytes, the earliest created_at]} of what waits."""
+        out = {}
+        self._lane_waiting(now, out)
+        self._inbox_waiting(now, out)
+        return out
+
+    @staticmethod
+    def _add_waiting(out, t, size, made):
+        w = out.setdefault(t, [0, 0, None])
+        w[0] += 1
+        w[1] += size
+        if made is not None and (w[2] is None or made < w[2]):
+            w[2] = made
+
+    def _lane_waiting(self, now, out):
+        for t in sorted(set(l[1] for l in self.lanes())):
+            for w in self._waiting_of(t):
+                self._add_waiting(out, t, w[3], self._made(w, now))
+
+    def _inbox_waiting(self, now, out):
+        """The files at the top of incoming/, each read once (its type is
+        inside; kept by name, inode and size while it stays)."""
+        seen, keep = self.__dict__.get("_inbox") or {}, {}
+        for e in _scandir(self.d("incoming")):
+            if not e.name.endswith(".json"):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            key = (e.name, st.st_ino, st.st_size)
+            got = seen.get(key)
+            if got is None:
+                try:
+                    job = parse(self.read_file(self.d("incoming", e.name))[0])[0]
+                    made = job.get("created_at")
+                    got = (job["type"], made if made.__class__ in _NUM
+                           else st.st_mtime)
+                except (OSError, MyqError, ValueError, TypeError, KeyError,
+                        AttributeError):
+                    continue
+            keep[key] = got
+            self._add_waiting(out, got[0], st.st_size, got[1])
+        self._inbox = keep
+
+    def capacity(self, now=None, types=True):
+        """The spool's budget_bytes, used_bytes, outage_capacity_s, and with
+        `types` each type's waiting, oldest_s, arrival_per_s,
+        delivered_per_s and est_drain_s (myq-spool(5) CAPACITY)."""
+        now = _now() if now is None else now
+        rates = self.rates(now)
+        budget = self.budget_bytes()
+        used = self.used_bytes(0)       # (walked: the figure set right)
+        room = max(0, budget - used) if budget is not None else self._free()[1]
+        per_s = sum(r[1] for r in rates.values()) / RATE_WINDOW
+        out = {"budget_bytes": budget, "used_bytes": used,
+               "outage_capacity_s": int(room / per_s) if per_s > 0 else None}
+        if not types:
+            return out
+        waiting, per = self._waiting_types(now), {}
+        for t in sorted(set(waiting) | set(rates)):
+            jobs, size, first = waiting.get(t, (0, 0, None))
+            a, _, d, since = rates.get(t, (0, 0, 0, None))
+            # the drain at the rate since deliveries (re)started within
+            # the window: after an outage, not its zeros averaged in
+            span = min(RATE_WINDOW, max(10.0, now - since + 1)) if d else 0
+            per[t] = {"waiting": {"jobs": jobs, "bytes": size},
+                      "oldest_s": int(max(0, now - first)) if first else 0,
+                      "arrival_per_s": round(a / RATE_WINDOW, 4),
+                      "delivered_per_s": round(d / RATE_WINDOW, 4),
+                      "est_drain_s": int(round(jobs * span / d)) if d else None}
+        out["types"] = per
+        return out
+
+    def capacity_problem(self, warn):
+        """check --warn-capacity: why the outage capacity is short, or None."""
+        cap = self.capacity(types=False)
+        s = cap["outage_capacity_s"]
+        if s is None or s >= warn:
+            return None
+        return ("outage capacity is %s (below --warn-capacity %s): at the "
+                "arrivals of the last 10 minutes, %s can take that much more "
+                "with nothing delivered; raise the budget (myq policy --budget), "
+                "free space, or let types give way (overflow=drop-oldest, ttl)"
+                % (_format_duration(s), _format_duration(warn),
+                   "the budget" if cap["budget_bytes"] is not None
+                   else "the free space above --min-free"))
+
+    def dropped_by(self, tot=None):
+        """{TYPE: {REASON: N}}: budget, overflow (a type's bound), ttl."""
+        tot = self.totals() if tot is None else tot
+        out = {}
+        for key, reason in (("dropped_budget", "budget"),
+                            ("dropped_overflow", "overflow"), ("expired", "ttl")):
+            for t, n in tot.get(key, {}).items():
+                if n:
+                    out.setdefault(t, {})[reason] = n
+        return out
+
+
+class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
     """One queue: the directory layout and every move of a job file.
     Spool(path) is the class of the store the spool records (SPOOL/store:
     "sqlite" for the SQLite store; none for files)."""
@@ -5259,6 +5920,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
     def close(self):
         """What this object keeps open of the spool, closed (a worker's run
         ends with it); the spool of files keeps nothing between calls."""
+        self.note_delivered()
 
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
@@ -5329,6 +5991,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                 except FileExistsError:
                     pass
             self._init_token(fds[""], ids)
+            _records_made(fds["locks"], ids)
             if ids:
                 _give_layout(fds, ids)
                 for fd in fds.values():
@@ -5564,10 +6227,11 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
         policy.json and renamed over it, so concurrent calls lose nothing.
         Returns the whole new policy."""
         self.require()
-        if name != "*":
+        own = Policy.SPOOL_KEYS if name == SPOOL_POLICY else None
+        if name not in ("*", SPOOL_POLICY):
             _check_name(name, "type")
-        changes = dict((k, Policy.value(k, v) if v is not None or
-                        k not in Policy.KEYS else None)
+        changes = dict((k, Policy.value(k, v, own) if v is not None or
+                        k not in (own or Policy.KEYS) else None)
                        for k, v in changes.items())
         try:
             fd = _lock(self.d("locks", "policy.lock"))
@@ -5670,7 +6334,8 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
         if home is None:
             q = rules.get("priority", 0) if p is None else p
             if q == 0 and not any(k in rules for k in _LANE_KEYS) \
-                    and t not in self.lane_types:
+                    and t not in self.lane_types \
+                    and rules.get("overflow") != "drop-oldest":
                 home = "incoming"
             else:
                 home = "%s/%s@%d" % (LANES, t, q)
@@ -5773,8 +6438,9 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                 continue        # claimed meanwhile: it is not waiting
 
             n, b = n - 1, b - sz
-            self.log("dropped", id=name[:-5], type=type, why=bound)
-            self.count("dropped", type)
+            self.log("dropped", id=name[:-5], type=type, reason="overflow",
+                     why=bound)
+            self.count(("dropped", "dropped_overflow"), type)
         return None
 
     def _drop_waiting(self, sub, name, dirs):
@@ -5795,10 +6461,10 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
             return
         try:
             tot = self.totals()
-            d = tot.setdefault(what, {})
-            if type not in d and len(d) >= 1000:
-                type = "-"          # bounded: the rest under one name
-            d[type] = d.get(type, 0) + n
+            for w in what if isinstance(what, tuple) else (what,):
+                d = tot.setdefault(w, {})
+                k = type if type in d or len(d) < 1000 else "-"
+                d[k] = d.get(k, 0) + n      # (bounded: the rest under "-")
             _replace(self.d("locks", "totals.json"),
                      json.dumps(tot, sort_keys=True).encode("utf-8"))
         except (OSError, MyqError):
@@ -5811,7 +6477,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
         """{"dropped"|"expired"|"rejected"|"removed"|"refused": {TYPE: N}}
         (refused: what intake refused at arrival, myq(1) INTAKE)."""
         out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {},
-               "refused": {}}
+               "refused": {}, "dropped_budget": {}, "dropped_overflow": {}}
 
         data = _read_small(self.d("locks", "totals.json"), 1 << 20)
         try:
@@ -5828,14 +6494,16 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
 
     def status_line(self, now=None):
         now = _now() if now is None else now
-        s = self.stats(now)
+        s = self.stats(now, types=False)
         return iso(now, frac=False) + " queue=" + _plain(s["queue"], _FIELD) + "".join(
             " %s=%d" % (k, s[k]) for k in (
                 "ready", "processing", "done", "dead", "oldest_ready_s",
                 "retries_1m", "scheduled", "failed", "free_kb", "dropped",
                 "expired", "rejected", "removed", "refused")) + " paused=%s held=%s" % (
             ",".join(s["paused"]) or "-",
-            ",".join(_plain(h["dest"], _FIELD) for h in s["held"]) or "-")
+            ",".join(_plain(h["dest"], _FIELD) for h in s["held"]) or "-") + \
+            " capacity_s=%s" % (s["outage_capacity_s"] if s["outage_capacity_s"]
+                                is not None else "-")
 
     def retries_1m(self, now=None):
         now = _now() if now is None else now
@@ -6022,6 +6690,11 @@ def _read_only_fs(path):
         return bool(os.statvfs(path).f_flag & getattr(os, "ST_RDONLY", 1))
     except OSError:
         return False
+
+
+def _wal_bytes(pages):
+    """The bytes of a log of `pages` 1 KiB pages (its header, a frame's)."""
+    return 32 + pages * (1024 + 24) if pages else 0
 
 
 def _row_values(sp, job, status, lane, now, **more):
@@ -6756,14 +7429,15 @@ class _SqlUpkeep(object):
         """Below a guard (make_space) the log is checkpointed at 16 pages,
         not SQLite's 1,000 (a MiB it would need free), and at once: its
         next commits go to its own first blocks, not to new ones the full
-        disk no longer has; back to 1,000 once the reserve is set aside
-        again (keep_room)."""
+        disk no longer has; back to 1,000 (or the budget's cap) once the
+        reserve is set aside again (keep_room)."""
         if not small and not self.__dict__.get("_small"):
             return
         with self._mutex:
             try:
                 db = self._db()
-                db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else 1000))
+                db.execute("PRAGMA wal_autocheckpoint=%d" % (
+                    16 if small else self._wal_cap() or 1000))
                 if small:
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 self._small = small
@@ -6782,7 +7456,9 @@ class _SqlUpkeep(object):
         with self._mutex:
             db = self._db()
             try:
-                db.execute("PRAGMA incremental_vacuum").fetchall()
+                # (sqlite3_exec, which steps it to its end: execute() and
+                # fetchall() step it once, and free one page)
+                db.executescript("PRAGMA incremental_vacuum;")
                 db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             except _sqlite3().Error as e:
                 raise _db_error(self, e)
@@ -7080,9 +7756,13 @@ class SqlSpool(_SqlUpkeep, Spool):
             db.execute("PRAGMA synchronous=FULL")
         db.execute("SELECT 1 FROM jobs LIMIT 0").fetchall()    # (-wal, -shm)
         _cloexec_files(path)
+        if not read_only:
+            self.__dict__.pop("_cap_set", None)     # (a new connection)
+            self._log_limits(db)
         return db
 
     def close(self):
+        self.note_delivered()
         self.fs.release()
         with self._mutex:
             db, self._conn = self._conn, None
@@ -7225,18 +7905,21 @@ class SqlSpool(_SqlUpkeep, Spool):
         except (ValueError, TypeError, RecursionError, UnicodeError):
             return Spool.enqueue(self, type, payload, None, 0, None, None, sync)
         self._insert_one(_INSERT_NEW, (jid, self.name, type, pj, now, now, now,
-                                       size), size, sync)
+                                       size), size, sync, type)
         return jid
 
-    def _insert_one(self, sql, args, size, sync):
+    def _insert_one(self, sql, args, size, sync, type):
         """One new row waiting in incoming/ (`size`: its file's bytes),
-        under the disk guard, in its own commit; a worker woken."""
+        under the disk guard and the budget, in its own commit; a worker
+        woken."""
         problem = self._room_for((size,))
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         try:
+            self._charge(((type, size),))
             self._write(sql, args, sync, fresh=True)
             self.poke(often=True)
+            self.note_arrivals({type: (1, self._cost(size))})
         finally:
             self.fs.release()
 
@@ -7249,7 +7932,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         v = _row_values(self, job, "ready", "incoming", _now(), size=len(data))
         self._insert_one("INSERT INTO jobs(%s) VALUES(%s)" % (
             ",".join(v), ",".join("?" * len(v))), tuple(v.values()), len(data),
-            sync)
+            sync, job["type"])
         return job["id"]
 
     def _enqueue(self, todo, sync, refused=None, done=None):
@@ -7263,6 +7946,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        self._charge([(t[0]["type"], len(t[1])) for t in todo])
         done = [] if done is None else done
         now = _now()
         rows = []
@@ -7301,6 +7985,7 @@ class SqlSpool(_SqlUpkeep, Spool):
             self._placed(self._insert(rows, sync, dup), rows, done)
             if done:
                 self.poke(often=True)
+                self._arrived(todo, done)
         finally:
             self.fs.release()
         return [jid for jid, _ in done]
@@ -7526,6 +8211,109 @@ class SqlSpool(_SqlUpkeep, Spool):
     def _drop_waiting(self, sub, name, dirs):
         return self._write("DELETE FROM jobs WHERE id=? AND status='ready' AND "
                            "lane=?", (name[:-5], sub)) == 1
+
+    # The budget (myq-spool(5) BUDGET) ---------------------------------------------------
+
+    _EXACT = False
+
+    def _cost(self, size):
+        """A new row, never less: the 1 KiB pages its commit writes (its
+        row's, with overflow pages of about 1,000 bytes each, and three of
+        the table's and its indexes'), once in the log (each with its
+        frame's header) and once in the database, where they may be new."""
+        pages = -(-(size + 100) // 1000) + 3
+        return pages * (2 * 1024 + 24) + _ENTRY
+
+    def _freed(self, size):
+        """A row deleted: its own pages (the next walk says how many)."""
+        return -(-(size + 100) // 1000) * 1024
+
+    def _log_limits(self, db):
+        """With a budget, the log is checkpointed at a 32nd of it (16 to
+        1,000 pages; SQLite's 1,000 without one) and cut back to that
+        after: what the workers' commits write there stays within what
+        measure() counts for it.  (Below a guard, _small_log's 16.)"""
+        cap = self._wal_cap()
+        if cap == self.__dict__.get("_cap_set", 0):
+            return
+        try:
+            small = self.__dict__.get("_small")
+            db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else cap or 1000))
+            db.execute("PRAGMA journal_size_limit=%d" % (
+                _wal_bytes(cap) if cap else -1)).fetchall()
+            self._cap_set = cap
+        except _sqlite3().Error:
+            pass                # (the next walk tries again)
+
+    def _wal_cap(self):
+        b = self.budget_bytes()
+        return None if b is None else max(16, min(1000, b // 32768))
+
+    def measure(self):
+        """Spool.measure, the log counted at least at its cap (what the
+        workers' commits may write there before the next checkpoint);
+        with a budget, the log first checkpointed and truncated and the
+        database's free pages given back (incremental vacuum), so that
+        what a shed deleted is freed (a walk is rare: at most every
+        BUDGET_FRESH seconds at the budget)."""
+        wal_path = self.d(DB_NAME + "-wal")
+        try:
+            wal = os.lstat(wal_path).st_blocks * 512
+        except OSError:
+            wal = 0
+        cap = self._wal_cap()
+        try:
+            if cap is not None:
+                with self._mutex:
+                    self._log_limits(self._db())
+                if wal:
+                    self._vacuum()
+                    wal = _lstat(wal_path).st_blocks * 512
+        except (MyqError, OSError):
+            pass                # (busy: measured as it is)
+        return Spool.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
+
+    def _shed_measured(self, m, a, t):
+        return self.measure(), 0, _now()
+
+    def _shed_done(self, need):
+        """Done rows before their time, the earliest finished first."""
+        def free(db):
+            rows = db.execute("SELECT id, finished_at, coalesce(size, 0) FROM "
+                              "jobs WHERE status='done' ORDER BY finished_at, "
+                              "id").fetchall()
+            got = n = 0
+            for jid, t, size in rows:
+                if got >= need:
+                    break
+                self._outlive_row(db, jid, t, _now())
+                db.execute("DELETE FROM jobs WHERE id=? AND status='done'", (jid,))
+                got, n = got + size, n + 1
+            return got, n
+        try:
+            got, n = self._tx(free, sync=False)
+        except _DbError:
+            return 0
+        if n:
+            self.log("pruned", reason="budget", what="done", n=n)
+        return got
+
+    def _shed_records(self, need):
+        """`ok` rows past the de-duplication window."""
+        try:
+            n = self._write("DELETE FROM ok WHERE at<=?", (
+                _now() - self.opt["dedupe_window"],), sync=False)
+        except _DbError:
+            return 0
+        if n:
+            self.log("pruned", reason="budget", what="ok", n=n)
+        return 0
+
+    def _lane_waiting(self, now, out):
+        for t, created, size in self._all(
+                "SELECT type, created_at, coalesce(size, 0) FROM jobs WHERE "
+                "queue=? AND status='ready'", (self.name,)):
+            self._add_waiting(out, t, size, created)
 
 
 _STORES["sqlite"] = SqlSpool
@@ -12174,6 +12962,7 @@ class Worker(_Scheduling, _Running, _Holding):
             if full:
                 self._next_full_prune = now + 15 * self.prune_interval
 
+        self.spool.upkeep_budget(now)       # (its own timers)
         if self._stuck:
             self._retry_stuck()
         if not self.runs or self._pending >= 64 or (
@@ -12434,7 +13223,7 @@ class Worker(_Scheduling, _Running, _Holding):
         """Success: done/ (fsync'd by the next group commit).  An I/O error
         leaves it to _retry_stuck."""
         try:
-            ok = self.spool.claims.complete(c)
+            ok = self.spool.complete(c)     # (counted: locks/rates)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
             self._stuck.append(lambda: self._complete(c, kv))
@@ -14154,11 +14943,19 @@ def _add_options(p, table, shown=None):
 # One parser builder per command: its own arguments, after the worker and
 # guard options that _add_command gives it.
 
+def _budget_arg(text):
+    """--budget SIZE, or "" (none)."""
+    return _arg(Policy.SPOOL_KEYS["budget"])(text) if text != "" else ""
+
+
 def _args_init(p):
     p.add_argument("--owner", help="chown the layout to USER[:GROUP] (a "
                    "GROUP: the producers', tmp/ and incoming/ g+ws,+t)")
     p.add_argument("--name", help="the queue's name (default: the "
                    "directory's), for the status line and metrics")
+    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
+                   help="cap everything the spool keeps on its filesystem "
+                   "(myq(1) budget; default none, an empty value removes it)")
     p.add_argument("--store", choices=("files", "sqlite"), default=None,
                    help="where a new spool keeps its jobs: a file each "
                    "(default) or one SQLite database, queue.db")
@@ -14279,6 +15076,9 @@ def _args_prune(p):
 def _args_check(p):
     p.add_argument("--json", action="store_true",
                    help='one JSON object: {"ok", "spool", "problems"}')
+    p.add_argument("--warn-capacity", type=_arg(DURATION), default=3600.0,
+                   metavar="DURATION", help="report an outage capacity "
+                   "(stats outage_capacity_s) below it (default 1h)")
 
 
 def _args_policy(p):
@@ -14288,6 +15088,10 @@ def _args_policy(p):
     p.add_argument("--default", action="store_true",
                    help="the default rules, for every type without its own "
                    "value (shown as *)")
+    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
+                   help="the spool's budget: everything it keeps on its "
+                   "filesystem (shown as %s budget=; an empty value removes "
+                   "it)" % SPOOL_POLICY)
     p.add_argument("--json", action="store_true",
                    help="the policy as one JSON object")
 
@@ -14875,6 +15679,8 @@ def _cmd_init(a):
     sp = a.spool.init(owner=a.args.owner, store=a.args.store)
     if a.args.name is not None:
         sp.set_name(a.args.name)
+    if a.args.budget is not None:
+        sp.set_policy(SPOOL_POLICY, {"budget": a.args.budget or None})
     low = a.spool.free_problem()
     if low:                 # the spool is there; workers will wait
         sys.stderr.write("myq: warning: %s\n" % low)
@@ -14918,6 +15724,8 @@ def _cmd_policy(a):
                 Policy.value(k, v)          # the error that names the keys
             changes[k] = v if v != "" else None
         sp.set_policy(name, changes)
+    if args.budget is not None:
+        sp.set_policy(SPOOL_POLICY, {"budget": args.budget or None})
     sp._pol_next = 0.0
     pol = sp.policy()
     if sp.policy_error and not pairs:
@@ -15129,6 +15937,11 @@ def _cmd_prune(a):
 
 def _cmd_check(a):
     problems = a.spool.check()
+    try:
+        short = a.spool.capacity_problem(a.args.warn_capacity)
+    except (OSError, MyqError):
+        short = None
+    problems += [short] if short else []
     if a.args.json:
         _print(json.dumps({"ok": not problems, "spool": a.spool.path,
                            "problems": problems}))
