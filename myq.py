@@ -5921,6 +5921,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         """What this object keeps open of the spool, closed (a worker's run
         ends with it); the spool of files keeps nothing between calls."""
         self.note_delivered()
+        self.fs.release()
 
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
