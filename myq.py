@@ -9738,13 +9738,21 @@ class HttpHandler(Handler):
         todo = list(range(first, len(urls)))
         end = _mono() + t if run.deadline is None else min(_mono() + t,
                                                            run.deadline)
+        failed = None
         while todo:
             i = todo.pop(0)
-            if todo and i != first and worker._holds.get(dests[i], 0) > _now():
-                continue        # held: not tried, unless it is the last
+            if i != first and worker._holds.get(dests[i], 0) > _now():
+                # held, the last too: none of a held destination's jobs
+                # start but its probe; when every one after the failure is
+                # held, the run ends with that failure, where it was
+                if todo:
+                    continue
+                raise failed
             share = max(0.05, (end - _mono()) / (1 + len(todo)))
             sent = [dict(j, payload={"url": urls[i], "body": j["payload"],
                                      "timeout": share}) for j in jobs]
+            if i != first:
+                run.failovers.append((run.dest, failed))
             run.dest = dests[i]
             try:
                 return self._send(worker, run, sent, rules, batched, share)
@@ -9752,12 +9760,18 @@ class HttpHandler(Handler):
                 if not todo or end - _mono() < 0.1 or run.timed_out \
                         or run.released:
                     raise
-                run.failovers.append((dests[i], e))
+                failed = e
 
 
 def _dests_of(urls, type):
     """The breaker's destinations of a type's `url` list, in order."""
     return [url_origin(u) or type for u in urls.split()]
+
+
+def _url_dests(pol):
+    """The destinations that a policy's `url` keys name, as a set."""
+    return set(d for t, keys in pol.items() if keys.get("url")
+               for d in _dests_of(keys["url"], t))
 
 
 class MqttHandler(Handler):
@@ -9805,13 +9819,16 @@ class MqttHandler(Handler):
         dests = [c.dest if c is not None else None for c in clients]
         first = dests.index(run.dest) if run.dest in dests else 0
         todo = list(range(first, len(clients)))
+        failed = None
         while sent and todo:
             i = todo.pop(0)
-            if todo and i != first and worker._holds.get(dests[i], 0) > _now():
-                continue
+            if i != first and worker._holds.get(dests[i], 0) > _now():
+                continue        # held, the last too (HttpHandler._failover)
             share = None
             if todo and run.deadline is not None:
                 share = max(0.05, (run.deadline - _mono()) / (1 + len(todo)))
+            if failed is not None:
+                run.failovers.append((run.dest, failed))
             if len(clients) > 1:
                 run.dest = dests[i]
             res = worker.mqtt_batch(sent, run, clients[i], share)
@@ -9821,7 +9838,7 @@ class MqttHandler(Handler):
                     if isinstance(e, DestinationDown)]
             if not left or not todo or run.timed_out or run.released:
                 return
-            run.failovers.append((dests[i], res[left[0]]))
+            failed = res[left[0]]
             sent, where = [sent[k] for k in left], [where[k] for k in left]
 
 
@@ -10977,7 +10994,17 @@ class _Holding(object):
         self._load_holds()
         if before is not self._holds and set(before) - set(self._holds):
             self.dirty = True       # released by another worker
-        if before is not self._holds:
+        pol = self.spool.policy()
+        if pol is not self._pol_seen:
+            # a type's `url` changed: a held destination no type names
+            # any more ends, its jobs ready to go where their type goes now
+            if self._pol_seen is not None:
+                for d in _url_dests(self._pol_seen) - _url_dests(pol):
+                    if d in self._holds:
+                        self._unname(d)
+            self._pol_seen = pol
+            self._failover_lanes()
+        elif before is not self._holds:
             self._failover_lanes()
         key, now = self._handlers_key(), _mono()
         if self._held and (key != self._handlers_seen or now >= self._handlers_next):
@@ -10989,12 +11016,19 @@ class _Holding(object):
 
     # Failover (myq(1) policy `url`): a type's destinations, in order.
 
+    _pol_seen = None        # the policy _failover_lanes last saw
+
     def _pick_dest(self, dests, job, run=None):
         """Where a start of `job` goes: the first of `dests` not held; a
         held one whose probe is due takes this start as its probe (run.
         probe), so that a destination that is back gets new starts again;
-        all held: the one due first (the start then waits for it)."""
+        all held: the one due first (the start then waits for it).  A
+        probe of one that is no longer the type's (`myq policy` changed
+        its `url`) is no probe (_stale_probe)."""
         now = _now()
+        if run is not None and run.probe and run.probe not in dests:
+            self._stale_probe(run.probe)
+            run.probe = None
         if run is not None and run.probe in dests:
             # a lane's probe: unless one before it is free now (released
             # meanwhile), then that one, and no probe
@@ -11021,6 +11055,25 @@ class _Holding(object):
                 run.probe = d
                 return d
         return min(dests, key=lambda d: self._holds.get(d, 0))
+
+    def _stale_probe(self, dest):
+        """A probe of held `dest` took a job whose type no longer goes
+        there: unless a type's `url` or --mqtt still names it, the hold
+        ends (its jobs go where their type goes now, at once), rather
+        than be probed with jobs that never go there, held for ever."""
+        if dest not in _url_dests(self.spool.policy()):
+            self._unname(dest)
+
+    def _unname(self, dest):
+        """Held `dest` is no type's `url` any more (myq(1) failover): the
+        hold ends, unless it is an --mqtt broker.  (Jobs that name it in
+        their own payload find out again: `breaker` failures.)"""
+        if "://" not in dest or dest in [c.dest for c in self._mqtt_clients]:
+            return
+        self.spool.breaker.release(dest)
+        self._holds.pop(dest, None)
+        self.dirty = True
+        self.log("release", dest=dest, why="no type goes there")
 
     def _failover_lanes(self):
         """The holds changed: each lane of a type with destinations to fail

@@ -1,0 +1,120 @@
+"""Where a type's jobs go, reviewed (issue 41, SPEC §10 "Destinations,
+failover, ..." and §9's breaker): the cases an adversarial review of the
+first implementation found wrong, each on both stores.
+
+- a held destination gets none of its jobs but its probe, the last of a
+  type's `url` list too (a failure at A went on to a held B);
+- `myq policy TYPE url=...` changed while the old destination is held:
+  the jobs go to the new one at once, not after the old hold's probes.
+
+The receivers are the suite's HTTP server (_http.Server, on 127.0.0.1);
+waiting is on a worker's --drain ending or on what a server received.
+"""
+import json
+
+import pytest
+
+from _core import FAST, call_myq, run_myq, wait_for
+from _http import answer, http_servers  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.parametrize("store", ["files", "sqlite"],
+                                     indirect=True)
+
+
+def policy(spool, *args):
+    cp = call_myq("--spool", spool, "policy", *args)
+    assert cp.returncode == 0, cp.stderr
+    return cp
+
+
+def enqueue(spool, type_, body):
+    cp = call_myq("--spool", spool, "enqueue", type_, body)
+    assert cp.returncode == 0, cp.stderr
+    return cp.stdout.strip()
+
+
+def drain(spool, *opts, log=None):
+    extra = ("--log", str(log)) if log else ()
+    cp = run_myq("--spool", spool, "worker", "--drain", *(FAST + extra + opts))
+    assert cp.returncode == 0, cp.stderr
+    return cp
+
+
+def listed(spool, state):
+    cp = call_myq("--spool", spool, "list", state, "--json")
+    assert cp.returncode == 0, cp.stderr
+    return [json.loads(line) for line in cp.stdout.splitlines()]
+
+
+def stats(spool):
+    return json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
+
+
+def down(h):
+    answer(h, 503, b"down")
+
+
+def test_a_failure_at_a_never_sends_the_job_to_a_held_b(
+        spool, http_servers, tmp_path):
+    """B is held (another type's failures): a job of `url=A B` that fails
+    at A waits for the holds; B, the last, gets nothing of it (before:
+    it was sent to B, held, because B was the last)."""
+    a, b = http_servers(default=down), http_servers(default=down)
+    policy(spool, "other", "url=" + b.url("/x"))
+    for i in range(3):
+        enqueue(spool, "other", '{"n": %d}' % i)
+    drain(spool)
+    assert len(b.requests) == 3
+    assert [h["dest"] for h in stats(spool)["held"]] == [b.origin()]
+    policy(spool, "tele", "url=%s %s" % (a.url("/in"), b.url("/in")))
+    jid = enqueue(spool, "tele", '{"t": 1}')
+    log = tmp_path / "w.log"
+    drain(spool, log=log)
+    assert len(a.requests) == 1
+    assert len(b.requests) == 3, [r["path"] for r in b.requests]
+    assert "event=failover" not in log.read_text()
+    job = json.loads(call_myq("--spool", spool, "show", jid).stdout)
+    assert job["state"] != "done" and job["attempts"] <= 1, job
+
+
+def test_both_destinations_failing_cost_a_job_one_attempt_at_most(
+        spool, http_servers, tmp_path):
+    """A and B both answer 503: every job is tried at A then B until both
+    are held; no job spends more than one attempt, none is dead, both
+    destinations are held and stats say so."""
+    a, b = http_servers(default=down), http_servers(default=down)
+    policy(spool, "tele", "url=%s %s" % (a.url("/in"), b.url("/in")),
+           "breaker=3")
+    ids = [enqueue(spool, "tele", '{"n": %d}' % i) for i in range(8)]
+    drain(spool, "--max-attempts", "2", log=tmp_path / "w.log")
+    assert len(a.requests) == len(b.requests) == 3
+    assert listed(spool, "dead") == []
+    for jid in ids:
+        job = json.loads(call_myq("--spool", spool, "show", jid).stdout)
+        assert job["attempts"] <= 1, job
+    st = stats(spool)
+    assert [d["state"] for d in st["destinations"]["tele"]] == ["held", "held"]
+
+
+def test_a_url_changed_while_its_destination_is_held_goes_there_at_once(
+        spool, http_servers, procs, tmp_path):
+    """A is down and held (its next probe a minute away) with jobs
+    waiting; `myq policy tele url=B`: a running worker sends them all to
+    B within a poll or two, and A's hold, no type's destination any
+    more, ends (before: they waited for A's probes, one at a time)."""
+    a, b = http_servers(default=down), http_servers()
+    policy(spool, "tele", "url=" + a.url("/in"))
+    ids = [enqueue(spool, "tele", '{"n": %d}' % i) for i in range(6)]
+    log = tmp_path / "w.log"
+    procs.worker(spool, "--poll", "0.05", "--jitter", "0", "--backoff-base",
+                 "60", "--probe-max", "60", log=log)
+    wait_for(lambda: "event=hold" in log.read_text(), what="A held")
+    policy(spool, "tele", "url=" + b.url("/in"))
+    wait_for(lambda: len(b.requests) >= 6, timeout=20,
+             what="the jobs at B")
+    wait_for(lambda: len(listed(spool, "done")) == 6, what="all done")
+    assert sorted(r["headers"]["Idempotency-Key"] for r in b.requests) \
+        == sorted(ids)
+    assert len(a.requests) == 3
+    assert stats(spool)["held"] == []
+    assert "event=release dest=%s" % a.origin() in log.read_text()
