@@ -7525,8 +7525,9 @@ class Uplink(object):
         self.rate = float(rate)
         self.window = float(window or UPLINK_WINDOW)
         self.budget = self.rate * self.window
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
         self._sent = []         # [(monotonic time, bytes)], oldest first
+        self._turns, self._seq = [], 0      # the runs that wait, in order
         self.waited = 0.0       # seconds runs waited, in all (tests, bench)
 
     def _delay(self, n, now):
@@ -7546,24 +7547,37 @@ class Uplink(object):
 
     def wait(self, n, run=None):
         """Wait until n bytes may go, book them; the seconds waited.  The
-        run's time limit moves on by each wait before it is waited (the
-        worker's clock of the run must not end it meanwhile): pacing is
-        not the job's time."""
-        start = _mono()
-        while True:
-            with self._lock:
-                d = self._delay(n, _mono())
-            if not d:
-                break
-            if run is not None and (run.timed_out or run.released):
-                break
-            d = min(d, 0.5)
-            if run is not None and run.deadline is not None:
-                run.deadline += d
-            time.sleep(d)
-        waited = _mono() - start
-        if waited > 0.001:
-            with self._lock:
+        runs wait their turns in order (a larger send is not passed for
+        ever by smaller ones that fit in what it leaves).  The run's time
+        limit moves on by each wait before it is waited (the worker's
+        clock of the run must not end it meanwhile): pacing is not the
+        job's time.  A run stopped meanwhile (released at the end of a
+        shutdown's grace, timed out) sends nothing: RetryLater."""
+        cond, start = self._cond, _mono()
+        with cond:
+            self._seq += 1
+            me = self._seq
+            self._turns.append(me)
+            try:
+                while True:
+                    d = 0.5 if self._turns[0] != me else \
+                        self._delay(n, _mono())
+                    if not d:
+                        break
+                    if run is not None and (run.timed_out or run.released):
+                        raise RetryLater(None, "stopped before its turn on "
+                                         "the uplink (--uplink-rate): not sent")
+                    d, t0 = min(d, 0.5), _mono()
+                    if run is not None and run.deadline is not None:
+                        run.deadline += d
+                    cond.wait(d)
+                    if run is not None and run.deadline is not None:
+                        run.deadline -= max(0.0, t0 + d - _mono())
+            finally:
+                self._turns.remove(me)
+                cond.notify_all()
+            waited = _mono() - start
+            if waited > 0.001:
                 self.waited += waited
         return waited
 
@@ -8564,7 +8578,7 @@ def _mqtt_clients(urls, *args, **kw):
     return [_mqtt_client(u, *args, **kw) for u in str(urls).split()]
 
 
-def mqtt_publish(client, jobs, timeout, pace=None):
+def mqtt_publish(client, jobs, timeout):
     """Publish `mqtt` jobs (myq(1) the mqtt type) through `client`, all in flight at
     once: one outcome per job, in order: None when done (QoS 1: its PUBACK
     came; QoS 0: written), a PermanentError for a payload that cannot be
@@ -8580,11 +8594,21 @@ def mqtt_publish(client, jobs, timeout, pace=None):
         except PermanentError as e:
             out[i] = e
     if msgs:
-        if pace is not None:    # --uplink-rate: the payloads' bytes
-            pace(sum(len(m[1]) for m in msgs))
         for i, e in zip(where, client.publish_many(msgs, timeout)):
             out[i] = e
     return out
+
+
+def _mqtt_bytes(jobs):
+    """The bytes of the messages of `jobs` that can be published (what
+    --uplink-rate counts of them)."""
+    n = 0
+    for job in jobs:
+        try:
+            n += len(_mqtt_message(job)[1])
+        except PermanentError:
+            pass
+    return n
 
 
 class _Run(object):
@@ -10399,6 +10423,12 @@ class _Running(object):
         DestinationDown).  With `run`, the connection is cut when the run's
         time is up (_abort); `share`: at most that many seconds of it."""
         client = client or self._mqtt_client
+        up = self.http_pool.uplink
+        if up is not None:
+            # --uplink-rate: the payloads' turn is waited for before the
+            # connection's (other runs and the keep-alive ping are not
+            # kept from it by a wait that is only this run's)
+            up.wait(_mqtt_bytes(jobs), run)
         limit = min(_MQTT.time_limit(j, self.timeout) for j in jobs)
         if share is not None:
             limit = min(limit, share)
@@ -10419,9 +10449,8 @@ class _Running(object):
         try:
             if run is not None:
                 run.conn = client
-            up = self.http_pool.uplink
             return mqtt_publish(client, jobs, max(0.05, limit - (
-                _mono() - start)), up and (lambda n: up.wait(n, run)))
+                _mono() - start)))
         finally:
             if run is not None:
                 run.conn = None

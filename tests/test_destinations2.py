@@ -11,14 +11,16 @@ The receivers are the suite's HTTP server (_http.Server, on 127.0.0.1);
 waiting is on a worker's --drain ending or on what a server received.
 """
 import json
+import os
 
 import pytest
 
 from _core import FAST, call_myq, run_myq, wait_for
 from _http import answer, http_servers  # noqa: F401 (a fixture)
+from _mosquitto import Broker, needs_mosquitto
 
-pytestmark = pytest.mark.parametrize("store", ["files", "sqlite"],
-                                     indirect=True)
+both_stores = pytest.mark.parametrize("store", ["files", "sqlite"],
+                                      indirect=True)
 
 
 def policy(spool, *args):
@@ -54,6 +56,7 @@ def down(h):
     answer(h, 503, b"down")
 
 
+@both_stores
 def test_a_failure_at_a_never_sends_the_job_to_a_held_b(
         spool, http_servers, tmp_path):
     """B is held (another type's failures): a job of `url=A B` that fails
@@ -77,6 +80,7 @@ def test_a_failure_at_a_never_sends_the_job_to_a_held_b(
     assert job["state"] != "done" and job["attempts"] <= 1, job
 
 
+@both_stores
 def test_both_destinations_failing_cost_a_job_one_attempt_at_most(
         spool, http_servers, tmp_path):
     """A and B both answer 503: every job is tried at A then B until both
@@ -96,6 +100,7 @@ def test_both_destinations_failing_cost_a_job_one_attempt_at_most(
     assert [d["state"] for d in st["destinations"]["tele"]] == ["held", "held"]
 
 
+@both_stores
 def test_a_url_changed_while_its_destination_is_held_goes_there_at_once(
         spool, http_servers, procs, tmp_path):
     """A is down and held (its next probe a minute away) with jobs
@@ -118,3 +123,98 @@ def test_a_url_changed_while_its_destination_is_held_goes_there_at_once(
     assert len(a.requests) == 3
     assert stats(spool)["held"] == []
     assert "event=release dest=%s" % a.origin() in log.read_text()
+
+
+# --------------------------------------------------------------------------
+# The uplink's budget (--uplink-rate): what waits for it
+
+class _Run(object):
+    """What Uplink.wait looks at of a run."""
+    timed_out = released = False
+    deadline = float("inf")
+
+
+def test_a_run_released_while_it_waits_for_the_uplink_sends_nothing(
+        http_servers):
+    """A shutdown's grace ran out while a thread's run waited for its
+    turn: the worker put its job back; the request must not go out after
+    that (before: the wait just ended and the body was sent, a second
+    delivery of a job that was back in the queue)."""
+    import threading
+    import myq
+    srv = http_servers()
+    pool = myq.HttpPool(1, uplink=100.0)            # 1,000 B in any 10 s
+    job = {"id": "j1", "type": "t", "payload": {"url": srv.url("/in"),
+                                                "body": "x" * 900}}
+    myq.http_handler(job, pool=pool, timeout=5)     # goes at once
+    run = _Run()
+    timer = threading.Timer(0.3, lambda: setattr(run, "released", True))
+    timer.start()
+    try:
+        with pytest.raises(myq.RetryLater) as e:
+            myq.http_handler(dict(job, id="j2"), pool=pool, timeout=5,
+                             run=run)
+        assert "not sent" in str(e.value)
+    finally:
+        timer.cancel()
+    assert [r["headers"]["Idempotency-Key"] for r in srv.requests] == ["j1"]
+
+
+def test_a_large_send_is_not_passed_for_ever_by_small_ones():
+    """Runs wait their turns in order: a send larger than what a stream of
+    small ones leaves goes once the window is empty, before the small
+    ones that came after it (before: they kept the window busy and it
+    never went while they flowed)."""
+    import threading
+    import myq
+    up = myq.Uplink(100.0, window=1.0)              # 100 B in any 1 s
+    order = []
+    up.wait(10)
+
+    def big():
+        up.wait(150)
+        order.append("big")
+
+    t = threading.Thread(target=big)
+    t.start()
+    while not up._turns:            # (the big one waits its turn)
+        threading.Event().wait(0.01)
+    for i in range(15):
+        up.wait(10)
+        order.append(i)
+    t.join(30)
+    assert "big" in order and order.index("big") < 5, order
+
+
+@needs_mosquitto
+def test_an_mqtt_run_waiting_for_the_uplink_keeps_no_other_from_the_broker(
+        spool, tmp_path, monkeypatch):
+    """Two runs publish through one broker connection under a cap: the
+    one that waits for the uplink does not hold the connection while it
+    waits, so the other is not failed ("no turn on the connection", a
+    destination failure of the pacing's making)."""
+    import threading
+    import myq
+    monkeypatch.setattr(myq, "UPLINK_WINDOW", 3.0)
+    b = Broker(tmp_path / "b").start()
+    try:
+        w = myq.Worker(spool, mqtt=b.url(), uplink_rate=100.0, timeout=1,
+                       log=myq.Log(stream=open(os.devnull, "w")))
+        job = {"id": "j", "payload": {"topic": "t", "message": "x" * 250}}
+        assert w.mqtt_batch([job]) == [None]
+        got = {}
+
+        def first():
+            got["k"] = w.mqtt_batch([dict(job, id="k")])     # waits ~3 s
+
+        t = threading.Thread(target=first)
+        t.start()
+        while not w.http_pool.uplink._turns:
+            threading.Event().wait(0.01)
+        small = {"id": "s", "payload": {"topic": "t", "message": "y"}}
+        got["s"] = w.mqtt_batch([small])
+        t.join(30)
+        assert got == {"k": [None], "s": [None]}, got
+        w._mqtt_client.close()
+    finally:
+        b.stop()
