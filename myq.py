@@ -1967,8 +1967,10 @@ def parse_urls(v):
     if not 1 <= len(urls) <= 8 or len(set(urls)) != len(urls):
         raise ValueError(v)
     for u in urls:
-        if url_origin(u) is None or any(ord(ch) < 33 or ord(ch) == 127
-                                        for ch in u):
+        # (ASCII only: a path that is not would make every job of the type
+        # unsendable, dead; a host that is not, never found: punycode it)
+        if url_origin(u) is None or url_origin(u).endswith(":0") or any(
+                not 33 <= ord(ch) <= 126 for ch in u):
             raise ValueError(v)
     return " ".join(urls)
 
@@ -2066,7 +2068,8 @@ class Policy(object):
                            show=_format_duration),
         "gzip": BOOL,
         "url": Kind(parse_urls, "one or more http or https URLs, in order, "
-                    "space-separated (the first not held is used)",
+                    "space-separated (the first not held is used), at most 8, "
+                    "ASCII (percent-encode a path, punycode a host)",
                     show=_quoted),
         "topic": Kind(parse_topic, "an MQTT topic without + or #",
                       show=_quoted),

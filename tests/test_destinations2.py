@@ -218,3 +218,21 @@ def test_an_mqtt_run_waiting_for_the_uplink_keeps_no_other_from_the_broker(
         w._mqtt_client.close()
     finally:
         b.stop()
+
+
+# --------------------------------------------------------------------------
+# Bad values of `url`
+
+def test_a_url_that_no_job_could_be_sent_to_is_refused(spool):
+    """A path or host that is not ASCII (every job of the type would be
+    unsendable, dead; or its host never found), port 0, more than 8
+    URLs: 64 and nothing changes (before: the first three were taken)."""
+    for bad in ("http://h/\u00e4", "http://b\u00fccher.example/in",
+                "http://h/in?q=\u00fc", "http://h:0/in",
+                " ".join("http://h%d/" % i for i in range(50))):
+        cp = call_myq("--spool", spool, "policy", "tele", "url=" + bad)
+        assert cp.returncode == 64, (bad, cp.stdout)
+        assert "ASCII" in cp.stderr and "url" in cp.stderr
+    assert call_myq("--spool", spool, "policy", "--json").stdout.strip() \
+        in ("{}", "")
+    policy(spool, "tele", "url=http://xn--bcher-kva.example/%C3%A4")
