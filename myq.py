@@ -9763,8 +9763,8 @@ class HttpHandler(Handler):
         dests = _dests_of(rules["url"], jobs[0]["type"])
         first = dests.index(run.dest) if run.dest in dests else 0
         todo = list(range(first, len(urls)))
-        end = _mono() + t if run.deadline is None else min(_mono() + t,
-                                                           run.deadline)
+        base = run.deadline
+        end = _mono() + t if base is None else min(_mono() + t, base)
         failed = None
         while todo:
             i = todo.pop(0)
@@ -9775,6 +9775,8 @@ class HttpHandler(Handler):
                 if todo:
                     continue
                 raise failed
+            if base is not None:    # (moved on by the uplink's waits)
+                end, base = end + run.deadline - base, run.deadline
             share = max(0.05, (end - _mono()) / (1 + len(todo)))
             sent = [dict(j, payload={"url": urls[i], "body": j["payload"],
                                      "timeout": share}) for j in jobs]
@@ -9784,6 +9786,8 @@ class HttpHandler(Handler):
             try:
                 return self._send(worker, run, sent, rules, batched, share)
             except DestinationDown as e:
+                if base is not None:
+                    end, base = end + run.deadline - base, run.deadline
                 if not todo or end - _mono() < 0.1 or run.timed_out \
                         or run.released:
                     raise

@@ -236,3 +236,27 @@ def test_a_url_that_no_job_could_be_sent_to_is_refused(spool):
     assert call_myq("--spool", spool, "policy", "--json").stdout.strip() \
         in ("{}", "")
     policy(spool, "tele", "url=http://xn--bcher-kva.example/%C3%A4")
+
+
+def test_failover_under_the_uplink_cap_is_not_cut_by_its_waits(
+        spool, http_servers, monkeypatch):
+    """A job waits for the uplink, then A answers 503: it goes on to B in
+    the same run; the waits are not the job's time, so they do not use
+    up what failover leaves B (before: the time looked spent, and the
+    job ended with A's failure, B never tried)."""
+    import myq
+    monkeypatch.setattr(myq, "UPLINK_WINDOW", 2.0)
+    a, b, other = http_servers(default=down), http_servers(), http_servers()
+    policy(spool, "other", "url=" + other.url("/o"))
+    policy(spool, "tele", "url=%s %s" % (a.url("/in"), b.url("/in")))
+    enqueue(spool, "other", json.dumps("o" * 190))
+    jid = enqueue(spool, "tele", json.dumps("t" * 150))
+    # 100 B/s: 200 B in any 2 s; the job's 1 s limit is shorter than its
+    # waits (concurrency 1: in this thread, under the worker's SIGALRM)
+    w = myq.Worker(spool, uplink_rate=100.0, poll=0.05, timeout=1,
+                   log=myq.Log(stream=open(os.devnull, "w")))
+    w.run(drain=True)
+    assert len(a.requests) == 1
+    assert [r["headers"]["Idempotency-Key"] for r in b.requests] == [jid]
+    assert [(j["id"], j["attempts"]) for j in listed(spool, "done")
+            if j["type"] == "tele"] == [(jid, 1)]
