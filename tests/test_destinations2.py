@@ -260,3 +260,33 @@ def test_failover_under_the_uplink_cap_is_not_cut_by_its_waits(
     assert [r["headers"]["Idempotency-Key"] for r in b.requests] == [jid]
     assert [(j["id"], j["attempts"]) for j in listed(spool, "done")
             if j["type"] == "tele"] == [(jid, 1)]
+
+
+@pytest.mark.parametrize("concurrency", ["1", "2"])
+def test_sigterm_while_a_job_waits_for_the_uplink_puts_it_back_uncounted(
+        spool, http_servers, procs, tmp_path, concurrency):
+    """SIGTERM while a job waits its turn on the uplink (~10 s): the
+    worker ends at its grace (1 s), the job back, ready, no attempt
+    spent, nothing sent of it; the next worker sends it."""
+    import time
+    from _core import stop
+    srv = http_servers()
+    policy(spool, "tele", "url=" + srv.url("/in"))
+    first = enqueue(spool, "tele", json.dumps("a" * 900))
+    second = enqueue(spool, "tele", json.dumps("b" * 900))
+    log = tmp_path / "w.log"
+    p = procs.worker(spool, "--poll", "0.05", "--grace", "1",
+                     "--uplink-rate", "100/s", "--concurrency", concurrency,
+                     log=log)
+    assert srv.wait_requests(1)
+    wait_for(lambda: "event=start" in log.read_text(), what="the start")
+    t0 = time.monotonic()
+    assert stop(p) == 0, log.read_text()
+    assert time.monotonic() - t0 < 6, "the grace (1 s) was not kept"
+    assert [r["headers"]["Idempotency-Key"] for r in srv.requests] == [first]
+    job = json.loads(call_myq("--spool", spool, "show", second).stdout)
+    assert job["state"] in ("ready", "pending", "queued"), job
+    assert job["attempts"] == 0, job
+    drain(spool)
+    assert [r["headers"]["Idempotency-Key"] for r in srv.requests] == [
+        first, second]
