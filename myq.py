@@ -2115,6 +2115,13 @@ class Policy(object):
                              "a type goes to an http url (the http handler) "
                              "or to an MQTT topic, not both; remove one "
                              "(url= or topic=)")
+        for key, kind in (("url", "http"), ("topic", "mqtt")):
+            if keys.get(key) and keys.get("handler", kind) != kind:
+                # (its jobs, only bodies, would all be dead)
+                raise UsageError(
+                    "policy key %s goes with handler=%s, not handler=%s: "
+                    "remove one (%s= or handler=)"
+                    % (key, kind, keys["handler"], key))
         return keys
 
     @classmethod

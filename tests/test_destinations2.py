@@ -290,3 +290,21 @@ def test_sigterm_while_a_job_waits_for_the_uplink_puts_it_back_uncounted(
     drain(spool)
     assert [r["headers"]["Idempotency-Key"] for r in srv.requests] == [
         first, second]
+
+
+def test_url_and_topic_go_with_their_own_handler_only(spool):
+    """url= with handler=mqtt (or topic= with handler=http) would send
+    bodies to a handler that wants a topic (a url): every job dead.  64,
+    nothing changed (before: taken)."""
+    for args in (("handler=mqtt", "url=http://h/in"),
+                 ("handler=http", "topic=a/b")):
+        cp = call_myq("--spool", spool, "policy", "t", *args)
+        assert cp.returncode == 64, (args, cp.stdout)
+        assert "goes with handler=" in cp.stderr
+    policy(spool, "t", "handler=http", "url=http://h/in")
+    cp = call_myq("--spool", spool, "policy", "t", "handler=mqtt")
+    assert cp.returncode == 64
+    policy(spool, "m", "handler=mqtt", "topic=a/b")
+    pol = json.loads(call_myq("--spool", spool, "policy", "--json").stdout)
+    assert pol == {"t": {"handler": "http", "url": "http://h/in"},
+                   "m": {"handler": "mqtt", "topic": "a/b"}}
