@@ -1995,15 +1995,22 @@ def _quoted(v):
     return '"%s"' % v if any(ch.isspace() for ch in v) else v
 
 
+_OWN_FORM = {"url": ("url", "method", "headers", "body", "timeout"),
+             "topic": ("topic", "message", "qos", "retain")}
+
+
 def own_destination(job, rules):
     """Why `job` may not be queued under its type's `url` or `topic`
     (myq(1) policy: the producer sends only the body), or None: its
-    payload is an object that names a destination of its own."""
+    payload is an object that names a destination of its own: the http
+    or mqtt job's form, its `url` (`topic`) and no key but that form's (a
+    body that only has a "url" field among its data is a body)."""
     p = job.get("payload")
     if not isinstance(p, dict):
         return None
     for key, field in (("url", "url"), ("topic", "topic")):
-        if rules.get(key) and field in p:
+        if rules.get(key) and field in p and all(
+                k in _OWN_FORM[key] for k in p):
             return ("job %s of type %s names its own %s, but the type's policy "
                     "gives it (%s=%s): enqueue only the body as the payload"
                     % (job.get("id"), job.get("type"), field, key,

@@ -308,3 +308,28 @@ def test_url_and_topic_go_with_their_own_handler_only(spool):
     pol = json.loads(call_myq("--spool", spool, "policy", "--json").stdout)
     assert pol == {"t": {"handler": "http", "url": "http://h/in"},
                    "m": {"handler": "mqtt", "topic": "a/b"}}
+
+
+@both_stores
+def test_a_body_with_a_url_field_among_its_data_is_a_body(
+        spool, http_servers):
+    """Under url=, a payload in the http job's own form ({"url", "body",
+    ...}) is refused, but a body that has a "url" field among other data
+    (a page view, a link) is the body, and is sent (before: refused, 65;
+    the same for a message with a "topic" field under topic=)."""
+    srv = http_servers()
+    policy(spool, "view", "url=" + srv.url("/in"))
+    body = {"url": "https://example.com/page", "t": 3, "ms": 120}
+    jid = enqueue(spool, "view", json.dumps(body))
+    cp = call_myq("--spool", spool, "enqueue", "view", json.dumps(
+        {"url": srv.url("/x"), "body": {"t": 1}, "method": "PUT"}))
+    assert cp.returncode == 65
+    policy(spool, "chat", "topic=site/chat")
+    assert call_myq("--spool", spool, "enqueue", "chat", json.dumps(
+        {"topic": "weather", "text": "rain"})).returncode == 0
+    assert call_myq("--spool", spool, "enqueue", "chat", json.dumps(
+        {"topic": "x/y", "message": "m", "qos": 1})).returncode == 65
+    drain(spool)
+    r = srv.hits("/in")
+    assert [json.loads(x["body"]) for x in r] == [body]
+    assert r[0]["headers"]["Idempotency-Key"] == jid
