@@ -1990,9 +1990,13 @@ def parse_percent(v):
 
 
 def _quoted(v):
-    """A value as `myq policy` prints it: in quotes when it has blanks, so
-    that the line can be given back to a shell."""
-    return '"%s"' % v if any(ch.isspace() for ch in v) else v
+    """A value as `myq policy` prints it: in double quotes when it has
+    blanks or what a shell would take for its own (a query's & and ?, a
+    $), `"`, `\\`, `$` and backquote escaped in them, so that the line
+    can be given back to a shell."""
+    if all(ch.isalnum() and ord(ch) < 128 or ch in "_./:@%+=,-" for ch in v):
+        return v
+    return '"%s"' % "".join("\\" + ch if ch in '"\\$`' else ch for ch in v)
 
 
 _OWN_FORM = {"url": ("url", "method", "headers", "body", "timeout"),

@@ -333,3 +333,25 @@ def test_a_body_with_a_url_field_among_its_data_is_a_body(
     r = srv.hits("/in")
     assert [json.loads(x["body"]) for x in r] == [body]
     assert r[0]["headers"]["Idempotency-Key"] == jid
+
+
+def test_policy_prints_a_url_line_that_a_shell_takes_back_as_it_was(
+        spool, tmp_path):
+    """`myq policy`'s line of a url with a query (& ?), a $ or quotes,
+    given back to sh, sets the same value (before: only blanks were
+    quoted: `&` sent the command to the background, `$x` was expanded)."""
+    import subprocess
+    from _core import myq_argv
+    url = 'http://h/in?a=1&b=$HOME http://g/"x`id`'
+    policy(spool, "t", "url=" + url)
+    policy(spool, "m", "topic=site/7/temp")
+    lines = call_myq("--spool", spool, "policy").stdout.splitlines()
+    assert "m topic=site/7/temp" in lines
+    line = [x for x in lines if x.startswith("t ")][0]
+    argv = " ".join("'%s'" % a.replace("'", "'\\''") for a in myq_argv())
+    cp = subprocess.run(["sh", "-c", "%s --spool '%s' policy t2 %s" % (
+        argv, spool, line[2:])], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, universal_newlines=True, cwd=str(tmp_path))
+    assert cp.returncode == 0, cp.stderr
+    pol = json.loads(call_myq("--spool", spool, "policy", "--json").stdout)
+    assert pol["t2"] == {"url": url}
