@@ -11120,10 +11120,11 @@ class _Holding(object):
 
     def _unname(self, dest):
         """Held `dest` is no type's `url` any more (myq(1) failover): the
-        hold ends, unless it is an --mqtt broker.  (Jobs that name it in
-        their own payload find out again: `breaker` failures.)"""
-        if "://" not in dest or dest in [c.dest for c in self._mqtt_clients]:
-            return
+        hold ends, unless it is not an http server (an --mqtt broker).
+        (Jobs that name it in their own payload find out again: `breaker`
+        failures.)"""
+        if not dest.startswith(("http://", "https://")):
+            return      # (a broker: another worker's --mqtt may name it)
         self.spool.breaker.release(dest)
         self._holds.pop(dest, None)
         self.dirty = True
