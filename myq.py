@@ -1992,8 +1992,10 @@ def parse_urls(v):
     if not 1 <= len(urls) <= 8 or len(set(urls)) != len(urls):
         raise ValueError(v)
     for u in urls:
-        if url_origin(u) is None or any(ord(ch) < 33 or ord(ch) == 127
-                                        for ch in u):
+        # (ASCII only: a path that is not would make every job of the type
+        # unsendable, dead; a host that is not, never found: punycode it)
+        if url_origin(u) is None or url_origin(u).endswith(":0") or any(
+                not 33 <= ord(ch) <= 126 for ch in u):
             raise ValueError(v)
     return " ".join(urls)
 
@@ -2013,20 +2015,31 @@ def parse_percent(v):
 
 
 def _quoted(v):
-    """A value as `myq policy` prints it: in quotes when it has blanks, so
-    that the line can be given back to a shell."""
-    return '"%s"' % v if any(ch.isspace() for ch in v) else v
+    """A value as `myq policy` prints it: in double quotes when it has
+    blanks or what a shell would take for its own (a query's & and ?, a
+    $), `"`, `\\`, `$` and backquote escaped in them, so that the line
+    can be given back to a shell."""
+    if all(ch.isalnum() and ord(ch) < 128 or ch in "_./:@%+=,-" for ch in v):
+        return v
+    return '"%s"' % "".join("\\" + ch if ch in '"\\$`' else ch for ch in v)
+
+
+_OWN_FORM = {"url": ("url", "method", "headers", "body", "timeout"),
+             "topic": ("topic", "message", "qos", "retain")}
 
 
 def own_destination(job, rules):
     """Why `job` may not be queued under its type's `url` or `topic`
     (myq(1) policy: the producer sends only the body), or None: its
-    payload is an object that names a destination of its own."""
+    payload is an object that names a destination of its own: the http
+    or mqtt job's form, its `url` (`topic`) and no key but that form's (a
+    body that only has a "url" field among its data is a body)."""
     p = job.get("payload")
     if not isinstance(p, dict):
         return None
     for key, field in (("url", "url"), ("topic", "topic")):
-        if rules.get(key) and field in p:
+        if rules.get(key) and field in p and all(
+                k in _OWN_FORM[key] for k in p):
             return ("job %s of type %s names its own %s, but the type's policy "
                     "gives it (%s=%s): enqueue only the body as the payload"
                     % (job.get("id"), job.get("type"), field, key,
@@ -2091,7 +2104,8 @@ class Policy(object):
                            show=_format_duration),
         "gzip": BOOL,
         "url": Kind(parse_urls, "one or more http or https URLs, in order, "
-                    "space-separated (the first not held is used)",
+                    "space-separated (the first not held is used), at most 8, "
+                    "ASCII (percent-encode a path, punycode a host)",
                     show=_quoted),
         "topic": Kind(parse_topic, "an MQTT topic without + or #",
                       show=_quoted),
@@ -2147,6 +2161,13 @@ class Policy(object):
                              "a type goes to an http url (the http handler) "
                              "or to an MQTT topic, not both; remove one "
                              "(url= or topic=)")
+        for key, kind in (("url", "http"), ("topic", "mqtt")):
+            if keys.get(key) and keys.get("handler", kind) != kind:
+                # (its jobs, only bodies, would all be dead)
+                raise UsageError(
+                    "policy key %s goes with handler=%s, not handler=%s: "
+                    "remove one (%s= or handler=)"
+                    % (key, kind, keys["handler"], key))
         return keys
 
     @classmethod
@@ -8636,8 +8657,9 @@ class Uplink(object):
         self.rate = float(rate)
         self.window = float(window or UPLINK_WINDOW)
         self.budget = self.rate * self.window
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
         self._sent = []         # [(monotonic time, bytes)], oldest first
+        self._turns, self._seq = [], 0      # the runs that wait, in order
         self.waited = 0.0       # seconds runs waited, in all (tests, bench)
 
     def _delay(self, n, now):
@@ -8657,24 +8679,37 @@ class Uplink(object):
 
     def wait(self, n, run=None):
         """Wait until n bytes may go, book them; the seconds waited.  The
-        run's time limit moves on by each wait before it is waited (the
-        worker's clock of the run must not end it meanwhile): pacing is
-        not the job's time."""
-        start = _mono()
-        while True:
-            with self._lock:
-                d = self._delay(n, _mono())
-            if not d:
-                break
-            if run is not None and (run.timed_out or run.released):
-                break
-            d = min(d, 0.5)
-            if run is not None and run.deadline is not None:
-                run.deadline += d
-            time.sleep(d)
-        waited = _mono() - start
-        if waited > 0.001:
-            with self._lock:
+        runs wait their turns in order (a larger send is not passed for
+        ever by smaller ones that fit in what it leaves).  The run's time
+        limit moves on by each wait before it is waited (the worker's
+        clock of the run must not end it meanwhile): pacing is not the
+        job's time.  A run stopped meanwhile (released at the end of a
+        shutdown's grace, timed out) sends nothing: RetryLater."""
+        cond, start = self._cond, _mono()
+        with cond:
+            self._seq += 1
+            me = self._seq
+            self._turns.append(me)
+            try:
+                while True:
+                    d = 0.5 if self._turns[0] != me else \
+                        self._delay(n, _mono())
+                    if not d:
+                        break
+                    if run is not None and (run.timed_out or run.released):
+                        raise RetryLater(None, "stopped before its turn on "
+                                         "the uplink (--uplink-rate): not sent")
+                    d, t0 = min(d, 0.5), _mono()
+                    if run is not None and run.deadline is not None:
+                        run.deadline += d
+                    cond.wait(d)
+                    if run is not None and run.deadline is not None:
+                        run.deadline -= max(0.0, t0 + d - _mono())
+            finally:
+                self._turns.remove(me)
+                cond.notify_all()
+            waited = _mono() - start
+            if waited > 0.001:
                 self.waited += waited
         return waited
 
@@ -9675,7 +9710,7 @@ def _mqtt_clients(urls, *args, **kw):
     return [_mqtt_client(u, *args, **kw) for u in str(urls).split()]
 
 
-def mqtt_publish(client, jobs, timeout, pace=None):
+def mqtt_publish(client, jobs, timeout):
     """Publish `mqtt` jobs (myq(1) the mqtt type) through `client`, all in flight at
     once: one outcome per job, in order: None when done (QoS 1: its PUBACK
     came; QoS 0: written), a PermanentError for a payload that cannot be
@@ -9691,11 +9726,21 @@ def mqtt_publish(client, jobs, timeout, pace=None):
         except PermanentError as e:
             out[i] = e
     if msgs:
-        if pace is not None:    # --uplink-rate: the payloads' bytes
-            pace(sum(len(m[1]) for m in msgs))
         for i, e in zip(where, client.publish_many(msgs, timeout)):
             out[i] = e
     return out
+
+
+def _mqtt_bytes(jobs):
+    """The bytes of the messages of `jobs` that can be published (what
+    --uplink-rate counts of them)."""
+    n = 0
+    for job in jobs:
+        try:
+            n += len(_mqtt_message(job)[1])
+        except PermanentError:
+            pass
+    return n
 
 
 class _Run(object):
@@ -11179,28 +11224,46 @@ class HttpHandler(Handler):
         dests = _dests_of(rules["url"], jobs[0]["type"])
         first = dests.index(run.dest) if run.dest in dests else 0
         todo = list(range(first, len(urls)))
-        end = _mono() + t if run.deadline is None else min(_mono() + t,
-                                                           run.deadline)
+        base = run.deadline
+        end = _mono() + t if base is None else min(_mono() + t, base)
+        failed = None
         while todo:
             i = todo.pop(0)
-            if todo and i != first and worker._holds.get(dests[i], 0) > _now():
-                continue        # held: not tried, unless it is the last
+            if i != first and worker._holds.get(dests[i], 0) > _now():
+                # held, the last too: none of a held destination's jobs
+                # start but its probe; when every one after the failure is
+                # held, the run ends with that failure, where it was
+                if todo:
+                    continue
+                raise failed
+            if base is not None:    # (moved on by the uplink's waits)
+                end, base = end + run.deadline - base, run.deadline
             share = max(0.05, (end - _mono()) / (1 + len(todo)))
             sent = [dict(j, payload={"url": urls[i], "body": j["payload"],
                                      "timeout": share}) for j in jobs]
+            if i != first:
+                run.failovers.append((run.dest, failed))
             run.dest = dests[i]
             try:
                 return self._send(worker, run, sent, rules, batched, share)
             except DestinationDown as e:
+                if base is not None:
+                    end, base = end + run.deadline - base, run.deadline
                 if not todo or end - _mono() < 0.1 or run.timed_out \
                         or run.released:
                     raise
-                run.failovers.append((dests[i], e))
+                failed = e
 
 
 def _dests_of(urls, type):
     """The breaker's destinations of a type's `url` list, in order."""
     return [url_origin(u) or type for u in urls.split()]
+
+
+def _url_dests(pol):
+    """The destinations that a policy's `url` keys name, as a set."""
+    return set(d for t, keys in pol.items() if keys.get("url")
+               for d in _dests_of(keys["url"], t))
 
 
 class MqttHandler(Handler):
@@ -11248,13 +11311,16 @@ class MqttHandler(Handler):
         dests = [c.dest if c is not None else None for c in clients]
         first = dests.index(run.dest) if run.dest in dests else 0
         todo = list(range(first, len(clients)))
+        failed = None
         while sent and todo:
             i = todo.pop(0)
-            if todo and i != first and worker._holds.get(dests[i], 0) > _now():
-                continue
+            if i != first and worker._holds.get(dests[i], 0) > _now():
+                continue        # held, the last too (HttpHandler._failover)
             share = None
             if todo and run.deadline is not None:
                 share = max(0.05, (run.deadline - _mono()) / (1 + len(todo)))
+            if failed is not None:
+                run.failovers.append((run.dest, failed))
             if len(clients) > 1:
                 run.dest = dests[i]
             res = worker.mqtt_batch(sent, run, clients[i], share)
@@ -11264,7 +11330,7 @@ class MqttHandler(Handler):
                     if isinstance(e, DestinationDown)]
             if not left or not todo or run.timed_out or run.released:
                 return
-            run.failovers.append((dests[i], res[left[0]]))
+            failed = res[left[0]]
             sent, where = [sent[k] for k in left], [where[k] for k in left]
 
 
@@ -11831,6 +11897,12 @@ class _Running(object):
         DestinationDown).  With `run`, the connection is cut when the run's
         time is up (_abort); `share`: at most that many seconds of it."""
         client = client or self._mqtt_client
+        up = self.http_pool.uplink
+        if up is not None:
+            # --uplink-rate: the payloads' turn is waited for before the
+            # connection's (other runs and the keep-alive ping are not
+            # kept from it by a wait that is only this run's)
+            up.wait(_mqtt_bytes(jobs), run)
         limit = min(_MQTT.time_limit(j, self.timeout) for j in jobs)
         if share is not None:
             limit = min(limit, share)
@@ -11851,9 +11923,8 @@ class _Running(object):
         try:
             if run is not None:
                 run.conn = client
-            up = self.http_pool.uplink
             return mqtt_publish(client, jobs, max(0.05, limit - (
-                _mono() - start)), up and (lambda n: up.wait(n, run)))
+                _mono() - start)))
         finally:
             if run is not None:
                 run.conn = None
@@ -12426,7 +12497,17 @@ class _Holding(object):
         self._load_holds()
         if before is not self._holds and set(before) - set(self._holds):
             self.dirty = True       # released by another worker
-        if before is not self._holds:
+        pol = self.spool.policy()
+        if pol is not self._pol_seen:
+            # a type's `url` changed: a held destination no type names
+            # any more ends, its jobs ready to go where their type goes now
+            if self._pol_seen is not None:
+                for d in _url_dests(self._pol_seen) - _url_dests(pol):
+                    if d in self._holds:
+                        self._unname(d)
+            self._pol_seen = pol
+            self._failover_lanes()
+        elif before is not self._holds:
             self._failover_lanes()
         key, now = self._handlers_key(), _mono()
         if self._held and (key != self._handlers_seen or now >= self._handlers_next):
@@ -12438,12 +12519,19 @@ class _Holding(object):
 
     # Failover (myq(1) policy `url`): a type's destinations, in order.
 
+    _pol_seen = None        # the policy _failover_lanes last saw
+
     def _pick_dest(self, dests, job, run=None):
         """Where a start of `job` goes: the first of `dests` not held; a
         held one whose probe is due takes this start as its probe (run.
         probe), so that a destination that is back gets new starts again;
-        all held: the one due first (the start then waits for it)."""
+        all held: the one due first (the start then waits for it).  A
+        probe of one that is no longer the type's (`myq policy` changed
+        its `url`) is no probe (_stale_probe)."""
         now = _now()
+        if run is not None and run.probe and run.probe not in dests:
+            self._stale_probe(run.probe)
+            run.probe = None
         if run is not None and run.probe in dests:
             # a lane's probe: unless one before it is free now (released
             # meanwhile), then that one, and no probe
@@ -12470,6 +12558,26 @@ class _Holding(object):
                 run.probe = d
                 return d
         return min(dests, key=lambda d: self._holds.get(d, 0))
+
+    def _stale_probe(self, dest):
+        """A probe of held `dest` took a job whose type no longer goes
+        there: unless a type's `url` or --mqtt still names it, the hold
+        ends (its jobs go where their type goes now, at once), rather
+        than be probed with jobs that never go there, held for ever."""
+        if dest not in _url_dests(self.spool.policy()):
+            self._unname(dest)
+
+    def _unname(self, dest):
+        """Held `dest` is no type's `url` any more (myq(1) failover): the
+        hold ends, unless it is not an http server (an --mqtt broker).
+        (Jobs that name it in their own payload find out again: `breaker`
+        failures.)"""
+        if not dest.startswith(("http://", "https://")):
+            return      # (a broker: another worker's --mqtt may name it)
+        self.spool.breaker.release(dest)
+        self._holds.pop(dest, None)
+        self.dirty = True
+        self.log("release", dest=dest, why="no type goes there")
 
     def _failover_lanes(self):
         """The holds changed: each lane of a type with destinations to fail
