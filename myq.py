@@ -9878,6 +9878,30 @@ class _Scheduling(object):
         for L in self._lanes:
             L.end_sweep()
 
+    # Only the lanes that changed are read again (review: a held type's job
+    # put back in its own lane made every lane dirty, and an idle worker
+    # read all of incoming/, 8,000 parked jobs, twice a second).
+
+    def _woken(self):
+        """A poke (a producer's enqueue, a worker's retry or release, this
+        worker's own): incoming/ is read again when its key changed, the
+        lanes when theirs did (_sync_lanes, told of the poke)."""
+        self._poked = True
+        self._lanes_look = 0.0
+        key, racy = self.spool.claims.change_key()
+        if key != self._dir_key or racy:
+            self._dir_key = key
+            self._top.dirty = True
+
+    def _dirty_home(self, job):
+        """A job put back waiting: its lane's cache is stale, no other's."""
+        sub = self.spool.home(job)
+        for L in self._lanes:
+            if L.sub == sub:
+                L.dirty = True
+                return
+        self._lanes_look = 0.0          # a lane new since: learnt there
+
     def _sync_lanes(self, fresh=False):
         """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
         producer poked the wake FIFO since (read here at each claim: while
@@ -9885,7 +9909,8 @@ class _Scheduling(object):
         which changed: a stat each."""
         # (the FIFO asked once a claim: poll() is cheap, not free)
         fifo = getattr(self, "_wake_poll", None)
-        waiting = fifo is not None and bool(fifo.poll(0))
+        was, self._poked = self._poked, False       # (drained by _wait)
+        waiting = was or fifo is not None and bool(fifo.poll(0))
         if self._lanes_key is None:
             # No lanes yet: look for incoming/lanes/ when a poke waits in
             # the FIFO (the job may have made the first lane), after a
@@ -9908,7 +9933,7 @@ class _Scheduling(object):
         elif fifo is not None and not waiting:
             poked = False
         else:
-            poked = _drain(wake[0])
+            poked = _drain(wake[0]) or was
         for L in self._lanes if poked else ():
             if L.type is not None:
                 # (a time that recent proves nothing: see change_key)
@@ -10980,6 +11005,7 @@ class Worker(_Scheduling, _Running, _Holding):
         self._lanes_path = self.spool.d(LANES)
         self._lanes, self._lanes_key = [self._top], None
         self._lanes_look = 0.0      # no lanes yet: when to look again
+        self._poked = False         # a poke drained by _wait, for _sync_lanes
         self._holds = {}            # held destination -> until (wall clock)
         self._streaky = set()       # destinations with failures in a row
         self._safe_names = {}       # destination -> its name as a file
@@ -11384,7 +11410,7 @@ class Worker(_Scheduling, _Running, _Holding):
             _drain(self._pipe[0])
         if self._wake_fds and self._wake_fds[0] in r:
             _drain(self._wake_fds[0])
-            self.dirty = True
+            self._woken()
         if _mono() >= self._next_poll:
             self._next_poll = _mono() + self.poll
             self._check_incoming()
@@ -11622,7 +11648,7 @@ class Worker(_Scheduling, _Running, _Holding):
                                                   until))
             return
         if ok and dest == "incoming":
-            self.dirty = True
+            self._dirty_home(job)
             if event == "retry":
                 self.spool._note_retry()
         self._logged(ok, c, event, kv)

@@ -494,3 +494,51 @@ def test_the_status_line_counts_past_a_few_held_types(myq, spool):
     assert held.split(",")[-1] == "+295" and len(held.split(",")) == 6, held
     st = json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
     assert len(st["held"]) == 300
+
+
+# Also open: an idle worker's CPU with thousands of parked jobs ###############
+
+@pytest.mark.files_only("the scan of incoming/'s directory (the SQLite "
+                        "store's is one indexed query)")
+def test_a_held_types_job_put_back_rereads_only_its_own_lane(myq, spool):
+    """80 types without a handler: the first Worker.LANED wait in their
+    lanes and are probed again and again (1 s, 2 s, ...), the others are
+    parked in incoming/ for an hour.  Each probe puts its job back in its
+    own lane and pokes the wake FIFO: that must not make the worker read
+    all of incoming/ again (review: 3-6 % of a core with 8,000 parked, ten
+    times that on a router).  Counted: passes over incoming/ while the
+    lanes' jobs are put back at least 64 times."""
+    import signal
+    import threading
+    sp = myq.Spool(spool)
+    n_types = myq.Worker.LANED + 16
+    sp.enqueue_many([{"type": "u%03d" % i} for i in range(n_types)])
+    events = []
+    w = myq.Worker(sp, handlers={}, log=lambda ev, **kv: events.append(ev),
+                   poll=0.05, stats_interval=0, backoff_base=0.01, jitter=0)
+    scans, holds = {"top": 0, "lanes": 0}, [0]
+    real_rescan, real_hold = w._rescan, w._hold
+
+    def rescan(L=None):
+        scans["top" if L is None or L.sub == "incoming" else "lanes"] += 1
+        return real_rescan(L)
+
+    def hold(run, why):
+        holds[0] += 1
+        return real_hold(run, why)
+    w._rescan, w._hold = rescan, hold
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: holds[0] >= n_types, timeout=30, what="every type held")
+        time.sleep(0.5)     # (the last park's own poke read: the settle ends)
+        scans["top"], start = 0, holds[0]
+        wait_for(lambda: holds[0] - start >= 64, timeout=30,
+                 what="64 jobs put back by their lanes' probes")
+        top = scans["top"]
+    finally:
+        w._on_stop(signal.SIGTERM, None)
+        t.join(10)
+    assert not t.is_alive()
+    assert top <= 3, "%d passes over incoming/ for %d jobs put back in their " \
+        "lanes" % (top, holds[0] - start)
