@@ -4265,6 +4265,7 @@ class _Upkeep(object):
                     "%s is writable by others than its owner without the sticky "
                     "bit: a producer can rename the lanes and other producers' "
                     "jobs out of it; chmod +t %s" % (self.d(sub), self.d(sub)))
+        problems += self._check_private()
         wake = self.d("locks", "wake")
         try:
             if not stat.S_ISFIFO(os.lstat(wake).st_mode):
@@ -4288,6 +4289,27 @@ class _Upkeep(object):
                             "expired leases; run: myq --spool %s reap"
                             % (stale, self.path))
         return problems + (self._needs_operator() if operator else [])
+
+    def _check_private(self):
+        """What only the owner may open, open to others (a producer could
+        lock it for ever); what init moved aside from incoming/lanes/."""
+        out = []
+        for sub, name in self._PRIVATE:
+            p = self.d(sub, name) if sub else self.d(name)
+            try:
+                mode = stat.S_IMODE(os.lstat(p).st_mode)
+            except OSError:
+                continue
+            if mode & 0o077:
+                out.append("%s may be opened by others (mode %04o): a producer "
+                           "could lock it; run myq --spool %s init"
+                           % (p, mode, self.path))
+        for name in _listdir(self.d("incoming")):
+            if name.startswith("lanes.refused-"):
+                out.append("%s is what stood at incoming/lanes/, not the "
+                           "owner's, moved aside (never used): look at it, "
+                           "then remove it" % self.d("incoming", name))
+        return out
 
     def _needs_operator(self):
         """What waits for an operator: dead jobs, quarantined files, files

@@ -170,6 +170,9 @@ def test_init_makes_an_old_spools_database_the_owners_alone(box):
     it 0600, through its descriptor; the producer then cannot open it."""
     _sqlite_box(box)
     os.chmod(box.d("queue.db"), 0o640)
+    c = box.root("check")
+    assert c.returncode == 1 and "queue.db may be opened by others" in c.stdout, \
+        (c.stdout, c.stderr)
     assert box.root("init", "--owner", box.pw.pw_name).returncode == 0
     assert stat.S_IMODE(os.lstat(box.d("queue.db")).st_mode) == 0o600
     got = run_producer(box.pw.pw_gid, _grab_locks, box.spool, ["queue.db"])
@@ -347,6 +350,8 @@ def test_a_producers_lanes_are_moved_aside_never_used(box):
     st = os.lstat(box.d("incoming", "lanes"))
     assert st.st_uid == box.pw.pw_uid and stat.S_IMODE(st.st_mode) & 0o022 == 0
     assert [n for n in os.listdir(box.d("incoming")) if n.startswith("lanes.refused-")]
+    c = box.root("check")
+    assert "lanes.refused-" in c.stdout and "moved aside" in c.stdout, c.stdout
 
 
 @needs_root
