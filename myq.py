@@ -6735,6 +6735,9 @@ class SqlSpool(_SqlUpkeep, Spool):
         path = spool.d(DB_NAME)
         ids = _user_ids(owner) if owner else None
         try:
+            if ids is None and os.geteuid() == 0:
+                st = os.fstat(spool.fs(""))     # (root, for another's spool)
+                ids = (st.st_uid, st.st_gid) if st.st_uid else None
             cls._db_file(spool, ids)
             if ids and os.geteuid() == 0 and ids[0] != 0:
                 _as_user(ids, lambda: _make_db(sqlite3, path))
