@@ -5120,7 +5120,11 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading):
                 os.mkdir("lanes", 0o750, dir_fd=inc)
             except FileExistsError:
                 pass
-        return _open_dir("lanes", inc, self.d(LANES))
+        fd = _open_dir("lanes", inc, self.d(LANES))
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & 0o022:        # (made when it took incoming/'s mode)
+            os.fchmod(fd, mode & ~0o022)
+        return fd
 
     def _init_files(self, fds, mine, ids):
         """The reserve (locks/room: a worker starts on a full disk whether
