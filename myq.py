@@ -9866,10 +9866,10 @@ class _Scheduling(object):
         self.spool.policy()
         key, racy = self.spool.claims.change_key()
         own = self._own_since
-        if own is not None and _mono() - own > 60.0:
-            self._own_since, racy = None, True      # (see _dirty_home)
+        if own is not None:         # (only this worker's changes: _dirty_home)
+            racy = _mono() - own > 60.0
         if key != self._dir_key or racy:
-            self._dir_key = key
+            self._dir_key, self._own_since = key, None  # (a pass sees all)
             self.dirty = True
         offset = _now() - _mono()
         if abs(offset - self._clock_offset) > 2.0:
@@ -9922,7 +9922,7 @@ class _Scheduling(object):
         self._lanes_look = 0.0
         key, racy = self.spool.claims.change_key()
         if key != self._dir_key or racy and self._own_since is None:
-            self._dir_key = key
+            self._dir_key, self._own_since = key, None
             self._top.dirty = True
 
     def _dirty_home(self, job, until=None):
