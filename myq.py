@@ -9867,7 +9867,7 @@ class _Scheduling(object):
         key, racy = self.spool.claims.change_key()
         own = self._own_since
         if own is not None:         # (only this worker's changes: _dirty_home)
-            racy = _mono() - own > 60.0
+            racy = _mono() - own > 5.0
         if key != self._dir_key or racy:
             self._dir_key, self._own_since = key, None  # (a pass sees all)
             self.dirty = True
@@ -9925,7 +9925,7 @@ class _Scheduling(object):
             self._dir_key, self._own_since = key, None
             self._top.dirty = True
 
-    def _dirty_home(self, job, until=None):
+    def _dirty_home(self, job, until=None, pre=None):
         """A job put back waiting (until: its time, when later than now):
         its lane's cache is stale, no other's; not even its own when the
         lane's last pass ended with a marker (a deep directory of jobs not
@@ -9936,11 +9936,12 @@ class _Scheduling(object):
         for L in self._lanes:
             if L.sub == sub:
                 if not L.dirty and until is not None and L.sweep is None \
-                        and L.cache and self._seen_later(L, until):
+                        and L.cache and self._seen_later(L, until) \
+                        and (L is not self._top or pre == self._dir_key):
                     if L is self._top:
                         # (this change of incoming/ is known: not another's;
-                        # one made in the same instant is seen within a
-                        # minute, _check_incoming)
+                        # one made in the same jiffy, which leaves the key
+                        # as it is, is seen within 5 s, _check_incoming)
                         self._dir_key = self.spool.claims.change_key()[0]
                         self._own_since = self._own_since or _mono()
                     return
@@ -11698,6 +11699,9 @@ class Worker(_Scheduling, _Running, _Holding):
 
     def _move(self, c, job, dest, event, kv, until=None):
         """A retry or a release (dest incoming) or a dead letter (dlq)."""
+        # (what incoming/ was before this move: a change of another's since
+        # the last look is not taken for this one's, see _dirty_home)
+        pre = self.spool.claims.change_key()[0] if until is not None else None
         try:
             ok = self.spool.claims.move_on(c, job, dest, self.me, until=until)
         except OSError as e:
@@ -11706,7 +11710,7 @@ class Worker(_Scheduling, _Running, _Holding):
                                                   until))
             return
         if ok and dest == "incoming":
-            self._dirty_home(job, until)
+            self._dirty_home(job, until, pre)
             if event == "retry":
                 self.spool._note_retry()
         self._logged(ok, c, event, kv)
