@@ -9856,6 +9856,9 @@ class _Lane(object):
 class _Scheduling(object):
     """The worker's choice of its next job (mixed into Worker)."""
 
+    _poked = False          # a poke _wait drained, for _sync_lanes
+    _own_since = None       # incoming/ changed by this worker alone since
+
     def _check_incoming(self):
         """On each poll tick: rescan only when incoming/ changed (a shell
         producer's mv does not poke the FIFO) or the wall clock jumped; the
@@ -9926,7 +9929,9 @@ class _Scheduling(object):
             self._top.dirty = True
 
     def _dirty_home(self, job, until=None, pre=None):
-        """A job put back waiting (until: its time, when later than now):
+        """A job put back waiting (until: its time, when later than now;
+        `pre`: incoming/'s key before the move, which tells another's
+        change since the last look from this one's):
         its lane's cache is stale, no other's; not even its own when the
         lane's last pass ended with a marker (a deep directory of jobs not
         due: 8,000 parked) no later than `until`: the pass that marker
@@ -11063,8 +11068,6 @@ class Worker(_Scheduling, _Running, _Holding):
         self._lanes_path = self.spool.d(LANES)
         self._lanes, self._lanes_key = [self._top], None
         self._lanes_look = 0.0      # no lanes yet: when to look again
-        self._poked = False         # a poke drained by _wait, for _sync_lanes
-        self._own_since = None      # incoming/ changed by this worker alone since
         self._holds = {}            # held destination -> until (wall clock)
         self._streaky = set()       # destinations with failures in a row
         self._safe_names = {}       # destination -> its name as a file
@@ -11699,9 +11702,7 @@ class Worker(_Scheduling, _Running, _Holding):
 
     def _move(self, c, job, dest, event, kv, until=None):
         """A retry or a release (dest incoming) or a dead letter (dlq)."""
-        # (what incoming/ was before this move: a change of another's since
-        # the last look is not taken for this one's, see _dirty_home)
-        pre = self.spool.claims.change_key()[0] if until is not None else None
+        pre = until and self.spool.claims.change_key()[0]   # (_dirty_home)
         try:
             ok = self.spool.claims.move_on(c, job, dest, self.me, until=until)
         except OSError as e:
