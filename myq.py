@@ -10134,12 +10134,20 @@ class _Scheduling(object):
     def _lane_claim(self, L, name, scheduled, anytime=False):
         """Claim NAME of lane L, what _reserve took for it handed to the
         run (_start), or None (L keeps it: the caller gives it back)."""
+        claims = self.spool.claims
+        # (a claim from incoming/ changes it: known, unless another's
+        # change came first; files alone, see _dirty_home)
+        pre = L is self._top and self.spool.store == "files" \
+            and claims.change_key()[0]
         try:
-            c = self.spool.claims.claim(name, self.me, self.max_attempts,
-                                        scheduled, L.sub, anytime=anytime)
+            c = claims.claim(name, self.me, self.max_attempts, scheduled,
+                             L.sub, anytime=anytime)
         except BaseException:
             self._unreserve(L)
             raise
+        if pre and pre == self._dir_key:
+            self._dir_key = claims.change_key()[0]
+            self._own_since = self._own_since or _mono()
         if c is not None:
             self._taken = (L.slot, L.probe, L)
             L.slot = L.probe = None
