@@ -222,6 +222,8 @@ def ls(spool, sub):
         names = sorted(os.listdir(os.path.join(spool, sub)))
     except FileNotFoundError:
         names = []
+    if sub == "incoming":           # (init makes incoming/lanes/: no job)
+        names = [n for n in names if n != "lanes"]
     status = None if sub == "failed" else STATUS_OF_DIR.get(sub)
     rows = None if status is None else sql(
         spool, "SELECT id FROM jobs WHERE status=? AND (? OR lane='incoming')",

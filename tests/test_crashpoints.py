@@ -461,7 +461,8 @@ def census(path):
     where = {}
     for sub in ("incoming", "processing", "done", "dlq", "failed"):
         for name in os.listdir(os.path.join(path, sub)):
-            if sub == "failed" and name.endswith(".reason"):
+            if sub == "failed" and name.endswith(".reason") or \
+                    sub == "incoming" and name == "lanes":      # (init's)
                 continue
             if sub == "processing":
                 jid = name.partition("+")[0]

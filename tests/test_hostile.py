@@ -590,7 +590,8 @@ def test_huge_and_deep_files_are_refused_cheaply():
         seen, log = drain(sb)
         assert seen == {}
         assert_spool_settled(sb)
-        assert os.listdir(sb.d("incoming")) == []
+        assert [n for n in os.listdir(sb.d("incoming"))
+                if n != "lanes"] == []
         for name in list(files) + ["sparse.json"]:
             path, reason = failed_entry(sb, name)
         assert os.path.getsize(sb.d("failed", "sparse.json")) == size
@@ -931,7 +932,7 @@ def _run_one(data, name="a.json", **kw):
             seen, error = {}, e
         where = sorted(sub for sub in ("incoming", "processing", "done", "dlq",
                                        "failed")
-                       if os.listdir(sb.d(sub)))
+                       if set(os.listdir(sb.d(sub))) - {"lanes"})
         return seen, where, error
 
 
@@ -1019,7 +1020,8 @@ def test_longest_names_keep_their_reason():
         name = "b" * 250 + ".json"
         sb.put(name, b'{"type": "t"}')
         drain(sb)
-        assert os.listdir(sb.d("incoming")) == []
+        assert [n for n in os.listdir(sb.d("incoming"))
+                if n != "lanes"] == []
         rows = list(myq.Spool(sb.spool).list("failed"))
         assert len(rows) == 1 and rows[0]["last_error"], rows
 

@@ -60,7 +60,7 @@ def test_a_lane_that_is_a_symlink_is_never_followed(spool, tmp_path,
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "victim.json").write_text(json.dumps(_job("t")))
-    os.mkdir(os.path.join(spool, "incoming", "lanes"))
+    os.makedirs(os.path.join(spool, "incoming", "lanes"), exist_ok=True)
     os.symlink(str(outside), os.path.join(spool, "incoming", "lanes", "t@5"))
     cp = call_myq("--spool", spool, "enqueue", "t", "1", "--priority", "5")
     assert cp.returncode == 78, (cp.returncode, cp.stderr)
@@ -80,14 +80,17 @@ def test_a_lane_that_is_a_symlink_is_never_followed(spool, tmp_path,
 @pytest.mark.files_only("incoming/lanes is a directory, here a symlink")
 def test_a_lanes_directory_that_is_a_symlink_is_never_followed(spool, tmp_path):
     """incoming/lanes itself replaced by a link to a directory of lanes
-    outside: no lane is used, nothing is written there."""
+    outside: no lane is used, nothing is written there (issue 36: the
+    owner's enqueue moves the link aside and makes its own, never 78)."""
     outside = tmp_path / "outside"
     (outside / "t@5").mkdir(parents=True)
+    os.rmdir(os.path.join(spool, "incoming", "lanes"))      # (init made it)
     os.symlink(str(outside), os.path.join(spool, "incoming", "lanes"))
     cp = call_myq("--spool", spool, "enqueue", "t", "1", "--priority", "5")
-    assert cp.returncode == 78, cp.stderr
+    assert cp.returncode == 0, cp.stderr
     assert os.listdir(str(outside / "t@5")) == []
-    assert call_myq("--spool", spool, "list").stdout == ""
+    assert not os.path.islink(os.path.join(spool, "incoming", "lanes"))
+    assert call_myq("--spool", spool, "list").stdout.split()[0] == cp.stdout.strip()
 
 
 @pytest.mark.files_only("the modes of the lanes' directories")
