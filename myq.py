@@ -5422,9 +5422,11 @@ _USED_LEN = 64          # locks/used: "MEASURED ADDED TIME", padded
 
 
 def _records_made(dfd, ids):
-    """init: locks/used (the owner's) and locks/rates (producers of the
-    spool's group append to it), each given to the owner when new."""
-    for name, mode in (("used", 0o640), ("rates", 0o660)):
+    """init: locks/used (the owner's alone, 0600: it is flock'd, and a
+    producer who could open it could lock it) and locks/rates (producers
+    of the spool's group append to it; nothing locks it), each given to
+    the owner when new."""
+    for name, mode in (("used", 0o600), ("rates", 0o660)):
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW
                          | O_CLOEXEC, mode, dir_fd=dfd)
@@ -6211,6 +6213,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
     # what myq locks (SQLite locks the database and its log and index).
     _PRIVATE = (("", "queue.db"), ("", "queue.db-wal"), ("", "queue.db-shm"),
                 ("locks", "policy.lock"), ("locks", "totals.lock"),
+                ("locks", "used"),
                 ("locks/held", ".lock"))
 
     def _init_lanes(self, inc, mine):

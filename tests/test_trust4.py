@@ -619,3 +619,20 @@ def test_a_parked_job_put_back_does_not_reread_incoming(myq, spool):
     # in the same jiffy as something else changed, and one each 5 s)
     assert top < n * 3 // 4, "%d passes over incoming/ for %d jobs parked " \
         "again" % (top, n)
+
+
+@needs_root
+@pytest.mark.parametrize("store", STORES)
+def test_a_producer_cannot_lock_the_budgets_figure(box, store):
+    """locks/used is flock'd by every owner's enqueue and the worker under a
+    budget: a producer who could open it could hold them all."""
+    if store == "sqlite":
+        _sqlite_box(box)
+    assert box.root("policy", "--budget", "64M").returncode == 0
+    pid, r = as_producer(box.pw.pw_gid, _grab_locks, box.spool, ["locks/used"])
+    try:
+        got = report(r)
+        assert got["locks/used"] == "EACCES", got
+        assert stat.S_IMODE(os.lstat(box.d("locks", "used")).st_mode) == 0o600
+    finally:
+        end(pid, r)
