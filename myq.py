@@ -2127,12 +2127,12 @@ class Claim(object):
                  "max_attempts", "batch", "mtime")
 
     def __init__(self, jid=None, path=None, job=None, token=None, fd=None,
-                 trailers=None, max_attempts=None, attempt=None):
+                 trailers=None, max_attempts=None, attempt=None, mtime=None):
         self.jid, self.path, self.job = jid, path, job
         self.token, self.fd, self.trailers = token, fd, trailers
         self.max_attempts, self.attempt = max_attempts, attempt
         self.batch = None       # the record of the batch it runs in
-        self.mtime = None       # when it was due, as claimed (put_back)
+        self.mtime = mtime      # when it was due, as claimed (put_back)
 
 
 def _noop_log(event, **kv):
@@ -2475,9 +2475,8 @@ class Claims(object):
             _rename(path, src, pfd, fs(sub))
             return None
         c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
-                  trailers=trailers,
+                  trailers=trailers, mtime=st.st_mtime,
                   max_attempts=job.get("max_attempts") or default_max_attempts)
-        c.mtime = st.st_mtime
         if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
             return None
         c.attempt = job["attempts"] + 1
@@ -2830,14 +2829,15 @@ class Claims(object):
         return True
 
     def put_back(self, c, mtime):
-        """The claim waits again as it was (a hold's: myq-spool(5) STATES),
-        renamed home unchanged, due at `mtime`.  False: no longer ours."""
+        """The claim home unchanged, due at `mtime` (False: not ours now)."""
         home = self.spool.home(c.job)
         if home != "incoming":
             self.spool._make_lane(home)
-        _futime(c.fd, c.path, mtime)    # (by its descriptor: kept till now)
+        if c.fd is not None:        # (kept open until it moved)
+            _futime(c.fd, c.path, mtime)
+        ok = _take(c.path, self.spool.d(home, c.jid + ".json"))
         self.close(c)
-        return _take(c.path, self.spool.d(home, c.jid + ".json"))
+        return ok
 
     def quarantine(self, path, name, reason):
         """Move a file that is not a valid job to failed/, reason beside it."""
