@@ -2135,6 +2135,21 @@ class Claim(object):
         self.mtime = mtime      # when it was due, as claimed (put_back)
 
 
+def _lease_claim(fd, path, me, c, until):
+    """Claim c's lease: the claimed file's mtime, `until` (an inode change,
+    no data block; _claim_lease reads it).  A file the worker may write but
+    not date (a group member's, mode 0660: only its owner sets its times)
+    gets it appended as a line instead, as a claim did before; its
+    trailers are then None: it cannot go back unchanged (Worker._put_back)."""
+    try:
+        _futime(fd, path, until)
+    except OSError as e:
+        if e.errno != errno.EPERM:
+            raise
+        _append(path, me.lease_line(c.token, c.attempt, until), fd)
+        c.trailers = None
+
+
 def _noop_log(event, **kv):
     pass
 
@@ -2481,8 +2496,7 @@ class Claims(object):
             return None
         c.attempt = job["attempts"] + 1
         try:
-            # the lease: the name, the mtime (no data block: _claim_lease)
-            _futime(fd, path, now + me.lease)
+            _lease_claim(fd, path, me, c, now + me.lease)
         except OSError:
             self.close(c)
             try:                        # give it back untouched
@@ -2831,8 +2845,7 @@ class Claims(object):
     def put_back(self, c, mtime):
         """The claim home unchanged, due at `mtime` (False: not ours now)."""
         home = self.spool.home(c.job)
-        if home != "incoming":
-            self.spool._make_lane(home)
+        self.spool._make_lane(home)     # (incoming/ itself: there)
         if c.fd is not None:        # (kept open until it moved)
             _futime(c.fd, c.path, mtime)
         ok = _take(c.path, self.spool.d(home, c.jid + ".json"))
@@ -2910,12 +2923,14 @@ class Claims(object):
         return None
 
     def _until_of(self, path):
-        """The wall-clock end of the lease of the claim at `path`: its
-        mtime (set by the claim, renewed by the heartbeats)."""
+        """The wall-clock end of the claim's lease: its mtime, or the line
+        a claim appended (_lease_claim)."""
         try:
-            return _lstat(path).st_mtime
-        except OSError:
+            data, st = self.spool.read_file(path)
+            t = (_lease_of(parse(data)[1]) or {}).get("leased_until")
+        except (OSError, InvalidJob):
             return 0.0
+        return max(st.st_mtime, t) if _is_num(t) else st.st_mtime
 
     def reap(self, me=None, max_attempts=5, dry_run=False):
         """Take back claims whose owner is gone (or whose lease expired where
@@ -10612,6 +10627,9 @@ class _Holding(object):
         """A claim of a held (or failing) destination waits again as it
         was, due at `mtime`: its file or row is not written again (SPEC 9:
         a hold writes nothing per waiting job; myq-spool(5) STATES)."""
+        if c.trailers is None:      # a lease line follows it: a new version
+            self._move(c, dict(c.job), "incoming", event, kv, mtime or _now())
+            return
         try:
             ok = self.spool.claims.put_back(c, mtime if mtime is not None
                                             else _now())

@@ -175,3 +175,32 @@ def test_a_claim_writes_no_data_block_for_its_lease(spool):
         assert job["state"] == "ready" and job["attempts"] == 1, job
     finally:
         me.unregister()
+
+
+@pytest.mark.parametrize("store", ["files"], indirect=True)
+def test_a_file_the_worker_cannot_date_gets_its_lease_as_a_line(
+        spool, monkeypatch):
+    """A group member's 0660 file: only its owner sets its times, so the
+    claim appends the lease as before, and such a claim is not put back
+    unchanged (the line would make it a forgery in incoming/)."""
+    import errno
+
+    def refused(fd, path, t):
+        raise OSError(errno.EPERM, "not the owner")
+    monkeypatch.setattr(myq, "_futime", refused)
+    sp = myq.Spool(spool)
+    jid = sp.enqueue("t", {"n": 1})
+    me = myq.Identity(sp, lease=60)
+    me.register()
+    try:
+        c = sp.claims.claim(jid + ".json", me)
+        assert c is not None and c.trailers is None
+        text = open(c.path).read()
+        assert '"leased_until"' in text and '"worker":"%s"' % me.wid in text
+        assert sp.claims._until_of(c.path) > myq._now() + 50
+        me.unregister()
+        assert sp.claims.reap() == 1
+        job = show(call_myq, spool, jid)
+        assert job["state"] == "ready" and job["attempts"] == 1, job
+    finally:
+        me.unregister()
