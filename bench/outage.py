@@ -28,7 +28,10 @@ interleaved, and each figure is the median of --runs.
   then honestly: the second window's rate * 3600 + (first - second) / k
   per probe * 120.  Printed beside it: the first window's rate * 3600,
   an upper bound (every probe counted 30/P times).  CPU is the worker's
-  share of one core, the same way.
+  share of one core, the same way.  Then (--arrivals R, default 2) a
+  third window, resumed, while a producer enqueues R readings a second
+  (Spool.enqueue, durable): the worker's CPU per arriving reading, over
+  the first window's (the same hold, none arriving).
 - drain: N jobs of a no-op --module style handler (enqueue_many, os.sync()),
   drained by Worker(...).run(drain=True) in a child (its log on another
   filesystem), then umount: the sectors written from after the enqueue's
@@ -218,10 +221,26 @@ def outage_once(myq, store, n, o, work):
         per_probe = max(0.0, (w1 - w2) * o.window / max(1, k))
         cpu_probe = max(0.0, (cpu1 - cpu2) * o.window / max(1, k))
         field = 3600.0 / FIELD_PROBE
-        return {"mb_per_h": (w2 * 3600 + per_probe * field) / 1e6,
-                "cpu_pct": (cpu2 * 3600 + cpu_probe * field) / 36.0,
-                "upper_mb_per_h": w1 * 3600 / 1e6, "kb_per_probe": per_probe / 1e3,
-                "probes": k, "window_s": o.window}
+        got = {"mb_per_h": (w2 * 3600 + per_probe * field) / 1e6,
+               "cpu_pct": (cpu2 * 3600 + cpu_probe * field) / 36.0,
+               "upper_mb_per_h": w1 * 3600 / 1e6, "kb_per_probe": per_probe / 1e3,
+               "probes": k, "window_s": o.window}
+        if o.arrivals:
+            # held again (resumed), readings arriving: the worker's CPU per
+            # arriving job, beside the first window's (the same, none)
+            subprocess.check_call(myq_cmd(myq, spool, "resume", "tele"),
+                                  stdout=subprocess.DEVNULL)
+            p = subprocess.Popen([sys.executable, "-c", ARRIVE,
+                                  os.path.dirname(os.path.abspath(myq)), spool,
+                                  url, str(o.arrivals)])
+            try:
+                time.sleep(2.0)
+                w3, cpu3 = window()
+            finally:
+                p.kill()
+                p.wait()
+            got["cpu_ms_per_arrival"] = max(0.0, cpu3 - cpu1) / o.arrivals * 1e3
+        return got
     finally:
         if w is not None and w.poll() is None:
             w.send_signal(signal.SIGTERM)
@@ -231,6 +250,20 @@ def outage_once(myq, store, n, o, work):
                 w.kill()
                 w.wait()
         dev.close()
+
+
+ARRIVE = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import myq
+sp, url, rate = myq.Spool(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+t, i = time.monotonic(), 0
+while True:
+    sp.enqueue("tele", {"url": url, "body": {"sensor": "a", "n": i, "v": 1.5}})
+    i += 1
+    t += 1.0 / rate
+    time.sleep(max(0.0, t - time.monotonic()))
+"""
 
 
 DRAIN = r"""
@@ -289,6 +322,8 @@ def main():
     ap.add_argument("--window", type=float, default=30.0)
     ap.add_argument("--probe-max", type=float, default=2.0)
     ap.add_argument("--drain-jobs", type=int, default=2000)
+    ap.add_argument("--arrivals", type=float, default=2.0,
+                    help="readings a second in a third window (0: none)")
     ap.add_argument("--skip", default="")
     ap.add_argument("--dir", default=None, help="where the images go")
     ap.add_argument("--json", default=None, help="write the figures here")
@@ -331,9 +366,9 @@ def main():
           "outage, a probe every %gs, from windows of %gs with probes every "
           "<= %gs and paused; medians of %d)" % (
               " ".join(POLICY), FIELD_PROBE, o.window, o.probe_max, o.runs))
-    print("%-8s %-7s %7s %10s %8s %10s %9s %7s" % (
+    print("%-8s %-7s %7s %10s %8s %10s %9s %7s %12s" % (
         "myq", "store", "held", "MB/h", "CPU %", "upper MB/h", "KB/probe",
-        "probes"))
+        "probes", "ms/arrival"))
     out = {}
     for key in sorted(k for k in res if k[0] == "outage"):
         rs = res[key]
@@ -341,11 +376,14 @@ def main():
         pr = med([x["probes"] for x in rs])
         up = med([x["upper_mb_per_h"] for x in rs])
         kb = med([x["kb_per_probe"] for x in rs])
-        print("%-8s %-7s %7d %10.1f %8.2f %10.1f %9.1f %7d" % (
-            key[1], key[2], key[3], mb, cpu, up, kb, pr))
+        arr = med([x["cpu_ms_per_arrival"] for x in rs
+                   if "cpu_ms_per_arrival" in x])
+        print("%-8s %-7s %7d %10.1f %8.2f %10.1f %9.1f %7d %12.2f" % (
+            key[1], key[2], key[3], mb, cpu, up, kb, pr, arr))
         out["outage %s %s %d" % key[1:]] = {"mb_per_h": mb, "cpu_pct": cpu,
                                             "upper_mb_per_h": up,
                                             "kb_per_probe": kb, "probes": pr,
+                                            "cpu_ms_per_arrival": arr,
                                             "runs": rs}
     for label, _ in myqs:
         m, f = res.get(("drain", label, "myq")), res.get(("drain", label, "floor"))
