@@ -28,10 +28,11 @@ interleaved, and each figure is the median of --runs.
   then honestly: the second window's rate * 3600 + (first - second) / k
   per probe * 120.  Printed beside it: the first window's rate * 3600,
   an upper bound (every probe counted 30/P times).  CPU is the worker's
-  share of one core, the same way.  Then (--arrivals R, default 2) a
-  third window, resumed, while a producer enqueues R readings a second
-  (Spool.enqueue, durable): the worker's CPU per arriving reading, over
-  the first window's (the same hold, none arriving).
+  share of one core, the same way.  Then (--arrivals R, default 20, the
+  soak's rate: fewer are lost in /proc's 10 ms ticks) a third window,
+  resumed, while a producer enqueues R readings a second (Spool.enqueue,
+  durable): the worker's CPU per arriving reading, over the first
+  window's (the same hold, none arriving).
 - drain: N jobs of a no-op --module style handler (enqueue_many, os.sync()),
   drained by Worker(...).run(drain=True) in a child (its log on another
   filesystem), then umount: the sectors written from after the enqueue's
@@ -322,7 +323,7 @@ def main():
     ap.add_argument("--window", type=float, default=30.0)
     ap.add_argument("--probe-max", type=float, default=2.0)
     ap.add_argument("--drain-jobs", type=int, default=2000)
-    ap.add_argument("--arrivals", type=float, default=2.0,
+    ap.add_argument("--arrivals", type=float, default=20.0,
                     help="readings a second in a third window (0: none)")
     ap.add_argument("--skip", default="")
     ap.add_argument("--dir", default=None, help="where the images go")
