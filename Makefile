@@ -105,9 +105,15 @@ bench-peers:
 bench-parts:
 	$(BENCH_PYTHON) bench/parts.py $(PARTS_ARGS)
 
-# Bytes to disk per job on 1 KiB and 4 KiB ext4 loop devices alone (root, ~2 min).
+# Bytes to disk per job on 1 KiB and 4 KiB ext4 loop devices alone (root, ~2 min),
+# then bench/outage.py (issue 37, root, ~40 min): bytes written per hour of
+# outage with 2,000 and 20,000 jobs held (both stores), and per drained job
+# against the bare rename-read-rename floor, on 4 KiB ext4; medians of 3.
+# OUTAGE_ARGS, e.g. "--myq this=myq.py --myq main=../main/myq.py" (both in
+# the same runs), "--runs 1 --jobs 2000 --window 10" (a quick look).
 bench-wear:
 	$(BENCH_PYTHON) bench/peers.py --skip rates,cpu $(PEERS_ARGS)
+	$(BENCH_PYTHON) bench/outage.py $(OUTAGE_ARGS)
 
 # Instructions per enqueue and per drained job under callgrind (~30 s).
 bench-cpu-startup:

@@ -26,7 +26,10 @@ in exactly one place):
   names the worker (locks/workers/WID.json: pid, process start time, boot
   id) and is unique per claim; a worker whose claim was taken back finds its
   own name gone, so it can never finish, retry or move the new owner's claim.
-  The lease is appended to the file as one JSON line (no rewrite, no fsync).
+  The lease is the claim itself: its name (the token), its mtime (the
+  lease's end, set by the claim with futimens(2), renewed by heartbeats)
+  and its attempt (the file's + 1): an inode change, no data block; the
+  file's bytes stay the job's (`ls -l processing/`, the worker's record).
 - finish: success renames the claim to done/ID.json, which is the job's
   idempotency record while it stays (a record locks/ok/ID outlives it only
   when retention or delete removes it within the de-duplication window and
@@ -42,7 +45,11 @@ in exactly one place):
   stopped for longer than its lease; the wall-clock lease decides only where
   liveness cannot be checked (another host or pid namespace, no /proc).
 - recovery: a .fin or claim left by a dead worker is requeued (counting the
-  attempt it recorded) or removed when its job already sits elsewhere.
+  attempt it began) or removed when its job already sits elsewhere.
+- hold: a job of a held destination is not rewritten: a probe is one job,
+  and a failed probe's job (or one claimed as the hold began) is renamed
+  back unchanged, its mtime its place in line; a held type's lane is not
+  looked into until its probe (SPEC 9: a hold writes nothing per job).
 - time: stored times are wall clock; every duration and sleep is monotonic.
   A file whose ctime lies in the future (the clock went back) gets its mtime
   moved to now + the delay it had left.
@@ -1097,6 +1104,15 @@ def _utime(path, t):
         _hook("utime", path, "after")
 
 
+def _futime(fd, path, t):
+    """_utime by the open descriptor of the file at `path` (a claim's)."""
+    if _hook is not None:
+        _hook("utime", path, "before")
+    os.utime(fd, (t, t))
+    if _hook is not None:
+        _hook("utime", path, "after")
+
+
 def _lstat(path):
     """lstat(2) through the door."""
     dfd, name = _at(path)
@@ -1951,6 +1967,26 @@ def _claim_token(path):
     return os.path.basename(path).rpartition(".")[0].partition("+")[2]
 
 
+def _claim_lease(path, st, job, trailers):
+    """The lease of the claim at `path` (ID+WID.SEQ.json) whose lstat is
+    `st`: the line an older myq appended, else what the claim itself says
+    (myq-spool(5) CLAIMS): its token names the worker (its record
+    locks/workers/WID.json), its mtime is the lease's end, and the attempt
+    is the file's + 1 (a claim is a run begun: taken back, it counts).  Of
+    a file in done/ (no token): its run's attempt while its mtime, the
+    lease's end, is later than its ctime, the success's rename (else it
+    did not run here: imported, or done already)."""
+    lease = _lease_of(trailers)
+    if lease is not None:
+        return lease
+    token = _claim_token(path)
+    if not token and st.st_mtime <= st.st_ctime:
+        return None
+    return {"worker": token.rpartition(".")[0], "token": token,
+            "attempt": job["attempts"] + 1,
+            "leased_until": round(st.st_mtime, 3)}
+
+
 def _split_claim(name):
     """'ID+WID.SEQ.json' -> (ID, WID, 'json'); None for other names."""
     base, dot, ext = name.rpartition(".")
@@ -2370,14 +2406,30 @@ class Identity:
 class Claim(object):
     """A job this process has claimed: processing/ID+TOKEN.json."""
     __slots__ = ("jid", "path", "job", "attempt", "token", "fd", "trailers",
-                 "max_attempts", "batch")
+                 "max_attempts", "batch", "mtime")
 
     def __init__(self, jid=None, path=None, job=None, token=None, fd=None,
-                 trailers=None, max_attempts=None, attempt=None):
+                 trailers=None, max_attempts=None, attempt=None, mtime=None):
         self.jid, self.path, self.job = jid, path, job
         self.token, self.fd, self.trailers = token, fd, trailers
         self.max_attempts, self.attempt = max_attempts, attempt
         self.batch = None       # the record of the batch it runs in
+        self.mtime = mtime      # when it was due, as claimed (put_back)
+
+
+def _lease_claim(fd, path, me, c, until):
+    """Claim c's lease: the claimed file's mtime, `until` (an inode change,
+    no data block; _claim_lease reads it).  A file the worker may write but
+    not date (a group member's, mode 0660: only its owner sets its times)
+    gets it appended as a line instead, as a claim did before; its
+    trailers are then None: it cannot go back unchanged (Worker._put_back)."""
+    try:
+        _futime(fd, path, until)
+    except OSError as e:
+        if e.errno != errno.EPERM:
+            raise
+        _append(path, me.lease_line(c.token, c.attempt, until), fd)
+        c.trailers = None
 
 
 def _noop_log(event, **kv):
@@ -2729,13 +2781,13 @@ class Claims(object):
             _rename(path, src, pfd, fs(sub))
             return None
         c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
-                  trailers=trailers,
+                  trailers=trailers, mtime=st.st_mtime,
                   max_attempts=job.get("max_attempts") or default_max_attempts)
         if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
             return None
         c.attempt = job["attempts"] + 1
         try:
-            _append(path, me.lease_line(token, c.attempt, now + me.lease), fd)
+            _lease_claim(fd, path, me, c, now + me.lease)
         except OSError:
             self.close(c)
             try:                        # give it back untouched
@@ -3091,6 +3143,16 @@ class Claims(object):
             self.spool.poke()
         return True
 
+    def put_back(self, c, mtime):
+        """The claim home unchanged, due at `mtime` (False: not ours now)."""
+        home = self.spool.home(c.job)
+        self.spool._make_lane(home)     # (incoming/ itself: there)
+        if c.fd is not None:        # (kept open until it moved)
+            _futime(c.fd, c.path, mtime)
+        ok = _take(c.path, self.spool.d(home, c.jid + ".json"))
+        self.close(c)
+        return ok
+
     def quarantine(self, path, name, reason):
         """Move a file that is not a valid job to failed/, reason beside it."""
         name = name.replace("/", "_") or "unnamed"
@@ -3162,17 +3224,14 @@ class Claims(object):
         return None
 
     def _until_of(self, path):
-        """The wall-clock end of the lease of the claim at `path`."""
-        until = 0.0
+        """The wall-clock end of the claim's lease: its mtime, or the line
+        a claim appended (_lease_claim)."""
         try:
-            until = _lstat(path).st_mtime
-            _, trailers = parse(self.spool.read_file(path)[0])
-            lease = _lease_of(trailers)
-            if lease and _is_num(lease.get("leased_until")):
-                until = max(until, lease["leased_until"])
+            data, st = self.spool.read_file(path)
+            t = (_lease_of(parse(data)[1]) or {}).get("leased_until")
         except (OSError, InvalidJob):
-            pass
-        return until
+            return 0.0
+        return max(st.st_mtime, t) if _is_num(t) else st.st_mtime
 
     def reap(self, me=None, max_attempts=5, dry_run=False):
         """Take back claims whose owner is gone (or whose lease expired where
@@ -3257,9 +3316,9 @@ class Claims(object):
             _unlink(fin)                # a finish that crashed after its move
             self.spool.log("recovered", id=jid, why=why, to="-")
             return True
-        lease = _lease_of(trailers)
+        lease = _lease_of(trailers) or {}
         dest = "incoming"
-        if lease:
+        if lease or old_token[:2] == "w-":      # a worker's claim: a run begun
             attempt = lease.get("attempt")
             if not isinstance(attempt, int):
                 attempt = job["attempts"] + 1
@@ -4748,6 +4807,8 @@ class _Backlog(object):
             skip(path, str(e))
             return None
         lease = _lease_of(trailers)
+        if lease is None and sub in ("processing", "done"):
+            lease = _claim_lease(path, st, job, trailers)
         if lease and isinstance(lease.get("attempt"), int):
             job["attempts"] = lease["attempt"]      # (as a reaper counts it)
         job.pop("lease", None)
@@ -5210,6 +5271,18 @@ class _Reading(object):
         stem = name[:-5] if state != "processing" else _split_claim(name)[0]
         job, trailers, st = self.load(path, stem)
         lease = _lease_of(trailers)
+        if lease is None and state in ("processing", "done"):
+            lease = _claim_lease(path, st, job, trailers)
+            if lease is not None and state == "processing":
+                # who holds it: the worker's record (pid, start, boot)
+                try:
+                    rec = json.loads(self.read_file(self.d(
+                        "locks", "workers", lease["worker"] + ".json"), 65536)[0])
+                    for k in ("pid", "start", "boot_id", "host"):
+                        if k in rec:
+                            lease[k] = rec[k]
+                except (OSError, ValueError, InvalidJob, TypeError):
+                    pass
         if lease:
             job["attempts"] = lease.get("attempt", job["attempts"])
             if state == "processing":
@@ -7280,6 +7353,7 @@ class _SqlClaims(Claims):
                 return None
             c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
                       max_attempts=job.get("max_attempts") or default_max_attempts)
+            c.mtime = job["available_at"]
             if not self._admit(c, job, me, None, sub, len(row[2] or ""),
                                scheduled, now):
                 return None
@@ -7343,6 +7417,16 @@ class _SqlClaims(Claims):
         if status == "ready":
             sp.poke()
         return True
+
+    def put_back(self, c, mtime):
+        """The row waits again as it was, due at `mtime` (Claims.put_back):
+        only the claim's own columns change."""
+        return self.spool._write(
+            "UPDATE jobs SET status='ready', lane=?, available_at=?, "
+            "token=NULL, worker_id=NULL, lease=NULL, leased_until=NULL WHERE "
+            "id=? AND status='processing' AND token=?",
+            (self.spool.home(c.job), mtime, c.jid, c.token), sync=False,
+            fresh=True) == 1
 
     def close(self, c):
         pass
@@ -12303,7 +12387,7 @@ class _Running(object):
                 run.dest, self.delays.probe, self.spool.waits_at(c.job, c.jid))
             if new is None:
                 self._park(run, max(until, _now() + self.poll), "destination %s "
-                           "is held" % run.dest)
+                           "is held" % run.dest, lane=lane)
                 return
             if new:
                 self._holds[run.dest] = new
@@ -12319,14 +12403,19 @@ class _Running(object):
             # under one Idempotency-Key goes again under it (a probe sent
             # alone, then batched with others after a kill, was stored
             # twice by a receiver that de-duplicates).
-            if c.job.get("batch_of") and lane is not None:
+            if run.probe:
+                # A probe is ONE job, whatever the batch (SPEC 9): what a
+                # failed batch's jobs share waits in their files, untouched.
+                run.batch = [c]
+            elif c.job.get("batch_of") and lane is not None:
                 run.batch = self._claim_batch(lane.sub, c)
-            elif run.probe or c.job.get("batch_of"):
+            elif c.job.get("batch_of"):
                 run.batch = [c]
             else:
                 run.batch = [c] + self._claim_more(
                     lane, c, n - 1, rules.get("batch_bytes"), handler)
-            self.spool.claims.note_batch(run.batch)
+            if not run.probe:
+                self.spool.claims.note_batch(run.batch)
         self._launch(run)
 
     def _claim_batch(self, sub, first):
@@ -12692,20 +12781,66 @@ class _Holding(object):
             self.log("error", during="breaker", dest=dest,
                      error=e.strerror or str(e))
 
-    def _park(self, run, until, why, noted=True):
+    def _park(self, run, until, why, noted=True, lane=None):
         """Put a job of a held destination back, no attempt counted, until
         the hold's next probe; the release makes it ready at once.  (Not
-        `noted`: a held type past the cap of records waits its own time.)"""
+        `noted`: a held type past the cap of records waits its own time.)
+        Of a type's own lane (`lane`, whose gate the hold now closes: its
+        dest is known), it goes back unchanged, in its place."""
         c = run.claim
-        job = dict(c.job)
-        job["available_at"] = _now()        # see Spool._move_on
-        job["last_error"] = "held: " + why
-        if noted:
-            self.spool.breaker.note_job(run.dest or job["type"],
-                                 self.spool.waits_at(job, c.jid))
-
         self._free(run)
-        self._move(c, job, "incoming", None, {}, until + self.delays.parked())
+        if lane is not None and lane.type == c.job["type"] and \
+                (lane.dest or lane.type) == run.dest and \
+                self.spool.home(c.job) == lane.sub:
+            self._put_back(c, c.mtime, None, {})
+            return
+        if not noted:
+            job = dict(c.job)
+            job["available_at"] = _now()        # see Spool._move_on
+            job["last_error"] = "held: " + why
+            self._move(c, job, "incoming", None, {}, until + self.delays.parked())
+            return
+        self.spool.breaker.note_job(run.dest or c.job["type"],
+                                    self.spool.waits_at(c.job, c.jid))
+        self._put_back(c, until + self.delays.parked(), None, {})
+
+    def _wait_again(self, run, c, delay, error, kv):
+        """A destination's failure inside a streak (no attempt spent): the
+        job waits again as it was, its file or row not written (SPEC 9: a
+        hold writes nothing per waiting job).  Held, in its type's lane,
+        whose gate the hold keeps shut: ready at once, behind the others,
+        so that the next probe is another job and the release touches
+        nothing.  Else due after `delay`, or at the release, which the next
+        probe may make (it waits longer only for a release that never
+        comes)."""
+        d = delay if delay is not None else self.delays.retry(max(1, c.attempt))
+        now = _now()
+        until = self._holds.get(run.dest)
+        shown = min(d, max(0.0, until - now)) if until else d
+        kv.update(retry_in=round(shown, 3), error=error, counted=False)
+        if until is not None and self.spool.home(c.job) != "incoming":
+            self._put_back(c, now, "retry", kv)
+            return
+        self.spool.breaker.note_job(run.dest, self.spool.waits_at(c.job, c.jid))
+        self._put_back(c, now + d, "retry", kv)
+
+    def _put_back(self, c, mtime, event, kv):
+        """A claim of a held (or failing) destination waits again as it
+        was, due at `mtime`: its file or row is not written again (SPEC 9:
+        a hold writes nothing per waiting job; myq-spool(5) STATES)."""
+        if c.trailers is None:      # a lease line follows it: a new version
+            self._move(c, dict(c.job), "incoming", event, kv, mtime or _now())
+            return
+        try:
+            ok = self.spool.claims.put_back(c, mtime if mtime is not None
+                                            else _now())
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._put_back(c, mtime, event, kv))
+            return
+        if ok:
+            self.dirty = True
+        self._logged(ok, c, event, kv)
 
     def _probe_claim(self, dest):
         """A held destination's probe is due: claim the next of the jobs it
@@ -12719,7 +12854,9 @@ class _Holding(object):
         # the one after the last probe's job (which a job that came due by
         # itself may have been, see _start)
         last = (sp.breaker.record(dest) or {}).get("last")
-        k = names.index(last) + 1 if last in names else 0
+        # (a last probe not among them was a lane's head: the recorded jobs
+        # had their turn, the lane's next head is the probe)
+        k = names.index(last) + 1 if last in names else len(names) if last else 0
         wrapped = k == len(names)
         names = names[k:] + names[:k]
         sub = names[0].rpartition("/")[0]
@@ -13542,7 +13679,8 @@ class Worker(_Scheduling, _Running, _Holding):
         for c in claims:
             self._finish_one(run, c, outcome, error, delay, tb, counts)
         if run.batch:
-            if outcome == "retry":
+            if outcome == "retry" and (counts or claims[0].batch ==
+                                       claims[0].job.get("batch_of")):
                 self.spool.claims.keep_batch(claims[0].batch)
             else:
                 self.spool.claims.end_batch(claims[0].batch)
@@ -13565,15 +13703,7 @@ class Worker(_Scheduling, _Running, _Holding):
             job.pop("batch_of", None)
         if not counts:
             # The destination's failure inside a streak: no attempt spent.
-            d = delay if delay is not None else self.delays.retry(max(1, c.attempt))
-            job["available_at"] = now = _now()      # see Spool._move_on
-            # (held: it runs at the release, which the next probe may make;
-            # its file waits longer only for a release that never comes)
-            until = self._holds.get(run.dest)
-            shown = min(d, max(0.0, until - now)) if until else d
-            kv.update(retry_in=round(shown, 3), error=error, counted=False)
-            self.spool.breaker.note_job(run.dest, self.spool.waits_at(job, c.jid))
-            self._move(c, job, "incoming", "retry", kv, now + d)
+            self._wait_again(run, c, delay, error, kv)
             return
         if outcome == "retry" and c.attempt >= c.max_attempts:
             outcome = "dead"

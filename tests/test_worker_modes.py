@@ -139,10 +139,12 @@ def test_drain_first_requeues_claims_of_dead_workers(run_myq, spool, handlers_di
     w = start_worker(spool, "--drain", "--handlers", h, *FAST)
     try:
         wait_for(lambda: (started / "crashy").exists(), what="handler start")
-        # the claim is readable with cat: lease with the worker's pid
+        # the lease, for cat: the claim's name names the worker, whose
+        # record has its pid (the claim's mtime: the lease's end)
         [claim] = ls(spool, "processing")
-        text = open(os.path.join(spool, "processing", claim)).read()
-        assert "leased_until" in text and str(w.pid) in text, text
+        wid = claim.partition("+")[2].rpartition(".")[0].rpartition(".")[0]
+        text = open(os.path.join(spool, "locks", "workers", wid + ".json")).read()
+        assert '"pid": %d' % w.pid in text or '"pid":%d' % w.pid in text, text
         w.kill()
         w.wait(10)
         kill_quiet(int((started / "crashy.pid").read_text()))

@@ -92,7 +92,7 @@ class Soak(object):
         self.phases = []           # (t_start, name)
         self.fault = {}            # name -> details
         self.last_delivery = 0.0   # time of the latest delivery seen
-        self.outage_cpu_pct = None
+        self.outage_cpu_pct = self.outage_mb_per_h = None
         self.t_drained = self.t_up = None
         self.probe_s = 0.0
         self.cpu_samples = []      # (time, worker pid, its CPU seconds so far)
@@ -419,6 +419,15 @@ class Soak(object):
         v = f.rsplit(")", 1)[1].split()
         return sum(int(x) for x in v[11:15]) / float(os.sysconf("SC_CLK_TCK"))
 
+    def sectors_now(self):
+        """Sectors written so far to the spool's loop device, after a
+        sync (None on tmpfs: no device to read)."""
+        if not self.loopdev:
+            return None
+        os.sync()
+        name = os.path.basename(self.loopdev)
+        return int(_read(("/sys/block/%s/stat" % name).encode()).split()[6])
+
     def sample_worker(self):
         w = self.worker
         if w is None:
@@ -689,12 +698,12 @@ class Soak(object):
         self.link(False)
         t0 = time.time()
         ids = self.inflight()
-        c0 = self.worker_cpu_now()
+        c0, s0 = self.worker_cpu_now(), self.sectors_now()
         self.fault["link"] = e = self.event("fault", kind="link_down", name="link",
                                             t_kill=t0, inflight=sorted(ids))
         self.say("link down at +%.1f s (%d jobs in flight)" % (t0 - self.t0, len(ids)))
         self.sleep(self.dur("link-down"))
-        c1 = self.worker_cpu_now()
+        c1, s1 = self.worker_cpu_now(), self.sectors_now()
         t1 = time.time()
         self.link(True)
         self.t_up = time.time()
@@ -702,6 +711,10 @@ class Soak(object):
                  wall_s=t1 - t0)
         self.event("link-up", t_down=t0, t_up=self.t_up, cpu_s=e["cpu_s"], wall_s=t1 - t0)
         self.outage_cpu_pct = 100.0 * e["cpu_s"] / (t1 - t0) if e["cpu_s"] is not None else None
+        # the flash an hour of this outage costs: the arrivals' own jobs and
+        # what the hold writes (the spool's loop device, from a sync to one)
+        if s0 is not None and s1 is not None:
+            self.outage_mb_per_h = (s1 - s0) * 512.0 / (t1 - t0) * 3600 / 1e6
         # it was down: nothing arrived in the middle of the outage
         mid = [r for r in _recs(self.recv_log) + _recs(self.sub_log)
                if r.get("ev") in ("req", "msg") and t0 + 1.0 < r.get("t0", r.get("t", 0)) < t1]
@@ -961,11 +974,13 @@ class Soak(object):
             self.say("could not check: " + "; ".join(self.problems))
         print("soak: accepted=%d delivered=%d lost=%d dup=%d dup_unexplained=%d requests=%d "
               "bytes_per_job=%d cpu_ms_per_job=%.1f outage_cpu_pct=%.2f rss_mb=%.1f "
-              "inodes_max=%d linkup_to_drained_s=%.1f" % (
+              "inodes_max=%d linkup_to_drained_s=%.1f outage_mb_per_h=%.1f" % (
                   len(accepted), ndel, len(lost_ids), dup, unexplained, len(reqs),
                   round(bytes_job), 1000.0 * cpu / ndel if ndel else 0,
                   self.outage_cpu_pct if self.outage_cpu_pct is not None else -1,
-                  self.worker_hwm / 1024.0, self.inodes_max, drained), flush=True)
+                  self.worker_hwm / 1024.0, self.inodes_max, drained,
+                  self.outage_mb_per_h if self.outage_mb_per_h is not None else -1),
+              flush=True)
         if lost_ids or unexplained:
             return 1
         return 2 if self.problems else 0
