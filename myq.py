@@ -77,8 +77,8 @@ The map: the sections, in file order, each using only those above it
                     guard, idempotency), _Upkeep (retry, delete, prune,
                     check), _Backlog (export, import: JSON lines),
                     _Budget (the budget's figure and shed, capacity:
-                    locks/used, locks/rates), Spool (layout, reading,
-                    lanes, stats) (test_spool_layout, test_retry_dlq,
+                    locks/used, locks/rates), _Layout (what init makes),
+                    Spool (reading, lanes, stats) (test_spool_layout, test_retry_dlq,
                     test_operator, test_export, test_budget)
   The SQLite store  SqlSpool and _SqlClaims: the same interface over
                     queue.db (myq init --store sqlite), the drop box taken
@@ -4680,7 +4680,7 @@ class _Upkeep(object):
         """What only the owner may open, open to others (a producer could
         lock it for ever); what init moved aside from incoming/lanes/."""
         out = []
-        for sub, name in self._PRIVATE:
+        for sub, name in _Layout._PRIVATE:
             p = self.d(sub, name) if sub else self.d(name)
             try:
                 mode = stat.S_IMODE(os.lstat(p).st_mode)
@@ -6041,6 +6041,198 @@ class _Budget(object):
         return out
 
 
+class _Layout(object):
+    """Making a spool's layout (myq init, run as root at every boot): every
+    directory, incoming/lanes/ (files: made here, so that no producer's
+    can stand there), the wake FIFO, the intake's token, the records, the
+    reserve (locks/room), and the database's and the lock files' modes,
+    made the owner's alone (no producer may lock them).  Every entry is
+    reached through its parent's descriptor, never through a symlink, and
+    the owner gets each one through its own descriptor.  Its own object:
+    what root does at a boot is read in one place, and a spool in use
+    never needs it."""
+
+    def __init__(self, spool):
+        self.sp = spool
+        self.path = spool.path
+        self.d = spool.d
+
+    def make(self, owner, store="files"):
+        """The layout, the owner's: every directory, incoming/lanes/ (files:
+        made here, so that no producer's can stand there), the wake FIFO,
+        the reserve (locks/room), and the database's and the lock files'
+        modes, made the owner's alone (no producer may lock them)."""
+        ids = _user_ids(owner) if owner else None
+        try:
+            os.makedirs(self.path, 0o750, exist_ok=True)
+            st = os.lstat(self.path)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+                raise ConfigError(
+                    "%s is a symlink owned by uid %d; refusing to follow it "
+                    "(give the real directory as --spool)" % (self.path, st.st_uid))
+            fds = {"": os.open(self.path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)}
+        except OSError as e:
+            raise ConfigError("cannot create the spool %s: %s; check the path "
+                              "and its permissions" % (self.path, e.strerror))
+        try:
+            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
+                parent, _, name = sub.rpartition("/")
+                p = self.d(sub)
+                try:
+                    _step("mkdir", p, "before")
+                    os.mkdir(name, 0o750, dir_fd=fds[parent])
+                    _step("mkdir", p, "after")
+                except FileExistsError:
+                    pass
+                fds[sub] = _open_dir(name, fds[parent], p)
+            mine = ids[0] if ids else os.fstat(fds[""]).st_uid
+            if store == "files":
+                fds[LANES] = self._lanes(fds["incoming"], mine)
+            dev = os.fstat(fds[""]).st_dev
+            for sub, fd in fds.items():
+                if os.fstat(fd).st_dev != dev:
+                    raise ConfigError(_other_fs(self.d(sub), self.path))
+            if hasattr(os, "mkfifo"):
+                try:
+                    os.mkfifo("wake", 0o660, dir_fd=fds["locks"])
+                except FileExistsError:
+                    pass
+            self._token(fds[""], ids)
+            _records_made(fds["locks"], ids)
+            if ids:
+                _give_layout(fds, ids)
+                for fd in fds.values():
+                    os.fchown(fd, ids[0], ids[1])
+                if ":" in owner:
+                    # USER:GROUP: the group is the producers' (myq-spool(5)
+                    # OWNERSHIP): tmp/ and incoming/ g+ws,+t, at every start
+                    for sub in ("tmp", "incoming"):
+                        os.fchmod(fds[sub], stat.S_IMODE(os.fstat(
+                            fds[sub]).st_mode) | 0o3070)
+                try:
+                    fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
+                                 | O_CLOEXEC, dir_fd=fds["locks"])
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise ConfigError("%s is not a FIFO; remove it and run "
+                                          "myq init" % self.d("locks", "wake"))
+                else:
+                    try:
+                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                            os.fchown(fd, ids[0], ids[1])
+                    finally:
+                        os.close(fd)
+            self._files(fds, mine, ids)
+        except OSError as e:
+            raise ConfigError("cannot create the spool %s: %s; check the path "
+                              "and its permissions (--owner needs root)"
+                              % (self.path, e.strerror))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _token(self, dirfd, ids):
+        """SPOOL/intake.token, the HTTP intake's bearer token (myq(1)
+        INTAKE): made once, random, 0640, so that the owner and the
+        spool's group (its producers) read it and no other account does;
+        one that is there is kept (given to `ids` only when it is root's
+        own, one link, reached without following a link)."""
+        p = self.d(INTAKE_TOKEN)
+        try:
+            fd = os.open(INTAKE_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | O_NOFOLLOW | O_CLOEXEC, 0o600, dir_fd=dirfd)
+        except FileExistsError:
+            try:
+                fd = os.open(INTAKE_TOKEN, os.O_RDONLY | os.O_NONBLOCK
+                             | O_NOFOLLOW | O_CLOEXEC, dir_fd=dirfd)
+            except OSError:
+                raise ConfigError("%s is not a plain file; remove it and run "
+                                  "myq init (it makes a new token)" % p)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    raise ConfigError("%s is not a plain file of one link; "
+                                      "remove it and run myq init" % p)
+                if ids and st.st_uid == os.geteuid() != ids[0]:
+                    os.fchown(fd, ids[0], ids[1])
+            finally:
+                os.close(fd)
+            return
+        try:
+            os.write(fd, os.urandom(24).hex().encode("ascii") + b"\n")
+            if ids:
+                os.fchown(fd, ids[0], ids[1])
+            os.fchmod(fd, 0o640)
+        finally:
+            os.close(fd)
+
+    # What only the owner may open, whoever reads the rest (_Layout._files):
+    # what myq locks (SQLite locks the database and its log and index).
+    _PRIVATE = (("", "queue.db"), ("", "queue.db-wal"), ("", "queue.db-shm"),
+                ("locks", "policy.lock"), ("locks", "totals.lock"),
+                ("locks", "used"),
+                ("locks/held", ".lock"))
+
+    def _lanes(self, inc, mine):
+        """incoming/lanes/ made (0750) in incoming/ (descriptor `inc`), or
+        kept when it is a directory of `mine` or root's; anything else (a
+        producer's directory, link or file: review) is moved aside within
+        incoming/ (lanes.refused-N, which check names), never adopted."""
+        try:
+            st = os.stat("lanes", dir_fd=inc, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not (stat.S_ISDIR(st.st_mode)
+                                   and st.st_uid in (mine, 0)):
+            os.rename("lanes", "lanes.refused-" + _rand_hex(4),
+                      src_dir_fd=inc, dst_dir_fd=inc)
+            st = None
+        if st is None:
+            try:
+                os.mkdir("lanes", 0o750, dir_fd=inc)
+            except FileExistsError:
+                pass
+        fd = _open_dir("lanes", inc, self.d(LANES))
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & 0o022:        # (made when it took incoming/'s mode)
+            os.fchmod(fd, mode & ~0o022)
+        return fd
+
+    def _files(self, fds, mine, ids):
+        """The reserve (locks/room: a worker starts on a full disk whether
+        or not one ran before, myq(1) guards) made when there is room; the
+        lock files and the database (queue.db, -wal, -shm) that exist made
+        the owner's alone (0600): a producer who can open a file can lock
+        it, and one read lock on queue.db-shm stopped every writer
+        (review).  A file of another owner, or a link, is left as it is."""
+        lk = fds["locks"]
+        if not _exists("room", lk) and not self.sp.free_problem():
+            try:
+                fd = os.open("room", os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                             | O_NOFOLLOW | O_CLOEXEC, 0o600, dir_fd=lk)
+            except FileExistsError:
+                fd = None
+            if fd is not None:
+                try:
+                    if ids:
+                        os.fchown(fd, ids[0], ids[1])
+                    os.write(fd, os.urandom(self.sp.ROOM))
+                    os.fsync(fd)
+                except OSError:
+                    os.unlink("room", dir_fd=lk)    # (no room: a reserve
+                finally:                             # is for when there is)
+                    os.close(fd)
+        for sub, name in self._PRIVATE:
+            dfd = fds.get(sub)
+            if dfd is None:
+                try:
+                    dfd = fds[sub] = _open_dir(sub.rpartition("/")[2],
+                                               fds["locks"], self.d(sub))
+                except OSError:
+                    continue
+            _own_mode(name, dfd, mine, 0o600)
+
+
 class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
     """One queue: the directory layout and every move of a job file.
     Spool(path) is the class of the store the spool records (SPOOL/store:
@@ -6140,83 +6332,9 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
                     "%s, then move the jobs: myq --spool %s export | myq "
                     "--spool NEW import" % (self.path, self.store, store, self.path))
             _STORES[store].usable()     # (nothing made where it cannot be)
-            self._init(owner, store)
+            _Layout(self).make(owner, store)
             return _STORES[store].create(self, owner)
-        return self._init(owner, store)
-
-    def _init(self, owner, store="files"):
-        """The layout, the owner's: every directory, incoming/lanes/ (files:
-        made here, so that no producer's can stand there), the wake FIFO,
-        the reserve (locks/room), and the database's and the lock files'
-        modes, made the owner's alone (no producer may lock them)."""
-        ids = _user_ids(owner) if owner else None
-        try:
-            os.makedirs(self.path, 0o750, exist_ok=True)
-            st = os.lstat(self.path)
-            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
-                raise ConfigError(
-                    "%s is a symlink owned by uid %d; refusing to follow it "
-                    "(give the real directory as --spool)" % (self.path, st.st_uid))
-            fds = {"": os.open(self.path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)}
-        except OSError as e:
-            raise ConfigError("cannot create the spool %s: %s; check the path "
-                              "and its permissions" % (self.path, e.strerror))
-        try:
-            for sub in SUBDIRS + ("locks/ok", "locks/workers"):
-                parent, _, name = sub.rpartition("/")
-                p = self.d(sub)
-                try:
-                    _step("mkdir", p, "before")
-                    os.mkdir(name, 0o750, dir_fd=fds[parent])
-                    _step("mkdir", p, "after")
-                except FileExistsError:
-                    pass
-                fds[sub] = _open_dir(name, fds[parent], p)
-            mine = ids[0] if ids else os.fstat(fds[""]).st_uid
-            if store == "files":
-                fds[LANES] = self._init_lanes(fds["incoming"], mine)
-            dev = os.fstat(fds[""]).st_dev
-            for sub, fd in fds.items():
-                if os.fstat(fd).st_dev != dev:
-                    raise ConfigError(_other_fs(self.d(sub), self.path))
-            if hasattr(os, "mkfifo"):
-                try:
-                    os.mkfifo("wake", 0o660, dir_fd=fds["locks"])
-                except FileExistsError:
-                    pass
-            self._init_token(fds[""], ids)
-            _records_made(fds["locks"], ids)
-            if ids:
-                _give_layout(fds, ids)
-                for fd in fds.values():
-                    os.fchown(fd, ids[0], ids[1])
-                if ":" in owner:
-                    # USER:GROUP: the group is the producers' (myq-spool(5)
-                    # OWNERSHIP): tmp/ and incoming/ g+ws,+t, at every start
-                    for sub in ("tmp", "incoming"):
-                        os.fchmod(fds[sub], stat.S_IMODE(os.fstat(
-                            fds[sub]).st_mode) | 0o3070)
-                try:
-                    fd = os.open("wake", os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW
-                                 | O_CLOEXEC, dir_fd=fds["locks"])
-                except OSError as e:
-                    if e.errno != errno.ENOENT:
-                        raise ConfigError("%s is not a FIFO; remove it and run "
-                                          "myq init" % self.d("locks", "wake"))
-                else:
-                    try:
-                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                            os.fchown(fd, ids[0], ids[1])
-                    finally:
-                        os.close(fd)
-            self._init_files(fds, mine, ids)
-        except OSError as e:
-            raise ConfigError("cannot create the spool %s: %s; check the path "
-                              "and its permissions (--owner needs root)"
-                              % (self.path, e.strerror))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        _Layout(self).make(owner, store)
         return self
 
     @property
@@ -6246,107 +6364,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         _replace(self.d(NAME_FILE), (name + "\n").encode("utf-8"), sync=True,
                  mode=0o644)
         self._name = name
-
-    def _init_token(self, dirfd, ids):
-        """SPOOL/intake.token, the HTTP intake's bearer token (myq(1)
-        INTAKE): made once, random, 0640, so that the owner and the
-        spool's group (its producers) read it and no other account does;
-        one that is there is kept (given to `ids` only when it is root's
-        own, one link, reached without following a link)."""
-        p = self.d(INTAKE_TOKEN)
-        try:
-            fd = os.open(INTAKE_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                         | O_NOFOLLOW | O_CLOEXEC, 0o600, dir_fd=dirfd)
-        except FileExistsError:
-            try:
-                fd = os.open(INTAKE_TOKEN, os.O_RDONLY | os.O_NONBLOCK
-                             | O_NOFOLLOW | O_CLOEXEC, dir_fd=dirfd)
-            except OSError:
-                raise ConfigError("%s is not a plain file; remove it and run "
-                                  "myq init (it makes a new token)" % p)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                    raise ConfigError("%s is not a plain file of one link; "
-                                      "remove it and run myq init" % p)
-                if ids and st.st_uid == os.geteuid() != ids[0]:
-                    os.fchown(fd, ids[0], ids[1])
-            finally:
-                os.close(fd)
-            return
-        try:
-            os.write(fd, os.urandom(24).hex().encode("ascii") + b"\n")
-            if ids:
-                os.fchown(fd, ids[0], ids[1])
-            os.fchmod(fd, 0o640)
-        finally:
-            os.close(fd)
-
-    # What only the owner may open, whoever reads the rest (Spool._init_files):
-    # what myq locks (SQLite locks the database and its log and index).
-    _PRIVATE = (("", "queue.db"), ("", "queue.db-wal"), ("", "queue.db-shm"),
-                ("locks", "policy.lock"), ("locks", "totals.lock"),
-                ("locks", "used"),
-                ("locks/held", ".lock"))
-
-    def _init_lanes(self, inc, mine):
-        """incoming/lanes/ made (0750) in incoming/ (descriptor `inc`), or
-        kept when it is a directory of `mine` or root's; anything else (a
-        producer's directory, link or file: review) is moved aside within
-        incoming/ (lanes.refused-N, which check names), never adopted."""
-        try:
-            st = os.stat("lanes", dir_fd=inc, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
-        if st is not None and not (stat.S_ISDIR(st.st_mode)
-                                   and st.st_uid in (mine, 0)):
-            os.rename("lanes", "lanes.refused-" + _rand_hex(4),
-                      src_dir_fd=inc, dst_dir_fd=inc)
-            st = None
-        if st is None:
-            try:
-                os.mkdir("lanes", 0o750, dir_fd=inc)
-            except FileExistsError:
-                pass
-        fd = _open_dir("lanes", inc, self.d(LANES))
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        if mode & 0o022:        # (made when it took incoming/'s mode)
-            os.fchmod(fd, mode & ~0o022)
-        return fd
-
-    def _init_files(self, fds, mine, ids):
-        """The reserve (locks/room: a worker starts on a full disk whether
-        or not one ran before, myq(1) guards) made when there is room; the
-        lock files and the database (queue.db, -wal, -shm) that exist made
-        the owner's alone (0600): a producer who can open a file can lock
-        it, and one read lock on queue.db-shm stopped every writer
-        (review).  A file of another owner, or a link, is left as it is."""
-        lk = fds["locks"]
-        if not _exists("room", lk) and not self.free_problem():
-            try:
-                fd = os.open("room", os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                             | O_NOFOLLOW | O_CLOEXEC, 0o600, dir_fd=lk)
-            except FileExistsError:
-                fd = None
-            if fd is not None:
-                try:
-                    if ids:
-                        os.fchown(fd, ids[0], ids[1])
-                    os.write(fd, os.urandom(self.ROOM))
-                    os.fsync(fd)
-                except OSError:
-                    os.unlink("room", dir_fd=lk)    # (no room: a reserve
-                finally:                             # is for when there is)
-                    os.close(fd)
-        for sub, name in self._PRIVATE:
-            dfd = fds.get(sub)
-            if dfd is None:
-                try:
-                    dfd = fds[sub] = _open_dir(sub.rpartition("/")[2],
-                                               fds["locks"], self.d(sub))
-                except OSError:
-                    continue
-            _own_mode(name, dfd, mine, 0o600)
 
     def require(self):
         """Raise ConfigError unless the spool exists and is initialised."""
