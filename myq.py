@@ -2725,6 +2725,68 @@ def _few(names, most=5):
     return ",".join(names) or "-"
 
 
+class _Batches(object):
+    """A batch's identity kept across a crash (myq(1) batches): the ids of
+    the jobs that went together, in order, in processing/LEAD+TOKEN.batch
+    while they run and in locks/batches/LEAD+TOKEN when a dead worker's
+    jobs go back unfinished, so that they go again as that batch (same
+    ids, same order, same Idempotency-Key).  A record's name is a name
+    (LEAD+TOKEN), never a path.  The spool's, as spool.claims.batches."""
+
+    def __init__(self, spool):
+        self.spool = spool
+
+    def note(self, claims):
+        """Record a new batch's ids, of one job too (no fsync: a power cut
+        ends it anyway)."""
+        c = claims[0]
+        if _is_batch_name(c.job.get("batch_of")):   # (formed again: recorded)
+            name = c.job["batch_of"]
+        else:
+            name = "%s+%s" % (c.jid, c.token)
+            try:
+                _create(self.spool.d("processing", name + ".batch"), json.dumps(
+                    {"ids": [x.jid for x in claims]}).encode("utf-8"), sync=False)
+            except OSError:
+                return                      # it goes as a batch all the same
+        for x in claims:
+            x.batch = name
+
+    def ids(self, name):
+        """The ids of batch `name` in order ([] when its record is gone, or
+        `name` is not a batch's: a name in locks/, never a path)."""
+        if not _is_batch_name(name):
+            return []
+        for p in (self.spool.d("locks", "batches", name), self.spool.d("processing",
+                                                           name + ".batch")):
+            data = _read_small(p, 1 << 20)
+            if data:
+                try:
+                    ids = json.loads(data.decode("utf-8")).get("ids")
+                except (ValueError, AttributeError):
+                    return []
+                return [i for i in ids if isinstance(i, str) and NAME_RE.match(i)] \
+                    if isinstance(ids, list) else []
+        return []
+
+    def keep(self, name):
+        """Its jobs go back unfinished: the record to locks/batches/."""
+        if not _is_batch_name(name):
+            return
+        src = self.spool.d("processing", name + ".batch")
+        if _lexists(src):
+            try:
+                self.spool.fs.mkdir("locks/batches")
+                _rename(src, self.spool.d("locks", "batches", name))
+            except OSError:
+                pass
+
+    def end(self, name):
+        if _is_batch_name(name):
+            _quiet_unlink(self.spool.d("processing", name + ".batch"))
+            _quiet_unlink(self.spool.d("locks", "batches", name))
+
+
 class Claims(object):
     """The claim protocol (myq-spool(5) CLAIMS): a job claimed by renaming it into
     processing/ with the claimer's token, its lease appended; finished by
@@ -2735,6 +2797,7 @@ class Claims(object):
 
     def __init__(self, spool):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
+        self.batches = _Batches(self.spool)
 
     def claim(self, name, me, default_max_attempts=5, scheduled=False,
                sub="incoming", anytime=False):
@@ -2980,56 +3043,6 @@ class Claims(object):
     # Idempotency-Key, and a receiver that de-duplicates stores nothing
     # twice.  A batch that ended (done, dead, split) drops its record.
 
-    def note_batch(self, claims):
-        """Record a new batch's ids, of one job too (no fsync: a power cut
-        ends it anyway)."""
-        c = claims[0]
-        if _is_batch_name(c.job.get("batch_of")):   # (formed again: recorded)
-            name = c.job["batch_of"]
-        else:
-            name = "%s+%s" % (c.jid, c.token)
-            try:
-                _create(self.spool.d("processing", name + ".batch"), json.dumps(
-                    {"ids": [x.jid for x in claims]}).encode("utf-8"), sync=False)
-            except OSError:
-                return                      # it goes as a batch all the same
-        for x in claims:
-            x.batch = name
-
-    def batch_ids(self, name):
-        """The ids of batch `name` in order ([] when its record is gone, or
-        `name` is not a batch's: a name in locks/, never a path)."""
-        if not _is_batch_name(name):
-            return []
-        for p in (self.spool.d("locks", "batches", name), self.spool.d("processing",
-                                                           name + ".batch")):
-            data = _read_small(p, 1 << 20)
-            if data:
-                try:
-                    ids = json.loads(data.decode("utf-8")).get("ids")
-                except (ValueError, AttributeError):
-                    return []
-                return [i for i in ids if isinstance(i, str) and NAME_RE.match(i)] \
-                    if isinstance(ids, list) else []
-        return []
-
-    def keep_batch(self, name):
-        """Its jobs go back unfinished: the record to locks/batches/."""
-        if not _is_batch_name(name):
-            return
-        src = self.spool.d("processing", name + ".batch")
-        if _lexists(src):
-            try:
-                self.spool.fs.mkdir("locks/batches")
-                _rename(src, self.spool.d("locks", "batches", name))
-            except OSError:
-                pass
-
-    def end_batch(self, name):
-        if _is_batch_name(name):
-            _quiet_unlink(self.spool.d("processing", name + ".batch"))
-            _quiet_unlink(self.spool.d("locks", "batches", name))
-
     def _run_record(self, token):
 
         return self.spool.d("locks", "workers", token + ".run")
@@ -3269,7 +3282,7 @@ class Claims(object):
 
     def _dead_batches(self, names, me, cache, now, mono):
         """{jid: its batch} of the batches (processing/*.batch) whose
-        workers are gone; their records kept (keep_batch)."""
+        workers are gone; their records kept (_Batches.keep)."""
         batches = {}        # a dead worker's batch: jid -> its record
         for name in names:
             if name.endswith(".batch") and "+" in name:
@@ -3277,9 +3290,9 @@ class Claims(object):
                 if wid and (me is None or wid != me.wid) and self._owner_gone(
                         wid, self.spool.d("processing", name), cache, now, mono,
                         kill=True):
-                    for jid in self.batch_ids(name[:-6]):
+                    for jid in self.batches.ids(name[:-6]):
                         batches[jid] = name[:-6]
-                    self.keep_batch(name[:-6])
+                    self.batches.keep(name[:-6])
         return batches
 
     def own(self, path, jid, me):
@@ -12432,7 +12445,7 @@ class _Running(object):
                 run.batch = [c] + self._claim_more(
                     lane, c, n - 1, rules.get("batch_bytes"), handler)
             if not run.probe:
-                self.spool.claims.note_batch(run.batch)
+                self.spool.claims.batches.note(run.batch)
         self._launch(run)
 
     def _claim_batch(self, sub, first):
@@ -12440,7 +12453,7 @@ class _Running(object):
         the same ids in the same order, so the same Idempotency-Key, of
         those that still wait in lane `sub`."""
         sp = self.spool
-        ids = sp.claims.batch_ids(first.job["batch_of"])
+        ids = sp.claims.batches.ids(first.job["batch_of"])
         out = {first.jid: first}
         for jid in ids:
             if jid in out or not sp.claims.waits(sub + "/" + jid + ".json"):
@@ -13643,7 +13656,7 @@ class Worker(_Scheduling, _Running, _Holding):
         if outcome == "each":
             # (one outcome a job, mqtt's: nothing of the batch is kept, so
             # what goes again is batched afresh, not one at a time)
-            self.spool.claims.end_batch(run.batch[0].batch)
+            self.spool.claims.batches.end(run.batch[0].batch)
             for c, res in zip(run.batch, error):
                 c.batch = None
                 one = _Run(c, run.handler)
@@ -13682,7 +13695,7 @@ class Worker(_Scheduling, _Running, _Holding):
             # Each half is first in line, as its own group, and starts as a
             # slot frees (_start_split): a split never runs more at once
             # than --concurrency and the type's concurrency allow.
-            self.spool.claims.end_batch(claims[0].batch)
+            self.spool.claims.batches.end(claims[0].batch)
             for c in claims:            # (its halves are groups of their own)
                 c.batch = None
                 c.job.pop("batch_of", None)
@@ -13698,9 +13711,9 @@ class Worker(_Scheduling, _Running, _Holding):
         if run.batch:
             if outcome == "retry" and (counts or claims[0].batch ==
                                        claims[0].job.get("batch_of")):
-                self.spool.claims.keep_batch(claims[0].batch)
+                self.spool.claims.batches.keep(claims[0].batch)
             else:
-                self.spool.claims.end_batch(claims[0].batch)
+                self.spool.claims.batches.end(claims[0].batch)
 
     def _finish_one(self, run, c, outcome, error, delay, tb, counts):
         ms = int((_mono() - run.started) * 1000)
@@ -13776,7 +13789,7 @@ class Worker(_Scheduling, _Running, _Holding):
         for c in run.batch or [run.claim]:
             self._release_one(c)
         if run.batch:
-            self.spool.claims.keep_batch(run.batch[0].batch)
+            self.spool.claims.batches.keep(run.batch[0].batch)
 
 
     def _start_split(self):

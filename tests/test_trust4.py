@@ -441,14 +441,14 @@ def test_a_producers_batch_of_is_never_trusted(spool, tmp_path, where):
 
 
 def test_a_batch_name_is_a_name_never_a_path(myq, spool, tmp_path):
-    """Claims.batch_ids/keep_batch/end_batch take LEAD+TOKEN alone."""
+    """A batch record's name is LEAD+TOKEN alone (never a path)."""
     p = tmp_path / "x.json"
     p.write_text(json.dumps({"ids": ["a"]}))
     sp = myq.Spool(spool)
     for bad in (str(p), "../../x", "a/b+c", "+c", "a+", "..+..", None, 7):
-        assert sp.claims.batch_ids(bad) == []
-        sp.claims.end_batch(bad)
-        sp.claims.keep_batch(bad)
+        assert sp.claims.batches.ids(bad) == []
+        sp.claims.batches.end(bad)
+        sp.claims.batches.keep(bad)
     assert p.exists()
 
 
