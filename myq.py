@@ -3325,7 +3325,7 @@ class _Producing(object):
                     self._fsync_later(later, done)
                 if sync:
                     self._fsync_or_withdraw(done, dirs)
-                self.poke(dirs, often=True)
+                self.poke(dirs, often=True, subs=set(d[1] for d in done))
         except OSError as e:        # opening the directories
             if isinstance(e, _Refused):
                 raise ConfigError("spool %s refuses the job: %s; nothing was "
@@ -3570,7 +3570,7 @@ class _Producing(object):
                             "(by the spool's owner?); nothing was enqueued"
                             % (jid, self.path))
 
-    def poke(self, dirs=None, often=False):
+    def poke(self, dirs=None, often=False, subs=()):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
         into anything else that may stand there).  `often` (a producer's
         enqueue): where no worker listened, look again 10 ms later, not at
@@ -3578,10 +3578,13 @@ class _Producing(object):
         anyway, and a job put in between waits at most for the next poke or
         the worker's --poll).  Nothing stays open between two pokes: a
         process that enqueued must not keep the spool's filesystem busy
-        (umount)."""
+        (umount).  `subs`: the lanes the jobs went to; none is poked for
+        when all are hushed (_hushed)."""
         if often:
             t = _UNHEARD.get(self.path)
             if t is not None and _mono() < t:
+                return
+            if subs and self._hushed(subs):
                 return
         fd = self._open_wake(dirs)
         if fd is None:
@@ -3594,6 +3597,27 @@ class _Producing(object):
             pass
         finally:
             os.close(fd)
+
+    def _hushed(self, subs):
+        """Is every lane of `subs` one whose batch a worker waits out
+        (locks/quiet/LANE, its mtime on the monotonic clock: until when,
+        Worker._hush)?  Its jobs cannot start before, and it looks at the
+        lane then: a poke would only wake it for nothing (issue 42: 5 a
+        second cost it 0.5 ms each).  A mark is believed for at most the
+        type's batch_wait (one of another boot, or a worker killed)."""
+        now = _mono()
+        for sub in subs:
+            if not sub.startswith(LANES + "/"):
+                return False
+            name = sub[len(LANES) + 1:]
+            wait = self.rules(name.rpartition("@")[0]).get("batch_wait")
+            try:
+                left = _lstat(self.d("locks", "quiet", name)).st_mtime - now
+            except (OSError, MyqError):
+                return False
+            if not wait or not 0 < left <= wait:
+                return False
+        return True
 
     def _open_wake(self, dirs):
         """locks/wake open for writing, or None: no worker listens (ENXIO),
@@ -6886,7 +6910,7 @@ class SqlSpool(_SqlUpkeep, Spool):
         try:
             self._placed(self._insert(rows, sync, dup), rows, done)
             if done:
-                self.poke(often=True)
+                self.poke(often=True, subs=set(d[1] for d in done))
         finally:
             self.fs.release()
         return [jid for jid, _ in done]
@@ -9629,14 +9653,14 @@ class _Lane(object):
     or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
     __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
                  "soonest", "next_due", "blocked", "slot", "probe", "rated",
-                 "dest", "key", "path")
+                 "dest", "key", "path", "quiet")
 
     def __init__(self, sub, type=None, prio=0, path=None):
         self.sub, self.type, self.prio, self.path = sub, type, prio, path
         self.cache, self.cache_full, self.dirty = [], False, True
         self.sweep = self.soonest = self.next_due = None
         self.blocked = 0.0          # wall time before which it is not tried
-        self.slot = self.probe = self.dest = self.key = None
+        self.slot = self.probe = self.dest = self.key = self.quiet = None
         self.rated = False
 
     def end_sweep(self):
@@ -9660,6 +9684,12 @@ class _Scheduling(object):
         if key != self._dir_key or racy:
             self._dir_key = key
             self.dirty = True
+        for L in self._lanes:
+            if L.type is not None:
+                # (a lane's jobs came without a poke: _hush; a stat each)
+                k, racy = self.spool.claims.lane_key(L)
+                if k != L.key or racy:
+                    L.key, L.dirty = k, True
         offset = _now() - _mono()
         if abs(offset - self._clock_offset) > 2.0:
             self.log("clock_jump", seconds=offset - self._clock_offset)
@@ -9698,6 +9728,8 @@ class _Scheduling(object):
     def _end_sweep(self):
         for L in self._lanes:
             L.end_sweep()
+            if L.quiet is not None:         # (the worker stops)
+                self._hush(L, None)
 
     def _sync_lanes(self, fresh=False):
         """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
@@ -9845,6 +9877,7 @@ class _Scheduling(object):
                     wait = self._batch_wait(L, now)
                     if wait is not None:
                         due = min(due, wait)
+                        self._hush(L, wait)
                         continue
 
                 if best is None or head[:2] < best[1][:2]:
@@ -9896,7 +9929,31 @@ class _Scheduling(object):
             self._taken = (L.slot, L.probe, L)
             L.slot = L.probe = None
             L.rated = False
+            if L.quiet is not None:
+                self._hush(L, None)
         return c
+
+    def _hush(self, L, until):
+        """Lane L's batch waits out its batch_wait until `until` (wall
+        clock): producers need not poke for it meanwhile (locks/quiet/LANE,
+        its mtime that time on the monotonic clock: Spool._hushed), as
+        this worker looks at the lane then; None: poke again (its batch
+        starts, the worker stops).  Either way the lane is scanned at its
+        next claim: what came without a poke is found there."""
+        if until == L.quiet:
+            return
+        L.quiet, L.dirty = until, True
+        path = self.spool.d("locks", "quiet", L.sub.rpartition("/")[2])
+        try:
+            if until is None:
+                _quiet_unlink(path)
+                return
+            self.spool.fs.mkdir("locks/quiet")
+            if not _lexists(path):
+                os.close(_open(path, os.O_WRONLY | os.O_CREAT))
+            _utime(path, _mono() + max(0.0, until - _now()))
+        except OSError:
+            L.quiet = None                  # (pokes come: only wasted)
 
     def _ready_now(self):
         """For --drain: is any job ready now (after a fresh scan)?  Jobs of
