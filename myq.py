@@ -5493,6 +5493,8 @@ CREATE TABLE IF NOT EXISTS jobs(
     extra TEXT);
 CREATE INDEX IF NOT EXISTS idx_jobs_ready ON jobs(queue, lane, available_at)
     WHERE status='ready';
+CREATE INDEX IF NOT EXISTS idx_jobs_claimed ON jobs(token)
+    WHERE status='processing';
 CREATE TABLE IF NOT EXISTS ok(id TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
@@ -6614,6 +6616,13 @@ class SqlSpool(_SqlUpkeep, Spool):
         spool never worked) the next worker's start runs quick_check."""
         path = self.d("locks", CLEAN_MARK)
         if not clean:
+            try:        # (a database made before idx_jobs_claimed: _SCHEMA)
+                if self._one("SELECT 1 FROM sqlite_master WHERE "
+                             "name='idx_jobs_claimed'") is None:
+                    self._write("CREATE INDEX IF NOT EXISTS idx_jobs_claimed "
+                                "ON jobs(token) WHERE status='processing'")
+            except MyqError:
+                pass                # (out of reach: found again at use)
             if _lexists(path):
                 os.unlink(path)
                 _fsync_dir(self.d("locks"))

@@ -142,3 +142,26 @@ def test_sqlite_checks_the_database_after_an_unclean_stop_only(tmp_path, monkeyp
         proc.wait()
     drain()                                 # after the kill: checked again
     assert n[0] == 2, n
+
+
+def test_sqlite_finds_claimed_rows_without_a_pass_over_the_table(tmp_path):
+    """The start's reap and the heartbeat ask for the claimed rows: a
+    partial index of them (idx_jobs_claimed), not a pass over every row
+    (15 ms at 100,000 waiting); a database made before it gets it at a
+    worker's start."""
+    import sqlite3
+    path = str(tmp_path / "s")
+    _myq.main(["--spool", path, "init", "--store", "sqlite"])
+    db = sqlite3.connect(os.path.join(path, "queue.db"))
+    db.execute("DROP INDEX idx_jobs_claimed")
+    db.commit()
+    db.close()
+    w = _myq.Worker(path, handlers={}, log=_myq.Log(path=os.devnull))
+    assert w.run(drain=True) == 0
+    db = sqlite3.connect(os.path.join(path, "queue.db"))
+    try:
+        plan = db.execute("EXPLAIN QUERY PLAN SELECT id, worker_id, token FROM "
+                          "jobs WHERE status='processing'").fetchall()
+        assert "idx_jobs_claimed" in str(plan), plan
+    finally:
+        db.close()
