@@ -80,9 +80,10 @@ The map: the sections, in file order, each using only those above it
                     locks/used, locks/rates), _Layout (what init makes),
                     Spool (reading, lanes, stats) (test_spool_layout, test_retry_dlq,
                     test_operator, test_export, test_budget)
-  The SQLite store  SqlSpool and _SqlClaims: the same interface over
-                    queue.db (myq init --store sqlite), the drop box taken
-                    in (test_sqlite, and the store-parametrised tests)
+  The SQLite store  SqlSpool, _SqlClaims and _SqlBudget: the same
+                    interface over queue.db (myq init --store sqlite), the
+                    drop box taken in (test_sqlite, and the
+                    store-parametrised tests)
   Logging           Log and its file (test_initd)
   Handlers          --module files; http: requests, answers, http_dest,
                     Uplink (--uplink-rate), HttpPool, batches, Kafka's body
@@ -8050,7 +8051,116 @@ def _row_attempt(row, job):
     return a if isinstance(a, int) else job["attempts"] + 1
 
 
-class SqlSpool(_SqlUpkeep, Spool):
+class _SqlBudget(object):
+    """The budget on the SQLite store (myq-spool(5) BUDGET), mixed into
+    SqlSpool over the spool's _Budget: what a row costs and frees in
+    pages, the log's checkpoint kept within what is counted for it, the
+    walk that checkpoints and vacuums first, and the shedding of done
+    and `ok` rows."""
+
+    _EXACT = False
+
+    def _cost(self, size):
+        """A new row, never less: the 1 KiB pages its commit writes (its
+        row's, with overflow pages of about 1,000 bytes each, and three of
+        the table's and its indexes'), once in the log (each with its
+        frame's header) and once in the database, where they may be new."""
+        pages = -(-(size + 100) // 1000) + 3
+        return pages * (2 * 1024 + 24) + _ENTRY
+
+    def _freed(self, size):
+        """A row deleted: its own pages (the next walk says how many)."""
+        return -(-(size + 100) // 1000) * 1024
+
+    def _log_limits(self, db):
+        """With a budget, the log is checkpointed at a 32nd of it (16 to
+        1,000 pages; SQLite's 1,000 without one) and cut back to that
+        after: what the workers' commits write there stays within what
+        measure() counts for it.  (Below a guard, _small_log's 16.)"""
+        cap = self._wal_cap()
+        if cap == self.__dict__.get("_cap_set", 0):
+            return
+        try:
+            small = self.__dict__.get("_small")
+            db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else cap or 1000))
+            db.execute("PRAGMA journal_size_limit=%d" % (
+                _wal_bytes(cap) if cap else -1)).fetchall()
+            self._cap_set = cap
+        except _sqlite3().Error:
+            pass                # (the next walk tries again)
+
+    def _wal_cap(self):
+        b = self.budget_bytes()
+        return None if b is None else max(16, min(1000, b // 32768))
+
+    def measure(self):
+        """Spool.measure, the log counted at least at its cap (what the
+        workers' commits may write there before the next checkpoint);
+        with a budget, the log first checkpointed and truncated and the
+        database's free pages given back (incremental vacuum), so that
+        what a shed deleted is freed (a walk is rare: at most every
+        BUDGET_FRESH seconds at the budget)."""
+        wal_path = self.d(DB_NAME + "-wal")
+        try:
+            wal = os.lstat(wal_path).st_blocks * 512
+        except OSError:
+            wal = 0
+        cap = self._wal_cap()
+        try:
+            if cap is not None:
+                with self._mutex:
+                    self._log_limits(self._db())
+                if wal:
+                    self._vacuum()
+                    wal = _lstat(wal_path).st_blocks * 512
+        except (MyqError, OSError):
+            pass                # (busy: measured as it is)
+        return Spool.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
+
+    def _shed_measured(self, m, a, t):
+        return self.measure(), 0, _now()
+
+    def _shed_done(self, need):
+        """Done rows before their time, the earliest finished first."""
+        def free(db):
+            rows = db.execute("SELECT id, finished_at, coalesce(size, 0) FROM "
+                              "jobs WHERE status='done' ORDER BY finished_at, "
+                              "id").fetchall()
+            got = n = 0
+            for jid, t, size in rows:
+                if got >= need:
+                    break
+                self._outlive_row(db, jid, t, _now())
+                db.execute("DELETE FROM jobs WHERE id=? AND status='done'", (jid,))
+                got, n = got + size, n + 1
+            return got, n
+        try:
+            got, n = self._tx(free, sync=False)
+        except _DbError:
+            return 0
+        if n:
+            self.log("pruned", reason="budget", what="done", n=n)
+        return got
+
+    def _shed_records(self, need):
+        """`ok` rows past the de-duplication window."""
+        try:
+            n = self._write("DELETE FROM ok WHERE at<=?", (
+                _now() - self.opt["dedupe_window"],), sync=False)
+        except _DbError:
+            return 0
+        if n:
+            self.log("pruned", reason="budget", what="ok", n=n)
+        return 0
+
+    def _lane_waiting(self, now, out):
+        for t, created, size in self._all(
+                "SELECT type, created_at, coalesce(size, 0) FROM jobs WHERE "
+                "queue=? AND status='ready'", (self.name,)):
+            self._add_waiting(out, t, size, created)
+
+
+class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
     queue.db, the rest as for files."""
 
@@ -8713,109 +8823,6 @@ class SqlSpool(_SqlUpkeep, Spool):
     def _drop_waiting(self, sub, name, dirs):
         return self._write("DELETE FROM jobs WHERE id=? AND status='ready' AND "
                            "lane=?", (name[:-5], sub)) == 1
-
-    # The budget (myq-spool(5) BUDGET) ---------------------------------------------------
-
-    _EXACT = False
-
-    def _cost(self, size):
-        """A new row, never less: the 1 KiB pages its commit writes (its
-        row's, with overflow pages of about 1,000 bytes each, and three of
-        the table's and its indexes'), once in the log (each with its
-        frame's header) and once in the database, where they may be new."""
-        pages = -(-(size + 100) // 1000) + 3
-        return pages * (2 * 1024 + 24) + _ENTRY
-
-    def _freed(self, size):
-        """A row deleted: its own pages (the next walk says how many)."""
-        return -(-(size + 100) // 1000) * 1024
-
-    def _log_limits(self, db):
-        """With a budget, the log is checkpointed at a 32nd of it (16 to
-        1,000 pages; SQLite's 1,000 without one) and cut back to that
-        after: what the workers' commits write there stays within what
-        measure() counts for it.  (Below a guard, _small_log's 16.)"""
-        cap = self._wal_cap()
-        if cap == self.__dict__.get("_cap_set", 0):
-            return
-        try:
-            small = self.__dict__.get("_small")
-            db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else cap or 1000))
-            db.execute("PRAGMA journal_size_limit=%d" % (
-                _wal_bytes(cap) if cap else -1)).fetchall()
-            self._cap_set = cap
-        except _sqlite3().Error:
-            pass                # (the next walk tries again)
-
-    def _wal_cap(self):
-        b = self.budget_bytes()
-        return None if b is None else max(16, min(1000, b // 32768))
-
-    def measure(self):
-        """Spool.measure, the log counted at least at its cap (what the
-        workers' commits may write there before the next checkpoint);
-        with a budget, the log first checkpointed and truncated and the
-        database's free pages given back (incremental vacuum), so that
-        what a shed deleted is freed (a walk is rare: at most every
-        BUDGET_FRESH seconds at the budget)."""
-        wal_path = self.d(DB_NAME + "-wal")
-        try:
-            wal = os.lstat(wal_path).st_blocks * 512
-        except OSError:
-            wal = 0
-        cap = self._wal_cap()
-        try:
-            if cap is not None:
-                with self._mutex:
-                    self._log_limits(self._db())
-                if wal:
-                    self._vacuum()
-                    wal = _lstat(wal_path).st_blocks * 512
-        except (MyqError, OSError):
-            pass                # (busy: measured as it is)
-        return Spool.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
-
-    def _shed_measured(self, m, a, t):
-        return self.measure(), 0, _now()
-
-    def _shed_done(self, need):
-        """Done rows before their time, the earliest finished first."""
-        def free(db):
-            rows = db.execute("SELECT id, finished_at, coalesce(size, 0) FROM "
-                              "jobs WHERE status='done' ORDER BY finished_at, "
-                              "id").fetchall()
-            got = n = 0
-            for jid, t, size in rows:
-                if got >= need:
-                    break
-                self._outlive_row(db, jid, t, _now())
-                db.execute("DELETE FROM jobs WHERE id=? AND status='done'", (jid,))
-                got, n = got + size, n + 1
-            return got, n
-        try:
-            got, n = self._tx(free, sync=False)
-        except _DbError:
-            return 0
-        if n:
-            self.log("pruned", reason="budget", what="done", n=n)
-        return got
-
-    def _shed_records(self, need):
-        """`ok` rows past the de-duplication window."""
-        try:
-            n = self._write("DELETE FROM ok WHERE at<=?", (
-                _now() - self.opt["dedupe_window"],), sync=False)
-        except _DbError:
-            return 0
-        if n:
-            self.log("pruned", reason="budget", what="ok", n=n)
-        return 0
-
-    def _lane_waiting(self, now, out):
-        for t, created, size in self._all(
-                "SELECT type, created_at, coalesce(size, 0) FROM jobs WHERE "
-                "queue=? AND status='ready'", (self.name,)):
-            self._add_waiting(out, t, size, created)
 
 
 _STORES["sqlite"] = SqlSpool
@@ -12039,17 +12046,14 @@ class _Scheduling(object):
         waiting = was or fifo is not None and bool(fifo.poll(0))
         # What a producer's poke can have changed: the lanes that got jobs,
         # where the store can say (Claims.arrived); else incoming/ by its
-        # key (_woken, as _wait does for a poke it drained) and the lanes
-        # below by theirs.
+        # key (_woken, when _wait drained the poke) and the lanes below by
+        # theirs (below).
         arrived = self.spool.claims.arrived() if waiting else None
         if arrived is not None:
             for L in self._lanes:
                 if L.sub in arrived:
                     L.dirty = True
             self._lanes_look = 0.0
-        elif waiting and not was:
-            self._woken()
-            self._poked = False
         if self._lanes_key is None:
             # No lanes yet: look for incoming/lanes/ when a poke waits in
             # the FIFO (the job may have made the first lane), after a
