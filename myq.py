@@ -8322,6 +8322,14 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
                 raise ConfigError("%s is not a regular file (%s); move it away "
                                   "and restore the database" % (
                                       path, _file_kind(st.st_mode)))
+            if not os.access(path, os.R_OK) and os.geteuid() == \
+                    os.stat(self.path).st_uid:
+                # the spool's owner, the database another's (an owner
+                # changed: MYQ_USER): the chown that gives it back
+                raise _DbDenied(
+                    "%s cannot be used by uid %d (permission denied); give "
+                    "the spool to its owner: %s" % (
+                        path, os.geteuid(), self.chown_fix()))
             if not os.access(path, os.R_OK):
                 raise ConfigError(
                     "permission denied: %s is the spool's owner's alone (a "
@@ -16882,7 +16890,8 @@ def main(argv=None, parsed=None):
         # (8.6 M instructions of a 62.7 M `myq enqueue`, issue 42).  Not
         # for a caller's main(argv): its garbage is not ours to keep.
         gc.freeze()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    own = argv is None
+    argv = sys.argv[1:] if own else list(argv)
     env = os.environ
     try:
         args = parsed if parsed is not None else _fast_args(argv)
@@ -16901,7 +16910,15 @@ def main(argv=None, parsed=None):
         _drop_root(path, args.command)
         spool = Spool(path, **guards)
         fn = _COMMAND_TABLE[args.command][0]
-        return fn(_Call(args, spool, guards, env)) or 0
+        try:
+            return fn(_Call(args, spool, guards, env)) or 0
+        finally:
+            if not own:
+                # a caller's main(argv) goes on after it: what the command
+                # opened (the SQLite store's connection: a cycle that only
+                # a full collection would close) is closed now; a process
+                # of its own leaves that to its exit
+                spool.close()
     except MyqError as e:
         msg = str(e).replace("\n", " ")
         sys.stderr.write("myq: %s\n" % msg)

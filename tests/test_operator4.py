@@ -438,8 +438,10 @@ def test_a_spool_of_roots_given_to_myq_user(user, base, store):
     assert r.returncode == 78, r.stderr
     unreadable = "policy.json cannot be read" if store == "files" else \
         "queue.db cannot be used"
-    assert unreadable in r.stderr and \
-        "chown -R %s %s" % (user.pw_name, spool) in r.stderr, r.stderr
+    # (on SQLite both stand in the way: whichever the worker meets first)
+    assert (unreadable in r.stderr or "policy.json cannot be read" in
+            r.stderr) and "chown -R %s %s" % (user.pw_name, spool) in r.stderr, \
+        r.stderr
     r = as_user("check")
     assert r.returncode == 1
     assert "does not parse" not in r.stdout + r.stderr
