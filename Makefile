@@ -174,7 +174,8 @@ powercut:
 # a link outage, two kill -9 of the worker, 503s, a broker kill, a full disk.
 # ~4 minutes; SOAK_MINUTES=N stretches the timeline to ~N minutes.  Root
 # only (netns, loop mount); ends with one `soak: accepted=N ... lost=N
-# dup=N dup_unexplained=N ...` line; fails when lost or dup_unexplained > 0.
+# dup=N dup_unexplained=N ... forecast=ok|off|none` line; fails when lost or
+# dup_unexplained > 0, or the capacity forecast is beyond +-25 % (forecast=off).
 SOAK_MINUTES ?=
 SOAK_PYTHON ?= $(BENCH_PYTHON)
 soak:

@@ -5503,6 +5503,7 @@ BUDGET_FRESH = 2.0      # seconds a walk is trusted for a shed or a refusal
 BUDGET_EVERY = 10.0     # seconds between a worker's walks
 BUDGET_STALE = 60.0     # seconds after which a producer walks itself
 RATE_WINDOW = 600.0     # seconds of arrivals and deliveries in the rates
+DRAIN_GAP = 30.0        # a job waited this long, nothing delivered: an outage
 _ENTRY = 128            # a new job's directory entry and locks/rates line
 _SPARE = 2              # blocks kept for the records' next versions
 _USED_LEN = 64          # locks/used: "MEASURED ADDED TIME", padded
@@ -5910,19 +5911,26 @@ class _Budget(object):
                 yield t, f[1], k, n, b
 
     def rates(self, now=None):
-        """{TYPE: [arrived, their bytes, delivered, the first delivery's
-        time]} over RATE_WINDOW."""
+        """{TYPE: [arrived, their bytes, delivered, the time deliveries
+        (re)started, delivered since, the last delivery's time, an arrival
+        not delivered since]} over RATE_WINDOW: they restart after a job
+        waited DRAIN_GAP seconds with nothing delivered (an outage)."""
         now = _now() if now is None else now
         self.flush_arrivals()
         out = {}
         for t, kind, k, n, b in self._rate_lines(now, now - RATE_WINDOW):
-            r = out.setdefault(k, [0, 0, 0, None])
+            r = out.setdefault(k, [0, 0, 0, None, 0, None, None])
             if kind == b"a":
                 r[0] += n
                 r[1] += b
+                r[6] = t if r[6] is None else r[6]
             elif n:
                 r[2] += n
-                r[3] = t if r[3] is None or t < r[3] else r[3]
+                if r[3] is None or r[6] is not None and t - r[6] > DRAIN_GAP:
+                    r[3], r[4] = t, 0
+                r[4] += n
+                r[5] = t if r[5] is None or t > r[5] else r[5]
+                r[6] = None
         return out
 
     def compact_rates(self, now=None):
@@ -6017,15 +6025,17 @@ class _Budget(object):
         waiting, per = self._waiting_types(now), {}
         for t in sorted(set(waiting) | set(rates)):
             jobs, size, first = waiting.get(t, (0, 0, None))
-            a, _, d, since = rates.get(t, (0, 0, 0, None))
+            a, _, d, since, ds, last = rates.get(t, (0, 0, 0, None, 0, None))[:6]
             # the drain at the rate since deliveries (re)started within
-            # the window: after an outage, not its zeros averaged in
-            span = min(RATE_WINDOW, max(10.0, now - since + 1)) if d else 0
+            # the window: after an outage, not its zeros averaged in; up to
+            # the last line while they go on (a line a second), else now
+            end = last if d and now - last <= 2 else now
+            span = min(RATE_WINDOW, end - since + 1) if d else 0
             per[t] = {"waiting": {"jobs": jobs, "bytes": size},
                       "oldest_s": int(max(0, now - first)) if first else 0,
                       "arrival_per_s": round(a / RATE_WINDOW, 4),
                       "delivered_per_s": round(d / RATE_WINDOW, 4),
-                      "est_drain_s": int(round(jobs * span / d)) if d else None}
+                      "est_drain_s": int(round(jobs * span / ds)) if d else None}
         out["types"] = per
         return out
 

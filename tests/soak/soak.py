@@ -13,7 +13,9 @@ Exit status: 0 every check passed; 1 a promise was broken (lost > 0 or
 dup_unexplained > 0); 2 the harness could not check what it claims (a
 receiver never reached, a fault that did not take effect, a count that is
 not this run's); 3 it cannot run here (not root, no netns, no mosquitto,
-...), said on a line starting `soak: cannot run here:`.
+...), said on a line starting `soak: cannot run here:`; 4 the capacity
+forecast was off (est_drain_s beyond +-25 % of the drain measured after it:
+`forecast=off` on the last line, `soak: forecast off: ...` before it).
 """
 import argparse
 import errno
@@ -44,6 +46,12 @@ DELAY, LOSS, RATE_LIMIT = 0.1, 0.015, "1mbit"
 # duplicate is explained by a fault that had its job in flight and came
 # between its previous delivery (or at most this long before it) and this one.
 LINK_GRACE = 2.0
+# The capacity forecast (issue 37): after the mid-drain restart, once a
+# type's deliveries are seen again and this long has passed, `myq stats
+# --json` is asked for its est_drain_s (2 s: two of the worker's rate lines,
+# not the probe's one job alone); the time until every reading of that
+# type waiting then was delivered is measured against it.
+FORECAST_AFTER, FORECAST_POLL, FORECAST_TOL = 2.0, 0.5, 25.0
 SUBNET = ("10.213.7.1", "10.213.7.2")       # device, server (inside the netns only)
 HTTP_PORT, MQTT_PORT = 8080, 1883           # the server's
 L_HTTP, L_MQTT = 18080, 11883               # the link's, on the device's loopback
@@ -97,6 +105,7 @@ class Soak(object):
         self.probe_s = 0.0
         self.cpu_samples = []      # (time, worker pid, its CPU seconds so far)
         self.worker_dead_seen = False
+        self.forecasts = {}        # type -> {"t", "est", "waiting", "stats_s"}
 
     # ------------------------------------------------------------------ util
     def say(self, *a):
@@ -755,6 +764,10 @@ class Soak(object):
                      % (left, len(backlog)))
         time.sleep(0.5)
         self.start_worker("restart")
+        fc_stop = threading.Event()
+        fc = threading.Thread(target=self.forecast_watch, args=(time.time(), fc_stop),
+                              daemon=True)
+        fc.start()
         try:
             self.wait_until(lambda: all(j in self.first for j in backlog), cap,
                             "the backlog to drain", step=0.1)
@@ -762,6 +775,84 @@ class Soak(object):
         except RuntimeError as e:
             self.t_drained = None
             self.problem(str(e))
+        fc.join(30)
+        fc_stop.set()
+
+    def forecast_watch(self, t_restart, stop):
+        """Each type's forecast (myq stats --json: est_drain_s) once its
+        deliveries are seen again after the restart (FORECAST_AFTER later),
+        while it has jobs waiting."""
+        want = ("tele", "reading")
+        end = time.time() + max(120.0, 60 * self.scale)
+        while not stop.is_set() and time.time() < end and len(self.forecasts) < len(want):
+            with self.lock:
+                seen = {}
+                for j, t in self.first.items():
+                    a = self.accepted.get(j)
+                    if a and t > t_restart and t < seen.get(a[2], 1e18):
+                        seen[a[2]] = t
+            ready = [k for k in want if k not in self.forecasts and k in seen
+                     and time.time() >= seen[k] + FORECAST_AFTER]
+            if ready:
+                t0 = time.time()
+                r = self.run([self.py, self.myq, "--spool", self.spool, "stats", "--json"],
+                             check=False)
+                t1 = time.time()
+                try:
+                    types = json.loads(r.stdout).get("types") or {}
+                except ValueError:
+                    types = {}
+                for k in ready:
+                    c = types.get(k) or {}
+                    jobs = (c.get("waiting") or {}).get("jobs") or 0
+                    if c.get("est_drain_s") is not None and jobs > 0:
+                        self.forecasts[k] = f = {
+                            "t": (t0 + t1) / 2, "est": float(c["est_drain_s"]),
+                            "waiting": jobs, "stats_s": t1 - t0,
+                            "delivered_per_s": c.get("delivered_per_s"),
+                            "arrival_per_s": c.get("arrival_per_s"),
+                            "since_first_s": (t0 + t1) / 2 - seen[k]}
+                        self.event("forecast", type=k, t_forecast=f["t"], **dict((a, b) for a, b in f.items() if a != "t"))
+            time.sleep(FORECAST_POLL)
+
+    def forecast_check(self):
+        """{type: (forecast_s, drained_s, err_pct)}: the drain measured from
+        each forecast's moment until every reading of its type accepted
+        before it and not yet delivered then was delivered."""
+        out = {}
+        for k in ("tele", "reading"):
+            f = self.forecasts.get(k)
+            if f is None:
+                self.problem("no forecast for %s (est_drain_s null, or nothing waiting, "
+                             "once its deliveries started again)" % k)
+                continue
+            t = f["t"]
+            with self.lock:
+                left = [j for j, a in self.accepted.items()
+                        if a[2] == k and a[0] < t and self.first.get(j, 1e18) >= t]
+                last = [self.first.get(j) for j in left]
+            if not left:
+                self.problem("%s drained before its forecast was taken" % k)
+                continue
+            if None in last:
+                self.problem("%s: the backlog at its forecast never drained" % k)
+                continue
+            drained = max(last) - t
+            err = 100.0 * (f["est"] - drained) / max(drained, 0.1)
+            if k == "tele" and len(left) < BATCH:
+                # less than a batch waits its batch_wait, not the rate
+                self.say("forecast %s: not judged: %d readings waiting at it, less than a "
+                         "batch of %d (they wait batch_wait %.0f s; est_drain_s=%.0f, "
+                         "drained_s=%.1f)" % (k, len(left), BATCH, BATCH_WAIT, f["est"],
+                                              drained))
+                continue
+            out[k] = (f["est"], drained, err)
+            self.say("forecast %s: est_drain_s=%.0f (waiting %d, delivered_per_s %s, "
+                     "arrival_per_s %s, %.1f s after its first delivery after the restart; "
+                     "stats took %.2f s) drained_s=%.1f (%d readings) err=%+.0f %%" % (
+                         k, f["est"], f["waiting"], f["delivered_per_s"], f["arrival_per_s"],
+                         f["since_first_s"], f["stats_s"], drained, len(left), err))
+        return out
 
     # ------------------------------------------------------------------ main
     def timeline(self):
@@ -966,23 +1057,43 @@ class Soak(object):
             self.probe_s))
         self.say("worker cpu % by phase: " + " ".join(
             "%s=%.1f" % kv for kv in self.cpu_by_phase()))
+        fcs = self.forecast_check()
+        if not fcs:
+            self.problem("no forecast could be judged")
+        # the line's figures: the type whose forecast was furthest off
+        worst = max(fcs.items(), key=lambda kv: abs(kv[1][2]))[1] if fcs else None
+        off = sorted(k for k, v in fcs.items() if abs(v[2]) > FORECAST_TOL)
         self.say("goals: linkup_to_drained_s=%.1f (<= 60)  http_full_window=%.3f (%d of %d "
-                 "steady-state requests; >= 0.95)" % (drained, frac, len(full), len(steady)))
+                 "steady-state requests; >= 0.95)  forecast %s (within +-%.0f %%)" % (
+                     drained, frac, len(full), len(steady),
+                     " ".join("%s=%.0f/%.1f s %+.0f %%" % (k, v[0], v[1], v[2])
+                              for k, v in sorted(fcs.items())) or "none",
+                     FORECAST_TOL))
         self.say("logs: %s (myq.py %s, python %s)" % (self.dir, self.myq_sha,
                                                       sys.version.split()[0]))
         if self.problems:
             self.say("could not check: " + "; ".join(self.problems))
+        if off:
+            self.say("forecast off: " + "; ".join(
+                "%s est_drain_s=%.0f, drained in %.1f s (%+.0f %%, beyond +-%.0f %%)" % (
+                    k, fcs[k][0], fcs[k][1], fcs[k][2], FORECAST_TOL) for k in off))
         print("soak: accepted=%d delivered=%d lost=%d dup=%d dup_unexplained=%d requests=%d "
               "bytes_per_job=%d cpu_ms_per_job=%.1f outage_cpu_pct=%.2f rss_mb=%.1f "
-              "inodes_max=%d linkup_to_drained_s=%.1f outage_mb_per_h=%.1f" % (
+              "inodes_max=%d linkup_to_drained_s=%.1f outage_mb_per_h=%.1f "
+              "forecast_s=%.0f drained_s=%.1f forecast_err_pct=%.0f forecast=%s" % (
                   len(accepted), ndel, len(lost_ids), dup, unexplained, len(reqs),
                   round(bytes_job), 1000.0 * cpu / ndel if ndel else 0,
                   self.outage_cpu_pct if self.outage_cpu_pct is not None else -1,
                   self.worker_hwm / 1024.0, self.inodes_max, drained,
-                  self.outage_mb_per_h if self.outage_mb_per_h is not None else -1),
+                  self.outage_mb_per_h if self.outage_mb_per_h is not None else -1,
+                  worst[0] if worst else -1, worst[1] if worst else -1,
+                  worst[2] if worst else 0,
+                  "off" if off else "ok" if fcs else "none"),
               flush=True)
         if lost_ids or unexplained:
             return 1
+        if off:
+            return 4
         return 2 if self.problems else 0
 
     def cpu_by_phase(self):
