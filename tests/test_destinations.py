@@ -23,8 +23,9 @@ def policy(spool, *args):
     return cp
 
 
-def drain(spool, *opts, timeout=60):
-    cp = run_myq("--spool", spool, "worker", "--drain", *(FAST + opts),
+def drain(spool, *opts, timeout=60, log=None):
+    extra = ("--log", str(log)) if log else ()
+    cp = run_myq("--spool", spool, "worker", "--drain", *(FAST + extra + opts),
                  timeout=timeout)
     assert cp.returncode == 0, cp.stderr
     return cp

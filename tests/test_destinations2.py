@@ -18,15 +18,10 @@ import pytest
 from _core import FAST, call_myq, run_myq, wait_for
 from _http import answer, http_servers  # noqa: F401 (a fixture)
 from _mosquitto import Broker, needs_mosquitto
+from test_destinations import down, drain, listed, policy
 
 both_stores = pytest.mark.parametrize("store", ["files", "sqlite"],
                                       indirect=True)
-
-
-def policy(spool, *args):
-    cp = call_myq("--spool", spool, "policy", *args)
-    assert cp.returncode == 0, cp.stderr
-    return cp
 
 
 def enqueue(spool, type_, body):
@@ -35,25 +30,8 @@ def enqueue(spool, type_, body):
     return cp.stdout.strip()
 
 
-def drain(spool, *opts, log=None):
-    extra = ("--log", str(log)) if log else ()
-    cp = run_myq("--spool", spool, "worker", "--drain", *(FAST + extra + opts))
-    assert cp.returncode == 0, cp.stderr
-    return cp
-
-
-def listed(spool, state):
-    cp = call_myq("--spool", spool, "list", state, "--json")
-    assert cp.returncode == 0, cp.stderr
-    return [json.loads(line) for line in cp.stdout.splitlines()]
-
-
 def stats(spool):
     return json.loads(call_myq("--spool", spool, "stats", "--json").stdout)
-
-
-def down(h):
-    answer(h, 503, b"down")
 
 
 @both_stores

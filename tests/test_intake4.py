@@ -27,24 +27,11 @@ from _mosquitto import MOSQUITTO, Broker, free_port
 from _sec import become, is_root, make_user
 from test_intake import Intake, auth, get, jobs, payload_of, post, publish, \
     stats, subscribe_args, subscribed
+from test_intake import intake  # noqa: F401 (a fixture)
 
 BOTH = pytest.mark.parametrize("store", ["files", "sqlite"], indirect=True)
 needs_root = pytest.mark.skipif(not is_root(), reason="needs root: another "
                                 "local account posts (CI runs as root)")
-
-
-@pytest.fixture
-def intake(spool, tmp_path):
-    started = []
-
-    def start(*args, **kw):
-        i = Intake(spool, tmp_path, *args, **kw)
-        started.append(i)
-        return i
-    yield start
-    for i in started:
-        if i.proc.poll() is None:
-            i.stop()
 
 
 @pytest.fixture(scope="module")
