@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast test-sqlite lint bench bench-peers bench-parts bench-wear bench-cpu bench-cpu-startup bench-device dist install uninstall embed clean soak soak-bridge
+.PHONY: demo test test-fast test-sqlite lint bench bench-peers bench-parts bench-wear bench-cpu bench-cpu-startup bench-device dist docs install uninstall embed clean soak soak-bridge
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -142,6 +142,12 @@ install:
 # (tests/test_dist.py fails until then).
 embed:
 	$(PYTHON) build/dist.py --embed
+
+# myq.py's table of the init settings (_INIT_SETTINGS) written out: the
+# settings files init.d/myq.default and init.d/myq.config, and the list in
+# myq(1)'s INIT SCRIPTS (tests/test_docs.py fails until then).
+docs:
+	$(PYTHON) build/dist.py --docs
 
 # What install wrote (same DESTDIR and PREFIX); an edited /etc/default/myq stays.
 uninstall:

@@ -14738,9 +14738,154 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
 # script and its settings -- so that "copy one file, run one command" ends
 # in the layout whose `myq enqueue` starts from bytecode (a script is
 # compiled at every start: 7x the instructions).  The one file has no
-# init.d/ beside it: the init files travel inside it (_INIT_FILES).
+# init.d/ beside it: the init scripts travel inside it (_INIT_FILES), their
+# settings files are made from _INIT_SETTINGS.
 
-# The init files of init.d/, as they are there: `make embed` writes this
+# The init scripts' settings: the one source of init.d/myq.default (SysV:
+# /etc/default/myq), init.d/myq.config (OpenWrt: /etc/config/myq) and the
+# settings list of myq(1)'s INIT SCRIPTS.  `make docs` writes those three
+# from here (build/dist.py --docs), `myq install` writes a settings file
+# from here, and tests/test_docs.py fails while one differs.  A row:
+# (UCI option; SysV: MYQ_ and upper case, the script's default, an example
+# or "", what it is).  In the text, `name` is another setting's name,
+# [sysv: ...] and [procd: ...] are said for that init system alone.
+_INIT_SETTINGS = [
+    ("spool", "/var/spool/myq", "",
+     "The spool directory (one spool = one queue), made at every start by "
+     "\"myq init --owner\" `user`. On flash it survives a power cut; on a "
+     "tmpfs (/tmp, and /var on OpenWrt and many devices) the queue is lost "
+     "at reboot: put it on flash to keep it."),
+    ("store", "", "",
+     "Where a new spool keeps its jobs: files (one a job; empty means "
+     "files) or sqlite (one database, SPOOL/queue.db; needs Python's "
+     "sqlite3, python3-sqlite3 on OpenWrt). An existing spool keeps its "
+     "own (man myq-spool: SQLITE STORE)."),
+    ("python", "python3", "", "The interpreter, a name in PATH or a path."),
+    ("bin", "/usr/bin/myq", "", "The myq program."),
+    ("user", "root", "",
+     "The user the workers run as, USER or USER:GROUP (GROUP: the spool's, "
+     "the producers'); \"myq init --owner\" gives it the spool. "
+     "[procd: procd starts \"myq supervise\" as root; it becomes this user "
+     "itself.]"),
+    ("args", "", "--handlers /etc/myq/handlers --concurrency 2 --grace 5",
+     "Worker options, split on blanks (no quoting). This is the only way to "
+     "give myq options: no MYQ_* variable (not even an exported one, such "
+     "as MYQ_CONCURRENCY) reaches the workers."),
+    ("workers", "1", "",
+     "Worker processes kept running by \"myq supervise\". One worker with "
+     "--concurrency N (in `args`) is the cheap way to run N exec or http "
+     "jobs at once; more workers suit Python (--module) handlers."),
+    ("listen", "", "",
+     "Intake (man myq: INTAKE): jobs taken in over HTTP and MQTT by one "
+     "more process beside the workers, each acknowledged once it is on the "
+     "disk. HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. 127.0.0.1:8440, with "
+     "the token of SPOOL/intake.token (init makes it; --listen-open in "
+     "`args`: none), or on unix:PATH (0660, the spool's group may post)."),
+    ("listen_token_file", "", "",
+     "The intake's token file instead of SPOOL/intake.token."),
+    ("subscribe", "", "",
+     "MQTT: FILTER=TYPE subscriptions, split on blanks, at the broker of "
+     "--mqtt URL in `args`, e.g. \"sensors/+/temp=reading alarms/#=alarm\"."),
+    ("pidfile", "/var/run/myq.pid", "",
+     "[sysv: The pid of the supervising process (keep it on a tmpfs: no "
+     "stale pidfile survives a reboot).]"),
+    ("log", "syslog", "",
+     "\"syslog\" (facility daemon, tag myq; read it with logread on "
+     "BusyBox), or an absolute file path, created by \"myq supervise\" for "
+     "`user` and reopened by \"/etc/init.d/myq reload\" (after logrotate "
+     "has moved it aside). With a `user` other than root, give the log a "
+     "directory of its own (created for the user when missing), e.g. "
+     "/var/log/myq/myq.log, so that the user can create the new file."),
+    ("stop_timeout", "10", "",
+     "Seconds the workers get after SIGTERM before SIGKILL. Keep it above "
+     "the worker's --grace, or running jobs are killed rather than put "
+     "back. [procd: procd waits 10 s longer before it kills \"myq "
+     "supervise\" itself.]"),
+]
+
+_INIT_SETTINGS_HEAD = {
+    "sysv": "Settings for /etc/init.d/myq, installed as /etc/default/myq (read "
+            "by sh). Every line is optional; the commented value is the "
+            "default. Restart the service after a change: /etc/init.d/myq "
+            "restart",
+    "procd": "Settings of the myq service on OpenWrt (/etc/init.d/myq, run by "
+             "procd), installed as /etc/config/myq. Every option is optional; "
+             "the commented value is the default. Change them with uci, or "
+             "here, then: uci set myq.main.workers='2'; uci commit myq; "
+             "/etc/init.d/myq reload. reload restarts the workers when a "
+             "setting changed (and reopens the log file in any case). The "
+             "same settings as /etc/default/myq of the SysV script, lower "
+             "case, without MYQ_ (no pidfile: procd keeps the pid).",
+}
+
+
+def _init_setting_text(text, system, name):
+    """A setting's text for one init system ("sysv", "procd"): the other's
+    [system: ...] parts left out, each `setting` as name(setting)."""
+    out, rest = [], text
+    while "[" in rest and "]" in rest:
+        head, _, tail = rest.partition("[")
+        inner, _, rest = tail.partition("]")
+        which, colon, said = inner.partition(": ")
+        if colon and which in _INIT_SETTINGS_HEAD:
+            out.append(head + (said if which == system else ""))
+        else:
+            out.append(head + "[" + inner + "]")
+    parts = " ".join(("".join(out) + rest).split()).split("`")
+    return "".join(name(p) if i % 2 else p for i, p in enumerate(parts))
+
+
+def _wrap(text, width, prefix):
+    """text's words in lines of at most width columns (a longer word alone),
+    each line starting with prefix."""
+    lines = []
+    for word in text.split():
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(prefix + word)
+    return lines
+
+
+def _init_settings_file(system):
+    """The settings file of init system `system` ("sysv": init.d/myq.default,
+    "procd": init.d/myq.config) that _INIT_SETTINGS makes."""
+    sysv = system == "sysv"
+    out = _wrap(_INIT_SETTINGS_HEAD[system], 76, "# ")
+    out += [] if sysv else ["", "config myq 'main'"]
+    pre = "# " if sysv else "\t# "
+    for key, default, example, text in _INIT_SETTINGS:
+        text = _init_setting_text(text, system, lambda n: (
+            "MYQ_" + n.upper()) if sysv else n)
+        if not text:
+            continue                    # (the other system's setting)
+        out += [""] + _wrap(text, 76 if sysv else 72, pre)
+        for v in ([example] if example else []) + [default]:
+            out.append(("#MYQ_%s=%s" % (key.upper(), '"%s"' % v if " " in v
+                                        else v)) if sysv
+                       else "\t#option %s '%s'" % (key, v))
+    return "\n".join(out) + "\n"
+
+
+def _init_settings_roff():
+    """myq(1)'s list of the settings (its INIT SCRIPTS; the SysV names)."""
+    def roff(s):
+        return s.replace("\\", "\\e").replace("-", "\\-")
+    out = []
+    for key, default, example, text in _INIT_SETTINGS:
+        text = roff(_init_setting_text(text, "sysv", lambda n: (
+            "\x01MYQ_" + n.upper() + "\x02")))
+        if example:
+            text += " For example \x01%s\x02." % roff(example)
+        out += [".TP", "\\fBMYQ_%s\\fR (%s)" % (roff(key.upper()), (
+            "\\fI%s\\fR" if default.startswith("/") else "\\fB%s\\fR" if default
+            else "empty%s") % roff(default))]
+        out += [("\\&" + l) if l[:1] in ".'" else l for l in _wrap(
+            text.replace("\x01", "\\fB").replace("\x02", "\\fR"), 72, "")]
+    return "\n".join(out) + "\n"
+
+
+# The init scripts of init.d/, as they are there: `make embed` writes this
 # block (build/dist.py --embed), tests/test_dist.py fails when they differ.
 # _INIT_FILES begin
 _INIT_FILES = {
@@ -14945,62 +15090,6 @@ _INIT_FILES = {
         "status) status ;;\n"
         "*) echo \"Usage: $0 {start|stop|restart|force-reload|reload|status}\" >&2; exit 2 ;;\n"
         "esac\n"
-    ),
-    "myq.default": (
-        "# Settings for /etc/init.d/myq, installed as /etc/default/myq (read by sh).\n"
-        "# Every line is optional; the commented value is the default.\n"
-        "# Restart the service after a change: /etc/init.d/myq restart\n"
-        "\n"
-        "# The spool directory (one spool = one queue). On flash it survives a power\n"
-        "# cut; on a tmpfs (/tmp, /var on many devices) the queue is lost at reboot.\n"
-        "#MYQ_SPOOL=/var/spool/myq\n"
-        "\n"
-        "# Where a new spool keeps its jobs: files (one a job) or sqlite (one\n"
-        "# database, SPOOL/queue.db; needs python3's sqlite3 module). An existing\n"
-        "# spool keeps its own (man myq-spool: SQLITE STORE).\n"
-        "#MYQ_STORE=files\n"
-        "\n"
-        "# The interpreter, and the myq program.\n"
-        "#MYQ_PYTHON=python3\n"
-        "#MYQ_BIN=/usr/bin/myq\n"
-        "\n"
-        "# The user the workers run as (\"myq init --owner\" gives it the spool).\n"
-        "#MYQ_USER=root\n"
-        "\n"
-        "# Worker options, split on blanks (no quoting), e.g.\n"
-        "#MYQ_ARGS=\"--handlers /etc/myq/handlers --concurrency 2 --grace 5\"\n"
-        "# This is the only way to give myq options: no MYQ_* variable (not even an\n"
-        "# exported one, such as MYQ_CONCURRENCY) reaches the workers.\n"
-        "#MYQ_ARGS=\n"
-        "\n"
-        "# Worker processes kept running by \"myq supervise\". One worker with\n"
-        "# --concurrency N (in MYQ_ARGS) is the cheap way to run N exec or http jobs\n"
-        "# at once; more workers suit Python (--module) handlers.\n"
-        "#MYQ_WORKERS=1\n"
-        "\n"
-        "# Intake (man myq: INTAKE): jobs taken in over HTTP and MQTT by one more\n"
-        "# process beside the workers, each acknowledged once it is on the disk.\n"
-        "# HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. MYQ_LISTEN=127.0.0.1:8440,\n"
-        "# with the token of SPOOL/intake.token (init makes it; --listen-open in\n"
-        "# MYQ_ARGS: none), or on unix:PATH (0660, the spool's group may post).\n"
-        "#MYQ_LISTEN=\n"
-        "#MYQ_LISTEN_TOKEN_FILE=\n"
-        "# MQTT: FILTER=TYPE subscriptions, split on blanks, at the broker of\n"
-        "# --mqtt URL in MYQ_ARGS, e.g. MYQ_SUBSCRIBE=\"sensors/+/temp=reading alarms/#=alarm\"\n"
-        "#MYQ_SUBSCRIBE=\n"
-        "\n"
-        "# The pid of the supervising process.\n"
-        "#MYQ_PIDFILE=/var/run/myq.pid\n"
-        "\n"
-        "# \"syslog\", or an absolute file path (reopened by \"/etc/init.d/myq reload\",\n"
-        "# e.g. after logrotate has moved it aside). With MYQ_USER, give the log a\n"
-        "# directory of its own (created for the user when missing), e.g.\n"
-        "# /var/log/myq/myq.log, so that the user can create the new file.\n"
-        "#MYQ_LOG=syslog\n"
-        "\n"
-        "# Seconds \"stop\" waits after SIGTERM before SIGKILL. Keep it above the\n"
-        "# worker's --grace, or running jobs are killed rather than put back.\n"
-        "#MYQ_STOP_TIMEOUT=10\n"
     ),
     "myq.procd": (
         "#!/bin/sh /etc/rc.common\n"
@@ -15207,68 +15296,6 @@ _INIT_FILES = {
         "\treturn 0\n"
         "}\n"
     ),
-    "myq.config": (
-        "# Settings of the myq service on OpenWrt (/etc/init.d/myq, run by procd),\n"
-        "# installed as /etc/config/myq. Every option is optional; the commented\n"
-        "# value is the default. Change them with uci, or here, then:\n"
-        "#   uci set myq.main.workers='2'; uci commit myq; /etc/init.d/myq reload\n"
-        "# reload restarts the workers when a setting changed (and reopens the log\n"
-        "# file in any case). The same settings as /etc/default/myq of the SysV\n"
-        "# script, lower case, without MYQ_ (no pidfile: procd keeps the pid).\n"
-        "\n"
-        "config myq 'main'\n"
-        "\t# The spool directory (one spool = one queue). On OpenWrt /var is in\n"
-        "\t# RAM (a link to /tmp): the default spool is lost at reboot. Put it on\n"
-        "\t# flash (the overlay, or a data partition) to keep the queue.\n"
-        "\t#option spool '/var/spool/myq'\n"
-        "\n"
-        "\t# Where a new spool keeps its jobs: files (one a job, when empty) or\n"
-        "\t# sqlite (one database, spool/queue.db; needs python3-sqlite3). An\n"
-        "\t# existing spool keeps its own (man myq-spool: SQLITE STORE).\n"
-        "\t#option store ''\n"
-        "\n"
-        "\t# The interpreter, and the myq program.\n"
-        "\t#option python 'python3'\n"
-        "\t#option bin '/usr/bin/myq'\n"
-        "\n"
-        "\t# The user the workers run as (\"myq init --owner\" gives it the spool).\n"
-        "\t# procd starts \"myq supervise\" as root; it becomes this user itself.\n"
-        "\t#option user 'root'\n"
-        "\n"
-        "\t# Worker options, split on blanks (no quoting), e.g.\n"
-        "\t#option args '--handlers /etc/myq/handlers --concurrency 2 --grace 5'\n"
-        "\t# This is the only way to give myq options: no MYQ_* variable reaches\n"
-        "\t# the workers.\n"
-        "\t#option args ''\n"
-        "\n"
-        "\t# Worker processes kept running by \"myq supervise\". One worker with\n"
-        "\t# --concurrency N (in args) is the cheap way to run N exec or http jobs\n"
-        "\t# at once; more workers suit Python (--module) handlers.\n"
-        "\t#option workers '1'\n"
-        "\n"
-        "\t# \"syslog\" (read it with logread), or an absolute file path, created\n"
-        "\t# by \"myq supervise\" for the user (never by the init script). With a\n"
-        "\t# user, give the log a directory of its own (created for the user when\n"
-        "\t# missing), e.g. /var/log/myq/myq.log, so that the user can create the\n"
-        "\t# new file after logrotate has moved the old one aside.\n"
-        "\t#option log 'syslog'\n"
-        "\n"
-        "\t# Intake (man myq: INTAKE): jobs taken in over HTTP and MQTT by one\n"
-        "\t# more process beside the workers, each acknowledged once on the disk.\n"
-        "\t# HTTP: POST /jobs/TYPE on [ADDR]:PORT, e.g. '127.0.0.1:8440', with the\n"
-        "\t# token of SPOOL/intake.token (init makes it; --listen-open in args:\n"
-        "\t# none), or on unix:PATH (0660, the spool's group may post).\n"
-        "\t#option listen ''\n"
-        "\t#option listen_token_file ''\n"
-        "\t# MQTT: FILTER=TYPE subscriptions, split on blanks, at the broker of\n"
-        "\t# --mqtt URL in args, e.g. 'sensors/+/temp=reading alarms/#=alarm'\n"
-        "\t#option subscribe ''\n"
-        "\n"
-        "\t# Seconds the workers get after SIGTERM before SIGKILL. Keep it above\n"
-        "\t# the worker's --grace, or running jobs are killed rather than put back.\n"
-        "\t# procd waits 10 s longer before it kills \"myq supervise\" itself.\n"
-        "\t#option stop_timeout '10'\n"
-    ),
 }
 # _INIT_FILES end
 
@@ -15417,7 +15444,8 @@ def install(prefix="/usr", destdir="", init=None):
     if os.path.exists(at(conf)):
         said.append("%s kept (the shipped example is init.d/%s)" % (at(conf), example))
     else:
-        _install_file(at(conf), _INIT_FILES[example].encode("utf-8"), 0o644, said)
+        _install_file(at(conf), _init_settings_file(init).encode("utf-8"),
+                      0o644, said)
     return said
 
 

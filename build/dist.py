@@ -5,6 +5,7 @@
     python3 build/dist.py --install DESTDIR [--prefix /usr]   (make install)
     python3 build/dist.py --uninstall DESTDIR [--prefix /usr] (make uninstall)
     python3 build/dist.py --embed    (make embed: init.d/ into myq.py)
+    python3 build/dist.py --docs     (make docs: myq.py's init settings out)
 
 `make dist` writes, into dist/ (or --out):
 
@@ -499,10 +500,10 @@ def uninstall(destdir, prefix, root=ROOT):
     return 0
 
 
-# The init files that myq.py carries for `myq install` (the one file has no
-# init.d/ beside it): between these lines of myq.py, as _INIT_FILES.
-EMBEDDED = ["init.d/myq", "init.d/myq.default", "init.d/myq.procd",
-            "init.d/myq.config"]
+# The init scripts that myq.py carries for `myq install` (the one file has no
+# init.d/ beside it): between these lines of myq.py, as _INIT_FILES. Their
+# settings files are made from myq.py's _INIT_SETTINGS (docs(), below).
+EMBEDDED = ["init.d/myq", "init.d/myq.procd"]
 EMBED_BEGIN, EMBED_END = "# _INIT_FILES begin\n", "# _INIT_FILES end\n"
 
 
@@ -547,10 +548,49 @@ def embed(root=ROOT):
     return 0
 
 
+# What `make docs` writes from myq.py's _INIT_SETTINGS (the init scripts'
+# settings): the two settings files whole, and in myq(1) the lines between
+# these markers (INIT SCRIPTS' list).
+DOCS_BEGIN = '.\\" _INIT_SETTINGS begin: make docs writes this list\n'
+DOCS_END = '.\\" _INIT_SETTINGS end\n'
+
+
+def generated(root=ROOT):
+    """{path under root: the text _INIT_SETTINGS of root's myq.py makes}."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "myq_docs", os.path.join(root, "myq.py"))
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    page = read("build/myq.1", root).decode("utf-8")
+    head, sep, rest = page.partition(DOCS_BEGIN)
+    _, sep2, tail = rest.partition(DOCS_END)
+    if not sep or not sep2:
+        raise SystemExit("dist: build/myq.1 has no %r ... %r block"
+                         % (DOCS_BEGIN.strip(), DOCS_END.strip()))
+    return {"init.d/myq.default": m._init_settings_file("sysv"),
+            "init.d/myq.config": m._init_settings_file("procd"),
+            "build/myq.1": head + DOCS_BEGIN + m._init_settings_roff()
+            + DOCS_END + tail}
+
+
+def docs(root=ROOT):
+    """Write generated(); say what changed."""
+    for rel, text in sorted(generated(root).items()):
+        path = os.path.join(root, rel)
+        if read(rel, root).decode("utf-8") == text:
+            continue
+        write(path, text.encode("utf-8"), os.stat(path).st_mode & 0o7777)
+        print("%s: written from myq.py's _INIT_SETTINGS" % rel)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--embed", action="store_true",
                    help="write init.d/'s files into myq.py (make embed)")
+    p.add_argument("--docs", action="store_true", help="write the settings "
+                   "files and myq(1)'s list from myq.py (make docs)")
     p.add_argument("--out", default=os.path.join(ROOT, "dist"),
                    help="where release files go (default: dist/)")
     p.add_argument("--install", metavar="DESTDIR", default=None,
@@ -561,6 +601,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.embed:
         return embed()
+    if a.docs:
+        return docs()
     if a.install is not None and a.uninstall is not None:
         p.error("--install or --uninstall, not both")
     if a.install is not None:

@@ -1,0 +1,82 @@
+"""The documentation made from one source: myq.py's table of the init
+settings (_INIT_SETTINGS) is what init.d/myq.default, init.d/myq.config
+and myq(1)'s INIT SCRIPTS list say (`make docs` writes them), and the
+init scripts read exactly those settings with those defaults."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import myq
+from _core import ROOT
+
+
+def _dist():
+    sys.path.insert(0, os.path.join(ROOT, "build"))
+    try:
+        import dist
+    finally:
+        sys.path.pop(0)
+    return dist
+
+
+def _read(rel, root=ROOT):
+    with open(os.path.join(root, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_generated_files_are_what_the_table_makes():
+    for rel, text in sorted(_dist().generated().items()):
+        assert _read(rel) == text, "%s differs from myq.py's _INIT_SETTINGS: " \
+            "run make docs" % rel
+
+
+def test_the_init_scripts_read_the_tables_settings_and_defaults():
+    """init.d/myq: NAME=${MYQ_KEY:-DEFAULT} for every setting; the procd
+    script: config_get KEY main KEY DEFAULT for each but the pidfile."""
+    table = dict((k, d) for k, d, _, _ in myq._INIT_SETTINGS)
+    sysv = dict((k.lower(), d) for k, d in re.findall(
+        r"^\w+=\$\{MYQ_(\w+):-([^}]*)\}", _read("init.d/myq"), re.M))
+    assert sysv.pop("defaults") == "/etc/default/myq"   # (where they are)
+    assert sysv == table
+    procd = dict((k, "" if d == "''" else d) for k, d in re.findall(
+        r"config_get (\w+) main \1 (\S+)", _read("init.d/myq.procd")))
+    assert procd == dict((k, d) for k, d in table.items() if k != "pidfile")
+
+
+def test_each_file_speaks_of_its_own_init_system():
+    """[procd: ...] in UCI's file alone, [sysv: ...] (the pidfile) in the
+    SysV file and the manual alone; `name` as each names the setting."""
+    sysv, uci = (myq._init_settings_file(s) for s in ("sysv", "procd"))
+    roff = myq._init_settings_roff()
+    assert "it becomes this user itself" in uci
+    assert "becomes this user itself" not in sysv + roff
+    assert "pidfile" not in re.sub(r"(?s)^.*?\n\n", "", uci, 1)  # (the head says none)
+    assert "#MYQ_PIDFILE=/var/run/myq.pid" in sysv and "MYQ_PIDFILE" in roff
+    assert "(in MYQ_ARGS)" in sysv and "(in args)" in uci
+    assert "(in \\fBMYQ_ARGS\\fR)" in roff
+    assert "[" not in "".join(t for _, _, _, t in myq._INIT_SETTINGS).replace(
+        "[ADDR]", "").replace("[sysv: ", "").replace("[procd: ", "")
+
+
+def test_make_docs_writes_an_edit_of_the_table(tmp_path):
+    """A default changed in the table: `build/dist.py --docs` rewrites the
+    three files, and says nothing the second time."""
+    repo = tmp_path / "repo"
+    for rel in ("myq.py", "build/dist.py", "build/myq.1", "init.d/myq.default",
+                "init.d/myq.config"):
+        (repo / os.path.dirname(rel)).mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(ROOT, rel), str(repo / rel))
+    src = (repo / "myq.py").read_text()
+    old = '("workers", "1", "",'
+    assert src.count(old) == 1
+    (repo / "myq.py").write_text(src.replace(old, '("workers", "3", "",'))
+    docs = [sys.executable, str(repo / "build" / "dist.py"), "--docs"]
+    out = subprocess.check_output(docs, universal_newlines=True)
+    assert sorted(re.findall(r"^(\S+): written", out, re.M)) == [
+        "build/myq.1", "init.d/myq.config", "init.d/myq.default"]
+    assert "#MYQ_WORKERS=3\n" in (repo / "init.d/myq.default").read_text()
+    assert "\t#option workers '3'\n" in (repo / "init.d/myq.config").read_text()
+    assert "\\fBMYQ_WORKERS\\fR (\\fB3\\fR)" in (repo / "build/myq.1").read_text()
+    assert subprocess.check_output(docs, universal_newlines=True) == ""
