@@ -126,6 +126,8 @@ bench-cpu:
 # RSS and PSS of supervisor + worker idle and busy, instructions per job,
 # `myq enqueue` start-up, on armv7l too under qemu-user where a Debian armhf
 # root is; each beside the baseline DEVICE_ARGS="--base REV" (main).
+# Then it rewrites the README's device table with this tree's figures (the
+# rows it measured; DEVICE_ARGS=--no-readme: none).
 bench-device:
 	$(BENCH_PYTHON) bench/device.py $(DEVICE_ARGS)
 

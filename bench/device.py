@@ -4,7 +4,7 @@ for this tree's myq.py and, in the same run, for a baseline (`git show
 REV:myq.py`, REV=main unless --base), so that every ratio is within one run.
 
     python3 bench/device.py [--base REV] [--runs 3] [--n 300] [--json FILE]
-                            [--arm ROOT] [--skip cpu,arm]
+                            [--arm ROOT] [--skip cpu,arm] [--no-readme]
 
 - flash: myq.py's source, and its byte code (py_compile, the .pyc the
   interpreter writes beside it: what a device stores besides the source).
@@ -40,6 +40,9 @@ REV:myq.py`, REV=main unless --base), so that every ratio is within one run.
   busybox .debs (var/cache/apt/archives/) and of libpython3.11-stdlib
   (python3-minimal has no json; `apt-get download
   libpython3.11-stdlib:armhf`), libraries copied to usr/lib.
+
+Then it rewrites the README's device table (its first screen) with this
+tree's figures: each row this run measured (--no-readme: none).
 
 The field workload's CPU per job is the soak's (`make soak`, tests/soak):
 it needs root, network namespaces and ~4 minutes, so it is not run here.
@@ -445,6 +448,55 @@ def report(res):
         print("\narmv7l: skipped: %s" % a)
 
 
+def readme_rows(res):
+    """{the README device table's row label: its new figures} for what this
+    run measured of this tree (a row whose figures it lacks is left out)."""
+    t, a = res["this"], res.get("arm")
+    rows = {"flash": "%.0f KB `myq.py` + %.0f KB cached byte code" % (
+        t["flash"]["source_kb"], t["flash"]["bytecode_kb"])}
+    if "idle_pss" in t:
+        rows["RAM, supervisor + 1 worker (PSS)"] = (
+            "%.1f MB idle, %.1f MB draining http + exec jobs"
+            % (t["idle_pss"] / 1024.0, t["busy_pss"] / 1024.0))
+    if "cpu" in t:
+        rows["instructions"] = "%.0f k a durable enqueue, %.0f k a delivered job" % (
+            t["cpu"]["enqueue"] / 1e3, t["cpu"]["drain"] / 1e3)
+    st = t.get("start", {})
+    if "installed_instr" in st and isinstance(a, dict):
+        m, mb = 1e6, 1024.0
+        rows["`myq enqueue` start-up"] = (
+            "installed %.0f M instructions, %.1f MB peak (bare interpreter "
+            "%.1f M, %.1f MB); one file %.0f M, %.1f MB; armv7l %.2f s (bare "
+            "%.2f), one file %.1f s" % (
+                st["installed_instr"] / m, st["installed_kb"] / mb,
+                st["bare_instr"] / m, st["bare_kb"] / mb, st["onefile_instr"] / m,
+                st["onefile_kb"] / mb, a["this"]["installed_ms"] / 1e3,
+                a["this"]["bare_ms"] / 1e3, a["this"]["onefile_ms"] / 1e3))
+    return rows
+
+
+def rewrite_readme(res, path=os.path.join(ROOT, "README.md")):
+    """The README's device table (its first screen) with this run's figures
+    of this tree, row by row: a row this run did not measure (--skip, no
+    valgrind, no armv7l root; the soak's and bench-wear's) stays as it is."""
+    with open(path) as f:
+        text = f.read()
+    done = []
+    for label, figures in sorted(readme_rows(res).items()):
+        head = "| %s | " % label
+        at = text.find("\n" + head)
+        if at < 0:
+            sys.stderr.write("README.md: no %r row\n" % label)
+            continue
+        end = text.index("\n", at + 1)
+        text = text[:at + 1] + head + figures + " |" + text[end:]
+        done.append(label)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    sys.stderr.write("README.md: rows rewritten: %s\n" % ", ".join(done))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="main", help="git revision of the baseline")
@@ -454,6 +506,8 @@ def main():
     ap.add_argument("--arm", default="/root/armhf", metavar="ROOT")
     ap.add_argument("--skip", default="", help="comma-separated: memory,cpu,start,arm")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--no-readme", action="store_true",
+                    help="leave README.md's device table as it is")
     o = ap.parse_args()
     skip = set(o.skip.split(",")) - {""}
     py = o.python or default_python()
@@ -493,6 +547,8 @@ def main():
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report(res)
+    if not o.no_readme:
+        rewrite_readme(res)
     sys.stderr.write("bench/device.py: %.0f s, %s\n" % (time.monotonic() - t0, py))
     if o.json:
         with open(o.json, "w") as f:

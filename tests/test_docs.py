@@ -80,3 +80,44 @@ def test_make_docs_writes_an_edit_of_the_table(tmp_path):
     assert "\t#option workers '3'\n" in (repo / "init.d/myq.config").read_text()
     assert "\\fBMYQ_WORKERS\\fR (\\fB3\\fR)" in (repo / "build/myq.1").read_text()
     assert subprocess.check_output(docs, universal_newlines=True) == ""
+
+
+def test_bench_device_rewrites_the_readme_device_table(tmp_path):
+    """bench/device.py's figures of this tree replace the README's device
+    rows they are of (all of them for a full run, the flash row alone
+    for --skip=memory,cpu,start,arm); the soak's and bench-wear's rows stay;
+    the flash row still reads as test_operator4 reads it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "device", os.path.join(ROOT, "bench", "device.py"))
+    device = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device)
+    readme = tmp_path / "README.md"
+    shutil.copy(os.path.join(ROOT, "README.md"), str(readme))
+    before = readme.read_text()
+    res = {"this": {"flash": {"source_kb": 700.4, "bytecode_kb": 1000.6}}}
+    device.rewrite_readme(res, str(readme))
+    after = readme.read_text()
+    assert "\n| flash | 700 KB `myq.py` + 1001 KB cached byte code |\n" in after
+    assert re.search(r"^\| flash \| ([\d.]+) KB `myq\.py` \+ ([\d.]+) KB cached "
+                     r"byte code \|$", after, re.M)
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines())
+               if a != b]
+    assert len(changed) == 1 and len(before.splitlines()) == len(after.splitlines())
+    res["this"].update(idle_pss=16 * 1024, busy_pss=24 * 1024,
+                       cpu={"enqueue": 130e3, "drain": 250e3},
+                       start={"installed_instr": 50e6, "installed_kb": 12 * 1024,
+                              "bare_instr": 35e6, "bare_kb": 8 * 1024,
+                              "onefile_instr": 700e6, "onefile_kb": 44 * 1024})
+    res["arm"] = {"this": {"installed_ms": 380, "bare_ms": 420, "onefile_ms": 1700}}
+    device.rewrite_readme(res, str(readme))
+    after = readme.read_text()
+    for row in ("| RAM, supervisor + 1 worker (PSS) | 16.0 MB idle, 24.0 MB draining",
+                "| instructions | 130 k a durable enqueue, 250 k a delivered job |",
+                "| `myq enqueue` start-up | installed 50 M instructions, 12.0 MB peak "
+                "(bare interpreter 35.0 M, 8.0 MB); one file 700 M, 44.0 MB; armv7l "
+                "0.38 s (bare 0.42), one file 1.7 s |"):
+        assert "\n" + row in after, row
+    for label in ("| worker CPU, field workload |", "| flash written, link down"):
+        row = [l for l in before.splitlines() if l.startswith(label)]
+        assert row and row[0] in after.splitlines()
