@@ -121,3 +121,16 @@ def test_bench_device_rewrites_the_readme_device_table(tmp_path):
     for label in ("| worker CPU, field workload |", "| flash written, link down"):
         row = [l for l in before.splitlines() if l.startswith(label)]
         assert row and row[0] in after.splitlines()
+
+
+def test_readme_is_the_tour_and_the_manual_pages_the_reference():
+    """The README stays within 35 KB: whole topics live in the manual pages
+    (the security model in myq(1), SECURITY; the init settings in INIT
+    SCRIPTS), which it links to."""
+    text = _read("README.md")
+    assert len(text.encode("utf-8")) <= 35 * 1024
+    assert "(build/myq.1)" in text and "(build/myq-spool.5)" in text
+    page = _read("build/myq.1")
+    for section in ("INIT SCRIPTS", "SECURITY"):
+        assert "\n.SH %s\n" % section in page
+        assert "[myq(1)](build/myq.1), %s" % section in text, section
