@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 import myq
 from _core import ROOT
 
@@ -134,3 +136,36 @@ def test_readme_is_the_tour_and_the_manual_pages_the_reference():
     for section in ("INIT SCRIPTS", "SECURITY"):
         assert "\n.SH %s\n" % section in page
         assert "[myq(1)](build/myq.1), %s" % section in text, section
+
+
+def _layout_section():
+    text = _read("build/myq-spool.5")
+    return text[text.index("\n.SH LAYOUT\n"):text.index("\n.SH STATES\n")]
+
+
+@pytest.mark.parametrize("store", ["files", "sqlite"])
+def test_every_file_myq_makes_in_a_spool_is_in_myq_spool_5(tmp_path, store):
+    """A spool after init, an enqueue, a policy and a worker's drain: each
+    entry at its top and in locks/ is named (bold) in myq-spool(5)'s
+    LAYOUT, locks/room (the disk guard's reserve) included."""
+    if store == "sqlite":
+        pytest.importorskip("sqlite3")
+    spool = str(tmp_path / "spool")
+    myq.main(["--spool", spool, "init", "--store", store, "--name", "q"])
+    myq.main(["--spool", spool, "policy", "t", "max_queued=5"])
+    myq.enqueue(spool, "t", {"n": 1})
+    myq.Worker(spool, handlers={"t": lambda job: None}).run(drain=True)
+    layout = _layout_section()
+    seen = set()
+    for sub in ("", "locks", "incoming"):
+        for name in os.listdir(os.path.join(spool, sub)):
+            rel = os.path.join(sub, name)
+            if sub == "incoming" and name != "lanes":
+                continue                    # (jobs)
+            seen.add(rel)
+            rel_, name_ = (n.replace("-", "\\-") for n in (rel, name))
+            assert ("\\fB%s" % rel_) in layout or re.search(
+                r"\\fB%s(\\fR|/|\\-)" % re.escape(name_), layout), rel
+    assert "locks/used" in seen and "intake.token" in seen
+    assert os.path.exists(os.path.join(spool, "locks", "room")) <= (
+        "locks/room" in seen)
