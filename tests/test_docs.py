@@ -169,3 +169,14 @@ def test_every_file_myq_makes_in_a_spool_is_in_myq_spool_5(tmp_path, store):
     assert "locks/used" in seen and "intake.token" in seen
     assert os.path.exists(os.path.join(spool, "locks", "room")) <= (
         "locks/room" in seen)
+
+
+def test_each_spool_method_myq_1_documents_exists():
+    """PYTHON API: every .name( of the Spool entry is a method of
+    myq.Spool (Spool.held() was documented after it had gone)."""
+    text = _read("build/myq.1")
+    api = text[text.index("\n.SH PYTHON API\n"):text.index("\n.SH EXIT STATUS\n")]
+    entry = api[api.index("\\fBSpool("):api.index("\\fBWorker(")]
+    names = re.findall(r"\\fB\.(\w+)\(", entry)
+    assert "enqueue_many" in names and "check" in names
+    assert [n for n in names if not callable(getattr(myq.Spool, n, None))] == []
