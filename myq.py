@@ -11917,10 +11917,10 @@ class LiveFirst(object):
     `more` (a batch filling up): only of the kind of the last choice, so
     that a batch is all live or all backlog."""
     __slots__ = ("seen", "n", "live", "back", "credit", "created", "last",
-                 "until", "live_s")
+                 "until", "live_s", "look")
 
     def __init__(self):
-        self.seen, self.n, self.until = None, -1, 0.0
+        self.seen, self.n, self.until, self.look = None, -1, 0.0, 0.0
         self.live, self.back = [], []
         self.credit, self.created, self.last = 0.0, {}, None
         self.live_s = LIVE_DEFAULT
@@ -11928,6 +11928,13 @@ class LiveFirst(object):
     def live_cut(self, now):
         """Jobs made before it are the backlog."""
         return now - self.live_s
+
+    def looked(self, took):
+        """A scan read the lane again for its arrivals (a dirty lane) in
+        `took` seconds: the next such read not before 20 times that has
+        passed (at most 1 s: an arrival waits no longer to be seen), so
+        that a deep lane's reads take at most 5 % of the worker's time."""
+        self.look = _mono() + min(1.0, 20.0 * took)
 
     def created_of(self, name, m):
         t = self.created.get(name)
@@ -12228,10 +12235,13 @@ class _Scheduling(object):
                 restarted = True
                 continue
             if L.order is not None:
-                if L.dirty and L.sweep is None and not forced:
+                if L.dirty and L.sweep is None and not forced and \
+                        _mono() >= L.order.look:
                     forced = True       # live jobs come at the end: read
-                    self._rescan(L)     # what came since (the earliest
-                    continue            # alone do not need it)
+                    took = _mono()      # what came since (the earliest
+                    self._rescan(L)     # alone do not need it), in at
+                    L.order.looked(_mono() - took)  # most 5 % of the time
+                    continue
                 return L.order.head(L, _now(), rules, more)
             return L.cache[-1]
 
