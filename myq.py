@@ -11965,10 +11965,11 @@ class LiveFirst(object):
         self.live, self.back, self.until = live, [b[2] for b in back], until
         self.seen, self.n = cache, len(cache)
 
-    def head(self, L, now, rules, more=False):
+    def head(self, L, now, rules, more=False, no_wait=False):
         """Lane L's next job under live-first, moved to L.cache's end (the
         scheduler's head), or None when none of the kind `more` wants is
-        due.  The cache's last entry is due and named when asked."""
+        due (L.next_due: when live jobs' batch_wait ends, if that is why).
+        The cache's last entry is due and named when asked."""
         self.live_s = rules.get("live", LIVE_DEFAULT)
         share = rules.get("backlog_share", BACKLOG_SHARE_DEFAULT) / 100.0
         cache = L.cache
@@ -11977,8 +11978,17 @@ class LiveFirst(object):
             return cache[-1]        # the choice not taken yet: the same
         if cache is not self.seen or len(cache) != self.n or now >= self.until:
             self._split(cache, now)
+        n, wait = rules.get("batch"), rules.get("batch_wait")
         while True:
-            if more:
+            if not more and self.live and n and wait and not no_wait and \
+                    len(self.live) < n and self.live[-1][0] + wait > now:
+                # a live batch waits its batch_wait (myq(1) batches) as it
+                # would without a backlog: the backlog's batches go meanwhile
+                if not self.back:
+                    L.next_due = self.live[-1][0] + wait
+                    return None
+                kind = "back"
+            elif more:
                 kind = self.last[0] if self.last else "live"
             elif not self.live:
                 kind = "back"
@@ -11990,19 +12000,26 @@ class LiveFirst(object):
                 if self.credit >= 1.0:
                     self.credit -= 1.0
                     kind = "back"
-            line = self.live if kind == "live" else self.back
-            if not line:
-                return None
-            e = line.pop()
-            try:
-                i = cache.index(e)
-            except ValueError:
-                continue            # taken meanwhile
-            if i != len(cache) - 1:
-                cache.append(cache.pop(i))
-            self.n = len(cache) - 1     # (once the scheduler takes it)
-            self.last = (kind, e)
-            return e
+            e = self._take(cache, kind)
+            if e is not False:
+                return e
+
+    def _take(self, cache, kind):
+        """The next of line `kind` moved to the cache's end; None when the
+        line is empty, False when its next was taken meanwhile."""
+        line = self.live if kind == "live" else self.back
+        if not line:
+            return None
+        e = line.pop()
+        try:
+            i = cache.index(e)
+        except ValueError:
+            return False                # taken meanwhile
+        if i != len(cache) - 1:
+            cache.append(cache.pop(i))
+        self.n = len(cache) - 1         # (once the scheduler takes it)
+        self.last = (kind, e)
+        return e
 
 
 class _Lane(object):
@@ -12242,7 +12259,7 @@ class _Scheduling(object):
                     self._rescan(L)     # alone do not need it), in at
                     L.order.looked(_mono() - took)  # most 5 % of the time
                     continue
-                return L.order.head(L, _now(), rules, more)
+                return L.order.head(L, _now(), rules, more, self._no_wait)
             return L.cache[-1]
 
     def _next_claim(self, force=False):

@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from _core import call_myq, write_incoming
+from _core import FAST, call_myq, start_worker, stop, write_incoming
 from _http import http_servers  # noqa: F401 (a fixture)
 from _mosquitto import Broker, Subscriber, needs_mosquitto
 from test_destinations import drain, listed, policy
@@ -114,6 +114,26 @@ def test_live_is_the_window_and_batches_are_all_live_or_all_backlog(
         ([{"l": 0}, {"l": 1}], None),
         ([{"b": 0}, {"b": 1}, {"b": 2}], "1"),
         ([{"b": 3}], "1")], sent(srv)
+
+
+def test_a_live_batch_waits_its_batch_wait_while_the_backlog_goes(
+        spool, http_servers):
+    """A running worker (batch_wait holds; --drain does not wait): with
+    backlog_share=0 live jobs would go first, but a live batch short of
+    `batch` waits its batch_wait as it does without a backlog, and the
+    backlog's full batch goes meanwhile; then the live batch, unmarked."""
+    srv = http_servers()
+    policy(spool, "tele", "url=" + srv.url("/in"), "order=live-first",
+           "backlog_share=0", "batch=3", "batch_wait=1s")
+    backlog(spool, 3)
+    live(spool, 1)
+    w = start_worker(spool, *FAST)
+    try:
+        assert srv.wait_requests(2, timeout=30)
+    finally:
+        stop(w)
+    assert sent(srv)[:2] == [([{"b": 0}, {"b": 1}, {"b": 2}], "1"),
+                             ([{"l": 0}], None)], sent(srv)
 
 
 def test_without_live_first_the_order_and_the_bodies_are_as_before(
