@@ -2022,7 +2022,7 @@ def _lane_of(name):
     stem, at, p = name.partition("@")
     return (stem, p) if at and p in _LANE_PRIORITIES and _is_name(stem) else None
 _LANE_KEYS = ("max_queued", "max_bytes", "paused", "concurrency", "rate",
-              "batch")
+              "batch", "order")
 _RATE_RE = _Pattern(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
 SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
 SPOOL_POLICY = "@spool"     # the policy file's entry of the spool's own rules
@@ -2199,6 +2199,15 @@ class Policy(object):
         "topic": Kind(parse_topic, "an MQTT topic without + or #",
                       show=_quoted),
         "format": Kind(_choice("json", "kafka"), "json or kafka"),
+        "order": Kind(_choice("fifo", "live-first"), "fifo (the default) or "
+                      "live-first"),
+        "live": Kind(lambda v: _whole(parse_seconds(v, True, 1e10)),
+                     "a duration > 0 such as 60s, 5m (default 60s)",
+                     show=_format_duration),
+        "backlog_share": Kind(parse_percent, "a percentage from 0 to 100 "
+                              "such as 50 or 50% (default 50)",
+                              show=lambda v: "%d%%" % v),
+        "envelope": BOOL,
     }
 
     # The spool's own rules, kept in the same file under SPOOL_POLICY (a
@@ -2264,6 +2273,21 @@ class Policy(object):
         """A value as `myq policy` prints it."""
         kind = cls.KEYS.get(key) or cls.SPOOL_KEYS.get(key)
         return kind.show(v) if kind is not None else str(v)
+
+
+LIVE_DEFAULT, BACKLOG_SHARE_DEFAULT = 60.0, 50     # (myq(1) policy `order`)
+
+
+def backlog_job(job, rules, now):
+    """Is `job` of the backlog (myq(1) policy `order`): its type has
+    order=live-first and it was made longer than `live` (default 60 s)
+    before `now`?  A job without a created_at is not (nothing says it
+    is old); one made "later" than now (a clock set back) is live."""
+    if rules.get("order") != "live-first":
+        return False
+    t = job.get("created_at")
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and \
+        t < now - rules.get("live", LIVE_DEFAULT)
 
 
 def _safe_dest(dest):
@@ -3440,7 +3464,8 @@ class Claims(object):
         entries; every ready job is reached within one pass (or the next,
         for the ready ones of the first 4N beyond N).  A pass that saw jobs
         not yet due, or left ready ones, ends with a marker in the cache (at
-        the soonest of them) that starts the next pass when it comes due."""
+        the soonest of them) that starts the next pass when it comes due.
+        A live-first lane's (L.order) gets the live jobs it read too."""
         import heapq
         import itertools
         sp = self.spool
@@ -3449,9 +3474,14 @@ class Claims(object):
         bad = []
         nread = [0]                             # jobs entries() gave
         sweeping = L.sweep is not None          # new arrivals: next pass
+        order = getattr(L, "order", None)       # live-first: its live jobs
+        live, cut = (None, 0) if order is None else ([], order.live_cut(now))
 
         def entries(it):
-            return _job_entries(it, inc, now, bad, nread)
+            for e in _job_entries(it, inc, now, bad, nread):
+                if live is not None and cut <= e[0] <= now:
+                    live.append(e)      # (made within `live`, if at all)
+                yield e
 
         if not sweeping:
             it = _scandir(inc)
@@ -3486,6 +3516,8 @@ class Claims(object):
                     best.append((soonest, "", False))
             L.soonest = soonest
             best.sort()
+        if live:            # live-first: its live ones beyond the n earliest
+            best = sorted(set(best).union(heapq.nsmallest(n, live)))
         for name, kind in bad:
             tick()
             try:
@@ -7172,14 +7204,39 @@ class _SqlClaims(Claims):
         if self._ahead(rows):
             rows = sp._all(sql, (sp.name, L.sub, n))
         best = [(t, jid + ".json", True) for t, jid, _ in rows]
+        full = len(best) >= n
+        order = getattr(L, "order", None)
+        if order is not None:
+            best, more = self._live_first(L, order, n, best)
+            full = full or more
         best.reverse()
         L.cache = best
-        L.cache_full = len(best) >= n
+        L.cache_full = full
         L.dirty = False
         L.next_due = None
         L.sweep = None
         if failed is not None:
             raise failed
+
+    def _live_first(self, L, order, n, best):
+        """A live-first lane's cache (Scheduling: LiveFirst): its n earliest
+        (`best`), its n earliest ready live jobs and the n first ready of
+        its backlog by created_at, each job's created_at told to `order`;
+        and whether either was full."""
+        sp = self.spool
+        now = _now()
+        cut = order.live_cut(now)
+        sql = ("SELECT available_at, id, created_at FROM jobs WHERE queue=? "
+               "AND status='ready' AND lane=? AND available_at<=? AND ")
+        live = sp._all(sql + "created_at>=? ORDER BY available_at, id LIMIT ?",
+                       (sp.name, L.sub, now, cut, n))
+        back = sp._all(sql + "(created_at<? OR created_at IS NULL) ORDER BY "
+                       "created_at, id LIMIT ?", (sp.name, L.sub, now, cut, n))
+        order.created = dict((jid + ".json", c) for _, jid, c in live + back
+                             if c is not None)
+        got = set(best).union((t, jid + ".json", True) for t, jid, _ in
+                              live + back)
+        return sorted(got), len(live) >= n or len(back) >= n
 
     # The drop box ---------------------------------------------------------------
 
@@ -11613,12 +11670,17 @@ class HttpHandler(Handler):
 
     def _send(self, worker, run, jobs, rules, batched, t):
         gzip, fmt = bool(rules.get("gzip")), rules.get("format")
+        headers, now = worker.http_headers, _now()
+        if rules.get("order") == "live-first" and all(
+                backlog_job(j, rules, now) for j in jobs):
+            # the backlog marked for the receiver (myq(1) policy `order`)
+            headers = dict(headers or (), **{"X-Myq-Backlog": "1"})
         if batched or fmt == "kafka":
-            http_batch(jobs, worker.http_headers, worker.backoff_max, t, run,
+            http_batch(jobs, headers, worker.backoff_max, t, run,
                        getattr(worker, "http_pool", None), gzip=gzip, fmt=fmt,
                        alone=not batched)
         else:
-            http_handler(jobs[0], worker.http_headers, worker.backoff_max, t,
+            http_handler(jobs[0], headers, worker.backoff_max, t,
                          run, getattr(worker, "http_pool", None), gzip=gzip)
 
     def _failover(self, worker, run, jobs, rules, batched, t):
@@ -11678,6 +11740,23 @@ def _url_dests(pol):
                for d in _dests_of(keys["url"], t))
 
 
+def _enveloped(job, rules, now):
+    """An mqtt job whose message goes in its envelope (myq(1) policy
+    `envelope`): {"id", "type", "created_at", "message"}, and
+    "backlog": true for a job of the backlog (policy `order`), so that a
+    consumer drops what a crash made the worker publish twice and tells
+    old readings from live ones.  A payload that is not an object is
+    left to fail as it would."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return job
+    env = {"id": job.get("id"), "type": job.get("type"),
+           "created_at": job.get("created_at"), "message": p.get("message")}
+    if backlog_job(job, rules, now):
+        env["backlog"] = True
+    return dict(job, payload=dict(p, message=env))
+
+
 class MqttHandler(Handler):
     """The built-in `mqtt` type (myq(1) the mqtt type): its destination is the broker
     of --mqtt; a batch is published all in flight, one outcome a job."""
@@ -11701,17 +11780,19 @@ class MqttHandler(Handler):
         rules = worker.spool.rules(jobs[0]["type"])
         topic = rules.get("topic")
         out, sent, where = [None] * len(jobs), [], []
+        now = _now()
         for i, job in enumerate(jobs):
             why = topic and own_destination(job, rules)
             if why:
                 out[i] = PermanentError(why)
-            elif topic:     # the type's (myq(1) policy `topic`): the payload
-                sent.append(dict(job, payload={"topic": topic,  # is the message
-                                               "message": job["payload"]}))
-                where.append(i)
-            else:
-                sent.append(job)
-                where.append(i)
+                continue
+            if topic:       # the type's (myq(1) policy `topic`): the payload
+                job = dict(job, payload={"topic": topic,    # is the message
+                                         "message": job["payload"]})
+            if rules.get("envelope"):
+                job = _enveloped(job, rules, now)
+            sent.append(job)
+            where.append(i)
         clients = getattr(worker, "_mqtt_clients", None) or [None]
         self._failover(worker, run, clients, sent, where, out)
         return ("each", out)
@@ -11814,19 +11895,147 @@ def _drain(fd):
 # rates, batch_wait).  A part of Worker (its state is the worker's:
 # _lanes, _top, runs, _holds, poll), kept in one room.
 
+class LiveFirst(object):
+    """The choice of a lane whose type has order=live-first (myq(1) policy
+    `order`), kept apart from the scan and the gates: among the due
+    entries of the lane's scan cache, (mtime, name, scheduled), the live
+    ones (made within `live` of now) start first, oldest first; the
+    backlog (made before) in created_at order, then id, and while live
+    jobs wait it takes `backlog_share` percent of the starts (a credit
+    that grows by the share at each choice of a live one, spent by a
+    backlog job: 50 alternates, 0 starts the backlog only when no live
+    job waits).  Live jobs never wait for the backlog's turn when none of
+    it is due, nor the backlog for live jobs that are gone.
+
+    The store's scan puts the lane's live jobs in its cache beside its
+    earliest (Claims.scan: `live_cut`; created, by name, where the store
+    keeps created_at: SQLite); files estimate a job's created_at by its
+    id, where myq made it (ids sort by creation), else by its mtime
+    (available_at).  `head` moves its choice to the cache's end, where
+    the scheduler takes a lane's next job (_head, _next_claim); asked
+    again before that one is taken, it gives it again (no share spent);
+    `more` (a batch filling up): only of the kind of the last choice, so
+    that a batch is all live or all backlog."""
+    __slots__ = ("seen", "n", "live", "back", "credit", "created", "last",
+                 "until", "live_s", "look")
+
+    def __init__(self):
+        self.seen, self.n, self.until, self.look = None, -1, 0.0, 0.0
+        self.live, self.back = [], []
+        self.credit, self.created, self.last = 0.0, {}, None
+        self.live_s = LIVE_DEFAULT
+
+    def live_cut(self, now):
+        """Jobs made before it are the backlog."""
+        return now - self.live_s
+
+    def looked(self, took):
+        """A scan read the lane again for its arrivals (a dirty lane) in
+        `took` seconds: the next such read not before 20 times that has
+        passed (at most 1 s: an arrival waits no longer to be seen), so
+        that a deep lane's reads take at most 5 % of the worker's time."""
+        self.look = _mono() + min(1.0, 20.0 * took)
+
+    def created_of(self, name, m):
+        t = self.created.get(name)
+        if t is None:
+            stem = name[:-5]
+            t = int(stem[:13]) / 1000.0 if _is_generated_id(stem) else m
+        return t
+
+    def _split(self, cache, now):
+        """The due entries of `cache` as the two lines, each in reverse
+        (the next at its end); until when that holds."""
+        cut = self.live_cut(now)
+        live, back, until = [], [], float("inf")
+        for e in cache:
+            if not e[1]:
+                continue
+            if e[0] > now:
+                until = min(until, e[0])        # it comes due then
+                continue
+            t = self.created_of(e[1], e[0])
+            if t >= cut:
+                live.append(e)
+                until = min(until, t + self.live_s)     # it ages then
+            else:
+                back.append((t, e[1], e))
+        live.sort(reverse=True)
+        back.sort(reverse=True)
+        self.live, self.back, self.until = live, [b[2] for b in back], until
+        self.seen, self.n = cache, len(cache)
+
+    def head(self, L, now, rules, more=False, no_wait=False):
+        """Lane L's next job under live-first, moved to L.cache's end (the
+        scheduler's head), or None when none of the kind `more` wants is
+        due (L.next_due: when live jobs' batch_wait ends, if that is why).
+        The cache's last entry is due and named when asked."""
+        self.live_s = rules.get("live", LIVE_DEFAULT)
+        share = rules.get("backlog_share", BACKLOG_SHARE_DEFAULT) / 100.0
+        cache = L.cache
+        if not more and self.last is not None and cache is self.seen and \
+                len(cache) == self.n + 1 and cache[-1] is self.last[1]:
+            return cache[-1]        # the choice not taken yet: the same
+        if cache is not self.seen or len(cache) != self.n or now >= self.until:
+            self._split(cache, now)
+        n, wait = rules.get("batch"), rules.get("batch_wait")
+        while True:
+            if not more and self.live and n and wait and not no_wait and \
+                    len(self.live) < n and self.live[-1][0] + wait > now:
+                # a live batch waits its batch_wait (myq(1) batches) as it
+                # would without a backlog: the backlog's batches go meanwhile
+                if not self.back:
+                    L.next_due = self.live[-1][0] + wait
+                    return None
+                kind = "back"
+            elif more:
+                kind = self.last[0] if self.last else "live"
+            elif not self.live:
+                kind = "back"
+            elif not self.back or share <= 0:
+                kind = "live"
+            else:
+                self.credit = min(self.credit + share, 1.0 + share)
+                kind = "live"
+                if self.credit >= 1.0:
+                    self.credit -= 1.0
+                    kind = "back"
+            e = self._take(cache, kind)
+            if e is not False:
+                return e
+
+    def _take(self, cache, kind):
+        """The next of line `kind` moved to the cache's end; None when the
+        line is empty, False when its next was taken meanwhile."""
+        line = self.live if kind == "live" else self.back
+        if not line:
+            return None
+        e = line.pop()
+        try:
+            i = cache.index(e)
+        except ValueError:
+            return False                # taken meanwhile
+        if i != len(cache) - 1:
+            cache.append(cache.pop(i))
+        self.n = len(cache) - 1         # (once the scheduler takes it)
+        self.last = (kind, e)
+        return e
+
+
 class _Lane(object):
     """A directory of waiting jobs as one worker sees it: incoming/ itself,
-    or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
+    or incoming/lanes/TYPE@PRIORITY, with its scan cache (`order`: its
+    LiveFirst, when its type's order is live-first)."""
     __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
                  "soonest", "next_due", "blocked", "slot", "probe", "rated",
-                 "dest", "key", "path")
+                 "dest", "key", "path", "order")
 
     def __init__(self, sub, type=None, prio=0, path=None):
         self.sub, self.type, self.prio, self.path = sub, type, prio, path
         self.cache, self.cache_full, self.dirty = [], False, True
         self.sweep = self.soonest = self.next_due = None
         self.blocked = 0.0          # wall time before which it is not tried
-        self.slot = self.probe = self.dest = self.key = None
+        self.slot = self.probe = self.dest = self.key = self.order = None
         self.rated = False
 
     def end_sweep(self):
@@ -12004,10 +12213,16 @@ class _Scheduling(object):
         lanes.sort(key=lambda L: -L.prio)       # stable: incoming/ first of 0
         self._lanes = lanes
 
-    def _head(self, L, force=False):
+    def _head(self, L, force=False, more=False):
         """Lane L's next job that is due now, (mtime, name, scheduled), or
-        None (L.next_due: when one will be)."""
+        None (L.next_due: when one will be).  A lane of a live-first type
+        chooses through its LiveFirst (`more`: a batch filling up)."""
         forced = restarted = False
+        if L.type is not None:
+            rules = self.spool.rules(L.type)
+            live = rules.get("order") == "live-first"
+            if live != (L.order is not None):
+                L.order, L.dirty = LiveFirst() if live else None, True
         while True:
             if _mono() >= self._next_beat:      # (_tick, inline: per claim)
                 self._heartbeat()
@@ -12036,6 +12251,15 @@ class _Scheduling(object):
                     return None
                 restarted = True
                 continue
+            if L.order is not None:
+                if L.dirty and L.sweep is None and not forced and \
+                        _mono() >= L.order.look:
+                    forced = True       # live jobs come at the end: read
+                    took = _mono()      # what came since (the earliest
+                    self._rescan(L)     # alone do not need it), in at
+                    L.order.looked(_mono() - took)  # most 5 % of the time
+                    continue
+                return L.order.head(L, _now(), rules, more, self._no_wait)
             return L.cache[-1]
 
     def _next_claim(self, force=False):
@@ -12507,7 +12731,7 @@ class _Running(object):
         key = handler.batch_key(first.job, self)
         sp = self.spool
         while len(out) < n:
-            head = self._head(L)
+            head = self._head(L, more=True)
             if head is None:
                 break
             m, name, scheduled = head

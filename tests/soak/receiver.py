@@ -14,7 +14,8 @@ answer sent), status, key (Idempotency-Key), ids (X-Myq-Ids), rids (the
 "rid" of each event in the body, in order), runs (the distinct "run" of the
 events), new_key (the key was not seen before: the receiver stored the
 batch), wire (bytes of the body as sent), body (bytes decompressed),
-peer port, and error (what did not parse).
+peer port, backlog (X-Myq-Backlog: 1, the sender's backlog after an
+outage), and error (what did not parse).
 """
 import argparse
 import gzip
@@ -62,6 +63,7 @@ class Events(BaseHTTPRequestHandler):
             key = self.headers.get("Idempotency-Key")
             rec["key"] = key
             rec["ids"] = [i for i in (self.headers.get("X-Myq-Ids") or "").split(",") if i]
+            rec["backlog"] = self.headers.get("X-Myq-Backlog") == "1"
             try:
                 events = json.loads(body)
                 rec["array"] = isinstance(events, list)

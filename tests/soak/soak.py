@@ -37,9 +37,11 @@ MYQ_SRC = os.path.join(REPO, "myq.py")
 
 RATE = 20.0                 # readings a second, all paths together
 PATHS = ("py", "sh", "cli")
-HTTP_POLICY = ["handler=http", "batch=100", "batch_wait=5s", "gzip=true"]
+HTTP_POLICY = ["handler=http", "batch=100", "batch_wait=5s", "gzip=true",
+               "order=live-first", "live=15s", "backlog_share=50"]
 MQTT_POLICY = ["handler=mqtt", "batch=50"]
 BATCH, BATCH_WAIT = 100, 5.0
+UPLINK = "32K/s"            # the worker's --uplink-rate: the link capped (issue 41)
 DELAY, LOSS, RATE_LIMIT = 0.1, 0.015, "1mbit"
 # A request the worker sent before a fault may reach the receiver after it
 # (100 ms each way, loss spikes up to 0.6 s, a queue at 1 Mbit/s): a
@@ -52,8 +54,12 @@ LINK_GRACE = 2.0
 # not the probe's one job alone); the time until every reading of that
 # type waiting then was delivered is measured against it.
 FORECAST_AFTER, FORECAST_POLL, FORECAST_TOL = 2.0, 0.5, 25.0
+# Live data first (issue 41): the lag of the readings made in this window
+# after link-up, while the backlog drains beside them.
+LIVE_WINDOW = 30.0
 SUBNET = ("10.213.7.1", "10.213.7.2")       # device, server (inside the netns only)
 HTTP_PORT, MQTT_PORT = 8080, 1883           # the server's
+HTTP_PORT_B, L_HTTP_B = 8081, 18081         # the second receiver's (tele's url B)
 L_HTTP, L_MQTT = 18080, 11883               # the link's, on the device's loopback
 
 # The timeline of the short run, seconds; --minutes scales every phase.
@@ -324,11 +330,15 @@ class Soak(object):
     def start_servers(self):
         srv, dev = self.ns_srv, self.ns_dev
         self.recv_log = os.path.join(self.dir, "receiver.jsonl")
+        self.recv_log_b = os.path.join(self.dir, "receiver-b.jsonl")
         self.sub_log = os.path.join(self.dir, "subscriber.jsonl")
         self.link_log = os.path.join(self.dir, "link.jsonl")
         self.spawn("receiver", [self.py, os.path.join(HERE, "receiver.py"), "--listen",
                                 "0.0.0.0:%d" % HTTP_PORT, "--run", self.nonce,
                                 "--log", self.recv_log], ns=srv)
+        self.spawn("receiver-b", [self.py, os.path.join(HERE, "receiver.py"), "--listen",
+                                  "0.0.0.0:%d" % HTTP_PORT_B, "--run", self.nonce,
+                                  "--log", self.recv_log_b], ns=srv)
         self.broker_conf = os.path.join(self.dir, "mosquitto.conf")
         self.broker_log = os.path.join(self.dir, "mosquitto.log")
         with open(self.broker_conf, "w") as f:
@@ -343,23 +353,32 @@ class Soak(object):
             self.spawn("link", [self.py, os.path.join(HERE, "link.py"),
                                 "--map", "127.0.0.1:%d=%s:%d" % (L_HTTP, SUBNET[1], HTTP_PORT),
                                 "--map", "127.0.0.1:%d=%s:%d" % (L_MQTT, SUBNET[1], MQTT_PORT),
+                                "--map", "127.0.0.1:%d=%s:%d" % (L_HTTP_B, SUBNET[1],
+                                                                 HTTP_PORT_B),
                                 "--delay", str(DELAY), "--loss", str(LOSS),
                                 "--seed", str(int(self.nonce, 16)), "--log", self.link_log],
                        ns=dev)
             self.http_url = "http://127.0.0.1:%d/ingest" % L_HTTP
+            self.http_url_b = "http://127.0.0.1:%d/ingest" % L_HTTP_B
             self.mqtt_url = "mqtt://127.0.0.1:%d" % L_MQTT
             self.wait_until(lambda: any('"ev": "start"' in l for l in _lines(self.link_log)),
                             10, "the link emulator")
         else:
             self.http_url = "http://%s:%d/ingest" % (SUBNET[1], HTTP_PORT)
+            self.http_url_b = "http://%s:%d/ingest" % (SUBNET[1], HTTP_PORT_B)
             self.mqtt_url = "mqtt://%s:%d" % (SUBNET[1], MQTT_PORT)
-        self.wait_until(lambda: any(json.loads(l).get("run") == self.nonce
-                                    for l in _lines(self.recv_log) if '"start"' in l),
-                        10, "the receiver")
+        for log in (self.recv_log, self.recv_log_b):
+            self.wait_until(lambda: any(json.loads(l).get("run") == self.nonce
+                                        for l in _lines(log) if '"start"' in l),
+                            10, "the receiver")
+        # tele goes to receiver A, failing over to B (SPEC 10: producers
+        # send only the body)
+        self.run([self.py, self.myq, "--spool", self.spool, "policy", "tele",
+                  "url=%s %s" % (self.http_url, self.http_url_b)])
         self.wait_until(lambda: any('"suback"' in l for l in _lines(self.sub_log)),
                         15, "the MQTT subscriber's SUBACK")
-        for name, ns in (("receiver", srv), ("broker", srv), ("subscriber", srv),
-                         ("link", dev)):
+        for name, ns in (("receiver", srv), ("receiver-b", srv), ("broker", srv),
+                         ("subscriber", srv), ("link", dev)):
             if name in self.procs:
                 self.check_ns(self.procs[name].pid, ns, "the " + name)
         # the path through the link, from the device's namespace
@@ -395,7 +414,7 @@ class Soak(object):
         cmd = [self.py, self.myq, "--spool", self.spool, "worker",
                "--mqtt", self.mqtt_url, "--concurrency", "2", "--timeout", "20",
                "--max-attempts", "50", "--backoff-max", "900", "--stats-interval", "5",
-               "--log", wl]
+               "--uplink-rate", UPLINK, "--log", wl]
         p = self.spawn("worker", cmd, ns=self.ns_dev)
         # `ip netns exec` execs: the pid becomes the worker's own
         self.wait_until(lambda: b"worker" in _read(b"/proc/%d/cmdline" % p.pid)
@@ -508,7 +527,7 @@ class Soak(object):
         n = len(json.dumps(body))
         body["pad"] = "x" * max(0, 300 - n)
         if kind == "tele":
-            return {"url": self.http_url, "body": body, "timeout": 15}
+            return body         # (the type's url says where)
         return {"topic": "soak/%s/%s" % (self.nonce, path), "message": body}
 
     def produce(self, k, path):
@@ -567,7 +586,7 @@ class Soak(object):
     def monitor(self):
         """Every 0.25 s: the worker's memory, the spool's inodes; and the
         receivers' logs, read as they grow (first delivery of each id)."""
-        offs = {self.recv_log: 0, self.sub_log: 0}
+        offs = {self.recv_log: 0, self.recv_log_b: 0, self.sub_log: 0}
         while not self.stop_all.is_set():
             try:
                 self.sample_worker()
@@ -613,9 +632,16 @@ class Soak(object):
         t1 = time.time()
         self.fault["503"] = self.event("fault", kind="503", t_on=t0, t_off=t1)
         n = sum(1 for r in _recs(self.recv_log) if r.get("status") == 503)
-        self.say("503: %.0f s of 503s, %d requests answered 503" % (t1 - t0, n))
+        # the primary's outage: tele fails over to receiver B meanwhile
+        nb = sum(len(r.get("rids") or ()) for r in _recs(self.recv_log_b)
+                 if r.get("status") == 200 and t0 <= r.get("t0", 0) <= t1 + LINK_GRACE)
+        self.fault["503"]["to_b"] = nb
+        self.say("503: %.0f s of 503s, %d requests answered 503; %d readings to receiver B"
+                 % (t1 - t0, n, nb))
         if n == 0:
             self.problem("the receiver answered no 503 while told to")
+        if nb == 0:
+            self.problem("nothing failed over to receiver B while A answered 503")
 
     def fault_broker(self):
         p = self.procs["broker"]
@@ -725,7 +751,7 @@ class Soak(object):
         if s0 is not None and s1 is not None:
             self.outage_mb_per_h = (s1 - s0) * 512.0 / (t1 - t0) * 3600 / 1e6
         # it was down: nothing arrived in the middle of the outage
-        mid = [r for r in _recs(self.recv_log) + _recs(self.sub_log)
+        mid = [r for r in _recs(self.recv_log) + _recs(self.recv_log_b) + _recs(self.sub_log)
                if r.get("ev") in ("req", "msg") and t0 + 1.0 < r.get("t0", r.get("t", 0)) < t1]
         if mid:
             self.problem("%d deliveries arrived while the link was down" % len(mid))
@@ -934,12 +960,12 @@ class Soak(object):
 
     # ---------------------------------------------------------------- report
     def report(self):
-        recs = _recs(self.recv_log)
+        recs = _recs(self.recv_log) + _recs(self.recv_log_b)
         msgs = [r for r in _recs(self.sub_log) if r.get("ev") == "msg"]
         reqs = [r for r in recs if r.get("ev") == "req" and r.get("path") != "/probe"]
         starts = [r for r in recs if r.get("ev") == "start"]
-        if len(starts) != 1 or starts[0].get("run") != self.nonce:
-            self.problem("the receiver's log is not this run's alone")
+        if len(starts) != 2 or any(s.get("run") != self.nonce for s in starts):
+            self.problem("the receivers' logs are not this run's alone")
         prefix = self.nonce + "-"
         # every delivery: (time, id, channel)
         deliv = {}
@@ -996,9 +1022,12 @@ class Soak(object):
                     unexpl_ids.append((jid, prev, cur))
         # what the de-duplicating receiver stored twice (a batch sent again
         # under another Idempotency-Key)
-        stored = {}
-        for r in reqs:
-            if r.get("status") == 200 and r.get("new_key"):
+        # (receivers A and B as one store, as SPEC 10's failover assumes: a
+        # key either of them stored is not stored again by the other)
+        stored, keys_seen = {}, set()
+        for r in sorted(reqs, key=lambda r: r.get("t1", r["t0"])):
+            if r.get("status") == 200 and r.get("key") not in keys_seen:
+                keys_seen.add(r.get("key"))
                 for jid in r.get("rids") or ():
                     stored[jid] = stored.get(jid, 0) + 1
         stored_twice = sum(n - 1 for n in stored.values() if n > 1)
@@ -1057,6 +1086,12 @@ class Soak(object):
             self.probe_s))
         self.say("worker cpu % by phase: " + " ".join(
             "%s=%.1f" % kv for kv in self.cpu_by_phase()))
+        lag50, lag99, nlive, back_s, marked = self.live_first(reqs)
+        self.say("live first (tele order=live-first live=15s backlog_share=50, "
+                 "--uplink-rate %s): %d live readings in the %.0f s after link-up, "
+                 "lag p50=%.1f s p99=%.1f s (<= 2 x batch_wait); the backlog drained "
+                 "%.1f s after link-up; %d requests marked X-Myq-Backlog"
+                 % (UPLINK, nlive, LIVE_WINDOW * self.scale, lag50, lag99, back_s, marked))
         fcs = self.forecast_check()
         if not fcs:
             self.problem("no forecast could be judged")
@@ -1080,7 +1115,8 @@ class Soak(object):
         print("soak: accepted=%d delivered=%d lost=%d dup=%d dup_unexplained=%d requests=%d "
               "bytes_per_job=%d cpu_ms_per_job=%.1f outage_cpu_pct=%.2f rss_mb=%.1f "
               "inodes_max=%d linkup_to_drained_s=%.1f outage_mb_per_h=%.1f "
-              "forecast_s=%.0f drained_s=%.1f forecast_err_pct=%.0f forecast=%s" % (
+              "forecast_s=%.0f drained_s=%.1f forecast_err_pct=%.0f forecast=%s "
+              "live_lag_p50_s=%.1f live_lag_p99_s=%.1f backlog_drain_s=%.1f" % (
                   len(accepted), ndel, len(lost_ids), dup, unexplained, len(reqs),
                   round(bytes_job), 1000.0 * cpu / ndel if ndel else 0,
                   self.outage_cpu_pct if self.outage_cpu_pct is not None else -1,
@@ -1088,13 +1124,35 @@ class Soak(object):
                   self.outage_mb_per_h if self.outage_mb_per_h is not None else -1,
                   worst[0] if worst else -1, worst[1] if worst else -1,
                   worst[2] if worst else 0,
-                  "off" if off else "ok" if fcs else "none"),
+                  "off" if off else "ok" if fcs else "none", lag50, lag99, back_s),
               flush=True)
         if lost_ids or unexplained:
             return 1
         if off:
             return 4
         return 2 if self.problems else 0
+
+    def live_first(self, reqs):
+        """tele's live data first after the outage: the delivery lag (first
+        delivery - accepted) of the readings accepted in the LIVE_WINDOW
+        after link-up, p50 and p99 (-1: none); the seconds from link-up to
+        the last first delivery of tele's backlog (accepted before link-up);
+        the requests marked X-Myq-Backlog."""
+        t_up = self.t_up or 0.0
+        end = t_up + LIVE_WINDOW * self.scale
+        with self.lock:
+            lags = sorted(self.first[j] - t for j, (t, _, kind) in self.accepted.items()
+                          if kind == "tele" and t_up <= t < end and j in self.first)
+            back = [self.first.get(j) for j, (t, _, kind) in self.accepted.items()
+                    if kind == "tele" and t < t_up]
+        if not lags:
+            self.problem("no live tele reading after link-up to measure")
+
+        def pct(p):
+            return lags[min(len(lags) - 1, int(p / 100.0 * len(lags)))] if lags else -1
+        drain = max(back) - t_up if back and None not in back and t_up else -1
+        marked = sum(1 for r in reqs if r.get("status") == 200 and r.get("backlog"))
+        return pct(50), pct(99), len(lags), drain, marked
 
     def cpu_by_phase(self):
         """The worker's CPU over wall time in each phase (from the samples:
