@@ -6899,6 +6899,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
 
 DB_NAME = "queue.db"
 CLEAN_MARK = "db-clean"     # in locks/: the last worker stopped cleanly
+SMALL_LOG = 4           # pages the log is checkpointed at below a guard
 DB_BUSY = 5.0           # seconds a busy database is waited for (then exit 75;
                         # MYQ_DB_BUSY)
 
@@ -7817,18 +7818,22 @@ class _SqlUpkeep(object):
         return gone
 
     def _small_log(self, small):
-        """Below a guard (make_space) the log is checkpointed at 16 pages,
-        not SQLite's 1,000 (a MiB it would need free), and at once: its
-        next commits go to its own first blocks, not to new ones the full
-        disk no longer has; back to 1,000 (or the budget's cap) once the
-        reserve is set aside again (keep_room)."""
+        """Below a guard (make_space) the log is checkpointed at SMALL_LOG
+        pages, not SQLite's 1,000 (a MiB it would need free), and at once:
+        its next commits go to its own first blocks, not to new ones the
+        full disk no longer has; back to 1,000 (or the budget's cap) once
+        the reserve is set aside again (keep_room).  (What the reserve
+        gives a full disk, 64 KiB, is half the log's index (-shm, 32 KiB);
+        the rest holds the log and the rows the backlog's jobs leave done:
+        at 16 pages, a log of a claim's and a finish's frames, three
+        indexes' pages each, took most of it.)"""
         if not small and not self.__dict__.get("_small"):
             return
         with self._mutex:
             try:
                 db = self._db()
                 db.execute("PRAGMA wal_autocheckpoint=%d" % (
-                    16 if small else self._wal_cap() or 1000))
+                    SMALL_LOG if small else self._wal_cap() or 1000))
                 if small:
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                 self._small = small
@@ -8086,13 +8091,14 @@ class _SqlBudget(object):
         """With a budget, the log is checkpointed at a 32nd of it (16 to
         1,000 pages; SQLite's 1,000 without one) and cut back to that
         after: what the workers' commits write there stays within what
-        measure() counts for it.  (Below a guard, _small_log's 16.)"""
+        measure() counts for it.  (Below a guard, _small_log's SMALL_LOG.)"""
         cap = self._wal_cap()
         if cap == self.__dict__.get("_cap_set", 0):
             return
         try:
             small = self.__dict__.get("_small")
-            db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else cap or 1000))
+            db.execute("PRAGMA wal_autocheckpoint=%d" % (
+                SMALL_LOG if small else cap or 1000))
             db.execute("PRAGMA journal_size_limit=%d" % (
                 _wal_bytes(cap) if cap else -1)).fetchall()
             self._cap_set = cap
@@ -8267,6 +8273,11 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         wrote itself, so it is skipped there (issue 42)."""
         Spool.check_filesystem(self)
         if _lexists(self.d("locks", CLEAN_MARK)):
+            # The first open all the same (cheap: no row read): on a full
+            # disk it is what fails (its index, -shm), here, where the
+            # worker gives back its reserve (make_space) before its first
+            # write (mark_clean, its record, the log).
+            self._db()
             return
         bad = self._quick_check()
         if bad:
@@ -8287,8 +8298,10 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
                              "name='idx_jobs_claimed'") is None:
                     self._write("CREATE INDEX IF NOT EXISTS idx_jobs_claimed "
                                 "ON jobs(token) WHERE status='processing'")
-            except MyqError:
-                pass                # (out of reach: found again at use)
+            except MyqError as e:
+                if _space_error(e):     # (the worker's start gives room)
+                    raise
+                # (out of reach: found again at use)
             if _lexists(path):
                 os.unlink(path)
                 _fsync_dir(self.d("locks"))
