@@ -115,7 +115,6 @@ bench-wear:
 	$(BENCH_PYTHON) bench/peers.py --skip rates,cpu $(PEERS_ARGS)
 	$(BENCH_PYTHON) bench/outage.py $(OUTAGE_ARGS)
 
-# Instructions per enqueue and per drained job under callgrind (~30 s).
 # bench-flow: the slow flow (5 readings/s, batch=100 batch_wait=5s gzip to a
 # keep-alive server): the worker's CPU and syscalls a reading, idle CPU, its
 # start on 1,000 and 100,000 waiting jobs (callgrind), enqueue and drain at
@@ -124,6 +123,7 @@ FLOW_OLD ?= e996a1f
 bench-flow:
 	$(PYTHON) bench/flow.py --old $(FLOW_OLD) $(FLOW_ARGS)
 
+# Instructions per enqueue and per drained job under callgrind (~30 s).
 bench-cpu-startup:
 	$(BENCH_PYTHON) bench/cpu.py --startup --python $(BENCH_PYTHON) $(CPU_ARGS)
 

@@ -2,7 +2,7 @@
 """The slow flow and the worker's start (issue 42, items 2 and 4): what a
 worker costs when it forwards little, old code beside new in one run.
 
-    python3 bench/flow.py [--python PY] [--old REV] [--stores files,sqlite]
+    python3 bench/flow.py [--python PY] [--old REV | --no-old] [--stores files,sqlite]
                           [--runs 3] [--seconds 30] [--idle 30]
                           [--depths 1000,100000] [--no-flow] [--no-start]
                           [--json FILE]
@@ -353,10 +353,13 @@ def main():
     ap.add_argument("--no-strace", action="store_true")
     ap.add_argument("--no-start", action="store_true")
     ap.add_argument("--no-depth", action="store_true")
+    ap.add_argument("--no-old", action="store_true",
+                    help="this tree alone (a quick look: no old beside it)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     py = a.python or default_python()
-    trees = [("old", old_tree(a.old)), ("new", ROOT)]
+    trees = [("old", old_tree(a.old))] if not a.no_old else []
+    trees.append(("new", ROOT))
     stores = a.stores.split(",")
     res = {}
 
@@ -403,7 +406,8 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(table, f, indent=1)
-    shutil.rmtree(trees[0][1], ignore_errors=True)
+    if not a.no_old:
+        shutil.rmtree(trees[0][1], ignore_errors=True)
 
 
 def _fmt(v):
