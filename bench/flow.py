@@ -4,7 +4,8 @@ worker costs when it forwards little, old code beside new in one run.
 
     python3 bench/flow.py [--python PY] [--old REV | --no-old] [--stores files,sqlite]
                           [--runs 3] [--seconds 30] [--idle 30]
-                          [--depths 1000,100000] [--no-flow] [--no-start]
+                          [--depths 1000,100000] [--fill-batch 5000]
+                          [--no-flow] [--no-start]
                           [--json FILE]
 
 - flow: a producer (its own process, not counted) enqueues one reading
@@ -237,15 +238,18 @@ import myq
 d, store, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
 myq.main(["--spool", d, "init"] + (["--store", "sqlite"] if store == "sqlite" else []))
 sp = myq.Spool(d)
-for i in range(0, n, 5000):
+step = int(sys.argv[6])
+for i in range(0, n, step):
     sp.enqueue_many([{"type": "noop", "payload": {"n": j}, "delay": float(sys.argv[5])}
-                     for j in range(i, min(n, i + 5000))], sync=False)
+                     for j in range(i, min(n, i + step))], sync=False)
 """
 
 
-def filled(py, tree, store, n, d, delay=86400):
-    subprocess.check_call([py, "-c", MAKE, tree, d, store, str(n), str(delay)],
-                          env=child_env())
+def filled(py, tree, store, n, d, delay=86400, batch=5000):
+    """A spool of n jobs, put `batch` a call of enqueue_many (each call's
+    jobs share one available_at: --fill-batch)."""
+    subprocess.check_call([py, "-c", MAKE, tree, d, store, str(n), str(delay),
+                           str(max(1, batch))], env=child_env())
 
 
 def start_instr(py, tree, store, n):
@@ -301,13 +305,13 @@ print((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
 """
 
 
-def depth(py, tree, store, n):
+def depth(py, tree, store, n, batch=5000):
     """(enqueue s per job of 1,000 into a spool of n - 1,000 waiting,
     drain s per job of n ready, the worker's process whole)."""
     d = tempfile.mkdtemp(prefix="depth-", dir=BASE)
     try:
         sp = os.path.join(d, "s")
-        filled(py, tree, store, n - 1000, sp, delay=0)
+        filled(py, tree, store, n - 1000, sp, delay=0, batch=batch)
         env = child_env()
         enq = float(subprocess.check_output([py, "-c", ENQ, tree, sp, "1000"],
                                             env=env))
@@ -349,6 +353,10 @@ def main():
     ap.add_argument("--start-runs", type=int, default=1,
                     help="callgrind's counts vary by ~0.5%%: one run each")
     ap.add_argument("--depth-runs", type=int, default=1)
+    ap.add_argument("--fill-batch", type=int, default=5000,
+                    help="jobs a call of enqueue_many when the depth's spool is "
+                    "filled (one available_at each call: 100000 is an import "
+                    "of one batch)")
     ap.add_argument("--no-flow", action="store_true")
     ap.add_argument("--no-strace", action="store_true")
     ap.add_argument("--no-start", action="store_true")
@@ -392,7 +400,7 @@ def main():
             for n in [int(x) for x in a.depths.split(",")]:
                 for r in range(a.depth_runs):
                     for name, tree in trees:
-                        e, dr = depth(py, tree, store, n)
+                        e, dr = depth(py, tree, store, n, a.fill_batch)
                         put((store, name, "enqueue_us_%d" % n), e * 1e6)
                         put((store, name, "drain_us_%d" % n), dr * 1e6)
                         print(store, name, "depth", n, e * 1e6, dr * 1e6, flush=True)
