@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast test-sqlite lint bench bench-peers bench-parts bench-wear bench-cpu bench-cpu-startup bench-device dist docs install uninstall embed clean soak soak-bridge
+.PHONY: demo test test-fast test-sqlite lint bench bench-peers bench-parts bench-wear bench-cpu bench-cpu-startup bench-flow bench-device dist docs install uninstall embed clean soak soak-bridge
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -114,6 +114,14 @@ bench-parts:
 bench-wear:
 	$(BENCH_PYTHON) bench/peers.py --skip rates,cpu $(PEERS_ARGS)
 	$(BENCH_PYTHON) bench/outage.py $(OUTAGE_ARGS)
+
+# bench-flow: the slow flow (5 readings/s, batch=100 batch_wait=5s gzip to a
+# keep-alive server): the worker's CPU and syscalls a reading, idle CPU, its
+# start on 1,000 and 100,000 waiting jobs (callgrind), enqueue and drain at
+# depth; old (FLOW_OLD) beside this tree in one run (issue 42, items 2, 4).
+FLOW_OLD ?= e996a1f
+bench-flow:
+	$(PYTHON) bench/flow.py --old $(FLOW_OLD) $(FLOW_ARGS)
 
 # Instructions per enqueue and per drained job under callgrind (~30 s).
 bench-cpu-startup:
