@@ -12598,6 +12598,21 @@ class _Runner(object):
         the main thread (where SIGALRM times an inline run)."""
         self.me, self._signal, self._pipe, self._main = me, signal, pipe, main
 
+    def stop_all(self):
+        """The end of Worker.run(): what still runs killed (a thread is
+        left to the process's exit), its descriptors closed, its jobs
+        given back."""
+        for run in list(self.runs):
+            self._kill(run, 9)
+            if run.proc is not None:
+                for c in run.batch or [run.claim]:
+                    self.spool.claims.end_handler(c.token)
+            for fd in (run.stdin_fd, run.err_fd):
+                if fd is not None:
+                    os.close(fd)
+            run.stdin_fd = run.err_fd = None
+            self.finish._release(run)
+
     def close(self):
         if self._null is not None:
             os.close(self._null)
@@ -13780,16 +13795,7 @@ class Worker(object):
         """The end of run(): what still runs killed and given back, what
         is pending committed, every descriptor closed, the record gone."""
         sp = self.spool
-        for run in list(self.runs):
-            self.runner._kill(run, 9)
-            if run.proc is not None:
-                for c in run.batch or [run.claim]:
-                    self.spool.claims.end_handler(c.token)
-            for fd in (run.stdin_fd, run.err_fd):
-                if fd is not None:
-                    os.close(fd)
-            run.stdin_fd = run.err_fd = None
-            self.finish._release(run)
+        self.runner.stop_all()
         self.finish._release_splits()
         self.finish._retry_stuck(final=True)
         self.finish._commit(final=True)
