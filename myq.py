@@ -93,18 +93,24 @@ The map: the sections, in file order, each using only those above it
   Intake            take_in, HttpIntake, MqttIntake, run_intake
                     (test_intake)
   A run's pieces    Backoff (every retry delay), Handler and its kinds
-                    (ExecHandler, PyHandler, HttpHandler, MqttHandler: time
-                    limit, destination, batch key, how it runs), outcomes,
+                    (ExecHandler, PyHandler, HttpHandler holding its
+                    HttpPool, MqttHandler its brokers' clients: time
+                    limit, destination, batch key, how it runs),
+                    _Resolver (a worker's handlers by type), outcomes,
                     pipes (test_handlers_exec, test_http_forward)
-  The scheduler     lanes, scan caches, gates, rates (test_scan, test_policy)
-  Running a job     handlers started, outcomes collected (test_handlers_*)
-  Holds, the worker's side   held types and destinations, probes,
-                    failover to a type's next destination (test_outage,
-                    test_field, test_destinations)
+  The scheduler     _Scheduler: lanes, scan caches, gates, rates, probes
+                    (test_scan, test_policy)
+  Running a job     _Runner: handlers started, outcomes collected
+                    (test_handlers_*)
+  Holds, the worker's side   _Holds: held types and destinations, a
+                    destination's failures, failover to a type's next
+                    destination (test_outage, test_field, test_destinations)
   The worker        WorkerOptions (what a worker is told, made once of
-                    flags or keywords), Worker: the loop, signals,
-                    finishing (test_worker_modes,
-                    test_timeouts_shutdown, test_chaos)
+                    flags or keywords), _Finishing (a claim's end: done,
+                    retry, dead letter, put back, group commit), Worker:
+                    the loop, signals, heartbeat, holding the parts above,
+                    each with its own state (test_worker_modes,
+                    test_timeouts_shutdown, test_chaos, test_worker_parts)
   The process image   byte-code cache, heap, a worker's command
                     (test_script_start)
   Supervision       Supervisor, supervise --daemon (test_initd, test_procd)
@@ -11671,7 +11677,7 @@ class Backoff(object):
 
 
 class Handler(object):
-    """How the jobs of a type run, as Worker.resolve() found it: what it
+    """How the jobs of a type run, as _Resolver.resolve() found it: what it
     is (`kind`, the word of the log and of the policy's `handler`), its
     time limit, its destination (the circuit breaker's, myq(1) holds), which
     jobs may share one batch, and how it runs.  This base is a call in
@@ -11689,26 +11695,26 @@ class Handler(object):
         worker's --timeout."""
         return job.get("timeout") or default
 
-    def dest(self, job, worker, run=None):
+    def dest(self, job, runner, run=None):
         """The circuit breaker's destination of `job`: its type.  (`run`:
         the run it starts, whose probe a failover may take.)"""
         return job["type"]
 
-    def batch_key(self, job, worker):
+    def batch_key(self, job, runner):
         """Jobs with the same key may share a batch; None: any of the type."""
         return None
 
-    def start(self, worker, run):
+    def start(self, runner, run):
         """A function in this thread (concurrency 1) or a thread of its own."""
-        if worker.concurrency == 1 and worker._main:
-            worker._run_inline(run)
+        if runner.concurrency == 1 and runner._main:
+            runner._run_inline(run)
         else:
-            worker._run_thread(run)
+            runner._run_thread(run)
 
-    def call(self, worker, run, job):
+    def call(self, runner, run, job):
         self.target(job)
 
-    def call_batch(self, worker, run, jobs):
+    def call_batch(self, runner, run, jobs):
         """A batch's outcome: ("done",), or ("each", [None or the
         exception, one a job]); a failure raises, as call() does."""
         self.target(jobs)
@@ -11722,8 +11728,8 @@ class ExecHandler(Handler):
     kind = "exec"
     spawned = True
 
-    def start(self, worker, run):
-        worker._spawn(run, self.target)
+    def start(self, runner, run):
+        runner._spawn(run, self.target)
 
 
 class PyHandler(Handler):
@@ -11737,59 +11743,65 @@ class HttpHandler(Handler):
     URL's origin, scheme://host:port (the one HttpPool keeps connections
     to); jobs share a request when http_group_key() says so.  The run's
     time limit is the job's; a payload's own `timeout` bounds the request
-    within it (http_handler)."""
-    __slots__ = ()
+    within it (http_handler).  It holds its connections (`pool`, an
+    HttpPool), the headers of --header and --backoff-max (a Retry-After's
+    cap).  Its methods' `runner` is the worker's _Runner."""
+    __slots__ = ("pool", "headers", "backoff_max")
     kind = "http"
     remote = True
 
-    def dest(self, job, worker, run=None):
-        urls = worker.spool.rules(job["type"]).get("url")
+    def __init__(self, pool, headers, backoff_max):
+        Handler.__init__(self)
+        self.pool, self.headers, self.backoff_max = pool, headers, backoff_max
+
+    def dest(self, job, runner, run=None):
+        urls = runner.spool.rules(job["type"]).get("url")
         if urls:            # the type's own, in order (myq(1) failover)
-            return worker._pick_dest(_dests_of(urls, job["type"]), job, run)
+            return runner.holds._pick_dest(_dests_of(urls, job["type"]), job,
+                                           run)
         p = job.get("payload")
         return http_dest(p.get("url") if isinstance(p, dict) else None) \
             or job["type"]
 
-    def batch_key(self, job, worker):
-        if worker.spool.rules(job["type"]).get("url"):
+    def batch_key(self, job, runner):
+        if runner.spool.rules(job["type"]).get("url"):
             return ("url",)     # (all go to the type's destination)
-        return http_group_key(job, worker.http_headers)
+        return http_group_key(job, self.headers)
 
-    def call(self, worker, run, job):
-        self.call_batch(worker, run, [job], False)
+    def call(self, runner, run, job):
+        self.call_batch(runner, run, [job], False)
 
-    def call_batch(self, worker, run, jobs, batched=True):
+    def call_batch(self, runner, run, jobs, batched=True):
         """A batch of http jobs as one request (myq(1) the http type); under
         the type's `url`, to its first destination that answers."""
-        rules = worker.spool.rules(jobs[0]["type"])
-        t = self.time_limit(jobs[0], worker.timeout)
+        rules = runner.spool.rules(jobs[0]["type"])
+        t = self.time_limit(jobs[0], runner.timeout)
         try:
             if rules.get("url"):
-                self._failover(worker, run, jobs, rules, batched, t)
+                self._failover(runner, run, jobs, rules, batched, t)
             else:
-                self._send(worker, run, jobs, rules, batched, t)
+                self._send(runner, run, jobs, rules, batched, t)
         except RetryLater as e:
             e.retry_after = e.seconds
-            e.seconds = worker.delays.at_least(e.seconds, jobs[0]["attempts"])
+            e.seconds = runner.delays.at_least(e.seconds, jobs[0]["attempts"])
             raise
         return ("done",)
 
-    def _send(self, worker, run, jobs, rules, batched, t):
+    def _send(self, runner, run, jobs, rules, batched, t):
         gzip, fmt = bool(rules.get("gzip")), rules.get("format")
-        headers, now = worker.http_headers, _now()
+        headers, now = self.headers, _now()
         if rules.get("order") == "live-first" and all(
                 backlog_job(j, rules, now) for j in jobs):
             # the backlog marked for the receiver (myq(1) policy `order`)
             headers = dict(headers or (), **{"X-Myq-Backlog": "1"})
         if batched or fmt == "kafka":
-            http_batch(jobs, headers, worker.backoff_max, t, run,
-                       getattr(worker, "http_pool", None), gzip=gzip, fmt=fmt,
-                       alone=not batched)
+            http_batch(jobs, headers, self.backoff_max, t, run,
+                       self.pool, gzip=gzip, fmt=fmt, alone=not batched)
         else:
-            http_handler(jobs[0], headers, worker.backoff_max, t,
-                         run, getattr(worker, "http_pool", None), gzip=gzip)
+            http_handler(jobs[0], headers, self.backoff_max, t,
+                         run, self.pool, gzip=gzip)
 
-    def _failover(self, worker, run, jobs, rules, batched, t):
+    def _failover(self, runner, run, jobs, rules, batched, t):
         """Send to the type's destination picked at the start (run.dest),
         then on to the next ones not held, in order, after a destination
         failure: the same ids and Idempotency-Key everywhere, no attempt
@@ -11809,7 +11821,7 @@ class HttpHandler(Handler):
         failed = None
         while todo:
             i = todo.pop(0)
-            if i != first and worker._holds.get(dests[i], 0) > _now():
+            if i != first and runner.holds.until.get(dests[i], 0) > _now():
                 # held, the last too: none of a held destination's jobs
                 # start but its probe; when every one after the failure is
                 # held, the run ends with that failure, where it was
@@ -11825,7 +11837,7 @@ class HttpHandler(Handler):
                 run.failovers.append((run.dest, failed))
             run.dest = dests[i]
             try:
-                return self._send(worker, run, sent, rules, batched, share)
+                return self._send(runner, run, sent, rules, batched, share)
             except DestinationDown as e:
                 if base is not None:
                     end, base = end + run.deadline - base, run.deadline
@@ -11865,25 +11877,38 @@ def _enveloped(job, rules, now):
 
 class MqttHandler(Handler):
     """The built-in `mqtt` type (myq(1) the mqtt type): its destination is the broker
-    of --mqtt; a batch is published all in flight, one outcome a job."""
-    __slots__ = ()
+    of --mqtt; a batch is published all in flight, one outcome a job.  It
+    holds the clients of --mqtt's brokers (`clients`, connected at the
+    first job; one connection each, shared by the worker's threads), the
+    uplink they share with http (--uplink-rate) and the worker's
+    --timeout."""
+    __slots__ = ("clients", "uplink", "timeout")
     kind = "mqtt"
     remote = True
 
-    def dest(self, job, worker, run=None):
-        clients = getattr(worker, "_mqtt_clients", None) or ()
+    def __init__(self, clients, uplink, timeout):
+        Handler.__init__(self)
+        self.clients, self.uplink, self.timeout = clients, uplink, timeout
+
+    @property
+    def client(self):
+        """The broker of --mqtt (the first, when it gives more: failover)."""
+        return (self.clients or [None])[0]
+
+    def dest(self, job, runner, run=None):
+        clients = self.clients
         if len(clients) > 1:    # brokers in order (myq(1) failover)
-            return worker._pick_dest([c.dest for c in clients], job, run)
-        client = getattr(worker, "_mqtt_client", None)
+            return runner.holds._pick_dest([c.dest for c in clients], job, run)
+        client = self.client
         return client.dest if client is not None else "mqtt"
 
-    def call(self, worker, run, job):
-        err = self.call_batch(worker, run, [job])[1][0]
+    def call(self, runner, run, job):
+        err = self.call_batch(runner, run, [job])[1][0]
         if err is not None:
             raise err
 
-    def call_batch(self, worker, run, jobs):
-        rules = worker.spool.rules(jobs[0]["type"])
+    def call_batch(self, runner, run, jobs):
+        rules = runner.spool.rules(jobs[0]["type"])
         topic = rules.get("topic")
         out, sent, where = [None] * len(jobs), [], []
         now = _now()
@@ -11899,11 +11924,10 @@ class MqttHandler(Handler):
                 job = _enveloped(job, rules, now)
             sent.append(job)
             where.append(i)
-        clients = getattr(worker, "_mqtt_clients", None) or [None]
-        self._failover(worker, run, clients, sent, where, out)
+        self._failover(runner, run, self.clients or [None], sent, where, out)
         return ("each", out)
 
-    def _failover(self, worker, run, clients, sent, where, out):
+    def _failover(self, runner, run, clients, sent, where, out):
         """Publish through the broker picked at the start (run.dest), then
         the jobs that its failure left (DestinationDown) through the next
         brokers not held, in order, as HttpHandler._failover does."""
@@ -11913,7 +11937,7 @@ class MqttHandler(Handler):
         failed = None
         while sent and todo:
             i = todo.pop(0)
-            if i != first and worker._holds.get(dests[i], 0) > _now():
+            if i != first and runner.holds.until.get(dests[i], 0) > _now():
                 continue        # held, the last too (HttpHandler._failover)
             share = None
             if todo and run.deadline is not None:
@@ -11922,7 +11946,7 @@ class MqttHandler(Handler):
                 run.failovers.append((run.dest, failed))
             if len(clients) > 1:
                 run.dest = dests[i]
-            res = worker.mqtt_batch(sent, run, clients[i], share)
+            res = self.batch(sent, run, clients[i], share)
             for k, e in zip(where, res):
                 out[k] = e
             left = [k for k, e in enumerate(res)
@@ -11932,8 +11956,124 @@ class MqttHandler(Handler):
             failed = res[left[0]]
             sent, where = [sent[k] for k in left], [where[k] for k in left]
 
+    def batch(self, jobs, run=None, client=None, share=None):
+        """Publish `mqtt` jobs through the first broker's connection (`client`:
+        to that broker), all in flight at once: one outcome per job, in
+        order (None: done, else the exception: PermanentError,
+        DestinationDown).  With `run`, the connection is cut when the run's
+        time is up (_abort); `share`: at most that many seconds of it."""
+        client = client or self.client
+        up = self.uplink
+        if up is not None:
+            # --uplink-rate: the payloads' turn is waited for before the
+            # connection's (other runs and the keep-alive ping are not
+            # kept from it by a wait that is only this run's)
+            up.wait(_mqtt_bytes(jobs), run)
+        limit = min(self.time_limit(j, self.timeout) for j in jobs)
+        if share is not None:
+            limit = min(limit, share)
+        if run is not None:
+            # a little before the worker's own limit, so that a time-out is
+            # ours: a destination failure (myq(1) holds), not the job's
+            limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
+        start = _mono()
+        # one exchange at a time on the connection (other threads' runs,
+        # the keep-alive ping): waiting for a turn counts in the limit
+        if not client.lock.acquire(True, limit):
+            out = [DestinationDown(None, "mqtt: %s: no turn on the connection "
+                                   "within %gs (the broker is slow to answer)"
+                                   % (client.dest, limit)) for _ in jobs]
+            for e in out:
+                e.dest = client.dest
+            return out
+        try:
+            if run is not None:
+                run.conn = client
+            return mqtt_publish(client, jobs, max(0.05, limit - (
+                _mono() - start)))
+        finally:
+            if run is not None:
+                run.conn = None
+            client.lock.release()
 
-_HTTP, _MQTT = HttpHandler(), MqttHandler()     # (they hold nothing)
+
+class _Resolver(object):
+    """The handlers of a worker, by type (myq(1) HANDLERS): --handlers'
+    executables, the functions of --module and of Worker(handlers=...)
+    (`handlers`, the worker's dict), and the built-ins, each one object
+    holding its connections: `http` (HttpHandler and its HttpPool) and
+    `mqtt` (MqttHandler and its brokers)."""
+
+    def __init__(self, spool, options, handlers, module):
+        o = options
+        self.spool, self.handlers, self.module = spool, handlers, module
+        self.handlers_dir = o.handlers_dir
+        self._py = {}               # type -> its PyHandler (resolve)
+        # kept http connections: one per destination and slot (myq(1) the
+        # http type)
+        pool = HttpPool(o.concurrency, o.http_ca, None, o.uplink_rate)
+        self.http = HttpHandler(pool, o.http_headers, o.backoff_max)
+        # --mqtt: the options are checked now, the broker connected at the
+        # first mqtt job (one connection per worker, shared by its threads)
+        self.mqtt = MqttHandler([] if not o.mqtt else _mqtt_clients(
+            o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
+            o.mqtt_cert, o.mqtt_key, timeout=min(o.timeout, 30.0)),
+            pool.uplink, o.timeout)
+
+    def close(self):
+        """The kept connections closed (the end of Worker.run)."""
+        self.http.pool.close()
+        for client in self.mqtt.clients:
+            client.close()
+
+    def resolve(self, type, rules=None):
+        """(handler, None): its Handler, or (None, why not).  `rules`: the
+        type's, when the caller has them."""
+        rules = self.spool.rules(type) if rules is None else rules
+        builtin = rules.get("handler") or ("http" if rules.get("url") else
+                                           "mqtt" if rules.get("topic") else None)
+        if builtin == "http":
+            return self.resolve_http(type)
+        if builtin == "mqtt":
+            return self.resolve_mqtt(type)
+        if self.handlers_dir:
+            path = os.path.join(self.handlers_dir, type)
+            if os.path.isfile(path):
+                if os.access(path, os.X_OK):
+                    return ExecHandler(path), None
+                return None, ("handler %s is not executable (chmod +x %s)"
+                              % (path, path))
+        fn = self.handlers.get(type)
+        if callable(fn) and not type.startswith("_"):
+            h = self._py.get(type)
+            if h is None or h.target is not fn:     # (one a type, not a job)
+                h = self._py[type] = PyHandler(fn)
+            return h, None
+        if type == "http":
+            return self.resolve_http(type)
+        if type == "mqtt":
+            return self.resolve_mqtt(type)
+        return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
+                      % (type, "--handlers " + self.handlers_dir
+                         if self.handlers_dir else "no --handlers",
+                         "--module" if self.module else "no --module"))
+
+    def resolve_http(self, type):
+        """The http handler, or why not: without Python's http.client the
+        type is held (myq(1) batches), not dead: install it and the jobs run."""
+        try:
+            import http.client  # noqa: F401
+            import urllib.parse  # noqa: F401
+        except ImportError:
+            return None, ("the http handler needs Python's http.client and "
+                          "urllib (OpenWrt: opkg install python3-urllib)")
+        return self.http, None
+
+    def resolve_mqtt(self, type):
+        if self.mqtt.client is not None:
+            return self.mqtt, None
+        return None, ("no --mqtt broker configured for type %s (give the "
+                      "worker --mqtt mqtt://HOST)" % type)
 
 
 def _abort(run):
@@ -11998,8 +12138,8 @@ def _drain(fd):
 # Which job a worker starts next: the lanes (incoming/ and its typed and
 # prioritised lanes), each with a bounded scan cache refilled by passes over
 # its directory; the gates (pause, a held destination, concurrency slots,
-# rates, batch_wait).  A part of Worker (its state is the worker's:
-# _lanes, _top, runs, _holds, poll), kept in one room.
+# rates, batch_wait); a held destination's probes.  An object the worker
+# holds (Worker.sched), with the state it keeps.
 
 class LiveFirst(object):
     """The choice of a lane whose type has order=live-first (myq(1) policy
@@ -12151,12 +12291,57 @@ class _Lane(object):
             self.sweep = None
 
 
-class _Scheduling(object):
-    """The worker's choice of its next job (mixed into Worker)."""
+class _Scheduler(object):
+    """The worker's choice of its next job: its lanes and their scan
+    caches, the gates of a start, the probes of held destinations.  What
+    it reads of the others it is given: `holds` (what is held, until
+    when), `runs` (the worker's runs: a type's concurrency) and `tick`
+    (the worker's heartbeat, kept on time inside long passes)."""
 
-    _pol_said = None            # the policy's problem last logged
-    _poked = False          # a poke _wait drained, for _sync_lanes
-    _own_since = None       # incoming/ changed by this worker alone since
+    def __init__(self, spool, log, options, delays, holds, runs, tick):
+        self.spool, self.log, self.delays = spool, log, delays
+        self.holds, self.runs, self._tick = holds, runs, tick
+        self.poll, self.scan_cache = options.poll, options.scan_cache
+        self.max_attempts = options.max_attempts
+        self.me = None              # the worker's Identity (start)
+        self._top = _Lane("incoming", path=spool.d("incoming"))
+        self._lanes, self._lanes_key = [self._top], None
+        self._lanes_look = 0.0      # no lanes yet: when to look again
+        self._taken = (None, None, None)    # the last claim's slot, probe, lane
+        self._no_wait = False       # --once, --drain: no batch_wait
+        self.next_due = None        # when a job comes due (wall clock)
+        self._dir_key = None        # incoming/'s change key, last seen
+        self._own_since = None      # incoming/ changed by this worker alone since
+        self._poked = False         # a poke _wait drained, for _sync_lanes
+        self._pol_said = None       # the policy's problem last logged
+        self._clock_offset = _now() - _mono()
+        self._wake_fds, self._wake_poll = [], None  # locks/wake (start)
+
+    def start(self, me, select):
+        """At the start of Worker.run(): its identity, and the wake-up FIFO
+        opened (with a poll object: a look without an exception)."""
+        self.me = me
+        self._wake_fds = self._open_wake()
+        self._wake_poll = None
+        if self._wake_fds and hasattr(select, "poll"):
+            self._wake_poll = select.poll()
+            self._wake_poll.register(self._wake_fds[0], select.POLLIN)
+
+    def close(self):
+        """At the end of run(): the FIFO closed, the passes ended, the
+        lanes' slots given back; a later run starts afresh."""
+        for fd in self._wake_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_fds, self._wake_poll = [], None
+        self._end_sweep()
+        for L in self._lanes:
+            L.cache, L.dirty = [], True
+            if L.slot is not None:
+                os.close(L.slot)
+                L.slot = None
 
     def _check_incoming(self):
         """On each poll tick: rescan only when incoming/ changed (a shell
@@ -12190,8 +12375,6 @@ class _Scheduling(object):
             self.dirty = True
             self.next_due = None
 
-    # Scheduling --------------------------------------------------------------
-
     def _rescan(self, L=None):
         """Refill lane L's scan cache (default: incoming/ itself) with its N
         earliest jobs: the store's scan (Claims.scan)."""
@@ -12223,10 +12406,6 @@ class _Scheduling(object):
             L.end_sweep()
             if L.quiet is not None:         # (the worker stops)
                 self._hush(L, None)
-
-    # Only the lanes that changed are read again (review: a held type's job
-    # put back in its own lane made every lane dirty, and an idle worker
-    # read all of incoming/, 8,000 parked jobs, twice a second).
 
     def _woken(self):
         """A poke (a producer's enqueue, a worker's retry or release, this
@@ -12282,7 +12461,7 @@ class _Scheduling(object):
         jobs run back to back the loop's select comes only now and then),
         which changed: a stat each."""
         # (the FIFO asked once a claim: poll() is cheap, not free)
-        fifo = getattr(self, "_wake_poll", None)
+        fifo = self._wake_poll
         was, self._poked = self._poked, False       # (drained by _wait: _woken)
         waiting = was or fifo is not None and bool(fifo.poll(0))
         # What a producer's poke can have changed: the lanes that got jobs,
@@ -12311,7 +12490,7 @@ class _Scheduling(object):
         key = self.spool.claims.lanes_key(waiting)
         if key is None and key == self._lanes_key:
             return                      # no lanes: nothing to learn
-        wake = getattr(self, "_wake_fds", None)
+        wake = self._wake_fds
         if not wake:
             poked = True
         elif fifo is not None and not waiting:
@@ -12349,8 +12528,7 @@ class _Scheduling(object):
             if live != (L.order is not None):
                 L.order, L.dirty = LiveFirst() if live else None, True
         while True:
-            if _mono() >= self._next_beat:      # (_tick, inline: per claim)
-                self._heartbeat()
+            self._tick()            # (the worker's heartbeat, on time)
             if not L.cache:
                 if not (L.dirty or L.cache_full or (force and not forced)):
                     return None
@@ -12397,10 +12575,10 @@ class _Scheduling(object):
             self._sync_lanes(fresh)
             # the time for the holds and the gates of typed lanes (none:
             # not read)
-            now = _now() if self._holds or len(self._lanes) > 1 else None
+            now = _now() if self.holds.until or len(self._lanes) > 1 else None
             best, due = None, inf
-            for dest, until in list(self._holds.items()) if self._holds else ():
-                if until <= now and dest not in self._held:
+            for dest, until in list(self.holds.until.items()) if self.holds.until else ():
+                if until <= now and dest not in self.holds.missing:
                     c = self._probe_claim(dest)
                     if c is not None:
                         return c
@@ -12457,17 +12635,6 @@ class _Scheduling(object):
                 self.next_due = _now()
                 return None
 
-    def _give_back(self, back):
-        """A claim whose admission failed on I/O: ready again at a try
-        after the pause (_retry_stuck), until one succeeds."""
-        def again():
-            try:
-                back()
-            except OSError as e:
-                self._io_error("claim", e)
-                self._stuck.append(again)
-        self._stuck.append(again)
-
     def _lane_claim(self, L, name, scheduled, anytime=False):
         """Claim NAME of lane L, what _reserve took for it handed to the
         run (_start), or None (L keeps it: the caller gives it back)."""
@@ -12523,7 +12690,7 @@ class _Scheduling(object):
         now = _now()
         for L in self._lanes:
             if L.type is not None and (self.spool.rules(L.type).get("paused") or
-                                       self._holds.get(L.dest or L.type, 0) > now):
+                                       self.holds.until.get(L.dest or L.type, 0) > now):
                 continue        # (a rate or a slot only makes ready jobs wait)
             if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
                 return True
@@ -12534,15 +12701,13 @@ class _Scheduling(object):
                 return True
         return False
 
-    # Policy at the start of a run (myq(1) policy) ----------------------------
-
     def _gate(self, L, now):
         """None when a job of lane L may start now, else the wall time when
         it may (inf: not by time: a pause, all slots busy here)."""
         rules = self.spool.rules(L.type)
         if rules.get("paused"):
             return float("inf")
-        until = self._holds.get(L.dest or L.type)
+        until = self.holds.until.get(L.dest or L.type)
         if until is not None and until > now:
             return until
         n = rules.get("concurrency")
@@ -12580,16 +12745,16 @@ class _Scheduling(object):
         rules = sp.rules(L.type)
         now = _now()
         dest = L.dest or L.type
-        if dest in self._holds:
+        if dest in self.holds.until:
             until = sp.breaker.take_probe(dest, self.delays.probe, job)
             if until is None:
                 L.blocked = now + min(self.poll, 1.0)
                 return L.blocked
             if until:
-                self._holds[dest] = until
+                self.holds.until[dest] = until
                 L.probe = dest
             else:
-                self._holds.pop(dest, None)     # released meanwhile
+                self.holds.until.pop(dest, None)     # released meanwhile
         n = rules.get("concurrency")
         if n is not None and L.slot is None:
             L.slot = self._slot(L.type, n)
@@ -12676,113 +12841,156 @@ class _Scheduling(object):
         finally:
             os.close(fd)
 
+    def _probe_claim(self, dest):
+        """A held destination's probe is due: claim the next of the jobs it
+        put back (locks/held/DEST.jobs), in turn, so that each probe is
+        another job.  None when none is there (a lane's head is then the
+        probe, see _reserve)."""
+        sp = self.spool
+        names = sp.breaker.jobs(dest)
+        if not names:
+            return None
+        # the one after the last probe's job (which a job that came due by
+        # itself may have been, see _start)
+        last = (sp.breaker.record(dest) or {}).get("last")
+        # (a last probe not among them was a lane's head: the recorded jobs
+        # had their turn, the lane's next head is the probe)
+        k = names.index(last) + 1 if last in names else len(names) if last else 0
+        wrapped = k == len(names)
+        names = names[k:] + names[:k]
+        sub = names[0].rpartition("/")[0]
+        L = next((L for L in self._lanes if L.sub == sub), None)
+        if L is not None and L.type is not None:
+            # A start of its type like any other: paused, its slots and its
+            # rate hold for a probe too, taken the lane's own way
+            # (_reserve); and once the recorded jobs had their turn, the
+            # lane's head is the next probe (what the hold kept from
+            # starting is never recorded: the same job was probed forever).
+            L.dest = dest
+            head = self._head(L) if wrapped else None
+            if self._gate(L, _now()) is not None or head is not None and \
+                    sub + "/" + head[1] not in names:
+                return None
+            if self._reserve(L, names[0]) is not None or L.probe != dest:
+                self._unreserve(L)
+                return None
+            for rel in names:
+                if rel.startswith(sub + "/") and sp.claims.waits(rel):
+                    c = self._lane_claim(L, rel.rpartition("/")[2], True,
+                                         anytime=True)
+                    if c is not None:
+                        return c
+            self._unreserve(L)
+            return None
+        until = sp.breaker.take_probe(dest, self.delays.probe, names[0])
+        if not until:
+            if until == 0.0:
+                self.holds.until.pop(dest, None)     # released meanwhile
+                self.dirty = True
+            return None
+        self.holds.until[dest] = until
+        for rel in names:
+            sub, _, name = rel.rpartition("/")
+            if not sp.claims.waits(rel):
+                continue
+            c = sp.claims.claim(name, self.me, self.max_attempts, True, sub,
+                                anytime=True)
+            if c is not None:
+                # (its lane: where the rest of a batch it went in waits)
+                self._taken = (None, dest, _Lane(sub))
+                return c
+        return None
+
+    def _failover_lanes(self):
+        """The holds changed: each lane of a type with destinations to fail
+        over to is gated by where its next start would go (the first not
+        held, else the one due first), not by where its last one went."""
+        now = _now()
+        for L in self._lanes:
+            dests = L.type is not None and L.dest is not None and \
+                self.holds._dests_of_type(L.type)
+            if dests:
+                L.dest = next((d for d in dests if self.holds.until.get(d, 0) <= now),
+                              min(dests, key=lambda d: self.holds.until.get(d, 0)))
+
+    def _open_wake(self):
+        path = self.spool.d("locks", "wake")
+        try:
+            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+        except OSError:
+            return []
+        st = os.fstat(r)
+        if not stat.S_ISFIFO(st.st_mode):
+            os.close(r)
+            return []
+        # Our own write end keeps the FIFO from reporting EOF forever after
+        # the first producer closed it.
+        try:
+            w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+        except OSError:
+            os.close(r)
+            return []
+        if os.fstat(w).st_ino != st.st_ino:     # swapped meanwhile
+            os.close(r)
+            os.close(w)
+            return []
+        return [r, w]
+
 
 # Running a job ###############################################################
 #
 # A claimed job (or batch) started through its handler: an exec handler as a
 # process fed on stdin, a Python function inline or in a thread, http and
-# mqtt through their clients; its outcome collected.  A part of Worker.
+# mqtt through their clients; its outcome collected.  An object the worker
+# holds (Worker.runner).
 
-class _Running(object):
-    """Starting handlers and collecting what they did (mixed into Worker)."""
+class _Runner(object):
+    """Starting handlers and collecting what they did.  It takes the
+    scheduler's last claim (its slot, probe and lane; a batch's further
+    jobs from its lane), finds the handler (`resolver`), asks the holds
+    where a job goes, and hands every outcome to `finish`.  `runs` is the
+    worker's list of what runs (processes and threads)."""
 
-    # Handlers ----------------------------------------------------------------
+    def __init__(self, spool, log, options, delays, resolver, sched, holds,
+                 finish, runs):
+        self.spool, self.log, self.delays = spool, log, delays
+        self.resolver, self.sched, self.holds = resolver, sched, holds
+        self.finish, self.runs = finish, runs
+        self.concurrency, self.timeout = options.concurrency, options.timeout
+        self.lease, self.poll = options.lease, options.poll
+        self.max_attempts, self.pass_env = options.max_attempts, options.pass_env
+        self.me = None              # the worker's Identity (start)
+        self._signal = self._pipe = None    # (start)
+        self._main = False          # in the main thread: inline runs (start)
+        self._inline = None         # the run called in this thread now
+        self._timer = 0.0           # the SIGALRM tick armed now (0: none)
+        self._null = None           # /dev/null, for exec handlers' stdout
 
-    @property
-    def _mqtt_client(self):
-        """The broker of --mqtt (the first, when it gives more: failover)."""
-        return (self._mqtt_clients or [None])[0]
+    def start(self, me, signal, pipe, main):
+        """At the start of Worker.run(): its identity, its signal module,
+        the wake-up pipe a thread's end writes to, and whether this is
+        the main thread (where SIGALRM times an inline run)."""
+        self.me, self._signal, self._pipe, self._main = me, signal, pipe, main
 
-    def resolve(self, type, rules=None):
-        """(handler, None): its Handler, or (None, why not).  `rules`: the
-        type's, when the caller has them."""
-        rules = self.spool.rules(type) if rules is None else rules
-        builtin = rules.get("handler") or ("http" if rules.get("url") else
-                                           "mqtt" if rules.get("topic") else None)
-        if builtin == "http":
-            return self.resolve_http(type)
-        if builtin == "mqtt":
-            return self.resolve_mqtt(type)
-        if self.handlers_dir:
-            path = os.path.join(self.handlers_dir, type)
-            if os.path.isfile(path):
-                if os.access(path, os.X_OK):
-                    return ExecHandler(path), None
-                return None, ("handler %s is not executable (chmod +x %s)"
-                              % (path, path))
-        fn = self.handlers.get(type)
-        if callable(fn) and not type.startswith("_"):
-            h = self._py.get(type)
-            if h is None or h.target is not fn:     # (one a type, not a job)
-                h = self._py[type] = PyHandler(fn)
-            return h, None
-        if type == "http":
-            return self.resolve_http(type)
-        if type == "mqtt":
-            return self.resolve_mqtt(type)
-        return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
-                      % (type, "--handlers " + self.handlers_dir
-                         if self.handlers_dir else "no --handlers",
-                         "--module" if self.module else "no --module"))
+    def stop_all(self):
+        """The end of Worker.run(): what still runs killed (a thread is
+        left to the process's exit), its descriptors closed, its jobs
+        given back."""
+        for run in list(self.runs):
+            self._kill(run, 9)
+            if run.proc is not None:
+                for c in run.batch or [run.claim]:
+                    self.spool.claims.end_handler(c.token)
+            for fd in (run.stdin_fd, run.err_fd):
+                if fd is not None:
+                    os.close(fd)
+            run.stdin_fd = run.err_fd = None
+            self.finish._release(run)
 
-    def resolve_http(self, type):
-        """The http handler, or why not: without Python's http.client the
-        type is held (myq(1) batches), not dead: install it and the jobs run."""
-        try:
-            import http.client  # noqa: F401
-            import urllib.parse  # noqa: F401
-        except ImportError:
-            return None, ("the http handler needs Python's http.client and "
-                          "urllib (OpenWrt: opkg install python3-urllib)")
-        return _HTTP, None
-
-    def resolve_mqtt(self, type):
-        if self._mqtt_client is not None:
-            return _MQTT, None
-        return None, ("no --mqtt broker configured for type %s (give the "
-                      "worker --mqtt mqtt://HOST)" % type)
-
-    def mqtt_batch(self, jobs, run=None, client=None, share=None):
-        """Publish `mqtt` jobs through the worker's connection (`client`:
-        to that broker), all in flight at once: one outcome per job, in
-        order (None: done, else the exception: PermanentError,
-        DestinationDown).  With `run`, the connection is cut when the run's
-        time is up (_abort); `share`: at most that many seconds of it."""
-        client = client or self._mqtt_client
-        up = self.http_pool.uplink
-        if up is not None:
-            # --uplink-rate: the payloads' turn is waited for before the
-            # connection's (other runs and the keep-alive ping are not
-            # kept from it by a wait that is only this run's)
-            up.wait(_mqtt_bytes(jobs), run)
-        limit = min(_MQTT.time_limit(j, self.timeout) for j in jobs)
-        if share is not None:
-            limit = min(limit, share)
-        if run is not None:
-            # a little before the worker's own limit, so that a time-out is
-            # ours: a destination failure (myq(1) holds), not the job's
-            limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
-        start = _mono()
-        # one exchange at a time on the connection (other threads' runs,
-        # the keep-alive ping): waiting for a turn counts in the limit
-        if not client.lock.acquire(True, limit):
-            out = [DestinationDown(None, "mqtt: %s: no turn on the connection "
-                                   "within %gs (the broker is slow to answer)"
-                                   % (client.dest, limit)) for _ in jobs]
-            for e in out:
-                e.dest = client.dest
-            return out
-        try:
-            if run is not None:
-                run.conn = client
-            return mqtt_publish(client, jobs, max(0.05, limit - (
-                _mono() - start)))
-        finally:
-            if run is not None:
-                run.conn = None
-            client.lock.release()
-
-    # Running -----------------------------------------------------------------
+    def close(self):
+        if self._null is not None:
+            os.close(self._null)
+            self._null = None
 
     def _job_for_handler(self, c):
         job = dict(c.job)
@@ -12792,37 +13000,37 @@ class _Running(object):
         return job
 
     def _start(self, c):
-        (slot, probe, lane), self._taken = self._taken, (None, None, None)
+        (slot, probe, lane), self.sched._taken = self.sched._taken, (None, None, None)
         rules = self.spool.rules(c.job["type"])
-        handler, why = self.resolve(c.job["type"], rules)
+        handler, why = self.resolver.resolve(c.job["type"], rules)
         run = _Run(c, handler)
         run.slot, run.probe = slot, probe      # (_launch times the run)
         if handler is None:
-            self._hold(run, why)
+            self.finish._hold(run, why)
             return
-        if c.job["type"] in self._held:
-            self._unhold(c.job["type"])
+        if c.job["type"] in self.holds.missing:
+            self.holds._unhold(c.job["type"])
         run.dest = handler.dest(c.job, self, run)
         if lane is not None and lane.type is not None and run.dest != lane.type:
             lane.dest = run.dest    # where this lane's jobs go, for its gate
-        until = self._holds.get(run.dest)
+        until = self.holds.until.get(run.dest)
         if until is not None and run.probe != run.dest \
                 and self.spool.breaker.record(run.dest) is None:
-            self._holds.pop(run.dest, None)     # released by another worker
-            self.dirty = True
+            self.holds.until.pop(run.dest, None)     # released by another worker
+            self.sched.dirty = True
             until = None
         if until is not None and run.probe != run.dest:
             new = None if until > _now() else self.spool.breaker.take_probe(
                 run.dest, self.delays.probe, self.spool.waits_at(c.job, c.jid))
             if new is None:
-                self._park(run, max(until, _now() + self.poll), "destination %s "
+                self.finish._park(run, max(until, _now() + self.poll), "destination %s "
                            "is held" % run.dest, lane=lane)
                 return
             if new:
-                self._holds[run.dest] = new
+                self.holds.until[run.dest] = new
                 run.probe = run.dest
             else:
-                self._holds.pop(run.dest, None)
+                self.holds.until.pop(run.dest, None)
         if run.probe:
             self.log("probe", dest=run.dest, id=c.jid)
         n = rules.get("batch")
@@ -12861,7 +13069,7 @@ class _Running(object):
             if c is not None and c.job.get("batch_of") == first.job["batch_of"]:
                 out[jid] = c
             elif c is not None:
-                self._release_one(c)
+                self.finish._release_one(c)
         order = dict((jid, i) for i, jid in enumerate(ids))
         return sorted(out.values(), key=lambda c: order.get(c.jid, -1))
 
@@ -12881,7 +13089,7 @@ class _Running(object):
         key = handler.batch_key(first.job, self)
         sp = self.spool
         while len(out) < n:
-            head = self._head(L, more=True)
+            head = self.sched._head(L, more=True)
             if head is None:
                 break
             m, name, scheduled = head
@@ -12900,7 +13108,7 @@ class _Running(object):
                     or c.job.get("batch_of"):
                 job = dict(c.job)           # not for this request: back, as
                 job["available_at"] = _now()    # it was, for the next batch
-                self._move(c, job, "incoming", None, {})
+                self.finish._move(c, job, "incoming", None, {})
                 break
             size += sz
             out.append(c)
@@ -12946,9 +13154,9 @@ class _Running(object):
                 os.close(fd)
             if getattr(e, "errno", None) in (errno.ENOENT, errno.ENOEXEC,
                                              errno.EACCES):
-                self._hold(run, _cannot_run(path, e))   # a deployment matter
+                self.finish._hold(run, _cannot_run(path, e))   # a deployment matter
             else:
-                self._finish(run, "retry", _cannot_run(path, e))
+                self.finish._finish(run, "retry", _cannot_run(path, e))
             return
         run.proc = proc
         # First of all: the handler's pid, for a reaper should we die now.
@@ -13035,20 +13243,20 @@ class _Running(object):
                 if run.result is not None:
                     self.runs.remove(run)
                     if run.released:
-                        self._release(run)
+                        self.finish._release(run)
                     elif run.timed_out and run.result[0] != "done":
                         # a built-in handler's time-out is its destination's
                         run.dest_fail = run.handler.remote
-                        self._finish(run, "retry", "timed out after %gs (%s)" % (
+                        self.finish._finish(run, "retry", "timed out after %gs (%s)" % (
                             run.deadline - run.started, run.result[1]),
                             None, run.result[3] if len(run.result) > 3 else None)
                     else:
-                        self._finish(run, *run.result)
+                        self.finish._finish(run, *run.result)
                 elif run.released:
                     # A thread cannot be killed: the process exits next.
                     self.runs.remove(run)
                     _abort(run)
-                    self._release(run)
+                    self.finish._release(run)
                 elif now >= run.deadline and not run.timed_out:
                     # The job stays this run's until the thread returns (it
                     # is never in flight twice); an http request is cut now.
@@ -13058,24 +13266,24 @@ class _Running(object):
 
     def _exec_outcome(self, run, rc):
         if run.released:
-            self._release(run)
+            self.finish._release(run)
             return
         tail = bytes(run.err).decode("utf-8", "replace").strip()
         if run.timed_out:
             why = "timed out after %gs (process group killed)" % (
                 run.deadline - run.started)
-            self._finish(run, "retry", why + (": " + tail if tail else ""))
+            self.finish._finish(run, "retry", why + (": " + tail if tail else ""))
         elif rc == 0:
-            self._finish(run, "done")
+            self.finish._finish(run, "done")
         else:
             why = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
             if tail:
                 why += ": " + tail
             run.dest_fail = rc in (EX_TEMPFAIL, EX_OSERR)
             if run.dest_fail or not 64 <= rc <= 78:
-                self._finish(run, "retry", why)
+                self.finish._finish(run, "retry", why)
             else:
-                self._finish(run, "dead", why)
+                self.finish._finish(run, "dead", why)
 
     def _call(self, run):
         """Run an in-process handler; returns (outcome[, error, delay,
@@ -13121,11 +13329,11 @@ class _Running(object):
         finally:
             self._inline = None
         if run.released:
-            self._release(run)
+            self.finish._release(run)
         else:
             if run.timed_out:
                 self.log("timeout", id=run.claim.jid)
-            self._finish(run, *result)
+            self.finish._finish(run, *result)
 
     def _run_thread(self, run):
         import threading
@@ -13142,63 +13350,58 @@ class _Running(object):
         self.runs.append(run)
         run.thread.start()
 
+    def _start_split(self):
+        """Start the first half of a split batch waiting (_finish) when a
+        slot of the worker and of its type is free; False when none may."""
+        part, handler = self.finish._splits[0]
+        t = part[0].job["type"]
+        n = self.spool.rules(t).get("concurrency")
+        slot = None
+        if n is not None:
+            if sum(1 for r in self.runs if r.claim.job["type"] == t) >= n:
+                return False
+            slot = self.sched._slot(t, n)
+            if slot is None:
+                return False
+        del self.finish._splits[0]
+        new = _Run(part[0], handler)
+        new.batch, new.split, new.slot = part, True, slot
+        new.dest = handler.dest(part[0].job, self)  # (its failure: _dest_failed)
+        self._launch(new)
+        return True
+
 
 # Holds, the worker's side ####################################################
 #
 # The records are the spool's (Breaker); this is what a worker does with
 # them: a missing handler holds its type for this worker, a failing
 # destination is held for all, probes take the held jobs in turn, and a
-# release makes them ready.  A part of Worker.
+# release makes them ready.  An object the worker holds (Worker.holds).
 
-class _Holding(object):
-    """The worker's holds (mixed into Worker)."""
+class _Holds(object):
+    """What is held for this worker: `until`, every held destination (a
+    type held for its missing handler is its own) -> the wall time of its
+    next probe, this worker's and the spool's records; `missing`, the
+    types held here for want of a handler -> (why, delay, until,
+    recorded).  It asks `resolver` which handlers there are, and tells
+    `sched` (the Worker sets it: the scheduler reads these holds) when a
+    release makes held jobs ready."""
 
-    # Holds (myq(1) HANDLERS): a type whose handler is missing or cannot start is a
-    # deployment not finished, not a bad job: its jobs wait, no attempt
-    # counts, and they run once the handler is there.
+    LANED = 64      # held types that get a lane of their own (_hold)
 
-    def _hold(self, run, why):
-        """A missing or unstartable handler: its type is held at once (a
-        deployment not finished); the job waits, no attempt counted."""
-        c = run.claim
-        t = run.dest = c.job["type"]
-        old = self._held.get(t)
-        delay = self.delays.held_type(old[1] if old else None)
-        until = _now() + delay
-        recorded = old[3] if old else len(self._held) < 1024
-        self._held[t] = (why, delay, until, recorded)
-        self._holds[t] = until
-        self._held_changed = True
-        if old is None:
-            self.log("hold", dest=t, why=why, until=iso(until))
-        # The record (for stats, check and a restart) is written once a
-        # hold, not at each job put back, and for the first 1,024 held
-        # types only: a flood of unknown types neither writes the flash
-        # full nor makes every poll read thousands of records.  Other
-        # workers are not held by it unless they lack the handler too; one
-        # that has it releases it (_load_holds), and this worker's next
-        # probe, a job it found still without a handler, writes it again:
-        # the jobs it put back are never left to wait out their time.
-        if recorded and (old is None or self.spool.breaker.record(t) is None):
-            self._write_hold(t, why, until, missing=True, pid=self.me.pid,
-                             start=self.me.start)
-        # Back into its type's lane, ready: this worker does not look there
-        # until its probe; a worker that has the handler takes it now.  (A
-        # lane is a directory and a descriptor: for the first LANED types
-        # held; the others wait their time in incoming/, see _park.)
-        lanes = self.spool.lane_types
-        if t not in lanes and len(lanes) >= self.LANED:
-            self._park(run, until, why, noted=recorded)
-            return
-        self.spool.set_lane_types(lanes | {t})
-        c = run.claim
-        job = dict(c.job)
-        job["available_at"] = _now()
-        job["last_error"] = "held: " + why
-        self._free(run)
-        self._move(c, job, "incoming", None, {})
-
-    LANED = 64
+    def __init__(self, spool, log, delays, resolver):
+        self.spool, self.log, self.delays = spool, log, delays
+        self.resolver = resolver
+        self.sched = None           # (Worker.__init__, once both are made)
+        self.until = {}             # held destination -> until (wall clock)
+        self.missing = {}           # held type -> (why, delay, until, recorded)
+        self.missing_changed = False
+        self._holds_from = None     # the spool.breaker.records() `until` came from
+        self._lack = {}             # type -> no handler here (_lacks)
+        self._handlers_seen, self._handlers_next = None, 0.0
+        self._streaky = set()       # destinations with failures in a row
+        self._safe_names = {}       # destination -> its name as a file
+        self._pol_seen = None       # the policy _check_holds last saw
 
     def _write_hold(self, dest, why, until, **extra):
         rec = {"dest": dest, "why": why, "since": round(_now(), 3),
@@ -13210,168 +13413,42 @@ class _Holding(object):
             self.log("error", during="breaker", dest=dest,
                      error=e.strerror or str(e))
 
-    def _park(self, run, until, why, noted=True, lane=None):
-        """Put a job of a held destination back, no attempt counted, until
-        the hold's next probe; the release makes it ready at once.  (Not
-        `noted`: a held type past the cap of records waits its own time.)
-        Of a type's own lane (`lane`, whose gate the hold now closes: its
-        dest is known), it goes back unchanged, in its place."""
-        c = run.claim
-        self._free(run)
-        if lane is not None and lane.type == c.job["type"] and \
-                (lane.dest or lane.type) == run.dest and \
-                self.spool.home(c.job) == lane.sub:
-            self._put_back(c, c.mtime, None, {})
-            return
-        if not noted:
-            job = dict(c.job)
-            job["available_at"] = _now()        # see Spool._move_on
-            job["last_error"] = "held: " + why
-            self._move(c, job, "incoming", None, {}, until + self.delays.parked())
-            return
-        self.spool.breaker.note_job(run.dest or c.job["type"],
-                                    self.spool.waits_at(c.job, c.jid))
-        self._put_back(c, until + self.delays.parked(), None, {})
-
-    def _wait_again(self, run, c, delay, error, kv):
-        """A destination's failure inside a streak (no attempt spent): the
-        job waits again as it was, its file or row not written (SPEC 9: a
-        hold writes nothing per waiting job).  Held, in its type's lane,
-        whose gate the hold keeps shut: ready at once, behind the others,
-        so that the next probe is another job and the release touches
-        nothing.  Else due after `delay`, or at the release, which the next
-        probe may make (it waits longer only for a release that never
-        comes)."""
-        d = delay if delay is not None else self.delays.retry(max(1, c.attempt))
-        now = _now()
-        until = self._holds.get(run.dest)
-        shown = min(d, max(0.0, until - now)) if until else d
-        kv.update(retry_in=round(shown, 3), error=error, counted=False)
-        if until is not None and self.spool.home(c.job) != "incoming":
-            self._put_back(c, now, "retry", kv)
-            return
-        self.spool.breaker.note_job(run.dest, self.spool.waits_at(c.job, c.jid))
-        self._put_back(c, now + d, "retry", kv)
-
-    def _put_back(self, c, mtime, event, kv):
-        """A claim of a held (or failing) destination waits again as it
-        was, due at `mtime`: its file or row is not written again (SPEC 9:
-        a hold writes nothing per waiting job; myq-spool(5) STATES)."""
-        if c.trailers is None:      # a lease line follows it: a new version
-            self._move(c, dict(c.job), "incoming", event, kv, mtime or _now())
-            return
-        try:
-            ok = self.spool.claims.put_back(c, mtime if mtime is not None
-                                            else _now())
-        except OSError as e:
-            self._io_error("finish", e, id=c.jid)
-            self._stuck.append(lambda: self._put_back(c, mtime, event, kv))
-            return
-        if ok:
-            self.dirty = True
-        self._logged(ok, c, event, kv)
-
-    def _probe_claim(self, dest):
-        """A held destination's probe is due: claim the next of the jobs it
-        put back (locks/held/DEST.jobs), in turn, so that each probe is
-        another job.  None when none is there (a lane's head is then the
-        probe, see _reserve)."""
-        sp = self.spool
-        names = sp.breaker.jobs(dest)
-        if not names:
-            return None
-        # the one after the last probe's job (which a job that came due by
-        # itself may have been, see _start)
-        last = (sp.breaker.record(dest) or {}).get("last")
-        # (a last probe not among them was a lane's head: the recorded jobs
-        # had their turn, the lane's next head is the probe)
-        k = names.index(last) + 1 if last in names else len(names) if last else 0
-        wrapped = k == len(names)
-        names = names[k:] + names[:k]
-        sub = names[0].rpartition("/")[0]
-        L = next((L for L in self._lanes if L.sub == sub), None)
-        if L is not None and L.type is not None:
-            # A start of its type like any other: paused, its slots and its
-            # rate hold for a probe too, taken the lane's own way
-            # (_reserve); and once the recorded jobs had their turn, the
-            # lane's head is the next probe (what the hold kept from
-            # starting is never recorded: the same job was probed forever).
-            L.dest = dest
-            head = self._head(L) if wrapped else None
-            if self._gate(L, _now()) is not None or head is not None and \
-                    sub + "/" + head[1] not in names:
-                return None
-            if self._reserve(L, names[0]) is not None or L.probe != dest:
-                self._unreserve(L)
-                return None
-            for rel in names:
-                if rel.startswith(sub + "/") and sp.claims.waits(rel):
-                    c = self._lane_claim(L, rel.rpartition("/")[2], True,
-                                         anytime=True)
-                    if c is not None:
-                        return c
-            self._unreserve(L)
-            return None
-        until = sp.breaker.take_probe(dest, self.delays.probe, names[0])
-        if not until:
-            if until == 0.0:
-                self._holds.pop(dest, None)     # released meanwhile
-                self.dirty = True
-            return None
-        self._holds[dest] = until
-        for rel in names:
-            sub, _, name = rel.rpartition("/")
-            if not sp.claims.waits(rel):
-                continue
-            c = sp.claims.claim(name, self.me, self.max_attempts, True, sub,
-                                anytime=True)
-            if c is not None:
-                # (its lane: where the rest of a batch it went in waits)
-                self._taken = (None, dest, _Lane(sub))
-                return c
-        return None
-
-    def _free(self, run):
-        if run.slot is not None:
-            os.close(run.slot)
-            run.slot = None
-
     def _unhold(self, t):
         """The handler of a held type is there: release the hold; the jobs
         it put back are ready now."""
-        self._held.pop(t, None)
-        self._holds.pop(t, None)
+        self.missing.pop(t, None)
+        self.until.pop(t, None)
         self._lack.pop(t, None)
-        self._held_changed = True
+        self.missing_changed = True
         self.spool.breaker.release(t)
-        self.dirty = True
-        self.next_due = None
+        self.sched.dirty = True
+        self.sched.next_due = None
         self.log("release", dest=t)
 
     def _load_holds(self):
         """The holds of every worker of the spool (locks/held/); a hold
         from another boot has its probe due at once.  A missing handler's
         hold holds only the workers that lack the handler (myq(1) holds): this
-        one's own (_held), and another's when this one lacks it too."""
+        one's own (`missing`), and another's when this one lacks it too."""
         held = self.spool.breaker.records()
-        if held is self._holds_from and not self._held_changed:
+        if held is self._holds_from and not self.missing_changed:
             return                  # (the same records: nothing to learn)
-        self._holds_from, self._held_changed = held, False
+        self._holds_from, self.missing_changed = held, False
         now, boot = _now(), boot_id()
         holds = {}
         for h in held:
             dest = h["dest"]
-            if h.get("missing") and dest not in self._held \
+            if h.get("missing") and dest not in self.missing \
                     and not self._lacks(dest):
                 continue
             holds[dest] = h["until"] if h.get("boot") == boot \
                 else min(h["until"], now)
-        for t, v in self._held.items():
+        for t, v in self.missing.items():
             holds[t] = v[2]
-        self._holds = holds
+        self.until = holds
         self.spool.set_lane_types(sorted(set(
             [h["dest"] for h in held if h.get("missing")]
-            + [t for t, v in self._held.items() if v[3]]))[:self.LANED])
+            + [t for t, v in self.missing.items() if v[3]]))[:self.LANED])
         self._streaky = self.spool.breaker.streaky()
 
     def _lacks(self, type):
@@ -13381,14 +13458,14 @@ class _Holding(object):
         if lack is None:
             if len(self._lack) > 4096:
                 self._lack.clear()
-            lack = self._lack[type] = self.resolve(type)[0] is None
+            lack = self._lack[type] = self.resolver.resolve(type)[0] is None
         return lack
 
     def _handlers_key(self):
-        if not self.handlers_dir:
+        if not self.resolver.handlers_dir:
             return None
         try:
-            st = os.stat(self.handlers_dir)
+            st = os.stat(self.resolver.handlers_dir)
             return (st.st_mtime_ns, st.st_ino)
         except OSError:
             return None
@@ -13398,33 +13475,29 @@ class _Holding(object):
         has the handler of a held type appeared?  (Looked for when the
         handlers directory changed, or once a minute: many held types cost
         a poll no more than one.)"""
-        before = self._holds
+        before = self.until
         self._load_holds()
-        if before is not self._holds and set(before) - set(self._holds):
-            self.dirty = True       # released by another worker
+        if before is not self.until and set(before) - set(self.until):
+            self.sched.dirty = True       # released by another worker
         pol = self.spool.policy()
         if pol is not self._pol_seen:
             # a type's `url` changed: a held destination no type names
             # any more ends, its jobs ready to go where their type goes now
             if self._pol_seen is not None:
                 for d in _url_dests(self._pol_seen) - _url_dests(pol):
-                    if d in self._holds:
+                    if d in self.until:
                         self._unname(d)
             self._pol_seen = pol
-            self._failover_lanes()
-        elif before is not self._holds:
-            self._failover_lanes()
+            self.sched._failover_lanes()
+        elif before is not self.until:
+            self.sched._failover_lanes()
         key, now = self._handlers_key(), _mono()
-        if self._held and (key != self._handlers_seen or now >= self._handlers_next):
+        if self.missing and (key != self._handlers_seen or now >= self._handlers_next):
             self._handlers_seen, self._handlers_next = key, now + 60.0
             self._lack.clear()
-            for t in list(self._held):
-                if self.resolve(t)[0] is not None:
+            for t in list(self.missing):
+                if self.resolver.resolve(t)[0] is not None:
                     self._unhold(t)
-
-    # Failover (myq(1) policy `url`): a type's destinations, in order.
-
-    _pol_seen = None        # the policy _failover_lanes last saw
 
     def _pick_dest(self, dests, job, run=None):
         """Where a start of `job` goes: the first of `dests` not held; a
@@ -13441,13 +13514,13 @@ class _Holding(object):
             # a lane's probe: unless one before it is free now (released
             # meanwhile), then that one, and no probe
             free = [d for d in dests[:dests.index(run.probe)]
-                    if d not in self._holds]
+                    if d not in self.until]
             if not free:
                 return run.probe
             run.probe = None
             return free[0]
         for d in dests:
-            until = self._holds.get(d)
+            until = self.until.get(d)
             if until is None:
                 return d
             if until > now or run is None or run.probe:
@@ -13455,14 +13528,14 @@ class _Holding(object):
             new = self.spool.breaker.take_probe(
                 d, self.delays.probe, self.spool.waits_at(job, run.claim.jid))
             if new == 0.0:
-                self._holds.pop(d, None)        # released meanwhile
-                self.dirty = True
+                self.until.pop(d, None)        # released meanwhile
+                self.sched.dirty = True
                 return d
             if new:
-                self._holds[d] = new
+                self.until[d] = new
                 run.probe = d
                 return d
-        return min(dests, key=lambda d: self._holds.get(d, 0))
+        return min(dests, key=lambda d: self.until.get(d, 0))
 
     def _stale_probe(self, dest):
         """A probe of held `dest` took a job whose type no longer goes
@@ -13480,21 +13553,9 @@ class _Holding(object):
         if not dest.startswith(("http://", "https://")):
             return      # (a broker: another worker's --mqtt may name it)
         self.spool.breaker.release(dest)
-        self._holds.pop(dest, None)
-        self.dirty = True
+        self.until.pop(dest, None)
+        self.sched.dirty = True
         self.log("release", dest=dest, why="no type goes there")
-
-    def _failover_lanes(self):
-        """The holds changed: each lane of a type with destinations to fail
-        over to is gated by where its next start would go (the first not
-        held, else the one due first), not by where its last one went."""
-        now = _now()
-        for L in self._lanes:
-            dests = L.type is not None and L.dest is not None and \
-                self._dests_of_type(L.type)
-            if dests:
-                L.dest = next((d for d in dests if self._holds.get(d, 0) <= now),
-                              min(dests, key=lambda d: self._holds.get(d, 0)))
 
     def _dests_of_type(self, type):
         """A type's destinations in order when it has more than one: its
@@ -13502,26 +13563,10 @@ class _Holding(object):
         rules = self.spool.rules(type)
         if rules.get("url"):
             return _dests_of(rules["url"], type)
-        if len(self._mqtt_clients) > 1 and self.resolve(type, rules)[0] is _MQTT:
-            return [c.dest for c in self._mqtt_clients]
+        mqtt = self.resolver.mqtt
+        if len(mqtt.clients) > 1 and self.resolver.resolve(type, rules)[0] is mqtt:
+            return [c.dest for c in mqtt.clients]
         return None
-
-    def _failed_over(self, run):
-        """The destinations a run passed over after their failure: each
-        one the breaker's failure (its streak, its hold), the job's
-        attempts untouched; its type's lanes go where the run went."""
-        for dest, e in run.failovers:
-            one = _Run(run.claim, run.handler)
-            one.dest, one.dest_fail = dest, True
-            one.probe = run.probe if run.probe == dest else None
-            one.retry_after = getattr(e, "retry_after", e.seconds)
-            self._dest_failed(one, None, _exc_text(e))
-            self.log("failover", id=run.claim.jid, dest=dest, to=run.dest,
-                     error=_clip(_exc_text(e), 200))
-        run.failovers = []
-        for L in self._lanes:
-            if L.type == run.claim.job["type"]:
-                L.dest = run.dest
 
     def _safe(self, dest):
         safe = self._safe_names.get(dest)
@@ -13530,6 +13575,53 @@ class _Holding(object):
                 self._safe_names.clear()
             safe = self._safe_names[dest] = _safe_dest(dest)
         return safe
+
+    def _take_holds(self):
+        """At the start: the missing-handler holds on disk.  This worker's
+        own where it lacks the handler too; released where it has it,
+        unless the worker that wrote it lives (and lacks it)."""
+        sp = self.spool
+        for h in sp.breaker.records():
+            if not h.get("missing"):
+                continue
+            if self._lacks(h["dest"]):
+                self.missing[h["dest"]] = (h.get("why"), self.delays.base,
+                                         h["until"], True)
+            elif not (_is_num(h.get("pid")) and proc_start(
+                    int(h["pid"]), living=True) == h.get("start")):
+                sp.breaker.release(h["dest"])
+                self.log("release", dest=h["dest"])
+        self._load_holds()
+
+    def _dest_failed(self, run, delay, error):
+        """The circuit breaker (myq(1) holds) after a destination failure (of a
+        batch: one failure): (does it count an attempt, the delay before
+        the job may run again)."""
+        sp, c = self.spool, run.claim
+        started, distinct, total = sp.breaker.streak(run.dest, c.jid)
+        self._streaky.add(self._safe(run.dest))
+        delay = self.delays.dest(run.retry_after, total)
+        until = self.until.get(run.dest)
+        if until is not None:
+            rec = sp.breaker.record(run.dest)      # (released by another worker?)
+            if rec is None:
+                self.until.pop(run.dest, None)
+                until = None
+            else:
+                until = rec["until"]
+        if until is not None:
+            # held: it waits with the others; the probes take them in turn
+            return False, max(0.0, until - _now()) + self.delays.parked()
+        n = sp.rules(c.job["type"]).get("breaker", 3)
+        if n and distinct >= n:
+            d = delay
+            until = _now() + d
+            self.until[run.dest] = until
+            self._write_hold(run.dest, "%d jobs failed in a row: %s" % (
+                distinct, _clip(error or "failed", 200)), until)
+            self.log("hold", dest=run.dest, until=iso(until), failures=distinct)
+            return started and not run.probe, d
+        return started and not run.probe, delay
 
 
 # The worker ##################################################################
@@ -13580,470 +13672,25 @@ class WorkerOptions(object):
             0.5, min(self.lease / 2, 10.0))
 
 
-class Worker(_Scheduling, _Running, _Holding):
-    """Claims ready jobs and runs them through their handlers."""
+class _Finishing(object):
+    """A claim's end, as its run's outcome says: done/ (group-committed),
+    a retry, a dead letter, a release; a job of a held type or destination
+    put back, no attempt counted; a failed batch split in halves
+    (`_splits`, which the runner starts); a step that failed on I/O tried
+    again after a pause (`_stuck`).  It books a destination's failure
+    with `holds` and tells `sched` which lane a job went back to.  An
+    object the worker holds (Worker.finish)."""
 
-    def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
-                 options=None, log=None, **keywords):
-        """`options`: a WorkerOptions; else they are made of the keywords
-        that are WorkerOptions' (myq(1) PYTHON API), the others are the Spool's."""
-        mine = dict((k, keywords.pop(k)) for k, _ in WorkerOptions.KEYS
-                    if k in keywords)
-        if options is None:
-            options = WorkerOptions(handlers_dir=handlers_dir, module=module,
-                                    **mine)
-        elif mine or handlers_dir or module:
-            raise TypeError("Worker(): give options=WorkerOptions(...) or "
-                            "its keywords, not both")
-        self.options = o = options
-        for k, _ in WorkerOptions.KEYS:
-            setattr(self, k, getattr(o, k))
-        self.log = log or Log()
-        if isinstance(spool, Spool):
-            self.spool = spool
-        else:
-            self.spool = Spool(spool, **keywords)
-        self.spool.log = self.log
-        self.handlers = dict(handlers or {})
-        self._py = {}               # type -> its PyHandler (resolve)
-        self.module = load_module(o.module) if o.module else None
-        if self.module is not None:
-            for k, v in _module_types(self.module).items():
-                self.handlers.setdefault(k, v)
-        self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
-                              o.jitter)
-        # kept http connections: one per destination and slot (myq(1) the http type)
-        self.http_pool = HttpPool(o.concurrency, o.http_ca, None, o.uplink_rate)
-        self.runs = []
-        self._top = _Lane("incoming", path=self.spool.d("incoming"))
-        self._lanes_path = self.spool.d(LANES)
-        self._lanes, self._lanes_key = [self._top], None
-        self._lanes_look = 0.0      # no lanes yet: when to look again
-        self._holds = {}            # held destination -> until (wall clock)
-        self._streaky = set()       # destinations with failures in a row
-        self._safe_names = {}       # destination -> its name as a file
-        self._taken = (None, None, None)    # the last claim's slot, probe, lane
-        self._no_wait = False
-        self.next_due = None
-        self.stopping = self.hard_stop = False
-        self.stop_deadline = None
-        self.me = None
-        self._inline = None
-        self._dir_key = None
-        self._poked = False         # a producer's poke, drained by _wait
-        self._pending = 0
-        self._pending_since = 0.0
-        self._timer = 0.0           # the SIGALRM tick armed now (0: none)
-        self._null = None           # /dev/null, for exec handlers' stdout
+    def __init__(self, spool, log, delays, sched, holds):
+        self.spool, self.log, self.delays = spool, log, delays
+        self.sched, self.holds = sched, holds
+        self.me = None              # the worker's Identity (Worker.run)
+        self._splits = []   # halves of failed batches, to start: (claims, handler)
         self._stuck = []            # finishes that failed on I/O: callables
+        self._pending = 0           # done/ renames not yet committed
+        self._pending_since = 0.0
         self._io_pause_until = 0.0
         self._io_backoff = 0.5
-        self._low_logged = False
-        self._clock_offset = _now() - _mono()
-        self._next_beat = float("inf")     # set when run() starts
-        self._splits = []   # halves of failed batches, to start: (claims, handler)
-        self._held = {}     # held type -> (why, delay, until, recorded)
-
-        self._held_changed = False
-        self._holds_from = None     # the spool.breaker.records() list _holds came from
-        self._lack = {}             # type -> no handler here (_lacks)
-        self._handlers_seen, self._handlers_next = None, 0.0
-        # set when run() starts: its modules, pipe, wake-up FIFO, thread
-        self._select = self._signal = self._pipe = self._main = None
-        self._wake_fds = self._wake_poll = self._parent = None
-        # the loop's timers (_loop sets them, on the monotonic clock)
-        self._next_stats = self._next_reap = self._next_poll = float("inf")
-        self._next_prune = self._next_full_prune = float("inf")
-        self._started = 0           # jobs started by this run()
-
-        # --mqtt: the options are checked now, the broker connected at the
-        # first mqtt job (one connection per worker, shared by its threads)
-        self._mqtt_clients = [] if not o.mqtt else _mqtt_clients(
-            o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
-            o.mqtt_cert, o.mqtt_key, timeout=min(self.timeout, 30.0))
-
-    # The loop ----------------------------------------------------------------
-
-    def run(self, once=False, drain=False):
-        """Work until stopped (or, with once/drain, until that is done)."""
-        import select
-        import signal
-        import threading
-        self._select, self._signal = select, signal
-        sp = self.spool
-        sp.require()
-        try:
-            sp.check_filesystem()
-        except OSError as e:
-            # (a full disk: the SQLite store's log index is made at the
-            # first open after the last close; the reserve is for that)
-            if not _space_error(e) or not sp.make_space():
-                raise
-            sp.check_filesystem()
-        sp._pol_next = 0.0
-        sp.require_policy()         # (never the types' rules dropped unsaid)
-        sp.pol_polled = True        # re-read at each poll tick, not per job
-        self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
-        self._pipe = os.pipe()
-        for fd in self._pipe:
-            os.set_blocking(fd, False)
-        self._main = threading.current_thread() is threading.main_thread()
-        saved = self._install_signals() if self._main else None
-        try:
-            try:
-                self.me.register()
-            except OSError as e:
-                # A worker starts on a full disk (myq(1) guards): room for its
-                # record from done/ (or old idempotency records) first.
-                if not _space_error(e) or not sp.make_space():
-                    raise
-                self.me.register()
-            sp.keep_room()
-        except BaseException:
-            if saved:
-                self._restore_signals(saved)
-            raise
-        self._wake_fds = self._open_wake()
-        self._wake_poll = None
-        if self._wake_fds and hasattr(select, "poll"):
-            self._wake_poll = select.poll()     # a look without an exception
-            self._wake_poll.register(self._wake_fds[0], select.POLLIN)
-        # Started by `myq supervise` (--parent-pid): stop when it is gone,
-        # also when that happened before we got here.
-        self._parent = self.parent
-        self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
-                 concurrency=self.concurrency, version=__version__,
-                 supervisor=self._parent)
-        sp.fs.kept += 1             # its descriptors stay (closed at polls)
-        self._take_holds()
-        try:
-            self._reap()
-            self._loop(once, drain)
-        finally:
-            self._shut_down(saved)
-        return 0
-
-    def _take_holds(self):
-        """At the start: the missing-handler holds on disk.  This worker's
-        own where it lacks the handler too; released where it has it,
-        unless the worker that wrote it lives (and lacks it)."""
-        sp = self.spool
-        for h in sp.breaker.records():
-            if not h.get("missing"):
-                continue
-            if self._lacks(h["dest"]):
-                self._held[h["dest"]] = (h.get("why"), self.delays.base,
-                                         h["until"], True)
-            elif not (_is_num(h.get("pid")) and proc_start(
-                    int(h["pid"]), living=True) == h.get("start")):
-                sp.breaker.release(h["dest"])
-                self.log("release", dest=h["dest"])
-        self._load_holds()
-
-    def _shut_down(self, saved):
-        """The end of run(): what still runs killed and given back, what
-        is pending committed, every descriptor closed, the record gone."""
-        sp = self.spool
-        for run in list(self.runs):
-            self._kill(run, 9)
-            if run.proc is not None:
-                for c in run.batch or [run.claim]:
-                    self.spool.claims.end_handler(c.token)
-            for fd in (run.stdin_fd, run.err_fd):
-                if fd is not None:
-                    os.close(fd)
-            run.stdin_fd = run.err_fd = None
-            self._release(run)
-        self._release_splits()
-        self._retry_stuck(final=True)
-        self._commit(final=True)
-        self.http_pool.close()
-        if saved:
-            self._restore_signals(saved)
-        for fd in self._wake_fds + list(self._pipe):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._end_sweep()
-        for L in self._lanes:               # a later run starts afresh
-            L.cache, L.dirty = [], True
-            if L.slot is not None:
-                os.close(L.slot)
-                L.slot = None
-        if self._null is not None:
-            os.close(self._null)
-            self._null = None
-        for client in self._mqtt_clients:
-            client.close()
-        self.me.unregister()
-        sp.pol_polled = False
-        sp.fs.kept -= 1
-        sp.fs.release()
-        sp.close()
-        self.log("stop", worker=self.me.wid)
-
-    def _open_wake(self):
-        path = self.spool.d("locks", "wake")
-        try:
-            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
-        except OSError:
-            return []
-        st = os.fstat(r)
-        if not stat.S_ISFIFO(st.st_mode):
-            os.close(r)
-            return []
-        # Our own write end keeps the FIFO from reporting EOF forever after
-        # the first producer closed it.
-        try:
-            w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
-        except OSError:
-            os.close(r)
-            return []
-        if os.fstat(w).st_ino != st.st_ino:     # swapped meanwhile
-            os.close(r)
-            os.close(w)
-            return []
-        return [r, w]
-
-    def _install_signals(self):
-        signal = self._signal
-        saved = {}
-        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
-                        (signal.SIGHUP, self._on_hup), (signal.SIGCHLD, self._on_nothing),
-                        (signal.SIGALRM, self._on_alarm)):
-            saved[sig] = signal.signal(sig, fn)
-        saved["wakeup"] = signal.set_wakeup_fd(self._pipe[1])
-        # A supervisor's child starts with SIGHUP blocked (_child_run): one
-        # sent before this handler was here is delivered to it now.
-        saved["mask"] = signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))
-        return saved
-
-    def _restore_signals(self, saved):
-        signal = self._signal
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.set_wakeup_fd(saved.pop("wakeup"))
-        if signal.SIGHUP in saved.pop("mask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))
-        for sig, fn in saved.items():
-            signal.signal(sig, fn)
-
-    def _on_stop(self, signum, frame):
-        if self.stopping:
-            self.hard_stop = True
-            if self._inline is not None:
-                self._inline = None
-                raise _Shutdown()
-            return
-        self.stopping = True
-        self.stop_deadline = _mono() + self.grace
-        self.log("stopping", signal=signum, grace=self.grace,
-                 running=len(self.runs) + (self._inline is not None))
-
-    def _on_hup(self, signum, frame):
-        try:
-            self.log.reopen()
-        except MyqError as e:
-            self.log("error", error=str(e))
-
-    def _on_nothing(self, signum, frame):
-        pass
-
-    def _on_alarm(self, signum, frame):
-        run = self._inline
-        if run is None:
-            return
-        now = _mono()
-        if now >= self._next_beat:
-            self._heartbeat()
-        if now >= run.deadline:
-            self._inline = None
-            run.timed_out = True
-            raise _Timeout()
-        if self.stopping and now >= self.stop_deadline:
-            self._inline = None
-            raise _Shutdown()
-
-    def _loop(self, once, drain):
-        """fill, housekeep, wait: until stopped, or --once/--drain done."""
-        now = _mono()
-        self._next_beat = now + self.lease / 3
-        self._next_stats = now + self.stats_interval if self.stats_interval > 0 \
-            else float("inf")
-        self._next_reap = now + self.reap_interval
-        self._next_prune = self._next_full_prune = now + min(self.prune_interval,
-                                                             5.0)
-        self._next_poll = now + self.poll
-        self._started = 0
-        self._no_wait = once or drain       # --once, --drain: no batch_wait
-        while True:
-            busy = False
-            if self.stopping:
-                if self._splits:
-                    self._release_splits()
-                if not self.runs:
-                    break
-                self._enforce_grace()
-            else:
-                busy = self._fill(once, drain)
-            if not self.runs and not self._stuck and not self._splits and (
-                    once or self.stopping or (drain and not self._ready_now())):
-                break
-            self._housekeep()
-            self._wait(busy)
-
-    def _enforce_grace(self):
-        """Stopping: past the grace (or at a second signal), the runs are
-        killed and their jobs released (_collect puts them back)."""
-        if self.hard_stop or _mono() >= self.stop_deadline:
-            for run in self.runs:
-                if not run.released:
-                    run.released = True
-                    self._kill(run, 9)
-
-    def _fill(self, once, drain):
-        """Claim and start jobs while a slot is free.  True when the loop
-        must come straight back after its housekeeping (more to claim)."""
-        now = _mono()
-        if (once and self._started) or now < self._io_pause_until:
-            return False
-        while self._splits and len(self.runs) < self.concurrency \
-                and not self.stopping and self._start_split():
-            pass                    # (halves of a split batch go first)
-        while len(self.runs) < self.concurrency and not self.stopping \
-                and now >= self._io_pause_until:
-            # Below a guard the worker goes on: delivering the backlog is
-            # how a store-and-forward spool gets its room back (myq(1) guards).
-            # Producers are refused, retention frees done/ first
-            # (_housekeep), and a step that cannot be made waits (_stuck).
-            low = self.spool.low_on_space(now)
-            if low and not self._low_logged:
-                self.log("disk_low", problem=low)
-                self._next_prune = 0.0          # free done/ at once
-            self._low_logged = bool(low)
-            try:
-                c = self._next_claim(force=(once or drain) and not self.runs)
-            except OSError as e:
-                self._io_error("claim", e)
-                if getattr(e, "give_back", None):   # (_SqlClaims.claim)
-                    self._give_back(e.give_back)
-                return False
-            if c is None:
-                return False
-            self._started += 1
-            self._start(c)
-            if once:
-                return False
-            due = min(self._next_beat, self._next_reap, self._next_stats,
-                      self._pending_since + 1.0 if self._pending else self._next_stats)
-            now = _mono()       # (the job ran meanwhile: read again)
-            if self._pending >= 64 or now >= due:
-                return True         # housekeeping first, then go on
-        return False
-
-    def _housekeep(self):
-        """Heartbeat, reap, status line, prune, stuck finishes, group
-        commit: each on its own timer, all on the monotonic clock."""
-        now = _mono()
-        if now >= self._next_beat:
-            self._heartbeat()
-        if now >= self._next_reap:
-            self._reap()
-            self._next_reap = now + self.reap_interval
-        if now >= self._next_stats and self.stats_interval > 0:
-            try:
-                line = self.spool.status_line()
-                if hasattr(self.log, "write"):
-                    self.log.write(line)
-                else:           # a plain function given as log=
-                    self.log("status", line=line)
-            except OSError:
-                pass
-            _write_textfile(self)
-            self._next_stats = now + self.stats_interval
-        if now >= self._next_prune and self.prune_interval:
-            full = now >= self._next_full_prune
-            try:
-                self.spool.prune(full=full)
-                if self.spool.low_on_space(now):
-                    self.spool.make_space()
-                else:
-                    self.spool.keep_room()
-            except (OSError, MyqError) as e:
-                self.log("error", during="prune", error=str(e))
-            self._next_prune = now + (self.prune_interval if not
-                                      self._low_logged else
-                                      min(self.prune_interval, 5.0))
-            if full:
-                self._next_full_prune = now + 15 * self.prune_interval
-
-        self.spool.upkeep_budget(now)       # (its own timers)
-        if self._stuck:
-            self._retry_stuck()
-        if not self.runs or self._pending >= 64 or (
-                self._pending and now - self._pending_since > 1.0):
-            self._commit()
-
-    def _wait(self, busy):
-        """Sleep in select() until the next timer, a wake-up (a producer's
-        poke, a signal, a thread's end) or a handler's pipe; then feed the
-        handlers' stdin, read their stderr and collect the runs that ended."""
-        now = _mono()
-        deadlines = [self._next_beat, self._next_reap, self._next_poll,
-                     self._next_stats]
-        if self._stuck or self._io_pause_until > now:
-            deadlines.append(max(self._io_pause_until, now + 0.5))
-        if self.stopping:
-            deadlines.append(self.stop_deadline)
-        if self.next_due is not None and len(self.runs) < self.concurrency:
-            # (all slots busy: a due claim waits for a run's end, which
-            # wakes this select; a due time past would make it spin)
-            deadlines.append(now + max(0.0, self.next_due - _now()))
-        for run in self.runs:
-            if run.handler.spawned or not run.timed_out:
-                deadlines.append(run.kill_at or run.deadline)
-        if self._pending:
-            deadlines.append(self._pending_since + 1.0)
-        if self.runs and not self._main:
-            deadlines.append(now + 0.02)
-        wait = 0.0 if busy else max(0.0, min(deadlines) - now)
-        if self._timer and wait > 0:
-            self._signal.setitimer(self._signal.ITIMER_REAL, 0)
-            self._timer = 0.0
-        rl = [self._pipe[0]] + self._wake_fds[:1]
-        wl = []
-        for run in self.runs:
-            if run.err_fd is not None:
-                rl.append(run.err_fd)
-            if run.stdin_fd is not None:
-                wl.append(run.stdin_fd)
-        try:
-            r, w, _ = self._select.select(rl, wl, [], wait)
-        except InterruptedError:
-            r, w = [], []
-        if self._pipe[0] in r:
-            _drain(self._pipe[0])
-        if self._wake_fds and self._wake_fds[0] in r:
-            # (_sync_lanes looks at what the poke changed: issue 42)
-            _drain(self._wake_fds[0])
-            self._woken()
-        if _mono() >= self._next_poll:
-            self._next_poll = _mono() + self.poll
-            self._check_incoming()
-            self._check_holds()
-            if self._parent and os.getppid() != self._parent \
-                    and not self.stopping:
-                # the supervisor is gone (kill -9): stop as on SIGTERM
-                self.log("supervisor_gone", pid=self._parent)
-                self._on_stop(0, None)
-        for run in list(self.runs):
-            if run.stdin_fd is not None and run.stdin_fd in w:
-                self._feed(run)
-            if run.err_fd is not None and run.err_fd in r:
-                self._read_err(run)
-        self._collect()
-
-    # Finishing ---------------------------------------------------------------
 
     def _finish(self, run, outcome, error=None, delay=None, tb=None):
         """The run's outcome: "done", "retry" (or "dead" once the attempts
@@ -14074,17 +13721,17 @@ class Worker(_Scheduling, _Running, _Holding):
             return
         counts = True
         if outcome == "retry" and run.dest_fail:
-            counts, delay = self._dest_failed(run, delay, error)
+            counts, delay = self.holds._dest_failed(run, delay, error)
         elif run.unsent:
             pass    # the job's own request never left: no answer came
         elif (outcome == "done" or outcome == "dead") and run.dest and (
-                run.dest in self._holds or self._streaky and
-                self._safe(run.dest) in self._streaky):
+                run.dest in self.holds.until or self.holds._streaky and
+                self.holds._safe(run.dest) in self.holds._streaky):
             # an answer that is not the destination's failure (myq(1) holds)
-            self._streaky.discard(self._safe(run.dest))
-            if self.spool.breaker.dest_ok(run.dest) or run.dest in self._holds:
-                self._holds.pop(run.dest, None)
-                self.dirty = True
+            self.holds._streaky.discard(self.holds._safe(run.dest))
+            if self.spool.breaker.dest_ok(run.dest) or run.dest in self.holds.until:
+                self.holds.until.pop(run.dest, None)
+                self.sched.dirty = True
                 self.log("release", dest=run.dest, id=run.claim.jid)
         claims = run.batch or [run.claim]
         if len(claims) > 1 and (outcome == "dead" or (
@@ -14154,36 +13801,6 @@ class Worker(_Scheduling, _Running, _Holding):
             job["available_at"], until = now, now + d   # see Spool._move_on
         self._move(c, job, "incoming", "retry", kv, until)
 
-    def _dest_failed(self, run, delay, error):
-        """The circuit breaker (myq(1) holds) after a destination failure (of a
-        batch: one failure): (does it count an attempt, the delay before
-        the job may run again)."""
-        sp, c = self.spool, run.claim
-        started, distinct, total = sp.breaker.streak(run.dest, c.jid)
-        self._streaky.add(self._safe(run.dest))
-        delay = self.delays.dest(run.retry_after, total)
-        until = self._holds.get(run.dest)
-        if until is not None:
-            rec = sp.breaker.record(run.dest)      # (released by another worker?)
-            if rec is None:
-                self._holds.pop(run.dest, None)
-                until = None
-            else:
-                until = rec["until"]
-        if until is not None:
-            # held: it waits with the others; the probes take them in turn
-            return False, max(0.0, until - _now()) + self.delays.parked()
-        n = sp.rules(c.job["type"]).get("breaker", 3)
-        if n and distinct >= n:
-            d = delay
-            until = _now() + d
-            self._holds[run.dest] = until
-            self._write_hold(run.dest, "%d jobs failed in a row: %s" % (
-                distinct, _clip(error or "failed", 200)), until)
-            self.log("hold", dest=run.dest, until=iso(until), failures=distinct)
-            return started and not run.probe, d
-        return started and not run.probe, delay
-
     def _release(self, run):
         """Shutdown: back to incoming/, ready now, the attempt not counted."""
         self._free(run)
@@ -14192,34 +13809,12 @@ class Worker(_Scheduling, _Running, _Holding):
         if run.batch:
             self.spool.claims.batches.keep(run.batch[0].batch)
 
-
-    def _start_split(self):
-        """Start the first half of a split batch waiting (_finish) when a
-        slot of the worker and of its type is free; False when none may."""
-        part, handler = self._splits[0]
-        t = part[0].job["type"]
-        n = self.spool.rules(t).get("concurrency")
-        slot = None
-        if n is not None:
-            if sum(1 for r in self.runs if r.claim.job["type"] == t) >= n:
-                return False
-            slot = self._slot(t, n)
-            if slot is None:
-                return False
-        del self._splits[0]
-        new = _Run(part[0], handler)
-        new.batch, new.split, new.slot = part, True, slot
-        new.dest = handler.dest(part[0].job, self)  # (its failure: _dest_failed)
-        self._launch(new)
-        return True
-
     def _release_splits(self):
         """Stopping: the halves not started go back, ready now."""
         splits, self._splits = self._splits, []
         for part, _ in splits:
             for c in part:
                 self._release_one(c)
-
 
     def _release_one(self, c):
         job = dict(c.job)
@@ -14260,7 +13855,7 @@ class Worker(_Scheduling, _Running, _Holding):
                                                   until))
             return
         if ok and dest == "incoming":
-            self._dirty_home(job, until, pre)
+            self.sched._dirty_home(job, until, pre)
             if event == "retry":
                 self.spool._note_retry()
         self._logged(ok, c, event, kv)
@@ -14304,6 +13899,537 @@ class Worker(_Scheduling, _Running, _Holding):
         except OSError as e:
             self._io_error("commit", e)
 
+    def _give_back(self, back):
+        """A claim whose admission failed on I/O: ready again at a try
+        after the pause (_retry_stuck), until one succeeds."""
+        def again():
+            try:
+                back()
+            except OSError as e:
+                self._io_error("claim", e)
+                self._stuck.append(again)
+        self._stuck.append(again)
+
+    def _hold(self, run, why):
+        """A missing or unstartable handler: its type is held at once (a
+        deployment not finished); the job waits, no attempt counted."""
+        c = run.claim
+        t = run.dest = c.job["type"]
+        old = self.holds.missing.get(t)
+        delay = self.delays.held_type(old[1] if old else None)
+        until = _now() + delay
+        recorded = old[3] if old else len(self.holds.missing) < 1024
+        self.holds.missing[t] = (why, delay, until, recorded)
+        self.holds.until[t] = until
+        self.holds.missing_changed = True
+        if old is None:
+            self.log("hold", dest=t, why=why, until=iso(until))
+        # The record (for stats, check and a restart) is written once a
+        # hold, not at each job put back, and for the first 1,024 held
+        # types only: a flood of unknown types neither writes the flash
+        # full nor makes every poll read thousands of records.  Other
+        # workers are not held by it unless they lack the handler too; one
+        # that has it releases it (_load_holds), and this worker's next
+        # probe, a job it found still without a handler, writes it again:
+        # the jobs it put back are never left to wait out their time.
+        if recorded and (old is None or self.spool.breaker.record(t) is None):
+            self.holds._write_hold(t, why, until, missing=True, pid=self.me.pid,
+                             start=self.me.start)
+        # Back into its type's lane, ready: this worker does not look there
+        # until its probe; a worker that has the handler takes it now.  (A
+        # lane is a directory and a descriptor: for the first LANED types
+        # held; the others wait their time in incoming/, see _park.)
+        lanes = self.spool.lane_types
+        if t not in lanes and len(lanes) >= self.holds.LANED:
+            self._park(run, until, why, noted=recorded)
+            return
+        self.spool.set_lane_types(lanes | {t})
+        c = run.claim
+        job = dict(c.job)
+        job["available_at"] = _now()
+        job["last_error"] = "held: " + why
+        self._free(run)
+        self._move(c, job, "incoming", None, {})
+
+    def _park(self, run, until, why, noted=True, lane=None):
+        """Put a job of a held destination back, no attempt counted, until
+        the hold's next probe; the release makes it ready at once.  (Not
+        `noted`: a held type past the cap of records waits its own time.)
+        Of a type's own lane (`lane`, whose gate the hold now closes: its
+        dest is known), it goes back unchanged, in its place."""
+        c = run.claim
+        self._free(run)
+        if lane is not None and lane.type == c.job["type"] and \
+                (lane.dest or lane.type) == run.dest and \
+                self.spool.home(c.job) == lane.sub:
+            self._put_back(c, c.mtime, None, {})
+            return
+        if not noted:
+            job = dict(c.job)
+            job["available_at"] = _now()        # see Spool._move_on
+            job["last_error"] = "held: " + why
+            self._move(c, job, "incoming", None, {}, until + self.delays.parked())
+            return
+        self.spool.breaker.note_job(run.dest or c.job["type"],
+                                    self.spool.waits_at(c.job, c.jid))
+        self._put_back(c, until + self.delays.parked(), None, {})
+
+    def _wait_again(self, run, c, delay, error, kv):
+        """A destination's failure inside a streak (no attempt spent): the
+        job waits again as it was, its file or row not written (SPEC 9: a
+        hold writes nothing per waiting job).  Held, in its type's lane,
+        whose gate the hold keeps shut: ready at once, behind the others,
+        so that the next probe is another job and the release touches
+        nothing.  Else due after `delay`, or at the release, which the next
+        probe may make (it waits longer only for a release that never
+        comes)."""
+        d = delay if delay is not None else self.delays.retry(max(1, c.attempt))
+        now = _now()
+        until = self.holds.until.get(run.dest)
+        shown = min(d, max(0.0, until - now)) if until else d
+        kv.update(retry_in=round(shown, 3), error=error, counted=False)
+        if until is not None and self.spool.home(c.job) != "incoming":
+            self._put_back(c, now, "retry", kv)
+            return
+        self.spool.breaker.note_job(run.dest, self.spool.waits_at(c.job, c.jid))
+        self._put_back(c, now + d, "retry", kv)
+
+    def _put_back(self, c, mtime, event, kv):
+        """A claim of a held (or failing) destination waits again as it
+        was, due at `mtime`: its file or row is not written again (SPEC 9:
+        a hold writes nothing per waiting job; myq-spool(5) STATES)."""
+        if c.trailers is None:      # a lease line follows it: a new version
+            self._move(c, dict(c.job), "incoming", event, kv, mtime or _now())
+            return
+        try:
+            ok = self.spool.claims.put_back(c, mtime if mtime is not None
+                                            else _now())
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._put_back(c, mtime, event, kv))
+            return
+        if ok:
+            self.sched.dirty = True
+        self._logged(ok, c, event, kv)
+
+    def _free(self, run):
+        if run.slot is not None:
+            os.close(run.slot)
+            run.slot = None
+
+    def _failed_over(self, run):
+        """The destinations a run passed over after their failure: each
+        one the breaker's failure (its streak, its hold), the job's
+        attempts untouched; its type's lanes go where the run went."""
+        for dest, e in run.failovers:
+            one = _Run(run.claim, run.handler)
+            one.dest, one.dest_fail = dest, True
+            one.probe = run.probe if run.probe == dest else None
+            one.retry_after = getattr(e, "retry_after", e.seconds)
+            self.holds._dest_failed(one, None, _exc_text(e))
+            self.log("failover", id=run.claim.jid, dest=dest, to=run.dest,
+                     error=_clip(_exc_text(e), 200))
+        run.failovers = []
+        for L in self.sched._lanes:
+            if L.type == run.claim.job["type"]:
+                L.dest = run.dest
+
+
+class Worker(object):
+    """Claims ready jobs and runs them through their handlers: the loop,
+    its signals and timers, the heartbeat.  It holds its parts, each with
+    its own state: `resolver` (the handlers by type, the http pool, the
+    brokers), `holds` (what is held), `sched` (which job next), `finish`
+    (a claim's end) and `runner` (a handler started, its outcome)."""
+
+    def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
+                 options=None, log=None, **keywords):
+        """`options`: a WorkerOptions; else they are made of the keywords
+        that are WorkerOptions' (myq(1) PYTHON API), the others are the Spool's."""
+        mine = dict((k, keywords.pop(k)) for k, _ in WorkerOptions.KEYS
+                    if k in keywords)
+        if options is None:
+            options = WorkerOptions(handlers_dir=handlers_dir, module=module,
+                                    **mine)
+        elif mine or handlers_dir or module:
+            raise TypeError("Worker(): give options=WorkerOptions(...) or "
+                            "its keywords, not both")
+        self.options = o = options
+        for k, _ in WorkerOptions.KEYS:
+            setattr(self, k, getattr(o, k))
+        self.log = log = log or Log()
+        if isinstance(spool, Spool):
+            self.spool = sp = spool
+        else:
+            self.spool = sp = Spool(spool, **keywords)
+        sp.log = log
+        self.handlers = dict(handlers or {})
+        self.module = load_module(o.module) if o.module else None
+        if self.module is not None:
+            for k, v in _module_types(self.module).items():
+                self.handlers.setdefault(k, v)
+        self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
+                              o.jitter)
+        self.runs = []              # what runs now: processes, threads
+        # The parts, each given what it works with (holds and scheduler
+        # each need the other: the scheduler reads the holds, a release
+        # makes its lanes ready).
+        self.resolver = _Resolver(sp, o, self.handlers, self.module)
+        self.holds = _Holds(sp, log, self.delays, self.resolver)
+        self.sched = _Scheduler(sp, log, o, self.delays, self.holds,
+                                self.runs, self._tick)
+        self.holds.sched = self.sched
+        self.finish = _Finishing(sp, log, self.delays, self.sched, self.holds)
+        self.runner = _Runner(sp, log, o, self.delays, self.resolver,
+                              self.sched, self.holds, self.finish, self.runs)
+        self.stopping = self.hard_stop = False
+        self.stop_deadline = None
+        self.me = None
+        self._low_logged = False
+        self._next_beat = float("inf")     # set when run() starts
+        # set when run() starts: its modules, pipe, thread, supervisor
+        self._select = self._signal = self._pipe = self._parent = None
+        self._main = False
+        # the loop's timers (_loop sets them, on the monotonic clock)
+        self._next_stats = self._next_reap = self._next_poll = float("inf")
+        self._next_prune = self._next_full_prune = float("inf")
+        self._started = 0           # jobs started by this run()
+
+    @property
+    def http_pool(self):
+        """The kept http connections (HttpHandler's)."""
+        return self.resolver.http.pool
+
+    def mqtt_batch(self, jobs, run=None, client=None, share=None):
+        """MqttHandler.batch: `mqtt` jobs published through the worker's
+        broker, one outcome per job."""
+        return self.resolver.mqtt.batch(jobs, run, client, share)
+
+    # The loop ----------------------------------------------------------------
+
+    def run(self, once=False, drain=False):
+        """Work until stopped (or, with once/drain, until that is done)."""
+        import select
+        import signal
+        import threading
+        self._select, self._signal = select, signal
+        sp = self.spool
+        sp.require()
+        try:
+            sp.check_filesystem()
+        except OSError as e:
+            # (a full disk: the SQLite store's log index is made at the
+            # first open after the last close; the reserve is for that)
+            if not _space_error(e) or not sp.make_space():
+                raise
+            sp.check_filesystem()
+        sp._pol_next = 0.0
+        sp.require_policy()         # (never the types' rules dropped unsaid)
+        sp.pol_polled = True        # re-read at each poll tick, not per job
+        self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
+        self._pipe = os.pipe()
+        for fd in self._pipe:
+            os.set_blocking(fd, False)
+        self._main = threading.current_thread() is threading.main_thread()
+        saved = self._install_signals() if self._main else None
+        try:
+            try:
+                self.me.register()
+            except OSError as e:
+                # A worker starts on a full disk (myq(1) guards): room for its
+                # record from done/ (or old idempotency records) first.
+                if not _space_error(e) or not sp.make_space():
+                    raise
+                self.me.register()
+            sp.keep_room()
+        except BaseException:
+            if saved:
+                self._restore_signals(saved)
+            raise
+        me = self.me
+        self.sched.start(me, select)
+        self.runner.start(me, signal, self._pipe, self._main)
+        self.finish.me = me
+        # Started by `myq supervise` (--parent-pid): stop when it is gone,
+        # also when that happened before we got here.
+        self._parent = self.parent
+        self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
+                 concurrency=self.concurrency, version=__version__,
+                 supervisor=self._parent)
+        sp.fs.kept += 1             # its descriptors stay (closed at polls)
+        self.holds._take_holds()
+        try:
+            self._reap()
+            self._loop(once, drain)
+        finally:
+            self._shut_down(saved)
+        return 0
+
+    def _shut_down(self, saved):
+        """The end of run(): what still runs killed and given back, what
+        is pending committed, every descriptor closed, the record gone."""
+        sp = self.spool
+        self.runner.stop_all()
+        self.finish._release_splits()
+        self.finish._retry_stuck(final=True)
+        self.finish._commit(final=True)
+        self.resolver.close()
+        if saved:
+            self._restore_signals(saved)
+        for fd in self._pipe:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.sched.close()
+        self.runner.close()
+        self.me.unregister()
+        sp.pol_polled = False
+        sp.fs.kept -= 1
+        sp.fs.release()
+        sp.close()
+        self.log("stop", worker=self.me.wid)
+
+    def _install_signals(self):
+        signal = self._signal
+        saved = {}
+        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
+                        (signal.SIGHUP, self._on_hup), (signal.SIGCHLD, self._on_nothing),
+                        (signal.SIGALRM, self._on_alarm)):
+            saved[sig] = signal.signal(sig, fn)
+        saved["wakeup"] = signal.set_wakeup_fd(self._pipe[1])
+        # A supervisor's child starts with SIGHUP blocked (_child_run): one
+        # sent before this handler was here is delivered to it now.
+        saved["mask"] = signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))
+        return saved
+
+    def _restore_signals(self, saved):
+        signal = self._signal
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.set_wakeup_fd(saved.pop("wakeup"))
+        if signal.SIGHUP in saved.pop("mask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))
+        for sig, fn in saved.items():
+            signal.signal(sig, fn)
+
+    def _on_stop(self, signum, frame):
+        if self.stopping:
+            self.hard_stop = True
+            if self.runner._inline is not None:
+                self.runner._inline = None
+                raise _Shutdown()
+            return
+        self.stopping = True
+        self.stop_deadline = _mono() + self.grace
+        self.log("stopping", signal=signum, grace=self.grace,
+                 running=len(self.runs) + (self.runner._inline is not None))
+
+    def _on_hup(self, signum, frame):
+        try:
+            self.log.reopen()
+        except MyqError as e:
+            self.log("error", error=str(e))
+
+    def _on_nothing(self, signum, frame):
+        pass
+
+    def _on_alarm(self, signum, frame):
+        run = self.runner._inline
+        if run is None:
+            return
+        now = _mono()
+        if now >= self._next_beat:
+            self._heartbeat()
+        if now >= run.deadline:
+            self.runner._inline = None
+            run.timed_out = True
+            raise _Timeout()
+        if self.stopping and now >= self.stop_deadline:
+            self.runner._inline = None
+            raise _Shutdown()
+
+    def _loop(self, once, drain):
+        """fill, housekeep, wait: until stopped, or --once/--drain done."""
+        now = _mono()
+        self._next_beat = now + self.lease / 3
+        self._next_stats = now + self.stats_interval if self.stats_interval > 0 \
+            else float("inf")
+        self._next_reap = now + self.reap_interval
+        self._next_prune = self._next_full_prune = now + min(self.prune_interval,
+                                                             5.0)
+        self._next_poll = now + self.poll
+        self._started = 0
+        self.sched._no_wait = once or drain       # --once, --drain: no batch_wait
+        while True:
+            busy = False
+            if self.stopping:
+                if self.finish._splits:
+                    self.finish._release_splits()
+                if not self.runs:
+                    break
+                self._enforce_grace()
+            else:
+                busy = self._fill(once, drain)
+            if not self.runs and not self.finish._stuck and not self.finish._splits and (
+                    once or self.stopping or (drain and not self.sched._ready_now())):
+                break
+            self._housekeep()
+            self._wait(busy)
+
+    def _enforce_grace(self):
+        """Stopping: past the grace (or at a second signal), the runs are
+        killed and their jobs released (_collect puts them back)."""
+        if self.hard_stop or _mono() >= self.stop_deadline:
+            for run in self.runs:
+                if not run.released:
+                    run.released = True
+                    self.runner._kill(run, 9)
+
+    def _fill(self, once, drain):
+        """Claim and start jobs while a slot is free.  True when the loop
+        must come straight back after its housekeeping (more to claim)."""
+        now = _mono()
+        finish = self.finish
+        if (once and self._started) or now < finish._io_pause_until:
+            return False
+        while finish._splits and len(self.runs) < self.concurrency \
+                and not self.stopping and self.runner._start_split():
+            pass                    # (halves of a split batch go first)
+        # (the parts' methods bound once: this loop runs once a job)
+        next_claim, start = self.sched._next_claim, self.runner._start
+        while len(self.runs) < self.concurrency and not self.stopping \
+                and now >= finish._io_pause_until:
+            # Below a guard the worker goes on: delivering the backlog is
+            # how a store-and-forward spool gets its room back (myq(1) guards).
+            # Producers are refused, retention frees done/ first
+            # (_housekeep), and a step that cannot be made waits (_stuck).
+            low = self.spool.low_on_space(now)
+            if low and not self._low_logged:
+                self.log("disk_low", problem=low)
+                self._next_prune = 0.0          # free done/ at once
+            self._low_logged = bool(low)
+            try:
+                c = next_claim(force=(once or drain) and not self.runs)
+            except OSError as e:
+                finish._io_error("claim", e)
+                if getattr(e, "give_back", None):   # (_SqlClaims.claim)
+                    finish._give_back(e.give_back)
+                return False
+            if c is None:
+                return False
+            self._started += 1
+            start(c)
+            if once:
+                return False
+            pending = finish._pending
+            due = min(self._next_beat, self._next_reap, self._next_stats,
+                      finish._pending_since + 1.0 if pending else self._next_stats)
+            now = _mono()       # (the job ran meanwhile: read again)
+            if pending >= 64 or now >= due:
+                return True         # housekeeping first, then go on
+        return False
+
+    def _housekeep(self):
+        """Heartbeat, reap, status line, prune, stuck finishes, group
+        commit: each on its own timer, all on the monotonic clock."""
+        now = _mono()
+        if now >= self._next_beat:
+            self._heartbeat()
+        if now >= self._next_reap:
+            self._reap()
+            self._next_reap = now + self.reap_interval
+        if now >= self._next_stats and self.stats_interval > 0:
+            try:
+                line = self.spool.status_line()
+                if hasattr(self.log, "write"):
+                    self.log.write(line)
+                else:           # a plain function given as log=
+                    self.log("status", line=line)
+            except OSError:
+                pass
+            _write_textfile(self)
+            self._next_stats = now + self.stats_interval
+        if now >= self._next_prune and self.prune_interval:
+            full = now >= self._next_full_prune
+            try:
+                self.spool.prune(full=full)
+                if self.spool.low_on_space(now):
+                    self.spool.make_space()
+                else:
+                    self.spool.keep_room()
+            except (OSError, MyqError) as e:
+                self.log("error", during="prune", error=str(e))
+            self._next_prune = now + (self.prune_interval if not
+                                      self._low_logged else
+                                      min(self.prune_interval, 5.0))
+            if full:
+                self._next_full_prune = now + 15 * self.prune_interval
+
+        self.spool.upkeep_budget(now)       # (its own timers)
+        if self.finish._stuck:
+            self.finish._retry_stuck()
+        if not self.runs or self.finish._pending >= 64 or (
+                self.finish._pending and now - self.finish._pending_since > 1.0):
+            self.finish._commit()
+
+    def _wait(self, busy):
+        """Sleep in select() until the next timer, a wake-up (a producer's
+        poke, a signal, a thread's end) or a handler's pipe; then feed the
+        handlers' stdin, read their stderr and collect the runs that ended."""
+        now = _mono()
+        deadlines = [self._next_beat, self._next_reap, self._next_poll,
+                     self._next_stats]
+        if self.finish._stuck or self.finish._io_pause_until > now:
+            deadlines.append(max(self.finish._io_pause_until, now + 0.5))
+        if self.stopping:
+            deadlines.append(self.stop_deadline)
+        if self.sched.next_due is not None and len(self.runs) < self.concurrency:
+            # (all slots busy: a due claim waits for a run's end, which
+            # wakes this select; a due time past would make it spin)
+            deadlines.append(now + max(0.0, self.sched.next_due - _now()))
+        for run in self.runs:
+            if run.handler.spawned or not run.timed_out:
+                deadlines.append(run.kill_at or run.deadline)
+        if self.finish._pending:
+            deadlines.append(self.finish._pending_since + 1.0)
+        if self.runs and not self._main:
+            deadlines.append(now + 0.02)
+        wait = 0.0 if busy else max(0.0, min(deadlines) - now)
+        if self.runner._timer and wait > 0:
+            self._signal.setitimer(self._signal.ITIMER_REAL, 0)
+            self.runner._timer = 0.0
+        rl = [self._pipe[0]] + self.sched._wake_fds[:1]
+        wl = []
+        for run in self.runs:
+            if run.err_fd is not None:
+                rl.append(run.err_fd)
+            if run.stdin_fd is not None:
+                wl.append(run.stdin_fd)
+        try:
+            r, w, _ = self._select.select(rl, wl, [], wait)
+        except InterruptedError:
+            r, w = [], []
+        if self._pipe[0] in r:
+            _drain(self._pipe[0])
+        if self.sched._wake_fds and self.sched._wake_fds[0] in r:
+            _drain(self.sched._wake_fds[0])
+            self.sched._woken()
+        if _mono() >= self._next_poll:
+            self._next_poll = _mono() + self.poll
+            self.sched._check_incoming()
+            self.holds._check_holds()
+            if self._parent and os.getppid() != self._parent \
+                    and not self.stopping:
+                # the supervisor is gone (kill -9): stop as on SIGTERM
+                self.log("supervisor_gone", pid=self._parent)
+                self._on_stop(0, None)
+        for run in list(self.runs):
+            if run.stdin_fd is not None and run.stdin_fd in w:
+                self.runner._feed(run)
+            if run.err_fd is not None and run.err_fd in r:
+                self.runner._read_err(run)
+        self.runner._collect()
+
     def _tick(self):
         """Inside long loops (a flood of bad files): the heartbeat keeps its
         schedule, so that no reaper takes this live worker's jobs."""
@@ -14315,8 +14441,8 @@ class Worker(_Scheduling, _Running, _Holding):
         until = _now() + self.lease
         try:
             self.me.beat()
-            claims = [c for part, _ in self._splits for c in part]
-            for run in self.runs + ([self._inline] if self._inline else []):
+            claims = [c for part, _ in self.finish._splits for c in part]
+            for run in self.runs + ([self.runner._inline] if self.runner._inline else []):
                 claims.extend(run.batch or [run.claim])
             self.spool.claims.extend(claims, until)
         except OSError as e:
@@ -15842,21 +15968,23 @@ GUARD_OPTIONS = [
     ("--keep-failed", SECONDS, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
     ("--keep-ok-max", NATURAL, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
 ]
+# (their defaults are WorkerOptions', written once)
+_WORKER_DEFAULTS = dict(WorkerOptions.KEYS)
 WORKER_OPTIONS = [
     ("--handlers", str, None, "directory of executable handlers, one per type"),
     ("--module", str, None, "Python file of handler functions"),
-    ("--concurrency", COUNT, 1, "handlers run at once by this worker"),
-    ("--lease", SECONDS, 60.0, "claim lease, renewed by heartbeats"),
-    ("--timeout", SECONDS, 300.0, "handler time limit, unless the job has a timeout"),
-    ("--max-attempts", COUNT, 5, "runs a job gets when it does not say"),
-    ("--backoff-base", SECONDS, 5.0, "delay of the first retry, doubling after each failure"),
-    ("--backoff-max", SECONDS, 3600.0, "longest retry delay"),
-    ("--probe-max", SECONDS, 30.0, "longest wait between two probes of a held destination (a link that is back is used within it)"),
-    ("--jitter", FRACTION, 0.1, "random spread of retry delays, a fraction"),
-    ("--poll", SECONDS, 1.0, "how often to look for files dropped without a wake-up"),
-    ("--stats-interval", SECONDS, 60.0, "time between status lines in the log, 0 for none"),
-    ("--grace", SECONDS, 5.0, "time running handlers get after SIGTERM"),
-    ("--scan-cache", COUNT, 2048, "ready jobs remembered per directory scan"),
+    ("--concurrency", COUNT, _WORKER_DEFAULTS["concurrency"], "handlers run at once by this worker"),
+    ("--lease", SECONDS, _WORKER_DEFAULTS["lease"], "claim lease, renewed by heartbeats"),
+    ("--timeout", SECONDS, _WORKER_DEFAULTS["timeout"], "handler time limit, unless the job has a timeout"),
+    ("--max-attempts", COUNT, _WORKER_DEFAULTS["max_attempts"], "runs a job gets when it does not say"),
+    ("--backoff-base", SECONDS, _WORKER_DEFAULTS["backoff_base"], "delay of the first retry, doubling after each failure"),
+    ("--backoff-max", SECONDS, _WORKER_DEFAULTS["backoff_max"], "longest retry delay"),
+    ("--probe-max", SECONDS, _WORKER_DEFAULTS["probe_max"], "longest wait between two probes of a held destination (a link that is back is used within it)"),
+    ("--jitter", FRACTION, _WORKER_DEFAULTS["jitter"], "random spread of retry delays, a fraction"),
+    ("--poll", SECONDS, _WORKER_DEFAULTS["poll"], "how often to look for files dropped without a wake-up"),
+    ("--stats-interval", SECONDS, _WORKER_DEFAULTS["stats_interval"], "time between status lines in the log, 0 for none"),
+    ("--grace", SECONDS, _WORKER_DEFAULTS["grace"], "time running handlers get after SIGTERM"),
+    ("--scan-cache", COUNT, _WORKER_DEFAULTS["scan_cache"], "ready jobs remembered per directory scan"),
     ("--once", None, False, "run at most one job, then exit"),
     ("--drain", None, False, "run until nothing is ready or running, then exit"),
     ("--pass-env", "append", [], "pass this variable to exec handlers"),

@@ -276,7 +276,7 @@ def worker_row(myq, net, path, sample, keepalive):
             seen.setdefault("unexpected", []).append((event, kv))
     w = myq.Worker(path, jitter=0, log=log, stats_interval=0)
     if not keepalive:
-        w.http_pool = myq.HttpPool(0)
+        w.resolver.http.pool = myq.HttpPool(0)
     before = net.stats()
     t0 = time.monotonic()
     w.run()

@@ -244,7 +244,7 @@ def main():
                 else:
                     x, y = fl(), fig()
                 rows[key].append((x, y))
-        worker._mqtt_client.close()
+        worker.resolver.mqtt.client.close()
     finally:
         broker.send_signal(signal.SIGTERM)
         broker.wait(10)

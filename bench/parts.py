@@ -65,9 +65,9 @@ ENQ_STEPS = ("enqueue", "bare insert", "statement alone", "persist-queue")
 
 def _ablate(myq, k):
     """Take out the first k layers of the worker (STEPS[1:k+1])."""
-    W = myq.Worker
+    S, R = myq._Scheduler, myq._Runner
     if k >= 1:
-        general = W._next_claim
+        general = S._next_claim
 
         def _next_claim(self, force=False):
             L = self._top
@@ -81,22 +81,23 @@ def _ablate(myq, k):
                         self._taken = (None, None, L)
                         return c
             return general(self, force)
-        W._next_claim = _next_claim
+        S._next_claim = _next_claim
     if k >= 2:
         def _start(self, c):
-            self._taken = (None, None, None)
-            fn = self.handlers[c.job["type"]]
+            self.sched._taken = (None, None, None)
+            fn = self.resolver.handlers[c.job["type"]]
             t0 = myq._mono()
             job = dict(c.job)
             job["attempts"] = c.attempt
             fn(job)
             ms = int((myq._mono() - t0) * 1000)
             if self.spool.claims.complete(c):
-                if not self._pending:
-                    self._pending_since = myq._mono()
-                self._pending += 1
+                f = self.finish
+                if not f._pending:
+                    f._pending_since = myq._mono()
+                f._pending += 1
                 self.log.done(c.jid, c.job["type"], c.attempt, ms)
-        W._start = _start
+        R._start = _start
     if k >= 3:
         myq.Claims._admit = lambda self, *a: True
     if k >= 4:

@@ -596,7 +596,7 @@ def child_count(a):
             while count(done) < i + 1 and mono() < deadline:
                 time.sleep(0.002)
             deadline = mono() + 30      # and let it go idle (its commit)
-            while w._pending and mono() < deadline:
+            while w.finish._pending and mono() < deadline:
                 time.sleep(0.002)
         w.stopping = True
         sp2.poke()

@@ -360,7 +360,7 @@ def test_the_uplink_rate_counts_mqtt_payloads(spool, tmp_path, monkeypatch):
         assert w.http_pool.uplink.waited == 0
         assert w.mqtt_batch([dict(job, id="k")]) == [None]     # 120 > 100
         assert w.http_pool.uplink.waited > 0.5
-        w._mqtt_client.close()
+        w.resolver.mqtt.client.close()
     finally:
         b.stop()
 

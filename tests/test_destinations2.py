@@ -193,7 +193,7 @@ def test_an_mqtt_run_waiting_for_the_uplink_keeps_no_other_from_the_broker(
         got["s"] = w.mqtt_batch([small])
         t.join(30)
         assert got == {"k": [None], "s": [None]}, got
-        w._mqtt_client.close()
+        w.resolver.mqtt.client.close()
     finally:
         b.stop()
 

@@ -1,4 +1,5 @@
 """SPEC §5.1: executable handlers under --handlers DIR."""
+import gc
 import json
 import os
 import subprocess
@@ -272,6 +273,7 @@ def test_exec_handlers_leave_no_descriptor_open(myq, spool, handlers_dir,
     assert w.run(drain=True) == 0
     w.log = None
     del w
+    gc.collect()        # (its parts refer to one another)
     after = _fds()
     assert {k: v for k, v in after.items() if before.get(k) != v} == {}
     assert len(ls(spool, "done")) == 6

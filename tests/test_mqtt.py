@@ -316,7 +316,7 @@ def test_batch_api_outcomes_and_a_clean_reconnect(tmp_path, spool, myq):
         b.start()
         assert w.mqtt_batch(jobs[:3]) == [None] * 3
         assert b.connections("myq-batch") == 2
-        w._mqtt_client.close()
+        w.resolver.mqtt.client.close()
     finally:
         b.stop()
 

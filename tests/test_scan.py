@@ -199,15 +199,15 @@ def test_a_job_enqueued_during_a_deep_pass_is_claimed_without_waiting(
     _ids(myq, spool, 20, delay=3600)
     ready = _ids(myq, spool, ready_before)
     w = _worker(myq, spool, [], 2)
-    w.me = myq.Identity(w.spool)        # what run() would set up
-    w._rescan()                         # the first chunk: a pass opens
-    assert w._sweep is not None
-    w._sweep = _Snapshot(w._sweep)
+    w.me = w.sched.me = myq.Identity(w.spool)        # what run() would set up
+    w.sched._rescan()                         # the first chunk: a pass opens
+    assert w.sched._sweep is not None
+    w.sched._sweep = _Snapshot(w.sched._sweep)
     arrived = myq.Spool(spool).enqueue("noop")
-    w.dirty = True                      # as the FIFO poke or a poll does
+    w.sched.dirty = True                      # as the FIFO poke or a poll does
     claimed = []
     while True:
-        c = w._next_claim()
+        c = w.sched._next_claim()
         if c is None:
             break
         claimed.append(c.jid)
@@ -228,14 +228,14 @@ def test_a_pass_of_unclaimable_files_does_not_spin(myq, spool):
     w = _worker(myq, spool, [], 2, poll=1.0,
                 log=lambda ev, **kv: events.append((ev, kv)))
     n = [0]
-    real = w._rescan
+    real = w.sched._rescan
 
     def counting(lane=None):
         n[0] += 1
         if n[0] == 1:
             shutil.rmtree(os.path.join(spool, "failed"))
         return real(lane)
-    w._rescan = counting
+    w.sched._rescan = counting
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     wait_for(lambda: n[0] >= 2, timeout=5, what="two rescans")
@@ -284,14 +284,14 @@ def test_a_pass_that_claims_nothing_still_wakes_the_worker_soon(
             self.rest = []
     monkeypatch.setattr(myq, "_scandir", Slow)
     w = _worker(myq, spool, [], 1, poll=3600.0)
-    w.me = myq.Identity(w.spool)
-    c = w._next_claim(force=True)
+    w.me = w.sched.me = myq.Identity(w.spool)
+    c = w.sched._next_claim(force=True)
     assert c is not None and c.jid == "0001-F1"
     w.spool.claims.complete(c)
-    w.dirty = True                      # a poke between two calls
-    c = w._next_claim()
+    w.sched.dirty = True                      # a poke between two calls
+    c = w.sched._next_claim()
     if c is None:
-        assert w.next_due is not None and w.next_due <= myq._now() + 1.0
+        assert w.sched.next_due is not None and w.sched.next_due <= myq._now() + 1.0
     else:
         assert c.jid == "0000-B"
 
@@ -307,17 +307,17 @@ def test_a_change_within_the_directory_times_granularity_is_seen(
     inc = os.path.join(spool, "incoming")
     st = os.stat(inc)
     monkeypatch.setattr(myq, "_now", lambda: st.st_mtime + 0.004)  # that jiffy
-    w._check_incoming()
-    w._top.dirty = False
+    w.sched._check_incoming()
+    w.sched._top.dirty = False
     with open(os.path.join(spool, "tmp", "j.json"), "w") as f:
         f.write('{"type": "noop"}')
     os.rename(os.path.join(spool, "tmp", "j.json"), os.path.join(inc, "j.json"))
     os.utime(inc, ns=(st.st_atime_ns, st.st_mtime_ns))      # the same jiffy
-    w._check_incoming()
-    assert w.dirty
+    w.sched._check_incoming()
+    assert w.sched.dirty
     # a time long past (or ahead: a clock that jumped) is a time to trust
     monkeypatch.setattr(myq, "_now", lambda: st.st_mtime + 3.0)
-    w._check_incoming()
-    w._top.dirty = False
-    w._check_incoming()
-    assert not w.dirty
+    w.sched._check_incoming()
+    w.sched._top.dirty = False
+    w.sched._check_incoming()
+    assert not w.sched.dirty

@@ -346,20 +346,20 @@ def test_many_held_types_cost_an_idle_poll_no_reading(myq, spool):
     assert w.run(drain=True) == 0
     names = os.listdir(os.path.join(spool, "locks", "held"))
     assert len([n for n in names if n.endswith(".json")]) == 1024, len(names)
-    # (the first Worker.LANED held types wait in their lanes, no list of
+    # (the first _Holds.LANED held types wait in their lanes, no list of
     # jobs; the others' jobs are listed for the release)
-    assert len([n for n in names if n.endswith(".jobs")]) == 1024 - myq.Worker.LANED
+    assert len([n for n in names if n.endswith(".jobs")]) == 1024 - myq._Holds.LANED
     reads = []
     real = sp.read_file
     sp.read_file = lambda *a, **k: (reads.append(a[0]), real(*a, **k))[1]
     w2 = myq.Worker(sp, handlers={}, log=lambda *a, **k: None, poll=0.01,
                     stats_interval=0)
-    w2._held = dict((h["dest"], ("x", 1.0, h["until"], True)) for h in sp.breaker.records())
-    w2._handlers_next = float("inf")
-    w2._load_holds()
+    w2.holds.missing = dict((h["dest"], ("x", 1.0, h["until"], True)) for h in sp.breaker.records())
+    w2.holds._handlers_next = float("inf")
+    w2.holds._load_holds()
     reads[:] = []
     for _ in range(50):
-        w2._check_holds()
+        w2.holds._check_holds()
     assert reads == []
 
 

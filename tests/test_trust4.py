@@ -511,7 +511,7 @@ def test_the_status_line_counts_past_a_few_held_types(myq, spool):
 @pytest.mark.files_only("the scan of incoming/'s directory (the SQLite "
                         "store's is one indexed query)")
 def test_a_held_types_job_put_back_rereads_only_its_own_lane(myq, spool):
-    """80 types without a handler: the first Worker.LANED wait in their
+    """80 types without a handler: the first _Holds.LANED wait in their
     lanes and are probed again and again (1 s, 2 s, ...), the others are
     parked in incoming/ for an hour.  Each probe puts its job back in its
     own lane and pokes the wake FIFO: that must not make the worker read
@@ -521,13 +521,13 @@ def test_a_held_types_job_put_back_rereads_only_its_own_lane(myq, spool):
     import signal
     import threading
     sp = myq.Spool(spool)
-    n_types = myq.Worker.LANED + 16
+    n_types = myq._Holds.LANED + 16
     sp.enqueue_many([{"type": "u%03d" % i} for i in range(n_types)])
     events = []
     w = myq.Worker(sp, handlers={}, log=lambda ev, **kv: events.append(ev),
                    poll=0.05, stats_interval=0, backoff_base=0.01, jitter=0)
     scans, holds = {"top": 0, "lanes": 0}, [0]
-    real_rescan, real_hold = w._rescan, w._hold
+    real_rescan, real_hold = w.sched._rescan, w.finish._hold
 
     def rescan(L=None):
         scans["top" if L is None or L.sub == "incoming" else "lanes"] += 1
@@ -536,7 +536,7 @@ def test_a_held_types_job_put_back_rereads_only_its_own_lane(myq, spool):
     def hold(run, why):
         holds[0] += 1
         return real_hold(run, why)
-    w._rescan, w._hold = rescan, hold
+    w.sched._rescan, w.finish._hold = rescan, hold
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     try:
@@ -556,7 +556,7 @@ def test_a_held_types_job_put_back_rereads_only_its_own_lane(myq, spool):
 
 @pytest.mark.files_only("the scan of incoming/'s directory")
 def test_a_parked_job_put_back_does_not_reread_incoming(myq, spool):
-    """Types past the first Worker.LANED wait parked in incoming/ itself
+    """Types past the first _Holds.LANED wait parked in incoming/ itself
     (8,000 of them in the review), each parked again when its time comes:
     one job parked again later than what the worker's scan already has
     must not make a pass over all of incoming/ (here parked for 0.3 s, to
@@ -564,7 +564,7 @@ def test_a_parked_job_put_back_does_not_reread_incoming(myq, spool):
     import signal
     import threading
     sp = myq.Spool(spool)
-    n_types = myq.Worker.LANED + 40
+    n_types = myq._Holds.LANED + 40
     sp.enqueue_many([{"type": "u%03d" % i} for i in range(n_types)])
     ran = []
     w = myq.Worker(sp, handlers={"ok": lambda job: ran.append(job["id"])},
@@ -577,10 +577,9 @@ def test_a_parked_job_put_back_does_not_reread_incoming(myq, spool):
 
         def parked(self):
             return 0.3
-    d = w.delays
-    w.delays = Quick(d.base, d.most, d.probe_max, d.jitter)
+    w.delays.__class__ = Quick         # (the one its parts share)
     scans, parks = [0], [0]
-    real_rescan, real_park = w._rescan, w._park
+    real_rescan, real_park = w.sched._rescan, w.finish._park
 
     def rescan(L=None):
         if L is None or L.sub == "incoming":
@@ -590,11 +589,11 @@ def test_a_parked_job_put_back_does_not_reread_incoming(myq, spool):
     def park(run, until, why, noted=True):
         parks[0] += 1
         return real_park(run, until, why, noted)
-    w._rescan, w._park = rescan, park
+    w.sched._rescan, w.finish._park = rescan, park
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     try:
-        wait_for(lambda: parks[0] >= n_types - myq.Worker.LANED, timeout=30,
+        wait_for(lambda: parks[0] >= n_types - myq._Holds.LANED, timeout=30,
                  what="every type past the lanes parked")
         time.sleep(0.5)
         scans[0], start = 0, parks[0]

@@ -240,7 +240,7 @@ def test_worker_options_are_made_once_of_the_keywords_or_given(myq, spool):
         assert getattr(given, name) == getattr(made, name) == getattr(o, name), name
     assert (o.lease, o.poll, o.reap_interval, o.pass_env) == (9.0, 0.01, 4.5, ["TZ"])
     assert made.spool.opt["min_free"] == 0
-    assert (made._started, made._wake_fds, made._next_poll) == (0, None, float("inf"))
+    assert (made._started, made.sched._wake_fds, made._next_poll) == (0, [], float("inf"))
     with pytest.raises(TypeError):
         myq.Worker(spool, options=o, lease=3)
     with pytest.raises(TypeError):
