@@ -23,17 +23,18 @@ def flow_spool(tmp_path, request):
 def _counting(w):
     """Count the worker's scans and its looks at a poke (_sync_lanes)."""
     n = {"scans": 0, "looks": 0}
-    rescan, sync = w._rescan, w._sync_lanes
+    s = w.sched
+    rescan, sync = s._rescan, s._sync_lanes
 
     def counted_rescan(lane=None):
         n["scans"] += 1
-        n.setdefault("lanes", []).append((lane or w._top).sub)
+        n.setdefault("lanes", []).append((lane or s._top).sub)
         return rescan(lane)
 
     def counted_sync(fresh=False):
         n["looks"] += 1
         return sync(fresh)
-    w._rescan, w._sync_lanes = counted_rescan, counted_sync
+    s._rescan, s._sync_lanes = counted_rescan, counted_sync
     return n
 
 
