@@ -72,15 +72,18 @@ The map: the sections, in file order, each using only those above it
   The job model     parse, normalize, job files (test_hostile, test_enqueue)
   Per-type policy            Policy: its keys, each a Kind; a policy
                     file checked, in canonical form (test_policy)
-  The spool         Identity, Claim, Breaker (holds' records), Claims (the
+  The spool         Store (the contract of a store), Identity, Claim,
+                    Breaker (holds' records), Claims (the
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
                     check), _Backlog (export, import: JSON lines),
                     _Budget (the budget's figure and shed, capacity:
                     locks/used, locks/rates), _Layout (what init makes),
-                    Spool (reading, lanes, stats) (test_spool_layout, test_retry_dlq,
+                    Spool (what every store of a spool directory shares:
+                    reading, policy, lanes, stats), FileStore (the store of
+                    files) (test_store, test_spool_layout, test_retry_dlq,
                     test_operator, test_export, test_budget)
-  The SQLite store  SqlSpool, _SqlClaims and _SqlBudget: the same
+  The SQLite store  SqlStore, _SqlClaims and _SqlBudget: the same
                     interface over queue.db (myq init --store sqlite), the
                     drop box taken in (test_sqlite, and the
                     store-parametrised tests)
@@ -2337,6 +2340,221 @@ def _give_tree(fd, dev, old, ids, depth):
                 raise
 
 
+class Store(object):
+    """What a store is: every operation the rest of myq asks of the place
+    that keeps a spool's jobs, one line each (as mailbox.Mailbox is to
+    Maildir and mbox).  FileStore (a file per job) and SqlStore (rows of
+    queue.db) implement it, neither inheriting the other; what both keep
+    in the spool directory (layout, name, policy, lanes, the budget's
+    records, the drop box) is _DirStore's.  The claim protocol is the
+    store's `claims` (Claims for files: claim, complete, move_on for a
+    retry or the dead letters, put_back, take_back, reap, scan, extend,
+    commit), its holds' records its `breaker`.  A store is chosen by the
+    spool's SPOOL/store through _STORES; a new one registers there."""
+
+    store = None        # its name in SPOOL/store and _STORES
+
+    def _abstract(self):
+        raise NotImplementedError("Method must be implemented by the store")
+
+    # Making and opening ---------------------------------------------------
+
+    def init(self, owner=None, store=None):
+        """Make the spool's layout (idempotent); returns the store."""
+        self._abstract()
+
+    def require(self):
+        """The store, or ConfigError unless it is made and usable."""
+        self._abstract()
+
+    def check_filesystem(self):
+        """ConfigError unless every part of the store is on one filesystem
+        and whole (at a worker's start)."""
+        self._abstract()
+
+    def close(self):
+        """Close what this object keeps open (a worker's run ends so)."""
+        self._abstract()
+
+    # Producing -------------------------------------------------------------
+
+    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
+                timeout=None, priority=None, ttl=None, sync=True):
+        """Add one job durably; its id (DuplicateJob, SpoolFull, ...)."""
+        self._abstract()
+
+    def enqueue_many(self, specs, sync=True):
+        """Add many jobs, durable together; their ids."""
+        self._abstract()
+
+    def find_id(self, jid, now=None, dirs=None):
+        """Whether id `jid` is taken (a job, or an idempotency record)."""
+        self._abstract()
+
+    def ok_fresh(self, jid, now=None, dirs=None):
+        """Whether `jid` finished within the de-duplication window."""
+        self._abstract()
+
+    def _enqueue(self, todo, sync, refused=None, done=None):
+        """Place _prepared's jobs of `todo`, durable when it returns."""
+        self._abstract()
+
+    def _enqueue_one(self, todo, sync):
+        """Place one job of a generated id (the producer's usual call)."""
+        self._abstract()
+
+    # The claim protocol's side of the store (self.claims) ------------------
+
+    def lanes(self):
+        """The lanes that hold waiting jobs (a scan looks into these)."""
+        self._abstract()
+
+    def _make_lane(self, sub, dirs=None):
+        """Make the lane `sub` where jobs of a laned type wait."""
+        self._abstract()
+
+    def _waiting_of(self, type):
+        """How many jobs of `type` wait (make_room's count)."""
+        self._abstract()
+
+    def _made(self, w, now):
+        """Whether the waiting job `w` still is where make_room saw it."""
+        self._abstract()
+
+    def _drop_waiting(self, sub, name, dirs):
+        """Drop one waiting job (drop-oldest's choice, made_room's)."""
+        self._abstract()
+
+    # Upkeep --------------------------------------------------------------
+
+    def retry(self, ids=(), all=False, now=False):
+        """Move dead (or failed) jobs back to the queue, attempts reset."""
+        self._abstract()
+
+    def _retry(self, ids, missing, me, now=False):
+        """retry's moves of the store's own jobs."""
+        self._abstract()
+
+    def delete(self, ids, force=False):
+        """Remove jobs by id (a claimed one only with force)."""
+        self._abstract()
+
+    def delete_where(self, state, type=None, older_than=None, force=False,
+                     now=None):
+        """Remove the jobs of a state (and type, and age)."""
+        self._abstract()
+
+    def _delete_one(self, jid, state, path, force, status=None):
+        """Remove one job where locate found it."""
+        self._abstract()
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back the claims of workers that are gone."""
+        self._abstract()
+
+    def prune(self, now=None, full=True):
+        """Apply retention (done, dlq, failed, records, strays)."""
+        self._abstract()
+
+    def _prune_jobs(self, now, full, out):
+        """prune's part over the store's own finished jobs."""
+        self._abstract()
+
+    def _holders(self):
+        """(owners, tokens) of the claims held now."""
+        self._abstract()
+
+    def make_space(self, n=256):
+        """Below a guard: the oldest done jobs go, their ids kept."""
+        self._abstract()
+
+    def keep_room(self):
+        """The room the spool keeps back (the reserve), made again."""
+        self._abstract()
+
+    def check(self, operator=True):
+        """What is wrong with the spool, as lines for the operator."""
+        self._abstract()
+
+    # Reading -------------------------------------------------------------
+
+    def locate(self, jid):
+        """(state, where) of job `jid` (NoSuchJob)."""
+        self._abstract()
+
+    def show(self, jid):
+        """Job `jid` as a dict, with its state."""
+        self._abstract()
+
+    def list(self, state=None):
+        """Jobs as dicts, by state, then time, then id."""
+        self._abstract()
+
+    def stats(self, now=None, by_type=False, types=True):
+        """The counters of the status line (myq-spool(5) STATISTICS)."""
+        self._abstract()
+
+    def _rows(self, state):
+        """list's rows of one state (None: every state)."""
+        self._abstract()
+
+    def _counts(self, now):
+        """stats' counts of the jobs by state."""
+        self._abstract()
+
+    def _describe(self, state, path, holding=None):
+        """show's dict of the job where locate found it."""
+        self._abstract()
+
+    # Moving jobs in and out --------------------------------------------------
+
+    def export(self, states=(), type=None, skip=None):
+        """The jobs of `states` as JSON lines (myq export)."""
+        self._abstract()
+
+    def import_jobs(self, lines, refuse=None, policy=True):
+        """Add the jobs of export's lines (myq import)."""
+        self._abstract()
+
+    # The budget ----------------------------------------------------------
+
+    def measure(self):
+        """The bytes the spool takes on its disk, walked."""
+        self._abstract()
+
+    def capacity(self, now=None, types=True):
+        """budget_bytes, used_bytes, outage_capacity_s (myq stats)."""
+        self._abstract()
+
+    def shed(self, need, records=False):
+        """Free at least `need` bytes in the budget's order, if it can."""
+        self._abstract()
+
+    def _cost(self, size):
+        """The bytes a new job of `size` takes from the budget."""
+        self._abstract()
+
+    def _freed(self, size):
+        """The bytes a removed job of `size` gives back."""
+        self._abstract()
+
+    def _shed_measured(self, m, a, t):
+        """shed's figure of the spool after a walk."""
+        self._abstract()
+
+    def _shed_done(self, need):
+        """Done jobs before their time, the earliest finished first."""
+        self._abstract()
+
+    def _shed_records(self, need):
+        """Idempotency records past the de-duplication window."""
+        self._abstract()
+
+    def _lane_waiting(self, now, out):
+        """The waiting jobs of the lanes, by type, into `out`."""
+        self._abstract()
+
+
 class Identity:
     """Who holds a claim: locks/workers/WID.json (pid, process start time,
     boot id, pid namespace, host, lease).  The file's mtime is the last
@@ -3574,31 +3792,6 @@ class _Producing(object):
             return self._enqueue([todo], sync)[0]
         return self._enqueue_one(todo, sync)
 
-    def _enqueue_one(self, todo, sync):
-        """_enqueue of one job into incoming/, without the batch's lists."""
-        job, data, explicit, delay, sub = todo
-        problem = self._room_for((len(data),))
-        if problem:
-            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge(((job["type"], len(data)),), (sub,))
-        dirs = self.fs
-        jid = job["id"]
-        try:
-            self._place_new(job, data, explicit, delay, sync, dirs)
-            if sync:
-                self._fsync_or_withdraw(((jid, sub),), dirs)
-            self.poke(dirs, often=True)
-            self._arrived([todo], ((jid, sub),))
-        except OSError as e:        # opening the directories
-            if isinstance(e, _Refused):
-                raise ConfigError("spool %s refuses the job: %s; nothing was "
-                                  "enqueued" % (self.path, e))
-            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
-                            % (self.path, e.strerror))
-        finally:
-            dirs.release()
-        return jid
-
     def enqueue_many(self, specs, sync=True):
         """Add many jobs, durable when it returns (sync): on ext4 in one
         journal commit (_enqueue).  All are validated before any is
@@ -3934,23 +4127,6 @@ class _Producing(object):
         except OSError:
             pass
 
-    def _placed(self, jid, ino, dfd):
-        """What went into incoming/ must be the file written (the spool's
-        owner may swap tmp/'s entry for a link between the write and the
-        rename); else nothing was enqueued."""
-        name = jid + ".json"
-        try:
-            ok = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino
-        except OSError as e:
-            # Gone already: a worker claimed it (or the owner removed it,
-            # which the owner may do to any job): what we wrote was placed.
-            ok = e.errno == errno.ENOENT
-        if not ok:
-            _quiet_unlink(name, dfd)
-            raise SpoolBusy("job %s was replaced in %s/tmp while it was written "
-                            "(by the spool's owner?); nothing was enqueued"
-                            % (jid, self.path))
-
     def poke(self, dirs=None, often=False):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
         into anything else that may stand there).  `often` (a producer's
@@ -3991,49 +4167,7 @@ class _Producing(object):
         os.close(fd)
         return None
 
-    def find_id(self, jid, now=None, dirs=None):
-        """Where an id lives for de-duplication: a state name or None."""
-        dirs = dirs or self.fs
-        for sub in self.waiting_dirs():
-            if _exists(jid + ".json", dirs(sub)):
-                return "queued"
-        if _exists(jid + ".json", dirs("dlq")):
-            return "dead"
-        prefix = jid + "+"
-        for name in _listdir(self.d("processing")):
-            if name.startswith(prefix):
-                return "processing"
-        if self.ok_fresh(jid, now):
-            return "done within the de-duplication window"
-        return None
-
     # Idempotency records -----------------------------------------------------
-
-    def ok_fresh(self, jid, now=None, dirs=None):
-        """Was `jid` done within the de-duplication window?  Its done/ file
-        is the record while it stays (its ctime: the rename that finished
-        it); a record in locks/ok/ (mtime: when it was done) outlives it."""
-        now = _now() if now is None else now
-        window = self.opt["dedupe_window"]
-        records = (("done", jid + ".json", "st_ctime"),)
-        if not _is_generated_id(jid):
-            # (an id myq generated never gets a locks/ok/ record: _outlive)
-            records += (("locks/ok", jid, "st_mtime"),)
-        for sub, name, when in records:
-            try:
-                # (every claim asks: access(2) says no without the cost of
-                # an exception; it looks with the real uid, as good)
-                fd = self.fs(sub)
-                if not os.access(name, os.F_OK, dir_fd=fd,
-                                 follow_symlinks=False):
-                    continue
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
-            t = getattr(st, when)
-            if t + window > now or t > now:
-                return True
-        return False
 
     def _mark_ok(self, jid, t=None):
         """A record in locks/ok/ that `jid` was done at `t` (default now)."""
@@ -4064,6 +4198,23 @@ class _Producing(object):
                 self._mark_ok(jid, t)
             except OSError:
                 pass        # what retention removes is not worth failing for
+
+    def _placed(self, jid, ino, dfd):
+        """What went into incoming/ must be the file written (the spool's
+        owner may swap tmp/'s entry for a link between the write and the
+        rename); else nothing was enqueued."""
+        name = jid + ".json"
+        try:
+            ok = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino
+        except OSError as e:
+            # Gone already: a worker claimed it (or the owner removed it,
+            # which the owner may do to any job): what we wrote was placed.
+            ok = e.errno == errno.ENOENT
+        if not ok:
+            _quiet_unlink(name, dfd)
+            raise SpoolBusy("job %s was replaced in %s/tmp while it was written "
+                            "(by the spool's owner?); nothing was enqueued"
+                            % (jid, self.path))
 
 
 class _Upkeep(object):
@@ -4105,53 +4256,6 @@ class _Upkeep(object):
             raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
                             "from dlq/ and failed/; retry --now also scheduled "
                             "ones)" % (", ".join(missing), self.path))
-        return n
-
-    def _retry(self, ids, missing, me, now=False):
-        n = 0
-        for jid, state, path in self._located(ids, missing):
-            if now and state in ("ready", "scheduled"):
-                if not self._make_ready(jid, path, me):
-                    missing.append(jid)
-                    continue
-            elif state == "dead":
-                if self.claims.queued(jid):
-                    raise DuplicateJob("job %s is already queued; delete one "
-                                       "of them first" % jid)
-                job, _, _ = self.load(path, jid)
-                job.update(attempts=0, available_at=_now())
-                job.pop("failed_at", None)
-                if job.pop("expires_at", None) is not None or self.rules(
-                        job["type"]).get("ttl"):
-                    job["retried_at"] = _now()  # the ttl counts from now
-                if not me.registered:
-                    me.register()
-                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
-                # finish: a crash leaves it where a reaper requeues it.
-                owned = self.claims.own(path, jid, me)
-                if owned is None:
-                    missing.append(jid)
-                    continue
-                fin, token = owned
-                self.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
-                             job, "incoming", me, fin=fin)
-            elif state == "failed":
-                name = os.path.basename(path)
-                if not name.endswith(".json"):
-                    name += ".json"
-                why = self._unreadable_by_worker(path)
-                if why:
-                    raise ConfigError("cannot retry %s: %s" % (jid, why))
-                _rename(path, self.d("incoming", name))
-                _quiet_unlink(path + ".reason")
-            else:
-                missing.append(jid)
-                continue
-            n += 1
-        if n:
-            for sub in self.waiting_dirs():
-                _fsync_dir(self.d(sub))
-            self.poke()
         return n
 
     def _unreadable_by_worker(self, path):
@@ -4351,51 +4455,6 @@ class _Upkeep(object):
             out["tmp"] += self._prune_strays(now)
             self.breaker.prune()
         return out
-
-    def _prune_jobs(self, now, full, out):
-        """prune's part of the jobs' states (the counts into `out`); what
-        went for a bound in count, by directory."""
-        bound = {}
-        for sub, key, age, keep, most, always in self._RETENTION:
-            if always or full:
-                out[key] += self._expire(sub, age, self.opt[keep],
-                                         self.opt[most] if most else None, now,
-                                         bound)
-        return bound
-
-    def make_space(self, n=256):
-        """Below a guard (myq(1) guards): retention frees done/ first, its n
-        oldest now (a producer-chosen id keeps its de-duplication in
-        locks/ok/: an inode for an inode, the blocks freed).  Short of
-        inodes, the n oldest idempotency records go first, and done files
-        go without one: records are never what keeps a backlog from
-        draining (a job sent again after that may run twice: at least
-        once holds).  Returns how many went."""
-        import heapq
-        problem = self.free_problem()
-        inodes = bool(problem) and "inodes" in problem
-        gone = 0
-        for sub in (("locks/ok", "done") if inodes else ("done",)):
-            old = heapq.nsmallest(n, self._aged(sub, "ctime"))
-            for _, name in old:
-                try:
-                    if sub == "done" and not inodes:
-                        self._outlive(self.d(sub, name))
-                    _unlink(self.d(sub, name))
-                    gone += 1
-                except OSError:
-                    pass
-            if sub == "locks/ok" and old:
-                self.count("removed", "ok", len(old))
-        if not gone and self._free_room():
-            what = "its reserve (locks/room)"
-            gone = 1
-        else:
-            what = "the oldest"
-        if gone:
-            self.log("pruned", why="below a guard: " + (problem or "low"),
-                     n=gone, freed=what)
-        return gone
 
     # The reserve: locks/room, ROOM bytes the worker sets aside while there
     # is room (incompressible, so UBIFS keeps them too) and gives up when
@@ -4775,29 +4834,6 @@ class _Backlog(object):
                 raise UsageError("unknown state %r; one of: %s"
                                  % (s, " ".join(STATES)))
         return states, skip or (lambda path, why: None)
-
-    def export(self, states=(), type=None, skip=None):
-        """The jobs in `states` (default: all but failed), of `type`, as
-        dicts with their `state`: each as its file holds it, a waiting
-        job's schedule its file's, a claimed one as a reaper would put it
-        back (its lease gone, its attempt counted).  Streamed: one
-        directory entry at a time, in no order within a state.  A file
-        that is not a job is left out, and skip(path, why) called."""
-        self.require()
-        self._check_readable()
-        states, skip = self._export_args(states, skip)
-        subs = self.waiting_dirs() if states & {"ready", "scheduled"} else []
-        subs += [STATE_DIRS[s] for s in ("processing", "done", "dead")
-                 if s in states]
-        for sub in subs:
-            for e in _scandir(self.d(sub)):
-                row = self._exported(sub, e.name, skip)
-                if row is not None and row["state"] in states and (
-                        type is None or row["type"] == type):
-                    yield row
-        if "failed" in states and type is None:
-            for row in self._exported_failed():
-                yield row
 
     def _exported(self, sub, name, skip):
         """The row of one entry of `sub`, or None (not a job file, gone)."""
@@ -5435,16 +5471,6 @@ class _Reading(object):
                                "until": h.get("until") if h else None})
         return out
 
-    def _counts(self, now):
-        """(ready, scheduled, the earliest ready one's time, processing,
-        done, dead, failed), from the directories."""
-        ready, scheduled, oldest = self._waiting_files(self.waiting_dirs(), now)
-        processing = sum(1 for n in _listdir(self.d("processing"))
-                         if _split_claim(n))
-        return (ready, scheduled, oldest, processing,
-                _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
-                self._failed_files())
-
     def _waiting_files(self, subs, now):
         """(ready, scheduled, the earliest ready one's time) of the job
         files in the directories `subs`, each due at its mtime."""
@@ -5555,15 +5581,6 @@ class _Budget(object):
                 b = 4096
             self._blk = b
         return b
-
-    def _cost(self, size):
-        """What a new job of `size` bytes adds: its blocks, its entry."""
-        return self._freed(size) + _ENTRY
-
-    def _freed(self, size):
-        """What removing a waiting job of `size` bytes gives back."""
-        b = self._block()
-        return -(-size // b) * b
 
     def measure(self):
         """The bytes the spool keeps now, by a walk (see above)."""
@@ -5730,12 +5747,6 @@ class _Budget(object):
         finally:
             os.close(fd)
 
-    def _shed_measured(self, m, a, t):
-        """(measured, added, when) after a shed: `m` is the figure with the
-        bytes of the files removed taken off (the SQLite store measures
-        its pages again)."""
-        return m, a, t
-
     def shed(self, need, records=False):
         """Free at least `need` bytes if that can be done, in the budget's
         order; the bytes freed.  `records`: the worker's walk, which also
@@ -5748,36 +5759,6 @@ class _Budget(object):
         if freed < need:
             freed += self._shed_waiting(need - freed)
         return freed
-
-    def _shed_done(self, need):
-        """Retention of done/ before its time, oldest first."""
-        old = []
-        for e in _scandir(self.d("done")):
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            old.append((st.st_ctime, e.name, st.st_blocks * 512))
-        old.sort()
-        freed = n = 0
-        for t, name, size in old:
-            if freed >= need:
-                break
-            if self._remove("done", self.d("done", name)):
-                freed, n = freed + size, n + 1
-        if n:
-            self.log("pruned", reason="budget", what="done", n=n)
-        return freed
-
-    def _shed_records(self, need):
-        """Idempotency records past their window (prune's, sooner)."""
-        now, n = _now(), 0
-        for t, name in list(self._aged("locks/ok", "mtime")):
-            if now - t > self.opt["dedupe_window"]:
-                n += self._remove("locks/ok", self.d("locks", "ok", name))
-        if n:
-            self.log("pruned", reason="budget", what="ok", n=n)
-        return 0                # (empty files: an entry each, no block)
 
     def _sheddable(self):
         """[(priority, made, name, bytes, lane, type)] of the waiting jobs
@@ -5976,11 +5957,6 @@ class _Budget(object):
         w[1] += size
         if made is not None and (w[2] is None or made < w[2]):
             w[2] = made
-
-    def _lane_waiting(self, now, out):
-        for t in sorted(set(l[1] for l in self.lanes())):
-            for w in self._waiting_of(t):
-                self._add_waiting(out, t, w[3], self._made(w, now))
 
     def _inbox_waiting(self, now, out):
         """The files at the top of incoming/, each read once (its type is
@@ -6257,7 +6233,7 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
-class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
+class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
     """One queue: the directory layout and every move of a job file.
     Spool(path) is the class of the store the spool records (SPOOL/store:
     "sqlite" for the SQLite store; none for files)."""
@@ -6267,15 +6243,12 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
             name = _read_small(os.path.join(os.path.abspath(
                 path or os.environ.get("MYQ_SPOOL") or DEFAULT_SPOOL), "store"), 64)
             name = name.decode("ascii", "replace").strip() if name else "files"
-            if name != "files":
-                if name not in _STORES:
-                    raise ConfigError("spool %s records the store %r, which this "
-                                      "myq does not know (one of: files %s)"
-                                      % (path, name, " ".join(sorted(_STORES))))
-                cls = _STORES[name]
+            if name not in _STORES:
+                raise ConfigError("spool %s records the store %r, which this "
+                                  "myq does not know (one of: %s)"
+                                  % (path, name, " ".join(sorted(_STORES))))
+            cls = _STORES[name]
         return object.__new__(cls)
-
-    store = "files"
 
     def __init__(self, path=None, log=None, **options):
         self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
@@ -6318,12 +6291,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         at the end of each public call unless a worker of this thread keeps
         them."""
         return _Door.of(self.path)
-
-    def close(self):
-        """What this object keeps open of the spool, closed (a worker's run
-        ends with it); the spool of files keeps nothing between calls."""
-        self.note_delivered()
-        self.fs.release()
 
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
@@ -6590,33 +6557,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
     def is_paused(self, type):
         return bool(self.rules(type).get("paused"))
 
-    def lanes(self):
-        """[(priority, type, sub)] of the lanes, highest priority first.
-        Only directories the door accepts (the owner's alone): what else
-        stands there is never used; lane_problems says what and why."""
-        out = []
-        try:
-            names = os.listdir(self._lanes_dir())
-        except OSError as e:
-            if e.errno != errno.ENOENT:     # (none yet: no lanes)
-                self.lane_problems[LANES] = str(e)
-            return out
-        for name in names:
-            m = _lane_of(name)
-            if m:
-                sub = LANES + "/" + name
-                try:
-                    self.fs(sub)
-                except OSError as e:
-                    if sub not in self.lane_problems:
-                        self.log("error", during="lanes", lane=sub, error=str(e))
-                    self.lane_problems[sub] = str(e)
-                    continue
-                self.lane_problems.pop(sub, None)
-                out.append((int(m[1]), m[0], sub))
-        out.sort(key=lambda l: (-l[0], l[1]))
-        return out
-
     def waiting_dirs(self):
         """incoming/ and its lanes: every directory of waiting jobs."""
         return ["incoming"] + [l[2] for l in self.lanes()]
@@ -6652,15 +6592,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         if types != self.lane_types:
             self.lane_types, self._homes = types, {}
 
-    def _make_lane(self, sub, dirs=None):
-        """Create the lane `sub` (and incoming/lanes/): the owner's alone
-        (0750, given to the owner when root makes it), through the door:
-        producers drop into incoming/ only, so nothing of theirs can stand
-        among the lanes."""
-        if sub not in self.fs.fds:
-            self._lanes_dir(make=True)
-            self.fs.mkdir(sub)
-
     def _lanes_dir(self, make=False):
         """incoming/lanes/'s descriptor (`make`: made when missing).  What
         a producer made there or put in its place (a directory of its
@@ -6695,35 +6626,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         if since < SANE_TIME:
             return None
         return since + ttl if e is None else e
-
-    def _waiting_of(self, type):
-        """[(priority, mtime, name, size, sub)] of the jobs of `type`
-        waiting in its lanes."""
-        out = []
-        for p, t, sub in self.lanes():
-            if t != type:
-                continue
-            for e in _scandir(self.d(sub)):
-                if e.name.endswith(".json"):
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    out.append((p, st.st_mtime, e.name, st.st_size, sub))
-        return out
-
-    def _made(self, w, now):
-        """When the waiting job `w` (_waiting_of's) was made: its file's
-        mtime, unless that is a time to come (a retry's or a delay's
-        schedule): then the created_at it holds."""
-        m = w[1]
-        if m <= now:
-            return m
-        try:
-            t = parse(self.read_file(self.d(w[4], w[2]))[0])[0]["created_at"]
-        except (OSError, MyqError, ValueError, TypeError, KeyError):
-            return m
-        return t if t.__class__ in _NUM and t == t else m
 
     def make_room(self, type, size, dirs=None, exclude=None):
         """The type's bounds (myq(1) policy) for one new arrival of `size` bytes:
@@ -6763,15 +6665,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
                      why=bound)
             self.count(("dropped", "dropped_overflow"), type)
         return None
-
-    def _drop_waiting(self, sub, name, dirs):
-        """Remove the waiting job NAME of `sub` (a bound's drop-oldest):
-        False when it was claimed meanwhile."""
-        try:
-            os.unlink(name, dir_fd=dirs(sub))
-        except OSError:
-            return False
-        return True
 
     def count(self, what, type, n=1):
         """Add to a total since init (dropped, expired, rejected, removed;
@@ -6850,6 +6743,339 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
             pass        # a statistic, never worth failing a job for
 
 
+class FileStore(Spool):
+    """The store of files: a file per job, a state per directory, every
+    move one rename(2) (the protocol of the module's docstring); its
+    claims are Claims'."""
+
+    store = "files"
+
+    def _enqueue_one(self, todo, sync):
+        """_enqueue of one job into incoming/, without the batch's lists."""
+        job, data, explicit, delay, sub = todo
+        problem = self._room_for((len(data),))
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        self._charge(((job["type"], len(data)),), (sub,))
+        dirs = self.fs
+        jid = job["id"]
+        try:
+            self._place_new(job, data, explicit, delay, sync, dirs)
+            if sync:
+                self._fsync_or_withdraw(((jid, sub),), dirs)
+            self.poke(dirs, often=True)
+            self._arrived([todo], ((jid, sub),))
+        except OSError as e:        # opening the directories
+            if isinstance(e, _Refused):
+                raise ConfigError("spool %s refuses the job: %s; nothing was "
+                                  "enqueued" % (self.path, e))
+            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
+                            % (self.path, e.strerror))
+        finally:
+            dirs.release()
+        return jid
+
+    def find_id(self, jid, now=None, dirs=None):
+        """Where an id lives for de-duplication: a state name or None."""
+        dirs = dirs or self.fs
+        for sub in self.waiting_dirs():
+            if _exists(jid + ".json", dirs(sub)):
+                return "queued"
+        if _exists(jid + ".json", dirs("dlq")):
+            return "dead"
+        prefix = jid + "+"
+        for name in _listdir(self.d("processing")):
+            if name.startswith(prefix):
+                return "processing"
+        if self.ok_fresh(jid, now):
+            return "done within the de-duplication window"
+        return None
+
+    def ok_fresh(self, jid, now=None, dirs=None):
+        """Was `jid` done within the de-duplication window?  Its done/ file
+        is the record while it stays (its ctime: the rename that finished
+        it); a record in locks/ok/ (mtime: when it was done) outlives it."""
+        now = _now() if now is None else now
+        window = self.opt["dedupe_window"]
+        records = (("done", jid + ".json", "st_ctime"),)
+        if not _is_generated_id(jid):
+            # (an id myq generated never gets a locks/ok/ record: _outlive)
+            records += (("locks/ok", jid, "st_mtime"),)
+        for sub, name, when in records:
+            try:
+                # (every claim asks: access(2) says no without the cost of
+                # an exception; it looks with the real uid, as good)
+                fd = self.fs(sub)
+                if not os.access(name, os.F_OK, dir_fd=fd,
+                                 follow_symlinks=False):
+                    continue
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            t = getattr(st, when)
+            if t + window > now or t > now:
+                return True
+        return False
+
+    def _retry(self, ids, missing, me, now=False):
+        n = 0
+        for jid, state, path in self._located(ids, missing):
+            if now and state in ("ready", "scheduled"):
+                if not self._make_ready(jid, path, me):
+                    missing.append(jid)
+                    continue
+            elif state == "dead":
+                if self.claims.queued(jid):
+                    raise DuplicateJob("job %s is already queued; delete one "
+                                       "of them first" % jid)
+                job, _, _ = self.load(path, jid)
+                job.update(attempts=0, available_at=_now())
+                job.pop("failed_at", None)
+                if job.pop("expires_at", None) is not None or self.rules(
+                        job["type"]).get("ttl"):
+                    job["retried_at"] = _now()  # the ttl counts from now
+                if not me.registered:
+                    me.register()
+                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
+                # finish: a crash leaves it where a reaper requeues it.
+                owned = self.claims.own(path, jid, me)
+                if owned is None:
+                    missing.append(jid)
+                    continue
+                fin, token = owned
+                self.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                             job, "incoming", me, fin=fin)
+            elif state == "failed":
+                name = os.path.basename(path)
+                if not name.endswith(".json"):
+                    name += ".json"
+                why = self._unreadable_by_worker(path)
+                if why:
+                    raise ConfigError("cannot retry %s: %s" % (jid, why))
+                _rename(path, self.d("incoming", name))
+                _quiet_unlink(path + ".reason")
+            else:
+                missing.append(jid)
+                continue
+            n += 1
+        if n:
+            for sub in self.waiting_dirs():
+                _fsync_dir(self.d(sub))
+            self.poke()
+        return n
+
+    def _prune_jobs(self, now, full, out):
+        """prune's part of the jobs' states (the counts into `out`); what
+        went for a bound in count, by directory."""
+        bound = {}
+        for sub, key, age, keep, most, always in self._RETENTION:
+            if always or full:
+                out[key] += self._expire(sub, age, self.opt[keep],
+                                         self.opt[most] if most else None, now,
+                                         bound)
+        return bound
+
+    def make_space(self, n=256):
+        """Below a guard (myq(1) guards): retention frees done/ first, its n
+        oldest now (a producer-chosen id keeps its de-duplication in
+        locks/ok/: an inode for an inode, the blocks freed).  Short of
+        inodes, the n oldest idempotency records go first, and done files
+        go without one: records are never what keeps a backlog from
+        draining (a job sent again after that may run twice: at least
+        once holds).  Returns how many went."""
+        import heapq
+        problem = self.free_problem()
+        inodes = bool(problem) and "inodes" in problem
+        gone = 0
+        for sub in (("locks/ok", "done") if inodes else ("done",)):
+            old = heapq.nsmallest(n, self._aged(sub, "ctime"))
+            for _, name in old:
+                try:
+                    if sub == "done" and not inodes:
+                        self._outlive(self.d(sub, name))
+                    _unlink(self.d(sub, name))
+                    gone += 1
+                except OSError:
+                    pass
+            if sub == "locks/ok" and old:
+                self.count("removed", "ok", len(old))
+        if not gone and self._free_room():
+            what = "its reserve (locks/room)"
+            gone = 1
+        else:
+            what = "the oldest"
+        if gone:
+            self.log("pruned", why="below a guard: " + (problem or "low"),
+                     n=gone, freed=what)
+        return gone
+
+    def export(self, states=(), type=None, skip=None):
+        """The jobs in `states` (default: all but failed), of `type`, as
+        dicts with their `state`: each as its file holds it, a waiting
+        job's schedule its file's, a claimed one as a reaper would put it
+        back (its lease gone, its attempt counted).  Streamed: one
+        directory entry at a time, in no order within a state.  A file
+        that is not a job is left out, and skip(path, why) called."""
+        self.require()
+        self._check_readable()
+        states, skip = self._export_args(states, skip)
+        subs = self.waiting_dirs() if states & {"ready", "scheduled"} else []
+        subs += [STATE_DIRS[s] for s in ("processing", "done", "dead")
+                 if s in states]
+        for sub in subs:
+            for e in _scandir(self.d(sub)):
+                row = self._exported(sub, e.name, skip)
+                if row is not None and row["state"] in states and (
+                        type is None or row["type"] == type):
+                    yield row
+        if "failed" in states and type is None:
+            for row in self._exported_failed():
+                yield row
+
+    def _counts(self, now):
+        """(ready, scheduled, the earliest ready one's time, processing,
+        done, dead, failed), from the directories."""
+        ready, scheduled, oldest = self._waiting_files(self.waiting_dirs(), now)
+        processing = sum(1 for n in _listdir(self.d("processing"))
+                         if _split_claim(n))
+        return (ready, scheduled, oldest, processing,
+                _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
+                self._failed_files())
+
+    def _cost(self, size):
+        """What a new job of `size` bytes adds: its blocks, its entry."""
+        return self._freed(size) + _ENTRY
+
+    def _freed(self, size):
+        """What removing a waiting job of `size` bytes gives back."""
+        b = self._block()
+        return -(-size // b) * b
+
+    def _shed_measured(self, m, a, t):
+        """(measured, added, when) after a shed: `m` is the figure with the
+        bytes of the files removed taken off (the SQLite store measures
+        its pages again)."""
+        return m, a, t
+
+    def _shed_done(self, need):
+        """Retention of done/ before its time, oldest first."""
+        old = []
+        for e in _scandir(self.d("done")):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            old.append((st.st_ctime, e.name, st.st_blocks * 512))
+        old.sort()
+        freed = n = 0
+        for t, name, size in old:
+            if freed >= need:
+                break
+            if self._remove("done", self.d("done", name)):
+                freed, n = freed + size, n + 1
+        if n:
+            self.log("pruned", reason="budget", what="done", n=n)
+        return freed
+
+    def _shed_records(self, need):
+        """Idempotency records past their window (prune's, sooner)."""
+        now, n = _now(), 0
+        for t, name in list(self._aged("locks/ok", "mtime")):
+            if now - t > self.opt["dedupe_window"]:
+                n += self._remove("locks/ok", self.d("locks", "ok", name))
+        if n:
+            self.log("pruned", reason="budget", what="ok", n=n)
+        return 0                # (empty files: an entry each, no block)
+
+    def _lane_waiting(self, now, out):
+        for t in sorted(set(l[1] for l in self.lanes())):
+            for w in self._waiting_of(t):
+                self._add_waiting(out, t, w[3], self._made(w, now))
+
+    def close(self):
+        """What this object keeps open of the spool, closed (a worker's run
+        ends with it); the spool of files keeps nothing between calls."""
+        self.note_delivered()
+        self.fs.release()
+
+    def lanes(self):
+        """[(priority, type, sub)] of the lanes, highest priority first.
+        Only directories the door accepts (the owner's alone): what else
+        stands there is never used; lane_problems says what and why."""
+        out = []
+        try:
+            names = os.listdir(self._lanes_dir())
+        except OSError as e:
+            if e.errno != errno.ENOENT:     # (none yet: no lanes)
+                self.lane_problems[LANES] = str(e)
+            return out
+        for name in names:
+            m = _lane_of(name)
+            if m:
+                sub = LANES + "/" + name
+                try:
+                    self.fs(sub)
+                except OSError as e:
+                    if sub not in self.lane_problems:
+                        self.log("error", during="lanes", lane=sub, error=str(e))
+                    self.lane_problems[sub] = str(e)
+                    continue
+                self.lane_problems.pop(sub, None)
+                out.append((int(m[1]), m[0], sub))
+        out.sort(key=lambda l: (-l[0], l[1]))
+        return out
+
+    def _make_lane(self, sub, dirs=None):
+        """Create the lane `sub` (and incoming/lanes/): the owner's alone
+        (0750, given to the owner when root makes it), through the door:
+        producers drop into incoming/ only, so nothing of theirs can stand
+        among the lanes."""
+        if sub not in self.fs.fds:
+            self._lanes_dir(make=True)
+            self.fs.mkdir(sub)
+
+    def _waiting_of(self, type):
+        """[(priority, mtime, name, size, sub)] of the jobs of `type`
+        waiting in its lanes."""
+        out = []
+        for p, t, sub in self.lanes():
+            if t != type:
+                continue
+            for e in _scandir(self.d(sub)):
+                if e.name.endswith(".json"):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((p, st.st_mtime, e.name, st.st_size, sub))
+        return out
+
+    def _made(self, w, now):
+        """When the waiting job `w` (_waiting_of's) was made: its file's
+        mtime, unless that is a time to come (a retry's or a delay's
+        schedule): then the created_at it holds."""
+        m = w[1]
+        if m <= now:
+            return m
+        try:
+            t = parse(self.read_file(self.d(w[4], w[2]))[0])[0]["created_at"]
+        except (OSError, MyqError, ValueError, TypeError, KeyError):
+            return m
+        return t if t.__class__ in _NUM and t == t else m
+
+    def _drop_waiting(self, sub, name, dirs):
+        """Remove the waiting job NAME of `sub` (a bound's drop-oldest):
+        False when it was claimed meanwhile."""
+        try:
+            os.unlink(name, dir_fd=dirs(sub))
+        except OSError:
+            return False
+        return True
+
+
+_STORES["files"] = FileStore
+
+
 # The SQLite store ############################################################
 #
 # A spool made by `myq init --store sqlite` keeps its jobs in one database
@@ -6900,7 +7126,7 @@ _JOB_COLS = ("id", "type", "payload", "attempts", "max_attempts",
 _SELECT_COLS = _JOB_COLS + ("extra", "status", "lane", "lease", "finished_at",
                             "token")
 _SELECT = "SELECT %s FROM jobs" % ", ".join(_SELECT_COLS)
-# A new job of the usual shape (new_job's keys, no options: SqlSpool.enqueue)
+# A new job of the usual shape (new_job's keys, no options: SqlStore.enqueue)
 _INSERT_NEW = ("INSERT INTO jobs(id, queue, type, payload, status, attempts, "
                "available_at, created_at, updated_at, lane, size) "
                "VALUES(?, ?, ?, ?, 'ready', 0, ?, ?, ?, 'incoming', ?)")
@@ -7552,7 +7778,7 @@ class _SqlClaims(Claims):
 
 class _SqlUpkeep(object):
     """The operator's moves and retention over queue.db (a part of
-    SqlSpool): retry, delete, prune, make_space, check, export."""
+    SqlStore): retry, delete, prune, make_space, check, export."""
 
     def retry(self, ids=(), all=False, now=False):
         if all:
@@ -8004,7 +8230,7 @@ def _row_attempt(row, job):
 
 class _SqlBudget(object):
     """The budget on the SQLite store (myq-spool(5) BUDGET), mixed into
-    SqlSpool over the spool's _Budget: what a row costs and frees in
+    SqlStore over the spool's _Budget: what a row costs and frees in
     pages, the log's checkpoint kept within what is counted for it, the
     walk that checkpoints and vacuums first, and the shedding of done
     and `ok` rows."""
@@ -8111,7 +8337,7 @@ class _SqlBudget(object):
             self._add_waiting(out, t, size, created)
 
 
-class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
+class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
     queue.db, the rest as for files."""
 
@@ -8508,7 +8734,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
             else:
                 # A type's bound counts what waits: each of its jobs is
                 # counted and placed on its own, after those before it.
-                self._placed(self._insert(rows, sync, dup), rows, done)
+                self._rows_placed(self._insert(rows, sync, dup), rows, done)
                 rows = []
                 full = self.make_room(job["type"], len(data))
                 if full and refused is not None:
@@ -8519,7 +8745,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
                 rows.append(_row_values(self, job, "ready", sub, now,
                                         size=len(data)))
         try:
-            self._placed(self._insert(rows, sync, dup), rows, done)
+            self._rows_placed(self._insert(rows, sync, dup), rows, done)
             if done:
                 self.poke(often=True)
                 self._arrived(todo, done)
@@ -8532,7 +8758,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         return "max_queued" in rules or "max_bytes" in rules
 
     @staticmethod
-    def _placed(have, rows, done):
+    def _rows_placed(have, rows, done):
         for v, d in zip(rows, have):
             if d is None:
                 done.append((v["id"], v["lane"] if v["status"] == "ready" else
@@ -8750,7 +8976,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
                            "lane=?", (name[:-5], sub)) == 1
 
 
-_STORES["sqlite"] = SqlSpool
+_STORES["sqlite"] = SqlStore
 
 
 # Logging #####################################################################

@@ -21,7 +21,7 @@ handler, the payload {"n": i}:
 - enqueue: N durable enqueues, one at a time, in one process.
     myq           Spool(dir).enqueue("noop", {"n": i})          (sync=True)
     myq-sqlite    the same on a spool made by Spool(dir).init(store="sqlite")
-                  (`myq init --store sqlite`: Spool(dir) is a SqlSpool;
+                  (`myq init --store sqlite`: Spool(dir) is a SqlStore;
                   queue.db in WAL, synchronous=FULL for an enqueue)
     huey          SqliteHuey(filename=..., fsync=True, immediate=False);
                   calling the @huey.task() enqueues it

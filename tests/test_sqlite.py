@@ -59,8 +59,8 @@ def test_init_records_the_store_and_every_command_finds_it(tmp_path):
     sp = sql_spool(tmp_path / "s")
     assert open(os.path.join(sp, "store")).read() == "sqlite\n"
     assert os.path.isfile(os.path.join(sp, "queue.db"))
-    assert isinstance(myq.Spool(sp), myq.SqlSpool)
-    assert type(myq.Spool(str(tmp_path / "none"))) is myq.Spool
+    assert isinstance(myq.Spool(sp), myq.SqlStore)
+    assert type(myq.Spool(str(tmp_path / "none"))) is myq.FileStore
     jid = myq.enqueue(sp, "ok", {"n": 1})                  # the API
     cp = run_myq("--spool", sp, "enqueue", "ok", "2")      # the CLI
     assert cp.returncode == 0, cp.stderr
@@ -77,7 +77,7 @@ def test_init_records_the_store_and_every_command_finds_it(tmp_path):
         assert os.listdir(os.path.join(sp, sub)) == [], sub
     # an existing spool keeps its store
     cp = run_myq("--spool", sp, "init")
-    assert cp.returncode == 0 and isinstance(myq.Spool(sp), myq.SqlSpool)
+    assert cp.returncode == 0 and isinstance(myq.Spool(sp), myq.SqlStore)
     files = str(tmp_path / "f")
     assert call_myq("--spool", files, "init").returncode == 0
     cp = run_myq("--spool", files, "init", "--store", "sqlite")
@@ -112,7 +112,7 @@ def test_the_schema_is_the_seeds_for_the_sqlite3_shell(tmp_path):
                                      {"k": "\u00e9\u4e2d\U0001f600"}, [True, None]])
 def test_the_usual_enqueue_stores_the_row_the_general_way_would(
         tmp_path, payload, monkeypatch):
-    """SqlSpool.enqueue's INSERT of the usual shape against _row_values of
+    """SqlStore.enqueue's INSERT of the usual shape against _row_values of
     the same job: every column the same, the size what its file would hold
     (utf-8 bytes)."""
     sp = myq.Spool(sql_spool(tmp_path / "s")).require()
@@ -342,7 +342,7 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
     s = myq.Spool(sp)
     jid = s.enqueue("ok", None)
     calls = {"admit": 0, "back": 0}
-    real_admit, real_write = myq._SqlClaims._admit, myq.SqlSpool._write
+    real_admit, real_write = myq._SqlClaims._admit, myq.SqlStore._write
 
     def admit(self, *a):
         calls["admit"] += 1
@@ -357,7 +357,7 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
             raise myq._DbError(errno.EBUSY, "busy")
         return real_write(self, statement, *a, **kw)
     monkeypatch.setattr(myq._SqlClaims, "_admit", admit)
-    monkeypatch.setattr(myq.SqlSpool, "_write", write)
+    monkeypatch.setattr(myq.SqlStore, "_write", write)
     with pytest.raises(OSError) as e:          # given back at once
         s.claims.claim(jid + ".json", myq.Identity(s, 60.0), 5, True)
     assert not getattr(e.value, "give_back", None)
