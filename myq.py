@@ -2353,6 +2353,7 @@ class Store(object):
     spool's SPOOL/store through _STORES; a new one registers there."""
 
     store = None        # its name in SPOOL/store and _STORES
+    CLAIMS = None       # the class of its claims (Claims' contract)
 
     def _abstract(self):
         raise NotImplementedError("Method must be implemented by the store")
@@ -3018,66 +3019,83 @@ class Claims(object):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self.batches = _Batches(self.spool)
 
+    # The contract: what each store's claims do (FileClaims, _SqlClaims) --
+
+    def _abstract(self):
+        raise NotImplementedError("Method must be implemented by the store")
+
     def claim(self, name, me, default_max_attempts=5, scheduled=False,
-               sub="incoming", anytime=False):
-        """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
-        Claim, or None when the job was lost to another worker, quarantined,
-        deferred, expired, moved to its lane, already done, or (scheduled:
-        the scheduler saw it due by its schedule) scheduled again since,
-        unless `anytime` (a held destination's probe runs it now)."""
-        if not name.endswith(".json"):
-            return None
-        stem = name[:-5]
-        src = self.spool._incoming + name if sub == "incoming" else self.spool.d(sub, name)
-        if not NAME_RE.match(stem):
-            try:
-                self.quarantine(src, name, "bad file name: a job file is ID.json, "
-                                "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
-            except OSError:
-                if _lexists(src):
-                    raise           # it stays: the worker logs why, backs off
-            return None
-        token = me.token()
-        cname = _claim_name(stem, token)
-        path = self.spool._processing + cname
-        # by the door's descriptors of the two directories (the worker
-        # keeps them), not their paths looked up at each step
-        fs = self.spool.fs
-        pfd = fs("processing")
-        try:
-            _rename(src, path, fs(sub), pfd)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return None             # another worker was faster
-            raise
-        got = self._read_claimed(path, src, name, scheduled, pfd, cname)
-        if got is None:
-            return None
-        job, trailers, fd, st = got
-        now = _now()
-        if scheduled and not anytime and st.st_mtime > now + 0.5:
-            # Another worker ran it and put it back with its backoff since
-            # this one's scan saw it due (the mtime is the schedule): it
-            # goes back untouched, to wait its time.
-            os.close(fd)
-            _rename(path, src, pfd, fs(sub))
-            return None
-        c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
-                  trailers=trailers, mtime=st.st_mtime,
-                  max_attempts=job.get("max_attempts") or default_max_attempts)
-        if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
-            return None
-        c.attempt = job["attempts"] + 1
-        try:
-            _lease_claim(fd, path, me, c, now + me.lease)
-        except OSError:
-            self.close(c)
-            try:                        # give it back untouched
-                _rename(path, src)
-            except OSError:
-                pass
-            raise
-        return c
+              sub="incoming", anytime=False):
+        """Claim the waiting job `name` for `me`: a Claim, or None."""
+        self._abstract()
+
+    def complete(self, c):
+        """Finish claim `c` as done (its idempotency record kept)."""
+        self._abstract()
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        """Finish claim `c` as `job` anew in `dest` (a retry, dead letters)."""
+        self._abstract()
+
+    def put_back(self, c, mtime):
+        """Claim `c`'s job waits again, unchanged, due at `mtime`."""
+        self._abstract()
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back the claims whose owner is gone."""
+        self._abstract()
+
+    def scan(self, L, n, tick):
+        """Lane `L`'s cache of its `n` earliest waiting jobs."""
+        self._abstract()
+
+    def lanes_key(self, poked=False):
+        """(key, racy): what changes when the set of lanes does."""
+        self._abstract()
+
+    def maybe_lanes(self):
+        """Whether lanes may hold waiting jobs beside incoming/."""
+        self._abstract()
+
+    def lane_key(self, L):
+        """What changes when lane `L`'s waiting jobs do."""
+        self._abstract()
+
+    def waits(self, rel):
+        """Whether the job at `rel` (LANE/NAME) still waits."""
+        self._abstract()
+
+    def size(self, sub, name):
+        """The bytes of the waiting job `name` of lane `sub`."""
+        self._abstract()
+
+    def due(self, rel, now):
+        """Whether the job at `rel` is due at `now` (wall clock)."""
+        self._abstract()
+
+    def extend(self, claims, until):
+        """Renew the leases of `claims` to `until`."""
+        self._abstract()
+
+    def commit(self):
+        """Make the finished claims durable (group commit)."""
+        self._abstract()
+
+    def queued(self, jid):
+        """Whether job `jid` waits."""
+        self._abstract()
+
+    def close(self, c):
+        """Let go of claim `c`'s open file, if any."""
+        self._abstract()
+
+    def _done_already(self, jid, now):
+        """Whether job `jid` finished already (a claim is dropped)."""
+        self._abstract()
+
+    def _until_of(self, path):
+        """The lease's end of the claim at `path`."""
+        self._abstract()
 
     def _read_claimed(self, path, src, name, scheduled, pfd, cname):
         """The job in the file just claimed at `path` (`cname` in the
@@ -3217,10 +3235,6 @@ class Claims(object):
             return False
         return True
 
-    def _done_already(self, jid, now):
-        """Was the job just claimed done within the de-duplication window?"""
-        return self.spool.ok_fresh(jid, now)
-
     def _unwritten(self, path, src, name, scheduled):
         """A job file with nothing in it (no bytes, or NULs): not written
         yet (a producer between its create and its write), or never (an
@@ -3301,90 +3315,6 @@ class Claims(object):
             return kill_run(0, sig, token, start=-1)   # by its MYQ_CLAIM alone
         return kill_run(pid, sig, token, start=start)
 
-    def close(self, c):
-        if c.fd is not None:
-            try:
-                os.close(c.fd)
-            except OSError:
-                pass
-            c.fd = None
-
-    def complete(self, c):
-        """Success: the rename to done/, whose file is the job's idempotency
-        record (see ok_fresh).  Returns False when the claim was taken back
-        meanwhile."""
-        self.close(c)
-        fs = self.spool.fs
-        try:
-            _rename(c.path, self.spool._done + c.jid + ".json",
-                    fs("processing"), fs("done"))
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return False
-            raise
-        return True
-
-    def move_on(self, c, job, dest, me, fin=None, until=None):
-        """Put a new version of a claimed job into incoming/ (mtime =
-        available_at, or `until`) or dlq/.  The claim is first renamed to
-        ID+TOKEN.fin: when that fails, the claim is no longer ours and
-        nothing moves.
-
-        `until`: a job put back for a destination that failed (myq(1) holds)
-        waits until then by its mtime alone, while its available_at says
-        now: a release sets the mtime to now, and a file whose mtime is not
-        later than its ctime is due by its available_at (a producer's own
-        file), so a release must not leave a later date there."""
-        self.close(c)
-        job = dict(job)
-        job["updated_at"] = _now()
-        job.pop("lease", None)
-        job.pop("state", None)
-        if dest == "incoming":
-            dest = self.spool.home(job)       # its lane, when it has one
-        waiting = dest.startswith("incoming")
-        if waiting and dest != "incoming":
-            self.spool._make_lane(dest)
-        data = dumps(job)
-        # The next version is written in processing/, the owner's alone
-        # (not in tmp/, where a producer could swap it before the rename).
-        tmp = self.spool.d("processing", _claim_name(c.jid, c.token, "new"))
-        _quiet_unlink(tmp)              # left by an earlier failed try
-
-        _create(tmp, data, sync=True, mtime=None if not waiting else
-                job["available_at"] if until is None else until)
-        if fin is None and c.path.endswith(".fin"):
-            fin = c.path                # an earlier try got this far
-        if fin is None:
-            fin = self.spool.d("processing", _claim_name(c.jid, c.token, "fin"))
-            try:
-                _rename(c.path, fin)
-            except OSError as e:
-                _quiet_unlink(tmp)
-                if e.errno == errno.ENOENT:
-                    return False
-                raise
-            c.path = fin
-        try:
-            _rename(tmp, self.spool.d(dest, c.jid + ".json"))
-        except OSError:
-            _quiet_unlink(tmp)
-            raise
-        _unlink(fin)
-        if waiting:
-            self.spool.poke()
-        return True
-
-    def put_back(self, c, mtime):
-        """The claim home unchanged, due at `mtime` (False: not ours now)."""
-        home = self.spool.home(c.job)
-        self.spool._make_lane(home)     # (incoming/ itself: there)
-        if c.fd is not None:        # (kept open until it moved)
-            _futime(c.fd, c.path, mtime)
-        ok = _take(c.path, self.spool.d(home, c.jid + ".json"))
-        self.close(c)
-        return ok
-
     def quarantine(self, path, name, reason):
         """Move a file that is not a valid job to failed/, reason beside it."""
         name = name.replace("/", "_") or "unnamed"
@@ -3454,50 +3384,6 @@ class Claims(object):
         if until < now:
             return "lease of worker %s expired at %s" % (wid, iso(until))
         return None
-
-    def _until_of(self, path):
-        """The wall-clock end of the claim's lease: its mtime, or the line
-        a claim appended (_lease_claim)."""
-        try:
-            data, st = self.spool.read_file(path)
-            t = (_lease_of(parse(data)[1]) or {}).get("leased_until")
-        except (OSError, InvalidJob):
-            return 0.0
-        return max(st.st_mtime, t) if _is_num(t) else st.st_mtime
-
-    def reap(self, me=None, max_attempts=5, dry_run=False):
-        """Take back claims whose owner is gone (or whose lease expired where
-        liveness cannot be checked).  Returns how many were taken back."""
-        self.spool.require()
-        mine = me is None and not dry_run
-        if mine:
-            me = Identity(self.spool, kind="r")
-            me.register()
-        try:
-            cache = {}
-            now, mono = _now(), _mono()
-            n = 0
-            names = sorted(_listdir(self.spool.d("processing")))
-            batches = {} if dry_run else self._dead_batches(
-                names, me, cache, now, mono)
-            for name in names:
-                parts = _split_claim(name)
-                if not parts or (me is not None and parts[1] == me.wid):
-                    continue
-                path = self.spool.d("processing", name)
-                why = self._owner_gone(parts[1], path, cache, now, mono,
-                                       kill=not dry_run)
-                if why is None:
-                    continue
-                if dry_run:
-                    n += 1
-                elif self.take_back(path, parts[0], me, why, max_attempts,
-                                     batches.get(parts[0])):
-                    n += 1
-            return n
-        finally:
-            if mine:
-                me.unregister()
 
     def _dead_batches(self, names, me, cache, now, mono):
         """{jid: its batch} of the batches (processing/*.batch) whose
@@ -3584,6 +3470,204 @@ class Claims(object):
         except OSError:
             return None, False
         return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
+
+
+class FileClaims(Claims):
+    """The file store's claims: a claim is a rename into processing/, a
+    lane a directory, a scan a walk of the lanes' entries."""
+
+    def claim(self, name, me, default_max_attempts=5, scheduled=False,
+               sub="incoming", anytime=False):
+        """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
+        Claim, or None when the job was lost to another worker, quarantined,
+        deferred, expired, moved to its lane, already done, or (scheduled:
+        the scheduler saw it due by its schedule) scheduled again since,
+        unless `anytime` (a held destination's probe runs it now)."""
+        if not name.endswith(".json"):
+            return None
+        stem = name[:-5]
+        src = self.spool._incoming + name if sub == "incoming" else self.spool.d(sub, name)
+        if not NAME_RE.match(stem):
+            try:
+                self.quarantine(src, name, "bad file name: a job file is ID.json, "
+                                "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
+            except OSError:
+                if _lexists(src):
+                    raise           # it stays: the worker logs why, backs off
+            return None
+        token = me.token()
+        cname = _claim_name(stem, token)
+        path = self.spool._processing + cname
+        # by the door's descriptors of the two directories (the worker
+        # keeps them), not their paths looked up at each step
+        fs = self.spool.fs
+        pfd = fs("processing")
+        try:
+            _rename(src, path, fs(sub), pfd)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return None             # another worker was faster
+            raise
+        got = self._read_claimed(path, src, name, scheduled, pfd, cname)
+        if got is None:
+            return None
+        job, trailers, fd, st = got
+        now = _now()
+        if scheduled and not anytime and st.st_mtime > now + 0.5:
+            # Another worker ran it and put it back with its backoff since
+            # this one's scan saw it due (the mtime is the schedule): it
+            # goes back untouched, to wait its time.
+            os.close(fd)
+            _rename(path, src, pfd, fs(sub))
+            return None
+        c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
+                  trailers=trailers, mtime=st.st_mtime,
+                  max_attempts=job.get("max_attempts") or default_max_attempts)
+        if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
+            return None
+        c.attempt = job["attempts"] + 1
+        try:
+            _lease_claim(fd, path, me, c, now + me.lease)
+        except OSError:
+            self.close(c)
+            try:                        # give it back untouched
+                _rename(path, src)
+            except OSError:
+                pass
+            raise
+        return c
+
+    def _done_already(self, jid, now):
+        """Was the job just claimed done within the de-duplication window?"""
+        return self.spool.ok_fresh(jid, now)
+
+    def close(self, c):
+        if c.fd is not None:
+            try:
+                os.close(c.fd)
+            except OSError:
+                pass
+            c.fd = None
+
+    def complete(self, c):
+        """Success: the rename to done/, whose file is the job's idempotency
+        record (see ok_fresh).  Returns False when the claim was taken back
+        meanwhile."""
+        self.close(c)
+        fs = self.spool.fs
+        try:
+            _rename(c.path, self.spool._done + c.jid + ".json",
+                    fs("processing"), fs("done"))
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        """Put a new version of a claimed job into incoming/ (mtime =
+        available_at, or `until`) or dlq/.  The claim is first renamed to
+        ID+TOKEN.fin: when that fails, the claim is no longer ours and
+        nothing moves.
+
+        `until`: a job put back for a destination that failed (myq(1) holds)
+        waits until then by its mtime alone, while its available_at says
+        now: a release sets the mtime to now, and a file whose mtime is not
+        later than its ctime is due by its available_at (a producer's own
+        file), so a release must not leave a later date there."""
+        self.close(c)
+        job = dict(job)
+        job["updated_at"] = _now()
+        job.pop("lease", None)
+        job.pop("state", None)
+        if dest == "incoming":
+            dest = self.spool.home(job)       # its lane, when it has one
+        waiting = dest.startswith("incoming")
+        if waiting and dest != "incoming":
+            self.spool._make_lane(dest)
+        data = dumps(job)
+        # The next version is written in processing/, the owner's alone
+        # (not in tmp/, where a producer could swap it before the rename).
+        tmp = self.spool.d("processing", _claim_name(c.jid, c.token, "new"))
+        _quiet_unlink(tmp)              # left by an earlier failed try
+
+        _create(tmp, data, sync=True, mtime=None if not waiting else
+                job["available_at"] if until is None else until)
+        if fin is None and c.path.endswith(".fin"):
+            fin = c.path                # an earlier try got this far
+        if fin is None:
+            fin = self.spool.d("processing", _claim_name(c.jid, c.token, "fin"))
+            try:
+                _rename(c.path, fin)
+            except OSError as e:
+                _quiet_unlink(tmp)
+                if e.errno == errno.ENOENT:
+                    return False
+                raise
+            c.path = fin
+        try:
+            _rename(tmp, self.spool.d(dest, c.jid + ".json"))
+        except OSError:
+            _quiet_unlink(tmp)
+            raise
+        _unlink(fin)
+        if waiting:
+            self.spool.poke()
+        return True
+
+    def put_back(self, c, mtime):
+        """The claim home unchanged, due at `mtime` (False: not ours now)."""
+        home = self.spool.home(c.job)
+        self.spool._make_lane(home)     # (incoming/ itself: there)
+        if c.fd is not None:        # (kept open until it moved)
+            _futime(c.fd, c.path, mtime)
+        ok = _take(c.path, self.spool.d(home, c.jid + ".json"))
+        self.close(c)
+        return ok
+
+    def _until_of(self, path):
+        """The wall-clock end of the claim's lease: its mtime, or the line
+        a claim appended (_lease_claim)."""
+        try:
+            data, st = self.spool.read_file(path)
+            t = (_lease_of(parse(data)[1]) or {}).get("leased_until")
+        except (OSError, InvalidJob):
+            return 0.0
+        return max(st.st_mtime, t) if _is_num(t) else st.st_mtime
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back claims whose owner is gone (or whose lease expired where
+        liveness cannot be checked).  Returns how many were taken back."""
+        self.spool.require()
+        mine = me is None and not dry_run
+        if mine:
+            me = Identity(self.spool, kind="r")
+            me.register()
+        try:
+            cache = {}
+            now, mono = _now(), _mono()
+            n = 0
+            names = sorted(_listdir(self.spool.d("processing")))
+            batches = {} if dry_run else self._dead_batches(
+                names, me, cache, now, mono)
+            for name in names:
+                parts = _split_claim(name)
+                if not parts or (me is not None and parts[1] == me.wid):
+                    continue
+                path = self.spool.d("processing", name)
+                why = self._owner_gone(parts[1], path, cache, now, mono,
+                                       kill=not dry_run)
+                if why is None:
+                    continue
+                if dry_run:
+                    n += 1
+                elif self.take_back(path, parts[0], me, why, max_attempts,
+                                     batches.get(parts[0])):
+                    n += 1
+            return n
+        finally:
+            if mine:
+                me.unregister()
 
     def lanes_key(self, poked=False):
         """A key that changes when lanes come or go (None: no lanes).
@@ -6280,7 +6364,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
         self.intake = False     # _claim moved a producer's file to its lane
         self.lane_problems = {}     # lane -> why the door refused it
         self.breaker = Breaker(self)
-        self.claims = Claims(self)
+        self.claims = self.CLAIMS(self)
 
         _Door.of(self.path)
 
@@ -6746,9 +6830,10 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
 class FileStore(Spool):
     """The store of files: a file per job, a state per directory, every
     move one rename(2) (the protocol of the module's docstring); its
-    claims are Claims'."""
+    claims are FileClaims'."""
 
     store = "files"
+    CLAIMS = FileClaims
 
     def _enqueue_one(self, todo, sync):
         """_enqueue of one job into incoming/, without the batch's lists."""
@@ -8342,10 +8427,10 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
     queue.db, the rest as for files."""
 
     store = "sqlite"
+    CLAIMS = _SqlClaims
 
     def __init__(self, path=None, log=None, **options):
         Spool.__init__(self, path, log, **options)
-        self.claims = _SqlClaims(self)
         self._conn = self._conn_pid = self._sync = None
         self._commits = self._fresh = 0
         self._writer = None

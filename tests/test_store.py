@@ -10,15 +10,36 @@ import pytest
 import _core
 
 
+def _unimplemented(contract, cls):
+    """The contract's abstract operations (those that call _abstract) that
+    `cls` leaves as they are."""
+    return [m for m, f in vars(contract).items()
+            if callable(f) and "_abstract" in f.__code__.co_names
+            and getattr(cls, m, f) is f]
+
+
 def test_each_store_implements_the_contract_and_neither_inherits_the_other(myq):
+    """Store's and Claims' every operation, implemented by each store
+    _STORES knows (a third one registers there), the worker's calls
+    (spool.claims.X) among them."""
+    assert len(myq._STORES) >= 2 and len(_unimplemented(myq.Store, object)) > 40
     for name, cls in myq._STORES.items():
         assert issubclass(cls, myq.Store) and cls.store == name
-        missing = [m for m, f in vars(myq.Store).items()
-                   if callable(f) and not m.startswith("__")
-                   and m != "_abstract" and getattr(cls, m) is f]
-        assert not missing, "%s does not implement %s" % (name, missing)
+        assert not _unimplemented(myq.Store, cls), name
+        assert issubclass(cls.CLAIMS, myq.Claims)
+        assert not _unimplemented(myq.Claims, cls.CLAIMS), name
     assert not issubclass(myq.SqlStore, myq.FileStore)
     assert not issubclass(myq.FileStore, myq.SqlStore)
+    assert not issubclass(myq._SqlClaims, myq.FileClaims)
+
+
+def test_the_contract_raises_for_what_a_store_leaves_out(myq):
+    class Half(myq.Store):
+        store = "half"
+    with pytest.raises(NotImplementedError):
+        Half().enqueue("t")
+    with pytest.raises(NotImplementedError):
+        myq.Claims(Half()).scan(None, 1, 0)
 
 
 @pytest.mark.parametrize("tmpfile", [True, False])

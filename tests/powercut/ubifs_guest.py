@@ -251,9 +251,9 @@ def detach(timing=None):
 def close_db(sp):
     """What a call on a Spool of the SQLite store leaves open in this
     process, which unmounts the spool at every reboot: the connection to
-    queue.db (SqlSpool._conn; an exception's traceback would keep the
+    queue.db (SqlStore._conn; an exception's traceback would keep the
     Spool alive), and the descriptors of SPOOL and SPOOL/locks in the
-    spool's door (SqlSpool's create and enqueue_many do not release it as
+    spool's door (SqlStore's create and enqueue_many do not release it as
     the files store's calls do: the umount failed with EBUSY; reported)."""
     if sp is None:
         return
