@@ -2031,6 +2031,42 @@ SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
 SPOOL_POLICY = "@spool"     # the policy file's entry of the spool's own rules
 
 
+
+# The rules every store applies to a job and its type's policy (Store's
+# implementations call these, so that the stores cannot disagree).
+
+def job_expiry(job, ttl):
+    """When a job expires (myq(1) policy), or None: its own expires_at,
+    else (its retry, or its creation) + `ttl`, its type's.  Times from a
+    clock that was never set (before 2020) expire nothing: a device
+    without a real-time clock boots in 1970 and jumps at its first NTP
+    sync."""
+    e = job.get("expires_at")
+    if e is None and ttl is None:
+        return None
+    since = job.get("retried_at") or job.get("created_at") or 0
+    if since < SANE_TIME:
+        return None
+    return since + ttl if e is None else e
+
+
+def revive(job, t, ttl):
+    """A dead job made to wait again (retry): attempts from 0, due at `t`,
+    its failure's time gone, and its ttl (its own or `ttl`, its type's)
+    counting from `t`."""
+    job.update(attempts=0, available_at=t)
+    job.pop("failed_at", None)
+    if job.pop("expires_at", None) is not None or ttl:
+        job["retried_at"] = t
+    return job
+
+
+def dedupe_fresh(finished, window, now):
+    """Whether a job finished at `finished` still holds its id against a
+    producer's same id (the de-duplication window; a finish in the
+    future, the clock set back, holds it)."""
+    return finished + window > now or finished > now
+
 def _choice(*allowed):
     def value(v):
         if v not in allowed:
@@ -6701,15 +6737,10 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
         that was never set (before 2020) expire nothing: a device without
         a real-time clock boots in 1970 and jumps at its first NTP sync.
         `rules`: the type's, when the caller has them."""
-        e = job.get("expires_at")
-        if e is None:
-            ttl = (self.rules(job["type"]) if rules is None else rules).get("ttl")
-            if ttl is None:
-                return None
-        since = job.get("retried_at") or job.get("created_at") or 0
-        if since < SANE_TIME:
-            return None
-        return since + ttl if e is None else e
+        if job.get("expires_at") is not None:
+            return job_expiry(job, None)
+        return job_expiry(job, (self.rules(job["type"]) if rules is None
+                                else rules).get("ttl"))
 
     def make_room(self, type, size, dirs=None, exclude=None):
         """The type's bounds (myq(1) policy) for one new arrival of `size` bytes:
@@ -6897,8 +6928,7 @@ class FileStore(Spool):
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
-            t = getattr(st, when)
-            if t + window > now or t > now:
+            if dedupe_fresh(getattr(st, when), window, now):
                 return True
         return False
 
@@ -6914,11 +6944,7 @@ class FileStore(Spool):
                     raise DuplicateJob("job %s is already queued; delete one "
                                        "of them first" % jid)
                 job, _, _ = self.load(path, jid)
-                job.update(attempts=0, available_at=_now())
-                job.pop("failed_at", None)
-                if job.pop("expires_at", None) is not None or self.rules(
-                        job["type"]).get("ttl"):
-                    job["retried_at"] = _now()  # the ttl counts from now
+                revive(job, _now(), self.rules(job["type"]).get("ttl"))
                 if not me.registered:
                     me.register()
                 # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
@@ -7911,11 +7937,7 @@ class _SqlUpkeep(object):
         if row is None:
             return False
         job = _job_of_row(row)
-        job.update(attempts=0, available_at=t)
-        job.pop("failed_at", None)
-        if job.pop("expires_at", None) is not None or self.rules(
-                job["type"]).get("ttl"):
-            job["retried_at"] = t       # the ttl counts from now
+        revive(job, t, self.rules(job["type"]).get("ttl"))
         v = _row_values(self, job, "ready", self.home(job), t, finished_at=None)
         keys = [k for k in v if k != "id"]
         return self._write("UPDATE jobs SET %s WHERE id=? AND status='dead'"
@@ -8912,7 +8934,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
                         "status='done'", (jid,))
         if row is None and not _is_generated_id(jid):
             row = self._one("SELECT at FROM ok WHERE id=?", (jid,))
-        return row is not None and (row[0] or 0) + window > now
+        return row is not None and dedupe_fresh(row[0] or 0, window, now)
 
     # Reading ------------------------------------------------------------------------
 
