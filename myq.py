@@ -79,10 +79,12 @@ The map: the sections, in file order, each using only those above it
                     check), _Backlog (export, import: JSON lines),
                     _Budget (the budget's figure and shed, capacity:
                     locks/used, locks/rates), _Layout (what init makes),
-                    Spool (what every store of a spool directory shares:
-                    reading, policy, lanes, stats), FileStore (the store of
-                    files) (test_store, test_spool_layout, test_retry_dlq,
-                    test_operator, test_export, test_budget)
+                    _DirStore (what every store of a spool directory
+                    shares: reading, policy, lanes, stats), FileStore (the
+                    store of files), open_store, Spool (myq(1)'s Python
+                    API, handed to its store) (test_store, test_api,
+                    test_spool_layout, test_retry_dlq, test_operator,
+                    test_export, test_budget)
   The SQLite store  SqlStore, _SqlClaims and _SqlBudget: the same
                     interface over queue.db (myq init --store sqlite), the
                     drop box taken in (test_sqlite, and the
@@ -2416,7 +2418,7 @@ class Store(object):
     # Producing -------------------------------------------------------------
 
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
-                timeout=None, priority=None, ttl=None, sync=True):
+                timeout=None, sync=True, priority=None, ttl=None):
         """Add one job durably; its id (DuplicateJob, SpoolFull, ...)."""
         self._abstract()
 
@@ -3844,7 +3846,7 @@ class FileClaims(Claims):
 
 class _Producing(object):
     """What producers do to a spool: enqueue (through tmp/, fsync'd, a
-    wake-up), the disk-free guard, idempotency records (a part of Spool)."""
+    wake-up), the disk-free guard, idempotency records (a part of _DirStore)."""
 
     # Producers ---------------------------------------------------------------
 
@@ -4339,7 +4341,7 @@ class _Producing(object):
 
 class _Upkeep(object):
     """The operator's moves (retry, delete, reap) and retention (prune,
-    the guards' make_space, the reserve) and check (a part of Spool)."""
+    the guards' make_space, the reserve) and check (a part of _DirStore)."""
 
     # Operator moves ----------------------------------------------------------
 
@@ -5323,7 +5325,7 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
     """Add a job to the spool durably; returns its id (myq(1) PYTHON API)."""
     sp = _SPOOLS.get(spool)
     if sp is None or not sp._ready:
-        sp = _SPOOLS[spool] = Spool(spool)
+        sp = _SPOOLS[spool] = open_store(spool)
     try:
         return sp.enqueue(type, payload, id=id, delay=delay,
                           max_attempts=max_attempts, timeout=timeout,
@@ -5335,7 +5337,7 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
 
 class _Reading(object):
     """What the commands read of a spool: a job file, where an id is,
-    show, list, stats (a part of Spool)."""
+    show, list, stats (a part of _DirStore)."""
 
 
     def read_file(self, path, limit=None):
@@ -5679,7 +5681,7 @@ def _records_made(dfd, ids):
 class _Budget(object):
     """The budget (myq(1) budget): the used-bytes figure, the producers'
     charge, shedding; and the figures of capacity: arrivals and deliveries
-    in locks/rates, what waits by type (a part of Spool)."""
+    in locks/rates, what waits by type (a part of _DirStore)."""
 
     # A job's cost is what it takes, give or take a directory entry: the
     # figure is exact enough to shed on (the SQLite store's is not: a row
@@ -6353,22 +6355,10 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
-class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
-    """One queue: the directory layout and every move of a job file.
-    Spool(path) is the class of the store the spool records (SPOOL/store:
-    "sqlite" for the SQLite store; none for files)."""
-
-    def __new__(cls, path=None, log=None, **options):
-        if cls is Spool:
-            name = _read_small(os.path.join(os.path.abspath(
-                path or os.environ.get("MYQ_SPOOL") or DEFAULT_SPOOL), "store"), 64)
-            name = name.decode("ascii", "replace").strip() if name else "files"
-            if name not in _STORES:
-                raise ConfigError("spool %s records the store %r, which this "
-                                  "myq does not know (one of: %s)"
-                                  % (path, name, " ".join(sorted(_STORES))))
-            cls = _STORES[name]
-        return object.__new__(cls)
+class _DirStore(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
+    """What every store of a spool directory shares (the file store's and
+    the SQLite store's): the layout, name, policy and lanes, the drop
+    box's and failed/'s files, the budget's records, the statistics."""
 
     def __init__(self, path=None, log=None, **options):
         self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
@@ -6488,7 +6478,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
                                       "myq --spool %s init" % (self.path, self.path))
                 raise ConfigError("spool %s is not initialised (no %s/); run: "
                                   "myq --spool %s init" % (self.path, sub, self.path))
-        self._ready = True      # checked once per Spool object
+        self._ready = True      # checked once per store object
         return self
 
     def _unusable(self, sub):
@@ -6858,7 +6848,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
             pass        # a statistic, never worth failing a job for
 
 
-class FileStore(Spool):
+class FileStore(_DirStore):
     """The store of files: a file per job, a state per directory, every
     move one rename(2) (the protocol of the module's docstring); its
     claims are FileClaims'."""
@@ -7185,6 +7175,86 @@ class FileStore(Spool):
 
 
 _STORES["files"] = FileStore
+
+
+def open_store(path=None, log=None, **options):
+    """The store of the spool at `path` (MYQ_SPOOL, else /var/spool/myq):
+    the class _STORES names for its SPOOL/store ("files" where there is
+    none); `options`: the guard and retention settings."""
+    name = _read_small(os.path.join(os.path.abspath(
+        path or os.environ.get("MYQ_SPOOL") or DEFAULT_SPOOL), "store"), 64)
+    name = name.decode("ascii", "replace").strip() if name else "files"
+    if name not in _STORES:
+        raise ConfigError("spool %s records the store %r, which this "
+                          "myq does not know (one of: %s)"
+                          % (path, name, " ".join(sorted(_STORES))))
+    return _STORES[name](path, log, **options)
+
+
+class Spool(object):
+    """One spool, as myq(1) PYTHON API has it: each call what the command
+    of its name does, handed to the spool's store (`store`: a Store, of
+    the class SPOOL/store names), which has the rest."""
+
+    def __init__(self, path=None, log=None, **options):
+        self.store = open_store(path, log, **options)
+        self.path = self.store.path
+
+    def init(self, owner=None, store=None):
+        """Make the spool (myq init [--store]); returns the Spool."""
+        self.store = self.store.init(owner, store)
+        return self
+
+    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
+                timeout=None, sync=True, priority=None, ttl=None):
+        """myq enqueue: add one job, durable when it returns (sync);
+        returns its id."""
+        return self.store.enqueue(type, payload, id, delay, max_attempts,
+                                  timeout, sync, priority, ttl)
+
+    def enqueue_many(self, specs, sync=True):
+        """Add the jobs of `specs` (dicts), durable together; their ids."""
+        return self.store.enqueue_many(specs, sync)
+
+    def show(self, id):
+        """myq show ID: the job as a dict, with its state."""
+        return self.store.show(id)
+
+    def list(self, state=None):
+        """myq list [STATE]: the jobs as dicts."""
+        return self.store.list(state)
+
+    def stats(self):
+        """myq stats: the counters, as a dict."""
+        return self.store.stats()
+
+    def status_line(self):
+        """The one line of the status: what myq stats prints first."""
+        return self.store.status_line()
+
+    def check(self):
+        """myq check: what is wrong, as lines (none: all is well)."""
+        return self.store.check()
+
+    def retry(self, ids):
+        """myq retry ID...: dead jobs back to the queue."""
+        return self.store.retry(ids)
+
+    def delete(self, ids, force=False):
+        """myq delete ID...: jobs removed."""
+        return self.store.delete(ids, force)
+
+    def reap(self):
+        """myq reap: the claims of workers that are gone, taken back."""
+        return self.store.reap()
+
+    def prune(self):
+        """myq prune: retention applied."""
+        return self.store.prune()
+
+    def close(self):
+        """What the spool keeps open, closed."""
+        self.store.close()
 
 
 # The SQLite store ############################################################
@@ -7897,7 +7967,7 @@ class _SqlUpkeep(object):
             ids = list(_ids(ids)) + [r[0] for r in self._all(
                 "SELECT id FROM jobs WHERE status='dead' ORDER BY id")]
             all = False
-        return Spool.retry(self, ids, all, now)
+        return _DirStore.retry(self, ids, all, now)
 
     def _retry(self, ids, missing, me, now=False):
         n = 0
@@ -7948,7 +8018,7 @@ class _SqlUpkeep(object):
         """(`status`: a bulk delete's, which a row changed since it was
         selected no longer matches: it is left alone.)"""
         if not path.startswith("db:"):
-            return Spool._delete_one(self, jid, state, path, force)
+            return _DirStore._delete_one(self, jid, state, path, force)
         row = self._one("SELECT status, token, finished_at FROM jobs WHERE id=?",
                         (jid,))
         if row is None or status is not None and row[0] != status:
@@ -7980,7 +8050,7 @@ class _SqlUpkeep(object):
         now = self._bulk_delete(state, force, now)
         n = 0
         if state in ("failed", "ready", "scheduled"):     # (files: failed/,
-            n = Spool.delete_where(self, state, type,    # the drop box)
+            n = _DirStore.delete_where(self, state, type,    # the drop box)
                                    older_than, force, now)
         if type is not None and not NAME_RE.match(type):
             return n            # (no row's; not even sqlite's to encode)
@@ -8054,7 +8124,7 @@ class _SqlUpkeep(object):
         return self._tx(expire, sync=False)
 
     def _holders(self):
-        owners, tokens = Spool._holders(self)
+        owners, tokens = _DirStore._holders(self)
         for wid, token in self._all("SELECT worker_id, token FROM jobs WHERE "
                                     "status='processing'"):
             owners.add(wid)
@@ -8110,7 +8180,7 @@ class _SqlUpkeep(object):
                 pass            # (best effort: the next call tries again)
 
     def keep_room(self):
-        kept = Spool.keep_room(self)
+        kept = _DirStore.keep_room(self)
         if kept and self.__dict__.get("_small"):
             self._small_log(False)
         return kept
@@ -8129,7 +8199,7 @@ class _SqlUpkeep(object):
                 raise _db_error(self, e)
 
     def set_name(self, name):
-        """Spool.set_name, for a spool that holds no job yet: its rows carry
+        """_DirStore.set_name, for a spool that holds no job yet: its rows carry
         the queue's name (the queue column)."""
         if name != self.name and _is_name(name) and self._one("SELECT count(*) FROM jobs")[0]:
             raise ConfigError(
@@ -8137,10 +8207,10 @@ class _SqlUpkeep(object):
                 "make a new spool (myq --spool NEW init --store sqlite --name "
                 "%s) and move the jobs (myq --spool %s export | myq --spool NEW "
                 "import)" % (self.path, self.name, name, self.path))
-        Spool.set_name(self, name)
+        _DirStore.set_name(self, name)
 
     def check(self, operator=True):
-        """Spool.check, the database first: damaged, it says so (with the
+        """_DirStore.check, the database first: damaged, it says so (with the
         filesystem's problems; what needs its rows cannot be asked)."""
         bad = None
         if _lexists(self.d(DB_NAME)):
@@ -8154,12 +8224,12 @@ class _SqlUpkeep(object):
             except (_DbDamaged, _DbDenied) as e:
                 bad = str(e)
             except MyqError:
-                pass            # (busy, out of reach: Spool.check says)
+                pass            # (busy, out of reach: _DirStore.check says)
         if not bad:
-            return Spool.check(self, operator)
+            return _DirStore.check(self, operator)
         problems = [bad]
         try:
-            Spool.check_filesystem(self)
+            _DirStore.check_filesystem(self)
         except ConfigError as e:
             problems.append(str(e))
         self.policy()
@@ -8378,7 +8448,7 @@ class _SqlBudget(object):
         return None if b is None else max(16, min(1000, b // 32768))
 
     def measure(self):
-        """Spool.measure, the log counted at least at its cap (what the
+        """_DirStore.measure, the log counted at least at its cap (what the
         workers' commits may write there before the next checkpoint);
         with a budget, the log first checkpointed and truncated and the
         database's free pages given back (incremental vacuum), so that
@@ -8399,7 +8469,7 @@ class _SqlBudget(object):
                     wal = _lstat(wal_path).st_blocks * 512
         except (MyqError, OSError):
             pass                # (busy: measured as it is)
-        return Spool.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
+        return _DirStore.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
 
     def _shed_measured(self, m, a, t):
         return self.measure(), 0, _now()
@@ -8444,7 +8514,7 @@ class _SqlBudget(object):
             self._add_waiting(out, t, size, created)
 
 
-class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
+class SqlStore(_SqlUpkeep, _SqlBudget, _DirStore):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
     queue.db, the rest as for files."""
 
@@ -8452,7 +8522,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
     CLAIMS = _SqlClaims
 
     def __init__(self, path=None, log=None, **options):
-        Spool.__init__(self, path, log, **options)
+        _DirStore.__init__(self, path, log, **options)
         self._conn = self._conn_pid = self._sync = None
         self._commits = self._fresh = 0
         self._writer = None
@@ -8534,7 +8604,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
         """The spool's filesystem as for files, and the database whole
         (PRAGMA quick_check, at a worker's start): a damaged one claims
         nothing (ConfigError, exit 78), and says how to save its jobs."""
-        Spool.check_filesystem(self)
+        _DirStore.check_filesystem(self)
         bad = self._quick_check()
         if bad:
             raise _db_error(self, _sqlite3().DatabaseError(
@@ -8542,7 +8612,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
 
     def require(self):
         if not self._ready:
-            Spool.require(self)
+            _DirStore.require(self)
             if not _lexists(self.d(DB_NAME)):
                 self._ready = False
                 raise ConfigError(
@@ -8743,7 +8813,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
 
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
                 timeout=None, sync=True, priority=None, ttl=None):
-        """Spool.enqueue.  The usual call (a generated id, no options, a type
+        """_DirStore.enqueue.  The usual call (a generated id, no options, a type
         whose jobs wait in incoming/ unbounded) is one INSERT of a prepared
         statement: no job file's bytes, no dict of columns (bench/README.md:
         its Python costs less than the INSERT).  Anything else, and any
@@ -8751,7 +8821,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
         if id is not None or delay or max_attempts is not None \
                 or timeout is not None or priority is not None \
                 or ttl is not None or self.require()._drop_box():
-            return Spool.enqueue(self, type, payload, id, delay, max_attempts,
+            return _DirStore.enqueue(self, type, payload, id, delay, max_attempts,
                                  timeout, sync, priority, ttl)
         # new_job's checks, in its order, without its dict
         now = _now()
@@ -8773,7 +8843,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
             if size > self.opt["max_job_bytes"]:
                 raise ValueError            # (its refusal is worded there)
         except (ValueError, TypeError, RecursionError, UnicodeError):
-            return Spool.enqueue(self, type, payload, None, 0, None, None, sync)
+            return _DirStore.enqueue(self, type, payload, None, 0, None, None, sync)
         self._insert_one(_INSERT_NEW, (jid, self.name, type, pj, now, now, now,
                                        size), size, sync, type)
         return jid
@@ -8812,7 +8882,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
         it."""
         self.require()
         if self._drop_box():
-            return Spool._enqueue(self, todo, sync, refused, done)
+            return _DirStore._enqueue(self, todo, sync, refused, done)
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
@@ -8946,11 +9016,11 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
                 state = {"ready": "scheduled" if row[1] > _now() else "ready",
                          "dead": "dead"}.get(row[0], row[0])
                 return state, "db:" + jid
-        return Spool.locate(self, jid)          # the drop box, failed/
+        return _DirStore.locate(self, jid)          # the drop box, failed/
 
     def _describe(self, state, path, holding=None):
         if not path.startswith("db:"):
-            return Spool._describe(self, state, path, holding)
+            return _DirStore._describe(self, state, path, holding)
         jid = path[3:]
         row = self._one(_SELECT + " WHERE id=?", (jid,))
         if row is None:
@@ -8988,7 +9058,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
         """Jobs by state, then time, then id (the drop box's files among
         the ready ones, failed/'s after the rows)."""
         if state in (None, "ready", "scheduled", "held"):
-            for row in Spool._rows(self, state):     # the drop box's files
+            for row in _DirStore._rows(self, state):     # the drop box's files
                 if row["state"] != "failed" and (state != "failed"):
                     yield row
         holding = self._holding() if state in (None, "scheduled", "held") \
@@ -9015,7 +9085,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, Spool):
                     continue
                 yield row
         if state in (None, "failed"):
-            for row in Spool._rows(self, "failed"):
+            for row in _DirStore._rows(self, "failed"):
                 yield row
 
     def _counts(self, now):
@@ -11739,7 +11809,7 @@ def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
                       listen_fd) if listen else None
     sessions, threads = [], []
     for cid, some in session_subs(subs, (mqtt or {}).get("client_id")):
-        mq = MqttIntake(Spool(spool.path, log=log, **spool.opt), some,
+        mq = MqttIntake(open_store(spool.path, log=log, **spool.opt), some,
                         log=log, every=subs, **dict(mqtt, client_id=cid))
         thread = threading.Thread(target=mq.run, name="myq-intake-mqtt",
                                   args=(lambda: any(s != "hup" for s in stop),))
@@ -13559,9 +13629,11 @@ class Worker(_Scheduling, _Running, _Holding):
             setattr(self, k, getattr(o, k))
         self.log = log or Log()
         if isinstance(spool, Spool):
+            self.spool = spool.store
+        elif isinstance(spool, Store):
             self.spool = spool
         else:
-            self.spool = Spool(spool, **keywords)
+            self.spool = open_store(spool, **keywords)
         self.spool.log = self.log
         self.handlers = dict(handlers or {})
         self._py = {}               # type -> its PyHandler (resolve)
@@ -17113,7 +17185,7 @@ def main(argv=None, parsed=None):
         if args.command in _GUARDS_SHOWN:
             guards = _resolve(args, GUARD_OPTIONS, env)
         _drop_root(path, args.command)
-        spool = Spool(path, **guards)
+        spool = open_store(path, **guards)
         fn = _COMMAND_TABLE[args.command][0]
         try:
             return fn(_Call(args, spool, guards, env)) or 0

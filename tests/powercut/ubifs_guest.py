@@ -384,7 +384,7 @@ class Run(object):
                 if rng.random() < 0.2:
                     spec["id"] = "x-%d" % (self.n + i)
                 specs.append(spec)
-            sp = myq.Spool(self.spool)
+            sp = myq.open_store(self.spool)
             try:
                 ids = sp.enqueue_many(specs)
             finally:
@@ -608,7 +608,7 @@ def main(argv=None):
     os.makedirs(MNT, exist_ok=True)
     attach(first=True)
     run = Run(a)
-    close_db(run.myq.Spool(run.spool).init(store=a.store))
+    close_db(run.myq.open_store(run.spool).init(store=a.store))
     work = "/tmp/pc-ubifs"
     os.makedirs(work, exist_ok=True)
     t0 = time.monotonic()
