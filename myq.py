@@ -77,15 +77,16 @@ The map: the sections, in file order, each using only those above it
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
                     check), _Backlog (export, import: JSON lines),
-                    _Budget (the budget's figure and shed, capacity:
-                    locks/used, locks/rates), _Layout (what init makes),
+                    Budget, FileBudget (the budget's figure and shed,
+                    capacity: locks/used, locks/rates, the store's
+                    budget), _Layout (what init makes),
                     _DirStore (what every store of a spool directory
                     shares: reading, policy, lanes, stats), FileStore (the
                     store of files), open_store, Spool (myq(1)'s Python
                     API, handed to its store) (test_store, test_api,
                     test_spool_layout, test_retry_dlq, test_operator,
                     test_export, test_budget)
-  The SQLite store  SqlStore, _SqlClaims and _SqlBudget: the same
+  The SQLite store  SqlStore, _SqlClaims and SqlBudget: the same
                     interface over queue.db (myq init --store sqlite), the
                     drop box taken in (test_sqlite, and the
                     store-parametrised tests)
@@ -2387,11 +2388,13 @@ class Store(object):
     records, the drop box) is _DirStore's.  The claim protocol is the
     store's `claims` (Claims for files: claim, complete, move_on for a
     retry or the dead letters, put_back, take_back, reap, scan, extend,
-    commit), its holds' records its `breaker`.  A store is chosen by the
+    commit), its holds' records its `breaker`, its budget (what a job
+    costs, what sheds first) its `budget`.  A store is chosen by the
     spool's SPOOL/store through _STORES; a new one registers there."""
 
     store = None        # its name in SPOOL/store and _STORES
     CLAIMS = None       # the class of its claims (Claims' contract)
+    BUDGET = None       # the class of its budget (Budget's)
 
     def _abstract(self):
         raise NotImplementedError("Method must be implemented by the store")
@@ -2555,42 +2558,14 @@ class Store(object):
         """Add the jobs of export's lines (myq import)."""
         self._abstract()
 
-    # The budget ----------------------------------------------------------
+    # Finishing -----------------------------------------------------------
 
-    def measure(self):
-        """The bytes the spool takes on its disk, walked."""
+    def complete(self, c):
+        """Finish claim `c` as done (claims.complete), counted as delivered."""
         self._abstract()
 
-    def capacity(self, now=None, types=True):
-        """budget_bytes, used_bytes, outage_capacity_s (myq stats)."""
-        self._abstract()
-
-    def shed(self, need, records=False):
-        """Free at least `need` bytes in the budget's order, if it can."""
-        self._abstract()
-
-    def _cost(self, size):
-        """The bytes a new job of `size` takes from the budget."""
-        self._abstract()
-
-    def _freed(self, size):
-        """The bytes a removed job of `size` gives back."""
-        self._abstract()
-
-    def _shed_measured(self, m, a, t):
-        """shed's figure of the spool after a walk."""
-        self._abstract()
-
-    def _shed_done(self, need):
-        """Done jobs before their time, the earliest finished first."""
-        self._abstract()
-
-    def _shed_records(self, need):
-        """Idempotency records past the de-duplication window."""
-        self._abstract()
-
-    def _lane_waiting(self, now, out):
-        """The waiting jobs of the lanes, by type, into `out`."""
+    def upkeep_budget(self, now):
+        """A worker's turn of the budget's upkeep (store.budget's)."""
         self._abstract()
 
 
@@ -3955,7 +3930,7 @@ class _Producing(object):
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge([(t[0]["type"], len(t[1])) for t in todo],
+        self.budget.charge([(t[0]["type"], len(t[1])) for t in todo],
                      [t[4] for t in todo])
         # Through descriptors of the directories, opened without following a
         # symlink: a root producer never writes outside a spool it does not
@@ -4029,8 +4004,8 @@ class _Producing(object):
         for t in todo:
             if t[0]["id"] in ids:
                 c = counts.get(t[0]["type"], (0, 0))
-                counts[t[0]["type"]] = (c[0] + 1, c[1] + self._cost(len(t[1])))
-        self.note_arrivals(counts)
+                counts[t[0]["type"]] = (c[0] + 1, c[1] + self.budget.cost(len(t[1])))
+        self.budget.note_arrivals(counts)
 
     def _fsync_later(self, later, done):
         """The fsyncs _place_new left for later, in order, after one of the
@@ -4589,7 +4564,7 @@ class _Upkeep(object):
         """Set the reserve aside when it is not and the guards allow."""
         path = self.d("locks", "room")
         if _lexists(path) or self.free_problem() or \
-                not self.budget_takes(self.ROOM):
+                not self.budget.budget_takes(self.ROOM):
             return False
         try:
             _replace(path, os.urandom(self.ROOM), mode=0o600)
@@ -5569,8 +5544,8 @@ class _Reading(object):
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.breaker.records()],
                 "destinations": self.dest_states(now)}
-        out["dropped_by"] = self.dropped_by(tot)
-        out.update(self.capacity(now, types))
+        out["dropped_by"] = self.budget.dropped_by(tot)
+        out.update(self.budget.capacity(now, types))
         return out
 
     def dest_states(self, now=None):
@@ -5673,15 +5648,54 @@ def _records_made(dfd, ids):
                 os.fchown(fd, ids[0], ids[1])
             os.fchmod(fd, mode)
             if name == "used":      # (its block there before any walk)
-                _Budget._used_write(fd, 0, 0, 0)
+                Budget._used_write(fd, 0, 0, 0)
         finally:
             os.close(fd)
 
 
-class _Budget(object):
+class Budget(object):
     """The budget (myq(1) budget): the used-bytes figure, the producers'
     charge, shedding; and the figures of capacity: arrivals and deliveries
-    in locks/rates, what waits by type (a part of _DirStore)."""
+    in locks/rates, what waits by type.  A store's, as store.budget: what
+    a job costs and what sheds first are its own (FileBudget, SqlBudget:
+    the methods that raise NotImplementedError here)."""
+
+    def __init__(self, store):
+        self.store = _weakref.proxy(store)
+        self._rates = store.d("locks", "rates")
+        self._blk = None            # the filesystem's block (_block)
+        self._arrivals = None       # a producer's, held a second (atexit)
+        self._arrived_at = -1e9
+        self._delivered = {}        # a worker's, noted each second
+        self._upkept = (-1e9, -1e9)     # (last turn, next walk): upkeep_budget
+        self._inbox = {}            # what _inbox_waiting saw
+
+    def _abstract(self):
+        raise NotImplementedError("Method must be implemented by the store")
+
+    def cost(self, size):
+        """The bytes a new job of `size` takes from the budget."""
+        self._abstract()
+
+    def freed(self, size):
+        """The bytes a removed job of `size` gives back."""
+        self._abstract()
+
+    def _shed_measured(self, m, a, t):
+        """shed's figure of the spool after a walk."""
+        self._abstract()
+
+    def _shed_done(self, need):
+        """Done jobs before their time, the earliest finished first."""
+        self._abstract()
+
+    def _shed_records(self, need):
+        """Idempotency records past the de-duplication window."""
+        self._abstract()
+
+    def _lane_waiting(self, now, out):
+        """The waiting jobs of the lanes, by type, into `out`."""
+        self._abstract()
 
     # A job's cost is what it takes, give or take a directory entry: the
     # figure is exact enough to shed on (the SQLite store's is not: a row
@@ -5691,14 +5705,14 @@ class _Budget(object):
 
     def budget_bytes(self):
         """The spool's budget in bytes, or None."""
-        own = self.policy().get(SPOOL_POLICY)
+        own = self.store.policy().get(SPOOL_POLICY)
         return own.get("budget") if own else None
 
     def _block(self):
-        b = self._budget[3] or self.__dict__.get("_blk")   # (_room_for's)
+        b = self.store._budget[3] or self._blk   # (_room_for's)
         if b is None:
             try:
-                b = os.statvfs(self.path).f_frsize or 4096
+                b = os.statvfs(self.store.path).f_frsize or 4096
             except OSError:
                 b = 4096
             self._blk = b
@@ -5706,7 +5720,7 @@ class _Budget(object):
 
     def measure(self):
         """The bytes the spool keeps now, by a walk (see above)."""
-        total, stack = 0, [self.path]
+        total, stack = 0, [self.store.path]
         while stack:
             d = stack.pop()
             for e in _scandir(d):
@@ -5719,7 +5733,7 @@ class _Budget(object):
                 if stat.S_ISDIR(st.st_mode):
                     stack.append(p)
         try:
-            total += os.lstat(self.path).st_blocks * 512
+            total += os.lstat(self.store.path).st_blocks * 512
         except OSError:
             pass
         return total
@@ -5730,7 +5744,7 @@ class _Budget(object):
         budget for its jobs).  Made by init and by the worker only."""
         import fcntl
         try:
-            fd = _open_reg(self.d("locks", "used"), os.O_RDWR)
+            fd = _open_reg(self.store.d("locks", "used"), os.O_RDWR)
         except OSError:
             return None
         try:
@@ -5774,7 +5788,7 @@ class _Budget(object):
             if fd is not None:
                 os.close(fd)
 
-    def _charge(self, items, subs=()):
+    def charge(self, items, subs=()):
         """The budget for new jobs, `items`: [(type, bytes)] into the
         directories `subs`: their cost (and a new lane's) added to the
         figure, after shedding what must go (done/ first, then stale
@@ -5787,9 +5801,9 @@ class _Budget(object):
         if fd is None:
             return
         try:
-            need = sum(self._cost(n) for t, n in items) + self._block() * sum(
+            need = sum(self.cost(n) for t, n in items) + self._block() * sum(
                 1 for sub in set(subs) | set(LANES for s in subs if s != "incoming")
-                if not os.path.isdir(self.d(sub)))
+                if not os.path.isdir(self.store.d(sub)))
             budget -= _SPARE * self._block()
             rec = self._used_read(fd)
             now = _now()
@@ -5838,7 +5852,7 @@ class _Budget(object):
                 "overflow=reject, never are); the job of type %s was refused; "
                 "try again later, raise it (myq policy --budget SIZE), or "
                 "let overflow=drop-oldest types give way"
-                % (self.path, _format_size(budget), _format_size(used),
+                % (self.store.path, _format_size(budget), _format_size(used),
                    ",".join(types)))
 
     def keep_budget(self):
@@ -5846,9 +5860,9 @@ class _Budget(object):
         measured anew, and what is over the budget shed."""
         budget = self.budget_bytes()
         fd = self._used_lock()
-        if fd is None and not _lexists(self.d("locks", "used")):
+        if fd is None and not _lexists(self.store.d("locks", "used")):
             try:
-                _create_empty(self.d("locks", "used"))
+                _create_empty(self.store.d("locks", "used"))
             except OSError:
                 pass
             fd = self._used_lock()
@@ -5886,10 +5900,10 @@ class _Budget(object):
         """[(priority, made, name, bytes, lane, type)] of the waiting jobs
         of drop-oldest types, in the order they are shed."""
         now, out = _now(), []
-        for t in sorted(set(l[1] for l in self.lanes())):
-            if self.rules(t).get("overflow") == "drop-oldest":
-                out.extend((w[0], self._made(w, now), w[2], self._freed(w[3]),
-                            w[4], t) for w in self._waiting_of(t))
+        for t in sorted(set(l[1] for l in self.store.lanes())):
+            if self.store.rules(t).get("overflow") == "drop-oldest":
+                out.extend((w[0], self.store._made(w, now), w[2], self.freed(w[3]),
+                            w[4], t) for w in self.store._waiting_of(t))
         out.sort()
         return out
 
@@ -5897,17 +5911,17 @@ class _Budget(object):
         """Waiting jobs of drop-oldest types: lowest priority first, then
         the earliest made, across types (logged, counted)."""
         freed, by_type = 0, {}
-        dirs = self.fs
+        dirs = self.store.fs
         for p, made, name, size, sub, t in self._sheddable():
             if freed >= need:
                 break
-            if not self._drop_waiting(sub, name, dirs):
+            if not self.store._drop_waiting(sub, name, dirs):
                 continue        # claimed meanwhile: it is not waiting
             freed += size
             by_type[t] = by_type.get(t, 0) + 1
-            self.log("dropped", id=name[:-5], type=t, reason="budget")
+            self.store.log("dropped", id=name[:-5], type=t, reason="budget")
         for t, n in sorted(by_type.items()):
-            self.count(("dropped", "dropped_budget"), t, n)
+            self.store.count(("dropped", "dropped_budget"), t, n)
         return freed
 
     # Arrivals and deliveries (locks/rates) -----------------------------------
@@ -5925,19 +5939,20 @@ class _Budget(object):
         within a second of the last append kept and added to the next (or
         written at exit): a producer that enqueues many opens the file
         once a second, not once a job."""
-        mono, held = _mono(), self.__dict__.get("_arrivals")
+        mono, held = _mono(), self._arrivals
         if held is None:
             held = self._arrivals = {}
             import atexit
-            atexit.register(self.flush_arrivals)
+            atexit.register(self.flush_arrivals)   # (the store may be gone:
+            # what it needs of it, locks/rates' path, is the budget's own)
         for k, (n, b) in counts.items():
             c = held.get(k, (0, 0))
             held[k] = (c[0] + n, c[1] + b)
-        if mono - self.__dict__.get("_arrived_at", -1e9) >= 1.0:
+        if mono - self._arrived_at >= 1.0:
             self.flush_arrivals()
 
     def flush_arrivals(self):
-        held = self.__dict__.get("_arrivals")
+        held = self._arrivals
         if held:
             self._arrivals, self._arrived_at = {}, _mono()
             self.note_rates("a", held)
@@ -5951,7 +5966,7 @@ class _Budget(object):
                                                n, b)
                         for k, (n, b) in counts.items())
         try:
-            fd = _open_reg(self.d("locks", "rates"), os.O_WRONLY | os.O_APPEND)
+            fd = _open_reg(self._rates, os.O_WRONLY | os.O_APPEND)
         except OSError:
             return              # (none yet, or not this user's to write)
         try:
@@ -5961,18 +5976,14 @@ class _Budget(object):
         finally:
             os.close(fd)
 
-    def complete(self, c):
-        """A worker's success (Claims.complete), counted for locks/rates."""
-        ok = self.claims.complete(c)
-        if ok:
-            d = self.__dict__.setdefault("_delivered", {})
-            t = c.job["type"]
-            d[t] = d.get(t, 0) + 1
-        return ok
+    def delivered(self, type):
+        """A job of `type` done (counted for locks/rates)."""
+        d = self._delivered
+        d[type] = d.get(type, 0) + 1
 
     def note_delivered(self):
         """The deliveries counted since the last call, into locks/rates."""
-        d = self.__dict__.get("_delivered")
+        d = self._delivered
         if d:
             self._delivered = {}
             self.note_rates("d", dict((t, (n, 0)) for t, n in d.items()))
@@ -5982,7 +5993,7 @@ class _Budget(object):
         into locks/rates each second; each BUDGET_EVERY seconds (or 100
         times what the last took) the walk (keep_budget, with a budget)
         and the rates compacted."""
-        t = self.__dict__.get("_upkept") or (-1e9, -1e9)
+        t = self._upkept
         if now - t[0] < 1.0:
             return
         self.note_delivered()
@@ -5993,14 +6004,14 @@ class _Budget(object):
                     self.keep_budget()
                 self.compact_rates()
             except (OSError, MyqError) as e:
-                self.log("error", during="budget", error=str(e))
+                self.store.log("error", during="budget", error=str(e))
             t = (now, max(now + BUDGET_EVERY, 101 * _mono() - 100 * now))
         self._upkept = (now, t[1])
 
     def _rate_lines(self, now, since):
         """(time, kind, type, n, bytes) of the lines in locks/rates after
         `since`."""
-        data = _read_small(self.d("locks", "rates"), 4 << 20, tail=True)
+        data = _read_small(self.store.d("locks", "rates"), 4 << 20, tail=True)
         for line in (data or b"").split(b"\n"):
             f = line.split()
             if len(f) != 5 or f[1] not in (b"a", b"d"):
@@ -6038,7 +6049,7 @@ class _Budget(object):
 
     def compact_rates(self, now=None):
         """locks/rates past 64 KiB: one line per 10 s, kind and type."""
-        path = self.d("locks", "rates")
+        path = self.store.d("locks", "rates")
         now = _now() if now is None else now
         try:
             if _lstat(path).st_size < 65536:
@@ -6083,8 +6094,8 @@ class _Budget(object):
     def _inbox_waiting(self, now, out):
         """The files at the top of incoming/, each read once (its type is
         inside; kept by name, inode and size while it stays)."""
-        seen, keep = self.__dict__.get("_inbox") or {}, {}
-        for e in _scandir(self.d("incoming")):
+        seen, keep = self._inbox, {}
+        for e in _scandir(self.store.d("incoming")):
             if not e.name.endswith(".json"):
                 continue
             try:
@@ -6095,7 +6106,7 @@ class _Budget(object):
             got = seen.get(key)
             if got is None:
                 try:
-                    job = parse(self.read_file(self.d("incoming", e.name))[0])[0]
+                    job = parse(self.store.read_file(self.store.d("incoming", e.name))[0])[0]
                     made = job.get("created_at")
                     got = (job["type"], made if made.__class__ in _NUM
                            else st.st_mtime)
@@ -6114,7 +6125,7 @@ class _Budget(object):
         rates = self.rates(now)
         budget = self.budget_bytes()
         used = self.used_bytes(0)       # (walked: the figure set right)
-        room = max(0, budget - used) if budget is not None else self._free()[1]
+        room = max(0, budget - used) if budget is not None else self.store._free()[1]
         per_s = sum(r[1] for r in rates.values()) / RATE_WINDOW
         out = {"budget_bytes": budget, "used_bytes": used,
                "outage_capacity_s": int(room / per_s) if per_s > 0 else None}
@@ -6153,7 +6164,7 @@ class _Budget(object):
 
     def dropped_by(self, tot=None):
         """{TYPE: {REASON: N}}: budget, overflow (a type's bound), ttl."""
-        tot = self.totals() if tot is None else tot
+        tot = self.store.totals() if tot is None else tot
         out = {}
         for key, reason in (("dropped_budget", "budget"),
                             ("dropped_overflow", "overflow"), ("expired", "ttl")):
@@ -6161,6 +6172,61 @@ class _Budget(object):
                 if n:
                     out.setdefault(t, {})[reason] = n
         return out
+
+
+class FileBudget(Budget):
+    """The file store's budget: a job costs its file's blocks and an
+    entry; done files and locks/ok records shed first."""
+
+    def cost(self, size):
+        """What a new job of `size` bytes adds: its blocks, its entry."""
+        return self.freed(size) + _ENTRY
+
+    def freed(self, size):
+        """What removing a waiting job of `size` bytes gives back."""
+        b = self._block()
+        return -(-size // b) * b
+
+    def _shed_measured(self, m, a, t):
+        """(measured, added, when) after a shed: `m` is the figure with the
+        bytes of the files removed taken off (the SQLite store measures
+        its pages again)."""
+        return m, a, t
+
+    def _shed_done(self, need):
+        """Retention of done/ before its time, oldest first."""
+        old = []
+        for e in _scandir(self.store.d("done")):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            old.append((st.st_ctime, e.name, st.st_blocks * 512))
+        old.sort()
+        freed = n = 0
+        for t, name, size in old:
+            if freed >= need:
+                break
+            if self.store._remove("done", self.store.d("done", name)):
+                freed, n = freed + size, n + 1
+        if n:
+            self.store.log("pruned", reason="budget", what="done", n=n)
+        return freed
+
+    def _shed_records(self, need):
+        """Idempotency records past their window (prune's, sooner)."""
+        now, n = _now(), 0
+        for t, name in list(self.store._aged("locks/ok", "mtime")):
+            if now - t > self.store.opt["dedupe_window"]:
+                n += self.store._remove("locks/ok", self.store.d("locks", "ok", name))
+        if n:
+            self.store.log("pruned", reason="budget", what="ok", n=n)
+        return 0                # (empty files: an entry each, no block)
+
+    def _lane_waiting(self, now, out):
+        for t in sorted(set(l[1] for l in self.store.lanes())):
+            for w in self.store._waiting_of(t):
+                self._add_waiting(out, t, w[3], self.store._made(w, now))
 
 
 class _Layout(object):
@@ -6355,7 +6421,7 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
-class _DirStore(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
+class _DirStore(_Producing, _Upkeep, _Backlog, _Reading, Store):
     """What every store of a spool directory shares (the file store's and
     the SQLite store's): the layout, name, policy and lanes, the drop
     box's and failed/'s files, the budget's records, the statistics."""
@@ -6391,6 +6457,7 @@ class _DirStore(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
         self.lane_problems = {}     # lane -> why the door refused it
         self.breaker = Breaker(self)
         self.claims = self.CLAIMS(self)
+        self.budget = self.BUDGET(self)
 
         _Door.of(self.path)
 
@@ -6401,6 +6468,16 @@ class _DirStore(_Producing, _Upkeep, _Backlog, _Reading, _Budget, Store):
         at the end of each public call unless a worker of this thread keeps
         them."""
         return _Door.of(self.path)
+
+    def complete(self, c):
+        """A worker's success (claims.complete), counted for locks/rates."""
+        ok = self.claims.complete(c)
+        if ok:
+            self.budget.delivered(c.job["type"])
+        return ok
+
+    def upkeep_budget(self, now):
+        return self.budget.upkeep_budget(now)
 
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
@@ -6855,6 +6932,7 @@ class FileStore(_DirStore):
 
     store = "files"
     CLAIMS = FileClaims
+    BUDGET = FileBudget
 
     def _enqueue_one(self, todo, sync):
         """_enqueue of one job into incoming/, without the batch's lists."""
@@ -6862,7 +6940,7 @@ class FileStore(_DirStore):
         problem = self._room_for((len(data),))
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge(((job["type"], len(data)),), (sub,))
+        self.budget.charge(((job["type"], len(data)),), (sub,))
         dirs = self.fs
         jid = job["id"]
         try:
@@ -7043,60 +7121,10 @@ class FileStore(_DirStore):
                 _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
                 self._failed_files())
 
-    def _cost(self, size):
-        """What a new job of `size` bytes adds: its blocks, its entry."""
-        return self._freed(size) + _ENTRY
-
-    def _freed(self, size):
-        """What removing a waiting job of `size` bytes gives back."""
-        b = self._block()
-        return -(-size // b) * b
-
-    def _shed_measured(self, m, a, t):
-        """(measured, added, when) after a shed: `m` is the figure with the
-        bytes of the files removed taken off (the SQLite store measures
-        its pages again)."""
-        return m, a, t
-
-    def _shed_done(self, need):
-        """Retention of done/ before its time, oldest first."""
-        old = []
-        for e in _scandir(self.d("done")):
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            old.append((st.st_ctime, e.name, st.st_blocks * 512))
-        old.sort()
-        freed = n = 0
-        for t, name, size in old:
-            if freed >= need:
-                break
-            if self._remove("done", self.d("done", name)):
-                freed, n = freed + size, n + 1
-        if n:
-            self.log("pruned", reason="budget", what="done", n=n)
-        return freed
-
-    def _shed_records(self, need):
-        """Idempotency records past their window (prune's, sooner)."""
-        now, n = _now(), 0
-        for t, name in list(self._aged("locks/ok", "mtime")):
-            if now - t > self.opt["dedupe_window"]:
-                n += self._remove("locks/ok", self.d("locks", "ok", name))
-        if n:
-            self.log("pruned", reason="budget", what="ok", n=n)
-        return 0                # (empty files: an entry each, no block)
-
-    def _lane_waiting(self, now, out):
-        for t in sorted(set(l[1] for l in self.lanes())):
-            for w in self._waiting_of(t):
-                self._add_waiting(out, t, w[3], self._made(w, now))
-
     def close(self):
         """What this object keeps open of the spool, closed (a worker's run
         ends with it); the spool of files keeps nothing between calls."""
-        self.note_delivered()
+        self.budget.note_delivered()
         self.fs.release()
 
     def lanes(self):
@@ -8405,16 +8433,15 @@ def _row_attempt(row, job):
     return a if isinstance(a, int) else job["attempts"] + 1
 
 
-class _SqlBudget(object):
-    """The budget on the SQLite store (myq-spool(5) BUDGET), mixed into
-    SqlStore over the spool's _Budget: what a row costs and frees in
-    pages, the log's checkpoint kept within what is counted for it, the
-    walk that checkpoints and vacuums first, and the shedding of done
-    and `ok` rows."""
+class SqlBudget(Budget):
+    """The budget of the SQLite store (myq-spool(5) BUDGET): what a row
+    costs and frees in pages, the walk that checkpoints and vacuums
+    first (the log's checkpoint kept within what is counted for it:
+    SqlStore._log_limits), and the shedding of done and `ok` rows."""
 
     _EXACT = False
 
-    def _cost(self, size):
+    def cost(self, size):
         """A new row, never less: the 1 KiB pages its commit writes (its
         row's, with overflow pages of about 1,000 bytes each, and three of
         the table's and its indexes'), once in the log (each with its
@@ -8422,30 +8449,9 @@ class _SqlBudget(object):
         pages = -(-(size + 100) // 1000) + 3
         return pages * (2 * 1024 + 24) + _ENTRY
 
-    def _freed(self, size):
+    def freed(self, size):
         """A row deleted: its own pages (the next walk says how many)."""
         return -(-(size + 100) // 1000) * 1024
-
-    def _log_limits(self, db):
-        """With a budget, the log is checkpointed at a 32nd of it (16 to
-        1,000 pages; SQLite's 1,000 without one) and cut back to that
-        after: what the workers' commits write there stays within what
-        measure() counts for it.  (Below a guard, _small_log's 16.)"""
-        cap = self._wal_cap()
-        if cap == self.__dict__.get("_cap_set", 0):
-            return
-        try:
-            small = self.__dict__.get("_small")
-            db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else cap or 1000))
-            db.execute("PRAGMA journal_size_limit=%d" % (
-                _wal_bytes(cap) if cap else -1)).fetchall()
-            self._cap_set = cap
-        except _sqlite3().Error:
-            pass                # (the next walk tries again)
-
-    def _wal_cap(self):
-        b = self.budget_bytes()
-        return None if b is None else max(16, min(1000, b // 32768))
 
     def measure(self):
         """_DirStore.measure, the log counted at least at its cap (what the
@@ -8454,22 +8460,22 @@ class _SqlBudget(object):
         database's free pages given back (incremental vacuum), so that
         what a shed deleted is freed (a walk is rare: at most every
         BUDGET_FRESH seconds at the budget)."""
-        wal_path = self.d(DB_NAME + "-wal")
+        wal_path = self.store.d(DB_NAME + "-wal")
         try:
             wal = os.lstat(wal_path).st_blocks * 512
         except OSError:
             wal = 0
-        cap = self._wal_cap()
+        cap = self.store._wal_cap()
         try:
             if cap is not None:
-                with self._mutex:
-                    self._log_limits(self._db())
+                with self.store._mutex:
+                    self.store._log_limits(self.store._db())
                 if wal:
-                    self._vacuum()
+                    self.store._vacuum()
                     wal = _lstat(wal_path).st_blocks * 512
         except (MyqError, OSError):
             pass                # (busy: measured as it is)
-        return _DirStore.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
+        return Budget.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
 
     def _shed_measured(self, m, a, t):
         return self.measure(), 0, _now()
@@ -8484,42 +8490,43 @@ class _SqlBudget(object):
             for jid, t, size in rows:
                 if got >= need:
                     break
-                self._outlive_row(db, jid, t, _now())
+                self.store._outlive_row(db, jid, t, _now())
                 db.execute("DELETE FROM jobs WHERE id=? AND status='done'", (jid,))
                 got, n = got + size, n + 1
             return got, n
         try:
-            got, n = self._tx(free, sync=False)
+            got, n = self.store._tx(free, sync=False)
         except _DbError:
             return 0
         if n:
-            self.log("pruned", reason="budget", what="done", n=n)
+            self.store.log("pruned", reason="budget", what="done", n=n)
         return got
 
     def _shed_records(self, need):
         """`ok` rows past the de-duplication window."""
         try:
-            n = self._write("DELETE FROM ok WHERE at<=?", (
-                _now() - self.opt["dedupe_window"],), sync=False)
+            n = self.store._write("DELETE FROM ok WHERE at<=?", (
+                _now() - self.store.opt["dedupe_window"],), sync=False)
         except _DbError:
             return 0
         if n:
-            self.log("pruned", reason="budget", what="ok", n=n)
+            self.store.log("pruned", reason="budget", what="ok", n=n)
         return 0
 
     def _lane_waiting(self, now, out):
-        for t, created, size in self._all(
+        for t, created, size in self.store._all(
                 "SELECT type, created_at, coalesce(size, 0) FROM jobs WHERE "
-                "queue=? AND status='ready'", (self.name,)):
+                "queue=? AND status='ready'", (self.store.name,)):
             self._add_waiting(out, t, size, created)
 
 
-class SqlStore(_SqlUpkeep, _SqlBudget, _DirStore):
+class SqlStore(_SqlUpkeep, _DirStore):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
     queue.db, the rest as for files."""
 
     store = "sqlite"
     CLAIMS = _SqlClaims
+    BUDGET = SqlBudget
 
     def __init__(self, path=None, log=None, **options):
         _DirStore.__init__(self, path, log, **options)
@@ -8702,7 +8709,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, _DirStore):
         return db
 
     def close(self):
-        self.note_delivered()
+        self.budget.note_delivered()
         self.fs.release()
         with self._mutex:
             db, self._conn = self._conn, None
@@ -8856,10 +8863,10 @@ class SqlStore(_SqlUpkeep, _SqlBudget, _DirStore):
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         try:
-            self._charge(((type, size),))
+            self.budget.charge(((type, size),))
             self._write(sql, args, sync, fresh=True)
             self.poke(often=True)
-            self.note_arrivals({type: (1, self._cost(size))})
+            self.budget.note_arrivals({type: (1, self.budget.cost(size))})
         finally:
             self.fs.release()
 
@@ -8886,7 +8893,7 @@ class SqlStore(_SqlUpkeep, _SqlBudget, _DirStore):
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge([(t[0]["type"], len(t[1])) for t in todo])
+        self.budget.charge([(t[0]["type"], len(t[1])) for t in todo])
         done = [] if done is None else done
         now = _now()
         rows = []
@@ -9151,6 +9158,27 @@ class SqlStore(_SqlUpkeep, _SqlBudget, _DirStore):
     def _drop_waiting(self, sub, name, dirs):
         return self._write("DELETE FROM jobs WHERE id=? AND status='ready' AND "
                            "lane=?", (name[:-5], sub)) == 1
+
+    def _log_limits(self, db):
+        """With a budget, the log is checkpointed at a 32nd of it (16 to
+        1,000 pages; SQLite's 1,000 without one) and cut back to that
+        after: what the workers' commits write there stays within what
+        measure() counts for it.  (Below a guard, _small_log's 16.)"""
+        cap = self._wal_cap()
+        if cap == self.__dict__.get("_cap_set", 0):
+            return
+        try:
+            small = self.__dict__.get("_small")
+            db.execute("PRAGMA wal_autocheckpoint=%d" % (16 if small else cap or 1000))
+            db.execute("PRAGMA journal_size_limit=%d" % (
+                _wal_bytes(cap) if cap else -1)).fetchall()
+            self._cap_set = cap
+        except _sqlite3().Error:
+            pass                # (the next walk tries again)
+
+    def _wal_cap(self):
+        b = self.budget.budget_bytes()
+        return None if b is None else max(16, min(1000, b // 32768))
 
 
 _STORES["sqlite"] = SqlStore
@@ -16977,7 +17005,7 @@ def _cmd_prune(a):
 def _cmd_check(a):
     problems = a.spool.check()
     try:
-        short = a.spool.capacity_problem(a.args.warn_capacity)
+        short = a.spool.budget.capacity_problem(a.args.warn_capacity)
     except (OSError, MyqError):
         short = None
     problems += [short] if short else []

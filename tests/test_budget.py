@@ -68,7 +68,7 @@ def _measured(myq, spool):
 def _one_job(myq, spool):
     """What one job of PAYLOAD adds, as the budget counts it."""
     sp = myq.open_store(spool)
-    return sp._cost(len(PAYLOAD) + 200)
+    return sp.budget.cost(len(PAYLOAD) + 200)
 
 
 def _handlers(tmp_path, **bodies):
