@@ -76,7 +76,7 @@ The map: the sections, in file order, each using only those above it
                     Breaker (holds' records), Claims (the
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
-                    check), _Backlog (export, import: JSON lines),
+                    check), Backlog, FileBacklog (export, import: JSON lines),
                     Budget, FileBudget (the budget's figure and shed,
                     capacity: locks/used, locks/rates, the store's
                     budget), _Layout (what init makes),
@@ -86,7 +86,7 @@ The map: the sections, in file order, each using only those above it
                     API, handed to its store) (test_store, test_api,
                     test_spool_layout, test_retry_dlq, test_operator,
                     test_export, test_budget)
-  The SQLite store  SqlStore, _SqlClaims and SqlBudget: the same
+  The SQLite store  SqlStore, _SqlClaims, SqlBudget, SqlBacklog: the same
                     interface over queue.db (myq init --store sqlite), the
                     drop box taken in (test_sqlite, and the
                     store-parametrised tests)
@@ -2389,12 +2389,14 @@ class Store(object):
     store's `claims` (Claims for files: claim, complete, move_on for a
     retry or the dead letters, put_back, take_back, reap, scan, extend,
     commit), its holds' records its `breaker`, its budget (what a job
-    costs, what sheds first) its `budget`.  A store is chosen by the
+    costs, what sheds first) its `budget`, its export and import its
+    `backlog`.  A store is chosen by the
     spool's SPOOL/store through _STORES; a new one registers there."""
 
     store = None        # its name in SPOOL/store and _STORES
     CLAIMS = None       # the class of its claims (Claims' contract)
     BUDGET = None       # the class of its budget (Budget's)
+    BACKLOG = None      # the class of its export and import (Backlog's)
 
     def _abstract(self):
         raise NotImplementedError("Method must be implemented by the store")
@@ -2546,16 +2548,6 @@ class Store(object):
 
     def _describe(self, state, path, holding=None):
         """show's dict of the job where locate found it."""
-        self._abstract()
-
-    # Moving jobs in and out --------------------------------------------------
-
-    def export(self, states=(), type=None, skip=None):
-        """The jobs of `states` as JSON lines (myq export)."""
-        self._abstract()
-
-    def import_jobs(self, lines, refuse=None, policy=True):
-        """Add the jobs of export's lines (myq import)."""
         self._abstract()
 
     # Finishing -----------------------------------------------------------
@@ -4912,13 +4904,22 @@ class _Upkeep(object):
         return out
 
 
-class _Backlog(object):
+class Backlog(object):
     """export and import (myq(1) export): a backlog as JSON lines, one
-    job a line with its state, between spools, stores and devices (a part
-    of Spool; an SQLite store gives the same lines)."""
+    job a line with its state, between spools, stores and devices: a
+    store's, as store.backlog; what export reads is its FileBacklog's or
+    SqlBacklog's, the same lines."""
 
     EXPORTED = ("ready", "scheduled", "processing", "done", "dead")
     BATCH = 256                 # jobs an import places in one commit
+
+    def __init__(self, store):
+        self.store = _weakref.proxy(store)
+
+    def export(self, states=(), type=None, skip=None):
+        """The jobs of `states` (all: every one), of `type`, as dicts with
+        their state, skipping the ids of `skip`."""
+        raise NotImplementedError("Method must be implemented by the store")
 
     # Export ------------------------------------------------------------------
 
@@ -4943,9 +4944,9 @@ class _Backlog(object):
             stem = name[:-5]
         else:
             return None
-        path = self.d(sub, name)
+        path = self.store.d(sub, name)
         try:
-            job, trailers, st = self.load(path, stem)
+            job, trailers, st = self.store.load(path, stem)
         except OSError as e:
             if e.errno != errno.ENOENT:
                 skip(path, e.strerror or str(e))
@@ -4976,13 +4977,13 @@ class _Backlog(object):
     def _exported_failed(self):
         """Quarantined files (asked for by name: not jobs): the file's
         name, its reason, its bytes as text when they are UTF-8."""
-        for e in _scandir(self.d("failed")):
+        for e in _scandir(self.store.d("failed")):
             if e.name.endswith(".reason"):
                 continue
-            path = self.d("failed", e.name)
+            path = self.store.d("failed", e.name)
             reason = _read_small(path + ".reason")
             try:
-                text = self.read_file(path)[0].decode("utf-8")
+                text = self.store.read_file(path)[0].decode("utf-8")
             except (OSError, InvalidJob, UnicodeError):
                 text = None
             yield {"state": "failed", "file": e.name,
@@ -4997,13 +4998,13 @@ class _Backlog(object):
         policy (with `type`, that type's rules and the default's); None
         for a spool with neither a policy nor a name of its own (an
         export of jobs alone, as before)."""
-        self.require()
-        pol = self.policy()
+        self.store.require()
+        pol = self.store.policy()
         if type is not None:
             pol = dict((k, v) for k, v in pol.items() if k in (type, "*"))
-        if not pol and not self.named():
+        if not pol and not self.store.named():
             return None
-        return {"spool": {"queue": self.name, "policy": pol}}
+        return {"spool": {"queue": self.store.name, "policy": pol}}
 
     def _import_spool(self, line, counts, policy):
         """An export's spool line: its policy applied (each type's rules
@@ -5025,14 +5026,14 @@ class _Backlog(object):
         name = obj.get("queue")
         if policy:
             for t, rules in sorted(pol.items()):
-                own = self.policy().get(t, {})
+                own = self.store.policy().get(t, {})
                 changes = dict(rules)
                 changes.update((k, None) for k in own if k not in rules)
-                self.set_policy(t, changes)
+                self.store.set_policy(t, changes)
             counts["policy"] = sorted(pol)
-        if isinstance(name, str) and _is_name(name) and not self.named() \
-                and name != self.name and not any(self._counts(_now())[:-1]):
-            self.set_name(name)
+        if isinstance(name, str) and _is_name(name) and not self.store.named() \
+                and name != self.store.name and not any(self.store._counts(_now())[:-1]):
+            self.store.set_name(name)
             counts["queue"] = name
 
     def import_jobs(self, lines, refuse=None, policy=True):
@@ -5046,7 +5047,7 @@ class _Backlog(object):
         type's bound too).  Counts {"imported", "duplicate", "bad",
         "refused"}; the disk-free guard raises SpoolFull, its `counts`
         and `line` (the first not imported) set."""
-        self.require()
+        self.store.require()
         refuse = refuse or (lambda n, why: None)
         counts = dict(imported=0, duplicate=0, bad=0, refused=0)
         todo, nums = [], []
@@ -5103,21 +5104,21 @@ class _Backlog(object):
         job = normalize(obj)
         job.pop("lease", None)
         data = dumps(job)
-        most = self.opt["max_job_bytes"] + (SLACK if _rewritten(job) else 0)
+        most = self.store.opt["max_job_bytes"] + (SLACK if _rewritten(job) else 0)
         if len(data) > most:
             raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
                              "(%d)" % (job["id"], len(data), most))
         if state in ("dead", "done"):
             return job, data, True, 0, STATE_DIRS[state]
         delay = max(0.0, job["available_at"] - _now())
-        return job, data, True, delay, self.home(job)
+        return job, data, True, delay, self.store.home(job)
 
     def _import_batch(self, todo, nums, counts, refuse):
         """_enqueue of one batch (`nums`: the line of each), each refusal
         counted, and said unless it is a duplicate."""
         refused, placed = [], []
         try:
-            self._enqueue(todo, True, refused, placed)
+            self.store._enqueue(todo, True, refused, placed)
         except SpoolFull as e:
             counts["imported"] += len(placed)
             counts["duplicate"] += sum(
@@ -5135,6 +5136,33 @@ class _Backlog(object):
             else:
                 counts["refused"] += 1
                 refuse(line[jid], str(e))
+
+
+class FileBacklog(Backlog):
+    """The file store's export: its files, state by state."""
+
+    def export(self, states=(), type=None, skip=None):
+        """The jobs in `states` (default: all but failed), of `type`, as
+        dicts with their `state`: each as its file holds it, a waiting
+        job's schedule its file's, a claimed one as a reaper would put it
+        back (its lease gone, its attempt counted).  Streamed: one
+        directory entry at a time, in no order within a state.  A file
+        that is not a job is left out, and skip(path, why) called."""
+        self.store.require()
+        self.store._check_readable()
+        states, skip = self._export_args(states, skip)
+        subs = self.store.waiting_dirs() if states & {"ready", "scheduled"} else []
+        subs += [STATE_DIRS[s] for s in ("processing", "done", "dead")
+                 if s in states]
+        for sub in subs:
+            for e in _scandir(self.store.d(sub)):
+                row = self._exported(sub, e.name, skip)
+                if row is not None and row["state"] in states and (
+                        type is None or row["type"] == type):
+                    yield row
+        if "failed" in states and type is None:
+            for row in self._exported_failed():
+                yield row
 
 
 def _file_kind(mode):
@@ -6421,7 +6449,7 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
-class _DirStore(_Producing, _Upkeep, _Backlog, _Reading, Store):
+class _DirStore(_Producing, _Upkeep, _Reading, Store):
     """What every store of a spool directory shares (the file store's and
     the SQLite store's): the layout, name, policy and lanes, the drop
     box's and failed/'s files, the budget's records, the statistics."""
@@ -6458,6 +6486,7 @@ class _DirStore(_Producing, _Upkeep, _Backlog, _Reading, Store):
         self.breaker = Breaker(self)
         self.claims = self.CLAIMS(self)
         self.budget = self.BUDGET(self)
+        self.backlog = self.BACKLOG(self)
 
         _Door.of(self.path)
 
@@ -6933,6 +6962,7 @@ class FileStore(_DirStore):
     store = "files"
     CLAIMS = FileClaims
     BUDGET = FileBudget
+    BACKLOG = FileBacklog
 
     def _enqueue_one(self, todo, sync):
         """_enqueue of one job into incoming/, without the batch's lists."""
@@ -7087,29 +7117,6 @@ class FileStore(_DirStore):
             self.log("pruned", why="below a guard: " + (problem or "low"),
                      n=gone, freed=what)
         return gone
-
-    def export(self, states=(), type=None, skip=None):
-        """The jobs in `states` (default: all but failed), of `type`, as
-        dicts with their `state`: each as its file holds it, a waiting
-        job's schedule its file's, a claimed one as a reaper would put it
-        back (its lease gone, its attempt counted).  Streamed: one
-        directory entry at a time, in no order within a state.  A file
-        that is not a job is left out, and skip(path, why) called."""
-        self.require()
-        self._check_readable()
-        states, skip = self._export_args(states, skip)
-        subs = self.waiting_dirs() if states & {"ready", "scheduled"} else []
-        subs += [STATE_DIRS[s] for s in ("processing", "done", "dead")
-                 if s in states]
-        for sub in subs:
-            for e in _scandir(self.d(sub)):
-                row = self._exported(sub, e.name, skip)
-                if row is not None and row["state"] in states and (
-                        type is None or row["type"] == type):
-                    yield row
-        if "failed" in states and type is None:
-            for row in self._exported_failed():
-                yield row
 
     def _counts(self, now):
         """(ready, scheduled, the earliest ready one's time, processing,
@@ -8273,94 +8280,6 @@ class _SqlUpkeep(object):
 
     # Export -----------------------------------------------------------------------
 
-    def export(self, states=(), type=None, skip=None):
-        self.require()
-        states, skip = self._export_args(states, skip)
-        if states & {"ready", "scheduled"}:
-            for e in _scandir(self.d("incoming")):      # the drop box
-                row = self._exported("incoming", e.name, skip)
-                if row is not None and row["state"] in states and (
-                        type is None or row["type"] == type):
-                    state = row.pop("state")
-                    row = _job_of_row(_row_of(_row_values(
-                        self, row, "ready", "incoming", _now())))
-                    row["state"] = state        # (as a row's: its keys' order)
-                    yield row
-        seen = set()        # (what a damaged database's salvage skips)
-        try:
-            for status in ("ready", "processing", "done", "dead"):
-                if status in states or (status == "ready" and
-                                        "scheduled" in states):
-                    for job in self._exported_rows(status, states, type, skip):
-                        seen.add(job["id"])
-                        yield job
-        except _DbDamaged as e:
-            skip(self.d(DB_NAME), str(e))
-            for job in self._salvaged(states, type, skip, seen):
-                yield job
-        if "failed" in states and type is None:
-            for row in self._exported_failed():
-                yield row
-            for jid, reason, text in self._all(
-                    "SELECT id, last_error, payload FROM jobs WHERE "
-                    "status='failed'"):
-                yield {"state": "failed", "file": jid, "reason": reason,
-                       "bytes": text}
-
-    def _salvaged(self, states, type, skip, seen):
-        """Every row of a damaged database that can still be read, one at a
-        time by its rowid (a query over the whole table stops at the first
-        bad page), but those of ids in `seen` (written already): what
-        export writes when the database is damaged."""
-        try:
-            top = self._one("SELECT max(rowid) FROM jobs")[0] or 0
-        except MyqError:
-            top = None
-        if top is None:                 # (guessed from the file's size)
-            top = os.stat(self.d(DB_NAME)).st_size // 64
-        for rowid in range(1, top + 1):
-            try:
-                row = self._one(_SELECT + " WHERE rowid=?", (rowid,))
-                if row is None or row[0] in seen:
-                    continue
-                job = _job_of_row(row)
-            except (MyqError, InvalidJob) as e:
-                skip("%s: row %d" % (self.d(DB_NAME), rowid), str(e))
-                continue
-            seen.add(row[0])
-            state = _salvage_state(row, job, states)
-            if state is not None and (type is None or job["type"] == type):
-                job["state"] = state
-                yield job
-
-    def _exported_rows(self, status, states, type, skip):
-        if type is not None and not NAME_RE.match(type):
-            return              # (no row's; not even sqlite's to encode)
-        sql, args = "SELECT id FROM jobs WHERE status=?", [status]
-        if type is not None:
-            sql += " AND type=?"
-            args.append(type)
-        ids = [r[0] for r in self._all(sql, args)]
-        for i in range(0, len(ids), 256):
-            part = ids[i:i + 256]
-            for row in self._all(_SELECT + " WHERE id IN (%s) AND status=?" % (
-                    ",".join("?" * len(part))), part + [status]):
-                try:
-                    job = _job_of_row(row)
-                except InvalidJob as e:
-                    skip(self.d(DB_NAME) + ":" + row[0], str(e))
-                    continue
-                if status == "processing":
-                    job["attempts"] = _row_attempt(row, job)
-                    state = status
-                elif status == "ready":
-                    state = "scheduled" if job["available_at"] > _now() else "ready"
-                else:
-                    state = {"dead": "dead"}.get(status, status)
-                if state in states:
-                    job["state"] = state
-                    yield job
-
 
 def _make_db(sqlite3, path):
     """The database at `path` (its file made already): schema, WAL."""
@@ -8520,6 +8439,99 @@ class SqlBudget(Budget):
             self._add_waiting(out, t, size, created)
 
 
+class SqlBacklog(Backlog):
+    """The SQLite store's export: the drop box's files, the rows, what a
+    damaged database still gives (its salvage), failed/'s files."""
+
+    def export(self, states=(), type=None, skip=None):
+        self.store.require()
+        states, skip = self._export_args(states, skip)
+        if states & {"ready", "scheduled"}:
+            for e in _scandir(self.store.d("incoming")):      # the drop box
+                row = self._exported("incoming", e.name, skip)
+                if row is not None and row["state"] in states and (
+                        type is None or row["type"] == type):
+                    state = row.pop("state")
+                    row = _job_of_row(_row_of(_row_values(
+                        self.store, row, "ready", "incoming", _now())))
+                    row["state"] = state        # (as a row's: its keys' order)
+                    yield row
+        seen = set()        # (what a damaged database's salvage skips)
+        try:
+            for status in ("ready", "processing", "done", "dead"):
+                if status in states or (status == "ready" and
+                                        "scheduled" in states):
+                    for job in self._exported_rows(status, states, type, skip):
+                        seen.add(job["id"])
+                        yield job
+        except _DbDamaged as e:
+            skip(self.store.d(DB_NAME), str(e))
+            for job in self._salvaged(states, type, skip, seen):
+                yield job
+        if "failed" in states and type is None:
+            for row in self._exported_failed():
+                yield row
+            for jid, reason, text in self.store._all(
+                    "SELECT id, last_error, payload FROM jobs WHERE "
+                    "status='failed'"):
+                yield {"state": "failed", "file": jid, "reason": reason,
+                       "bytes": text}
+
+    def _salvaged(self, states, type, skip, seen):
+        """Every row of a damaged database that can still be read, one at a
+        time by its rowid (a query over the whole table stops at the first
+        bad page), but those of ids in `seen` (written already): what
+        export writes when the database is damaged."""
+        try:
+            top = self.store._one("SELECT max(rowid) FROM jobs")[0] or 0
+        except MyqError:
+            top = None
+        if top is None:                 # (guessed from the file's size)
+            top = os.stat(self.store.d(DB_NAME)).st_size // 64
+        for rowid in range(1, top + 1):
+            try:
+                row = self.store._one(_SELECT + " WHERE rowid=?", (rowid,))
+                if row is None or row[0] in seen:
+                    continue
+                job = _job_of_row(row)
+            except (MyqError, InvalidJob) as e:
+                skip("%s: row %d" % (self.store.d(DB_NAME), rowid), str(e))
+                continue
+            seen.add(row[0])
+            state = _salvage_state(row, job, states)
+            if state is not None and (type is None or job["type"] == type):
+                job["state"] = state
+                yield job
+
+    def _exported_rows(self, status, states, type, skip):
+        if type is not None and not NAME_RE.match(type):
+            return              # (no row's; not even sqlite's to encode)
+        sql, args = "SELECT id FROM jobs WHERE status=?", [status]
+        if type is not None:
+            sql += " AND type=?"
+            args.append(type)
+        ids = [r[0] for r in self.store._all(sql, args)]
+        for i in range(0, len(ids), 256):
+            part = ids[i:i + 256]
+            for row in self.store._all(_SELECT + " WHERE id IN (%s) AND status=?" % (
+                    ",".join("?" * len(part))), part + [status]):
+                try:
+                    job = _job_of_row(row)
+                except InvalidJob as e:
+                    skip(self.store.d(DB_NAME) + ":" + row[0], str(e))
+                    continue
+                if status == "processing":
+                    job["attempts"] = _row_attempt(row, job)
+                    state = status
+                elif status == "ready":
+                    state = "scheduled" if job["available_at"] > _now() else "ready"
+                else:
+                    state = {"dead": "dead"}.get(status, status)
+                if state in states:
+                    job["state"] = state
+                    yield job
+
+
 class SqlStore(_SqlUpkeep, _DirStore):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
     queue.db, the rest as for files."""
@@ -8527,6 +8539,7 @@ class SqlStore(_SqlUpkeep, _DirStore):
     store = "sqlite"
     CLAIMS = _SqlClaims
     BUDGET = SqlBudget
+    BACKLOG = SqlBacklog
 
     def __init__(self, path=None, log=None, **options):
         _DirStore.__init__(self, path, log, **options)
@@ -17030,12 +17043,12 @@ def _cmd_export(a):
             _plain(path), _plain(why)))
     out = getattr(sys.stdout, "buffer", None)
     sys.stdout.flush()
-    line = a.spool.spool_line(a.args.type)
+    line = a.spool.backlog.spool_line(a.args.type)
     chunk = [dumps(line)] if line else []
     if a.spool.policy_error:
         sys.stderr.write("myq: warning: %s; the export carries no policy\n"
                          % a.spool.policy_error)
-    for job in a.spool.export(a.args.states, a.args.type, skip):
+    for job in a.spool.backlog.export(a.args.states, a.args.type, skip):
         chunk.append(dumps(job))
         if len(chunk) >= 256:
             _write_out(out, chunk)
@@ -17068,7 +17081,7 @@ def _cmd_import(a):
     def refuse(n, why):
         sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
     try:
-        counts = a.spool.import_jobs(_bounded_lines(
+        counts = a.spool.backlog.import_jobs(_bounded_lines(
             f, a.spool.opt["max_job_bytes"] + 65536), refuse,
             policy=not a.args.no_policy)
     except SpoolFull as e:
