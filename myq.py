@@ -72,15 +72,21 @@ The map: the sections, in file order, each using only those above it
   The job model     parse, normalize, job files (test_hostile, test_enqueue)
   Per-type policy            Policy: its keys, each a Kind; a policy
                     file checked, in canonical form (test_policy)
-  The spool         Identity, Claim, Breaker (holds' records), Claims (the
+  The spool         Store (the contract of a store), Identity, Claim,
+                    Breaker (holds' records), Claims (the
                     claim protocol, recovery), _Producing (enqueue, the
                     guard, idempotency), _Upkeep (retry, delete, prune,
-                    check), _Backlog (export, import: JSON lines),
-                    _Budget (the budget's figure and shed, capacity:
-                    locks/used, locks/rates), _Layout (what init makes),
-                    Spool (reading, lanes, stats) (test_spool_layout, test_retry_dlq,
-                    test_operator, test_export, test_budget)
-  The SQLite store  SqlSpool, _SqlClaims and _SqlBudget: the same
+                    check), Backlog, FileBacklog (export, import: JSON lines),
+                    Budget, FileBudget (the budget's figure and shed,
+                    capacity: locks/used, locks/rates, the store's
+                    budget), _Layout (what init makes),
+                    _DirStore (what every store of a spool directory
+                    shares: reading, policy, lanes, stats), FileStore (the
+                    store of files), open_store, Spool (myq(1)'s Python
+                    API, handed to its store) (test_store, test_api,
+                    test_spool_layout, test_retry_dlq, test_operator,
+                    test_export, test_budget)
+  The SQLite store  SqlStore, _SqlClaims, SqlBudget, SqlBacklog: the same
                     interface over queue.db (myq init --store sqlite), the
                     drop box taken in (test_sqlite, and the
                     store-parametrised tests)
@@ -2034,6 +2040,42 @@ SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
 SPOOL_POLICY = "@spool"     # the policy file's entry of the spool's own rules
 
 
+
+# The rules every store applies to a job and its type's policy (Store's
+# implementations call these, so that the stores cannot disagree).
+
+def job_expiry(job, ttl):
+    """When a job expires (myq(1) policy), or None: its own expires_at,
+    else (its retry, or its creation) + `ttl`, its type's.  Times from a
+    clock that was never set (before 2020) expire nothing: a device
+    without a real-time clock boots in 1970 and jumps at its first NTP
+    sync."""
+    e = job.get("expires_at")
+    if e is None and ttl is None:
+        return None
+    since = job.get("retried_at") or job.get("created_at") or 0
+    if since < SANE_TIME:
+        return None
+    return since + ttl if e is None else e
+
+
+def revive(job, t, ttl):
+    """A dead job made to wait again (retry): attempts from 0, due at `t`,
+    its failure's time gone, and its ttl (its own or `ttl`, its type's)
+    counting from `t`."""
+    job.update(attempts=0, available_at=t)
+    job.pop("failed_at", None)
+    if job.pop("expires_at", None) is not None or ttl:
+        job["retried_at"] = t
+    return job
+
+
+def dedupe_fresh(finished, window, now):
+    """Whether a job finished at `finished` still holds its id against a
+    producer's same id (the de-duplication window; a finish in the
+    future, the clock set back, holds it)."""
+    return finished + window > now or finished > now
+
 def _choice(*allowed):
     def value(v):
         if v not in allowed:
@@ -2365,6 +2407,188 @@ def _give_tree(fd, dev, old, ids, depth):
         except OSError as e2:
             if e2.errno != errno.ENOENT:
                 raise
+
+
+class Store(object):
+    """What a store is: every operation the rest of myq asks of the place
+    that keeps a spool's jobs, one line each (as mailbox.Mailbox is to
+    Maildir and mbox).  FileStore (a file per job) and SqlStore (rows of
+    queue.db) implement it, neither inheriting the other; what both keep
+    in the spool directory (layout, name, policy, lanes, the budget's
+    records, the drop box) is _DirStore's.  The claim protocol is the
+    store's `claims` (Claims for files: claim, complete, move_on for a
+    retry or the dead letters, put_back, take_back, reap, scan, extend,
+    commit), its holds' records its `breaker`, its budget (what a job
+    costs, what sheds first) its `budget`, its export and import its
+    `backlog`.  A store is chosen by the
+    spool's SPOOL/store through _STORES; a new one registers there."""
+
+    store = None        # its name in SPOOL/store and _STORES
+    CLAIMS = None       # the class of its claims (Claims' contract)
+    BUDGET = None       # the class of its budget (Budget's)
+    BACKLOG = None      # the class of its export and import (Backlog's)
+
+    def _abstract(self):
+        raise NotImplementedError("Method must be implemented by the store")
+
+    # Making and opening ---------------------------------------------------
+
+    def init(self, owner=None, store=None):
+        """Make the spool's layout (idempotent); returns the store."""
+        self._abstract()
+
+    def require(self):
+        """The store, or ConfigError unless it is made and usable."""
+        self._abstract()
+
+    def check_filesystem(self):
+        """ConfigError unless every part of the store is on one filesystem
+        and whole (at a worker's start)."""
+        self._abstract()
+
+    def close(self):
+        """Close what this object keeps open (a worker's run ends so)."""
+        self._abstract()
+
+    # Producing -------------------------------------------------------------
+
+    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
+                timeout=None, sync=True, priority=None, ttl=None):
+        """Add one job durably; its id (DuplicateJob, SpoolFull, ...)."""
+        self._abstract()
+
+    def enqueue_many(self, specs, sync=True):
+        """Add many jobs, durable together; their ids."""
+        self._abstract()
+
+    def find_id(self, jid, now=None, dirs=None):
+        """Whether id `jid` is taken (a job, or an idempotency record)."""
+        self._abstract()
+
+    def ok_fresh(self, jid, now=None, dirs=None):
+        """Whether `jid` finished within the de-duplication window."""
+        self._abstract()
+
+    def _enqueue(self, todo, sync, refused=None, done=None):
+        """Place _prepared's jobs of `todo`, durable when it returns."""
+        self._abstract()
+
+    def _enqueue_one(self, todo, sync):
+        """Place one job of a generated id (the producer's usual call)."""
+        self._abstract()
+
+    # The claim protocol's side of the store (self.claims) ------------------
+
+    def lanes(self):
+        """The lanes that hold waiting jobs (a scan looks into these)."""
+        self._abstract()
+
+    def _make_lane(self, sub, dirs=None):
+        """Make the lane `sub` where jobs of a laned type wait."""
+        self._abstract()
+
+    def _waiting_of(self, type):
+        """How many jobs of `type` wait (make_room's count)."""
+        self._abstract()
+
+    def _made(self, w, now):
+        """Whether the waiting job `w` still is where make_room saw it."""
+        self._abstract()
+
+    def _drop_waiting(self, sub, name, dirs):
+        """Drop one waiting job (drop-oldest's choice, made_room's)."""
+        self._abstract()
+
+    # Upkeep --------------------------------------------------------------
+
+    def retry(self, ids=(), all=False, now=False):
+        """Move dead (or failed) jobs back to the queue, attempts reset."""
+        self._abstract()
+
+    def _retry(self, ids, missing, me, now=False):
+        """retry's moves of the store's own jobs."""
+        self._abstract()
+
+    def delete(self, ids, force=False):
+        """Remove jobs by id (a claimed one only with force)."""
+        self._abstract()
+
+    def delete_where(self, state, type=None, older_than=None, force=False,
+                     now=None):
+        """Remove the jobs of a state (and type, and age)."""
+        self._abstract()
+
+    def _delete_one(self, jid, state, path, force, status=None):
+        """Remove one job where locate found it."""
+        self._abstract()
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back the claims of workers that are gone."""
+        self._abstract()
+
+    def prune(self, now=None, full=True):
+        """Apply retention (done, dlq, failed, records, strays)."""
+        self._abstract()
+
+    def _prune_jobs(self, now, full, out):
+        """prune's part over the store's own finished jobs."""
+        self._abstract()
+
+    def _holders(self):
+        """(owners, tokens) of the claims held now."""
+        self._abstract()
+
+    def make_space(self, n=256):
+        """Below a guard: the oldest done jobs go, their ids kept."""
+        self._abstract()
+
+    def keep_room(self):
+        """The room the spool keeps back (the reserve), made again."""
+        self._abstract()
+
+    def check(self, operator=True):
+        """What is wrong with the spool, as lines for the operator."""
+        self._abstract()
+
+    # Reading -------------------------------------------------------------
+
+    def locate(self, jid):
+        """(state, where) of job `jid` (NoSuchJob)."""
+        self._abstract()
+
+    def show(self, jid):
+        """Job `jid` as a dict, with its state."""
+        self._abstract()
+
+    def list(self, state=None):
+        """Jobs as dicts, by state, then time, then id."""
+        self._abstract()
+
+    def stats(self, now=None, by_type=False, types=True):
+        """The counters of the status line (myq-spool(5) STATISTICS)."""
+        self._abstract()
+
+    def _rows(self, state):
+        """list's rows of one state (None: every state)."""
+        self._abstract()
+
+    def _counts(self, now):
+        """stats' counts of the jobs by state."""
+        self._abstract()
+
+    def _describe(self, state, path, holding=None):
+        """show's dict of the job where locate found it."""
+        self._abstract()
+
+    # Finishing -----------------------------------------------------------
+
+    def complete(self, c):
+        """Finish claim `c` as done (claims.complete), counted as delivered."""
+        self._abstract()
+
+    def upkeep_budget(self, now):
+        """A worker's turn of the budget's upkeep (store.budget's)."""
+        self._abstract()
 
 
 class Identity:
@@ -2837,66 +3061,83 @@ class Claims(object):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self.batches = _Batches(self.spool)
 
+    # The contract: what each store's claims do (FileClaims, _SqlClaims) --
+
+    def _abstract(self):
+        raise NotImplementedError("Method must be implemented by the store")
+
     def claim(self, name, me, default_max_attempts=5, scheduled=False,
-               sub="incoming", anytime=False):
-        """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
-        Claim, or None when the job was lost to another worker, quarantined,
-        deferred, expired, moved to its lane, already done, or (scheduled:
-        the scheduler saw it due by its schedule) scheduled again since,
-        unless `anytime` (a held destination's probe runs it now)."""
-        if not name.endswith(".json"):
-            return None
-        stem = name[:-5]
-        src = self.spool._incoming + name if sub == "incoming" else self.spool.d(sub, name)
-        if not NAME_RE.match(stem):
-            try:
-                self.quarantine(src, name, "bad file name: a job file is ID.json, "
-                                "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
-            except OSError:
-                if _lexists(src):
-                    raise           # it stays: the worker logs why, backs off
-            return None
-        token = me.token()
-        cname = _claim_name(stem, token)
-        path = self.spool._processing + cname
-        # by the door's descriptors of the two directories (the worker
-        # keeps them), not their paths looked up at each step
-        fs = self.spool.fs
-        pfd = fs("processing")
-        try:
-            _rename(src, path, fs(sub), pfd)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return None             # another worker was faster
-            raise
-        got = self._read_claimed(path, src, name, scheduled, pfd, cname)
-        if got is None:
-            return None
-        job, trailers, fd, st = got
-        now = _now()
-        if scheduled and not anytime and st.st_mtime > now + 0.5:
-            # Another worker ran it and put it back with its backoff since
-            # this one's scan saw it due (the mtime is the schedule): it
-            # goes back untouched, to wait its time.
-            os.close(fd)
-            _rename(path, src, pfd, fs(sub))
-            return None
-        c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
-                  trailers=trailers, mtime=st.st_mtime,
-                  max_attempts=job.get("max_attempts") or default_max_attempts)
-        if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
-            return None
-        c.attempt = job["attempts"] + 1
-        try:
-            _lease_claim(fd, path, me, c, now + me.lease)
-        except OSError:
-            self.close(c)
-            try:                        # give it back untouched
-                _rename(path, src)
-            except OSError:
-                pass
-            raise
-        return c
+              sub="incoming", anytime=False):
+        """Claim the waiting job `name` for `me`: a Claim, or None."""
+        self._abstract()
+
+    def complete(self, c):
+        """Finish claim `c` as done (its idempotency record kept)."""
+        self._abstract()
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        """Finish claim `c` as `job` anew in `dest` (a retry, dead letters)."""
+        self._abstract()
+
+    def put_back(self, c, mtime):
+        """Claim `c`'s job waits again, unchanged, due at `mtime`."""
+        self._abstract()
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back the claims whose owner is gone."""
+        self._abstract()
+
+    def scan(self, L, n, tick):
+        """Lane `L`'s cache of its `n` earliest waiting jobs."""
+        self._abstract()
+
+    def lanes_key(self, poked=False):
+        """(key, racy): what changes when the set of lanes does."""
+        self._abstract()
+
+    def maybe_lanes(self):
+        """Whether lanes may hold waiting jobs beside incoming/."""
+        self._abstract()
+
+    def lane_key(self, L):
+        """What changes when lane `L`'s waiting jobs do."""
+        self._abstract()
+
+    def waits(self, rel):
+        """Whether the job at `rel` (LANE/NAME) still waits."""
+        self._abstract()
+
+    def size(self, sub, name):
+        """The bytes of the waiting job `name` of lane `sub`."""
+        self._abstract()
+
+    def due(self, rel, now):
+        """Whether the job at `rel` is due at `now` (wall clock)."""
+        self._abstract()
+
+    def extend(self, claims, until):
+        """Renew the leases of `claims` to `until`."""
+        self._abstract()
+
+    def commit(self):
+        """Make the finished claims durable (group commit)."""
+        self._abstract()
+
+    def queued(self, jid):
+        """Whether job `jid` waits."""
+        self._abstract()
+
+    def close(self, c):
+        """Let go of claim `c`'s open file, if any."""
+        self._abstract()
+
+    def _done_already(self, jid, now):
+        """Whether job `jid` finished already (a claim is dropped)."""
+        self._abstract()
+
+    def _until_of(self, path):
+        """The lease's end of the claim at `path`."""
+        self._abstract()
 
     def _read_claimed(self, path, src, name, scheduled, pfd, cname):
         """The job in the file just claimed at `path` (`cname` in the
@@ -3036,10 +3277,6 @@ class Claims(object):
             return False
         return True
 
-    def _done_already(self, jid, now):
-        """Was the job just claimed done within the de-duplication window?"""
-        return self.spool.ok_fresh(jid, now)
-
     def _unwritten(self, path, src, name, scheduled):
         """A job file with nothing in it (no bytes, or NULs): not written
         yet (a producer between its create and its write), or never (an
@@ -3120,90 +3357,6 @@ class Claims(object):
             return kill_run(0, sig, token, start=-1)   # by its MYQ_CLAIM alone
         return kill_run(pid, sig, token, start=start)
 
-    def close(self, c):
-        if c.fd is not None:
-            try:
-                os.close(c.fd)
-            except OSError:
-                pass
-            c.fd = None
-
-    def complete(self, c):
-        """Success: the rename to done/, whose file is the job's idempotency
-        record (see ok_fresh).  Returns False when the claim was taken back
-        meanwhile."""
-        self.close(c)
-        fs = self.spool.fs
-        try:
-            _rename(c.path, self.spool._done + c.jid + ".json",
-                    fs("processing"), fs("done"))
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return False
-            raise
-        return True
-
-    def move_on(self, c, job, dest, me, fin=None, until=None):
-        """Put a new version of a claimed job into incoming/ (mtime =
-        available_at, or `until`) or dlq/.  The claim is first renamed to
-        ID+TOKEN.fin: when that fails, the claim is no longer ours and
-        nothing moves.
-
-        `until`: a job put back for a destination that failed (myq(1) holds)
-        waits until then by its mtime alone, while its available_at says
-        now: a release sets the mtime to now, and a file whose mtime is not
-        later than its ctime is due by its available_at (a producer's own
-        file), so a release must not leave a later date there."""
-        self.close(c)
-        job = dict(job)
-        job["updated_at"] = _now()
-        job.pop("lease", None)
-        job.pop("state", None)
-        if dest == "incoming":
-            dest = self.spool.home(job)       # its lane, when it has one
-        waiting = dest.startswith("incoming")
-        if waiting and dest != "incoming":
-            self.spool._make_lane(dest)
-        data = dumps(job)
-        # The next version is written in processing/, the owner's alone
-        # (not in tmp/, where a producer could swap it before the rename).
-        tmp = self.spool.d("processing", _claim_name(c.jid, c.token, "new"))
-        _quiet_unlink(tmp)              # left by an earlier failed try
-
-        _create(tmp, data, sync=True, mtime=None if not waiting else
-                job["available_at"] if until is None else until)
-        if fin is None and c.path.endswith(".fin"):
-            fin = c.path                # an earlier try got this far
-        if fin is None:
-            fin = self.spool.d("processing", _claim_name(c.jid, c.token, "fin"))
-            try:
-                _rename(c.path, fin)
-            except OSError as e:
-                _quiet_unlink(tmp)
-                if e.errno == errno.ENOENT:
-                    return False
-                raise
-            c.path = fin
-        try:
-            _rename(tmp, self.spool.d(dest, c.jid + ".json"))
-        except OSError:
-            _quiet_unlink(tmp)
-            raise
-        _unlink(fin)
-        if waiting:
-            self.spool.poke()
-        return True
-
-    def put_back(self, c, mtime):
-        """The claim home unchanged, due at `mtime` (False: not ours now)."""
-        home = self.spool.home(c.job)
-        self.spool._make_lane(home)     # (incoming/ itself: there)
-        if c.fd is not None:        # (kept open until it moved)
-            _futime(c.fd, c.path, mtime)
-        ok = _take(c.path, self.spool.d(home, c.jid + ".json"))
-        self.close(c)
-        return ok
-
     def quarantine(self, path, name, reason):
         """Move a file that is not a valid job to failed/, reason beside it."""
         name = name.replace("/", "_") or "unnamed"
@@ -3273,50 +3426,6 @@ class Claims(object):
         if until < now:
             return "lease of worker %s expired at %s" % (wid, iso(until))
         return None
-
-    def _until_of(self, path):
-        """The wall-clock end of the claim's lease: its mtime, or the line
-        a claim appended (_lease_claim)."""
-        try:
-            data, st = self.spool.read_file(path)
-            t = (_lease_of(parse(data)[1]) or {}).get("leased_until")
-        except (OSError, InvalidJob):
-            return 0.0
-        return max(st.st_mtime, t) if _is_num(t) else st.st_mtime
-
-    def reap(self, me=None, max_attempts=5, dry_run=False):
-        """Take back claims whose owner is gone (or whose lease expired where
-        liveness cannot be checked).  Returns how many were taken back."""
-        self.spool.require()
-        mine = me is None and not dry_run
-        if mine:
-            me = Identity(self.spool, kind="r")
-            me.register()
-        try:
-            cache = {}
-            now, mono = _now(), _mono()
-            n = 0
-            names = sorted(_listdir(self.spool.d("processing")))
-            batches = {} if dry_run else self._dead_batches(
-                names, me, cache, now, mono)
-            for name in names:
-                parts = _split_claim(name)
-                if not parts or (me is not None and parts[1] == me.wid):
-                    continue
-                path = self.spool.d("processing", name)
-                why = self._owner_gone(parts[1], path, cache, now, mono,
-                                       kill=not dry_run)
-                if why is None:
-                    continue
-                if dry_run:
-                    n += 1
-                elif self.take_back(path, parts[0], me, why, max_attempts,
-                                     batches.get(parts[0])):
-                    n += 1
-            return n
-        finally:
-            if mine:
-                me.unregister()
 
     def _dead_batches(self, names, me, cache, now, mono):
         """{jid: its batch} of the batches (processing/*.batch) whose
@@ -3408,6 +3517,203 @@ class Claims(object):
         """The lanes (their `sub`) that may have new jobs since the last
         call, or None: this store cannot say (a directory's key each)."""
         return None
+
+class FileClaims(Claims):
+    """The file store's claims: a claim is a rename into processing/, a
+    lane a directory, a scan a walk of the lanes' entries."""
+
+    def claim(self, name, me, default_max_attempts=5, scheduled=False,
+               sub="incoming", anytime=False):
+        """Take NAME from incoming/ (or the lane `sub`) for `me`.  Returns a
+        Claim, or None when the job was lost to another worker, quarantined,
+        deferred, expired, moved to its lane, already done, or (scheduled:
+        the scheduler saw it due by its schedule) scheduled again since,
+        unless `anytime` (a held destination's probe runs it now)."""
+        if not name.endswith(".json"):
+            return None
+        stem = name[:-5]
+        src = self.spool._incoming + name if sub == "incoming" else self.spool.d(sub, name)
+        if not NAME_RE.match(stem):
+            try:
+                self.quarantine(src, name, "bad file name: a job file is ID.json, "
+                                "ID being 1-128 characters of A-Z a-z 0-9 . _ -")
+            except OSError:
+                if _lexists(src):
+                    raise           # it stays: the worker logs why, backs off
+            return None
+        token = me.token()
+        cname = _claim_name(stem, token)
+        path = self.spool._processing + cname
+        # by the door's descriptors of the two directories (the worker
+        # keeps them), not their paths looked up at each step
+        fs = self.spool.fs
+        pfd = fs("processing")
+        try:
+            _rename(src, path, fs(sub), pfd)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return None             # another worker was faster
+            raise
+        got = self._read_claimed(path, src, name, scheduled, pfd, cname)
+        if got is None:
+            return None
+        job, trailers, fd, st = got
+        now = _now()
+        if scheduled and not anytime and st.st_mtime > now + 0.5:
+            # Another worker ran it and put it back with its backoff since
+            # this one's scan saw it due (the mtime is the schedule): it
+            # goes back untouched, to wait its time.
+            os.close(fd)
+            _rename(path, src, pfd, fs(sub))
+            return None
+        c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
+                  trailers=trailers, mtime=st.st_mtime,
+                  max_attempts=job.get("max_attempts") or default_max_attempts)
+        if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
+            return None
+        c.attempt = job["attempts"] + 1
+        try:
+            _lease_claim(fd, path, me, c, now + me.lease)
+        except OSError:
+            self.close(c)
+            try:                        # give it back untouched
+                _rename(path, src)
+            except OSError:
+                pass
+            raise
+        return c
+
+    def _done_already(self, jid, now):
+        """Was the job just claimed done within the de-duplication window?"""
+        return self.spool.ok_fresh(jid, now)
+
+    def close(self, c):
+        if c.fd is not None:
+            try:
+                os.close(c.fd)
+            except OSError:
+                pass
+            c.fd = None
+
+    def complete(self, c):
+        """Success: the rename to done/, whose file is the job's idempotency
+        record (see ok_fresh).  Returns False when the claim was taken back
+        meanwhile."""
+        self.close(c)
+        fs = self.spool.fs
+        try:
+            _rename(c.path, self.spool._done + c.jid + ".json",
+                    fs("processing"), fs("done"))
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        """Put a new version of a claimed job into incoming/ (mtime =
+        available_at, or `until`) or dlq/.  The claim is first renamed to
+        ID+TOKEN.fin: when that fails, the claim is no longer ours and
+        nothing moves.
+
+        `until`: a job put back for a destination that failed (myq(1) holds)
+        waits until then by its mtime alone, while its available_at says
+        now: a release sets the mtime to now, and a file whose mtime is not
+        later than its ctime is due by its available_at (a producer's own
+        file), so a release must not leave a later date there."""
+        self.close(c)
+        job = dict(job)
+        job["updated_at"] = _now()
+        job.pop("lease", None)
+        job.pop("state", None)
+        if dest == "incoming":
+            dest = self.spool.home(job)       # its lane, when it has one
+        waiting = dest.startswith("incoming")
+        if waiting and dest != "incoming":
+            self.spool._make_lane(dest)
+        data = dumps(job)
+        # The next version is written in processing/, the owner's alone
+        # (not in tmp/, where a producer could swap it before the rename).
+        tmp = self.spool.d("processing", _claim_name(c.jid, c.token, "new"))
+        _quiet_unlink(tmp)              # left by an earlier failed try
+
+        _create(tmp, data, sync=True, mtime=None if not waiting else
+                job["available_at"] if until is None else until)
+        if fin is None and c.path.endswith(".fin"):
+            fin = c.path                # an earlier try got this far
+        if fin is None:
+            fin = self.spool.d("processing", _claim_name(c.jid, c.token, "fin"))
+            try:
+                _rename(c.path, fin)
+            except OSError as e:
+                _quiet_unlink(tmp)
+                if e.errno == errno.ENOENT:
+                    return False
+                raise
+            c.path = fin
+        try:
+            _rename(tmp, self.spool.d(dest, c.jid + ".json"))
+        except OSError:
+            _quiet_unlink(tmp)
+            raise
+        _unlink(fin)
+        if waiting:
+            self.spool.poke()
+        return True
+
+    def put_back(self, c, mtime):
+        """The claim home unchanged, due at `mtime` (False: not ours now)."""
+        home = self.spool.home(c.job)
+        self.spool._make_lane(home)     # (incoming/ itself: there)
+        if c.fd is not None:        # (kept open until it moved)
+            _futime(c.fd, c.path, mtime)
+        ok = _take(c.path, self.spool.d(home, c.jid + ".json"))
+        self.close(c)
+        return ok
+
+    def _until_of(self, path):
+        """The wall-clock end of the claim's lease: its mtime, or the line
+        a claim appended (_lease_claim)."""
+        try:
+            data, st = self.spool.read_file(path)
+            t = (_lease_of(parse(data)[1]) or {}).get("leased_until")
+        except (OSError, InvalidJob):
+            return 0.0
+        return max(st.st_mtime, t) if _is_num(t) else st.st_mtime
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back claims whose owner is gone (or whose lease expired where
+        liveness cannot be checked).  Returns how many were taken back."""
+        self.spool.require()
+        mine = me is None and not dry_run
+        if mine:
+            me = Identity(self.spool, kind="r")
+            me.register()
+        try:
+            cache = {}
+            now, mono = _now(), _mono()
+            n = 0
+            names = sorted(_listdir(self.spool.d("processing")))
+            batches = {} if dry_run else self._dead_batches(
+                names, me, cache, now, mono)
+            for name in names:
+                parts = _split_claim(name)
+                if not parts or (me is not None and parts[1] == me.wid):
+                    continue
+                path = self.spool.d("processing", name)
+                why = self._owner_gone(parts[1], path, cache, now, mono,
+                                       kill=not dry_run)
+                if why is None:
+                    continue
+                if dry_run:
+                    n += 1
+                elif self.take_back(path, parts[0], me, why, max_attempts,
+                                     batches.get(parts[0])):
+                    n += 1
+            return n
+        finally:
+            if mine:
+                me.unregister()
 
     def lanes_key(self, poked=False):
         """A key that changes when lanes come or go (None: no lanes).
@@ -3556,7 +3862,7 @@ class Claims(object):
 
 class _Producing(object):
     """What producers do to a spool: enqueue (through tmp/, fsync'd, a
-    wake-up), the disk-free guard, idempotency records (a part of Spool)."""
+    wake-up), the disk-free guard, idempotency records (a part of _DirStore)."""
 
     # Producers ---------------------------------------------------------------
 
@@ -3624,31 +3930,6 @@ class _Producing(object):
             return self._enqueue([todo], sync)[0]
         return self._enqueue_one(todo, sync)
 
-    def _enqueue_one(self, todo, sync):
-        """_enqueue of one job into incoming/, without the batch's lists."""
-        job, data, explicit, delay, sub = todo
-        problem = self._room_for((len(data),))
-        if problem:
-            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge(((job["type"], len(data)),), (sub,))
-        dirs = self.fs
-        jid = job["id"]
-        try:
-            self._place_new(job, data, explicit, delay, sync, dirs)
-            if sync:
-                self._fsync_or_withdraw(((jid, sub),), dirs)
-            self.poke(dirs, often=True)
-            self._arrived([todo], ((jid, sub),))
-        except OSError as e:        # opening the directories
-            if isinstance(e, _Refused):
-                raise ConfigError("spool %s refuses the job: %s; nothing was "
-                                  "enqueued" % (self.path, e))
-            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
-                            % (self.path, e.strerror))
-        finally:
-            dirs.release()
-        return jid
-
     def enqueue_many(self, specs, sync=True):
         """Add many jobs, durable when it returns (sync): on ext4 in one
         journal commit (_enqueue).  All are validated before any is
@@ -3690,7 +3971,7 @@ class _Producing(object):
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge([(t[0]["type"], len(t[1])) for t in todo],
+        self.budget.charge([(t[0]["type"], len(t[1])) for t in todo],
                      [t[4] for t in todo])
         # Through descriptors of the directories, opened without following a
         # symlink: a root producer never writes outside a spool it does not
@@ -3764,8 +4045,8 @@ class _Producing(object):
         for t in todo:
             if t[0]["id"] in ids:
                 c = counts.get(t[0]["type"], (0, 0))
-                counts[t[0]["type"]] = (c[0] + 1, c[1] + self._cost(len(t[1])))
-        self.note_arrivals(counts)
+                counts[t[0]["type"]] = (c[0] + 1, c[1] + self.budget.cost(len(t[1])))
+        self.budget.note_arrivals(counts)
 
     def _fsync_later(self, later, done):
         """The fsyncs _place_new left for later, in order, after one of the
@@ -3984,23 +4265,6 @@ class _Producing(object):
         except OSError:
             pass
 
-    def _placed(self, jid, ino, dfd):
-        """What went into incoming/ must be the file written (the spool's
-        owner may swap tmp/'s entry for a link between the write and the
-        rename); else nothing was enqueued."""
-        name = jid + ".json"
-        try:
-            ok = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino
-        except OSError as e:
-            # Gone already: a worker claimed it (or the owner removed it,
-            # which the owner may do to any job): what we wrote was placed.
-            ok = e.errno == errno.ENOENT
-        if not ok:
-            _quiet_unlink(name, dfd)
-            raise SpoolBusy("job %s was replaced in %s/tmp while it was written "
-                            "(by the spool's owner?); nothing was enqueued"
-                            % (jid, self.path))
-
     def poke(self, dirs=None, often=False, subs=()):
         """Wake an idle worker: one byte into the FIFO locks/wake (never
         into anything else that may stand there).  `often` (a producer's
@@ -4065,49 +4329,7 @@ class _Producing(object):
         os.close(fd)
         return None
 
-    def find_id(self, jid, now=None, dirs=None):
-        """Where an id lives for de-duplication: a state name or None."""
-        dirs = dirs or self.fs
-        for sub in self.waiting_dirs():
-            if _exists(jid + ".json", dirs(sub)):
-                return "queued"
-        if _exists(jid + ".json", dirs("dlq")):
-            return "dead"
-        prefix = jid + "+"
-        for name in _listdir(self.d("processing")):
-            if name.startswith(prefix):
-                return "processing"
-        if self.ok_fresh(jid, now):
-            return "done within the de-duplication window"
-        return None
-
     # Idempotency records -----------------------------------------------------
-
-    def ok_fresh(self, jid, now=None, dirs=None):
-        """Was `jid` done within the de-duplication window?  Its done/ file
-        is the record while it stays (its ctime: the rename that finished
-        it); a record in locks/ok/ (mtime: when it was done) outlives it."""
-        now = _now() if now is None else now
-        window = self.opt["dedupe_window"]
-        records = (("done", jid + ".json", "st_ctime"),)
-        if not _is_generated_id(jid):
-            # (an id myq generated never gets a locks/ok/ record: _outlive)
-            records += (("locks/ok", jid, "st_mtime"),)
-        for sub, name, when in records:
-            try:
-                # (every claim asks: access(2) says no without the cost of
-                # an exception; it looks with the real uid, as good)
-                fd = self.fs(sub)
-                if not os.access(name, os.F_OK, dir_fd=fd,
-                                 follow_symlinks=False):
-                    continue
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
-            t = getattr(st, when)
-            if t + window > now or t > now:
-                return True
-        return False
 
     def _mark_ok(self, jid, t=None):
         """A record in locks/ok/ that `jid` was done at `t` (default now)."""
@@ -4139,10 +4361,27 @@ class _Producing(object):
             except OSError:
                 pass        # what retention removes is not worth failing for
 
+    def _placed(self, jid, ino, dfd):
+        """What went into incoming/ must be the file written (the spool's
+        owner may swap tmp/'s entry for a link between the write and the
+        rename); else nothing was enqueued."""
+        name = jid + ".json"
+        try:
+            ok = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == ino
+        except OSError as e:
+            # Gone already: a worker claimed it (or the owner removed it,
+            # which the owner may do to any job): what we wrote was placed.
+            ok = e.errno == errno.ENOENT
+        if not ok:
+            _quiet_unlink(name, dfd)
+            raise SpoolBusy("job %s was replaced in %s/tmp while it was written "
+                            "(by the spool's owner?); nothing was enqueued"
+                            % (jid, self.path))
+
 
 class _Upkeep(object):
     """The operator's moves (retry, delete, reap) and retention (prune,
-    the guards' make_space, the reserve) and check (a part of Spool)."""
+    the guards' make_space, the reserve) and check (a part of _DirStore)."""
 
     # Operator moves ----------------------------------------------------------
 
@@ -4179,53 +4418,6 @@ class _Upkeep(object):
             raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
                             "from dlq/ and failed/; retry --now also scheduled "
                             "ones)" % (", ".join(missing), self.path))
-        return n
-
-    def _retry(self, ids, missing, me, now=False):
-        n = 0
-        for jid, state, path in self._located(ids, missing):
-            if now and state in ("ready", "scheduled"):
-                if not self._make_ready(jid, path, me):
-                    missing.append(jid)
-                    continue
-            elif state == "dead":
-                if self.claims.queued(jid):
-                    raise DuplicateJob("job %s is already queued; delete one "
-                                       "of them first" % jid)
-                job, _, _ = self.load(path, jid)
-                job.update(attempts=0, available_at=_now())
-                job.pop("failed_at", None)
-                if job.pop("expires_at", None) is not None or self.rules(
-                        job["type"]).get("ttl"):
-                    job["retried_at"] = _now()  # the ttl counts from now
-                if not me.registered:
-                    me.register()
-                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
-                # finish: a crash leaves it where a reaper requeues it.
-                owned = self.claims.own(path, jid, me)
-                if owned is None:
-                    missing.append(jid)
-                    continue
-                fin, token = owned
-                self.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
-                             job, "incoming", me, fin=fin)
-            elif state == "failed":
-                name = os.path.basename(path)
-                if not name.endswith(".json"):
-                    name += ".json"
-                why = self._unreadable_by_worker(path)
-                if why:
-                    raise ConfigError("cannot retry %s: %s" % (jid, why))
-                _rename(path, self.d("incoming", name))
-                _quiet_unlink(path + ".reason")
-            else:
-                missing.append(jid)
-                continue
-            n += 1
-        if n:
-            for sub in self.waiting_dirs():
-                _fsync_dir(self.d(sub))
-            self.poke()
         return n
 
     def _unreadable_by_worker(self, path):
@@ -4426,51 +4618,6 @@ class _Upkeep(object):
             self.breaker.prune()
         return out
 
-    def _prune_jobs(self, now, full, out):
-        """prune's part of the jobs' states (the counts into `out`); what
-        went for a bound in count, by directory."""
-        bound = {}
-        for sub, key, age, keep, most, always in self._RETENTION:
-            if always or full:
-                out[key] += self._expire(sub, age, self.opt[keep],
-                                         self.opt[most] if most else None, now,
-                                         bound)
-        return bound
-
-    def make_space(self, n=256):
-        """Below a guard (myq(1) guards): retention frees done/ first, its n
-        oldest now (a producer-chosen id keeps its de-duplication in
-        locks/ok/: an inode for an inode, the blocks freed).  Short of
-        inodes, the n oldest idempotency records go first, and done files
-        go without one: records are never what keeps a backlog from
-        draining (a job sent again after that may run twice: at least
-        once holds).  Returns how many went."""
-        import heapq
-        problem = self.free_problem()
-        inodes = bool(problem) and "inodes" in problem
-        gone = 0
-        for sub in (("locks/ok", "done") if inodes else ("done",)):
-            old = heapq.nsmallest(n, self._aged(sub, "ctime"))
-            for _, name in old:
-                try:
-                    if sub == "done" and not inodes:
-                        self._outlive(self.d(sub, name))
-                    _unlink(self.d(sub, name))
-                    gone += 1
-                except OSError:
-                    pass
-            if sub == "locks/ok" and old:
-                self.count("removed", "ok", len(old))
-        if not gone and self._free_room():
-            what = "its reserve (locks/room)"
-            gone = 1
-        else:
-            what = "the oldest"
-        if gone:
-            self.log("pruned", why="below a guard: " + (problem or "low"),
-                     n=gone, freed=what)
-        return gone
-
     # The reserve: locks/room, ROOM bytes the worker sets aside while there
     # is room (incompressible, so UBIFS keeps them too) and gives up when
     # retention frees nothing: a full disk (a backlog that filled the
@@ -4482,7 +4629,7 @@ class _Upkeep(object):
         """Set the reserve aside when it is not and the guards allow."""
         path = self.d("locks", "room")
         if _lexists(path) or self.free_problem() or \
-                not self.budget_takes(self.ROOM):
+                not self.budget.budget_takes(self.ROOM):
             return False
         try:
             _replace(path, os.urandom(self.ROOM), mode=0o600)
@@ -4830,13 +4977,22 @@ class _Upkeep(object):
         return out
 
 
-class _Backlog(object):
+class Backlog(object):
     """export and import (myq(1) export): a backlog as JSON lines, one
-    job a line with its state, between spools, stores and devices (a part
-    of Spool; an SQLite store gives the same lines)."""
+    job a line with its state, between spools, stores and devices: a
+    store's, as store.backlog; what export reads is its FileBacklog's or
+    SqlBacklog's, the same lines."""
 
     EXPORTED = ("ready", "scheduled", "processing", "done", "dead")
     BATCH = 256                 # jobs an import places in one commit
+
+    def __init__(self, store):
+        self.store = _weakref.proxy(store)
+
+    def export(self, states=(), type=None, skip=None):
+        """The jobs of `states` (all: every one), of `type`, as dicts with
+        their state, skipping the ids of `skip`."""
+        raise NotImplementedError("Method must be implemented by the store")
 
     # Export ------------------------------------------------------------------
 
@@ -4850,29 +5006,6 @@ class _Backlog(object):
                                  % (s, " ".join(STATES)))
         return states, skip or (lambda path, why: None)
 
-    def export(self, states=(), type=None, skip=None):
-        """The jobs in `states` (default: all but failed), of `type`, as
-        dicts with their `state`: each as its file holds it, a waiting
-        job's schedule its file's, a claimed one as a reaper would put it
-        back (its lease gone, its attempt counted).  Streamed: one
-        directory entry at a time, in no order within a state.  A file
-        that is not a job is left out, and skip(path, why) called."""
-        self.require()
-        self._check_readable()
-        states, skip = self._export_args(states, skip)
-        subs = self.waiting_dirs() if states & {"ready", "scheduled"} else []
-        subs += [STATE_DIRS[s] for s in ("processing", "done", "dead")
-                 if s in states]
-        for sub in subs:
-            for e in _scandir(self.d(sub)):
-                row = self._exported(sub, e.name, skip)
-                if row is not None and row["state"] in states and (
-                        type is None or row["type"] == type):
-                    yield row
-        if "failed" in states and type is None:
-            for row in self._exported_failed():
-                yield row
-
     def _exported(self, sub, name, skip):
         """The row of one entry of `sub`, or None (not a job file, gone)."""
         if sub == "processing":
@@ -4884,9 +5017,9 @@ class _Backlog(object):
             stem = name[:-5]
         else:
             return None
-        path = self.d(sub, name)
+        path = self.store.d(sub, name)
         try:
-            job, trailers, st = self.load(path, stem)
+            job, trailers, st = self.store.load(path, stem)
         except OSError as e:
             if e.errno != errno.ENOENT:
                 skip(path, e.strerror or str(e))
@@ -4917,13 +5050,13 @@ class _Backlog(object):
     def _exported_failed(self):
         """Quarantined files (asked for by name: not jobs): the file's
         name, its reason, its bytes as text when they are UTF-8."""
-        for e in _scandir(self.d("failed")):
+        for e in _scandir(self.store.d("failed")):
             if e.name.endswith(".reason"):
                 continue
-            path = self.d("failed", e.name)
+            path = self.store.d("failed", e.name)
             reason = _read_small(path + ".reason")
             try:
-                text = self.read_file(path)[0].decode("utf-8")
+                text = self.store.read_file(path)[0].decode("utf-8")
             except (OSError, InvalidJob, UnicodeError):
                 text = None
             yield {"state": "failed", "file": e.name,
@@ -4938,13 +5071,13 @@ class _Backlog(object):
         policy (with `type`, that type's rules and the default's); None
         for a spool with neither a policy nor a name of its own (an
         export of jobs alone, as before)."""
-        self.require()
-        pol = self.policy()
+        self.store.require()
+        pol = self.store.policy()
         if type is not None:
             pol = dict((k, v) for k, v in pol.items() if k in (type, "*"))
-        if not pol and not self.named():
+        if not pol and not self.store.named():
             return None
-        return {"spool": {"queue": self.name, "policy": pol}}
+        return {"spool": {"queue": self.store.name, "policy": pol}}
 
     def _import_spool(self, line, counts, policy):
         """An export's spool line: its policy applied (each type's rules
@@ -4966,14 +5099,14 @@ class _Backlog(object):
         name = obj.get("queue")
         if policy:
             for t, rules in sorted(pol.items()):
-                own = self.policy().get(t, {})
+                own = self.store.policy().get(t, {})
                 changes = dict(rules)
                 changes.update((k, None) for k in own if k not in rules)
-                self.set_policy(t, changes)
+                self.store.set_policy(t, changes)
             counts["policy"] = sorted(pol)
-        if isinstance(name, str) and _is_name(name) and not self.named() \
-                and name != self.name and not any(self._counts(_now())[:-1]):
-            self.set_name(name)
+        if isinstance(name, str) and _is_name(name) and not self.store.named() \
+                and name != self.store.name and not any(self.store._counts(_now())[:-1]):
+            self.store.set_name(name)
             counts["queue"] = name
 
     def import_jobs(self, lines, refuse=None, policy=True):
@@ -4987,7 +5120,7 @@ class _Backlog(object):
         type's bound too).  Counts {"imported", "duplicate", "bad",
         "refused"}; the disk-free guard raises SpoolFull, its `counts`
         and `line` (the first not imported) set."""
-        self.require()
+        self.store.require()
         refuse = refuse or (lambda n, why: None)
         counts = dict(imported=0, duplicate=0, bad=0, refused=0)
         todo, nums = [], []
@@ -5044,21 +5177,21 @@ class _Backlog(object):
         job = normalize(obj)
         job.pop("lease", None)
         data = dumps(job)
-        most = self.opt["max_job_bytes"] + (SLACK if _rewritten(job) else 0)
+        most = self.store.opt["max_job_bytes"] + (SLACK if _rewritten(job) else 0)
         if len(data) > most:
             raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
                              "(%d)" % (job["id"], len(data), most))
         if state in ("dead", "done"):
             return job, data, True, 0, STATE_DIRS[state]
         delay = max(0.0, job["available_at"] - _now())
-        return job, data, True, delay, self.home(job)
+        return job, data, True, delay, self.store.home(job)
 
     def _import_batch(self, todo, nums, counts, refuse):
         """_enqueue of one batch (`nums`: the line of each), each refusal
         counted, and said unless it is a duplicate."""
         refused, placed = [], []
         try:
-            self._enqueue(todo, True, refused, placed)
+            self.store._enqueue(todo, True, refused, placed)
         except SpoolFull as e:
             counts["imported"] += len(placed)
             counts["duplicate"] += sum(
@@ -5076,6 +5209,33 @@ class _Backlog(object):
             else:
                 counts["refused"] += 1
                 refuse(line[jid], str(e))
+
+
+class FileBacklog(Backlog):
+    """The file store's export: its files, state by state."""
+
+    def export(self, states=(), type=None, skip=None):
+        """The jobs in `states` (default: all but failed), of `type`, as
+        dicts with their `state`: each as its file holds it, a waiting
+        job's schedule its file's, a claimed one as a reaper would put it
+        back (its lease gone, its attempt counted).  Streamed: one
+        directory entry at a time, in no order within a state.  A file
+        that is not a job is left out, and skip(path, why) called."""
+        self.store.require()
+        self.store._check_readable()
+        states, skip = self._export_args(states, skip)
+        subs = self.store.waiting_dirs() if states & {"ready", "scheduled"} else []
+        subs += [STATE_DIRS[s] for s in ("processing", "done", "dead")
+                 if s in states]
+        for sub in subs:
+            for e in _scandir(self.store.d(sub)):
+                row = self._exported(sub, e.name, skip)
+                if row is not None and row["state"] in states and (
+                        type is None or row["type"] == type):
+                    yield row
+        if "failed" in states and type is None:
+            for row in self._exported_failed():
+                yield row
 
 
 def _file_kind(mode):
@@ -5241,7 +5401,7 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
     """Add a job to the spool durably; returns its id (myq(1) PYTHON API)."""
     sp = _SPOOLS.get(spool)
     if sp is None or not sp._ready:
-        sp = _SPOOLS[spool] = Spool(spool)
+        sp = _SPOOLS[spool] = open_store(spool)
     try:
         return sp.enqueue(type, payload, id=id, delay=delay,
                           max_attempts=max_attempts, timeout=timeout,
@@ -5253,7 +5413,7 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
 
 class _Reading(object):
     """What the commands read of a spool: a job file, where an id is,
-    show, list, stats (a part of Spool)."""
+    show, list, stats (a part of _DirStore)."""
 
 
     def read_file(self, path, limit=None):
@@ -5485,8 +5645,8 @@ class _Reading(object):
                 "held": [{"dest": h["dest"], "until": h.get("until")}
                          for h in self.breaker.records()],
                 "destinations": self.dest_states(now)}
-        out["dropped_by"] = self.dropped_by(tot)
-        out.update(self.capacity(now, types))
+        out["dropped_by"] = self.budget.dropped_by(tot)
+        out.update(self.budget.capacity(now, types))
         return out
 
     def dest_states(self, now=None):
@@ -5508,16 +5668,6 @@ class _Reading(object):
                                "held" if h else "ok",
                                "until": h.get("until") if h else None})
         return out
-
-    def _counts(self, now):
-        """(ready, scheduled, the earliest ready one's time, processing,
-        done, dead, failed), from the directories."""
-        ready, scheduled, oldest = self._waiting_files(self.waiting_dirs(), now)
-        processing = sum(1 for n in _listdir(self.d("processing"))
-                         if _split_claim(n))
-        return (ready, scheduled, oldest, processing,
-                _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
-                self._failed_files())
 
     def _waiting_files(self, subs, now):
         """(ready, scheduled, the earliest ready one's time) of the job
@@ -5599,15 +5749,54 @@ def _records_made(dfd, ids):
                 os.fchown(fd, ids[0], ids[1])
             os.fchmod(fd, mode)
             if name == "used":      # (its block there before any walk)
-                _Budget._used_write(fd, 0, 0, 0)
+                Budget._used_write(fd, 0, 0, 0)
         finally:
             os.close(fd)
 
 
-class _Budget(object):
+class Budget(object):
     """The budget (myq(1) budget): the used-bytes figure, the producers'
     charge, shedding; and the figures of capacity: arrivals and deliveries
-    in locks/rates, what waits by type (a part of Spool)."""
+    in locks/rates, what waits by type.  A store's, as store.budget: what
+    a job costs and what sheds first are its own (FileBudget, SqlBudget:
+    the methods that raise NotImplementedError here)."""
+
+    def __init__(self, store):
+        self.store = _weakref.proxy(store)
+        self._rates = store.d("locks", "rates")
+        self._blk = None            # the filesystem's block (_block)
+        self._arrivals = None       # a producer's, held a second (atexit)
+        self._arrived_at = -1e9
+        self._delivered = {}        # a worker's, noted each second
+        self._upkept = (-1e9, -1e9)     # (last turn, next walk): upkeep_budget
+        self._inbox = {}            # what _inbox_waiting saw
+
+    def _abstract(self):
+        raise NotImplementedError("Method must be implemented by the store")
+
+    def cost(self, size):
+        """The bytes a new job of `size` takes from the budget."""
+        self._abstract()
+
+    def freed(self, size):
+        """The bytes a removed job of `size` gives back."""
+        self._abstract()
+
+    def _shed_measured(self, m, a, t):
+        """shed's figure of the spool after a walk."""
+        self._abstract()
+
+    def _shed_done(self, need):
+        """Done jobs before their time, the earliest finished first."""
+        self._abstract()
+
+    def _shed_records(self, need):
+        """Idempotency records past the de-duplication window."""
+        self._abstract()
+
+    def _lane_waiting(self, now, out):
+        """The waiting jobs of the lanes, by type, into `out`."""
+        self._abstract()
 
     # A job's cost is what it takes, give or take a directory entry: the
     # figure is exact enough to shed on (the SQLite store's is not: a row
@@ -5617,31 +5806,22 @@ class _Budget(object):
 
     def budget_bytes(self):
         """The spool's budget in bytes, or None."""
-        own = self.policy().get(SPOOL_POLICY)
+        own = self.store.policy().get(SPOOL_POLICY)
         return own.get("budget") if own else None
 
     def _block(self):
-        b = self._budget[3] or self.__dict__.get("_blk")   # (_room_for's)
+        b = self.store._budget[3] or self._blk   # (_room_for's)
         if b is None:
             try:
-                b = os.statvfs(self.path).f_frsize or 4096
+                b = os.statvfs(self.store.path).f_frsize or 4096
             except OSError:
                 b = 4096
             self._blk = b
         return b
 
-    def _cost(self, size):
-        """What a new job of `size` bytes adds: its blocks, its entry."""
-        return self._freed(size) + _ENTRY
-
-    def _freed(self, size):
-        """What removing a waiting job of `size` bytes gives back."""
-        b = self._block()
-        return -(-size // b) * b
-
     def measure(self):
         """The bytes the spool keeps now, by a walk (see above)."""
-        total, stack = 0, [self.path]
+        total, stack = 0, [self.store.path]
         while stack:
             d = stack.pop()
             for e in _scandir(d):
@@ -5654,7 +5834,7 @@ class _Budget(object):
                 if stat.S_ISDIR(st.st_mode):
                     stack.append(p)
         try:
-            total += os.lstat(self.path).st_blocks * 512
+            total += os.lstat(self.store.path).st_blocks * 512
         except OSError:
             pass
         return total
@@ -5665,7 +5845,7 @@ class _Budget(object):
         budget for its jobs).  Made by init and by the worker only."""
         import fcntl
         try:
-            fd = _open_reg(self.d("locks", "used"), os.O_RDWR)
+            fd = _open_reg(self.store.d("locks", "used"), os.O_RDWR)
         except OSError:
             return None
         try:
@@ -5709,7 +5889,7 @@ class _Budget(object):
             if fd is not None:
                 os.close(fd)
 
-    def _charge(self, items, subs=()):
+    def charge(self, items, subs=()):
         """The budget for new jobs, `items`: [(type, bytes)] into the
         directories `subs`: their cost (and a new lane's) added to the
         figure, after shedding what must go (done/ first, then stale
@@ -5722,9 +5902,9 @@ class _Budget(object):
         if fd is None:
             return
         try:
-            need = sum(self._cost(n) for t, n in items) + self._block() * sum(
+            need = sum(self.cost(n) for t, n in items) + self._block() * sum(
                 1 for sub in set(subs) | set(LANES for s in subs if s != "incoming")
-                if not os.path.isdir(self.d(sub)))
+                if not os.path.isdir(self.store.d(sub)))
             budget -= _SPARE * self._block()
             rec = self._used_read(fd)
             now = _now()
@@ -5773,7 +5953,7 @@ class _Budget(object):
                 "overflow=reject, never are); the job of type %s was refused; "
                 "try again later, raise it (myq policy --budget SIZE), or "
                 "let overflow=drop-oldest types give way"
-                % (self.path, _format_size(budget), _format_size(used),
+                % (self.store.path, _format_size(budget), _format_size(used),
                    ",".join(types)))
 
     def keep_budget(self):
@@ -5781,9 +5961,9 @@ class _Budget(object):
         measured anew, and what is over the budget shed."""
         budget = self.budget_bytes()
         fd = self._used_lock()
-        if fd is None and not _lexists(self.d("locks", "used")):
+        if fd is None and not _lexists(self.store.d("locks", "used")):
             try:
-                _create_empty(self.d("locks", "used"))
+                _create_empty(self.store.d("locks", "used"))
             except OSError:
                 pass
             fd = self._used_lock()
@@ -5804,12 +5984,6 @@ class _Budget(object):
         finally:
             os.close(fd)
 
-    def _shed_measured(self, m, a, t):
-        """(measured, added, when) after a shed: `m` is the figure with the
-        bytes of the files removed taken off (the SQLite store measures
-        its pages again)."""
-        return m, a, t
-
     def shed(self, need, records=False):
         """Free at least `need` bytes if that can be done, in the budget's
         order; the bytes freed.  `records`: the worker's walk, which also
@@ -5823,44 +5997,14 @@ class _Budget(object):
             freed += self._shed_waiting(need - freed)
         return freed
 
-    def _shed_done(self, need):
-        """Retention of done/ before its time, oldest first."""
-        old = []
-        for e in _scandir(self.d("done")):
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            old.append((st.st_ctime, e.name, st.st_blocks * 512))
-        old.sort()
-        freed = n = 0
-        for t, name, size in old:
-            if freed >= need:
-                break
-            if self._remove("done", self.d("done", name)):
-                freed, n = freed + size, n + 1
-        if n:
-            self.log("pruned", reason="budget", what="done", n=n)
-        return freed
-
-    def _shed_records(self, need):
-        """Idempotency records past their window (prune's, sooner)."""
-        now, n = _now(), 0
-        for t, name in list(self._aged("locks/ok", "mtime")):
-            if now - t > self.opt["dedupe_window"]:
-                n += self._remove("locks/ok", self.d("locks", "ok", name))
-        if n:
-            self.log("pruned", reason="budget", what="ok", n=n)
-        return 0                # (empty files: an entry each, no block)
-
     def _sheddable(self):
         """[(priority, made, name, bytes, lane, type)] of the waiting jobs
         of drop-oldest types, in the order they are shed."""
         now, out = _now(), []
-        for t in sorted(set(l[1] for l in self.lanes())):
-            if self.rules(t).get("overflow") == "drop-oldest":
-                out.extend((w[0], self._made(w, now), w[2], self._freed(w[3]),
-                            w[4], t) for w in self._waiting_of(t))
+        for t in sorted(set(l[1] for l in self.store.lanes())):
+            if self.store.rules(t).get("overflow") == "drop-oldest":
+                out.extend((w[0], self.store._made(w, now), w[2], self.freed(w[3]),
+                            w[4], t) for w in self.store._waiting_of(t))
         out.sort()
         return out
 
@@ -5868,17 +6012,17 @@ class _Budget(object):
         """Waiting jobs of drop-oldest types: lowest priority first, then
         the earliest made, across types (logged, counted)."""
         freed, by_type = 0, {}
-        dirs = self.fs
+        dirs = self.store.fs
         for p, made, name, size, sub, t in self._sheddable():
             if freed >= need:
                 break
-            if not self._drop_waiting(sub, name, dirs):
+            if not self.store._drop_waiting(sub, name, dirs):
                 continue        # claimed meanwhile: it is not waiting
             freed += size
             by_type[t] = by_type.get(t, 0) + 1
-            self.log("dropped", id=name[:-5], type=t, reason="budget")
+            self.store.log("dropped", id=name[:-5], type=t, reason="budget")
         for t, n in sorted(by_type.items()):
-            self.count(("dropped", "dropped_budget"), t, n)
+            self.store.count(("dropped", "dropped_budget"), t, n)
         return freed
 
     # Arrivals and deliveries (locks/rates) -----------------------------------
@@ -5896,19 +6040,20 @@ class _Budget(object):
         within a second of the last append kept and added to the next (or
         written at exit): a producer that enqueues many opens the file
         once a second, not once a job."""
-        mono, held = _mono(), self.__dict__.get("_arrivals")
+        mono, held = _mono(), self._arrivals
         if held is None:
             held = self._arrivals = {}
             import atexit
-            atexit.register(self.flush_arrivals)
+            atexit.register(self.flush_arrivals)   # (the store may be gone:
+            # what it needs of it, locks/rates' path, is the budget's own)
         for k, (n, b) in counts.items():
             c = held.get(k, (0, 0))
             held[k] = (c[0] + n, c[1] + b)
-        if mono - self.__dict__.get("_arrived_at", -1e9) >= 1.0:
+        if mono - self._arrived_at >= 1.0:
             self.flush_arrivals()
 
     def flush_arrivals(self):
-        held = self.__dict__.get("_arrivals")
+        held = self._arrivals
         if held:
             self._arrivals, self._arrived_at = {}, _mono()
             self.note_rates("a", held)
@@ -5922,7 +6067,7 @@ class _Budget(object):
                                                n, b)
                         for k, (n, b) in counts.items())
         try:
-            fd = _open_reg(self.d("locks", "rates"), os.O_WRONLY | os.O_APPEND)
+            fd = _open_reg(self._rates, os.O_WRONLY | os.O_APPEND)
         except OSError:
             return              # (none yet, or not this user's to write)
         try:
@@ -5932,18 +6077,14 @@ class _Budget(object):
         finally:
             os.close(fd)
 
-    def complete(self, c):
-        """A worker's success (Claims.complete), counted for locks/rates."""
-        ok = self.claims.complete(c)
-        if ok:
-            d = self.__dict__.setdefault("_delivered", {})
-            t = c.job["type"]
-            d[t] = d.get(t, 0) + 1
-        return ok
+    def delivered(self, type):
+        """A job of `type` done (counted for locks/rates)."""
+        d = self._delivered
+        d[type] = d.get(type, 0) + 1
 
     def note_delivered(self):
         """The deliveries counted since the last call, into locks/rates."""
-        d = self.__dict__.get("_delivered")
+        d = self._delivered
         if d:
             self._delivered = {}
             self.note_rates("d", dict((t, (n, 0)) for t, n in d.items()))
@@ -5953,7 +6094,7 @@ class _Budget(object):
         into locks/rates each second; each BUDGET_EVERY seconds (or 100
         times what the last took) the walk (keep_budget, with a budget)
         and the rates compacted."""
-        t = self.__dict__.get("_upkept") or (-1e9, -1e9)
+        t = self._upkept
         if now - t[0] < 1.0:
             return
         self.note_delivered()
@@ -5964,14 +6105,14 @@ class _Budget(object):
                     self.keep_budget()
                 self.compact_rates()
             except (OSError, MyqError) as e:
-                self.log("error", during="budget", error=str(e))
+                self.store.log("error", during="budget", error=str(e))
             t = (now, max(now + BUDGET_EVERY, 101 * _mono() - 100 * now))
         self._upkept = (now, t[1])
 
     def _rate_lines(self, now, since):
         """(time, kind, type, n, bytes) of the lines in locks/rates after
         `since`."""
-        data = _read_small(self.d("locks", "rates"), 4 << 20, tail=True)
+        data = _read_small(self.store.d("locks", "rates"), 4 << 20, tail=True)
         for line in (data or b"").split(b"\n"):
             f = line.split()
             if len(f) != 5 or f[1] not in (b"a", b"d"):
@@ -6009,7 +6150,7 @@ class _Budget(object):
 
     def compact_rates(self, now=None):
         """locks/rates past 64 KiB: one line per 10 s, kind and type."""
-        path = self.d("locks", "rates")
+        path = self.store.d("locks", "rates")
         now = _now() if now is None else now
         try:
             if _lstat(path).st_size < 65536:
@@ -6051,16 +6192,11 @@ class _Budget(object):
         if made is not None and (w[2] is None or made < w[2]):
             w[2] = made
 
-    def _lane_waiting(self, now, out):
-        for t in sorted(set(l[1] for l in self.lanes())):
-            for w in self._waiting_of(t):
-                self._add_waiting(out, t, w[3], self._made(w, now))
-
     def _inbox_waiting(self, now, out):
         """The files at the top of incoming/, each read once (its type is
         inside; kept by name, inode and size while it stays)."""
-        seen, keep = self.__dict__.get("_inbox") or {}, {}
-        for e in _scandir(self.d("incoming")):
+        seen, keep = self._inbox, {}
+        for e in _scandir(self.store.d("incoming")):
             if not e.name.endswith(".json"):
                 continue
             try:
@@ -6071,7 +6207,7 @@ class _Budget(object):
             got = seen.get(key)
             if got is None:
                 try:
-                    job = parse(self.read_file(self.d("incoming", e.name))[0])[0]
+                    job = parse(self.store.read_file(self.store.d("incoming", e.name))[0])[0]
                     made = job.get("created_at")
                     got = (job["type"], made if made.__class__ in _NUM
                            else st.st_mtime)
@@ -6090,7 +6226,7 @@ class _Budget(object):
         rates = self.rates(now)
         budget = self.budget_bytes()
         used = self.used_bytes(0)       # (walked: the figure set right)
-        room = max(0, budget - used) if budget is not None else self._free()[1]
+        room = max(0, budget - used) if budget is not None else self.store._free()[1]
         per_s = sum(r[1] for r in rates.values()) / RATE_WINDOW
         out = {"budget_bytes": budget, "used_bytes": used,
                "outage_capacity_s": int(room / per_s) if per_s > 0 else None}
@@ -6129,7 +6265,7 @@ class _Budget(object):
 
     def dropped_by(self, tot=None):
         """{TYPE: {REASON: N}}: budget, overflow (a type's bound), ttl."""
-        tot = self.totals() if tot is None else tot
+        tot = self.store.totals() if tot is None else tot
         out = {}
         for key, reason in (("dropped_budget", "budget"),
                             ("dropped_overflow", "overflow"), ("expired", "ttl")):
@@ -6137,6 +6273,61 @@ class _Budget(object):
                 if n:
                     out.setdefault(t, {})[reason] = n
         return out
+
+
+class FileBudget(Budget):
+    """The file store's budget: a job costs its file's blocks and an
+    entry; done files and locks/ok records shed first."""
+
+    def cost(self, size):
+        """What a new job of `size` bytes adds: its blocks, its entry."""
+        return self.freed(size) + _ENTRY
+
+    def freed(self, size):
+        """What removing a waiting job of `size` bytes gives back."""
+        b = self._block()
+        return -(-size // b) * b
+
+    def _shed_measured(self, m, a, t):
+        """(measured, added, when) after a shed: `m` is the figure with the
+        bytes of the files removed taken off (the SQLite store measures
+        its pages again)."""
+        return m, a, t
+
+    def _shed_done(self, need):
+        """Retention of done/ before its time, oldest first."""
+        old = []
+        for e in _scandir(self.store.d("done")):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            old.append((st.st_ctime, e.name, st.st_blocks * 512))
+        old.sort()
+        freed = n = 0
+        for t, name, size in old:
+            if freed >= need:
+                break
+            if self.store._remove("done", self.store.d("done", name)):
+                freed, n = freed + size, n + 1
+        if n:
+            self.store.log("pruned", reason="budget", what="done", n=n)
+        return freed
+
+    def _shed_records(self, need):
+        """Idempotency records past their window (prune's, sooner)."""
+        now, n = _now(), 0
+        for t, name in list(self.store._aged("locks/ok", "mtime")):
+            if now - t > self.store.opt["dedupe_window"]:
+                n += self.store._remove("locks/ok", self.store.d("locks", "ok", name))
+        if n:
+            self.store.log("pruned", reason="budget", what="ok", n=n)
+        return 0                # (empty files: an entry each, no block)
+
+    def _lane_waiting(self, now, out):
+        for t in sorted(set(l[1] for l in self.store.lanes())):
+            for w in self.store._waiting_of(t):
+                self._add_waiting(out, t, w[3], self.store._made(w, now))
 
 
 class _Layout(object):
@@ -6331,25 +6522,10 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
-class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
-    """One queue: the directory layout and every move of a job file.
-    Spool(path) is the class of the store the spool records (SPOOL/store:
-    "sqlite" for the SQLite store; none for files)."""
-
-    def __new__(cls, path=None, log=None, **options):
-        if cls is Spool:
-            name = _read_small(os.path.join(os.path.abspath(
-                path or os.environ.get("MYQ_SPOOL") or DEFAULT_SPOOL), "store"), 64)
-            name = name.decode("ascii", "replace").strip() if name else "files"
-            if name != "files":
-                if name not in _STORES:
-                    raise ConfigError("spool %s records the store %r, which this "
-                                      "myq does not know (one of: files %s)"
-                                      % (path, name, " ".join(sorted(_STORES))))
-                cls = _STORES[name]
-        return object.__new__(cls)
-
-    store = "files"
+class _DirStore(_Producing, _Upkeep, _Reading, Store):
+    """What every store of a spool directory shares (the file store's and
+    the SQLite store's): the layout, name, policy and lanes, the drop
+    box's and failed/'s files, the budget's records, the statistics."""
 
     def __init__(self, path=None, log=None, **options):
         self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
@@ -6381,7 +6557,9 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         self.intake = False     # _claim moved a producer's file to its lane
         self.lane_problems = {}     # lane -> why the door refused it
         self.breaker = Breaker(self)
-        self.claims = Claims(self)
+        self.claims = self.CLAIMS(self)
+        self.budget = self.BUDGET(self)
+        self.backlog = self.BACKLOG(self)
 
         _Door.of(self.path)
 
@@ -6393,11 +6571,15 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         them."""
         return _Door.of(self.path)
 
-    def close(self):
-        """What this object keeps open of the spool, closed (a worker's run
-        ends with it); the spool of files keeps nothing between calls."""
-        self.note_delivered()
-        self.fs.release()
+    def complete(self, c):
+        """A worker's success (claims.complete), counted for locks/rates."""
+        ok = self.claims.complete(c)
+        if ok:
+            self.budget.delivered(c.job["type"])
+        return ok
+
+    def upkeep_budget(self, now):
+        return self.budget.upkeep_budget(now)
 
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
@@ -6475,7 +6657,7 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
                                       "myq --spool %s init" % (self.path, self.path))
                 raise ConfigError("spool %s is not initialised (no %s/); run: "
                                   "myq --spool %s init" % (self.path, sub, self.path))
-        self._ready = True      # checked once per Spool object
+        self._ready = True      # checked once per store object
         return self
 
     def _unusable(self, sub):
@@ -6664,33 +6846,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
     def is_paused(self, type):
         return bool(self.rules(type).get("paused"))
 
-    def lanes(self):
-        """[(priority, type, sub)] of the lanes, highest priority first.
-        Only directories the door accepts (the owner's alone): what else
-        stands there is never used; lane_problems says what and why."""
-        out = []
-        try:
-            names = os.listdir(self._lanes_dir())
-        except OSError as e:
-            if e.errno != errno.ENOENT:     # (none yet: no lanes)
-                self.lane_problems[LANES] = str(e)
-            return out
-        for name in names:
-            m = _lane_of(name)
-            if m:
-                sub = LANES + "/" + name
-                try:
-                    self.fs(sub)
-                except OSError as e:
-                    if sub not in self.lane_problems:
-                        self.log("error", during="lanes", lane=sub, error=str(e))
-                    self.lane_problems[sub] = str(e)
-                    continue
-                self.lane_problems.pop(sub, None)
-                out.append((int(m[1]), m[0], sub))
-        out.sort(key=lambda l: (-l[0], l[1]))
-        return out
-
     def waiting_dirs(self):
         """incoming/ and its lanes: every directory of waiting jobs."""
         return ["incoming"] + [l[2] for l in self.lanes()]
@@ -6726,15 +6881,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         if types != self.lane_types:
             self.lane_types, self._homes = types, {}
 
-    def _make_lane(self, sub, dirs=None):
-        """Create the lane `sub` (and incoming/lanes/): the owner's alone
-        (0750, given to the owner when root makes it), through the door:
-        producers drop into incoming/ only, so nothing of theirs can stand
-        among the lanes."""
-        if sub not in self.fs.fds:
-            self._lanes_dir(make=True)
-            self.fs.mkdir(sub)
-
     def _lanes_dir(self, make=False):
         """incoming/lanes/'s descriptor (`make`: made when missing).  What
         a producer made there or put in its place (a directory of its
@@ -6760,44 +6906,10 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
         that was never set (before 2020) expire nothing: a device without
         a real-time clock boots in 1970 and jumps at its first NTP sync.
         `rules`: the type's, when the caller has them."""
-        e = job.get("expires_at")
-        if e is None:
-            ttl = (self.rules(job["type"]) if rules is None else rules).get("ttl")
-            if ttl is None:
-                return None
-        since = job.get("retried_at") or job.get("created_at") or 0
-        if since < SANE_TIME:
-            return None
-        return since + ttl if e is None else e
-
-    def _waiting_of(self, type):
-        """[(priority, mtime, name, size, sub)] of the jobs of `type`
-        waiting in its lanes."""
-        out = []
-        for p, t, sub in self.lanes():
-            if t != type:
-                continue
-            for e in _scandir(self.d(sub)):
-                if e.name.endswith(".json"):
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    out.append((p, st.st_mtime, e.name, st.st_size, sub))
-        return out
-
-    def _made(self, w, now):
-        """When the waiting job `w` (_waiting_of's) was made: its file's
-        mtime, unless that is a time to come (a retry's or a delay's
-        schedule): then the created_at it holds."""
-        m = w[1]
-        if m <= now:
-            return m
-        try:
-            t = parse(self.read_file(self.d(w[4], w[2]))[0])[0]["created_at"]
-        except (OSError, MyqError, ValueError, TypeError, KeyError):
-            return m
-        return t if t.__class__ in _NUM and t == t else m
+        if job.get("expires_at") is not None:
+            return job_expiry(job, None)
+        return job_expiry(job, (self.rules(job["type"]) if rules is None
+                                else rules).get("ttl"))
 
     def make_room(self, type, size, dirs=None, exclude=None):
         """The type's bounds (myq(1) policy) for one new arrival of `size` bytes:
@@ -6837,15 +6949,6 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
                      why=bound)
             self.count(("dropped", "dropped_overflow"), type)
         return None
-
-    def _drop_waiting(self, sub, name, dirs):
-        """Remove the waiting job NAME of `sub` (a bound's drop-oldest):
-        False when it was claimed meanwhile."""
-        try:
-            os.unlink(name, dir_fd=dirs(sub))
-        except OSError:
-            return False
-        return True
 
     def count(self, what, type, n=1):
         """Add to a total since init (dropped, expired, rejected, removed;
@@ -6924,6 +7027,344 @@ class Spool(_Producing, _Upkeep, _Backlog, _Reading, _Budget):
             pass        # a statistic, never worth failing a job for
 
 
+class FileStore(_DirStore):
+    """The store of files: a file per job, a state per directory, every
+    move one rename(2) (the protocol of the module's docstring); its
+    claims are FileClaims'."""
+
+    store = "files"
+    CLAIMS = FileClaims
+    BUDGET = FileBudget
+    BACKLOG = FileBacklog
+
+    def _enqueue_one(self, todo, sync):
+        """_enqueue of one job into incoming/, without the batch's lists."""
+        job, data, explicit, delay, sub = todo
+        problem = self._room_for((len(data),))
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        self.budget.charge(((job["type"], len(data)),), (sub,))
+        dirs = self.fs
+        jid = job["id"]
+        try:
+            self._place_new(job, data, explicit, delay, sync, dirs)
+            if sync:
+                self._fsync_or_withdraw(((jid, sub),), dirs)
+            self.poke(dirs, often=True)
+            self._arrived([todo], ((jid, sub),))
+        except OSError as e:        # opening the directories
+            if isinstance(e, _Refused):
+                raise ConfigError("spool %s refuses the job: %s; nothing was "
+                                  "enqueued" % (self.path, e))
+            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
+                            % (self.path, e.strerror))
+        finally:
+            dirs.release()
+        return jid
+
+    def find_id(self, jid, now=None, dirs=None):
+        """Where an id lives for de-duplication: a state name or None."""
+        dirs = dirs or self.fs
+        for sub in self.waiting_dirs():
+            if _exists(jid + ".json", dirs(sub)):
+                return "queued"
+        if _exists(jid + ".json", dirs("dlq")):
+            return "dead"
+        prefix = jid + "+"
+        for name in _listdir(self.d("processing")):
+            if name.startswith(prefix):
+                return "processing"
+        if self.ok_fresh(jid, now):
+            return "done within the de-duplication window"
+        return None
+
+    def ok_fresh(self, jid, now=None, dirs=None):
+        """Was `jid` done within the de-duplication window?  Its done/ file
+        is the record while it stays (its ctime: the rename that finished
+        it); a record in locks/ok/ (mtime: when it was done) outlives it."""
+        now = _now() if now is None else now
+        window = self.opt["dedupe_window"]
+        records = (("done", jid + ".json", "st_ctime"),)
+        if not _is_generated_id(jid):
+            # (an id myq generated never gets a locks/ok/ record: _outlive)
+            records += (("locks/ok", jid, "st_mtime"),)
+        for sub, name, when in records:
+            try:
+                # (every claim asks: access(2) says no without the cost of
+                # an exception; it looks with the real uid, as good)
+                fd = self.fs(sub)
+                if not os.access(name, os.F_OK, dir_fd=fd,
+                                 follow_symlinks=False):
+                    continue
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if dedupe_fresh(getattr(st, when), window, now):
+                return True
+        return False
+
+    def _retry(self, ids, missing, me, now=False):
+        n = 0
+        for jid, state, path in self._located(ids, missing):
+            if now and state in ("ready", "scheduled"):
+                if not self._make_ready(jid, path, me):
+                    missing.append(jid)
+                    continue
+            elif state == "dead":
+                if self.claims.queued(jid):
+                    raise DuplicateJob("job %s is already queued; delete one "
+                                       "of them first" % jid)
+                job, _, _ = self.load(path, jid)
+                revive(job, _now(), self.rules(job["type"]).get("ttl"))
+                if not me.registered:
+                    me.register()
+                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
+                # finish: a crash leaves it where a reaper requeues it.
+                owned = self.claims.own(path, jid, me)
+                if owned is None:
+                    missing.append(jid)
+                    continue
+                fin, token = owned
+                self.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                             job, "incoming", me, fin=fin)
+            elif state == "failed":
+                name = os.path.basename(path)
+                if not name.endswith(".json"):
+                    name += ".json"
+                why = self._unreadable_by_worker(path)
+                if why:
+                    raise ConfigError("cannot retry %s: %s" % (jid, why))
+                _rename(path, self.d("incoming", name))
+                _quiet_unlink(path + ".reason")
+            else:
+                missing.append(jid)
+                continue
+            n += 1
+        if n:
+            for sub in self.waiting_dirs():
+                _fsync_dir(self.d(sub))
+            self.poke()
+        return n
+
+    def _prune_jobs(self, now, full, out):
+        """prune's part of the jobs' states (the counts into `out`); what
+        went for a bound in count, by directory."""
+        bound = {}
+        for sub, key, age, keep, most, always in self._RETENTION:
+            if always or full:
+                out[key] += self._expire(sub, age, self.opt[keep],
+                                         self.opt[most] if most else None, now,
+                                         bound)
+        return bound
+
+    def make_space(self, n=256):
+        """Below a guard (myq(1) guards): retention frees done/ first, its n
+        oldest now (a producer-chosen id keeps its de-duplication in
+        locks/ok/: an inode for an inode, the blocks freed).  Short of
+        inodes, the n oldest idempotency records go first, and done files
+        go without one: records are never what keeps a backlog from
+        draining (a job sent again after that may run twice: at least
+        once holds).  Returns how many went."""
+        import heapq
+        problem = self.free_problem()
+        inodes = bool(problem) and "inodes" in problem
+        gone = 0
+        for sub in (("locks/ok", "done") if inodes else ("done",)):
+            old = heapq.nsmallest(n, self._aged(sub, "ctime"))
+            for _, name in old:
+                try:
+                    if sub == "done" and not inodes:
+                        self._outlive(self.d(sub, name))
+                    _unlink(self.d(sub, name))
+                    gone += 1
+                except OSError:
+                    pass
+            if sub == "locks/ok" and old:
+                self.count("removed", "ok", len(old))
+        if not gone and self._free_room():
+            what = "its reserve (locks/room)"
+            gone = 1
+        else:
+            what = "the oldest"
+        if gone:
+            self.log("pruned", why="below a guard: " + (problem or "low"),
+                     n=gone, freed=what)
+        return gone
+
+    def _counts(self, now):
+        """(ready, scheduled, the earliest ready one's time, processing,
+        done, dead, failed), from the directories."""
+        ready, scheduled, oldest = self._waiting_files(self.waiting_dirs(), now)
+        processing = sum(1 for n in _listdir(self.d("processing"))
+                         if _split_claim(n))
+        return (ready, scheduled, oldest, processing,
+                _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
+                self._failed_files())
+
+    def close(self):
+        """What this object keeps open of the spool, closed (a worker's run
+        ends with it); the spool of files keeps nothing between calls."""
+        self.budget.note_delivered()
+        self.fs.release()
+
+    def lanes(self):
+        """[(priority, type, sub)] of the lanes, highest priority first.
+        Only directories the door accepts (the owner's alone): what else
+        stands there is never used; lane_problems says what and why."""
+        out = []
+        try:
+            names = os.listdir(self._lanes_dir())
+        except OSError as e:
+            if e.errno != errno.ENOENT:     # (none yet: no lanes)
+                self.lane_problems[LANES] = str(e)
+            return out
+        for name in names:
+            m = _lane_of(name)
+            if m:
+                sub = LANES + "/" + name
+                try:
+                    self.fs(sub)
+                except OSError as e:
+                    if sub not in self.lane_problems:
+                        self.log("error", during="lanes", lane=sub, error=str(e))
+                    self.lane_problems[sub] = str(e)
+                    continue
+                self.lane_problems.pop(sub, None)
+                out.append((int(m[1]), m[0], sub))
+        out.sort(key=lambda l: (-l[0], l[1]))
+        return out
+
+    def _make_lane(self, sub, dirs=None):
+        """Create the lane `sub` (and incoming/lanes/): the owner's alone
+        (0750, given to the owner when root makes it), through the door:
+        producers drop into incoming/ only, so nothing of theirs can stand
+        among the lanes."""
+        if sub not in self.fs.fds:
+            self._lanes_dir(make=True)
+            self.fs.mkdir(sub)
+
+    def _waiting_of(self, type):
+        """[(priority, mtime, name, size, sub)] of the jobs of `type`
+        waiting in its lanes."""
+        out = []
+        for p, t, sub in self.lanes():
+            if t != type:
+                continue
+            for e in _scandir(self.d(sub)):
+                if e.name.endswith(".json"):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((p, st.st_mtime, e.name, st.st_size, sub))
+        return out
+
+    def _made(self, w, now):
+        """When the waiting job `w` (_waiting_of's) was made: its file's
+        mtime, unless that is a time to come (a retry's or a delay's
+        schedule): then the created_at it holds."""
+        m = w[1]
+        if m <= now:
+            return m
+        try:
+            t = parse(self.read_file(self.d(w[4], w[2]))[0])[0]["created_at"]
+        except (OSError, MyqError, ValueError, TypeError, KeyError):
+            return m
+        return t if t.__class__ in _NUM and t == t else m
+
+    def _drop_waiting(self, sub, name, dirs):
+        """Remove the waiting job NAME of `sub` (a bound's drop-oldest):
+        False when it was claimed meanwhile."""
+        try:
+            os.unlink(name, dir_fd=dirs(sub))
+        except OSError:
+            return False
+        return True
+
+
+_STORES["files"] = FileStore
+
+
+def open_store(path=None, log=None, **options):
+    """The store of the spool at `path` (MYQ_SPOOL, else /var/spool/myq):
+    the class _STORES names for its SPOOL/store ("files" where there is
+    none); `options`: the guard and retention settings."""
+    name = _read_small(os.path.join(os.path.abspath(
+        path or os.environ.get("MYQ_SPOOL") or DEFAULT_SPOOL), "store"), 64)
+    name = name.decode("ascii", "replace").strip() if name else "files"
+    if name not in _STORES:
+        raise ConfigError("spool %s records the store %r, which this "
+                          "myq does not know (one of: %s)"
+                          % (path, name, " ".join(sorted(_STORES))))
+    return _STORES[name](path, log, **options)
+
+
+class Spool(object):
+    """One spool, as myq(1) PYTHON API has it: each call what the command
+    of its name does, handed to the spool's store (`store`: a Store, of
+    the class SPOOL/store names), which has the rest."""
+
+    def __init__(self, path=None, log=None, **options):
+        self.store = open_store(path, log, **options)
+        self.path = self.store.path
+
+    def init(self, owner=None, store=None):
+        """Make the spool (myq init [--store]); returns the Spool."""
+        self.store = self.store.init(owner, store)
+        return self
+
+    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
+                timeout=None, sync=True, priority=None, ttl=None):
+        """myq enqueue: add one job, durable when it returns (sync);
+        returns its id."""
+        return self.store.enqueue(type, payload, id, delay, max_attempts,
+                                  timeout, sync, priority, ttl)
+
+    def enqueue_many(self, specs, sync=True):
+        """Add the jobs of `specs` (dicts), durable together; their ids."""
+        return self.store.enqueue_many(specs, sync)
+
+    def show(self, id):
+        """myq show ID: the job as a dict, with its state."""
+        return self.store.show(id)
+
+    def list(self, state=None):
+        """myq list [STATE]: the jobs as dicts."""
+        return self.store.list(state)
+
+    def stats(self):
+        """myq stats: the counters, as a dict."""
+        return self.store.stats()
+
+    def status_line(self):
+        """The one line of the status: what myq stats prints first."""
+        return self.store.status_line()
+
+    def check(self):
+        """myq check: what is wrong, as lines (none: all is well)."""
+        return self.store.check()
+
+    def retry(self, ids):
+        """myq retry ID...: dead jobs back to the queue."""
+        return self.store.retry(ids)
+
+    def delete(self, ids, force=False):
+        """myq delete ID...: jobs removed."""
+        return self.store.delete(ids, force)
+
+    def reap(self):
+        """myq reap: the claims of workers that are gone, taken back."""
+        return self.store.reap()
+
+    def prune(self):
+        """myq prune: retention applied."""
+        return self.store.prune()
+
+    def close(self):
+        """What the spool keeps open, closed."""
+        self.store.close()
+
+
 # The SQLite store ############################################################
 #
 # A spool made by `myq init --store sqlite` keeps its jobs in one database
@@ -6978,7 +7419,7 @@ _JOB_COLS = ("id", "type", "payload", "attempts", "max_attempts",
 _SELECT_COLS = _JOB_COLS + ("extra", "status", "lane", "lease", "finished_at",
                             "token")
 _SELECT = "SELECT %s FROM jobs" % ", ".join(_SELECT_COLS)
-# A new job of the usual shape (new_job's keys, no options: SqlSpool.enqueue)
+# A new job of the usual shape (new_job's keys, no options: SqlStore.enqueue)
 _INSERT_NEW = ("INSERT INTO jobs(id, queue, type, payload, status, attempts, "
                "available_at, created_at, updated_at, lane, size) "
                "VALUES(?, ?, ?, ?, 'ready', 0, ?, ?, ?, 'incoming', ?)")
@@ -7675,7 +8116,7 @@ class _SqlClaims(Claims):
 
 class _SqlUpkeep(object):
     """The operator's moves and retention over queue.db (a part of
-    SqlSpool): retry, delete, prune, make_space, check, export."""
+    SqlStore): retry, delete, prune, make_space, check, export."""
 
     def retry(self, ids=(), all=False, now=False):
         if all:
@@ -7683,7 +8124,7 @@ class _SqlUpkeep(object):
             ids = list(_ids(ids)) + [r[0] for r in self._all(
                 "SELECT id FROM jobs WHERE status='dead' ORDER BY id")]
             all = False
-        return Spool.retry(self, ids, all, now)
+        return _DirStore.retry(self, ids, all, now)
 
     def _retry(self, ids, missing, me, now=False):
         n = 0
@@ -7723,11 +8164,7 @@ class _SqlUpkeep(object):
         if row is None:
             return False
         job = _job_of_row(row)
-        job.update(attempts=0, available_at=t)
-        job.pop("failed_at", None)
-        if job.pop("expires_at", None) is not None or self.rules(
-                job["type"]).get("ttl"):
-            job["retried_at"] = t       # the ttl counts from now
+        revive(job, t, self.rules(job["type"]).get("ttl"))
         v = _row_values(self, job, "ready", self.home(job), t, finished_at=None)
         keys = [k for k in v if k != "id"]
         return self._write("UPDATE jobs SET %s WHERE id=? AND status='dead'"
@@ -7738,7 +8175,7 @@ class _SqlUpkeep(object):
         """(`status`: a bulk delete's, which a row changed since it was
         selected no longer matches: it is left alone.)"""
         if not path.startswith("db:"):
-            return Spool._delete_one(self, jid, state, path, force)
+            return _DirStore._delete_one(self, jid, state, path, force)
         row = self._one("SELECT status, token, finished_at FROM jobs WHERE id=?",
                         (jid,))
         if row is None or status is not None and row[0] != status:
@@ -7770,7 +8207,7 @@ class _SqlUpkeep(object):
         now = self._bulk_delete(state, force, now)
         n = 0
         if state in ("failed", "ready", "scheduled"):     # (files: failed/,
-            n = Spool.delete_where(self, state, type,    # the drop box)
+            n = _DirStore.delete_where(self, state, type,    # the drop box)
                                    older_than, force, now)
         if type is not None and not NAME_RE.match(type):
             return n            # (no row's; not even sqlite's to encode)
@@ -7844,7 +8281,7 @@ class _SqlUpkeep(object):
         return self._tx(expire, sync=False)
 
     def _holders(self):
-        owners, tokens = Spool._holders(self)
+        owners, tokens = _DirStore._holders(self)
         for wid, token in self._all("SELECT worker_id, token FROM jobs WHERE "
                                     "status='processing'"):
             owners.add(wid)
@@ -7904,7 +8341,7 @@ class _SqlUpkeep(object):
                 pass            # (best effort: the next call tries again)
 
     def keep_room(self):
-        kept = Spool.keep_room(self)
+        kept = _DirStore.keep_room(self)
         if kept and self.__dict__.get("_small"):
             self._small_log(False)
         return kept
@@ -7923,7 +8360,7 @@ class _SqlUpkeep(object):
                 raise _db_error(self, e)
 
     def set_name(self, name):
-        """Spool.set_name, for a spool that holds no job yet: its rows carry
+        """_DirStore.set_name, for a spool that holds no job yet: its rows carry
         the queue's name (the queue column)."""
         if name != self.name and _is_name(name) and self._one("SELECT count(*) FROM jobs")[0]:
             raise ConfigError(
@@ -7931,10 +8368,10 @@ class _SqlUpkeep(object):
                 "make a new spool (myq --spool NEW init --store sqlite --name "
                 "%s) and move the jobs (myq --spool %s export | myq --spool NEW "
                 "import)" % (self.path, self.name, name, self.path))
-        Spool.set_name(self, name)
+        _DirStore.set_name(self, name)
 
     def check(self, operator=True):
-        """Spool.check, the database first: damaged, it says so (with the
+        """_DirStore.check, the database first: damaged, it says so (with the
         filesystem's problems; what needs its rows cannot be asked)."""
         bad = None
         if _lexists(self.d(DB_NAME)):
@@ -7948,12 +8385,12 @@ class _SqlUpkeep(object):
             except (_DbDamaged, _DbDenied) as e:
                 bad = str(e)
             except MyqError:
-                pass            # (busy, out of reach: Spool.check says)
+                pass            # (busy, out of reach: _DirStore.check says)
         if not bad:
-            return Spool.check(self, operator)
+            return _DirStore.check(self, operator)
         problems = [bad]
         try:
-            Spool.check_filesystem(self)
+            _DirStore.check_filesystem(self)
         except ConfigError as e:
             problems.append(str(e))
         self.policy()
@@ -7968,94 +8405,6 @@ class _SqlUpkeep(object):
         return "; ".join(out[:3]) if out else None
 
     # Export -----------------------------------------------------------------------
-
-    def export(self, states=(), type=None, skip=None):
-        self.require()
-        states, skip = self._export_args(states, skip)
-        if states & {"ready", "scheduled"}:
-            for e in _scandir(self.d("incoming")):      # the drop box
-                row = self._exported("incoming", e.name, skip)
-                if row is not None and row["state"] in states and (
-                        type is None or row["type"] == type):
-                    state = row.pop("state")
-                    row = _job_of_row(_row_of(_row_values(
-                        self, row, "ready", "incoming", _now())))
-                    row["state"] = state        # (as a row's: its keys' order)
-                    yield row
-        seen = set()        # (what a damaged database's salvage skips)
-        try:
-            for status in ("ready", "processing", "done", "dead"):
-                if status in states or (status == "ready" and
-                                        "scheduled" in states):
-                    for job in self._exported_rows(status, states, type, skip):
-                        seen.add(job["id"])
-                        yield job
-        except _DbDamaged as e:
-            skip(self.d(DB_NAME), str(e))
-            for job in self._salvaged(states, type, skip, seen):
-                yield job
-        if "failed" in states and type is None:
-            for row in self._exported_failed():
-                yield row
-            for jid, reason, text in self._all(
-                    "SELECT id, last_error, payload FROM jobs WHERE "
-                    "status='failed'"):
-                yield {"state": "failed", "file": jid, "reason": reason,
-                       "bytes": text}
-
-    def _salvaged(self, states, type, skip, seen):
-        """Every row of a damaged database that can still be read, one at a
-        time by its rowid (a query over the whole table stops at the first
-        bad page), but those of ids in `seen` (written already): what
-        export writes when the database is damaged."""
-        try:
-            top = self._one("SELECT max(rowid) FROM jobs")[0] or 0
-        except MyqError:
-            top = None
-        if top is None:                 # (guessed from the file's size)
-            top = os.stat(self.d(DB_NAME)).st_size // 64
-        for rowid in range(1, top + 1):
-            try:
-                row = self._one(_SELECT + " WHERE rowid=?", (rowid,))
-                if row is None or row[0] in seen:
-                    continue
-                job = _job_of_row(row)
-            except (MyqError, InvalidJob) as e:
-                skip("%s: row %d" % (self.d(DB_NAME), rowid), str(e))
-                continue
-            seen.add(row[0])
-            state = _salvage_state(row, job, states)
-            if state is not None and (type is None or job["type"] == type):
-                job["state"] = state
-                yield job
-
-    def _exported_rows(self, status, states, type, skip):
-        if type is not None and not NAME_RE.match(type):
-            return              # (no row's; not even sqlite's to encode)
-        sql, args = "SELECT id FROM jobs WHERE status=?", [status]
-        if type is not None:
-            sql += " AND type=?"
-            args.append(type)
-        ids = [r[0] for r in self._all(sql, args)]
-        for i in range(0, len(ids), 256):
-            part = ids[i:i + 256]
-            for row in self._all(_SELECT + " WHERE id IN (%s) AND status=?" % (
-                    ",".join("?" * len(part))), part + [status]):
-                try:
-                    job = _job_of_row(row)
-                except InvalidJob as e:
-                    skip(self.d(DB_NAME) + ":" + row[0], str(e))
-                    continue
-                if status == "processing":
-                    job["attempts"] = _row_attempt(row, job)
-                    state = status
-                elif status == "ready":
-                    state = "scheduled" if job["available_at"] > _now() else "ready"
-                else:
-                    state = {"dead": "dead"}.get(status, status)
-                if state in states:
-                    job["state"] = state
-                    yield job
 
 
 def _make_db(sqlite3, path):
@@ -8129,16 +8478,15 @@ def _row_attempt(row, job):
     return a if isinstance(a, int) else job["attempts"] + 1
 
 
-class _SqlBudget(object):
-    """The budget on the SQLite store (myq-spool(5) BUDGET), mixed into
-    SqlSpool over the spool's _Budget: what a row costs and frees in
-    pages, the log's checkpoint kept within what is counted for it, the
-    walk that checkpoints and vacuums first, and the shedding of done
-    and `ok` rows."""
+class SqlBudget(Budget):
+    """The budget of the SQLite store (myq-spool(5) BUDGET): what a row
+    costs and frees in pages, the walk that checkpoints and vacuums
+    first (the log's checkpoint kept within what is counted for it:
+    SqlStore._log_limits), and the shedding of done and `ok` rows."""
 
     _EXACT = False
 
-    def _cost(self, size):
+    def cost(self, size):
         """A new row, never less: the 1 KiB pages its commit writes (its
         row's, with overflow pages of about 1,000 bytes each, and three of
         the table's and its indexes'), once in the log (each with its
@@ -8146,55 +8494,33 @@ class _SqlBudget(object):
         pages = -(-(size + 100) // 1000) + 3
         return pages * (2 * 1024 + 24) + _ENTRY
 
-    def _freed(self, size):
+    def freed(self, size):
         """A row deleted: its own pages (the next walk says how many)."""
         return -(-(size + 100) // 1000) * 1024
 
-    def _log_limits(self, db):
-        """With a budget, the log is checkpointed at a 32nd of it (16 to
-        1,000 pages; SQLite's 1,000 without one) and cut back to that
-        after: what the workers' commits write there stays within what
-        measure() counts for it.  (Below a guard, _small_log's SMALL_LOG.)"""
-        cap = self._wal_cap()
-        if cap == self.__dict__.get("_cap_set", 0):
-            return
-        try:
-            small = self.__dict__.get("_small")
-            db.execute("PRAGMA wal_autocheckpoint=%d" % (
-                SMALL_LOG if small else cap or 1000))
-            db.execute("PRAGMA journal_size_limit=%d" % (
-                _wal_bytes(cap) if cap else -1)).fetchall()
-            self._cap_set = cap
-        except _sqlite3().Error:
-            pass                # (the next walk tries again)
-
-    def _wal_cap(self):
-        b = self.budget_bytes()
-        return None if b is None else max(16, min(1000, b // 32768))
-
     def measure(self):
-        """Spool.measure, the log counted at least at its cap (what the
+        """_DirStore.measure, the log counted at least at its cap (what the
         workers' commits may write there before the next checkpoint);
         with a budget, the log first checkpointed and truncated and the
         database's free pages given back (incremental vacuum), so that
         what a shed deleted is freed (a walk is rare: at most every
         BUDGET_FRESH seconds at the budget)."""
-        wal_path = self.d(DB_NAME + "-wal")
+        wal_path = self.store.d(DB_NAME + "-wal")
         try:
             wal = os.lstat(wal_path).st_blocks * 512
         except OSError:
             wal = 0
-        cap = self._wal_cap()
+        cap = self.store._wal_cap()
         try:
             if cap is not None:
-                with self._mutex:
-                    self._log_limits(self._db())
+                with self.store._mutex:
+                    self.store._log_limits(self.store._db())
                 if wal:
-                    self._vacuum()
+                    self.store._vacuum()
                     wal = _lstat(wal_path).st_blocks * 512
         except (MyqError, OSError):
             pass                # (busy: measured as it is)
-        return Spool.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
+        return Budget.measure(self) + max(0, _wal_bytes(cap or 0) - wal)
 
     def _shed_measured(self, m, a, t):
         return self.measure(), 0, _now()
@@ -8209,45 +8535,140 @@ class _SqlBudget(object):
             for jid, t, size in rows:
                 if got >= need:
                     break
-                self._outlive_row(db, jid, t, _now())
+                self.store._outlive_row(db, jid, t, _now())
                 db.execute("DELETE FROM jobs WHERE id=? AND status='done'", (jid,))
                 got, n = got + size, n + 1
             return got, n
         try:
-            got, n = self._tx(free, sync=False)
+            got, n = self.store._tx(free, sync=False)
         except _DbError:
             return 0
         if n:
-            self.log("pruned", reason="budget", what="done", n=n)
+            self.store.log("pruned", reason="budget", what="done", n=n)
         return got
 
     def _shed_records(self, need):
         """`ok` rows past the de-duplication window."""
         try:
-            n = self._write("DELETE FROM ok WHERE at<=?", (
-                _now() - self.opt["dedupe_window"],), sync=False)
+            n = self.store._write("DELETE FROM ok WHERE at<=?", (
+                _now() - self.store.opt["dedupe_window"],), sync=False)
         except _DbError:
             return 0
         if n:
-            self.log("pruned", reason="budget", what="ok", n=n)
+            self.store.log("pruned", reason="budget", what="ok", n=n)
         return 0
 
     def _lane_waiting(self, now, out):
-        for t, created, size in self._all(
+        for t, created, size in self.store._all(
                 "SELECT type, created_at, coalesce(size, 0) FROM jobs WHERE "
-                "queue=? AND status='ready'", (self.name,)):
+                "queue=? AND status='ready'", (self.store.name,)):
             self._add_waiting(out, t, size, created)
 
 
-class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
+class SqlBacklog(Backlog):
+    """The SQLite store's export: the drop box's files, the rows, what a
+    damaged database still gives (its salvage), failed/'s files."""
+
+    def export(self, states=(), type=None, skip=None):
+        self.store.require()
+        states, skip = self._export_args(states, skip)
+        if states & {"ready", "scheduled"}:
+            for e in _scandir(self.store.d("incoming")):      # the drop box
+                row = self._exported("incoming", e.name, skip)
+                if row is not None and row["state"] in states and (
+                        type is None or row["type"] == type):
+                    state = row.pop("state")
+                    row = _job_of_row(_row_of(_row_values(
+                        self.store, row, "ready", "incoming", _now())))
+                    row["state"] = state        # (as a row's: its keys' order)
+                    yield row
+        seen = set()        # (what a damaged database's salvage skips)
+        try:
+            for status in ("ready", "processing", "done", "dead"):
+                if status in states or (status == "ready" and
+                                        "scheduled" in states):
+                    for job in self._exported_rows(status, states, type, skip):
+                        seen.add(job["id"])
+                        yield job
+        except _DbDamaged as e:
+            skip(self.store.d(DB_NAME), str(e))
+            for job in self._salvaged(states, type, skip, seen):
+                yield job
+        if "failed" in states and type is None:
+            for row in self._exported_failed():
+                yield row
+            for jid, reason, text in self.store._all(
+                    "SELECT id, last_error, payload FROM jobs WHERE "
+                    "status='failed'"):
+                yield {"state": "failed", "file": jid, "reason": reason,
+                       "bytes": text}
+
+    def _salvaged(self, states, type, skip, seen):
+        """Every row of a damaged database that can still be read, one at a
+        time by its rowid (a query over the whole table stops at the first
+        bad page), but those of ids in `seen` (written already): what
+        export writes when the database is damaged."""
+        try:
+            top = self.store._one("SELECT max(rowid) FROM jobs")[0] or 0
+        except MyqError:
+            top = None
+        if top is None:                 # (guessed from the file's size)
+            top = os.stat(self.store.d(DB_NAME)).st_size // 64
+        for rowid in range(1, top + 1):
+            try:
+                row = self.store._one(_SELECT + " WHERE rowid=?", (rowid,))
+                if row is None or row[0] in seen:
+                    continue
+                job = _job_of_row(row)
+            except (MyqError, InvalidJob) as e:
+                skip("%s: row %d" % (self.store.d(DB_NAME), rowid), str(e))
+                continue
+            seen.add(row[0])
+            state = _salvage_state(row, job, states)
+            if state is not None and (type is None or job["type"] == type):
+                job["state"] = state
+                yield job
+
+    def _exported_rows(self, status, states, type, skip):
+        if type is not None and not NAME_RE.match(type):
+            return              # (no row's; not even sqlite's to encode)
+        sql, args = "SELECT id FROM jobs WHERE status=?", [status]
+        if type is not None:
+            sql += " AND type=?"
+            args.append(type)
+        ids = [r[0] for r in self.store._all(sql, args)]
+        for i in range(0, len(ids), 256):
+            part = ids[i:i + 256]
+            for row in self.store._all(_SELECT + " WHERE id IN (%s) AND status=?" % (
+                    ",".join("?" * len(part))), part + [status]):
+                try:
+                    job = _job_of_row(row)
+                except InvalidJob as e:
+                    skip(self.store.d(DB_NAME) + ":" + row[0], str(e))
+                    continue
+                if status == "processing":
+                    job["attempts"] = _row_attempt(row, job)
+                    state = status
+                elif status == "ready":
+                    state = "scheduled" if job["available_at"] > _now() else "ready"
+                else:
+                    state = {"dead": "dead"}.get(status, status)
+                if state in states:
+                    job["state"] = state
+                    yield job
+
+
+class SqlStore(_SqlUpkeep, _DirStore):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
     queue.db, the rest as for files."""
 
     store = "sqlite"
+    CLAIMS = _SqlClaims
+    BUDGET = SqlBudget
+    BACKLOG = SqlBacklog
 
     def __init__(self, path=None, log=None, **options):
-        Spool.__init__(self, path, log, **options)
-        self.claims = _SqlClaims(self)
+        _DirStore.__init__(self, path, log, **options)
         self._conn = self._conn_pid = self._sync = None
         self._commits = self._fresh = 0
         self._writer = None
@@ -8334,7 +8755,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         ~1 s on a 500 MHz router) at every start; after a clean stop
         nothing happened to the file since its last check but what SQLite
         wrote itself, so it is skipped there (issue 42)."""
-        Spool.check_filesystem(self)
+        _DirStore.check_filesystem(self)
         if _lexists(self.d("locks", CLEAN_MARK)):
             # The first open all the same (cheap: no row read): on a full
             # disk it is what fails (its index, -shm), here, where the
@@ -8378,7 +8799,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
 
     def require(self):
         if not self._ready:
-            Spool.require(self)
+            _DirStore.require(self)
             if not _lexists(self.d(DB_NAME)):
                 self._ready = False
                 raise ConfigError(
@@ -8468,7 +8889,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         return db
 
     def close(self):
-        self.note_delivered()
+        self.budget.note_delivered()
         self.fs.release()
         with self._mutex:
             db, self._conn = self._conn, None
@@ -8579,7 +9000,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
 
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
                 timeout=None, sync=True, priority=None, ttl=None):
-        """Spool.enqueue.  The usual call (a generated id, no options, a type
+        """_DirStore.enqueue.  The usual call (a generated id, no options, a type
         whose jobs wait in incoming/ unbounded) is one INSERT of a prepared
         statement: no job file's bytes, no dict of columns (bench/README.md:
         its Python costs less than the INSERT).  Anything else, and any
@@ -8587,7 +9008,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         if id is not None or delay or max_attempts is not None \
                 or timeout is not None or priority is not None \
                 or ttl is not None or self.require()._drop_box():
-            return Spool.enqueue(self, type, payload, id, delay, max_attempts,
+            return _DirStore.enqueue(self, type, payload, id, delay, max_attempts,
                                  timeout, sync, priority, ttl)
         # new_job's checks, in its order, without its dict
         now = _now()
@@ -8609,7 +9030,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
             if size > self.opt["max_job_bytes"]:
                 raise ValueError            # (its refusal is worded there)
         except (ValueError, TypeError, RecursionError, UnicodeError):
-            return Spool.enqueue(self, type, payload, None, 0, None, None, sync)
+            return _DirStore.enqueue(self, type, payload, None, 0, None, None, sync)
         self._insert_one(_INSERT_NEW, (jid, self.name, type, pj, now, now, now,
                                        size), size, sync, type)
         return jid
@@ -8622,10 +9043,10 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         try:
-            self._charge(((type, size),))
+            self.budget.charge(((type, size),))
             self._write(sql, args, sync, fresh=True)
             self.poke(often=True)
-            self.note_arrivals({type: (1, self._cost(size))})
+            self.budget.note_arrivals({type: (1, self.budget.cost(size))})
         finally:
             self.fs.release()
 
@@ -8648,11 +9069,11 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         it."""
         self.require()
         if self._drop_box():
-            return Spool._enqueue(self, todo, sync, refused, done)
+            return _DirStore._enqueue(self, todo, sync, refused, done)
         problem = self._room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self._charge([(t[0]["type"], len(t[1])) for t in todo])
+        self.budget.charge([(t[0]["type"], len(t[1])) for t in todo])
         done = [] if done is None else done
         now = _now()
         rows = []
@@ -8677,7 +9098,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
             else:
                 # A type's bound counts what waits: each of its jobs is
                 # counted and placed on its own, after those before it.
-                self._placed(self._insert(rows, sync, dup), rows, done)
+                self._rows_placed(self._insert(rows, sync, dup), rows, done)
                 rows = []
                 full = self.make_room(job["type"], len(data))
                 if full and refused is not None:
@@ -8688,7 +9109,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
                 rows.append(_row_values(self, job, "ready", sub, now,
                                         size=len(data)))
         try:
-            self._placed(self._insert(rows, sync, dup), rows, done)
+            self._rows_placed(self._insert(rows, sync, dup), rows, done)
             if done:
                 self.poke(often=True, subs=set(d[1] for d in done))
                 self._arrived(todo, done)
@@ -8701,7 +9122,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         return "max_queued" in rules or "max_bytes" in rules
 
     @staticmethod
-    def _placed(have, rows, done):
+    def _rows_placed(have, rows, done):
         for v, d in zip(rows, have):
             if d is None:
                 done.append((v["id"], v["lane"] if v["status"] == "ready" else
@@ -8770,7 +9191,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
                         "status='done'", (jid,))
         if row is None and not _is_generated_id(jid):
             row = self._one("SELECT at FROM ok WHERE id=?", (jid,))
-        return row is not None and (row[0] or 0) + window > now
+        return row is not None and dedupe_fresh(row[0] or 0, window, now)
 
     # Reading ------------------------------------------------------------------------
 
@@ -8782,11 +9203,11 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
                 state = {"ready": "scheduled" if row[1] > _now() else "ready",
                          "dead": "dead"}.get(row[0], row[0])
                 return state, "db:" + jid
-        return Spool.locate(self, jid)          # the drop box, failed/
+        return _DirStore.locate(self, jid)          # the drop box, failed/
 
     def _describe(self, state, path, holding=None):
         if not path.startswith("db:"):
-            return Spool._describe(self, state, path, holding)
+            return _DirStore._describe(self, state, path, holding)
         jid = path[3:]
         row = self._one(_SELECT + " WHERE id=?", (jid,))
         if row is None:
@@ -8824,7 +9245,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         """Jobs by state, then time, then id (the drop box's files among
         the ready ones, failed/'s after the rows)."""
         if state in (None, "ready", "scheduled", "held"):
-            for row in Spool._rows(self, state):     # the drop box's files
+            for row in _DirStore._rows(self, state):     # the drop box's files
                 if row["state"] != "failed" and (state != "failed"):
                     yield row
         holding = self._holding() if state in (None, "scheduled", "held") \
@@ -8851,7 +9272,7 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
                     continue
                 yield row
         if state in (None, "failed"):
-            for row in Spool._rows(self, "failed"):
+            for row in _DirStore._rows(self, "failed"):
                 yield row
 
     def _counts(self, now):
@@ -8918,8 +9339,30 @@ class SqlSpool(_SqlUpkeep, _SqlBudget, Spool):
         return self._write("DELETE FROM jobs WHERE id=? AND status='ready' AND "
                            "lane=?", (name[:-5], sub)) == 1
 
+    def _log_limits(self, db):
+        """With a budget, the log is checkpointed at a 32nd of it (16 to
+        1,000 pages; SQLite's 1,000 without one) and cut back to that
+        after: what the workers' commits write there stays within what
+        measure() counts for it.  (Below a guard, _small_log's SMALL_LOG.)"""
+        cap = self._wal_cap()
+        if cap == self.__dict__.get("_cap_set", 0):
+            return
+        try:
+            small = self.__dict__.get("_small")
+            db.execute("PRAGMA wal_autocheckpoint=%d" % (
+                SMALL_LOG if small else cap or 1000))
+            db.execute("PRAGMA journal_size_limit=%d" % (
+                _wal_bytes(cap) if cap else -1)).fetchall()
+            self._cap_set = cap
+        except _sqlite3().Error:
+            pass                # (the next walk tries again)
 
-_STORES["sqlite"] = SqlSpool
+    def _wal_cap(self):
+        b = self.budget.budget_bytes()
+        return None if b is None else max(16, min(1000, b // 32768))
+
+
+_STORES["sqlite"] = SqlStore
 
 
 # Logging #####################################################################
@@ -11575,7 +12018,7 @@ def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
                       listen_fd) if listen else None
     sessions, threads = [], []
     for cid, some in session_subs(subs, (mqtt or {}).get("client_id")):
-        mq = MqttIntake(Spool(spool.path, log=log, **spool.opt), some,
+        mq = MqttIntake(open_store(spool.path, log=log, **spool.opt), some,
                         log=log, every=subs, **dict(mqtt, client_id=cid))
         thread = threading.Thread(target=mq.run, name="myq-intake-mqtt",
                                   args=(lambda: any(s != "hup" for s in stop),))
@@ -14059,9 +14502,11 @@ class Worker(object):
             setattr(self, k, getattr(o, k))
         self.log = log = log or Log()
         if isinstance(spool, Spool):
+            self.spool = sp = spool.store
+        elif isinstance(spool, Store):
             self.spool = sp = spool
         else:
-            self.spool = sp = Spool(spool, **keywords)
+            self.spool = sp = open_store(spool, **keywords)
         sp.log = log
         self.handlers = dict(handlers or {})
         self.module = load_module(o.module) if o.module else None
@@ -17104,7 +17549,7 @@ def _cmd_prune(a):
 def _cmd_check(a):
     problems = a.spool.check()
     try:
-        short = a.spool.capacity_problem(a.args.warn_capacity)
+        short = a.spool.budget.capacity_problem(a.args.warn_capacity)
     except (OSError, MyqError):
         short = None
     problems += [short] if short else []
@@ -17129,12 +17574,12 @@ def _cmd_export(a):
             _plain(path), _plain(why)))
     out = getattr(sys.stdout, "buffer", None)
     sys.stdout.flush()
-    line = a.spool.spool_line(a.args.type)
+    line = a.spool.backlog.spool_line(a.args.type)
     chunk = [dumps(line)] if line else []
     if a.spool.policy_error:
         sys.stderr.write("myq: warning: %s; the export carries no policy\n"
                          % a.spool.policy_error)
-    for job in a.spool.export(a.args.states, a.args.type, skip):
+    for job in a.spool.backlog.export(a.args.states, a.args.type, skip):
         chunk.append(dumps(job))
         if len(chunk) >= 256:
             _write_out(out, chunk)
@@ -17167,7 +17612,7 @@ def _cmd_import(a):
     def refuse(n, why):
         sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
     try:
-        counts = a.spool.import_jobs(_bounded_lines(
+        counts = a.spool.backlog.import_jobs(_bounded_lines(
             f, a.spool.opt["max_job_bytes"] + 65536), refuse,
             policy=not a.args.no_policy)
     except SpoolFull as e:
@@ -17312,7 +17757,7 @@ def main(argv=None, parsed=None):
         if args.command in _GUARDS_SHOWN:
             guards = _resolve(args, GUARD_OPTIONS, env)
         _drop_root(path, args.command)
-        spool = Spool(path, **guards)
+        spool = open_store(path, **guards)
         fn = _COMMAND_TABLE[args.command][0]
         try:
             return fn(_Call(args, spool, guards, env)) or 0

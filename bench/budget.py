@@ -27,7 +27,7 @@ spool, store, budget, sync, jobs = sys.argv[2], sys.argv[3], sys.argv[4], \
 myq.main(["--spool", spool, "init", "--store", store])
 if budget != "-":
     myq.main(["--spool", spool, "policy", "--budget", budget])
-sp = myq.Spool(spool)
+sp = getattr(myq, 'open_store', myq.Spool)(spool)
 payload = {"sensor": "t1", "value": 21.5, "pad": "x" * 200}
 times = []
 for i in range(jobs):

@@ -80,7 +80,7 @@ def child_env():
 def child(op, d, n, prof_out=None):
     sys.path.insert(0, ROOT)
     import myq
-    sp = myq.Spool(d)
+    sp = getattr(myq, 'open_store', myq.Spool)(d)
     sp.require()
     if op == "enqueue":
         def work():
@@ -210,7 +210,7 @@ def prepare(py, d, op, n):
     also compiles myq.py's byte code for the counted runs."""
     os.makedirs(d)
     code = ("import sys; sys.path.insert(0, %r); import myq\n"
-            "sp = myq.Spool(%r).init()\n" % (ROOT, d))
+            "sp = getattr(myq, 'open_store', myq.Spool)(%r).init()\n" % (ROOT, d))
     if op == "drain":
         code += ("for i in range(%d):\n    sp.enqueue('noop', {'n': i}, "
                  "sync=False)\n" % n)

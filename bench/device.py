@@ -203,7 +203,7 @@ def memory_run(py, tree, base, n, sink):
         time.sleep(2.0)
         idle = wait(lambda: total(sup.pid), 10, "the worker's memory")
         code = ("import sys; sys.path.insert(0, %r); import myq\n"
-                "sp = myq.Spool(%r)\n"
+                "sp = getattr(myq, 'open_store', myq.Spool)(%r)\n"
                 "for i in range(%d):\n"
                 "    sp.enqueue('t', {'n': i}, sync=False)\n"
                 "    sp.enqueue('http', {'url': %r, 'method': 'POST', "

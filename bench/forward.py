@@ -247,7 +247,7 @@ class Net(object):
 def backlog(myq, path, url, n, type="http"):
     myq.main(["--spool", path, "init"])
     rnd = random.Random(13)
-    sp = myq.Spool(path)
+    sp = getattr(myq, 'open_store', myq.Spool)(path)
     specs = [{"type": type, "payload": {"url": url, "body": {
         "dev": "edge-0042", "seq": i, "ts": 1767225600 + 7 * i,
         "temp": round(18 + rnd.random() * 8, 2),
@@ -314,7 +314,7 @@ def worker_batch_row(myq, net, path):
 
 def batch_row(myq, net, path, size):
     """DRIVER LOOP (not the worker): http_batch in groups of `size`."""
-    sp = myq.Spool(path)
+    sp = getattr(myq, 'open_store', myq.Spool)(path)
     pool = myq.HttpPool(1)
     before = net.stats()
     t0 = time.monotonic()

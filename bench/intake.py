@@ -118,7 +118,7 @@ def new_spool(base, name):
     for ext in (".log", ".marks", ".handlers.py"):      # an earlier run's
         if os.path.exists(path + ext):
             os.unlink(path + ext)
-    myq.Spool(path).init()
+    getattr(myq, 'open_store', myq.Spool)(path).init()
     return path
 
 
@@ -198,7 +198,7 @@ class Publisher(object):
 
 def enqueue_cpu(base, n):
     spool = new_spool(base, "floor")
-    sp = myq.Spool(spool)
+    sp = getattr(myq, 'open_store', myq.Spool)(spool)
     t = time.process_time()
     for i in range(n):
         sp.enqueue("r", {"topic": "s/k1", "message": {"sensor": "k1", "t": 21.5,
@@ -288,7 +288,7 @@ def delays(base, port, seconds, load):
                     time.sleep(max(0.0, t0 + i / 200.0 - time.monotonic()))
             threading.Thread(target=feed, daemon=True).start()
             time.sleep(1.0)
-        sp = myq.Spool(spool)
+        sp = getattr(myq, 'open_store', myq.Spool)(spool)
         t0, n = time.monotonic(), int(seconds * 20)
         for i in range(n):
             sp.enqueue("x", {"at": "%.6f" % time.time()})

@@ -165,7 +165,7 @@ def drain(base, port, n, publish):
     """jobs/s of Worker.run(drain=True) over n mqtt jobs, in a child
     process (signal handlers, a fresh spool), publishing or not."""
     spool = tempfile.mkdtemp(dir=base)
-    sp = myq.Spool(spool)
+    sp = getattr(myq, 'open_store', myq.Spool)(spool)
     sp.init()
     sp.enqueue_many([{"type": "mqtt", "payload": {"topic": "bench/drain",
                                                   "message": {"n": i, "v": 21.5}}}

@@ -154,7 +154,7 @@ ENQUEUE = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import myq
-sp = myq.Spool(sys.argv[2])
+sp = getattr(myq, 'open_store', myq.Spool)(sys.argv[2])
 n, url = int(sys.argv[3]), sys.argv[4]
 for first in range(0, n, 1000):
     sp.enqueue_many([{"type": sys.argv[5], "payload": {"url": url, "body": {
@@ -257,7 +257,7 @@ ARRIVE = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
 import myq
-sp, url, rate = myq.Spool(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+sp, url, rate = getattr(myq, 'open_store', myq.Spool)(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 t, i = time.monotonic(), 0
 while True:
     sp.enqueue("tele", {"url": url, "body": {"sensor": "a", "n": i, "v": 1.5}})

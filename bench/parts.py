@@ -112,7 +112,7 @@ def child_enqueue(a):
     else:
         sys.path.insert(0, ROOT)
         import myq
-        sp = myq.Spool(d)
+        sp = getattr(myq, 'open_store', myq.Spool)(d)
         sp.require()
         if step == "enqueue":
             def enq(i):
@@ -158,7 +158,7 @@ def child(a):
         return
     sys.path.insert(0, ROOT)
     import myq
-    sp = myq.Spool(d)
+    sp = getattr(myq, 'open_store', myq.Spool)(d)
     sp.require().enqueue_many([{"type": "noop", "payload": {"n": i}}
                                for i in range(n)])
     os.sync()

@@ -21,7 +21,7 @@ handler, the payload {"n": i}:
 - enqueue: N durable enqueues, one at a time, in one process.
     myq           Spool(dir).enqueue("noop", {"n": i})          (sync=True)
     myq-sqlite    the same on a spool made by Spool(dir).init(store="sqlite")
-                  (`myq init --store sqlite`: Spool(dir) is a SqlSpool;
+                  (`myq init --store sqlite`: Spool(dir) is a SqlStore;
                   queue.db in WAL, synchronous=FULL for an enqueue)
     huey          SqliteHuey(filename=..., fsync=True, immediate=False);
                   calling the @huey.task() enqueues it
@@ -209,7 +209,7 @@ def open_queue(q, d, fake_clock=False, base=None):
     if q in MYQS:
         sys.path.insert(0, base if q == "base" else ROOT)
         import myq
-        sp = myq.Spool(d)
+        sp = getattr(myq, 'open_store', myq.Spool)(d)
         sp.require()
         if q == "myq-sqlite":
             assert sp.store == "sqlite", sp.store
@@ -284,7 +284,7 @@ def open_queue(q, d, fake_clock=False, base=None):
         # worker's group commit does.  What no Python above it can beat.
         sys.path.insert(0, ROOT)
         import myq
-        sp = myq.Spool(d)
+        sp = getattr(myq, 'open_store', myq.Spool)(d)
         sp.require()
         assert sp.store == "sqlite", sp.store
         db, name = sp._db(), sp.name
@@ -382,12 +382,12 @@ def prepare(q, d):
         # device busy at its umount.
         subprocess.check_call([sys.executable, "-c", "import sys; "
                                "sys.path.insert(0, sys.argv[1]); import myq; "
-                               "myq.Spool(sys.argv[2]).init(store='sqlite')",
+                               "getattr(myq, 'open_store', myq.Spool)(sys.argv[2]).init(store='sqlite')",
                                ROOT, d], env=child_env())
     elif q in ("myq", "floor", "base"):
         sys.path.insert(0, ROOT)
         import myq
-        myq.Spool(d).init()
+        getattr(myq, 'open_store', myq.Spool)(d).init()
 
 
 BASE = []      # [the directory of the baseline's myq.py] with --baseline

@@ -565,7 +565,7 @@ def child_count(a):
         out[name] = dict(cur, jobs=jobs,
                          log_bytes=os.path.getsize(logpath) if os.path.exists(logpath) else 0)
 
-    sp = m.Spool(os.path.join(a["base"], "count-bulk")).init()
+    sp = getattr(m, 'open_store', m.Spool)(os.path.join(a["base"], "count-bulk")).init()
 
     def bulk(logpath):
         for i in range(a["bulk"]):
@@ -573,7 +573,7 @@ def child_count(a):
         worker(sp, logpath).run(drain=True)
     scenario("bulk", bulk, a["bulk"])
 
-    sp2 = m.Spool(os.path.join(a["base"], "count-trickle")).init()
+    sp2 = getattr(m, 'open_store', m.Spool)(os.path.join(a["base"], "count-trickle")).init()
 
     def trickle(logpath):
         # One job at a time into an idle, long-running worker: each job is
@@ -603,7 +603,7 @@ def child_count(a):
         t.join(30)
     scenario("trickle", trickle, a["trickle"])
 
-    sp3 = m.Spool(os.path.join(a["base"], "count-batch")).init()
+    sp3 = getattr(m, 'open_store', m.Spool)(os.path.join(a["base"], "count-batch")).init()
 
     def batch(logpath):
         b = a["batch"]
@@ -778,7 +778,7 @@ class Bench(object):
         fdir = new_spool(base, "enq-floor")
         a_sp = new_spool(base, "enq-api")
         s_sp = new_spool(base, "enq-spool")
-        spool = m.Spool(s_sp)
+        spool = getattr(m, 'open_store', m.Spool)(s_sp)
         data = m.dumps(m.new_job("noop", {"n": 1}))
         chunks = 5
         per = max(1, n // chunks)
@@ -809,7 +809,7 @@ class Bench(object):
         m = myq()
         b = self.s["batch"]
         fdir = new_spool(base, "many-floor")
-        spool = m.Spool(new_spool(base, "many"))
+        spool = getattr(m, 'open_store', m.Spool)(new_spool(base, "many"))
         data = m.dumps(m.new_job("noop", {"n": 1}))
         tf = tm = 0.0
         for k in range(0, n, b):

@@ -67,8 +67,8 @@ def _measured(myq, spool):
 
 def _one_job(myq, spool):
     """What one job of PAYLOAD adds, as the budget counts it."""
-    sp = myq.Spool(spool)
-    return sp._cost(len(PAYLOAD) + 200)
+    sp = myq.open_store(spool)
+    return sp.budget.cost(len(PAYLOAD) + 200)
 
 
 def _handlers(tmp_path, **bodies):
@@ -149,7 +149,7 @@ def test_reject_type_refused_at_the_budget_while_drop_oldest_gives_way(
     cp = _myq(spool, "enqueue", "tele", PAYLOAD)
     assert cp.returncode == 75                  # nothing left to shed
     with pytest.raises(myq.SpoolFull):
-        myq.Spool(spool).enqueue("crit", "x" * 3000)
+        myq.open_store(spool).enqueue("crit", "x" * 3000)
 
 
 def test_dead_jobs_are_never_shed_but_count(spool, run_myq, tmp_path, myq):
@@ -187,7 +187,7 @@ def test_never_more_than_one_job_over_the_budget(spool, myq):
     assert st["used_bytes"] <= budget + one
     assert worst > budget // 2         # (it did fill up)
     # the API's many jobs at once: the same bound
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     for _ in range(3):
         try:
             sp.enqueue_many([{"type": "tele", "payload": "y" * 3000}] * 5)
@@ -205,7 +205,7 @@ def test_producers_at_once_stay_within_one_job(spool, myq):
     errors = []
 
     def produce():
-        sp = myq.Spool(spool)
+        sp = myq.open_store(spool)
         try:
             for _ in range(40):
                 sp.enqueue("tele", "x" * 3000)
@@ -251,13 +251,13 @@ def test_the_worker_sheds_what_came_past_the_producers(spool, run_myq, myq):
     _budget(spool, str(budget), tele="overflow=drop-oldest")
     for _ in range(5):
         assert _enqueue(spool, "tele")[0] == 0
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.set_policy("@spool", {"budget": None})
     for _ in range(80):
         sp.enqueue("tele", "x" * 3000)
     sp.set_policy("@spool", {"budget": budget})
     assert _measured(myq, spool) > 2 * budget
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.upkeep_budget(time.monotonic())
     assert _measured(myq, spool) <= budget + _one_job(myq, spool)
     assert _stats(spool)["dropped_by"]["tele"]["budget"] > 30

@@ -296,7 +296,7 @@ def test_a_record_being_written_is_no_stray_to_a_clock_a_year_ahead(spool):
     # writing is pruned only once its writer is gone (before, `myq reap` on
     # the jumped clock took the other's file from under its rename: ENOENT).
     import myq
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     live = subprocess.Popen(["sleep", "60"])
     dead = subprocess.Popen(["true"])
     dead.wait()

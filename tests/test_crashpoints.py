@@ -135,7 +135,7 @@ def effects(path):
 # Building blocks run in a child (the process that holds a claim) ################
 
 def claimed(path, jid):
-    sp = myq.Spool(path)
+    sp = myq.open_store(path)
     me = myq.Identity(sp, lease=60)
     me.register()
     c = sp.claims.claim(jid + ".json", me)
@@ -226,7 +226,7 @@ def _():
 def _():
     def act(path, arm):
         arm()
-        myq.Spool(path).enqueue_many([
+        myq.open_store(path).enqueue_many([
             {"type": "rec", "payload": {"n": 1}, "id": "m1"},
             {"type": "rec", "payload": {"n": 2}, "id": "m2"}])
     return _keep, act
@@ -257,7 +257,7 @@ J = {"j": {"j": 1}}
 @op("claim", jobs=J)
 def _():
     def act(path, arm):
-        sp = myq.Spool(path)
+        sp = myq.open_store(path)
         me = myq.Identity(sp, lease=60)
         me.register()
         arm()
@@ -316,7 +316,7 @@ def _reap_setup(then=None, max_attempts=None):
 
 def _reap_act(path, arm):
     arm()
-    myq.Spool(path).reap()
+    myq.open_store(path).reap()
 
 
 @op("reap-requeue", jobs=J)
@@ -368,7 +368,7 @@ def _():
 
     def act(path, arm):
         arm()
-        assert myq.Spool(path).retry(["j"]) == 1
+        assert myq.open_store(path).retry(["j"]) == 1
     return setup, act
 
 
@@ -387,11 +387,11 @@ def _():
             f.write("not json")
         with open(os.path.join(path, "failed", "junk.json.reason"), "w") as f:
             f.write("bad\n")
-        code, _ = in_child(lambda arm: myq.Identity(myq.Spool(path)).register())
+        code, _ = in_child(lambda arm: myq.Identity(myq.open_store(path)).register())
 
     def act(path, arm):
         arm()
-        myq.Spool(path, keep_done=0, keep_dead=0, keep_failed=0, keep_tmp=0,
+        myq.open_store(path, keep_done=0, keep_dead=0, keep_failed=0, keep_tmp=0,
                   dedupe_window=0).prune()
     return setup, act
 
@@ -427,10 +427,10 @@ LEAKS = []
 def recover(path):
     """What an operator's restart does: a reaper, then a draining worker,
     then prune with no grace for tmp/ orphans."""
-    myq.Spool(path).reap()
+    myq.open_store(path).reap()
     myq.Worker(path, handlers=RECOVERY_HANDLERS, log=quiet_log(), poll=0.05,
                backoff_base=0, jitter=0).run(drain=True)
-    myq.Spool(path, keep_tmp=0).prune()
+    myq.open_store(path, keep_tmp=0).prune()
 
 
 MODULE = """import os
@@ -454,7 +454,7 @@ def recover_cli(path):
                          "--jitter", "0"], stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, env=env, timeout=60)
     assert cp.returncode == 0, cp.stdout
-    myq.Spool(path, keep_tmp=0).prune()
+    myq.open_store(path, keep_tmp=0).prune()
 
 
 def census(path):
@@ -495,7 +495,7 @@ def publish_index(calls, jid=None):
 def check(path, spec, crash_index, calls):
     problems = []
     where = census(path)
-    sp = myq.Spool(path)
+    sp = myq.open_store(path)
     if os.listdir(sp.d("processing")):
         problems.append("processing/ not empty: %s" % os.listdir(sp.d("processing")))
     expected = dict(spec.jobs)
@@ -561,7 +561,7 @@ def run_points(tmp_path, spec, recovery=recover):
 
     def fresh(tag):
         path = os.path.join(base, tag, "spool")
-        myq.Spool(path).init()
+        myq.open_store(path).init()
         _CURRENT[0] = path
         spec.setup(path)
         return path
@@ -629,14 +629,14 @@ def test_half_written_worker_record_is_pruned(tmp_path):
     """A worker killed between creating locks/workers/WID.json and writing
     it: prune must not keep the empty record forever."""
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
 
     def act(arm):
         arm()
-        myq.Identity(myq.Spool(path)).register()
+        myq.Identity(myq.open_store(path)).register()
     code, out = in_child(act, die_at=1)          # after "create"
     assert code == CRASH and out["died"][0] == "create"
-    sp = myq.Spool(path)
+    sp = myq.open_store(path)
     workers = sp.d("locks", "workers")
     # The record is written beside its name (.WID.json.PID.N.tmp, in the
     # owner's own directory, not in tmp/ where a producer could swap it)
@@ -750,7 +750,7 @@ def test_enqueue_durability_order(spool):
 
 def test_retry_and_redrive_durability_order(tmp_path):
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     _CURRENT[0] = path
     _one(path)
     calls = _calls_of(path, OPS["retry"].act)
@@ -761,7 +761,7 @@ def test_retry_and_redrive_durability_order(tmp_path):
     assert gone > pub, "the .fin goes only once the job is in incoming/"
     # dead-letter: same order into dlq/
     path2 = str(tmp_path / "spool2")
-    myq.Spool(path2).init()
+    myq.open_store(path2).init()
     _one(path2)
     calls = _calls_of(path2, OPS["dead-letter"].act)
     pub = _assert_published_durably(calls, "dlq")
@@ -769,7 +769,7 @@ def test_retry_and_redrive_durability_order(tmp_path):
     # redrive from the DLQ: tmp file fsynced before it enters incoming/,
     # incoming/ fsynced after
     path3 = str(tmp_path / "spool3")
-    myq.Spool(path3).init()
+    myq.open_store(path3).init()
     put_dead(path3, "j", {"j": 1})
     calls = _calls_of(path3, OPS["redrive"].act)
     pub = _assert_published_durably(calls, "incoming")
@@ -783,9 +783,9 @@ def test_worker_record_is_durable_before_its_name(tmp_path):
     be judged, and the dead worker's claims waited out their lease (the
     UBIFS power cuts found 47 recoveries that left a claim in processing/)."""
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     calls = _calls_of(path, lambda p, arm: (
-        arm(), myq.Identity(myq.Spool(p)).register()))
+        arm(), myq.Identity(myq.open_store(p)).register()))
     pub = _index(calls, "rename", "before", lambda p: under(p, "locks/workers"))
     tmp = [p for o, p, w in calls[:pub] if o == "create" and
            under(p, "locks/workers") and os.path.basename(p).startswith(".")]
@@ -798,7 +798,7 @@ def test_complete_order(tmp_path):
     idempotency record): no other file is made, and done/ is fsynced (the
     group commit) after it."""
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     _CURRENT[0] = path
     _one(path)
     calls = _calls_of(path, OPS["worker-success"].act)

@@ -255,7 +255,7 @@ def test_a_first_worker_that_cannot_start_is_the_error(spool, tmp_path):
     """The child cannot start its worker (no such interpreter): the caller
     hears why, and the supervisor stops (its pidfile gone)."""
     pidfile = str(tmp_path / "myq.pid")
-    child = ("sup = myq.Supervisor(myq.Spool(%r), 1, [], myq.Log(path=%r), "
+    child = ("sup = myq.Supervisor(myq.open_store(%r), 1, [], myq.Log(path=%r), "
              "pidfile=%r, python='/nonexistent/python3', ready=w); "
              "os._exit(sup.run())" % (spool, str(tmp_path / "log"), pidfile))
     got = await_with(child)
@@ -265,7 +265,7 @@ def test_a_first_worker_that_cannot_start_is_the_error(spool, tmp_path):
 
 def test_a_supervisor_stopped_before_its_first_worker_says_so(spool, tmp_path):
     child = ("import signal; "
-             "sup = myq.Supervisor(myq.Spool(%r), 1, [], myq.Log(path=%r), "
+             "sup = myq.Supervisor(myq.open_store(%r), 1, [], myq.Log(path=%r), "
              "ready=w); sup.stop = 1; os._exit(sup.run())"
              % (spool, str(tmp_path / "log")))
     assert await_with(child) == \

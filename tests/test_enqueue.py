@@ -273,7 +273,7 @@ def test_api_enqueue_returns_id_and_raises_myq_errors(myq, spool, store):
         myq.enqueue(spool, "t", {"not": object()})
     assert ls(spool, "tmp") == []
     assert sorted(ls(spool, "incoming") if store == "files" else [
-        r["id"] + ".json" for r in myq.Spool(spool).list()]) == sorted(
+        r["id"] + ".json" for r in myq.open_store(spool).list()]) == sorted(
         [job_id + ".json", "given.json", "later.json"])
 
 
@@ -317,7 +317,7 @@ def test_a_job_claimed_before_enqueue_returns_was_enqueued(myq, spool, monkeypat
             os.rename(path, os.path.join(spool, "processing",
                                          jid + "+w-1-abcdef.1.json"))
     monkeypatch.setattr(myq, "_hook", claim_now)
-    jid = myq.Spool(spool).enqueue("ok", {"x": 1})
+    jid = myq.open_store(spool).enqueue("ok", {"x": 1})
     monkeypatch.setattr(myq, "_hook", None)
     assert os.listdir(os.path.join(spool, "processing")) == [
         jid + "+w-1-abcdef.1.json"]
@@ -331,7 +331,7 @@ def test_an_explicit_id_claimed_while_its_producer_unlinks_tmp(myq, spool,
     when the producer's unlink comes between the worker's lstat and its
     look into tmp/, the worker finds no tmp/ name, and the file has one
     name left: a job, not a hard link for failed/ (seen in test_chaos)."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     me = myq.Identity(sp)
     real_scandir = myq._scandir
     got = []
@@ -380,7 +380,7 @@ def test_a_producer_keeps_nothing_open_in_the_spool(myq, spool):
     wake FIFO was kept open between pokes)."""
     r = _reader(spool)
     try:
-        sp = myq.Spool(spool)
+        sp = myq.open_store(spool)
         for i in range(20):
             sp.enqueue("t", i)
         sp.enqueue_many([{"type": "t", "payload": i} for i in range(20)])
@@ -403,7 +403,7 @@ def test_no_worker_listening_is_looked_for_again_soon(myq, spool, monkeypatch):
     (each look is a failed open); after that, a worker that came is poked."""
     clock = [1000.0]
     monkeypatch.setattr(myq, "_mono", lambda: clock[0])
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.enqueue("t", 1)          # none listens
     r = _reader(spool)
     try:
@@ -440,7 +440,7 @@ def test_the_disk_free_guard_asks_once_a_second_while_its_room_lasts(
     clock = [1000.0]
     monkeypatch.setattr(myq, "_mono", lambda: clock[0])
     monkeypatch.setattr(os, "statvfs", statvfs)
-    sp = myq.Spool(spool, min_free=1 << 20)
+    sp = myq.open_store(spool, min_free=1 << 20)
     block = real(spool).f_frsize
     free[0] = (1 << 20) + 10 * block            # room for some jobs
     for i in range(4):
@@ -505,7 +505,7 @@ def test_a_batch_is_one_journal_commit_not_one_a_job(myq, ext4):
     each, the measure's control)."""
     mnt, commits = ext4
     spool = os.path.join(mnt, "spool")
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.init()
     os.sync()
     c0 = commits()

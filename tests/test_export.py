@@ -57,8 +57,8 @@ def every_state(path, store="files"):
     producer's with an extra field), scheduled (a delay, a retry's
     backoff), processing (a live claim), done, dead, and a quarantined
     file."""
-    myq.Spool(path).init(store=store)
-    sp = myq.Spool(path)
+    myq.open_store(path).init(store=store)
+    sp = myq.open_store(path)
     sp.enqueue("ok", {"n": "done"}, id="d1")
     sp.enqueue("bad", {"n": "dead"}, id="x1")
     sp.enqueue("flaky", {"n": "retried"}, id="r1", max_attempts=3)
@@ -115,7 +115,7 @@ def test_round_trip_keeps_every_state_and_a_worker_runs_the_ready_ones(
     assert by["x1"]["failed_at"] and by["p1"]["priority"] == 5
     assert set(by) == {"d1", "x1", "r1", "a1", "s1", "p1", "c1", "sh1"}
 
-    myq.Spool(b).init(store=store)
+    myq.open_store(b).init(store=store)
     imp = import_(b, cp.stdout)
     assert imp.returncode == 0, imp.stderr
     assert "imported 8, duplicate 0, bad 0" in imp.stderr
@@ -164,7 +164,7 @@ def test_export_filters_and_failed_on_request(tmp_path, store):
 @pytest.mark.files_only
 def test_export_skips_what_is_not_a_job_and_says_so(tmp_path, store):
     a = str(tmp_path / "a")
-    sp = myq.Spool(a).init(store=store)
+    sp = myq.open_store(a).init(store=store)
     sp.enqueue("ok", 1, id="good")
     write_incoming(a, "broken.json", None, raw=b'{"type": "ok", ')
     cp, rows = export(a)
@@ -175,7 +175,7 @@ def test_export_skips_what_is_not_a_job_and_says_so(tmp_path, store):
 
 def test_bad_lines_are_refused_by_number_and_the_rest_imported(tmp_path, store):
     b = str(tmp_path / "b")
-    myq.Spool(b).init(store=store)
+    myq.open_store(b).init(store=store)
     text = "\n".join([
         '{"id": "g1", "type": "ok", "payload": 1}',
         'not json',
@@ -202,7 +202,7 @@ def test_ids_the_spool_has_are_refused_as_enqueue_refuses_them(tmp_path, store):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     every_state(a)
     cp, _ = export(a)
-    myq.Spool(b).init(store=store)
+    myq.open_store(b).init(store=store)
     assert import_(b, cp.stdout).returncode == 0
     again = import_(b, cp.stdout)
     assert again.returncode == 73, again.stderr
@@ -211,7 +211,7 @@ def test_ids_the_spool_has_are_refused_as_enqueue_refuses_them(tmp_path, store):
     assert run_myq("--spool", b, "enqueue", "ok", "--id", "d1").returncode == 73
     # a job done on the new spool is refused by a second import
     c = str(tmp_path / "c")
-    myq.Spool(c).init(store=store)
+    myq.open_store(c).init(store=store)
     one = '{"id": "once", "type": "ok"}\n'
     assert import_(c, one).returncode == 0
     drain(c)
@@ -221,7 +221,7 @@ def test_ids_the_spool_has_are_refused_as_enqueue_refuses_them(tmp_path, store):
 
 def test_the_disk_guard_and_a_bound_refuse(tmp_path, store):
     b = str(tmp_path / "b")
-    myq.Spool(b).init(store=store)
+    myq.open_store(b).init(store=store)
     text = "".join('{"id": "j%d", "type": "ok"}\n' % i for i in range(5))
     cp = import_(b, text, "--min-free", "1000G")
     assert cp.returncode == 75, cp.stderr
@@ -295,7 +295,7 @@ def test_an_import_killed_mid_stream_and_run_again_gives_each_job_once(
     n = 600                     # three batches of 256 and a short one
     text = _backlog(n)
     probe = str(tmp_path / "probe")
-    myq.Spool(probe).init(store=store)
+    myq.open_store(probe).init(store=store)
     cp = subprocess.run([sys.executable, "-c", KILLER, "--spool", probe,
                          "import"], input=text, universal_newlines=True,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -307,7 +307,7 @@ def test_an_import_killed_mid_stream_and_run_again_gives_each_job_once(
     assert steps > (2 * n if store == "files" else 2 * (n // 256))
 
     b = str(tmp_path / "b")
-    myq.Spool(b).init(store=store)
+    myq.open_store(b).init(store=store)
     die_at = max(1, int(steps * frac))
     cp = subprocess.run([sys.executable, "-c", KILLER, "--spool", b, "import"],
                         input=text, universal_newlines=True,
@@ -340,7 +340,7 @@ def test_an_import_killed_from_outside_and_run_again(tmp_path, store):
     n = 2000
     text = _backlog(n)
     b = str(tmp_path / "b")
-    myq.Spool(b).init(store=store)
+    myq.open_store(b).init(store=store)
     p = subprocess.Popen(myq_argv() + ["--spool", b, "import"],
                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env=clean_env())

@@ -104,7 +104,7 @@ def _run(argv, spool, fast, monkey):
     """main(argv) in this process, the fast path on or off: (exit status,
     stdout with the generated id replaced, stderr, the job files)."""
     shutil.rmtree(spool, ignore_errors=True)
-    myq.Spool(spool).init()
+    myq.open_store(spool).init()
     if not fast:
         monkey.setattr(myq, "_fast_args", lambda argv: None)
     try:
@@ -232,7 +232,7 @@ def test_an_enqueue_imports_no_argparse_json_re(tmp_path, py):
     """In a bare interpreter (-I -S: no site), `myq enqueue` imports myq
     and what it needs of the standard library's C parts, nothing heavy."""
     spool = str(tmp_path / "spool")
-    myq.Spool(spool).init()
+    myq.open_store(spool).init()
     cp = subprocess.run([py, "-I", "-S", "-c", ENQUEUE_IMPORTS, ROOT, spool],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         universal_newlines=True, env=clean_env(), timeout=120)
@@ -243,6 +243,6 @@ def test_an_enqueue_imports_no_argparse_json_re(tmp_path, py):
     heavy = {"argparse", "json", "re", "enum", "gettext", "locale", "shutil",
              "weakref", "functools", "collections", "importlib.util"}
     assert "myq" in new and not new & heavy, sorted(new)
-    job = myq.Spool(spool).show("j1")
+    job = myq.open_store(spool).show("j1")
     assert job["payload"] == {"a": [1, 2.5, "\u00e9"]} and job["priority"] == 3
     assert MYQ.endswith("myq.py")

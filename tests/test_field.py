@@ -206,7 +206,7 @@ def test_a_worker_starts_and_drains_on_a_full_disk(small_fs, tmp_path, store):
     cp = run_myq("--spool", spool, "worker", "--drain", "--handlers", h,
                  "--min-free", "64K", *FAST)
     assert cp.returncode == 0, cp.stderr
-    assert os.path.getsize(os.path.join(spool, "locks", "room")) == myq.Spool.ROOM
+    assert os.path.getsize(os.path.join(spool, "locks", "room")) == myq._DirStore.ROOM
     ids = ["f%02d" % i for i in range(8 if store == "files" else 40)]
     for i in ids:
         assert call_myq("--spool", spool, "enqueue", "t", "1", "--id", i,

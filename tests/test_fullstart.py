@@ -38,7 +38,7 @@ def test_a_clean_stops_next_start_meets_the_full_disk_before_its_writes(tiny_fs)
     (it returned early, and the open failed later, in the record's mark)."""
     path = os.path.join(tiny_fs, "spool")
     assert myq.main(["--spool", path, "init", "--store", "sqlite"]) == 0
-    sp = myq.Spool(path, min_free=0)
+    sp = myq.open_store(path, min_free=0)
     try:
         sp.enqueue("t", 1, id="a1")
         w = _quiet_worker(path)
@@ -51,7 +51,7 @@ def test_a_clean_stops_next_start_meets_the_full_disk_before_its_writes(tiny_fs)
         sp.close()
     fill_disk(os.path.join(tiny_fs, "filler"))
     assert os.statvfs(path).f_bavail == 0
-    sp = myq.Spool(path)
+    sp = myq.open_store(path)
     try:
         with pytest.raises(OSError) as e:
             sp.check_filesystem()
@@ -75,7 +75,7 @@ def test_the_start_s_mark_gives_back_a_full_disk_s_error(tmp_path, monkeypatch):
     swallowed as 'out of reach', the reserve kept."""
     path = str(tmp_path / "s")
     assert myq.main(["--spool", path, "init", "--store", "sqlite"]) == 0
-    sp = myq.Spool(path)
+    sp = myq.open_store(path)
     full = [2]
 
     def one(self, sql, args=()):

@@ -254,7 +254,7 @@ def test_exec_handlers_leave_no_descriptor_open(myq, spool, handlers_dir,
     handlers_dir("early", "exit 0")                     # never reads stdin
     handlers_dir("noisy", "cat >/dev/null; head -c 300000 /dev/zero >&2; exit 1")
     hd = handlers_dir("slow", "sleep 5")
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     big = {"x": "y" * 200000}
     missing = []
     for t, payload, timeout in (("ok", big, None), ("early", big, None),
@@ -307,7 +307,7 @@ import os, resource, sys, json
 import heapq, itertools, fcntl, select, signal, threading, subprocess
 sys.path.insert(0, %r)
 import myq
-sp = myq.Spool(%r); sp.init()
+sp = myq.open_store(%r); sp.init()
 for i in range(3):
     sp.enqueue("ok", {}, max_attempts=3)
 used = len(os.listdir("/proc/self/fd"))

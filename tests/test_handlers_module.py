@@ -201,7 +201,7 @@ def test_worker_api_with_registered_handlers(myq, spool):
     w = myq.Worker(spool, handlers={"ok": ok, "perm": perm}, poll=0.05)
     assert w.run(drain=True) == 0
     assert seen == [(a, {"n": 1}, 1)]
-    s = myq.Spool(spool)
+    s = myq.open_store(spool)
     assert s.show(a)["state"] == "done"
     assert s.show(b)["state"] == "dead"
     assert "api-perm" in s.show(b)["last_error"]

@@ -36,7 +36,7 @@ def held_with_probes(spool, server, procs, tmp_path):
     cp = call_myq("--spool", spool, "policy", "tele", "handler=http",
                   "batch=100", "gzip=true")
     assert cp.returncode == 0, cp.stderr
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     url = server.url("/ingest")
     sp.enqueue_many([{"type": "tele", "id": "j%03d" % i,
                       "payload": {"url": url, "body": {"n": i}}}
@@ -144,7 +144,7 @@ def test_a_claim_writes_no_data_block_for_its_lease(spool):
     """The claim is a rename and an mtime (the lease's end): the file's
     bytes stay the job's; `myq show` and the worker's record say who holds
     it (myq-spool(5) CLAIMS)."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     jid = sp.enqueue("t", {"n": 1})
     path = os.path.join(spool, "incoming", jid + ".json")
     with open(path, "rb") as f:
@@ -188,7 +188,7 @@ def test_a_file_the_worker_cannot_date_gets_its_lease_as_a_line(
     def refused(fd, path, t):
         raise OSError(errno.EPERM, "not the owner")
     monkeypatch.setattr(myq, "_futime", refused)
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     jid = sp.enqueue("t", {"n": 1})
     me = myq.Identity(sp, lease=60)
     me.register()

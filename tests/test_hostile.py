@@ -199,7 +199,7 @@ class Sandbox(object):
         self.fifo = os.path.join(self.outside, "fifo")
         os.mkfifo(self.fifo)
         os.chmod(self.target, 0o644)
-        myq.Spool(self.spool).init()
+        myq.open_store(self.spool).init()
         self.options = spool_options
         self.before = self.outside_state()
 
@@ -489,7 +489,7 @@ def test_any_job_file_is_run_or_quarantined(files):
             sb.put(stem + ".json", data)
         seen, log = drain(sb)
         assert_spool_settled(sb)
-        failed_rows = {r["id"]: r for r in myq.Spool(sb.spool).list("failed")}
+        failed_rows = {r["id"]: r for r in myq.open_store(sb.spool).list("failed")}
         now = time.time()
         for stem, data in files:
             name = stem + ".json"
@@ -523,7 +523,7 @@ def test_any_job_file_is_run_or_quarantined(files):
             else:       # no handler: the type is held, the job waits
                 assert here[0] == "incoming", (stem, here)
                 assert stem not in seen
-                job = myq.Spool(sb.spool).show(stem)
+                job = myq.open_store(sb.spool).show(stem)
                 if due:
                     assert job["attempts"] == verdict.get("attempts", 0), job
                     # (its own put back says so; one moved to the held
@@ -595,7 +595,7 @@ def test_huge_and_deep_files_are_refused_cheaply():
         for name in list(files) + ["sparse.json"]:
             path, reason = failed_entry(sb, name)
         assert os.path.getsize(sb.d("failed", "sparse.json")) == size
-        rows = {r["id"]: r for r in myq.Spool(sb.spool).list("failed")}
+        rows = {r["id"]: r for r in myq.open_store(sb.spool).list("failed")}
         assert "large" in rows["sparse"]["last_error"]
         assert sb.outside_state() == sb.before
 
@@ -694,13 +694,13 @@ def test_any_name_and_file_kind_in_incoming(entries):
                   for name, _ in entries}
         # Looking is harmless too: list/stats never block, never follow.
         with watchdog(sb):
-            list(myq.Spool(sb.spool).list())
-            myq.Spool(sb.spool).stats()
+            list(myq.open_store(sb.spool).list())
+            myq.open_store(sb.spool).stats()
         seen, log = drain(sb)
         assert_spool_settled(sb)
         assert sb.outside_state() == sb.before
         assert all(OUTSIDE_PAYLOAD not in v for v in seen.values())
-        failed_rows = {r["id"]: r for r in myq.Spool(sb.spool).list("failed")}
+        failed_rows = {r["id"]: r for r in myq.open_store(sb.spool).list("failed")}
         expect_seen = {}
         for i, (name, kind) in enumerate(entries):
             raw = os.fsencode(name)
@@ -729,7 +729,7 @@ def test_any_name_and_file_kind_in_incoming(entries):
         assert seen == dict((k, v) for k, v in expect_seen.items() if v)
         # Retention of failed/ removes what was quarantined, and only that:
         # no link followed, no directory outside emptied.
-        out = myq.Spool(sb.spool, keep_failed=0).prune(now=time.time() + 3600)
+        out = myq.open_store(sb.spool, keep_failed=0).prune(now=time.time() + 3600)
         assert out["failed"] == sum(1 for n, _ in entries if n.endswith(".json")
                                     and n[:-5] not in expect_seen)
         assert os.listdir(sb.d("failed")) == []
@@ -860,7 +860,7 @@ def test_enqueue_cli_validates_everything_first(jid, type_, payload):
         assert out == got + "\n"
         if jid is not None:
             assert got == jid
-        job = myq.Spool(sb.spool).show(got)
+        job = myq.open_store(sb.spool).show(got)
         assert (job["type"], job["payload"], job["state"]) == (type_, value, "ready")
         after = snapshot(sb.root, dir_times=False)
         after = {k: v[:2] + (None, None) + v[4:] if v[0] == "dir" else v
@@ -1022,7 +1022,7 @@ def test_longest_names_keep_their_reason():
         drain(sb)
         assert [n for n in os.listdir(sb.d("incoming"))
                 if n != "lanes"] == []
-        rows = list(myq.Spool(sb.spool).list("failed"))
+        rows = list(myq.open_store(sb.spool).list("failed"))
         assert len(rows) == 1 and rows[0]["last_error"], rows
 
 

@@ -84,7 +84,7 @@ def run_once(myq, spool, **kw):
 def enqueue_run(myq, spool, payload, max_attempts=5, **kw):
     jid = myq.enqueue(spool, "http", payload, max_attempts=max_attempts)
     run_once(myq, spool, **kw)
-    return jid, myq.Spool(spool).show(jid)
+    return jid, myq.open_store(spool).show(jid)
 
 
 def free_port():
@@ -204,10 +204,10 @@ def test_retry_then_success_sends_the_same_idempotency_key(myq, spool, server):
     assert_retried(job)
     server.routes["/s"] = status(200, "ok")
     deadline = time.time() + 10
-    while myq.Spool(spool).show(jid)["state"] != "ready" and time.time() < deadline:
+    while myq.open_store(spool).show(jid)["state"] != "ready" and time.time() < deadline:
         time.sleep(0.05)
     run_once(myq, spool, backoff_base=0.2)
-    job = myq.Spool(spool).show(jid)
+    job = myq.open_store(spool).show(jid)
     assert job["state"] == "done", job
     assert job["attempts"] == 2
     keys = [r["headers"]["Idempotency-Key"] for r in server.hits("/s")]
@@ -272,7 +272,7 @@ def test_server_slower_than_job_timeout_is_retried(myq, spool, server):
     server.routes["/slow"] = slow
     jid = myq.enqueue(spool, "http", {"url": server.url("/slow")}, timeout=0.5)
     run_once(myq, spool, backoff_base=30)
-    job = myq.Spool(spool).show(jid)
+    job = myq.open_store(spool).show(jid)
     assert server.hits("/slow")
     assert_retried(job)
 
@@ -281,7 +281,7 @@ def test_server_slower_than_job_timeout_is_retried(myq, spool, server):
 # Retry-After
 
 def _delay(myq, spool, jid, t0, t1):
-    avail = myq.Spool(spool).show(jid)["available_at"]
+    avail = myq.open_store(spool).show(jid)["available_at"]
     return avail - t1, avail - t0
 
 
@@ -291,7 +291,7 @@ def test_retry_after_seconds_is_honoured(myq, spool, server):
     t0 = time.time()
     run_once(myq, spool, backoff_base=1, backoff_max=3600)
     t1 = time.time()
-    assert_retried(myq.Spool(spool).show(jid))
+    assert_retried(myq.open_store(spool).show(jid))
     lo, hi = _delay(myq, spool, jid, t0, t1)
     assert 28.5 <= lo and hi <= 31.5, (lo, hi)
 
@@ -302,7 +302,7 @@ def test_retry_after_http_date_is_honoured(myq, spool, server):
                                  [("Retry-After", email.utils.formatdate(target, usegmt=True))])
     jid = myq.enqueue(spool, "http", {"url": server.url("/s")})
     run_once(myq, spool, backoff_base=1, backoff_max=3600)
-    job = myq.Spool(spool).show(jid)
+    job = myq.open_store(spool).show(jid)
     assert_retried(job)
     assert abs(job["available_at"] - target) <= 2, job["available_at"] - target
 
@@ -339,7 +339,7 @@ def test_unparsable_retry_after_falls_back_to_backoff(myq, spool, server):
     t0 = time.time()
     run_once(myq, spool, backoff_base=7, backoff_max=3600)
     t1 = time.time()
-    assert_retried(myq.Spool(spool).show(jid))
+    assert_retried(myq.open_store(spool).show(jid))
     lo, hi = _delay(myq, spool, jid, t0, t1)
     assert 5.5 <= lo and hi <= 8.5, (lo, hi)
 
@@ -415,7 +415,7 @@ def test_python_api_http_headers_case_insensitive_override(myq, spool, server):
     jid = myq.enqueue(spool, "http", {"url": server.url("/h"), "headers": {
         "authorization": "Bearer job-value", "x-job": "job-own"}})
     run_once(myq, spool, http_headers={"Authorization": "Bearer " + SECRET})
-    assert myq.Spool(spool).show(jid)["state"] == "done"
+    assert myq.open_store(spool).show(jid)["state"] == "done"
     _check_merge(server, spool, jid, SECRET)
 
 
@@ -423,7 +423,7 @@ def test_secret_not_stored_when_the_job_fails(myq, spool, server):
     server.routes["/h"] = status(401, "unauthorized")
     jid = myq.enqueue(spool, "http", {"url": server.url("/h")})
     run_once(myq, spool, http_headers={"Authorization": "Bearer " + SECRET})
-    job = myq.Spool(spool).show(jid)
+    job = myq.open_store(spool).show(jid)
     assert job["state"] == "dead" and "401" in job["last_error"], job
     assert spool_files_containing(spool, SECRET) == []
 
@@ -508,7 +508,7 @@ def test_urllib_imported_only_when_an_http_job_runs(spool, handlers_dir, server)
         out["noop_job"] = loaded()
         jid = myq.enqueue(sys.argv[2], "http", {"url": sys.argv[4]})
         myq.Worker(sys.argv[2], jitter=0).run(once=True)
-        out["http_state"] = myq.Spool(sys.argv[2]).show(jid)["state"]
+        out["http_state"] = myq.open_store(sys.argv[2]).show(jid)["state"]
         print(json.dumps(out))
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MYQ_")}

@@ -103,7 +103,7 @@ def enqueue_many(myq, spool, url, n, prefix="j", **kw):
 
 
 def states(myq, spool, ids):
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     return [sp.show(i)["state"] for i in ids]
 
 
@@ -219,7 +219,7 @@ def test_reused_connection_closed_by_server_is_retried_once_on_a_fresh_one(
     server.routes["/d"] = drop_reused
     ids = enqueue_many(myq, spool, server.url("/d"), 2)
     myq.Worker(spool, jitter=0, backoff_base=60).run(drain=True)
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     for jid in ids:
         j = sp.show(jid)
         assert j["state"] == "done", j
@@ -265,7 +265,7 @@ def test_time_out_closes_the_connection_and_never_resends(myq, spool, server,
     w.run(drain=True)
     assert time.monotonic() - t0 < 10       # slow_for_b gives up at 10 s
     assert states(myq, spool, [a, b]) == ["done", "scheduled"]
-    assert "timed out" in myq.Spool(spool).show(b)["last_error"]
+    assert "timed out" in myq.open_store(spool).show(b)["last_error"]
     assert sorted(server.keys()) == ["a", "b"]
     (rb,) = [r for r in server.requests if r["headers"]["Idempotency-Key"] == "b"]
     if concurrency == 1:
@@ -335,7 +335,7 @@ def test_https_without_the_ca_is_not_trusted(myq, spool, tls_server, run_myq):
     p = run_myq("--spool", spool, "worker", "--once", "--jitter", "0",
                 "--backoff-base", "60")
     assert p.returncode == 0, p.stderr
-    j = myq.Spool(spool).show(jid)
+    j = myq.open_store(spool).show(jid)
     assert j["state"] == "scheduled", j
     assert "CERTIFICATE_VERIFY_FAILED" in j["last_error"] \
         or "certificate verify failed" in j["last_error"], j
@@ -348,7 +348,7 @@ def test_myq_http_ca_variable(myq, spool, tls_server, cert, run_myq):
     p = run_myq("--spool", spool, "worker", "--once", "--jitter", "0",
                 env={"MYQ_HTTP_CA": cert[0]})
     assert p.returncode == 0, p.stderr
-    assert myq.Spool(spool).show(jid)["state"] == "done"
+    assert myq.open_store(spool).show(jid)["state"] == "done"
 
 
 @pytest.mark.parametrize("content", [None, "not a certificate\n"])

@@ -339,7 +339,7 @@ def test_claim_of_a_worker_whose_record_is_empty_is_taken_back_at_once(
     """A power cut before a worker's record was written leaves it empty
     (found by the UBIFS power cuts): it cannot say the worker lives, so its
     claims are taken back at once, not after their lease."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     jid = sp.enqueue("t", {"n": 1})
     me = myq.Identity(sp)
     me.register()

@@ -132,7 +132,7 @@ def test_broker_restarted_mid_run_loses_nothing(spool, tmp_path, procs):
         sub = Subscriber(b.port, "r/#", clean=False, client_id="restart-sub").start()
         n = 600
         import myq
-        myq.Spool(spool).enqueue_many(
+        myq.open_store(spool).enqueue_many(
             [{"type": "mqtt", "payload": {"topic": "r/x", "message": i}}
              for i in range(n)])
         log = tmp_path / "worker.log"

@@ -198,7 +198,7 @@ def test_a_delete_leaves_a_job_a_worker_took_meanwhile(spool, monkeypatch):
     review); `delete ID` says it runs now (75), not deleted=1 (files,
     review).  Neither touches the claim."""
     import myq
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     ids = [sp.enqueue("t", {"n": i}) for i in range(3)]
     me, race = myq.Identity(sp, 60.0), [ids[0]]
     real = type(sp)._delete_one
@@ -421,7 +421,7 @@ def test_prune_keeps_at_most_keep_dead_max_dead_jobs(spool):
     """Jobs that keep failing must not fill the flash through dlq/: prune
     keeps the newest --keep-dead-max dead jobs."""
     import myq
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     now = time.time()
     for i in range(5):
         job = myq.new_job("t", i, id="d%d" % i, now=now)
@@ -439,7 +439,7 @@ def test_prune_keeps_at_most_keep_dead_max_dead_jobs(spool):
 def test_list_into_a_closed_pipe_is_quiet(spool):
     """`myq list | head -1`: the reader is done; no error, exit 0."""
     import myq
-    myq.Spool(spool).enqueue_many([{"type": "t", "payload": i} for i in range(3000)])
+    myq.open_store(spool).enqueue_many([{"type": "t", "payload": i} for i in range(3000)])
     r = subprocess.run("%s %s --spool %s list | head -1; echo \"rc=${PIPESTATUS[0]}\""
                        % (sys.executable, MYQ, spool), shell=True,
                        executable="/bin/bash", stdout=subprocess.PIPE,
@@ -544,7 +544,7 @@ def myq_iso(t):
 def test_show_follows_a_job_that_moves_while_it_looks(myq, spool, monkeypatch):
     """`show` between locate and read: the job moved on (a worker finished
     it); show finds it again instead of failing (exit 75, seen in CI)."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     jid = sp.enqueue("t", {"x": 1})
     real = sp._describe
     moved = []

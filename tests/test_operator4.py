@@ -522,7 +522,7 @@ def test_export_carries_the_policy_and_the_name(tmp_path, src, store, run_myq):
             "max_queued": 20000, "overflow": "drop-oldest", "rate": "20/s",
             "ttl": 604800}}}}
     assert [r["type"] for r in rows[1:]] == ["telemetry"]
-    myq.Spool(b).init(store=store)
+    myq.open_store(b).init(store=store)
     imp = run_myq("--spool", b, "import", "-", input=exp.stdout)
     assert imp.returncode == 0, imp.stderr
     assert "imported 1" in imp.stderr
@@ -532,7 +532,7 @@ def test_export_carries_the_policy_and_the_name(tmp_path, src, store, run_myq):
     st = json.loads(run_myq("--spool", b, "stats", "--json").stdout)
     assert st["queue"] == "router7" and st["paused"] == ["alarm"]
     # --no-policy
-    myq.Spool(c).init(store=store)
+    myq.open_store(c).init(store=store)
     imp = run_myq("--spool", c, "import", "--no-policy", "-", input=exp.stdout)
     assert imp.returncode == 0, imp.stderr
     assert run_myq("--spool", c, "policy").stdout == ""

@@ -153,7 +153,7 @@ def test_a_retry_waits_its_backoff_though_another_worker_saw_it_due(myq, spool):
     meanwhile).  That scan's claim must not take it: it waits its time
     (the SQLite store ran it again at once, the backoff ignored).  A held
     destination's probe (anytime) still takes it now."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     jid = sp.enqueue("f", {"n": 1})
     a, b = myq.Identity(sp, 60.0), myq.Identity(sp, 60.0)
     c = sp.claims.claim(jid + ".json", a, 5, True)

@@ -26,7 +26,7 @@ def _worker(myq, spool, seen, scan_cache, **kw):
 
 
 def _ids(myq, spool, n, delay=0):
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     return sp.enqueue_many([{"type": "noop", "payload": i, "delay": delay}
                             for i in range(n)])
 
@@ -203,7 +203,7 @@ def test_a_job_enqueued_during_a_deep_pass_is_claimed_without_waiting(
     w.sched._rescan()                         # the first chunk: a pass opens
     assert w.sched._sweep is not None
     w.sched._sweep = _Snapshot(w.sched._sweep)
-    arrived = myq.Spool(spool).enqueue("noop")
+    arrived = myq.open_store(spool).enqueue("noop")
     w.sched.dirty = True                      # as the FIFO poke or a poll does
     claimed = []
     while True:
@@ -257,7 +257,7 @@ def test_a_pass_that_claims_nothing_still_wakes_the_worker_soon(
     due time in a moment, not wait for a poll or heartbeat.  A slow
     directory iterator makes the job come due during the second pass."""
     import time
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.enqueue("noop", id="0000-B", delay=1.0)
     sp.enqueue("noop", id="0001-F1")
     for _ in range(30):

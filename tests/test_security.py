@@ -120,9 +120,9 @@ def test_root_enqueue_chown_race(box):
 @needs_root
 def test_api_enqueue_chown_race(box):
     """The same race through the Python API of a root program
-    (`myq.Spool(p).enqueue`): no victim handed over, no job lost.  Fails
+    (`myq.open_store(p).enqueue`): no victim handed over, no job lost.  Fails
     today (os.chown by path)."""
-    sp = myq.Spool(box.spool)
+    sp = myq.open_store(box.spool)
     swapper, stop = start_swapper(box)
     ok = []
     try:
@@ -155,12 +155,12 @@ def test_api_enqueue_refuses_a_symlinked_dir(box, sub, monkeypatch):
     with pytest.raises(myq.MyqError):
         myq.enqueue(box.spool, "t", {"x": 1}, id="viaapi")
     with pytest.raises(myq.MyqError):
-        myq.Spool(box.spool).enqueue("t", None)
+        myq.open_store(box.spool).enqueue("t", None)
     assert box.changed() == []
     if sub == "tmp":
         monkeypatch.undo()
         assert myq._TMPFILE, "O_TMPFILE refused here"
-        myq.Spool(box.spool).enqueue("t", None)     # (not through tmp/)
+        myq.open_store(box.spool).enqueue("t", None)     # (not through tmp/)
         assert box.changed() == []
 
 
@@ -421,7 +421,7 @@ def test_api_odd_ids(myq, spool, op):
     a raw ValueError/IsADirectoryError; the layout intact.  Fails today
     (ValueError: embedded null byte; retry("") moves failed/)."""
     seed(None, spool)
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     problems = []
     for jid in ODD + ["x\x00y", "\x00"]:
         call = {"show": lambda: sp.show(jid),
@@ -450,7 +450,7 @@ def test_api_odd_ids(myq, spool, op):
 def test_api_delete_str_is_one_id(myq, spool):
     """`Spool(p).delete("abc")` deletes job abc, not a, b and c.  Fails
     today (a str is iterated)."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     for jid in ("a", "b", "c"):
         sp.enqueue("t", None, id=jid)
     try:

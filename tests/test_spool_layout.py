@@ -110,7 +110,7 @@ def test_the_lease_line_is_what_dumps_would_write(myq, spool):
     """Claims format the lease record from a per-worker prefix (it is
     written for every job): it must be the bytes dumps() gives."""
     import json
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     me = myq.Identity(sp, lease=30)
     for until in (myq._now() + 30, 1e10 + 0.5, 5.0, 1796000000.1234):
         line = me.lease_line(me.token(), 7, until)
@@ -137,7 +137,7 @@ def test_success_needs_no_record_until_done_goes_early(myq, spool, monkeypatch,
         def mknod(*a, **kw):
             raise OSError(refused, os.strerror(refused))
         monkeypatch.setattr(myq.os, "mknod", mknod)
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     ids = sp.enqueue_many([{"type": "noop"} for _ in range(3)])
     ids += sp.enqueue_many([{"type": "noop", "id": "mine-%d" % i} for i in range(2)])
     w = myq.Worker(spool, handlers={"noop": lambda job: None},
@@ -149,7 +149,7 @@ def test_success_needs_no_record_until_done_goes_early(myq, spool, monkeypatch,
     done_at = os.lstat(os.path.join(spool, "done", "mine-0.json")).st_ctime
     with pytest.raises(myq.DuplicateJob):
         myq.enqueue(spool, "noop", id="mine-0")
-    out = myq.Spool(spool, keep_done=0).prune()
+    out = myq.open_store(spool, keep_done=0).prune()
     assert out["done"] == 5 and os.listdir(os.path.join(spool, "done")) == []
     assert sorted(os.listdir(os.path.join(spool, "locks", "ok"))) == ["mine-0", "mine-1"]
     for jid in ("mine-0", "mine-1"):
@@ -161,7 +161,7 @@ def test_success_needs_no_record_until_done_goes_early(myq, spool, monkeypatch,
                - done_at) < 0.01
     assert myq._MKNOD is (refused is None)
     # the window ends: the id may come again
-    sp = myq.Spool(spool, dedupe_window=1)
+    sp = myq.open_store(spool, dedupe_window=1)
     assert sp.find_id("mine-0", now=done_at + 2) is None
     assert sp.find_id("mine-0", now=done_at + 0.5) is not None
 
@@ -172,7 +172,7 @@ def test_a_chosen_id_stays_refused_for_the_window_when_done_goes_early(
     removes the done jobs within the de-duplication window, and an id a
     producer chose stays refused until the window (from when the job was
     done) ends."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     ids = sp.enqueue_many([{"type": "noop"} for _ in range(3)])
     ids += sp.enqueue_many([{"type": "noop", "id": "mine-%d" % i}
                             for i in range(2)])
@@ -185,7 +185,7 @@ def test_a_chosen_id_stays_refused_for_the_window_when_done_goes_early(
         assert has(spool, "done", jid), jid
     with pytest.raises(myq.DuplicateJob):
         myq.enqueue(spool, "noop", id="mine-0")
-    out = myq.Spool(spool, keep_done=0).prune()
+    out = myq.open_store(spool, keep_done=0).prune()
     assert out["done"] == 5 and ls(spool, "done") == []
     for jid in ("mine-0", "mine-1"):
         with pytest.raises(myq.NoSuchJob):
@@ -193,13 +193,13 @@ def test_a_chosen_id_stays_refused_for_the_window_when_done_goes_early(
         with pytest.raises(myq.DuplicateJob):
             myq.enqueue(spool, "noop", id=jid)
     # the window ends: the id may come again
-    sp = myq.Spool(spool, dedupe_window=1)
+    sp = myq.open_store(spool, dedupe_window=1)
     assert sp.find_id("mine-0", now=after + 2) is None
     assert sp.find_id("mine-0", now=before + 0.5) is not None
 
 
 def test_deleting_a_done_job_keeps_its_id_refused(myq, spool):
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.enqueue("noop", id="d1")
     w = myq.Worker(spool, handlers={"noop": lambda job: None},
                    log=myq.Log(path=os.devnull))
@@ -223,7 +223,7 @@ def test_a_claim_whose_lease_append_was_torn_is_taken_back(tmp_path, tail):
     done/ files with such a tail still show."""
     import myq
     spool = str(tmp_path / "spool")
-    sp = myq.Spool(spool).init()
+    sp = myq.open_store(spool).init()
     job = myq.new_job("t", {"n": 1}, id="j1")
     claim = os.path.join(spool, "processing", "j1+w-999999-abcdef.1.json")
     with open(claim, "wb") as f:

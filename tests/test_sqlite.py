@@ -59,8 +59,8 @@ def test_init_records_the_store_and_every_command_finds_it(tmp_path):
     sp = sql_spool(tmp_path / "s")
     assert open(os.path.join(sp, "store")).read() == "sqlite\n"
     assert os.path.isfile(os.path.join(sp, "queue.db"))
-    assert isinstance(myq.Spool(sp), myq.SqlSpool)
-    assert type(myq.Spool(str(tmp_path / "none"))) is myq.Spool
+    assert isinstance(myq.Spool(sp).store, myq.SqlStore)
+    assert type(myq.Spool(str(tmp_path / "none")).store) is myq.FileStore
     jid = myq.enqueue(sp, "ok", {"n": 1})                  # the API
     cp = run_myq("--spool", sp, "enqueue", "ok", "2")      # the CLI
     assert cp.returncode == 0, cp.stderr
@@ -77,7 +77,7 @@ def test_init_records_the_store_and_every_command_finds_it(tmp_path):
         assert os.listdir(os.path.join(sp, sub)) == [], sub
     # an existing spool keeps its store
     cp = run_myq("--spool", sp, "init")
-    assert cp.returncode == 0 and isinstance(myq.Spool(sp), myq.SqlSpool)
+    assert cp.returncode == 0 and isinstance(myq.Spool(sp).store, myq.SqlStore)
     files = str(tmp_path / "f")
     assert call_myq("--spool", files, "init").returncode == 0
     cp = run_myq("--spool", files, "init", "--store", "sqlite")
@@ -112,16 +112,16 @@ def test_the_schema_is_the_seeds_for_the_sqlite3_shell(tmp_path):
                                      {"k": "\u00e9\u4e2d\U0001f600"}, [True, None]])
 def test_the_usual_enqueue_stores_the_row_the_general_way_would(
         tmp_path, payload, monkeypatch):
-    """SqlSpool.enqueue's INSERT of the usual shape against _row_values of
+    """SqlStore.enqueue's INSERT of the usual shape against _row_values of
     the same job: every column the same, the size what its file would hold
     (utf-8 bytes)."""
-    sp = myq.Spool(sql_spool(tmp_path / "s")).require()
-    general = myq.Spool.enqueue
+    sp = myq.open_store(sql_spool(tmp_path / "s")).require()
+    general = myq._DirStore.enqueue
     with monkeypatch.context() as m:    # (the usual way, not the general)
-        m.setattr(myq.Spool, "enqueue", None)
+        m.setattr(myq._DirStore, "enqueue", None)
         jid = sp.enqueue("ok", payload)
         sp.enqueue("ok", 1)
-    assert myq.Spool.enqueue is general
+    assert myq._DirStore.enqueue is general
     cols = ", ".join(myq._SELECT_COLS + ("queue", "size", "worker_id",
                                          "leased_until"))
     (got,) = sql(sp.path, "SELECT %s FROM jobs WHERE id=?" % cols, (jid,))
@@ -183,7 +183,7 @@ def test_a_file_spool_never_imports_sqlite3(tmp_path, handlers_dir):
         cp = _blocked(["--spool", files] + args)
         assert cp.returncode == 0, (args, cp.stderr)
     probe = ("import sys; sys.path.insert(0, %r); import myq; "
-             "sp = myq.Spool(%r); sp.enqueue('ok', 1); list(sp.list()); "
+             "sp = myq.open_store(%r); sp.enqueue('ok', 1); list(sp.list()); "
              "sp.stats(); print('sqlite3' in sys.modules)" % (ROOT, files))
     cp = subprocess.run([sys.executable, "-c", probe], stdout=subprocess.PIPE,
                         universal_newlines=True, env=clean_env())
@@ -210,7 +210,7 @@ def test_shell_producers_drop_files_and_the_worker_takes_them_in(tmp_path):
     assert sorted(os.listdir(os.path.join(sp, "incoming"))) == ["notes.txt"]
     failed = os.listdir(os.path.join(sp, "failed"))
     assert sorted(failed) == ["bad.json", "bad.json.reason"]
-    listed = [r["id"] for r in myq.Spool(sp).list("failed")]
+    listed = [r["id"] for r in myq.open_store(sp).list("failed")]
     assert listed == ["bad"] or listed == ["bad.json"], listed
 
 
@@ -221,7 +221,7 @@ def test_a_file_taken_in_and_left_by_a_crash_is_one_job(tmp_path):
     path = write_incoming(sp, "once.json", {"type": "ok", "payload": 1})
     keep = str(tmp_path / "copy")
     shutil.copy(path, keep)
-    s = myq.Spool(sp)
+    s = myq.open_store(sp)
     s.claims.take_in()
     assert dict(rows(sp)) == {"once": "ready"} and not os.path.exists(path)
     shutil.copy(keep, path)             # as if the unlink never happened
@@ -259,13 +259,13 @@ def test_a_dropped_file_of_a_dead_job_is_said_and_counted_not_lost(tmp_path):
     assert os.listdir(os.path.join(sp, "incoming")) == []
     assert ("skipped", {"id": "X", "why": "the same job is dead already (its "
             "row): myq retry X runs it again"}) in events, events
-    assert myq.Spool(sp).totals()["removed"] == {"bad": 1}
+    assert myq.open_store(sp).totals()["removed"] == {"bad": 1}
 
 
 def test_a_producer_that_cannot_write_the_database_drops_a_file(tmp_path,
                                                                  monkeypatch):
     sp = sql_spool(tmp_path / "s")
-    s = myq.Spool(sp)
+    s = myq.open_store(sp)
     monkeypatch.setattr(s, "_drop_box", lambda: True)
     jid = s.enqueue("ok", {"x": 1})
     assert os.listdir(os.path.join(sp, "incoming")) == [jid + ".json"]
@@ -292,7 +292,7 @@ def _damage(sp):
 
 def test_a_damaged_database_stops_claims_check_says_so_export_saves(tmp_path):
     sp = sql_spool(tmp_path / "s")
-    s = myq.Spool(sp)
+    s = myq.open_store(sp)
     s.enqueue_many([{"type": "ok", "payload": "x" * 3000, "id": "j%03d" % i}
                     for i in range(60)])
     assert _damage(sp) > 20
@@ -316,7 +316,7 @@ def test_export_of_a_damaged_database_writes_each_job_once(tmp_path):
     were written, then the salvage wrote every readable row from the
     first again (review)."""
     sp = sql_spool(tmp_path / "s")
-    myq.Spool(sp).enqueue_many([{"type": "ok", "payload": "x" * 3000,
+    myq.open_store(sp).enqueue_many([{"type": "ok", "payload": "x" * 3000,
                                  "id": "j%03d" % i} for i in range(300)])
     db = sqlite3.connect(os.path.join(sp, "queue.db"))
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -339,10 +339,10 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
     until it stopped (review)."""
     import errno
     sp = sql_spool(tmp_path / "s")
-    s = myq.Spool(sp)
+    s = myq.open_store(sp)
     jid = s.enqueue("ok", None)
     calls = {"admit": 0, "back": 0}
-    real_admit, real_write = myq._SqlClaims._admit, myq.SqlSpool._write
+    real_admit, real_write = myq._SqlClaims._admit, myq.SqlStore._write
 
     def admit(self, *a):
         calls["admit"] += 1
@@ -357,7 +357,7 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
             raise myq._DbError(errno.EBUSY, "busy")
         return real_write(self, statement, *a, **kw)
     monkeypatch.setattr(myq._SqlClaims, "_admit", admit)
-    monkeypatch.setattr(myq.SqlSpool, "_write", write)
+    monkeypatch.setattr(myq.SqlStore, "_write", write)
     with pytest.raises(OSError) as e:          # given back at once
         s.claims.claim(jid + ".json", myq.Identity(s, 60.0), 5, True)
     assert not getattr(e.value, "give_back", None)
@@ -433,7 +433,7 @@ def test_a_full_disk_refuses_with_75_and_keeps_every_job(small_fs, tmp_path):
 def test_when_the_clock_goes_back_a_job_keeps_the_delay_it_had_left(
         tmp_path, monkeypatch):
     sp = sql_spool(tmp_path / "s")
-    s = myq.Spool(sp)
+    s = myq.open_store(sp)
     s.enqueue("ok", None, id="soon", delay=30)
     s.claims.change_key()           # the offset of wall to monotonic seen
     real = myq._now
@@ -467,7 +467,7 @@ KILLER = (
     "    ok(job)\n"
     "    raise myq.PermanentError('never')\n"
     "sp = sys.argv[1]\n"
-    "s = myq.Spool(sp)\n"
+    "s = myq.open_store(sp)\n"
     "def put(f):\n"
     "    try:\n"
     "        f()\n"
@@ -544,7 +544,7 @@ CHECKPOINTER = (
 
 def test_kill_9_in_the_middle_of_a_wal_checkpoint(tmp_path):
     sp = sql_spool(tmp_path / "s")
-    s = myq.Spool(sp)
+    s = myq.open_store(sp)
     db = os.path.join(sp, "queue.db")
     n = 0
     for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.05):
@@ -583,7 +583,7 @@ def test_workers_killed_at_random_lose_nothing_and_never_overlap(
                           'flock -n 9 || echo "overlap $MYQ_JOB_ID" >> "%s"\n'
                           'echo "run $MYQ_JOB_ID" >> "%s"\nsleep 0.0$(( $$ %% 5 ))'
                           % (locks, log, log))
-    ids = myq.Spool(sp).enqueue_many([{"type": "w", "id": "j%03d" % i}
+    ids = myq.open_store(sp).enqueue_many([{"type": "w", "id": "j%03d" % i}
                                       for i in range(150)])
     rnd = random.Random(5)
     ws = []

@@ -231,7 +231,7 @@ JOBS = {"a": ("ok", "done"), "b": ("again", "done"), "c": ("bad", "dlq")}
 
 
 def new_spool(path):
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     for jid, (type_, _) in sorted(JOBS.items()):
         myq.enqueue(path, type_, {"id": jid, "blob": "x" * 100}, id=jid)
 
@@ -305,7 +305,7 @@ def count_worker_steps(base):
 
 def check_spool(path):
     problems = []
-    sp = myq.Spool(path)
+    sp = myq.open_store(path)
     for jid, (type_, state) in sorted(JOBS.items()):
         found = [s for s in ("incoming", "processing", "done", "dlq", "failed")
                  for n in ls(path, s) if n == jid + ".json" or n.startswith(jid + "+")]
@@ -322,7 +322,7 @@ def check_spool(path):
     for sub in ("processing", "failed", "incoming"):
         if ls(path, sub):
             problems.append("%s/ holds %s" % (sub, ls(path, sub)))
-    myq.Spool(path, keep_tmp=0).prune()
+    myq.open_store(path, keep_tmp=0).prune()
     for sub in ("tmp", "locks/workers"):
         if ls(path, sub):
             problems.append("%s/ holds %s after prune" % (sub, ls(path, sub)))
@@ -444,7 +444,7 @@ ENQUEUE = {
     "auto-id": (lambda p: myq.enqueue(p, "ok", {"n": 1}), None),
     "id": (lambda p: myq.enqueue(p, "ok", {"n": 1}, id="e1"), ["e1"]),
     "id-delay": (lambda p: myq.enqueue(p, "ok", {"n": 1}, id="e1", delay=30), ["e1"]),
-    "many": (lambda p: myq.Spool(p).enqueue_many([
+    "many": (lambda p: myq.open_store(p).enqueue_many([
         {"type": "ok", "id": "m1"}, {"type": "ok", "id": "m2"}]), ["m1", "m2"]),
 }
 
@@ -469,7 +469,7 @@ def test_enqueue_under_injected_faults(tmp_path, capsys, monkeypatch, via_tmp):
     failures, fixed, known, n = [], [], {}, 0
     for name, (fn, ids) in sorted(ENQUEUE.items()):
         p = str(tmp_path / name / "count")
-        myq.Spool(p).init()
+        myq.open_store(p).init()
         c = Counter()
         myq._hook = c
         try:
@@ -491,7 +491,7 @@ def test_enqueue_under_injected_faults(tmp_path, capsys, monkeypatch, via_tmp):
             for err in sorted(ERRNOS):
                 n += 1
                 q = str(tmp_path / name / ("%s%d" % (err, i)))
-                myq.Spool(q).init()
+                myq.open_store(q).init()
                 myq.enqueue(q, "ok", None, id="keep")
                 point = "%s: %s at %s %s %s" % (name, err, when, op,
                                                os.path.relpath(path, p))
@@ -600,7 +600,7 @@ def test_lease_append_failure_does_not_strand_the_job(tmp_path):
     """Appending the lease to a claimed file fails: the claim is given back,
     not left in processing/ under the live worker's own id."""
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     myq.enqueue(path, "ok", {"id": "a", "blob": "x"}, id="a")
     hook = _one_shot(lambda op, p, w: op == "append" and under(p, "processing"))
     assert _drain_in_child(path, hook) == 0
@@ -612,7 +612,7 @@ def test_failed_final_rename_of_a_retry_is_retried(tmp_path):
     """The rename tmp/ -> incoming/ of a retry fails once: the next try goes
     on from the .fin (it used to fail with EEXIST on its tmp file forever)."""
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     myq.enqueue(path, "again", {"id": "b", "blob": "x"}, id="b")
     hook = _one_shot(lambda op, p, w: op == "rename" and under(p, "incoming"),
                      errno.ENOSPC)
@@ -624,7 +624,7 @@ def test_failed_fin_unlink_is_not_reported_lost(tmp_path):
     """Unlinking the .fin after the move fails once: no false event=lost, no
     stale .fin that makes `show` say processing."""
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     myq.enqueue(path, "bad", {"id": "c", "blob": "x"}, id="c")
     hook = _one_shot(lambda op, p, w: op == "unlink" and p.endswith(".fin"))
     assert _drain_in_child(path, hook) == 0
@@ -632,12 +632,12 @@ def test_failed_fin_unlink_is_not_reported_lost(tmp_path):
         log = f.read()
     assert "event=lost" not in log
     assert ls(path, "processing") == [] and ls(path, "dlq") == ["c.json"]
-    assert myq.Spool(path).show("c")["state"] == "dead"
+    assert myq.open_store(path).show("c")["state"] == "dead"
 
 
 def test_worker_stops_claiming_after_a_finish_io_error(tmp_path):
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     for jid in ("c1", "c2", "c3"):
         myq.enqueue(path, "bad", {"id": jid, "blob": "x"}, id=jid)
     starts = path + ".starts"
@@ -667,7 +667,7 @@ def test_worker_stops_claiming_after_a_finish_io_error(tmp_path):
 
 def test_enqueue_directory_fsync_failure(tmp_path):
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     myq._hook = _one_shot(lambda op, p, w: op == "fsync" and p.endswith("/incoming/"))
     try:
         with pytest.raises(myq.MyqError):
@@ -679,7 +679,7 @@ def test_enqueue_directory_fsync_failure(tmp_path):
 
 def test_enqueue_tmp_unlink_failure_is_consistent(tmp_path):
     path = str(tmp_path / "spool")
-    myq.Spool(path).init()
+    myq.open_store(path).init()
     myq._hook = _one_shot(lambda op, p, w: op == "unlink" and under(p, "tmp"))
     try:
         myq.enqueue(path, "ok", None, id="e1")

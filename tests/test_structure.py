@@ -1,8 +1,9 @@
 """The house's rules (issue 24), read off myq.py itself: it reads top to
 bottom (no section refers to a later one), every function fits on a
 screen or two (80 lines), every class is a room one can hold in mind
-(750 lines), and the map in the module docstring names the sections as
-they are, in their order."""
+(750 lines), no object (its class statements, its bases' among them)
+grows past MAX_OBJECT, and the map in the module docstring names the
+sections as they are, in their order."""
 import ast
 import os
 import re
@@ -11,6 +12,11 @@ from _core import MYQ
 
 HEADER = re.compile(r"^# (.+?) #{5,}$")
 MAX_FUNCTION, MAX_CLASS = 80, 750
+# An object is the sum of the class statements of its inheritance chain
+# (mixins sharing one `self` are one object).  The aim is 900; the stores
+# are not there yet (the SQLite store 2,996 lines, the file store 2,304,
+# the worker 2,051): this bar holds them where they are, to come down.
+MAX_OBJECT = 3000
 
 
 def _source():
@@ -85,6 +91,32 @@ def test_functions_and_classes_stay_small():
             if n > most:
                 big.append("%s: %d lines (at most %d)" % (node.name, n, most))
     assert not big, "\n".join(big)
+
+
+def object_sizes(tree):
+    """{class: the lines of its class statement and of every base's in
+    myq.py (each once)}."""
+    classes = dict((n.name, n) for n in tree.body if isinstance(n, ast.ClassDef))
+
+    def chain(name, seen):
+        if name in classes and name not in seen:
+            seen.append(name)
+            for b in classes[name].bases:
+                if isinstance(b, ast.Name):
+                    chain(b.id, seen)
+        return seen
+    return dict((name, sum(classes[c].end_lineno - classes[c].lineno + 1
+                           for c in chain(name, [])))
+                for name in classes)
+
+
+def test_objects_stay_within_their_bar():
+    sizes = object_sizes(ast.parse(_source()))
+    big = ["%s: %d lines with its bases (at most %d)" % (n, k, MAX_OBJECT)
+           for n, k in sorted(sizes.items()) if k > MAX_OBJECT]
+    assert not big, "\n".join(big)
+    probe = ast.parse("class A:\n    x = 1\n\n\nclass B(A):\n    y = 2\n")
+    assert object_sizes(probe) == {"A": 2, "B": 4}
 
 
 def test_the_docstring_maps_the_sections_as_they_are():

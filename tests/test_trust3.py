@@ -32,7 +32,7 @@ def _put_in_lane(myq, spool, lane, job):
         with open(os.path.join(spool, lane, job["id"] + ".json"), "w") as f:
             json.dump(job, f)
         return
-    myq.Spool(spool).enqueue(job["type"], job.get("payload"), id=job["id"],
+    myq.open_store(spool).enqueue(job["type"], job.get("payload"), id=job["id"],
                              priority=job.get("priority"))
     n = sql(spool, "UPDATE jobs SET lane=? WHERE id=? AND status='ready'",
             (lane, job["id"]))
@@ -164,7 +164,7 @@ def test_no_owner_record_is_made_in_tmp(myq, spool):
     created = []
     myq._hook = lambda op, p, w: created.append(p) if op == "create" else None
     try:
-        sp = myq.Spool(spool)
+        sp = myq.open_store(spool)
         sp.set_policy("t", {"max_queued": 5})
         ident = myq.Identity(sp)
         ident.register()
@@ -184,7 +184,7 @@ def test_no_owner_record_is_made_in_tmp(myq, spool):
 def test_a_retry_is_not_written_in_tmp(myq, spool):
     """A retried job's next version is written beside its claim, in
     processing/ (the owner's), then renamed into incoming/."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.enqueue("t", None, id="r1")
     created = []
     myq._hook = lambda op, p, w: created.append(p) if op == "create" else None
@@ -288,7 +288,7 @@ def test_control_characters_never_reach_the_status_line_or_check(myq, spool):
     reason with an escape sequence (a server's 503 body): the status line
     stays one line of key=value fields, check prints no escape, the
     Prometheus labels none either."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     dest = "http://evil\tqueue=forged\nx=1:80"
     sp.breaker.write({"dest": dest, "why": "503: \x1b[2J\x1b[31mgone",
                    "until": time.time() + 600, "probes": 0})
@@ -309,7 +309,7 @@ def test_control_characters_never_reach_the_status_line_or_check(myq, spool):
 def test_a_hold_records_each_waiting_job_once(myq, spool):
     """A destination that stays down: each time a job is put back, the
     hold's list of waiting jobs must not grow by a line."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     for _ in range(20):
         for i in range(5):
             sp.breaker.note_job("http://down:80", "incoming/j%d.json" % i)
@@ -326,7 +326,7 @@ def test_a_hold_records_each_waiting_job_once(myq, spool):
 
 
 def test_a_streak_record_is_bounded(myq, spool):
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     for i in range(2000):
         sp.breaker.streak("d", "j%d" % (i % 7))
     with open(sp.breaker._path("d", ".streak")) as f:
@@ -339,7 +339,7 @@ def test_many_held_types_cost_an_idle_poll_no_reading(myq, spool):
     """1,100 types without a handler: at most 1,024 hold records are
     written, each once; an idle worker's poll then reads none of them
     again (the review saw 14-21 % of a core for 8,000)."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.enqueue_many([{"type": "u%04d" % i} for i in range(1100)])
     w = myq.Worker(sp, handlers={}, log=lambda *a, **k: None, poll=0.01,
                    stats_interval=0)
@@ -385,7 +385,7 @@ def test_a_huge_number_in_the_policy_is_ignored_not_a_crash(spool, handlers_dir)
 def test_a_zombie_worker_holds_no_claim(myq, spool):
     """A worker killed but not yet waited for by its parent is a zombie:
     it runs nothing, so reap takes its claim back at once."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     sp.enqueue("t", None, id="z1")
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     wait_for(lambda: (open("/proc/%d/stat" % child.pid).read()

@@ -444,7 +444,7 @@ def test_a_batch_name_is_a_name_never_a_path(myq, spool, tmp_path):
     """A batch record's name is LEAD+TOKEN alone (never a path)."""
     p = tmp_path / "x.json"
     p.write_text(json.dumps({"ids": ["a"]}))
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     for bad in (str(p), "../../x", "a/b+c", "+c", "a+", "..+..", None, 7):
         assert sp.claims.batches.ids(bad) == []
         sp.claims.batches.end(bad)
@@ -492,7 +492,7 @@ def test_a_worker_that_never_ran_delivers_on_a_full_disk(tmp_path, store):
 def test_the_status_line_counts_past_a_few_held_types(myq, spool):
     """300 held types: the status line names 5 and counts the rest; stats
     --json keeps them all."""
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     now = time.time()
     for i in range(300):
         sp.breaker.write({"dest": "type%03d" % i, "why": "x", "since": now,
@@ -520,7 +520,7 @@ def test_a_held_types_job_put_back_rereads_only_its_own_lane(myq, spool):
     lanes' jobs are put back at least 64 times."""
     import signal
     import threading
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     n_types = myq._Holds.LANED + 16
     sp.enqueue_many([{"type": "u%03d" % i} for i in range(n_types)])
     events = []
@@ -563,7 +563,7 @@ def test_a_parked_job_put_back_does_not_reread_incoming(myq, spool):
     see it happen often; in the field an hour)."""
     import signal
     import threading
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     n_types = myq._Holds.LANED + 40
     sp.enqueue_many([{"type": "u%03d" % i} for i in range(n_types)])
     ran = []

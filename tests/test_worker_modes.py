@@ -179,7 +179,7 @@ def test_a_done_line_is_the_line_log_makes_of_its_fields(spool):
     the time."""
     import io
     import myq
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     ids = [sp.enqueue("t", {"n": 1}), sp.enqueue("t.x-y_z", None, id="a.b-c_d")]
     out = io.StringIO()
     myq.Worker(spool, handlers={"t": lambda p: None, "t.x-y_z": lambda p: None},

@@ -97,7 +97,7 @@ def test_the_parts_are_given_what_they_use_not_the_worker(myq, spool):
 
 def test_a_worker_runs_and_drains_through_its_parts(myq, spool):
     ran = []
-    sp = myq.Spool(spool)
+    sp = myq.open_store(spool)
     ids = [sp.enqueue("t", {"n": i}) for i in range(5)]
     w = myq.Worker(sp, handlers={"t": lambda job: ran.append(job["id"])},
                    log=lambda *a, **k: None, stats_interval=0)

@@ -81,7 +81,7 @@ def produce():
                 "n": n, "blob": blob,
                 "sum": hashlib.sha256(blob.encode()).hexdigest()[:16]}})
             n += 1
-        ids = myq.Spool(SPOOL).enqueue_many(specs)
+        ids = myq.open_store(SPOOL).enqueue_many(specs)
         j.write(json.dumps({i: s["payload"]["sum"] for i, s in zip(ids, specs)}) + "\n")
         j.flush()
         os.fsync(j.fileno())

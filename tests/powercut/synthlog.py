@@ -88,7 +88,7 @@ def build(out, myq_path, jobs=4, mb=16):
 
     def enqueue(n):
         p = payload(n)
-        jid = myq.Spool(spool).enqueue("ok", p)
+        jid = myq.open_store(spool).enqueue("ok", p)
         return {jid: p["sum"]}
     steps = [(None, init)] + [("job-%d" % n, (lambda n=n: enqueue(n)))
                               for n in range(1, jobs + 1)]

@@ -25,7 +25,7 @@ def _payload(n):
 
 def _enqueue(myq, spool, n, **kw):
     p = _payload(n)
-    jid = myq.Spool(spool).enqueue("ok", p, **kw)
+    jid = myq.open_store(spool).enqueue("ok", p, **kw)
     return jid, p["sum"]
 
 
@@ -71,7 +71,7 @@ def test_a_pruned_done_job_is_no_loss_only_when_the_workload_saw_it_done(
     assert counts == CLEAN, notes
     done = sorted(n[:-5] for n in os.listdir(os.path.join(spool, "done")))
     assert sorted(promised) == done
-    assert myq.Spool(spool, keep_done=0).prune()["done"] == 3
+    assert myq.open_store(spool, keep_done=0).prune()["done"] == 3
     assert os.listdir(os.path.join(spool, "locks", "ok")) == []
     res = check.recover_and_check(spool, promised, MYQ, str(tmp_path), fork=True,
                                   pruned=set(done[:2]))
@@ -197,7 +197,7 @@ def test_sqlite_a_recovered_spool_is_clean_and_its_pruned_jobs_count_by_ok(
     assert os.listdir(os.path.join(spool, "done")) == []
     # retention: x-9 keeps its ok row; the generated ids count only when
     # the workload saw them done before the prune
-    assert myq.Spool(spool, keep_done=0).prune()["done"] == 5
+    assert myq.open_store(spool, keep_done=0).prune()["done"] == 5
     assert _sql(spool, "SELECT id FROM ok") == [("x-9",)]
     counts, notes = _check_sql(spool, promised, tmp_path)
     assert counts == dict(CLEAN, lost=4), notes

@@ -251,9 +251,9 @@ def detach(timing=None):
 def close_db(sp):
     """What a call on a Spool of the SQLite store leaves open in this
     process, which unmounts the spool at every reboot: the connection to
-    queue.db (SqlSpool._conn; an exception's traceback would keep the
+    queue.db (SqlStore._conn; an exception's traceback would keep the
     Spool alive), and the descriptors of SPOOL and SPOOL/locks in the
-    spool's door (SqlSpool's create and enqueue_many do not release it as
+    spool's door (SqlStore's create and enqueue_many do not release it as
     the files store's calls do: the umount failed with EBUSY; reported)."""
     if sp is None:
         return
@@ -384,7 +384,7 @@ class Run(object):
                 if rng.random() < 0.2:
                     spec["id"] = "x-%d" % (self.n + i)
                 specs.append(spec)
-            sp = myq.Spool(self.spool)
+            sp = myq.open_store(self.spool)
             try:
                 ids = sp.enqueue_many(specs)
             finally:
@@ -608,7 +608,7 @@ def main(argv=None):
     os.makedirs(MNT, exist_ok=True)
     attach(first=True)
     run = Run(a)
-    close_db(run.myq.Spool(run.spool).init(store=a.store))
+    close_db(run.myq.open_store(run.spool).init(store=a.store))
     work = "/tmp/pc-ubifs"
     os.makedirs(work, exist_ok=True)
     t0 = time.monotonic()

@@ -7,7 +7,7 @@
 A worker (myq worker --module handlers.py) runs in the background while
 producers add at least --jobs jobs, mixing:
   - `myq enqueue` (the CLI, one process per job),
-  - API batches: myq.Spool(p).enqueue_many(...), some with explicit ids,
+  - API batches: myq.open_store(p).enqueue_many(...), some with explicit ids,
   - the README's shell producer: write in tmp/, sync, mv into incoming/, sync.
 Types: ok (most), flaky (retried twice), bad (dead letter).  Every ~150
 jobs, and at the end, `myq prune` with a small --keep-done-max.
@@ -95,7 +95,7 @@ def main(argv=None):
          os.path.join(HERE, "handlers.py"), "--backoff-base", "0.2",
          "--backoff-max", "1", "--poll", "0.5", "--stats-interval", "0"],
         env=env)
-    spool = myq.Spool(a.spool)
+    spool = myq.open_store(a.spool)
     n = 0
     cli_left, sh_left = a.cli, a.shell
     next_prune = a.prune_every

@@ -264,7 +264,7 @@ class Bridge(soak.Soak):
         time.sleep(0.3)
         with self.lock:
             recent = [j for j, t in self.acc["myq"].items() if e["t"] - 3 < t <= e["t"]]
-        sp = self.myqmod.Spool(self.spool)
+        sp = self.myqmod.open_store(self.spool)
         e["untaken"] = [j for j in recent if sp.find_id(j) is None]
         e["recent"] = len(recent)
         self.say("kill -9 of both local brokers at +%.1f s; of the %d readings accepted "
