@@ -2645,7 +2645,7 @@ class Identity:
         # being taken back at once, as the UBIFS power cuts showed).
         # (beside it in locks/workers/, the owner's alone: a producer could
         # swap a record made in tmp/ before its rename)
-        # (the SQLite store's mark of a clean stop goes first: SqlSpool)
+        # (the SQLite store's mark of a clean stop goes first: SqlStore)
         mark = getattr(self.spool, "mark_clean", None)
         if mark is not None:
             mark(False)

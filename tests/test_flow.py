@@ -46,7 +46,7 @@ def _run(w):
 
 def _stop(w, t):
     w._on_stop(signal.SIGTERM, None)
-    sp = _myq.Spool(w.spool.path)
+    sp = _myq.open_store(w.spool.path)
     sp.poke()
     t.join(15)
     assert not t.is_alive(), "the worker did not stop"
@@ -61,7 +61,7 @@ def test_pokes_while_a_batch_waits_are_not_sent_nor_scanned(flow_spool):
     starts at once; the batch, when it starts, has every job that came
     without a poke; a stopped worker leaves no mark."""
     import time
-    sp = _myq.Spool(flow_spool)
+    sp = _myq.open_store(flow_spool)
     sp.set_policy("fwd", {"batch": 100, "batch_wait": 8.0})
     sp.set_policy("alarm", {"priority": 9})
     got, alarms = [], []
@@ -96,12 +96,12 @@ def test_pokes_while_a_batch_waits_are_not_sent_nor_scanned(flow_spool):
 
 def _checks(monkeypatch):
     n = [0]
-    real = _myq.SqlSpool._quick_check
+    real = _myq.SqlStore._quick_check
 
     def counted(self):
         n[0] += 1
         return real(self)
-    monkeypatch.setattr(_myq.SqlSpool, "_quick_check", counted)
+    monkeypatch.setattr(_myq.SqlStore, "_quick_check", counted)
     return n
 
 
@@ -113,7 +113,7 @@ def test_sqlite_checks_the_database_after_an_unclean_stop_only(tmp_path, monkeyp
     the check.  A damaged database is still found there (test_sqlite)."""
     path = str(tmp_path / "s")
     _myq.main(["--spool", path, "init", "--store", "sqlite"])
-    sp = _myq.Spool(path)
+    sp = _myq.open_store(path)
     sp.enqueue_many([{"type": "noop", "payload": i} for i in range(20)])
     n = _checks(monkeypatch)
     mark = os.path.join(path, "locks", "db-clean")

@@ -83,8 +83,8 @@ def test_the_start_s_mark_gives_back_a_full_disk_s_error(tmp_path, monkeypatch):
             full[0] -= 1
             raise myq._DbFull(errno.ENOSPC, "queue.db: database or disk is full")
         return real(self, sql, args)
-    real = myq.SqlSpool._one
-    monkeypatch.setattr(myq.SqlSpool, "_one", one)
+    real = myq.SqlStore._one
+    monkeypatch.setattr(myq.SqlStore, "_one", one)
     with pytest.raises(OSError) as e:
         sp.mark_clean(False)
     assert e.value.errno == errno.ENOSPC
