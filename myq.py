@@ -65,7 +65,7 @@ The map: the sections, in file order, each using only those above it
                     MYQ_* variables and policy files alike (test_clock,
                     test_policy, test_operator_cli)
   Filesystem steps: the one door to the disk   _Door, every step on a
-                    spool's file by directory descriptor (test_trust3,
+                    spool's file by directory descriptor (test_door,
                     test_security, test_crashpoints, test_storage_faults)
   Processes         /proc, process start times, kill_run, become
                     (test_liveness, test_ownership)
@@ -96,11 +96,11 @@ The map: the sections, in file order, each using only those above it
                     (ExecHandler, PyHandler, HttpHandler, MqttHandler: time
                     limit, destination, batch key, how it runs), outcomes,
                     pipes (test_handlers_exec, test_http_forward)
-  The scheduler     lanes, scan caches, gates, rates (test_scan, test_policy)
+  The scheduler     lanes, scan caches, gates, rates (test_scan, test_scheduler)
   Running a job     handlers started, outcomes collected (test_handlers_*)
   Holds, the worker's side   held types and destinations, probes,
-                    failover to a type's next destination (test_outage,
-                    test_field, test_destinations)
+                    failover to a type's next destination (test_breaker,
+                    test_outage, test_field, test_destinations)
   The worker        WorkerOptions (what a worker is told, made once of
                     flags or keywords), Worker: the loop, signals,
                     finishing (test_worker_modes,

@@ -109,12 +109,14 @@ BOTH_STORES_TESTS = {
         "test_paused_type_does_not_start_drain_exits_stats_and_check_show_it",
         "test_max_queued_reject_counts_waiting_jobs_only",
         "test_shell_producer_files_past_the_bound_are_rejected_at_scan",
-        "test_drop_oldest_removes_lowest_priority_then_earliest",
+        "test_drop_oldest_removes_lowest_priority_then_earliest"},
+    "test_scheduler": {
         "test_expired_job_is_never_started",
         "test_priority_then_available_at_then_id",
         "test_priority_9_is_next_to_start_at_depth",
         "test_rate_holds_across_two_workers",
-        "test_concurrency_slots_come_back_after_kill_9",
+        "test_concurrency_slots_come_back_after_kill_9"},
+    "test_breaker": {
         "test_destination_failures_of_different_jobs_hold_it",
         "test_missing_handler_holds_at_once_and_releases_when_it_appears",
         "test_http_4xx_never_trips_and_a_4xx_answer_releases"},
@@ -153,22 +155,25 @@ def spool(tmp_path, store):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """small_tmpfs(size) -> the path of a tmpfs of that size (a real full
-    disk, a read-only remount), unmounted at the test's end; root only:
+    """small_tmpfs(size, nr_inodes=None) -> the path of a tmpfs of that
+    size (a real full disk, too few inodes, a read-only remount), unmounted
+    at the test's end; root only:
     the test is skipped, saying why, where it cannot be had."""
     import shutil
     import subprocess
     mounted = []
 
-    def make(size):
+    def make(size, nr_inodes=None):
         if os.geteuid() != 0:
             pytest.skip("mounting a tmpfs needs root")
         if not shutil.which("mount") or not shutil.which("umount"):
             pytest.skip("mount/umount not found")
         mnt = tmp_path / ("mnt%d" % len(mounted))
         mnt.mkdir()
-        cp = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%s,mode=0755"
-                             % size, "myq-test", str(mnt)],
+        opts = "size=%s,mode=0755" % size + (
+            ",nr_inodes=%d" % nr_inodes if nr_inodes else "")
+        cp = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "myq-test",
+                             str(mnt)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             universal_newlines=True)
         if cp.returncode != 0:
@@ -179,6 +184,13 @@ def small_tmpfs(tmp_path):
     for mnt in mounted:
         if subprocess.run(["umount", mnt]).returncode != 0:
             subprocess.run(["umount", "-l", mnt])
+
+
+@pytest.fixture
+def small_fs(request, small_tmpfs):
+    """A small tmpfs to fill: the test module's SMALL_FS bytes ("1m" where it
+    names none)."""
+    return small_tmpfs(getattr(request.module, "SMALL_FS", "1m"))
 
 
 @pytest.fixture

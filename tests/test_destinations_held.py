@@ -1,6 +1,4 @@
-"""Where a type's jobs go, reviewed (issue 41, SPEC §10 "Destinations,
-failover, ..." and §9's breaker): the cases an adversarial review of the
-first implementation found wrong, each on both stores.
+"""A held destination and a type's destinations, each on both stores:
 
 - a held destination gets none of its jobs but its probe, the last of a
   type's `url` list too (a failure at A went on to a held B);
@@ -15,10 +13,10 @@ import os
 
 import pytest
 
-from _core import FAST, call_myq, run_myq, wait_for
+from _core import FAST, call_myq, drain, run_myq, wait_for
 from _http import answer, http_servers  # noqa: F401 (a fixture)
 from _mosquitto import Broker, needs_mosquitto
-from test_destinations import down, drain, listed, policy
+from test_destinations import down, listed, policy
 
 both_stores = pytest.mark.parametrize("store", ["files", "sqlite"],
                                       indirect=True)
