@@ -18,13 +18,10 @@ sys.path.insert(0, ROOT)
 import myq as _myq  # noqa: E402
 
 
-# The files that take longest, longest first: `make test` (--dist loadfile
-# --no-loadscope-reorder) hands files out in collection order, so these
-# start first, and the short ones fill in around them instead of one long
-# file starting last and running alone.  Serial wall seconds (`-p
-# no:xdist`) and CPU seconds (self + children), measured for issue 24 on a
-# machine that other runs loaded ~10 (an idle one takes about half the
-# wall); a file not listed runs after these, in name order.
+# The files that take longest, longest first (`make test` hands the files
+# out in this order: tests/README.md, "How `make test` is spread"); wall
+# seconds of the file run alone, and CPU seconds (self + children); a file
+# not listed runs after these, in name order.
 LONG_FIRST = [
     "test_security.py",         # ~130 s wall, 29 s CPU: root's and the owner's commands
     "test_security_swaps.py",   # ~130 s, 25 s: its part 1, symlinks and FIFOs
@@ -79,8 +76,8 @@ def myq():
 
 
 # The stores (myq-spool(5) SQLITE STORE): the test files named here run
-# every test that takes `spool` once per store, the same test against both
-# (issue 26); MYQ_TEST_STORE=sqlite makes the SQLite store every other
+# every test that takes `spool` once per store, the same test against
+# both; MYQ_TEST_STORE=sqlite makes the SQLite store every other
 # file's default too (`make test-sqlite`: what else holds there).
 BOTH_STORES = {
     "test_enqueue", "test_retry_dlq", "test_export", "test_clock",
