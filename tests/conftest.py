@@ -19,25 +19,32 @@ import myq as _myq  # noqa: E402
 
 
 # The files that take longest, longest first (`make test` hands the files
-# out in this order: tests/README.md, "How `make test` is spread"); wall
-# seconds of the file run alone, and CPU seconds (self + children); a file
-# not listed runs after these, in name order.
+# out in this order: tests/README.md, "How `make test` is spread"): the
+# seconds of their tests in one `make test` (wall, on 2 cores loaded ~15
+# by other runs; only the order holds), and their CPU seconds (self and
+# children).  A file not listed runs after these, in name order.
 LONG_FIRST = [
-    "test_security.py",         # ~130 s wall, 29 s CPU: root's and the owner's commands
-    "test_security_swaps.py",   # ~130 s, 25 s: its part 1, symlinks and FIFOs
-    "test_policy.py",           # ~100 s, 17 s: a 20,000-job depth, rates, pickups
-    "test_intake.py",           # ~115 s, 14 s: HTTP and MQTT intake, brokers, kills
-    "test_initd.py",            # 50-120 s, 27 s: init script life cycles
-    "test_outage.py",           # ~50 s, 12 s: a 20 s outage, then 20 s at the rate
-    "test_crashpoints.py",      # ~45 s, 11 s: a kill at every step
-    "test_clock.py",            # ~30 s, 5 s: clock jumps, each waits its delays
-    "test_matrix.py",           # ~28 s, 20 s: every interpreter
-    "test_light.py",            # ~25 s, 16 s: every interpreter, python3-light
-    "test_procd.py",            # 24-60 s, 10 s
-    "test_chaos.py",            # ~21 s, 25 s: the chaos soak
-    "test_storage_faults.py",   # 19-45 s, 6 s
-    "test_liveness.py",         # ~14 s, 8 s: leases
-    "test_handlers_exec.py",    # ~11 s, 6 s
+    "test_initd.py",             # 334 s, 25.8 s: init script life cycles
+    "test_security_swaps.py",    # 227 s, 22.9 s: symlinks and FIFOs
+    "test_crashpoints.py",       # 182 s, 11.2 s: a kill at every step
+    "test_security.py",          # 165 s, 22.7 s: root's and the owner's commands
+    "test_intake.py",            # 139 s, 17.8 s: HTTP and MQTT intake
+    "test_fast_cli.py",          # 105 s, 13.2 s: hypothesis, both parsers
+    "test_procd.py",             # 104 s, 10.7 s
+    "test_mqtt.py",              #  99 s, 10.8 s
+    "test_budget.py",            #  97 s,  8.4 s
+    "test_matrix.py",            #  96 s, 15.9 s: every interpreter
+    "test_operator_setup.py",    #  96 s, 14.8 s: installs, a change of owner
+    "test_export.py",            #  96 s, 10.6 s
+    "test_dist.py",              #  91 s, 12.9 s
+    "test_clock.py",             #  80 s,  5.3 s: clock jumps, each waits its delays
+    "test_light.py",             #  80 s, 12.1 s: every interpreter, python3-light
+    "test_hostile.py",           #  73 s,  7.8 s: hypothesis
+    "test_operator.py",          #  71 s,  9.3 s
+    "test_call_myq.py",          #  65 s,  7.2 s
+    "test_sqlite.py",            #  57 s, 13.8 s
+    "test_outage.py",            #  43 s,  4.9 s: a 20 s outage, then 20 s at the rate
+    "test_chaos.py",             #  27 s, 15.0 s: the chaos soak
 ]
 
 
@@ -57,6 +64,7 @@ def _store_follows_env(item):
     callspec = getattr(item, "callspec", None)
     return ("store" in getattr(item, "fixturenames", ())
             and not item.get_closest_marker("files_only")
+            and not item.get_closest_marker("store_free")
             and not (callspec and "store" in callspec.params))
 
 
@@ -65,6 +73,10 @@ def pytest_configure(config):
         "markers", "files_only(why): a test of the file store's own files "
         "(its layout, a job file's bytes, a directory's entries): runs on "
         "files alone, in a file of BOTH_STORES and under MYQ_TEST_STORE=sqlite")
+    config.addinivalue_line(
+        "markers", "store_free(why): a test whose spool only gives it jobs "
+        "(the process image, supervise --daemon, what every user can read "
+        "of a command line): `make test-sqlite` leaves it out")
     config.addinivalue_line(
         "markers", "slow: a long test (soak, big scan, every interpreter); "
         "`make test` runs it, `make test-fast` (-m 'not slow') leaves it out")

@@ -18,6 +18,9 @@ import pytest
 from _core import MYQ, ROOT, clean_env, one_line_error, wait_for
 from _procs import alive, children, proc_stat
 
+# The store plays no part in what these prove: `make test-sqlite` leaves them out.
+pytestmark = pytest.mark.store_free("supervise --daemon's fork, session, pidfile and descriptors")
+
 
 def daemon(spool, tmp_path, *extra, **kw):
     """Run `supervise --daemon` -> CompletedProcess; `pass_fds`: descriptors

@@ -22,6 +22,9 @@ import _core
 from _core import MYQ, clean_env, enqueue, has, show, wait_for, worker
 from _core import call_myq, cmdline
 
+# The store plays no part in what these prove: `make test-sqlite` leaves them out.
+pytestmark = pytest.mark.store_free("the process image of myq.py run as a script")
+
 
 @pytest.fixture
 def run_myq():

@@ -47,6 +47,9 @@ needs_root = pytest.mark.skipif(
 needs_busybox = pytest.mark.skipif(
     not BUSYBOX, reason="busybox not installed (apt-get install busybox)")
 
+# The store plays no part in what these prove: `make test-sqlite` leaves them out.
+pytestmark = pytest.mark.store_free("secrets, pidfiles and stops of supervise and the init scripts")
+
 
 @pytest.fixture(scope="module")
 def owner():
