@@ -570,3 +570,14 @@ def dead_error(spool, jid):
 def http_job(spool, url, *opts):
     """A job of the built-in http type to `url`; its id."""
     return enqueue(call_myq, spool, "http", json.dumps({"url": url}), *opts)
+
+
+def policy(spool, *args):
+    """`myq policy ARGS...` in this process; it must exit 0."""
+    return ok(cli(spool, "policy", *args))
+
+
+def listed(spool, state):
+    """`myq list STATE --json`, read: one dict a job."""
+    cp = ok(cli(spool, "list", state, "--json"))
+    return [json.loads(line) for line in cp.stdout.splitlines()]

@@ -270,6 +270,11 @@ def tls_context(cert, key):
     return ctx
 
 
+def down(h):
+    """A route: 503, a destination that is down."""
+    answer(h, 503, b"down")
+
+
 # --------------------------------------------------------------------------
 # fixtures
 

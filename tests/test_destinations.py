@@ -12,24 +12,9 @@ import os
 
 import pytest
 
-from _core import FAST, call_myq, drain, run_myq, wait_for, write_incoming
-from _http import answer, http_servers  # noqa: F401 (a fixture)
-
-
-def policy(spool, *args):
-    cp = call_myq("--spool", spool, "policy", *args)
-    assert cp.returncode == 0, cp.stderr
-    return cp
-
-
-def listed(spool, state):
-    cp = call_myq("--spool", spool, "list", state, "--json")
-    assert cp.returncode == 0, cp.stderr
-    return [json.loads(line) for line in cp.stdout.splitlines()]
-
-
-def down(h):
-    answer(h, 503, b"down")
+from _core import (FAST, call_myq, drain, listed, policy, run_myq, wait_for,
+                   write_incoming)
+from _http import answer, down, http_servers  # noqa: F401 (a fixture)
 
 
 # --------------------------------------------------------------------------

@@ -13,10 +13,9 @@ import os
 
 import pytest
 
-from _core import FAST, call_myq, drain, run_myq, wait_for
-from _http import answer, http_servers  # noqa: F401 (a fixture)
+from _core import call_myq, drain, listed, policy, wait_for
+from _http import down, http_servers  # noqa: F401 (a fixture)
 from _mosquitto import Broker, needs_mosquitto
-from test_destinations import down, listed, policy
 
 both_stores = pytest.mark.parametrize("store", ["files", "sqlite"],
                                       indirect=True)
