@@ -35,12 +35,14 @@ $(STAMP):
 # the cores (TEST_JOBS=0: in this process), a file to a process, the
 # longest first (tests/README.md: why these options).  `make test-fast`
 # leaves out the tests marked slow.
-# Byte code is written (PYTHONDONTWRITEBYTECODE unset), so that each of the
-# processes loads the tests' assert-rewritten modules and `import myq`
-# from __pycache__ instead of compiling them again (~4 s of CPU each).
+# pytest itself writes byte code (its processes load the tests'
+# assert-rewritten modules from __pycache__: ~4 s of CPU each); what the
+# tests start gets the caller's PYTHONDONTWRITEBYTECODE (tests/conftest.py).
 TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 2 )))
-PYTEST = env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/python -m pytest -q \
-	-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+PYTEST = env -u PYTHONDONTWRITEBYTECODE \
+	TESTS_DONTWRITEBYTECODE="$$PYTHONDONTWRITEBYTECODE" \
+	$(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadfile \
+	--no-loadscope-reorder
 test: $(STAMP)
 	$(PYTEST) tests
 

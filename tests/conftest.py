@@ -8,14 +8,34 @@ in this process).
 import os
 import sys
 
-import pytest
+# `make test` starts pytest without PYTHONDONTWRITEBYTECODE, so that each
+# of its processes loads the tests' assert-rewritten modules from
+# __pycache__, and passes the caller's value in TESTS_DONTWRITEBYTECODE:
+# the process that runs the tests (an xdist worker, or the only one) puts
+# it back, so that what the tests start sees it as the caller set it, and
+# myq.py's byte code (a script's start from its cache) is as it left it.
+_DONT_WRITE = os.environ.get("TESTS_DONTWRITEBYTECODE")
 
-import _core
-from _core import ROOT
+
+def _caller_dont_write():
+    if _DONT_WRITE:
+        os.environ["PYTHONDONTWRITEBYTECODE"] = _DONT_WRITE
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _caller_dont_write()
+
+import pytest  # noqa: E402
+
+import _core  # noqa: E402
+from _core import ROOT  # noqa: E402
 
 sys.path.insert(0, ROOT)
 
+_writes, sys.dont_write_bytecode = sys.dont_write_bytecode, bool(
+    _DONT_WRITE or os.environ.get("PYTHONDONTWRITEBYTECODE"))
 import myq as _myq  # noqa: E402
+sys.dont_write_bytecode = _writes
 
 
 # The files that take longest, longest first (`make test` hands the files
@@ -69,6 +89,8 @@ def _store_follows_env(item):
 
 
 def pytest_configure(config):
+    if not getattr(config.option, "numprocesses", None):
+        _caller_dont_write()        # no workers: this process runs the tests
     config.addinivalue_line(
         "markers", "files_only(why): a test of the file store's own files "
         "(its layout, a job file's bytes, a directory's entries): runs on "
