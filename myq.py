@@ -65,7 +65,7 @@ The map: the sections, in file order, each using only those above it
                     MYQ_* variables and policy files alike (test_clock,
                     test_policy, test_operator_cli)
   Filesystem steps: the one door to the disk   _Door, every step on a
-                    spool's file by directory descriptor (test_trust3,
+                    spool's file by directory descriptor (test_door,
                     test_security, test_crashpoints, test_storage_faults)
   Processes         /proc, process start times, kill_run, become
                     (test_liveness, test_ownership)
@@ -105,12 +105,13 @@ The map: the sections, in file order, each using only those above it
                     _Resolver (a worker's handlers by type), outcomes,
                     pipes (test_handlers_exec, test_http_forward)
   The scheduler     _Scheduler: lanes, scan caches, gates, rates, probes
-                    (test_scan, test_policy)
+                    (test_scan, test_scheduler)
   Running a job     _Runner: handlers started, outcomes collected
                     (test_handlers_*)
   Holds, the worker's side   _Holds: held types and destinations, a
                     destination's failures, failover to a type's next
-                    destination (test_outage, test_field, test_destinations)
+                    destination (test_breaker, test_outage, test_field,
+                    test_destinations)
   The worker        WorkerOptions (what a worker is told, made once of
                     flags or keywords), _Finishing (a claim's end: done,
                     retry, dead letter, put back, group commit), Worker:

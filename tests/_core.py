@@ -1,4 +1,4 @@
-"""Small helpers shared by the core black-box tests (SPEC §2-§7): the one
+"""Small helpers shared by the black-box tests: the one
 home of ROOT, MYQ and the helpers more than one test file uses.
 
 Everything here drives myq from the outside: the CLI as a subprocess
@@ -253,7 +253,7 @@ def read_job(spool, sub, jid):
 
 
 def one_line_error(cp):
-    """Every error is ONE line on stderr (SPEC §4)."""
+    """Every error is ONE line on stderr."""
     err = cp.stderr.strip("\n")
     assert err, "expected an error message on stderr"
     assert "\n" not in err, "error is not one line: %r" % cp.stderr
@@ -399,3 +399,185 @@ def world_python():
         except OSError:
             pass
     return None
+
+
+def free_port():
+    """A TCP port of 127.0.0.1 that was free a moment ago (bound, closed)."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def cmdline(pid, text=False):
+    """The argv of a process ([] when it is gone); text=True: its words
+    each followed by a space ("a b c "), for `" worker " in ...`."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            words = f.read().decode("utf-8", "replace").split("\0")[:-1]
+    except OSError:
+        words = []
+    return "".join(w + " " for w in words) if text else words
+
+
+# A clock that jumps for myq's processes: libfaketime preloaded into them.
+# Realtime moves, monotonic does not, and files keep the times the kernel
+# wrote (NO_FAKE_STAT), as after a real jump.
+FT_BASE = {"FAKETIME_DONT_FAKE_MONOTONIC": "1", "NO_FAKE_STAT": "1"}
+
+
+def _find_faketime():
+    import glob
+    for pattern in ("/usr/lib/*/faketime/libfaketime.so.1",
+                    "/usr/lib/faketime/libfaketime.so.1",
+                    "/usr/local/lib/faketime/libfaketime.so.1",
+                    "/usr/lib64/faketime/libfaketime.so.1"):
+        found = glob.glob(pattern)
+        if found:
+            return found[0]
+    return None
+
+
+FT_LIB = _find_faketime()
+
+
+def ft_env(offset=None, rcfile=None):
+    """The environment that moves a process's clock: by `offset` (libfaketime's
+    "-365d", "@1970-01-02 01:00:00"), or as `rcfile` says at each call."""
+    env = dict(FT_BASE, LD_PRELOAD=FT_LIB or "")
+    if rcfile:
+        env.update(FAKETIME_TIMESTAMP_FILE=str(rcfile), FAKETIME_NO_CACHE="1")
+    else:
+        env["FAKETIME"] = offset
+    return env
+
+
+_FT_WHY = []
+
+
+def faketime_missing():
+    """Why libfaketime cannot move a clock here (None: it can): not
+    installed, or a year back not seen by a child's time.time() while its
+    monotonic clock stays.  Checked once a process."""
+    if not _FT_WHY:
+        _FT_WHY.append(_faketime_check())
+    return _FT_WHY[0]
+
+
+def _faketime_check():
+    import shutil
+    if FT_LIB is None or shutil.which("faketime") is None:
+        return "libfaketime is not installed (apt-get install faketime)"
+    cp = subprocess.run(
+        [sys.executable, "-c", "import time,select; select.select([],[],[],0.01);"
+         "print(time.time(), time.monotonic())"],
+        stdout=subprocess.PIPE, env=clean_env(ft_env("-365d")),
+        universal_newlines=True, timeout=30)
+    try:
+        t, m = map(float, cp.stdout.split())
+    except ValueError:
+        return "libfaketime does not work here: %r" % cp.stdout
+    if abs(time.time() - 365 * 86400 - t) > 60 or abs(time.monotonic() - m) > 60:
+        return "libfaketime does not fake the clock as expected here"
+    return None
+
+
+def needs_faketime(test):
+    """The test, skipped (saying why) where libfaketime cannot move a clock."""
+    import pytest
+    why = faketime_missing()
+    return pytest.mark.skipif(why is not None, reason=why or "")(test)
+
+
+def environ(pid):
+    """The environment a process started with ({} when it is gone)."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(i.decode("utf-8", "replace").partition("=")[::2]
+                for i in items if i)
+
+
+def drain(spool, *opts, handlers=None, env=None, timeout=60, log=None):
+    """`myq worker --drain` as a subprocess, FAST's settings then `opts`
+    (and `--log log`), run to its end: it must exit 0."""
+    if log:
+        opts = ("--log", str(log)) + opts
+    cp = worker(run_myq, spool, *opts, handlers=handlers, env=env,
+                timeout=timeout)
+    assert cp.returncode == 0, cp.stderr
+    return cp
+
+
+def quiet_log():
+    """A myq.Log that writes nowhere, for a worker run in this process."""
+    import myq
+    return myq.Log(stream=open(os.devnull, "w"))
+
+
+def drain_here(spool, handlers, **kw):
+    """A worker in this process, with these Python handlers ({type: fn}),
+    quiet, until nothing is ready (poll 0.05 s, no jitter; **kw: Worker's
+    other keywords)."""
+    import myq
+    kw.setdefault("log", quiet_log())
+    myq.Worker(spool, handlers=handlers, poll=0.05, jitter=0,
+               **kw).run(drain=True)
+
+
+# A running worker picks up a change of policy within a couple of seconds:
+# PICKUP, and PICKUP_DEADLINE where the machine is loaded.
+PICKUP = 2.0
+PICKUP_DEADLINE = 4.5
+
+
+def cli(spool, *args):
+    """`myq --spool SPOOL ARGS...` in this process (call_myq)."""
+    return call_myq("--spool", spool, *args)
+
+
+def ok(cp):
+    """cp, which must have exited 0 (its command and output in the failure)."""
+    assert cp.returncode == 0, (cp.args, cp.returncode, cp.stdout, cp.stderr)
+    return cp
+
+
+def stats(spool):
+    """`myq stats --json`, read."""
+    return json.loads(ok(cli(spool, "stats", "--json")).stdout)
+
+
+def waiting(spool, type_=None):
+    """Ids of the waiting jobs (ready + scheduled) of `type_`."""
+    out = []
+    for st in ("ready", "scheduled"):
+        cp = ok(cli(spool, "list", st, "--json", *(("--type", type_) if type_ else ())))
+        out += [json.loads(l)["id"] for l in cp.stdout.splitlines() if l.strip()]
+    return sorted(out)
+
+
+def dead_error(spool, jid):
+    """The last error of a job that must be dead."""
+    job = show(call_myq, spool, jid)
+    assert job["state"] == "dead", job
+    return job["last_error"] or ""
+
+
+def http_job(spool, url, *opts):
+    """A job of the built-in http type to `url`; its id."""
+    return enqueue(call_myq, spool, "http", json.dumps({"url": url}), *opts)
+
+
+def policy(spool, *args):
+    """`myq policy ARGS...` in this process; it must exit 0."""
+    return ok(cli(spool, "policy", *args))
+
+
+def listed(spool, state):
+    """`myq list STATE --json`, read: one dict a job."""
+    cp = ok(cli(spool, "list", state, "--json"))
+    return [json.loads(line) for line in cp.stdout.splitlines()]

@@ -270,6 +270,11 @@ def tls_context(cert, key):
     return ctx
 
 
+def down(h):
+    """A route: 503, a destination that is down."""
+    answer(h, 503, b"down")
+
+
 # --------------------------------------------------------------------------
 # fixtures
 
@@ -291,3 +296,16 @@ def http_servers():
 def http_server(http_servers):
     """One started Server, default route `answer` (200 "ok", kept)."""
     return http_servers()
+
+
+@pytest.fixture
+def status_servers(http_servers):
+    """make(status) -> a started Server where status(handler) gives the
+    status of every answer (200 by default; the connection closed after
+    it); srv.answers() lists (time, status, Idempotency-Key)."""
+    def make(status=lambda h: 200):
+        def route(h):
+            code = status(h)
+            answer(h, code, b"status %d" % code, close=True)
+        return http_servers(default=route)
+    return make

@@ -1,4 +1,4 @@
-"""A real MQTT broker for the tests (SPEC §10): Debian's mosquitto, started
+"""A real MQTT broker for the tests: Debian's mosquitto, started
 with a config file of its own in the test's tmp directory, on a free
 loopback port, logging every packet to a file; and a small QoS 1 subscriber
 written here (its own code, not myq's) to receive what the broker delivers.
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from _core import wait_for
+from _core import free_port, wait_for
 
 MOSQUITTO = shutil.which("mosquitto") or next(
     (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
@@ -29,14 +29,6 @@ MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd")
 needs_mosquitto = pytest.mark.skipif(
     MOSQUITTO is None, reason="needs the mosquitto MQTT broker "
     "(apt-get install mosquitto mosquitto-clients)")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class Broker(object):

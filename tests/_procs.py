@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 
-from _core import clean_env, kill_quiet, myq_argv, wait_for
+from _core import call_myq, clean_env, enqueue, kill_quiet, myq_argv, state, wait_for
 
 
 def proc_stat(pid):
@@ -184,3 +184,43 @@ def job_file(spool, sub, jid):
 
 def mono():
     return time.monotonic()
+
+
+# A recording handler: each start of its runs written down
+
+def rec_handler(handlers_dir, tmp_path, name, body="exit 0"):
+    """Exec handler `name`: appends `ID ATTEMPT EPOCH` to T/starts when it
+    starts, then runs `body`."""
+    return handlers_dir(name, 'echo "$MYQ_JOB_ID $MYQ_ATTEMPT $(date +%%s.%%N)"'
+                        ' >> "%s/starts"\n%s' % (tmp_path, body))
+
+
+def starts(tmp_path):
+    """[(id, attempt, epoch)] in the order the handler runs started."""
+    out = []
+    for l in lines(tmp_path / "starts"):
+        jid, att, ts = l.split()
+        out.append((jid, int(att), float(ts)))
+    return out
+
+
+def started_ids(tmp_path):
+    return [s[0] for s in starts(tmp_path)]
+
+
+def bg_worker(procs, tmp_path, spool, *opts, name="w"):
+    """A worker in the background logging to T/NAME.log, once it started."""
+    log = tmp_path / (name + ".log")
+    w = procs.worker(spool, *opts, log=log)
+    wait_for(lambda: log.exists() and "event=start worker=" in log.read_text(),
+             what="worker %s to start" % name)
+    return w, log
+
+
+def run_sentinel(spool, tmp_path, timeout=15):
+    """Enqueue a job of type `sentinel` (its handler must exist) and wait
+    until it is done: proof that the worker scanned incoming/ since."""
+    jid = enqueue(call_myq, spool, "sentinel")
+    wait_for(lambda: state(call_myq, spool, jid) == "done", timeout=timeout,
+             what="the sentinel job to run")
+    return jid

@@ -1,4 +1,4 @@
-"""The CPython interpreters to test myq with (SPEC §1: CPython 3.7 - 3.13).
+"""The CPython interpreters to test myq with (CPython 3.7 - 3.13).
 
 Every `$(pyenv root)/versions/*/bin/python3` that is CPython >= 3.7 is used,
 called directly (never through the pyenv shim).  Where pyenv is absent (a CI

@@ -1,4 +1,4 @@
-"""Helpers of the attack tests (issue 11): a throwaway spool owner, a spool
+"""Helpers of the attack tests: a throwaway spool owner, a spool
 that belongs to it, root-only victims beside it, root commands that must
 neither hang nor reach the victims.
 
@@ -12,7 +12,6 @@ import json
 import os
 import pwd
 import shutil
-import signal
 import stat
 import subprocess
 import tempfile
@@ -265,13 +264,6 @@ class Victim(object):
         self.proc.wait(5)
 
 
-
-
-def kill_quiet(pid, sig=signal.SIGKILL):
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass
 
 
 # A handler's daemon: fork, the parent exits, setsid, writes its pid.

@@ -8,39 +8,63 @@ in this process).
 import os
 import sys
 
-import pytest
+# `make test` starts pytest without PYTHONDONTWRITEBYTECODE, so that each
+# of its processes loads the tests' assert-rewritten modules from
+# __pycache__, and passes the caller's value in TESTS_DONTWRITEBYTECODE:
+# the process that runs the tests (an xdist worker, or the only one) puts
+# it back, so that what the tests start sees it as the caller set it, and
+# myq.py's byte code (a script's start from its cache) is as it left it.
+_DONT_WRITE = os.environ.get("TESTS_DONTWRITEBYTECODE")
 
-import _core
-from _core import ROOT
+
+def _caller_dont_write():
+    if _DONT_WRITE:
+        os.environ["PYTHONDONTWRITEBYTECODE"] = _DONT_WRITE
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _caller_dont_write()
+
+import pytest  # noqa: E402
+
+import _core  # noqa: E402
+from _core import ROOT  # noqa: E402
 
 sys.path.insert(0, ROOT)
 
+_writes, sys.dont_write_bytecode = sys.dont_write_bytecode, bool(
+    _DONT_WRITE or os.environ.get("PYTHONDONTWRITEBYTECODE"))
 import myq as _myq  # noqa: E402
+sys.dont_write_bytecode = _writes
 
 
-# The files that take longest, longest first: `make test` (--dist loadfile
-# --no-loadscope-reorder) hands files out in collection order, so these
-# start first, and the short ones fill in around them instead of one long
-# file starting last and running alone.  Serial wall seconds (`-p
-# no:xdist`) and CPU seconds (self + children), measured for issue 24 on a
-# machine that other runs loaded ~10 (an idle one takes about half the
-# wall); a file not listed runs after these, in name order.
+# The files that take longest, longest first (`make test` hands the files
+# out in this order: tests/README.md, "How `make test` is spread"): the
+# seconds of their tests in one `make test` (wall, on 2 cores loaded ~15
+# by other runs; only the order holds), and their CPU seconds (self and
+# children).  A file not listed runs after these, in name order.
 LONG_FIRST = [
-    "test_security.py",         # ~130 s wall, 29 s CPU: root's and the owner's commands
-    "test_security_swaps.py",   # ~130 s, 25 s: its part 1, symlinks and FIFOs
-    "test_policy.py",           # ~100 s, 17 s: a 20,000-job depth, rates, pickups
-    "test_intake.py",           # ~115 s, 14 s: HTTP and MQTT intake, brokers, kills
-    "test_initd.py",            # 50-120 s, 27 s: init script life cycles
-    "test_outage.py",           # ~50 s, 12 s: a 20 s outage, then 20 s at the rate
-    "test_crashpoints.py",      # ~45 s, 11 s: a kill at every step
-    "test_clock.py",            # ~30 s, 5 s: clock jumps, each waits its delays
-    "test_matrix.py",           # ~28 s, 20 s: every interpreter
-    "test_light.py",            # ~25 s, 16 s: every interpreter, python3-light
-    "test_procd.py",            # 24-60 s, 10 s
-    "test_chaos.py",            # ~21 s, 25 s: the chaos soak
-    "test_storage_faults.py",   # 19-45 s, 6 s
-    "test_liveness.py",         # ~14 s, 8 s: leases
-    "test_handlers_exec.py",    # ~11 s, 6 s
+    "test_initd.py",             # 334 s, 25.8 s: init script life cycles
+    "test_security_swaps.py",    # 227 s, 22.9 s: symlinks and FIFOs
+    "test_crashpoints.py",       # 182 s, 11.2 s: a kill at every step
+    "test_security.py",          # 165 s, 22.7 s: root's and the owner's commands
+    "test_intake.py",            # 139 s, 17.8 s: HTTP and MQTT intake
+    "test_fast_cli.py",          # 105 s, 13.2 s: hypothesis, both parsers
+    "test_procd.py",             # 104 s, 10.7 s
+    "test_mqtt.py",              #  99 s, 10.8 s
+    "test_budget.py",            #  97 s,  8.4 s
+    "test_matrix.py",            #  96 s, 15.9 s: every interpreter
+    "test_operator_setup.py",    #  96 s, 14.8 s: installs, a change of owner
+    "test_export.py",            #  96 s, 10.6 s
+    "test_dist.py",              #  91 s, 12.9 s
+    "test_clock.py",             #  80 s,  5.3 s: clock jumps, each waits its delays
+    "test_light.py",             #  80 s, 12.1 s: every interpreter, python3-light
+    "test_hostile.py",           #  73 s,  7.8 s: hypothesis
+    "test_operator.py",          #  71 s,  9.3 s
+    "test_call_myq.py",          #  65 s,  7.2 s
+    "test_sqlite.py",            #  57 s, 13.8 s
+    "test_outage.py",            #  43 s,  4.9 s: a 20 s outage, then 20 s at the rate
+    "test_chaos.py",             #  27 s, 15.0 s: the chaos soak
 ]
 
 
@@ -60,14 +84,21 @@ def _store_follows_env(item):
     callspec = getattr(item, "callspec", None)
     return ("store" in getattr(item, "fixturenames", ())
             and not item.get_closest_marker("files_only")
+            and not item.get_closest_marker("store_free")
             and not (callspec and "store" in callspec.params))
 
 
 def pytest_configure(config):
+    if not getattr(config.option, "numprocesses", None):
+        _caller_dont_write()        # no workers: this process runs the tests
     config.addinivalue_line(
         "markers", "files_only(why): a test of the file store's own files "
         "(its layout, a job file's bytes, a directory's entries): runs on "
         "files alone, in a file of BOTH_STORES and under MYQ_TEST_STORE=sqlite")
+    config.addinivalue_line(
+        "markers", "store_free(why): a test whose spool only gives it jobs "
+        "(the process image, supervise --daemon, what every user can read "
+        "of a command line): `make test-sqlite` leaves it out")
     config.addinivalue_line(
         "markers", "slow: a long test (soak, big scan, every interpreter); "
         "`make test` runs it, `make test-fast` (-m 'not slow') leaves it out")
@@ -79,8 +110,8 @@ def myq():
 
 
 # The stores (myq-spool(5) SQLITE STORE): the test files named here run
-# every test that takes `spool` once per store, the same test against both
-# (issue 26); MYQ_TEST_STORE=sqlite makes the SQLite store every other
+# every test that takes `spool` once per store, the same test against
+# both; MYQ_TEST_STORE=sqlite makes the SQLite store every other
 # file's default too (`make test-sqlite`: what else holds there).
 BOTH_STORES = {
     "test_enqueue", "test_retry_dlq", "test_export", "test_clock",
@@ -109,12 +140,14 @@ BOTH_STORES_TESTS = {
         "test_paused_type_does_not_start_drain_exits_stats_and_check_show_it",
         "test_max_queued_reject_counts_waiting_jobs_only",
         "test_shell_producer_files_past_the_bound_are_rejected_at_scan",
-        "test_drop_oldest_removes_lowest_priority_then_earliest",
+        "test_drop_oldest_removes_lowest_priority_then_earliest"},
+    "test_scheduler": {
         "test_expired_job_is_never_started",
         "test_priority_then_available_at_then_id",
         "test_priority_9_is_next_to_start_at_depth",
         "test_rate_holds_across_two_workers",
-        "test_concurrency_slots_come_back_after_kill_9",
+        "test_concurrency_slots_come_back_after_kill_9"},
+    "test_breaker": {
         "test_destination_failures_of_different_jobs_hold_it",
         "test_missing_handler_holds_at_once_and_releases_when_it_appears",
         "test_http_4xx_never_trips_and_a_4xx_answer_releases"},
@@ -153,22 +186,25 @@ def spool(tmp_path, store):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """small_tmpfs(size) -> the path of a tmpfs of that size (a real full
-    disk, a read-only remount), unmounted at the test's end; root only:
+    """small_tmpfs(size, nr_inodes=None) -> the path of a tmpfs of that
+    size (a real full disk, too few inodes, a read-only remount), unmounted
+    at the test's end; root only:
     the test is skipped, saying why, where it cannot be had."""
     import shutil
     import subprocess
     mounted = []
 
-    def make(size):
+    def make(size, nr_inodes=None):
         if os.geteuid() != 0:
             pytest.skip("mounting a tmpfs needs root")
         if not shutil.which("mount") or not shutil.which("umount"):
             pytest.skip("mount/umount not found")
         mnt = tmp_path / ("mnt%d" % len(mounted))
         mnt.mkdir()
-        cp = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%s,mode=0755"
-                             % size, "myq-test", str(mnt)],
+        opts = "size=%s,mode=0755" % size + (
+            ",nr_inodes=%d" % nr_inodes if nr_inodes else "")
+        cp = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "myq-test",
+                             str(mnt)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             universal_newlines=True)
         if cp.returncode != 0:
@@ -179,6 +215,13 @@ def small_tmpfs(tmp_path):
     for mnt in mounted:
         if subprocess.run(["umount", mnt]).returncode != 0:
             subprocess.run(["umount", "-l", mnt])
+
+
+@pytest.fixture
+def small_fs(request, small_tmpfs):
+    """A small tmpfs to fill: the test module's SMALL_FS bytes ("1m" where it
+    names none)."""
+    return small_tmpfs(getattr(request.module, "SMALL_FS", "1m"))
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""SPEC §2 failed/: whatever lands in incoming/, the worker quarantines it and goes on."""
+"""failed/: whatever lands in incoming/ and is not a job, the worker
+quarantines it (its reason beside it) and goes on."""
 import json
 import os
 import stat

@@ -1,5 +1,4 @@
-"""The spool's budget and its capacity (issue 37, SPEC §9 "The spool's
-budget" and "Capacity"), on both stores: the shed order (done/ first, then
+"""The spool's budget and its capacity, on both stores: the shed order (done/ first, then
 drop-oldest types, lowest priority then earliest made, across types), a
 reject type refused at the budget while drop-oldest types give way, dead
 jobs never shed, never more than one job over, delivery at 100 %,

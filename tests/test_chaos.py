@@ -1,5 +1,5 @@
-"""Chaos soak (SPEC §2 "a crash leaves each job in exactly one place", §5
-at-least-once delivery and liveness): 2 producers, 4 `myq worker` processes
+"""Chaos soak (a crash leaves each job in exactly one place; at-least-once
+delivery; liveness): 2 producers, 4 `myq worker` processes
 on one spool, SIGKILLs of workers and of handlers every 0.2-1 s (a killed
 worker is restarted at once), at least 3000 jobs.
 

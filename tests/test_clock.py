@@ -1,4 +1,4 @@
-"""SPEC §5 "Claims and time": wall-clock jumps of a year each way.
+"""Claims and time: wall-clock jumps of a year each way.
 
 A clock that jumps never makes a job wait longer than the delay it was given
 and never starts a job twice at once.  The jumps are made with libfaketime
@@ -14,69 +14,18 @@ Where libfaketime cannot reproduce the disk state (files written AFTER the
 jump would get real, not faked, ctimes), the state is built by hand, as the
 clock effect would leave it.
 """
-import glob
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
 from _core import FAST, clean_env, enqueue, ls, show, wait_for, write_incoming
-from _core import call_myq
+from _core import call_myq, faketime_missing, ft_env, needs_faketime
 from _procs import holding_handler, lines, read_pid, reap
 
 YEAR = 365 * 86400
-
-
-def _find_lib():
-    for pattern in ("/usr/lib/*/faketime/libfaketime.so.1",
-                    "/usr/lib/faketime/libfaketime.so.1",
-                    "/usr/local/lib/faketime/libfaketime.so.1",
-                    "/usr/lib64/faketime/libfaketime.so.1"):
-        found = glob.glob(pattern)
-        if found:
-            return found[0]
-    return None
-
-
-LIB = _find_lib()
-# A real clock jump: realtime moves, monotonic does not, files keep the
-# times the kernel wrote.
-FT_BASE = {"FAKETIME_DONT_FAKE_MONOTONIC": "1", "NO_FAKE_STAT": "1"}
-
-
-def ft_env(offset=None, rcfile=None):
-    env = dict(FT_BASE, LD_PRELOAD=LIB)
-    if rcfile:
-        env.update(FAKETIME_TIMESTAMP_FILE=str(rcfile), FAKETIME_NO_CACHE="1")
-    else:
-        env["FAKETIME"] = offset
-    return env
-
-
-def _faketime_works():
-    if LIB is None or shutil.which("faketime") is None:
-        return "libfaketime is not installed (apt-get install faketime)"
-    cp = subprocess.run(
-        [sys.executable, "-c", "import time,select; select.select([],[],[],0.01);"
-         "print(time.time(), time.monotonic())"],
-        stdout=subprocess.PIPE, env=clean_env(ft_env("-365d")),
-        universal_newlines=True, timeout=30)
-    try:
-        t, m = map(float, cp.stdout.split())
-    except ValueError:
-        return "libfaketime does not work here: %r" % cp.stdout
-    if abs(time.time() - YEAR - t) > 60 or abs(time.monotonic() - m) > 60:
-        return "libfaketime does not fake the clock as expected here"
-    return None
-
-
-_WHY = _faketime_works()
-needs_faketime = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
-
 
 
 @pytest.fixture
@@ -230,8 +179,8 @@ def test_producer_clock_a_year_ahead_runs_after_its_delay(
     w, log = started_worker(procs, tmp_path, spool, "--handlers", stamp, *FAST)
     t0 = time.time()
     if how == "faketime":
-        if _WHY:
-            pytest.skip(_WHY)
+        if faketime_missing():
+            pytest.skip(faketime_missing())
         cp = subprocess.run(["sh", "-c", SHELL_PRODUCER % delay, "sh", spool,
                              "a1"], env=clean_env(ft_env("+365d")),
                             stdout=subprocess.PIPE, universal_newlines=True,

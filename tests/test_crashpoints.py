@@ -1,4 +1,4 @@
-"""Issue 3: never lose a job, proven by killing real processes.
+"""Never lose a job, proven by killing real processes.
 
 Every mutating filesystem step of myq goes through `myq._hook(op, path,
 when)`.  For each operation below the harness first runs it in a forked child
@@ -31,7 +31,7 @@ import types
 import pytest
 
 import myq
-from _core import myq_argv, under
+from _core import myq_argv, quiet_log, under
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -88,10 +88,6 @@ def in_child(fn, die_at=None):
     _, status = os.waitpid(pid, 0)
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
     return code, json.loads(b"".join(chunks).decode() or "{}")
-
-
-def quiet_log():
-    return myq.Log(stream=open(os.devnull, "w"))
 
 
 # Handlers ##################################################################
@@ -444,7 +440,7 @@ HANDLERS = {"rec": _rec, "flaky": _rec, "bad": _rec}
 
 def recover_cli(path):
     """The same through the command line: `myq worker --drain` alone, which
-    first takes back the claims of dead workers (SPEC 4)."""
+    first takes back the claims of dead workers."""
     mod = path + ".handlers.py"
     with open(mod, "w") as f:
         f.write(MODULE % effects_file(path))

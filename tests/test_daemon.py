@@ -1,4 +1,4 @@
-"""`myq supervise --daemon` (issue 24): the init script's start.
+"""`myq supervise --daemon`: the init script's start.
 
 The command forks; the child leads its own session, writes the pidfile and
 starts its first worker, then says so through a pipe; the command exits 0
@@ -17,6 +17,9 @@ import pytest
 
 from _core import MYQ, ROOT, clean_env, one_line_error, wait_for
 from _procs import alive, children, proc_stat
+
+# The store plays no part in what these prove: `make test-sqlite` leaves them out.
+pytestmark = pytest.mark.store_free("supervise --daemon's fork, session, pidfile and descriptors")
 
 
 def daemon(spool, tmp_path, *extra, **kw):
@@ -106,7 +109,7 @@ def test_shell_substitution_returns_at_once(spool, tmp_path, handlers_dir):
 
 def test_a_second_start_refuses_while_the_first_runs(spool, tmp_path):
     """Two starts at once (two init scripts) ran two supervisors, and stop
-    then left one running (review): the pidfile is held while the
+    then left one running: the pidfile is held while the
     supervisor lives; the second says so (78) and runs nothing."""
     cp = daemon(spool, tmp_path)
     assert cp.returncode == 0, cp
@@ -148,7 +151,7 @@ def test_pidfile_with_another_hard_link_is_the_error(spool, tmp_path):
 def test_stop_on_a_stale_pidfile_leaves_a_group_of_that_number(spool, tmp_path):
     """The supervisor died (the OOM killer); its pid is now the number of
     another program's process group whose leader left (a daemon that
-    forked twice): stop waited for that group and SIGKILLed it (review).
+    forked twice): stop waited for that group and SIGKILLed it.
     Of a dead supervisor, only the workers it started are its own."""
     sh = subprocess.Popen(["sh", "-c", "sleep 60 </dev/null >/dev/null 2>&1 & "
                            "echo $!"], stdout=subprocess.PIPE,

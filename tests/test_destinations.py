@@ -1,5 +1,4 @@
-"""Where a type's jobs go (issue 41, SPEC §10 "Destinations, failover, live
-data first, the uplink's budget"): a type's own destination (policy `url`,
+"""Where a type's jobs go: a type's own destination (policy `url`,
 `topic`), failover between destinations in order, and the Kafka REST body
 (`format=kafka`).
 
@@ -13,32 +12,9 @@ import os
 
 import pytest
 
-from _core import FAST, call_myq, run_myq, wait_for, write_incoming
-from _http import answer, http_servers  # noqa: F401 (a fixture)
-
-
-def policy(spool, *args):
-    cp = call_myq("--spool", spool, "policy", *args)
-    assert cp.returncode == 0, cp.stderr
-    return cp
-
-
-def drain(spool, *opts, timeout=60, log=None):
-    extra = ("--log", str(log)) if log else ()
-    cp = run_myq("--spool", spool, "worker", "--drain", *(FAST + extra + opts),
-                 timeout=timeout)
-    assert cp.returncode == 0, cp.stderr
-    return cp
-
-
-def listed(spool, state):
-    cp = call_myq("--spool", spool, "list", state, "--json")
-    assert cp.returncode == 0, cp.stderr
-    return [json.loads(line) for line in cp.stdout.splitlines()]
-
-
-def down(h):
-    answer(h, 503, b"down")
+from _core import (FAST, call_myq, drain, listed, policy, run_myq, wait_for,
+                   write_incoming)
+from _http import answer, down, http_servers  # noqa: F401 (a fixture)
 
 
 # --------------------------------------------------------------------------
@@ -242,7 +218,8 @@ def test_a_held_first_destination_gets_new_starts_after_its_probe(
 # --------------------------------------------------------------------------
 # MQTT: the type's topic, and a second broker
 
-from _mosquitto import Broker, Subscriber, free_port, needs_mosquitto  # noqa: E402
+from _core import free_port  # noqa: E402
+from _mosquitto import Broker, Subscriber, needs_mosquitto  # noqa: E402
 
 
 @needs_mosquitto

@@ -890,7 +890,7 @@ def test_myq_spool_5_documents_the_layout():
 
 
 # `python3 myq.py install`: the one file lays out the same program files
-# (issue 25), with the init files it carries ###############################
+# with the init files it carries ##########################################
 
 def _dist_module():
     sys.path.insert(0, os.path.join(ROOT, "build"))

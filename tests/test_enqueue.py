@@ -1,4 +1,4 @@
-"""SPEC §3, §4 `enqueue`, §7 `myq.enqueue`: writing jobs and refusing bad ones."""
+"""`myq enqueue` and `myq.enqueue`: writing jobs and refusing bad ones."""
 import json
 import os
 import re
@@ -67,7 +67,7 @@ def test_attempt_counts_a_store_cannot_hold_are_refused(spool, handlers_dir,
                                                        run_myq):
     """max_attempts or attempts of 2**63 or more: the SQLite store cannot
     hold them (its enqueue, and every worker at a producer's file of one,
-    died in a traceback: review).  Refused (65) on both stores, and such a
+    died in a traceback).  Refused (65) on both stores, and such a
     producer's file quarantined while the other jobs run."""
     cp = call_myq("--spool", spool, "enqueue", "t", "--max-attempts", str(2 ** 63))
     assert cp.returncode == 65, cp.stderr
@@ -88,7 +88,7 @@ def test_attempt_counts_a_store_cannot_hold_are_refused(spool, handlers_dir,
 def test_an_id_a_producers_file_has_is_a_duplicate(spool):
     """A shell producer's incoming/ID.json not taken in yet: enqueue --id
     ID is refused (73) as for any id the spool has (the SQLite store took
-    it, and quarantined the producer's file later: review)."""
+    it, and quarantined the producer's file later)."""
     write_incoming(spool, "x1.json", {"type": "t", "payload": 1})
     cp = call_myq("--spool", spool, "enqueue", "t", "2", "--id", "x1")
     assert cp.returncode == 73, (cp.returncode, cp.stderr)
@@ -101,7 +101,7 @@ def test_a_producers_file_of_an_id_the_spool_has_is_quarantined(spool,
     """A shell producer's file of an id that waits in a lane or lies dead:
     a duplicate, quarantined, the job there untouched (files: the lane's
     job was replaced, the dead one ran again, one running ran twice at
-    once: review; SQLite's take-in said so already)."""
+    once; SQLite's take-in said so already)."""
     h = handlers_dir("t", 'case "$(cat)" in *dead*) exit 65;; esac')
     enqueue(call_myq, spool, "t", '"dead"', "--id", "d1")
     assert worker(run_myq, spool, handlers=h).returncode == 0

@@ -1,4 +1,4 @@
-"""myq export and myq import (issue 26 item 3): a backlog as JSON lines.
+"""myq export and myq import: a backlog as JSON lines.
 
 - a spool with jobs in every state, exported, imported into a fresh spool
   and exported again gives the same lines (a claimed job comes back ready,
@@ -20,13 +20,10 @@ import time
 import pytest
 
 import myq
-from _core import ROOT, clean_env, myq_argv, run_myq, sql, write_incoming
+from _core import (ROOT, clean_env, drain_here, myq_argv, run_myq,
+                   sql, write_incoming)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-
-
-def quiet_log():
-    return myq.Log(stream=open(os.devnull, "w"))
 
 
 RAN = []
@@ -47,11 +44,6 @@ def _flaky(job):
 HANDLERS = {"ok": _ok, "bad": _bad, "flaky": _flaky}
 
 
-def drain(path, **kw):
-    myq.Worker(path, handlers=HANDLERS, log=quiet_log(), poll=0.05,
-               jitter=0, **kw).run(drain=True)
-
-
 def every_state(path, store="files"):
     """A spool with jobs in every state: ready (plain, a lane's, a shell
     producer's with an extra field), scheduled (a delay, a retry's
@@ -63,7 +55,7 @@ def every_state(path, store="files"):
     sp.enqueue("bad", {"n": "dead"}, id="x1")
     sp.enqueue("flaky", {"n": "retried"}, id="r1", max_attempts=3)
     write_incoming(path, "junk.json", None, raw=b"{not json")
-    drain(path, backoff_base=7200.0, backoff_max=7200.0)
+    drain_here(path, HANDLERS, backoff_base=7200.0, backoff_max=7200.0)
     assert sp.show("d1")["state"] == "done" and sp.show("x1")["state"] == "dead"
     if store == "files":
         assert os.path.exists(os.path.join(path, "done", "d1.json"))
@@ -131,7 +123,7 @@ def test_round_trip_keeps_every_state_and_a_worker_runs_the_ready_ones(
         cp.stdout.replace('"state":"processing"', '"state":"ready"').splitlines())
 
     del RAN[:]
-    drain(b)
+    drain_here(b, HANDLERS)
     assert sorted(RAN) == ["a1", "c1", "p1", "sh1"]
     _, after = export(b)
     state = dict((r["id"], r["state"]) for r in after)
@@ -153,7 +145,7 @@ def test_export_filters_and_failed_on_request(tmp_path, store):
     cp = run_myq("--spool", a, "export", "nosuch")
     assert cp.returncode == 64
     # a type no job can have, not UTF-8 at all (byte 0xff): no rows, as
-    # files say (the SQLite store died encoding it: review)
+    # files say (the SQLite store died encoding it)
     for args in (("export", "--type", "\udcff"),
                  ("delete", "--state", "done", "--type", "\udcff")):
         cp = run_myq("--spool", a, *args)
@@ -214,7 +206,7 @@ def test_ids_the_spool_has_are_refused_as_enqueue_refuses_them(tmp_path, store):
     myq.open_store(c).init(store=store)
     one = '{"id": "once", "type": "ok"}\n'
     assert import_(c, one).returncode == 0
-    drain(c)
+    drain_here(c, HANDLERS)
     cp = import_(c, one)
     assert cp.returncode == 73 and "duplicate 1" in cp.stderr
 

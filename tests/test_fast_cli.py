@@ -1,4 +1,4 @@
-"""Producers that start fast (issue 25): `myq enqueue` parses its usual
+"""Producers that start fast: `myq enqueue` parses its usual
 forms without argparse (myq._fast_args), decodes its payload with _json's C
 scanner alone (myq._decode) and checks names without re (myq._is_name);
 json and re are imported at their first use, regular expressions compiled

@@ -1,5 +1,5 @@
-"""A week in the field (issue 23): what a soak at sensor rates found, each
-finding made for real and fixed.
+"""A week in the field: what a soak at sensor rates meets, each case made
+for real.
 
 1. idempotency records bounded in count, and never what keeps a backlog
    from draining when inodes run short;
@@ -31,38 +31,9 @@ from _core import (FAST, MYQ, call_myq, clean_env, fill_disk, ls, run_myq,
 from _procs import wait_gone
 
 
-def _tmpfs(tmp_path, opts):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if not shutil.which("mount"):
-        pytest.skip("mount not found")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    cp = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "myq-field",
-                         str(mnt)], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, universal_newlines=True)
-    if cp.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here: %s" % cp.stdout.strip())
-    return str(mnt)
-
-
-def _umount(mnt):
-    if subprocess.run(["umount", mnt]).returncode != 0:
-        subprocess.run(["umount", "-l", mnt])
-
-
 @pytest.fixture
-def few_inodes(tmp_path):
-    mnt = _tmpfs(tmp_path, "size=8m,nr_inodes=160,mode=0755")
-    yield mnt
-    _umount(mnt)
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    mnt = _tmpfs(tmp_path, "size=1m,mode=0755")
-    yield mnt
-    _umount(mnt)
+def few_inodes(small_tmpfs):
+    return small_tmpfs("8m", nr_inodes=160)
 
 
 def _handler(tmp_path, name, body, batch_log=None):
@@ -199,7 +170,7 @@ def test_a_worker_starts_and_drains_on_a_full_disk(small_fs, tmp_path, store):
     restart loop under supervise) and delivers what waits, in the room of
     the reserve (locks/room) that the first worker set aside.  (SQLite:
     the log index is made again at the first open after the last close,
-    and the log must wrap within what it has: review.)"""
+    and the log must wrap within what it has.)"""
     spool = os.path.join(small_fs, "spool")
     assert call_myq("--spool", spool, "init", "--store", store).returncode == 0
     h = _handler(tmp_path, "t", "")
@@ -231,7 +202,7 @@ def test_a_split_half_that_meets_a_destination_failure_waits(spool, tmp_path):
     """A batch fails for good and is split; a half then meets a failure
     of the destination (exit 75): its jobs wait without an attempt spent,
     as any job's (the worker died of it in a traceback, the halves left
-    in processing/: review)."""
+    in processing/)."""
     assert call_myq("--spool", spool, "policy", "t", "batch=4").returncode == 0
     h = _handler(tmp_path, "t", "sys.exit(65 if len(ids) == 4 else 75)")
     for i in ("j1", "j2", "j3", "j4"):
@@ -249,7 +220,7 @@ def test_a_retried_batch_waits_one_wait_and_comes_due_as_one(spool, tmp_path):
     """A batch that failed goes again as that batch (the same ids, the same
     Idempotency-Key): its jobs wait one wait, not a jittered one each, or
     the first due went alone and the rest were put back, deferred, and
-    sent later in other requests under other keys (review)."""
+    sent later in other requests under other keys."""
     assert call_myq("--spool", spool, "policy", "t", "batch=4").returncode == 0
     h = _handler(tmp_path, "t", "sys.exit(1)")
     ids = ["j1", "j2", "j3", "j4"]

@@ -1,4 +1,4 @@
-"""The capacity forecast after an outage (issue 37 item 4, myq-spool(5)
+"""The capacity forecast after an outage (myq-spool(5)
 CAPACITY): est_drain_s counts the deliveries since they restarted after a
 job waited DRAIN_GAP seconds with nothing delivered, not the window's
 average with the outage's silence in it; a type delivered now and then

@@ -1,4 +1,4 @@
-"""SPEC §5.1: executable handlers under --handlers DIR."""
+"""Executable handlers under --handlers DIR."""
 import gc
 import json
 import os
@@ -164,8 +164,8 @@ def test_timeout_kills_the_process_group(run_myq, spool, handlers_dir, tmp_path,
 
 def test_type_without_handler_is_held_until_the_handler_is_there(
         run_myq, spool, handlers_dir, tmp_path):
-    """A missing handler is a deployment not finished, not a bad job (SPEC
-    5): the type is held, its jobs wait without spending an attempt, check
+    """A missing handler is a deployment not finished, not a bad job:
+    the type is held, its jobs wait without spending an attempt, check
     says so; once the handler is there, a worker runs them at once."""
     handlers_dir("other", "exit 0")
     job_id = enqueue(call_myq, spool, "nohandler")
@@ -209,7 +209,7 @@ def test_non_executable_file_or_directory_is_not_a_handler(run_myq, spool, handl
     b = enqueue(call_myq, spool, "adir")
     cp = worker(run_myq, spool, handlers=d)
     assert cp.returncode == 0, cp.stderr
-    for jid in (a, b):      # held (SPEC 5): waiting, no attempt spent
+    for jid in (a, b):      # held: waiting, no attempt spent
         job = show(call_myq, spool, jid)
         assert job["state"] == "held" and job["attempts"] == 0, job
     assert "not executable" in show(call_myq, spool, a)["last_error"]

@@ -1,12 +1,12 @@
-"""SPEC §5.2: Python handlers from --module FILE.py (and the Worker API)."""
+"""Python handlers from --module FILE.py (and the Worker API)."""
 import json
 import shutil
 import subprocess
 import sys
 import time
 
-from _core import MYQ, clean_env, enqueue, show, wait_for, worker
-from _core import call_myq
+from _core import MYQ, clean_env, enqueue, show, wait_for
+from _core import call_myq, drain
 
 PRELUDE = "import json\nimport myq\nOUT = %r\n"
 
@@ -18,19 +18,13 @@ def module(tmp_path, body):
     return str(p), out
 
 
-def drain(run_myq, spool, mod, *opts, handlers=None):
-    cp = worker(run_myq, spool, "--module", mod, *opts, handlers=handlers)
-    assert cp.returncode == 0, cp.stderr
-    return cp
-
-
 def test_function_named_like_the_type(run_myq, spool, tmp_path):
     mod, out = module(tmp_path, (
         "def greet(job):\n"
         "    with open(OUT, 'w') as f:\n"
         "        json.dump(job, f)\n"))
     job_id = enqueue(call_myq, spool, "greet", '{"who": "py"}', "--id", "g1")
-    drain(run_myq, spool, mod)
+    drain(spool, "--module", mod)
     with open(out) as f:
         seen = json.load(f)
     assert seen["id"] == "g1"
@@ -48,7 +42,7 @@ def test_handlers_dict(run_myq, spool, tmp_path):
         "HANDLERS = {'send-x': _impl, 'other.type': _impl}\n"))
     a = enqueue(call_myq, spool, "send-x")
     b = enqueue(call_myq, spool, "other.type")
-    drain(run_myq, spool, mod)
+    drain(spool, "--module", mod)
     with open(out) as f:
         assert sorted(f.read().split()) == ["other.type", "send-x"]
     assert show(call_myq, spool, a)["state"] == "done"
@@ -60,7 +54,7 @@ def test_permanent_error_is_dead(run_myq, spool, tmp_path):
         "def t(job):\n"
         "    raise myq.PermanentError('nope-77')\n"))
     job_id = enqueue(call_myq, spool, "t")
-    drain(run_myq, spool, mod)
+    drain(spool, "--module", mod)
     job = show(call_myq, spool, job_id)
     assert job["state"] == "dead", job
     assert job["attempts"] == 1
@@ -73,7 +67,7 @@ def test_retry_later_uses_its_delay(run_myq, spool, tmp_path):
         "    raise myq.RetryLater(30)\n"))
     job_id = enqueue(call_myq, spool, "t")
     t0 = time.time()
-    drain(run_myq, spool, mod, "--jitter", "0", "--backoff-base", "1000")
+    drain(spool, "--module", mod, "--jitter", "0", "--backoff-base", "1000")
     t1 = time.time()
     job = show(call_myq, spool, job_id)
     assert job["state"] == "scheduled", job
@@ -88,7 +82,7 @@ def test_other_exception_retries_with_backoff(run_myq, spool, tmp_path):
         "    raise ValueError('bad thing 42')\n"))
     job_id = enqueue(call_myq, spool, "t")
     t0 = time.time()
-    drain(run_myq, spool, mod, "--jitter", "0", "--backoff-base", "20")
+    drain(spool, "--module", mod, "--jitter", "0", "--backoff-base", "20")
     t1 = time.time()
     job = show(call_myq, spool, job_id)
     assert job["state"] == "scheduled", job
@@ -101,7 +95,7 @@ def test_other_exception_retries_with_backoff(run_myq, spool, tmp_path):
 def test_other_exception_on_last_attempt_is_dead(run_myq, spool, tmp_path):
     mod, _ = module(tmp_path, "def t(job):\n    raise KeyError('k9')\n")
     job_id = enqueue(call_myq, spool, "t", "null", "--max-attempts", "1")
-    drain(run_myq, spool, mod)
+    drain(spool, "--module", mod)
     job = show(call_myq, spool, job_id)
     assert job["state"] == "dead"
     assert "KeyError" in job["last_error"] and "k9" in job["last_error"]
@@ -117,7 +111,7 @@ def test_attempts_is_the_current_run(run_myq, spool, tmp_path):
     job_id = enqueue(call_myq, spool, "t")
 
     def done():
-        drain(run_myq, spool, mod)
+        drain(spool, "--module", mod)
         return show(call_myq, spool, job_id)["state"] == "done"
 
     wait_for(done, timeout=30, what="job done")
@@ -126,10 +120,10 @@ def test_attempts_is_the_current_run(run_myq, spool, tmp_path):
 
 
 def test_type_missing_from_module_is_held(run_myq, spool, tmp_path):
-    """No function for the type: held (SPEC 5), not dead; no attempt spent."""
+    """No function for the type: held, not dead; no attempt spent."""
     mod, _ = module(tmp_path, "def known(job):\n    pass\n")
     job_id = enqueue(call_myq, spool, "unknown_type")
-    drain(run_myq, spool, mod)
+    drain(spool, "--module", mod)
     job = show(call_myq, spool, job_id)
     assert job["state"] == "held" and job["attempts"] == 0, job
     assert "no handler" in job["last_error"].lower()
@@ -141,7 +135,7 @@ def test_handlers_dir_wins_over_module(run_myq, spool, tmp_path, handlers_dir):
         "    open(OUT, 'w').write('module')\n"))
     handlers_dir("t", 'echo dir > "%s"' % out)
     job_id = enqueue(call_myq, spool, "t")
-    drain(run_myq, spool, mod, handlers=handlers_dir.path)
+    drain(spool, "--module", mod, handlers=handlers_dir.path)
     with open(out) as f:
         assert f.read().strip() == "dir"
     assert show(call_myq, spool, job_id)["state"] == "done"
@@ -158,7 +152,7 @@ def test_same_exception_classes_when_run_as_script(run_myq, spool, tmp_path):
     p = enqueue(call_myq, spool, "perm")
     l = enqueue(call_myq, spool, "later")
     t0 = time.time()
-    drain(run_myq, spool, mod, "--jitter", "0", "--backoff-base", "5")
+    drain(spool, "--module", mod, "--jitter", "0", "--backoff-base", "5")
     assert show(call_myq, spool, p)["state"] == "dead"
     job = show(call_myq, spool, l)
     assert job["state"] == "scheduled"
@@ -166,7 +160,7 @@ def test_same_exception_classes_when_run_as_script(run_myq, spool, tmp_path):
 
 
 def test_import_myq_works_when_installed_without_py_suffix(spool, tmp_path):
-    # SPEC §1: copied to /usr/bin/myq; a --module file still does `import myq`.
+    # copied to /usr/bin/myq; a --module file still does `import myq`.
     bindir = tmp_path / "bin"
     bindir.mkdir()
     exe = bindir / "myq"
@@ -224,7 +218,7 @@ def test_handlers_that_enqueue_while_the_worker_polls(run_myq, spool, tmp_path):
     fans = ["f%d" % i for i in range(6)]
     for f in fans:
         enqueue(call_myq, spool, "fan", "{}", "--id", f)
-    drain(run_myq, spool, mod, "--concurrency", "6", "--poll", "0.001")
+    drain(spool, "--module", mod, "--concurrency", "6", "--poll", "0.001")
     for f in fans:
         job = show(call_myq, spool, f)
         assert job["state"] == "done", job

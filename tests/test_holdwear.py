@@ -1,6 +1,5 @@
-"""Issue 37: a hold writes nothing per waiting job, and a claim's lease
-costs no data block (SPEC 9, "A hold writes nothing per waiting job";
-myq-spool(5) CLAIMS and HOLDS).
+"""A hold writes nothing per waiting job, and a claim's lease costs no
+data block (myq-spool(5) CLAIMS and HOLDS).
 
 The field trial's type (`handler=http batch=100`) against a server that
 answers 503 to everything: three failed batches hold the destination, and

@@ -8,7 +8,7 @@ valid job file, a directory, a FIFO) that is snapshotted before and compared
 after.  Workers run in-process (`Worker(..., poll=0.01).run(drain=True)`)
 under a watchdog that unblocks any FIFO a worker might be stuck on (and then
 fails the test).  The verdict on each file comes from `spec_verdict`, an
-independent reading of SPEC §3.  Nothing here is timed.
+independent reading of what a job file is (myq-spool(5)).  Nothing here is timed.
 
 Inputs that hit known myq.py bugs are kept out of the generators (numbers are
 bounded, floats finite, nesting either shallow or 100000 deep) and are pinned
@@ -41,7 +41,7 @@ SETTINGS = dict(deadline=None, database=None,
                                        HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
 
-# SPEC §3, read independently of myq.NAME_RE.
+# A name, read independently of myq.NAME_RE.
 SPEC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 TIME_KEYS = ("created_at", "available_at", "updated_at")
 KNOWN = ("id", "type", "payload", "attempts", "max_attempts", "timeout",
@@ -67,7 +67,7 @@ BAD = "bad"
 
 
 def spec_verdict(data, stem, limit=DEFAULT_LIMIT):
-    """BAD, or the job object, for a file incoming/STEM.json (SPEC §3).
+    """BAD, or the job object, for a file incoming/STEM.json (myq-spool(5)).
     A producer's file holds the job object alone: worker records after it
     (`{"lease": …}` lines) are a forgery and quarantined."""
     if not spec_name(stem) or len(data) > limit:
@@ -420,7 +420,7 @@ SPECIALS = [
     b'{"type": "t", "payload": ' + b'{"a":' * 40000 + b"1" + b"}" * 40000 + b"}",
     b'{"type": "t", "x": ' + b"[{" * 30000,
 ]
-# A producer's forged worker records: quarantined (issue 11).
+# A producer's forged worker records: quarantined.
 SPECIALS += [
     b'{"type": "t"}\n{"lease": {"worker": "w-1"}}\n{"handler": {"pid": 1}}\n',
 ]
@@ -797,7 +797,7 @@ ENQ_NAMES = st.one_of(VALID_NAMES, HOSTILE_NAMES, st.text(max_size=20),
 
 
 def payload_verdict(text, limit=DEFAULT_LIMIT):
-    """The payload value, or BAD (SPEC §4: JSON text; §3: UTF-8, size)."""
+    """The payload value, or BAD (JSON text; UTF-8, within the size)."""
     try:
         v = json.JSONDecoder(parse_constant=_no_constants).decode(text.strip())
         json.dumps(v, allow_nan=False, ensure_ascii=False).encode("utf-8")

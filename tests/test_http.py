@@ -1,4 +1,4 @@
-"""The built-in `http` handler (SPEC §5.3, §1), against a real HTTP server.
+"""The built-in `http` handler, against a real HTTP server.
 
 Each test starts the suite's test server (_http.Server, 127.0.0.1, port 0)
 in a thread; its routes decide the behaviour (status, Retry-After, slow,
@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from _core import ROOT, call_myq, has
+from _core import ROOT, call_myq, free_port, has
 from _http import answer, http_server, http_servers  # noqa: F401 (fixtures)
 
 SECRET = "s3cret-TOKEN-7f3a"
@@ -85,14 +85,6 @@ def enqueue_run(myq, spool, payload, max_attempts=5, **kw):
     jid = myq.enqueue(spool, "http", payload, max_attempts=max_attempts)
     run_once(myq, spool, **kw)
     return jid, myq.open_store(spool).show(jid)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def spool_files_containing(spool, needle):
@@ -268,7 +260,7 @@ def test_server_slower_than_payload_timeout_is_retried(myq, spool, server):
 
 
 def test_server_slower_than_job_timeout_is_retried(myq, spool, server):
-    """The job's own `timeout` field (SPEC §3) bounds the request too."""
+    """The job's own `timeout` field bounds the request too."""
     server.routes["/slow"] = slow
     jid = myq.enqueue(spool, "http", {"url": server.url("/slow")}, timeout=0.5)
     run_once(myq, spool, backoff_base=30)
@@ -463,7 +455,7 @@ def run_light(block, *args):
 
 @pytest.mark.files_only("python3-light has no sqlite3: SQLite is refused")
 def test_python3_light_http_job_is_held_naming_python3_urllib(spool, server):
-    """SPEC 10: without Python's http modules the http type is held (its
+    """Without Python's http modules the http type is held (its
     jobs wait, no attempt spent), not dead."""
     p = run_light(NOT_IN_LIGHT, "--spool", spool, "enqueue", "http",
                   json.dumps({"url": server.url("/x")}), "--max-attempts", "5")

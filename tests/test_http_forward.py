@@ -1,4 +1,4 @@
-"""Forwarding over slow and metered links, the `http` side (SPEC §10):
+"""Forwarding over slow and metered links, the `http` side:
 kept connections, TLS with --http-ca and session reuse, gzip bodies, the
 batch request, User-Agent.
 
@@ -284,7 +284,7 @@ def test_a_time_out_is_the_destinations_failure_inline_too(myq, spool, server,
     spent past the first), inline as in a thread.  Inline, the worker's
     own timer (armed at the run's start: it ends the run right at its
     limit, before the socket's) made it the job's: an outage spent all
-    its attempts and put it in dlq/ (review)."""
+    its attempts and put it in dlq/."""
     server.routes["/s"] = slow_for_b
     b = myq.enqueue(spool, "http", {"url": server.url("/s")}, id="b",
                     timeout=0.5)
@@ -475,7 +475,7 @@ def test_http_batch_one_outcome(myq, server, code, exc):
 def test_a_malformed_retry_after_is_no_delay_not_the_jobs_failure(myq, server):
     """'\u00b2' is a digit to str.isdigit, not to float(): a 503 carrying it
     in Retry-After raised ValueError, the job's own failure, which spent
-    its attempts in an outage (review)."""
+    its attempts in an outage."""
     server.routes["/batch"] = lambda h: answer(h, 503, b"busy",
                                                [("Retry-After", "\u00b2")])
     with pytest.raises(myq.DestinationDown) as e:

@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from _core import MYQ, ROOT, clean_env, wait_for
+from _core import MYQ, ROOT, clean_env, cmdline, environ, wait_for
+from _procs import alive
 
 SCRIPT = os.path.join(ROOT, "init.d", "myq")
 BUSYBOX = shutil.which("busybox")
@@ -52,30 +53,12 @@ def proc_stat(pid):
     return f[0], int(f[1]), int(f[3]), uid
 
 
-def alive(pid):
-    return proc_stat(pid) is not None
-
-
 def all_pids():
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
 
 def children(pid):
     return [p for p in all_pids() if (proc_stat(p) or (0, 0))[1] == pid]
-
-
-def environ(pid):
-    env = {}
-    for item in read("/proc/%d/environ" % pid, True).split(b"\0"):
-        k, sep, v = item.partition(b"=")
-        if sep:
-            env[k.decode()] = v.decode("utf-8", "replace")
-    return env
-
-
-def cmdline(pid):
-    return read("/proc/%d/cmdline" % pid, True).replace(b"\0", b" ").decode(
-        "utf-8", "replace")
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +152,7 @@ class Service(object):
 
     def workers(self):
         return sorted(p for p in children(self.pid())
-                      if " worker " in cmdline(p))
+                      if " worker " in cmdline(p, text=True))
 
     def wait_workers(self, n, exclude=()):
         return wait_for(lambda: (lambda w: len(w) == n and not set(w) & set(exclude)
@@ -189,7 +172,7 @@ class Service(object):
         for p in all_pids():
             if p == os.getpid() or not alive(p):
                 continue
-            if (self.spool in cmdline(p)
+            if (self.spool in cmdline(p, text=True)
                     or environ(p).get("MYQ_SPOOL") == self.spool):
                 if alive(p):
                     found.append(p)
@@ -238,8 +221,8 @@ def test_life_cycle(service, kind):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout
     pid = s.pid()
-    assert " supervise --workers 2 " in cmdline(pid)
-    assert "--log %s" % s.logfile in cmdline(pid)
+    assert " supervise --workers 2 " in cmdline(pid, text=True)
+    assert "--log %s" % s.logfile in cmdline(pid, text=True)
     assert proc_stat(pid)[2] == pid, "the supervisor leads its own session"
     r = s.run("status")
     assert r.returncode == 0 and str(pid) in r.stdout, r.stdout + r.stderr
@@ -409,7 +392,7 @@ def test_restart_after_the_settings_changed(service):
     r = s.run("restart")
     assert r.returncode == 0, r.stdout + r.stderr
     assert not alive(old_pid) and not alive(w)
-    assert s.pid() != old_pid and " --spool %s " % s.spool in cmdline(s.pid())
+    assert s.pid() != old_pid and " --spool %s " % s.spool in cmdline(s.pid(), text=True)
     assert s.run("stop").returncode == 0
     assert s.leftovers() == []
     s.spool = old_spool
@@ -553,7 +536,7 @@ def test_syslog_is_the_default_log(service):
     s.write_defaults()
     r = s.run("start")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert cmdline(s.pid()).rstrip().endswith(
+    assert cmdline(s.pid(), text=True).rstrip().endswith(
         " --syslog-facility local0 --syslog-tag myq-test --syslog")
     s.wait_workers(1)
     assert s.run("stop").returncode == 0

@@ -1,4 +1,4 @@
-"""init.d/myq's start through `myq supervise --daemon` (issue 24), under
+"""init.d/myq's start through `myq supervise --daemon`, under
 `busybox sh` with the helpers of test_initd.py: start returns once the
 supervisor runs its first worker, or with the child's own error line.
 """

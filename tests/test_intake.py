@@ -1,4 +1,4 @@
-"""Intake (SPEC §12): jobs taken in over a local HTTP endpoint and MQTT
+"""Intake: jobs taken in over a local HTTP endpoint and MQTT
 subscriptions, each acknowledged only once its job is durable.
 
 `myq intake` runs as a real process (its log read for the port it got:
@@ -25,7 +25,7 @@ import time
 import pytest
 
 from _core import MYQ, ROOT, call_myq, clean_env, ls, one_line_error, run_myq, \
-    stop, wait_for
+    cmdline, free_port, stop, wait_for
 from _mosquitto import MOSQUITTO, Broker, _enc_len, _s
 
 # The enqueue's durable step: incoming/'s fsync (files), or the commit of
@@ -51,7 +51,7 @@ class Intake(object):
         if "--listen" in args and not args[args.index("--listen") + 1].startswith(
                 "unix:") and not {"--listen-token-file", "--listen-open"} & set(args):
             # (these tests post without a token: a port needs one by default,
-            # test_intake4.py tests that)
+            # test_intake_access.py tests that)
             args.append("--listen-open")
         argv = ["--spool", spool, "intake", "--log", self.log] + args
         head = [sys.executable, "-c", CRASH_AFTER_COMMIT] if crash \
@@ -372,7 +372,7 @@ def test_garbage_is_answered_400_and_the_endpoint_goes_on(spool, intake):
                  b"POST /jobs/t HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
                  b"POST /jobs/t HTTP/1.1\r\nbad header\r\n\r\n",
                  # ('\xb2' is '²', a digit to str.isdigit, not to int():
-                 # the whole intake died of it, review)
+                 # the whole intake died of it)
                  b"POST /jobs/t HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n"):
         s = socket.create_connection(("127.0.0.1", i.port), 10)
         s.sendall(junk)
@@ -477,7 +477,7 @@ def test_messages_become_jobs_of_their_type_with_their_own_ids(spool, intake, pb
              what="4 PUBACKs")
     got = [j for j in got if j["state"] != "failed"]
     by_id = dict((j["id"], j) for j in got)
-    assert len(got) == 3, got       # the other m-1 kept in failed/ (test_intake4)
+    assert len(got) == 3, got       # the other m-1 kept in failed/ (test_intake_access)
     m1 = payload_of(spool, "m-1")
     assert (m1["type"], m1["payload"]) == (
         "temp", {"topic": "sensors/k1/temp", "message": {"id": "m-1", "c": 4}})
@@ -512,7 +512,7 @@ def test_killed_before_the_puback_the_message_comes_again_as_the_same_job(
 def test_a_bad_message_behind_good_ones_drops_itself_alone(spool, intake, pbroker):
     """Messages that come together are taken in as one batch; one too
     large refused the batch, and the batch's first -- a good one -- was
-    dropped and acknowledged in its place: its job lost (review)."""
+    dropped and acknowledged in its place: its job lost."""
     args = subscribe_args(pbroker, "in/#=t") + ["--max-job-bytes", "2K"]
     i = intake(*args)
     i.started(listen=False)
@@ -667,14 +667,6 @@ def test_a_hostile_broker_is_an_error_and_a_reconnect_never_a_crash(
 
 # 5. Running it: supervise and the init scripts ################################
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def intake_pids(log_text):
     return [int(p) for p in re.findall(r"event=worker_start slot=intake pid=(\d+)",
                                        log_text)]
@@ -771,7 +763,7 @@ def test_initd_passes_the_intake_settings(tmp_path):
     try:
         r = svc.run("start")
         assert r.returncode == 0, r.stdout + r.stderr
-        cmd = test_initd.cmdline(svc.pid())
+        cmd = cmdline(svc.pid(), text=True)
         assert "--listen 127.0.0.1:%d --subscribe a/+/b=t1 --subscribe c/#=t2" \
             % port in cmd, cmd
         assert wait_for(lambda: post(port, "t", "1", auth(svc.spool))[0] == 202

@@ -1,4 +1,4 @@
-"""SPEC §1: OpenWrt's python3-light.
+"""OpenWrt's python3-light.
 
 myq must load, and run every core command, with only the modules that
 python3-light ships.  The interpreter is started with -S (no site, so no
@@ -17,7 +17,7 @@ import pytest
 from _core import CODE, CODE_DIR, MYQ, ROOT, STATUS_RE, clean_env
 from _pythons import IDS, PYTHONS, result_of, start_parallel
 
-# SPEC §1's list, with the C extension modules that ship with each package.
+# python3-light's modules, with the C extension modules that ship with each package.
 BLOCKED = sorted({
     "logging", "uuid", "_uuid", "urllib", "http", "email", "ssl", "_ssl",
     "_hashlib", "sqlite3", "_sqlite3", "ctypes", "_ctypes", "multiprocessing",
@@ -254,7 +254,7 @@ def test_http_job_without_urllib_is_held_naming_the_package(tmp_path, py):
     w = light_(*S, "worker", "--drain", "--poll", "0.05", timeout=60)
     assert w.returncode == 0, w.stderr
     job = json.loads(ok(light_(*S, "show", "h1")))
-    assert job["state"] == "held", job     # held (SPEC 10), not dead
+    assert job["state"] == "held", job     # held, not dead
     assert job["attempts"] == 0, job
     assert "python3-urllib" in job["last_error"], job["last_error"]
     assert {"http", "urllib", "urllib.request"} & attempts(light_.log)

@@ -1,4 +1,4 @@
-"""SPEC §5 "Claims and time": liveness of claims, with real processes killed.
+"""Claims and time: liveness of claims, with real processes killed.
 
 A claim whose worker is gone (SIGKILL, pid reused, other boot) is taken back
 at once - by `myq reap` or by another worker - without waiting for its lease
@@ -322,7 +322,7 @@ def test_hung_worker_is_robbed_after_its_lease(
     wait_gone(gpid)
     # The hung worker itself is killed first, as a watchdog would: a
     # handler in its process (--module, http) would go on beside the
-    # job's next run once it woke (review); its supervisor starts another.
+    # job's next run once it woke; its supervisor starts another.
     assert a.wait(10) == -signal.SIGKILL and "killed" in job["last_error"]
     (tmp_path / "release").touch()
     b = procs.worker(spool, "--handlers", hold, *FAST)

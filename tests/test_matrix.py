@@ -1,4 +1,4 @@
-"""SPEC §1: myq runs on CPython 3.7 through 3.13.
+"""myq runs on CPython 3.7 through 3.13.
 
 The core flow (init, enqueue through the CLI and the API, a draining worker
 with an exec handler and a --module handler, a retry into dlq/, the status
@@ -68,7 +68,7 @@ def _fail(job):
     raise ValueError("bad thing %%d" %% job["attempts"])
 
 
-# With a HANDLERS dict, exactly its entries are the types (SPEC 5).
+# With a HANDLERS dict, exactly its entries are the types.
 HANDLERS = {"mod-ok": mod_ok, "mod_ok": mod_ok, "mod_perm": mod_perm,
             "mod-fail": _fail}
 '''

@@ -1,5 +1,4 @@
-"""The built-in `mqtt` type (SPEC §10 "MQTT", §9 for what a destination
-failure is), against a real broker: Debian's mosquitto (tests/_mosquitto.py
+"""The built-in `mqtt` type (and what a destination failure is), against a real broker: Debian's mosquitto (tests/_mosquitto.py
 starts one per test on a free loopback port; the tests skip, naming the
 package, without it).  What the broker delivers is read by a subscriber of
 the tests' own (QoS 1), what it received from its log.

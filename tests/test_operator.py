@@ -1,4 +1,4 @@
-"""SPEC §4 operator commands and §6 the status line."""
+"""The operator's commands and the status line."""
 import calendar
 import json
 import os
@@ -195,8 +195,8 @@ def test_delete_processing_needs_force(spool, handlers_dir, tmp_path):
 def test_a_delete_leaves_a_job_a_worker_took_meanwhile(spool, monkeypatch):
     """A worker claims a job between a delete's look and its removal: a
     bulk delete leaves it and deletes the rest (SQLite: exit 75 part-way,
-    review); `delete ID` says it runs now (75), not deleted=1 (files,
-    review).  Neither touches the claim."""
+    once); `delete ID` says it runs now (75), not deleted=1 (files,
+    once).  Neither touches the claim."""
     import myq
     sp = myq.open_store(spool)
     ids = [sp.enqueue("t", {"n": i}) for i in range(3)]

@@ -1,4 +1,4 @@
-"""What an operator meets on the command line (issue 16, SPEC §4, §6):
+"""What an operator meets on the command line:
 durations with units, --help that says defaults and variables, list
 filters, retry --now, bulk delete, failed files by either name, stats
 --prometheus and the worker's --textfile, errors that say what is wrong
@@ -710,7 +710,7 @@ def test_syslog_without_dev_log_warns_once(myq, monkeypatch, tmp_path):
         "is dropped; start syslogd (BusyBox: syslogd; OpenWrt: logd), or log "
         "to a file (MYQ_LOG=/var/log/myq/myq.log, or --log FILE) and restart\n"
         % (tmp_path / "no-dev-log"))
-    import socket       # a syslogd's socket: nothing to say (issue 38)
+    import socket       # a syslogd's socket: nothing to say
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(str(tmp_path / "dev-log"))
     try:
@@ -773,7 +773,7 @@ HUGE = "100000G"        # more than any test machine has free
 
 
 def test_drain_below_min_free_delivers_the_backlog(spool, handlers_dir):
-    """Below a guard the worker keeps delivering (SPEC 4: the backlog that
+    """Below a guard the worker keeps delivering (the backlog that
     filled the flash is how it gets its room back): --drain runs the ready
     jobs and exits 0, with one disk_low line; enqueue is refused."""
     handlers_dir("t", "exit 0")

@@ -1,4 +1,4 @@
-"""The outage of issue 12 (SPEC §9, circuit breaker and rate), end to end.
+"""An outage of a destination (the circuit breaker and the rate), end to end.
 
 1,000 `http` jobs (shell producer files) against a local HTTP server that
 answers 503 for OUTAGE seconds from its first request, then 200; two
@@ -34,7 +34,7 @@ from _http import answer, http_servers  # noqa: F401 (a fixture)
 N = 1000
 OUTAGE = 20.0
 BASE, MAX, JITTER = 0.5, 2.0, 0.1
-BREAKER = 3                     # SPEC 9: the default
+BREAKER = 3                     # the default
 RATE = 50                       # per second; ~8x below what 2 workers reach idle
 WORKERS, CONC = 2, 2
 

@@ -1,4 +1,4 @@
-"""The worker runs as MYQ_USER; producers may be root (SPEC §1: root or not).
+"""The worker runs as MYQ_USER; producers may be root (root or not).
 
 `myq enqueue` as root hands each file to the spool's owner; a file the
 worker cannot open is quarantined with a reason, never left in processing/.

@@ -36,6 +36,7 @@ import sys
 import pytest
 
 from _core import ROOT, wait_for
+from _procs import alive
 
 SCRIPT = os.path.join(ROOT, "init.d", "myq.procd")
 CONFIG = os.path.join(ROOT, "init.d", "myq.config")
@@ -160,14 +161,6 @@ def calls(path):
         return []
     return [[line.split(" ", 1)[0]] + re.findall(r"<(.*?)>", line)
             for line in text.splitlines()]
-
-
-def alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 class OpenWrt(object):

@@ -1,4 +1,4 @@
-"""SPEC §5 retry delay, §2 dlq/, §4 `retry`."""
+"""The retry delay, dlq/, and `myq retry`."""
 import json
 import os
 import time

@@ -150,7 +150,7 @@ def test_drain_leaves_future_jobs_of_a_deep_directory_and_runs_the_ready(
     assert _names(spool, "incoming") == sorted(later)
 
 
-# Found in review: a deep first chunk without a ready job, arrivals during a
+# A deep first chunk without a ready job, arrivals during a
 # pass, and a pass of nothing claimable.  Directory order is the
 # filesystem's, so the ready jobs hide among many future ones.
 

@@ -1,4 +1,4 @@
-"""SPEC §1: myq.py run as a script (the one-file install, `cp myq.py
+"""myq.py run as a script (the one-file install, `cp myq.py
 /usr/bin/myq`).
 
 Python 3.9+ keeps what it parsed of a script (~15 MB for myq.py) until the
@@ -20,7 +20,10 @@ import pytest
 
 import _core
 from _core import MYQ, clean_env, enqueue, has, show, wait_for, worker
-from _core import call_myq
+from _core import call_myq, cmdline
+
+# The store plays no part in what these prove: `make test-sqlite` leaves them out.
+pytestmark = pytest.mark.store_free("the process image of myq.py run as a script")
 
 
 @pytest.fixture
@@ -234,11 +237,6 @@ def one_file_copy(tmp_path):
     return str(prog)
 
 
-def cmdline(pid):
-    with open("/proc/%d/cmdline" % pid, "rb") as f:
-        return f.read().decode().split("\0")[:-1]
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 @pytest.mark.parametrize("command", ["worker", "supervise"])
 def test_long_running_script_runs_again_from_its_byte_code(
@@ -262,7 +260,7 @@ def test_long_running_script_runs_again_from_its_byte_code(
                  what="the job to be done")
         # the new image (-c text that imports the cache) shows the words
         # it was started with, written over that text (the rest padded
-        # with NULs: what tells it from the first image; issue 38)
+        # with NULs: what tells it from the first image)
         with open("/proc/%d/cmdline" % p.pid, "rb") as f:
             raw = f.read()
         assert raw.endswith(b"\0\0"), raw

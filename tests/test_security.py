@@ -1,4 +1,4 @@
-"""Attack tests (issue 11): what the spool's owner, a producer or a remote
+"""Attack tests: what the spool's owner, a producer or a remote
 server can make root, the worker or a handler do.
 
 Threat model.  The spool belongs to a user (MYQ_USER, here the throwaway
@@ -9,8 +9,8 @@ never be steered into a root-only file or process, never hang, never print
 a root-only file.  Victims: a 0700 root directory with secrets, a 0600 root
 file, a root `sleep 1000`.
 
-Every test here fails on the code of issue 11 (see the docstrings) except
-the ones marked "guard": those pin what the fixes must keep.
+Each test makes an attack for real; those marked "guard" pin what the
+defences must keep.
 """
 import json
 import os
@@ -360,7 +360,7 @@ def test_module_with_handlers_dict_is_exactly_that(run_myq, spool, tmp_path):
 
 ODD = ["", ".", "..", "a/b", "../x", "x" * 200, "../../etc/passwd",
        "failed/", "incoming/x", ".hidden"]
-# valid ids (SPEC 3: "-" is one) that name a directory: show/retry/delete
+# valid ids ("-" is one) that name a directory: show/retry/delete
 # exit 66 (no such job)
 ODD_OK_NAMES = ["-", "failed", "incoming", "locks", "tmp"]
 

@@ -1,4 +1,4 @@
-"""Attack tests of init.d/myq (issue 11), under `busybox sh` with the
+"""Attack tests of init.d/myq, under `busybox sh` with the
 helpers of test_initd.py.
 
 - The log file lives in a directory of MYQ_USER; that user replaces the log
@@ -18,7 +18,8 @@ import tempfile
 import pytest
 
 from _core import wait_for
-from _sec import DAEMON, entry_state, make_user, proc_alive, kill_quiet, SECRET
+from _core import kill_quiet
+from _sec import DAEMON, entry_state, make_user, proc_alive, SECRET
 from test_initd import BUSYBOX, MYQ, Service, read, world_executable_python
 
 needs_busybox = pytest.mark.skipif(

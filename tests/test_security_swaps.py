@@ -1,4 +1,4 @@
-"""Attack tests (issue 11), part 1: the spool's owner puts symlinks and
+"""Attack tests, part 1: the spool's owner puts symlinks and
 FIFOs in place of spool entries, and root's commands must neither follow
 them nor hang on them.  The threat model, the other attacks and the shared
 box (_sec.Box): test_security.py.  (A file of its own so that pytest-xdist's

@@ -1,4 +1,4 @@
-"""SPEC §3: a producer with nothing but a shell (write to tmp/, mv into incoming/)."""
+"""A producer with nothing but a shell (write to tmp/, mv into incoming/)."""
 import json
 import os
 

@@ -1,4 +1,4 @@
-"""The bridge soak's counting (tests/soak/bridge.py, issue 27): what it
+"""The bridge soak's counting (tests/soak/bridge.py): what it
 calls accepted, lost and doubled, per side, from its producer's and its
 subscriber's logs, and that a run with nothing to count is no pass.  The
 soak itself (root, network namespaces, two real brokers) is `make

@@ -1,4 +1,4 @@
-"""SPEC §2 and §4 `init`: the spool layout, and refusing a missing spool."""
+"""`myq init`: the spool layout, and refusing a missing spool."""
 import errno
 import os
 import stat

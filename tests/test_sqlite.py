@@ -1,4 +1,4 @@
-"""The SQLite store (myq-spool(5) SQLITE STORE; issue 26): what is its own.
+"""The SQLite store (myq-spool(5) SQLITE STORE): what is its own.
 What both stores share (enqueue, retry and the dead letters, export and
 import) runs against both in test_enqueue, test_retry_dlq and test_export
 (conftest.BOTH_STORES); here: the store recorded and found, the schema an
@@ -20,7 +20,7 @@ import pytest
 import myq
 from _core import (MYQ, ROOT, STATUS_RE, call_myq, clean_env, fill_disk,
                    run_myq, show, sql, start_worker, stop, wait_for,
-                   write_incoming)
+                   write_incoming, drain_here)
 
 
 def sql_spool(path):
@@ -48,9 +48,7 @@ def _bad(job):
     raise myq.PermanentError("no")
 
 
-def drain(path, **kw):
-    myq.Worker(path, handlers={"ok": _ok, "bad": _bad}, log=quiet, poll=0.05,
-               jitter=0, **kw).run(drain=True)
+HANDLERS = {"ok": _ok, "bad": _bad}
 
 
 # The store recorded, found by every command, read with sqlite3 ###############
@@ -69,7 +67,7 @@ def test_init_records_the_store_and_every_command_finds_it(tmp_path):
     cp = run_myq("--spool", sp, "stats")
     assert STATUS_RE.match(cp.stdout.strip()) and " ready=2 " in cp.stdout
     del RAN[:]
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert sorted(RAN) == sorted(r[0] for r in rows(sp))
     assert {r[1] for r in rows(sp)} == {"done"}
     # nothing of a job is a file: the job directories stay empty
@@ -170,7 +168,7 @@ def test_without_the_sqlite3_module_exit_78_names_the_package(tmp_path):
     cp = _blocked(["--spool", t, "init", "--store", "sqlite"])
     assert cp.returncode == 78 and "python3-sqlite3" in cp.stderr
     # nothing made: a spool of files was left, which init then refused to
-    # make SQLite once the module was there (review)
+    # make SQLite once the module was there
     assert not os.path.exists(t)
 
 
@@ -203,7 +201,7 @@ def test_shell_producers_drop_files_and_the_worker_takes_them_in(tmp_path):
     # show and list see a dropped file before any worker touched it
     assert show(call_myq, sp, "sh1")["state"] == "ready"
     del RAN[:]
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert RAN == ["sh1"]
     assert dict(rows(sp)) == {"sh1": "done", "later": "ready"}
     assert abs(show(call_myq, sp, "later")["available_at"] - t) < 1
@@ -226,7 +224,7 @@ def test_a_file_taken_in_and_left_by_a_crash_is_one_job(tmp_path):
     assert dict(rows(sp)) == {"once": "ready"} and not os.path.exists(path)
     shutil.copy(keep, path)             # as if the unlink never happened
     del RAN[:]
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert RAN == ["once"]
     assert not os.path.exists(path) and dict(rows(sp)) == {"once": "done"}
     # its own job, not a duplicate: nothing quarantined, nothing to repair
@@ -239,18 +237,18 @@ def test_a_file_taken_in_and_left_by_a_crash_is_one_job(tmp_path):
     assert os.listdir(os.path.join(sp, "failed")) == ["twice.json",
                                                        "twice.json.reason"]
     shutil.copy(keep, path)             # sent again while its row stays
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert RAN == ["once"] and not os.path.exists(path)
 
 
 def test_a_dropped_file_of_a_dead_job_is_said_and_counted_not_lost(tmp_path):
     """A producer drops the same job again (id, type, payload) after it
     went dead: one job, so the file goes, but said and counted (it went
-    without a word: review), with the way to run it again."""
+    without a word), with the way to run it again."""
     sp = sql_spool(tmp_path / "s")
     job = {"id": "X", "type": "bad", "payload": {"n": 1}}
     write_incoming(sp, "X.json", job)
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert rows(sp) == [("X", "dead")]
     write_incoming(sp, "X.json", job)
     events = []
@@ -271,7 +269,7 @@ def test_a_producer_that_cannot_write_the_database_drops_a_file(tmp_path,
     assert os.listdir(os.path.join(sp, "incoming")) == [jid + ".json"]
     assert rows(sp) == []
     del RAN[:]
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert RAN == [jid] and dict(rows(sp)) == {jid: "done"}
 
 
@@ -314,7 +312,7 @@ def test_a_damaged_database_stops_claims_check_says_so_export_saves(tmp_path):
 def test_export_of_a_damaged_database_writes_each_job_once(tmp_path):
     """Damage past the first 256 rows (export reads 256 at a time): those
     were written, then the salvage wrote every readable row from the
-    first again (review)."""
+    first again."""
     sp = sql_spool(tmp_path / "s")
     myq.open_store(sp).enqueue_many([{"type": "ok", "payload": "x" * 3000,
                                  "id": "j%03d" % i} for i in range(300)])
@@ -336,7 +334,7 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
     """The claim commits, then a write of its admission fails (busy, full):
     the row goes back to ready untouched, at once or, that write failing
     too, at the worker's next try; it stayed this live worker's claim
-    until it stopped (review)."""
+    until it stopped."""
     import errno
     sp = sql_spool(tmp_path / "s")
     s = myq.open_store(sp)
@@ -364,14 +362,14 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
     assert rows(sp, "SELECT status, token, attempts FROM jobs") == [
         ("ready", None, 0)]
     del RAN[:]
-    drain(sp)       # its give-back fails once: the worker's next try
+    drain_here(sp, HANDLERS, log=quiet)       # its give-back fails once: the worker's next try
     assert RAN == [jid] and calls == {"admit": 3, "back": 1}, calls
     assert rows(sp) == [(jid, "done")]
 
 
 def test_an_emptied_database_is_damaged_not_busy(tmp_path):
     """queue.db emptied (0 bytes: no schema): every command said "try
-    again later" (75), check too (review); it is damaged: 78, check 1."""
+    again later" (75), check too; it is damaged: 78, check 1."""
     sp = sql_spool(tmp_path / "s")
     open(os.path.join(sp, "queue.db"), "w").close()
     cp = run_myq("--spool", sp, "enqueue", "ok")
@@ -399,9 +397,7 @@ def test_a_busy_database_is_waited_for_then_exit_75(tmp_path):
     assert len(rows(sp)) == 1
 
 
-@pytest.fixture
-def small_fs(small_tmpfs):
-    return small_tmpfs("4m")
+SMALL_FS = "4m"          # the small_fs fixture's size
 
 
 def test_a_full_disk_refuses_with_75_and_keeps_every_job(small_fs, tmp_path):
@@ -424,7 +420,7 @@ def test_a_full_disk_refuses_with_75_and_keeps_every_job(small_fs, tmp_path):
     cp = run_myq("--spool", sp, "enqueue", "ok", big, "--id", "big")
     assert cp.returncode == 0, cp.stderr
     del RAN[:]
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert sorted(RAN) == ["big"] + ["k%d" % i for i in range(5)]
 
 
@@ -563,7 +559,7 @@ def test_kill_9_in_the_middle_of_a_wal_checkpoint(tmp_path):
         assert rows(sp, "PRAGMA quick_check") == [("ok",)]
         assert len(rows(sp)) == 2000 * n
     del RAN[:]
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert len(RAN) == 2000 * n == len(set(RAN))
 
 
@@ -640,7 +636,7 @@ def test_a_read_only_filesystem_refuses_writes_and_reads_what_is_there(
     finally:
         subprocess.run(["mount", "-o", "remount,rw", small_fs])
     del RAN[:]
-    drain(sp)
+    drain_here(sp, HANDLERS, log=quiet)
     assert sorted(RAN) == sorted(ids)
 
 

@@ -1,4 +1,4 @@
-"""Issue 3: storage faults — a real full disk, and ENOSPC/EIO at every step.
+"""Storage faults — a real full disk, and ENOSPC/EIO at every step.
 
 1. A real full disk (root only): a small tmpfs holds the spool; once it is
    full, `myq enqueue` exits 75 and leaves nothing behind, and a running
@@ -40,9 +40,7 @@ def wait_for(pred, timeout=20.0, what="condition"):
 
 # 1. A real full disk ########################################################
 
-@pytest.fixture
-def small_fs(small_tmpfs):
-    return small_tmpfs("512k")
+SMALL_FS = "512k"        # the small_fs fixture's size
 
 
 def _logged_done(log, jid):

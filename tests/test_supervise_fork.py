@@ -1,4 +1,4 @@
-"""`myq supervise` forks its children (issue 25): the workers, the intake
+"""`myq supervise` forks its children: the workers, the intake
 and the final reap are forks of the supervisor, sharing its pages, not
 new interpreters that load myq again; each is retitled (its command line
 rewritten in place) so that ps, the init scripts and `supervise --stop`
@@ -19,15 +19,11 @@ import pytest
 
 from _core import MYQ, call_myq, clean_env, enqueue, has, wait_for
 from _procs import alive, children
-from test_intake import auth, free_port, post
+from _core import cmdline, free_port
+from test_intake import auth, post
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"),
                                 reason="needs /proc/PID/smaps_rollup")
-
-
-def cmdline(pid):
-    with open("/proc/%d/cmdline" % pid, "rb") as f:
-        return [w.decode() for w in f.read().split(b"\0")]
 
 
 def shared_dirty_kb(pid):

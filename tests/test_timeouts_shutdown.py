@@ -1,4 +1,4 @@
-"""SPEC §5 handler time limits and §8 stopping a worker, with real processes.
+"""Handler time limits and stopping a worker, with real processes.
 
 Time limit of an exec handler: SIGTERM to its process group, SIGKILL after a
 moment (a handler that traps TERM does not escape, nor does a grandchild

@@ -1,4 +1,4 @@
-"""SPEC §4 `worker` modes and options, §5 at-least-once, §6 log lines."""
+"""`myq worker`: its modes and options, at-least-once, its log lines."""
 import json
 import os
 import shutil
@@ -228,7 +228,7 @@ def test_status_line_in_worker_log(spool, handlers_dir, tmp_path):
 
 
 def test_worker_options_are_made_once_of_the_keywords_or_given(myq, spool):
-    """Worker(spool, **keywords) (SPEC 7) and Worker(spool, options=...)
+    """Worker(spool, **keywords) and Worker(spool, options=...)
     are the same worker: the keywords make a WorkerOptions, checked and in
     their types once; the worker's state is all set by its __init__."""
     o = myq.WorkerOptions(concurrency=3, lease="9", poll=0, pass_env=("TZ",))

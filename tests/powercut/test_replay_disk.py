@@ -1,9 +1,9 @@
-"""The ext4 replay checks each cut on that cut's disk, or fails it loudly
-(issue 23).  Before: every cut reused one image file with `mount -o loop`;
-a process that copied the mount namespace while a cut was mounted kept
-that cut's superblock alive after a umount that exited 0, the next mount
-of the same file got the same loop device and that old superblock back,
-and the checks ran on an earlier cut's recovered state (a busy machine
+"""The ext4 replay checks each cut on that cut's disk, or fails it loudly.
+One image file reused with `mount -o loop` is not enough: a process that
+copied the mount namespace while a cut was mounted keeps that cut's
+superblock alive after a umount that exited 0, the next mount of the same
+file gets the same loop device and that old superblock back, and the
+checks would run on an earlier cut's recovered state (a busy machine
 reported lost=14192 corrupt=100 where myq had lost nothing).
 
 The replay runs here on a small log made on the host (synthlog.py: 9

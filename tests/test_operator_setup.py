@@ -1,4 +1,4 @@
-"""What an operator meets, round 4 (issue 38): `check` knows when no
+"""Setting a device up: `check` knows when no
 worker runs and when the logs go nowhere, and names an unreadable file as
 such; a change of MYQ_USER gives the whole layout to the new owner; `import
 myq` works after every documented install; export/import carry the policy
@@ -97,7 +97,7 @@ def _repo_copy(dst):
 def test_import_myq_after_myq_install(tmp_path, system_python):
     """`python3 myq.py install` (the one file, run by the system's python3)
     then `python3 -c 'import myq'` anywhere: it imports the installed
-    module, with no sys.path edit (SPEC 7)."""
+    module, with no sys.path edit."""
     prefix, python = system_python
     one = tmp_path / "one"
     one.mkdir()
@@ -201,7 +201,7 @@ import socket  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-from _core import clean_env, start_worker, wait_for, kill_quiet, world_python, sql  # noqa: E402
+from _core import clean_env, cmdline, start_worker, wait_for, kill_quiet, world_python, sql  # noqa: E402
 from _sec import make_user, is_root  # noqa: E402
 
 sys.path.insert(0, ROOT)
@@ -647,17 +647,9 @@ def _roots_files_it_writes(pid):
 
 def _workers(sup, n):
     def found():
-        kids = [p for p in children([sup]) if _cmdline(p).count("worker")]
+        kids = [p for p in children([sup]) if cmdline(p).count("worker")]
         return kids if len(kids) == n else None
     return wait_for(found, what="%d workers" % n)
-
-
-def _cmdline(pid):
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as f:
-            return f.read().decode("utf-8", "replace").split("\0")[:-1]
-    except OSError:
-        return []
 
 
 def test_workers_under_myq_user_look_and_weigh_as_roots(user, base):
@@ -682,7 +674,7 @@ def test_workers_under_myq_user_look_and_weigh_as_roots(user, base):
         try:
             ws = _workers(sup, 2)
             for w in ws:
-                cmd = _cmdline(w)
+                cmd = cmdline(w)
                 assert cmd[:5] == [python, me, "--spool", spool, "worker"], cmd
                 assert sum(len(c) + 1 for c in cmd) < 400, cmd
             wait_for(lambda: len(_live_record(spool)) == 2,
@@ -708,7 +700,7 @@ def test_a_worker_started_as_a_new_interpreter_shows_its_command(spool):
                          stderr=subprocess.DEVNULL, env=clean_env())
     try:
         wait_for(lambda: _live_record(spool), what="the worker's record")
-        cmd = _cmdline(p.pid)
+        cmd = cmdline(p.pid)
         assert cmd[:4] == [sys.executable, MYQ, "--spool", spool], cmd
         assert cmd[4:7] == ["worker", "--poll", "0.05"], cmd
     finally:

@@ -1,11 +1,12 @@
-"""Intake, round 4 of the trust review (issue 36, items 3-6 and its lows;
-issue 38: /health, event=duplicate, the intake's log events).
+"""Who may give the intake jobs, and what it holds: the token of a port, the
+mode of a socket, /health, an oversized or duplicate message, a flood of
+one type at its bound, bounded memory, the intake's log events.
 
 Acted as the attacker would: another local account (a real second uid,
 tests/_sec.py) posting to the intake's port or socket; a real Mosquitto
 (tests/_mosquitto.py) delivering an oversized message, a flood of one type
-held at its bound, a message under a taken id.  Each test fails on the code
-before this round.  The tests that concern the store run on both.
+held at its bound, a message under a taken id.  The tests that concern
+the store run on both.
 """
 import json
 import os
@@ -23,7 +24,7 @@ import pytest
 
 from _core import MYQ, ROOT, call_myq, clean_env, run_myq, stop, wait_for, \
     world_python
-from _mosquitto import MOSQUITTO, Broker, free_port
+from _mosquitto import MOSQUITTO, Broker
 from _sec import become, is_root, make_user
 from test_intake import Intake, auth, get, jobs, payload_of, post, publish, \
     stats, subscribe_args, subscribed
@@ -111,7 +112,7 @@ def started_at(log, what="the intake"):
                                       else ""), what=what).group(1)
 
 
-# 1. Who may post: the token of a port, the mode of a socket (item 3) ########
+# 1. Who may post: the token of a port, the mode of a socket ##################
 
 @BOTH
 def test_init_makes_a_token_the_owner_and_its_group_read(spool, store):
@@ -149,7 +150,7 @@ def test_init_gives_the_token_to_the_owner_and_follows_no_link(other, open_dir):
 
 @needs_root
 def test_a_port_takes_nothing_from_an_account_without_the_token(other, open_dir):
-    """The review: a user in no group got 202 from the loopback port, and
+    """Once, a user in no group got 202 from the loopback port, and
     the worker then sent its credentials to that user's URL."""
     spool = os.path.join(open_dir, "spool")
     assert run_myq("--spool", spool, "init").returncode == 0
@@ -326,7 +327,7 @@ def test_a_spool_without_its_token_file_says_how_to_make_one(spool):
     assert "intake.token" in cp.stderr and "init" in cp.stderr, cp.stderr
 
 
-# 2. /health: 200 while jobs can be taken (issue 38) ##########################
+# 2. /health: 200 while jobs can be taken ######################################
 
 @BOTH
 def test_health_is_200_with_a_dead_job_and_503_below_the_guard(
@@ -354,7 +355,7 @@ def test_health_is_200_with_a_dead_job_and_503_below_the_guard(
     assert status == 503 and json.loads(text)["ok"] is False
 
 
-# 3. MQTT: an oversized message, a held type, a taken id (items 4-6) ##########
+# 3. MQTT: an oversized message, a held type, a taken id ######################
 
 @BOTH
 def test_an_oversized_message_is_acknowledged_counted_and_the_rest_flows(
@@ -523,7 +524,7 @@ def test_a_repeated_request_syncs_only_its_own_jobs(spool, store, tmp_path):
     assert [j["id"] for j in jobs(spool)] == ["again"]
 
 
-# 5. The intake's log events are defined in myq-spool(5) (issue 38 item 7) ####
+# 5. The intake's log events are defined in myq-spool(5) ####################
 
 def test_every_intake_log_event_is_in_myq_spool_5():
     src = open(MYQ).read()
@@ -537,7 +538,7 @@ def test_every_intake_log_event_is_in_myq_spool_5():
     assert events <= defined, sorted(events - defined)
 
 
-# 6. import reads its lines bounded (issue 36, low) ###########################
+# 6. import reads its lines bounded #############################################
 
 LIMITED = (
     "import resource, sys\n"

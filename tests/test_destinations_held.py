@@ -1,6 +1,4 @@
-"""Where a type's jobs go, reviewed (issue 41, SPEC §10 "Destinations,
-failover, ..." and §9's breaker): the cases an adversarial review of the
-first implementation found wrong, each on both stores.
+"""A held destination and a type's destinations, each on both stores:
 
 - a held destination gets none of its jobs but its probe, the last of a
   type's `url` list too (a failure at A went on to a held B);
@@ -15,10 +13,9 @@ import os
 
 import pytest
 
-from _core import FAST, call_myq, run_myq, wait_for
-from _http import answer, http_servers  # noqa: F401 (a fixture)
+from _core import call_myq, drain, listed, policy, wait_for
+from _http import down, http_servers  # noqa: F401 (a fixture)
 from _mosquitto import Broker, needs_mosquitto
-from test_destinations import down, drain, listed, policy
 
 both_stores = pytest.mark.parametrize("store", ["files", "sqlite"],
                                       indirect=True)

@@ -1,10 +1,10 @@
-"""Trust boundaries, round 3 (issue 22): what lanes, owner records, batch
-splits and holds opened, each attack made for real and refused.
+"""The one door to the disk, and what lanes, owner records, batch splits
+and holds could open: each attack made for real and refused.
 
-The one door to the disk: every step on a spool's file is made relative to
+Every step on a spool's file is made relative to
 a directory descriptor that was opened without following a link and
 checked (the owner's alone, but for tmp/ and incoming/).  These tests do
-what a producer (or a server) did in the review and look at what myq did.
+what a producer (or a server) would do and look at what myq did.
 """
 import json
 import os
@@ -80,7 +80,7 @@ def test_a_lane_that_is_a_symlink_is_never_followed(spool, tmp_path,
 @pytest.mark.files_only("incoming/lanes is a directory, here a symlink")
 def test_a_lanes_directory_that_is_a_symlink_is_never_followed(spool, tmp_path):
     """incoming/lanes itself replaced by a link to a directory of lanes
-    outside: no lane is used, nothing is written there (issue 36: the
+    outside: no lane is used, nothing is written there (the
     owner's enqueue moves the link aside and makes its own, never 78)."""
     outside = tmp_path / "outside"
     (outside / "t@5").mkdir(parents=True)
@@ -108,7 +108,7 @@ def test_lanes_are_the_owners_alone(spool):
 def test_check_says_when_a_producer_can_move_what_is_not_its_own(spool):
     """incoming/ group-writable without the sticky bit: a producer could mv
     incoming/lanes away, hiding every job waiting there from list, show,
-    check and the workers (review); check says so, and what to do."""
+    check and the workers; check says so, and what to do."""
     inc = os.path.join(spool, "incoming")
     os.chmod(inc, 0o2770)
     cp = call_myq("--spool", spool, "check")
@@ -216,7 +216,7 @@ exit 65
 @pytest.mark.parametrize("concurrency", ["1", "2"])
 def test_a_split_never_runs_more_than_concurrency(spool, tmp_path, concurrency):
     """batch=16 that fails for good is split down to single jobs: at no
-    time do more handlers run than --concurrency (the review saw 64 at
+    time do more handlers run than --concurrency (64 were seen at
     once for --concurrency 1)."""
     log = tmp_path / "runs.log"
     hd = tmp_path / "h"
@@ -248,7 +248,7 @@ def test_an_unsendable_header_is_the_jobs_own_failure(spool, myq):
     try:
         url = srv.url("/x")
         # (and a name that is not ASCII: retried for ever as the server's
-        # failure, holding it: review)
+        # failure, holding it)
         for i, hdrs in enumerate([{"X-Bad": "a\nInjected: 1"},
                                   {"X-Bad": "caf\u00e9\u2603"}, {"X-Bad": "x\r\ny"},
                                   {"X-Na\u00efve": "1"}]):
@@ -275,7 +275,7 @@ def test_an_unsendable_header_is_the_jobs_own_failure(spool, myq):
 def test_a_spool_named_with_a_space_keeps_the_status_line_one_field_each(
         myq, tmp_path):
     """The queue is the spool's directory name: "my q=1" printed as is
-    made 'queue=my q=1 ready=0', a field more (review)."""
+    made 'queue=my q=1 ready=0', a field more."""
     sp = str(tmp_path / "my q=1")
     assert call_myq("--spool", sp, "init").returncode == 0
     line = call_myq("--spool", sp, "stats").stdout.strip()
@@ -338,7 +338,7 @@ def test_a_streak_record_is_bounded(myq, spool):
 def test_many_held_types_cost_an_idle_poll_no_reading(myq, spool):
     """1,100 types without a handler: at most 1,024 hold records are
     written, each once; an idle worker's poll then reads none of them
-    again (the review saw 14-21 % of a core for 8,000)."""
+    again (14-21 % of a core was seen for 8,000)."""
     sp = myq.open_store(spool)
     sp.enqueue_many([{"type": "u%04d" % i} for i in range(1100)])
     w = myq.Worker(sp, handlers={}, log=lambda *a, **k: None, poll=0.01,

@@ -1,6 +1,6 @@
-"""Trust boundaries, round 4 (issue 36): the store, init and the scheduler.
+"""A producer of another uid against the store, init and the scheduler.
 
-Each attack is made as the review made it: a producer is a real second uid
+Each attack is made for real: a producer is a real second uid
 (here `nobody`, 65534) in the spool's group, in a forked child that
 dropped root for good; its locks are real fcntl/flock locks; the spool's
 owner is _sec.py's throwaway user; root runs myq as the init script would.
@@ -133,7 +133,7 @@ def test_a_producer_can_open_no_file_of_the_sqlite_store(box):
     """A producer of the spool's group holds a read lock on byte 120 of
     queue.db-shm (and on the database's lock bytes) while a worker has the
     database open: it can open none of them, and root's enqueue and the
-    worker go on (the review: enqueue exit 75 after 5 s, no claim)."""
+    worker go on (once: enqueue exit 75 after 5 s, no claim)."""
     _sqlite_box(box)
     h = _handlers(box)
     for name in ("queue.db",):
@@ -316,7 +316,7 @@ def _swap_lanes(spool):
 @needs_root
 def test_a_producer_cannot_make_incoming_lanes(box):
     """init makes incoming/lanes/, the owner's (0750): a producer's mkdir
-    there fails, with incoming/ g+ws,+t as README says (the review: its
+    there fails, with incoming/ g+ws,+t as README says (once: its
     mkdir made every laned type's enqueue exit 78)."""
     os.chmod(box.d("tmp"), 0o3770)
     os.chmod(box.d("incoming"), 0o3770)
@@ -515,7 +515,7 @@ def test_a_held_types_job_put_back_rereads_only_its_own_lane(myq, spool):
     lanes and are probed again and again (1 s, 2 s, ...), the others are
     parked in incoming/ for an hour.  Each probe puts its job back in its
     own lane and pokes the wake FIFO: that must not make the worker read
-    all of incoming/ again (review: 3-6 % of a core with 8,000 parked, ten
+    all of incoming/ again (once 3-6 % of a core with 8,000 parked, ten
     times that on a router).  Counted: passes over incoming/ while the
     lanes' jobs are put back at least 64 times."""
     import signal
@@ -557,7 +557,7 @@ def test_a_held_types_job_put_back_rereads_only_its_own_lane(myq, spool):
 @pytest.mark.files_only("the scan of incoming/'s directory")
 def test_a_parked_job_put_back_does_not_reread_incoming(myq, spool):
     """Types past the first _Holds.LANED wait parked in incoming/ itself
-    (8,000 of them in the review), each parked again when its time comes:
+    (8,000 of them), each parked again when its time comes:
     one job parked again later than what the worker's scan already has
     must not make a pass over all of incoming/ (here parked for 0.3 s, to
     see it happen often; in the field an hour)."""
