@@ -15,14 +15,11 @@ import pytest
 
 import myq
 from _core import fill_disk
-from test_field import _tmpfs, _umount
 
 
 @pytest.fixture
-def tiny_fs(tmp_path):
-    mnt = _tmpfs(tmp_path, "size=1m,mode=0755")
-    yield mnt
-    _umount(mnt)
+def tiny_fs(small_tmpfs):
+    return small_tmpfs("1m")
 
 
 def _quiet_worker(path, min_free=0):
