@@ -11814,6 +11814,72 @@ def _drain(fd):
 # rates, batch_wait).  A part of Worker (its state is the worker's:
 # _lanes, _top, runs, _holds, poll), kept in one room.
 
+class _Holds(dict):
+    """A worker's held destinations, DEST -> until (wall clock): a dict
+    that also knows which of them its loop may have a probe of due
+    (_Scheduling._next_claim): those that are not its own types held for
+    a missing handler (probed through their lanes and parked jobs).  That
+    list is made again only when a destination comes or goes, and looked
+    through only once the soonest of them is due: an idle poll with 8,000
+    types held costs one comparison, not a pass over them (issue 36)."""
+    __slots__ = ("_gen", "_key", "_others", "_soonest")
+
+    def __init__(self, *args):
+        dict.__init__(self, *args)
+        self._gen, self._key, self._others, self._soonest = 0, None, (), 0.0
+
+    def __setitem__(self, dest, until):
+        if dest not in self:
+            self._gen += 1
+        if until < self._soonest:
+            self._soonest = until       # (a probe due sooner: looked at)
+        dict.__setitem__(self, dest, until)
+
+    def __delitem__(self, dest):
+        self._gen += 1
+        dict.__delitem__(self, dest)
+
+    def pop(self, *args):
+        self._gen += 1
+        return dict.pop(self, *args)
+
+    def clear(self):
+        self._gen += 1
+        dict.clear(self)
+
+    def update(self, *args, **kv):
+        self._gen += 1
+        dict.update(self, *args, **kv)
+
+    def setdefault(self, *args):
+        self._gen += 1
+        return dict.setdefault(self, *args)
+
+    def popitem(self):
+        self._gen += 1
+        return dict.popitem(self)
+
+    def due(self, now, own):
+        """The destinations whose probe is due at `now`, in order, but
+        those in `own` (the types this worker holds itself)."""
+        key = (self._gen, len(own))
+        if key != self._key:
+            self._key, self._soonest = key, -float("inf")
+            self._others = [d for d in self if d not in own]
+        if now < self._soonest:
+            return ()
+        out, soonest = [], float("inf")
+        for d in self._others:
+            until = dict.get(self, d)
+            if until is None or d in own:
+                continue
+            if until <= now:
+                out.append(d)
+            soonest = min(soonest, until)   # (a due one not probed: again)
+        self._soonest = soonest
+        return out
+
+
 class _Lane(object):
     """A directory of waiting jobs as one worker sees it: incoming/ itself,
     or incoming/lanes/TYPE@PRIORITY, with its scan cache."""
@@ -12050,11 +12116,10 @@ class _Scheduling(object):
             # not read)
             now = _now() if self._holds or len(self._lanes) > 1 else None
             best, due = None, inf
-            for dest, until in list(self._holds.items()) if self._holds else ():
-                if until <= now and dest not in self._held:
-                    c = self._probe_claim(dest)
-                    if c is not None:
-                        return c
+            for dest in self._holds.due(now, self._held) if self._holds else ():
+                c = self._probe_claim(dest)
+                if c is not None:
+                    return c
             if self.spool.intake:
                 # Producers' files are being moved to their lanes: go on
                 # with incoming/ first, so that their bounds see them all
@@ -12984,7 +13049,7 @@ class _Holding(object):
             return                  # (the same records: nothing to learn)
         self._holds_from, self._held_changed = held, False
         now, boot = _now(), boot_id()
-        holds = {}
+        holds = _Holds()
         for h in held:
             dest = h["dest"]
             if h.get("missing") and dest not in self._held \
@@ -13245,7 +13310,7 @@ class Worker(_Scheduling, _Running, _Holding):
         self._lanes_path = self.spool.d(LANES)
         self._lanes, self._lanes_key = [self._top], None
         self._lanes_look = 0.0      # no lanes yet: when to look again
-        self._holds = {}            # held destination -> until (wall clock)
+        self._holds = _Holds()      # held destination -> until (wall clock)
         self._streaky = set()       # destinations with failures in a row
         self._safe_names = {}       # destination -> its name as a file
         self._taken = (None, None, None)    # the last claim's slot, probe, lane

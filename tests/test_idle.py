@@ -1,0 +1,101 @@
+"""An idle worker's work with thousands of waiting jobs of types it has no
+handler for (issue 36: "idle CPU with 8,000 jobs of types without a handler
+is back at 3-6 % of a core"; bench/idle.py measures the CPU itself).
+
+Not a timing: the work of an idle poll is counted as the Python lines the
+worker's thread runs between two of its waits (sys.settrace), once every
+job was taken in and its type held, for a spool of a few such types and
+for one of more than the 1,024 held types whose holds are recorded.  An
+idle poll must cost the same whatever the number of waiting jobs.
+"""
+import signal
+import statistics
+import sys
+import threading
+import time
+
+import pytest
+
+from _core import wait_for
+
+STORES = ["files", "sqlite"]
+POLLS = 40
+
+
+def idle_poll_lines(myq, path, n_types):
+    """Lines a real worker runs per idle poll (the median of POLLS polls,
+    and the most), with one job of each of `n_types` types waiting, none of
+    which it has a handler for."""
+    sp = myq.Spool(path)
+    sp.enqueue_many([{"type": "u%05d" % i} for i in range(n_types)],
+                    sync=False)
+    held = [0]
+    # backoff_base: the first probe of a held type 5 minutes away (none
+    # while counted); stats_interval=0: no status line
+    w = myq.Worker(sp, handlers={}, log=lambda ev, **kv: None, poll=0.02,
+                   stats_interval=0, backoff_base=600, jitter=0)
+    real_hold, real_wait = w._hold, w._wait
+
+    def hold(run, why):
+        held[0] += 1
+        return real_hold(run, why)
+
+    counting, lines, polls = [False], [0], []
+
+    def tracer(frame, event, arg):
+        if event == "line":
+            lines[0] += 1
+        return tracer
+
+    def wait(busy):
+        if counting[0]:
+            if sys.gettrace() is None:
+                sys.settrace(tracer)        # (the worker's thread only)
+            else:
+                polls.append(lines[0])
+            lines[0] = 0
+        return real_wait(busy)
+    w._hold, w._wait = hold, wait
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: held[0] >= n_types, timeout=120,
+                 what="every type held")
+        # settled: no hold for 1.5 s (the holds' records are read again
+        # until a look comes a second after their directory's last change)
+        last = [None, 0.0]
+
+        def settled():
+            if held[0] != last[0]:
+                last[0], last[1] = held[0], time.monotonic()
+            return time.monotonic() - last[1] >= 1.5
+        wait_for(settled, timeout=30, interval=0.05, what="an idle worker")
+        assert held[0] == n_types, "a type held twice while idle"
+        counting[0] = True
+        wait_for(lambda: len(polls) >= POLLS, timeout=60,
+                 what="%d idle polls" % POLLS)
+        counting[0] = False
+    finally:
+        w._on_stop(signal.SIGTERM, None)
+        t.join(30)
+    assert not t.is_alive()
+    sp.close()
+    return statistics.median(polls), max(polls)
+
+
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_an_idle_polls_work_does_not_grow_with_jobs_of_types_without_a_handler(
+        myq, spool, store, tmp_path):
+    """70 types without a handler (past Worker.LANED, so some wait in their
+    lanes and some parked in the queue's own directory or rows), then
+    1,100 (past the 1,024 held types whose holds are recorded): an idle
+    poll of the second costs what one of the first does, give or take
+    (before: a pass over every held type at each poll, 3-6 % of a core
+    with 8,000 of them)."""
+    few = idle_poll_lines(myq, spool, myq.Worker.LANED + 6)
+    big = str(tmp_path / "big")
+    myq.main(["--spool", big, "init", "--store", store])
+    many = idle_poll_lines(myq, big, 1100)
+    assert many[0] <= few[0] * 1.5 + 50, \
+        "lines per idle poll (median, most): %s with 70 held types, %s " \
+        "with 1,100" % (few, many)
