@@ -12859,7 +12859,9 @@ class _Holding(object):
         recorded = old[3] if old else len(self._held) < 1024
         self._held[t] = (why, delay, until, recorded)
         self._holds[t] = until
-        self._held_changed = True
+        # (held again: what _load_holds makes of the holds is the same; a
+        # pass over all of them at each probe was an idle worker's work)
+        self._held_changed = self._held_changed or old is None
         if old is None:
             self.log("hold", dest=t, why=why, until=iso(until))
         # The record (for stats, check and a restart) is written once a
@@ -13049,7 +13051,7 @@ class _Holding(object):
             return                  # (the same records: nothing to learn)
         self._holds_from, self._held_changed = held, False
         now, boot = _now(), boot_id()
-        holds = _Holds()
+        holds = {}
         for h in held:
             dest = h["dest"]
             if h.get("missing") and dest not in self._held \
@@ -13059,7 +13061,7 @@ class _Holding(object):
                 else min(h["until"], now)
         for t, v in self._held.items():
             holds[t] = v[2]
-        self._holds = holds
+        self._holds = _Holds(holds)
         self.spool.set_lane_types(sorted(set(
             [h["dest"] for h in held if h.get("missing")]
             + [t for t, v in self._held.items() if v[3]]))[:self.LANED])

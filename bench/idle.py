@@ -4,7 +4,7 @@ types it has no handler for (issue 36: "idle CPU with 8,000 jobs of types
 without a handler is back at 3-6 % of a core"; the goal is under 1 %).
 
     python3 bench/idle.py [--n 8000] [--types N] [--store files|sqlite|both]
-                          [--warm 120] [--window 20] [--runs 3]
+                          [--warm 120] [--after 0] [--window 20] [--runs 3]
                           [--python PY] [--profile FILE]
 
 - N jobs (default 8,000) of --types distinct types (default: one type a
@@ -14,8 +14,8 @@ without a handler is back at 3-6 % of a core"; the goal is under 1 %).
 - A real `myq worker` process takes them in: each type is held at its
   first job (myq(1) HANDLERS) and its jobs wait.  Once it has taken them
   all in (its CPU over 2 s under 10 % of a core, at most --warm seconds)
-  its CPU time (utime + stime of
-  /proc/PID/stat, every thread) is read over --window seconds of idling.
+  and --after seconds more, its CPU time (utime + stime of /proc/PID/stat,
+  every thread) is read over --window seconds of idling.
 - --runs spools per store, the median printed; the figure is the share of
   one core.  --profile FILE: one run a store instead, with the worker's
   measured window under cProfile (its stats written to FILE.STORE).
@@ -92,6 +92,7 @@ def one(py, store, args, profile=None):
                              stderr=subprocess.DEVNULL)
         try:
             warmed(p.pid, args.warm)
+            time.sleep(args.after)
             if profile:
                 p.send_signal(signal.SIGUSR1)
             c0, t0 = cpu_of(p.pid), time.monotonic()
@@ -115,6 +116,9 @@ def main():
                     help="distinct types (default: N, one a job)")
     ap.add_argument("--store", default="both")
     ap.add_argument("--warm", type=float, default=120.0)
+    ap.add_argument("--after", type=float, default=0.0,
+                    help="seconds idle before the window (the held types' "
+                    "first probes come 5, 10, 20, ... 300 s after their hold)")
     ap.add_argument("--window", type=float, default=20.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--python", default=sys.executable)
@@ -130,10 +134,10 @@ def main():
             continue
         runs = [one(args.python, store, args) for _ in range(args.runs)]
         print("%s: idle CPU %.2f %% of a core (median of %s; %d jobs, %d "
-              "types without a handler, %.0f s each)"
+              "types without a handler, %.0f s from %.0f s after the last hold)"
               % (store, statistics.median(runs),
                  ", ".join("%.2f" % r for r in runs), args.n, args.types,
-                 args.window))
+                 args.window, args.after))
         sys.stdout.flush()
 
 

@@ -2,9 +2,12 @@
 handler for (issue 36: "idle CPU with 8,000 jobs of types without a handler
 is back at 3-6 % of a core"; bench/idle.py measures the CPU itself).
 
-Not a timing: the work of an idle poll is counted as the Python lines the
-worker's thread runs between two of its waits (sys.settrace), once every
-job was taken in and its type held, for a spool of a few such types and
+Not a timing: the work of an idle poll is counted between two of the
+worker's waits, in its thread, once every job was taken in and its type
+held: the Python lines it runs (sys.settrace; a directory read through
+_scandir is a line an entry), the names it lists (os.listdir, through
+_listdir) and the SQLite store's virtual machine steps (a progress
+handler), for a spool of a few such types and
 for one of more than the 1,024 held types whose holds are recorded.  An
 idle poll must cost the same whatever the number of waiting jobs.
 """
@@ -22,10 +25,11 @@ STORES = ["files", "sqlite"]
 POLLS = 40
 
 
-def idle_poll_lines(myq, path, n_types):
-    """Lines a real worker runs per idle poll (the median of POLLS polls,
-    and the most), with one job of each of `n_types` types waiting, none of
-    which it has a handler for."""
+def idle_poll_work(myq, path, n_types):
+    """{what: (median, most)} of a real worker's idle polls (POLLS of
+    them): "lines" run, names "listed", SQLite "steps" (in tens), with
+    one job of each of `n_types` types waiting, none of which it has a
+    handler for."""
     sp = myq.Spool(path)
     sp.enqueue_many([{"type": "u%05d" % i} for i in range(n_types)],
                     sync=False)
@@ -34,28 +38,43 @@ def idle_poll_lines(myq, path, n_types):
     # while counted); stats_interval=0: no status line
     w = myq.Worker(sp, handlers={}, log=lambda ev, **kv: None, poll=0.02,
                    stats_interval=0, backoff_base=600, jitter=0)
-    real_hold, real_wait = w._hold, w._wait
+    real_hold, real_wait, real_listdir = w._hold, w._wait, myq._listdir
 
     def hold(run, why):
         held[0] += 1
         return real_hold(run, why)
 
-    counting, lines, polls = [False], [0], []
+    counting, polls = [None], []
+    work = {"lines": 0, "listed": 0, "steps": 0}
 
     def tracer(frame, event, arg):
         if event == "line":
-            lines[0] += 1
+            work["lines"] += 1
         return tracer
 
+    def listdir(path):
+        names = real_listdir(path)
+        if counting[0] == threading.get_ident():
+            work["listed"] += len(names)
+        return names
+
+    def step():
+        if counting[0] == threading.get_ident():
+            work["steps"] += 1
+        return 0
+
     def wait(busy):
-        if counting[0]:
-            if sys.gettrace() is None:
-                sys.settrace(tracer)        # (the worker's thread only)
-            else:
-                polls.append(lines[0])
-            lines[0] = 0
+        if counting[0] is True:
+            counting[0] = threading.get_ident()
+            sys.settrace(tracer)        # (the worker's thread only)
+            if sp.store == "sqlite":
+                sp._db().set_progress_handler(step, 10)
+        elif counting[0]:
+            polls.append(dict(work))
+        for k in work:
+            work[k] = 0
         return real_wait(busy)
-    w._hold, w._wait = hold, wait
+    w._hold, w._wait, myq._listdir = hold, wait, listdir
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     try:
@@ -74,13 +93,15 @@ def idle_poll_lines(myq, path, n_types):
         counting[0] = True
         wait_for(lambda: len(polls) >= POLLS, timeout=60,
                  what="%d idle polls" % POLLS)
-        counting[0] = False
+        counting[0] = None
     finally:
+        myq._listdir = real_listdir
         w._on_stop(signal.SIGTERM, None)
         t.join(30)
     assert not t.is_alive()
     sp.close()
-    return statistics.median(polls), max(polls)
+    return dict((k, (statistics.median(p[k] for p in polls),
+                     max(p[k] for p in polls))) for k in work)
 
 
 @pytest.mark.parametrize("store", STORES, indirect=True)
@@ -92,10 +113,12 @@ def test_an_idle_polls_work_does_not_grow_with_jobs_of_types_without_a_handler(
     poll of the second costs what one of the first does, give or take
     (before: a pass over every held type at each poll, 3-6 % of a core
     with 8,000 of them)."""
-    few = idle_poll_lines(myq, spool, myq.Worker.LANED + 6)
+    few = idle_poll_work(myq, spool, myq.Worker.LANED + 6)
     big = str(tmp_path / "big")
     myq.main(["--spool", big, "init", "--store", store])
-    many = idle_poll_lines(myq, big, 1100)
-    assert many[0] <= few[0] * 1.5 + 50, \
-        "lines per idle poll (median, most): %s with 70 held types, %s " \
-        "with 1,100" % (few, many)
+    many = idle_poll_work(myq, big, 1100)
+    for k in few:
+        assert many[k][0] <= few[k][0] * 1.5 + 50, \
+            "%s per idle poll (median, most): %s with 70 held types, %s " \
+            "with 1,100" % (k, few[k], many[k])
+    assert few["lines"][0] > 0
