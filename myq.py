@@ -13049,8 +13049,16 @@ class _Holding(object):
         held = self.spool.breaker.records()
         if held is self._holds_from and not self._held_changed:
             return                  # (the same records: nothing to learn)
-        self._holds_from, self._held_changed = held, False
         now, boot = _now(), boot_id()
+        sig = self._holds_sig_of(held, boot)
+        if sig == self._holds_sig and not self._held_changed:
+            # (records that changed only where this worker's own holds
+            # win: a held type's probe; not a pass over all of them)
+            self._holds_from = held
+            self._streaky = self.spool.breaker.streaky()
+            return
+        self._holds_from, self._held_changed = held, False
+        self._holds_sig = sig
         holds = {}
         for h in held:
             dest = h["dest"]
@@ -13066,6 +13074,17 @@ class _Holding(object):
             [h["dest"] for h in held if h.get("missing")]
             + [t for t, v in self._held.items() if v[3]]))[:self.LANED])
         self._streaky = self.spool.breaker.streaky()
+
+    _holds_sig = None       # what _load_holds last made _holds of
+
+    def _holds_sig_of(self, records, boot):
+        """What _load_holds makes of the records besides this worker's own
+        holds (whose times are its own): equal, the same holds."""
+        own = self._held
+        return [(h["dest"], h.get("missing")) if h["dest"] in own else
+                (h["dest"], h.get("missing"), h["until"], h.get("boot") == boot,
+                 bool(h.get("missing")) and self._lacks(h["dest"]))
+                for h in records]
 
     def _lacks(self, type):
         """Has this worker no handler for `type`?  (Asked again when the

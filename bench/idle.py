@@ -4,7 +4,7 @@ types it has no handler for (issue 36: "idle CPU with 8,000 jobs of types
 without a handler is back at 3-6 % of a core"; the goal is under 1 %).
 
     python3 bench/idle.py [--n 8000] [--types N] [--store files|sqlite|both]
-                          [--warm 120] [--after 0] [--window 20] [--runs 3]
+                          [--warm 300] [--after 0] [--window 20] [--runs 3]
                           [--python PY] [--profile FILE]
 
 - N jobs (default 8,000) of --types distinct types (default: one type a
@@ -13,7 +13,7 @@ without a handler is back at 3-6 % of a core"; the goal is under 1 %).
   starts.
 - A real `myq worker` process takes them in: each type is held at its
   first job (myq(1) HANDLERS) and its jobs wait.  Once it has taken them
-  all in (its CPU over 2 s under 10 % of a core, at most --warm seconds)
+  all in (a hold logged for each type, at most --warm seconds; 2 s more)
   and --after seconds more, its CPU time (utime + stime of /proc/PID/stat,
   every thread) is read over --window seconds of idling.
 - --runs spools per store, the median printed; the figure is the share of
@@ -41,18 +41,16 @@ def cpu_of(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def warmed(pid, most):
-    """Wait until the worker has taken every job in once: its CPU over 2 s
-    below 10 % of a core (at most `most` seconds)."""
+def warmed(log, types, most):
+    """Wait until the worker has taken every job in: a hold logged for
+    each type (at most `most` seconds), then 2 s for the last ones' moves."""
     end = time.monotonic() + most
-    last = cpu_of(pid)
-    time.sleep(5.0)
     while time.monotonic() < end:
-        now = cpu_of(pid)
-        if now - last < 0.2:
-            return
-        last = now
-        time.sleep(2.0)
+        with open(log, "rb") as f:
+            if f.read().count(b" event=hold dest=") >= types:
+                break
+        time.sleep(1.0)
+    time.sleep(2.0)
 
 
 def make_spool(py, store, n, types):
@@ -88,10 +86,11 @@ def one(py, store, args, profile=None):
             cmd = [py, "-c", code]
         else:
             cmd = [py, os.path.join(ROOT, "myq.py")] + argv
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+        log = os.path.join(tmp, "log")
+        with open(log, "wb") as err:
+            p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
         try:
-            warmed(p.pid, args.warm)
+            warmed(log, args.types, args.warm)
             time.sleep(args.after)
             if profile:
                 p.send_signal(signal.SIGUSR1)
@@ -115,7 +114,7 @@ def main():
     ap.add_argument("--types", type=int, default=0,
                     help="distinct types (default: N, one a job)")
     ap.add_argument("--store", default="both")
-    ap.add_argument("--warm", type=float, default=120.0)
+    ap.add_argument("--warm", type=float, default=300.0)
     ap.add_argument("--after", type=float, default=0.0,
                     help="seconds idle before the window (the held types' "
                     "first probes come 5, 10, 20, ... 300 s after their hold)")
