@@ -122,3 +122,31 @@ def test_an_idle_polls_work_does_not_grow_with_jobs_of_types_without_a_handler(
             "%s per idle poll (median, most): %s with 70 held types, %s " \
             "with 1,100" % (k, few[k], many[k])
     assert few["lines"][0] > 0
+
+
+def test_the_holds_due_a_probe_are_the_others_and_none_is_missed(myq):
+    """Worker._holds (a _Holds) answers which held destinations have a
+    probe due without a pass over the worker's own held types at each
+    poll; a destination held, moved or released in place is seen."""
+    own = dict(("t%d" % i, None) for i in range(2000))
+    h = myq._Holds((t, 100.0) for t in own)
+    h["http://a/"] = 50.0
+    assert list(h.due(10.0, own)) == []
+    assert list(h.due(60.0, own)) == ["http://a/"]
+    assert list(h.due(60.0, own)) == ["http://a/"]    # not probed: due again
+    h["http://a/"] = 80.0                       # probed: due later
+    assert list(h.due(70.0, own)) == []
+    h["http://b/"] = 20.0                       # a new hold, due sooner
+    assert list(h.due(70.0, own)) == ["http://b/"]
+    h.pop("http://b/")
+    assert list(h.due(90.0, own)) == ["http://a/"]
+    h.pop("t5")
+    del own["t5"]
+    h["t5"] = 30.0                              # its own again: never here
+    own["t5"] = None
+    assert list(h.due(1000.0, own)) == ["http://a/"]
+    del h["http://a/"]
+    assert list(h.due(1000.0, own)) == []
+    h["mqtt://c"] = 5.0
+    assert list(h.due(1000.0, own)) == ["mqtt://c"]
+    assert dict(h) == dict(myq._Holds(h))
