@@ -12890,6 +12890,10 @@ class _Holding(object):
             return
         self.spool.set_lane_types(lanes | {t})
         c = run.claim
+        if old is not None and c.trailers is not None \
+                and c.job.get("last_error") == "held: " + why:
+            self._held_again(run)
+            return
         job = dict(c.job)
         job["available_at"] = _now()
         job["last_error"] = "held: " + why
@@ -12897,6 +12901,24 @@ class _Holding(object):
         self._move(c, job, "incoming", None, {})
 
     LANED = 64
+
+    def _held_again(self, run):
+        """A probe of a held type found its handler still missing: its job
+        waits again in its lane as it was, not written again (SPEC 9: a
+        hold writes nothing per waiting job; a new version, fsync'd, at
+        each probe of 64 lanes, 5 s, 10 s, ... apart, was most of an idle
+        worker's work); only its lane is read again (_dirty_home)."""
+        c = run.claim
+        self._free(run)
+        try:
+            ok = self.spool.claims.put_back(c, _now())
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._put_back(c, None, None, {}))
+            return
+        if ok:
+            self._dirty_home(c.job)
+        self._logged(ok, c, None, {})
 
     def _write_hold(self, dest, why, until, **extra):
         rec = {"dest": dest, "why": why, "since": round(_now(), 3),
