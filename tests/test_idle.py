@@ -11,6 +11,7 @@ handler), for a spool of a few such types and
 for one of more than the 1,024 held types whose holds are recorded.  An
 idle poll must cost the same whatever the number of waiting jobs.
 """
+import os
 import signal
 import statistics
 import sys
@@ -150,3 +151,54 @@ def test_the_holds_due_a_probe_are_the_others_and_none_is_missed(myq):
     h["mqtt://c"] = 5.0
     assert list(h.due(1000.0, own)) == ["mqtt://c"]
     assert dict(h) == dict(myq._Holds(h))
+
+
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_a_held_types_probe_puts_its_job_back_unwritten(myq, spool, store):
+    """A probe of a type held for its missing handler that finds it still
+    missing puts the job back as it was (SPEC 9: a hold writes nothing per
+    waiting job): before, each probe wrote and fsync'd a new version of
+    it, 64 lanes' worth every 5 s, 10 s, ... (most of an idle worker's
+    work once its pass over the holds was gone)."""
+    import glob
+    import sqlite3
+    sp = myq.Spool(spool)
+    jid = sp.enqueue("nohandler", {"n": 1})
+    held = [0]
+    w = myq.Worker(sp, handlers={}, log=lambda ev, **kv: None, poll=0.05,
+                   stats_interval=0, backoff_base=0.01, jitter=0)
+    real_hold = w._hold
+
+    def hold(run, why):
+        real_hold(run, why)
+        held[0] += 1
+    w._hold = hold
+
+    def looks():
+        if store == "sqlite":
+            db = sqlite3.connect(os.path.join(spool, "queue.db"))
+            try:
+                return db.execute(
+                    "SELECT status, lane, attempts, last_error, updated_at, "
+                    "extra FROM jobs WHERE id=?", (jid,)).fetchall()
+            finally:
+                db.close()
+        paths = glob.glob(os.path.join(spool, "incoming", "lanes", "*",
+                                       jid + ".json"))
+        assert len(paths) == 1, paths
+        with open(paths[0], "rb") as f:
+            return paths[0], os.stat(paths[0]).st_ino, f.read()
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: held[0] >= 1, timeout=15, what="the type held")
+        first = looks()
+        # its probes: 1 s, then 2 s after
+        wait_for(lambda: held[0] >= 3, timeout=15, what="two probes")
+        again = looks()
+    finally:
+        w._on_stop(signal.SIGTERM, None)
+        t.join(10)
+    assert not t.is_alive()
+    assert again == first
+    assert sp.show(jid)["attempts"] == 0
