@@ -5934,11 +5934,16 @@ class _Budget(object):
         return out
 
     def compact_rates(self, now=None):
-        """locks/rates past 64 KiB: one line per 10 s, kind and type."""
+        """locks/rates past 64 KiB: one line per 10 s, kind and type.  Not
+        again within a minute unless it doubled since: what thousands of
+        types' arrivals leave past 64 KiB was compacted again at each
+        turn, for nothing (issue 36, an idle worker)."""
         path = self.d("locks", "rates")
         now = _now() if now is None else now
         try:
-            if _lstat(path).st_size < 65536:
+            size, kept = _lstat(path).st_size, self.__dict__.get("_rates_kept")
+            if size < 65536 or kept is not None and size < 2 * kept[0] \
+                    and 0 <= now - kept[1] < 60:
                 return
         except OSError:
             if not _lexists(path):
@@ -5952,11 +5957,11 @@ class _Budget(object):
             s = sums.setdefault((t - t % 10, kind, k), [0, 0])
             s[0] += n
             s[1] += b
+        data = b"".join(b"%d %s %s %d %d\n" % (t, kind, k.encode(), n, b)
+                        for (t, kind, k), (n, b) in sorted(sums.items()))
         try:
-            _replace(path, b"".join(b"%d %s %s %d %d\n" % (t, kind, k.encode(),
-                                                            n, b)
-                                    for (t, kind, k), (n, b) in sorted(
-                                        sums.items())), mode=0o660)
+            _replace(path, data, mode=0o660)
+            self._rates_kept = (len(data), now)
         except OSError:
             pass
 

@@ -202,3 +202,25 @@ def test_a_held_types_probe_puts_its_job_back_unwritten(myq, spool, store):
     assert not t.is_alive()
     assert again == first
     assert sp.show(jid)["attempts"] == 0
+
+
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_the_rates_of_thousands_of_types_are_not_compacted_at_every_turn(
+        myq, spool, store):
+    """locks/rates with an arrival of each of 5,000 types stays past 64 KiB
+    once compacted (a line per 10 s, kind and type): it was compacted
+    again at each of the worker's turns (every 10 s), for nothing; now
+    again only once it doubled, or a minute later."""
+    sp = myq.Spool(spool)
+    path = os.path.join(spool, "locks", "rates")
+    now = int(time.time())
+    with open(path, "ab") as f:
+        for i in range(5000):
+            f.write(b"%d a u%05d 1 100\n" % (now - i % 7, i))
+    sp.compact_rates()
+    first = os.stat(path)
+    assert first.st_size > 65536, first.st_size
+    sp.compact_rates()
+    assert os.stat(path).st_ino == first.st_ino, "compacted again at once"
+    sp.compact_rates(now=time.time() + 61)
+    assert os.stat(path).st_ino != first.st_ino, "expired lines kept for ever"
