@@ -130,7 +130,7 @@ bench-device:
 	$(BENCH_PYTHON) bench/device.py $(DEVICE_ARGS)
 
 # The CPU of an idle worker with 8,000 jobs of types it has no handler for
-# (issue 36: under 1 % of a core), both stores, medians of 3 (~8 min).
+# (issue 36: under 1 % of a core), both stores, medians of 3 (~15 min).
 # IDLE_ARGS, e.g. "--runs 1 --after 330" (past the held types' first probes).
 bench-idle:
 	$(BENCH_PYTHON) bench/idle.py $(IDLE_ARGS)
