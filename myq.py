@@ -11819,7 +11819,7 @@ def _drain(fd):
 # rates, batch_wait).  A part of Worker (its state is the worker's:
 # _lanes, _top, runs, _holds, poll), kept in one room.
 
-class _Holds(dict):
+class _HoldTimes(dict):
     """A worker's held destinations, DEST -> until (wall clock): a dict
     that also knows which of them its loop may have a probe of due
     (_Scheduling._next_claim): those that are not its own types held for
@@ -13101,7 +13101,7 @@ class _Holding(object):
                 else min(h["until"], now)
         for t, v in self._held.items():
             holds[t] = v[2]
-        self._holds = _Holds(holds)
+        self._holds = _HoldTimes(holds)
         self.spool.set_lane_types(sorted(set(
             [h["dest"] for h in held if h.get("missing")]
             + [t for t, v in self._held.items() if v[3]]))[:self.LANED])
@@ -13363,7 +13363,7 @@ class Worker(_Scheduling, _Running, _Holding):
         self._lanes_path = self.spool.d(LANES)
         self._lanes, self._lanes_key = [self._top], None
         self._lanes_look = 0.0      # no lanes yet: when to look again
-        self._holds = _Holds()      # held destination -> until (wall clock)
+        self._holds = _HoldTimes()  # held destination -> until (wall clock)
         self._streaky = set()       # destinations with failures in a row
         self._safe_names = {}       # destination -> its name as a file
         self._taken = (None, None, None)    # the last claim's slot, probe, lane

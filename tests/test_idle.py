@@ -126,11 +126,11 @@ def test_an_idle_polls_work_does_not_grow_with_jobs_of_types_without_a_handler(
 
 
 def test_the_holds_due_a_probe_are_the_others_and_none_is_missed(myq):
-    """Worker._holds (a _Holds) answers which held destinations have a
+    """Worker._holds (a _HoldTimes) answers which held destinations have a
     probe due without a pass over the worker's own held types at each
     poll; a destination held, moved or released in place is seen."""
     own = dict(("t%d" % i, None) for i in range(2000))
-    h = myq._Holds((t, 100.0) for t in own)
+    h = myq._HoldTimes((t, 100.0) for t in own)
     h["http://a/"] = 50.0
     assert list(h.due(10.0, own)) == []
     assert list(h.due(60.0, own)) == ["http://a/"]
@@ -150,7 +150,7 @@ def test_the_holds_due_a_probe_are_the_others_and_none_is_missed(myq):
     assert list(h.due(1000.0, own)) == []
     h["mqtt://c"] = 5.0
     assert list(h.due(1000.0, own)) == ["mqtt://c"]
-    assert dict(h) == dict(myq._Holds(h))
+    assert dict(h) == dict(myq._HoldTimes(h))
 
 
 @pytest.mark.parametrize("store", STORES, indirect=True)
