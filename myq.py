@@ -6150,11 +6150,16 @@ class Budget(object):
         return out
 
     def compact_rates(self, now=None):
-        """locks/rates past 64 KiB: one line per 10 s, kind and type."""
+        """locks/rates past 64 KiB: one line per 10 s, kind and type.  Not
+        again within a minute unless it doubled since: what thousands of
+        types' arrivals leave past 64 KiB was compacted again at each
+        turn, for nothing (issue 36, an idle worker)."""
         path = self.store.d("locks", "rates")
         now = _now() if now is None else now
         try:
-            if _lstat(path).st_size < 65536:
+            size, kept = _lstat(path).st_size, self.__dict__.get("_rates_kept")
+            if size < 65536 or kept is not None and size < 2 * kept[0] \
+                    and 0 <= now - kept[1] < 60:
                 return
         except OSError:
             if not _lexists(path):
@@ -6168,11 +6173,11 @@ class Budget(object):
             s = sums.setdefault((t - t % 10, kind, k), [0, 0])
             s[0] += n
             s[1] += b
+        data = b"".join(b"%d %s %s %d %d\n" % (t, kind, k.encode(), n, b)
+                        for (t, kind, k), (n, b) in sorted(sums.items()))
         try:
-            _replace(path, b"".join(b"%d %s %s %d %d\n" % (t, kind, k.encode(),
-                                                            n, b)
-                                    for (t, kind, k), (n, b) in sorted(
-                                        sums.items())), mode=0o660)
+            _replace(path, data, mode=0o660)
+            self._rates_kept = (len(data), now)
         except OSError:
             pass
 
@@ -12712,6 +12717,77 @@ class LiveFirst(object):
         return e
 
 
+class _HoldTimes(dict):
+    """A worker's held destinations, DEST -> until (wall clock): a dict
+    that also knows which of them its loop may have a probe of due
+    (_Scheduling._next_claim): those that are not its own types held for
+    a missing handler (probed through their lanes and parked jobs).  It
+    keeps a time no later than the soonest of theirs (every until set
+    lowers it), and only once that is due looks through that list, made
+    again when a destination came or went: an idle poll with 8,000 types
+    held compares one number, not a pass over them (issue 36)."""
+    __slots__ = ("_gen", "_key", "_others", "_soonest")
+
+    def __init__(self, *args):
+        dict.__init__(self, *args)
+        self._gen, self._key, self._others = 0, None, ()
+        self._soonest = -float("inf")
+
+    def __setitem__(self, dest, until):
+        if dest not in self:
+            self._gen += 1
+        if until < self._soonest:
+            self._soonest = until
+        dict.__setitem__(self, dest, until)
+
+    def __delitem__(self, dest):
+        self._gen += 1
+        dict.__delitem__(self, dest)
+
+    def pop(self, dest, *default):
+        if dest in self:
+            self._gen += 1
+        return dict.pop(self, dest, *default)
+
+    def clear(self):
+        self._gen += 1
+        dict.clear(self)
+
+    def update(self, *args, **kv):
+        self._gen += 1
+        self._soonest = -float("inf")
+        dict.update(self, *args, **kv)
+
+    def setdefault(self, *args):
+        self._gen += 1
+        self._soonest = -float("inf")
+        return dict.setdefault(self, *args)
+
+    def popitem(self):
+        self._gen += 1
+        return dict.popitem(self)
+
+    def due(self, now, own):
+        """The destinations whose probe is due at `now`, in order, but
+        those in `own` (the types this worker holds itself)."""
+        if now < self._soonest:
+            return ()
+        key = (self._gen, len(own))
+        if key != self._key:
+            self._key = key
+            self._others = [d for d in self if d not in own]
+        out, soonest = [], float("inf")
+        for d in self._others:
+            until = dict.get(self, d)
+            if until is None or d in own:
+                continue
+            if until <= now:
+                out.append(d)
+            soonest = min(soonest, until)   # (a due one not probed: again)
+        self._soonest = soonest
+        return out
+
+
 class _Lane(object):
     """A directory of waiting jobs as one worker sees it: incoming/ itself,
     or incoming/lanes/TYPE@PRIORITY, with its scan cache (`order`: its
@@ -13021,11 +13097,11 @@ class _Scheduler(object):
             # not read)
             now = _now() if self.holds.until or len(self._lanes) > 1 else None
             best, due = None, inf
-            for dest, until in list(self.holds.until.items()) if self.holds.until else ():
-                if until <= now and dest not in self.holds.missing:
-                    c = self._probe_claim(dest)
-                    if c is not None:
-                        return c
+            for dest in self.holds.until.due(now, self.holds.missing) \
+                    if self.holds.until else ():
+                c = self._probe_claim(dest)
+                if c is not None:
+                    return c
             if self.spool.intake:
                 # Producers' files are being moved to their lanes: go on
                 # with incoming/ first, so that their bounds see them all
@@ -13837,7 +13913,7 @@ class _Holds(object):
         self.spool, self.log, self.delays = spool, log, delays
         self.resolver = resolver
         self.sched = None           # (Worker.__init__, once both are made)
-        self.until = {}             # held destination -> until (wall clock)
+        self.until = _HoldTimes()   # held destination -> until (wall clock)
         self.missing = {}           # held type -> (why, delay, until, recorded)
         self.missing_changed = False
         self._holds_from = None     # the spool.breaker.records() `until` came from
@@ -13846,6 +13922,7 @@ class _Holds(object):
         self._streaky = set()       # destinations with failures in a row
         self._safe_names = {}       # destination -> its name as a file
         self._pol_seen = None       # the policy _check_holds last saw
+        self._holds_sig = None      # what _load_holds last made `until` of
 
     def _write_hold(self, dest, why, until, **extra):
         rec = {"dest": dest, "why": why, "since": round(_now(), 3),
@@ -13877,8 +13954,16 @@ class _Holds(object):
         held = self.spool.breaker.records()
         if held is self._holds_from and not self.missing_changed:
             return                  # (the same records: nothing to learn)
-        self._holds_from, self.missing_changed = held, False
         now, boot = _now(), boot_id()
+        sig = self._holds_sig_of(held, boot)
+        if sig == self._holds_sig and not self.missing_changed:
+            # (records that changed only where this worker's own holds
+            # win: a held type's probe; not a pass over all of them)
+            self._holds_from = held
+            self._streaky = self.spool.breaker.streaky()
+            return
+        self._holds_from, self.missing_changed = held, False
+        self._holds_sig = sig
         holds = {}
         for h in held:
             dest = h["dest"]
@@ -13889,11 +13974,20 @@ class _Holds(object):
                 else min(h["until"], now)
         for t, v in self.missing.items():
             holds[t] = v[2]
-        self.until = holds
+        self.until = _HoldTimes(holds)
         self.spool.set_lane_types(sorted(set(
             [h["dest"] for h in held if h.get("missing")]
             + [t for t, v in self.missing.items() if v[3]]))[:self.LANED])
         self._streaky = self.spool.breaker.streaky()
+
+    def _holds_sig_of(self, records, boot):
+        """What _load_holds makes of the records besides this worker's own
+        holds (whose times are its own): equal, the same holds."""
+        own = self.missing
+        return [(h["dest"], h.get("missing")) if h["dest"] in own else
+                (h["dest"], h.get("missing"), h["until"], h.get("boot") == boot,
+                 bool(h.get("missing")) and self._lacks(h["dest"]))
+                for h in records]
 
     def _lacks(self, type):
         """Has this worker no handler for `type`?  (Asked again when the
@@ -14365,7 +14459,9 @@ class _Finishing(object):
         recorded = old[3] if old else len(self.holds.missing) < 1024
         self.holds.missing[t] = (why, delay, until, recorded)
         self.holds.until[t] = until
-        self.holds.missing_changed = True
+        # (held again: what _load_holds makes of the holds is the same; a
+        # pass over all of them at each probe was an idle worker's work)
+        self.holds.missing_changed = self.holds.missing_changed or old is None
         if old is None:
             self.log("hold", dest=t, why=why, until=iso(until))
         # The record (for stats, check and a restart) is written once a
@@ -14389,11 +14485,33 @@ class _Finishing(object):
             return
         self.spool.set_lane_types(lanes | {t})
         c = run.claim
+        if old is not None and c.trailers is not None \
+                and c.job.get("last_error") == "held: " + why:
+            self._held_again(run)
+            return
         job = dict(c.job)
         job["available_at"] = _now()
         job["last_error"] = "held: " + why
         self._free(run)
         self._move(c, job, "incoming", None, {})
+
+    def _held_again(self, run):
+        """A probe of a held type found its handler still missing: its job
+        waits again in its lane as it was, not written again (SPEC 9: a
+        hold writes nothing per waiting job; a new version, fsync'd, at
+        each probe of 64 lanes, 5 s, 10 s, ... apart, was most of an idle
+        worker's work); only its lane is read again (_dirty_home)."""
+        c = run.claim
+        self._free(run)
+        try:
+            ok = self.spool.claims.put_back(c, _now())
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._put_back(c, None, None, {}))
+            return
+        if ok:
+            self.sched._dirty_home(c.job)
+        self._logged(ok, c, None, {})
 
     def _park(self, run, until, why, noted=True, lane=None):
         """Put a job of a held destination back, no attempt counted, until
