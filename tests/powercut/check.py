@@ -152,9 +152,17 @@ def done_ids(spool):
 
 def busy(spool):
     """How many jobs wait or run (flaky ones waiting for a retry too): the
-    files of incoming/ and processing/ (and the ready and processing rows)."""
-    n = len(os.listdir(os.path.join(spool, "incoming"))) + \
-        len(os.listdir(os.path.join(spool, "processing")))
+    job files of incoming/, its lanes and processing/ (and the ready and
+    processing rows).  Only job files: init makes incoming/lanes/, which
+    is no job (counted, a workload waited for it until its VM's time was
+    up, and the part ended with no result)."""
+    inc = os.path.join(spool, "incoming")
+    n = sum(name.endswith(".json") for name in _listdir(inc)) + \
+        len(_listdir(os.path.join(spool, "processing")))
+    lanes = os.path.join(inc, "lanes")
+    for lane in _listdir(lanes):
+        n += sum(name.endswith(".json")
+                 for name in _listdir(os.path.join(lanes, lane)))
     if store_of(spool) == "sqlite":
         rows, _, err = db_rows(spool, "status")
         n += sum(r[0] in ("ready", "processing") for r in rows) + bool(err)

@@ -263,3 +263,11 @@ def test_sqlite_a_database_sqlite_cannot_read_fails_the_recovery(myq, tmp_path):
     counts, notes = _check_sql(spool, promised, tmp_path)
     assert counts["recover"] >= 1 and counts["lost"] == 2, notes
     assert any("sqlite3 could not read" in n for n in notes), notes
+
+
+def test_busy_counts_jobs_not_the_directories_init_makes(myq, spool):
+    """A spool as init makes it (incoming/lanes/ among its directories) is
+    not busy; a job waiting in incoming/ or in a lane is."""
+    assert check.busy(spool) == 0
+    myq.open_store(spool).enqueue("ok", {})
+    assert check.busy(spool) == 1
