@@ -15155,9 +15155,39 @@ def _run_from_cache():
     except Exception:   # no py_compile, a read-only directory, ...
         return
     argv = _worker_start(cached=True)
+    argv = argv[:1] + flags + (_code_from_pipe(argv[2], flags) or argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(argv[0], argv[:1] + flags + argv[1:] + sys.argv[1:])
+    os.execv(argv[0], argv + sys.argv[1:])
+
+
+def _code_from_pipe(code, flags):
+    """[PATH] for _run_from_cache's new image: it reads its -c `code` as a
+    script from a pipe (PATH: /dev/fd/N), so that its command line is as
+    long as what _retitle_self then writes over it (python3 PROG WORDS),
+    none of it left over (the kilobyte of -c text stayed as NULs after the
+    words, in ps and /proc/PID/cmdline, its own and its forked workers').
+    PATH is padded with slashes to PROG's length less the `flags`'.  None
+    (the -c text, then) where no pipe can be made."""
+    try:
+        fd, w = os.pipe()
+    except OSError:
+        return None
+    try:
+        text = ("import os, sys\nos.close(%d)\nif not (sys.flags.isolated"
+                " or getattr(sys.flags, 'safe_path', 0)):\n    del sys.path[0]"
+                "\nsys.argv[0] = '-c'\n%s" % (fd, code)).encode("utf-8")
+        if os.write(w, text) != len(text):      # (a pipe holds 4 KiB at least)
+            raise OSError("short write")
+        os.set_inheritable(fd, True)
+    except (OSError, ValueError):
+        os.close(fd)
+        return None
+    finally:
+        os.close(w)
+    path = "/dev/fd/" if os.path.isdir("/dev/fd") else "/proc/self/fd/"
+    room = len(_title_prog()) - sum(len(f) + 1 for f in flags)
+    return [path + "/" * max(0, room - len(path) - len(str(fd))) + str(fd)]
 
 
 def _give_back_heap(reexec=False):
