@@ -5730,6 +5730,7 @@ BUDGET_STALE = 60.0     # seconds after which a producer walks itself
 RATE_WINDOW = 600.0     # seconds of arrivals and deliveries in the rates
 DRAIN_GAP = 30.0        # a job waited this long, nothing delivered: an outage
 UPLINK_WINDOW = 10.0    # --uplink-rate holds over any window this long
+DRAIN_MEASURE = 3       # seconds of deliveries before a drain's rate is said
 _ENTRY = 128            # a new job's directory entry and locks/rates line
 _SPARE = 2              # blocks kept for the records' next versions
 _USED_LEN = 64          # locks/used: "MEASURED ADDED TIME", padded
@@ -6296,15 +6297,22 @@ class Budget(object):
         deliveries (re)started within the window (after an outage, not its
         zeros averaged in), up to the last line while they go on (a line a
         second), else now; the jobs of the first second's line not counted
-        in it (they went in the time before it: a probe's one, a burst).
+        in it (they went in the time before it: a probe's one, a burst);
+        None while they went on less than DRAIN_MEASURE seconds, or are one
+        line younger than DRAIN_GAP (a probe, then the first batches: no
+        sustained rate yet).
         With the worker's --uplink-rate `cap` (bytes/s): not faster than
         their bytes on the uplink (as those delivered in the window took)
         can go beyond the `room` its window has left.  Tenths below 10 s."""
         d, since, ds, last, wire, first = r[2], r[3], r[4], r[5], r[7], r[8]
         if not d:
             return None
-        end = min(since + RATE_WINDOW, last if now - last <= 2 else now)
-        if end > since and ds > first:
+        going = now - last <= 2
+        end = min(since + RATE_WINDOW, last if going else now)
+        if going and last - since < DRAIN_MEASURE or \
+                ds == first and now - since <= DRAIN_GAP:
+            return None
+        if ds > first:
             s = jobs * (end - since) / float(ds - first)
         else:
             s = jobs * (end - since + 1) / float(ds)

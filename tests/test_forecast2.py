@@ -38,9 +38,9 @@ def test_the_drain_is_not_faster_than_the_uplink_rate_allows(spool, myq):
         myq.enqueue(spool, "up", "x")
     now = int(time.time())
     _outage(spool, "up", now)
-    # the link back: a burst of 100 a second these last 3 s, 300 bytes
+    # the link back: a burst of 100 a second these last 4 s, 300 bytes
     # each on the uplink (the window's budget spent), 300 wait
-    _lines(spool, [(t, "d", "up", 100, 30000) for t in range(now - 2, now + 1)])
+    _lines(spool, [(t, "d", "up", 100, 30000) for t in range(now - 3, now + 1)])
     # no cap known: the burst's rate (100 a second after its first line)
     assert _stats(spool)["up"]["est_drain_s"] == 3.0
     # a worker's cap of 1000 bytes a second: 90,000 bytes take 90 s
@@ -54,12 +54,12 @@ def test_the_uplink_window_left_goes_at_once(spool, myq):
         myq.enqueue(spool, "up", "x")
     now = int(time.time())
     # 100 delivered before the outage (their 30,000 bytes out of the 10 s
-    # window), then the last 3 s 10 a second at 10 bytes each: the
-    # window's 100,000 bytes less 300 left; the 30 waiting (7,000 bytes at
+    # window), then the last 4 s 10 a second at 10 bytes each: the
+    # window's 100,000 bytes less 400 left; the 30 waiting (7,000 bytes at
     # the window's bytes a job) go within it
     _lines(spool, [(now - 200, "d", "up", 100, 30000)])
     _outage(spool, "up", now)
-    _lines(spool, [(t, "d", "up", 10, 100) for t in range(now - 2, now + 1)])
+    _lines(spool, [(t, "d", "up", 10, 100) for t in range(now - 3, now + 1)])
     with open(os.path.join(spool, "locks", "uplink"), "w") as f:
         f.write("10000\n")
     e = _stats(spool)["up"]["est_drain_s"]
@@ -72,9 +72,14 @@ def test_the_first_seconds_line_is_not_in_the_rate(spool, myq):
     now = int(time.time())
     _outage(spool, "back", now)
     # the probe's one job, then 50 a second: 100 waiting take 2 s, not
-    # 100 x 3 / 101 (the old figure, whole seconds: 3)
-    _lines(spool, [(now - 2, "d", "back", 1, 0), (now - 1, "d", "back", 50, 0),
-                   (now, "d", "back", 50, 0)])
+    # 100 x 4 / 151 (the old figure, whole seconds: 3)
+    _lines(spool, [(now - 3, "d", "back", 1, 0)])
+    # (the probe's line alone, then the first batches: no rate yet, not
+    # 100 x 1 / 1 or 100 x 3 / 101)
+    assert _stats(spool)["back"]["est_drain_s"] is None
+    _lines(spool, [(now - 2, "d", "back", 50, 0), (now - 1, "d", "back", 50, 0)])
+    assert _stats(spool)["back"]["est_drain_s"] is None
+    _lines(spool, [(now, "d", "back", 50, 0)])
     assert _stats(spool)["back"]["est_drain_s"] == 2.0
 
 
