@@ -12540,7 +12540,7 @@ class _Resolver(object):
 
     def _sent(self, run, n):
         """A run's n bytes booked on the uplink, by its type (locks/rates)."""
-        job = getattr(run.claim, "job", None)
+        job = getattr(getattr(run, "claim", None), "job", None)
         t = job.get("type") if isinstance(job, dict) else None
         if isinstance(t, str) and _is_name(t):
             self.spool.budget.sent(t, n)
