@@ -5729,6 +5729,8 @@ BUDGET_EVERY = 10.0     # seconds between a worker's walks
 BUDGET_STALE = 60.0     # seconds after which a producer walks itself
 RATE_WINDOW = 600.0     # seconds of arrivals and deliveries in the rates
 DRAIN_GAP = 30.0        # a job waited this long, nothing delivered: an outage
+UPLINK_WINDOW = 10.0    # --uplink-rate holds over any window this long
+DRAIN_MEASURE = 3       # seconds of deliveries before a drain's rate is said
 _ENTRY = 128            # a new job's directory entry and locks/rates line
 _SPARE = 2              # blocks kept for the records' next versions
 _USED_LEN = 64          # locks/used: "MEASURED ADDED TIME", padded
@@ -5769,6 +5771,7 @@ class Budget(object):
         self._arrivals = None       # a producer's, held a second (atexit)
         self._arrived_at = -1e9
         self._delivered = {}        # a worker's, noted each second
+        self._sent = {}             # its bytes on the uplink, the same
         self._upkept = (-1e9, -1e9)     # (last turn, next walk): upkeep_budget
         self._inbox = {}            # what _inbox_waiting saw
 
@@ -6030,8 +6033,9 @@ class Budget(object):
     #
     # One line per event group, appended with one O_APPEND write (no fsync,
     # a statistic): "TIME a TYPE N BYTES" by a producer for the jobs of one
-    # enqueue, "TIME d TYPE N" by a worker for what it delivered since its
-    # last group commit.  Producers of the spool's group may append (the
+    # enqueue, "TIME d TYPE N BYTES" by a worker for what it delivered since
+    # its last group commit and the bytes it sent on its --uplink-rate
+    # (locks/uplink: its rate, for the forecast).  Producers of the spool's group may append (the
     # file is 0660); a line that does not parse is skipped.  The worker
     # compacts it (one line per 10 seconds and type, the last RATE_WINDOW
     # seconds kept) once it passes 64 KiB.
@@ -6083,12 +6087,40 @@ class Budget(object):
         d = self._delivered
         d[type] = d.get(type, 0) + 1
 
+    def sent(self, type, n):
+        """n bytes of `type` booked on the worker's --uplink-rate (its
+        runs' threads: a statistic, a race may lose an addition)."""
+        s = self._sent
+        s[type] = s.get(type, 0) + n
+
     def note_delivered(self):
-        """The deliveries counted since the last call, into locks/rates."""
-        d = self._delivered
-        if d:
-            self._delivered = {}
-            self.note_rates("d", dict((t, (n, 0)) for t, n in d.items()))
+        """The deliveries counted since the last call, and the bytes sent
+        on the uplink, into locks/rates."""
+        d, s = self._delivered, self._sent
+        if d or s:
+            self._delivered, self._sent = {}, {}
+            self.note_rates("d", dict((t, (d.get(t, 0), s.get(t, 0)))
+                                      for t in set(d) | set(s)))
+
+    def note_uplink(self, rate):
+        """A worker's start: its --uplink-rate (bytes a second) in
+        locks/uplink for the forecast (capacity), or none."""
+        path = self.store.d("locks", "uplink")
+        try:
+            if rate:
+                _replace(path, b"%d\n" % int(rate), mode=0o644)
+            elif _lexists(path):
+                os.unlink(path)
+        except OSError:
+            pass
+
+    def uplink_rate(self):
+        """The last worker's --uplink-rate (locks/uplink), or None."""
+        try:
+            rate = int(_read_small(self.store.d("locks", "uplink"), 64) or b"")
+        except (OSError, ValueError):
+            return None
+        return rate if rate > 0 else None
 
     def upkeep_budget(self, now):
         """A worker's turn (`now`: its monotonic clock): the deliveries
@@ -6129,22 +6161,28 @@ class Budget(object):
     def rates(self, now=None):
         """{TYPE: [arrived, their bytes, delivered, the time deliveries
         (re)started, delivered since, the last delivery's time, an arrival
-        not delivered since]} over RATE_WINDOW: they restart after a job
-        waited DRAIN_GAP seconds with nothing delivered (an outage)."""
+        not delivered since, bytes sent on the uplink, delivered in the
+        second they restarted, bytes sent in the last UPLINK_WINDOW]} over
+        RATE_WINDOW: they restart after a job waited DRAIN_GAP seconds with
+        nothing delivered (an outage)."""
         now = _now() if now is None else now
         self.flush_arrivals()
         out = {}
         for t, kind, k, n, b in self._rate_lines(now, now - RATE_WINDOW):
-            r = out.setdefault(k, [0, 0, 0, None, 0, None, None])
+            r = out.setdefault(k, [0, 0, 0, None, 0, None, None, 0, 0, 0])
             if kind == b"a":
                 r[0] += n
                 r[1] += b
                 r[6] = t if r[6] is None else r[6]
-            elif n:
+                continue
+            r[7] += b
+            r[9] += b if t > now - UPLINK_WINDOW else 0
+            if n:
                 r[2] += n
                 if r[3] is None or r[6] is not None and t - r[6] > DRAIN_GAP:
-                    r[3], r[4] = t, 0
+                    r[3], r[4], r[8] = t, 0, 0
                 r[4] += n
+                r[8] += n if t == r[3] else 0
                 r[5] = t if r[5] is None or t > r[5] else r[5]
                 r[6] = None
         return out
@@ -6239,21 +6277,48 @@ class Budget(object):
         if not types:
             return out
         waiting, per = self._waiting_types(now), {}
+        cap = self.uplink_rate()
+        room = cap and max(0, cap * UPLINK_WINDOW - sum(r[9] for r in rates.values()))
         for t in sorted(set(waiting) | set(rates)):
             jobs, size, first = waiting.get(t, (0, 0, None))
-            a, _, d, since, ds, last = rates.get(t, (0, 0, 0, None, 0, None))[:6]
-            # the drain at the rate since deliveries (re)started within
-            # the window: after an outage, not its zeros averaged in; up to
-            # the last line while they go on (a line a second), else now
-            end = last if d and now - last <= 2 else now
-            span = min(RATE_WINDOW, end - since + 1) if d else 0
+            r = rates.get(t, (0, 0, 0, None, 0, None, None, 0, 0, 0))
+            a, d = r[0], r[2]
             per[t] = {"waiting": {"jobs": jobs, "bytes": size},
                       "oldest_s": int(max(0, now - first)) if first else 0,
                       "arrival_per_s": round(a / RATE_WINDOW, 4),
                       "delivered_per_s": round(d / RATE_WINDOW, 4),
-                      "est_drain_s": int(round(jobs * span / ds)) if d else None}
+                      "est_drain_s": self._drain_s(now, jobs, r, cap, room)}
         out["types"] = per
         return out
+
+    @staticmethod
+    def _drain_s(now, jobs, r, cap, room):
+        """est_drain_s of `jobs` from a type's rates `r`: at the rate since
+        deliveries (re)started within the window (after an outage, not its
+        zeros averaged in), up to the last line while they go on (a line a
+        second), else now; the jobs of the first second's line not counted
+        in it (they went in the time before it: a probe's one, a burst);
+        None while they went on less than DRAIN_MEASURE seconds, or are one
+        line younger than DRAIN_GAP (a probe, then the first batches: no
+        sustained rate yet).
+        With the worker's --uplink-rate `cap` (bytes/s): not faster than
+        their bytes on the uplink (as those delivered in the window took)
+        can go beyond the `room` its window has left.  Tenths below 10 s."""
+        d, since, ds, last, wire, first = r[2], r[3], r[4], r[5], r[7], r[8]
+        if not d:
+            return None
+        going = now - last <= 2
+        end = min(since + RATE_WINDOW, last if going else now)
+        if going and last - since < DRAIN_MEASURE or \
+                ds == first and now - since <= DRAIN_GAP:
+            return None
+        if ds > first:
+            s = jobs * (end - since) / float(ds - first)
+        else:
+            s = jobs * (end - since + 1) / float(ds)
+        if cap and wire:
+            s = max(s, (jobs * wire / float(d) - room) / cap)
+        return round(s, 1) if s < 10 else int(round(s))
 
     def capacity_problem(self, warn):
         """check --warn-capacity: why the outage capacity is short, or None."""
@@ -9672,7 +9737,6 @@ def _tls_connection():
     return _tls_class[0]
 
 
-UPLINK_WINDOW = 10.0    # --uplink-rate holds over any window this long
 
 
 class Uplink(object):
@@ -9691,6 +9755,7 @@ class Uplink(object):
         self._sent = []         # [(monotonic time, bytes)], oldest first
         self._turns, self._seq = [], 0      # the runs that wait, in order
         self.waited = 0.0       # seconds runs waited, in all (tests, bench)
+        self.on_sent = None     # f(run, bytes) at each booking (the forecast)
 
     def _delay(self, n, now):
         """0 when n bytes may go now (then booked), else how long until."""
@@ -9738,6 +9803,8 @@ class Uplink(object):
             finally:
                 self._turns.remove(me)
                 cond.notify_all()
+            if run is not None and self.on_sent is not None:
+                self.on_sent(run, n)
             waited = _mono() - start
             if waited > 0.001:
                 self.waited += waited
@@ -12461,6 +12528,8 @@ class _Resolver(object):
         # kept http connections: one per destination and slot (myq(1) the
         # http type)
         pool = HttpPool(o.concurrency, o.http_ca, None, o.uplink_rate)
+        if pool.uplink is not None:     # its bytes by type: the forecast
+            pool.uplink.on_sent = self._sent
         self.http = HttpHandler(pool, o.http_headers, o.backoff_max)
         # --mqtt: the options are checked now, the broker connected at the
         # first mqtt job (one connection per worker, shared by its threads)
@@ -12468,6 +12537,13 @@ class _Resolver(object):
             o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
             o.mqtt_cert, o.mqtt_key, timeout=min(o.timeout, 30.0)),
             pool.uplink, o.timeout)
+
+    def _sent(self, run, n):
+        """A run's n bytes booked on the uplink, by its type (locks/rates)."""
+        job = getattr(getattr(run, "claim", None), "job", None)
+        t = job.get("type") if isinstance(job, dict) else None
+        if isinstance(t, str) and _is_name(t):
+            self.spool.budget.sent(t, n)
 
     def close(self):
         """The kept connections closed (the end of Worker.run)."""
@@ -14720,6 +14796,7 @@ class Worker(object):
         self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
+        sp.budget.note_uplink(self.options.uplink_rate)     # (the forecast)
         sp.fs.kept += 1             # its descriptors stay (closed at polls)
         self.holds._take_holds()
         try:
