@@ -58,9 +58,12 @@ mount -t ext4 /dev/vda /run/mnt
 MYQ_DEFAULTS=/run/pc/default-myq sh {repo}/init.d/myq start
 setsid python3 {here}/boot_part.py {phase} > /run/pc/{phase}.log 2>&1 < /dev/null &
 """
+# (--keep-done-max: every done job stays, the proof that it was delivered:
+# retention's default 1,000 removed the first done jobs of a fast boot,
+# which the check then counted lost)
 DEFAULTS = """MYQ_SPOOL={spool}
 MYQ_BIN={myq}
-MYQ_ARGS="--module {here}/handlers.py --backoff-base 0.2 --backoff-max 1"
+MYQ_ARGS="--module {here}/handlers.py --backoff-base 0.2 --backoff-max 1 --keep-done-max 1000000"
 MYQ_LOG=/run/mnt/myq.log
 MYQ_PIDFILE=/run/myq.pid
 """
@@ -101,7 +104,8 @@ def verify():
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         busy = [n for n in os.listdir(os.path.join(SPOOL, "incoming"))
-                if os.stat(os.path.join(SPOOL, "incoming", n)).st_mtime < time.time()]
+                if n.endswith(".json") and os.stat(os.path.join(
+                    SPOOL, "incoming", n)).st_mtime < time.time()]
         busy += os.listdir(os.path.join(SPOOL, "processing"))
         if not busy:
             break
