@@ -3058,6 +3058,11 @@ class Claims(object):
     across a crash; recovery (reap) of what a dead worker held; the
     quarantine of what cannot be a job.  The spool's, as spool.claims."""
 
+    # Does a claim from incoming/ change change_key() (files: the rename
+    # changes the directory's time)?  The scheduler then knows its own
+    # claim's change from a producer's (_Scheduler._lane_claim).
+    claim_changes_key = False
+
     def __init__(self, spool):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self.batches = _Batches(self.spool)
@@ -3522,6 +3527,7 @@ class Claims(object):
 class FileClaims(Claims):
     """The file store's claims: a claim is a rename into processing/, a
     lane a directory, a scan a walk of the lanes' entries."""
+    claim_changes_key = True
 
     def claim(self, name, me, default_max_attempts=5, scheduled=False,
                sub="incoming", anytime=False):
@@ -13235,9 +13241,9 @@ class _Scheduler(object):
         """Claim NAME of lane L, what _reserve took for it handed to the
         run (_start), or None (L keeps it: the caller gives it back)."""
         claims = self.spool.claims
-        # (a claim from incoming/ changes it: known, unless another's
-        # change came first; files alone, see _dirty_home)
-        pre = L is self._top and self.spool.store == "files" \
+        # (a claim from incoming/ changes it, where the store's claims say
+        # so: known, unless another's change came first; see _dirty_home)
+        pre = L is self._top and claims.claim_changes_key \
             and claims.change_key()[0]
         try:
             c = claims.claim(name, self.me, self.max_attempts, scheduled,
