@@ -12,20 +12,10 @@ import pytest
 
 from _core import call_myq, listed, policy
 from _http import http_servers  # noqa: F401 (a fixture)
+from test_forecast import _lines, _stats
 
 pytestmark = pytest.mark.parametrize("store", ["files", "sqlite"],
                                      indirect=True)
-
-
-def _stats(spool):
-    cp = call_myq("--spool", spool, "stats", "--json")
-    assert cp.returncode == 0, cp.stderr
-    return json.loads(cp.stdout)["types"]
-
-
-def _lines(spool, lines):
-    with open(os.path.join(spool, "locks", "rates"), "a") as f:
-        f.write("".join("%d %s %s %d %d\n" % l for l in lines))
 
 
 def _outage(spool, type_, now):
