@@ -71,12 +71,9 @@ def default_python():
 
 
 def child_env():
-    env = dict((k, v) for k, v in os.environ.items() if not k.startswith("MYQ_"))
-    for k in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONSTARTUP"):
-        env.pop(k, None)
-    env["PYTHONPYCACHEPREFIX"] = PYCACHE
-    env["PYTHONHASHSEED"] = "0"
-    return env
+    """bench/cpu.py's environment of a child, with this bench's cache."""
+    import cpu
+    return dict(cpu.child_env(), PYTHONPYCACHEPREFIX=PYCACHE)
 
 
 # The server ##################################################################

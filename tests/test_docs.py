@@ -12,15 +12,7 @@ import pytest
 
 import myq
 from _core import ROOT
-
-
-def _dist():
-    sys.path.insert(0, os.path.join(ROOT, "build"))
-    try:
-        import dist
-    finally:
-        sys.path.pop(0)
-    return dist
+from test_dist import _dist_module
 
 
 def _read(rel, root=ROOT):
@@ -29,7 +21,7 @@ def _read(rel, root=ROOT):
 
 
 def test_generated_files_are_what_the_table_makes():
-    for rel, text in sorted(_dist().generated().items()):
+    for rel, text in sorted(_dist_module().generated().items()):
         assert _read(rel) == text, "%s differs from myq.py's _INIT_SETTINGS: " \
             "run make docs" % rel
 
