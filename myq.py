@@ -7650,6 +7650,258 @@ def _job_of_row(row):
     return normalize(job)
 
 
+class _SqlDb(object):
+    """A SQLite store's database: this process's connection to queue.db
+    and its statements, one at a time (`mutex`), each a transaction of its
+    own (write) or several in one (tx), durable at their commit or at the
+    log's next fsync (`sync`); the log's limits (the budget's cap, a small
+    log below a guard).  `store`: its spool (paths, require, the owner's
+    hints, what a damaged database marks)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.conn = self.conn_pid = self.sync = None
+        self.commits = self.fresh = 0     # commits, those that added ready rows
+        self.mutex = _thread.allocate_lock()     # one statement at a time
+        self.cap_set = 0        # the log's limit set on this connection
+        self.small = False      # the log kept small (below a guard)
+        self.ret = None         # UPDATE ... RETURNING known (SQLite 3.35)
+
+    def connection(self):
+        """This process's connection (a forked child makes its own; its
+        parent's is kept, never closed: see _FORKED_DBS)."""
+        db = self.conn
+        if db is not None and self.conn_pid == _PID[0]:
+            return db
+        if db is not None:
+            _FORKED_DBS.append(db)
+            self.conn = None
+        sqlite3 = _sqlite3()
+        self.store.require()
+        path = self.store.d(DB_NAME)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError("%s is not a regular file (%s); move it away "
+                                  "and restore the database" % (
+                                      path, _file_kind(st.st_mode)))
+            if not os.access(path, os.R_OK) and os.geteuid() == \
+                    os.stat(self.store.path).st_uid:
+                # the spool's owner, the database another's (an owner
+                # changed: MYQ_USER): the chown that gives it back
+                raise _DbDenied(
+                    "%s cannot be used by uid %d (permission denied); give "
+                    "the spool to its owner: %s" % (
+                        path, os.geteuid(), self.store.chown_fix()))
+            if not os.access(path, os.R_OK):
+                raise ConfigError(
+                    "permission denied: %s is the spool's owner's alone (a "
+                    "producer could lock it); producers enqueue (myq enqueue, "
+                    "or a file in incoming/), the rest is the owner's: run "
+                    "myq as the owner%s or root" % (path, self.store._owner_hint()))
+            busy = parse_seconds(os.environ.get("MYQ_DB_BUSY") or DB_BUSY)
+            try:
+                db = self._connect(sqlite3, path, busy, False)
+            except sqlite3.Error:
+                if not _read_only_fs(path):
+                    raise
+                db = self._connect(sqlite3, path, busy, True)
+        except OSError as e:
+            raise _DbError(e.errno, "%s: %s" % (path, e.strerror))
+        except sqlite3.Error as e:
+            for p in (path, path + "-wal", path + "-shm"):
+                if _lexists(p) and not os.access(p, os.R_OK | os.W_OK):
+                    raise _DbDenied(
+                        "%s cannot be used by uid %d (permission denied); give "
+                        "the spool to its owner: %s" % (
+                            p, os.geteuid(), self.store.chown_fix()))
+            raise _db_error(self.store, e)
+        self.conn, self.conn_pid, self.sync = db, _PID[0], True
+        return db
+
+    def _connect(self, sqlite3, path, busy, read_only):
+        """A connection to queue.db; `read_only` (its filesystem is mounted
+        so): immutable, which reads what queue.db holds without the log and
+        index WAL needs to write, and so only when the log holds nothing
+        (it would be missed)."""
+        if read_only:
+            if os.path.exists(path + "-wal") and os.path.getsize(path + "-wal"):
+                raise _DbError(errno.EROFS, "%s is on a read-only filesystem and "
+                               "its log (-wal) holds commits not yet in it; mount "
+                               "it read-write, or copy the spool elsewhere, to "
+                               "read them" % path)
+            db = sqlite3.connect("file:%s?immutable=1" % path, uri=True,
+                                 timeout=busy, isolation_level=None,
+                                 check_same_thread=False)
+        else:
+            db = sqlite3.connect(path, timeout=busy, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA synchronous=FULL")
+        db.execute("SELECT 1 FROM jobs LIMIT 0").fetchall()    # (-wal, -shm)
+        _cloexec_files(path)
+        if not read_only:
+            self.cap_set = 0     # (a new connection)
+            self.log_limits(db)
+        return db
+
+    def tx(self, fn, sync=True, fresh=False):
+        """fn(db) in one write transaction (BEGIN IMMEDIATE ... COMMIT),
+        durable at its commit with `sync` (synchronous=FULL), else at the
+        next fsync of the log (claims.commit, or a durable commit).
+        `fresh`: it may add waiting rows (a lane the scheduler must learn)."""
+        sqlite3 = _sqlite3()
+        with self.mutex:
+            db = self.connection()
+            try:
+                self._synced(db, sync)
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    out = fn(db)
+                    if _hook is not None:       # (the crash points' seam)
+                        _hook("commit", self.store.d(DB_NAME), "before")
+                    db.execute("COMMIT")
+                    self._after_commit(fresh)
+                    if _hook is not None:
+                        _hook("commit", self.store.d(DB_NAME), "after")
+                except BaseException:
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    raise
+                return out
+            except sqlite3.Error as e:
+                raise _db_error(self.store, e)
+
+    def _synced(self, db, sync):
+        """The next commit durable at once (FULL) or at the next fsync of
+        the log (NORMAL): a connection's setting, changed only when it must."""
+        if self.sync != sync:
+            db.execute("PRAGMA synchronous=%s" % ("FULL" if sync else "NORMAL"))
+            self.sync = sync
+
+    def _after_commit(self, fresh):
+        self.commits += 1
+        if fresh:
+            self.fresh += 1
+        if self.commits == 1:      # (the log, made by a write)
+            _cloexec_files(self.store.d(DB_NAME))
+
+    def write(self, sql, args=(), sync=True, fresh=False, rows=False):
+        """One statement in its own transaction (autocommit: a write
+        statement takes the write lock at its start): the rows it changed,
+        or with `rows`, what it returned."""
+        if _hook is not None:           # (the crash points see its commit)
+            return self.tx(lambda db: db.execute(sql, args).fetchall() if rows
+                           else db.execute(sql, args).rowcount, sync, fresh)
+        with self.mutex:
+            # (every enqueue, claim and success: the usual case spelt out)
+            db = self.conn
+            if db is None or self.conn_pid != _PID[0]:
+                db = self.connection()
+            try:
+                if self.sync != sync:
+                    self._synced(db, sync)
+                cur = db.execute(sql, args)
+                out = cur.fetchall() if rows else cur.rowcount
+            except _sqlite3().Error as e:       # (looked up on an error alone)
+                raise _db_error(self.store, e)
+            self._after_commit(fresh)
+            return out
+
+    def all(self, sql, args=()):
+        sqlite3 = _sqlite3()
+        with self.mutex:
+            try:
+                return self.connection().execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise _db_error(self.store, e)
+
+    def one(self, sql, args=()):
+        rows = self.all(sql, args)
+        return rows[0] if rows else None
+
+    def returning(self):
+        """Does this SQLite know UPDATE ... RETURNING (3.35), and may a claim
+        be one statement (no crash point wants to see its commit)?"""
+        r = self.ret
+        if r is None:
+            r = self.ret = _sqlite3().sqlite_version_info >= (3, 35, 0)
+        return r and _hook is None
+
+    def version(self):
+        """Changes when anything commits: another connection (PRAGMA
+        data_version, which its own commits leave alone) or this one."""
+        return self.one("PRAGMA data_version")[0], self.fresh
+
+    def log_limits(self, db):
+        """With a budget, the log is checkpointed at a 32nd of it (16 to
+        1,000 pages; SQLite's 1,000 without one) and cut back to that
+        after: what the workers' commits write there stays within what
+        measure() counts for it.  (Below a guard, small_log's SMALL_LOG.)"""
+        cap = self.wal_cap()
+        if cap == self.cap_set:
+            return
+        try:
+            small = self.small
+            db.execute("PRAGMA wal_autocheckpoint=%d" % (
+                SMALL_LOG if small else cap or 1000))
+            db.execute("PRAGMA journal_size_limit=%d" % (
+                _wal_bytes(cap) if cap else -1)).fetchall()
+            self.cap_set = cap
+        except _sqlite3().Error:
+            pass                # (the next walk tries again)
+
+    def wal_cap(self):
+        b = self.store.budget.budget_bytes()
+        return None if b is None else max(16, min(1000, b // 32768))
+
+    def small_log(self, small):
+        """Below a guard (make_space) the log is checkpointed at SMALL_LOG
+        pages, not SQLite's 1,000 (a MiB it would need free), and at once:
+        its next commits go to its own first blocks, not to new ones the
+        full disk no longer has; back to 1,000 (or the budget's cap) once
+        the reserve is set aside again (keep_room).  (What the reserve
+        gives a full disk, 64 KiB, is half the log's index (-shm, 32 KiB);
+        the rest holds the log and the rows the backlog's jobs leave done:
+        at 16 pages, a log of a claim's and a finish's frames, three
+        indexes' pages each, took most of it.)"""
+        if not small and not self.small:
+            return
+        with self.mutex:
+            try:
+                db = self.connection()
+                db.execute("PRAGMA wal_autocheckpoint=%d" % (
+                    SMALL_LOG if small else self.wal_cap() or 1000))
+                if small:
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                self.small = small
+            except (_sqlite3().Error, MyqError):
+                pass            # (best effort: the next call tries again)
+
+    def vacuum(self):
+        """Free pages back to the filesystem (auto_vacuum=INCREMENTAL), and
+        the log's pages into the database (a checkpoint)."""
+        with self.mutex:
+            db = self.connection()
+            try:
+                # (sqlite3_exec, which steps it to its end: execute() and
+                # fetchall() step it once, and free one page)
+                db.executescript("PRAGMA incremental_vacuum;")
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except _sqlite3().Error as e:
+                raise _db_error(self.store, e)
+
+    def close(self):
+        """The connection closed (this process's: a forked child's parent
+        keeps its own)."""
+        with self.mutex:
+            db, self.conn = self.conn, None
+            if db is not None and self.conn_pid == _PID[0]:
+                try:
+                    db.close()
+                except _sqlite3().Error:
+                    pass
+
+
 class _SqlClaims(Claims):
     """The claim protocol over queue.db: a claim is one short transaction
     (BEGIN IMMEDIATE; the row, still ready in its lane; UPDATE to
@@ -7662,7 +7914,7 @@ class _SqlClaims(Claims):
     def change_key(self):
         inc, racy = Claims.change_key(self)
         self._clock()
-        return (inc, self.spool._version()), racy
+        return (inc, self.spool.db.version()), racy
 
     def _ahead(self, rows):
         """Rows at a lane's head written by a clock ahead of this one (a
@@ -7724,8 +7976,8 @@ class _SqlClaims(Claims):
         now = _mono()
         seen = self.__dict__.get("_seen")
         if seen is None or now >= seen[0] or poked:
-            seen = self._seen = (now + 0.05, self.spool._version()[0])
-        return seen[1], self.spool._fresh
+            seen = self._seen = (now + 0.05, self.spool.db.version()[0])
+        return seen[1], self.spool.db.fresh
 
     def maybe_lanes(self):
         return True
@@ -8015,7 +8267,7 @@ class _SqlClaims(Claims):
         # may have put it back with its backoff since)
         args = (me.wid, token, pre, post, until, jid, sub,
                 now + 0.5 if scheduled and not anytime else MAX_TIME)
-        if sp._returning():
+        if sp.db.returning():
             rows = sp._write(_CLAIM_RETURNING, args, sync=False, rows=True)
             row = rows[0] if rows else None
         else:
@@ -8371,7 +8623,7 @@ class _SqlUpkeep(object):
         then the reserve, as for files."""
         problem = self.free_problem()
         now = _now()
-        self._small_log(True)
+        self.db.small_log(True)
 
         def free(db):
             ids = db.execute("SELECT id, finished_at FROM jobs WHERE "
@@ -8383,7 +8635,7 @@ class _SqlUpkeep(object):
             return len(ids)
         try:
             gone = self._tx(free, sync=False)
-            self._vacuum()
+            self.db.vacuum()
         except _DbError:
             gone = 0
         what = "the oldest"
@@ -8394,47 +8646,11 @@ class _SqlUpkeep(object):
                      n=gone, freed=what)
         return gone
 
-    def _small_log(self, small):
-        """Below a guard (make_space) the log is checkpointed at SMALL_LOG
-        pages, not SQLite's 1,000 (a MiB it would need free), and at once:
-        its next commits go to its own first blocks, not to new ones the
-        full disk no longer has; back to 1,000 (or the budget's cap) once
-        the reserve is set aside again (keep_room).  (What the reserve
-        gives a full disk, 64 KiB, is half the log's index (-shm, 32 KiB);
-        the rest holds the log and the rows the backlog's jobs leave done:
-        at 16 pages, a log of a claim's and a finish's frames, three
-        indexes' pages each, took most of it.)"""
-        if not small and not self.__dict__.get("_small"):
-            return
-        with self._mutex:
-            try:
-                db = self._db()
-                db.execute("PRAGMA wal_autocheckpoint=%d" % (
-                    SMALL_LOG if small else self._wal_cap() or 1000))
-                if small:
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                self._small = small
-            except (_sqlite3().Error, MyqError):
-                pass            # (best effort: the next call tries again)
-
     def keep_room(self):
         kept = _DirStore.keep_room(self)
-        if kept and self.__dict__.get("_small"):
-            self._small_log(False)
+        if kept and self.db.small:
+            self.db.small_log(False)
         return kept
-
-    def _vacuum(self):
-        """Free pages back to the filesystem (auto_vacuum=INCREMENTAL), and
-        the log's pages into the database (a checkpoint)."""
-        with self._mutex:
-            db = self._db()
-            try:
-                # (sqlite3_exec, which steps it to its end: execute() and
-                # fetchall() step it once, and free one page)
-                db.executescript("PRAGMA incremental_vacuum;")
-                db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-            except _sqlite3().Error as e:
-                raise _db_error(self, e)
 
     def set_name(self, name):
         """_DirStore.set_name, for a spool that holds no job yet: its rows carry
@@ -8559,7 +8775,7 @@ class SqlBudget(Budget):
     """The budget of the SQLite store (myq-spool(5) BUDGET): what a row
     costs and frees in pages, the walk that checkpoints and vacuums
     first (the log's checkpoint kept within what is counted for it:
-    SqlStore._log_limits), and the shedding of done and `ok` rows."""
+    _SqlDb.log_limits), and the shedding of done and `ok` rows."""
 
     _EXACT = False
 
@@ -8587,13 +8803,14 @@ class SqlBudget(Budget):
             wal = os.lstat(wal_path).st_blocks * 512
         except OSError:
             wal = 0
-        cap = self.store._wal_cap()
+        db = self.store.db
+        cap = db.wal_cap()
         try:
             if cap is not None:
-                with self.store._mutex:
-                    self.store._log_limits(self.store._db())
+                with db.mutex:
+                    db.log_limits(db.connection())
                 if wal:
-                    self.store._vacuum()
+                    db.vacuum()
                     wal = _lstat(wal_path).st_blocks * 512
         except (MyqError, OSError):
             pass                # (busy: measured as it is)
@@ -8746,11 +8963,13 @@ class SqlStore(_SqlUpkeep, _DirStore):
 
     def __init__(self, path=None, log=None, **options):
         _DirStore.__init__(self, path, log, **options)
-        self._conn = self._conn_pid = self._sync = None
-        self._commits = self._fresh = 0
         self._writer = None
-        self._mutex = _thread.allocate_lock()     # one statement at a time
         self.damaged = None
+        # Its database, and the store's handles on its statements (bound
+        # once: a claim's statement is one lookup)
+        self.db = db = _SqlDb(self)
+        self._db, self._tx, self._write = db.connection, db.tx, db.write
+        self._all, self._one = db.all, db.one
 
     @staticmethod
     def usable():
@@ -8888,181 +9107,10 @@ class SqlStore(_SqlUpkeep, _DirStore):
 
     # The connection -----------------------------------------------------------------
 
-    def _db(self):
-        """This process's connection (a forked child makes its own; its
-        parent's is kept, never closed: see _FORKED_DBS)."""
-        db = self._conn
-        if db is not None and self._conn_pid == _PID[0]:
-            return db
-        if db is not None:
-            _FORKED_DBS.append(db)
-            self._conn = None
-        sqlite3 = _sqlite3()
-        self.require()
-        path = self.d(DB_NAME)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError("%s is not a regular file (%s); move it away "
-                                  "and restore the database" % (
-                                      path, _file_kind(st.st_mode)))
-            if not os.access(path, os.R_OK) and os.geteuid() == \
-                    os.stat(self.path).st_uid:
-                # the spool's owner, the database another's (an owner
-                # changed: MYQ_USER): the chown that gives it back
-                raise _DbDenied(
-                    "%s cannot be used by uid %d (permission denied); give "
-                    "the spool to its owner: %s" % (
-                        path, os.geteuid(), self.chown_fix()))
-            if not os.access(path, os.R_OK):
-                raise ConfigError(
-                    "permission denied: %s is the spool's owner's alone (a "
-                    "producer could lock it); producers enqueue (myq enqueue, "
-                    "or a file in incoming/), the rest is the owner's: run "
-                    "myq as the owner%s or root" % (path, self._owner_hint()))
-            busy = parse_seconds(os.environ.get("MYQ_DB_BUSY") or DB_BUSY)
-            try:
-                db = self._connect(sqlite3, path, busy, False)
-            except sqlite3.Error:
-                if not _read_only_fs(path):
-                    raise
-                db = self._connect(sqlite3, path, busy, True)
-        except OSError as e:
-            raise _DbError(e.errno, "%s: %s" % (path, e.strerror))
-        except sqlite3.Error as e:
-            for p in (path, path + "-wal", path + "-shm"):
-                if _lexists(p) and not os.access(p, os.R_OK | os.W_OK):
-                    raise _DbDenied(
-                        "%s cannot be used by uid %d (permission denied); give "
-                        "the spool to its owner: %s" % (
-                            p, os.geteuid(), self.chown_fix()))
-            raise _db_error(self, e)
-        self._conn, self._conn_pid, self._sync = db, _PID[0], True
-        return db
-
-    def _connect(self, sqlite3, path, busy, read_only):
-        """A connection to queue.db; `read_only` (its filesystem is mounted
-        so): immutable, which reads what queue.db holds without the log and
-        index WAL needs to write, and so only when the log holds nothing
-        (it would be missed)."""
-        if read_only:
-            if os.path.exists(path + "-wal") and os.path.getsize(path + "-wal"):
-                raise _DbError(errno.EROFS, "%s is on a read-only filesystem and "
-                               "its log (-wal) holds commits not yet in it; mount "
-                               "it read-write, or copy the spool elsewhere, to "
-                               "read them" % path)
-            db = sqlite3.connect("file:%s?immutable=1" % path, uri=True,
-                                 timeout=busy, isolation_level=None,
-                                 check_same_thread=False)
-        else:
-            db = sqlite3.connect(path, timeout=busy, isolation_level=None,
-                                 check_same_thread=False)
-            db.execute("PRAGMA synchronous=FULL")
-        db.execute("SELECT 1 FROM jobs LIMIT 0").fetchall()    # (-wal, -shm)
-        _cloexec_files(path)
-        if not read_only:
-            self.__dict__.pop("_cap_set", None)     # (a new connection)
-            self._log_limits(db)
-        return db
-
     def close(self):
         self.budget.note_delivered()
         self.fs.release()
-        with self._mutex:
-            db, self._conn = self._conn, None
-            if db is not None and self._conn_pid == _PID[0]:
-                try:
-                    db.close()
-                except _sqlite3().Error:
-                    pass
-
-    def _tx(self, fn, sync=True, fresh=False):
-        """fn(db) in one write transaction (BEGIN IMMEDIATE ... COMMIT),
-        durable at its commit with `sync` (synchronous=FULL), else at the
-        next fsync of the log (claims.commit, or a durable commit).
-        `fresh`: it may add waiting rows (a lane the scheduler must learn)."""
-        sqlite3 = _sqlite3()
-        with self._mutex:
-            db = self._db()
-            try:
-                self._synced(db, sync)
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    out = fn(db)
-                    if _hook is not None:       # (the crash points' seam)
-                        _hook("commit", self.d(DB_NAME), "before")
-                    db.execute("COMMIT")
-                    self._after_commit(fresh)
-                    if _hook is not None:
-                        _hook("commit", self.d(DB_NAME), "after")
-                except BaseException:
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
-                    raise
-                return out
-            except sqlite3.Error as e:
-                raise _db_error(self, e)
-
-    def _synced(self, db, sync):
-        """The next commit durable at once (FULL) or at the next fsync of
-        the log (NORMAL): a connection's setting, changed only when it must."""
-        if self._sync != sync:
-            db.execute("PRAGMA synchronous=%s" % ("FULL" if sync else "NORMAL"))
-            self._sync = sync
-
-    def _after_commit(self, fresh):
-        self._commits += 1
-        if fresh:
-            self._fresh += 1
-        if self._commits == 1:      # (the log, made by a write)
-            _cloexec_files(self.d(DB_NAME))
-
-    def _write(self, sql, args=(), sync=True, fresh=False, rows=False):
-        """One statement in its own transaction (autocommit: a write
-        statement takes the write lock at its start): the rows it changed,
-        or with `rows`, what it returned."""
-        if _hook is not None:           # (the crash points see its commit)
-            return self._tx(lambda db: db.execute(sql, args).fetchall() if rows
-                            else db.execute(sql, args).rowcount, sync, fresh)
-        with self._mutex:
-            # (every enqueue, claim and success: the usual case spelt out)
-            db = self._conn
-            if db is None or self._conn_pid != _PID[0]:
-                db = self._db()
-            try:
-                if self._sync != sync:
-                    self._synced(db, sync)
-                cur = db.execute(sql, args)
-                out = cur.fetchall() if rows else cur.rowcount
-            except _sqlite3().Error as e:       # (looked up on an error alone)
-                raise _db_error(self, e)
-            self._after_commit(fresh)
-            return out
-
-    def _all(self, sql, args=()):
-        sqlite3 = _sqlite3()
-        with self._mutex:
-            try:
-                return self._db().execute(sql, args).fetchall()
-            except sqlite3.Error as e:
-                raise _db_error(self, e)
-
-    def _one(self, sql, args=()):
-        rows = self._all(sql, args)
-        return rows[0] if rows else None
-
-    def _returning(self):
-        """Does this SQLite know UPDATE ... RETURNING (3.35), and may a claim
-        be one statement (no crash point wants to see its commit)?"""
-        r = self.__dict__.get("_ret")
-        if r is None:
-            r = self._ret = _sqlite3().sqlite_version_info >= (3, 35, 0)
-        return r and _hook is None
-
-    def _version(self):
-        """Changes when anything commits: another connection (PRAGMA
-        data_version, which its own commits leave alone) or this one."""
-        return self._one("PRAGMA data_version")[0], self._fresh
+        self.db.close()
 
     # Producers ------------------------------------------------------------------------
 
@@ -9415,28 +9463,6 @@ class SqlStore(_SqlUpkeep, _DirStore):
     def _drop_waiting(self, sub, name, dirs):
         return self._write("DELETE FROM jobs WHERE id=? AND status='ready' AND "
                            "lane=?", (name[:-5], sub)) == 1
-
-    def _log_limits(self, db):
-        """With a budget, the log is checkpointed at a 32nd of it (16 to
-        1,000 pages; SQLite's 1,000 without one) and cut back to that
-        after: what the workers' commits write there stays within what
-        measure() counts for it.  (Below a guard, _small_log's SMALL_LOG.)"""
-        cap = self._wal_cap()
-        if cap == self.__dict__.get("_cap_set", 0):
-            return
-        try:
-            small = self.__dict__.get("_small")
-            db.execute("PRAGMA wal_autocheckpoint=%d" % (
-                SMALL_LOG if small else cap or 1000))
-            db.execute("PRAGMA journal_size_limit=%d" % (
-                _wal_bytes(cap) if cap else -1)).fetchall()
-            self._cap_set = cap
-        except _sqlite3().Error:
-            pass                # (the next walk tries again)
-
-    def _wal_cap(self):
-        b = self.budget.budget_bytes()
-        return None if b is None else max(16, min(1000, b // 32768))
 
 
 _STORES["sqlite"] = SqlStore

@@ -80,8 +80,9 @@ def test_the_start_s_mark_gives_back_a_full_disk_s_error(tmp_path, monkeypatch):
             full[0] -= 1
             raise myq._DbFull(errno.ENOSPC, "queue.db: database or disk is full")
         return real(self, sql, args)
-    real = myq.SqlStore._one
-    monkeypatch.setattr(myq.SqlStore, "_one", one)
+    real = myq._SqlDb.one
+    monkeypatch.setattr(myq._SqlDb, "one", one)
+    sp = myq.open_store(path)       # (its handles on the patched statement)
     with pytest.raises(OSError) as e:
         sp.mark_clean(False)
     assert e.value.errno == errno.ENOSPC

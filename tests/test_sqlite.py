@@ -340,7 +340,7 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
     s = myq.open_store(sp)
     jid = s.enqueue("ok", None)
     calls = {"admit": 0, "back": 0}
-    real_admit, real_write = myq._SqlClaims._admit, myq.SqlStore._write
+    real_admit, real_write = myq._SqlClaims._admit, myq._SqlDb.write
 
     def admit(self, *a):
         calls["admit"] += 1
@@ -355,7 +355,8 @@ def test_a_claim_whose_admission_fails_on_io_goes_back_ready(tmp_path,
             raise myq._DbError(errno.EBUSY, "busy")
         return real_write(self, statement, *a, **kw)
     monkeypatch.setattr(myq._SqlClaims, "_admit", admit)
-    monkeypatch.setattr(myq.SqlStore, "_write", write)
+    monkeypatch.setattr(myq._SqlDb, "write", write)
+    s = myq.open_store(sp)          # (its handles on the patched statements)
     with pytest.raises(OSError) as e:          # given back at once
         s.claims.claim(jid + ".json", myq.Identity(s, 60.0), 5, True)
     assert not getattr(e.value, "give_back", None)
