@@ -255,7 +255,7 @@ _FADVISE = hasattr(os, "posix_fadvise")
 # O_TMPFILE (Linux >= 3.11): a new job is written as an unnamed file in its
 # directory and linked there once whole (linkat through /proc/self/fd), so
 # its name can only ever point to the inode written, and nothing is left in
-# tmp/ by a crash.  _Producing._unnamed sets it False at the first refusal
+# tmp/ by a crash.  Producer._unnamed sets it False at the first refusal
 # (EOPNOTSUPP: a filesystem without it; EISDIR, EINVAL: an older kernel;
 # ENOENT at the link: no /proc), and enqueues go through tmp/ from then on.
 _TMPFILE = getattr(os, "O_TMPFILE", 0) if sys.platform.startswith("linux") else 0
@@ -2471,7 +2471,7 @@ class Store(object):
         self._abstract()
 
     def _enqueue(self, todo, sync, refused=None, done=None):
-        """Place _prepared's jobs of `todo`, durable when it returns."""
+        """Place Producer.prepared's jobs of `todo`, durable when it returns."""
         self._abstract()
 
     def _enqueue_one(self, todo, sync):
@@ -3867,17 +3867,31 @@ class FileClaims(Claims):
                    for sub in self.spool.waiting_dirs())
 
 
-class _Producing(object):
-    """What producers do to a spool: enqueue (through tmp/, fsync'd, a
-    wake-up), the disk-free guard, idempotency records (a part of _DirStore)."""
+class Producer(object):
+    """A spool's producer of job files (a store's `producer`): a job
+    written into incoming/ or its lane (O_TMPFILE, else through tmp/),
+    fsync'd, a worker woken (locks/wake); the disk-free guard; the
+    idempotency records of locks/ok/.  The file store's jobs, the SQLite
+    store's drop box.  `store`: the spool it writes into (its layout, its
+    policy's lanes and bounds, its budget, what an explicit id finds)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.path, self.opt = store.path, store.opt
+        self._incoming, self._tmp = store._incoming, store._tmp
+        self._ok = os.path.join(self.path, "locks", "ok", "")
+        self._wake = os.path.join(self.path, "locks", "wake")
+        self._seq = 0           # tmp/ names made by this process
+        self._free_checked = (-1e9, True)     # low_on_space's
+        self.room = (-1e9, 0, 0, 0)           # room_for's
 
     # Producers ---------------------------------------------------------------
 
     def free_problem(self):
         """None, or why the disk-free guard refuses writes now."""
-        return self._free()[0]
+        return self.free()[0]
 
-    def _free(self):
+    def free(self):
         """(None or why the disk-free guard refuses writes now, bytes free
         beyond --min-free, inodes free beyond --min-free-inodes, block
         size); (None, 0, 0, 0) when statvfs fails."""
@@ -3898,23 +3912,23 @@ class _Producing(object):
                     % (st.f_favail, self.opt["min_free_inodes"])), 0, 0, 0
         return None, free - self.opt["min_free"], files, st.f_frsize or 4096
 
-    def _room_for(self, jobs):
+    def room_for(self, jobs):
         """The disk-free guard for a producer's new files (`jobs`: their
         bytes): None, or why it refuses them.  statvfs is asked at most once
         a second while this object's own files since stay within what it
         last saw free beyond the reserve (each counted a block more than
         its bytes, and an inode); else at once.  Like the worker's guard,
         what others write within that second is seen a second late."""
-        t, room, files, block = self._budget
+        t, room, files, block = self.room
         now = _mono()
         need = sum(jobs) + block * len(jobs)
         if now - t >= 1.0 or need > room or len(jobs) > files:
-            problem, room, files, block = self._free()
+            problem, room, files, block = self.free()
             if problem:
-                self._budget = (-1e9, 0, 0, 0)
+                self.room = (-1e9, 0, 0, 0)
                 return problem
             t = now
-        self._budget = (t, room - need, files - len(jobs), block)
+        self.room = (t, room - need, files - len(jobs), block)
         return None
 
     def low_on_space(self, now=None):
@@ -3926,35 +3940,10 @@ class _Producing(object):
             self._free_checked = (_mono(), problem)
         return problem
 
-    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
-                timeout=None, sync=True, priority=None, ttl=None):
-        """Add one job; returns its id.  Durable when it returns (sync)."""
-        self.require()
-        job = new_job(type, payload, id, delay, max_attempts, timeout, _now(),
-                      priority, ttl)
-        todo = self._prepared(job, id is not None, delay or 0)
-        if todo[4] != "incoming":       # (a lane: make_room, the lane made)
-            return self._enqueue([todo], sync)[0]
-        return self._enqueue_one(todo, sync)
-
-    def enqueue_many(self, specs, sync=True):
-        """Add many jobs, durable when it returns (sync): on ext4 in one
-        journal commit (_enqueue).  All are validated before any is
-        written; jobs placed before an error stay queued."""
-        self.require()
-        now = _now()
-        todo = []
-        for spec in specs:
-            spec = dict(spec)
-            explicit = spec.get("id") is not None
-            job = new_job(spec.pop("type", None), now=now, **spec)
-            todo.append(self._prepared(job, explicit, spec.get("delay") or 0))
-        return self._enqueue(todo, sync)
-
-    def _prepared(self, job, explicit, delay):
+    def prepared(self, job, explicit, delay):
         """(job, its bytes, explicit id, delay, its directory) for _enqueue;
         the type's priority fixed now (myq(1) policy).  Raises InvalidJob."""
-        rules = self.rules(job["type"])
+        rules = self.store.rules(job["type"])
         own = own_destination(job, rules)
         if own:
             raise InvalidJob(own)
@@ -3967,23 +3956,23 @@ class _Producing(object):
             raise InvalidJob("job %s is %d bytes, more than --max-job-bytes "
                              "(%d); send a reference to the data instead"
                              % (job["id"], len(data), self.opt["max_job_bytes"]))
-        return job, data, explicit, delay, self.home(job, rules)
+        return job, data, explicit, delay, self.store.home(job, rules)
 
-    def _enqueue(self, todo, sync, refused=None, done=None):
-        """Place the jobs of `todo` (_prepared's); their ids.  With
+    def place(self, todo, sync, refused=None, done=None):
+        """Place the jobs of `todo` (prepared's); their ids.  With
         `refused` (a list: import), a duplicate id or a type's bound
         refuses that job alone, (id, error) appended, and the rest go on;
         `done` (a list) gets (id, directory) of each placed, kept when an
         error ends the call."""
-        problem = self._room_for([len(t[1]) for t in todo])
+        problem = self.room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self.budget.charge([(t[0]["type"], len(t[1])) for t in todo],
+        self.store.budget.charge([(t[0]["type"], len(t[1])) for t in todo],
                      [t[4] for t in todo])
         # Through descriptors of the directories, opened without following a
         # symlink: a root producer never writes outside a spool it does not
         # own, whatever its owner puts in place of tmp/ or incoming/.
-        dirs = self.fs
+        dirs = self.store.fs
         done = [] if done is None else done
         # Many jobs: each file's writeback is started (posix_fadvise) and its
         # fsync left for later (_fsync_later), so that the blocks of all are
@@ -3996,20 +3985,20 @@ class _Producing(object):
             try:
                 for job, data, explicit, delay, sub in todo:
                     if sub.startswith(LANES):
-                        full = self.make_room(job["type"], len(data), dirs)
+                        full = self.store.make_room(job["type"], len(data), dirs)
                         if full and refused is not None:
                             refused.append((job["id"], SpoolFull(full)))
                             continue
                         if full:
                             raise SpoolFull(full)
                         if dirs.owns():
-                            self._make_lane(sub, dirs)
+                            self.store._make_lane(sub, dirs)
                         else:
                             # lanes are the owner's: a producer drops into
                             # incoming/, and a worker moves it to its lane
                             sub = "incoming"
                     try:
-                        self._place_new(job, data, explicit, delay, sync, dirs,
+                        self.place_new(job, data, explicit, delay, sync, dirs,
                                         sub, later)
                     except DuplicateJob as e:
                         if refused is None:
@@ -4026,15 +4015,15 @@ class _Producing(object):
                     except MyqError:
                         pass            # (the first error is the one to say)
                 if done and sync:
-                    self._fsync_or_withdraw(done, dirs)
+                    self.fsync_or_withdraw(done, dirs)
                 raise
             if done:
                 if later:
                     self._fsync_later(later, done)
                 if sync:
-                    self._fsync_or_withdraw(done, dirs)
+                    self.fsync_or_withdraw(done, dirs)
                 self.poke(dirs, often=True, subs=set(d[1] for d in done))
-                self._arrived(todo, done)
+                self.arrived(todo, done)
         except OSError as e:        # opening the directories
             if isinstance(e, _Refused):
                 raise ConfigError("spool %s refuses the job: %s; nothing was "
@@ -4045,25 +4034,50 @@ class _Producing(object):
             dirs.release()
         return [jid for jid, sub in done]
 
-    def _arrived(self, todo, done):
+    def enqueue_one(self, todo, sync):
+        """place() of one job into incoming/, without the batch's lists."""
+        job, data, explicit, delay, sub = todo
+        problem = self.room_for((len(data),))
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
+        self.store.budget.charge(((job["type"], len(data)),), (sub,))
+        dirs = self.store.fs
+        jid = job["id"]
+        try:
+            self.place_new(job, data, explicit, delay, sync, dirs)
+            if sync:
+                self.fsync_or_withdraw(((jid, sub),), dirs)
+            self.poke(dirs, often=True)
+            self.arrived([todo], ((jid, sub),))
+        except OSError as e:        # opening the directories
+            if isinstance(e, _Refused):
+                raise ConfigError("spool %s refuses the job: %s; nothing was "
+                                  "enqueued" % (self.path, e))
+            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
+                            % (self.path, e.strerror))
+        finally:
+            dirs.release()
+        return jid
+
+    def arrived(self, todo, done):
         """The arrivals of `todo` that `done` placed, into locks/rates."""
         ids = set(jid for jid, sub in done if sub not in ("done", "dlq"))
         counts = {}
         for t in todo:
             if t[0]["id"] in ids:
                 c = counts.get(t[0]["type"], (0, 0))
-                counts[t[0]["type"]] = (c[0] + 1, c[1] + self.budget.cost(len(t[1])))
-        self.budget.note_arrivals(counts)
+                counts[t[0]["type"]] = (c[0] + 1, c[1] + self.store.budget.cost(len(t[1])))
+        self.store.budget.note_arrivals(counts)
 
     def _fsync_later(self, later, done):
-        """The fsyncs _place_new left for later, in order, after one of the
+        """The fsyncs place_new left for later, in order, after one of the
         last file: it waits for the writeback started last, which ended
         after (nearly) all the others, so that the commit it makes holds
         them all (ext4's unwritten extents are converted when their write
         ends: in order, a file whose write ended after that commit needs
         another; 100 jobs: 1.7 commits, not 1).  The first that fails takes
         back its job and every one after it (not durable: not enqueued;
-        `done` loses them), and raises as _place_new would."""
+        `done` loses them), and raises as place_new would."""
         try:
             for i in ([-1] if len(later) > 1 else []) + [0] * len(later):
                 jid, ino, dfd, fd, dst = later[i]
@@ -4085,14 +4099,14 @@ class _Producing(object):
                 os.close(x[3])
             del later[:]
 
-    def _fsync_or_withdraw(self, placed, dirs):
+    def fsync_or_withdraw(self, placed, dirs):
         """Commit incoming/ (and the lanes used); when that fails the jobs
         are not durable, so take them back (an error must mean: nothing
         enqueued)."""
         try:
             for sub in sorted(set(sub for jid, sub in placed)) \
                     if len(placed) > 1 else (placed[0][1],):
-                _fsync_dir(self.d(sub), dirs(sub))
+                _fsync_dir(self.store.d(sub), dirs(sub))
         except OSError as e:
             for jid, sub in placed:
                 _quiet_unlink(jid + ".json", dirs(sub))
@@ -4104,15 +4118,15 @@ class _Producing(object):
         self._seq += 1
         return "%s%s.%d.%d.new" % (self._tmp, jid, _PID[0], self._seq)
 
-    def _place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming",
+    def place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming",
                    later=None):
         jid = job["id"]
         if explicit:
-            where = self.find_id(jid, dirs=dirs)
+            where = self.store.find_id(jid, dirs=dirs)
             if where:
                 raise DuplicateJob("job id %s already exists (%s); pick another "
                                    "id or delete the old job" % (jid, where))
-        dst = (self._incoming if sub == "incoming" else self.d(sub, "")) + jid + ".json"
+        dst = (self._incoming if sub == "incoming" else self.store.d(sub, "")) + jid + ".json"
         tmp = tfd = fd = None
         try:
             dfd = dirs(sub)
@@ -4164,7 +4178,7 @@ class _Producing(object):
         """The job written as an unnamed file in its directory (O_TMPFILE),
         then linked at `dst` once whole: nothing can be swapped for it, and
         a crash before the link leaves nothing behind.  (None, descriptor)
-        for _place_new (the inode asked only if it must be withdrawn), or
+        for place_new (the inode asked only if it must be withdrawn), or
         None where the system refuses O_TMPFILE (never asked again)."""
         global _TMPFILE
         _step("create", dst, "before")
@@ -4255,7 +4269,7 @@ class _Producing(object):
                 "permission denied: uid %d may not write jobs into %s (%s); "
                 "nothing was enqueued; run myq as the spool's owner%s, or "
                 "give this user write access" % (os.geteuid(), self.path,
-                                                 e.strerror, self._owner_hint()))
+                                                 e.strerror, self.store._owner_hint()))
         raise SpoolBusy("cannot write job %s to %s: %s; nothing was enqueued"
                         % (jid, self.path, e.strerror))
 
@@ -4286,7 +4300,7 @@ class _Producing(object):
             t = _UNHEARD.get(self.path)
             if t is not None and _mono() < t:
                 return
-            if subs and self._hushed(subs):
+            if subs and self.hushed(subs):
                 return
         fd = self._open_wake(dirs)
         if fd is None:
@@ -4300,7 +4314,7 @@ class _Producing(object):
         finally:
             os.close(fd)
 
-    def _hushed(self, subs):
+    def hushed(self, subs):
         """Is every lane of `subs` one whose batch a worker waits out
         (locks/quiet/LANE, its mtime on the monotonic clock: until when,
         Worker._hush)?  Its jobs cannot start before, and it looks at the
@@ -4312,9 +4326,9 @@ class _Producing(object):
             if not sub.startswith(LANES + "/"):
                 return False
             name = sub[len(LANES) + 1:]
-            wait = self.rules(name.rpartition("@")[0]).get("batch_wait")
+            wait = self.store.rules(name.rpartition("@")[0]).get("batch_wait")
             try:
-                left = _lstat(self.d("locks", "quiet", name)).st_mtime - now
+                left = _lstat(self.store.d("locks", "quiet", name)).st_mtime - now
             except (OSError, MyqError):
                 return False
             if not wait or not 0 < left <= wait:
@@ -4338,7 +4352,7 @@ class _Producing(object):
 
     # Idempotency records -----------------------------------------------------
 
-    def _mark_ok(self, jid, t=None):
+    def mark_ok(self, jid, t=None):
         """A record in locks/ok/ that `jid` was done at `t` (default now)."""
         path = self._ok + jid
         try:
@@ -4350,7 +4364,7 @@ class _Producing(object):
         if t is not None:
             _utime(path, t)
 
-    def _outlive(self, path, now=None):
+    def outlive(self, path, now=None):
         """done/ID.json is about to go: keep the id's de-duplication in
         locks/ok/ when its window has not ended, unless the id is one myq
         generated (no producer chose it, none will send it again)."""
@@ -4364,7 +4378,7 @@ class _Producing(object):
         now = _now() if now is None else now
         if t + self.opt["dedupe_window"] > now:
             try:
-                self._mark_ok(jid, t)
+                self.mark_ok(jid, t)
             except OSError:
                 pass        # what retention removes is not worth failing for
 
@@ -4509,7 +4523,7 @@ class _Upkeep(object):
             self.claims.kill_handler(_claim_token(path), 15)
             path = gone
         elif state == "done":
-            self._outlive(path)
+            self.producer.outlive(path)
         try:
             _unlink(path)
         except OSError as e:
@@ -4714,7 +4728,7 @@ class _Upkeep(object):
         file with its .reason), else 0."""
         try:
             if sub == "done" and path.endswith(".json"):
-                self._outlive(path)
+                self.producer.outlive(path)
             if sub == "failed" and stat.S_ISDIR(_lstat(path).st_mode):
                 self._rmtree(path)
             else:
@@ -5151,7 +5165,7 @@ class Backlog(object):
         return counts
 
     def _imported(self, line):
-        """_prepared's tuple for one line, or InvalidJob."""
+        """Producer.prepared's tuple for one line, or InvalidJob."""
         if isinstance(line, InvalidJob):
             raise line          # (a line too long to read: _bounded_lines)
         if isinstance(line, bytes):
@@ -5820,7 +5834,7 @@ class Budget(object):
         return own.get("budget") if own else None
 
     def _block(self):
-        b = self.store._budget[3] or self._blk   # (_room_for's)
+        b = self.store.producer.room[3] or self._blk   # (room_for's)
         if b is None:
             try:
                 b = os.statvfs(self.store.path).f_frsize or 4096
@@ -6276,7 +6290,7 @@ class Budget(object):
         rates = self.rates(now)
         budget = self.budget_bytes()
         used = self.used_bytes(0)       # (walked: the figure set right)
-        room = max(0, budget - used) if budget is not None else self.store._free()[1]
+        room = max(0, budget - used) if budget is not None else self.store.producer.free()[1]
         per_s = sum(r[1] for r in rates.values()) / RATE_WINDOW
         out = {"budget_bytes": budget, "used_bytes": used,
                "outage_capacity_s": int(room / per_s) if per_s > 0 else None}
@@ -6599,7 +6613,7 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
-class _DirStore(_Producing, _Upkeep, _Reading, Store):
+class _DirStore(_Upkeep, _Reading, Store):
     """What every store of a spool directory shares (the file store's and
     the SQLite store's): the layout, name, policy and lanes, the drop
     box's and failed/'s files, the budget's records, the statistics."""
@@ -6619,13 +6633,9 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
         self._incoming = os.path.join(self.path, "incoming", "")
         self._processing = os.path.join(self.path, "processing", "")
         self._done = os.path.join(self.path, "done", "")
-        self._ok = os.path.join(self.path, "locks", "ok", "")
         self._tmp = os.path.join(self.path, "tmp", "")
-        self._wake = os.path.join(self.path, "locks", "wake")
         self._ready = False
-        self._free_checked = (-1e9, True)
-        self._budget = (-1e9, 0, 0, 0)    # _room_for's
-        self._seq = 0
+        self._seq = 0           # processing/ names made by delete
         self._pol, self._pol_key, self._pol_next = {}, None, 0.0
         self._rules, self._homes = {}, {}     # per type, for this policy
         self.lane_types = frozenset()   # held for a missing handler: laned
@@ -6633,12 +6643,43 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
         self.policy_error = None
         self.intake = False     # _claim moved a producer's file to its lane
         self.lane_problems = {}     # lane -> why the door refused it
+        # Its parts: the producer's side, the holds' records, the claims,
+        # the budget, export and import; and its handles on the producer's
+        # (bound once: the worker asks them at every turn)
+        self.producer = p = Producer(self)
+        self.poke, self.free_problem = p.poke, p.free_problem
+        self.low_on_space = p.low_on_space
         self.breaker = Breaker(self)
         self.claims = self.CLAIMS(self)
         self.budget = self.BUDGET(self)
         self.backlog = self.BACKLOG(self)
 
         _Door.of(self.path)
+
+    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
+                timeout=None, sync=True, priority=None, ttl=None):
+        """Add one job; returns its id.  Durable when it returns (sync)."""
+        self.require()
+        job = new_job(type, payload, id, delay, max_attempts, timeout, _now(),
+                      priority, ttl)
+        todo = self.producer.prepared(job, id is not None, delay or 0)
+        if todo[4] != "incoming":       # (a lane: make_room, the lane made)
+            return self._enqueue([todo], sync)[0]
+        return self._enqueue_one(todo, sync)
+
+    def enqueue_many(self, specs, sync=True):
+        """Add many jobs, durable when it returns (sync): on ext4 in one
+        journal commit (Producer.place).  All are validated before any is
+        written; jobs placed before an error stay queued."""
+        self.require()
+        now = _now()
+        todo = []
+        for spec in specs:
+            spec = dict(spec)
+            explicit = spec.get("id") is not None
+            job = new_job(spec.pop("type", None), now=now, **spec)
+            todo.append(self.producer.prepared(job, explicit, spec.get("delay") or 0))
+        return self._enqueue(todo, sync)
 
     @property
     def fs(self):
@@ -7114,30 +7155,11 @@ class FileStore(_DirStore):
     BUDGET = FileBudget
     BACKLOG = FileBacklog
 
+    def _enqueue(self, todo, sync, refused=None, done=None):
+        return self.producer.place(todo, sync, refused, done)
+
     def _enqueue_one(self, todo, sync):
-        """_enqueue of one job into incoming/, without the batch's lists."""
-        job, data, explicit, delay, sub = todo
-        problem = self._room_for((len(data),))
-        if problem:
-            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self.budget.charge(((job["type"], len(data)),), (sub,))
-        dirs = self.fs
-        jid = job["id"]
-        try:
-            self._place_new(job, data, explicit, delay, sync, dirs)
-            if sync:
-                self._fsync_or_withdraw(((jid, sub),), dirs)
-            self.poke(dirs, often=True)
-            self._arrived([todo], ((jid, sub),))
-        except OSError as e:        # opening the directories
-            if isinstance(e, _Refused):
-                raise ConfigError("spool %s refuses the job: %s; nothing was "
-                                  "enqueued" % (self.path, e))
-            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
-                            % (self.path, e.strerror))
-        finally:
-            dirs.release()
-        return jid
+        return self.producer.enqueue_one(todo, sync)
 
     def find_id(self, jid, now=None, dirs=None):
         """Where an id lives for de-duplication: a state name or None."""
@@ -7251,7 +7273,7 @@ class FileStore(_DirStore):
             for _, name in old:
                 try:
                     if sub == "done" and not inodes:
-                        self._outlive(self.d(sub, name))
+                        self.producer.outlive(self.d(sub, name))
                     _unlink(self.d(sub, name))
                     gone += 1
                 except OSError:
@@ -9164,7 +9186,7 @@ class SqlStore(_SqlUpkeep, _DirStore):
         """One new row waiting in incoming/ (`size`: its file's bytes),
         under the disk guard and the budget, in its own commit; a worker
         woken."""
-        problem = self._room_for((size,))
+        problem = self.producer.room_for((size,))
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         try:
@@ -9188,14 +9210,14 @@ class SqlStore(_SqlUpkeep, _DirStore):
         return job["id"]
 
     def _enqueue(self, todo, sync, refused=None, done=None):
-        """Place the jobs of `todo` (_prepared's) in one transaction, durable
+        """Place the jobs of `todo` (Producer.prepared's) in one transaction, durable
         at its commit (sync); their ids.  A duplicate id raises
         DuplicateJob and places nothing, unless `refused` (import) takes
         it."""
         self.require()
         if self._drop_box():
-            return _DirStore._enqueue(self, todo, sync, refused, done)
-        problem = self._room_for([len(t[1]) for t in todo])
+            return self.producer.place(todo, sync, refused, done)
+        problem = self.producer.room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
         self.budget.charge([(t[0]["type"], len(t[1])) for t in todo])
@@ -9237,7 +9259,7 @@ class SqlStore(_SqlUpkeep, _DirStore):
             self._rows_placed(self._insert(rows, sync, dup), rows, done)
             if done:
                 self.poke(often=True, subs=set(d[1] for d in done))
-                self._arrived(todo, done)
+                self.producer.arrived(todo, done)
         finally:
             self.fs.release()
         return [jid for jid, _ in done]
@@ -13291,7 +13313,7 @@ class _Scheduler(object):
     def _hush(self, L, until):
         """Lane L's batch waits out its batch_wait until `until` (wall
         clock): producers need not poke for it meanwhile (locks/quiet/LANE,
-        its mtime that time on the monotonic clock: Spool._hushed), as
+        its mtime that time on the monotonic clock: Producer.hushed), as
         this worker looks at the lane then; None: poke again (its batch
         starts, the worker stops).  Either way the lane is scanned at its
         next claim: what came without a poke is found there."""

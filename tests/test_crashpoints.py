@@ -352,7 +352,7 @@ def _():
     # the worker died holding a job whose id has a fresh record in locks/ok/
     # (done before, its done/ file removed early): the reaper counts it done
     def then(sp, me, c, arm):
-        sp._mark_ok(c.jid)
+        sp.producer.mark_ok(c.jid)
         _record(c.job)
     return _reap_setup(then), _reap_act
 
