@@ -74,22 +74,26 @@ The map: the sections, in file order, each using only those above it
                     file checked, in canonical form (test_policy)
   The spool         Store (the contract of a store), Identity, Claim,
                     Breaker (holds' records), Claims (the
-                    claim protocol, recovery), _Producing (enqueue, the
-                    guard, idempotency), _Upkeep (retry, delete, prune,
-                    check), Backlog, FileBacklog (export, import: JSON lines),
-                    Budget, FileBudget (the budget's figure and shed,
+                    claim protocol, recovery), Producer (a store's
+                    producer: job files written, the guard, idempotency
+                    records), Upkeep (retry, delete, prune, check),
+                    Backlog, FileBacklog (export, import: JSON lines),
+                    Reader (locate, show, list, stats), Budget,
+                    FileBudget (the budget's figure and shed,
                     capacity: locks/used, locks/rates, the store's
                     budget), _Layout (what init makes),
                     _DirStore (what every store of a spool directory
-                    shares: reading, policy, lanes, stats), FileStore (the
-                    store of files), open_store, Spool (myq(1)'s Python
-                    API, handed to its store) (test_store, test_api,
-                    test_spool_layout, test_retry_dlq, test_operator,
-                    test_export, test_budget)
-  The SQLite store  SqlStore, _SqlClaims, SqlBudget, SqlBacklog: the same
-                    interface over queue.db (myq init --store sqlite), the
-                    drop box taken in (test_sqlite, and the
-                    store-parametrised tests)
+                    shares: policy, lanes, totals; its parts made and
+                    held), FileUpkeep, FileStore (the store of files),
+                    open_store, Spool (myq(1)'s Python API, handed to its
+                    store) (test_store, test_api, test_spool_layout,
+                    test_retry_dlq, test_operator, test_export,
+                    test_budget)
+  The SQLite store  SqlStore and its parts: _SqlDb (the connection and its
+                    statements), _SqlClaims, _SqlUpkeep, _SqlReader,
+                    SqlBudget, SqlBacklog: the same contract over queue.db
+                    (myq init --store sqlite), the drop box taken in
+                    (test_sqlite, and the store-parametrised tests)
   Logging           Log and its file (test_initd)
   Handlers          --module files; http: requests, answers, http_dest,
                     Uplink (--uplink-rate), HttpPool, batches, Kafka's body
@@ -2421,10 +2425,14 @@ class Store(object):
     retry or the dead letters, put_back, take_back, reap, scan, extend,
     commit), its holds' records its `breaker`, its budget (what a job
     costs, what sheds first) its `budget`, its export and import its
-    `backlog`.  A store is chosen by the
+    `backlog`, what the commands read its `reader` (READER), the
+    operator's moves and retention its `upkeep` (UPKEEP), the writing of
+    job files its `producer`.  A store is chosen by the
     spool's SPOOL/store through _STORES; a new one registers there."""
 
     store = None        # its name in SPOOL/store and _STORES
+    READER = None       # the class of its reader (Reader's)
+    UPKEEP = None       # the class of its upkeep (Upkeep's)
     CLAIMS = None       # the class of its claims (Claims' contract)
     BUDGET = None       # the class of its budget (Budget's)
     BACKLOG = None      # the class of its export and import (Backlog's)
@@ -2506,10 +2514,6 @@ class Store(object):
         """Move dead (or failed) jobs back to the queue, attempts reset."""
         self._abstract()
 
-    def _retry(self, ids, missing, me, now=False):
-        """retry's moves of the store's own jobs."""
-        self._abstract()
-
     def delete(self, ids, force=False):
         """Remove jobs by id (a claimed one only with force)."""
         self._abstract()
@@ -2519,24 +2523,12 @@ class Store(object):
         """Remove the jobs of a state (and type, and age)."""
         self._abstract()
 
-    def _delete_one(self, jid, state, path, force, status=None):
-        """Remove one job where locate found it."""
-        self._abstract()
-
     def reap(self, me=None, max_attempts=5, dry_run=False):
         """Take back the claims of workers that are gone."""
         self._abstract()
 
     def prune(self, now=None, full=True):
         """Apply retention (done, dlq, failed, records, strays)."""
-        self._abstract()
-
-    def _prune_jobs(self, now, full, out):
-        """prune's part over the store's own finished jobs."""
-        self._abstract()
-
-    def _holders(self):
-        """(owners, tokens) of the claims held now."""
         self._abstract()
 
     def make_space(self, n=256):
@@ -2567,18 +2559,6 @@ class Store(object):
 
     def stats(self, now=None, by_type=False, types=True):
         """The counters of the status line (myq-spool(5) STATISTICS)."""
-        self._abstract()
-
-    def _rows(self, state):
-        """list's rows of one state (None: every state)."""
-        self._abstract()
-
-    def _counts(self, now):
-        """stats' counts of the jobs by state."""
-        self._abstract()
-
-    def _describe(self, state, path, holding=None):
-        """show's dict of the job where locate found it."""
         self._abstract()
 
     # Finishing -----------------------------------------------------------
@@ -4400,22 +4380,39 @@ class Producer(object):
                             % (jid, self.path))
 
 
-class _Upkeep(object):
-    """The operator's moves (retry, delete, reap) and retention (prune,
-    the guards' make_space, the reserve) and check (a part of _DirStore)."""
+class Upkeep(object):
+    """The operator's moves (retry, delete) and retention (prune, the
+    guards' make_space, the reserve) and check, over a spool (a store's
+    `upkeep`; FileUpkeep for files, _SqlUpkeep for queue.db).  `store`:
+    the spool (its layout, claims, reader, producer, policy, budget)."""
+
+    def __init__(self, store):
+        self.store = store
+        self._seq = 0           # processing/ names made by delete
+
+    def _abstract(self):
+        raise NotImplementedError("Method must be implemented by the store")
+
+    def _retry(self, ids, missing, me, now=False):
+        """retry's moves of the store's own jobs."""
+        self._abstract()
+
+    def _prune_jobs(self, now, full, out):
+        """prune's part over the store's own finished jobs."""
+        self._abstract()
+
+    def make_space(self, n=256):
+        """Below a guard: the oldest done jobs go, their ids kept."""
+        self._abstract()
 
     # Operator moves ----------------------------------------------------------
-
-    def reap(self, me=None, max_attempts=5, dry_run=False):
-        """Take back the claims of workers that are gone (Claims.reap)."""
-        return self.claims.reap(me, max_attempts, dry_run)
 
     def _located(self, ids, missing):
         """(id, state, path) of each id that exists; the others go to
         `missing` (the caller reports them all at once, exit 66)."""
         for jid in ids:
             try:
-                state, path = self.locate(jid)
+                state, path = self.store.locate(jid)
             except NoSuchJob:
                 missing.append(jid)
                 continue
@@ -4424,13 +4421,13 @@ class _Upkeep(object):
     def retry(self, ids=(), all=False, now=False):
         """Bring dead (or repaired failed) jobs back, attempts reset; with
         `now`, make waiting (scheduled) jobs ready now, attempts kept."""
-        self.require()
+        self.store.require()
         ids = [_check_ref(i) for i in _ids(ids)]
         if all:
-            ids += [n[:-5] for n in sorted(_listdir(self.d("dlq")))
+            ids += [n[:-5] for n in sorted(_listdir(self.store.d("dlq")))
                     if n.endswith(".json")]
         missing = []
-        me = Identity(self, kind="r")   # registered when a dead job moves
+        me = Identity(self.store, kind="r")   # registered when a dead job moves
         try:
             n = self._retry(ids, missing, me, now)
         finally:
@@ -4438,7 +4435,7 @@ class _Upkeep(object):
         if missing:
             raise NoSuchJob("no dead or failed job %s in %s (retry takes jobs "
                             "from dlq/ and failed/; retry --now also scheduled "
-                            "ones)" % (", ".join(missing), self.path))
+                            "ones)" % (", ".join(missing), self.store.path))
         return n
 
     def _unreadable_by_worker(self, path):
@@ -4447,7 +4444,7 @@ class _Upkeep(object):
         would be quarantined again at once."""
         try:
             st = _lstat(path)
-            top = os.fstat(self.fs(""))
+            top = os.fstat(self.store.fs(""))
         except OSError:
             return None
         if top.st_uid == 0 or not stat.S_ISREG(st.st_mode):
@@ -4471,23 +4468,23 @@ class _Upkeep(object):
         it the way a retry does (owned first, written in tmp/, renamed into
         incoming/): a worker never sees it half-written, never twice.  False
         when a worker took it first."""
-        job, _, _ = self.load(path, jid)
+        job, _, _ = self.store.load(path, jid)
         if job["available_at"] <= _now() and os.lstat(path).st_mtime <= _now():
             return True                 # ready already
         job["available_at"] = _now()
         if not me.registered:
             me.register()
-        owned = self.claims.own(path, jid, me)
+        owned = self.store.claims.own(path, jid, me)
         if owned is None:
             return False
         fin, token = owned
-        self.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
+        self.store.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
                       job, "incoming", me, fin=fin)
-        self.log("retry_now", id=jid)
+        self.store.log("retry_now", id=jid)
         return True
 
     def delete(self, ids, force=False):
-        self.require()
+        self.store.require()
         ids = [_check_ref(i) for i in _ids(ids)]
         missing, n = [], 0
         for jid, state, path in self._located(ids, missing):
@@ -4502,7 +4499,7 @@ class _Upkeep(object):
                 continue
             n += r
         if missing:
-            raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
+            raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.store.path))
         return n
 
     def _delete_one(self, jid, state, path, force):
@@ -4515,15 +4512,15 @@ class _Upkeep(object):
             # Take it from the worker first (its finish then fails with
             # ENOENT and moves nothing), then stop the handler.
             self._seq += 1
-            gone = self.d("processing", "%s+deleted.%d.%d.new" % (
+            gone = self.store.d("processing", "%s+deleted.%d.%d.new" % (
                 jid, os.getpid(), self._seq))
             if not _take(path, gone):
 
                 return None
-            self.claims.kill_handler(_claim_token(path), 15)
+            self.store.claims.kill_handler(_claim_token(path), 15)
             path = gone
         elif state == "done":
-            self.producer.outlive(path)
+            self.store.producer.outlive(path)
         try:
             _unlink(path)
         except OSError as e:
@@ -4544,9 +4541,9 @@ class _Upkeep(object):
         Returns how many went."""
         now = self._bulk_delete(state, force, now)
         sub = STATE_DIRS[state]
-        subs = self.waiting_dirs() if sub == "incoming" else [sub]
+        subs = self.store.waiting_dirs() if sub == "incoming" else [sub]
         chosen = []
-        for e in (e for d in subs for e in _scandir(self.d(d))):
+        for e in (e for d in subs for e in _scandir(self.store.d(d))):
             name = e.name
             if sub == "failed":
                 if name.endswith(".reason"):
@@ -4562,11 +4559,11 @@ class _Upkeep(object):
                 jid = name[:-5]
             try:
                 st = e.stat(follow_symlinks=False)
-                p = self.d(sub, e.name)
+                p = self.store.d(sub, e.name)
                 if sub == "failed":
                     job = {"state": "failed", "type": type and self._failed_type(p)}
                 else:
-                    job = self._describe(state, p)
+                    job = self.store.reader._describe(state, p)
             except OSError:
                 continue                # it moved while we looked
             except InvalidJob:
@@ -4577,7 +4574,7 @@ class _Upkeep(object):
                 else st.st_ctime
             if older_than is not None and now - born < older_than:
                 continue
-            chosen.append((jid, self.d(sub, e.name)))
+            chosen.append((jid, self.store.d(sub, e.name)))
         n = 0
         for jid, path in chosen:
             n += self._delete_one(jid, state, path, force) or 0
@@ -4585,7 +4582,7 @@ class _Upkeep(object):
 
     def _bulk_delete(self, state, force, now):
         """delete_where's checks of its words (either store's); its `now`."""
-        self.require()
+        self.store.require()
         if state not in STATES:
             raise UsageError("unknown state %r; one of: %s" % (state, " ".join(STATES)))
         if state == "processing" and not force:
@@ -4596,7 +4593,7 @@ class _Upkeep(object):
     def _failed_type(self, path):
         """The type a quarantined file names, if it is a JSON object at all."""
         try:
-            obj, _ = parse(self.read_file(path)[0])
+            obj, _ = parse(self.store.read_file(path)[0])
         except (OSError, InvalidJob, ValueError):
             return None
         return obj.get("type") if isinstance(obj, dict) else None
@@ -4617,7 +4614,7 @@ class _Upkeep(object):
         """Apply retention: done/, dlq/, failed/, tmp/, idempotency records,
         records of dead workers.  Returns counts of what was removed.
         `full=False` (the worker's frequent pass) does done/ and tmp/ only."""
-        self.require()
+        self.store.require()
         now = _now() if now is None else now
         out = dict(done=0, dead=0, failed=0, tmp=0, ok=0, workers=0)
         bound = self._prune_jobs(now, full, out)
@@ -4625,18 +4622,18 @@ class _Upkeep(object):
         # and idempotency records past their bound in count.
         for what, n in (("tmp", out["tmp"]), ("ok", bound.get("locks/ok", 0))):
             if n:
-                self.log("removed", what=what, n=n, why="stray in tmp/"
+                self.store.log("removed", what=what, n=n, why="stray in tmp/"
                          if what == "tmp" else "past --keep-ok-max")
-                self.count("removed", what, n)
+                self.store.count("removed", what, n)
         if full:
-            for e in _scandir(self.d("failed")):      # reasons left alone
-                p = self.d("failed", e.name)
+            for e in _scandir(self.store.d("failed")):      # reasons left alone
+                p = self.store.d("failed", e.name)
                 if e.name.endswith(".reason") and not _lexists(p[:-7]):
                     _quiet_unlink(p)
             out["workers"] = self._prune_workers(now)
             self._compact_retries(now)
             out["tmp"] += self._prune_strays(now)
-            self.breaker.prune()
+            self.store.breaker.prune()
         return out
 
     # The reserve: locks/room, ROOM bytes the worker sets aside while there
@@ -4644,24 +4641,23 @@ class _Upkeep(object):
     # retention frees nothing: a full disk (a backlog that filled the
     # flash, another program's file) still leaves a starting worker room
     # for its record and the backlog a way out (myq(1) guards).
-    ROOM = 65536
 
     def keep_room(self):
         """Set the reserve aside when it is not and the guards allow."""
-        path = self.d("locks", "room")
-        if _lexists(path) or self.free_problem() or \
-                not self.budget.budget_takes(self.ROOM):
+        path = self.store.d("locks", "room")
+        if _lexists(path) or self.store.free_problem() or \
+                not self.store.budget.budget_takes(self.store.ROOM):
             return False
         try:
-            _replace(path, os.urandom(self.ROOM), mode=0o600)
+            _replace(path, os.urandom(self.store.ROOM), mode=0o600)
         except OSError as e:
-            self.log("error", during="reserve", error=e.strerror or str(e))
+            self.store.log("error", during="reserve", error=e.strerror or str(e))
             return False
         return True
 
     def _free_room(self):
         try:
-            _unlink(self.d("locks", "room"))
+            _unlink(self.store.d("locks", "room"))
         except OSError:
             return False
         return True
@@ -4676,23 +4672,23 @@ class _Upkeep(object):
                 ("locks", ".tmp", "keep_tmp"), ("locks/workers", ".tmp", "keep_tmp"),
                 ("locks/held", ".tmp", "keep_tmp"),
                 ("locks/batches", "", "dedupe_window")):
-            for e in _scandir(self.d(sub) if sub else self.path):
+            for e in _scandir(self.store.d(sub) if sub else self.store.path):
                 if not e.name.endswith(end) or (end == ".tmp" and e.name[:1] != "."):
                     continue
                 if end == ".tmp" and _writer_lives(e.name):
                     continue        # (old by a clock that jumped: in use)
                 try:
-                    if now - e.stat(follow_symlinks=False).st_ctime > self.opt[keep]:
-                        _unlink(self.d(sub, e.name) if sub else self.d(e.name))
+                    if now - e.stat(follow_symlinks=False).st_ctime > self.store.opt[keep]:
+                        _unlink(self.store.d(sub, e.name) if sub else self.store.d(e.name))
                         n += 1
                 except OSError:
                     pass
         return n
 
-    def _aged(self, sub, age):
+    def aged(self, sub, age):
         """(time, name) of the entries of SUB that retention may remove, by
         their "ctime", "mtime" or the "oldest" of the two."""
-        for e in _scandir(self.d(sub)):
+        for e in _scandir(self.store.d(sub)):
             if sub == "failed" and e.name.endswith(".reason"):
                 continue
             try:
@@ -4710,25 +4706,25 @@ class _Upkeep(object):
         rest goes at the next prune)."""
         import heapq
         n = left = 0
-        for t, name in self._aged(sub, age):
+        for t, name in self.aged(sub, age):
             if now - t > keep:
-                n += self._remove(sub, self.d(sub, name))
+                n += self.remove(sub, self.store.d(sub, name))
             else:
                 left += 1
         if most is None or left <= most:
             return n
-        oldest = heapq.nsmallest(min(left - most, 10000), self._aged(sub, age))
-        m = sum(self._remove(sub, self.d(sub, name)) for _, name in oldest)
+        oldest = heapq.nsmallest(min(left - most, 10000), self.aged(sub, age))
+        m = sum(self.remove(sub, self.store.d(sub, name)) for _, name in oldest)
         if bound is not None:
             bound[sub] = m
         return n + m
 
-    def _remove(self, sub, path):
+    def remove(self, sub, path):
         """1 when the entry went (a quarantined directory whole, a failed
         file with its .reason), else 0."""
         try:
             if sub == "done" and path.endswith(".json"):
-                self.producer.outlive(path)
+                self.store.producer.outlive(path)
             if sub == "failed" and stat.S_ISDIR(_lstat(path).st_mode):
                 self._rmtree(path)
             else:
@@ -4745,20 +4741,20 @@ class _Upkeep(object):
         n = 0
         owners, tokens = self._holders()
         cache, mono = {}, _mono()
-        for name in _listdir(self.d("locks", "workers")):
-            path = self.d("locks", "workers", name)
+        for name in _listdir(self.store.d("locks", "workers")):
+            path = self.store.d("locks", "workers", name)
             if name.endswith(".run"):
                 if name[:-4] not in tokens:
-                    n += self._remove("locks/workers", path)
+                    n += self.remove("locks/workers", path)
             elif name.endswith(".json") and name[:-5] not in owners:
-                why = self.claims._owner_gone(name[:-5], path, cache, now, mono)
+                why = self.store.claims._owner_gone(name[:-5], path, cache, now, mono)
                 if why and "lease" not in why and "hung" not in why:
-                    n += self._remove("locks/workers", path)
+                    n += self.remove("locks/workers", path)
         return n
 
     def _holders(self):
         """(worker ids, tokens) of the claims held now."""
-        claims = _listdir(self.d("processing"))
+        claims = _listdir(self.store.d("processing"))
         return (set(p[1] for p in map(_split_claim, claims) if p),
                 set(map(_claim_token, claims)))
 
@@ -4784,7 +4780,7 @@ class _Upkeep(object):
             pass
 
     def _compact_retries(self, now):
-        path = self.d("locks", "retries")
+        path = self.store.d("locks", "retries")
         try:
             if _lstat(path).st_size < 65536:
                 return
@@ -4799,44 +4795,44 @@ class _Upkeep(object):
         """Health problems, one line each; [] when healthy.  With
         `operator`, also what waits for an operator (dead jobs, quarantined
         files, files in incoming/ no worker takes)."""
-        if not os.path.isdir(self.path):
-            self.require()              # exit 78: there is no spool at all
+        if not os.path.isdir(self.store.path):
+            self.store.require()              # exit 78: there is no spool at all
         problems = []
         for sub in SUBDIRS:
-            if not os.path.isdir(self.d(sub)):
+            if not os.path.isdir(self.store.d(sub)):
                 try:
-                    self._unusable(sub)     # there, but out of this user's reach
+                    self.store._unusable(sub)     # there, but out of this user's reach
                 except ConfigError as e:
                     return [str(e)]
                 problems.append("%s/ is missing; run: myq --spool %s init"
-                                % (self.d(sub), self.path))
+                                % (self.store.d(sub), self.store.path))
         if problems:
-            problem = self.free_problem()
+            problem = self.store.free_problem()
             return problems + ([problem] if problem else [])
         try:
-            self.check_filesystem()
+            self.store.check_filesystem()
         except ConfigError as e:
             problems.append(str(e))
         for sub in SUBDIRS + ("locks/ok", "locks/workers"):
-            p = self.d(sub)
+            p = self.store.d(sub)
             if not os.path.isdir(p):
                 problems.append("%s is missing; run: myq --spool %s init"
-                                % (p, self.path))
+                                % (p, self.store.path))
             elif not os.access(p, os.W_OK | os.X_OK):
                 problems.append("%s is not writable by uid %d; fix its owner "
                                 "(myq init --owner USER)" % (p, os.getuid()))
         for sub in ("tmp", "incoming"):
             try:
-                mode = os.stat(self.d(sub)).st_mode
+                mode = os.stat(self.store.d(sub)).st_mode
             except OSError:
                 continue
             if mode & 0o022 and not mode & stat.S_ISVTX:
                 problems.append(
                     "%s is writable by others than its owner without the sticky "
                     "bit: a producer can rename the lanes and other producers' "
-                    "jobs out of it; chmod +t %s" % (self.d(sub), self.d(sub)))
+                    "jobs out of it; chmod +t %s" % (self.store.d(sub), self.store.d(sub)))
         problems += self._check_private()
-        wake = self.d("locks", "wake")
+        wake = self.store.d("locks", "wake")
         try:
             if not stat.S_ISFIFO(os.lstat(wake).st_mode):
                 problems.append("%s is not a FIFO; remove it and run myq init"
@@ -4844,22 +4840,22 @@ class _Upkeep(object):
         except OSError:
             problems.append("%s is missing (workers poll instead of waking); "
                             "run myq init" % wake)
-        problem = self.free_problem()
+        problem = self.store.free_problem()
         if problem:
             problems.append(problem)
-        self.policy()
-        if self.policy_error:
-            problems.append(self.policy_error)
-        self.lanes()
-        for sub, why in sorted(self.lane_problems.items()):
-            if "Permission denied" in why and _lexists(self.d(sub)):
+        self.store.policy()
+        if self.store.policy_error:
+            problems.append(self.store.policy_error)
+        self.store.lanes()
+        for sub, why in sorted(self.store.lane_problems.items()):
+            if "Permission denied" in why and _lexists(self.store.d(sub)):
                 continue                # (_unreadable_problems names it)
             problems.append("lane %s is not used: %s" % (sub, why))
-        stale = self.reap(dry_run=True)
+        stale = self.store.reap(dry_run=True)
         if stale:
             problems.append("%d claim(s) in processing/ belong to dead workers or "
                             "expired leases; run: myq --spool %s reap"
-                            % (stale, self.path))
+                            % (stale, self.store.path))
         problems += self._unreadable_problems()
         problems += self._worker_problems()
         return problems + (self._needs_operator() if operator else [])
@@ -4870,11 +4866,11 @@ class _Upkeep(object):
         host or pid namespace) counts as living."""
         out = []
         host, ns = os.uname()[1], pid_namespace()
-        for name in _listdir(self.d("locks", "workers")):
+        for name in _listdir(self.store.d("locks", "workers")):
             if not (name.startswith("w-") and name.endswith(".json")):
                 continue
             try:
-                rec = json.loads(self.read_file(self.d("locks", "workers", name),
+                rec = json.loads(self.store.read_file(self.store.d("locks", "workers", name),
                                                 65536)[0].decode("utf-8"))
             except (OSError, ValueError, InvalidJob):
                 continue
@@ -4894,28 +4890,18 @@ class _Upkeep(object):
         with none alive; living ones logging to a syslog nobody reads."""
         workers = self._live_workers()
         if not workers:
-            st = self.stats()
+            st = self.store.stats()
             if st["ready"] and st["oldest_ready_s"] > 60:
                 return ["%d ready job(s) wait, the oldest for %ds, and no worker "
                         "runs; start the service: /etc/init.d/myq start (or a "
                         "worker: myq --spool %s worker --handlers DIR)"
-                        % (st["ready"], st["oldest_ready_s"], self.path)]
+                        % (st["ready"], st["oldest_ready_s"], self.store.path)]
             return []
         if any(w.get("log") == "syslog" for w in workers):
             problem = _syslog_problem()
             if problem:
                 return ["the workers' " + problem]
         return []
-
-    def chown_fix(self):
-        """The command that gives the whole spool to its owner."""
-        try:
-            import pwd
-            who = pwd.getpwuid(os.stat(self.path).st_uid).pw_name
-        except (ImportError, KeyError, OSError):
-            who = "USER"
-        return "chown -R %s %s (or: myq --spool %s init --owner %s)" % (
-            who, self.path, self.path, who)
 
     def _unreadable_problems(self):
         """The spool's own files that this user (its owner, as check runs)
@@ -4925,11 +4911,11 @@ class _Upkeep(object):
                           ("locks/room", os.R_OK | os.W_OK),
                           ("queue.db", os.R_OK | os.W_OK),
                           ("incoming/lanes", os.R_OK | os.W_OK | os.X_OK)):
-            p = self.d(*rel.split("/"))
+            p = self.store.d(*rel.split("/"))
             if _lexists(p) and not os.access(p, mode):
                 out.append("%s cannot be %s by uid %d (permission denied); give "
                            "the spool to its owner: %s" % (
-                                   p, "used", os.geteuid(), self.chown_fix()))
+                                   p, "used", os.geteuid(), self.store.chown_fix()))
         return out
 
     def _check_private(self):
@@ -4937,7 +4923,7 @@ class _Upkeep(object):
         lock it for ever); what init moved aside from incoming/lanes/."""
         out = []
         for sub, name in _Layout._PRIVATE:
-            p = self.d(sub, name) if sub else self.d(name)
+            p = self.store.d(sub, name) if sub else self.store.d(name)
             try:
                 mode = stat.S_IMODE(os.lstat(p).st_mode)
             except OSError:
@@ -4945,28 +4931,28 @@ class _Upkeep(object):
             if mode & 0o077:
                 out.append("%s may be opened by others (mode %04o): a producer "
                            "could lock it; run myq --spool %s init"
-                           % (p, mode, self.path))
-        for name in _listdir(self.d("incoming")):
+                           % (p, mode, self.store.path))
+        for name in _listdir(self.store.d("incoming")):
             if name.startswith("lanes.refused-"):
                 out.append("%s is what stood at incoming/lanes/, not the "
                            "owner's, moved aside (never used): look at it, "
-                           "then remove it" % self.d("incoming", name))
+                           "then remove it" % self.store.d("incoming", name))
         return out
 
     def _needs_operator(self):
         """What waits for an operator: dead jobs, quarantined files, files
         in incoming/ that no worker will take."""
         out = []
-        spool = "myq --spool %s" % self.path
-        dead = self._counts(_now())[5]
+        spool = "myq --spool %s" % self.store.path
+        dead = self.store.reader.counts(_now())[5]
         if dead:
             out.append("%d dead job(s) in dlq/; see: %s list dead; then retry "
                        "or delete them" % (dead, spool))
-        failed = self._counts(_now())[6]
+        failed = self.store.reader.counts(_now())[6]
         if failed:
             out.append("%d file(s) quarantined in failed/; see: %s list failed "
                        "(repair and retry, or delete)" % (failed, spool))
-        for h in self.breaker.records():
+        for h in self.store.breaker.records():
             if h.get("missing"):
                 out.append("type %s is held: %s; its jobs wait (no attempt "
                            "counts) and run once the handler is there"
@@ -4977,18 +4963,18 @@ class _Upkeep(object):
                        "they run after its first success (now: %s resume --dest "
                        "%s)" % (h["dest"], iso(h.get("until") or 0, frac=False),
                                 h.get("why"), spool, h["dest"]))
-        for t, dests in self.dest_states().items():
+        for t, dests in self.store.dest_states().items():
             if len(dests) > 1 and any(d["state"] == "held" for d in dests):
                 up = [d["dest"] for d in dests if d["state"] == "ok"]
                 out.append("type %s fails over: %s; its jobs go to %s" % (
                     t, ", ".join("%s %s" % (d["dest"], d["state"])
                                  for d in dests),
                     up[0] if up else "none (every destination is held)"))
-        for t in self.paused():
+        for t in self.store.paused():
             out.append("%s is paused: no new job of it starts; resume with: %s "
                        "resume %s" % ("every type" if t == "*" else "type " + t,
                                       spool, "--all" if t == "*" else t))
-        stray = [n for n in _listdir(self.d("incoming"))
+        stray = [n for n in _listdir(self.store.d("incoming"))
                  if not n.endswith(".json") and not n.startswith(".")
                  and n != "lanes"]
         if stray:
@@ -5126,7 +5112,7 @@ class Backlog(object):
                 self.store.set_policy(t, changes)
             counts["policy"] = sorted(pol)
         if isinstance(name, str) and _is_name(name) and not self.store.named() \
-                and name != self.store.name and not any(self.store._counts(_now())[:-1]):
+                and name != self.store.name and not any(self.store.reader.counts(_now())[:-1]):
             self.store.set_name(name)
             counts["queue"] = name
 
@@ -5432,10 +5418,14 @@ def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
         raise
 
 
-class _Reading(object):
-    """What the commands read of a spool: a job file, where an id is,
-    show, list, stats (a part of _DirStore)."""
+class Reader(object):
+    """What the commands read of a spool of files (a store's `reader`): a
+    job file, where an id is, show, list, stats.  `store`: the spool it
+    reads (its layout, lanes, policy, holds' records, budget, totals)."""
 
+    def __init__(self, store):
+        self.store = store
+        self.opt = store.opt
 
     def read_file(self, path, limit=None):
         """(bytes, stat) of a regular file; never follows a symlink, never
@@ -5473,32 +5463,32 @@ class _Reading(object):
         name there either."""
         if not NAME_RE.match(_check_ref(jid)):
             for name in (jid, jid + ".json"):
-                p = self.d("failed", name)
+                p = self.store.d("failed", name)
                 if not name.endswith(".reason") and _lexists(p):
                     return "failed", p
         else:
-            for sub in self.waiting_dirs():
-                p = self.d(sub, jid + ".json")
+            for sub in self.store.waiting_dirs():
+                p = self.store.d(sub, jid + ".json")
                 try:
                     st = _lstat(p)
                     return ("scheduled" if st.st_mtime > _now() else "ready"), p
                 except OSError:
                     pass
             prefix = jid + "+"
-            for name in _listdir(self.d("processing")):
+            for name in _listdir(self.store.d("processing")):
                 if name.startswith(prefix) and _split_claim(name):
-                    return "processing", self.d("processing", name)
+                    return "processing", self.store.d("processing", name)
             for state, sub in (("dead", "dlq"), ("done", "done")):
-                p = self.d(sub, jid + ".json")
+                p = self.store.d(sub, jid + ".json")
                 if _lexists(p):
                     return state, p
             for name in (jid, jid + ".json"):
-                p = self.d("failed", name)
+                p = self.store.d("failed", name)
                 if not name.endswith(".reason") and _lexists(p):
                     return "failed", p
 
         raise NoSuchJob("no job %s in %s; see: myq --spool %s list"
-                        % (jid, self.path, self.path))
+                        % (jid, self.store.path, self.store.path))
 
     def show(self, jid):
         for _ in range(5):
@@ -5515,11 +5505,11 @@ class _Reading(object):
         """{path in the spool: hold record} of the waiting jobs that held
         destinations put back (list and show say "held" for them)."""
         out = {}
-        for h in self.breaker.records():
+        for h in self.store.breaker.records():
             if h.get("missing"):        # all its type's jobs wait for it
                 out[("type", h["dest"])] = h
                 continue
-            for rel in self.breaker.jobs(h["dest"]):
+            for rel in self.store.breaker.jobs(h["dest"]):
                 out[rel] = h
         return out
 
@@ -5545,7 +5535,7 @@ class _Reading(object):
             if lease is not None and state == "processing":
                 # who holds it: the worker's record (pid, start, boot)
                 try:
-                    rec = json.loads(self.read_file(self.d(
+                    rec = json.loads(self.read_file(self.store.d(
                         "locks", "workers", lease["worker"] + ".json"), 65536)[0])
                     for k in ("pid", "start", "boot_id", "host"):
                         if k in rec:
@@ -5564,7 +5554,7 @@ class _Reading(object):
             else:
                 due = max(st.st_mtime, _effective_available(job, _now()))
             state = "scheduled" if due > _now() else "ready"
-            h = (holding.get(path[len(self._pre):]) or holding.get(
+            h = (holding.get(path[len(self.store._pre):]) or holding.get(
                 ("type", job["type"]))) if holding else None
             if h is not None and (state == "scheduled" or h.get("missing")):
                 # it waits for its destination, not for its own time
@@ -5591,16 +5581,16 @@ class _Reading(object):
         keys = []
         subs = ["processing", "done", "dlq", "failed"]
         if state in (None, "ready", "scheduled"):
-            subs = self.waiting_dirs() + subs
+            subs = self.store.waiting_dirs() + subs
         if state == "held":
-            subs = self.waiting_dirs()
+            subs = self.store.waiting_dirs()
         holding = self._holding() if state in (None, "scheduled", "held") \
             else None
         for sub in subs:
             if state not in (None, "held") and \
                     STATE_DIRS[state] != sub.partition("/")[0]:
                 continue
-            for e in _scandir(self.d(sub)):
+            for e in _scandir(self.store.d(sub)):
                 name = e.name
                 if sub == "failed":
                     if name.endswith(".reason"):
@@ -5622,7 +5612,7 @@ class _Reading(object):
         keys.sort()
         for guess, _, name, sub in keys:
             guess = STATES[guess]
-            path = self.d(sub, name)
+            path = self.store.d(sub, name)
             try:
                 row = self._describe(guess, path, holding)
             except (OSError, InvalidJob) as e:
@@ -5642,17 +5632,17 @@ class _Reading(object):
         spool's alone: the status line's)."""
         now = _now() if now is None else now
         ready, scheduled, oldest, processing, done, dead, failed = \
-            self._counts(now)
-        tot = self.totals()
+            self.counts(now)
+        tot = self.store.totals()
         try:
-            st = os.statvfs(self.path)
+            st = os.statvfs(self.store.path)
             free_kb = st.f_bavail * st.f_frsize // 1024
         except OSError:
             free_kb = 0
-        out = {"queue": self.name, "ready": ready, "processing": processing,
+        out = {"queue": self.store.name, "ready": ready, "processing": processing,
                 "done": done, "dead": dead,
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
-                "retries_1m": self.retries_1m(now), "scheduled": scheduled,
+                "retries_1m": self.store.retries_1m(now), "scheduled": scheduled,
                 "failed": failed, "free_kb": int(free_kb),
                 "dropped": tot["dropped"] if by_type else sum(tot["dropped"].values()),
                 "expired": tot["expired"] if by_type else sum(tot["expired"].values()),
@@ -5662,22 +5652,22 @@ class _Reading(object):
                 sum(tot["removed"].values()),
                 "refused": tot["refused"] if by_type else
                 sum(tot["refused"].values()),
-                "paused": self.paused(),
+                "paused": self.store.paused(),
                 "held": [{"dest": h["dest"], "until": h.get("until")}
-                         for h in self.breaker.records()],
+                         for h in self.store.breaker.records()],
                 "destinations": self.dest_states(now)}
-        out["dropped_by"] = self.budget.dropped_by(tot)
-        out.update(self.budget.capacity(now, types))
+        out["dropped_by"] = self.store.budget.dropped_by(tot)
+        out.update(self.store.budget.capacity(now, types))
         return out
 
     def dest_states(self, now=None):
         """Each destination of the types whose policy gives `url`, in order,
         and its state (myq(1) failover): {TYPE: [{"url", "dest", "state":
         "ok" or "held", "until"}]}; the first "ok" one gets the new starts."""
-        holds = dict((h["dest"], h) for h in self.breaker.records())
+        holds = dict((h["dest"], h) for h in self.store.breaker.records())
         now = _now() if now is None else now
         out = {}
-        for t, keys in sorted(self.policy().items()):
+        for t, keys in sorted(self.store.policy().items()):
             urls = keys.get("url") if t != "*" else None
             if not urls:
                 continue
@@ -5695,7 +5685,7 @@ class _Reading(object):
         files in the directories `subs`, each due at its mtime."""
         ready = scheduled = 0
         oldest = None
-        for e in (e for sub in subs for e in _scandir(self.d(sub))):
+        for e in (e for sub in subs for e in _scandir(self.store.d(sub))):
             if not e.name.endswith(".json"):
                 continue
             try:
@@ -5710,7 +5700,17 @@ class _Reading(object):
         return ready, scheduled, oldest
 
     def _failed_files(self):
-        return sum(1 for n in _listdir(self.d("failed")) if not n.endswith(".reason"))
+        return sum(1 for n in _listdir(self.store.d("failed")) if not n.endswith(".reason"))
+
+    def counts(self, now):
+        """(ready, scheduled, the earliest ready one's time, processing,
+        done, dead, failed), from the directories."""
+        ready, scheduled, oldest = self._waiting_files(self.store.waiting_dirs(), now)
+        processing = sum(1 for n in _listdir(self.store.d("processing"))
+                         if _split_claim(n))
+        return (ready, scheduled, oldest, processing,
+                _count(self.store.d("done"), ".json"), _count(self.store.d("dlq"), ".json"),
+                self._failed_files())
 
 
 # The spool's budget (myq-spool(5) BUDGET) ------------------------------------
@@ -6399,7 +6399,7 @@ class FileBudget(Budget):
         for t, name, size in old:
             if freed >= need:
                 break
-            if self.store._remove("done", self.store.d("done", name)):
+            if self.store.upkeep.remove("done", self.store.d("done", name)):
                 freed, n = freed + size, n + 1
         if n:
             self.store.log("pruned", reason="budget", what="done", n=n)
@@ -6408,9 +6408,9 @@ class FileBudget(Budget):
     def _shed_records(self, need):
         """Idempotency records past their window (prune's, sooner)."""
         now, n = _now(), 0
-        for t, name in list(self.store._aged("locks/ok", "mtime")):
+        for t, name in list(self.store.upkeep.aged("locks/ok", "mtime")):
             if now - t > self.store.opt["dedupe_window"]:
-                n += self.store._remove("locks/ok", self.store.d("locks", "ok", name))
+                n += self.store.upkeep.remove("locks/ok", self.store.d("locks", "ok", name))
         if n:
             self.store.log("pruned", reason="budget", what="ok", n=n)
         return 0                # (empty files: an entry each, no block)
@@ -6613,10 +6613,14 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
-class _DirStore(_Upkeep, _Reading, Store):
+class _DirStore(Store):
     """What every store of a spool directory shares (the file store's and
     the SQLite store's): the layout, name, policy and lanes, the drop
-    box's and failed/'s files, the budget's records, the statistics."""
+    box's and failed/'s files, the budget's records, the statistics.
+    Its parts, each with its own state: `producer` (Producer), `reader`
+    (READER), `upkeep` (UPKEEP), `breaker`, `claims`, `budget`, `backlog`."""
+
+    ROOM = 65536        # bytes of the reserve, locks/room (init, keep_room)
 
     def __init__(self, path=None, log=None, **options):
         self.path = os.path.abspath(path or os.environ.get("MYQ_SPOOL")
@@ -6635,7 +6639,6 @@ class _DirStore(_Upkeep, _Reading, Store):
         self._done = os.path.join(self.path, "done", "")
         self._tmp = os.path.join(self.path, "tmp", "")
         self._ready = False
-        self._seq = 0           # processing/ names made by delete
         self._pol, self._pol_key, self._pol_next = {}, None, 0.0
         self._rules, self._homes = {}, {}     # per type, for this policy
         self.lane_types = frozenset()   # held for a missing handler: laned
@@ -6649,6 +6652,9 @@ class _DirStore(_Upkeep, _Reading, Store):
         self.producer = p = Producer(self)
         self.poke, self.free_problem = p.poke, p.free_problem
         self.low_on_space = p.low_on_space
+        self.reader = self.READER(self)
+        self.read_file, self.load = self.reader.read_file, self.reader.load
+        self.upkeep = self.UPKEEP(self)
         self.breaker = Breaker(self)
         self.claims = self.CLAIMS(self)
         self.budget = self.BUDGET(self)
@@ -6706,6 +6712,60 @@ class _DirStore(_Upkeep, _Reading, Store):
             if p[:1] == "/":
                 return os.path.join(self.path, *parts)
         return self._pre + "/".join(parts) if parts else self.path
+
+    # Its reader's and its upkeep's, as the contract names them -------------
+
+    def locate(self, jid):
+        return self.reader.locate(jid)
+
+    def show(self, jid):
+        return self.reader.show(jid)
+
+    def list(self, state=None):
+        return self.reader.list(state)
+
+    def stats(self, now=None, by_type=False, types=True):
+        return self.reader.stats(now, by_type, types)
+
+    def dest_states(self, now=None):
+        return self.reader.dest_states(now)
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        """Take back the claims of workers that are gone (Claims.reap)."""
+        return self.claims.reap(me, max_attempts, dry_run)
+
+    def retry(self, ids=(), all=False, now=False):
+        return self.upkeep.retry(ids, all, now)
+
+    def delete(self, ids, force=False):
+        return self.upkeep.delete(ids, force)
+
+    def delete_where(self, state, type=None, older_than=None, force=False,
+                     now=None):
+        return self.upkeep.delete_where(state, type, older_than, force, now)
+
+    def prune(self, now=None, full=True):
+        return self.upkeep.prune(now, full)
+
+    def make_space(self, n=256):
+        return self.upkeep.make_space(n)
+
+    def keep_room(self):
+        return self.upkeep.keep_room()
+
+    def check(self, operator=True):
+        return self.upkeep.check(operator)
+
+    def chown_fix(self):
+        """The command that gives the whole spool to its owner."""
+        try:
+            import pwd
+            who = pwd.getpwuid(os.stat(self.path).st_uid).pw_name
+        except (ImportError, KeyError, OSError):
+            who = "USER"
+        return "chown -R %s %s (or: myq --spool %s init --owner %s)" % (
+            who, self.path, self.path, who)
+
 
 
     # Layout ------------------------------------------------------------------
@@ -7145,12 +7205,107 @@ class _DirStore(_Upkeep, _Reading, Store):
             pass        # a statistic, never worth failing a job for
 
 
+class FileUpkeep(Upkeep):
+    """Upkeep of the store of files: retry's moves of job files, retention
+    of done/, dlq/, failed/ by their files' times, make_space's oldest."""
+
+    def _retry(self, ids, missing, me, now=False):
+        n = 0
+        for jid, state, path in self._located(ids, missing):
+            if now and state in ("ready", "scheduled"):
+                if not self._make_ready(jid, path, me):
+                    missing.append(jid)
+                    continue
+            elif state == "dead":
+                if self.store.claims.queued(jid):
+                    raise DuplicateJob("job %s is already queued; delete one "
+                                       "of them first" % jid)
+                job, _, _ = self.store.load(path, jid)
+                revive(job, _now(), self.store.rules(job["type"]).get("ttl"))
+                if not me.registered:
+                    me.register()
+                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
+                # finish: a crash leaves it where a reaper requeues it.
+                owned = self.store.claims.own(path, jid, me)
+                if owned is None:
+                    missing.append(jid)
+                    continue
+                fin, token = owned
+                self.store.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
+                             job, "incoming", me, fin=fin)
+            elif state == "failed":
+                name = os.path.basename(path)
+                if not name.endswith(".json"):
+                    name += ".json"
+                why = self._unreadable_by_worker(path)
+                if why:
+                    raise ConfigError("cannot retry %s: %s" % (jid, why))
+                _rename(path, self.store.d("incoming", name))
+                _quiet_unlink(path + ".reason")
+            else:
+                missing.append(jid)
+                continue
+            n += 1
+        if n:
+            for sub in self.store.waiting_dirs():
+                _fsync_dir(self.store.d(sub))
+            self.store.poke()
+        return n
+
+    def _prune_jobs(self, now, full, out):
+        """prune's part of the jobs' states (the counts into `out`); what
+        went for a bound in count, by directory."""
+        bound = {}
+        for sub, key, age, keep, most, always in self._RETENTION:
+            if always or full:
+                out[key] += self._expire(sub, age, self.store.opt[keep],
+                                         self.store.opt[most] if most else None, now,
+                                         bound)
+        return bound
+
+    def make_space(self, n=256):
+        """Below a guard (myq(1) guards): retention frees done/ first, its n
+        oldest now (a producer-chosen id keeps its de-duplication in
+        locks/ok/: an inode for an inode, the blocks freed).  Short of
+        inodes, the n oldest idempotency records go first, and done files
+        go without one: records are never what keeps a backlog from
+        draining (a job sent again after that may run twice: at least
+        once holds).  Returns how many went."""
+        import heapq
+        problem = self.store.free_problem()
+        inodes = bool(problem) and "inodes" in problem
+        gone = 0
+        for sub in (("locks/ok", "done") if inodes else ("done",)):
+            old = heapq.nsmallest(n, self.aged(sub, "ctime"))
+            for _, name in old:
+                try:
+                    if sub == "done" and not inodes:
+                        self.store.producer.outlive(self.store.d(sub, name))
+                    _unlink(self.store.d(sub, name))
+                    gone += 1
+                except OSError:
+                    pass
+            if sub == "locks/ok" and old:
+                self.store.count("removed", "ok", len(old))
+        if not gone and self._free_room():
+            what = "its reserve (locks/room)"
+            gone = 1
+        else:
+            what = "the oldest"
+        if gone:
+            self.store.log("pruned", why="below a guard: " + (problem or "low"),
+                     n=gone, freed=what)
+        return gone
+
+
 class FileStore(_DirStore):
     """The store of files: a file per job, a state per directory, every
     move one rename(2) (the protocol of the module's docstring); its
     claims are FileClaims'."""
 
     store = "files"
+    READER = Reader
+    UPKEEP = FileUpkeep
     CLAIMS = FileClaims
     BUDGET = FileBudget
     BACKLOG = FileBacklog
@@ -7201,104 +7356,6 @@ class FileStore(_DirStore):
             if dedupe_fresh(getattr(st, when), window, now):
                 return True
         return False
-
-    def _retry(self, ids, missing, me, now=False):
-        n = 0
-        for jid, state, path in self._located(ids, missing):
-            if now and state in ("ready", "scheduled"):
-                if not self._make_ready(jid, path, me):
-                    missing.append(jid)
-                    continue
-            elif state == "dead":
-                if self.claims.queued(jid):
-                    raise DuplicateJob("job %s is already queued; delete one "
-                                       "of them first" % jid)
-                job, _, _ = self.load(path, jid)
-                revive(job, _now(), self.rules(job["type"]).get("ttl"))
-                if not me.registered:
-                    me.register()
-                # Own it first (dlq/ -> processing/ID+TOKEN.fin), like every
-                # finish: a crash leaves it where a reaper requeues it.
-                owned = self.claims.own(path, jid, me)
-                if owned is None:
-                    missing.append(jid)
-                    continue
-                fin, token = owned
-                self.claims.move_on(Claim(jid=jid, path=fin, token=token, job=job),
-                             job, "incoming", me, fin=fin)
-            elif state == "failed":
-                name = os.path.basename(path)
-                if not name.endswith(".json"):
-                    name += ".json"
-                why = self._unreadable_by_worker(path)
-                if why:
-                    raise ConfigError("cannot retry %s: %s" % (jid, why))
-                _rename(path, self.d("incoming", name))
-                _quiet_unlink(path + ".reason")
-            else:
-                missing.append(jid)
-                continue
-            n += 1
-        if n:
-            for sub in self.waiting_dirs():
-                _fsync_dir(self.d(sub))
-            self.poke()
-        return n
-
-    def _prune_jobs(self, now, full, out):
-        """prune's part of the jobs' states (the counts into `out`); what
-        went for a bound in count, by directory."""
-        bound = {}
-        for sub, key, age, keep, most, always in self._RETENTION:
-            if always or full:
-                out[key] += self._expire(sub, age, self.opt[keep],
-                                         self.opt[most] if most else None, now,
-                                         bound)
-        return bound
-
-    def make_space(self, n=256):
-        """Below a guard (myq(1) guards): retention frees done/ first, its n
-        oldest now (a producer-chosen id keeps its de-duplication in
-        locks/ok/: an inode for an inode, the blocks freed).  Short of
-        inodes, the n oldest idempotency records go first, and done files
-        go without one: records are never what keeps a backlog from
-        draining (a job sent again after that may run twice: at least
-        once holds).  Returns how many went."""
-        import heapq
-        problem = self.free_problem()
-        inodes = bool(problem) and "inodes" in problem
-        gone = 0
-        for sub in (("locks/ok", "done") if inodes else ("done",)):
-            old = heapq.nsmallest(n, self._aged(sub, "ctime"))
-            for _, name in old:
-                try:
-                    if sub == "done" and not inodes:
-                        self.producer.outlive(self.d(sub, name))
-                    _unlink(self.d(sub, name))
-                    gone += 1
-                except OSError:
-                    pass
-            if sub == "locks/ok" and old:
-                self.count("removed", "ok", len(old))
-        if not gone and self._free_room():
-            what = "its reserve (locks/room)"
-            gone = 1
-        else:
-            what = "the oldest"
-        if gone:
-            self.log("pruned", why="below a guard: " + (problem or "low"),
-                     n=gone, freed=what)
-        return gone
-
-    def _counts(self, now):
-        """(ready, scheduled, the earliest ready one's time, processing,
-        done, dead, failed), from the directories."""
-        ready, scheduled, oldest = self._waiting_files(self.waiting_dirs(), now)
-        processing = sum(1 for n in _listdir(self.d("processing"))
-                         if _split_claim(n))
-        return (ready, scheduled, oldest, processing,
-                _count(self.d("done"), ".json"), _count(self.d("dlq"), ".json"),
-                self._failed_files())
 
     def close(self):
         """What this object keeps open of the spool, closed (a worker's run
@@ -8465,17 +8522,17 @@ class _SqlClaims(Claims):
         return True
 
 
-class _SqlUpkeep(object):
+class _SqlUpkeep(Upkeep):
     """The operator's moves and retention over queue.db (a part of
     SqlStore): retry, delete, prune, make_space, check, export."""
 
     def retry(self, ids=(), all=False, now=False):
         if all:
-            self.require()
-            ids = list(_ids(ids)) + [r[0] for r in self._all(
+            self.store.require()
+            ids = list(_ids(ids)) + [r[0] for r in self.store._all(
                 "SELECT id FROM jobs WHERE status='dead' ORDER BY id")]
             all = False
-        return _DirStore.retry(self, ids, all, now)
+        return Upkeep.retry(self, ids, all, now)
 
     def _retry(self, ids, missing, me, now=False):
         n = 0
@@ -8489,36 +8546,37 @@ class _SqlUpkeep(object):
                 why = self._unreadable_by_worker(path)
                 if why:
                     raise ConfigError("cannot retry %s: %s" % (jid, why))
-                _rename(path, self.d("incoming", name))     # the drop box
+                _rename(path, self.store.d("incoming", name))     # the drop box
                 _quiet_unlink(path + ".reason")
             elif not self._retry_row(jid, state, now):
                 missing.append(jid)
                 continue
             n += 1
         if n:
-            _fsync_dir(self.d("incoming"))
-            self.poke()
+            _fsync_dir(self.store.d("incoming"))
+            self.store.poke()
         return n
 
     def _retry_row(self, jid, state, now):
         """retry (--now) of the row of `jid`: False when it is not there."""
         t = _now()
         if now and state in ("ready", "scheduled"):
-            self._write("UPDATE jobs SET available_at=? WHERE id=? AND "
+            self.store._write("UPDATE jobs SET available_at=? WHERE id=? AND "
                         "status='ready' AND available_at>?", (t, jid, t),
                         fresh=True)
-            self.log("retry_now", id=jid)
+            self.store.log("retry_now", id=jid)
             return True
         if state != "dead":
             return False
-        row = self._one(_SELECT + " WHERE id=? AND status='dead'", (jid,))
+        row = self.store._one(_SELECT + " WHERE id=? AND status='dead'", (jid,))
         if row is None:
             return False
         job = _job_of_row(row)
-        revive(job, t, self.rules(job["type"]).get("ttl"))
-        v = _row_values(self, job, "ready", self.home(job), t, finished_at=None)
+        revive(job, t, self.store.rules(job["type"]).get("ttl"))
+        v = _row_values(self.store, job, "ready", self.store.home(job), t,
+                       finished_at=None)
         keys = [k for k in v if k != "id"]
-        return self._write("UPDATE jobs SET %s WHERE id=? AND status='dead'"
+        return self.store._write("UPDATE jobs SET %s WHERE id=? AND status='dead'"
                            % ", ".join(k + "=?" for k in keys),
                            [v[k] for k in keys] + [jid], fresh=True) == 1
 
@@ -8526,8 +8584,8 @@ class _SqlUpkeep(object):
         """(`status`: a bulk delete's, which a row changed since it was
         selected no longer matches: it is left alone.)"""
         if not path.startswith("db:"):
-            return _DirStore._delete_one(self, jid, state, path, force)
-        row = self._one("SELECT status, token, finished_at FROM jobs WHERE id=?",
+            return Upkeep._delete_one(self, jid, state, path, force)
+        row = self.store._one("SELECT status, token, finished_at FROM jobs WHERE id=?",
                         (jid,))
         if row is None or status is not None and row[0] != status:
             return 0
@@ -8541,15 +8599,15 @@ class _SqlUpkeep(object):
             if n and row[0] == "done":
                 self._outlive_row(db, jid, row[2], _now())
             return n
-        n = self._tx(gone)
+        n = self.store._tx(gone)
         if n and row[0] == "processing":
-            self.claims.kill_handler(row[1], 15)
+            self.store.claims.kill_handler(row[1], 15)
         return n if n or row[0] != "processing" else None
 
     def _outlive_row(self, db, jid, t, now):
         """A done row goes: its id's de-duplication kept in `ok` while its
         window lasts (not for an id myq generated)."""
-        if t and t + self.opt["dedupe_window"] > now and NAME_RE.match(jid) \
+        if t and t + self.store.opt["dedupe_window"] > now and NAME_RE.match(jid) \
                 and not GENERATED_ID_RE.match(jid):
             db.execute("INSERT OR REPLACE INTO ok(id, at) VALUES(?, ?)", (jid, t))
 
@@ -8558,8 +8616,8 @@ class _SqlUpkeep(object):
         now = self._bulk_delete(state, force, now)
         n = 0
         if state in ("failed", "ready", "scheduled"):     # (files: failed/,
-            n = _DirStore.delete_where(self, state, type,    # the drop box)
-                                   older_than, force, now)
+            n = Upkeep.delete_where(self, state, type,    # the drop box)
+                                    older_than, force, now)
         if type is not None and not NAME_RE.match(type):
             return n            # (no row's; not even sqlite's to encode)
         status = {"ready": "ready", "scheduled": "ready"}.get(state, state)
@@ -8581,27 +8639,27 @@ class _SqlUpkeep(object):
         if older_than is not None:
             sql += " AND %s<=?" % born
             args.append(now - older_than)
-        for (jid,) in self._all(sql, args):
+        for (jid,) in self.store._all(sql, args):
             n += self._delete_one(jid, state, "db:" + jid, force, status) or 0
         return n
 
     def _prune_jobs(self, now, full, out):
         bound = {}
-        out["tmp"] += self._expire("tmp", "oldest", self.opt["keep_tmp"], None, now)
+        out["tmp"] += self._expire("tmp", "oldest", self.store.opt["keep_tmp"], None, now)
         out["done"] += self._expire_rows("done", "keep_done", "keep_done_max", now)
         if full:
             out["dead"] += self._expire_rows("dead", "keep_dead", "keep_dead_max", now)
-            out["failed"] += self._expire("failed", "ctime", self.opt["keep_failed"],
+            out["failed"] += self._expire("failed", "ctime", self.store.opt["keep_failed"],
                                           None, now)
             out["failed"] += self._expire_rows("failed", "keep_failed", None, now)
-            window, most = self.opt["dedupe_window"], self.opt["keep_ok_max"]
+            window, most = self.store.opt["dedupe_window"], self.store.opt["keep_ok_max"]
 
             def ok(db):
                 n = db.execute("DELETE FROM ok WHERE at<=?", (now - window,)).rowcount
                 m = db.execute("DELETE FROM ok WHERE id IN (SELECT id FROM ok "
                                "ORDER BY at DESC LIMIT -1 OFFSET ?)", (most,)).rowcount
                 return n, m
-            n, m = self._tx(ok, sync=False)
+            n, m = self.store._tx(ok, sync=False)
             out["ok"] += n + m
             if m:
                 bound["locks/ok"] = m
@@ -8611,8 +8669,8 @@ class _SqlUpkeep(object):
         """Rows of `status` finished longer than the option `keep` ago, then
         the oldest beyond the option `most`: deleted (a done one's id kept
         in `ok` for its window).  How many went."""
-        keep = self.opt[keep]
-        most = self.opt[most] if most else None
+        keep = self.store.opt[keep]
+        most = self.store.opt[most] if most else None
 
         def expire(db):
             ids = db.execute("SELECT id, finished_at FROM jobs WHERE status=? AND "
@@ -8629,11 +8687,11 @@ class _SqlUpkeep(object):
                     self._outlive_row(db, jid, t, now)
                 db.execute("DELETE FROM jobs WHERE id=? AND status=?", (jid, status))
             return len(ids)
-        return self._tx(expire, sync=False)
+        return self.store._tx(expire, sync=False)
 
     def _holders(self):
-        owners, tokens = _DirStore._holders(self)
-        for wid, token in self._all("SELECT worker_id, token FROM jobs WHERE "
+        owners, tokens = Upkeep._holders(self)
+        for wid, token in self.store._all("SELECT worker_id, token FROM jobs WHERE "
                                     "status='processing'"):
             owners.add(wid)
             tokens.add(token)
@@ -8643,9 +8701,9 @@ class _SqlUpkeep(object):
         """Below a guard: the n oldest done rows go (ids kept in `ok`), and
         the pages they held go back to the filesystem (incremental vacuum);
         then the reserve, as for files."""
-        problem = self.free_problem()
+        problem = self.store.free_problem()
         now = _now()
-        self.db.small_log(True)
+        self.store.db.small_log(True)
 
         def free(db):
             ids = db.execute("SELECT id, finished_at FROM jobs WHERE "
@@ -8656,68 +8714,159 @@ class _SqlUpkeep(object):
                 db.execute("DELETE FROM jobs WHERE id=? AND status='done'", (jid,))
             return len(ids)
         try:
-            gone = self._tx(free, sync=False)
-            self.db.vacuum()
+            gone = self.store._tx(free, sync=False)
+            self.store.db.vacuum()
         except _DbError:
             gone = 0
         what = "the oldest"
         if not gone and self._free_room():
             what, gone = "its reserve (locks/room)", 1
         if gone:
-            self.log("pruned", why="below a guard: " + (problem or "low"),
+            self.store.log("pruned", why="below a guard: " + (problem or "low"),
                      n=gone, freed=what)
         return gone
 
     def keep_room(self):
-        kept = _DirStore.keep_room(self)
-        if kept and self.db.small:
-            self.db.small_log(False)
+        kept = Upkeep.keep_room(self)
+        if kept and self.store.db.small:
+            self.store.db.small_log(False)
         return kept
 
-    def set_name(self, name):
-        """_DirStore.set_name, for a spool that holds no job yet: its rows carry
-        the queue's name (the queue column)."""
-        if name != self.name and _is_name(name) and self._one("SELECT count(*) FROM jobs")[0]:
-            raise ConfigError(
-                "spool %s holds jobs of the queue %s; its name cannot change: "
-                "make a new spool (myq --spool NEW init --store sqlite --name "
-                "%s) and move the jobs (myq --spool %s export | myq --spool NEW "
-                "import)" % (self.path, self.name, name, self.path))
-        _DirStore.set_name(self, name)
-
     def check(self, operator=True):
-        """_DirStore.check, the database first: damaged, it says so (with the
+        """Upkeep.check, the database first: damaged, it says so (with the
         filesystem's problems; what needs its rows cannot be asked)."""
         bad = None
-        if _lexists(self.d(DB_NAME)):
+        if _lexists(self.store.d(DB_NAME)):
             try:
-                bad = self.damaged or self._quick_check()
+                bad = self.store.damaged or self.store._quick_check()
                 bad = bad and (
                     "%s is damaged: %s; no job is claimed from it; save what "
                     "can be read: myq --spool %s export > jobs.jsonl, then "
-                    "import them into a new spool" % (self.d(DB_NAME), bad,
-                                                      self.path))
+                    "import them into a new spool" % (self.store.d(DB_NAME), bad,
+                                                      self.store.path))
             except (_DbDamaged, _DbDenied) as e:
                 bad = str(e)
             except MyqError:
-                pass            # (busy, out of reach: _DirStore.check says)
+                pass            # (busy, out of reach: Upkeep.check says)
         if not bad:
-            return _DirStore.check(self, operator)
+            return Upkeep.check(self, operator)
         problems = [bad]
         try:
-            _DirStore.check_filesystem(self)
+            _DirStore.check_filesystem(self.store)
         except ConfigError as e:
             problems.append(str(e))
-        self.policy()
-        problems += [p for p in [self.policy_error] + self._unreadable_problems()
-                     if p and self.d(DB_NAME) + " " not in p]
-        return problems + [p for p in (self.free_problem(),) if p]
+        self.store.policy()
+        problems += [p for p in [self.store.policy_error] + self._unreadable_problems()
+                     if p and self.store.d(DB_NAME) + " " not in p]
+        return problems + [p for p in (self.store.free_problem(),) if p]
 
-    def _quick_check(self):
-        """None, or what PRAGMA quick_check says is wrong."""
-        rows = self._all("PRAGMA quick_check")
-        out = [r[0] for r in rows if r and r[0] != "ok"]
-        return "; ".join(out[:3]) if out else None
+
+class _SqlReader(Reader):
+    """What the commands read of a SQLite store: its rows, then the drop
+    box's and failed/'s files as Reader reads them."""
+
+    def locate(self, jid):
+        if NAME_RE.match(_check_ref(jid)):
+            row = self.store._one("SELECT status, available_at FROM jobs WHERE id=?",
+                            (jid,))
+            if row is not None:
+                state = {"ready": "scheduled" if row[1] > _now() else "ready",
+                         "dead": "dead"}.get(row[0], row[0])
+                return state, "db:" + jid
+        return Reader.locate(self, jid)          # the drop box, failed/
+
+    def _describe(self, state, path, holding=None):
+        if not path.startswith("db:"):
+            return Reader._describe(self, state, path, holding)
+        jid = path[3:]
+        row = self.store._one(_SELECT + " WHERE id=?", (jid,))
+        if row is None:
+            raise OSError(errno.ENOENT, "no longer in the spool")
+        status = row[11]
+        if status == "failed":
+            return {"id": jid, "state": "failed", "type": row[1],
+                    "attempts": row[3], "available_at": None,
+                    "file": self.store.d(DB_NAME), "last_error": row[6],
+                    "content": row[2]}
+        job = _job_of_row(row)
+        if status == "processing":
+            job["attempts"] = _row_attempt(row, job)
+            try:
+                job["lease"] = json.loads(row[13])["lease"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            state = "processing"
+        elif status == "ready":
+            state = "scheduled" if job["available_at"] > _now() else "ready"
+            h = (holding.get(row[12] + "/" + jid + ".json") or holding.get(
+                ("type", job["type"]))) if holding else None
+            if h is not None and (state == "scheduled" or h.get("missing")):
+                state = "held"
+                job["held"] = {"dest": h["dest"], "until": h.get("until"),
+                               "why": h.get("why")}
+        else:
+            state = status
+        if state == "done":
+            job["last_error"] = None
+        job["state"] = state
+        return job
+
+    def _rows(self, state):
+        """Jobs by state, then time, then id (the drop box's files among
+        the ready ones, failed/'s after the rows)."""
+        if state in (None, "ready", "scheduled", "held"):
+            for row in Reader._rows(self, state):     # the drop box's files
+                if row["state"] != "failed" and (state != "failed"):
+                    yield row
+        holding = self._holding() if state in (None, "scheduled", "held") \
+            else None
+        for status in ("ready", "processing", "done", "dead", "failed"):
+            if state not in (None, "held") and status != {
+                    "ready": "ready", "scheduled": "ready"}.get(state, state):
+                continue
+            if state == "held" and status != "ready":
+                continue
+            ids = [r[0] for r in self.store._all(
+                "SELECT id FROM jobs WHERE status=? ORDER BY coalesce("
+                "finished_at, available_at), id", (status,))]
+            for jid in ids:
+                try:
+                    row = self._describe(status, "db:" + jid, holding)
+                except OSError:
+                    continue            # it moved while we looked
+                except InvalidJob as e:
+                    row = {"id": jid, "type": None, "state": status,
+                           "attempts": None, "available_at": None,
+                           "last_error": "unreadable: %s" % e}
+                if state and row["state"] != state:
+                    continue
+                yield row
+        if state in (None, "failed"):
+            for row in Reader._rows(self, "failed"):
+                yield row
+
+    def counts(self, now):
+        # the drop box's files first, each due at its mtime
+        ready, scheduled, oldest = self._waiting_files(("incoming",), now)
+        processing = done = dead = failed = 0
+        for status, due, n, first in self.store._all(
+                "SELECT status, available_at<=?, count(*), min(available_at) "
+                "FROM jobs GROUP BY 1, 2", (now,)):
+            if status == "ready" and due:
+                ready += n
+                oldest = first if oldest is None or first < oldest else oldest
+            elif status == "ready":
+                scheduled += n
+            elif status == "processing":
+                processing += n
+            elif status == "done":
+                done += n
+            elif status == "dead":
+                dead += n
+            elif status == "failed":
+                failed += n
+        return (ready, scheduled, oldest, processing, done, dead,
+                failed + self._failed_files())
 
     # Export -----------------------------------------------------------------------
 
@@ -8851,7 +9000,7 @@ class SqlBudget(Budget):
             for jid, t, size in rows:
                 if got >= need:
                     break
-                self.store._outlive_row(db, jid, t, _now())
+                self.store.upkeep._outlive_row(db, jid, t, _now())
                 db.execute("DELETE FROM jobs WHERE id=? AND status='done'", (jid,))
                 got, n = got + size, n + 1
             return got, n
@@ -8974,11 +9123,13 @@ class SqlBacklog(Backlog):
                     yield job
 
 
-class SqlStore(_SqlUpkeep, _DirStore):
+class SqlStore(_DirStore):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
     queue.db, the rest as for files."""
 
     store = "sqlite"
+    READER = _SqlReader
+    UPKEEP = _SqlUpkeep
     CLAIMS = _SqlClaims
     BUDGET = SqlBudget
     BACKLOG = SqlBacklog
@@ -9126,6 +9277,23 @@ class SqlStore(_SqlUpkeep, _DirStore):
                     "--store sqlite after moving the old one away)"
                     % (self.path, self.d(DB_NAME), self.path))
         return self
+
+    def set_name(self, name):
+        """_DirStore.set_name, for a spool that holds no job yet: its rows carry
+        the queue's name (the queue column)."""
+        if name != self.name and _is_name(name) and self._one("SELECT count(*) FROM jobs")[0]:
+            raise ConfigError(
+                "spool %s holds jobs of the queue %s; its name cannot change: "
+                "make a new spool (myq --spool NEW init --store sqlite --name "
+                "%s) and move the jobs (myq --spool %s export | myq --spool NEW "
+                "import)" % (self.path, self.name, name, self.path))
+        _DirStore.set_name(self, name)
+
+    def _quick_check(self):
+        """None, or what PRAGMA quick_check says is wrong."""
+        rows = self._all("PRAGMA quick_check")
+        out = [r[0] for r in rows if r and r[0] != "ok"]
+        return "; ".join(out[:3]) if out else None
 
     # The connection -----------------------------------------------------------------
 
@@ -9341,109 +9509,6 @@ class SqlStore(_SqlUpkeep, _DirStore):
         return row is not None and dedupe_fresh(row[0] or 0, window, now)
 
     # Reading ------------------------------------------------------------------------
-
-    def locate(self, jid):
-        if NAME_RE.match(_check_ref(jid)):
-            row = self._one("SELECT status, available_at FROM jobs WHERE id=?",
-                            (jid,))
-            if row is not None:
-                state = {"ready": "scheduled" if row[1] > _now() else "ready",
-                         "dead": "dead"}.get(row[0], row[0])
-                return state, "db:" + jid
-        return _DirStore.locate(self, jid)          # the drop box, failed/
-
-    def _describe(self, state, path, holding=None):
-        if not path.startswith("db:"):
-            return _DirStore._describe(self, state, path, holding)
-        jid = path[3:]
-        row = self._one(_SELECT + " WHERE id=?", (jid,))
-        if row is None:
-            raise OSError(errno.ENOENT, "no longer in the spool")
-        status = row[11]
-        if status == "failed":
-            return {"id": jid, "state": "failed", "type": row[1],
-                    "attempts": row[3], "available_at": None,
-                    "file": self.d(DB_NAME), "last_error": row[6],
-                    "content": row[2]}
-        job = _job_of_row(row)
-        if status == "processing":
-            job["attempts"] = _row_attempt(row, job)
-            try:
-                job["lease"] = json.loads(row[13])["lease"]
-            except (ValueError, KeyError, TypeError):
-                pass
-            state = "processing"
-        elif status == "ready":
-            state = "scheduled" if job["available_at"] > _now() else "ready"
-            h = (holding.get(row[12] + "/" + jid + ".json") or holding.get(
-                ("type", job["type"]))) if holding else None
-            if h is not None and (state == "scheduled" or h.get("missing")):
-                state = "held"
-                job["held"] = {"dest": h["dest"], "until": h.get("until"),
-                               "why": h.get("why")}
-        else:
-            state = status
-        if state == "done":
-            job["last_error"] = None
-        job["state"] = state
-        return job
-
-    def _rows(self, state):
-        """Jobs by state, then time, then id (the drop box's files among
-        the ready ones, failed/'s after the rows)."""
-        if state in (None, "ready", "scheduled", "held"):
-            for row in _DirStore._rows(self, state):     # the drop box's files
-                if row["state"] != "failed" and (state != "failed"):
-                    yield row
-        holding = self._holding() if state in (None, "scheduled", "held") \
-            else None
-        for status in ("ready", "processing", "done", "dead", "failed"):
-            if state not in (None, "held") and status != {
-                    "ready": "ready", "scheduled": "ready"}.get(state, state):
-                continue
-            if state == "held" and status != "ready":
-                continue
-            ids = [r[0] for r in self._all(
-                "SELECT id FROM jobs WHERE status=? ORDER BY coalesce("
-                "finished_at, available_at), id", (status,))]
-            for jid in ids:
-                try:
-                    row = self._describe(status, "db:" + jid, holding)
-                except OSError:
-                    continue            # it moved while we looked
-                except InvalidJob as e:
-                    row = {"id": jid, "type": None, "state": status,
-                           "attempts": None, "available_at": None,
-                           "last_error": "unreadable: %s" % e}
-                if state and row["state"] != state:
-                    continue
-                yield row
-        if state in (None, "failed"):
-            for row in _DirStore._rows(self, "failed"):
-                yield row
-
-    def _counts(self, now):
-        # the drop box's files first, each due at its mtime
-        ready, scheduled, oldest = self._waiting_files(("incoming",), now)
-        processing = done = dead = failed = 0
-        for status, due, n, first in self._all(
-                "SELECT status, available_at<=?, count(*), min(available_at) "
-                "FROM jobs GROUP BY 1, 2", (now,)):
-            if status == "ready" and due:
-                ready += n
-                oldest = first if oldest is None or first < oldest else oldest
-            elif status == "ready":
-                scheduled += n
-            elif status == "processing":
-                processing += n
-            elif status == "done":
-                done += n
-            elif status == "dead":
-                dead += n
-            elif status == "failed":
-                failed += n
-        return (ready, scheduled, oldest, processing, done, dead,
-                failed + self._failed_files())
 
     # Lanes -------------------------------------------------------------------------------
 

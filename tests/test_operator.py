@@ -201,14 +201,14 @@ def test_a_delete_leaves_a_job_a_worker_took_meanwhile(spool, monkeypatch):
     sp = myq.open_store(spool)
     ids = [sp.enqueue("t", {"n": i}) for i in range(3)]
     me, race = myq.Identity(sp, 60.0), [ids[0]]
-    real = type(sp)._delete_one
+    real = type(sp.upkeep)._delete_one
 
     def racing(self, jid, *a, **kw):
         if jid in race:         # a worker, in between
             race.remove(jid)
-            assert self.claims.claim(jid + ".json", me, 5, True) is not None
+            assert self.store.claims.claim(jid + ".json", me, 5, True) is not None
         return real(self, jid, *a, **kw)
-    monkeypatch.setattr(type(sp), "_delete_one", racing)
+    monkeypatch.setattr(type(sp.upkeep), "_delete_one", racing)
     assert sp.delete_where("ready") == 2
     assert show(call_myq, spool, ids[0])["state"] == "processing"
     assert [call_myq("--spool", spool, "show", i).returncode
@@ -546,7 +546,7 @@ def test_show_follows_a_job_that_moves_while_it_looks(myq, spool, monkeypatch):
     it); show finds it again instead of failing (exit 75, seen in CI)."""
     sp = myq.open_store(spool)
     jid = sp.enqueue("t", {"x": 1})
-    real = sp._describe
+    real = sp.reader._describe
     moved = []
 
     def describe(state, path, *more):
@@ -554,5 +554,5 @@ def test_show_follows_a_job_that_moves_while_it_looks(myq, spool, monkeypatch):
             moved.append(1)
             os.rename(path, os.path.join(spool, "done", jid + ".json"))
         return real(state, path, *more)
-    monkeypatch.setattr(sp, "_describe", describe)
+    monkeypatch.setattr(sp.reader, "_describe", describe)
     assert sp.show(jid)["state"] == "done"

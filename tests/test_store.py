@@ -26,10 +26,14 @@ def test_each_store_implements_the_contract_and_neither_inherits_the_other(myq):
     """Store's and Claims' every operation, implemented by each store
     _STORES knows (a third one registers there), the worker's calls
     (spool.claims.X) among them."""
-    assert len(myq._STORES) >= 2 and len(_unimplemented(myq.Store, object)) > 30
+    assert len(myq._STORES) >= 2 and len(_unimplemented(myq.Store, object)) > 25
+    assert len(_unimplemented(myq.Upkeep, object)) == 3
     for name, cls in myq._STORES.items():
         assert issubclass(cls, myq.Store) and cls.store == name
         assert not _unimplemented(myq.Store, cls), name
+        assert issubclass(cls.READER, myq.Reader)
+        assert issubclass(cls.UPKEEP, myq.Upkeep)
+        assert not _unimplemented(myq.Upkeep, cls.UPKEEP), name
         assert issubclass(cls.CLAIMS, myq.Claims)
         assert not _unimplemented(myq.Claims, cls.CLAIMS), name
         assert issubclass(cls.BUDGET, myq.Budget)

@@ -14,11 +14,12 @@ HEADER = re.compile(r"^# (.+?) #{5,}$")
 MAX_FUNCTION, MAX_CLASS = 80, 750
 # An object is the sum of the class statements of its inheritance chain
 # (mixins sharing one `self` are one object).  The aim is 900: the worker's
-# parts are there (the scheduler 644, the worker 418); the stores are not
-# (the SQLite store 3,066 lines, the file store 2,328, of which 2,075 the
-# spool directory's code both share: _DirStore's _Producing, _Upkeep and
-# _Reading): this bar holds them where they are, to come down.
-MAX_OBJECT = 3100
+# parts are there (the scheduler 644, the worker 418), and the stores' parts
+# (Producer 531, Upkeep with _SqlUpkeep 839, Reader with _SqlReader 399,
+# _SqlDb 250); the SQLite store itself is not (1,173: Store's contract, 156,
+# _DirStore's policy, lanes and totals, 590, its own 427), nor its claims
+# (_SqlClaims with Claims 1,012): this bar holds them where they are.
+MAX_OBJECT = 1200
 
 
 def _source():
