@@ -72,36 +72,43 @@ The map: the sections, in file order, each using only those above it
   The job model     parse, normalize, job files (test_hostile, test_enqueue)
   Per-type policy            Policy: its keys, each a Kind; a policy
                     file checked, in canonical form (test_policy)
-  The spool         Store (the contract of a store), Identity, Claim,
-                    Breaker (holds' records), Claims (the
-                    claim protocol, recovery), Producer (a store's
-                    producer: job files written, the guard, idempotency
-                    records), Upkeep (retry, delete, prune, check),
-                    Backlog, FileBacklog (export, import: JSON lines),
-                    Reader (locate, show, list, stats), Budget,
-                    FileBudget (the budget's figure and shed,
-                    capacity: locks/used, locks/rates, the store's
-                    budget), _Layout (what init makes),
-                    _DirStore (what every store of a spool directory
-                    shares: policy, lanes, totals; its parts made and
-                    held), FileUpkeep, FileStore (the store of files),
-                    open_store, Spool (myq(1)'s Python API, handed to its
-                    store) (test_store, test_api, test_spool_layout,
-                    test_retry_dlq, test_operator, test_export,
-                    test_budget)
-  The SQLite store  SqlStore and its parts: _SqlDb (the connection and its
-                    statements), _SqlClaims, _SqlUpkeep, _SqlReader,
+  The spool         the spool's own files (layout, ownership), Store (the
+                    contract of a store), Identity, Claim, Breaker (holds'
+                    records), batches (test_store, test_spool_layout,
+                    test_breaker)
+  The claim protocol   Claims (claim, finish, retry, dead letter, put
+                    back, take back, recovery), FileClaims (over job
+                    files) (test_store, test_retry_dlq, test_crashpoints)
+  Producing and upkeep   Producer (a store's producer: job files written,
+                    the guard, idempotency records), Upkeep (retry,
+                    delete, prune, check) (test_enqueue, test_operator)
+  Reading and export   Backlog, FileBacklog (export, import: JSON lines),
+                    metrics' text, Reader (locate, show, list, stats)
+                    (test_export, test_api, test_operator)
+  The spool's budget (myq-spool(5) BUDGET)   Budget, FileBudget (the
+                    budget's figure and shed, capacity: locks/used,
+                    locks/rates) (test_budget, test_forecast)
+  The store of files   _Layout (what init makes), _DirStore (what every
+                    store of a spool directory shares: policy, lanes,
+                    totals; its parts made and held), FileUpkeep,
+                    FileStore, open_store, enqueue, Spool (myq(1)'s Python
+                    API, handed to its store) (test_store, test_api,
+                    test_spool_layout)
+  The SQLite store: its database and claims   _SqlDb (the connection to
+                    queue.db and its statements), _SqlClaims (test_sqlite,
+                    and the store-parametrised tests)
+  The SQLite store  SqlStore and its other parts: _SqlUpkeep, _SqlReader,
                     SqlBudget, SqlBacklog: the same contract over queue.db
                     (myq init --store sqlite), the drop box taken in
                     (test_sqlite, and the store-parametrised tests)
   Logging           Log and its file (test_initd)
-  Handlers          --module files; http: requests, answers, http_dest,
-                    Uplink (--uplink-rate), HttpPool, batches, Kafka's body
-                    (test_handlers_exec, test_handlers_module, test_http,
+  Handlers          --module files (test_handlers_module)
+  HTTP forwarding   requests, answers, http_dest, Uplink (--uplink-rate),
+                    HttpPool, batches, Kafka's body (test_http,
                     test_http_forward, test_destinations)
   MQTT              MqttClient (test_mqtt)
-  Intake            take_in, HttpIntake, MqttIntake, run_intake
-                    (test_intake)
+  Intake: HTTP      take_in, HttpIntake (test_intake)
+  Intake: MQTT      MqttIntake, run_intake (test_intake)
   A run's pieces    Backoff (every retry delay), Handler and its kinds
                     (ExecHandler, PyHandler, HttpHandler holding its
                     HttpPool, MqttHandler its brokers' clients: time
@@ -127,7 +134,11 @@ The map: the sections, in file order, each using only those above it
   Supervision       Supervisor, supervise --daemon (test_initd, test_procd)
   Install           `myq install`: the module layout, the init files
                     embedded (test_dist)
-  Command line      the commands and their parsers (test_operator_cli)
+  Options and parsers   the options' tables, each command's parser
+                    (test_operator_cli)
+  Command line      the parser, a command's start (a worker or supervisor
+                    made of its options), the commands, _COMMAND_TABLE,
+                    main (test_operator_cli)
   Run as a script   the script's start, its one hint (test_script_start,
                     test_light, test_onefile)
 """
@@ -2361,6 +2372,12 @@ def _safe_dest(dest):
 # tells init whether to walk the whole layout.
 _OWN_FILES = ("policy.json", "locks/policy.lock", "locks/room", "incoming/lanes",
               "locks/held", "locks/retries", "queue.db")
+# What only the owner may open, whoever reads the rest (_Layout._files):
+# what myq locks (SQLite locks the database and its log and index).
+_PRIVATE = (("", "queue.db"), ("", "queue.db-wal"), ("", "queue.db-shm"),
+            ("locks", "policy.lock"), ("locks", "totals.lock"),
+            ("locks", "used"),
+            ("locks/held", ".lock"))
 
 
 def _give_layout(fds, ids):
@@ -2412,6 +2429,23 @@ def _give_tree(fd, dev, old, ids, depth):
         except OSError as e2:
             if e2.errno != errno.ENOENT:
                 raise
+
+
+def _file_kind(mode):
+    """None for a regular file, else what it is."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _count(path, suffix):
+    return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
 
 
 class Store(object):
@@ -3028,6 +3062,13 @@ class _Batches(object):
         if _is_batch_name(name):
             _quiet_unlink(self.spool.d("processing", name + ".batch"))
             _quiet_unlink(self.spool.d("locks", "batches", name))
+
+
+# The claim protocol ##########################################################
+#
+# Claims: a job's claim, finish, retry, dead letter, put back, take back
+# and recovery, by the protocol of the module's docstring; FileClaims over
+# job files.
 
 
 class Claims(object):
@@ -3845,6 +3886,12 @@ class FileClaims(Claims):
     def queued(self, jid):
         return any(_lexists(self.spool.d(sub, jid + ".json"))
                    for sub in self.spool.waiting_dirs())
+
+
+# Producing and upkeep ########################################################
+#
+# A store's producer (job files written, the guard, the idempotency
+# records) and its upkeep (the operator's moves, retention, check).
 
 
 class Producer(object):
@@ -4922,7 +4969,7 @@ class Upkeep(object):
         """What only the owner may open, open to others (a producer could
         lock it for ever); what init moved aside from incoming/lanes/."""
         out = []
-        for sub, name in _Layout._PRIVATE:
+        for sub, name in _PRIVATE:
             p = self.store.d(sub, name) if sub else self.store.d(name)
             try:
                 mode = stat.S_IMODE(os.lstat(p).st_mode)
@@ -4982,6 +5029,12 @@ class Upkeep(object):
                        "never run (a producer must mv NAME.json into place), "
                        "e.g. %s" % (len(stray), _kv(stray[0])))
         return out
+
+
+# Reading and export ##########################################################
+#
+# The backlog as JSON lines (export, import), the statistics' text
+# forms, and a store's reader (locate, show, list, stats).
 
 
 class Backlog(object):
@@ -5245,23 +5298,6 @@ class FileBacklog(Backlog):
                 yield row
 
 
-def _file_kind(mode):
-    """None for a regular file, else what it is."""
-    if stat.S_ISREG(mode):
-        return None
-    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
-                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device")):
-        if test(mode):
-            return name
-    return "special file"
-
-
-def _count(path, suffix):
-    return sum(1 for e in _scandir(path) if e.name.endswith(suffix))
-
-
 # stats() key -> (metric, type, help) of the Prometheus text format (myq-spool(5) STATISTICS)
 _PROM_GAUGES = (
     ("oldest_ready_s", "myq_oldest_ready_seconds", "gauge",
@@ -5401,21 +5437,6 @@ def _write_textfile(w):
     except OSError as e:
         _quiet_unlink(tmp)
         w.log("error", during="textfile", error="%s: %s" % (d, e.strerror or e))
-
-
-def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
-            timeout=None, priority=None, ttl=None):
-    """Add a job to the spool durably; returns its id (myq(1) PYTHON API)."""
-    sp = _SPOOLS.get(spool)
-    if sp is None or not sp._ready:
-        sp = _SPOOLS[spool] = open_store(spool)
-    try:
-        return sp.enqueue(type, payload, id=id, delay=delay,
-                          max_attempts=max_attempts, timeout=timeout,
-                          priority=priority, ttl=ttl)
-    except ConfigError:
-        _SPOOLS.pop(spool, None)
-        raise
 
 
 class Reader(object):
@@ -5713,7 +5734,7 @@ class Reader(object):
                 self._failed_files())
 
 
-# The spool's budget (myq-spool(5) BUDGET) ------------------------------------
+# The spool's budget (myq-spool(5) BUDGET) ####################################
 #
 # What a spool keeps is measured as the allocated blocks of every file and
 # directory in it, as du(1) counts them (the SQLite store's database, log
@@ -6421,6 +6442,12 @@ class FileBudget(Budget):
                 self._add_waiting(out, t, w[3], self.store._made(w, now))
 
 
+# The store of files ##########################################################
+#
+# The layout init makes, what every store of a spool directory shares
+# (_DirStore), the store of files, open_store and Spool.
+
+
 class _Layout(object):
     """Making a spool's layout (myq init, run as root at every boot): every
     directory, incoming/lanes/ (files: made here, so that no producer's
@@ -6546,13 +6573,6 @@ class _Layout(object):
         finally:
             os.close(fd)
 
-    # What only the owner may open, whoever reads the rest (_Layout._files):
-    # what myq locks (SQLite locks the database and its log and index).
-    _PRIVATE = (("", "queue.db"), ("", "queue.db-wal"), ("", "queue.db-shm"),
-                ("locks", "policy.lock"), ("locks", "totals.lock"),
-                ("locks", "used"),
-                ("locks/held", ".lock"))
-
     def _lanes(self, inc, mine):
         """incoming/lanes/ made (0750) in incoming/ (descriptor `inc`), or
         kept when it is a directory of `mine` or root's; anything else (a
@@ -6602,7 +6622,7 @@ class _Layout(object):
                     os.unlink("room", dir_fd=lk)    # (no room: a reserve
                 finally:                             # is for when there is)
                     os.close(fd)
-        for sub, name in self._PRIVATE:
+        for sub, name in _PRIVATE:
             dfd = fds.get(sub)
             if dfd is None:
                 try:
@@ -7455,6 +7475,21 @@ def open_store(path=None, log=None, **options):
     return _STORES[name](path, log, **options)
 
 
+def enqueue(spool, type, payload=None, id=None, delay=0, max_attempts=None,
+            timeout=None, priority=None, ttl=None):
+    """Add a job to the spool durably; returns its id (myq(1) PYTHON API)."""
+    sp = _SPOOLS.get(spool)
+    if sp is None or not sp._ready:
+        sp = _SPOOLS[spool] = open_store(spool)
+    try:
+        return sp.enqueue(type, payload, id=id, delay=delay,
+                          max_attempts=max_attempts, timeout=timeout,
+                          priority=priority, ttl=ttl)
+    except ConfigError:
+        _SPOOLS.pop(spool, None)
+        raise
+
+
 class Spool(object):
     """One spool, as myq(1) PYTHON API has it: each call what the command
     of its name does, handed to the spool's store (`store`: a Store, of
@@ -7521,7 +7556,7 @@ class Spool(object):
         self.store.close()
 
 
-# The SQLite store ############################################################
+# The SQLite store: its database and claims ###################################
 #
 # A spool made by `myq init --store sqlite` keeps its jobs in one database
 # file, SPOOL/queue.db (WAL), the rest as for files: locks/ (workers,
@@ -8520,6 +8555,12 @@ class _SqlClaims(Claims):
             return False                # another reaper was faster
         sp.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
         return True
+
+
+# The SQLite store ############################################################
+#
+# The SQLite store's upkeep and reader, its budget and backlog, and the
+# store itself, registered in _STORES.
 
 
 class _SqlUpkeep(Upkeep):
@@ -9725,6 +9766,13 @@ def _module_types(mod):
 
 
 _FUNCTION = type(_module_types)
+
+
+# HTTP forwarding #############################################################
+#
+# The http type (myq(1) the http type): requests and answers, a
+# destination's origin, --uplink-rate (Uplink), the kept connections
+# (HttpPool), batches and Kafka's body.
 
 
 def _retry_after(value, now=None):
@@ -10981,7 +11029,7 @@ class _Run(object):
         self.timed_out = self.released = False
 
 
-# Intake ######################################################################
+# Intake: HTTP ################################################################
 #
 # Jobs that arrive over the network: a local HTTP endpoint and MQTT
 # subscriptions, each answered only once its jobs are durable (the spool's
@@ -11739,6 +11787,12 @@ class HttpIntake(object):
         self.poller.modify(fd, self._select.POLLIN)
         c.deadline = _mono() + self.timeout     # the next request's time
         c.started = _mono()
+
+
+# Intake: MQTT ################################################################
+#
+# The subscriptions of `myq intake --mqtt` (MqttIntake), and run_intake,
+# which runs both kinds of intake in one process.
 
 
 def parse_subscriptions(specs):
@@ -16741,7 +16795,7 @@ def install(prefix="/usr", destdir="", init=None):
     return said
 
 
-# Command line ################################################################
+# Options and parsers #########################################################
 
 # (flag, kind, default, help); the kind is a Kind (Small helpers: the same
 # parser as a policy file's value of that kind), str, "append" (repeatable)
@@ -17111,6 +17165,13 @@ def _add_command(sub, name, help):
     if name in _GUARDS_SHOWN:
         _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
     return p
+
+
+# Command line ################################################################
+#
+# The parser made of _COMMAND_TABLE, the start of a command (its options
+# resolved, a worker or supervisor made of them), the commands, each a
+# _cmd_ function in _COMMAND_TABLE, and main.
 
 
 def _parser(only=None):
