@@ -330,6 +330,12 @@ _SPOOLS = {}
 # Spool class (the SQLite store registers itself, below the spool).
 _STORES = {}
 
+# The built-in types (myq(1) HANDLERS), each an extension that registers
+# itself: name -> (the policy key whose value makes a type one of it,
+# make(options, uplink): its Handler, one a worker; check(kw): a worker's
+# command-line options of its own checked, or None).
+_BUILTIN_TYPES = {}
+
 # Database connections a forked child inherited: never closed in the child
 # (closing may end the parent's locks), never used.
 _FORKED_DBS = []
@@ -9784,6 +9790,176 @@ def _module_types(mod):
 _FUNCTION = type(_module_types)
 
 
+class Handler(object):
+    """How the jobs of a type run, as _Resolver.resolve() found it: what it
+    is (`kind`, the word of the log and of the policy's `handler`), its
+    time limit, its destination (the circuit breaker's, myq(1) holds), which
+    jobs may share one batch, and how it runs.  This base is a call in
+    this process; the worker asks its handler, never its kind."""
+    __slots__ = ("target",)
+    kind = None
+    spawned = False     # a process the worker feeds and reaps (exec)
+    remote = False      # a built-in sender: its time-out is its destination's
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def time_limit(self, job, default):
+        """Seconds a run of `job` may take: its own timeout, else the
+        worker's --timeout."""
+        return job.get("timeout") or default
+
+    def dest(self, job, runner, run=None):
+        """The circuit breaker's destination of `job`: its type.  (`run`:
+        the run it starts, whose probe a failover may take.)"""
+        return job["type"]
+
+    def batch_key(self, job, runner):
+        """Jobs with the same key may share a batch; None: any of the type."""
+        return None
+
+    def start(self, runner, run):
+        """A function in this thread (concurrency 1) or a thread of its own."""
+        if runner.concurrency == 1 and runner._main:
+            runner._run_inline(run)
+        else:
+            runner._run_thread(run)
+
+    def call(self, runner, run, job):
+        self.target(job)
+
+    def call_batch(self, runner, run, jobs):
+        """A batch's outcome: ("done",), or ("each", [None or the
+        exception, one a job]); a failure raises, as call() does."""
+        self.target(jobs)
+        return ("done",)
+
+    def resolve(self, type):
+        """(this handler, None) for a job of `type`, or (None, why not):
+        a built-in type's, once it knows what it needs."""
+        return self, None
+
+    def close(self):
+        """What it keeps open closed (the end of Worker.run)."""
+
+
+class ExecHandler(Handler):
+    """An executable of --handlers: a process of its own, the payload on
+    its stdin (Running a job: _spawn, _collect)."""
+    __slots__ = ()
+    kind = "exec"
+    spawned = True
+
+    def start(self, runner, run):
+        runner._spawn(run, self.target)
+
+
+class PyHandler(Handler):
+    """A function of --module or of Worker(handlers=...)."""
+    __slots__ = ()
+    kind = "py"
+
+
+def _dests_of(urls, type):
+    """The breaker's destinations of a type's `url` list, in order."""
+    return [url_origin(u) or type for u in urls.split()]
+
+
+def _url_dests(pol):
+    """The destinations that a policy's `url` keys name, as a set."""
+    return set(d for t, keys in pol.items() if keys.get("url")
+               for d in _dests_of(keys["url"], t))
+
+
+def _enveloped(job, rules, now):
+    """An mqtt job whose message goes in its envelope (myq(1) policy
+    `envelope`): {"id", "type", "created_at", "message"}, and
+    "backlog": true for a job of the backlog (policy `order`), so that a
+    consumer drops what a crash made the worker publish twice and tells
+    old readings from live ones.  A payload that is not an object is
+    left to fail as it would."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return job
+    env = {"id": job.get("id"), "type": job.get("type"),
+           "created_at": job.get("created_at"), "message": p.get("message")}
+    if backlog_job(job, rules, now):
+        env["backlog"] = True
+    return dict(job, payload=dict(p, message=env))
+
+
+class Uplink(object):
+    """The worker's uplink budget (--uplink-rate): the bytes of request
+    bodies and MQTT payloads sent by all its runs, to every destination,
+    stay within rate x 10 s over any 10 s; a send larger than that goes
+    alone, once nothing else was sent in the window.  Thread-safe; wait()
+    sleeps the calling run (its time limit is moved on by the wait)."""
+
+    def __init__(self, rate, window=None):
+        import threading
+        self.rate = float(rate)
+        self.window = float(window or UPLINK_WINDOW)
+        self.budget = self.rate * self.window
+        self._cond = threading.Condition(threading.Lock())
+        self._sent = []         # [(monotonic time, bytes)], oldest first
+        self._turns, self._seq = [], 0      # the runs that wait, in order
+        self.waited = 0.0       # seconds runs waited, in all (tests, bench)
+        self.on_sent = None     # f(run, bytes) at each booking (the forecast)
+
+    def _delay(self, n, now):
+        """0 when n bytes may go now (then booked), else how long until."""
+        sent = self._sent
+        while sent and sent[0][0] <= now - self.window:
+            sent.pop(0)
+        used = sum(b for _, b in sent)
+        if not sent or used + n <= self.budget:
+            sent.append((now, n))
+            return 0.0
+        for t, b in sent:       # the first moment enough has left the window
+            used -= b
+            if used + n <= self.budget or used <= 0:
+                return max(0.001, t + self.window - now)
+        return max(0.001, sent[-1][0] + self.window - now)
+
+    def wait(self, n, run=None):
+        """Wait until n bytes may go, book them; the seconds waited.  The
+        runs wait their turns in order (a larger send is not passed for
+        ever by smaller ones that fit in what it leaves).  The run's time
+        limit moves on by each wait before it is waited (the worker's
+        clock of the run must not end it meanwhile): pacing is not the
+        job's time.  A run stopped meanwhile (released at the end of a
+        shutdown's grace, timed out) sends nothing: RetryLater."""
+        cond, start = self._cond, _mono()
+        with cond:
+            self._seq += 1
+            me = self._seq
+            self._turns.append(me)
+            try:
+                while True:
+                    d = 0.5 if self._turns[0] != me else \
+                        self._delay(n, _mono())
+                    if not d:
+                        break
+                    if run is not None and (run.timed_out or run.released):
+                        raise RetryLater(None, "stopped before its turn on "
+                                         "the uplink (--uplink-rate): not sent")
+                    d, t0 = min(d, 0.5), _mono()
+                    if run is not None and run.deadline is not None:
+                        run.deadline += d
+                    cond.wait(d)
+                    if run is not None and run.deadline is not None:
+                        run.deadline -= max(0.0, t0 + d - _mono())
+            finally:
+                self._turns.remove(me)
+                cond.notify_all()
+            if run is not None and self.on_sent is not None:
+                self.on_sent(run, n)
+            waited = _mono() - start
+            if waited > 0.001:
+                self.waited += waited
+        return waited
+
+
 # HTTP forwarding #############################################################
 #
 # The http type (myq(1) the http type): requests and answers, a
@@ -9922,78 +10098,6 @@ def _tls_connection():
 
 
 
-class Uplink(object):
-    """The worker's uplink budget (--uplink-rate): the bytes of request
-    bodies and MQTT payloads sent by all its runs, to every destination,
-    stay within rate x 10 s over any 10 s; a send larger than that goes
-    alone, once nothing else was sent in the window.  Thread-safe; wait()
-    sleeps the calling run (its time limit is moved on by the wait)."""
-
-    def __init__(self, rate, window=None):
-        import threading
-        self.rate = float(rate)
-        self.window = float(window or UPLINK_WINDOW)
-        self.budget = self.rate * self.window
-        self._cond = threading.Condition(threading.Lock())
-        self._sent = []         # [(monotonic time, bytes)], oldest first
-        self._turns, self._seq = [], 0      # the runs that wait, in order
-        self.waited = 0.0       # seconds runs waited, in all (tests, bench)
-        self.on_sent = None     # f(run, bytes) at each booking (the forecast)
-
-    def _delay(self, n, now):
-        """0 when n bytes may go now (then booked), else how long until."""
-        sent = self._sent
-        while sent and sent[0][0] <= now - self.window:
-            sent.pop(0)
-        used = sum(b for _, b in sent)
-        if not sent or used + n <= self.budget:
-            sent.append((now, n))
-            return 0.0
-        for t, b in sent:       # the first moment enough has left the window
-            used -= b
-            if used + n <= self.budget or used <= 0:
-                return max(0.001, t + self.window - now)
-        return max(0.001, sent[-1][0] + self.window - now)
-
-    def wait(self, n, run=None):
-        """Wait until n bytes may go, book them; the seconds waited.  The
-        runs wait their turns in order (a larger send is not passed for
-        ever by smaller ones that fit in what it leaves).  The run's time
-        limit moves on by each wait before it is waited (the worker's
-        clock of the run must not end it meanwhile): pacing is not the
-        job's time.  A run stopped meanwhile (released at the end of a
-        shutdown's grace, timed out) sends nothing: RetryLater."""
-        cond, start = self._cond, _mono()
-        with cond:
-            self._seq += 1
-            me = self._seq
-            self._turns.append(me)
-            try:
-                while True:
-                    d = 0.5 if self._turns[0] != me else \
-                        self._delay(n, _mono())
-                    if not d:
-                        break
-                    if run is not None and (run.timed_out or run.released):
-                        raise RetryLater(None, "stopped before its turn on "
-                                         "the uplink (--uplink-rate): not sent")
-                    d, t0 = min(d, 0.5), _mono()
-                    if run is not None and run.deadline is not None:
-                        run.deadline += d
-                    cond.wait(d)
-                    if run is not None and run.deadline is not None:
-                        run.deadline -= max(0.0, t0 + d - _mono())
-            finally:
-                self._turns.remove(me)
-                cond.notify_all()
-            if run is not None and self.on_sent is not None:
-                self.on_sent(run, n)
-            waited = _mono() - start
-            if waited > 0.001:
-                self.waited += waited
-        return waited
-
-
 class HttpPool(object):
     """A worker's kept http connections (myq(1) the http type).
 
@@ -10010,7 +10114,9 @@ class HttpPool(object):
 
     def __init__(self, size=1, ca=None, idle=None, uplink=None):
         import threading
-        self.uplink = Uplink(uplink) if uplink else None    # --uplink-rate
+        # --uplink-rate: the worker's Uplink, or its rate
+        self.uplink = uplink if isinstance(uplink, Uplink) else \
+            Uplink(uplink) if uplink else None
         self.size = max(0, int(size))
         self.ca = ca
         self.idle = HTTP_IDLE if idle is None else float(idle)
@@ -10431,6 +10537,139 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
     t = max(_job_timeout(j, timeout) for j in jobs)
     return _http_send(method, url, data, hdrs, headers, t, backoff_max, run,
                       pool, gzip)
+
+
+class HttpHandler(Handler):
+    """The built-in `http` type (myq(1) the http type): its destination is the
+    URL's origin, scheme://host:port (the one HttpPool keeps connections
+    to); jobs share a request when http_group_key() says so.  The run's
+    time limit is the job's; a payload's own `timeout` bounds the request
+    within it (http_handler).  It holds its connections (`pool`, an
+    HttpPool), the headers of --header and --backoff-max (a Retry-After's
+    cap).  Its methods' `runner` is the worker's _Runner."""
+    __slots__ = ("pool", "headers", "backoff_max")
+    kind = "http"
+    remote = True
+
+    def __init__(self, pool, headers, backoff_max):
+        Handler.__init__(self)
+        self.pool, self.headers, self.backoff_max = pool, headers, backoff_max
+
+    def dest(self, job, runner, run=None):
+        urls = runner.spool.rules(job["type"]).get("url")
+        if urls:            # the type's own, in order (myq(1) failover)
+            return runner.holds._pick_dest(_dests_of(urls, job["type"]), job,
+                                           run)
+        p = job.get("payload")
+        return http_dest(p.get("url") if isinstance(p, dict) else None) \
+            or job["type"]
+
+    def batch_key(self, job, runner):
+        if runner.spool.rules(job["type"]).get("url"):
+            return ("url",)     # (all go to the type's destination)
+        return http_group_key(job, self.headers)
+
+    def call(self, runner, run, job):
+        self.call_batch(runner, run, [job], False)
+
+    def call_batch(self, runner, run, jobs, batched=True):
+        """A batch of http jobs as one request (myq(1) the http type); under
+        the type's `url`, to its first destination that answers."""
+        rules = runner.spool.rules(jobs[0]["type"])
+        t = self.time_limit(jobs[0], runner.timeout)
+        try:
+            if rules.get("url"):
+                self._failover(runner, run, jobs, rules, batched, t)
+            else:
+                self._send(runner, run, jobs, rules, batched, t)
+        except RetryLater as e:
+            e.retry_after = e.seconds
+            e.seconds = runner.delays.at_least(e.seconds, jobs[0]["attempts"])
+            raise
+        return ("done",)
+
+    def _send(self, runner, run, jobs, rules, batched, t):
+        gzip, fmt = bool(rules.get("gzip")), rules.get("format")
+        headers, now = self.headers, _now()
+        if rules.get("order") == "live-first" and all(
+                backlog_job(j, rules, now) for j in jobs):
+            # the backlog marked for the receiver (myq(1) policy `order`)
+            headers = dict(headers or (), **{"X-Myq-Backlog": "1"})
+        if batched or fmt == "kafka":
+            http_batch(jobs, headers, self.backoff_max, t, run,
+                       self.pool, gzip=gzip, fmt=fmt, alone=not batched)
+        else:
+            http_handler(jobs[0], headers, self.backoff_max, t,
+                         run, self.pool, gzip=gzip)
+
+    def _failover(self, runner, run, jobs, rules, batched, t):
+        """Send to the type's destination picked at the start (run.dest),
+        then on to the next ones not held, in order, after a destination
+        failure: the same ids and Idempotency-Key everywhere, no attempt
+        counted; each failure is the breaker's (run.failovers, booked by
+        the worker at the finish).  Each destination has its share of
+        the run's time, so that a hung one leaves time for the next."""
+        for job in jobs:
+            why = own_destination(job, rules)
+            if why:
+                raise PermanentError(why)
+        urls = rules["url"].split()
+        dests = _dests_of(rules["url"], jobs[0]["type"])
+        first = dests.index(run.dest) if run.dest in dests else 0
+        todo = list(range(first, len(urls)))
+        base = run.deadline
+        end = _mono() + t if base is None else min(_mono() + t, base)
+        failed = None
+        while todo:
+            i = todo.pop(0)
+            if i != first and runner.holds.until.get(dests[i], 0) > _now():
+                # held, the last too: none of a held destination's jobs
+                # start but its probe; when every one after the failure is
+                # held, the run ends with that failure, where it was
+                if todo:
+                    continue
+                raise failed
+            if base is not None:    # (moved on by the uplink's waits)
+                end, base = end + run.deadline - base, run.deadline
+            share = max(0.05, (end - _mono()) / (1 + len(todo)))
+            sent = [dict(j, payload={"url": urls[i], "body": j["payload"],
+                                     "timeout": share}) for j in jobs]
+            if i != first:
+                run.failovers.append((run.dest, failed))
+            run.dest = dests[i]
+            try:
+                return self._send(runner, run, sent, rules, batched, share)
+            except DestinationDown as e:
+                if base is not None:
+                    end, base = end + run.deadline - base, run.deadline
+                if not todo or end - _mono() < 0.1 or run.timed_out \
+                        or run.released:
+                    raise
+                failed = e
+
+    def resolve(self, type):
+        """The http handler, or why not: without Python's http.client the
+        type is held (myq(1) batches), not dead: install it and the jobs run."""
+        try:
+            import http.client  # noqa: F401
+            import urllib.parse  # noqa: F401
+        except ImportError:
+            return None, ("the http handler needs Python's http.client and "
+                          "urllib (OpenWrt: opkg install python3-urllib)")
+        return self, None
+
+    def close(self):
+        self.pool.close()
+
+
+def _http_type(o, uplink):
+    """A worker's http type: its kept connections, one per destination
+    and slot (myq(1) the http type), on the worker's uplink."""
+    return HttpHandler(HttpPool(o.concurrency, o.http_ca, None, uplink),
+                       o.http_headers, o.backoff_max)
+
+
+_BUILTIN_TYPES["http"] = ("url", _http_type, None)
 
 
 # MQTT ########################################################################
@@ -11023,26 +11262,157 @@ def _mqtt_bytes(jobs):
     return n
 
 
-class _Run(object):
-    """One job in flight in this worker, run by its Handler."""
-    __slots__ = ("claim", "handler", "proc", "started", "deadline", "kill_at",
-                 "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
-                 "thread", "result", "conn", "slot", "probe", "dest",
-                 "dest_fail", "batch", "split", "unsent",
-                 "retry_after", "failovers")
+class MqttHandler(Handler):
+    """The built-in `mqtt` type (myq(1) the mqtt type): its destination is the broker
+    of --mqtt; a batch is published all in flight, one outcome a job.  It
+    holds the clients of --mqtt's brokers (`clients`, connected at the
+    first job; one connection each, shared by the worker's threads), the
+    uplink they share with http (--uplink-rate) and the worker's
+    --timeout."""
+    __slots__ = ("clients", "uplink", "timeout")
+    kind = "mqtt"
+    remote = True
 
-    def __init__(self, claim, handler):
-        self.claim, self.handler = claim, handler
-        self.proc = self.started = self.deadline = self.kill_at = None
-        self.stdin = self.stdin_fd = self.err_fd = self.thread = None
-        self.result = self.conn = None
-        self.slot = self.probe = self.dest = None
-        self.batch = None           # the claims of a batch
-        self.dest_fail = self.split = self.unsent = False
-        self.retry_after = None     # a destination failure's own delay
-        self.failovers = []         # [(dest, its failure)] passed over
-        self.err = bytearray()
-        self.timed_out = self.released = False
+    def __init__(self, clients, uplink, timeout):
+        Handler.__init__(self)
+        self.clients, self.uplink, self.timeout = clients, uplink, timeout
+
+    @property
+    def client(self):
+        """The broker of --mqtt (the first, when it gives more: failover)."""
+        return (self.clients or [None])[0]
+
+    def dest(self, job, runner, run=None):
+        clients = self.clients
+        if len(clients) > 1:    # brokers in order (myq(1) failover)
+            return runner.holds._pick_dest([c.dest for c in clients], job, run)
+        client = self.client
+        return client.dest if client is not None else "mqtt"
+
+    def call(self, runner, run, job):
+        err = self.call_batch(runner, run, [job])[1][0]
+        if err is not None:
+            raise err
+
+    def call_batch(self, runner, run, jobs):
+        rules = runner.spool.rules(jobs[0]["type"])
+        topic = rules.get("topic")
+        out, sent, where = [None] * len(jobs), [], []
+        now = _now()
+        for i, job in enumerate(jobs):
+            why = topic and own_destination(job, rules)
+            if why:
+                out[i] = PermanentError(why)
+                continue
+            if topic:       # the type's (myq(1) policy `topic`): the payload
+                job = dict(job, payload={"topic": topic,    # is the message
+                                         "message": job["payload"]})
+            if rules.get("envelope"):
+                job = _enveloped(job, rules, now)
+            sent.append(job)
+            where.append(i)
+        self._failover(runner, run, self.clients or [None], sent, where, out)
+        return ("each", out)
+
+    def _failover(self, runner, run, clients, sent, where, out):
+        """Publish through the broker picked at the start (run.dest), then
+        the jobs that its failure left (DestinationDown) through the next
+        brokers not held, in order, as HttpHandler._failover does."""
+        dests = [c.dest if c is not None else None for c in clients]
+        first = dests.index(run.dest) if run.dest in dests else 0
+        todo = list(range(first, len(clients)))
+        failed = None
+        while sent and todo:
+            i = todo.pop(0)
+            if i != first and runner.holds.until.get(dests[i], 0) > _now():
+                continue        # held, the last too (HttpHandler._failover)
+            share = None
+            if todo and run.deadline is not None:
+                share = max(0.05, (run.deadline - _mono()) / (1 + len(todo)))
+            if failed is not None:
+                run.failovers.append((run.dest, failed))
+            if len(clients) > 1:
+                run.dest = dests[i]
+            res = self.batch(sent, run, clients[i], share)
+            for k, e in zip(where, res):
+                out[k] = e
+            left = [k for k, e in enumerate(res)
+                    if isinstance(e, DestinationDown)]
+            if not left or not todo or run.timed_out or run.released:
+                return
+            failed = res[left[0]]
+            sent, where = [sent[k] for k in left], [where[k] for k in left]
+
+    def batch(self, jobs, run=None, client=None, share=None):
+        """Publish `mqtt` jobs through the first broker's connection (`client`:
+        to that broker), all in flight at once: one outcome per job, in
+        order (None: done, else the exception: PermanentError,
+        DestinationDown).  With `run`, the connection is cut when the run's
+        time is up (_abort); `share`: at most that many seconds of it."""
+        client = client or self.client
+        up = self.uplink
+        if up is not None:
+            # --uplink-rate: the payloads' turn is waited for before the
+            # connection's (other runs and the keep-alive ping are not
+            # kept from it by a wait that is only this run's)
+            up.wait(_mqtt_bytes(jobs), run)
+        limit = min(self.time_limit(j, self.timeout) for j in jobs)
+        if share is not None:
+            limit = min(limit, share)
+        if run is not None:
+            # a little before the worker's own limit, so that a time-out is
+            # ours: a destination failure (myq(1) holds), not the job's
+            limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
+        start = _mono()
+        # one exchange at a time on the connection (other threads' runs,
+        # the keep-alive ping): waiting for a turn counts in the limit
+        if not client.lock.acquire(True, limit):
+            out = [DestinationDown(None, "mqtt: %s: no turn on the connection "
+                                   "within %gs (the broker is slow to answer)"
+                                   % (client.dest, limit)) for _ in jobs]
+            for e in out:
+                e.dest = client.dest
+            return out
+        try:
+            if run is not None:
+                run.conn = client
+            return mqtt_publish(client, jobs, max(0.05, limit - (
+                _mono() - start)))
+        finally:
+            if run is not None:
+                run.conn = None
+            client.lock.release()
+
+    def resolve(self, type):
+        if self.client is not None:
+            return self, None
+        return None, ("no --mqtt broker configured for type %s (give the "
+                      "worker --mqtt mqtt://HOST)" % type)
+
+    def close(self):
+        for client in self.clients:
+            client.close()
+
+
+def _mqtt_type(o, uplink):
+    """A worker's mqtt type: --mqtt's options checked now, the broker
+    connected at the first mqtt job (one connection per worker, shared by
+    its threads)."""
+    return MqttHandler([] if not o.mqtt else _mqtt_clients(
+        o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
+        o.mqtt_cert, o.mqtt_key, timeout=min(o.timeout, 30.0)),
+        uplink, o.timeout)
+
+
+def _mqtt_check(kw):
+    """--mqtt's options (`kw`: the Worker's keywords) checked: a bad URL
+    is a UsageError, an unreadable file a ConfigError."""
+    _mqtt_clients(*(kw[k] for k in ("mqtt", "mqtt_password_file",
+                                     "mqtt_client_id", "mqtt_ca", "mqtt_cert",
+                                     "mqtt_key")))
+
+
+_BUILTIN_TYPES["mqtt"] = ("topic", _mqtt_type, _mqtt_check)
 
 
 # Intake: HTTP ################################################################
@@ -12327,6 +12697,28 @@ def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
 
 # A run's pieces ##############################################################
 
+class _Run(object):
+    """One job in flight in this worker, run by its Handler."""
+    __slots__ = ("claim", "handler", "proc", "started", "deadline", "kill_at",
+                 "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
+                 "thread", "result", "conn", "slot", "probe", "dest",
+                 "dest_fail", "batch", "split", "unsent",
+                 "retry_after", "failovers")
+
+    def __init__(self, claim, handler):
+        self.claim, self.handler = claim, handler
+        self.proc = self.started = self.deadline = self.kill_at = None
+        self.stdin = self.stdin_fd = self.err_fd = self.thread = None
+        self.result = self.conn = None
+        self.slot = self.probe = self.dest = None
+        self.batch = None           # the claims of a batch
+        self.dest_fail = self.split = self.unsent = False
+        self.retry_after = None     # a destination failure's own delay
+        self.failovers = []         # [(dest, its failure)] passed over
+        self.err = bytearray()
+        self.timed_out = self.released = False
+
+
 class Backoff(object):
     """Every wait a worker gives a job before it goes again, in one place:
     a retry's (--backoff-base doubling per attempt, to --backoff-max), a
@@ -12381,351 +12773,27 @@ class Backoff(object):
         return min(max(10 * self.most, 60.0), 3600.0)
 
 
-class Handler(object):
-    """How the jobs of a type run, as _Resolver.resolve() found it: what it
-    is (`kind`, the word of the log and of the policy's `handler`), its
-    time limit, its destination (the circuit breaker's, myq(1) holds), which
-    jobs may share one batch, and how it runs.  This base is a call in
-    this process; the worker asks its handler, never its kind."""
-    __slots__ = ("target",)
-    kind = None
-    spawned = False     # a process the worker feeds and reaps (exec)
-    remote = False      # a built-in sender: its time-out is its destination's
-
-    def __init__(self, target=None):
-        self.target = target
-
-    def time_limit(self, job, default):
-        """Seconds a run of `job` may take: its own timeout, else the
-        worker's --timeout."""
-        return job.get("timeout") or default
-
-    def dest(self, job, runner, run=None):
-        """The circuit breaker's destination of `job`: its type.  (`run`:
-        the run it starts, whose probe a failover may take.)"""
-        return job["type"]
-
-    def batch_key(self, job, runner):
-        """Jobs with the same key may share a batch; None: any of the type."""
-        return None
-
-    def start(self, runner, run):
-        """A function in this thread (concurrency 1) or a thread of its own."""
-        if runner.concurrency == 1 and runner._main:
-            runner._run_inline(run)
-        else:
-            runner._run_thread(run)
-
-    def call(self, runner, run, job):
-        self.target(job)
-
-    def call_batch(self, runner, run, jobs):
-        """A batch's outcome: ("done",), or ("each", [None or the
-        exception, one a job]); a failure raises, as call() does."""
-        self.target(jobs)
-        return ("done",)
-
-
-class ExecHandler(Handler):
-    """An executable of --handlers: a process of its own, the payload on
-    its stdin (Running a job: _spawn, _collect)."""
-    __slots__ = ()
-    kind = "exec"
-    spawned = True
-
-    def start(self, runner, run):
-        runner._spawn(run, self.target)
-
-
-class PyHandler(Handler):
-    """A function of --module or of Worker(handlers=...)."""
-    __slots__ = ()
-    kind = "py"
-
-
-class HttpHandler(Handler):
-    """The built-in `http` type (myq(1) the http type): its destination is the
-    URL's origin, scheme://host:port (the one HttpPool keeps connections
-    to); jobs share a request when http_group_key() says so.  The run's
-    time limit is the job's; a payload's own `timeout` bounds the request
-    within it (http_handler).  It holds its connections (`pool`, an
-    HttpPool), the headers of --header and --backoff-max (a Retry-After's
-    cap).  Its methods' `runner` is the worker's _Runner."""
-    __slots__ = ("pool", "headers", "backoff_max")
-    kind = "http"
-    remote = True
-
-    def __init__(self, pool, headers, backoff_max):
-        Handler.__init__(self)
-        self.pool, self.headers, self.backoff_max = pool, headers, backoff_max
-
-    def dest(self, job, runner, run=None):
-        urls = runner.spool.rules(job["type"]).get("url")
-        if urls:            # the type's own, in order (myq(1) failover)
-            return runner.holds._pick_dest(_dests_of(urls, job["type"]), job,
-                                           run)
-        p = job.get("payload")
-        return http_dest(p.get("url") if isinstance(p, dict) else None) \
-            or job["type"]
-
-    def batch_key(self, job, runner):
-        if runner.spool.rules(job["type"]).get("url"):
-            return ("url",)     # (all go to the type's destination)
-        return http_group_key(job, self.headers)
-
-    def call(self, runner, run, job):
-        self.call_batch(runner, run, [job], False)
-
-    def call_batch(self, runner, run, jobs, batched=True):
-        """A batch of http jobs as one request (myq(1) the http type); under
-        the type's `url`, to its first destination that answers."""
-        rules = runner.spool.rules(jobs[0]["type"])
-        t = self.time_limit(jobs[0], runner.timeout)
-        try:
-            if rules.get("url"):
-                self._failover(runner, run, jobs, rules, batched, t)
-            else:
-                self._send(runner, run, jobs, rules, batched, t)
-        except RetryLater as e:
-            e.retry_after = e.seconds
-            e.seconds = runner.delays.at_least(e.seconds, jobs[0]["attempts"])
-            raise
-        return ("done",)
-
-    def _send(self, runner, run, jobs, rules, batched, t):
-        gzip, fmt = bool(rules.get("gzip")), rules.get("format")
-        headers, now = self.headers, _now()
-        if rules.get("order") == "live-first" and all(
-                backlog_job(j, rules, now) for j in jobs):
-            # the backlog marked for the receiver (myq(1) policy `order`)
-            headers = dict(headers or (), **{"X-Myq-Backlog": "1"})
-        if batched or fmt == "kafka":
-            http_batch(jobs, headers, self.backoff_max, t, run,
-                       self.pool, gzip=gzip, fmt=fmt, alone=not batched)
-        else:
-            http_handler(jobs[0], headers, self.backoff_max, t,
-                         run, self.pool, gzip=gzip)
-
-    def _failover(self, runner, run, jobs, rules, batched, t):
-        """Send to the type's destination picked at the start (run.dest),
-        then on to the next ones not held, in order, after a destination
-        failure: the same ids and Idempotency-Key everywhere, no attempt
-        counted; each failure is the breaker's (run.failovers, booked by
-        the worker at the finish).  Each destination has its share of
-        the run's time, so that a hung one leaves time for the next."""
-        for job in jobs:
-            why = own_destination(job, rules)
-            if why:
-                raise PermanentError(why)
-        urls = rules["url"].split()
-        dests = _dests_of(rules["url"], jobs[0]["type"])
-        first = dests.index(run.dest) if run.dest in dests else 0
-        todo = list(range(first, len(urls)))
-        base = run.deadline
-        end = _mono() + t if base is None else min(_mono() + t, base)
-        failed = None
-        while todo:
-            i = todo.pop(0)
-            if i != first and runner.holds.until.get(dests[i], 0) > _now():
-                # held, the last too: none of a held destination's jobs
-                # start but its probe; when every one after the failure is
-                # held, the run ends with that failure, where it was
-                if todo:
-                    continue
-                raise failed
-            if base is not None:    # (moved on by the uplink's waits)
-                end, base = end + run.deadline - base, run.deadline
-            share = max(0.05, (end - _mono()) / (1 + len(todo)))
-            sent = [dict(j, payload={"url": urls[i], "body": j["payload"],
-                                     "timeout": share}) for j in jobs]
-            if i != first:
-                run.failovers.append((run.dest, failed))
-            run.dest = dests[i]
-            try:
-                return self._send(runner, run, sent, rules, batched, share)
-            except DestinationDown as e:
-                if base is not None:
-                    end, base = end + run.deadline - base, run.deadline
-                if not todo or end - _mono() < 0.1 or run.timed_out \
-                        or run.released:
-                    raise
-                failed = e
-
-
-def _dests_of(urls, type):
-    """The breaker's destinations of a type's `url` list, in order."""
-    return [url_origin(u) or type for u in urls.split()]
-
-
-def _url_dests(pol):
-    """The destinations that a policy's `url` keys name, as a set."""
-    return set(d for t, keys in pol.items() if keys.get("url")
-               for d in _dests_of(keys["url"], t))
-
-
-def _enveloped(job, rules, now):
-    """An mqtt job whose message goes in its envelope (myq(1) policy
-    `envelope`): {"id", "type", "created_at", "message"}, and
-    "backlog": true for a job of the backlog (policy `order`), so that a
-    consumer drops what a crash made the worker publish twice and tells
-    old readings from live ones.  A payload that is not an object is
-    left to fail as it would."""
-    p = job.get("payload")
-    if not isinstance(p, dict):
-        return job
-    env = {"id": job.get("id"), "type": job.get("type"),
-           "created_at": job.get("created_at"), "message": p.get("message")}
-    if backlog_job(job, rules, now):
-        env["backlog"] = True
-    return dict(job, payload=dict(p, message=env))
-
-
-class MqttHandler(Handler):
-    """The built-in `mqtt` type (myq(1) the mqtt type): its destination is the broker
-    of --mqtt; a batch is published all in flight, one outcome a job.  It
-    holds the clients of --mqtt's brokers (`clients`, connected at the
-    first job; one connection each, shared by the worker's threads), the
-    uplink they share with http (--uplink-rate) and the worker's
-    --timeout."""
-    __slots__ = ("clients", "uplink", "timeout")
-    kind = "mqtt"
-    remote = True
-
-    def __init__(self, clients, uplink, timeout):
-        Handler.__init__(self)
-        self.clients, self.uplink, self.timeout = clients, uplink, timeout
-
-    @property
-    def client(self):
-        """The broker of --mqtt (the first, when it gives more: failover)."""
-        return (self.clients or [None])[0]
-
-    def dest(self, job, runner, run=None):
-        clients = self.clients
-        if len(clients) > 1:    # brokers in order (myq(1) failover)
-            return runner.holds._pick_dest([c.dest for c in clients], job, run)
-        client = self.client
-        return client.dest if client is not None else "mqtt"
-
-    def call(self, runner, run, job):
-        err = self.call_batch(runner, run, [job])[1][0]
-        if err is not None:
-            raise err
-
-    def call_batch(self, runner, run, jobs):
-        rules = runner.spool.rules(jobs[0]["type"])
-        topic = rules.get("topic")
-        out, sent, where = [None] * len(jobs), [], []
-        now = _now()
-        for i, job in enumerate(jobs):
-            why = topic and own_destination(job, rules)
-            if why:
-                out[i] = PermanentError(why)
-                continue
-            if topic:       # the type's (myq(1) policy `topic`): the payload
-                job = dict(job, payload={"topic": topic,    # is the message
-                                         "message": job["payload"]})
-            if rules.get("envelope"):
-                job = _enveloped(job, rules, now)
-            sent.append(job)
-            where.append(i)
-        self._failover(runner, run, self.clients or [None], sent, where, out)
-        return ("each", out)
-
-    def _failover(self, runner, run, clients, sent, where, out):
-        """Publish through the broker picked at the start (run.dest), then
-        the jobs that its failure left (DestinationDown) through the next
-        brokers not held, in order, as HttpHandler._failover does."""
-        dests = [c.dest if c is not None else None for c in clients]
-        first = dests.index(run.dest) if run.dest in dests else 0
-        todo = list(range(first, len(clients)))
-        failed = None
-        while sent and todo:
-            i = todo.pop(0)
-            if i != first and runner.holds.until.get(dests[i], 0) > _now():
-                continue        # held, the last too (HttpHandler._failover)
-            share = None
-            if todo and run.deadline is not None:
-                share = max(0.05, (run.deadline - _mono()) / (1 + len(todo)))
-            if failed is not None:
-                run.failovers.append((run.dest, failed))
-            if len(clients) > 1:
-                run.dest = dests[i]
-            res = self.batch(sent, run, clients[i], share)
-            for k, e in zip(where, res):
-                out[k] = e
-            left = [k for k, e in enumerate(res)
-                    if isinstance(e, DestinationDown)]
-            if not left or not todo or run.timed_out or run.released:
-                return
-            failed = res[left[0]]
-            sent, where = [sent[k] for k in left], [where[k] for k in left]
-
-    def batch(self, jobs, run=None, client=None, share=None):
-        """Publish `mqtt` jobs through the first broker's connection (`client`:
-        to that broker), all in flight at once: one outcome per job, in
-        order (None: done, else the exception: PermanentError,
-        DestinationDown).  With `run`, the connection is cut when the run's
-        time is up (_abort); `share`: at most that many seconds of it."""
-        client = client or self.client
-        up = self.uplink
-        if up is not None:
-            # --uplink-rate: the payloads' turn is waited for before the
-            # connection's (other runs and the keep-alive ping are not
-            # kept from it by a wait that is only this run's)
-            up.wait(_mqtt_bytes(jobs), run)
-        limit = min(self.time_limit(j, self.timeout) for j in jobs)
-        if share is not None:
-            limit = min(limit, share)
-        if run is not None:
-            # a little before the worker's own limit, so that a time-out is
-            # ours: a destination failure (myq(1) holds), not the job's
-            limit = max(0.05, min(limit, run.deadline - _mono() - 0.1))
-        start = _mono()
-        # one exchange at a time on the connection (other threads' runs,
-        # the keep-alive ping): waiting for a turn counts in the limit
-        if not client.lock.acquire(True, limit):
-            out = [DestinationDown(None, "mqtt: %s: no turn on the connection "
-                                   "within %gs (the broker is slow to answer)"
-                                   % (client.dest, limit)) for _ in jobs]
-            for e in out:
-                e.dest = client.dest
-            return out
-        try:
-            if run is not None:
-                run.conn = client
-            return mqtt_publish(client, jobs, max(0.05, limit - (
-                _mono() - start)))
-        finally:
-            if run is not None:
-                run.conn = None
-            client.lock.release()
-
-
 class _Resolver(object):
     """The handlers of a worker, by type (myq(1) HANDLERS): --handlers'
     executables, the functions of --module and of Worker(handlers=...)
-    (`handlers`, the worker's dict), and the built-ins, each one object
-    holding its connections: `http` (HttpHandler and its HttpPool) and
-    `mqtt` (MqttHandler and its brokers)."""
+    (`handlers`, the worker's dict), and the built-in types of
+    _BUILTIN_TYPES (`kinds`), each one object holding its connections
+    (`http`: HttpHandler and its HttpPool; `mqtt`: MqttHandler and its
+    brokers), sharing one uplink (--uplink-rate)."""
 
     def __init__(self, spool, options, handlers, module):
         o = options
         self.spool, self.handlers, self.module = spool, handlers, module
         self.handlers_dir = o.handlers_dir
         self._py = {}               # type -> its PyHandler (resolve)
-        # kept http connections: one per destination and slot (myq(1) the
-        # http type)
-        pool = HttpPool(o.concurrency, o.http_ca, None, o.uplink_rate)
-        if pool.uplink is not None:     # its bytes by type: the forecast
-            pool.uplink.on_sent = self._sent
-        self.http = HttpHandler(pool, o.http_headers, o.backoff_max)
-        # --mqtt: the options are checked now, the broker connected at the
-        # first mqtt job (one connection per worker, shared by its threads)
-        self.mqtt = MqttHandler([] if not o.mqtt else _mqtt_clients(
-            o.mqtt, o.mqtt_password_file, o.mqtt_client_id, o.mqtt_ca,
-            o.mqtt_cert, o.mqtt_key, timeout=min(o.timeout, 30.0)),
-            pool.uplink, o.timeout)
+        self.uplink = Uplink(o.uplink_rate) if o.uplink_rate else None
+        if self.uplink is not None:     # its bytes by type: the forecast
+            self.uplink.on_sent = self._sent
+        self.kinds = dict((name, make(o, self.uplink)) for name, (_, make, _)
+                          in sorted(_BUILTIN_TYPES.items()))
+        self._keys = [(key, name) for name, (key, _, _)
+                      in sorted(_BUILTIN_TYPES.items())]
+        self.http, self.mqtt = self.kinds.get("http"), self.kinds.get("mqtt")
 
     def _sent(self, run, n):
         """A run's n bytes booked on the uplink, by its type (locks/rates)."""
@@ -12736,20 +12804,22 @@ class _Resolver(object):
 
     def close(self):
         """The kept connections closed (the end of Worker.run)."""
-        self.http.pool.close()
-        for client in self.mqtt.clients:
-            client.close()
+        for h in self.kinds.values():
+            h.close()
 
     def resolve(self, type, rules=None):
         """(handler, None): its Handler, or (None, why not).  `rules`: the
         type's, when the caller has them."""
         rules = self.spool.rules(type) if rules is None else rules
-        builtin = rules.get("handler") or ("http" if rules.get("url") else
-                                           "mqtt" if rules.get("topic") else None)
-        if builtin == "http":
-            return self.resolve_http(type)
-        if builtin == "mqtt":
-            return self.resolve_mqtt(type)
+        builtin = rules.get("handler")
+        if builtin is None:
+            for key, name in self._keys:
+                if rules.get(key):
+                    builtin = name
+                    break
+        h = self.kinds.get(builtin) if builtin is not None else None
+        if h is not None:
+            return h.resolve(type)
         if self.handlers_dir:
             path = os.path.join(self.handlers_dir, type)
             if os.path.isfile(path):
@@ -12763,31 +12833,14 @@ class _Resolver(object):
             if h is None or h.target is not fn:     # (one a type, not a job)
                 h = self._py[type] = PyHandler(fn)
             return h, None
-        if type == "http":
-            return self.resolve_http(type)
-        if type == "mqtt":
-            return self.resolve_mqtt(type)
+        h = self.kinds.get(type)
+        if h is not None:
+            return h.resolve(type)
         return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
                       % (type, "--handlers " + self.handlers_dir
                          if self.handlers_dir else "no --handlers",
                          "--module" if self.module else "no --module"))
 
-    def resolve_http(self, type):
-        """The http handler, or why not: without Python's http.client the
-        type is held (myq(1) batches), not dead: install it and the jobs run."""
-        try:
-            import http.client  # noqa: F401
-            import urllib.parse  # noqa: F401
-        except ImportError:
-            return None, ("the http handler needs Python's http.client and "
-                          "urllib (OpenWrt: opkg install python3-urllib)")
-        return self.http, None
-
-    def resolve_mqtt(self, type):
-        if self.mqtt.client is not None:
-            return self.mqtt, None
-        return None, ("no --mqtt broker configured for type %s (give the "
-                      "worker --mqtt mqtt://HOST)" % type)
 
 
 def _abort(run):
@@ -17401,9 +17454,10 @@ def _mqtt_options(o):
             raise UsageError("%s without --mqtt (give the broker: --mqtt "
                              "mqtt://HOST)" % ", ".join(extra))
         return kw
-    _mqtt_clients(*(kw[k] for k in ("mqtt", "mqtt_password_file",
-                                     "mqtt_client_id", "mqtt_ca", "mqtt_cert",
-                                     "mqtt_key")))
+    for name in sorted(_BUILTIN_TYPES):
+        check = _BUILTIN_TYPES[name][2]
+        if check is not None:
+            check(kw)
     return kw
 
 
