@@ -102,19 +102,21 @@ The map: the sections, in file order, each using only those above it
                     (myq init --store sqlite), the drop box taken in
                     (test_sqlite, and the store-parametrised tests)
   Logging           Log and its file (test_initd)
-  Handlers          --module files (test_handlers_module)
-  HTTP forwarding   requests, answers, http_dest, Uplink (--uplink-rate),
-                    HttpPool, batches, Kafka's body (test_http,
-                    test_http_forward, test_destinations)
-  MQTT              MqttClient (test_mqtt)
-  Intake: HTTP      take_in, HttpIntake (test_intake)
-  Intake: MQTT      MqttIntake, run_intake (test_intake)
-  A run's pieces    Backoff (every retry delay), Handler and its kinds
-                    (ExecHandler, PyHandler, HttpHandler holding its
-                    HttpPool, MqttHandler its brokers' clients: time
-                    limit, destination, batch key, how it runs),
-                    _Resolver (a worker's handlers by type), outcomes,
-                    pipes (test_handlers_exec, test_http_forward)
+  Handlers          Handler (how a type's jobs run: time limit,
+                    destination, batch key, how it runs) and the core's
+                    kinds, ExecHandler and PyHandler; --module files; a
+                    type's destinations; Uplink (--uplink-rate)
+                    (test_handlers_exec, test_handlers_module)
+  HTTP forwarding   requests, answers, http_dest, HttpPool, batches,
+                    Kafka's body, HttpHandler (the http type, registered
+                    in _BUILTIN_TYPES) (test_http, test_http_forward,
+                    test_destinations)
+  MQTT              MqttClient, MqttHandler (the mqtt type, registered in
+                    _BUILTIN_TYPES) (test_mqtt)
+  A run's pieces    _Run, Backoff (every retry delay), _Resolver (a
+                    worker's handlers by type: --handlers, --module, the
+                    built-in types of _BUILTIN_TYPES), outcomes, pipes
+                    (test_handlers_exec, test_http_forward)
   The scheduler     _Scheduler: lanes, scan caches, gates, rates, probes
                     (test_scan, test_scheduler)
   Running a job     _Runner: handlers started, outcomes collected
@@ -132,13 +134,18 @@ The map: the sections, in file order, each using only those above it
   The process image   byte-code cache, heap, a worker's command
                     (test_script_start)
   Supervision       Supervisor, supervise --daemon (test_initd, test_procd)
-  Install           `myq install`: the module layout, the init files
-                    embedded (test_dist)
   Options and parsers   the options' tables, each command's parser
                     (test_operator_cli)
   Command line      the parser, a command's start (a worker or supervisor
                     made of its options), the commands, _COMMAND_TABLE,
                     main (test_operator_cli)
+  Intake: HTTP      take_in, HttpIntake (test_intake)
+  Intake: MQTT      MqttIntake, run_intake, `myq intake` (its options, its
+                    command, the child supervise keeps: registered in
+                    _COMMAND_TABLE, _COMMAND_OPTIONS, _CHILDREN)
+                    (test_intake)
+  Install           `myq install`: the module layout, the init files
+                    embedded, its command (test_dist)
   Run as a script   the script's start, its one hint (test_script_start,
                     test_light, test_onefile)
 """
@@ -1524,6 +1531,25 @@ def _readable_library(uid):
         raise ConfigError("uid %d cannot read this Python's library (%s): run "
                           "myq with a Python installed where that user can "
                           "read it (not under /root)" % (uid, lib))
+
+
+# How myq starts and titles a process of its own, as the core does it: a
+# child is `python3 myq.py WORDS` (start), exec'd (area: no room known to
+# retitle a forked child; title, env_block: none made; retitle: refused),
+# the heap as the interpreter leaves it.  The process image (Part II)
+# registers its own: a worker from the cached byte code, a forked child
+# retitled, the compiler's heap given back.
+_IMAGE = {
+    "start": lambda python=None, cached=False: [
+        python or sys.executable, os.path.abspath(__file__)],
+    "area": lambda: None,
+    "title": lambda area, words, need: None,
+    "env_block": lambda area, env: None,
+    "retitle": lambda area, title, env: False,
+    "dumpable": lambda: False,
+    "prog": lambda: os.path.abspath(__file__),
+    "give_back_heap": lambda reexec=False: None,
+}
 
 
 # The job model ###############################################################
@@ -11415,1286 +11441,6 @@ def _mqtt_check(kw):
 _BUILTIN_TYPES["mqtt"] = ("topic", _mqtt_type, _mqtt_check)
 
 
-# Intake: HTTP ################################################################
-#
-# Jobs that arrive over the network: a local HTTP endpoint and MQTT
-# subscriptions, each answered only once its jobs are durable (the spool's
-# own enqueue_many, which fsyncs before it returns).  `myq intake` runs
-# both in one process, as the spool's user.  The HTTP endpoint is one
-# thread's poll(2) loop over non-blocking sockets: a slow client costs a
-# buffer and one of _HTTP_CONNS slots for at most --listen-timeout, never a
-# wait of anyone else's (a thread per connection would let a slowloris
-# hold threads, and each thread's stack).  The subscriptions are a thread
-# of their own, whose connect and reconnects may block.
-#
-# Every job taken in gets its id before it is written (the producer's, or
-# one made here as _new_id makes them), so that a request that fails half
-# way is taken back whole, and one sent again after a crash finds the jobs
-# it already placed: the same id with the same type and payload is the
-# same job (answered as before, never queued twice); another payload under
-# a known id is a conflict.
-
-_HTTP_CONNS = 64                # connections at once; the oldest goes first
-_HTTP_HEAD_MAX = 8192           # bytes of request line and headers
-_HTTP_BUFFERED = 4 << 20        # request bytes held at once, all connections
-_HTTP_REASONS = {
-    100: "Continue", 200: "OK", 202: "Accepted", 400: "Bad Request",
-    401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-    408: "Request Timeout", 409: "Conflict", 411: "Length Required",
-    413: "Payload Too Large", 429: "Too Many Requests",
-    431: "Request Header Fields Too Large", 500: "Internal Server Error",
-    503: "Service Unavailable", 505: "HTTP Version Not Supported"}
-_NDJSON = ("application/x-ndjson", "application/ndjson", "application/jsonl",
-           "application/x-jsonlines", "application/jsonlines")
-_INTAKE_BATCH = 256             # jobs in one enqueue_many (one commit)
-_INTAKE_LINES = 10000           # jobs in one HTTP request
-_INTAKE_IDS = _thread.allocate_lock()     # the HTTP and MQTT threads' _new_id
-# the words of check's problems that stop the intake taking jobs (/health 503)
-_HEALTH_BLOCKING = (" is damaged", " is missing", "is not writable",
-                    "permission denied", "budget", " free on the spool")
-
-
-class _Refusal(Exception):
-    """A request answered with an error `status` (and Retry-After)."""
-
-    def __init__(self, status, message, retry_after=None):
-        Exception.__init__(self, message)
-        self.status, self.retry_after = status, retry_after
-
-
-def _same_job(spool, jid, type, payload):
-    """Is job `jid`, already in the spool, this one (same type, same
-    payload)?  False also when it cannot be read (only its idempotency
-    record is left)."""
-    try:
-        job = spool.show(jid)
-    except (MyqError, OSError):
-        return False
-    return job.get("type") == type and job.get("payload") == payload
-
-
-def _intake_id(now=None):
-    with _INTAKE_IDS:
-        return _new_id(_now() if now is None else now)
-
-
-def _refused(spool, e, items, count=True):
-    """The _Refusal of a MyqError that enqueue raised for `items`
-    (`count`: count them refused)."""
-    if isinstance(e, SpoolFull):
-        for t in sorted(set(it[1] for it in items)) if count else ():
-            spool.count("refused", t, sum(1 for it in items if it[1] == t))
-        bound = "at its bound" in str(e)
-        return _Refusal(429 if bound else 503, str(e), 5 if bound else 30)
-    if isinstance(e, InvalidJob):
-        return _Refusal(413 if "--max-job-bytes" in str(e) else 400, str(e))
-    if isinstance(e, SpoolBusy):
-        return _Refusal(503, str(e), 1)
-    return _Refusal(500, str(e))
-
-
-def _withdraw_new(spool, ids):
-    """Take back what a failed enqueue_many placed of `ids` (still
-    waiting): nothing of a refused request is kept (myq(1) INTAKE)."""
-    for jid in ids:
-        try:
-            if spool.locate(jid)[0] in ("ready", "scheduled"):
-                spool.delete([jid])
-        except (MyqError, OSError):
-            pass        # claimed meanwhile, or never placed
-
-
-def _sync_placed(spool, ids):
-    """Make the waiting jobs `ids` durable: each one's file and its
-    directory fsync'd (what a killed intake placed, perhaps before its own
-    fsync); a row of the SQLite store was durable at its commit.  Only
-    what this request names: never a sync(2) of every filesystem."""
-    dirs = set()
-    for jid in ids:
-        try:
-            path = spool.locate(jid)[1]
-        except MyqError:
-            continue
-        if path.startswith("db:"):
-            continue
-        try:
-            fd = _open_reg(path, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError:
-            continue            # claimed meanwhile: a worker has it
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dirs.add(os.path.dirname(path))
-    for d in sorted(dirs):
-        _fsync_dir(d)
-
-
-def take_in(spool, items, count=True, known=None):
-    """Enqueue `items`, [(id, type, payload)], durably, all or none: the
-    ids, in order; a job already there under its id with the same type
-    and payload counts as taken (an answer lost to a crash, sent again;
-    its id added to the list `known`).  Raises DuplicateJob when an id is
-    taken by another job, _Refusal when the spool refuses (a bound, a
-    guard: counted `refused` unless not `count`)."""
-    for _ in range(3):
-        new, waiting, same = [], [], []
-        for jid, type, payload in items:
-            where = spool.find_id(jid)
-            if where is None:
-                new.append((jid, type, payload))
-                continue
-            if not _same_job(spool, jid, type, payload):
-                raise DuplicateJob("job id %s is taken by another job (%s); "
-                                   "give this one another id" % (jid, where))
-            same.append(jid)
-            if where == "queued":
-                waiting.append(jid)
-        try:
-            if new:
-                spool.enqueue_many([{"type": t, "payload": p, "id": j}
-                                    for j, t, p in new])
-            if waiting:
-                # placed by an intake killed before its answer, perhaps
-                # before its fsync: durable before this answer says so
-                _sync_placed(spool, waiting)
-            if known is not None:
-                known.extend(same)
-            return [it[0] for it in items]
-        except DuplicateJob:
-            continue        # another producer, meanwhile: look again
-        except MyqError as e:
-            # (what it placed is ours: an id placed by another meanwhile
-            # would have been a DuplicateJob; the HTTP loop takes one
-            # request at a time)
-            _withdraw_new(spool, [it[0] for it in new])
-            raise _refused(spool, e, new, count)
-    raise _Refusal(503, "spool %s: the ids of this request keep changing "
-                   "hands; try again" % spool.path, 1)
-
-
-def _json_value(text, what):
-    try:
-        return _DECODER.decode(text)
-    except RecursionError:
-        raise _Refusal(400, "%s is nested too deep" % what)
-    except ValueError as e:
-        raise _Refusal(400, "%s is not JSON (%s)" % (what, e))
-
-
-def _own_id(value, what):
-    """The id a payload names for itself (its `id` field), or None."""
-    if not isinstance(value, dict) or value.get("id") is None:
-        return None
-    jid = value["id"]
-    if not isinstance(jid, str) or not NAME_RE.match(jid):
-        raise _Refusal(400, "%s: id %s is not a job id (1-128 of A-Z a-z 0-9 "
-                       ". _ -, not starting with .)" % (what, json.dumps(jid)[:140]))
-    return jid
-
-
-def http_jobs(type, body, ndjson, key=None, now=None):
-    """[(id, type, payload)] of a POST /jobs/TYPE body: one JSON payload,
-    or (`ndjson`) one a line.  The id: the Idempotency-Key `key` (one job;
-    KEY.N for line N of many), else the payload's own `id` field, else a
-    new one.  Raises _Refusal (400)."""
-    if not isinstance(type, str) or not NAME_RE.match(type):
-        raise _Refusal(400, "job type %r is not a type name (1-128 of A-Z a-z "
-                       "0-9 . _ -); POST to /jobs/TYPE" % (type,)[:140])
-    if key is not None and not NAME_RE.match(key):
-        raise _Refusal(400, "Idempotency-Key %r is not a job id (1-128 of A-Z "
-                       "a-z 0-9 . _ -)" % key[:140])
-    try:
-        text = body.decode("utf-8")
-    except UnicodeError:
-        raise _Refusal(400, "the body is not UTF-8 text")
-    if ndjson:
-        lines = [(n, line) for n, line in enumerate(text.split("\n"), 1)
-                 if line.strip()]
-        if len(lines) > _INTAKE_LINES:
-            raise _Refusal(413, "%d jobs in one request: send at most %d a "
-                           "request" % (len(lines), _INTAKE_LINES))
-        values = [(_json_value(line, "line %d" % n), "line %d" % n)
-                  for n, line in lines]
-    else:
-        values = [(_json_value(text, "the body"), "the body")]
-    if not values:
-        raise _Refusal(400, "the body holds no job (one JSON payload a line)")
-    out, seen = [], set()
-    now = _now() if now is None else now
-    for n, (value, what) in enumerate(values, 1):
-        jid = _own_id(value, what)
-        if key is not None:
-            jid = key if len(values) == 1 else "%s.%d" % (key, n)
-            if len(jid) > 128:
-                raise _Refusal(400, "Idempotency-Key is too long for %d jobs "
-                               "(KEY.N must fit 128 characters)" % len(values))
-        jid = jid or _intake_id(now)
-        if jid in seen:
-            raise _Refusal(400, "%s repeats id %s of an earlier line" % (what, jid))
-        seen.add(jid)
-        out.append((jid, type, value))
-    return out
-
-
-def listen_address(text):
-    """(host, port, loopback?) of --listen [ADDR]:PORT (ADDR default
-    127.0.0.1; [::1]:PORT for IPv6)."""
-    m = re.match(r"(?:(\[[0-9A-Fa-f:.]+\]|[0-9.]+|localhost|\*)?:)?(\d{1,5})\Z",
-                 text or "")
-    port = int(m.group(2)) if m else -1
-    if not m or not 0 <= port < 65536:          # (0: any free port, logged)
-        raise UsageError("--listen %r is not [ADDR]:PORT (e.g. 127.0.0.1:8440, "
-                         "[::1]:8440, 0.0.0.0:8440) nor unix:PATH; ADDR is an "
-                         "IP address" % (text,))
-    host = (m.group(1) or "127.0.0.1").strip("[]")
-    host = {"localhost": "127.0.0.1", "*": "0.0.0.0"}.get(host, host)
-    loop = host == "::1" or host.startswith("127.")
-    return host, port, loop
-
-
-def _unix_path(listen):
-    """PATH of --listen unix:PATH (absolute, fits a socket's address)."""
-    path = listen[5:]
-    if not path.startswith("/") or len(path.encode("utf-8", "replace")) > 107 \
-            or "\0" in path:
-        raise UsageError("--listen %r: unix:PATH needs an absolute PATH of at "
-                         "most 107 bytes (e.g. unix:/run/myq/intake.sock)"
-                         % (listen,))
-    return path
-
-
-def _tcp_socket(listen):
-    """A TCP socket listening on --listen [ADDR]:PORT.  A port taken by
-    another program is said loudly (ConfigError): whoever listens there
-    gets the producers' posts and their token."""
-    import socket
-    host, port, _ = listen_address(listen)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                         socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(64)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(
-                "cannot listen on %s: another program already listens on port "
-                "%d (find it: ss -ltnp 'sport = :%d'); it, not myq, would get "
-                "the producers' posts and their token: stop it, or give "
-                "another --listen (unix:PATH is safe from this)"
-                % (listen, port, port))
-        raise ConfigError("cannot listen on %s: %s (a port below 1024 needs "
-                          "root)" % (listen, _os_text(e)))
-    return sock
-
-
-def _held_socket(fd):
-    """The listening TCP socket that supervise took for this intake
-    (--listen-fd): the port stays taken while the intake restarts."""
-    import socket
-    try:
-        sock = socket.socket(fileno=fd)
-        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            raise OSError(errno.EINVAL, "not a listening socket")
-    except OSError as e:
-        raise ConfigError("--listen-fd %d: %s (it is supervise's to give)"
-                          % (fd, _os_text(e)))
-    return sock
-
-
-def _hold_port(argv):
-    """supervise's part (as root, before it drops root): the TCP port of
-    the intake's --listen in `argv`, taken now and kept while supervise
-    runs, so that no other program takes it while the intake (re)starts,
-    and a port below 1024 works; None for unix:PATH or no --listen."""
-    if not argv or "--listen" not in argv:
-        return None
-    listen = argv[argv.index("--listen") + 1]
-    if listen.startswith("unix:"):
-        return None
-    sock = _tcp_socket(listen)
-    sock.set_inheritable(True)
-    return sock
-
-
-def _unix_socket(path, gid):
-    """A Unix socket listening at `path`, mode 0660, group `gid` (the
-    spool's: its producers).  A stale socket there is replaced; a live
-    one (another intake), or anything but a socket, is refused."""
-    import socket
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise ConfigError("cannot use --listen unix:%s: %s" % (path, _os_text(e)))
-    if st is not None:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise ConfigError("--listen unix:%s: there is a file there that is "
-                              "not a socket; move it away" % path)
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(2)
-            probe.connect(path)
-            live = True
-        except OSError as e:
-            live = e.errno not in (errno.ECONNREFUSED, errno.ENOENT)
-        finally:
-            probe.close()
-        if live:
-            raise ConfigError("--listen unix:%s: another program listens on "
-                              "it (another myq intake?); stop it first" % path)
-        _quiet_unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)           # (0600 until its group is set)
-    try:
-        sock.bind(path)
-        sock.listen(64)
-        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_NOFOLLOW
-                     | O_CLOEXEC)
-        try:                # the inode bound, never a name put in its place
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                raise OSError(errno.EEXIST, "replaced while being made")
-            at = "/proc/self/fd/%d" % fd
-            if not os.path.exists(at):
-                at = path
-            os.chown(at, -1, gid)
-            os.chmod(at, 0o660)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        sock.close()
-        raise ConfigError("cannot listen on unix:%s: %s (its directory must "
-                          "be the spool user's, and that user in the spool's "
-                          "group)" % (path, _os_text(e)))
-    finally:
-        os.umask(old)
-    return sock
-
-
-def _read_token(path):
-    """The bearer token in --listen-token-file (one line)."""
-    try:
-        with open(path, "rb") as f:
-            token = f.read(4097).strip()
-    except OSError as e:
-        raise ConfigError("cannot read --listen-token-file %s: %s (the intake "
-                          "runs as the spool's user, which must read it; "
-                          "myq init makes SPOOL/%s)"
-                          % (path, _os_text(e), INTAKE_TOKEN))
-    if not token or len(token) > 4096 or b"\n" in token or b" " in token:
-        raise ConfigError("--listen-token-file %s must hold one token: 1-4096 "
-                          "characters, no blanks" % path)
-    return token
-
-
-def _equal_secret(a, b):
-    """Compare without telling by the time taken where they differ."""
-    try:
-        from _operator import _compare_digest
-        return _compare_digest(a, b)
-    except ImportError:
-        n = len(a) ^ len(b)
-        for x, y in zip(a, b if len(a) == len(b) else a):
-            n |= x ^ y
-        return n == 0
-
-
-class _HttpConn(object):
-    """One client connection: what it sent, what is still to go out."""
-    __slots__ = ("sock", "buf", "out", "deadline", "head", "need", "close",
-                 "started", "continued")
-
-    def __init__(self, sock, deadline):
-        self.sock, self.deadline = sock, deadline
-        self.started = _mono()
-        self.buf, self.out = bytearray(), bytearray()
-        self.head = None            # (method, path, headers) once read
-        self.need = 0               # body bytes the head announced
-        self.close = self.continued = False
-
-
-class HttpIntake(object):
-    """The local HTTP endpoint (myq(1) INTAKE): POST /jobs/TYPE, GET /health,
-    GET /metrics, on non-blocking sockets served by `serve()` (one poll).
-    `token`: the bearer token every request must carry (bytes), or None."""
-
-    def __init__(self, spool, listen, token=None, max_bytes=1 << 20,
-                 timeout=10.0, log=None, fd=None):
-        import socket
-        import select
-        self.spool, self.token, self.log = spool, token, log or _noop_log
-        self.max_bytes, self.timeout = max_bytes, float(timeout)
-        # request bytes held at once, across connections (_HTTP_CONNS of
-        # max_bytes each would be 64 M)
-        self.buffer_max = max(_HTTP_BUFFERED, 2 * (max_bytes + _HTTP_HEAD_MAX))
-        self.unix = None
-        if listen.startswith("unix:"):
-            self.unix = _unix_path(listen)
-            sock = _unix_socket(self.unix, os.stat(spool.path).st_gid)
-            self.address, self._ino = listen, os.lstat(self.unix).st_ino
-        else:
-            if not listen_address(listen)[2] and token is None:
-                raise UsageError("--listen %s is not a loopback address: it "
-                                 "needs a token (--listen-token-file, default "
-                                 "SPOOL/%s), never --listen-open"
-                                 % (listen, INTAKE_TOKEN))
-            sock = _tcp_socket(listen) if fd is None else _held_socket(fd)
-            self.address = "%s:%d" % sock.getsockname()[:2]
-        sock.setblocking(False)
-        self.sock = sock
-        self._socket, self._select = socket, select
-        self.poller = select.poll()
-        self.poller.register(sock.fileno(), select.POLLIN)
-        self.conns = {}             # fd -> _HttpConn
-        self.served = self.cut = 0  # requests answered; connections cut
-        self._cache = {}            # path -> (until, answer): /health, /metrics
-
-    def close(self):
-        for fd in list(self.conns):
-            self._drop(fd)
-        self.sock.close()
-        try:                # our socket's name, unless another took it
-            if self.unix and os.lstat(self.unix).st_ino == self._ino:
-                os.unlink(self.unix)
-        except OSError:
-            pass
-
-    def serve(self, wait=1.0):
-        """One round: wait up to `wait` seconds for sockets, then serve
-        what is there (never blocking on any client)."""
-        now = _mono()
-        soonest = min([c.deadline for c in self.conns.values()] or [now + wait])
-        try:
-            ready = self.poller.poll(max(0, min(wait, soonest - now)) * 1000)
-        except InterruptedError:
-            ready = []
-        for fd, ev in ready:
-            if fd == self.sock.fileno():
-                self._accept()
-                continue
-            c = self.conns.get(fd)
-            if c is None:
-                continue
-            try:
-                if ev & self._select.POLLOUT and c.out:
-                    self._flush(fd, c)
-                    if fd in self.conns and not c.out:
-                        self._advance(fd, c)
-                if ev & (self._select.POLLIN | self._select.POLLHUP
-                         | self._select.POLLERR) and fd in self.conns:
-                    self._receive(fd, c)
-            except OSError:
-                self._drop(fd)
-            except Exception as e:      # (a client's bytes met a bug: it
-                self.log("error", during="intake", error="%s: %s" % (
-                    type(e).__name__, e))
-                self._drop(fd)          # goes, the endpoint serves on)
-        now = _mono()
-        for fd, c in list(self.conns.items()):
-            if now >= c.deadline:
-                self._expire(fd, c)
-
-    def _accept(self):
-        for _ in range(16):
-            try:
-                s, _addr = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:        # EMFILE and the like: later
-                self.log("error", during="accept", error=_os_text(e))
-                return
-            if len(self.conns) >= _HTTP_CONNS:
-                # the connection that has taken longest goes (a slowloris
-                # opening many holds each for --listen-timeout at most)
-                old = min(self.conns, key=lambda fd: self.conns[fd].started)
-                self.cut += 1
-                self._drop(old)
-            s.setblocking(False)
-            self.conns[s.fileno()] = _HttpConn(s, _mono() + self.timeout)
-            self.poller.register(s.fileno(), self._select.POLLIN)
-
-    def _drop(self, fd):
-        c = self.conns.pop(fd, None)
-        if c is not None:
-            try:
-                self.poller.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-            c.sock.close()
-
-    def _expire(self, fd, c):
-        """A request that took too long: 408 (best effort), closed."""
-        if c.buf or c.head is not None:
-            self.cut += 1
-            try:
-                c.sock.send(self._answer(408, {"error": "the request took "
-                                               "longer than %gs" % self.timeout},
-                                         close=True))
-            except OSError:
-                pass
-        self._drop(fd)
-
-    def _receive(self, fd, c):
-        try:
-            data = c.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        if not data:
-            self._drop(fd)
-            return
-        c.buf += data
-        if len(c.buf) > self.max_bytes + _HTTP_HEAD_MAX:
-            self._drop(fd)          # more than a request, unasked
-            return
-        if sum(len(x.buf) for x in self.conns.values()) > self.buffer_max:
-            # the bytes held for all clients at once are bounded: the
-            # connection that holds most goes (503, try again)
-            big = max(self.conns, key=lambda f: len(self.conns[f].buf))
-            self.cut += 1
-            try:
-                self.conns[big].sock.send(self._answer(503, {
-                    "error": "the intake holds too many bodies at once; try "
-                    "again"}, close=True, retry_after=1))
-            except OSError:
-                pass
-            self._drop(big)
-            if big == fd:
-                return
-        if c.out:               # pipelined before our answer went: later
-            return
-        self._advance(fd, c)
-
-    def _advance(self, fd, c):
-        """Serve the requests that c.buf holds whole."""
-        while fd in self.conns and not c.out and c.buf:
-            if c.head is None:
-                if not self._read_head(fd, c):
-                    return
-            if len(c.buf) < c.need:
-                return
-            body = bytes(c.buf[:c.need])
-            del c.buf[:c.need]
-            method, path, headers = c.head
-            c.head, c.need, c.continued = None, 0, False
-            try:
-                answer = self._request(method, path, headers, body)
-            except Exception as e:      # (a bug: said, and the loop goes on)
-                self.log("error", during="intake request", error="%s: %s" % (
-                    type(e).__name__, e))
-                answer = (500, {"error": "myq failed on this request: %s"
-                                % type(e).__name__}, {})
-            self._reply(fd, c, *answer)
-
-    def _read_head(self, fd, c):
-        """Parse the head in c.buf; False while it is incomplete (or the
-        connection was answered and closed)."""
-        end = c.buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(c.buf) > _HTTP_HEAD_MAX:
-                self._reply(fd, c, 431, {"error": "the request head is larger "
-                                         "than %d bytes" % _HTTP_HEAD_MAX},
-                            close=True)
-            return False
-        if end > _HTTP_HEAD_MAX:
-            self._reply(fd, c, 431, {"error": "the request head is larger than "
-                                     "%d bytes" % _HTTP_HEAD_MAX}, close=True)
-            return False
-        head = bytes(c.buf[:end]).decode("latin-1")
-        del c.buf[:end + 4]
-        try:
-            method, path, headers, close = self._parse_head(head)
-        except _Refusal as e:
-            self._reply(fd, c, e.status, {"error": str(e)}, close=True)
-            return False
-        c.close = close
-        refusal = self._refuse_early(method, path, headers)
-        if refusal is not None:
-            self._reply(fd, c, refusal.status, {"error": str(refusal)},
-                        close=True, retry_after=refusal.retry_after)
-            return False
-        c.head, c.need = (method, path, headers), int(headers.get(
-            "content-length", "0"))
-        if c.need and len(c.buf) < c.need and \
-                headers.get("expect", "").lower() == "100-continue":
-            try:
-                c.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")   # (curl waits 1 s)
-            except (BlockingIOError, InterruptedError):
-                pass
-        return True
-
-    def _parse_head(self, head):
-        lines = head.split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            if len(parts) == 3 and parts[2].startswith("HTTP/"):
-                raise _Refusal(505, "only HTTP/1.x is spoken here")
-            raise _Refusal(400, "not an HTTP/1.x request line")
-        headers = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            name = name.strip().lower()
-            if not sep or not name or " " in name:
-                raise _Refusal(400, "a header line is not 'Name: value'")
-            value = value.strip()
-            if name in headers and name in ("content-length", "authorization",
-                                            "idempotency-key", "content-type"):
-                if headers[name] != value:
-                    raise _Refusal(400, "header %s given twice" % name)
-            headers[name] = value
-        conn = headers.get("connection", "").lower()
-        close = conn == "close" or (parts[2] == "HTTP/1.0" and conn != "keep-alive")
-        return parts[0], parts[1], headers, close
-
-    def _refuse_early(self, method, path, headers):
-        """What is refused on the head alone, before any body is read:
-        the token, chunked bodies, bad or too large lengths."""
-        if self.token is not None:
-            auth = headers.get("authorization", "")
-            scheme, _, given = auth.partition(" ")
-            if scheme.lower() != "bearer" or not _equal_secret(
-                    given.strip().encode("latin-1"), self.token):
-                return _Refusal(401, "this endpoint needs 'Authorization: "
-                                "Bearer TOKEN' (the token of "
-                                "--listen-token-file)")
-        if "transfer-encoding" in headers:
-            return _Refusal(411, "send the body with a Content-Length, not "
-                            "chunked")
-        length = headers.get("content-length", "0")
-        if not (length.isascii() and length.isdigit()) or len(length) > 18:
-            return _Refusal(400, "Content-Length %r is not a byte count" % length[:40])
-        if int(length) > self.max_bytes:
-            return _Refusal(413, "the body is %s bytes, more than "
-                            "--listen-max-bytes (%d)" % (length, self.max_bytes))
-        if method == "POST" and "content-length" not in headers:
-            return _Refusal(411, "a POST needs a Content-Length")
-        return None
-
-    def _request(self, method, path, headers, body):
-        """(status, answer object or text, {"retry_after": S}) of one
-        whole request."""
-        path = path.split("?", 1)[0]
-        if path.startswith("/jobs/"):
-            if method != "POST":
-                return 405, {"error": "POST a job to /jobs/TYPE"}, {"allow": "POST"}
-            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-            known = []
-            try:
-                items = http_jobs(path[6:], body, ctype in _NDJSON,
-                                  headers.get("idempotency-key"))
-                ids = take_in(self.spool, items, known=known)
-            except _Refusal as e:
-                return e.status, {"error": str(e)}, {"retry_after": e.retry_after}
-            except DuplicateJob as e:
-                self.log("duplicate", via="http", type=path[6:],
-                         kept="refused (409)", error=str(e))
-                return 409, {"error": str(e)}, {}
-            for jid in known:
-                self.log("duplicate", via="http", id=jid, type=path[6:],
-                         kept="the same job, already taken")
-            self.log("intake", via="http", type=path[6:], jobs=len(ids))
-            return 202, {"ids": ids}, {}
-        if path in ("/health", "/metrics"):
-            if method != "GET":
-                return 405, {"error": "GET %s" % path}, {"allow": "GET"}
-            return self._report(path)
-        return 404, {"error": "no %s here: POST /jobs/TYPE, GET /health, GET "
-                     "/metrics" % path[:200]}, {}
-
-    def _report(self, path):
-        """/health (check --json; 503 only when the intake cannot take jobs:
-        a guard, the budget, a damaged or unwritable store; what only needs
-        an operator, dead jobs say, answers 200) or /metrics (the
-        Prometheus text of stats), each worked out at most once a second."""
-        until, answer = self._cache.get(path, (0, None))
-        if _mono() < until:
-            return answer
-        try:
-            if path == "/health":
-                problems = self.spool.check()
-                blocking = self.spool.free_problem() or any(
-                    any(w in p for w in _HEALTH_BLOCKING) for p in problems)
-                answer = (503 if blocking else 200, {
-                    "ok": not problems, "spool": self.spool.path,
-                    "problems": problems}, {})
-            else:
-                answer = (200, prometheus_text(self.spool.stats(by_type=True)),
-                          {"type": "text/plain; version=0.0.4; charset=utf-8"})
-        except (MyqError, OSError) as e:
-            answer = (503, {"ok": False, "spool": self.spool.path,
-                            "problems": [str(e)]}, {})
-        self._cache[path] = (_mono() + 1.0, answer)
-        return answer
-
-    def _answer(self, status, obj, close=False, retry_after=None, extra=None):
-        extra = extra or {}
-        if isinstance(obj, str):
-            body = obj.encode("utf-8")
-        else:
-            body = (json.dumps(obj, sort_keys=True) + "\n").encode("utf-8")
-        head = ["HTTP/1.1 %d %s" % (status, _HTTP_REASONS.get(status, "")),
-                "Content-Type: %s" % extra.get("type", "application/json"),
-                "Content-Length: %d" % len(body), "Cache-Control: no-store"]
-        if retry_after:
-            head.append("Retry-After: %d" % retry_after)
-        if status == 401:
-            head.append('WWW-Authenticate: Bearer realm="myq"')
-        if extra.get("allow"):
-            head.append("Allow: " + extra["allow"])
-        head.append("Connection: close" if close else "Connection: keep-alive")
-        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
-
-    def _reply(self, fd, c, status, obj, extra=None, close=False,
-               retry_after=None):
-        extra = extra or {}
-        close = close or c.close or status in (408, 411, 413, 431)
-        c.out += self._answer(status, obj, close, retry_after or
-                              extra.get("retry_after"), extra)
-        c.close = close
-        self.served += 1
-        if close:
-            c.buf = bytearray()
-        self._flush(fd, c)
-
-    def _flush(self, fd, c):
-        try:
-            n = c.sock.send(c.out)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        del c.out[:n]
-        if c.out:
-            self.poller.modify(fd, self._select.POLLOUT)
-            return
-        if c.close:
-            self._drop(fd)
-            return
-        self.poller.modify(fd, self._select.POLLIN)
-        c.deadline = _mono() + self.timeout     # the next request's time
-        c.started = _mono()
-
-
-# Intake: MQTT ################################################################
-#
-# The subscriptions of `myq intake --mqtt` (MqttIntake), and run_intake,
-# which runs both kinds of intake in one process.
-
-
-def parse_subscriptions(specs):
-    """[(filter, type)] of --subscribe 'FILTER=TYPE' (the last '=' splits:
-    a filter may hold one)."""
-    out = []
-    for spec in specs or ():
-        flt, eq, type = spec.rpartition("=")
-        if not eq or not flt:
-            raise UsageError("--subscribe %r is not FILTER=TYPE (e.g. "
-                             "'sensors/+/reading=reading')" % spec)
-        if not NAME_RE.match(type):
-            raise UsageError("--subscribe %r: %r is not a job type (1-128 of "
-                             "A-Z a-z 0-9 . _ -)" % (spec, type))
-        levels = flt.split("/")
-        if any(("#" in x and (x != "#" or i != len(levels) - 1)) or
-               ("+" in x and x != "+") for i, x in enumerate(levels)) \
-                or "\0" in flt or len(flt.encode("utf-8", "replace")) > 65535:
-            raise UsageError("--subscribe %r: %r is not an MQTT topic filter "
-                             "(+ stands for a whole level, # for the last ones)"
-                             % (spec, flt))
-        out.append((flt, type))
-    return out
-
-
-def topic_matches(flt, topic):
-    """Does MQTT topic filter `flt` match `topic` (+ one level, # the rest;
-    no wildcard first matches a topic starting with $)?"""
-    f, t = flt.split("/"), topic.split("/")
-    if topic.startswith("$") and f[0] in ("+", "#"):
-        return False
-    for i, x in enumerate(f):
-        if x == "#":
-            return True
-        if i >= len(t) or (x != "+" and x != t[i]):
-            return False
-    return len(f) == len(t)
-
-
-def intake_client_id(spool_path):
-    """The default --mqtt-client-id of intake: stable across restarts (its
-    session is the broker's queue of what it has not acknowledged), from
-    the host and the spool, at most 23 characters."""
-    import binascii
-    host = os.uname()[1]
-    tail = "-%08x" % (binascii.crc32(("%s\0%s" % (host, os.path.abspath(
-        spool_path))).encode("utf-8", "replace")) & 0xffffffff)
-    return ("myqi-" + re.sub(r"[^A-Za-z0-9]", "", host))[:23 - len(tail)] + tail
-
-
-def mqtt_job(topic, data, type, now=None):
-    """(id, type, payload) of a received message: payload {"topic",
-    "message": JSON, else the text; a message that is not UTF-8:
-    "message_base64"}; the id is the message's own `id` when it is an
-    object with a valid one."""
-    jid = None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeError:
-        import binascii
-        return _intake_id(now), type, {
-            "topic": topic,
-            "message_base64": binascii.b2a_base64(data).decode().strip()}
-    try:
-        msg = _DECODER.decode(text)
-        if isinstance(msg, dict) and isinstance(msg.get("id"), str) \
-                and NAME_RE.match(msg["id"]):
-            jid = msg["id"]
-    except (ValueError, RecursionError):
-        msg = text
-    return jid or _intake_id(now), type, {
-        "topic": topic, "message": msg}
-
-
-def session_subs(subs, client_id):
-    """[(client id, [(filter, type)])]: one MQTT session a type, so that a
-    type held at its bound (its PUBACKs withheld, the broker's window of
-    unacknowledged messages full) holds no other type's messages; one
-    type keeps `client_id` itself, several get CLIENT_ID.TYPE (a CRC of the
-    type when long)."""
-    import binascii
-    types = []
-    for _, t in subs:
-        if t not in types:
-            types.append(t)
-    out = []
-    for t in types:
-        cid = client_id
-        if len(types) > 1:
-            cid = "%s.%s" % (client_id, t if len(t) <= 40 else "%08x" % (
-                binascii.crc32(t.encode("utf-8")) & 0xffffffff))
-        out.append((cid, [x for x in subs if x[1] == t]))
-    return out
-
-
-def _packet_head(buf):
-    """(first byte, body length, head length) of the MQTT packet at the
-    start of `buf`, or None while its head is incomplete."""
-    n = shift = 0
-    for i in range(1, min(len(buf), 5)):
-        b = buf[i]
-        n |= (b & 127) << shift
-        shift += 7
-        if not b & 128:
-            return buf[0], n, i + 1
-    if len(buf) >= 5:
-        raise _MqttBroken("the broker sent a bad packet length (protocol error)")
-    return None
-
-
-class MqttIntake(MqttClient):
-    """MQTT subscriptions of one type taken in as jobs (myq(1) INTAKE): a
-    persistent session (clean session off, a stable client id), QoS 1,
-    each PUBACK sent once its job is durable, in the order the messages
-    came; withheld while a bound or a guard refuses (the message waits in
-    memory, the broker keeps it until the PUBACK: a crash loses nothing,
-    the broker sends it again).  `subs`: this session's filters; `every`:
-    all of them (the first filter that matches a topic decides its type,
-    across sessions).  `run(stopping)` connects, subscribes and takes in
-    until `stopping()`, reconnecting with a backoff after any error."""
-
-    def __init__(self, spool, subs, url, password=None, client_id=None,
-                 ca=None, cert=None, key=None, keepalive=60, timeout=10.0,
-                 log=None, every=None):
-        MqttClient.__init__(self, url, password, client_id or
-                            intake_client_id(spool.path), ca, cert, key,
-                            keepalive, timeout)
-        self.clean = False
-        self.spool, self.subs, self.log = spool, subs, log or _noop_log
-        self.every = every or subs
-        # a message is at most a job: its topic and envelope fit in 64K more
-        self.max_packet = spool.opt["max_job_bytes"] + 65536
-        # (packet id or None, (id, type, payload) or None: refused at
-        # arrival, acknowledged in its turn, size)
-        self.pending = []
-        self._pending_bytes = 0
-        self.taken = self.acked = self.refused = 0
-        self._retry_at = 0.0
-        self._refusals = 0
-        self._counted = None        # the id last counted refused
-        self._skip = 0              # bytes of an oversized message still to come
-        self._big = None            # its (packet id, topic, size)
-
-    def _keep_alive(self):
-        """(The session loop pings; no thread of MqttClient's.)"""
-
-    def run(self, stopping):
-        backoff = 1.0
-        while not stopping():
-            try:
-                with self.lock:
-                    self._connect(_mono() + self.timeout)
-                self.log("intake_connected", broker=self.dest,
-                         client_id=self.client_id)
-                backoff = 1.0
-                self._serve(stopping)
-                self._send(b"\xe0\x00", _mono() + 1.0)       # DISCONNECT
-            except Exception as e:      # (a hostile broker: never a crash)
-                self.log("error", during="intake from %s" % self.dest,
-                         error=str(e) if isinstance(e, (DestinationDown,
-                                                        _MqttBroken))
-                         else _os_text(e) if isinstance(e, OSError)
-                         else "%s: %s" % (type(e).__name__, e),
-                         retry_in=round(backoff, 1))
-            finally:
-                self._drop()
-                # unacknowledged: the broker sends them again
-                self.pending, self._pending_bytes = [], 0
-                self._skip, self._big = 0, None
-            end = _mono() + backoff * (0.75 + 0.5 * _uniform())
-            while not stopping() and _mono() < end:
-                time.sleep(min(0.1, max(0.0, end - _mono())))
-            backoff = min(60.0, backoff * 2)
-
-    def _subscribe_packet(self):
-        body = b"\x00\x01"
-        for flt, _ in self.subs:
-            body += _mqtt_str(flt.encode("utf-8")) + b"\x01"
-        return b"\x82" + _mqtt_len(len(body)) + body
-
-    def _serve(self, stopping):
-        """One connection's life: SUBSCRIBE, then messages in, PUBACKs
-        out, PINGREQ when idle; returns when `stopping()`, raises when the
-        connection fails or the broker breaks the protocol."""
-        import select
-        sock = self.sock
-        self._send(self._subscribe_packet(), _mono() + self.timeout)
-        ping_sent = None
-        self._parse_buffered()          # what came with the CONNACK
-        while not stopping():
-            now = _mono()
-            if self.pending and now >= self._retry_at:
-                self._take_pending()
-            if ping_sent is not None and now - ping_sent > self.timeout:
-                raise _MqttBroken("no PINGRESP from the broker in time")
-            if ping_sent is None and self.keepalive and \
-                    now - self._last_sent >= self.keepalive / 2.0:
-                self._send(b"\xc0\x00", now + self.timeout)
-                ping_sent = now
-            # full: read no more (TCP holds the broker back) until room
-            full = len(self.pending) >= 1000 or self._pending_bytes > 4 << 20
-            wait = 0.5 if not self.pending else max(
-                0.0, min(0.5, self._retry_at - now))
-            if not full and not (hasattr(sock, "pending") and sock.pending()):
-                if not select.select([sock], [], [], wait)[0]:
-                    continue
-            elif full:
-                time.sleep(wait)
-                continue
-            sock.settimeout(0)
-            try:
-                data = sock.recv(65536)
-            except OSError as e:
-                if isinstance(e, BlockingIOError) or \
-                        type(e).__name__ == "SSLWantReadError":
-                    continue
-                raise
-            if not data:
-                raise _MqttBroken("the broker closed the connection")
-            self._buf += data
-            if self._parse_buffered():
-                ping_sent = None
-
-    def _parse_buffered(self):
-        """Handle the whole packets in the buffer; True if one was a
-        PINGRESP.  A PUBLISH larger than a job can be is read past, never
-        buffered (_oversized)."""
-        pong = False
-        while True:
-            if self._skip:
-                n = min(self._skip, len(self._buf))
-                del self._buf[:n]
-                self._skip -= n
-                if self._skip:
-                    return pong
-                self._refuse_big()
-            head = _packet_head(self._buf)
-            if head is None:
-                return pong
-            if head[1] > self.max_packet:
-                if not self._oversized(*head):
-                    return pong
-                continue
-            got = _mqtt_parse(self._buf, self.max_packet)
-            if got is None:
-                return pong
-            del self._buf[:got[2]]
-            pong = self._packet(got[0], got[1]) or pong
-
-    def _oversized(self, kind, size, at):
-        """A packet of `size` bytes, over max_packet: a PUBLISH whose head
-        (topic, packet id) is in the buffer is taken off it, and the rest
-        of its bytes are read past (_skip); True then, False while its head
-        is incomplete.  Any other packet that large breaks the protocol."""
-        if kind >> 4 != 3:
-            raise _MqttBroken("the broker sent a %d-byte packet of type %d "
-                              "(protocol error)" % (size, kind >> 4))
-        qos = (kind >> 1) & 3
-        if len(self._buf) < at + 2:
-            return False
-        end = at + 2 + int.from_bytes(self._buf[at:at + 2], "big") + (
-            2 if qos else 0)
-        if len(self._buf) < end:
-            return False
-        topic = bytes(self._buf[at + 2:end - (2 if qos else 0)]).decode(
-            "utf-8", "replace")
-        pid = int.from_bytes(self._buf[end - 2:end], "big") if qos else None
-        del self._buf[:end]
-        self._skip, self._big = size - (end - at), (pid or None, topic, size)
-        if not self._skip:
-            self._refuse_big()
-        return True
-
-    def _refuse_big(self):
-        """An oversized message, read past: refused (counted, logged) and
-        acknowledged in its turn: it can never be a job, and a message not
-        acknowledged would come again at every connect."""
-        pid, topic, size = self._big
-        self._big = None
-        type = next((ty for flt, ty in self.every if topic_matches(flt, topic)),
-                    None)
-        if type is None or any(ty == type for _, ty in self.subs):
-            self._said_big(topic, size, type)
-        self.pending.append((pid, None, 0))
-        if len(self.pending) == 1:
-            self._ack(self.pending[:1])
-
-    def _said_big(self, topic, size, type):
-        """An oversized message of this session's: counted and logged."""
-        self.refused += 1
-        if type is not None:
-            self.spool.count("refused", type)
-        self.log("intake_refused", via="mqtt", broker=self.dest,
-                 topic=topic[:200], bytes=size, type=type,
-                 why="larger than a job may be (--max-job-bytes %d)"
-                 % self.spool.opt["max_job_bytes"])
-
-    def _packet(self, kind, body):
-        """Handle one packet from the broker; True for a PINGRESP."""
-        t = kind >> 4
-        if t == 3:
-            self._publish_in(kind, body)
-        elif t == 9:                                        # SUBACK
-            if len(body) != 2 + len(self.subs):
-                raise _MqttBroken("the broker's SUBACK has %d return codes for "
-                                  "%d filters (protocol error)"
-                                  % (max(0, len(body) - 2), len(self.subs)))
-            for (flt, type), code in zip(self.subs, bytearray(body[2:])):
-                if code == 0x80:
-                    self.log("error", during="subscribe", broker=self.dest,
-                             filter=flt, error="the broker refused the "
-                             "subscription; check its access rules (ACL)")
-        elif t == 13:                                       # PINGRESP
-            return True
-        else:
-            raise _MqttBroken("the broker sent packet type %d, which a "
-                              "subscriber never gets (protocol error)" % t)
-        return False
-
-    def _publish_in(self, kind, body):
-        qos = (kind >> 1) & 3
-        if qos == 3 or len(body) < 2:
-            raise _MqttBroken("the broker sent a malformed PUBLISH (protocol "
-                              "error)")
-        n = int.from_bytes(body[:2], "big")
-        end = 2 + n + (2 if qos else 0)
-        if len(body) < end:
-            raise _MqttBroken("the broker sent a PUBLISH shorter than its topic "
-                              "(protocol error)")
-        try:
-            topic = body[2:2 + n].decode("utf-8")
-        except UnicodeError:
-            raise _MqttBroken("the broker sent a topic that is not UTF-8 "
-                              "(protocol error)")
-        pid = int.from_bytes(body[2 + n:end], "big") if qos else None
-        if qos == 2:
-            # we subscribe at QoS 1: a broker must not send more
-            raise _MqttBroken("the broker sent a QoS 2 message on a QoS 1 "
-                              "subscription (protocol error)")
-        if pid == 0:
-            raise _MqttBroken("the broker sent packet id 0 (protocol error)")
-        type = next((ty for flt, ty in self.every if topic_matches(flt, topic)),
-                    None)
-        mine = any(ty == type for _, ty in self.subs)
-        if not mine:
-            if type is None:
-                # a subscription this session kept from an earlier --subscribe
-                self.log("intake_unmatched", broker=self.dest, topic=topic[:200])
-            # (else: an earlier filter of another type's session decides)
-            self.pending.append((pid, None, 0))
-            if len(self.pending) == 1:
-                self._ack(self.pending[:1])
-            return
-        self.pending.append((pid, mqtt_job(topic, body[end:], type), len(body)))
-        self._pending_bytes += len(body)
-
-    def _take_pending(self):
-        """Enqueue what waits, in order, and acknowledge it: a batch at a
-        time (one commit); when the spool refuses, one at a time up to the
-        first refused, which waits (its PUBACK withheld) and is tried again
-        after a backoff (0.5 s doubling to 5 s)."""
-        while self.pending:
-            if self.pending[0][1] is None:      # refused at arrival: its turn
-                self._ack(self.pending[:1])
-                continue
-            n = next((k for k, it in enumerate(self.pending[:_INTAKE_BATCH])
-                      if it[1] is None), min(_INTAKE_BATCH, len(self.pending)))
-            try:
-                self._take(self.pending[:n])
-                self._refusals = 0
-                continue
-            except _Refusal as e:
-                refusal = e
-            if n > 1:
-                # (one at a time: what is refused, and why, is the first's
-                # alone; a bad message behind good ones drops itself only)
-                refusal = None
-                for _ in range(n):
-                    try:
-                        self._take(self.pending[:1])
-                    except _Refusal as e:
-                        refusal = e
-                        break
-                if refusal is None:
-                    continue
-            if refusal.status in (400, 413):        # can never be a job
-                self.refused += 1
-                self.spool.count("refused", self.pending[0][1][1])
-                self.log("intake_refused", via="mqtt", broker=self.dest,
-                         topic=self.pending[0][1][2]["topic"][:200],
-                         bytes=self.pending[0][2], type=self.pending[0][1][1],
-                         why="message dropped: %s" % refusal)
-                self._ack(self.pending[:1])
-                continue
-            self._refusals += 1
-            head = self.pending[0][1]
-            if self._counted != head[0]:        # once a message, not a retry
-                self._counted = head[0]
-                self.spool.count("refused", head[1])
-            delay = min(5.0, 0.5 * 2 ** min(self._refusals - 1, 4))
-            self._retry_at = _mono() + delay
-            if self._refusals == 1:
-                self.log("intake_held", broker=self.dest, type=head[1],
-                         waiting=len(self.pending), why=str(refusal),
-                         retry_in=delay)
-            return
-
-    def _take(self, batch):
-        known = []
-        try:
-            take_in(self.spool, [it[1] for it in batch], count=False,
-                    known=known)
-        except DuplicateJob as e:
-            if len(batch) > 1:
-                for it in batch:
-                    self._take([it])
-                return
-            self._keep_duplicate(batch[0][1], str(e))
-        for jid in known:
-            self.log("duplicate", via="mqtt", id=jid, type=batch[0][1][1],
-                     kept="the same job, already taken")
-        self.taken += len(batch)
-        self._ack(batch)
-
-    def _keep_duplicate(self, item, why):
-        """A message under an id that another job holds: its job goes to
-        failed/ with the reason (myq(1) INTAKE), durably, before its
-        PUBACK; never dropped, never run under a new id."""
-        jid, type, payload = item
-        data = json.dumps({"id": jid, "type": type, "payload": payload},
-                          sort_keys=True).encode("utf-8") + b"\n"
-        tmp = self.spool.d("tmp", "%s.%d.%s.dup" % (jid, os.getpid(),
-                                                    _rand_hex(4)))
-        _create(tmp, data)
-        # (a name of its own: the job that holds the id keeps `show ID`)
-        self.spool.claims.quarantine(tmp, "%s.dup-%s.json" % (
-            jid, _rand_hex(3)), "duplicate: %s; the "
-                                     "message kept here (give it another id "
-                                     "and myq retry it, or delete it)" % why)
-        _fsync_dir(self.spool.d("failed"))
-        self.log("duplicate", via="mqtt", id=jid, type=type,
-                 topic=payload.get("topic", "")[:200], kept="failed/")
-
-    def _ack(self, batch):
-        """PUBACK, in order, for what is now durable (or dropped)."""
-        acks = b"".join(b"\x40\x02" + it[0].to_bytes(2, "big")
-                        for it in batch if it[0] is not None)
-        del self.pending[:len(batch)]
-        self._pending_bytes -= sum(it[2] for it in batch)
-        if acks:
-            self._send(acks, _mono() + self.timeout)
-            self.acked += len(acks) // 4
-
-
-def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
-               max_bytes=1 << 20, timeout=10.0, parent=None, listen_fd=None):
-    """`myq intake`: the HTTP endpoint in this thread, the subscriptions
-    (`mqtt`: MqttIntake's keyword arguments) in others, a session a type
-    (session_subs), each with a Spool of its own, until SIGTERM/SIGINT (or
-    the supervisor `parent` is gone); SIGHUP reopens the log.  Returns 0."""
-    import signal
-    import threading
-    stop = []
-    signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
-    signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
-    signal.signal(signal.SIGHUP, lambda s, f: stop.append("hup"))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))  # (_child_run)
-    http = HttpIntake(spool, listen, token, max_bytes, timeout, log,
-                      listen_fd) if listen else None
-    sessions, threads = [], []
-    for cid, some in session_subs(subs, (mqtt or {}).get("client_id")):
-        mq = MqttIntake(open_store(spool.path, log=log, **spool.opt), some,
-                        log=log, every=subs, **dict(mqtt, client_id=cid))
-        thread = threading.Thread(target=mq.run, name="myq-intake-mqtt",
-                                  args=(lambda: any(s != "hup" for s in stop),))
-        thread.daemon = True
-        sessions.append(mq)
-        threads.append(thread)
-    log("intake_start", pid=os.getpid(), spool=spool.path,
-        listen=http.address if http else None,
-        subscribe=",".join(f for f, _ in subs) or None,
-        broker=sessions[0].dest if sessions else None,
-        sessions=len(sessions) or None)
-    for thread in threads:
-        thread.start()
-    try:
-        while not any(s != "hup" for s in stop):
-            if "hup" in stop:
-                stop.remove("hup")
-                try:
-                    log.reopen()
-                except MyqError as e:
-                    log("error", during="reopen log", error=str(e))
-            if http is not None:
-                http.serve(0.5)
-            else:
-                time.sleep(0.2)
-            if parent and os.getppid() != parent:
-                log("supervisor_gone", pid=parent)
-                break
-            if not stop and not all(t.is_alive() for t in threads):
-                raise ConfigError("the MQTT intake stopped; see the log")
-    finally:
-        stop.append("stop")
-        for thread, mq in zip(threads, sessions):
-            thread.join(mq.timeout + 1)
-            mq.close()
-        if http is not None:
-            http.close()
-        log("intake_stop", pid=os.getpid(),
-            served=http.served if http else None,
-            taken=sum(mq.taken for mq in sessions) if sessions else None,
-            refused=sum(mq.refused for mq in sessions) if sessions else None)
-    return 0
-
-
 # A run's pieces ##############################################################
 
 class _Run(object):
@@ -14419,8 +13165,9 @@ class _Holds(object):
         rules = self.spool.rules(type)
         if rules.get("url"):
             return _dests_of(rules["url"], type)
-        mqtt = self.resolver.mqtt
-        if len(mqtt.clients) > 1 and self.resolver.resolve(type, rules)[0] is mqtt:
+        mqtt = self.resolver.mqtt       # (None: no mqtt type registered)
+        if mqtt is not None and len(mqtt.clients) > 1 \
+                and self.resolver.resolve(type, rules)[0] is mqtt:
             return [c.dest for c in mqtt.clients]
         return None
 
@@ -15637,6 +14384,11 @@ def _title_prog():
     return os.path.abspath(prog)
 
 
+_IMAGE.update(start=_worker_start, area=_arg_area, title=_title,
+              env_block=_env_block, retitle=_retitle, dumpable=_dumpable,
+              prog=_title_prog, give_back_heap=_give_back_heap)
+
+
 # Supervision #################################################################
 
 
@@ -15786,7 +14538,7 @@ class Supervisor(object):
         # entry(words) returns; with none (or another interpreter), every
         # child is a new one (exec)
         self.entry = None if python else entry
-        self.area = _arg_area() if self.entry else None
+        self.area = _IMAGE["area"]() if self.entry else None
         self.stop = 0
         self.hup = False
 
@@ -15802,10 +14554,10 @@ class Supervisor(object):
         execs too."""
         title = None
         if self.area is not None:
-            title = _title(self.area, [sys.executable or "python3",
-                                       _title_prog()] + words,
-                           2 + words.index("--spool") + 3)
-        env = None if title is None else _env_block(self.area, self.env)
+            title = _IMAGE["title"](self.area, [sys.executable or "python3",
+                                                _IMAGE["prog"]()] + words,
+                                    2 + words.index("--spool") + 3)
+        env = None if title is None else _IMAGE["env_block"](self.area, self.env)
         if env is None:
             return self._exec(words, out, quiet)
         run = self.entry(words)
@@ -15832,7 +14584,7 @@ class Supervisor(object):
     def _exec(self, words, out, quiet):
         import subprocess
         return subprocess.Popen(
-            _worker_start(self.python) + words, close_fds=True, env=self.env,
+            _IMAGE["start"](self.python) + words, close_fds=True, env=self.env,
             cwd="/", stdin=subprocess.DEVNULL, stderr=out,
             stdout=subprocess.DEVNULL if quiet else out,
             pass_fds=self.keep if words[2:3] == ["intake"] else ())
@@ -15937,7 +14689,7 @@ class Supervisor(object):
                     # script removes it.
                     become(self.ids[0], self.ids[1])
                     _readable_library(self.ids[0])
-                    _dumpable()         # (its children forked, not exec'd)
+                    _IMAGE["dumpable"]()         # (its children forked, not exec'd)
                     self.pidfile = None
                 self._loop(select, signal, pipe[0])
             finally:
@@ -16118,10 +14870,10 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
         os.environ.update(sup.env)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [
             s for s in sigs if s != signal.SIGHUP])
-        if not _retitle(sup.area, image[0], image[1]):
-            argv = _worker_start(sup.python) + words
+        if not _IMAGE["retitle"](sup.area, image[0], image[1]):
+            argv = _IMAGE["start"](sup.python) + words
             os.execve(argv[0], argv, sup.env)
-        sys.argv[:] = [_title_prog()] + words
+        sys.argv[:] = [_IMAGE["prog"]()] + words
         del _COMPILED_AT_START[:]       # the heap is the supervisor's, shared
         status = run()
     except SystemExit as e:
@@ -16143,6 +14895,2688 @@ def _child_run(sup, run, words, image, out, quiet, signal, sigs):
             sys.stderr.flush()
         finally:
             os._exit(status if isinstance(status, int) else 1)
+
+
+# Options and parsers #########################################################
+
+# (flag, kind, default, help); the kind is a Kind (Small helpers: the same
+# parser as a policy file's value of that kind), str, "append" (repeatable)
+# or None (a switch; its MYQ_* variable is a BOOL).
+GUARD_OPTIONS = [
+    ("--min-free", SIZE, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
+    ("--min-free-inodes", NATURAL, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
+    ("--max-job-bytes", SIZE, DEFAULTS["max_job_bytes"], "largest job file"),
+    ("--dedupe-window", SECONDS, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
+    ("--keep-done", SECONDS, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
+    ("--keep-done-max", NATURAL, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
+    ("--keep-dead", SECONDS, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
+    ("--keep-dead-max", NATURAL, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
+    ("--keep-failed", SECONDS, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
+    ("--keep-ok-max", NATURAL, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
+]
+# (their defaults are WorkerOptions', written once)
+_WORKER_DEFAULTS = dict(WorkerOptions.KEYS)
+WORKER_OPTIONS = [
+    ("--handlers", str, None, "directory of executable handlers, one per type"),
+    ("--module", str, None, "Python file of handler functions"),
+    ("--concurrency", COUNT, _WORKER_DEFAULTS["concurrency"], "handlers run at once by this worker"),
+    ("--lease", SECONDS, _WORKER_DEFAULTS["lease"], "claim lease, renewed by heartbeats"),
+    ("--timeout", SECONDS, _WORKER_DEFAULTS["timeout"], "handler time limit, unless the job has a timeout"),
+    ("--max-attempts", COUNT, _WORKER_DEFAULTS["max_attempts"], "runs a job gets when it does not say"),
+    ("--backoff-base", SECONDS, _WORKER_DEFAULTS["backoff_base"], "delay of the first retry, doubling after each failure"),
+    ("--backoff-max", SECONDS, _WORKER_DEFAULTS["backoff_max"], "longest retry delay"),
+    ("--probe-max", SECONDS, _WORKER_DEFAULTS["probe_max"], "longest wait between two probes of a held destination (a link that is back is used within it)"),
+    ("--jitter", FRACTION, _WORKER_DEFAULTS["jitter"], "random spread of retry delays, a fraction"),
+    ("--poll", SECONDS, _WORKER_DEFAULTS["poll"], "how often to look for files dropped without a wake-up"),
+    ("--stats-interval", SECONDS, _WORKER_DEFAULTS["stats_interval"], "time between status lines in the log, 0 for none"),
+    ("--grace", SECONDS, _WORKER_DEFAULTS["grace"], "time running handlers get after SIGTERM"),
+    ("--scan-cache", COUNT, _WORKER_DEFAULTS["scan_cache"], "ready jobs remembered per directory scan"),
+    ("--once", None, False, "run at most one job, then exit"),
+    ("--drain", None, False, "run until nothing is ready or running, then exit"),
+    ("--pass-env", "append", [], "pass this variable to exec handlers"),
+    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP), not stderr"),
+    ("--syslog", None, False, "log to syslog, not stderr"),
+    ("--syslog-facility", str, "daemon", "syslog facility"),
+    ("--syslog-tag", str, "myq", "syslog tag"),
+    ("--http-header", "append", [], "'Name: value' added to every http job"),
+    ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
+    ("--http-ca", str, None, "PEM file of CA certificates that https trusts besides the system's"),
+    ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
+    ("--uplink-rate", UPLINK, None, "at most SIZE/s (e.g. 16K/s) of http bodies and mqtt payloads over any 10 s, to all destinations"),
+    ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
+    ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
+    ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
+    ("--mqtt-ca", str, None, "CA certificate(s) to trust for an mqtts broker, besides the system's"),
+    ("--mqtt-cert", str, None, "client certificate for an mqtts broker that wants one"),
+    ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
+]
+
+# The commands that take the guard options, and those each one's --help
+# shows (None: all); the others are accepted and ignored, as they always were.
+_RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
+                    "--keep-dead", "--keep-dead-max", "--keep-failed",
+                    "--keep-ok-max")
+_GUARDS_SHOWN = {
+    "init": ("--min-free", "--min-free-inodes"),
+    "enqueue": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+                "--dedupe-window"),
+    "prune": _RETENTION_FLAGS,
+    "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
+    "worker": None,
+    "supervise": None,
+    "intake": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+               "--dedupe-window"),
+    "import": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+               "--dedupe-window"),
+}
+
+
+_METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
+             "http_ca": "FILE",
+             "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
+             "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
+             "mqtt_key": "FILE", "listen": "unix:PATH|[ADDR]:PORT",
+             "subscribe": "FILTER=TYPE"}
+
+
+def _option_help(flag, typ, default, help):
+    """A table option's help: what it does, its default, its variable."""
+    var = "MYQ_" + flag[2:].replace("-", "_").upper()
+    if isinstance(typ, Kind):
+        return "%s (default %s; %s)" % (help, typ.show(default), var)
+    if typ is None:
+        return "%s (%s=1)" % (help, var)
+    if typ == "append":
+        return "%s; repeatable (%s)" % (help, var)
+    if default is None:
+        return "%s (%s)" % (help, var)
+    return "%s (default %s; %s)" % (help, default, var)
+
+
+def _arg_error(message):
+    import argparse
+    return argparse.ArgumentTypeError(message)
+
+
+def _arg(kind):
+    """An argparse type of a Kind: its error names the value."""
+    def value(text):
+        try:
+            return kind(text)
+        except ValueError as e:
+            raise _arg_error("%r: %s" % (text, e))
+    value.__name__ = kind.metavar
+    return value
+
+
+def _metavar(typ, dest):
+    return typ.metavar if isinstance(typ, Kind) else \
+        _METAVARS.get(dest) or dest.split("_")[-1].upper()
+
+
+def _add_options(p, table, shown=None):
+    """The options of a table (WORKER_OPTIONS, GUARD_OPTIONS); those not
+    in `shown` are accepted but left out of --help."""
+    import argparse
+    for flag, typ, default, help in table:
+        dest = flag[2:].replace("-", "_")
+        if shown is not None and flag not in shown:
+            help = argparse.SUPPRESS     # accepted, but not its concern
+        else:
+            help = _option_help(flag, typ, default, help)
+        if typ is None:
+            p.add_argument(flag, dest=dest, action="store_const", const=True,
+                           default=None, help=help)
+        elif typ == "append":
+            p.add_argument(flag, dest=dest, action="append", default=None,
+                           metavar=_METAVARS.get(dest) or
+                           dest.upper().rsplit("_", 1)[-1], help=help)
+        else:
+            p.add_argument(flag, dest=dest, default=None, help=help,
+                           metavar=_metavar(typ, dest))
+
+
+# One parser builder per command: its own arguments, after the worker and
+# guard options that _add_command gives it.
+
+def _budget_arg(text):
+    """--budget SIZE, or "" (none)."""
+    return _arg(Policy.SPOOL_KEYS["budget"])(text) if text != "" else ""
+
+
+def _args_init(p):
+    p.add_argument("--owner", help="chown the layout to USER[:GROUP] (a "
+                   "GROUP: the producers', tmp/ and incoming/ g+ws,+t)")
+    p.add_argument("--name", help="the queue's name (default: the "
+                   "directory's), for the status line and metrics")
+    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
+                   help="cap everything the spool keeps on its filesystem "
+                   "(myq(1) budget; default none, an empty value removes it)")
+    p.add_argument("--store", choices=("files", "sqlite"), default=None,
+                   help="where a new spool keeps its jobs: a file each "
+                   "(default) or one SQLite database, queue.db")
+
+
+def _args_enqueue(p):
+    p.add_argument("type", help="the job's type: selects its handler")
+    p.add_argument("payload", nargs="?", default="null",
+                   help="JSON text, or - for standard input (default null)")
+    p.add_argument("--id", help="the job's id (default: generated, in "
+                   "creation order); exit 73 when that id is queued, running, "
+                   "dead or done within the --dedupe-window")
+    p.add_argument("--delay", type=_arg(DURATION), default=0, metavar="S",
+                   help="run it no sooner than this from now (default 0)")
+    p.add_argument("--max-attempts", type=int, metavar="N",
+                   help="runs the job gets (default: the worker's "
+                   "--max-attempts)")
+    p.add_argument("--timeout", type=_arg(DURATION), metavar="S",
+                   help="the handler's time limit for this job (default: "
+                   "the worker's --timeout)")
+    p.add_argument("--priority", type=_arg(PRIORITY), metavar="P",
+                   help="-9 to 9, higher first (default: the type's policy, "
+                   "else 0)")
+    p.add_argument("--ttl", type=_arg(POSITIVE_SECONDS), metavar="S",
+                   help="never start it later than this from now: it goes to "
+                   "dlq/ as expired (default: the type's policy ttl)")
+
+
+def _args_worker(p):
+    import argparse
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+
+
+def _args_supervise(p):
+    p.add_argument("--workers", default=None, metavar="N",
+                   help="worker processes to keep running (default 1; MYQ_WORKERS)")
+    p.add_argument("--user", help="run the workers as USER[:GROUP] (root only); "
+                   "the log file is created for that user")
+    p.add_argument("--pidfile", help="write the supervisor's pid to FILE")
+    p.add_argument("--stop-timeout", metavar="S", help="time the workers get "
+                   "after SIGTERM before SIGKILL (default 10s)")
+    p.add_argument("--dry-run", action="store_true", help="check the options "
+                   "and the spool, start nothing (exit 0 when all is well)")
+    p.add_argument("--daemon", action="store_true", help="run in the "
+                   "background: exit 0 once the pidfile is written and the "
+                   "first worker started, else with the error that stopped it "
+                   "(the init script's start)")
+    p.add_argument("--stop", action="store_true", help="stop the supervisor of "
+                   "--pidfile: SIGTERM, wait for its workers (SIGKILL after "
+                   "--stop-timeout + 5 s), then reap (the init script's stop)")
+
+
+def _args_stats(p):
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object instead of the status line")
+    p.add_argument("--prometheus", action="store_true",
+                   help="the Prometheus text format (node_exporter's "
+                   "textfile collector) instead of the status line")
+
+
+def _args_list(p):
+    p.add_argument("state", nargs="?", choices=STATES + ("held",),
+                   help="only jobs in this state: %s (held: waiting for a "
+                   "held destination)" % ", ".join(STATES + ("held",)))
+    p.add_argument("--type", help="only jobs of this type")
+    p.add_argument("--limit", type=_arg(COUNT), metavar="N",
+                   help="at most N jobs (default: all)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per line instead of text")
+
+
+def _args_show(p):
+    p.add_argument("id", help="a job id, or the name of a file in failed/")
+
+
+def _args_retry(p):
+    p.add_argument("ids", nargs="*", metavar="ID",
+                   help="dead job ids, or names of repaired files in failed/")
+    p.add_argument("--all", action="store_true",
+                   help="every job in dlq/")
+    p.add_argument("--now", action="store_true",
+                   help="also make these scheduled jobs ready now")
+    p.add_argument("--json", action="store_true", help='print {"retried": N}')
+
+
+def _args_delete(p):
+    p.add_argument("ids", nargs="*", metavar="ID",
+                   help="job ids, or names of files in failed/")
+    p.add_argument("--state", choices=STATES,
+                   help="in bulk: every job in this state (%s)" % ", ".join(STATES))
+    p.add_argument("--type", help="with --state: only jobs of this type")
+    p.add_argument("--older-than", type=_arg(DURATION), metavar="S",
+                   help="with --state: only jobs older than this (waiting "
+                   "and running: since created, done and dead: since the "
+                   "finish, failed: since quarantined)")
+    p.add_argument("--force", action="store_true",
+                   help="delete running jobs too (their handlers are killed)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"deleted": N} instead of deleted=N')
+
+
+def _args_reap(p):
+    p.add_argument("--json", action="store_true", help='print {"requeued": N}')
+
+
+def _args_prune(p):
+    p.add_argument("--json", action="store_true",
+                   help="print the counts of what was removed as one JSON object")
+
+
+def _args_check(p):
+    p.add_argument("--json", action="store_true",
+                   help='one JSON object: {"ok", "spool", "problems"}')
+    p.add_argument("--warn-capacity", type=_arg(DURATION), default=3600.0,
+                   metavar="DURATION", help="report an outage capacity "
+                   "(stats outage_capacity_s) below it (default 1h)")
+
+
+def _args_policy(p):
+    p.add_argument("type", nargs="?", help="a job type")
+    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
+                   help="keys: " + " ".join(sorted(Policy.KEYS)))
+    p.add_argument("--default", action="store_true",
+                   help="the default rules, for every type without its own "
+                   "value (shown as *)")
+    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
+                   help="the spool's budget: everything it keeps on its "
+                   "filesystem (shown as %s budget=; an empty value removes "
+                   "it)" % SPOOL_POLICY)
+    p.add_argument("--json", action="store_true",
+                   help="the policy as one JSON object")
+
+
+def _args_pause(p):
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true",
+                   help="every type, new ones too (the default rules)")
+
+
+def _args_resume(p):
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true", help="every paused type")
+    p.add_argument("--dest", action="append", default=[], metavar="DEST",
+                   help="release this held destination now (as myq stats "
+                   "--json shows it under held)")
+
+
+def _args_export(p):
+    p.add_argument("states", nargs="*", metavar="STATE",
+                   help="only jobs in these states: %s (default: all but "
+                   "failed, which holds files, not jobs)" % ", ".join(STATES))
+    p.add_argument("--type", help="only jobs of this type")
+
+
+def _args_import(p):
+    p.add_argument("file", nargs="?", default="-", metavar="FILE",
+                   help="JSON lines, as export writes them (default -: "
+                   "standard input)")
+    p.add_argument("--no-policy", action="store_true", help="leave this "
+                   "spool's policy as it is (default: the export's applies)")
+
+
+def _args_version(p):
+    pass
+
+
+# What the extensions add to the command line (each registers itself):
+# the option tables a command's parser takes besides its own (name ->
+# [tables]), and the children a supervisor keeps beside its workers (name
+# -> (argv(args, spool, o, guards, env): the child's options, checked, or
+# None when none is asked for; hold(argv): what it takes as root before
+# root is dropped, an object with fileno() and close(), or None)).
+_COMMAND_OPTIONS = {}
+_CHILDREN = {}
+
+
+def _add_command(sub, name, help):
+    """A command's parser: the hidden --spool after the command word, the
+    worker options (worker, supervise), the guard options, then its own
+    (its builder in _COMMAND_TABLE)."""
+    import argparse
+    p = sub.add_parser(name, help=help, description=help)
+    p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
+    if name in ("worker", "supervise"):
+        _add_options(p, WORKER_OPTIONS)
+    for table in _COMMAND_OPTIONS.get(name, ()):
+        _add_options(p, table)      # (an extension's: intake's)
+    if name in _GUARDS_SHOWN:
+        _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
+    return p
+
+
+# Command line ################################################################
+#
+# The parser made of _COMMAND_TABLE, the start of a command (its options
+# resolved, a worker or supervisor made of them), the commands, each a
+# _cmd_ function in _COMMAND_TABLE, and main.
+
+
+def _parser(only=None):
+    """The command line's parser; with `only`, that command's alone
+    (building all of them costs a `myq enqueue` 15-30 ms of its ~70)."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise UsageError("%s (see: myq %s--help)" % (
+                message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
+
+    top = Parser(prog="myq", description="A job queue worker for small Linux "
+                 "devices: one spool directory, one file per job.")
+    top.add_argument("--spool", help="the spool directory (default $MYQ_SPOOL "
+                     "or %s)" % DEFAULT_SPOOL)
+    top.add_argument("--version", action="version", version="myq " + __version__)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (_, build, help) in _COMMAND_TABLE.items():
+        if only is None or name == only:
+            build(_add_command(sub, name, help))
+    return top
+
+
+# `myq enqueue`'s own options, each with what argparse's `type` makes of
+# its value (the guard options stay text, as there: _resolve reads them).
+_ENQUEUE_TYPES = {"--id": str, "--delay": DURATION, "--max-attempts": int,
+                  "--timeout": DURATION, "--priority": PRIORITY,
+                  "--ttl": POSITIVE_SECONDS, "--spool": str}
+_GUARD_FLAGS = frozenset(t[0] for t in GUARD_OPTIONS)
+
+
+class _Args(object):
+    """What parse_args returns, made by _fast_args."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _fast_args(argv):
+    """parse_args(argv) for the usual forms of `myq enqueue`, without
+    argparse (importing it and building the parser cost a producer more
+    than the rest of its run): [--spool DIR] enqueue [OPTION]... TYPE
+    [PAYLOAD] [OPTION]..., each OPTION one of enqueue's, spelt out in full,
+    as --name VALUE or --name=VALUE.  Anything else (another command,
+    --help, an abbreviation, an option between TYPE and PAYLOAD, a word
+    starting with '-' where a value or the payload goes, a value its option
+    refuses) returns None: argparse parses that, with its own errors."""
+    got = dict((t[0][2:].replace("-", "_"), None) for t in GUARD_OPTIONS)
+    got.update(spool=None, spool_sub=None, command="enqueue", payload="null",
+               id=None, delay=0, max_attempts=None, timeout=None,
+               priority=None, ttl=None)
+    words, i, n = [], 0, len(argv)
+    where = 0           # 0: before the command, 1: before TYPE, 2: in the
+    while i < n:        # positionals, 3: after them
+        a = argv[i]
+        i += 1
+        if a[:1] != "-" or a == "-":
+            if where == 0 and a != "enqueue" or where == 3:
+                return None
+            if where:
+                words.append(a)
+            where = 2 if where else 1
+            continue
+        name, eq, value = a.partition("=")
+        if not eq:
+            if i == n or argv[i][:1] == "-":
+                return None
+            value = argv[i]
+            i += 1
+        kind = _ENQUEUE_TYPES.get(name) if where else None
+        if name == "--spool":
+            got["spool_sub" if where else "spool"] = value
+        elif kind is not None:
+            try:
+                got[name[2:].replace("-", "_")] = kind(value)
+            except ValueError:
+                return None
+        elif where and name in _GUARD_FLAGS:
+            got[name[2:].replace("-", "_")] = value
+        else:
+            return None
+        if where == 2:
+            where = 3
+    if not 1 <= len(words) <= 2:
+        return None
+    got["type"] = words[0]
+    if len(words) == 2:
+        got["payload"] = words[1]
+    return _Args(**got)
+
+
+def _resolve(args, table, env):
+    """Option values: the flag, else MYQ_<OPTION>, else the default."""
+    out = {}
+    for flag, typ, default, _ in table:
+        dest = flag[2:].replace("-", "_")
+        value = getattr(args, dest, None)
+        name = "MYQ_" + dest.upper()
+        if value is None and env.get(name, "") != "":
+            raw = env[name]
+            if typ == "append":
+                # one header a line ('Authorization: Bearer x' is one);
+                # names split on blanks
+                value = raw.splitlines() if dest == "http_header" else raw.split()
+            elif typ is None:
+                try:
+                    value = BOOL(raw)
+                except ValueError as e:
+                    raise UsageError("%s=%s: %s" % (name, raw, e))
+            else:
+                value = raw
+            source = "%s=%s" % (name, raw)
+        else:
+            source = "%s %s" % (flag, value)
+        if value is None:
+            value = default
+        elif typ not in (None, "append", str):     # a Kind
+            try:
+                value = typ(value)
+            except (ValueError, TypeError) as e:
+                raise UsageError("bad value %s: %s" % (source, e))
+        out[dest] = value
+    return out
+
+
+def _header_lines(lines, source):
+    headers = {}
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip() or " " in name.strip():
+            # the line number and the name, never the line: its value is
+            # a credential (and stderr may be a log file)
+            raise UsageError("bad http header in %s, line %d%s: use 'Name: value'"
+                             % (source, n, " (name %r)" % name.strip()[:64]
+                                if sep and name.strip() else " (no ':')"))
+        headers[name.strip()] = value.strip()
+    return headers
+
+
+def _make_log(o):
+    return Log(path=o.get("log"), syslog=o.get("syslog"),
+               facility=o.get("syslog_facility"), tag=o.get("syslog_tag"))
+
+
+# Worker options whose values may be credentials (a header's token, the
+# user of a broker): supervise gives them to its workers in their
+# environment, which only their user and root can read, never on their
+# command line, which every user can (ps, /proc/PID/cmdline).
+_SECRET_OPTIONS = ("http_header", "mqtt")
+
+
+def _secret_env(o):
+    """The MYQ_* variables that give a worker the _SECRET_OPTIONS of `o`."""
+    env = {}
+    for dest in _SECRET_OPTIONS:
+        v = o.get(dest)
+        if v:
+            env["MYQ_" + dest.upper()] = "\n".join(v) if isinstance(v, list) else v
+    return env
+
+
+def _option_argv(o, table, skip=()):
+    """The command line that gives a worker the options `o` (resolved
+    from flags and MYQ_* variables): what supervise starts its workers
+    with, but the options named in `skip`."""
+    argv = []
+    for flag, typ, default, _ in table:
+        dest = flag[2:].replace("-", "_")
+        if dest in skip:
+            continue
+        v = o.get(dest)
+        if typ is None:
+            if v:
+                argv.append(flag)
+        elif typ == "append":
+            for x in v or ():
+                argv += [flag, x]
+        elif v is not None and v != default:
+            argv += [flag, repr(v) if isinstance(v, float) else str(v)]
+    return argv
+
+
+def _check_worker_options(o):
+    """Everything _worker_from() refuses, without starting a worker (nor
+    loading a --module: supervise may run as root)."""
+    _http_headers(o)
+    _check_http_ca(o.get("http_ca"))
+    if o["handlers"] and not os.path.isdir(o["handlers"]):
+        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
+    if o["module"] and not os.path.isfile(o["module"]):
+        raise ConfigError("--module %s: no such Python file" % o["module"])
+    if o.get("textfile") and not os.path.isdir(o["textfile"]):
+        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
+    _mqtt_options(o)
+
+
+def _mqtt_options(o):
+    """Worker(...) keyword arguments of the --mqtt options, checked (a bad
+    URL: UsageError, an unreadable file: ConfigError)."""
+    kw = dict((k, o.get(k)) for k in ("mqtt", "mqtt_password_file",
+                                       "mqtt_client_id", "mqtt_ca",
+                                       "mqtt_cert", "mqtt_key"))
+    if not kw["mqtt"]:
+        extra = sorted("--" + k.replace("_", "-") for k, v in kw.items() if v)
+        if extra:
+            raise UsageError("%s without --mqtt (give the broker: --mqtt "
+                             "mqtt://HOST)" % ", ".join(extra))
+        return kw
+    for name in sorted(_BUILTIN_TYPES):
+        check = _BUILTIN_TYPES[name][2]
+        if check is not None:
+            check(kw)
+    return kw
+
+
+def _http_headers(o):
+    headers = {}
+    if o["http_headers_file"]:
+        try:
+            with open(o["http_headers_file"], encoding="utf-8") as f:
+                headers.update(_header_lines(f, o["http_headers_file"]))
+        except OSError as e:
+            raise ConfigError("cannot read --http-headers-file %s: %s"
+                              % (o["http_headers_file"], e.strerror))
+    headers.update(_header_lines(o["http_header"], "--http-header"))
+    return headers
+
+
+def _check_http_ca(path):
+    """--http-ca: a file that the ssl module (where there is one) loads."""
+    if not path:
+        return
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise ConfigError("cannot read --http-ca %s: %s" % (path, e.strerror))
+    try:
+        import ssl
+    except ImportError:
+        return          # https jobs say what is missing
+    try:
+        ssl.create_default_context().load_verify_locations(cafile=path)
+    except (ssl.SSLError, ValueError) as e:
+        raise ConfigError("--http-ca %s is not a PEM file of CA certificates "
+                          "(%s)" % (path, e))
+
+
+def _worker_from(spool, o, parent=None):
+    headers = _http_headers(o)
+    _check_http_ca(o.get("http_ca"))
+    if o["handlers"] and not os.path.isdir(o["handlers"]):
+        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
+    kw = dict((k, o[k]) for k in (
+        "concurrency", "lease", "timeout", "max_attempts", "backoff_base",
+        "backoff_max", "probe_max", "jitter", "poll", "stats_interval",
+        "grace", "pass_env", "scan_cache", "uplink_rate"))
+    kw.update(_mqtt_options(o))
+    options = WorkerOptions(
+        handlers_dir=o["handlers"], module=o["module"], http_headers=headers,
+        http_ca=o.get("http_ca"), textfile=o.get("textfile"), parent=parent,
+        **kw)
+    return Worker(spool, options=options, log=_make_log(o))
+
+
+def _supervise(args, spool, guards, env):
+    o = _resolve(args, WORKER_OPTIONS, env)
+    n = args.workers or env.get("MYQ_WORKERS") or "1"
+    try:
+        n = COUNT(n)
+    except ValueError:
+        raise UsageError("bad --workers %r: a number >= 1" % n)
+    try:
+        stop_timeout = SECONDS(args.stop_timeout or "10")
+    except ValueError as e:
+        raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
+    if args.stop:
+        return stop_supervisor(spool, args.pidfile, stop_timeout)
+    user = ids = None
+    if args.user:
+        import pwd
+        ids = _user_ids(args.user)
+        if ids[0] != os.geteuid():
+            if os.geteuid() != 0:
+                raise ConfigError("only root can run the workers as %s" % args.user)
+            user = pwd.getpwuid(ids[0])
+        else:
+            ids = None
+    spool.require()
+    _check_worker_options(o)
+    child = _CHILDREN.get("intake")     # (the intake's extension: its argv)
+    intake = child[0](args, spool, o, guards, env) if child else None
+    if o["mqtt_client_id"] and n > 1 and not intake:
+        raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
+                         "its own client id (the broker drops a connection when "
+                         "another takes its id); leave it out for unique ids" % n)
+    if args.dry_run:
+        port = child[1](intake) if child else None    # (taken: said)
+        if port is not None:
+            port.close()
+        return 0
+    # before the log is open and the caller's stderr replaced: the image
+    # started again does both (and a daemon forks from it)
+    _IMAGE["give_back_heap"](reexec=True)
+    # the intake's port, taken as root now (a port another program took is
+    # said at start, not in a restart loop of the intake) and held
+    port = child[1](intake) if child else None
+    if port is not None:
+        intake = intake + ["--listen-fd", str(port.fileno())]
+    if o.get("log"):
+        _make_log_dir(o["log"], ids)
+    log = Log(path=o.get("log"), syslog=o.get("syslog"),
+              facility=o.get("syslog_facility"), tag=o.get("syslog_tag"),
+              owner=ids)
+    ready = None
+    if args.daemon:
+        pid, ready = fork_daemon(keep=[log.fileno()] + (
+            [port.fileno()] if port is not None else []))
+        if pid:
+            return await_daemon(pid, ready, o.get("log") or "syslog")
+    if log.fileno() is not None:        # a traceback lands in the log too
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    if not o["handlers"] and not o["module"]:
+        log("warning", problem="no --handlers and no --module: only http%s jobs "
+            "have a handler; give MYQ_ARGS=\"--handlers DIR\""
+            % (" and mqtt" if o["mqtt"] else ""))
+    # with subscriptions, --mqtt-client-id is the intake's (its session)
+    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS + (
+        ("mqtt_client_id",) if intake and o.get("mqtt_client_id") else ())) \
+        + _option_argv(guards, GUARD_OPTIONS)
+    wenv = _clean_env(o["pass_env"], user)
+    wenv.update(_secret_env(o))
+    return Supervisor(spool, n, wargv, log, user=user, ids=ids,
+                      pidfile=args.pidfile, stop_timeout=stop_timeout,
+                      env=wenv, ready=ready, intake=intake, entry=_child_entry,
+                      keep=[port.fileno()] if port is not None else ()).run()
+
+
+def _make_log_dir(path, ids):
+    """Create the log file's directory when it is missing; for the service
+    user (`ids`), handed over through its own descriptor."""
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(d):
+        return
+    try:
+        os.makedirs(d, 0o750)
+        if ids is not None:
+            fd = _open_dir(d)
+            try:
+                os.fchown(fd, ids[0], ids[1])
+            finally:
+                os.close(fd)
+    except OSError as e:
+        raise ConfigError("cannot create the log directory %s: %s" % (d, e.strerror))
+
+
+def _proc_uids(pid):
+    """The real, effective, saved and filesystem uids of a process (the
+    Uid: line of /proc/PID/status), or () when it is gone."""
+    for line in (_read_small("/proc/%d/status" % pid, 1 << 14) or b"").splitlines():
+        if line.startswith(b"Uid:"):
+            try:
+                return tuple(int(u) for u in line.split()[1:])
+            except ValueError:
+                return ()
+    return ()
+
+
+def _is_supervisor(pid, uids):
+    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path) as
+    one of `uids` (every one of its uids)?  A command line is anyone's to
+    choose; the user a process runs as is not."""
+    argv = (_read_small("/proc/%d/cmdline" % pid, 1 << 16) or b"").split(b"\0")
+    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv \
+        and _ours(pid, uids)
+
+
+def _ours(pid, uids):
+    got = _proc_uids(pid)
+    return bool(got) and set(got) <= set(uids)
+
+
+def stop_supervisor(spool, pidfile, timeout=10.0):
+    """`myq supervise --stop` (the init script's stop): SIGTERM the
+    supervisor named by the pidfile (it stops its workers, SIGKILLs them
+    after its own --stop-timeout and reaps), wait for its process group
+    (workers left by a supervisor that died stop by themselves when they
+    see it gone), SIGKILL what is still there after `timeout` + 5 s, then
+    `myq reap` as the spool's owner: claims of killed workers go back and
+    their handlers are ended.  A pidfile whose pid now belongs to another
+    program: nothing is signalled.  What is signalled or waited for runs
+    as root, the caller or the spool's owner (the service user): a
+    process of another user is none of the supervisor's, whatever its
+    command line.  Exit 0, or 1 when something survived."""
+    if not pidfile:
+        raise UsageError("supervise --stop needs --pidfile FILE")
+    data = _read_small(pidfile, 64)
+    pid = int(data.split()[0]) if data and data.split() and data.split()[0].isdigit() \
+        else 0
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(os.stat(spool.path).st_uid)
+    except OSError:
+        pass
+    if pid > 1:
+        alive = _is_supervisor(pid, uids)
+        if alive:
+            try:
+                os.kill(pid, 15)
+            except OSError:
+                pass
+        elif pid in _proc_table():      # alive, not a zombie
+            return 0            # the pid was handed to another program
+        # Its process group; of a supervisor that died, only the workers it
+        # started (--parent-pid PID): a group of that number may be another
+        # program's now, whose leader left (review: an unrelated root
+        # daemon was SIGKILLed by a stop on a stale pidfile).
+        mark = b"\0--parent-pid\0%d\0" % pid
+        end = _mono() + timeout + 5.0
+        killed_at = None
+        while True:
+            group = [p for p, (_, pgrp, _) in _proc_table().items()
+                     if pgrp == pid and _ours(p, uids) and (alive or mark in (
+                         _read_small("/proc/%d/cmdline" % p, 1 << 16) or b""))]
+            if not group:
+                break
+            if killed_at is None and _mono() >= end:
+                for p in group:
+                    try:
+                        os.kill(p, 9)
+                    except OSError:
+                        pass
+                killed_at = _mono()
+            elif killed_at is not None and _mono() - killed_at > 5.0:
+                return 1
+            time.sleep(0.1)
+    import subprocess
+    try:
+        subprocess.run(_IMAGE["start"]() + ["--spool", spool.path, "reap"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=max(30.0, timeout))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return 0
+
+
+def _drop_root(path, command):
+    """Root acting in a spool that belongs to another user does it as that
+    user: then nothing the owner puts in the spool (a symlink to
+    /etc/shadow, a FIFO) can make root read, write, chown or signal
+    anything the owner could not.  `init` (which chowns through
+    descriptors) and `supervise` (which switches its workers) excepted."""
+    if command in ("init", "supervise", "version", "install") or os.geteuid() != 0:
+        return
+    try:
+        st = os.stat(path)
+    except OSError:
+        return                  # no spool: the command says so
+    if st.st_uid != 0:
+        become(st.st_uid, st.st_gid)
+        if command in ("worker", "intake"):
+            _readable_library(st.st_uid)
+
+
+def _command_index(argv):
+    """Where the command word is: after the global options (--spool DIR)."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--spool":
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            return i
+    return len(argv)
+
+
+def _print(line):
+    """One line on stdout; names that are not UTF-8 go out as their bytes."""
+    data = (line + "\n").encode("utf-8", "surrogateescape")
+    out = getattr(sys.stdout, "buffer", None)
+    if out is None:
+        sys.stdout.write(data.decode("utf-8", "replace"))
+        return
+    sys.stdout.flush()
+    out.write(data)
+    out.flush()
+
+
+def _cmd_version(a):
+    _print("myq " + __version__)
+
+
+def _cmd_init(a):
+    sp = a.spool.init(owner=a.args.owner, store=a.args.store)
+    if a.args.name is not None:
+        sp.set_name(a.args.name)
+    if a.args.budget is not None:
+        sp.set_policy(SPOOL_POLICY, {"budget": a.args.budget or None})
+    low = a.spool.free_problem()
+    if low:                 # the spool is there; workers will wait
+        sys.stderr.write("myq: warning: %s\n" % low)
+
+
+def _cmd_enqueue(a):
+    args = a.args
+    text = sys.stdin.read() if args.payload == "-" else args.payload
+    try:
+        payload = _decode(text.strip())
+    except RecursionError:
+        raise InvalidJob("payload nested too deep")
+    except ValueError as e:
+        raise InvalidJob("payload is not JSON (%s); quote a string as "
+                         "'\"text\"'" % e)
+    _print(a.spool.enqueue(args.type, payload, id=args.id, delay=args.delay,
+                           max_attempts=args.max_attempts, timeout=args.timeout,
+                           priority=args.priority, ttl=args.ttl))
+
+
+def _cmd_policy(a):
+    args, sp = a.args, a.spool
+    sp.require()
+    pairs = list(args.pairs)
+    name = args.type
+    if args.default:
+        if name is not None:
+            pairs.insert(0, name)
+        name = "*"
+    elif name is not None and "=" in name:
+        raise UsageError("give the TYPE before KEY=VALUE (or --default for "
+                         "every type)")
+    if pairs:
+        changes = {}
+        for pair in pairs:
+            k, eq, v = pair.partition("=")
+            if not eq:
+                raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
+                                 "the key)" % pair)
+            if k not in Policy.KEYS:
+                Policy.value(k, v)          # the error that names the keys
+            changes[k] = v if v != "" else None
+        sp.set_policy(name, changes)
+    if args.budget is not None:
+        sp.set_policy(SPOOL_POLICY, {"budget": args.budget or None})
+    sp._pol_next = 0.0
+    pol = sp.policy()
+    if sp.policy_error and not pairs:
+        sys.stderr.write("myq: %s\n" % sp.policy_error)
+    if name is not None:
+        pol = {name: pol.get(name, {})} if name in pol or pairs else {}
+    if args.json:
+        _print(json.dumps(pol, sort_keys=True))
+        return
+    for t in sorted(pol, key=lambda t: (t != "*", t)):
+        _print(" ".join([t] + ["%s=%s" % (k, Policy.show(k, v))
+                               for k, v in sorted(pol[t].items())]))
+
+
+def _cmd_pause(a):
+    args, sp = a.args, a.spool
+    if not args.types and not args.all:
+        raise UsageError("give the types to pause, or --all")
+    for t in (["*"] if args.all else []) + args.types:
+        sp.set_policy(t, {"paused": True})
+
+
+def _cmd_resume(a):
+    args, sp = a.args, a.spool
+    if not (args.types or args.all or args.dest):
+        raise UsageError("give the types to resume, --all, or --dest DEST")
+    sp.require()
+    if args.all:
+        for t in list(sp.policy()):
+            if "paused" in sp.policy()[t]:
+                sp.set_policy(t, {"paused": None})
+    for t in args.types:
+        sp.set_policy(t, {"paused": None})
+        if sp.rules(t).get("paused"):       # the default pauses every type
+            sp.set_policy(t, {"paused": False})
+    missing = []
+    for dest in args.dest:
+        if sp.breaker.record(dest) is None:
+            missing.append(dest)
+            continue
+        sp.breaker.release(dest)
+    if missing:
+        raise NoSuchJob("no held destination %s (see: myq --spool %s stats "
+                        "--json, under held)" % (", ".join(missing), sp.path))
+
+
+def _cmd_worker(a):
+    o = _resolve(a.args, WORKER_OPTIONS, a.env)
+    a.spool.require()
+    if o["textfile"] and not os.path.isdir(o["textfile"]):
+        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
+    w = _worker_from(a.spool, o, a.args.parent_pid)
+    _IMAGE["give_back_heap"](reexec=not (o["once"] or o["drain"]))
+    return w.run(once=o["once"], drain=o["drain"])
+
+
+def _cmd_supervise(a):
+    return _supervise(a.args, a.spool, a.guards, a.env)
+
+
+def _cmd_stats(a):
+    if a.args.json and a.args.prometheus:
+        raise UsageError("give --json or --prometheus, not both")
+    a.spool.require()
+    a.spool._check_readable()
+    if a.args.json:
+        _print(json.dumps(a.spool.stats(), sort_keys=False))
+    elif a.args.prometheus:
+        _print(prometheus_text(a.spool.stats(by_type=True)).rstrip("\n"))
+    else:
+        _print(a.spool.status_line())
+
+
+def _cmd_list(a):
+    a.spool.require()
+    a.spool._check_readable()
+    n = 0
+    for job in a.spool.list(a.args.state):
+        if a.args.type is not None and job.get("type") != a.args.type:
+            continue
+        if a.args.limit is not None and n >= a.args.limit:
+            break
+        n += 1
+        if a.args.json:
+            _print(json.dumps(job))
+            continue
+        line = "%s %s %s attempts=%s" % (
+            _kv(job["id"]), job["state"], job.get("type") or "-",
+            job.get("attempts") if job.get("attempts") is not None else "-")
+        held = job.get("held")
+        if held:
+            line += " held_until=%s dest=%s" % (
+                iso(held.get("until") or 0, False), _kv(_plain(held["dest"])))
+        elif job.get("available_at"):
+            line += " available_at=" + iso(job["available_at"], False)
+        if job.get("last_error"):
+
+            line += " last_error=" + _kv(job["last_error"])
+        _print(line)
+
+
+_TIMES = ("created_at", "updated_at", "available_at", "failed_at", "expires_at")
+
+
+def _cmd_show(a):
+    a.spool.require()
+    job = a.spool.show(a.args.id)
+    # the stored epoch seconds, and beside them the same in ISO 8601 UTC
+    # (as `list` prints them)
+    iso_times = dict((k, iso(job[k])) for k in _TIMES if _is_num(job.get(k)))
+    if iso_times:
+        job["iso"] = iso_times
+    _print(json.dumps(job, ensure_ascii=False, indent=1))
+
+
+def _cmd_retry(a):
+    if not a.args.ids and not a.args.all:
+        raise UsageError("retry needs job ids or --all")
+    n = a.spool.retry(a.args.ids, all=a.args.all, now=a.args.now)
+    _print(json.dumps({"retried": n}) if a.args.json else "retried=%d" % n)
+
+
+def _cmd_delete(a):
+    args = a.args
+    if args.state is None:
+        if args.type is not None or args.older_than is not None:
+            raise UsageError("--type and --older-than go with --state STATE")
+        if not args.ids:
+            raise UsageError("delete needs job ids, or --state STATE")
+        n = a.spool.delete(args.ids, force=args.force)
+    elif args.ids:
+        raise UsageError("give job ids or --state STATE, not both")
+    else:
+        if args.older_than is not None and not args.older_than >= 0:
+            raise UsageError("--older-than must be a duration >= 0")
+        n = a.spool.delete_where(args.state, type=args.type,
+                                 older_than=args.older_than, force=args.force)
+    _print(json.dumps({"deleted": n}) if args.json else "deleted=%d" % n)
+
+
+def _cmd_reap(a):
+    n = a.spool.reap()
+    _print(json.dumps({"requeued": n}) if a.args.json else "requeued=%d" % n)
+
+
+def _cmd_prune(a):
+    out = a.spool.prune()
+    _print(json.dumps(out) if a.args.json else
+           " ".join("%s=%d" % kv for kv in out.items()))
+
+
+def _cmd_check(a):
+    problems = a.spool.check()
+    try:
+        short = a.spool.budget.capacity_problem(a.args.warn_capacity)
+    except (OSError, MyqError):
+        short = None
+    problems += [short] if short else []
+    if a.args.json:
+        _print(json.dumps({"ok": not problems, "spool": a.spool.path,
+                           "problems": problems}))
+        return 1 if problems else 0
+    for p in problems:
+        _print(_plain(p))
+    if problems:
+        return 1
+
+    _print("ok spool=%s" % a.spool.path)
+
+
+def _cmd_export(a):
+    skipped = []
+
+    def skip(path, why):
+        skipped.append(path)
+        sys.stderr.write("myq: skipped %s: %s\n" % (
+            _plain(path), _plain(why)))
+    out = getattr(sys.stdout, "buffer", None)
+    sys.stdout.flush()
+    line = a.spool.backlog.spool_line(a.args.type)
+    chunk = [dumps(line)] if line else []
+    if a.spool.policy_error:
+        sys.stderr.write("myq: warning: %s; the export carries no policy\n"
+                         % a.spool.policy_error)
+    for job in a.spool.backlog.export(a.args.states, a.args.type, skip):
+        chunk.append(dumps(job))
+        if len(chunk) >= 256:
+            _write_out(out, chunk)
+    _write_out(out, chunk)
+    if skipped:
+        sys.stderr.write("myq: %d file(s) skipped: not jobs (a worker "
+                         "quarantines them; see: myq list failed)\n"
+                         % len(skipped))
+        return EX_DATAERR
+
+
+def _write_out(out, chunk):
+    data = b"".join(chunk)
+    del chunk[:]
+    if out is None:
+        sys.stdout.write(data.decode("utf-8", "replace"))
+        sys.stdout.flush()
+    else:
+        out.write(data)
+        out.flush()
+
+
+def _cmd_import(a):
+    name = a.args.file
+    try:
+        f = sys.stdin.buffer if name == "-" else open(name, "rb")
+    except OSError as e:
+        raise NoSuchJob("cannot read %s: %s" % (name, e.strerror))
+
+    def refuse(n, why):
+        sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
+    try:
+        counts = a.spool.backlog.import_jobs(_bounded_lines(
+            f, a.spool.opt["max_job_bytes"] + 65536), refuse,
+            policy=not a.args.no_policy)
+    except SpoolFull as e:
+        c = getattr(e, "counts", None)
+        if c is None:
+            raise
+        sys.stderr.write("myq: %s; not imported from line %d on (free space, "
+                         "then run the same import again: what was imported "
+                         "is refused as duplicate)\n" % (e, e.line))
+        _import_counts(c)
+        return EX_TEMPFAIL
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
+    _import_counts(counts)
+    return EX_TEMPFAIL if counts["refused"] else EX_DATAERR if counts["bad"] \
+        else EX_CANTCREAT if counts["duplicate"] else 0
+
+
+def _bounded_lines(f, limit):
+    """The lines of binary file `f`, none held longer than `limit` bytes:
+    a longer one is read past (in pieces) and given as the InvalidJob
+    that import counts bad (a 64 MB line was a MemoryError)."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 16)
+            if not line:
+                break
+            size += len(line)
+        yield InvalidJob("a line of %d bytes, longer than a job may be "
+                         "(--max-job-bytes + 64 KiB: %d); skipped" % (size, limit))
+
+
+def _import_counts(c):
+    sys.stderr.write("myq: imported %d, duplicate %d, bad %d%s\n" % (
+        c["imported"], c["duplicate"], c["bad"],
+        ", refused %d" % c["refused"] if c["refused"] else ""))
+    if c.get("policy"):
+        sys.stderr.write("myq: policy applied: %s\n" % " ".join(c["policy"]))
+    if c.get("queue"):
+        sys.stderr.write("myq: queue name kept: %s\n" % c["queue"])
+
+
+# The commands: name -> (its function, its parser builder, its help), in
+# the order --help lists them.
+_COMMAND_TABLE = {
+    "init": (_cmd_init, _args_init,
+             "create the spool and its layout (idempotent)"),
+    "enqueue": (_cmd_enqueue, _args_enqueue, "add a job; prints its id"),
+    "worker": (_cmd_worker, _args_worker, "run jobs"),
+    "supervise": (_cmd_supervise, _args_supervise,
+                  "run and restart N workers (for the init script)"),
+    "stats": (_cmd_stats, _args_stats, "print the status line"),
+    "list": (_cmd_list, _args_list, "list jobs"),
+    "show": (_cmd_show, _args_show, "print one job as JSON"),
+    "retry": (_cmd_retry, _args_retry,
+              "bring dead (or repaired failed) jobs back"),
+    "delete": (_cmd_delete, _args_delete, "remove jobs"),
+    "reap": (_cmd_reap, _args_reap,
+             "requeue claims of dead workers and expired leases"),
+    "prune": (_cmd_prune, _args_prune, "apply retention now"),
+    "check": (_cmd_check, _args_check,
+              "health: layout, permissions, free space, stale claims, and "
+              "what needs an operator (exit 1, one line per problem)"),
+    "policy": (_cmd_policy, _args_policy,
+               "show or set the per-type rules (TYPE KEY=VALUE ...; an empty "
+               "VALUE removes the key)"),
+    "pause": (_cmd_pause, _args_pause,
+              "no new job of these types starts (running ones finish)"),
+    "resume": (_cmd_resume, _args_resume,
+               "undo pause; or release a held destination now"),
+    "export": (_cmd_export, _args_export,
+               "write jobs as JSON lines, each with its state"),
+    "import": (_cmd_import, _args_import,
+               "add the jobs of export's lines, keeping their states; "
+               "ids the spool has are refused"),
+    "version": (_cmd_version, _args_version, "print the version"),
+}
+# (and the extensions' commands, each registered by its section: intake,
+# install)
+
+
+class _Call(object):
+    """What a command function gets: the parsed args, the spool, the
+    resolved guard options and the environment."""
+
+    def __init__(self, args, spool, guards, env):
+        self.args, self.spool, self.guards, self.env = args, spool, guards, env
+
+
+def _child_entry(words):
+    """The supervisor's children (Supervisor._spawn): `words` parsed now,
+    in the supervisor, and a function that runs them, in the child: its
+    parser is not built again in every child (~1.4 MiB of pages each
+    child would copy).  None when they do not parse."""
+    i = _command_index(words)
+    try:
+        args = _parser(words[i] if i < len(words) else None).parse_args(words)
+    except SystemExit:
+        return None
+    return lambda: main(words, args)
+
+
+def main(argv=None, parsed=None):
+    """The command line; returns the exit status (never calls sys.exit).
+    `parsed`: argv already parsed (_child_entry)."""
+    if argv is None:
+        # This process's own command line: myq is the program.  What the
+        # import made (~1,000 functions, their classes and dicts) lives
+        # until the exit; frozen (out of every collection), the collector
+        # stops walking it at each full collection, and at the exit's 3-4
+        # (8.6 M instructions of a 62.7 M `myq enqueue`, issue 42).  Not
+        # for a caller's main(argv): its garbage is not ours to keep.
+        gc.freeze()
+    own = argv is None
+    argv = sys.argv[1:] if own else list(argv)
+    env = os.environ
+    try:
+        args = parsed if parsed is not None else _fast_args(argv)
+        if args is None:
+            i = _command_index(argv)
+            only = argv[i] if i < len(argv) and argv[i] in _COMMAND_TABLE else None
+            try:
+                args = _parser(only).parse_args(argv)
+            except SystemExit as e:         # --help, --version
+                return e.code if isinstance(e.code, int) else 0
+        path = getattr(args, "spool_sub", None) or args.spool \
+            or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
+        guards = {}
+        if args.command in _GUARDS_SHOWN:
+            guards = _resolve(args, GUARD_OPTIONS, env)
+        _drop_root(path, args.command)
+        spool = open_store(path, **guards)
+        fn = _COMMAND_TABLE[args.command][0]
+        try:
+            return fn(_Call(args, spool, guards, env)) or 0
+        finally:
+            if not own:
+                # a caller's main(argv) goes on after it: what the command
+                # opened (the SQLite store's connection: a cycle that only
+                # a full collection would close) is closed now; a process
+                # of its own leaves that to its exit
+                spool.close()
+    except MyqError as e:
+        msg = str(e).replace("\n", " ")
+        sys.stderr.write("myq: %s\n" % msg)
+        return e.code
+    except BrokenPipeError:
+        # `myq list | head -1`: the reader has what it wanted.  Python
+        # would complain again when it flushes stdout at exit.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        except OSError:
+            pass
+        return 0
+    except OSError as e:
+        where = (" (%s)" % e.filename) if getattr(e, "filename", None) else ""
+        sys.stderr.write("myq: %s%s; nothing was changed by the failing step, "
+                         "try again\n" % (e.strerror or e, where))
+        return EX_TEMPFAIL
+    except KeyboardInterrupt:
+        return 130
+
+
+# Intake: HTTP ################################################################
+#
+# Jobs that arrive over the network: a local HTTP endpoint and MQTT
+# subscriptions, each answered only once its jobs are durable (the spool's
+# own enqueue_many, which fsyncs before it returns).  `myq intake` runs
+# both in one process, as the spool's user.  The HTTP endpoint is one
+# thread's poll(2) loop over non-blocking sockets: a slow client costs a
+# buffer and one of _HTTP_CONNS slots for at most --listen-timeout, never a
+# wait of anyone else's (a thread per connection would let a slowloris
+# hold threads, and each thread's stack).  The subscriptions are a thread
+# of their own, whose connect and reconnects may block.
+#
+# Every job taken in gets its id before it is written (the producer's, or
+# one made here as _new_id makes them), so that a request that fails half
+# way is taken back whole, and one sent again after a crash finds the jobs
+# it already placed: the same id with the same type and payload is the
+# same job (answered as before, never queued twice); another payload under
+# a known id is a conflict.
+
+_HTTP_CONNS = 64                # connections at once; the oldest goes first
+_HTTP_HEAD_MAX = 8192           # bytes of request line and headers
+_HTTP_BUFFERED = 4 << 20        # request bytes held at once, all connections
+_HTTP_REASONS = {
+    100: "Continue", 200: "OK", 202: "Accepted", 400: "Bad Request",
+    401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+    408: "Request Timeout", 409: "Conflict", 411: "Length Required",
+    413: "Payload Too Large", 429: "Too Many Requests",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+_NDJSON = ("application/x-ndjson", "application/ndjson", "application/jsonl",
+           "application/x-jsonlines", "application/jsonlines")
+_INTAKE_BATCH = 256             # jobs in one enqueue_many (one commit)
+_INTAKE_LINES = 10000           # jobs in one HTTP request
+_INTAKE_IDS = _thread.allocate_lock()     # the HTTP and MQTT threads' _new_id
+# the words of check's problems that stop the intake taking jobs (/health 503)
+_HEALTH_BLOCKING = (" is damaged", " is missing", "is not writable",
+                    "permission denied", "budget", " free on the spool")
+
+
+class _Refusal(Exception):
+    """A request answered with an error `status` (and Retry-After)."""
+
+    def __init__(self, status, message, retry_after=None):
+        Exception.__init__(self, message)
+        self.status, self.retry_after = status, retry_after
+
+
+def _same_job(spool, jid, type, payload):
+    """Is job `jid`, already in the spool, this one (same type, same
+    payload)?  False also when it cannot be read (only its idempotency
+    record is left)."""
+    try:
+        job = spool.show(jid)
+    except (MyqError, OSError):
+        return False
+    return job.get("type") == type and job.get("payload") == payload
+
+
+def _intake_id(now=None):
+    with _INTAKE_IDS:
+        return _new_id(_now() if now is None else now)
+
+
+def _refused(spool, e, items, count=True):
+    """The _Refusal of a MyqError that enqueue raised for `items`
+    (`count`: count them refused)."""
+    if isinstance(e, SpoolFull):
+        for t in sorted(set(it[1] for it in items)) if count else ():
+            spool.count("refused", t, sum(1 for it in items if it[1] == t))
+        bound = "at its bound" in str(e)
+        return _Refusal(429 if bound else 503, str(e), 5 if bound else 30)
+    if isinstance(e, InvalidJob):
+        return _Refusal(413 if "--max-job-bytes" in str(e) else 400, str(e))
+    if isinstance(e, SpoolBusy):
+        return _Refusal(503, str(e), 1)
+    return _Refusal(500, str(e))
+
+
+def _withdraw_new(spool, ids):
+    """Take back what a failed enqueue_many placed of `ids` (still
+    waiting): nothing of a refused request is kept (myq(1) INTAKE)."""
+    for jid in ids:
+        try:
+            if spool.locate(jid)[0] in ("ready", "scheduled"):
+                spool.delete([jid])
+        except (MyqError, OSError):
+            pass        # claimed meanwhile, or never placed
+
+
+def _sync_placed(spool, ids):
+    """Make the waiting jobs `ids` durable: each one's file and its
+    directory fsync'd (what a killed intake placed, perhaps before its own
+    fsync); a row of the SQLite store was durable at its commit.  Only
+    what this request names: never a sync(2) of every filesystem."""
+    dirs = set()
+    for jid in ids:
+        try:
+            path = spool.locate(jid)[1]
+        except MyqError:
+            continue
+        if path.startswith("db:"):
+            continue
+        try:
+            fd = _open_reg(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue            # claimed meanwhile: a worker has it
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dirs.add(os.path.dirname(path))
+    for d in sorted(dirs):
+        _fsync_dir(d)
+
+
+def take_in(spool, items, count=True, known=None):
+    """Enqueue `items`, [(id, type, payload)], durably, all or none: the
+    ids, in order; a job already there under its id with the same type
+    and payload counts as taken (an answer lost to a crash, sent again;
+    its id added to the list `known`).  Raises DuplicateJob when an id is
+    taken by another job, _Refusal when the spool refuses (a bound, a
+    guard: counted `refused` unless not `count`)."""
+    for _ in range(3):
+        new, waiting, same = [], [], []
+        for jid, type, payload in items:
+            where = spool.find_id(jid)
+            if where is None:
+                new.append((jid, type, payload))
+                continue
+            if not _same_job(spool, jid, type, payload):
+                raise DuplicateJob("job id %s is taken by another job (%s); "
+                                   "give this one another id" % (jid, where))
+            same.append(jid)
+            if where == "queued":
+                waiting.append(jid)
+        try:
+            if new:
+                spool.enqueue_many([{"type": t, "payload": p, "id": j}
+                                    for j, t, p in new])
+            if waiting:
+                # placed by an intake killed before its answer, perhaps
+                # before its fsync: durable before this answer says so
+                _sync_placed(spool, waiting)
+            if known is not None:
+                known.extend(same)
+            return [it[0] for it in items]
+        except DuplicateJob:
+            continue        # another producer, meanwhile: look again
+        except MyqError as e:
+            # (what it placed is ours: an id placed by another meanwhile
+            # would have been a DuplicateJob; the HTTP loop takes one
+            # request at a time)
+            _withdraw_new(spool, [it[0] for it in new])
+            raise _refused(spool, e, new, count)
+    raise _Refusal(503, "spool %s: the ids of this request keep changing "
+                   "hands; try again" % spool.path, 1)
+
+
+def _json_value(text, what):
+    try:
+        return _DECODER.decode(text)
+    except RecursionError:
+        raise _Refusal(400, "%s is nested too deep" % what)
+    except ValueError as e:
+        raise _Refusal(400, "%s is not JSON (%s)" % (what, e))
+
+
+def _own_id(value, what):
+    """The id a payload names for itself (its `id` field), or None."""
+    if not isinstance(value, dict) or value.get("id") is None:
+        return None
+    jid = value["id"]
+    if not isinstance(jid, str) or not NAME_RE.match(jid):
+        raise _Refusal(400, "%s: id %s is not a job id (1-128 of A-Z a-z 0-9 "
+                       ". _ -, not starting with .)" % (what, json.dumps(jid)[:140]))
+    return jid
+
+
+def http_jobs(type, body, ndjson, key=None, now=None):
+    """[(id, type, payload)] of a POST /jobs/TYPE body: one JSON payload,
+    or (`ndjson`) one a line.  The id: the Idempotency-Key `key` (one job;
+    KEY.N for line N of many), else the payload's own `id` field, else a
+    new one.  Raises _Refusal (400)."""
+    if not isinstance(type, str) or not NAME_RE.match(type):
+        raise _Refusal(400, "job type %r is not a type name (1-128 of A-Z a-z "
+                       "0-9 . _ -); POST to /jobs/TYPE" % (type,)[:140])
+    if key is not None and not NAME_RE.match(key):
+        raise _Refusal(400, "Idempotency-Key %r is not a job id (1-128 of A-Z "
+                       "a-z 0-9 . _ -)" % key[:140])
+    try:
+        text = body.decode("utf-8")
+    except UnicodeError:
+        raise _Refusal(400, "the body is not UTF-8 text")
+    if ndjson:
+        lines = [(n, line) for n, line in enumerate(text.split("\n"), 1)
+                 if line.strip()]
+        if len(lines) > _INTAKE_LINES:
+            raise _Refusal(413, "%d jobs in one request: send at most %d a "
+                           "request" % (len(lines), _INTAKE_LINES))
+        values = [(_json_value(line, "line %d" % n), "line %d" % n)
+                  for n, line in lines]
+    else:
+        values = [(_json_value(text, "the body"), "the body")]
+    if not values:
+        raise _Refusal(400, "the body holds no job (one JSON payload a line)")
+    out, seen = [], set()
+    now = _now() if now is None else now
+    for n, (value, what) in enumerate(values, 1):
+        jid = _own_id(value, what)
+        if key is not None:
+            jid = key if len(values) == 1 else "%s.%d" % (key, n)
+            if len(jid) > 128:
+                raise _Refusal(400, "Idempotency-Key is too long for %d jobs "
+                               "(KEY.N must fit 128 characters)" % len(values))
+        jid = jid or _intake_id(now)
+        if jid in seen:
+            raise _Refusal(400, "%s repeats id %s of an earlier line" % (what, jid))
+        seen.add(jid)
+        out.append((jid, type, value))
+    return out
+
+
+def listen_address(text):
+    """(host, port, loopback?) of --listen [ADDR]:PORT (ADDR default
+    127.0.0.1; [::1]:PORT for IPv6)."""
+    m = re.match(r"(?:(\[[0-9A-Fa-f:.]+\]|[0-9.]+|localhost|\*)?:)?(\d{1,5})\Z",
+                 text or "")
+    port = int(m.group(2)) if m else -1
+    if not m or not 0 <= port < 65536:          # (0: any free port, logged)
+        raise UsageError("--listen %r is not [ADDR]:PORT (e.g. 127.0.0.1:8440, "
+                         "[::1]:8440, 0.0.0.0:8440) nor unix:PATH; ADDR is an "
+                         "IP address" % (text,))
+    host = (m.group(1) or "127.0.0.1").strip("[]")
+    host = {"localhost": "127.0.0.1", "*": "0.0.0.0"}.get(host, host)
+    loop = host == "::1" or host.startswith("127.")
+    return host, port, loop
+
+
+def _unix_path(listen):
+    """PATH of --listen unix:PATH (absolute, fits a socket's address)."""
+    path = listen[5:]
+    if not path.startswith("/") or len(path.encode("utf-8", "replace")) > 107 \
+            or "\0" in path:
+        raise UsageError("--listen %r: unix:PATH needs an absolute PATH of at "
+                         "most 107 bytes (e.g. unix:/run/myq/intake.sock)"
+                         % (listen,))
+    return path
+
+
+def _tcp_socket(listen):
+    """A TCP socket listening on --listen [ADDR]:PORT.  A port taken by
+    another program is said loudly (ConfigError): whoever listens there
+    gets the producers' posts and their token."""
+    import socket
+    host, port, _ = listen_address(listen)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                "cannot listen on %s: another program already listens on port "
+                "%d (find it: ss -ltnp 'sport = :%d'); it, not myq, would get "
+                "the producers' posts and their token: stop it, or give "
+                "another --listen (unix:PATH is safe from this)"
+                % (listen, port, port))
+        raise ConfigError("cannot listen on %s: %s (a port below 1024 needs "
+                          "root)" % (listen, _os_text(e)))
+    return sock
+
+
+def _held_socket(fd):
+    """The listening TCP socket that supervise took for this intake
+    (--listen-fd): the port stays taken while the intake restarts."""
+    import socket
+    try:
+        sock = socket.socket(fileno=fd)
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError(errno.EINVAL, "not a listening socket")
+    except OSError as e:
+        raise ConfigError("--listen-fd %d: %s (it is supervise's to give)"
+                          % (fd, _os_text(e)))
+    return sock
+
+
+def _hold_port(argv):
+    """supervise's part (as root, before it drops root): the TCP port of
+    the intake's --listen in `argv`, taken now and kept while supervise
+    runs, so that no other program takes it while the intake (re)starts,
+    and a port below 1024 works; None for unix:PATH or no --listen."""
+    if not argv or "--listen" not in argv:
+        return None
+    listen = argv[argv.index("--listen") + 1]
+    if listen.startswith("unix:"):
+        return None
+    sock = _tcp_socket(listen)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _unix_socket(path, gid):
+    """A Unix socket listening at `path`, mode 0660, group `gid` (the
+    spool's: its producers).  A stale socket there is replaced; a live
+    one (another intake), or anything but a socket, is refused."""
+    import socket
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise ConfigError("cannot use --listen unix:%s: %s" % (path, _os_text(e)))
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ConfigError("--listen unix:%s: there is a file there that is "
+                              "not a socket; move it away" % path)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(2)
+            probe.connect(path)
+            live = True
+        except OSError as e:
+            live = e.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+        finally:
+            probe.close()
+        if live:
+            raise ConfigError("--listen unix:%s: another program listens on "
+                              "it (another myq intake?); stop it first" % path)
+        _quiet_unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)           # (0600 until its group is set)
+    try:
+        sock.bind(path)
+        sock.listen(64)
+        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | O_NOFOLLOW
+                     | O_CLOEXEC)
+        try:                # the inode bound, never a name put in its place
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise OSError(errno.EEXIST, "replaced while being made")
+            at = "/proc/self/fd/%d" % fd
+            if not os.path.exists(at):
+                at = path
+            os.chown(at, -1, gid)
+            os.chmod(at, 0o660)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        sock.close()
+        raise ConfigError("cannot listen on unix:%s: %s (its directory must "
+                          "be the spool user's, and that user in the spool's "
+                          "group)" % (path, _os_text(e)))
+    finally:
+        os.umask(old)
+    return sock
+
+
+def _read_token(path):
+    """The bearer token in --listen-token-file (one line)."""
+    try:
+        with open(path, "rb") as f:
+            token = f.read(4097).strip()
+    except OSError as e:
+        raise ConfigError("cannot read --listen-token-file %s: %s (the intake "
+                          "runs as the spool's user, which must read it; "
+                          "myq init makes SPOOL/%s)"
+                          % (path, _os_text(e), INTAKE_TOKEN))
+    if not token or len(token) > 4096 or b"\n" in token or b" " in token:
+        raise ConfigError("--listen-token-file %s must hold one token: 1-4096 "
+                          "characters, no blanks" % path)
+    return token
+
+
+def _equal_secret(a, b):
+    """Compare without telling by the time taken where they differ."""
+    try:
+        from _operator import _compare_digest
+        return _compare_digest(a, b)
+    except ImportError:
+        n = len(a) ^ len(b)
+        for x, y in zip(a, b if len(a) == len(b) else a):
+            n |= x ^ y
+        return n == 0
+
+
+class _HttpConn(object):
+    """One client connection: what it sent, what is still to go out."""
+    __slots__ = ("sock", "buf", "out", "deadline", "head", "need", "close",
+                 "started", "continued")
+
+    def __init__(self, sock, deadline):
+        self.sock, self.deadline = sock, deadline
+        self.started = _mono()
+        self.buf, self.out = bytearray(), bytearray()
+        self.head = None            # (method, path, headers) once read
+        self.need = 0               # body bytes the head announced
+        self.close = self.continued = False
+
+
+class HttpIntake(object):
+    """The local HTTP endpoint (myq(1) INTAKE): POST /jobs/TYPE, GET /health,
+    GET /metrics, on non-blocking sockets served by `serve()` (one poll).
+    `token`: the bearer token every request must carry (bytes), or None."""
+
+    def __init__(self, spool, listen, token=None, max_bytes=1 << 20,
+                 timeout=10.0, log=None, fd=None):
+        import socket
+        import select
+        self.spool, self.token, self.log = spool, token, log or _noop_log
+        self.max_bytes, self.timeout = max_bytes, float(timeout)
+        # request bytes held at once, across connections (_HTTP_CONNS of
+        # max_bytes each would be 64 M)
+        self.buffer_max = max(_HTTP_BUFFERED, 2 * (max_bytes + _HTTP_HEAD_MAX))
+        self.unix = None
+        if listen.startswith("unix:"):
+            self.unix = _unix_path(listen)
+            sock = _unix_socket(self.unix, os.stat(spool.path).st_gid)
+            self.address, self._ino = listen, os.lstat(self.unix).st_ino
+        else:
+            if not listen_address(listen)[2] and token is None:
+                raise UsageError("--listen %s is not a loopback address: it "
+                                 "needs a token (--listen-token-file, default "
+                                 "SPOOL/%s), never --listen-open"
+                                 % (listen, INTAKE_TOKEN))
+            sock = _tcp_socket(listen) if fd is None else _held_socket(fd)
+            self.address = "%s:%d" % sock.getsockname()[:2]
+        sock.setblocking(False)
+        self.sock = sock
+        self._socket, self._select = socket, select
+        self.poller = select.poll()
+        self.poller.register(sock.fileno(), select.POLLIN)
+        self.conns = {}             # fd -> _HttpConn
+        self.served = self.cut = 0  # requests answered; connections cut
+        self._cache = {}            # path -> (until, answer): /health, /metrics
+
+    def close(self):
+        for fd in list(self.conns):
+            self._drop(fd)
+        self.sock.close()
+        try:                # our socket's name, unless another took it
+            if self.unix and os.lstat(self.unix).st_ino == self._ino:
+                os.unlink(self.unix)
+        except OSError:
+            pass
+
+    def serve(self, wait=1.0):
+        """One round: wait up to `wait` seconds for sockets, then serve
+        what is there (never blocking on any client)."""
+        now = _mono()
+        soonest = min([c.deadline for c in self.conns.values()] or [now + wait])
+        try:
+            ready = self.poller.poll(max(0, min(wait, soonest - now)) * 1000)
+        except InterruptedError:
+            ready = []
+        for fd, ev in ready:
+            if fd == self.sock.fileno():
+                self._accept()
+                continue
+            c = self.conns.get(fd)
+            if c is None:
+                continue
+            try:
+                if ev & self._select.POLLOUT and c.out:
+                    self._flush(fd, c)
+                    if fd in self.conns and not c.out:
+                        self._advance(fd, c)
+                if ev & (self._select.POLLIN | self._select.POLLHUP
+                         | self._select.POLLERR) and fd in self.conns:
+                    self._receive(fd, c)
+            except OSError:
+                self._drop(fd)
+            except Exception as e:      # (a client's bytes met a bug: it
+                self.log("error", during="intake", error="%s: %s" % (
+                    type(e).__name__, e))
+                self._drop(fd)          # goes, the endpoint serves on)
+        now = _mono()
+        for fd, c in list(self.conns.items()):
+            if now >= c.deadline:
+                self._expire(fd, c)
+
+    def _accept(self):
+        for _ in range(16):
+            try:
+                s, _addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:        # EMFILE and the like: later
+                self.log("error", during="accept", error=_os_text(e))
+                return
+            if len(self.conns) >= _HTTP_CONNS:
+                # the connection that has taken longest goes (a slowloris
+                # opening many holds each for --listen-timeout at most)
+                old = min(self.conns, key=lambda fd: self.conns[fd].started)
+                self.cut += 1
+                self._drop(old)
+            s.setblocking(False)
+            self.conns[s.fileno()] = _HttpConn(s, _mono() + self.timeout)
+            self.poller.register(s.fileno(), self._select.POLLIN)
+
+    def _drop(self, fd):
+        c = self.conns.pop(fd, None)
+        if c is not None:
+            try:
+                self.poller.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            c.sock.close()
+
+    def _expire(self, fd, c):
+        """A request that took too long: 408 (best effort), closed."""
+        if c.buf or c.head is not None:
+            self.cut += 1
+            try:
+                c.sock.send(self._answer(408, {"error": "the request took "
+                                               "longer than %gs" % self.timeout},
+                                         close=True))
+            except OSError:
+                pass
+        self._drop(fd)
+
+    def _receive(self, fd, c):
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            self._drop(fd)
+            return
+        c.buf += data
+        if len(c.buf) > self.max_bytes + _HTTP_HEAD_MAX:
+            self._drop(fd)          # more than a request, unasked
+            return
+        if sum(len(x.buf) for x in self.conns.values()) > self.buffer_max:
+            # the bytes held for all clients at once are bounded: the
+            # connection that holds most goes (503, try again)
+            big = max(self.conns, key=lambda f: len(self.conns[f].buf))
+            self.cut += 1
+            try:
+                self.conns[big].sock.send(self._answer(503, {
+                    "error": "the intake holds too many bodies at once; try "
+                    "again"}, close=True, retry_after=1))
+            except OSError:
+                pass
+            self._drop(big)
+            if big == fd:
+                return
+        if c.out:               # pipelined before our answer went: later
+            return
+        self._advance(fd, c)
+
+    def _advance(self, fd, c):
+        """Serve the requests that c.buf holds whole."""
+        while fd in self.conns and not c.out and c.buf:
+            if c.head is None:
+                if not self._read_head(fd, c):
+                    return
+            if len(c.buf) < c.need:
+                return
+            body = bytes(c.buf[:c.need])
+            del c.buf[:c.need]
+            method, path, headers = c.head
+            c.head, c.need, c.continued = None, 0, False
+            try:
+                answer = self._request(method, path, headers, body)
+            except Exception as e:      # (a bug: said, and the loop goes on)
+                self.log("error", during="intake request", error="%s: %s" % (
+                    type(e).__name__, e))
+                answer = (500, {"error": "myq failed on this request: %s"
+                                % type(e).__name__}, {})
+            self._reply(fd, c, *answer)
+
+    def _read_head(self, fd, c):
+        """Parse the head in c.buf; False while it is incomplete (or the
+        connection was answered and closed)."""
+        end = c.buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(c.buf) > _HTTP_HEAD_MAX:
+                self._reply(fd, c, 431, {"error": "the request head is larger "
+                                         "than %d bytes" % _HTTP_HEAD_MAX},
+                            close=True)
+            return False
+        if end > _HTTP_HEAD_MAX:
+            self._reply(fd, c, 431, {"error": "the request head is larger than "
+                                     "%d bytes" % _HTTP_HEAD_MAX}, close=True)
+            return False
+        head = bytes(c.buf[:end]).decode("latin-1")
+        del c.buf[:end + 4]
+        try:
+            method, path, headers, close = self._parse_head(head)
+        except _Refusal as e:
+            self._reply(fd, c, e.status, {"error": str(e)}, close=True)
+            return False
+        c.close = close
+        refusal = self._refuse_early(method, path, headers)
+        if refusal is not None:
+            self._reply(fd, c, refusal.status, {"error": str(refusal)},
+                        close=True, retry_after=refusal.retry_after)
+            return False
+        c.head, c.need = (method, path, headers), int(headers.get(
+            "content-length", "0"))
+        if c.need and len(c.buf) < c.need and \
+                headers.get("expect", "").lower() == "100-continue":
+            try:
+                c.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")   # (curl waits 1 s)
+            except (BlockingIOError, InterruptedError):
+                pass
+        return True
+
+    def _parse_head(self, head):
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            if len(parts) == 3 and parts[2].startswith("HTTP/"):
+                raise _Refusal(505, "only HTTP/1.x is spoken here")
+            raise _Refusal(400, "not an HTTP/1.x request line")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            name = name.strip().lower()
+            if not sep or not name or " " in name:
+                raise _Refusal(400, "a header line is not 'Name: value'")
+            value = value.strip()
+            if name in headers and name in ("content-length", "authorization",
+                                            "idempotency-key", "content-type"):
+                if headers[name] != value:
+                    raise _Refusal(400, "header %s given twice" % name)
+            headers[name] = value
+        conn = headers.get("connection", "").lower()
+        close = conn == "close" or (parts[2] == "HTTP/1.0" and conn != "keep-alive")
+        return parts[0], parts[1], headers, close
+
+    def _refuse_early(self, method, path, headers):
+        """What is refused on the head alone, before any body is read:
+        the token, chunked bodies, bad or too large lengths."""
+        if self.token is not None:
+            auth = headers.get("authorization", "")
+            scheme, _, given = auth.partition(" ")
+            if scheme.lower() != "bearer" or not _equal_secret(
+                    given.strip().encode("latin-1"), self.token):
+                return _Refusal(401, "this endpoint needs 'Authorization: "
+                                "Bearer TOKEN' (the token of "
+                                "--listen-token-file)")
+        if "transfer-encoding" in headers:
+            return _Refusal(411, "send the body with a Content-Length, not "
+                            "chunked")
+        length = headers.get("content-length", "0")
+        if not (length.isascii() and length.isdigit()) or len(length) > 18:
+            return _Refusal(400, "Content-Length %r is not a byte count" % length[:40])
+        if int(length) > self.max_bytes:
+            return _Refusal(413, "the body is %s bytes, more than "
+                            "--listen-max-bytes (%d)" % (length, self.max_bytes))
+        if method == "POST" and "content-length" not in headers:
+            return _Refusal(411, "a POST needs a Content-Length")
+        return None
+
+    def _request(self, method, path, headers, body):
+        """(status, answer object or text, {"retry_after": S}) of one
+        whole request."""
+        path = path.split("?", 1)[0]
+        if path.startswith("/jobs/"):
+            if method != "POST":
+                return 405, {"error": "POST a job to /jobs/TYPE"}, {"allow": "POST"}
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            known = []
+            try:
+                items = http_jobs(path[6:], body, ctype in _NDJSON,
+                                  headers.get("idempotency-key"))
+                ids = take_in(self.spool, items, known=known)
+            except _Refusal as e:
+                return e.status, {"error": str(e)}, {"retry_after": e.retry_after}
+            except DuplicateJob as e:
+                self.log("duplicate", via="http", type=path[6:],
+                         kept="refused (409)", error=str(e))
+                return 409, {"error": str(e)}, {}
+            for jid in known:
+                self.log("duplicate", via="http", id=jid, type=path[6:],
+                         kept="the same job, already taken")
+            self.log("intake", via="http", type=path[6:], jobs=len(ids))
+            return 202, {"ids": ids}, {}
+        if path in ("/health", "/metrics"):
+            if method != "GET":
+                return 405, {"error": "GET %s" % path}, {"allow": "GET"}
+            return self._report(path)
+        return 404, {"error": "no %s here: POST /jobs/TYPE, GET /health, GET "
+                     "/metrics" % path[:200]}, {}
+
+    def _report(self, path):
+        """/health (check --json; 503 only when the intake cannot take jobs:
+        a guard, the budget, a damaged or unwritable store; what only needs
+        an operator, dead jobs say, answers 200) or /metrics (the
+        Prometheus text of stats), each worked out at most once a second."""
+        until, answer = self._cache.get(path, (0, None))
+        if _mono() < until:
+            return answer
+        try:
+            if path == "/health":
+                problems = self.spool.check()
+                blocking = self.spool.free_problem() or any(
+                    any(w in p for w in _HEALTH_BLOCKING) for p in problems)
+                answer = (503 if blocking else 200, {
+                    "ok": not problems, "spool": self.spool.path,
+                    "problems": problems}, {})
+            else:
+                answer = (200, prometheus_text(self.spool.stats(by_type=True)),
+                          {"type": "text/plain; version=0.0.4; charset=utf-8"})
+        except (MyqError, OSError) as e:
+            answer = (503, {"ok": False, "spool": self.spool.path,
+                            "problems": [str(e)]}, {})
+        self._cache[path] = (_mono() + 1.0, answer)
+        return answer
+
+    def _answer(self, status, obj, close=False, retry_after=None, extra=None):
+        extra = extra or {}
+        if isinstance(obj, str):
+            body = obj.encode("utf-8")
+        else:
+            body = (json.dumps(obj, sort_keys=True) + "\n").encode("utf-8")
+        head = ["HTTP/1.1 %d %s" % (status, _HTTP_REASONS.get(status, "")),
+                "Content-Type: %s" % extra.get("type", "application/json"),
+                "Content-Length: %d" % len(body), "Cache-Control: no-store"]
+        if retry_after:
+            head.append("Retry-After: %d" % retry_after)
+        if status == 401:
+            head.append('WWW-Authenticate: Bearer realm="myq"')
+        if extra.get("allow"):
+            head.append("Allow: " + extra["allow"])
+        head.append("Connection: close" if close else "Connection: keep-alive")
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+    def _reply(self, fd, c, status, obj, extra=None, close=False,
+               retry_after=None):
+        extra = extra or {}
+        close = close or c.close or status in (408, 411, 413, 431)
+        c.out += self._answer(status, obj, close, retry_after or
+                              extra.get("retry_after"), extra)
+        c.close = close
+        self.served += 1
+        if close:
+            c.buf = bytearray()
+        self._flush(fd, c)
+
+    def _flush(self, fd, c):
+        try:
+            n = c.sock.send(c.out)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        del c.out[:n]
+        if c.out:
+            self.poller.modify(fd, self._select.POLLOUT)
+            return
+        if c.close:
+            self._drop(fd)
+            return
+        self.poller.modify(fd, self._select.POLLIN)
+        c.deadline = _mono() + self.timeout     # the next request's time
+        c.started = _mono()
+
+
+# Intake: MQTT ################################################################
+#
+# The subscriptions of `myq intake --mqtt` (MqttIntake), and run_intake,
+# which runs both kinds of intake in one process.
+
+
+def parse_subscriptions(specs):
+    """[(filter, type)] of --subscribe 'FILTER=TYPE' (the last '=' splits:
+    a filter may hold one)."""
+    out = []
+    for spec in specs or ():
+        flt, eq, type = spec.rpartition("=")
+        if not eq or not flt:
+            raise UsageError("--subscribe %r is not FILTER=TYPE (e.g. "
+                             "'sensors/+/reading=reading')" % spec)
+        if not NAME_RE.match(type):
+            raise UsageError("--subscribe %r: %r is not a job type (1-128 of "
+                             "A-Z a-z 0-9 . _ -)" % (spec, type))
+        levels = flt.split("/")
+        if any(("#" in x and (x != "#" or i != len(levels) - 1)) or
+               ("+" in x and x != "+") for i, x in enumerate(levels)) \
+                or "\0" in flt or len(flt.encode("utf-8", "replace")) > 65535:
+            raise UsageError("--subscribe %r: %r is not an MQTT topic filter "
+                             "(+ stands for a whole level, # for the last ones)"
+                             % (spec, flt))
+        out.append((flt, type))
+    return out
+
+
+def topic_matches(flt, topic):
+    """Does MQTT topic filter `flt` match `topic` (+ one level, # the rest;
+    no wildcard first matches a topic starting with $)?"""
+    f, t = flt.split("/"), topic.split("/")
+    if topic.startswith("$") and f[0] in ("+", "#"):
+        return False
+    for i, x in enumerate(f):
+        if x == "#":
+            return True
+        if i >= len(t) or (x != "+" and x != t[i]):
+            return False
+    return len(f) == len(t)
+
+
+def intake_client_id(spool_path):
+    """The default --mqtt-client-id of intake: stable across restarts (its
+    session is the broker's queue of what it has not acknowledged), from
+    the host and the spool, at most 23 characters."""
+    import binascii
+    host = os.uname()[1]
+    tail = "-%08x" % (binascii.crc32(("%s\0%s" % (host, os.path.abspath(
+        spool_path))).encode("utf-8", "replace")) & 0xffffffff)
+    return ("myqi-" + re.sub(r"[^A-Za-z0-9]", "", host))[:23 - len(tail)] + tail
+
+
+def mqtt_job(topic, data, type, now=None):
+    """(id, type, payload) of a received message: payload {"topic",
+    "message": JSON, else the text; a message that is not UTF-8:
+    "message_base64"}; the id is the message's own `id` when it is an
+    object with a valid one."""
+    jid = None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeError:
+        import binascii
+        return _intake_id(now), type, {
+            "topic": topic,
+            "message_base64": binascii.b2a_base64(data).decode().strip()}
+    try:
+        msg = _DECODER.decode(text)
+        if isinstance(msg, dict) and isinstance(msg.get("id"), str) \
+                and NAME_RE.match(msg["id"]):
+            jid = msg["id"]
+    except (ValueError, RecursionError):
+        msg = text
+    return jid or _intake_id(now), type, {
+        "topic": topic, "message": msg}
+
+
+def session_subs(subs, client_id):
+    """[(client id, [(filter, type)])]: one MQTT session a type, so that a
+    type held at its bound (its PUBACKs withheld, the broker's window of
+    unacknowledged messages full) holds no other type's messages; one
+    type keeps `client_id` itself, several get CLIENT_ID.TYPE (a CRC of the
+    type when long)."""
+    import binascii
+    types = []
+    for _, t in subs:
+        if t not in types:
+            types.append(t)
+    out = []
+    for t in types:
+        cid = client_id
+        if len(types) > 1:
+            cid = "%s.%s" % (client_id, t if len(t) <= 40 else "%08x" % (
+                binascii.crc32(t.encode("utf-8")) & 0xffffffff))
+        out.append((cid, [x for x in subs if x[1] == t]))
+    return out
+
+
+def _packet_head(buf):
+    """(first byte, body length, head length) of the MQTT packet at the
+    start of `buf`, or None while its head is incomplete."""
+    n = shift = 0
+    for i in range(1, min(len(buf), 5)):
+        b = buf[i]
+        n |= (b & 127) << shift
+        shift += 7
+        if not b & 128:
+            return buf[0], n, i + 1
+    if len(buf) >= 5:
+        raise _MqttBroken("the broker sent a bad packet length (protocol error)")
+    return None
+
+
+class MqttIntake(MqttClient):
+    """MQTT subscriptions of one type taken in as jobs (myq(1) INTAKE): a
+    persistent session (clean session off, a stable client id), QoS 1,
+    each PUBACK sent once its job is durable, in the order the messages
+    came; withheld while a bound or a guard refuses (the message waits in
+    memory, the broker keeps it until the PUBACK: a crash loses nothing,
+    the broker sends it again).  `subs`: this session's filters; `every`:
+    all of them (the first filter that matches a topic decides its type,
+    across sessions).  `run(stopping)` connects, subscribes and takes in
+    until `stopping()`, reconnecting with a backoff after any error."""
+
+    def __init__(self, spool, subs, url, password=None, client_id=None,
+                 ca=None, cert=None, key=None, keepalive=60, timeout=10.0,
+                 log=None, every=None):
+        MqttClient.__init__(self, url, password, client_id or
+                            intake_client_id(spool.path), ca, cert, key,
+                            keepalive, timeout)
+        self.clean = False
+        self.spool, self.subs, self.log = spool, subs, log or _noop_log
+        self.every = every or subs
+        # a message is at most a job: its topic and envelope fit in 64K more
+        self.max_packet = spool.opt["max_job_bytes"] + 65536
+        # (packet id or None, (id, type, payload) or None: refused at
+        # arrival, acknowledged in its turn, size)
+        self.pending = []
+        self._pending_bytes = 0
+        self.taken = self.acked = self.refused = 0
+        self._retry_at = 0.0
+        self._refusals = 0
+        self._counted = None        # the id last counted refused
+        self._skip = 0              # bytes of an oversized message still to come
+        self._big = None            # its (packet id, topic, size)
+
+    def _keep_alive(self):
+        """(The session loop pings; no thread of MqttClient's.)"""
+
+    def run(self, stopping):
+        backoff = 1.0
+        while not stopping():
+            try:
+                with self.lock:
+                    self._connect(_mono() + self.timeout)
+                self.log("intake_connected", broker=self.dest,
+                         client_id=self.client_id)
+                backoff = 1.0
+                self._serve(stopping)
+                self._send(b"\xe0\x00", _mono() + 1.0)       # DISCONNECT
+            except Exception as e:      # (a hostile broker: never a crash)
+                self.log("error", during="intake from %s" % self.dest,
+                         error=str(e) if isinstance(e, (DestinationDown,
+                                                        _MqttBroken))
+                         else _os_text(e) if isinstance(e, OSError)
+                         else "%s: %s" % (type(e).__name__, e),
+                         retry_in=round(backoff, 1))
+            finally:
+                self._drop()
+                # unacknowledged: the broker sends them again
+                self.pending, self._pending_bytes = [], 0
+                self._skip, self._big = 0, None
+            end = _mono() + backoff * (0.75 + 0.5 * _uniform())
+            while not stopping() and _mono() < end:
+                time.sleep(min(0.1, max(0.0, end - _mono())))
+            backoff = min(60.0, backoff * 2)
+
+    def _subscribe_packet(self):
+        body = b"\x00\x01"
+        for flt, _ in self.subs:
+            body += _mqtt_str(flt.encode("utf-8")) + b"\x01"
+        return b"\x82" + _mqtt_len(len(body)) + body
+
+    def _serve(self, stopping):
+        """One connection's life: SUBSCRIBE, then messages in, PUBACKs
+        out, PINGREQ when idle; returns when `stopping()`, raises when the
+        connection fails or the broker breaks the protocol."""
+        import select
+        sock = self.sock
+        self._send(self._subscribe_packet(), _mono() + self.timeout)
+        ping_sent = None
+        self._parse_buffered()          # what came with the CONNACK
+        while not stopping():
+            now = _mono()
+            if self.pending and now >= self._retry_at:
+                self._take_pending()
+            if ping_sent is not None and now - ping_sent > self.timeout:
+                raise _MqttBroken("no PINGRESP from the broker in time")
+            if ping_sent is None and self.keepalive and \
+                    now - self._last_sent >= self.keepalive / 2.0:
+                self._send(b"\xc0\x00", now + self.timeout)
+                ping_sent = now
+            # full: read no more (TCP holds the broker back) until room
+            full = len(self.pending) >= 1000 or self._pending_bytes > 4 << 20
+            wait = 0.5 if not self.pending else max(
+                0.0, min(0.5, self._retry_at - now))
+            if not full and not (hasattr(sock, "pending") and sock.pending()):
+                if not select.select([sock], [], [], wait)[0]:
+                    continue
+            elif full:
+                time.sleep(wait)
+                continue
+            sock.settimeout(0)
+            try:
+                data = sock.recv(65536)
+            except OSError as e:
+                if isinstance(e, BlockingIOError) or \
+                        type(e).__name__ == "SSLWantReadError":
+                    continue
+                raise
+            if not data:
+                raise _MqttBroken("the broker closed the connection")
+            self._buf += data
+            if self._parse_buffered():
+                ping_sent = None
+
+    def _parse_buffered(self):
+        """Handle the whole packets in the buffer; True if one was a
+        PINGRESP.  A PUBLISH larger than a job can be is read past, never
+        buffered (_oversized)."""
+        pong = False
+        while True:
+            if self._skip:
+                n = min(self._skip, len(self._buf))
+                del self._buf[:n]
+                self._skip -= n
+                if self._skip:
+                    return pong
+                self._refuse_big()
+            head = _packet_head(self._buf)
+            if head is None:
+                return pong
+            if head[1] > self.max_packet:
+                if not self._oversized(*head):
+                    return pong
+                continue
+            got = _mqtt_parse(self._buf, self.max_packet)
+            if got is None:
+                return pong
+            del self._buf[:got[2]]
+            pong = self._packet(got[0], got[1]) or pong
+
+    def _oversized(self, kind, size, at):
+        """A packet of `size` bytes, over max_packet: a PUBLISH whose head
+        (topic, packet id) is in the buffer is taken off it, and the rest
+        of its bytes are read past (_skip); True then, False while its head
+        is incomplete.  Any other packet that large breaks the protocol."""
+        if kind >> 4 != 3:
+            raise _MqttBroken("the broker sent a %d-byte packet of type %d "
+                              "(protocol error)" % (size, kind >> 4))
+        qos = (kind >> 1) & 3
+        if len(self._buf) < at + 2:
+            return False
+        end = at + 2 + int.from_bytes(self._buf[at:at + 2], "big") + (
+            2 if qos else 0)
+        if len(self._buf) < end:
+            return False
+        topic = bytes(self._buf[at + 2:end - (2 if qos else 0)]).decode(
+            "utf-8", "replace")
+        pid = int.from_bytes(self._buf[end - 2:end], "big") if qos else None
+        del self._buf[:end]
+        self._skip, self._big = size - (end - at), (pid or None, topic, size)
+        if not self._skip:
+            self._refuse_big()
+        return True
+
+    def _refuse_big(self):
+        """An oversized message, read past: refused (counted, logged) and
+        acknowledged in its turn: it can never be a job, and a message not
+        acknowledged would come again at every connect."""
+        pid, topic, size = self._big
+        self._big = None
+        type = next((ty for flt, ty in self.every if topic_matches(flt, topic)),
+                    None)
+        if type is None or any(ty == type for _, ty in self.subs):
+            self._said_big(topic, size, type)
+        self.pending.append((pid, None, 0))
+        if len(self.pending) == 1:
+            self._ack(self.pending[:1])
+
+    def _said_big(self, topic, size, type):
+        """An oversized message of this session's: counted and logged."""
+        self.refused += 1
+        if type is not None:
+            self.spool.count("refused", type)
+        self.log("intake_refused", via="mqtt", broker=self.dest,
+                 topic=topic[:200], bytes=size, type=type,
+                 why="larger than a job may be (--max-job-bytes %d)"
+                 % self.spool.opt["max_job_bytes"])
+
+    def _packet(self, kind, body):
+        """Handle one packet from the broker; True for a PINGRESP."""
+        t = kind >> 4
+        if t == 3:
+            self._publish_in(kind, body)
+        elif t == 9:                                        # SUBACK
+            if len(body) != 2 + len(self.subs):
+                raise _MqttBroken("the broker's SUBACK has %d return codes for "
+                                  "%d filters (protocol error)"
+                                  % (max(0, len(body) - 2), len(self.subs)))
+            for (flt, type), code in zip(self.subs, bytearray(body[2:])):
+                if code == 0x80:
+                    self.log("error", during="subscribe", broker=self.dest,
+                             filter=flt, error="the broker refused the "
+                             "subscription; check its access rules (ACL)")
+        elif t == 13:                                       # PINGRESP
+            return True
+        else:
+            raise _MqttBroken("the broker sent packet type %d, which a "
+                              "subscriber never gets (protocol error)" % t)
+        return False
+
+    def _publish_in(self, kind, body):
+        qos = (kind >> 1) & 3
+        if qos == 3 or len(body) < 2:
+            raise _MqttBroken("the broker sent a malformed PUBLISH (protocol "
+                              "error)")
+        n = int.from_bytes(body[:2], "big")
+        end = 2 + n + (2 if qos else 0)
+        if len(body) < end:
+            raise _MqttBroken("the broker sent a PUBLISH shorter than its topic "
+                              "(protocol error)")
+        try:
+            topic = body[2:2 + n].decode("utf-8")
+        except UnicodeError:
+            raise _MqttBroken("the broker sent a topic that is not UTF-8 "
+                              "(protocol error)")
+        pid = int.from_bytes(body[2 + n:end], "big") if qos else None
+        if qos == 2:
+            # we subscribe at QoS 1: a broker must not send more
+            raise _MqttBroken("the broker sent a QoS 2 message on a QoS 1 "
+                              "subscription (protocol error)")
+        if pid == 0:
+            raise _MqttBroken("the broker sent packet id 0 (protocol error)")
+        type = next((ty for flt, ty in self.every if topic_matches(flt, topic)),
+                    None)
+        mine = any(ty == type for _, ty in self.subs)
+        if not mine:
+            if type is None:
+                # a subscription this session kept from an earlier --subscribe
+                self.log("intake_unmatched", broker=self.dest, topic=topic[:200])
+            # (else: an earlier filter of another type's session decides)
+            self.pending.append((pid, None, 0))
+            if len(self.pending) == 1:
+                self._ack(self.pending[:1])
+            return
+        self.pending.append((pid, mqtt_job(topic, body[end:], type), len(body)))
+        self._pending_bytes += len(body)
+
+    def _take_pending(self):
+        """Enqueue what waits, in order, and acknowledge it: a batch at a
+        time (one commit); when the spool refuses, one at a time up to the
+        first refused, which waits (its PUBACK withheld) and is tried again
+        after a backoff (0.5 s doubling to 5 s)."""
+        while self.pending:
+            if self.pending[0][1] is None:      # refused at arrival: its turn
+                self._ack(self.pending[:1])
+                continue
+            n = next((k for k, it in enumerate(self.pending[:_INTAKE_BATCH])
+                      if it[1] is None), min(_INTAKE_BATCH, len(self.pending)))
+            try:
+                self._take(self.pending[:n])
+                self._refusals = 0
+                continue
+            except _Refusal as e:
+                refusal = e
+            if n > 1:
+                # (one at a time: what is refused, and why, is the first's
+                # alone; a bad message behind good ones drops itself only)
+                refusal = None
+                for _ in range(n):
+                    try:
+                        self._take(self.pending[:1])
+                    except _Refusal as e:
+                        refusal = e
+                        break
+                if refusal is None:
+                    continue
+            if refusal.status in (400, 413):        # can never be a job
+                self.refused += 1
+                self.spool.count("refused", self.pending[0][1][1])
+                self.log("intake_refused", via="mqtt", broker=self.dest,
+                         topic=self.pending[0][1][2]["topic"][:200],
+                         bytes=self.pending[0][2], type=self.pending[0][1][1],
+                         why="message dropped: %s" % refusal)
+                self._ack(self.pending[:1])
+                continue
+            self._refusals += 1
+            head = self.pending[0][1]
+            if self._counted != head[0]:        # once a message, not a retry
+                self._counted = head[0]
+                self.spool.count("refused", head[1])
+            delay = min(5.0, 0.5 * 2 ** min(self._refusals - 1, 4))
+            self._retry_at = _mono() + delay
+            if self._refusals == 1:
+                self.log("intake_held", broker=self.dest, type=head[1],
+                         waiting=len(self.pending), why=str(refusal),
+                         retry_in=delay)
+            return
+
+    def _take(self, batch):
+        known = []
+        try:
+            take_in(self.spool, [it[1] for it in batch], count=False,
+                    known=known)
+        except DuplicateJob as e:
+            if len(batch) > 1:
+                for it in batch:
+                    self._take([it])
+                return
+            self._keep_duplicate(batch[0][1], str(e))
+        for jid in known:
+            self.log("duplicate", via="mqtt", id=jid, type=batch[0][1][1],
+                     kept="the same job, already taken")
+        self.taken += len(batch)
+        self._ack(batch)
+
+    def _keep_duplicate(self, item, why):
+        """A message under an id that another job holds: its job goes to
+        failed/ with the reason (myq(1) INTAKE), durably, before its
+        PUBACK; never dropped, never run under a new id."""
+        jid, type, payload = item
+        data = json.dumps({"id": jid, "type": type, "payload": payload},
+                          sort_keys=True).encode("utf-8") + b"\n"
+        tmp = self.spool.d("tmp", "%s.%d.%s.dup" % (jid, os.getpid(),
+                                                    _rand_hex(4)))
+        _create(tmp, data)
+        # (a name of its own: the job that holds the id keeps `show ID`)
+        self.spool.claims.quarantine(tmp, "%s.dup-%s.json" % (
+            jid, _rand_hex(3)), "duplicate: %s; the "
+                                     "message kept here (give it another id "
+                                     "and myq retry it, or delete it)" % why)
+        _fsync_dir(self.spool.d("failed"))
+        self.log("duplicate", via="mqtt", id=jid, type=type,
+                 topic=payload.get("topic", "")[:200], kept="failed/")
+
+    def _ack(self, batch):
+        """PUBACK, in order, for what is now durable (or dropped)."""
+        acks = b"".join(b"\x40\x02" + it[0].to_bytes(2, "big")
+                        for it in batch if it[0] is not None)
+        del self.pending[:len(batch)]
+        self._pending_bytes -= sum(it[2] for it in batch)
+        if acks:
+            self._send(acks, _mono() + self.timeout)
+            self.acked += len(acks) // 4
+
+
+def run_intake(spool, log, listen=None, token=None, subs=(), mqtt=None,
+               max_bytes=1 << 20, timeout=10.0, parent=None, listen_fd=None):
+    """`myq intake`: the HTTP endpoint in this thread, the subscriptions
+    (`mqtt`: MqttIntake's keyword arguments) in others, a session a type
+    (session_subs), each with a Spool of its own, until SIGTERM/SIGINT (or
+    the supervisor `parent` is gone); SIGHUP reopens the log.  Returns 0."""
+    import signal
+    import threading
+    stop = []
+    signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+    signal.signal(signal.SIGINT, lambda s, f: stop.append(s))
+    signal.signal(signal.SIGHUP, lambda s, f: stop.append("hup"))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))  # (_child_run)
+    http = HttpIntake(spool, listen, token, max_bytes, timeout, log,
+                      listen_fd) if listen else None
+    sessions, threads = [], []
+    for cid, some in session_subs(subs, (mqtt or {}).get("client_id")):
+        mq = MqttIntake(open_store(spool.path, log=log, **spool.opt), some,
+                        log=log, every=subs, **dict(mqtt, client_id=cid))
+        thread = threading.Thread(target=mq.run, name="myq-intake-mqtt",
+                                  args=(lambda: any(s != "hup" for s in stop),))
+        thread.daemon = True
+        sessions.append(mq)
+        threads.append(thread)
+    log("intake_start", pid=os.getpid(), spool=spool.path,
+        listen=http.address if http else None,
+        subscribe=",".join(f for f, _ in subs) or None,
+        broker=sessions[0].dest if sessions else None,
+        sessions=len(sessions) or None)
+    for thread in threads:
+        thread.start()
+    try:
+        while not any(s != "hup" for s in stop):
+            if "hup" in stop:
+                stop.remove("hup")
+                try:
+                    log.reopen()
+                except MyqError as e:
+                    log("error", during="reopen log", error=str(e))
+            if http is not None:
+                http.serve(0.5)
+            else:
+                time.sleep(0.2)
+            if parent and os.getppid() != parent:
+                log("supervisor_gone", pid=parent)
+                break
+            if not stop and not all(t.is_alive() for t in threads):
+                raise ConfigError("the MQTT intake stopped; see the log")
+    finally:
+        stop.append("stop")
+        for thread, mq in zip(threads, sessions):
+            thread.join(mq.timeout + 1)
+            mq.close()
+        if http is not None:
+            http.close()
+        log("intake_stop", pid=os.getpid(),
+            served=http.served if http else None,
+            taken=sum(mq.taken for mq in sessions) if sessions else None,
+            refused=sum(mq.refused for mq in sessions) if sessions else None)
+    return 0
+
+
+# `myq intake` (myq(1) INTAKE); supervise takes them too, and starts an intake
+# process beside its workers when --listen or --subscribe is given.
+INTAKE_OPTIONS = [
+    ("--listen", str, None, "take jobs over HTTP on unix:PATH (a socket, 0660, the spool's group) or [ADDR]:PORT (ADDR default 127.0.0.1): POST /jobs/TYPE"),
+    ("--listen-token-file", str, None, "file of the bearer token every HTTP request must carry (default on a port: SPOOL/%s, made by init)" % INTAKE_TOKEN),
+    ("--listen-open", None, False, "a loopback port without a token: every local account may post"),
+    ("--listen-max-bytes", SIZE, 1 << 20, "largest HTTP request body"),
+    ("--listen-timeout", SECONDS, 10.0, "time a client gets to send a whole request"),
+    ("--subscribe", "append", [], "'FILTER=TYPE': MQTT messages on FILTER (from --mqtt) become jobs of TYPE"),
+]
+# the worker options that intake takes as well
+_INTAKE_SHARED = ("--log", "--syslog", "--syslog-facility", "--syslog-tag",
+                  "--mqtt", "--mqtt-password-file", "--mqtt-client-id",
+                  "--mqtt-ca", "--mqtt-cert", "--mqtt-key")
+
+
+def _args_intake(p):
+    import argparse
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    # the port supervise took as root, before it dropped root (_hold_port)
+    p.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+
+
+def _intake_argv(args, spool, o, guards, env):
+    """The options of the intake process that supervise keeps running
+    (myq(1) INTAKE), checked; None without --listen and --subscribe.  It gets
+    the worker's log and --mqtt options (the URL in its environment, as
+    the workers do) and the guards."""
+    io = _resolve(args, INTAKE_OPTIONS, env)
+    if not io["listen"] and not io["subscribe"]:
+        if io["listen_token_file"] or io["listen_open"]:
+            raise UsageError("--listen-token-file and --listen-open need "
+                             "--listen")
+        return None
+    _intake_options(dict(o, **io), spool.path)
+    shared = [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
+    return _option_argv(io, INTAKE_OPTIONS) + _option_argv(
+        o, shared, skip=_SECRET_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
+
+
+def _intake_options(o, spool_path):
+    """run_intake()'s keyword arguments of the intake options `o` (with
+    the shared --mqtt ones), checked: UsageError, ConfigError."""
+    if not o["listen"] and not o["subscribe"]:
+        raise UsageError("intake needs --listen unix:PATH or [ADDR]:PORT, or "
+                         "--subscribe "
+                         "FILTER=TYPE (with --mqtt URL)")
+    if (o["listen_token_file"] or o["listen_open"]) and not o["listen"]:
+        raise UsageError("--listen-token-file and --listen-open need --listen")
+    token = None
+    if o["listen"] and o["listen"].startswith("unix:"):
+        _unix_path(o["listen"])
+        if o["listen_open"]:
+            raise UsageError("--listen-open is for a port: on unix:PATH the "
+                             "socket's mode and group decide who posts")
+        if o["listen_token_file"]:
+            token = _read_token(o["listen_token_file"])
+    elif o["listen"]:
+        loop = listen_address(o["listen"])[2]
+        if o["listen_open"] and o["listen_token_file"]:
+            raise UsageError("--listen-open and --listen-token-file: give one")
+        if o["listen_open"] and not loop:
+            raise UsageError("--listen-open on %s, not a loopback address: "
+                             "every host that reaches it could post; leave "
+                             "it out (the token of SPOOL/%s is then needed)"
+                             % (o["listen"], INTAKE_TOKEN))
+        if not o["listen_open"]:
+            token = _read_token(o["listen_token_file"] or os.path.join(
+                spool_path, INTAKE_TOKEN))
+    subs = parse_subscriptions(o["subscribe"])
+    mqtt = None
+    if subs:
+        if not o.get("mqtt"):
+            raise UsageError("--subscribe needs --mqtt URL (the broker to "
+                             "subscribe at)")
+        mqtt = dict(url=(o["mqtt"].split() or [""])[0],  # (the first broker)
+                    client_id=o.get("mqtt_client_id") or
+                    intake_client_id(spool_path), ca=o.get("mqtt_ca"),
+                    cert=o.get("mqtt_cert"), key=o.get("mqtt_key"))
+        MqttClient(password=b"" if o.get("mqtt_password_file") else None,
+                   **mqtt)          # (every check of the options)
+        mqtt["password"] = _mqtt_password(o.get("mqtt_password_file"))
+    return dict(listen=o["listen"], token=token, subs=subs, mqtt=mqtt,
+                max_bytes=o["listen_max_bytes"], timeout=o["listen_timeout"])
+
+
+def _cmd_intake(a):
+    o = _resolve(a.args, [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
+                 + INTAKE_OPTIONS, a.env)
+    a.spool.require()
+    kw = _intake_options(o, a.spool.path)
+    _IMAGE["give_back_heap"](reexec=True)        # (it runs until stopped, as a worker)
+    log = _make_log(o)
+    a.spool.log = log
+    return run_intake(a.spool, log, parent=a.args.parent_pid,
+                      listen_fd=a.args.listen_fd, **kw)
+
+
+_COMMAND_TABLE["intake"] = (
+    _cmd_intake, _args_intake,
+    "take jobs in over HTTP (--listen) and MQTT (--subscribe), each answered "
+    "once durable")
+# intake's options: its own and the worker's it shares; supervise takes its
+# own too, to keep an intake running (_CHILDREN)
+_COMMAND_OPTIONS["intake"] = [
+    [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED], INTAKE_OPTIONS]
+_COMMAND_OPTIONS.setdefault("supervise", []).append(INTAKE_OPTIONS)
+_CHILDREN["intake"] = (_intake_argv, _hold_port)
 
 
 # Install #####################################################################
@@ -16864,350 +18298,6 @@ def install(prefix="/usr", destdir="", init=None):
     return said
 
 
-# Options and parsers #########################################################
-
-# (flag, kind, default, help); the kind is a Kind (Small helpers: the same
-# parser as a policy file's value of that kind), str, "append" (repeatable)
-# or None (a switch; its MYQ_* variable is a BOOL).
-GUARD_OPTIONS = [
-    ("--min-free", SIZE, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
-    ("--min-free-inodes", NATURAL, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
-    ("--max-job-bytes", SIZE, DEFAULTS["max_job_bytes"], "largest job file"),
-    ("--dedupe-window", SECONDS, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
-    ("--keep-done", SECONDS, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
-    ("--keep-done-max", NATURAL, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
-    ("--keep-dead", SECONDS, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
-    ("--keep-dead-max", NATURAL, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
-    ("--keep-failed", SECONDS, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
-    ("--keep-ok-max", NATURAL, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
-]
-# (their defaults are WorkerOptions', written once)
-_WORKER_DEFAULTS = dict(WorkerOptions.KEYS)
-WORKER_OPTIONS = [
-    ("--handlers", str, None, "directory of executable handlers, one per type"),
-    ("--module", str, None, "Python file of handler functions"),
-    ("--concurrency", COUNT, _WORKER_DEFAULTS["concurrency"], "handlers run at once by this worker"),
-    ("--lease", SECONDS, _WORKER_DEFAULTS["lease"], "claim lease, renewed by heartbeats"),
-    ("--timeout", SECONDS, _WORKER_DEFAULTS["timeout"], "handler time limit, unless the job has a timeout"),
-    ("--max-attempts", COUNT, _WORKER_DEFAULTS["max_attempts"], "runs a job gets when it does not say"),
-    ("--backoff-base", SECONDS, _WORKER_DEFAULTS["backoff_base"], "delay of the first retry, doubling after each failure"),
-    ("--backoff-max", SECONDS, _WORKER_DEFAULTS["backoff_max"], "longest retry delay"),
-    ("--probe-max", SECONDS, _WORKER_DEFAULTS["probe_max"], "longest wait between two probes of a held destination (a link that is back is used within it)"),
-    ("--jitter", FRACTION, _WORKER_DEFAULTS["jitter"], "random spread of retry delays, a fraction"),
-    ("--poll", SECONDS, _WORKER_DEFAULTS["poll"], "how often to look for files dropped without a wake-up"),
-    ("--stats-interval", SECONDS, _WORKER_DEFAULTS["stats_interval"], "time between status lines in the log, 0 for none"),
-    ("--grace", SECONDS, _WORKER_DEFAULTS["grace"], "time running handlers get after SIGTERM"),
-    ("--scan-cache", COUNT, _WORKER_DEFAULTS["scan_cache"], "ready jobs remembered per directory scan"),
-    ("--once", None, False, "run at most one job, then exit"),
-    ("--drain", None, False, "run until nothing is ready or running, then exit"),
-    ("--pass-env", "append", [], "pass this variable to exec handlers"),
-    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP), not stderr"),
-    ("--syslog", None, False, "log to syslog, not stderr"),
-    ("--syslog-facility", str, "daemon", "syslog facility"),
-    ("--syslog-tag", str, "myq", "syslog tag"),
-    ("--http-header", "append", [], "'Name: value' added to every http job"),
-    ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
-    ("--http-ca", str, None, "PEM file of CA certificates that https trusts besides the system's"),
-    ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
-    ("--uplink-rate", UPLINK, None, "at most SIZE/s (e.g. 16K/s) of http bodies and mqtt payloads over any 10 s, to all destinations"),
-    ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
-    ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
-    ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
-    ("--mqtt-ca", str, None, "CA certificate(s) to trust for an mqtts broker, besides the system's"),
-    ("--mqtt-cert", str, None, "client certificate for an mqtts broker that wants one"),
-    ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
-]
-
-# `myq intake` (myq(1) INTAKE); supervise takes them too, and starts an intake
-# process beside its workers when --listen or --subscribe is given.
-INTAKE_OPTIONS = [
-    ("--listen", str, None, "take jobs over HTTP on unix:PATH (a socket, 0660, the spool's group) or [ADDR]:PORT (ADDR default 127.0.0.1): POST /jobs/TYPE"),
-    ("--listen-token-file", str, None, "file of the bearer token every HTTP request must carry (default on a port: SPOOL/%s, made by init)" % INTAKE_TOKEN),
-    ("--listen-open", None, False, "a loopback port without a token: every local account may post"),
-    ("--listen-max-bytes", SIZE, 1 << 20, "largest HTTP request body"),
-    ("--listen-timeout", SECONDS, 10.0, "time a client gets to send a whole request"),
-    ("--subscribe", "append", [], "'FILTER=TYPE': MQTT messages on FILTER (from --mqtt) become jobs of TYPE"),
-]
-# the worker options that intake takes as well
-_INTAKE_SHARED = ("--log", "--syslog", "--syslog-facility", "--syslog-tag",
-                  "--mqtt", "--mqtt-password-file", "--mqtt-client-id",
-                  "--mqtt-ca", "--mqtt-cert", "--mqtt-key")
-
-
-# The commands that take the guard options, and those each one's --help
-# shows (None: all); the others are accepted and ignored, as they always were.
-_RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
-                    "--keep-dead", "--keep-dead-max", "--keep-failed",
-                    "--keep-ok-max")
-_GUARDS_SHOWN = {
-    "init": ("--min-free", "--min-free-inodes"),
-    "enqueue": ("--min-free", "--min-free-inodes", "--max-job-bytes",
-                "--dedupe-window"),
-    "prune": _RETENTION_FLAGS,
-    "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
-    "worker": None,
-    "supervise": None,
-    "intake": ("--min-free", "--min-free-inodes", "--max-job-bytes",
-               "--dedupe-window"),
-    "import": ("--min-free", "--min-free-inodes", "--max-job-bytes",
-               "--dedupe-window"),
-}
-
-
-_METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
-             "http_ca": "FILE",
-             "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
-             "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
-             "mqtt_key": "FILE", "listen": "unix:PATH|[ADDR]:PORT",
-             "subscribe": "FILTER=TYPE"}
-
-
-def _option_help(flag, typ, default, help):
-    """A table option's help: what it does, its default, its variable."""
-    var = "MYQ_" + flag[2:].replace("-", "_").upper()
-    if isinstance(typ, Kind):
-        return "%s (default %s; %s)" % (help, typ.show(default), var)
-    if typ is None:
-        return "%s (%s=1)" % (help, var)
-    if typ == "append":
-        return "%s; repeatable (%s)" % (help, var)
-    if default is None:
-        return "%s (%s)" % (help, var)
-    return "%s (default %s; %s)" % (help, default, var)
-
-
-def _arg_error(message):
-    import argparse
-    return argparse.ArgumentTypeError(message)
-
-
-def _arg(kind):
-    """An argparse type of a Kind: its error names the value."""
-    def value(text):
-        try:
-            return kind(text)
-        except ValueError as e:
-            raise _arg_error("%r: %s" % (text, e))
-    value.__name__ = kind.metavar
-    return value
-
-
-def _metavar(typ, dest):
-    return typ.metavar if isinstance(typ, Kind) else \
-        _METAVARS.get(dest) or dest.split("_")[-1].upper()
-
-
-def _add_options(p, table, shown=None):
-    """The options of a table (WORKER_OPTIONS, GUARD_OPTIONS); those not
-    in `shown` are accepted but left out of --help."""
-    import argparse
-    for flag, typ, default, help in table:
-        dest = flag[2:].replace("-", "_")
-        if shown is not None and flag not in shown:
-            help = argparse.SUPPRESS     # accepted, but not its concern
-        else:
-            help = _option_help(flag, typ, default, help)
-        if typ is None:
-            p.add_argument(flag, dest=dest, action="store_const", const=True,
-                           default=None, help=help)
-        elif typ == "append":
-            p.add_argument(flag, dest=dest, action="append", default=None,
-                           metavar=_METAVARS.get(dest) or
-                           dest.upper().rsplit("_", 1)[-1], help=help)
-        else:
-            p.add_argument(flag, dest=dest, default=None, help=help,
-                           metavar=_metavar(typ, dest))
-
-
-# One parser builder per command: its own arguments, after the worker and
-# guard options that _add_command gives it.
-
-def _budget_arg(text):
-    """--budget SIZE, or "" (none)."""
-    return _arg(Policy.SPOOL_KEYS["budget"])(text) if text != "" else ""
-
-
-def _args_init(p):
-    p.add_argument("--owner", help="chown the layout to USER[:GROUP] (a "
-                   "GROUP: the producers', tmp/ and incoming/ g+ws,+t)")
-    p.add_argument("--name", help="the queue's name (default: the "
-                   "directory's), for the status line and metrics")
-    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
-                   help="cap everything the spool keeps on its filesystem "
-                   "(myq(1) budget; default none, an empty value removes it)")
-    p.add_argument("--store", choices=("files", "sqlite"), default=None,
-                   help="where a new spool keeps its jobs: a file each "
-                   "(default) or one SQLite database, queue.db")
-
-
-def _args_enqueue(p):
-    p.add_argument("type", help="the job's type: selects its handler")
-    p.add_argument("payload", nargs="?", default="null",
-                   help="JSON text, or - for standard input (default null)")
-    p.add_argument("--id", help="the job's id (default: generated, in "
-                   "creation order); exit 73 when that id is queued, running, "
-                   "dead or done within the --dedupe-window")
-    p.add_argument("--delay", type=_arg(DURATION), default=0, metavar="S",
-                   help="run it no sooner than this from now (default 0)")
-    p.add_argument("--max-attempts", type=int, metavar="N",
-                   help="runs the job gets (default: the worker's "
-                   "--max-attempts)")
-    p.add_argument("--timeout", type=_arg(DURATION), metavar="S",
-                   help="the handler's time limit for this job (default: "
-                   "the worker's --timeout)")
-    p.add_argument("--priority", type=_arg(PRIORITY), metavar="P",
-                   help="-9 to 9, higher first (default: the type's policy, "
-                   "else 0)")
-    p.add_argument("--ttl", type=_arg(POSITIVE_SECONDS), metavar="S",
-                   help="never start it later than this from now: it goes to "
-                   "dlq/ as expired (default: the type's policy ttl)")
-
-
-def _args_worker(p):
-    import argparse
-    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
-
-
-def _args_supervise(p):
-    p.add_argument("--workers", default=None, metavar="N",
-                   help="worker processes to keep running (default 1; MYQ_WORKERS)")
-    p.add_argument("--user", help="run the workers as USER[:GROUP] (root only); "
-                   "the log file is created for that user")
-    p.add_argument("--pidfile", help="write the supervisor's pid to FILE")
-    p.add_argument("--stop-timeout", metavar="S", help="time the workers get "
-                   "after SIGTERM before SIGKILL (default 10s)")
-    p.add_argument("--dry-run", action="store_true", help="check the options "
-                   "and the spool, start nothing (exit 0 when all is well)")
-    p.add_argument("--daemon", action="store_true", help="run in the "
-                   "background: exit 0 once the pidfile is written and the "
-                   "first worker started, else with the error that stopped it "
-                   "(the init script's start)")
-    p.add_argument("--stop", action="store_true", help="stop the supervisor of "
-                   "--pidfile: SIGTERM, wait for its workers (SIGKILL after "
-                   "--stop-timeout + 5 s), then reap (the init script's stop)")
-
-
-def _args_intake(p):
-    import argparse
-    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
-    # the port supervise took as root, before it dropped root (_hold_port)
-    p.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
-
-
-def _args_stats(p):
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object instead of the status line")
-    p.add_argument("--prometheus", action="store_true",
-                   help="the Prometheus text format (node_exporter's "
-                   "textfile collector) instead of the status line")
-
-
-def _args_list(p):
-    p.add_argument("state", nargs="?", choices=STATES + ("held",),
-                   help="only jobs in this state: %s (held: waiting for a "
-                   "held destination)" % ", ".join(STATES + ("held",)))
-    p.add_argument("--type", help="only jobs of this type")
-    p.add_argument("--limit", type=_arg(COUNT), metavar="N",
-                   help="at most N jobs (default: all)")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per line instead of text")
-
-
-def _args_show(p):
-    p.add_argument("id", help="a job id, or the name of a file in failed/")
-
-
-def _args_retry(p):
-    p.add_argument("ids", nargs="*", metavar="ID",
-                   help="dead job ids, or names of repaired files in failed/")
-    p.add_argument("--all", action="store_true",
-                   help="every job in dlq/")
-    p.add_argument("--now", action="store_true",
-                   help="also make these scheduled jobs ready now")
-    p.add_argument("--json", action="store_true", help='print {"retried": N}')
-
-
-def _args_delete(p):
-    p.add_argument("ids", nargs="*", metavar="ID",
-                   help="job ids, or names of files in failed/")
-    p.add_argument("--state", choices=STATES,
-                   help="in bulk: every job in this state (%s)" % ", ".join(STATES))
-    p.add_argument("--type", help="with --state: only jobs of this type")
-    p.add_argument("--older-than", type=_arg(DURATION), metavar="S",
-                   help="with --state: only jobs older than this (waiting "
-                   "and running: since created, done and dead: since the "
-                   "finish, failed: since quarantined)")
-    p.add_argument("--force", action="store_true",
-                   help="delete running jobs too (their handlers are killed)")
-    p.add_argument("--json", action="store_true",
-                   help='print {"deleted": N} instead of deleted=N')
-
-
-def _args_reap(p):
-    p.add_argument("--json", action="store_true", help='print {"requeued": N}')
-
-
-def _args_prune(p):
-    p.add_argument("--json", action="store_true",
-                   help="print the counts of what was removed as one JSON object")
-
-
-def _args_check(p):
-    p.add_argument("--json", action="store_true",
-                   help='one JSON object: {"ok", "spool", "problems"}')
-    p.add_argument("--warn-capacity", type=_arg(DURATION), default=3600.0,
-                   metavar="DURATION", help="report an outage capacity "
-                   "(stats outage_capacity_s) below it (default 1h)")
-
-
-def _args_policy(p):
-    p.add_argument("type", nargs="?", help="a job type")
-    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
-                   help="keys: " + " ".join(sorted(Policy.KEYS)))
-    p.add_argument("--default", action="store_true",
-                   help="the default rules, for every type without its own "
-                   "value (shown as *)")
-    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
-                   help="the spool's budget: everything it keeps on its "
-                   "filesystem (shown as %s budget=; an empty value removes "
-                   "it)" % SPOOL_POLICY)
-    p.add_argument("--json", action="store_true",
-                   help="the policy as one JSON object")
-
-
-def _args_pause(p):
-    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
-    p.add_argument("--all", action="store_true",
-                   help="every type, new ones too (the default rules)")
-
-
-def _args_resume(p):
-    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
-    p.add_argument("--all", action="store_true", help="every paused type")
-    p.add_argument("--dest", action="append", default=[], metavar="DEST",
-                   help="release this held destination now (as myq stats "
-                   "--json shows it under held)")
-
-
-def _args_export(p):
-    p.add_argument("states", nargs="*", metavar="STATE",
-                   help="only jobs in these states: %s (default: all but "
-                   "failed, which holds files, not jobs)" % ", ".join(STATES))
-    p.add_argument("--type", help="only jobs of this type")
-
-
-def _args_import(p):
-    p.add_argument("file", nargs="?", default="-", metavar="FILE",
-                   help="JSON lines, as export writes them (default -: "
-                   "standard input)")
-    p.add_argument("--no-policy", action="store_true", help="leave this "
-                   "spool's policy as it is (default: the export's applies)")
-
-
-def _args_version(p):
-    pass
-
-
 def _args_install(p):
     p.add_argument("--prefix", default="/usr", help="myq.py goes to "
                    "PREFIX/lib/myq, the launcher to PREFIX/bin/myq (default /usr)")
@@ -17218,1051 +18308,15 @@ def _args_install(p):
                    "/etc/config/myq); default procd where DIR/etc/rc.common is")
 
 
-def _add_command(sub, name, help):
-    """A command's parser: the hidden --spool after the command word, the
-    worker options (worker, supervise), the guard options, then its own
-    (its builder in _COMMAND_TABLE)."""
-    import argparse
-    p = sub.add_parser(name, help=help, description=help)
-    p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
-    if name in ("worker", "supervise"):
-        _add_options(p, WORKER_OPTIONS)
-    if name == "intake":
-        _add_options(p, [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED])
-    if name in ("intake", "supervise"):
-        _add_options(p, INTAKE_OPTIONS)
-    if name in _GUARDS_SHOWN:
-        _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
-    return p
-
-
-# Command line ################################################################
-#
-# The parser made of _COMMAND_TABLE, the start of a command (its options
-# resolved, a worker or supervisor made of them), the commands, each a
-# _cmd_ function in _COMMAND_TABLE, and main.
-
-
-def _parser(only=None):
-    """The command line's parser; with `only`, that command's alone
-    (building all of them costs a `myq enqueue` 15-30 ms of its ~70)."""
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise UsageError("%s (see: myq %s--help)" % (
-                message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
-
-    top = Parser(prog="myq", description="A job queue worker for small Linux "
-                 "devices: one spool directory, one file per job.")
-    top.add_argument("--spool", help="the spool directory (default $MYQ_SPOOL "
-                     "or %s)" % DEFAULT_SPOOL)
-    top.add_argument("--version", action="version", version="myq " + __version__)
-    sub = top.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    for name, (_, build, help) in _COMMAND_TABLE.items():
-        if only is None or name == only:
-            build(_add_command(sub, name, help))
-    return top
-
-
-# `myq enqueue`'s own options, each with what argparse's `type` makes of
-# its value (the guard options stay text, as there: _resolve reads them).
-_ENQUEUE_TYPES = {"--id": str, "--delay": DURATION, "--max-attempts": int,
-                  "--timeout": DURATION, "--priority": PRIORITY,
-                  "--ttl": POSITIVE_SECONDS, "--spool": str}
-_GUARD_FLAGS = frozenset(t[0] for t in GUARD_OPTIONS)
-
-
-class _Args(object):
-    """What parse_args returns, made by _fast_args."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-def _fast_args(argv):
-    """parse_args(argv) for the usual forms of `myq enqueue`, without
-    argparse (importing it and building the parser cost a producer more
-    than the rest of its run): [--spool DIR] enqueue [OPTION]... TYPE
-    [PAYLOAD] [OPTION]..., each OPTION one of enqueue's, spelt out in full,
-    as --name VALUE or --name=VALUE.  Anything else (another command,
-    --help, an abbreviation, an option between TYPE and PAYLOAD, a word
-    starting with '-' where a value or the payload goes, a value its option
-    refuses) returns None: argparse parses that, with its own errors."""
-    got = dict((t[0][2:].replace("-", "_"), None) for t in GUARD_OPTIONS)
-    got.update(spool=None, spool_sub=None, command="enqueue", payload="null",
-               id=None, delay=0, max_attempts=None, timeout=None,
-               priority=None, ttl=None)
-    words, i, n = [], 0, len(argv)
-    where = 0           # 0: before the command, 1: before TYPE, 2: in the
-    while i < n:        # positionals, 3: after them
-        a = argv[i]
-        i += 1
-        if a[:1] != "-" or a == "-":
-            if where == 0 and a != "enqueue" or where == 3:
-                return None
-            if where:
-                words.append(a)
-            where = 2 if where else 1
-            continue
-        name, eq, value = a.partition("=")
-        if not eq:
-            if i == n or argv[i][:1] == "-":
-                return None
-            value = argv[i]
-            i += 1
-        kind = _ENQUEUE_TYPES.get(name) if where else None
-        if name == "--spool":
-            got["spool_sub" if where else "spool"] = value
-        elif kind is not None:
-            try:
-                got[name[2:].replace("-", "_")] = kind(value)
-            except ValueError:
-                return None
-        elif where and name in _GUARD_FLAGS:
-            got[name[2:].replace("-", "_")] = value
-        else:
-            return None
-        if where == 2:
-            where = 3
-    if not 1 <= len(words) <= 2:
-        return None
-    got["type"] = words[0]
-    if len(words) == 2:
-        got["payload"] = words[1]
-    return _Args(**got)
-
-
-def _resolve(args, table, env):
-    """Option values: the flag, else MYQ_<OPTION>, else the default."""
-    out = {}
-    for flag, typ, default, _ in table:
-        dest = flag[2:].replace("-", "_")
-        value = getattr(args, dest, None)
-        name = "MYQ_" + dest.upper()
-        if value is None and env.get(name, "") != "":
-            raw = env[name]
-            if typ == "append":
-                # one header a line ('Authorization: Bearer x' is one);
-                # names split on blanks
-                value = raw.splitlines() if dest == "http_header" else raw.split()
-            elif typ is None:
-                try:
-                    value = BOOL(raw)
-                except ValueError as e:
-                    raise UsageError("%s=%s: %s" % (name, raw, e))
-            else:
-                value = raw
-            source = "%s=%s" % (name, raw)
-        else:
-            source = "%s %s" % (flag, value)
-        if value is None:
-            value = default
-        elif typ not in (None, "append", str):     # a Kind
-            try:
-                value = typ(value)
-            except (ValueError, TypeError) as e:
-                raise UsageError("bad value %s: %s" % (source, e))
-        out[dest] = value
-    return out
-
-
-def _header_lines(lines, source):
-    headers = {}
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or not name.strip() or " " in name.strip():
-            # the line number and the name, never the line: its value is
-            # a credential (and stderr may be a log file)
-            raise UsageError("bad http header in %s, line %d%s: use 'Name: value'"
-                             % (source, n, " (name %r)" % name.strip()[:64]
-                                if sep and name.strip() else " (no ':')"))
-        headers[name.strip()] = value.strip()
-    return headers
-
-
-def _make_log(o):
-    return Log(path=o.get("log"), syslog=o.get("syslog"),
-               facility=o.get("syslog_facility"), tag=o.get("syslog_tag"))
-
-
-# Worker options whose values may be credentials (a header's token, the
-# user of a broker): supervise gives them to its workers in their
-# environment, which only their user and root can read, never on their
-# command line, which every user can (ps, /proc/PID/cmdline).
-_SECRET_OPTIONS = ("http_header", "mqtt")
-
-
-def _secret_env(o):
-    """The MYQ_* variables that give a worker the _SECRET_OPTIONS of `o`."""
-    env = {}
-    for dest in _SECRET_OPTIONS:
-        v = o.get(dest)
-        if v:
-            env["MYQ_" + dest.upper()] = "\n".join(v) if isinstance(v, list) else v
-    return env
-
-
-def _option_argv(o, table, skip=()):
-    """The command line that gives a worker the options `o` (resolved
-    from flags and MYQ_* variables): what supervise starts its workers
-    with, but the options named in `skip`."""
-    argv = []
-    for flag, typ, default, _ in table:
-        dest = flag[2:].replace("-", "_")
-        if dest in skip:
-            continue
-        v = o.get(dest)
-        if typ is None:
-            if v:
-                argv.append(flag)
-        elif typ == "append":
-            for x in v or ():
-                argv += [flag, x]
-        elif v is not None and v != default:
-            argv += [flag, repr(v) if isinstance(v, float) else str(v)]
-    return argv
-
-
-def _check_worker_options(o):
-    """Everything _worker_from() refuses, without starting a worker (nor
-    loading a --module: supervise may run as root)."""
-    _http_headers(o)
-    _check_http_ca(o.get("http_ca"))
-    if o["handlers"] and not os.path.isdir(o["handlers"]):
-        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
-    if o["module"] and not os.path.isfile(o["module"]):
-        raise ConfigError("--module %s: no such Python file" % o["module"])
-    if o.get("textfile") and not os.path.isdir(o["textfile"]):
-        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
-    _mqtt_options(o)
-
-
-def _mqtt_options(o):
-    """Worker(...) keyword arguments of the --mqtt options, checked (a bad
-    URL: UsageError, an unreadable file: ConfigError)."""
-    kw = dict((k, o.get(k)) for k in ("mqtt", "mqtt_password_file",
-                                       "mqtt_client_id", "mqtt_ca",
-                                       "mqtt_cert", "mqtt_key"))
-    if not kw["mqtt"]:
-        extra = sorted("--" + k.replace("_", "-") for k, v in kw.items() if v)
-        if extra:
-            raise UsageError("%s without --mqtt (give the broker: --mqtt "
-                             "mqtt://HOST)" % ", ".join(extra))
-        return kw
-    for name in sorted(_BUILTIN_TYPES):
-        check = _BUILTIN_TYPES[name][2]
-        if check is not None:
-            check(kw)
-    return kw
-
-
-def _http_headers(o):
-    headers = {}
-    if o["http_headers_file"]:
-        try:
-            with open(o["http_headers_file"], encoding="utf-8") as f:
-                headers.update(_header_lines(f, o["http_headers_file"]))
-        except OSError as e:
-            raise ConfigError("cannot read --http-headers-file %s: %s"
-                              % (o["http_headers_file"], e.strerror))
-    headers.update(_header_lines(o["http_header"], "--http-header"))
-    return headers
-
-
-def _check_http_ca(path):
-    """--http-ca: a file that the ssl module (where there is one) loads."""
-    if not path:
-        return
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as e:
-        raise ConfigError("cannot read --http-ca %s: %s" % (path, e.strerror))
-    try:
-        import ssl
-    except ImportError:
-        return          # https jobs say what is missing
-    try:
-        ssl.create_default_context().load_verify_locations(cafile=path)
-    except (ssl.SSLError, ValueError) as e:
-        raise ConfigError("--http-ca %s is not a PEM file of CA certificates "
-                          "(%s)" % (path, e))
-
-
-def _worker_from(spool, o, parent=None):
-    headers = _http_headers(o)
-    _check_http_ca(o.get("http_ca"))
-    if o["handlers"] and not os.path.isdir(o["handlers"]):
-        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
-    kw = dict((k, o[k]) for k in (
-        "concurrency", "lease", "timeout", "max_attempts", "backoff_base",
-        "backoff_max", "probe_max", "jitter", "poll", "stats_interval",
-        "grace", "pass_env", "scan_cache", "uplink_rate"))
-    kw.update(_mqtt_options(o))
-    options = WorkerOptions(
-        handlers_dir=o["handlers"], module=o["module"], http_headers=headers,
-        http_ca=o.get("http_ca"), textfile=o.get("textfile"), parent=parent,
-        **kw)
-    return Worker(spool, options=options, log=_make_log(o))
-
-
-def _supervise(args, spool, guards, env):
-    o = _resolve(args, WORKER_OPTIONS, env)
-    n = args.workers or env.get("MYQ_WORKERS") or "1"
-    try:
-        n = COUNT(n)
-    except ValueError:
-        raise UsageError("bad --workers %r: a number >= 1" % n)
-    try:
-        stop_timeout = SECONDS(args.stop_timeout or "10")
-    except ValueError as e:
-        raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
-    if args.stop:
-        return stop_supervisor(spool, args.pidfile, stop_timeout)
-    user = ids = None
-    if args.user:
-        import pwd
-        ids = _user_ids(args.user)
-        if ids[0] != os.geteuid():
-            if os.geteuid() != 0:
-                raise ConfigError("only root can run the workers as %s" % args.user)
-            user = pwd.getpwuid(ids[0])
-        else:
-            ids = None
-    spool.require()
-    _check_worker_options(o)
-    intake = _intake_argv(args, spool, o, guards, env)
-    if o["mqtt_client_id"] and n > 1 and not intake:
-        raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
-                         "its own client id (the broker drops a connection when "
-                         "another takes its id); leave it out for unique ids" % n)
-    if args.dry_run:
-        port = _hold_port(intake)       # (taken by another program: said)
-        if port is not None:
-            port.close()
-        return 0
-    # before the log is open and the caller's stderr replaced: the image
-    # started again does both (and a daemon forks from it)
-    _give_back_heap(reexec=True)
-    # the intake's port, taken as root now (a port another program took is
-    # said at start, not in a restart loop of the intake) and held
-    port = _hold_port(intake)
-    if port is not None:
-        intake = intake + ["--listen-fd", str(port.fileno())]
-    if o.get("log"):
-        _make_log_dir(o["log"], ids)
-    log = Log(path=o.get("log"), syslog=o.get("syslog"),
-              facility=o.get("syslog_facility"), tag=o.get("syslog_tag"),
-              owner=ids)
-    ready = None
-    if args.daemon:
-        pid, ready = fork_daemon(keep=[log.fileno()] + (
-            [port.fileno()] if port is not None else []))
-        if pid:
-            return await_daemon(pid, ready, o.get("log") or "syslog")
-    if log.fileno() is not None:        # a traceback lands in the log too
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    if not o["handlers"] and not o["module"]:
-        log("warning", problem="no --handlers and no --module: only http%s jobs "
-            "have a handler; give MYQ_ARGS=\"--handlers DIR\""
-            % (" and mqtt" if o["mqtt"] else ""))
-    # with subscriptions, --mqtt-client-id is the intake's (its session)
-    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS + (
-        ("mqtt_client_id",) if intake and o.get("mqtt_client_id") else ())) \
-        + _option_argv(guards, GUARD_OPTIONS)
-    wenv = _clean_env(o["pass_env"], user)
-    wenv.update(_secret_env(o))
-    return Supervisor(spool, n, wargv, log, user=user, ids=ids,
-                      pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready, intake=intake, entry=_child_entry,
-                      keep=[port.fileno()] if port is not None else ()).run()
-
-
-def _intake_argv(args, spool, o, guards, env):
-    """The options of the intake process that supervise keeps running
-    (myq(1) INTAKE), checked; None without --listen and --subscribe.  It gets
-    the worker's log and --mqtt options (the URL in its environment, as
-    the workers do) and the guards."""
-    io = _resolve(args, INTAKE_OPTIONS, env)
-    if not io["listen"] and not io["subscribe"]:
-        if io["listen_token_file"] or io["listen_open"]:
-            raise UsageError("--listen-token-file and --listen-open need "
-                             "--listen")
-        return None
-    _intake_options(dict(o, **io), spool.path)
-    shared = [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
-    return _option_argv(io, INTAKE_OPTIONS) + _option_argv(
-        o, shared, skip=_SECRET_OPTIONS) + _option_argv(guards, GUARD_OPTIONS)
-
-
-def _make_log_dir(path, ids):
-    """Create the log file's directory when it is missing; for the service
-    user (`ids`), handed over through its own descriptor."""
-    d = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(d):
-        return
-    try:
-        os.makedirs(d, 0o750)
-        if ids is not None:
-            fd = _open_dir(d)
-            try:
-                os.fchown(fd, ids[0], ids[1])
-            finally:
-                os.close(fd)
-    except OSError as e:
-        raise ConfigError("cannot create the log directory %s: %s" % (d, e.strerror))
-
-
-def _proc_uids(pid):
-    """The real, effective, saved and filesystem uids of a process (the
-    Uid: line of /proc/PID/status), or () when it is gone."""
-    for line in (_read_small("/proc/%d/status" % pid, 1 << 14) or b"").splitlines():
-        if line.startswith(b"Uid:"):
-            try:
-                return tuple(int(u) for u in line.split()[1:])
-            except ValueError:
-                return ()
-    return ()
-
-
-def _is_supervisor(pid, uids):
-    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path) as
-    one of `uids` (every one of its uids)?  A command line is anyone's to
-    choose; the user a process runs as is not."""
-    argv = (_read_small("/proc/%d/cmdline" % pid, 1 << 16) or b"").split(b"\0")
-    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv \
-        and _ours(pid, uids)
-
-
-def _ours(pid, uids):
-    got = _proc_uids(pid)
-    return bool(got) and set(got) <= set(uids)
-
-
-def stop_supervisor(spool, pidfile, timeout=10.0):
-    """`myq supervise --stop` (the init script's stop): SIGTERM the
-    supervisor named by the pidfile (it stops its workers, SIGKILLs them
-    after its own --stop-timeout and reaps), wait for its process group
-    (workers left by a supervisor that died stop by themselves when they
-    see it gone), SIGKILL what is still there after `timeout` + 5 s, then
-    `myq reap` as the spool's owner: claims of killed workers go back and
-    their handlers are ended.  A pidfile whose pid now belongs to another
-    program: nothing is signalled.  What is signalled or waited for runs
-    as root, the caller or the spool's owner (the service user): a
-    process of another user is none of the supervisor's, whatever its
-    command line.  Exit 0, or 1 when something survived."""
-    if not pidfile:
-        raise UsageError("supervise --stop needs --pidfile FILE")
-    data = _read_small(pidfile, 64)
-    pid = int(data.split()[0]) if data and data.split() and data.split()[0].isdigit() \
-        else 0
-    uids = {0, os.geteuid()}
-    try:
-        uids.add(os.stat(spool.path).st_uid)
-    except OSError:
-        pass
-    if pid > 1:
-        alive = _is_supervisor(pid, uids)
-        if alive:
-            try:
-                os.kill(pid, 15)
-            except OSError:
-                pass
-        elif pid in _proc_table():      # alive, not a zombie
-            return 0            # the pid was handed to another program
-        # Its process group; of a supervisor that died, only the workers it
-        # started (--parent-pid PID): a group of that number may be another
-        # program's now, whose leader left (review: an unrelated root
-        # daemon was SIGKILLed by a stop on a stale pidfile).
-        mark = b"\0--parent-pid\0%d\0" % pid
-        end = _mono() + timeout + 5.0
-        killed_at = None
-        while True:
-            group = [p for p, (_, pgrp, _) in _proc_table().items()
-                     if pgrp == pid and _ours(p, uids) and (alive or mark in (
-                         _read_small("/proc/%d/cmdline" % p, 1 << 16) or b""))]
-            if not group:
-                break
-            if killed_at is None and _mono() >= end:
-                for p in group:
-                    try:
-                        os.kill(p, 9)
-                    except OSError:
-                        pass
-                killed_at = _mono()
-            elif killed_at is not None and _mono() - killed_at > 5.0:
-                return 1
-            time.sleep(0.1)
-    import subprocess
-    try:
-        subprocess.run(_worker_start() + ["--spool", spool.path, "reap"],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=max(30.0, timeout))
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return 0
-
-
-def _drop_root(path, command):
-    """Root acting in a spool that belongs to another user does it as that
-    user: then nothing the owner puts in the spool (a symlink to
-    /etc/shadow, a FIFO) can make root read, write, chown or signal
-    anything the owner could not.  `init` (which chowns through
-    descriptors) and `supervise` (which switches its workers) excepted."""
-    if command in ("init", "supervise", "version", "install") or os.geteuid() != 0:
-        return
-    try:
-        st = os.stat(path)
-    except OSError:
-        return                  # no spool: the command says so
-    if st.st_uid != 0:
-        become(st.st_uid, st.st_gid)
-        if command in ("worker", "intake"):
-            _readable_library(st.st_uid)
-
-
-def _command_index(argv):
-    """Where the command word is: after the global options (--spool DIR)."""
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--spool":
-            i += 2
-        elif a.startswith("-"):
-            i += 1
-        else:
-            return i
-    return len(argv)
-
-
-def _print(line):
-    """One line on stdout; names that are not UTF-8 go out as their bytes."""
-    data = (line + "\n").encode("utf-8", "surrogateescape")
-    out = getattr(sys.stdout, "buffer", None)
-    if out is None:
-        sys.stdout.write(data.decode("utf-8", "replace"))
-        return
-    sys.stdout.flush()
-    out.write(data)
-    out.flush()
-
-
-def _cmd_version(a):
-    _print("myq " + __version__)
-
-
 def _cmd_install(a):
     for line in install(a.args.prefix, a.args.destdir, a.args.init):
         _print(line)
 
 
-def _cmd_init(a):
-    sp = a.spool.init(owner=a.args.owner, store=a.args.store)
-    if a.args.name is not None:
-        sp.set_name(a.args.name)
-    if a.args.budget is not None:
-        sp.set_policy(SPOOL_POLICY, {"budget": a.args.budget or None})
-    low = a.spool.free_problem()
-    if low:                 # the spool is there; workers will wait
-        sys.stderr.write("myq: warning: %s\n" % low)
-
-
-def _cmd_enqueue(a):
-    args = a.args
-    text = sys.stdin.read() if args.payload == "-" else args.payload
-    try:
-        payload = _decode(text.strip())
-    except RecursionError:
-        raise InvalidJob("payload nested too deep")
-    except ValueError as e:
-        raise InvalidJob("payload is not JSON (%s); quote a string as "
-                         "'\"text\"'" % e)
-    _print(a.spool.enqueue(args.type, payload, id=args.id, delay=args.delay,
-                           max_attempts=args.max_attempts, timeout=args.timeout,
-                           priority=args.priority, ttl=args.ttl))
-
-
-def _cmd_policy(a):
-    args, sp = a.args, a.spool
-    sp.require()
-    pairs = list(args.pairs)
-    name = args.type
-    if args.default:
-        if name is not None:
-            pairs.insert(0, name)
-        name = "*"
-    elif name is not None and "=" in name:
-        raise UsageError("give the TYPE before KEY=VALUE (or --default for "
-                         "every type)")
-    if pairs:
-        changes = {}
-        for pair in pairs:
-            k, eq, v = pair.partition("=")
-            if not eq:
-                raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
-                                 "the key)" % pair)
-            if k not in Policy.KEYS:
-                Policy.value(k, v)          # the error that names the keys
-            changes[k] = v if v != "" else None
-        sp.set_policy(name, changes)
-    if args.budget is not None:
-        sp.set_policy(SPOOL_POLICY, {"budget": args.budget or None})
-    sp._pol_next = 0.0
-    pol = sp.policy()
-    if sp.policy_error and not pairs:
-        sys.stderr.write("myq: %s\n" % sp.policy_error)
-    if name is not None:
-        pol = {name: pol.get(name, {})} if name in pol or pairs else {}
-    if args.json:
-        _print(json.dumps(pol, sort_keys=True))
-        return
-    for t in sorted(pol, key=lambda t: (t != "*", t)):
-        _print(" ".join([t] + ["%s=%s" % (k, Policy.show(k, v))
-                               for k, v in sorted(pol[t].items())]))
-
-
-def _cmd_pause(a):
-    args, sp = a.args, a.spool
-    if not args.types and not args.all:
-        raise UsageError("give the types to pause, or --all")
-    for t in (["*"] if args.all else []) + args.types:
-        sp.set_policy(t, {"paused": True})
-
-
-def _cmd_resume(a):
-    args, sp = a.args, a.spool
-    if not (args.types or args.all or args.dest):
-        raise UsageError("give the types to resume, --all, or --dest DEST")
-    sp.require()
-    if args.all:
-        for t in list(sp.policy()):
-            if "paused" in sp.policy()[t]:
-                sp.set_policy(t, {"paused": None})
-    for t in args.types:
-        sp.set_policy(t, {"paused": None})
-        if sp.rules(t).get("paused"):       # the default pauses every type
-            sp.set_policy(t, {"paused": False})
-    missing = []
-    for dest in args.dest:
-        if sp.breaker.record(dest) is None:
-            missing.append(dest)
-            continue
-        sp.breaker.release(dest)
-    if missing:
-        raise NoSuchJob("no held destination %s (see: myq --spool %s stats "
-                        "--json, under held)" % (", ".join(missing), sp.path))
-
-
-def _cmd_worker(a):
-    o = _resolve(a.args, WORKER_OPTIONS, a.env)
-    a.spool.require()
-    if o["textfile"] and not os.path.isdir(o["textfile"]):
-        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
-    w = _worker_from(a.spool, o, a.args.parent_pid)
-    _give_back_heap(reexec=not (o["once"] or o["drain"]))
-    return w.run(once=o["once"], drain=o["drain"])
-
-
-def _intake_options(o, spool_path):
-    """run_intake()'s keyword arguments of the intake options `o` (with
-    the shared --mqtt ones), checked: UsageError, ConfigError."""
-    if not o["listen"] and not o["subscribe"]:
-        raise UsageError("intake needs --listen unix:PATH or [ADDR]:PORT, or "
-                         "--subscribe "
-                         "FILTER=TYPE (with --mqtt URL)")
-    if (o["listen_token_file"] or o["listen_open"]) and not o["listen"]:
-        raise UsageError("--listen-token-file and --listen-open need --listen")
-    token = None
-    if o["listen"] and o["listen"].startswith("unix:"):
-        _unix_path(o["listen"])
-        if o["listen_open"]:
-            raise UsageError("--listen-open is for a port: on unix:PATH the "
-                             "socket's mode and group decide who posts")
-        if o["listen_token_file"]:
-            token = _read_token(o["listen_token_file"])
-    elif o["listen"]:
-        loop = listen_address(o["listen"])[2]
-        if o["listen_open"] and o["listen_token_file"]:
-            raise UsageError("--listen-open and --listen-token-file: give one")
-        if o["listen_open"] and not loop:
-            raise UsageError("--listen-open on %s, not a loopback address: "
-                             "every host that reaches it could post; leave "
-                             "it out (the token of SPOOL/%s is then needed)"
-                             % (o["listen"], INTAKE_TOKEN))
-        if not o["listen_open"]:
-            token = _read_token(o["listen_token_file"] or os.path.join(
-                spool_path, INTAKE_TOKEN))
-    subs = parse_subscriptions(o["subscribe"])
-    mqtt = None
-    if subs:
-        if not o.get("mqtt"):
-            raise UsageError("--subscribe needs --mqtt URL (the broker to "
-                             "subscribe at)")
-        mqtt = dict(url=(o["mqtt"].split() or [""])[0],  # (the first broker)
-                    client_id=o.get("mqtt_client_id") or
-                    intake_client_id(spool_path), ca=o.get("mqtt_ca"),
-                    cert=o.get("mqtt_cert"), key=o.get("mqtt_key"))
-        MqttClient(password=b"" if o.get("mqtt_password_file") else None,
-                   **mqtt)          # (every check of the options)
-        mqtt["password"] = _mqtt_password(o.get("mqtt_password_file"))
-    return dict(listen=o["listen"], token=token, subs=subs, mqtt=mqtt,
-                max_bytes=o["listen_max_bytes"], timeout=o["listen_timeout"])
-
-
-def _cmd_intake(a):
-    o = _resolve(a.args, [t for t in WORKER_OPTIONS if t[0] in _INTAKE_SHARED]
-                 + INTAKE_OPTIONS, a.env)
-    a.spool.require()
-    kw = _intake_options(o, a.spool.path)
-    _give_back_heap(reexec=True)        # (it runs until stopped, as a worker)
-    log = _make_log(o)
-    a.spool.log = log
-    return run_intake(a.spool, log, parent=a.args.parent_pid,
-                      listen_fd=a.args.listen_fd, **kw)
-
-
-def _cmd_supervise(a):
-    return _supervise(a.args, a.spool, a.guards, a.env)
-
-
-def _cmd_stats(a):
-    if a.args.json and a.args.prometheus:
-        raise UsageError("give --json or --prometheus, not both")
-    a.spool.require()
-    a.spool._check_readable()
-    if a.args.json:
-        _print(json.dumps(a.spool.stats(), sort_keys=False))
-    elif a.args.prometheus:
-        _print(prometheus_text(a.spool.stats(by_type=True)).rstrip("\n"))
-    else:
-        _print(a.spool.status_line())
-
-
-def _cmd_list(a):
-    a.spool.require()
-    a.spool._check_readable()
-    n = 0
-    for job in a.spool.list(a.args.state):
-        if a.args.type is not None and job.get("type") != a.args.type:
-            continue
-        if a.args.limit is not None and n >= a.args.limit:
-            break
-        n += 1
-        if a.args.json:
-            _print(json.dumps(job))
-            continue
-        line = "%s %s %s attempts=%s" % (
-            _kv(job["id"]), job["state"], job.get("type") or "-",
-            job.get("attempts") if job.get("attempts") is not None else "-")
-        held = job.get("held")
-        if held:
-            line += " held_until=%s dest=%s" % (
-                iso(held.get("until") or 0, False), _kv(_plain(held["dest"])))
-        elif job.get("available_at"):
-            line += " available_at=" + iso(job["available_at"], False)
-        if job.get("last_error"):
-
-            line += " last_error=" + _kv(job["last_error"])
-        _print(line)
-
-
-_TIMES = ("created_at", "updated_at", "available_at", "failed_at", "expires_at")
-
-
-def _cmd_show(a):
-    a.spool.require()
-    job = a.spool.show(a.args.id)
-    # the stored epoch seconds, and beside them the same in ISO 8601 UTC
-    # (as `list` prints them)
-    iso_times = dict((k, iso(job[k])) for k in _TIMES if _is_num(job.get(k)))
-    if iso_times:
-        job["iso"] = iso_times
-    _print(json.dumps(job, ensure_ascii=False, indent=1))
-
-
-def _cmd_retry(a):
-    if not a.args.ids and not a.args.all:
-        raise UsageError("retry needs job ids or --all")
-    n = a.spool.retry(a.args.ids, all=a.args.all, now=a.args.now)
-    _print(json.dumps({"retried": n}) if a.args.json else "retried=%d" % n)
-
-
-def _cmd_delete(a):
-    args = a.args
-    if args.state is None:
-        if args.type is not None or args.older_than is not None:
-            raise UsageError("--type and --older-than go with --state STATE")
-        if not args.ids:
-            raise UsageError("delete needs job ids, or --state STATE")
-        n = a.spool.delete(args.ids, force=args.force)
-    elif args.ids:
-        raise UsageError("give job ids or --state STATE, not both")
-    else:
-        if args.older_than is not None and not args.older_than >= 0:
-            raise UsageError("--older-than must be a duration >= 0")
-        n = a.spool.delete_where(args.state, type=args.type,
-                                 older_than=args.older_than, force=args.force)
-    _print(json.dumps({"deleted": n}) if args.json else "deleted=%d" % n)
-
-
-def _cmd_reap(a):
-    n = a.spool.reap()
-    _print(json.dumps({"requeued": n}) if a.args.json else "requeued=%d" % n)
-
-
-def _cmd_prune(a):
-    out = a.spool.prune()
-    _print(json.dumps(out) if a.args.json else
-           " ".join("%s=%d" % kv for kv in out.items()))
-
-
-def _cmd_check(a):
-    problems = a.spool.check()
-    try:
-        short = a.spool.budget.capacity_problem(a.args.warn_capacity)
-    except (OSError, MyqError):
-        short = None
-    problems += [short] if short else []
-    if a.args.json:
-        _print(json.dumps({"ok": not problems, "spool": a.spool.path,
-                           "problems": problems}))
-        return 1 if problems else 0
-    for p in problems:
-        _print(_plain(p))
-    if problems:
-        return 1
-
-    _print("ok spool=%s" % a.spool.path)
-
-
-def _cmd_export(a):
-    skipped = []
-
-    def skip(path, why):
-        skipped.append(path)
-        sys.stderr.write("myq: skipped %s: %s\n" % (
-            _plain(path), _plain(why)))
-    out = getattr(sys.stdout, "buffer", None)
-    sys.stdout.flush()
-    line = a.spool.backlog.spool_line(a.args.type)
-    chunk = [dumps(line)] if line else []
-    if a.spool.policy_error:
-        sys.stderr.write("myq: warning: %s; the export carries no policy\n"
-                         % a.spool.policy_error)
-    for job in a.spool.backlog.export(a.args.states, a.args.type, skip):
-        chunk.append(dumps(job))
-        if len(chunk) >= 256:
-            _write_out(out, chunk)
-    _write_out(out, chunk)
-    if skipped:
-        sys.stderr.write("myq: %d file(s) skipped: not jobs (a worker "
-                         "quarantines them; see: myq list failed)\n"
-                         % len(skipped))
-        return EX_DATAERR
-
-
-def _write_out(out, chunk):
-    data = b"".join(chunk)
-    del chunk[:]
-    if out is None:
-        sys.stdout.write(data.decode("utf-8", "replace"))
-        sys.stdout.flush()
-    else:
-        out.write(data)
-        out.flush()
-
-
-def _cmd_import(a):
-    name = a.args.file
-    try:
-        f = sys.stdin.buffer if name == "-" else open(name, "rb")
-    except OSError as e:
-        raise NoSuchJob("cannot read %s: %s" % (name, e.strerror))
-
-    def refuse(n, why):
-        sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
-    try:
-        counts = a.spool.backlog.import_jobs(_bounded_lines(
-            f, a.spool.opt["max_job_bytes"] + 65536), refuse,
-            policy=not a.args.no_policy)
-    except SpoolFull as e:
-        c = getattr(e, "counts", None)
-        if c is None:
-            raise
-        sys.stderr.write("myq: %s; not imported from line %d on (free space, "
-                         "then run the same import again: what was imported "
-                         "is refused as duplicate)\n" % (e, e.line))
-        _import_counts(c)
-        return EX_TEMPFAIL
-    finally:
-        if f is not sys.stdin.buffer:
-            f.close()
-    _import_counts(counts)
-    return EX_TEMPFAIL if counts["refused"] else EX_DATAERR if counts["bad"] \
-        else EX_CANTCREAT if counts["duplicate"] else 0
-
-
-def _bounded_lines(f, limit):
-    """The lines of binary file `f`, none held longer than `limit` bytes:
-    a longer one is read past (in pieces) and given as the InvalidJob
-    that import counts bad (a 64 MB line was a MemoryError)."""
-    while True:
-        line = f.readline(limit + 1)
-        if not line:
-            return
-        if len(line) <= limit or line.endswith(b"\n"):
-            yield line
-            continue
-        size = len(line)
-        while not line.endswith(b"\n"):
-            line = f.readline(1 << 16)
-            if not line:
-                break
-            size += len(line)
-        yield InvalidJob("a line of %d bytes, longer than a job may be "
-                         "(--max-job-bytes + 64 KiB: %d); skipped" % (size, limit))
-
-
-def _import_counts(c):
-    sys.stderr.write("myq: imported %d, duplicate %d, bad %d%s\n" % (
-        c["imported"], c["duplicate"], c["bad"],
-        ", refused %d" % c["refused"] if c["refused"] else ""))
-    if c.get("policy"):
-        sys.stderr.write("myq: policy applied: %s\n" % " ".join(c["policy"]))
-    if c.get("queue"):
-        sys.stderr.write("myq: queue name kept: %s\n" % c["queue"])
-
-
-# The commands: name -> (its function, its parser builder, its help), in
-# the order --help lists them.
-_COMMAND_TABLE = {
-    "init": (_cmd_init, _args_init,
-             "create the spool and its layout (idempotent)"),
-    "enqueue": (_cmd_enqueue, _args_enqueue, "add a job; prints its id"),
-    "worker": (_cmd_worker, _args_worker, "run jobs"),
-    "supervise": (_cmd_supervise, _args_supervise,
-                  "run and restart N workers (for the init script)"),
-    "intake": (_cmd_intake, _args_intake,
-               "take jobs in over HTTP (--listen) and MQTT (--subscribe), "
-               "each answered once durable"),
-    "stats": (_cmd_stats, _args_stats, "print the status line"),
-    "list": (_cmd_list, _args_list, "list jobs"),
-    "show": (_cmd_show, _args_show, "print one job as JSON"),
-    "retry": (_cmd_retry, _args_retry,
-              "bring dead (or repaired failed) jobs back"),
-    "delete": (_cmd_delete, _args_delete, "remove jobs"),
-    "reap": (_cmd_reap, _args_reap,
-             "requeue claims of dead workers and expired leases"),
-    "prune": (_cmd_prune, _args_prune, "apply retention now"),
-    "check": (_cmd_check, _args_check,
-              "health: layout, permissions, free space, stale claims, and "
-              "what needs an operator (exit 1, one line per problem)"),
-    "policy": (_cmd_policy, _args_policy,
-               "show or set the per-type rules (TYPE KEY=VALUE ...; an empty "
-               "VALUE removes the key)"),
-    "pause": (_cmd_pause, _args_pause,
-              "no new job of these types starts (running ones finish)"),
-    "resume": (_cmd_resume, _args_resume,
-               "undo pause; or release a held destination now"),
-    "export": (_cmd_export, _args_export,
-               "write jobs as JSON lines, each with its state"),
-    "import": (_cmd_import, _args_import,
-               "add the jobs of export's lines, keeping their states; "
-               "ids the spool has are refused"),
-    "version": (_cmd_version, _args_version, "print the version"),
-    "install": (_cmd_install, _args_install,
-                "lay out this file as an installed myq: the module and its "
-                "bytecode, the launcher, the init script and its settings"),
-}
-_COMMANDS = tuple(_COMMAND_TABLE)
-
-
-class _Call(object):
-    """What a command function gets: the parsed args, the spool, the
-    resolved guard options and the environment."""
-
-    def __init__(self, args, spool, guards, env):
-        self.args, self.spool, self.guards, self.env = args, spool, guards, env
-
-
-def _child_entry(words):
-    """The supervisor's children (Supervisor._spawn): `words` parsed now,
-    in the supervisor, and a function that runs them, in the child: its
-    parser is not built again in every child (~1.4 MiB of pages each
-    child would copy).  None when they do not parse."""
-    i = _command_index(words)
-    try:
-        args = _parser(words[i] if i < len(words) else None).parse_args(words)
-    except SystemExit:
-        return None
-    return lambda: main(words, args)
-
-
-def main(argv=None, parsed=None):
-    """The command line; returns the exit status (never calls sys.exit).
-    `parsed`: argv already parsed (_child_entry)."""
-    if argv is None:
-        # This process's own command line: myq is the program.  What the
-        # import made (~1,000 functions, their classes and dicts) lives
-        # until the exit; frozen (out of every collection), the collector
-        # stops walking it at each full collection, and at the exit's 3-4
-        # (8.6 M instructions of a 62.7 M `myq enqueue`, issue 42).  Not
-        # for a caller's main(argv): its garbage is not ours to keep.
-        gc.freeze()
-    own = argv is None
-    argv = sys.argv[1:] if own else list(argv)
-    env = os.environ
-    try:
-        args = parsed if parsed is not None else _fast_args(argv)
-        if args is None:
-            i = _command_index(argv)
-            only = argv[i] if i < len(argv) and argv[i] in _COMMANDS else None
-            try:
-                args = _parser(only).parse_args(argv)
-            except SystemExit as e:         # --help, --version
-                return e.code if isinstance(e.code, int) else 0
-        path = getattr(args, "spool_sub", None) or args.spool \
-            or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
-        guards = {}
-        if args.command in _GUARDS_SHOWN:
-            guards = _resolve(args, GUARD_OPTIONS, env)
-        _drop_root(path, args.command)
-        spool = open_store(path, **guards)
-        fn = _COMMAND_TABLE[args.command][0]
-        try:
-            return fn(_Call(args, spool, guards, env)) or 0
-        finally:
-            if not own:
-                # a caller's main(argv) goes on after it: what the command
-                # opened (the SQLite store's connection: a cycle that only
-                # a full collection would close) is closed now; a process
-                # of its own leaves that to its exit
-                spool.close()
-    except MyqError as e:
-        msg = str(e).replace("\n", " ")
-        sys.stderr.write("myq: %s\n" % msg)
-        return e.code
-    except BrokenPipeError:
-        # `myq list | head -1`: the reader has what it wanted.  Python
-        # would complain again when it flushes stdout at exit.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        except OSError:
-            pass
-        return 0
-    except OSError as e:
-        where = (" (%s)" % e.filename) if getattr(e, "filename", None) else ""
-        sys.stderr.write("myq: %s%s; nothing was changed by the failing step, "
-                         "try again\n" % (e.strerror or e, where))
-        return EX_TEMPFAIL
-    except KeyboardInterrupt:
-        return 130
+_COMMAND_TABLE["install"] = (
+    _cmd_install, _args_install,
+    "lay out this file as an installed myq: the module and its bytecode, the "
+    "launcher, the init script and its settings")
 
 
 # Run as a script #############################################################

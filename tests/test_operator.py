@@ -370,7 +370,7 @@ def test_a_command_builds_only_its_own_parser(myq):
         sub = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
         return sorted(sub[0].choices)
     assert commands(myq._parser("enqueue")) == ["enqueue"]
-    assert commands(myq._parser()) == sorted(myq._COMMANDS)
+    assert commands(myq._parser()) == sorted(myq._COMMAND_TABLE)
 
 
 @pytest.mark.parametrize("name", ["myq.py", "queue_tool.py", "time.py"])
