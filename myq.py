@@ -2614,6 +2614,11 @@ class Store(object):
         """The lanes a worker looks into: lanes(), and its RAM tier's."""
         self._abstract()
 
+    def wake_paths(self):
+        """The FIFOs a worker listens on: locks/wake, and its RAM tier's
+        (a poke writes the FIFO's times: on flash, a journal commit)."""
+        self._abstract()
+
     def make_tiers(self):
         """At a worker's start: its RAM tier made (after a boot: empty)."""
         self._abstract()
@@ -6803,8 +6808,8 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
     def complete(self, c):
         """A worker's success (claims.complete), counted for locks/rates."""
         ok = self.claims.complete(c)
-        if ok:
-            self.budget.delivered(c.job["type"])
+        if ok and (self.ram is None or not c.path.startswith(self.ram._pre)):
+            self.budget.delivered(c.job["type"])    # (not RAM's: no write)
         return ok
 
     def upkeep_budget(self, now):
@@ -6831,6 +6836,9 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
         RamStore(path, self, self.log).make(owner)
         _replace(self.d(RAM_FILE), (path + "\n").encode("utf-8"), sync=True,
                  mode=0o644)
+
+    def wake_paths(self):
+        return [self._wake] + ([self.ram._wake] if self.ram is not None else [])
 
     def make_tiers(self):
         if self.ram is None:
@@ -7710,7 +7718,6 @@ class RamStore(FileStore):
         self.spool = spool
         FileStore.__init__(self, path, log, **options)
         self.breaker = spool.breaker
-        self._wake = spool._wake            # (the spool's workers listen)
         self._next_spill = 0.0              # (monotonic) when to look again
 
     def d(self, *parts):
