@@ -6840,11 +6840,18 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
     def wake_paths(self):
         return [self._wake] + ([self.ram._wake] if self.ram is not None else [])
 
+    def close_tiers(self):
+        """What the RAM tier keeps open, closed (a tmpfs to unmount)."""
+        if self.ram is not None:
+            self.ram.fs.kept = 0
+            self.ram.fs.release()
+
     def make_tiers(self):
         if self.ram is None:
             return
         try:
             self.ram.make()
+            self.ram.fs.kept += 1   # (the worker's: closed by close())
         except ConfigError as e:
             # (/tmp not a tmpfs on this boot: the spool takes every job)
             self.log("error", during="ram", error="%s; the RAM tier is not "
@@ -7483,6 +7490,7 @@ class FileStore(_DirStore):
         ends with it); the spool of files keeps nothing between calls."""
         self.budget.note_delivered()
         self.fs.release()
+        self.close_tiers()
 
     def lanes(self):
         """[(priority, type, sub)] of the lanes, highest priority first.
@@ -7651,6 +7659,18 @@ class RamClaims(FileClaims):
     def owed(self):
         return bool(self.moving)
 
+    def complete(self, c):
+        """Done here; a copy the spool got (RamStore._copy_running) goes."""
+        ok = FileClaims.complete(self, c)
+        mark = self.spool.d("copied", c.jid)
+        if _lexists(mark):
+            try:
+                self.spool.spool.delete([c.jid])
+            except (NoSuchJob, SpoolBusy):
+                pass                # (run again, or running: at least once)
+            _quiet_unlink(mark)
+        return ok
+
     def commit(self):
         """The moves of the claims finished since, in one durable commit
         (nothing of RAM's own is made durable: it cannot be)."""
@@ -7798,6 +7818,7 @@ class RamStore(FileStore):
                 self.log("error", during="ram", job=jid, error=str(e))
         for jid in gone:
             _quiet_unlink(paths[jid])
+            _quiet_unlink(self.d("copied", jid))
         if placed:
             self.log("moved", jobs=len(placed), to="spool")
         for jid, path in paths.items():
@@ -7808,46 +7829,101 @@ class RamStore(FileStore):
     def spill(self, final=False):
         """A worker's turn: move to the spool the waiting jobs that must
         not wait here any longer (their spill_after, a type's ram_max, a
-        type no longer durable=outage, `final`: all), and what an earlier
-        spill left in spill/.  Returns when to look again (monotonic)."""
+        held destination, a type not durable=outage, `final`: all), and
+        what an earlier spill left in spill/; copy there the running ones
+        past their bound.  Returns when to look again (monotonic)."""
         now, mono = _now(), _mono()
         if not final and mono < self._next_spill:
             return self._next_spill
-        soonest = mono + 1.0
-        take = []
         holds = dict((h["dest"], h) for h in self.breaker.records())
+        take, soonest = [], now + 1.0
         for sub in self.waiting_dirs():
-            t = _lane_of(sub.rpartition("/")[2])[0] if sub != "incoming" else None
-            rules = self.rules(t) if t else {}
-            after, most, size = ram_rules(rules)
-            # (early by `lead`, and those due within `lead` with them: the
-            # bound stays whole, and a move takes several)
-            lead = min(1.0, after / 4.0)
-            keep = t is None or rules.get("durable") == "outage" and not (
-                holds and _held(t, rules, holds))
-            files = []
-            for e in _scandir(self.d(sub)):
-                if e.name.endswith(".json"):
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    files.append((st.st_ctime, e.name, st.st_size))
-            files.sort()
-            total = sum(f[2] for f in files)
-            for n, (made, name, nbytes) in enumerate(files):
-                due = made + after - 2 * lead
-                over = len(files) - n > most or total > size
-                if final or not keep or over or due <= now:
-                    take.append((sub, name))
-                    total -= nbytes
-                else:
-                    soonest = min(soonest, mono + due - now)
-        for name in _listdir(self.d("spill")) if not take else ():
-            take.append(("spill", name))
+            soonest = min(soonest, self._due(sub, now, final, holds, take))
+        if not take:
+            take = [("spill", name) for name in _listdir(self.d("spill"))]
         if take:
             self._spill(take)
-        self._next_spill = soonest
+        soonest = min(soonest, self._copy_running(now))
+        self._next_spill = mono + max(0.0, soonest - now)
+        return self._next_spill
+
+    def _due(self, sub, now, final, holds, take):
+        """The jobs of lane `sub` to move now, appended to `take` as (sub,
+        name), oldest first; the wall time when the next comes due."""
+        t = _lane_of(sub.rpartition("/")[2])[0] if sub != "incoming" else None
+        files = []
+        for e in _scandir(self.d(sub)):
+            if e.name.endswith(".json"):
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                files.append((_made(e.name[:-5], st.st_ctime), e.name,
+                              st.st_size))
+        files.sort()
+        total = sum(f[2] for f in files)
+        soonest = now + 1.0
+        for n, (made, name, nbytes) in enumerate(files):
+            # (incoming/ itself: a shell producer's, of any type)
+            kind = t or self._type_of(sub, name)
+            rules = self.rules(kind) if kind else {"durable": "outage"}
+            after, most, size = ram_rules(rules)
+            keep = rules.get("durable") == "outage" and not (
+                holds and kind and _held(kind, rules, holds))
+            due = made + after - 2 * _lead(after)
+            if final or not keep or len(files) - n > most or total > size \
+                    or due <= now:
+                take.append((sub, name))
+                total -= nbytes
+            else:
+                soonest = min(soonest, due)
+        return soonest
+
+    def _type_of(self, sub, name):
+        try:
+            return self.load(self.d(sub, name), name[:-5])[0]["type"]
+        except (OSError, InvalidJob):
+            return None             # (its claim quarantines it)
+
+    def _copy_running(self, now):
+        """The jobs running from here past their bound: a copy of each in
+        the spool, due when its run's lease ends (a power cut then takes
+        none of them; a success removes the copy: RamClaims.complete).
+        Returns the wall time when the next comes due."""
+        soonest = now + 1.0
+        todo = []
+        for name in _listdir(self.d("processing")):
+            parts = _split_claim(name)
+            if not parts or parts[2] != "json" or \
+                    _lexists(self.d("copied", parts[0])):
+                continue
+            path = self.d("processing", name)
+            try:
+                job, _, st = self.load(path, parts[0])
+            except (OSError, InvalidJob):
+                continue
+            after = ram_rules(self.rules(job["type"]))[0]
+            due = min(_made(parts[0], st.st_ctime), job["created_at"]) + \
+                after - 2 * _lead(after)
+            if due > now:
+                soonest = min(soonest, due)
+                continue
+            job.pop("lease", None)
+            job["available_at"] = max(now, st.st_mtime)
+            todo.append((job, dumps(job), True, job["available_at"] - now,
+                         self.spool.home(job)))
+        if todo:
+            refused, placed = [], []
+            try:
+                self.spool._enqueue(todo, True, refused, placed)
+            except (SpoolFull, SpoolBusy, ConfigError, OSError) as e:
+                self.log("error", during="ram", error="%s; running jobs not "
+                         "copied to the spool" % e)
+            self.fs.mkdir("copied")
+            for jid, _ in placed:
+                _create(self.d("copied", jid), b"", sync=False)
+            if placed:
+                self.log("copied", jobs=len(placed), to="spool")
         return soonest
 
     def _spill(self, take):
@@ -7877,6 +7953,20 @@ class RamStore(FileStore):
             _rename(path, self.d(self.home(job), os.path.basename(path)))
         except (OSError, InvalidJob):
             pass
+
+
+def _made(jid, ctime):
+    """When a job in RAM was made: its generated id's time, or its file's
+    ctime (when it came to RAM), whichever is earlier."""
+    if jid[13:14] == "-" and jid[:13].isdigit():
+        return min(ctime, int(jid[:13]) / 1000.0)
+    return ctime
+
+
+def _lead(after):
+    """How early a RAM job moves before its spill_after (its bound whole
+    despite the worker's turns)."""
+    return min(1.0, after / 4.0)
 
 
 def _held(type, rules, holds):
@@ -9617,6 +9707,7 @@ class SqlStore(_SqlUpkeep, _DirStore):
     def close(self):
         self.budget.note_delivered()
         self.fs.release()
+        self.close_tiers()
         with self._mutex:
             db, self._conn = self._conn, None
             if db is not None and self._conn_pid == _PID[0]:

@@ -361,3 +361,35 @@ def test_delivered_ram_jobs_write_nothing_to_the_flash(store, ram, tmp_path, ext
             os.unlink(t.out)
     assert written["always"] > 40 * 8, written      # (the control: a block a job)
     assert written["outage"] <= 16, written
+
+
+def test_a_run_longer_than_the_bound_leaves_a_copy_in_the_spool(spool, ram,
+                                                                tmp_path):
+    """A job still running from RAM at its spill_after gets a copy in the
+    spool (a power cut then takes nothing older than the bound); its
+    success removes the copy."""
+    t = Tier(spool, ram, tmp_path, spill_after="2s")
+    block, runs = tmp_path / "block", tmp_path / "runs"
+    block.touch()
+    # (a process: the worker's loop goes on while it runs; a Python
+    # handler runs inline)
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / "tele").write_text("#!/bin/sh\necho run >> %s\nwhile [ -e %s ]; "
+                                   "do sleep 0.05; done\n" % (runs, block))
+    (handlers / "tele").chmod(0o755)
+    t.module = None
+    t.proc = start_worker(spool, "--handlers", str(handlers), *FAST)
+    wait_for(lambda: _listening(spool), what="the worker listening")
+    try:
+        jid = t.enqueue({"n": 1})
+        wait_for(runs.exists, what="the run started")
+        wait_for(lambda: jid in t.in_spool(), timeout=10, what="the copy")
+        job = [r for r in listed(spool, "scheduled") if r.get("tier") != "ram"]
+        assert [r["id"] for r in job] == [jid]       # (due at the lease's end)
+        block.unlink()
+        wait_for(lambda: jid not in t.in_spool() and not t.in_ram(),
+                 what="the copy gone with the success")
+        assert runs.read_text() == "run\n"
+    finally:
+        t.stop()
