@@ -193,7 +193,8 @@ def test_past_ram_max_the_oldest_move(spool, ram, tmp_path):
     t.start()
     try:
         ids = [t.enqueue({"n": i}) for i in range(5)]
-        wait_for(lambda: len(t.in_spool()) == 3, what="3 moved")
+        wait_for(lambda: len(t.in_spool()) == 3 and len(t.in_ram()) == 2,
+                 what="3 moved")
         assert t.in_spool() == sorted(ids[:3])      # the oldest
         assert t.in_ram() == sorted(ids[3:])
     finally:
