@@ -9790,13 +9790,17 @@ class RamStore(FileStore):
         self._next_spill = 0.0              # (monotonic) when to look again
 
     def d(self, *parts):
-        """A path in the tier; "ram:LANE" is the tier's LANE, and locks/
-        the spool's (the workers' records, the quiet lanes' marks)."""
+        """A path in the tier; "ram:LANE" is the tier's LANE.  The workers'
+        records, the holds and the quiet lanes' marks are the spool's
+        (locks/workers/WID.json, locks/held/, locks/quiet/); a handler's
+        run record (locks/workers/TOKEN.run) the tier's own."""
         if parts:
             p = parts[0]
             if p[:4] == "ram:":
                 parts = (p[4:],) + parts[1:]
-            elif p == "locks" and parts[1:2] != ("ok",):
+            elif p == "locks" and len(parts) > 1 and (
+                    parts[1] in ("held", "quiet") or parts[1] == "workers"
+                    and parts[-1].endswith(".json")):
                 return self.spool.d(*parts)
         return FileStore.d(self, *parts)
 
@@ -10098,6 +10102,13 @@ class _TieredClaims(object):
 
     def close(self, c):
         return self._of(c).close(c)
+
+    def note_handler(self, c, pid, start):
+        return self._of(c).note_handler(c, pid, start)
+
+    def end_handler(self, token):
+        self.own.end_handler(token)
+        self.ram.end_handler(token)
 
     def extend(self, claims, until):
         for side in (self.own, self.ram):
