@@ -40,31 +40,43 @@ sys.dont_write_bytecode = _writes
 
 # The files that take longest, longest first (`make test` hands the files
 # out in this order: tests/README.md, "How `make test` is spread"): the
-# seconds of their tests in one `make test` (wall, on 2 cores loaded ~15
-# by other runs; only the order holds), and their CPU seconds (self and
-# children).  A file not listed runs after these, in name order.
+# seconds of their tests in one `make test` (wall, on 2 cores loaded ~5
+# by other runs, the tests' files on the disk; only the order holds), and
+# their CPU seconds (self and children, the file alone).  A file not
+# listed runs after these, in name order.
 LONG_FIRST = [
-    "test_initd.py",             # 334 s, 25.8 s: init script life cycles
-    "test_security_swaps.py",    # 227 s, 22.9 s: symlinks and FIFOs
-    "test_crashpoints.py",       # 182 s, 11.2 s: a kill at every step
-    "test_security.py",          # 165 s, 22.7 s: root's and the owner's commands
-    "test_intake.py",            # 139 s, 17.8 s: HTTP and MQTT intake
-    "test_fast_cli.py",          # 105 s, 13.2 s: hypothesis, both parsers
-    "test_procd.py",             # 104 s, 10.7 s
-    "test_mqtt.py",              #  99 s, 10.8 s
-    "test_budget.py",            #  97 s,  8.4 s
-    "test_matrix.py",            #  96 s, 15.9 s: every interpreter
-    "test_operator_setup.py",    #  96 s, 14.8 s: installs, a change of owner
-    "test_export.py",            #  96 s, 10.6 s
-    "test_dist.py",              #  91 s, 12.9 s
-    "test_clock.py",             #  80 s,  5.3 s: clock jumps, each waits its delays
-    "test_light.py",             #  80 s, 12.1 s: every interpreter, python3-light
-    "test_hostile.py",           #  73 s,  7.8 s: hypothesis
-    "test_operator.py",          #  71 s,  9.3 s
-    "test_call_myq.py",          #  65 s,  7.2 s
-    "test_sqlite.py",            #  57 s, 13.8 s
-    "test_outage.py",            #  43 s,  4.9 s: a 20 s outage, then 20 s at the rate
-    "test_chaos.py",             #  27 s, 15.0 s: the chaos soak
+    "test_initd.py",             #  82 s, 19.9 s: init script life cycles
+    "test_security_swaps.py",    #  68 s, 15.9 s: symlinks and FIFOs
+    "test_intake.py",            #  59 s, 14.5 s: HTTP and MQTT intake
+    "test_clock.py",             #  58 s,  5.9 s: clock jumps, each waits its delays
+    "test_security.py",          #  56 s, 20.8 s: root's and the owner's commands
+    "test_crashpoints.py",       #  51 s,  6.9 s: a kill at every step
+    "test_outage.py",            #  40 s,  3.4 s: a 20 s outage, then 20 s at the rate
+    "test_fast_cli.py",          #  35 s,  7.5 s: hypothesis, both parsers
+    "test_operator_setup.py",    #  34 s, 11.0 s: installs, a change of owner
+    "test_mqtt.py",              #  34 s,  7.3 s
+    "test_procd.py",             #  31 s,  8.2 s
+    "test_budget.py",            #  29 s,  5.8 s
+    "test_dist.py",              #  29 s, 10.0 s
+    "test_security_producer.py",  # 46 s (33 s of it one test, now ~8 s)
+    "test_scheduler.py",         #  27 s,  4.8 s
+    "test_intake_access.py",     #  24 s,  5.6 s
+    "test_matrix.py",            #  21 s, 13.0 s: every interpreter
+    "test_export.py",            #  20 s,  8.1 s
+    "test_breaker.py",           #  20 s,  2.5 s
+    "test_idle.py",              #  20 s,  3.0 s
+    "test_destinations.py",      #  18 s,  1.3 s
+    "test_destinations_held.py",  # 17 s,  1.7 s
+    "test_storage_faults.py",    #  17 s,  4.4 s
+    "test_flow.py",              #  16 s,  0.2 s: a batch_wait of 8 s, twice
+    "test_liveness.py",          #  16 s,  5.0 s
+    "test_sqlite.py",            #  16 s, 10.7 s
+    "test_chaos.py",             #  16 s, 14.5 s: the chaos soak
+    "test_policy.py",            #  15 s,  3.5 s
+    "test_field.py",             #  14 s,  3.7 s
+    "test_operator.py",          #  14 s,  7.5 s
+    "test_light.py",             #  14 s, 10.2 s: every interpreter, python3-light
+    "test_hostile.py",           #  13 s,  4.5 s: hypothesis
 ]
 
 
