@@ -3071,6 +3071,7 @@ class _Batches(object):
 
     def __init__(self, spool):
         self.spool = spool
+        self.whole = {}     # a batch formed again short of its done jobs: its ids
 
     def note(self, claims):
         """Record a new batch's ids, of one job too (no fsync: a power cut
@@ -3078,6 +3079,7 @@ class _Batches(object):
         c = claims[0]
         if _is_batch_name(c.job.get("batch_of")):   # (formed again: recorded)
             name = c.job["batch_of"]
+            self._short(name, claims)
         else:
             name = "%s+%s" % (c.jid, c.token)
             try:
@@ -3087,6 +3089,20 @@ class _Batches(object):
                 return                      # it goes as a batch all the same
         for x in claims:
             x.batch = name
+
+    def _short(self, name, claims):
+        """A batch formed again without jobs that are done: its worker died
+        while it finished them, after the receiver had answered for all.
+        It goes under the key of all its ids (whole[name], for the http
+        handler), as it first went, so that a receiver that de-duplicates
+        on the key stores nothing twice.  Not when a job it lacks is not
+        done (it waits elsewhere): a later send of that job under the key
+        would be taken for one the receiver has."""
+        ids, have = self.ids(name), set(x.jid for x in claims)
+        left = [i for i in ids if i not in have]
+        if left and have <= set(ids) and all(self.spool.ok_fresh(i)
+                                             for i in left):
+            self.whole[name] = ids
 
     def ids(self, name):
         """The ids of batch `name` in order ([] when its record is gone, or
@@ -3107,6 +3123,7 @@ class _Batches(object):
 
     def keep(self, name):
         """Its jobs go back unfinished: the record to locks/batches/."""
+        self.whole.pop(name, None)
         if not _is_batch_name(name):
             return
         src = self.spool.d("processing", name + ".batch")
@@ -3118,6 +3135,7 @@ class _Batches(object):
                 pass
 
     def end(self, name):
+        self.whole.pop(name, None)
         if _is_batch_name(name):
             _quiet_unlink(self.spool.d("processing", name + ".batch"))
             _quiet_unlink(self.spool.d("locks", "batches", name))
@@ -10417,6 +10435,10 @@ class _TieredBatches(object):
     def ids(self, name):
         return self.own.ids(name) or self.ram.ids(name)
 
+    @property
+    def whole(self):
+        return dict(self.ram.whole, **self.own.whole)
+
     def keep(self, name):
         self.own.keep(name)
         self.ram.keep(name)
@@ -11333,7 +11355,7 @@ KAFKA_JSON = "application/vnd.kafka.json.v2+json"
 
 
 def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
-               pool=None, gzip=False, fmt=None, alone=False):
+               pool=None, gzip=False, fmt=None, alone=False, key_ids=None):
     """Jobs of one http_group_key() as ONE request (myq(1) the http type): the body is
     a JSON array of their bodies in job order (null for a job without
     one), `X-Myq-Ids` lists their ids in array order, the Idempotency-Key
@@ -11342,7 +11364,8 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
     the largest `timeout` of their payloads, else `timeout`.  `fmt`
     "kafka": the body is Kafka REST v2's {"records": [{"key": ID, "value":
     BODY}, ...]} (myq(1) policy `format`); `alone`: one job of a type
-    without `batch`, its Idempotency-Key its id."""
+    without `batch`, its Idempotency-Key its id; `key_ids`: the ids whose key
+    it is (a batch's first, when what is left of it goes again)."""
     jobs = list(jobs)
     if not jobs:
         return
@@ -11369,7 +11392,7 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
         hdrs["Content-Type"] = KAFKA_JSON if fmt == "kafka" \
             else "application/json"
     if "idempotency-key" not in configured:
-        hdrs["Idempotency-Key"] = ids[0] if alone else _ids_key(ids)
+        hdrs["Idempotency-Key"] = ids[0] if alone else _ids_key(key_ids or ids)
     hdrs["X-Myq-Ids"] = ",".join(ids)
     t = max(_job_timeout(j, timeout) for j in jobs)
     return _http_send(method, url, data, hdrs, headers, t, backoff_max, run,
@@ -11433,8 +11456,12 @@ class HttpHandler(Handler):
             # the backlog marked for the receiver (myq(1) policy `order`)
             headers = dict(headers or (), **{"X-Myq-Backlog": "1"})
         if batched or fmt == "kafka":
+            # what is left of a batch goes under its first key (_Batches)
+            whole = run is not None and run.batch and \
+                runner.spool.claims.batches.whole.get(run.batch[0].batch)
             http_batch(jobs, headers, self.backoff_max, t, run,
-                       self.pool, gzip=gzip, fmt=fmt, alone=not batched)
+                       self.pool, gzip=gzip, fmt=fmt, alone=not batched,
+                       key_ids=whole or None)
         else:
             http_handler(jobs[0], headers, self.backoff_max, t,
                          run, self.pool, gzip=gzip)
