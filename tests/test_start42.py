@@ -236,3 +236,25 @@ def test_the_ready_index_serves_the_scans_order(myq, spool, store):
     assert "TEMP B-TREE" in plan()
     assert _drain(myq, spool)[1] == []
     assert "TEMP B-TREE" not in plan() and "idx_jobs_ready" in plan()
+
+
+def test_a_batchs_key_does_not_encode_the_body(myq, monkeypatch):
+    """The slow flow's batches: http_group_key (twice a job in a batch:
+    its claim, the send's check) reads the method, url and headers alone;
+    the body is encoded once, in the batch's request."""
+    calls = []
+    real = myq.json.dumps
+
+    def dumps(*a, **kw):
+        calls.append(a)
+        return real(*a, **kw)
+    monkeypatch.setattr(myq.json, "dumps", dumps)
+    job = {"id": "j1", "type": "fwd",
+           "payload": {"url": "http://127.0.0.1:9/in", "body": {"n": 1}}}
+    key = myq.http_group_key(job)
+    assert calls == []
+    assert key == myq.http_group_key(dict(job, id="j2"))
+    assert myq.http_request(job)[2] == b'{"n":1}'
+    with_type = dict(job, payload=dict(job["payload"], headers={
+        "Content-Type": "text/csv"}))
+    assert myq.http_group_key(with_type) != key
