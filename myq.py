@@ -2724,7 +2724,9 @@ class Breaker(object):
             st = _dir_stat(d)
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
-            return []
+            # (no holds ever: the same empty tuple each time, which a poll
+            # tick's _load_holds knows as "nothing new", not a new list)
+            return ()
         cache = self._held_cache
         if cache is not None and cache[0] == key and cache[1] > st.st_mtime + 1:
             return cache[2]

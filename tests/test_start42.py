@@ -258,3 +258,16 @@ def test_a_batchs_key_does_not_encode_the_body(myq, monkeypatch):
     with_type = dict(job, payload=dict(job["payload"], headers={
         "Content-Type": "text/csv"}))
     assert myq.http_group_key(with_type) != key
+
+
+def test_no_holds_is_the_same_answer_at_each_poll_tick(myq, spool):
+    """Without locks/held/ (no hold ever), the records are the same object
+    at each look: a poll tick's _load_holds learns nothing new and lists
+    nothing more (it listed held/ again for the streaks, an open each)."""
+    sp = myq.open_store(spool)
+    try:
+        assert not os.path.exists(os.path.join(spool, "locks", "held"))
+        first = sp.breaker.records()
+        assert list(first) == [] and sp.breaker.records() is first
+    finally:
+        sp.close()
