@@ -94,7 +94,7 @@ def test_the_schema_is_the_seeds_for_the_sqlite3_shell(tmp_path):
     # the seed's index of the ready rows alone, by lane (every scan is one
     # lane's): a claim or a success takes the row out of it, and nothing
     # else of a finished job is indexed
-    assert [r[2] for r in idx] == ["queue", "lane", "available_at"]
+    assert [r[2] for r in idx] == ["queue", "lane", "available_at", "id"]
     (sql,), = rows(sp, "SELECT sql FROM sqlite_master WHERE name='idx_jobs_ready'")
     assert sql.endswith("WHERE status='ready'"), sql
     assert rows(sp, "PRAGMA page_size") == [(1024,)]
