@@ -3655,6 +3655,13 @@ class Claims(object):
         or None."""
         return None
 
+    def quiet_mark(self, L, make=False):
+        """The path of lane L's quiet mark, locks/quiet/LANE (`make`: its
+        directory made), where its producers look (Producer.hushed)."""
+        if make:
+            self.spool.fs.mkdir("locks/quiet")
+        return self.spool.d("locks", "quiet", L.sub.rpartition("/")[2])
+
 class FileClaims(Claims):
     """The file store's claims: a claim is a rename into processing/, a
     lane a directory, a scan a walk of the lanes' entries."""
@@ -6078,7 +6085,9 @@ class Budget(object):
             if rec is not None and 0 <= now - rec[2] <= most:
                 return rec[0] + rec[1]
             m = self.measure()
-            if fd is not None:
+            if fd is not None and (rec is None or rec[0] + rec[1] != m):
+                # (the same figure is not written again: the status line
+                # asks each minute, and on flash each write is a commit)
                 self._used_write(fd, m, 0, now)
             return m
         finally:
@@ -9980,15 +9989,15 @@ class RamStore(FileStore):
 
     def d(self, *parts):
         """A path in the tier; "ram:LANE" is the tier's LANE.  The workers'
-        records, the holds and the quiet lanes' marks are the spool's
-        (locks/workers/WID.json, locks/held/, locks/quiet/); a handler's
-        run record (locks/workers/TOKEN.run) the tier's own."""
+        records and the holds are the spool's (locks/workers/WID.json,
+        locks/held/); a handler's run record (locks/workers/TOKEN.run) and
+        its lanes' quiet marks (locks/quiet/) the tier's own."""
         if parts:
             p = parts[0]
             if p[:4] == "ram:":
                 parts = (p[4:],) + parts[1:]
             elif p == "locks" and len(parts) > 1 and (
-                    parts[1] in ("held", "quiet") or parts[1] == "workers"
+                    parts[1] == "held" or parts[1] == "workers"
                     and parts[-1].endswith(".json")):
                 return self.spool.d(*parts)
         return FileStore.d(self, *parts)
@@ -10220,16 +10229,21 @@ class _Mover(object):
         files.sort()
         total = sum(f[2] for f in files)
         soonest = now + 1.0
+        gather = False
         for n, (made, name, nbytes) in enumerate(files):
             # (incoming/ itself: a shell producer's, of any type)
             kind = t or self._type_of(sub, name)
             rules = self.tier.rules(kind) if kind else {"durable": "outage"}
             after, most, size = ram_rules(rules)
-            keep = rules.get("durable") == "outage" and not (
-                holds and kind and _held(kind, rules, holds))
             due = made + after - 2 * _lead(after)
-            if final or not keep or len(files) - n > most or total > size \
-                    or due <= now:
+            # A held destination's jobs gather here and move together when
+            # the oldest is due (the bound whole): one commit for what came
+            # within spill_after, not one each (with the link down, that
+            # made as many commits as durable=always)
+            gather = gather or due <= now and bool(
+                holds and kind and _held(kind, rules, holds))
+            if final or rules.get("durable") != "outage" or gather or \
+                    len(files) - n > most or total > size or due <= now:
                 take.append((sub, name))
                 total -= nbytes
             else:
@@ -10435,6 +10449,11 @@ class _TieredClaims(object):
 
     def settle(self, final=False):
         return self.ram.spool.spill(final)
+
+    def quiet_mark(self, L, make=False):
+        # (a RAM lane's in the tier: on flash each is a journal commit)
+        return (self.ram if L.sub[:4] == "ram:" else self.own).quiet_mark(
+            L, make)
 
     def arrived(self):
         self.own.arrived()          # (its count goes on)
@@ -12958,6 +12977,10 @@ class _Scheduler(object):
         lanes when theirs did (_sync_lanes, told of the poke)."""
         self._poked = True
         self._lanes_look = 0.0
+        self._look_top()
+
+    def _look_top(self):
+        """incoming/ read again at its next look when its key changed."""
         key, racy = self.spool.claims.change_key()
         if key != self._dir_key or racy and self._own_since is None:
             self._dir_key, self._own_since = key, None
@@ -13044,13 +13067,9 @@ class _Scheduler(object):
             poked = any([_drain(fd) for fd in wake[0::2]]) or waiting
         for L in self._lanes if poked and arrived is None else ():
             if L is self._top:
-                # (a poke drained here, not by _wait: incoming/ by its key,
-                # as _woken does, so that a job there is seen now and keeps
-                # its place by its time, not at the next poll tick)
-                k, racy = self.spool.claims.change_key()
-                if k != self._dir_key or racy and self._own_since is None:
-                    self._dir_key, self._own_since = k, None
-                    L.dirty = True
+                # (a poke drained here, not by _wait: incoming/ too, so
+                # that a job there keeps its place by its time)
+                self._look_top()
             else:
                 # (a time that recent proves nothing: see change_key)
                 k, racy = self.spool.claims.lane_key(L)
@@ -13225,12 +13244,11 @@ class _Scheduler(object):
         if until == L.quiet:
             return
         L.quiet, L.dirty = until, True
-        path = self.spool.d("locks", "quiet", L.sub.rpartition("/")[2])
         try:
+            path = self.spool.claims.quiet_mark(L, until is not None)
             if until is None:
                 _quiet_unlink(path)
                 return
-            self.spool.fs.mkdir("locks/quiet")
             if not _lexists(path):
                 os.close(_open(path, os.O_WRONLY | os.O_CREAT))
             _utime(path, _mono() + max(0.0, until - _now()))

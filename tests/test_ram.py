@@ -460,3 +460,30 @@ def test_check_says_when_the_tier_is_not_on_a_ram_filesystem(spool, ram,
         f.write(str(tmp_path / "on-flash") + "\n")
     cp = cli(spool, "check")
     assert cp.returncode == 1 and "not a RAM filesystem" in cp.stdout
+
+
+def test_a_held_destination_s_jobs_move_together(spool, ram, tmp_path):
+    """With the destination held, the arrivals gather in RAM and move to
+    the spool in one commit when the oldest is due (event=moved jobs=5),
+    not one commit each (as many as durable=always makes)."""
+    t = Tier(spool, ram, tmp_path, spill_after="3s")
+    with open(t.module, "a") as f:
+        f.write("import myq\n"
+                "def tele(job):\n"
+                "    raise myq.DestinationDown(None, 'the link is down')\n")
+    t.start()
+    try:
+        for i in range(3):                  # (the breaker's streak)
+            t.enqueue({"n": i})
+        wait_for(lambda: json.loads(ok(cli(spool, "stats", "--json")).stdout)
+                 ["held"], what="the destination held")
+        moved = len([l for l in open(t.log) if "event=moved" in l])
+        ids = [t.enqueue({"n": i}) for i in range(10, 15)]
+        assert sorted(ids) == t.in_ram()
+        wait_for(lambda: set(ids) <= set(t.in_spool()), timeout=15,
+                 what="the five in the spool")
+        wait_for(lambda: any("event=moved jobs=5 " in l for l in
+                             list(open(t.log))[moved:]),
+                 what="one move of the five (its log line)")
+    finally:
+        t.stop()
