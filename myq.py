@@ -7643,7 +7643,10 @@ class FileStore(_DirStore):
     def _made(self, w, now):
         """When the waiting job `w` (_waiting_of's) was made: its file's
         mtime, unless that is a time to come (a retry's or a delay's
-        schedule): then the created_at it holds."""
+        schedule): then the created_at it holds, less a tick of the
+        kernel's clock (a file's time is that coarse clock's, up to 10 ms
+        behind the created_at of a job made before it: on a tmpfs, where
+        enqueues come that fast, the job made first looked the later)."""
         m = w[1]
         if m <= now:
             return m
@@ -7651,7 +7654,7 @@ class FileStore(_DirStore):
             t = parse(self.read_file(self.d(w[4], w[2]))[0])[0]["created_at"]
         except (OSError, MyqError, ValueError, TypeError, KeyError):
             return m
-        return t if t.__class__ in _NUM and t == t else m
+        return t - 0.01 if t.__class__ in _NUM and t == t else m
 
     def _drop_waiting(self, sub, name, dirs):
         """Remove the waiting job NAME of `sub` (a bound's drop-oldest):

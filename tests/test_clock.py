@@ -254,7 +254,7 @@ def test_a_record_being_written_is_no_stray_to_a_clock_a_year_ahead(spool):
         for pid in (live.pid, dead.pid):
             with open(os.path.join(locks, ".r-x.json.%d.1.tmp" % pid), "w"):
                 pass
-        sp._prune_strays(time.time() + YEAR)
+        sp.upkeep._prune_strays(time.time() + YEAR)
         assert sorted(n for n in os.listdir(locks) if n.endswith(".tmp")) \
             == [".r-x.json.%d.1.tmp" % live.pid]
     finally:
