@@ -14,12 +14,12 @@ HEADER = re.compile(r"^# (.+?) #{5,}$")
 MAX_FUNCTION, MAX_CLASS = 80, 750
 # An object is the sum of the class statements of its inheritance chain
 # (mixins sharing one `self` are one object).  The aim is 900: the worker's
-# parts are there (the scheduler 644, the worker 418), and the stores' parts
-# (Producer 531, Upkeep with _SqlUpkeep 839, Reader with _SqlReader 399,
-# _SqlDb 250); the SQLite store itself is not (1,173: Store's contract, 156,
-# _DirStore's policy, lanes and totals, 590, its own 427), nor its claims
-# (_SqlClaims with Claims 1,012): this bar holds them where they are.
-MAX_OBJECT = 1200
+# parts are there (the scheduler 644, the worker 418), the stores and
+# their parts too (the SQLite store 861, the file store 757, Upkeep with
+# _SqlUpkeep 839, Producer 531, SpoolPolicy, Reader, _SqlDb, _SqlProducer);
+# the SQLite store's claims are not (_SqlClaims with Claims 1,012: the drop
+# box's take-in is theirs): this bar holds them where they are.
+MAX_OBJECT = 1050
 
 
 def _source():
