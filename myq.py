@@ -88,9 +88,11 @@ The map: the sections, in file order, each using only those above it
   The spool's budget (myq-spool(5) BUDGET)   Budget, FileBudget (the
                     budget's figure and shed, capacity: locks/used,
                     locks/rates) (test_budget, test_forecast)
-  The store of files   _Layout (what init makes), _DirStore (what every
-                    store of a spool directory shares: policy, lanes,
-                    totals; its parts made and held), FileUpkeep,
+  The store of files   _Layout (what init makes), SpoolPolicy (the
+                    policy file, each type's rules, where a job waits),
+                    _DirStore (what every store of a spool directory
+                    shares: lanes, totals; its parts made and held),
+                    FileUpkeep,
                     FileStore, open_store, enqueue, Spool (myq(1)'s Python
                     API, handed to its store) (test_store, test_api,
                     test_spool_layout)
@@ -98,7 +100,8 @@ The map: the sections, in file order, each using only those above it
                     queue.db and its statements), _SqlClaims (test_sqlite,
                     and the store-parametrised tests)
   The SQLite store  SqlStore and its other parts: _SqlUpkeep, _SqlReader,
-                    SqlBudget, SqlBacklog: the same contract over queue.db
+                    SqlBudget, SqlBacklog, _SqlProducer (its jobs INSERTed,
+                    the drop box's files else): the same contract over queue.db
                     (myq init --store sqlite), the drop box taken in
                     (test_sqlite, and the store-parametrised tests)
   The RAM tier      RamStore (a file store on a tmpfs, whose jobs move to
@@ -6793,12 +6796,197 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
+class SpoolPolicy(object):
+    """A spool's policy (myq(1) policy; a store's `policies`): policy.json
+    read again when it changed (looked at once a second at most, or at a
+    worker's poll ticks: pol_polled), each type's rules, where a job of a
+    type waits (home: incoming/ or its lane), the types held for a missing
+    handler (lane_types), and the policy's changes (set_policy).  `store`:
+    its spool (the file's path, the door, the wake-up)."""
+
+    def __init__(self, store):
+        self.store = store
+        self._pol, self._pol_key, self._pol_next = {}, None, 0.0
+        self._rules, self._homes = {}, {}     # per type, for this policy
+        self.lane_types = frozenset()   # held for a missing handler: laned
+        self.pol_polled = False
+        self.policy_error = None
+
+    def policy(self):
+        """{TYPE or "*": {KEY: VALUE}}: the last good policy, re-read when
+        its file changed (looked at once a second at most).  A file that
+        does not parse is ignored: policy_error says why."""
+        now = _mono()
+        if now < self._pol_next:
+            return self._pol
+        self._pol_next = now + 1.0
+        path = self.store.d(POLICY_FILE)
+        try:
+            st = os.lstat(path)
+            key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        except OSError:
+            key = None
+        if key != self._pol_key:
+            self._pol_key = key
+            self._rules, self._homes = {}, {}
+            if key is None:
+                self._pol, self.policy_error = {}, None
+            else:
+                try:
+                    data = self.store.read_file(path, 1 << 20)[0]
+                    self._pol = Policy.check(json.loads(data.decode("utf-8")))
+                    self.policy_error = None
+                except OSError as e:
+                    self.policy_error = (
+                        "%s cannot be read by uid %d (%s): its rules (pauses, "
+                        "bounds, limits) are not applied; %s" % (
+                            path, os.geteuid(), e.strerror or e,
+                            "give the spool to its owner: " + self.store.chown_fix()
+                            if e.errno in (errno.EACCES, errno.EPERM) else
+                            "fix the file, or remove it and set the policy "
+                            "again with myq policy"))
+                except (ValueError, MyqError) as e:
+                    self.policy_error = (
+                        "%s does not parse (%s); workers keep the last good "
+                        "policy: fix the file, or remove it and set the policy "
+                        "again with myq policy" % (path, e))
+        return self._pol
+
+    def require_policy(self):
+        """policy(), or ConfigError when its file is there but this user
+        cannot read it: a worker never runs without the types' rules."""
+        pol = self.policy()
+        if self.policy_error and not os.access(self.store.d(POLICY_FILE), os.R_OK):
+            raise ConfigError(self.policy_error)
+        return pol
+
+    def rules(self, type):
+        """The policy of one type: its own keys over the default's.  (A
+        worker re-reads the policy at its poll ticks: pol_polled.)"""
+        pol = self._pol if self.pol_polled else self.policy()
+        r = self._rules.get(type)
+        if r is None:
+            own, default = pol.get(type), pol.get("*")
+            r = dict(default or ())
+            r.update(own or ())
+            if len(self._rules) > 4096:
+                self._rules.clear()
+            self._rules[type] = r
+        return r
+
+    def set_policy(self, name, changes):
+        """Apply {KEY: VALUE, or None to remove it} to the policy of `name`
+        (a type, or "*"): under locks/policy.lock, written beside
+        policy.json and renamed over it, so concurrent calls lose nothing.
+        Returns the whole new policy."""
+        self.store.require()
+        own = Policy.SPOOL_KEYS if name == SPOOL_POLICY else None
+        if name not in ("*", SPOOL_POLICY):
+            _check_name(name, "type")
+        changes = dict((k, Policy.value(k, v, own) if v is not None or
+                        k not in (own or Policy.KEYS) else None)
+                       for k, v in changes.items())
+        try:
+            fd = _lock(self.store.d("locks", "policy.lock"))
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                raise ConfigError("%s is not a regular file; remove it"
+                                  % self.store.d("locks", "policy.lock"))
+            raise ConfigError("cannot lock %s: %s%s" % (
+                self.store.d("locks", "policy.lock"), e.strerror or e,
+                "; give the spool to its owner: " + self.store.chown_fix()
+                if e.errno in (errno.EACCES, errno.EPERM) else ""))
+        try:
+            path = self.store.d(POLICY_FILE)
+            try:
+                data = self.store.read_file(path, 1 << 20)[0]
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+                data = None
+            pol = {}
+            if data is not None:
+                try:
+                    pol = Policy.check(json.loads(data.decode("utf-8")))
+                except (ValueError, MyqError) as e:
+                    raise ConfigError(
+                        "%s does not parse (%s); nothing was changed: fix it "
+                        "by hand, or remove it and set the policy again"
+                        % (path, e))
+            own = dict(pol.get(name, {}))
+            for k, v in changes.items():
+                if v is None:
+                    own.pop(k, None)
+                else:
+                    own[k] = v
+            Policy.combined(own)
+            if own:
+                pol[name] = own
+            else:
+                pol.pop(name, None)
+            _replace(path, (json.dumps(pol, indent=1, sort_keys=True) + "\n")
+                     .encode("utf-8"), sync=True)
+        finally:
+            os.close(fd)
+            self.store.fs.release()
+        self._pol_next = 0.0
+        self.store.poke()
+        return pol
+
+    def paused(self):
+        """Type names paused now ("*": the default, so every new type)."""
+        return sorted(t for t, keys in self.policy().items()
+                      if keys.get("paused"))
+
+    def is_paused(self, type):
+        return bool(self.rules(type).get("paused"))
+
+    def home(self, job, rules=None):
+        """Where a waiting job lives: "incoming", or its lane (a priority
+        other than 0, or rules of its type that need its jobs apart).
+        `rules`: the type's, when the caller has them."""
+        t, p = job["type"], job.get("priority")
+        if rules is None:
+            rules = self.rules(t)
+        home = self._homes.get((t, p))
+        if home is None:
+            q = rules.get("priority", 0) if p is None else p
+            if q == 0 and not any(k in rules for k in _LANE_KEYS) \
+                    and t not in self.lane_types \
+                    and rules.get("overflow") != "drop-oldest":
+                home = "incoming"
+            else:
+                home = "%s/%s@%d" % (LANES, t, q)
+            self._homes[(t, p)] = home
+        return home
+
+    def set_lane_types(self, types):
+        """The types held for a missing handler (by any worker): their
+        jobs wait in their lane, where the workers that lack the handler
+        do not look until their probe and those that have it take them."""
+        types = frozenset(types)
+        if types != self.lane_types:
+            self.lane_types, self._homes = types, {}
+
+    def expiry(self, job, rules=None):
+        """When a job expires (myq(1) policy), or None: its own expires_at, else
+        (its retry, or its creation) + its type's ttl.  Times from a clock
+        that was never set (before 2020) expire nothing: a device without
+        a real-time clock boots in 1970 and jumps at its first NTP sync.
+        `rules`: the type's, when the caller has them."""
+        if job.get("expires_at") is not None:
+            return job_expiry(job, None)
+        return job_expiry(job, (self.rules(job["type"]) if rules is None
+                                else rules).get("ttl"))
+
+
 class _DirStore(Store):
     """What every store of a spool directory shares (the file store's and
     the SQLite store's): the layout, name, policy and lanes, the drop
     box's and failed/'s files, the budget's records, the statistics.
-    Its parts, each with its own state: `producer` (Producer), `reader`
-    (READER), `upkeep` (UPKEEP), `breaker`, `claims`, `budget`, `backlog`."""
+    Its parts, each with its own state: `policies` (SpoolPolicy),
+    `producer` (Producer), `reader` (READER), `upkeep` (UPKEEP),
+    `breaker`, `claims`, `budget`, `backlog`."""
 
     ROOM = 65536        # bytes of the reserve, locks/room (init, keep_room)
     ram = None          # its RAM tier (RamStore), when it has one (_with_ram)
@@ -6820,11 +7008,6 @@ class _DirStore(Store):
         self._done = os.path.join(self.path, "done", "")
         self._tmp = os.path.join(self.path, "tmp", "")
         self._ready = False
-        self._pol, self._pol_key, self._pol_next = {}, None, 0.0
-        self._rules, self._homes = {}, {}     # per type, for this policy
-        self.lane_types = frozenset()   # held for a missing handler: laned
-        self.pol_polled = False
-        self.policy_error = None
         self.intake = False     # _claim moved a producer's file to its lane
         self.lane_problems = {}     # lane -> why the door refused it
         # Its parts: the producer's side, the reader, the upkeep, the
@@ -6834,6 +7017,9 @@ class _DirStore(Store):
         # 30 attributes in all: past that, CPython 3.11 no longer shares
         # the keys of the instance's dict, and every self.spool.X of the
         # worker's loop costs more: +0.7 % instructions a drained job.)
+        self.policies = pol = SpoolPolicy(self)
+        self.policy, self.rules, self.home = pol.policy, pol.rules, pol.home
+        self.expiry = pol.expiry
         self.producer = p = Producer(self)
         self.poke, self.low_on_space = p.poke, p.low_on_space
         self.reader = self.READER(self)
@@ -6915,6 +7101,30 @@ class _DirStore(Store):
         return self._pre + "/".join(parts) if parts else self.path
 
     # Its parts', as the contract names them ---------------------------------
+
+    @property
+    def policy_error(self):
+        """Why the policy file is not applied, or None (policies')."""
+        return self.policies.policy_error
+
+    @property
+    def lane_types(self):
+        return self.policies.lane_types
+
+    def require_policy(self):
+        return self.policies.require_policy()
+
+    def set_policy(self, name, changes):
+        return self.policies.set_policy(name, changes)
+
+    def paused(self):
+        return self.policies.paused()
+
+    def is_paused(self, type):
+        return self.policies.is_paused(type)
+
+    def set_lane_types(self, types):
+        self.policies.set_lane_types(types)
 
     @property
     def backlog(self):
@@ -7117,135 +7327,6 @@ class _DirStore(Store):
 
     # Policy and lanes (myq(1) policy) ----------------------------------------
 
-    def policy(self):
-        """{TYPE or "*": {KEY: VALUE}}: the last good policy, re-read when
-        its file changed (looked at once a second at most).  A file that
-        does not parse is ignored: policy_error says why."""
-        now = _mono()
-        if now < self._pol_next:
-            return self._pol
-        self._pol_next = now + 1.0
-        path = self.d(POLICY_FILE)
-        try:
-            st = os.lstat(path)
-            key = (st.st_mtime_ns, st.st_ino, st.st_size)
-        except OSError:
-            key = None
-        if key != self._pol_key:
-            self._pol_key = key
-            self._rules, self._homes = {}, {}
-            if key is None:
-                self._pol, self.policy_error = {}, None
-            else:
-                try:
-                    data = self.read_file(path, 1 << 20)[0]
-                    self._pol = Policy.check(json.loads(data.decode("utf-8")))
-                    self.policy_error = None
-                except OSError as e:
-                    self.policy_error = (
-                        "%s cannot be read by uid %d (%s): its rules (pauses, "
-                        "bounds, limits) are not applied; %s" % (
-                            path, os.geteuid(), e.strerror or e,
-                            "give the spool to its owner: " + self.chown_fix()
-                            if e.errno in (errno.EACCES, errno.EPERM) else
-                            "fix the file, or remove it and set the policy "
-                            "again with myq policy"))
-                except (ValueError, MyqError) as e:
-                    self.policy_error = (
-                        "%s does not parse (%s); workers keep the last good "
-                        "policy: fix the file, or remove it and set the policy "
-                        "again with myq policy" % (path, e))
-        return self._pol
-
-    def require_policy(self):
-        """policy(), or ConfigError when its file is there but this user
-        cannot read it: a worker never runs without the types' rules."""
-        pol = self.policy()
-        if self.policy_error and not os.access(self.d(POLICY_FILE), os.R_OK):
-            raise ConfigError(self.policy_error)
-        return pol
-
-    def rules(self, type):
-        """The policy of one type: its own keys over the default's.  (A
-        worker re-reads the policy at its poll ticks: pol_polled.)"""
-        pol = self._pol if self.pol_polled else self.policy()
-        r = self._rules.get(type)
-        if r is None:
-            own, default = pol.get(type), pol.get("*")
-            r = dict(default or ())
-            r.update(own or ())
-            if len(self._rules) > 4096:
-                self._rules.clear()
-            self._rules[type] = r
-        return r
-
-    def set_policy(self, name, changes):
-        """Apply {KEY: VALUE, or None to remove it} to the policy of `name`
-        (a type, or "*"): under locks/policy.lock, written beside
-        policy.json and renamed over it, so concurrent calls lose nothing.
-        Returns the whole new policy."""
-        self.require()
-        own = Policy.SPOOL_KEYS if name == SPOOL_POLICY else None
-        if name not in ("*", SPOOL_POLICY):
-            _check_name(name, "type")
-        changes = dict((k, Policy.value(k, v, own) if v is not None or
-                        k not in (own or Policy.KEYS) else None)
-                       for k, v in changes.items())
-        try:
-            fd = _lock(self.d("locks", "policy.lock"))
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                raise ConfigError("%s is not a regular file; remove it"
-                                  % self.d("locks", "policy.lock"))
-            raise ConfigError("cannot lock %s: %s%s" % (
-                self.d("locks", "policy.lock"), e.strerror or e,
-                "; give the spool to its owner: " + self.chown_fix()
-                if e.errno in (errno.EACCES, errno.EPERM) else ""))
-        try:
-            path = self.d(POLICY_FILE)
-            try:
-                data = self.read_file(path, 1 << 20)[0]
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-                data = None
-            pol = {}
-            if data is not None:
-                try:
-                    pol = Policy.check(json.loads(data.decode("utf-8")))
-                except (ValueError, MyqError) as e:
-                    raise ConfigError(
-                        "%s does not parse (%s); nothing was changed: fix it "
-                        "by hand, or remove it and set the policy again"
-                        % (path, e))
-            own = dict(pol.get(name, {}))
-            for k, v in changes.items():
-                if v is None:
-                    own.pop(k, None)
-                else:
-                    own[k] = v
-            Policy.combined(own)
-            if own:
-                pol[name] = own
-            else:
-                pol.pop(name, None)
-            _replace(path, (json.dumps(pol, indent=1, sort_keys=True) + "\n")
-                     .encode("utf-8"), sync=True)
-        finally:
-            os.close(fd)
-            self.fs.release()
-        self._pol_next = 0.0
-        self.poke()
-        return pol
-
-    def paused(self):
-        """Type names paused now ("*": the default, so every new type)."""
-        return sorted(t for t, keys in self.policy().items()
-                      if keys.get("paused"))
-
-    def is_paused(self, type):
-        return bool(self.rules(type).get("paused"))
-
     def waiting_dirs(self):
         """incoming/ and its lanes: every directory of waiting jobs."""
         return ["incoming"] + [l[2] for l in self.lanes()]
@@ -7253,33 +7334,6 @@ class _DirStore(Store):
     def waits_at(self, job, jid):
         """The path in the spool of a waiting job: HOME/ID.json."""
         return "%s/%s.json" % (self.home(job), jid)
-
-    def home(self, job, rules=None):
-        """Where a waiting job lives: "incoming", or its lane (a priority
-        other than 0, or rules of its type that need its jobs apart).
-        `rules`: the type's, when the caller has them."""
-        t, p = job["type"], job.get("priority")
-        if rules is None:
-            rules = self.rules(t)
-        home = self._homes.get((t, p))
-        if home is None:
-            q = rules.get("priority", 0) if p is None else p
-            if q == 0 and not any(k in rules for k in _LANE_KEYS) \
-                    and t not in self.lane_types \
-                    and rules.get("overflow") != "drop-oldest":
-                home = "incoming"
-            else:
-                home = "%s/%s@%d" % (LANES, t, q)
-            self._homes[(t, p)] = home
-        return home
-
-    def set_lane_types(self, types):
-        """The types held for a missing handler (by any worker): their
-        jobs wait in their lane, where the workers that lack the handler
-        do not look until their probe and those that have it take them."""
-        types = frozenset(types)
-        if types != self.lane_types:
-            self.lane_types, self._homes = types, {}
 
     def _lanes_dir(self, make=False):
         """incoming/lanes/'s descriptor (`make`: made when missing).  What
@@ -7299,17 +7353,6 @@ class _DirStore(Store):
             self.log("error", during="lanes", lane=LANES, error="%s; moved "
                      "aside to incoming/%s" % (e, aside))
         return self.fs.mkdir(LANES)
-
-    def expiry(self, job, rules=None):
-        """When a job expires (myq(1) policy), or None: its own expires_at, else
-        (its retry, or its creation) + its type's ttl.  Times from a clock
-        that was never set (before 2020) expire nothing: a device without
-        a real-time clock boots in 1970 and jumps at its first NTP sync.
-        `rules`: the type's, when the caller has them."""
-        if job.get("expires_at") is not None:
-            return job_expiry(job, None)
-        return job_expiry(job, (self.rules(job["type"]) if rules is None
-                                else rules).get("ttl"))
 
     def make_room(self, type, size, dirs=None, exclude=None):
         """The type's bounds (myq(1) policy) for one new arrival of `size` bytes:
@@ -7668,6 +7711,7 @@ class FileStore(_DirStore):
 
 _STORES["files"] = FileStore
 _ON_OPEN = []       # what extends a store at its opening (a RAM tier's)
+_ON_INIT = []       # what myq init does besides, f(store, args) (its --ram)
 
 
 def open_store(path=None, log=None, **options):
@@ -8510,7 +8554,7 @@ class _SqlClaims(Claims):
                 job["priority"] = rules["priority"]
             lane = sp.home(job, rules)
             full = None
-            if lane != "incoming" and sp._bounded(job["type"]):
+            if lane != "incoming" and sp.rows.bounded(job["type"]):
                 # (its type's bound counts what waits: those before it first)
                 self._settled(rows)
                 rows = []
@@ -8532,7 +8576,7 @@ class _SqlClaims(Claims):
             return
         sp = self.spool
         gone = []
-        have = sp._insert([r[1] for r in rows], sync=True)
+        have = sp.rows.insert([r[1] for r in rows], sync=True)
         for (name, v, full), dup in zip(rows, have):
             path = sp.d("incoming", name)
             if dup is not None:
@@ -9376,9 +9420,228 @@ class SqlBacklog(Backlog):
                     yield job
 
 
+class _SqlProducer(object):
+    """A SQLite store's producer (its `rows`): a job is a row INSERTed,
+    the usual one as one prepared statement, many in one transaction,
+    under the same guard and budget as files; a producer who may not write
+    queue.db (the spool's group) drops files into incoming/ instead (the
+    drop box: the store's file Producer, `files`), which a worker takes
+    in.  `store`: its SqlStore (its database, policy, lanes, budget)."""
+
+    def __init__(self, store):
+        self.store, self.files = store, store.producer
+        self._writer = None     # may this user write queue.db (drop_box)
+
+    def drop_box(self):
+        """True when this user cannot write queue.db (a producer of the
+        spool's group): its jobs go into incoming/ as files, and a worker
+        takes them in.  (Asked once.)"""
+        w = self._writer
+        if w is None:
+            w = self._writer = os.access(self.store.d(DB_NAME), os.R_OK | os.W_OK)
+        return not w
+
+    def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
+                timeout=None, sync=True, priority=None, ttl=None):
+        """_DirStore.enqueue.  The usual call (a generated id, no options, a type
+        whose jobs wait in incoming/ unbounded) is one INSERT of a prepared
+        statement: no job file's bytes, no dict of columns (bench/README.md:
+        its Python costs less than the INSERT).  Anything else, and any
+        error, goes the general way, which words it."""
+        if id is not None or delay or max_attempts is not None \
+                or timeout is not None or priority is not None \
+                or ttl is not None or self.store.require() and self.drop_box():
+            return _DirStore.enqueue(self.store, type, payload, id, delay,
+                                     max_attempts, timeout, sync, priority, ttl)
+        # new_job's checks, in its order, without its dict
+        now = _now()
+        _check_name(type, "type")
+        if isinstance(payload, (dict, list, tuple)):
+            _check_depth(payload, 2)     # the job object is level 1
+        rules = self.store.rules(type)
+        try:
+            if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10 \
+                    or rules.get("priority") or "url" in rules \
+                    or "topic" in rules \
+                    or self.store.home({"type": type}, rules) != "incoming":
+                raise ValueError
+            pj = "null" if payload is None else _encode_value(payload)
+            jid = _new_id(now)
+            # len(_dumps_new(job)): what its file would hold (test_sqlite)
+            size = _NEW_SIZE + len(jid) + len(type) + 3 * len(repr(now)) \
+                + len(pj if pj.isascii() else pj.encode("utf-8"))
+            if size > self.store.opt["max_job_bytes"]:
+                raise ValueError            # (its refusal is worded there)
+        except (ValueError, TypeError, RecursionError, UnicodeError):
+            return _DirStore.enqueue(self.store, type, payload, None, 0, None, None, sync)
+        self.insert_one(_INSERT_NEW, (jid, self.store.name, type, pj, now, now, now,
+                                       size), size, sync, type)
+        return jid
+
+    def insert_one(self, sql, args, size, sync, type):
+        """One new row waiting in incoming/ (`size`: its file's bytes),
+        under the disk guard and the budget, in its own commit; a worker
+        woken."""
+        problem = self.files.room_for((size,))
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.store.path, problem))
+        try:
+            self.store.budget.charge(((type, size),))
+            self.store._write(sql, args, sync, fresh=True)
+            self.store.poke(often=True)
+            self.store.budget.note_arrivals({type: (1, self.store.budget.cost(size))})
+        finally:
+            self.store.fs.release()
+
+    def enqueue_one(self, todo, sync):
+        """One job of a generated id into incoming/'s lane: one INSERT, in
+        its own transaction (no batch's lists, no duplicate to look for)."""
+        job, data, explicit, delay, sub = todo
+        if explicit or sub != "incoming" or self.drop_box():
+            return self.place([todo], sync)[0]
+        v = _row_values(self.store, job, "ready", "incoming", _now(), size=len(data))
+        self.insert_one("INSERT INTO jobs(%s) VALUES(%s)" % (
+            ",".join(v), ",".join("?" * len(v))), tuple(v.values()), len(data),
+            sync, job["type"])
+        return job["id"]
+
+    def place(self, todo, sync, refused=None, done=None):
+        """Place the jobs of `todo` (Producer.prepared's) in one transaction, durable
+        at its commit (sync); their ids.  A duplicate id raises
+        DuplicateJob and places nothing, unless `refused` (import) takes
+        it."""
+        self.store.require()
+        if self.drop_box():
+            return self.files.place(todo, sync, refused, done)
+        problem = self.files.room_for([len(t[1]) for t in todo])
+        if problem:
+            raise SpoolFull("spool %s refuses the job: %s" % (self.store.path, problem))
+        self.store.budget.charge([(t[0]["type"], len(t[1])) for t in todo])
+        done = [] if done is None else done
+        now = _now()
+        rows = []
+
+        def dup(v, where):
+            e = DuplicateJob("job id %s already exists (%s); pick another id "
+                             "or delete the old job" % (v["id"], where))
+            if refused is None:
+                raise e
+            refused.append((v["id"], e))
+        for job, data, explicit, delay, sub in todo:
+            if explicit and _lexists(self.store.d("incoming", job["id"] + ".json")):
+                dup(job, "a producer's file in incoming/, not taken in yet")
+                continue
+            if sub in ("done", "dlq"):
+                rows.append(_row_values(self.store, job, "done" if sub == "done" else
+                                        "dead", "incoming", now, finished_at=now,
+                                        size=len(data)))
+            elif not sub.startswith(LANES) or not self.bounded(job["type"]):
+                rows.append(_row_values(self.store, job, "ready", sub, now,
+                                        size=len(data)))
+            else:
+                # A type's bound counts what waits: each of its jobs is
+                # counted and placed on its own, after those before it.
+                self._rows_placed(self.insert(rows, sync, dup), rows, done)
+                rows = []
+                full = self.store.make_room(job["type"], len(data))
+                if full and refused is not None:
+                    refused.append((job["id"], SpoolFull(full)))
+                    continue
+                if full:
+                    raise SpoolFull(full)
+                rows.append(_row_values(self.store, job, "ready", sub, now,
+                                        size=len(data)))
+        try:
+            self._rows_placed(self.insert(rows, sync, dup), rows, done)
+            if done:
+                self.store.poke(often=True, subs=set(d[1] for d in done))
+                self.files.arrived(todo, done)
+        finally:
+            self.store.fs.release()
+        return [jid for jid, _ in done]
+
+    def bounded(self, type):
+        rules = self.store.rules(type)
+        return "max_queued" in rules or "max_bytes" in rules
+
+    @staticmethod
+    def _rows_placed(have, rows, done):
+        for v, d in zip(rows, have):
+            if d is None:
+                done.append((v["id"], v["lane"] if v["status"] == "ready" else
+                             "done" if v["status"] == "done" else "dlq"))
+
+    def insert(self, rows, sync, dup=None):
+        """INSERT the rows (dicts of columns) in one transaction; for each,
+        None or (id, where it is already) when its id is taken: a done row
+        past the de-duplication window is replaced, an `ok` record within
+        it refuses.  dup(row, where) is told of each refusal inside the
+        transaction (raising rolls back them all)."""
+        if not rows:
+            return []
+        sqlite3 = _sqlite3()
+        window = self.store.opt["dedupe_window"]
+        now = _now()
+        where = {"ready": "queued", "processing": "processing", "dead": "dead",
+                 "failed": "failed",
+                 "done": "done within the de-duplication window"}
+
+        def put(db):
+            out = []
+            for v in rows:
+                keys = list(v)
+                sql = "INSERT INTO jobs(%s) VALUES(%s)" % (
+                    ",".join(keys), ",".join("?" * len(keys)))
+                ok = None if GENERATED_ID_RE.match(v["id"]) else db.execute(
+                    "SELECT at FROM ok WHERE id=?", (v["id"],)).fetchone()
+                if ok is not None and ok[0] + window > now:
+                    out.append((v["id"], "done"))
+                else:
+                    try:
+                        db.execute(sql, [v[k] for k in keys])
+                        out.append(None)
+                        continue
+                    except sqlite3.IntegrityError:
+                        old = db.execute("SELECT status, finished_at FROM jobs "
+                                         "WHERE id=?", (v["id"],)).fetchone()
+                    if old and old[0] == "done" and (old[1] or 0) + window <= now:
+                        db.execute("DELETE FROM jobs WHERE id=?", (v["id"],))
+                        db.execute(sql, [v[k] for k in keys])
+                        out.append(None)
+                        continue
+                    out.append((v["id"], old[0] if old else "queued"))
+                if dup is not None:
+                    dup(v, where.get(out[-1][1], out[-1][1]))
+            return out
+        return self.store._tx(put, sync, fresh=True)
+
+    def find_id(self, jid, now=None, dirs=None):
+        if _exists(jid + ".json", (dirs or self.store.fs)("incoming")):
+            return "queued"                 # in the drop box
+        if self.drop_box():
+            return None                     # (the worker's take-in decides)
+        row = self.store._one("SELECT status FROM jobs WHERE id=?", (jid,))
+        if row is not None and row[0] != "done":
+            return {"ready": "queued"}.get(row[0], row[0])
+        if self.ok_fresh(jid, now):
+            return "done within the de-duplication window"
+        return None
+
+    def ok_fresh(self, jid, now=None, dirs=None):
+        now = _now() if now is None else now
+        window = self.store.opt["dedupe_window"]
+        row = self.store._one("SELECT finished_at FROM jobs WHERE id=? AND "
+                        "status='done'", (jid,))
+        if row is None and not _is_generated_id(jid):
+            row = self.store._one("SELECT at FROM ok WHERE id=?", (jid,))
+        return row is not None and dedupe_fresh(row[0] or 0, window, now)
+
+
 class SqlStore(_DirStore):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
-    queue.db, the rest as for files."""
+    queue.db, the rest as for files.  Its own parts besides _DirStore's:
+    `db` (_SqlDb: the connection and its statements) and `rows`
+    (_SqlProducer: its jobs INSERTed)."""
 
     store = "sqlite"
     READER = _SqlReader
@@ -9389,13 +9652,13 @@ class SqlStore(_DirStore):
 
     def __init__(self, path=None, log=None, **options):
         _DirStore.__init__(self, path, log, **options)
-        self._writer = None
         self.damaged = None
         # Its database, and the store's handles on its statements (bound
         # once: a claim's statement is one lookup)
         self.db = db = _SqlDb(self)
         self._db, self._tx, self._write = db.connection, db.tx, db.write
         self._all, self._one = db.all, db.one
+        self.rows = _SqlProducer(self)      # its jobs INSERTed
 
     @staticmethod
     def usable():
@@ -9573,211 +9836,26 @@ class SqlStore(_DirStore):
         self.close_tiers()
         self.db.close()
 
-    # Producers ------------------------------------------------------------------------
-
-    def _drop_box(self):
-        """True when this user cannot write queue.db (a producer of the
-        spool's group): its jobs go into incoming/ as files, and a worker
-        takes them in.  (Asked once.)"""
-        w = self._writer
-        if w is None:
-            w = self._writer = os.access(self.d(DB_NAME), os.R_OK | os.W_OK)
-        return not w
+    # Its rows' producer's, as the contract names them ---------------------
 
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
                 timeout=None, sync=True, priority=None, ttl=None):
-        """_DirStore.enqueue.  The usual call (a generated id, no options, a type
-        whose jobs wait in incoming/ unbounded) is one INSERT of a prepared
-        statement: no job file's bytes, no dict of columns (bench/README.md:
-        its Python costs less than the INSERT).  Anything else, and any
-        error, goes the general way, which words it."""
-        if id is not None or delay or max_attempts is not None \
-                or timeout is not None or priority is not None \
-                or ttl is not None or self.require()._drop_box():
-            return _DirStore.enqueue(self, type, payload, id, delay, max_attempts,
+        return self.rows.enqueue(type, payload, id, delay, max_attempts,
                                  timeout, sync, priority, ttl)
-        # new_job's checks, in its order, without its dict
-        now = _now()
-        _check_name(type, "type")
-        if isinstance(payload, (dict, list, tuple)):
-            _check_depth(payload, 2)     # the job object is level 1
-        rules = self.rules(type)
-        try:
-            if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10 \
-                    or rules.get("priority") or "url" in rules \
-                    or "topic" in rules \
-                    or self.home({"type": type}, rules) != "incoming":
-                raise ValueError
-            pj = "null" if payload is None else _encode_value(payload)
-            jid = _new_id(now)
-            # len(_dumps_new(job)): what its file would hold (test_sqlite)
-            size = _NEW_SIZE + len(jid) + len(type) + 3 * len(repr(now)) \
-                + len(pj if pj.isascii() else pj.encode("utf-8"))
-            if size > self.opt["max_job_bytes"]:
-                raise ValueError            # (its refusal is worded there)
-        except (ValueError, TypeError, RecursionError, UnicodeError):
-            return _DirStore.enqueue(self, type, payload, None, 0, None, None, sync)
-        self._insert_one(_INSERT_NEW, (jid, self.name, type, pj, now, now, now,
-                                       size), size, sync, type)
-        return jid
-
-    def _insert_one(self, sql, args, size, sync, type):
-        """One new row waiting in incoming/ (`size`: its file's bytes),
-        under the disk guard and the budget, in its own commit; a worker
-        woken."""
-        problem = self.producer.room_for((size,))
-        if problem:
-            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        try:
-            self.budget.charge(((type, size),))
-            self._write(sql, args, sync, fresh=True)
-            self.poke(often=True)
-            self.budget.note_arrivals({type: (1, self.budget.cost(size))})
-        finally:
-            self.fs.release()
-
-    def _enqueue_one(self, todo, sync):
-        """One job of a generated id into incoming/'s lane: one INSERT, in
-        its own transaction (no batch's lists, no duplicate to look for)."""
-        job, data, explicit, delay, sub = todo
-        if explicit or sub != "incoming" or self._drop_box():
-            return self._enqueue([todo], sync)[0]
-        v = _row_values(self, job, "ready", "incoming", _now(), size=len(data))
-        self._insert_one("INSERT INTO jobs(%s) VALUES(%s)" % (
-            ",".join(v), ",".join("?" * len(v))), tuple(v.values()), len(data),
-            sync, job["type"])
-        return job["id"]
 
     def _enqueue(self, todo, sync, refused=None, done=None):
-        """Place the jobs of `todo` (Producer.prepared's) in one transaction, durable
-        at its commit (sync); their ids.  A duplicate id raises
-        DuplicateJob and places nothing, unless `refused` (import) takes
-        it."""
-        self.require()
-        if self._drop_box():
-            return self.producer.place(todo, sync, refused, done)
-        problem = self.producer.room_for([len(t[1]) for t in todo])
-        if problem:
-            raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
-        self.budget.charge([(t[0]["type"], len(t[1])) for t in todo])
-        done = [] if done is None else done
-        now = _now()
-        rows = []
+        return self.rows.place(todo, sync, refused, done)
 
-        def dup(v, where):
-            e = DuplicateJob("job id %s already exists (%s); pick another id "
-                             "or delete the old job" % (v["id"], where))
-            if refused is None:
-                raise e
-            refused.append((v["id"], e))
-        for job, data, explicit, delay, sub in todo:
-            if explicit and _lexists(self.d("incoming", job["id"] + ".json")):
-                dup(job, "a producer's file in incoming/, not taken in yet")
-                continue
-            if sub in ("done", "dlq"):
-                rows.append(_row_values(self, job, "done" if sub == "done" else
-                                        "dead", "incoming", now, finished_at=now,
-                                        size=len(data)))
-            elif not sub.startswith(LANES) or not self._bounded(job["type"]):
-                rows.append(_row_values(self, job, "ready", sub, now,
-                                        size=len(data)))
-            else:
-                # A type's bound counts what waits: each of its jobs is
-                # counted and placed on its own, after those before it.
-                self._rows_placed(self._insert(rows, sync, dup), rows, done)
-                rows = []
-                full = self.make_room(job["type"], len(data))
-                if full and refused is not None:
-                    refused.append((job["id"], SpoolFull(full)))
-                    continue
-                if full:
-                    raise SpoolFull(full)
-                rows.append(_row_values(self, job, "ready", sub, now,
-                                        size=len(data)))
-        try:
-            self._rows_placed(self._insert(rows, sync, dup), rows, done)
-            if done:
-                self.poke(often=True, subs=set(d[1] for d in done))
-                self.producer.arrived(todo, done)
-        finally:
-            self.fs.release()
-        return [jid for jid, _ in done]
-
-    def _bounded(self, type):
-        rules = self.rules(type)
-        return "max_queued" in rules or "max_bytes" in rules
-
-    @staticmethod
-    def _rows_placed(have, rows, done):
-        for v, d in zip(rows, have):
-            if d is None:
-                done.append((v["id"], v["lane"] if v["status"] == "ready" else
-                             "done" if v["status"] == "done" else "dlq"))
-
-    def _insert(self, rows, sync, dup=None):
-        """INSERT the rows (dicts of columns) in one transaction; for each,
-        None or (id, where it is already) when its id is taken: a done row
-        past the de-duplication window is replaced, an `ok` record within
-        it refuses.  dup(row, where) is told of each refusal inside the
-        transaction (raising rolls back them all)."""
-        if not rows:
-            return []
-        sqlite3 = _sqlite3()
-        window = self.opt["dedupe_window"]
-        now = _now()
-        where = {"ready": "queued", "processing": "processing", "dead": "dead",
-                 "failed": "failed",
-                 "done": "done within the de-duplication window"}
-
-        def put(db):
-            out = []
-            for v in rows:
-                keys = list(v)
-                sql = "INSERT INTO jobs(%s) VALUES(%s)" % (
-                    ",".join(keys), ",".join("?" * len(keys)))
-                ok = None if GENERATED_ID_RE.match(v["id"]) else db.execute(
-                    "SELECT at FROM ok WHERE id=?", (v["id"],)).fetchone()
-                if ok is not None and ok[0] + window > now:
-                    out.append((v["id"], "done"))
-                else:
-                    try:
-                        db.execute(sql, [v[k] for k in keys])
-                        out.append(None)
-                        continue
-                    except sqlite3.IntegrityError:
-                        old = db.execute("SELECT status, finished_at FROM jobs "
-                                         "WHERE id=?", (v["id"],)).fetchone()
-                    if old and old[0] == "done" and (old[1] or 0) + window <= now:
-                        db.execute("DELETE FROM jobs WHERE id=?", (v["id"],))
-                        db.execute(sql, [v[k] for k in keys])
-                        out.append(None)
-                        continue
-                    out.append((v["id"], old[0] if old else "queued"))
-                if dup is not None:
-                    dup(v, where.get(out[-1][1], out[-1][1]))
-            return out
-        return self._tx(put, sync, fresh=True)
+    def _enqueue_one(self, todo, sync):
+        return self.rows.enqueue_one(todo, sync)
 
     def find_id(self, jid, now=None, dirs=None):
-        if _exists(jid + ".json", (dirs or self.fs)("incoming")):
-            return "queued"                 # in the drop box
-        if self._drop_box():
-            return None                     # (the worker's take-in decides)
-        row = self._one("SELECT status FROM jobs WHERE id=?", (jid,))
-        if row is not None and row[0] != "done":
-            return {"ready": "queued"}.get(row[0], row[0])
-        if self.ok_fresh(jid, now):
-            return "done within the de-duplication window"
-        return None
+        return self.rows.find_id(jid, now, dirs)
 
     def ok_fresh(self, jid, now=None, dirs=None):
-        now = _now() if now is None else now
-        window = self.opt["dedupe_window"]
-        row = self._one("SELECT finished_at FROM jobs WHERE id=? AND "
-                        "status='done'", (jid,))
-        if row is None and not _is_generated_id(jid):
-            row = self._one("SELECT at FROM ok WHERE id=?", (jid,))
-        return row is not None and dedupe_fresh(row[0] or 0, window, now)
+        return self.rows.ok_fresh(jid, now, dirs)
+
+    # Producers ------------------------------------------------------------------------
 
     # Reading ------------------------------------------------------------------------
 
@@ -9988,6 +10066,10 @@ class RamStore(FileStore):
         self.spool = spool
         FileStore.__init__(self, path, log, **options)
         self.breaker = spool.breaker
+        # the spool's policy (SpoolPolicy), its handles too
+        self.policies, self.policy, self.rules = spool.policies, \
+            spool.policy, spool.rules
+        self.home, self.expiry = spool.home, spool.expiry
         self.mover = _Mover(self)
 
     def d(self, *parts):
@@ -10004,23 +10086,6 @@ class RamStore(FileStore):
                     and parts[-1].endswith(".json")):
                 return self.spool.d(*parts)
         return FileStore.d(self, *parts)
-
-    def policy(self, *args, **kw):
-        return self.spool.policy(*args, **kw)
-
-    def rules(self, type):
-        return self.spool.rules(type)
-
-    def home(self, job, rules=None):
-        return self.spool.home(job, rules)
-
-    @property
-    def lane_types(self):
-        return self.spool.lane_types
-
-    @lane_types.setter
-    def lane_types(self, value):
-        pass                                # (the spool's)
 
     def usable(self):
         """Whether producers may put jobs here: the layout is made (a
@@ -14755,10 +14820,10 @@ class Worker(object):
             if not _space_error(e) or not sp.make_space():
                 raise
             sp.check_filesystem()
-        sp._pol_next = 0.0
+        sp.policies._pol_next = 0.0
         sp.require_policy()         # (never the types' rules dropped unsaid)
         sp.claims.start()
-        sp.pol_polled = True        # re-read at each poll tick, not per job
+        sp.policies.pol_polled = True   # re-read at each poll tick, not per job
         self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
         self._pipe = os.pipe()
         for fd in self._pipe:
@@ -14819,7 +14884,7 @@ class Worker(object):
         self.sched.close()
         self.runner.close()
         self.me.unregister()
-        sp.pol_polled = False
+        sp.policies.pol_polled = False
         sp.fs.kept -= 1
         sp.fs.release()
         sp.close()
@@ -16076,9 +16141,6 @@ def _args_init(p):
     p.add_argument("--store", choices=("files", "sqlite"), default=None,
                    help="where a new spool keeps its jobs: a file each "
                    "(default) or one SQLite database, queue.db")
-    p.add_argument("--ram", metavar="DIR", help="a RAM tier in DIR, on a "
-                   "tmpfs (/tmp, /var/run), for the types of durable=outage "
-                   "(myq(1) RAM FIRST; an empty value removes it)")
 
 
 def _args_enqueue(p):
@@ -16775,8 +16837,8 @@ def _cmd_version(a):
 
 def _cmd_init(a):
     sp = a.spool.init(owner=a.args.owner, store=a.args.store)
-    if a.args.ram is not None:
-        init_ram(sp, a.args.ram, a.args.owner)
+    for extend in _ON_INIT:
+        extend(sp, a.args)
     if a.args.name is not None:
         sp.set_name(a.args.name)
     if a.args.budget is not None:
@@ -16826,7 +16888,7 @@ def _cmd_policy(a):
         sp.set_policy(name, changes)
     if args.budget is not None:
         sp.set_policy(SPOOL_POLICY, {"budget": args.budget or None})
-    sp._pol_next = 0.0
+    sp.policies._pol_next = 0.0
     pol = sp.policy()
     if sp.policy_error and not pairs:
         sys.stderr.write("myq: %s\n" % sp.policy_error)

@@ -264,7 +264,7 @@ def test_a_producer_that_cannot_write_the_database_drops_a_file(tmp_path,
                                                                  monkeypatch):
     sp = sql_spool(tmp_path / "s")
     s = myq.open_store(sp)
-    monkeypatch.setattr(s, "_drop_box", lambda: True)
+    monkeypatch.setattr(s.rows, "drop_box", lambda: True)
     jid = s.enqueue("ok", {"x": 1})
     assert os.listdir(os.path.join(sp, "incoming")) == [jid + ".json"]
     assert rows(sp) == []

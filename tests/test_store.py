@@ -65,7 +65,7 @@ def test_the_sqlite_drop_box_enqueues_by_either_way(myq, tmp_path, monkeypatch,
     if not tmpfile:
         monkeypatch.setattr(myq, "_TMPFILE", 0)
     sp = myq.Spool(path).store
-    sp._writer = False          # (as a producer that may not write queue.db)
+    sp.rows._writer = False     # (as a producer that may not write queue.db)
     jid = sp.enqueue("t", {"a": 1}, id="j1")
     assert jid == "j1" and os.path.exists(os.path.join(path, "incoming",
                                                        "j1.json"))

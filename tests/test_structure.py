@@ -2,8 +2,10 @@
 bottom (no section refers to a later one), every function fits on a
 screen or two (80 lines), every class is a room one can hold in mind
 (750 lines), no object (its class statements, its bases' among them)
-grows past MAX_OBJECT, and the map in the module docstring names the
-sections as they are, in their order."""
+grows past MAX_OBJECT, the map in the module docstring names the
+sections as they are, in their order, and no section of Part I (the
+core) names a symbol of Part II (the extensions), which come after it
+once the file is reordered."""
 import ast
 import os
 import re
@@ -14,13 +16,32 @@ HEADER = re.compile(r"^# (.+?) #{5,}$")
 MAX_FUNCTION, MAX_CLASS = 80, 750
 # An object is the sum of the class statements of its inheritance chain
 # (mixins sharing one `self` are one object).  The aim is 900: the worker's
-# parts are there (the scheduler 644, the worker 418), and the stores' parts
-# (Producer 531, Upkeep with _SqlUpkeep 839, Reader with _SqlReader 399,
-# _SqlDb 250); the SQLite store itself is not (1,235: Store's contract, 156,
-# _DirStore's policy, lanes and totals with the RAM tier's hooks, 627, its
-# own 452 with its quick start), nor its claims (_SqlClaims with Claims 1,035;
-# the RAM tier, RamStore with the file store's, 1,100): this bar holds them.
-MAX_OBJECT = 1240
+# parts are there (the scheduler 644, the worker 418), the stores and
+# their parts too (the SQLite store 861, the file store 757, Upkeep with
+# _SqlUpkeep 839, Producer 531, SpoolPolicy, Reader, _SqlDb, _SqlProducer);
+# the SQLite store's claims are not (_SqlClaims with Claims 1,012: the drop
+# box's take-in is theirs): this bar holds them where they are.
+MAX_OBJECT = 1050
+# Part I is the core, Part II the extensions (the titles of their sections,
+# in their order), then the script's start: no section of Part I names a
+# symbol of Part II (an extension registers itself in one of the core's
+# tables: _STORES, _BUILTIN_TYPES, _COMMAND_TABLE, _COMMAND_OPTIONS,
+# _CHILDREN, _IMAGE).  The sections are put in that order by a script that
+# reads this list (/work/helpers/reorder.py: sections moved whole, the
+# parts' banners, the map).
+PART_II = (
+    "The SQLite store: its database and claims",
+    "The SQLite store",
+    "The RAM tier",
+    "HTTP forwarding",
+    "MQTT",
+    "Intake: HTTP",
+    "Intake: MQTT",
+    "Install",
+    "The process image",
+)
+START = "Run as a script"
+PART_II_BANNER = "# PART II: THE EXTENSIONS"
 
 
 def _source():
@@ -148,3 +169,56 @@ def test_the_structure_test_sees_sections_at_all():
     assert _section_of(heads, tree.body[1].lineno) == 1
     assert "g" not in _bound(f)
     assert os.path.basename(MYQ) == "myq.py"
+
+def _names_by_section(src):
+    """(heads, where: {name: its section's index}, [(section index, the
+    definition's name, names it loads)] of each top-level statement)."""
+    heads = _sections(src)
+    tree = ast.parse(src)
+    where = {}
+    for node in tree.body:
+        for name in _defined(node):
+            where.setdefault(name, _section_of(heads, node.lineno))
+    uses = []
+    for node in tree.body:
+        local = _bound(node) if _defined(node) else set()
+        loads = set(x.id for x in ast.walk(node) if isinstance(x, ast.Name)
+                    and isinstance(x.ctx, ast.Load) and x.id not in local)
+        who = (_defined(node) or ["line %d" % node.lineno])[0]
+        uses.append((_section_of(heads, node.lineno), who, loads))
+    return heads, where, uses
+
+
+def test_no_part_i_section_names_a_part_ii_symbol():
+    src = _source()
+    heads, where, uses = _names_by_section(src)
+    titles = [t for _, t in heads]
+    assert set(PART_II) <= set(titles), set(PART_II) - set(titles)
+    ext = set(i for i, t in enumerate(titles) if t in PART_II)
+    crossing = ["%s (%s) names %s (%s)" % (who, titles[k], n, titles[where[n]])
+                for k, who, loads in uses
+                if k not in ext and titles[k] != START
+                for n in sorted(loads) if where.get(n) in ext]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_the_parts_are_in_order_once_marked():
+    """Once the file has its Part II banner, Part I's sections are above
+    it and Part II's below it, in PART_II's order, the start last."""
+    src = _source()
+    lines = src.split("\n")
+    if PART_II_BANNER not in lines:
+        return          # (not reordered yet: reorder.py marks the parts)
+    at = lines.index(PART_II_BANNER) + 1
+    heads = _sections(src)
+    after = [t for ln, t in heads if ln > at]
+    assert after == list(PART_II) + [START]
+    assert heads[-1][1] == START
+
+
+def test_the_part_check_sees_a_crossing():
+    probe = ("# A #####\n\ndef f():\n    return g()\n\n# B #####\n\n"
+             "def g():\n    return 1\n")
+    heads, where, uses = _names_by_section(probe)
+    assert where["g"] == 1 and (0, "f", set(["g"])) in uses
+
