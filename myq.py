@@ -57,6 +57,7 @@ in exactly one place):
 The map: the sections, in file order, each using only those above it
 (tests/test_structure.py keeps it so), and where each is tested.
 
+Part I, the core:
   Platform and process state   feature flags, every mutable global
                     (test_structure, test_light)
   Errors            the exceptions and their exit codes (test_bad_input)
@@ -96,30 +97,12 @@ The map: the sections, in file order, each using only those above it
                     FileStore, open_store, enqueue, Spool (myq(1)'s Python
                     API, handed to its store) (test_store, test_api,
                     test_spool_layout)
-  The SQLite store: its database and claims   _SqlDb (the connection to
-                    queue.db and its statements), _SqlClaims (test_sqlite,
-                    and the store-parametrised tests)
-  The SQLite store  SqlStore and its other parts: _SqlUpkeep, _SqlReader,
-                    SqlBudget, SqlBacklog, _SqlProducer (its jobs INSERTed,
-                    the drop box's files else): the same contract over queue.db
-                    (myq init --store sqlite), the drop box taken in
-                    (test_sqlite, and the store-parametrised tests)
-  The RAM tier      RamStore (a file store on a tmpfs, whose jobs move to
-                    the spool when they must wait), RamClaims,
-                    _TieredClaims (a worker's claims over both tiers),
-                    init_ram (myq init --ram) (test_ram)
   Logging           Log and its file (test_initd)
   Handlers          Handler (how a type's jobs run: time limit,
                     destination, batch key, how it runs) and the core's
                     kinds, ExecHandler and PyHandler; --module files; a
                     type's destinations; Uplink (--uplink-rate)
                     (test_handlers_exec, test_handlers_module)
-  HTTP forwarding   requests, answers, http_dest, HttpPool, batches,
-                    Kafka's body, HttpHandler (the http type, registered
-                    in _BUILTIN_TYPES) (test_http, test_http_forward,
-                    test_destinations)
-  MQTT              MqttClient, MqttHandler (the mqtt type, registered in
-                    _BUILTIN_TYPES) (test_mqtt)
   A run's pieces    _Run, Backoff (every retry delay), _Resolver (a
                     worker's handlers by type: --handlers, --module, the
                     built-in types of _BUILTIN_TYPES), outcomes, pipes
@@ -138,14 +121,32 @@ The map: the sections, in file order, each using only those above it
                     the loop, signals, heartbeat, holding the parts above,
                     each with its own state (test_worker_modes,
                     test_timeouts_shutdown, test_chaos, test_worker_parts)
-  The process image   byte-code cache, heap, a worker's command
-                    (test_script_start)
   Supervision       Supervisor, supervise --daemon (test_initd, test_procd)
   Options and parsers   the options' tables, each command's parser
                     (test_operator_cli)
   Command line      the parser, a command's start (a worker or supervisor
                     made of its options), the commands, _COMMAND_TABLE,
                     main (test_operator_cli)
+
+Part II, the extensions:
+  The SQLite store: its database and claims   _SqlDb (the connection to
+                    queue.db and its statements), _SqlClaims (test_sqlite,
+                    and the store-parametrised tests)
+  The SQLite store  SqlStore and its other parts: _SqlUpkeep, _SqlReader,
+                    SqlBudget, SqlBacklog, _SqlProducer (its jobs INSERTed,
+                    the drop box's files else): the same contract over queue.db
+                    (myq init --store sqlite), the drop box taken in
+                    (test_sqlite, and the store-parametrised tests)
+  The RAM tier      RamStore (a file store on a tmpfs, whose jobs move to
+                    the spool when they must wait), RamClaims,
+                    _TieredClaims (a worker's claims over both tiers),
+                    init_ram (myq init --ram) (test_ram)
+  HTTP forwarding   requests, answers, http_dest, HttpPool, batches,
+                    Kafka's body, HttpHandler (the http type, registered
+                    in _BUILTIN_TYPES) (test_http, test_http_forward,
+                    test_destinations)
+  MQTT              MqttClient, MqttHandler (the mqtt type, registered in
+                    _BUILTIN_TYPES) (test_mqtt)
   Intake: HTTP      take_in, HttpIntake (test_intake)
   Intake: MQTT      MqttIntake, run_intake, `myq intake` (its options, its
                     command, the child supervise keeps: registered in
@@ -153,6 +154,10 @@ The map: the sections, in file order, each using only those above it
                     (test_intake)
   Install           `myq install`: the module layout, the init files
                     embedded, its command (test_dist)
+  The process image   byte-code cache, heap, a worker's command
+                    (test_script_start)
+
+The start:
   Run as a script   the script's start, its one hint (test_script_start,
                     test_light, test_onefile)
 """
@@ -263,6 +268,20 @@ STDERR_TAIL = 2000          # bytes of a handler's stderr kept for last_error
 ERROR_MAX = 1000            # characters of last_error stored
 SLACK = 16384               # what a worker may add to a job (error, lease lines)
 
+
+# =============================================================================
+# PART I: THE CORE
+#
+# What runs every job, and what an auditor reads first: the platform,
+# errors, values, the door to the disk, processes, the job model, the
+# store contract and the store of files, policy, the breaker, logging,
+# exec and Python handlers, the scheduler and the worker, supervision,
+# the core commands.  No section of Part I names anything of Part II;
+# each extension registers itself in one of Part I's tables (stores:
+# _STORES; built-in types: _BUILTIN_TYPES; commands: _COMMAND_TABLE,
+# _COMMAND_OPTIONS; a supervisor's children: _CHILDREN; the process
+# image: _IMAGE).
+# =============================================================================
 
 # Platform and process state ##################################################
 #
@@ -7812,6 +7831,4922 @@ class Spool(object):
         self.store.close()
 
 
+# Logging #####################################################################
+
+def open_log_file(path, ids=None):
+    """Open (create) a log file for appending, safely as root in a
+    directory another user may write to: never through a symlink, never a
+    FIFO or a device, never a file with another name (a hard link);
+    created 0640 and, with `ids` (uid, gid), handed to that user through
+    its descriptor.  Returns the descriptor.  The checks apply where they
+    matter: to root, in a directory that someone else may write to (a
+    /dev/null or a /dev/stderr given by root stays usable)."""
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | O_CLOEXEC
+             | getattr(os, "O_NOCTTY", 0))
+    strict = os.geteuid() == 0
+    if strict:
+        try:
+            st = os.stat(os.path.dirname(os.path.abspath(path)))
+            strict = st.st_uid != 0 or bool(st.st_mode & 0o022)
+        except OSError:
+            pass
+    try:
+        fd = os.open(path, flags | (O_NOFOLLOW if strict else 0), 0o640)
+    except OSError as e:
+        raise ConfigError("cannot open log file %s: %s%s" % (
+            path, e.strerror, " (a symlink is not followed)"
+            if e.errno == errno.ELOOP else ""))
+    try:
+        st = os.fstat(fd)
+        if strict and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
+            raise ConfigError("log file %s is not a plain file (%s); remove it"
+                              % (path, _file_kind(st.st_mode) or "a hard link"))
+        if ids is not None and stat.S_ISREG(st.st_mode) \
+                and (st.st_uid, st.st_gid) != tuple(ids):
+            # handed over: a file just created (empty), or the user's own;
+            # never an existing file of root's (MYQ_LOG=/var/log/messages)
+            if st.st_uid != ids[0] and (st.st_uid != 0 or st.st_size):
+                raise ConfigError("log file %s belongs to uid %d%s; not handed "
+                                  "to the service user: give another path, or "
+                                  "chown it to the service user" % (
+                                      path, st.st_uid,
+                                      " and is not empty" if st.st_uid == 0 else ""))
+            os.fchown(fd, ids[0], ids[1])
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_DEV_LOG = "/dev/log"        # syslog(3)'s socket
+
+
+class Log(object):
+    """`TIMESTAMP event=NAME key=value …` lines to stderr, a file (reopened
+    on SIGHUP, for logrotate) or syslog.  No `logging`: python3-light lacks it."""
+
+    def __init__(self, path=None, syslog=False, facility="daemon", tag="myq",
+                 stream=None, owner=None):
+        self.path, self.use_syslog = path, syslog
+        self.dest = "syslog" if syslog else path    # (a worker's record says)
+        self.stream = stream
+        self.owner = owner          # (uid, gid) a new log file is given to
+        self._file = None
+        self._syslog = None
+        self.problem = None         # why the lines go nowhere (syslog)
+        if syslog:
+            import syslog as _syslog
+            fac = getattr(_syslog, "LOG_" + str(facility).upper(), None)
+            if fac is None:
+                raise UsageError("unknown syslog facility %r (daemon, user, "
+                                 "local0 … local7)" % facility)
+            _syslog.openlog(tag, _syslog.LOG_PID, fac)
+            self._syslog = _syslog
+            self.problem = _syslog_problem(_DEV_LOG)
+            if self.problem:
+                out = stream or sys.stderr
+                out.write("myq: warning: %s\n" % self.problem)
+                out.flush()
+        elif path:
+            self.reopen()
+
+    def reopen(self):
+        if self.path:
+            f = os.fdopen(open_log_file(self.path, self.owner), "a", buffering=1,
+                          encoding="utf-8", errors="replace")
+            old, self._file = self._file, f
+            if old:
+                old.close()
+
+    def fileno(self):
+        """The log file's descriptor (for a child's stdout and stderr), or
+        None (syslog, stderr: the child inherits ours)."""
+        return self._file.fileno() if self._file is not None else None
+
+    def write(self, line, warning=False):
+        if self._syslog:
+            self._syslog.syslog(self._syslog.LOG_WARNING if warning
+                                else self._syslog.LOG_INFO, line)
+            return
+        out = self._file
+        try:
+            if out is not None:     # line-buffered: the write flushes it
+                out.write(line + "\n")
+                return
+            out = self.stream or sys.stderr
+            out.write(line + "\n")
+            out.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __call__(self, event, **kv):
+        warn = event in _WARN_EVENTS
+        line = iso() + " event=" + event
+        for k, v in kv.items():     # _kv(v), its usual cases inline
+            if v.__class__ is str and _BARE.match(v):
+                line += " " + k + "=" + v
+            elif v.__class__ is int:
+                line += " " + k + "=" + v.__repr__()
+            else:
+                line += " " + k + "=" + _kv(v)
+        self.write(line, warn)
+
+    def done(self, jid, type, attempt, ms):
+        """self("done", id=jid, type=type, attempt=attempt, ms=ms) of a
+        claimed job, whose id and type are names (never quoted) and attempt
+        and ms ints: the line of every job, formatted at once (its general
+        loop over the fields was 5% of a drained job's instructions)."""
+        self.write("%s event=done id=%s type=%s attempt=%d ms=%d" % (
+            iso(), jid, type, attempt, ms))
+
+
+_WARN_EVENTS = frozenset(("error", "dead", "timeout", "quarantined", "disk_low",
+                          "lost", "retry", "warning"))
+
+
+# Handlers ####################################################################
+
+def load_module(path):
+    """Load a --module FILE.py; its functions become handlers."""
+    import importlib.util
+    name = "myq_handlers_" + re.sub(r"\W", "_",
+                                    os.path.splitext(os.path.basename(path))[0])
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or not os.path.isfile(path):
+        raise ConfigError("--module %s: no such Python file" % path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        raise ConfigError("--module %s failed to load: %s: %s"
+                          % (path, type(e).__name__, e))
+    return mod
+
+
+def _module_types(mod):
+    """The job types of a --module file (myq(1) HANDLERS): exactly its HANDLERS dict
+    when it has one, else the functions the file itself defines -- never
+    what it imports (`from subprocess import run` must not make a type
+    `run`), never a name starting with '_'."""
+    table = getattr(mod, "HANDLERS", None)
+    if isinstance(table, dict):
+        items = table.items()
+    else:
+        items = [(k, v) for k, v in vars(mod).items()
+                 if isinstance(v, _FUNCTION)
+                 and getattr(v, "__module__", None) == mod.__name__]
+    return dict((k, v) for k, v in items
+                if isinstance(k, str) and not k.startswith("_") and callable(v))
+
+
+_FUNCTION = type(_module_types)
+
+
+class Handler(object):
+    """How the jobs of a type run, as _Resolver.resolve() found it: what it
+    is (`kind`, the word of the log and of the policy's `handler`), its
+    time limit, its destination (the circuit breaker's, myq(1) holds), which
+    jobs may share one batch, and how it runs.  This base is a call in
+    this process; the worker asks its handler, never its kind."""
+    __slots__ = ("target",)
+    kind = None
+    spawned = False     # a process the worker feeds and reaps (exec)
+    remote = False      # a built-in sender: its time-out is its destination's
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def time_limit(self, job, default):
+        """Seconds a run of `job` may take: its own timeout, else the
+        worker's --timeout."""
+        return job.get("timeout") or default
+
+    def dest(self, job, runner, run=None):
+        """The circuit breaker's destination of `job`: its type.  (`run`:
+        the run it starts, whose probe a failover may take.)"""
+        return job["type"]
+
+    def batch_key(self, job, runner):
+        """Jobs with the same key may share a batch; None: any of the type."""
+        return None
+
+    def start(self, runner, run):
+        """A function in this thread (concurrency 1) or a thread of its own."""
+        if runner.concurrency == 1 and runner._main:
+            runner._run_inline(run)
+        else:
+            runner._run_thread(run)
+
+    def call(self, runner, run, job):
+        self.target(job)
+
+    def call_batch(self, runner, run, jobs):
+        """A batch's outcome: ("done",), or ("each", [None or the
+        exception, one a job]); a failure raises, as call() does."""
+        self.target(jobs)
+        return ("done",)
+
+    def resolve(self, type):
+        """(this handler, None) for a job of `type`, or (None, why not):
+        a built-in type's, once it knows what it needs."""
+        return self, None
+
+    def close(self):
+        """What it keeps open closed (the end of Worker.run)."""
+
+
+class ExecHandler(Handler):
+    """An executable of --handlers: a process of its own, the payload on
+    its stdin (Running a job: _spawn, _collect)."""
+    __slots__ = ()
+    kind = "exec"
+    spawned = True
+
+    def start(self, runner, run):
+        runner._spawn(run, self.target)
+
+
+class PyHandler(Handler):
+    """A function of --module or of Worker(handlers=...)."""
+    __slots__ = ()
+    kind = "py"
+
+
+def _dests_of(urls, type):
+    """The breaker's destinations of a type's `url` list, in order."""
+    return [url_origin(u) or type for u in urls.split()]
+
+
+def _url_dests(pol):
+    """The destinations that a policy's `url` keys name, as a set."""
+    return set(d for t, keys in pol.items() if keys.get("url")
+               for d in _dests_of(keys["url"], t))
+
+
+def _enveloped(job, rules, now):
+    """An mqtt job whose message goes in its envelope (myq(1) policy
+    `envelope`): {"id", "type", "created_at", "message"}, and
+    "backlog": true for a job of the backlog (policy `order`), so that a
+    consumer drops what a crash made the worker publish twice and tells
+    old readings from live ones.  A payload that is not an object is
+    left to fail as it would."""
+    p = job.get("payload")
+    if not isinstance(p, dict):
+        return job
+    env = {"id": job.get("id"), "type": job.get("type"),
+           "created_at": job.get("created_at"), "message": p.get("message")}
+    if backlog_job(job, rules, now):
+        env["backlog"] = True
+    return dict(job, payload=dict(p, message=env))
+
+
+class Uplink(object):
+    """The worker's uplink budget (--uplink-rate): the bytes of request
+    bodies and MQTT payloads sent by all its runs, to every destination,
+    stay within rate x 10 s over any 10 s; a send larger than that goes
+    alone, once nothing else was sent in the window.  Thread-safe; wait()
+    sleeps the calling run (its time limit is moved on by the wait)."""
+
+    def __init__(self, rate, window=None):
+        import threading
+        self.rate = float(rate)
+        self.window = float(window or UPLINK_WINDOW)
+        self.budget = self.rate * self.window
+        self._cond = threading.Condition(threading.Lock())
+        self._sent = []         # [(monotonic time, bytes)], oldest first
+        self._turns, self._seq = [], 0      # the runs that wait, in order
+        self.waited = 0.0       # seconds runs waited, in all (tests, bench)
+        self.on_sent = None     # f(run, bytes) at each booking (the forecast)
+
+    def _delay(self, n, now):
+        """0 when n bytes may go now (then booked), else how long until."""
+        sent = self._sent
+        while sent and sent[0][0] <= now - self.window:
+            sent.pop(0)
+        used = sum(b for _, b in sent)
+        if not sent or used + n <= self.budget:
+            sent.append((now, n))
+            return 0.0
+        for t, b in sent:       # the first moment enough has left the window
+            used -= b
+            if used + n <= self.budget or used <= 0:
+                return max(0.001, t + self.window - now)
+        return max(0.001, sent[-1][0] + self.window - now)
+
+    def wait(self, n, run=None):
+        """Wait until n bytes may go, book them; the seconds waited.  The
+        runs wait their turns in order (a larger send is not passed for
+        ever by smaller ones that fit in what it leaves).  The run's time
+        limit moves on by each wait before it is waited (the worker's
+        clock of the run must not end it meanwhile): pacing is not the
+        job's time.  A run stopped meanwhile (released at the end of a
+        shutdown's grace, timed out) sends nothing: RetryLater."""
+        cond, start = self._cond, _mono()
+        with cond:
+            self._seq += 1
+            me = self._seq
+            self._turns.append(me)
+            try:
+                while True:
+                    d = 0.5 if self._turns[0] != me else \
+                        self._delay(n, _mono())
+                    if not d:
+                        break
+                    if run is not None and (run.timed_out or run.released):
+                        raise RetryLater(None, "stopped before its turn on "
+                                         "the uplink (--uplink-rate): not sent")
+                    d, t0 = min(d, 0.5), _mono()
+                    if run is not None and run.deadline is not None:
+                        run.deadline += d
+                    cond.wait(d)
+                    if run is not None and run.deadline is not None:
+                        run.deadline -= max(0.0, t0 + d - _mono())
+            finally:
+                self._turns.remove(me)
+                cond.notify_all()
+            if run is not None and self.on_sent is not None:
+                self.on_sent(run, n)
+            waited = _mono() - start
+            if waited > 0.001:
+                self.waited += waited
+        return waited
+
+
+# A run's pieces ##############################################################
+
+class _Run(object):
+    """One job in flight in this worker, run by its Handler."""
+    __slots__ = ("claim", "handler", "proc", "started", "deadline", "kill_at",
+                 "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
+                 "thread", "result", "conn", "slot", "probe", "dest",
+                 "dest_fail", "batch", "split", "unsent",
+                 "retry_after", "failovers")
+
+    def __init__(self, claim, handler):
+        self.claim, self.handler = claim, handler
+        self.proc = self.started = self.deadline = self.kill_at = None
+        self.stdin = self.stdin_fd = self.err_fd = self.thread = None
+        self.result = self.conn = None
+        self.slot = self.probe = self.dest = None
+        self.batch = None           # the claims of a batch
+        self.dest_fail = self.split = self.unsent = False
+        self.retry_after = None     # a destination failure's own delay
+        self.failovers = []         # [(dest, its failure)] passed over
+        self.err = bytearray()
+        self.timed_out = self.released = False
+
+
+class Backoff(object):
+    """Every wait a worker gives a job before it goes again, in one place:
+    a retry's (--backoff-base doubling per attempt, to --backoff-max), a
+    held destination's probes (doubling per failure of its streak, to
+    --probe-max), a held type's, and how long parked jobs wait; each
+    jittered by --jitter where it is a backoff."""
+    __slots__ = ("base", "most", "probe_max", "jitter")
+
+    def __init__(self, base, most, probe_max, jitter):
+        self.base, self.most = float(base), float(most)
+        self.probe_max, self.jitter = float(probe_max), float(jitter)
+
+    def _jittered(self, d):
+        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
+
+    def retry(self, attempt, asked=None):
+        """The wait after a job's `attempt`-th run failed: what the handler
+        `asked` (RetryLater, a server's Retry-After) capped at
+        --backoff-max, else the backoff of that attempt."""
+        if asked is not None:
+            return min(asked, self.most)
+        return self._jittered(min(self.base * 2 ** min(attempt - 1, 60),
+                                  self.most))
+
+    def at_least(self, asked, attempt):
+        """A server's Retry-After is a lower bound, not leave to hammer it
+        ("Retry-After: 0" a thousand times): the backoff holds too."""
+        return max(asked or 0.0, self.retry(attempt))
+
+    def probe(self, n):
+        """A held destination's n-th wait: --backoff-base doubling to
+        --probe-max (and never past --backoff-max), jittered: a link that
+        comes back is used within --probe-max, whatever a job's backoff."""
+        return self._jittered(min(self.base * 2 ** min(n - 1, 60),
+                                  self.probe_max, self.most))
+
+    def dest(self, asked, streak):
+        """A failing destination's wait: grows with its streak, not with
+        the attempts its jobs spent, to --probe-max; a server's Retry-After
+        (or a handler's RetryLater) sets it, capped at --backoff-max."""
+        return min(asked, self.most) if asked else self.probe(streak)
+
+    def held_type(self, last):
+        """A type held for its missing handler: its wait doubles from
+        --backoff-base (at least 1 s), to --backoff-max and 5 minutes."""
+        return min(max(last * 2 if last else self.base, 1.0), self.most, 300.0)
+
+    def parked(self):
+        """How long a held destination's jobs wait past the hold's next
+        probe: the probes take them in turn and the release makes them
+        ready; this is only for a release that never comes."""
+        return min(max(10 * self.most, 60.0), 3600.0)
+
+
+class _Resolver(object):
+    """The handlers of a worker, by type (myq(1) HANDLERS): --handlers'
+    executables, the functions of --module and of Worker(handlers=...)
+    (`handlers`, the worker's dict), and the built-in types of
+    _BUILTIN_TYPES (`kinds`), each one object holding its connections
+    (`http`: HttpHandler and its HttpPool; `mqtt`: MqttHandler and its
+    brokers), sharing one uplink (--uplink-rate)."""
+
+    def __init__(self, spool, options, handlers, module):
+        o = options
+        self.spool, self.handlers, self.module = spool, handlers, module
+        self.handlers_dir = o.handlers_dir
+        self._py = {}               # type -> its PyHandler (resolve)
+        self.uplink = Uplink(o.uplink_rate) if o.uplink_rate else None
+        if self.uplink is not None:     # its bytes by type: the forecast
+            self.uplink.on_sent = self._sent
+        self.kinds = dict((name, make(o, self.uplink)) for name, (_, make, _)
+                          in sorted(_BUILTIN_TYPES.items()))
+        self._keys = [(key, name) for name, (key, _, _)
+                      in sorted(_BUILTIN_TYPES.items())]
+        self.http, self.mqtt = self.kinds.get("http"), self.kinds.get("mqtt")
+
+    def _sent(self, run, n):
+        """A run's n bytes booked on the uplink, by its type (locks/rates)."""
+        job = getattr(getattr(run, "claim", None), "job", None)
+        t = job.get("type") if isinstance(job, dict) else None
+        if isinstance(t, str) and _is_name(t):
+            self.spool.budget.sent(t, n)
+
+    def close(self):
+        """The kept connections closed (the end of Worker.run)."""
+        for h in self.kinds.values():
+            h.close()
+
+    def resolve(self, type, rules=None):
+        """(handler, None): its Handler, or (None, why not).  `rules`: the
+        type's, when the caller has them."""
+        rules = self.spool.rules(type) if rules is None else rules
+        builtin = rules.get("handler")
+        if builtin is None:
+            for key, name in self._keys:
+                if rules.get(key):
+                    builtin = name
+                    break
+        h = self.kinds.get(builtin) if builtin is not None else None
+        if h is not None:
+            return h.resolve(type)
+        if self.handlers_dir:
+            path = os.path.join(self.handlers_dir, type)
+            if os.path.isfile(path):
+                if os.access(path, os.X_OK):
+                    return ExecHandler(path), None
+                return None, ("handler %s is not executable (chmod +x %s)"
+                              % (path, path))
+        fn = self.handlers.get(type)
+        if callable(fn) and not type.startswith("_"):
+            h = self._py.get(type)
+            if h is None or h.target is not fn:     # (one a type, not a job)
+                h = self._py[type] = PyHandler(fn)
+            return h, None
+        h = self.kinds.get(type)
+        if h is not None:
+            return h.resolve(type)
+        return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
+                      % (type, "--handlers " + self.handlers_dir
+                         if self.handlers_dir else "no --handlers",
+                         "--module" if self.module else "no --module"))
+
+
+
+def _abort(run):
+    """Cut the http request of a run from the worker's thread: its blocked
+    read returns at once and the run ends."""
+    conn = run.conn
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        import socket
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _cannot_run(path, e):
+    """Why an executable handler did not start, in words that name the
+    culprit: "No such file or directory" for a file that exists means its
+    #! interpreter is missing."""
+    why = getattr(e, "strerror", None) or str(e)
+    errno_ = getattr(e, "errno", None)
+    if errno_ in (errno.ENOENT, errno.ENOEXEC, errno.EACCES) and os.path.isfile(path):
+        head = _read_small(path, 256) or b""
+        line = head.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+        if errno_ == errno.ENOEXEC or not line.startswith("#!"):
+            return ("cannot run %s: not a program (no #! line; start a script "
+                    "with e.g. #!/bin/sh)" % path)
+        if errno_ == errno.ENOENT:
+            return ("cannot run %s: its interpreter is missing (%s); install "
+                    "it or fix the #! line" % (path, line))
+    return "cannot run %s: %s" % (path, why)
+
+
+def _tb_tail(e, lines=6):
+    """The last lines of an exception's traceback (where it was raised)."""
+    try:
+        import traceback
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:       # a broken __str__, no traceback module
+        return None
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def _exc_text(e):
+    msg = str(e)
+    return "%s: %s" % (type(e).__name__, msg) if msg else type(e).__name__
+
+
+def _drain(fd):
+    """Read what a pipe holds; True when there was something."""
+    got = False
+    try:
+        while os.read(fd, 4096):
+            got = True
+    except OSError:
+        pass
+    return got
+
+
+# The scheduler ###############################################################
+#
+# Which job a worker starts next: the lanes (incoming/ and its typed and
+# prioritised lanes), each with a bounded scan cache refilled by passes over
+# its directory; the gates (pause, a held destination, concurrency slots,
+# rates, batch_wait); a held destination's probes.  An object the worker
+# holds (Worker.sched), with the state it keeps.
+
+class LiveFirst(object):
+    """The choice of a lane whose type has order=live-first (myq(1) policy
+    `order`), kept apart from the scan and the gates: among the due
+    entries of the lane's scan cache, (mtime, name, scheduled), the live
+    ones (made within `live` of now) start first, oldest first; the
+    backlog (made before) in created_at order, then id, and while live
+    jobs wait it takes `backlog_share` percent of the starts (a credit
+    that grows by the share at each choice of a live one, spent by a
+    backlog job: 50 alternates, 0 starts the backlog only when no live
+    job waits).  Live jobs never wait for the backlog's turn when none of
+    it is due, nor the backlog for live jobs that are gone.
+
+    The store's scan puts the lane's live jobs in its cache beside its
+    earliest (Claims.scan: `live_cut`; created, by name, where the store
+    keeps created_at: SQLite); files estimate a job's created_at by its
+    id, where myq made it (ids sort by creation), else by its mtime
+    (available_at).  `head` moves its choice to the cache's end, where
+    the scheduler takes a lane's next job (_head, _next_claim); asked
+    again before that one is taken, it gives it again (no share spent);
+    `more` (a batch filling up): only of the kind of the last choice, so
+    that a batch is all live or all backlog."""
+    __slots__ = ("seen", "n", "live", "back", "credit", "created", "last",
+                 "until", "live_s", "look")
+
+    def __init__(self):
+        self.seen, self.n, self.until, self.look = None, -1, 0.0, 0.0
+        self.live, self.back = [], []
+        self.credit, self.created, self.last = 0.0, {}, None
+        self.live_s = LIVE_DEFAULT
+
+    def live_cut(self, now):
+        """Jobs made before it are the backlog."""
+        return now - self.live_s
+
+    def looked(self, took):
+        """A scan read the lane again for its arrivals (a dirty lane) in
+        `took` seconds: the next such read not before 20 times that has
+        passed (at most 1 s: an arrival waits no longer to be seen), so
+        that a deep lane's reads take at most 5 % of the worker's time."""
+        self.look = _mono() + min(1.0, 20.0 * took)
+
+    def created_of(self, name, m):
+        t = self.created.get(name)
+        if t is None:
+            stem = name[:-5]
+            t = int(stem[:13]) / 1000.0 if _is_generated_id(stem) else m
+        return t
+
+    def _split(self, cache, now):
+        """The due entries of `cache` as the two lines, each in reverse
+        (the next at its end); until when that holds."""
+        cut = self.live_cut(now)
+        live, back, until = [], [], float("inf")
+        for e in cache:
+            if not e[1]:
+                continue
+            if e[0] > now:
+                until = min(until, e[0])        # it comes due then
+                continue
+            t = self.created_of(e[1], e[0])
+            if t >= cut:
+                live.append(e)
+                until = min(until, t + self.live_s)     # it ages then
+            else:
+                back.append((t, e[1], e))
+        live.sort(reverse=True)
+        back.sort(reverse=True)
+        self.live, self.back, self.until = live, [b[2] for b in back], until
+        self.seen, self.n = cache, len(cache)
+
+    def head(self, L, now, rules, more=False, no_wait=False):
+        """Lane L's next job under live-first, moved to L.cache's end (the
+        scheduler's head), or None when none of the kind `more` wants is
+        due (L.next_due: when live jobs' batch_wait ends, if that is why).
+        The cache's last entry is due and named when asked."""
+        self.live_s = rules.get("live", LIVE_DEFAULT)
+        share = rules.get("backlog_share", BACKLOG_SHARE_DEFAULT) / 100.0
+        cache = L.cache
+        if not more and self.last is not None and cache is self.seen and \
+                len(cache) == self.n + 1 and cache[-1] is self.last[1]:
+            return cache[-1]        # the choice not taken yet: the same
+        if cache is not self.seen or len(cache) != self.n or now >= self.until:
+            self._split(cache, now)
+        n, wait = rules.get("batch"), rules.get("batch_wait")
+        while True:
+            if not more and self.live and n and wait and not no_wait and \
+                    len(self.live) < n and self.live[-1][0] + wait > now:
+                # a live batch waits its batch_wait (myq(1) batches) as it
+                # would without a backlog: the backlog's batches go meanwhile
+                if not self.back:
+                    L.next_due = self.live[-1][0] + wait
+                    return None
+                kind = "back"
+            elif more:
+                kind = self.last[0] if self.last else "live"
+            elif not self.live:
+                kind = "back"
+            elif not self.back or share <= 0:
+                kind = "live"
+            else:
+                self.credit = min(self.credit + share, 1.0 + share)
+                kind = "live"
+                if self.credit >= 1.0:
+                    self.credit -= 1.0
+                    kind = "back"
+            e = self._take(cache, kind)
+            if e is not False:
+                return e
+
+    def _take(self, cache, kind):
+        """The next of line `kind` moved to the cache's end; None when the
+        line is empty, False when its next was taken meanwhile."""
+        line = self.live if kind == "live" else self.back
+        if not line:
+            return None
+        e = line.pop()
+        try:
+            i = cache.index(e)
+        except ValueError:
+            return False                # taken meanwhile
+        if i != len(cache) - 1:
+            cache.append(cache.pop(i))
+        self.n = len(cache) - 1         # (once the scheduler takes it)
+        self.last = (kind, e)
+        return e
+
+
+class _HoldTimes(dict):
+    """A worker's held destinations, DEST -> until (wall clock): a dict
+    that also knows which of them its loop may have a probe of due
+    (_Scheduling._next_claim): those that are not its own types held for
+    a missing handler (probed through their lanes and parked jobs).  It
+    keeps a time no later than the soonest of theirs (every until set
+    lowers it), and only once that is due looks through that list, made
+    again when a destination came or went: an idle poll with 8,000 types
+    held compares one number, not a pass over them (issue 36)."""
+    __slots__ = ("_gen", "_key", "_others", "_soonest")
+
+    def __init__(self, *args):
+        dict.__init__(self, *args)
+        self._gen, self._key, self._others = 0, None, ()
+        self._soonest = -float("inf")
+
+    def __setitem__(self, dest, until):
+        if dest not in self:
+            self._gen += 1
+        if until < self._soonest:
+            self._soonest = until
+        dict.__setitem__(self, dest, until)
+
+    def __delitem__(self, dest):
+        self._gen += 1
+        dict.__delitem__(self, dest)
+
+    def pop(self, dest, *default):
+        if dest in self:
+            self._gen += 1
+        return dict.pop(self, dest, *default)
+
+    def clear(self):
+        self._gen += 1
+        dict.clear(self)
+
+    def update(self, *args, **kv):
+        self._gen += 1
+        self._soonest = -float("inf")
+        dict.update(self, *args, **kv)
+
+    def setdefault(self, *args):
+        self._gen += 1
+        self._soonest = -float("inf")
+        return dict.setdefault(self, *args)
+
+    def popitem(self):
+        self._gen += 1
+        return dict.popitem(self)
+
+    def due(self, now, own):
+        """The destinations whose probe is due at `now`, in order, but
+        those in `own` (the types this worker holds itself)."""
+        if now < self._soonest:
+            return ()
+        key = (self._gen, len(own))
+        if key != self._key:
+            self._key = key
+            self._others = [d for d in self if d not in own]
+        out, soonest = [], float("inf")
+        for d in self._others:
+            until = dict.get(self, d)
+            if until is None or d in own:
+                continue
+            if until <= now:
+                out.append(d)
+            soonest = min(soonest, until)   # (a due one not probed: again)
+        self._soonest = soonest
+        return out
+
+
+class _Lane(object):
+    """A directory of waiting jobs as one worker sees it: incoming/ itself,
+    or incoming/lanes/TYPE@PRIORITY, with its scan cache (`order`: its
+    LiveFirst, when its type's order is live-first)."""
+    __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
+                 "soonest", "next_due", "blocked", "slot", "probe", "rated",
+                 "dest", "key", "path", "order", "quiet")
+
+    def __init__(self, sub, type=None, prio=0, path=None):
+        self.sub, self.type, self.prio, self.path = sub, type, prio, path
+        self.cache, self.cache_full, self.dirty = [], False, True
+        self.sweep = self.soonest = self.next_due = None
+        self.blocked = 0.0          # wall time before which it is not tried
+        self.slot = self.probe = self.dest = self.key = self.order = None
+        self.quiet = None
+        self.rated = False
+
+    def end_sweep(self):
+        if self.sweep is not None:
+            self.sweep.close()
+            self.sweep = None
+
+
+class _Scheduler(object):
+    """The worker's choice of its next job: its lanes and their scan
+    caches, the gates of a start, the probes of held destinations.  What
+    it reads of the others it is given: `holds` (what is held, until
+    when), `runs` (the worker's runs: a type's concurrency) and `tick`
+    (the worker's heartbeat, kept on time inside long passes)."""
+
+    def __init__(self, spool, log, options, delays, holds, runs, tick):
+        self.spool, self.log, self.delays = spool, log, delays
+        self.holds, self.runs, self._tick = holds, runs, tick
+        self.poll, self.scan_cache = options.poll, options.scan_cache
+        self.max_attempts = options.max_attempts
+        self.me = None              # the worker's Identity (start)
+        self._top = _Lane("incoming", path=spool.d("incoming"))
+        self._lanes, self._lanes_key = [self._top], None
+        self._lanes_look = 0.0      # no lanes yet: when to look again
+        self._taken = (None, None, None)    # the last claim's slot, probe, lane
+        self._no_wait = False       # --once, --drain: no batch_wait
+        self.next_due = None        # when a job comes due (wall clock)
+        self._dir_key = None        # incoming/'s change key, last seen
+        self._own_since = None      # incoming/ changed by this worker alone since
+        self._poked = False         # a poke _wait drained, for _sync_lanes
+        self._pol_said = None       # the policy's problem last logged
+        self._clock_offset = _now() - _mono()
+        self._wake_fds, self._wake_poll = [], None  # locks/wake (start)
+        self._noted = {}            # the last stop's note: sub -> (key, soonest)
+
+    def start(self, me, select):
+        """At the start of Worker.run(): its identity, the wake-up FIFO
+        opened (with a poll object: a look without an exception), the last
+        stop's note of the lanes taken (_use_note)."""
+        self.me = me
+        self._noted = self._take_note()
+        self._wake_fds = self._open_wake()
+        self._wake_poll = None
+        if self._wake_fds and hasattr(select, "poll"):
+            self._wake_poll = select.poll()
+            for fd in self._wake_fds[0::2]:     # (a RAM tier's FIFO too)
+                self._wake_poll.register(fd, select.POLLIN)
+
+    def close(self):
+        """At the end of run(): the FIFO closed, the passes ended, the
+        lanes' slots given back; a later run starts afresh."""
+        for fd in self._wake_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_fds, self._wake_poll = [], None
+        self._write_note()
+        self._end_sweep()
+        for L in self._lanes:
+            L.cache, L.dirty = [], True
+            if L.slot is not None:
+                os.close(L.slot)
+                L.slot = None
+
+    def _check_incoming(self):
+        """On each poll tick: rescan only when incoming/ changed (a shell
+        producer's mv does not poke the FIFO) or the wall clock jumped; the
+        policy, when its file changed."""
+        # The door's descriptors are opened (and checked) again from here
+        # on: a directory replaced meanwhile is not used through its old one.
+        self.spool.fs.close()
+        self.spool.policy()
+        if self.spool.policy_error != self._pol_said:
+            self._pol_said = self.spool.policy_error      # (said once)
+            if self._pol_said:
+                self.log("warning", problem=self._pol_said)
+        key, racy = self.spool.claims.change_key()
+        own = self._own_since
+        if own is not None:         # (only this worker's changes: _dirty_home)
+            racy = _mono() - own > 5.0
+        if key != self._dir_key or racy:
+            self._dir_key, self._own_since = key, None  # (a pass sees all)
+            self.dirty = True
+        for L in self._lanes:
+            if L is not self._top:
+                # (a lane's jobs came without a poke: _hush; a stat each)
+                k, racy = self.spool.claims.lane_key(L)
+                if k != L.key or racy:
+                    L.key, L.dirty = k, True
+        offset = _now() - _mono()
+        if abs(offset - self._clock_offset) > 2.0:
+            self.log("clock_jump", seconds=offset - self._clock_offset)
+            self._clock_offset = offset
+            self.dirty = True
+            self.next_due = None
+
+    def _rescan(self, L=None):
+        """Refill lane L's scan cache (default: incoming/ itself) with its N
+        earliest jobs: the store's scan (Claims.scan), or the last stop's
+        note of it.  A pass starts with the lane's key read (not racy): what
+        changes during it changes the key (_check_incoming), what did not
+        needs no pass at the next look (_current)."""
+        L = L or self._top
+        if L.sweep is None:
+            k, racy = self._lane_key(L)
+            k = None if racy else k
+            if L is self._top:
+                self._dir_key, self._own_since = k, None
+            else:
+                L.key = k
+            if self._noted and self._use_note(L, k):
+                return
+        self.spool.claims.scan(L, self.scan_cache, self._tick)
+
+    def _lane_key(self, L):
+        claims = self.spool.claims
+        return claims.change_key() if L is self._top else claims.lane_key(L)
+
+    def _current(self, L):
+        """Does lane L's cache hold what waits there (no change since its
+        last pass: its key the same, not racy), so that a fresh look
+        (--once, --drain) need not read it again?"""
+        if L.dirty or L.sweep is not None or L.order is not None or \
+                L is self._top and self._own_since is not None:
+            return False
+        k, racy = self._lane_key(L)
+        return not racy and k is not None and \
+            k == (self._dir_key if L is self._top else L.key)
+
+    # The note of a stop (locks/scanned): a deep lane's pass (100,000 jobs
+    # not due: 1.3 G instructions on files, a stat each) is not made again
+    # at the next start when nothing changed in between (Claims.lasting_key).
+
+    def _take_note(self):
+        """The last stop's note, removed (a worker killed leaves none)."""
+        if not self.spool.claims.lasting_key:
+            return {}
+        path = self.spool.d("locks", SCAN_NOTE)
+        raw = _read_small(path, 65536)
+        if raw is None:
+            return {}
+        _quiet_unlink(path)
+        try:
+            note = json.loads(raw.decode("utf-8"))
+            if _now() < note["at"]:
+                return {}           # the clock went back since: a pass
+            return dict((sub, (tuple(k), float(t)))
+                        for sub, (k, t) in note["lanes"].items())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return {}
+
+    def _use_note(self, L, key):
+        """Lane L's cache from the note, when its key is still the one
+        noted: a marker at its soonest job, as a pass would end."""
+        k, t = self._noted.pop(L.sub, (None, None))
+        if key is None or k != key or t <= _now():
+            return False
+        L.cache, L.cache_full, L.dirty, L.next_due = [(t, "", False)], False, \
+            False, None
+        return True
+
+    def _write_note(self):
+        """At a stop: the soonest job of each lane whose cache holds what
+        waits there, none of it due (a deep lane's: its pass ended with a
+        marker); nothing when no lane is such."""
+        if not self.spool.claims.lasting_key or not self.me:
+            return
+        now, lanes = _now(), {}
+        for L in self._lanes:
+            if L.cache and L.cache[-1][0] > now and self._current(L):
+                key = self._dir_key if L is self._top else L.key
+                lanes[L.sub] = [list(key), L.cache[-1][0]]
+        if lanes:
+            try:
+                _replace(self.spool.d("locks", SCAN_NOTE), json.dumps(
+                    {"at": now, "lanes": lanes}).encode("utf-8"))
+            except (OSError, ValueError):
+                pass            # (no note: the next start makes a pass)
+
+    # The top lane (incoming/ itself) under the names the scan had before
+    # there were lanes.
+    @property
+    def dirty(self):
+        return self._top.dirty
+
+    @dirty.setter
+    def dirty(self, value):
+        if value:
+            self._lanes_look = 0.0      # a producer's lane may be new
+        for L in self._lanes:
+            L.dirty = L.dirty or value
+
+    @property
+    def _sweep(self):
+        return self._top.sweep
+
+    @_sweep.setter
+    def _sweep(self, value):
+        self._top.sweep = value
+
+    def _end_sweep(self):
+        for L in self._lanes:
+            L.end_sweep()
+            if L.quiet is not None:         # (the worker stops)
+                self._hush(L, None)
+
+    def _woken(self):
+        """A poke (a producer's enqueue, a worker's retry or release, this
+        worker's own): incoming/ is read again when its key changed, the
+        lanes when theirs did (_sync_lanes, told of the poke)."""
+        self._poked = True
+        self._lanes_look = 0.0
+        self._look_top()
+
+    def _look_top(self):
+        """incoming/ read again at its next look when its key changed."""
+        key, racy = self.spool.claims.change_key()
+        if key != self._dir_key or racy and self._own_since is None:
+            self._dir_key, self._own_since = key, None
+            self._top.dirty = True
+
+    def _dirty_home(self, job, until=None, pre=None):
+        """A job put back waiting (until: its time, when later than now;
+        `pre`: incoming/'s key before the move, which tells another's
+        change since the last look from this one's):
+        its lane's cache is stale, no other's; not even its own when the
+        lane's last pass ended with a marker (a deep directory of jobs not
+        due: 8,000 parked) no later than `until`: the pass that marker
+        starts sees it (review: each job parked again made a pass over all
+        of incoming/, 3-6 % of a core)."""
+        sub = self.spool.home(job)
+        for L in self._lanes:
+            if L.sub == sub:
+                if not L.dirty and until is not None and L.sweep is None \
+                        and L.cache and self._seen_later(L, until) \
+                        and (L is not self._top or pre == self._dir_key):
+                    if L is self._top:
+                        # (this change of incoming/ is known: not another's;
+                        # one made in the same jiffy, which leaves the key
+                        # as it is, is seen within 5 s, _check_incoming)
+                        self._dir_key = self.spool.claims.change_key()[0]
+                        self._own_since = self._own_since or _mono()
+                    return
+                L.dirty = True
+                return
+        self._lanes_look = 0.0          # a lane new since: learnt there
+
+    @staticmethod
+    def _seen_later(L, until):
+        """Will lane L's next pass come by `until` anyway?  Its last pass
+        ended with a marker no later (a deep directory), or its cache
+        holds the N earliest of more, all no later (the pass that follows
+        them sees it)."""
+        marks = [e[0] for e in L.cache if not e[1]]
+        if marks:
+            return min(marks) <= until
+        return L.cache_full and L.cache[0][0] <= until
+
+    def _sync_lanes(self, fresh=False):
+        """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
+        producer poked the wake FIFO since (read here at each claim: while
+        jobs run back to back the loop's select comes only now and then),
+        which changed: a stat each."""
+        # (the FIFO asked once a claim: poll() is cheap, not free)
+        fifo = self._wake_poll
+        was, self._poked = self._poked, False       # (drained by _wait: _woken)
+        waiting = was or fifo is not None and bool(fifo.poll(0))
+        # What a producer's poke can have changed: the lanes that got jobs,
+        # where the store can say (Claims.arrived); else incoming/ by its
+        # key (_woken, when _wait drained the poke) and the lanes below by
+        # theirs (below).
+        arrived = self.spool.claims.arrived() if waiting else None
+        if arrived is not None:
+            for L in self._lanes:
+                if L.sub in arrived:
+                    L.dirty = True
+            self._lanes_look = 0.0
+        if self._lanes_key is None:
+            # No lanes yet: look for incoming/lanes/ when a poke waits in
+            # the FIFO (the job may have made the first lane), after a
+            # change of incoming/ (the dirty setter), at a fresh look (the
+            # scan may have moved producers' files to new lanes), else
+            # every 50 ms: not at each claim, where the path lookup was 5%
+            # of a drained job.
+            now = _mono()
+            if now < self._lanes_look and not fresh and not waiting:
+                return
+            self._lanes_look = now + 0.05
+            if not self.spool.claims.maybe_lanes():
+                return  # no lanes, as before
+        key = self.spool.claims.lanes_key(waiting)
+        if key is None and key == self._lanes_key:
+            return                      # no lanes: nothing to learn
+        wake = self._wake_fds
+        if not wake:
+            poked = True
+        elif fifo is not None and not waiting:
+            poked = False
+        else:
+            poked = any([_drain(fd) for fd in wake[0::2]]) or waiting
+        for L in self._lanes if poked and arrived is None else ():
+            if L is self._top:
+                # (a poke drained here, not by _wait: incoming/ too, so
+                # that a job there keeps its place by its time)
+                self._look_top()
+            else:
+                # (a time that recent proves nothing: see change_key)
+                k, racy = self.spool.claims.lane_key(L)
+                if k != L.key or racy:
+                    L.key, L.dirty = k, True
+        if key == self._lanes_key:
+            return
+        self._lanes_key = key
+        have = dict((L.sub, L) for L in self._lanes)
+        lanes = [self._top]
+        for p, t, sub in self.spool.claims.worker_lanes():
+            lanes.append(have.pop(sub, None) or _Lane(sub, t, p,
+                                                      self.spool.d(sub)))
+        have.pop(self._top.sub, None)
+        for L in have.values():
+            L.end_sweep()
+        lanes.sort(key=lambda L: -L.prio)       # stable: incoming/ first of 0
+        self._lanes = lanes
+
+    def _head(self, L, force=False, more=False):
+        """Lane L's next job that is due now, (mtime, name, scheduled), or
+        None (L.next_due: when one will be).  A lane of a live-first type
+        chooses through its LiveFirst (`more`: a batch filling up)."""
+        forced = restarted = False
+        if L.type is not None:
+            rules = self.spool.rules(L.type)
+            live = rules.get("order") == "live-first"
+            if live != (L.order is not None):
+                L.order, L.dirty = LiveFirst() if live else None, True
+        if force and self._current(L):
+            force = False       # (nothing changed since its pass: not again)
+        while True:
+            self._tick()            # (the worker's heartbeat, on time)
+            if not L.cache:
+                if not (L.dirty or L.cache_full or (force and not forced)):
+                    return None
+                forced = True
+                self._rescan(L)
+                if not L.cache:
+                    if L.sweep is None:
+                        return None
+                    continue            # an open pass goes on
+            m, name, scheduled = L.cache[-1]
+            if m > _now():
+                if L.dirty or (force and not forced):
+                    forced = True
+                    self._rescan(L)
+                    continue
+                L.next_due = m
+                return None
+            if not name:                # a pass's marker: time for the next
+                L.cache.pop()
+                L.dirty = True
+                if restarted:           # nothing claimable: not again now,
+                    L.next_due = _now() + min(self.poll, 0.25)  # soon
+                    return None
+                restarted = True
+                continue
+            if L.order is not None:
+                if L.dirty and L.sweep is None and not forced and \
+                        _mono() >= L.order.look:
+                    forced = True       # live jobs come at the end: read
+                    took = _mono()      # what came since (the earliest
+                    self._rescan(L)     # alone do not need it), in at
+                    L.order.looked(_mono() - took)  # most 5 % of the time
+                    continue
+                return L.order.head(L, _now(), rules, more, self._no_wait)
+            return L.cache[-1]
+
+    def _next_claim(self, force=False):
+        """The next job to start: among the lanes whose type may start one
+        now, the highest priority, then the earliest, then the id."""
+        budget = 256        # files that could not be claimed, before a break
+        inf = float("inf")
+        fresh = False       # force: a fresh look at every lane, once, when
+        while True:         # the caches gave nothing
+            self._sync_lanes(fresh)
+            # the time for the holds and the gates of typed lanes (none:
+            # not read)
+            now = _now() if self.holds.until or len(self._lanes) > 1 else None
+            best, due = None, inf
+            for dest in self.holds.until.due(now, self.holds.missing) \
+                    if self.holds.until else ():
+                c = self._probe_claim(dest)
+                if c is not None:
+                    return c
+            if self.spool.intake:
+                # Producers' files are being moved to their lanes: go on
+                # with incoming/ first, so that their bounds see them all
+                # before any of them starts (myq(1) policy: "at the next scan").
+                head = self._head(self._top, fresh)
+                if head is not None:
+                    best = (self._top, head)
+                self.spool.intake = False
+            for L in self._lanes if best is None else ():
+                if best is not None and L.prio < best[0].prio:
+                    break
+                if L.type is not None:
+                    wait = self._gate(L, now)
+                    if wait is not None:
+                        due = min(due, wait)
+                        continue
+                head = self._head(L, fresh)
+                if head is None:
+                    if L.next_due is not None:
+                        due = min(due, L.next_due)
+                    continue
+                if L.type is not None:
+                    wait = self._batch_wait(L, now)
+                    if wait is not None:
+                        due = min(due, wait)
+                        self._hush(L, wait)
+                        continue
+
+                if best is None or head[:2] < best[1][:2]:
+                    best = (L, head)
+            if best is None and force and not fresh:
+                fresh = True
+                continue
+            if best is None:
+                self.next_due = None if due == inf else due
+                return None
+            L, (m, name, scheduled) = best
+            if L.type is not None:
+                wait = self._reserve(L, L.sub + "/" + name)
+                if wait is not None:
+                    continue            # another worker was faster
+            L.cache.pop()
+            c = self._lane_claim(L, name, scheduled)
+            if c is not None:
+                return c
+            self._unreserve(L)
+            budget -= 1
+            if budget <= 0 and not force:
+                # A flood of bad files: the loop's housekeeping (reaping,
+                # the status line, commits) goes first, then on at once.
+                self.next_due = _now()
+                return None
+
+    def _lane_claim(self, L, name, scheduled, anytime=False):
+        """Claim NAME of lane L, what _reserve took for it handed to the
+        run (_start), or None (L keeps it: the caller gives it back)."""
+        claims = self.spool.claims
+        # (a claim from incoming/ changes it, where the store's claims say
+        # so: known, unless another's change came first; see _dirty_home)
+        pre = L is self._top and claims.claim_changes_key \
+            and claims.change_key()[0]
+        try:
+            c = claims.claim(name, self.me, self.max_attempts, scheduled,
+                             L.sub, anytime=anytime)
+        except BaseException:
+            self._unreserve(L)
+            raise
+        if pre and pre == self._dir_key:
+            self._dir_key = claims.change_key()[0]
+            self._own_since = self._own_since or _mono()
+        if c is not None:
+            self._taken = (L.slot, L.probe, L)
+            L.slot = L.probe = None
+            L.rated = False
+            if L.quiet is not None:
+                self._hush(L, None)
+        return c
+
+    def _hush(self, L, until):
+        """Lane L's batch waits out its batch_wait until `until` (wall
+        clock): producers need not poke for it meanwhile (locks/quiet/LANE,
+        its mtime that time on the monotonic clock: Producer.hushed), as
+        this worker looks at the lane then; None: poke again (its batch
+        starts, the worker stops).  Either way the lane is scanned at its
+        next claim: what came without a poke is found there."""
+        if until == L.quiet:
+            return
+        L.quiet, L.dirty = until, True
+        try:
+            path = self.spool.claims.quiet_mark(L, until is not None)
+            if until is None:
+                _quiet_unlink(path)
+                return
+            if not _lexists(path):
+                os.close(_open(path, os.O_WRONLY | os.O_CREAT))
+            _utime(path, _mono() + max(0.0, until - _now()))
+        except OSError:
+            L.quiet = None                  # (pokes come: only wasted)
+
+    def _ready_now(self):
+        """For --drain: is any job ready now (after a fresh scan)?  Jobs of
+        a paused type or a held destination are not, unless a probe is
+        due."""
+        self._sync_lanes(True)
+        now = _now()
+        for L in self._lanes:
+            if L.type is not None and (self.spool.rules(L.type).get("paused") or
+                                       self.holds.until.get(L.dest or L.type, 0) > now):
+                continue        # (a rate or a slot only makes ready jobs wait)
+            if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
+                return True
+            if L.cache and L.cache[-1][0] > now and self._current(L):
+                continue        # its pass, or the note, still holds: none due
+            self._rescan(L)
+            while not L.cache and L.sweep is not None:
+                self._rescan(L)
+            if L.cache and L.cache[-1][0] <= _now():
+                return True
+        return False
+
+    def _gate(self, L, now):
+        """None when a job of lane L may start now, else the wall time when
+        it may (inf: not by time: a pause, all slots busy here)."""
+        rules = self.spool.rules(L.type)
+        if rules.get("paused"):
+            return float("inf")
+        until = self.holds.until.get(L.dest or L.type)
+        if until is not None and until > now:
+            return until
+        n = rules.get("concurrency")
+        if n is not None and sum(1 for r in self.runs
+                                 if r.claim.job["type"] == L.type) >= n:
+            return float("inf")
+        if L.blocked > now:
+            return L.blocked
+        return None
+
+    def _batch_wait(self, L, now):
+        """None when lane L's batch may start now, else the wall time when
+        it may: up to batch_wait after its first ready job, unless a whole
+        batch is ready (myq(1) batches: for every claim, so asked after the scan
+        that found the jobs; --drain and --once do not wait)."""
+        if self._no_wait:
+            return None
+        rules = self.spool.rules(L.type)
+        wait, n = rules.get("batch_wait"), rules.get("batch")
+        if not wait or not n:
+            return None
+        ready = [e[0] for e in L.cache if e[1] and e[0] <= now]
+        if not ready or len(ready) >= n:
+            return None
+        first = min(ready) + wait
+        return first if first > now else None
+
+    def _reserve(self, L, job=None):
+        """Take what a start of lane L's type needs: the probe of a held
+        destination (`job`: the one it will be, Breaker.take_probe), a
+        concurrency slot (locks/slots/TYPE.K, flock'd: a kill -9 frees
+        it), a place in the rate's window.  None when taken, else the lane
+        waits (L.blocked) and it returns the time."""
+        sp = self.spool
+        rules = sp.rules(L.type)
+        now = _now()
+        dest = L.dest or L.type
+        if dest in self.holds.until:
+            until = sp.breaker.take_probe(dest, self.delays.probe, job)
+            if until is None:
+                L.blocked = now + min(self.poll, 1.0)
+                return L.blocked
+            if until:
+                self.holds.until[dest] = until
+                L.probe = dest
+            else:
+                self.holds.until.pop(dest, None)     # released meanwhile
+        n = rules.get("concurrency")
+        if n is not None and L.slot is None:
+            L.slot = self._slot(L.type, n)
+            if L.slot is None:
+                L.probe = None
+                L.blocked = now + min(self.poll, 0.25)
+                return L.blocked
+        rate = rules.get("rate")
+        if rate:
+            wait = self._rate_take(L.type, rate)
+            if wait:
+                L.probe = None
+                L.blocked = now + wait
+                return L.blocked
+            L.rated = True
+        return None
+
+    def _unreserve(self, L):
+        """The lane gave no job: give back its slot and its place in the
+        rate's window."""
+        L.probe = None
+        if L.slot is not None:
+            os.close(L.slot)
+            L.slot = None
+        if L.rated:
+            L.rated = False
+            self._rate_take(L.type, self.spool.rules(L.type).get("rate"),
+                            give_back=True)
+
+    def _slot(self, type, n):
+        """One of the type's n slots, or None: a locked descriptor."""
+        d = self.spool.d("locks", "slots")
+        try:
+            self.spool.fs.mkdir("locks/slots")
+        except OSError:
+            return None
+        for k in range(n):
+            try:
+                fd = _lock("%s/%s.%d" % (d, type, k), block=False)
+            except OSError:
+                continue
+            if fd is not None:
+                return fd
+        return None
+
+    def _rate_take(self, type, rate, give_back=False):
+        """Take a start in the type's window (locks/rate/TYPE: this boot's
+        monotonic start times, under flock): 0 when taken, else how long
+        until one is free.  With give_back, return the last one taken."""
+        n, per = rate_of(rate)
+        d = self.spool.d("locks", "rate")
+        try:
+            self.spool.fs.mkdir("locks/rate")
+            fd = _lock(d + "/" + type)
+        except OSError:
+            return 0            # no window to keep: never hold a job for it
+        try:
+            lines = os.pread(fd, 1 << 20, 0).decode("utf-8", "replace").split("\n")
+            now = _mono()
+            times = []
+            if lines[0] == boot_id():
+                for t in lines[1:]:
+                    try:
+                        t = float(t)
+                    except ValueError:
+                        continue
+                    if now - per < t <= now:
+                        times.append(t)
+            if give_back:
+                if times:
+                    times.pop()
+                wait = 0
+            elif len(times) >= n:
+                wait = max(0.001, times[-n] + per - now)
+            else:
+                times.append(now)
+                wait = 0
+            data = "\n".join([boot_id()] + ["%.6f" % t for t in times[-n:]])
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data.encode("utf-8"), 0)
+            return wait
+        except OSError:
+            return 0
+        finally:
+            os.close(fd)
+
+    def _probe_claim(self, dest):
+        """A held destination's probe is due: claim the next of the jobs it
+        put back (locks/held/DEST.jobs), in turn, so that each probe is
+        another job.  None when none is there (a lane's head is then the
+        probe, see _reserve)."""
+        sp = self.spool
+        names = sp.breaker.jobs(dest)
+        if not names:
+            return None
+        # the one after the last probe's job (which a job that came due by
+        # itself may have been, see _start)
+        last = (sp.breaker.record(dest) or {}).get("last")
+        # (a last probe not among them was a lane's head: the recorded jobs
+        # had their turn, the lane's next head is the probe)
+        k = names.index(last) + 1 if last in names else len(names) if last else 0
+        wrapped = k == len(names)
+        names = names[k:] + names[:k]
+        sub = names[0].rpartition("/")[0]
+        L = next((L for L in self._lanes if L.sub == sub), None)
+        if L is not None and L.type is not None:
+            # A start of its type like any other: paused, its slots and its
+            # rate hold for a probe too, taken the lane's own way
+            # (_reserve); and once the recorded jobs had their turn, the
+            # lane's head is the next probe (what the hold kept from
+            # starting is never recorded: the same job was probed forever).
+            L.dest = dest
+            head = self._head(L) if wrapped else None
+            if self._gate(L, _now()) is not None or head is not None and \
+                    sub + "/" + head[1] not in names:
+                return None
+            if self._reserve(L, names[0]) is not None or L.probe != dest:
+                self._unreserve(L)
+                return None
+            for rel in names:
+                if rel.startswith(sub + "/") and sp.claims.waits(rel):
+                    c = self._lane_claim(L, rel.rpartition("/")[2], True,
+                                         anytime=True)
+                    if c is not None:
+                        return c
+            self._unreserve(L)
+            return None
+        until = sp.breaker.take_probe(dest, self.delays.probe, names[0])
+        if not until:
+            if until == 0.0:
+                self.holds.until.pop(dest, None)     # released meanwhile
+                self.dirty = True
+            return None
+        self.holds.until[dest] = until
+        for rel in names:
+            sub, _, name = rel.rpartition("/")
+            if not sp.claims.waits(rel):
+                continue
+            c = sp.claims.claim(name, self.me, self.max_attempts, True, sub,
+                                anytime=True)
+            if c is not None:
+                # (its lane: where the rest of a batch it went in waits)
+                self._taken = (None, dest, _Lane(sub))
+                return c
+        return None
+
+    def _failover_lanes(self):
+        """The holds changed: each lane of a type with destinations to fail
+        over to is gated by where its next start would go (the first not
+        held, else the one due first), not by where its last one went."""
+        now = _now()
+        for L in self._lanes:
+            dests = L.type is not None and L.dest is not None and \
+                self.holds._dests_of_type(L.type)
+            if dests:
+                L.dest = next((d for d in dests if self.holds.until.get(d, 0) <= now),
+                              min(dests, key=lambda d: self.holds.until.get(d, 0)))
+
+    def _open_wake(self):
+        """[read end, write end] of each FIFO the store's producers poke
+        (Claims.wake_paths: the spool's, a RAM tier's)."""
+        fds = []
+        for path in self.spool.claims.wake_paths():
+            fds += self._open_fifo(path)
+        return fds
+
+    @staticmethod
+    def _open_fifo(path):
+        try:
+            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+        except OSError:
+            return []
+        st = os.fstat(r)
+        if not stat.S_ISFIFO(st.st_mode):
+            os.close(r)
+            return []
+        # Our own write end keeps the FIFO from reporting EOF forever after
+        # the first producer closed it.
+        try:
+            w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+        except OSError:
+            os.close(r)
+            return []
+        if os.fstat(w).st_ino != st.st_ino:     # swapped meanwhile
+            os.close(r)
+            os.close(w)
+            return []
+        return [r, w]
+
+
+# Running a job ###############################################################
+#
+# A claimed job (or batch) started through its handler: an exec handler as a
+# process fed on stdin, a Python function inline or in a thread, http and
+# mqtt through their clients; its outcome collected.  An object the worker
+# holds (Worker.runner).
+
+class _Runner(object):
+    """Starting handlers and collecting what they did.  It takes the
+    scheduler's last claim (its slot, probe and lane; a batch's further
+    jobs from its lane), finds the handler (`resolver`), asks the holds
+    where a job goes, and hands every outcome to `finish`.  `runs` is the
+    worker's list of what runs (processes and threads)."""
+
+    def __init__(self, spool, log, options, delays, resolver, sched, holds,
+                 finish, runs):
+        self.spool, self.log, self.delays = spool, log, delays
+        self.resolver, self.sched, self.holds = resolver, sched, holds
+        self.finish, self.runs = finish, runs
+        self.concurrency, self.timeout = options.concurrency, options.timeout
+        self.lease, self.poll = options.lease, options.poll
+        self.max_attempts, self.pass_env = options.max_attempts, options.pass_env
+        self.me = None              # the worker's Identity (start)
+        self._signal = self._pipe = None    # (start)
+        self._main = False          # in the main thread: inline runs (start)
+        self._inline = None         # the run called in this thread now
+        self._timer = 0.0           # the SIGALRM tick armed now (0: none)
+        self._null = None           # /dev/null, for exec handlers' stdout
+
+    def start(self, me, signal, pipe, main):
+        """At the start of Worker.run(): its identity, its signal module,
+        the wake-up pipe a thread's end writes to, and whether this is
+        the main thread (where SIGALRM times an inline run)."""
+        self.me, self._signal, self._pipe, self._main = me, signal, pipe, main
+
+    def stop_all(self):
+        """The end of Worker.run(): what still runs killed (a thread is
+        left to the process's exit), its descriptors closed, its jobs
+        given back."""
+        for run in list(self.runs):
+            self._kill(run, 9)
+            if run.proc is not None:
+                for c in run.batch or [run.claim]:
+                    self.spool.claims.end_handler(c.token)
+            for fd in (run.stdin_fd, run.err_fd):
+                if fd is not None:
+                    os.close(fd)
+            run.stdin_fd = run.err_fd = None
+            self.finish._release(run)
+
+    def close(self):
+        if self._null is not None:
+            os.close(self._null)
+            self._null = None
+
+    def _job_for_handler(self, c):
+        job = dict(c.job)
+        job["attempts"] = c.attempt
+        if job.get("max_attempts") is None:
+            job["max_attempts"] = c.max_attempts
+        return job
+
+    def _start(self, c):
+        (slot, probe, lane), self.sched._taken = self.sched._taken, (None, None, None)
+        rules = self.spool.rules(c.job["type"])
+        handler, why = self.resolver.resolve(c.job["type"], rules)
+        run = _Run(c, handler)
+        run.slot, run.probe = slot, probe      # (_launch times the run)
+        if handler is None:
+            self.finish._hold(run, why)
+            return
+        if c.job["type"] in self.holds.missing:
+            self.holds._unhold(c.job["type"])
+        run.dest = handler.dest(c.job, self, run)
+        if lane is not None and lane.type is not None and run.dest != lane.type:
+            lane.dest = run.dest    # where this lane's jobs go, for its gate
+        until = self.holds.until.get(run.dest)
+        if until is not None and run.probe != run.dest \
+                and self.spool.breaker.record(run.dest) is None:
+            self.holds.until.pop(run.dest, None)     # released by another worker
+            self.sched.dirty = True
+            until = None
+        if until is not None and run.probe != run.dest:
+            new = None if until > _now() else self.spool.breaker.take_probe(
+                run.dest, self.delays.probe, self.spool.waits_at(c.job, c.jid))
+            if new is None:
+                self.finish._park(run, max(until, _now() + self.poll), "destination %s "
+                           "is held" % run.dest, lane=lane)
+                return
+            if new:
+                self.holds.until[run.dest] = new
+                run.probe = run.dest
+            else:
+                self.holds.until.pop(run.dest, None)
+        if run.probe:
+            self.log("probe", dest=run.dest, id=c.jid)
+        n = rules.get("batch")
+        if n and (run.probe or (lane is not None and lane.type == c.job["type"])):
+            # A job of a batched type always goes in a batch's form, and
+            # every batch is recorded, one job alone too: what went out
+            # under one Idempotency-Key goes again under it (a probe sent
+            # alone, then batched with others after a kill, was stored
+            # twice by a receiver that de-duplicates).
+            if run.probe:
+                # A probe is ONE job, whatever the batch (SPEC 9): what a
+                # failed batch's jobs share waits in their files, untouched.
+                run.batch = [c]
+            elif c.job.get("batch_of") and lane is not None:
+                run.batch = self._claim_batch(lane.sub, c)
+            elif c.job.get("batch_of"):
+                run.batch = [c]
+            else:
+                run.batch = [c] + self._claim_more(
+                    lane, c, n - 1, rules.get("batch_bytes"), handler)
+            if not run.probe:
+                self.spool.claims.batches.note(run.batch)
+        self._launch(run)
+
+    def _claim_batch(self, sub, first):
+        """A batch that a dead worker had in flight, formed again (myq(1) batches):
+        the same ids in the same order, so the same Idempotency-Key, of
+        those that still wait in lane `sub`."""
+        sp = self.spool
+        ids = sp.claims.batches.ids(first.job["batch_of"])
+        out = {first.jid: first}
+        for jid in ids:
+            if jid in out or not sp.claims.waits(sub + "/" + jid + ".json"):
+                continue
+            c = sp.claims.claim(jid + ".json", self.me, self.max_attempts, False, sub)
+            if c is not None and c.job.get("batch_of") == first.job["batch_of"]:
+                out[jid] = c
+            elif c is not None:
+                self.finish._release_one(c)
+        order = dict((jid, i) for i, jid in enumerate(ids))
+        return sorted(out.values(), key=lambda c: order.get(c.jid, -1))
+
+    def _launch(self, run):
+        """Run the handler, timed by its limit: it starts as it does
+        (Handler.start: a process, a call here or in a thread)."""
+        run.started = _mono()
+        run.deadline = run.started + run.handler.time_limit(run.claim.job,
+                                                            self.timeout)
+        run.handler.start(self, run)
+
+    def _claim_more(self, L, first, n, limit, handler):
+        """A batch (myq(1) batches): up to n more ready jobs of lane L, within
+        `limit` bytes, of the first's batch key (http: the same request)."""
+        out = []
+        size = len(dumps(first.job))
+        key = handler.batch_key(first.job, self)
+        sp = self.spool
+        while len(out) < n:
+            head = self.sched._head(L, more=True)
+            if head is None:
+                break
+            m, name, scheduled = head
+            try:
+                sz = sp.claims.size(L.sub, name)
+            except OSError:
+                L.cache.pop()
+                continue
+            if limit and size + sz > limit:
+                break
+            L.cache.pop()
+            c = sp.claims.claim(name, self.me, self.max_attempts, scheduled, L.sub)
+            if c is None:
+                continue
+            if (key is not None and handler.batch_key(c.job, self) != key) \
+                    or c.job.get("batch_of"):
+                job = dict(c.job)           # not for this request: back, as
+                job["available_at"] = _now()    # it was, for the next batch
+                self.finish._move(c, job, "incoming", None, {})
+                break
+            size += sz
+            out.append(c)
+        return out
+
+    def _env(self, c):
+        env = {}
+        for k, v in os.environ.items():
+            if k in ("PATH", "HOME", "LANG", "TZ") or k.startswith("LC_") \
+                    or k in self.pass_env:
+                env[k] = v
+        env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        env.update(MYQ_JOB_ID=c.jid, MYQ_JOB_TYPE=c.job["type"],
+                   MYQ_ATTEMPT=str(c.attempt), MYQ_MAX_ATTEMPTS=str(c.max_attempts),
+                   MYQ_SPOOL=self.spool.path,
+                   # marks every process of this run, even one that left
+                   # the handler's session: see kill_run()
+                   MYQ_CLAIM=c.token)
+        return env
+
+    def _spawn(self, run, path):
+        """Start an exec handler in its own session: the payload on a pipe
+        to its stdin, its stderr on a pipe (for last_error), stdout to
+        /dev/null.  The pipes are made here, not by Popen: it would wrap
+        each in a file object (three syscalls apiece) used for nothing."""
+        c = run.claim
+        fds = []
+        try:
+            import subprocess           # here: it can fail with EMFILE too
+            if self._null is None:
+                self._null = os.open(os.devnull, os.O_WRONLY | O_CLOEXEC)
+            fds.extend(os.pipe())       # close-on-exec; Popen dup2s them
+            fds.extend(os.pipe())
+            in_r, in_w, err_r, err_w = fds
+            env = self._env(c)
+            if run.batch:
+                env["MYQ_BATCH"] = str(len(run.batch))
+            proc = subprocess.Popen(
+                [path], stdin=in_r, stdout=self._null, stderr=err_w,
+                env=env, close_fds=True, start_new_session=True)
+        except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
+            for fd in fds:
+                os.close(fd)
+            if getattr(e, "errno", None) in (errno.ENOENT, errno.ENOEXEC,
+                                             errno.EACCES):
+                self.finish._hold(run, _cannot_run(path, e))   # a deployment matter
+            else:
+                self.finish._finish(run, "retry", _cannot_run(path, e))
+            return
+        run.proc = proc
+        # First of all: the handler's pid, for a reaper should we die now.
+        start = proc_start(proc.pid)
+        for one in run.batch or [c]:
+            self.spool.claims.note_handler(one, proc.pid, start)
+        os.close(in_r)
+        os.close(err_w)
+        run.stdin_fd, run.err_fd = in_w, err_r
+        os.set_blocking(in_w, False)
+        os.set_blocking(err_r, False)
+        if run.batch:       # one JSON object a line (myq(1) batches)
+            run.stdin = memoryview(b"".join(json.dumps(
+                {"id": one.jid, "type": one.job["type"], "payload":
+                 one.job["payload"], "attempt": one.attempt}).encode("utf-8")
+                + b"\n" for one in run.batch))
+        else:
+            run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8")
+                                   + b"\n")
+        self.runs.append(run)
+        self._feed(run)
+
+    def _feed(self, run):
+        try:
+            while run.stdin:
+                n = os.write(run.stdin_fd, run.stdin)
+                run.stdin = run.stdin[n:]
+        except BlockingIOError:
+            return
+        except OSError:         # EPIPE: the handler did not read it all
+            pass
+        os.close(run.stdin_fd)
+        run.stdin_fd = None
+
+    def _read_err(self, run, final=False):
+        try:
+            while True:
+                b = os.read(run.err_fd, 65536)
+                if not b:
+                    break
+                run.err += b
+                del run.err[:-STDERR_TAIL]
+        except (BlockingIOError, InterruptedError):
+            if not final:
+                return
+        except OSError:
+            pass
+        os.close(run.err_fd)
+        run.err_fd = None
+
+    def _kill(self, run, sig):
+        """Signal everything the run's handler started (kill_run)."""
+        if run.proc is not None:
+            kill_run(run.proc.pid, sig, run.claim.token)
+
+    def _collect(self):
+        """Finish the runs that ended; enforce time limits."""
+        now = _mono()
+        for run in list(self.runs):
+            if run.handler.spawned:
+                rc = run.proc.poll()
+                if rc is None:
+                    if run.kill_at is not None and now >= run.kill_at:
+                        self._kill(run, 9)
+                        run.kill_at = now + 1.0
+                    elif run.kill_at is None and now >= run.deadline:
+                        run.timed_out = True
+                        self._kill(run, 15)
+                        run.kill_at = now + 2.0
+                        self.log("timeout", id=run.claim.jid, pid=run.proc.pid)
+                    continue
+                if run.timed_out or run.released:
+                    self._kill(run, 9)          # no descendant survives
+                for c in run.batch or [run.claim]:
+                    self.spool.claims.end_handler(c.token)
+                if run.stdin_fd is not None:
+                    os.close(run.stdin_fd)
+                    run.stdin_fd = None
+                if run.err_fd is not None:
+                    self._read_err(run, final=True)
+                self.runs.remove(run)
+                self._exec_outcome(run, rc)
+            else:
+                if run.result is not None:
+                    self.runs.remove(run)
+                    if run.released:
+                        self.finish._release(run)
+                    elif run.timed_out and run.result[0] != "done":
+                        # a built-in handler's time-out is its destination's
+                        run.dest_fail = run.handler.remote
+                        self.finish._finish(run, "retry", "timed out after %gs (%s)" % (
+                            run.deadline - run.started, run.result[1]),
+                            None, run.result[3] if len(run.result) > 3 else None)
+                    else:
+                        self.finish._finish(run, *run.result)
+                elif run.released:
+                    # A thread cannot be killed: the process exits next.
+                    self.runs.remove(run)
+                    _abort(run)
+                    self.finish._release(run)
+                elif now >= run.deadline and not run.timed_out:
+                    # The job stays this run's until the thread returns (it
+                    # is never in flight twice); an http request is cut now.
+                    run.timed_out = True
+                    self.log("timeout", id=run.claim.jid)
+                    _abort(run)
+
+    def _exec_outcome(self, run, rc):
+        if run.released:
+            self.finish._release(run)
+            return
+        tail = bytes(run.err).decode("utf-8", "replace").strip()
+        if run.timed_out:
+            why = "timed out after %gs (process group killed)" % (
+                run.deadline - run.started)
+            self.finish._finish(run, "retry", why + (": " + tail if tail else ""))
+        elif rc == 0:
+            self.finish._finish(run, "done")
+        else:
+            why = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
+            if tail:
+                why += ": " + tail
+            run.dest_fail = rc in (EX_TEMPFAIL, EX_OSERR)
+            if run.dest_fail or not 64 <= rc <= 78:
+                self.finish._finish(run, "retry", why)
+            else:
+                self.finish._finish(run, "dead", why)
+
+    def _call(self, run):
+        """Run an in-process handler; returns (outcome[, error, delay,
+        traceback]).  A batch's function gets the list of its jobs; the
+        built-in handlers send it their way (mqtt: one outcome a job)."""
+        try:
+            if run.batch:
+                return run.handler.call_batch(self, run, [
+                    self._job_for_handler(c) for c in run.batch])
+            run.handler.call(self, run, self._job_for_handler(run.claim))
+            return ("done",)
+        except PermanentError as e:
+            run.unsent = isinstance(e, _Unsent)
+            return ("dead", _exc_text(e), None, _tb_tail(e))
+        except RetryLater as e:
+            run.dest_fail = True    # the destination's failure (myq(1) holds)
+            run.retry_after = getattr(e, "retry_after", e.seconds)
+            return ("retry", _exc_text(e), e.seconds)
+        except Exception as e:
+            return ("retry", _exc_text(e), None, _tb_tail(e))
+
+    def _run_inline(self, run):
+        """concurrency 1 in the main thread: call the handler right here;
+        SIGALRM ticks heartbeat it and enforce the time limit (raising
+        _Timeout into the handler) and the shutdown grace."""
+        signal = self._signal
+        tick = min(0.5, self.lease / 3, max(0.01, run.deadline - run.started))
+        self._inline = run
+        result = None
+        try:
+            if tick != self._timer:     # armed once for a run of jobs
+                signal.setitimer(signal.ITIMER_REAL, tick, tick)
+                self._timer = tick
+            result = self._call(run)
+            self._inline = None
+        except _Timeout:
+            # a built-in handler's time-out is its destination's (_collect)
+            run.dest_fail = getattr(run.handler, "remote", False)
+            result = ("retry", "timed out after %gs (interrupted)"
+                      % (run.deadline - run.started))
+        except _Shutdown:
+            run.released = True
+        finally:
+            self._inline = None
+        if run.released:
+            self.finish._release(run)
+        else:
+            if run.timed_out:
+                self.log("timeout", id=run.claim.jid)
+            self.finish._finish(run, *result)
+
+    def _run_thread(self, run):
+        import threading
+
+        def main():
+            run.result = self._call(run)
+            try:
+                os.write(self._pipe[1], b"t")
+            except OSError:
+                pass
+
+        run.thread = threading.Thread(target=main, name="myq-" + run.claim.jid)
+        run.thread.daemon = True
+        self.runs.append(run)
+        run.thread.start()
+
+    def _start_split(self):
+        """Start the first half of a split batch waiting (_finish) when a
+        slot of the worker and of its type is free; False when none may."""
+        part, handler = self.finish._splits[0]
+        t = part[0].job["type"]
+        n = self.spool.rules(t).get("concurrency")
+        slot = None
+        if n is not None:
+            if sum(1 for r in self.runs if r.claim.job["type"] == t) >= n:
+                return False
+            slot = self.sched._slot(t, n)
+            if slot is None:
+                return False
+        del self.finish._splits[0]
+        new = _Run(part[0], handler)
+        new.batch, new.split, new.slot = part, True, slot
+        new.dest = handler.dest(part[0].job, self)  # (its failure: _dest_failed)
+        self._launch(new)
+        return True
+
+
+# Holds, the worker's side ####################################################
+#
+# The records are the spool's (Breaker); this is what a worker does with
+# them: a missing handler holds its type for this worker, a failing
+# destination is held for all, probes take the held jobs in turn, and a
+# release makes them ready.  An object the worker holds (Worker.holds).
+
+class _Holds(object):
+    """What is held for this worker: `until`, every held destination (a
+    type held for its missing handler is its own) -> the wall time of its
+    next probe, this worker's and the spool's records; `missing`, the
+    types held here for want of a handler -> (why, delay, until,
+    recorded).  It asks `resolver` which handlers there are, and tells
+    `sched` (the Worker sets it: the scheduler reads these holds) when a
+    release makes held jobs ready."""
+
+    LANED = 64      # held types that get a lane of their own (_hold)
+
+    def __init__(self, spool, log, delays, resolver):
+        self.spool, self.log, self.delays = spool, log, delays
+        self.resolver = resolver
+        self.sched = None           # (Worker.__init__, once both are made)
+        self.until = _HoldTimes()   # held destination -> until (wall clock)
+        self.missing = {}           # held type -> (why, delay, until, recorded)
+        self.missing_changed = False
+        self._holds_from = None     # the spool.breaker.records() `until` came from
+        self._lack = {}             # type -> no handler here (_lacks)
+        self._handlers_seen, self._handlers_next = None, 0.0
+        self._streaky = set()       # destinations with failures in a row
+        self._safe_names = {}       # destination -> its name as a file
+        self._pol_seen = None       # the policy _check_holds last saw
+        self._holds_sig = None      # what _load_holds last made `until` of
+
+    def _write_hold(self, dest, why, until, **extra):
+        rec = {"dest": dest, "why": why, "since": round(_now(), 3),
+               "until": round(until, 3), "probes": 0, "boot": boot_id()}
+        rec.update(extra)
+        try:
+            self.spool.breaker.write(rec)
+        except OSError as e:    # the local hold stands; say why it is not on disk
+            self.log("error", during="breaker", dest=dest,
+                     error=e.strerror or str(e))
+
+    def _unhold(self, t):
+        """The handler of a held type is there: release the hold; the jobs
+        it put back are ready now."""
+        self.missing.pop(t, None)
+        self.until.pop(t, None)
+        self._lack.pop(t, None)
+        self.missing_changed = True
+        self.spool.breaker.release(t)
+        self.sched.dirty = True
+        self.sched.next_due = None
+        self.log("release", dest=t)
+
+    def _load_holds(self):
+        """The holds of every worker of the spool (locks/held/); a hold
+        from another boot has its probe due at once.  A missing handler's
+        hold holds only the workers that lack the handler (myq(1) holds): this
+        one's own (`missing`), and another's when this one lacks it too."""
+        held = self.spool.breaker.records()
+        if held is self._holds_from and not self.missing_changed:
+            return                  # (the same records: nothing to learn)
+        now, boot = _now(), boot_id()
+        sig = self._holds_sig_of(held, boot)
+        if sig == self._holds_sig and not self.missing_changed:
+            # (records that changed only where this worker's own holds
+            # win: a held type's probe; not a pass over all of them)
+            self._holds_from = held
+            self._streaky = self.spool.breaker.streaky()
+            return
+        self._holds_from, self.missing_changed = held, False
+        self._holds_sig = sig
+        holds = {}
+        for h in held:
+            dest = h["dest"]
+            if h.get("missing") and dest not in self.missing \
+                    and not self._lacks(dest):
+                continue
+            holds[dest] = h["until"] if h.get("boot") == boot \
+                else min(h["until"], now)
+        for t, v in self.missing.items():
+            holds[t] = v[2]
+        self.until = _HoldTimes(holds)
+        self.spool.set_lane_types(sorted(set(
+            [h["dest"] for h in held if h.get("missing")]
+            + [t for t, v in self.missing.items() if v[3]]))[:self.LANED])
+        self._streaky = self.spool.breaker.streaky()
+
+    def _holds_sig_of(self, records, boot):
+        """What _load_holds makes of the records besides this worker's own
+        holds (whose times are its own): equal, the same holds."""
+        own = self.missing
+        return [(h["dest"], h.get("missing")) if h["dest"] in own else
+                (h["dest"], h.get("missing"), h["until"], h.get("boot") == boot,
+                 bool(h.get("missing")) and self._lacks(h["dest"]))
+                for h in records]
+
+    def _lacks(self, type):
+        """Has this worker no handler for `type`?  (Asked again when the
+        handlers changed: _check_holds.)"""
+        lack = self._lack.get(type)
+        if lack is None:
+            if len(self._lack) > 4096:
+                self._lack.clear()
+            lack = self._lack[type] = self.resolver.resolve(type)[0] is None
+        return lack
+
+    def _handlers_key(self):
+        if not self.resolver.handlers_dir:
+            return None
+        try:
+            st = os.stat(self.resolver.handlers_dir)
+            return (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            return None
+
+    def _check_holds(self):
+        """At each poll tick: the holds on disk (other workers' too), and
+        has the handler of a held type appeared?  (Looked for when the
+        handlers directory changed, or once a minute: many held types cost
+        a poll no more than one.)"""
+        before = self.until
+        self._load_holds()
+        if before is not self.until and set(before) - set(self.until):
+            self.sched.dirty = True       # released by another worker
+        pol = self.spool.policy()
+        if pol is not self._pol_seen:
+            # a type's `url` changed: a held destination no type names
+            # any more ends, its jobs ready to go where their type goes now
+            if self._pol_seen is not None:
+                for d in _url_dests(self._pol_seen) - _url_dests(pol):
+                    if d in self.until:
+                        self._unname(d)
+            self._pol_seen = pol
+            self.sched._failover_lanes()
+        elif before is not self.until:
+            self.sched._failover_lanes()
+        key, now = self._handlers_key(), _mono()
+        if self.missing and (key != self._handlers_seen or now >= self._handlers_next):
+            self._handlers_seen, self._handlers_next = key, now + 60.0
+            self._lack.clear()
+            for t in list(self.missing):
+                if self.resolver.resolve(t)[0] is not None:
+                    self._unhold(t)
+
+    def _pick_dest(self, dests, job, run=None):
+        """Where a start of `job` goes: the first of `dests` not held; a
+        held one whose probe is due takes this start as its probe (run.
+        probe), so that a destination that is back gets new starts again;
+        all held: the one due first (the start then waits for it).  A
+        probe of one that is no longer the type's (`myq policy` changed
+        its `url`) is no probe (_stale_probe)."""
+        now = _now()
+        if run is not None and run.probe and run.probe not in dests:
+            self._stale_probe(run.probe)
+            run.probe = None
+        if run is not None and run.probe in dests:
+            # a lane's probe: unless one before it is free now (released
+            # meanwhile), then that one, and no probe
+            free = [d for d in dests[:dests.index(run.probe)]
+                    if d not in self.until]
+            if not free:
+                return run.probe
+            run.probe = None
+            return free[0]
+        for d in dests:
+            until = self.until.get(d)
+            if until is None:
+                return d
+            if until > now or run is None or run.probe:
+                continue
+            new = self.spool.breaker.take_probe(
+                d, self.delays.probe, self.spool.waits_at(job, run.claim.jid))
+            if new == 0.0:
+                self.until.pop(d, None)        # released meanwhile
+                self.sched.dirty = True
+                return d
+            if new:
+                self.until[d] = new
+                run.probe = d
+                return d
+        return min(dests, key=lambda d: self.until.get(d, 0))
+
+    def _stale_probe(self, dest):
+        """A probe of held `dest` took a job whose type no longer goes
+        there: unless a type's `url` or --mqtt still names it, the hold
+        ends (its jobs go where their type goes now, at once), rather
+        than be probed with jobs that never go there, held for ever."""
+        if dest not in _url_dests(self.spool.policy()):
+            self._unname(dest)
+
+    def _unname(self, dest):
+        """Held `dest` is no type's `url` any more (myq(1) failover): the
+        hold ends, unless it is not an http server (an --mqtt broker).
+        (Jobs that name it in their own payload find out again: `breaker`
+        failures.)"""
+        if not dest.startswith(("http://", "https://")):
+            return      # (a broker: another worker's --mqtt may name it)
+        self.spool.breaker.release(dest)
+        self.until.pop(dest, None)
+        self.sched.dirty = True
+        self.log("release", dest=dest, why="no type goes there")
+
+    def _dests_of_type(self, type):
+        """A type's destinations in order when it has more than one: its
+        policy's `url`, or --mqtt's brokers for an mqtt type; else None."""
+        rules = self.spool.rules(type)
+        if rules.get("url"):
+            return _dests_of(rules["url"], type)
+        mqtt = self.resolver.mqtt       # (None: no mqtt type registered)
+        if mqtt is not None and len(mqtt.clients) > 1 \
+                and self.resolver.resolve(type, rules)[0] is mqtt:
+            return [c.dest for c in mqtt.clients]
+        return None
+
+    def _safe(self, dest):
+        safe = self._safe_names.get(dest)
+        if safe is None:
+            if len(self._safe_names) > 1000:
+                self._safe_names.clear()
+            safe = self._safe_names[dest] = _safe_dest(dest)
+        return safe
+
+    def _take_holds(self):
+        """At the start: the missing-handler holds on disk.  This worker's
+        own where it lacks the handler too; released where it has it,
+        unless the worker that wrote it lives (and lacks it)."""
+        sp = self.spool
+        for h in sp.breaker.records():
+            if not h.get("missing"):
+                continue
+            if self._lacks(h["dest"]):
+                self.missing[h["dest"]] = (h.get("why"), self.delays.base,
+                                         h["until"], True)
+            elif not (_is_num(h.get("pid")) and proc_start(
+                    int(h["pid"]), living=True) == h.get("start")):
+                sp.breaker.release(h["dest"])
+                self.log("release", dest=h["dest"])
+        self._load_holds()
+
+    def _dest_failed(self, run, delay, error):
+        """The circuit breaker (myq(1) holds) after a destination failure (of a
+        batch: one failure): (does it count an attempt, the delay before
+        the job may run again)."""
+        sp, c = self.spool, run.claim
+        started, distinct, total = sp.breaker.streak(run.dest, c.jid)
+        self._streaky.add(self._safe(run.dest))
+        delay = self.delays.dest(run.retry_after, total)
+        until = self.until.get(run.dest)
+        if until is not None:
+            rec = sp.breaker.record(run.dest)      # (released by another worker?)
+            if rec is None:
+                self.until.pop(run.dest, None)
+                until = None
+            else:
+                until = rec["until"]
+        if until is not None:
+            # held: it waits with the others; the probes take them in turn
+            return False, max(0.0, until - _now()) + self.delays.parked()
+        n = sp.rules(c.job["type"]).get("breaker", 3)
+        if n and distinct >= n:
+            d = delay
+            until = _now() + d
+            self.until[run.dest] = until
+            self._write_hold(run.dest, "%d jobs failed in a row: %s" % (
+                distinct, _clip(error or "failed", 200)), until)
+            self.log("hold", dest=run.dest, until=iso(until), failures=distinct)
+            return started and not run.probe, d
+        return started and not run.probe, delay
+
+
+# The worker ##################################################################
+
+class WorkerOptions(object):
+    """What a worker is told, checked and in its types once: the options of
+    `myq worker` (myq(1) PYTHON API: the keywords of Worker()), the command line's
+    from its flags and MYQ_* variables (_worker_from), the Python API's
+    from Worker(spool, **keywords).  A Worker copies them to attributes
+    of the same names (self.lease, ...: no lookup through here on the hot
+    paths); `module` is the --module file's path, `parent` the
+    supervisor's pid (stop when it is gone), `textfile` the directory of
+    --textfile."""
+
+    KEYS = (("handlers_dir", None), ("module", None), ("concurrency", 1),
+            ("lease", 60.0), ("timeout", 300.0), ("max_attempts", 5),
+            ("backoff_base", 5.0), ("backoff_max", 3600.0), ("jitter", 0.1),
+            ("poll", 1.0), ("probe_max", 30.0), ("stats_interval", 60.0),
+            ("grace", 5.0), ("pass_env", ()), ("http_headers", None),
+            ("http_ca", None), ("scan_cache", 2048), ("reap_interval", None),
+            ("prune_interval", 60.0), ("parent", None), ("textfile", None),
+            ("mqtt", None), ("mqtt_password_file", None),
+            ("mqtt_client_id", None), ("mqtt_ca", None), ("mqtt_cert", None),
+            ("mqtt_key", None), ("uplink_rate", None))
+    __slots__ = tuple(k for k, _ in KEYS)
+
+    def __init__(self, **keywords):
+        for k, default in self.KEYS:
+            setattr(self, k, keywords.pop(k, default))
+        if keywords:
+            raise TypeError("unknown worker option(s): %s"
+                            % ", ".join(sorted(keywords)))
+        if self.concurrency < 1:
+            raise UsageError("--concurrency must be at least 1")
+        self.concurrency = int(self.concurrency)
+        self.lease, self.timeout = float(self.lease), float(self.timeout)
+        self.max_attempts = int(self.max_attempts)
+        self.backoff_base = float(self.backoff_base)
+        self.backoff_max = float(self.backoff_max)
+        self.probe_max = float(self.probe_max)
+        self.jitter, self.poll = float(self.jitter), max(0.01, float(self.poll))
+        self.stats_interval = float(self.stats_interval)
+        self.grace = float(self.grace)
+        self.pass_env = list(self.pass_env or ())
+        self.http_headers = dict(self.http_headers or {})
+        self.scan_cache = max(1, int(self.scan_cache))
+        self.reap_interval = self.reap_interval or max(
+            0.5, min(self.lease / 2, 10.0))
+
+
+class _Finishing(object):
+    """A claim's end, as its run's outcome says: done/ (group-committed),
+    a retry, a dead letter, a release; a job of a held type or destination
+    put back, no attempt counted; a failed batch split in halves
+    (`_splits`, which the runner starts); a step that failed on I/O tried
+    again after a pause (`_stuck`).  It books a destination's failure
+    with `holds` and tells `sched` which lane a job went back to.  An
+    object the worker holds (Worker.finish)."""
+
+    def __init__(self, spool, log, delays, sched, holds):
+        self.spool, self.log, self.delays = spool, log, delays
+        self.sched, self.holds = sched, holds
+        self.me = None              # the worker's Identity (Worker.run)
+        self._splits = []   # halves of failed batches, to start: (claims, handler)
+        self._stuck = []            # finishes that failed on I/O: callables
+        self._pending = 0           # done/ renames not yet committed
+        self._pending_since = 0.0
+        self._io_pause_until = 0.0
+        self._io_backoff = 0.5
+
+    def _finish(self, run, outcome, error=None, delay=None, tb=None):
+        """The run's outcome: "done", "retry" (or "dead" once the attempts
+        are spent) or "dead", with the error, a delay (RetryLater) and a
+        Python handler's traceback.  A batch's outcome is every job's; a
+        batch that fails for good is split in halves, run at once
+        (myq(1) batches); "each" carries one outcome per job (mqtt)."""
+        self._free(run)
+        if run.failovers:
+            self._failed_over(run)      # (myq(1) policy `url`)
+        if outcome == "each":
+            # (one outcome a job, mqtt's: nothing of the batch is kept, so
+            # what goes again is batched afresh, not one at a time)
+            self.spool.claims.batches.end(run.batch[0].batch)
+            for c, res in zip(run.batch, error):
+                c.batch = None
+                one = _Run(c, run.handler)
+                one.started, one.dest, one.probe = run.started, run.dest, run.probe
+                if res is None:
+                    self._finish(one, "done")
+                else:
+                    one.dest_fail = isinstance(res, RetryLater)
+                    one.retry_after = getattr(res, "retry_after", None)
+                    one.unsent = isinstance(res, _Unsent)
+                    self._finish(one, "dead" if isinstance(res, PermanentError)
+                                 else "retry", _exc_text(res),
+                                 getattr(res, "seconds", None))
+            return
+        counts = True
+        if outcome == "retry" and run.dest_fail:
+            counts, delay = self.holds._dest_failed(run, delay, error)
+        elif run.unsent:
+            pass    # the job's own request never left: no answer came
+        elif (outcome == "done" or outcome == "dead") and run.dest and (
+                run.dest in self.holds.until or self.holds._streaky and
+                self.holds._safe(run.dest) in self.holds._streaky):
+            # an answer that is not the destination's failure (myq(1) holds)
+            self.holds._streaky.discard(self.holds._safe(run.dest))
+            if self.spool.breaker.dest_ok(run.dest) or run.dest in self.holds.until:
+                self.holds.until.pop(run.dest, None)
+                self.sched.dirty = True
+                self.log("release", dest=run.dest, id=run.claim.jid)
+        claims = run.batch or [run.claim]
+        if len(claims) > 1 and (outcome == "dead" or (
+                outcome == "retry" and not run.dest_fail and
+                any(c.attempt >= c.max_attempts for c in claims))):
+            half = len(claims) // 2
+            self.log("split", type=run.claim.job["type"], jobs=len(claims),
+                     error=_clip(error or "failed", 200))
+            # Each half is first in line, as its own group, and starts as a
+            # slot frees (_start_split): a split never runs more at once
+            # than --concurrency and the type's concurrency allow.
+            self.spool.claims.batches.end(claims[0].batch)
+            for c in claims:            # (its halves are groups of their own)
+                c.batch = None
+                c.job.pop("batch_of", None)
+            self._splits[:0] = [(part, run.handler)
+                                for part in (claims[:half], claims[half:])]
+            return
+        if len(claims) > 1 and outcome == "retry" and delay is None:
+            # one wait for the batch, not a jittered one a job: it comes
+            # due as one, and goes again as that batch (myq(1) batches)
+            delay = self.delays.retry(max(c.attempt for c in claims))
+        for c in claims:
+            self._finish_one(run, c, outcome, error, delay, tb, counts)
+        if run.batch:
+            if outcome == "retry" and (counts or claims[0].batch ==
+                                       claims[0].job.get("batch_of")):
+                self.spool.claims.batches.keep(claims[0].batch)
+            else:
+                self.spool.claims.batches.end(claims[0].batch)
+
+    def _finish_one(self, run, c, outcome, error, delay, tb, counts):
+        ms = int((_mono() - run.started) * 1000)
+        kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
+        if run.batch:
+            kv["batch"] = len(run.batch)
+        if outcome == "done":
+            self._complete(c, kv)
+            return
+        job = dict(c.job)
+        job["attempts"] = c.attempt if counts else c.attempt - 1
+        note_failure(job, c.attempt, error, tb)
+        error = job["last_error"]
+        if c.batch and outcome == "retry":
+            job["batch_of"] = c.batch       # it goes again as that batch
+        else:
+            job.pop("batch_of", None)
+        if not counts:
+            # The destination's failure inside a streak: no attempt spent.
+            self._wait_again(run, c, delay, error, kv)
+            return
+        if outcome == "retry" and c.attempt >= c.max_attempts:
+            outcome = "dead"
+        if outcome == "dead":
+            job["failed_at"] = _now()
+            kv["error"] = error
+            self._move(c, job, "dlq", "dead", kv)
+            return
+        d = self.delays.retry(c.attempt, delay)
+        now = _now()
+        job["available_at"] = now + d
+        kv["retry_in"] = round(d, 3)
+        kv["error"] = error
+        until = None
+        if run.dest_fail:       # the release makes it ready at once
+            self.spool.breaker.note_job(run.dest, self.spool.waits_at(job, c.jid))
+            job["available_at"], until = now, now + d   # see Spool._move_on
+        self._move(c, job, "incoming", "retry", kv, until)
+
+    def _release(self, run):
+        """Shutdown: back to incoming/, ready now, the attempt not counted."""
+        self._free(run)
+        for c in run.batch or [run.claim]:
+            self._release_one(c)
+        if run.batch:
+            self.spool.claims.batches.keep(run.batch[0].batch)
+
+    def _release_splits(self):
+        """Stopping: the halves not started go back, ready now."""
+        splits, self._splits = self._splits, []
+        for part, _ in splits:
+            for c in part:
+                self._release_one(c)
+
+    def _release_one(self, c):
+        job = dict(c.job)
+        job["available_at"] = _now()
+        if c.batch:
+            job["batch_of"] = c.batch       # it goes again as that batch
+        self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
+
+    def _complete(self, c, kv):
+        """Success: done/ (fsync'd by the next group commit).  An I/O error
+        leaves it to _retry_stuck."""
+        try:
+            ok = self.spool.complete(c)     # (counted: locks/rates)
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._complete(c, kv))
+            return
+        if ok:
+            if not self._pending:
+                self._pending_since = _mono()
+            self._pending += 1
+            if self.log.__class__ is Log and len(kv) == 4 \
+                    and kv["attempt"].__class__ is int:
+                self.log.done(kv["id"], kv["type"], kv["attempt"], kv["ms"])
+            else:
+                self.log("done", **kv)  # (_logged's way when ok)
+            return
+        self._logged(ok, c, "done", kv)
+
+    def _move(self, c, job, dest, event, kv, until=None):
+        """A retry or a release (dest incoming) or a dead letter (dlq)."""
+        pre = until and self.spool.claims.change_key()[0]   # (_dirty_home)
+        try:
+            ok = self.spool.claims.move_on(c, job, dest, self.me, until=until)
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._move(c, job, dest, event, kv,
+                                                  until))
+            return
+        if ok and dest == "incoming":
+            self.sched._dirty_home(job, until, pre)
+            if event == "retry":
+                self.spool._note_retry()
+        self._logged(ok, c, event, kv)
+
+    def _logged(self, ok, c, event, kv):
+        if ok:
+            if event:
+                self.log(event, **kv)
+            return
+        try:
+            self.spool.locate(c.jid)
+            why = ("the claim was taken back (this worker was considered "
+                   "dead or hung)")
+        except MyqError:
+            why = "the job was deleted meanwhile (myq delete --force)"
+        self.log("lost", id=c.jid, why=why)
+
+    def _retry_stuck(self, final=False):
+        """Finishes that failed on I/O, tried again after the pause."""
+        if not final and _mono() < self._io_pause_until:
+            return
+        stuck, self._stuck = self._stuck, []
+        for again in stuck:
+            again()
+
+    def _io_error(self, during, e, **kv):
+        self.log("error", during=during, error=e.strerror or str(e), **kv)
+        self._io_pause_until = _mono() + self._io_backoff
+        self._io_backoff = min(30.0, self._io_backoff * 2)
+
+    def _commit(self, final=False):
+        """Group commit: one fsync of done/ for many jobs (a done file is
+        also the job's idempotency record; a lost rename runs it again, as
+        at-least-once allows)."""
+        if not self._pending and not self.spool.claims.owed:
+            return
+        try:
+            self.spool.claims.commit()
+            self._pending = 0
+            self._io_backoff = 0.5
+        except OSError as e:
+            self._io_error("commit", e)
+
+    def _give_back(self, back):
+        """A claim whose admission failed on I/O: ready again at a try
+        after the pause (_retry_stuck), until one succeeds."""
+        def again():
+            try:
+                back()
+            except OSError as e:
+                self._io_error("claim", e)
+                self._stuck.append(again)
+        self._stuck.append(again)
+
+    def _hold(self, run, why):
+        """A missing or unstartable handler: its type is held at once (a
+        deployment not finished); the job waits, no attempt counted."""
+        c = run.claim
+        t = run.dest = c.job["type"]
+        old = self.holds.missing.get(t)
+        delay = self.delays.held_type(old[1] if old else None)
+        until = _now() + delay
+        recorded = old[3] if old else len(self.holds.missing) < 1024
+        self.holds.missing[t] = (why, delay, until, recorded)
+        self.holds.until[t] = until
+        # (held again: what _load_holds makes of the holds is the same; a
+        # pass over all of them at each probe was an idle worker's work)
+        self.holds.missing_changed = self.holds.missing_changed or old is None
+        if old is None:
+            self.log("hold", dest=t, why=why, until=iso(until))
+        # The record (for stats, check and a restart) is written once a
+        # hold, not at each job put back, and for the first 1,024 held
+        # types only: a flood of unknown types neither writes the flash
+        # full nor makes every poll read thousands of records.  Other
+        # workers are not held by it unless they lack the handler too; one
+        # that has it releases it (_load_holds), and this worker's next
+        # probe, a job it found still without a handler, writes it again:
+        # the jobs it put back are never left to wait out their time.
+        if recorded and (old is None or self.spool.breaker.record(t) is None):
+            self.holds._write_hold(t, why, until, missing=True, pid=self.me.pid,
+                             start=self.me.start)
+        # Back into its type's lane, ready: this worker does not look there
+        # until its probe; a worker that has the handler takes it now.  (A
+        # lane is a directory and a descriptor: for the first LANED types
+        # held; the others wait their time in incoming/, see _park.)
+        lanes = self.spool.lane_types
+        if t not in lanes and len(lanes) >= self.holds.LANED:
+            self._park(run, until, why, noted=recorded)
+            return
+        self.spool.set_lane_types(lanes | {t})
+        c = run.claim
+        if old is not None and c.trailers is not None \
+                and c.job.get("last_error") == "held: " + why:
+            self._held_again(run)
+            return
+        job = dict(c.job)
+        job["available_at"] = _now()
+        job["last_error"] = "held: " + why
+        self._free(run)
+        self._move(c, job, "incoming", None, {})
+
+    def _held_again(self, run):
+        """A probe of a held type found its handler still missing: its job
+        waits again in its lane as it was, not written again (SPEC 9: a
+        hold writes nothing per waiting job; a new version, fsync'd, at
+        each probe of 64 lanes, 5 s, 10 s, ... apart, was most of an idle
+        worker's work); only its lane is read again (_dirty_home)."""
+        c = run.claim
+        self._free(run)
+        try:
+            ok = self.spool.claims.put_back(c, _now())
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._put_back(c, None, None, {}))
+            return
+        if ok:
+            self.sched._dirty_home(c.job)
+        self._logged(ok, c, None, {})
+
+    def _park(self, run, until, why, noted=True, lane=None):
+        """Put a job of a held destination back, no attempt counted, until
+        the hold's next probe; the release makes it ready at once.  (Not
+        `noted`: a held type past the cap of records waits its own time.)
+        Of a type's own lane (`lane`, whose gate the hold now closes: its
+        dest is known), it goes back unchanged, in its place."""
+        c = run.claim
+        self._free(run)
+        if lane is not None and lane.type == c.job["type"] and \
+                (lane.dest or lane.type) == run.dest and \
+                self.spool.home(c.job) == lane.sub:
+            self._put_back(c, c.mtime, None, {})
+            return
+        if not noted:
+            job = dict(c.job)
+            job["available_at"] = _now()        # see Spool._move_on
+            job["last_error"] = "held: " + why
+            self._move(c, job, "incoming", None, {}, until + self.delays.parked())
+            return
+        self.spool.breaker.note_job(run.dest or c.job["type"],
+                                    self.spool.waits_at(c.job, c.jid))
+        self._put_back(c, until + self.delays.parked(), None, {})
+
+    def _wait_again(self, run, c, delay, error, kv):
+        """A destination's failure inside a streak (no attempt spent): the
+        job waits again as it was, its file or row not written (SPEC 9: a
+        hold writes nothing per waiting job).  Held, in its type's lane,
+        whose gate the hold keeps shut: ready at once, behind the others,
+        so that the next probe is another job and the release touches
+        nothing.  Else due after `delay`, or at the release, which the next
+        probe may make (it waits longer only for a release that never
+        comes)."""
+        d = delay if delay is not None else self.delays.retry(max(1, c.attempt))
+        now = _now()
+        until = self.holds.until.get(run.dest)
+        shown = min(d, max(0.0, until - now)) if until else d
+        kv.update(retry_in=round(shown, 3), error=error, counted=False)
+        if until is not None and self.spool.home(c.job) != "incoming":
+            self._put_back(c, now, "retry", kv)
+            return
+        self.spool.breaker.note_job(run.dest, self.spool.waits_at(c.job, c.jid))
+        self._put_back(c, now + d, "retry", kv)
+
+    def _put_back(self, c, mtime, event, kv):
+        """A claim of a held (or failing) destination waits again as it
+        was, due at `mtime`: its file or row is not written again (SPEC 9:
+        a hold writes nothing per waiting job; myq-spool(5) STATES)."""
+        if c.trailers is None:      # a lease line follows it: a new version
+            self._move(c, dict(c.job), "incoming", event, kv, mtime or _now())
+            return
+        try:
+            ok = self.spool.claims.put_back(c, mtime if mtime is not None
+                                            else _now())
+        except OSError as e:
+            self._io_error("finish", e, id=c.jid)
+            self._stuck.append(lambda: self._put_back(c, mtime, event, kv))
+            return
+        if ok:
+            self.sched.dirty = True
+        self._logged(ok, c, event, kv)
+
+    def _free(self, run):
+        if run.slot is not None:
+            os.close(run.slot)
+            run.slot = None
+
+    def _failed_over(self, run):
+        """The destinations a run passed over after their failure: each
+        one the breaker's failure (its streak, its hold), the job's
+        attempts untouched; its type's lanes go where the run went."""
+        for dest, e in run.failovers:
+            one = _Run(run.claim, run.handler)
+            one.dest, one.dest_fail = dest, True
+            one.probe = run.probe if run.probe == dest else None
+            one.retry_after = getattr(e, "retry_after", e.seconds)
+            self.holds._dest_failed(one, None, _exc_text(e))
+            self.log("failover", id=run.claim.jid, dest=dest, to=run.dest,
+                     error=_clip(_exc_text(e), 200))
+        run.failovers = []
+        for L in self.sched._lanes:
+            if L.type == run.claim.job["type"]:
+                L.dest = run.dest
+
+
+class Worker(object):
+    """Claims ready jobs and runs them through their handlers: the loop,
+    its signals and timers, the heartbeat.  It holds its parts, each with
+    its own state: `resolver` (the handlers by type, the http pool, the
+    brokers), `holds` (what is held), `sched` (which job next), `finish`
+    (a claim's end) and `runner` (a handler started, its outcome)."""
+
+    def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
+                 options=None, log=None, **keywords):
+        """`options`: a WorkerOptions; else they are made of the keywords
+        that are WorkerOptions' (myq(1) PYTHON API), the others are the Spool's."""
+        mine = dict((k, keywords.pop(k)) for k, _ in WorkerOptions.KEYS
+                    if k in keywords)
+        if options is None:
+            options = WorkerOptions(handlers_dir=handlers_dir, module=module,
+                                    **mine)
+        elif mine or handlers_dir or module:
+            raise TypeError("Worker(): give options=WorkerOptions(...) or "
+                            "its keywords, not both")
+        self.options = o = options
+        for k, _ in WorkerOptions.KEYS:
+            setattr(self, k, getattr(o, k))
+        self.log = log = log or Log()
+        if isinstance(spool, Spool):
+            self.spool = sp = spool.store
+        elif isinstance(spool, Store):
+            self.spool = sp = spool
+        else:
+            self.spool = sp = open_store(spool, **keywords)
+        sp.log = log
+        self.handlers = dict(handlers or {})
+        self.module = load_module(o.module) if o.module else None
+        if self.module is not None:
+            for k, v in _module_types(self.module).items():
+                self.handlers.setdefault(k, v)
+        self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
+                              o.jitter)
+        self.runs = []              # what runs now: processes, threads
+        # The parts, each given what it works with (holds and scheduler
+        # each need the other: the scheduler reads the holds, a release
+        # makes its lanes ready).
+        self.resolver = _Resolver(sp, o, self.handlers, self.module)
+        self.holds = _Holds(sp, log, self.delays, self.resolver)
+        self.sched = _Scheduler(sp, log, o, self.delays, self.holds,
+                                self.runs, self._tick)
+        self.holds.sched = self.sched
+        self.finish = _Finishing(sp, log, self.delays, self.sched, self.holds)
+        self.runner = _Runner(sp, log, o, self.delays, self.resolver,
+                              self.sched, self.holds, self.finish, self.runs)
+        self.stopping = self.hard_stop = False
+        self.stop_deadline = None
+        self.me = None
+        self._low_logged = False
+        self._next_beat = float("inf")     # set when run() starts
+        # set when run() starts: its modules, pipe, thread, supervisor
+        self._select = self._signal = self._pipe = self._parent = None
+        self._main = False
+        # the loop's timers (_loop sets them, on the monotonic clock)
+        self._next_stats = self._next_reap = self._next_poll = float("inf")
+        self._next_prune = self._next_full_prune = float("inf")
+        self._next_settle = None    # the store's next own turn (settle)
+        self._started = 0           # jobs started by this run()
+
+    @property
+    def http_pool(self):
+        """The kept http connections (HttpHandler's)."""
+        return self.resolver.http.pool
+
+    def mqtt_batch(self, jobs, run=None, client=None, share=None):
+        """MqttHandler.batch: `mqtt` jobs published through the worker's
+        broker, one outcome per job."""
+        return self.resolver.mqtt.batch(jobs, run, client, share)
+
+    # The loop ----------------------------------------------------------------
+
+    def run(self, once=False, drain=False):
+        """Work until stopped (or, with once/drain, until that is done)."""
+        import select
+        import signal
+        import threading
+        self._select, self._signal = select, signal
+        sp = self.spool
+        sp.require()
+        try:
+            sp.check_filesystem()
+        except OSError as e:
+            # (a full disk: the SQLite store's log index is made at the
+            # first open after the last close; the reserve is for that)
+            if not _space_error(e) or not sp.make_space():
+                raise
+            sp.check_filesystem()
+        sp.policies._pol_next = 0.0
+        sp.require_policy()         # (never the types' rules dropped unsaid)
+        sp.claims.start()
+        sp.policies.pol_polled = True   # re-read at each poll tick, not per job
+        self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
+        self._pipe = os.pipe()
+        for fd in self._pipe:
+            os.set_blocking(fd, False)
+        self._main = threading.current_thread() is threading.main_thread()
+        saved = self._install_signals() if self._main else None
+        try:
+            try:
+                self.me.register()
+            except OSError as e:
+                # A worker starts on a full disk (myq(1) guards): room for its
+                # record from done/ (or old idempotency records) first.
+                if not _space_error(e) or not sp.make_space():
+                    raise
+                self.me.register()
+            sp.keep_room()
+        except BaseException:
+            if saved:
+                self._restore_signals(saved)
+            raise
+        me = self.me
+        self.sched.start(me, select)
+        self.runner.start(me, signal, self._pipe, self._main)
+        self.finish.me = me
+        # Started by `myq supervise` (--parent-pid): stop when it is gone,
+        # also when that happened before we got here.
+        self._parent = self.parent
+        self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
+                 concurrency=self.concurrency, version=__version__,
+                 supervisor=self._parent)
+        sp.budget.note_uplink(self.options.uplink_rate)     # (the forecast)
+        sp.fs.kept += 1             # its descriptors stay (closed at polls)
+        self.holds._take_holds()
+        try:
+            self._reap()
+            self._loop(once, drain)
+        finally:
+            self._shut_down(saved)
+        return 0
+
+    def _shut_down(self, saved):
+        """The end of run(): what still runs killed and given back, what
+        is pending committed, every descriptor closed, the record gone."""
+        sp = self.spool
+        self.runner.stop_all()
+        self.finish._release_splits()
+        self.finish._retry_stuck(final=True)
+        self.finish._commit(final=True)
+        self._settle(final=True)
+        self.resolver.close()
+        if saved:
+            self._restore_signals(saved)
+        for fd in self._pipe:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.sched.close()
+        self.runner.close()
+        self.me.unregister()
+        sp.policies.pol_polled = False
+        sp.fs.kept -= 1
+        sp.fs.release()
+        sp.close()
+        self.log("stop", worker=self.me.wid)
+
+    def _install_signals(self):
+        signal = self._signal
+        saved = {}
+        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
+                        (signal.SIGHUP, self._on_hup), (signal.SIGCHLD, self._on_nothing),
+                        (signal.SIGALRM, self._on_alarm)):
+            saved[sig] = signal.signal(sig, fn)
+        saved["wakeup"] = signal.set_wakeup_fd(self._pipe[1])
+        # A supervisor's child starts with SIGHUP blocked (_child_run): one
+        # sent before this handler was here is delivered to it now.
+        saved["mask"] = signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))
+        return saved
+
+    def _restore_signals(self, saved):
+        signal = self._signal
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.set_wakeup_fd(saved.pop("wakeup"))
+        if signal.SIGHUP in saved.pop("mask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))
+        for sig, fn in saved.items():
+            signal.signal(sig, fn)
+
+    def _on_stop(self, signum, frame):
+        if self.stopping:
+            self.hard_stop = True
+            if self.runner._inline is not None:
+                self.runner._inline = None
+                raise _Shutdown()
+            return
+        self.stopping = True
+        self.stop_deadline = _mono() + self.grace
+        self.log("stopping", signal=signum, grace=self.grace,
+                 running=len(self.runs) + (self.runner._inline is not None))
+
+    def _on_hup(self, signum, frame):
+        try:
+            self.log.reopen()
+        except MyqError as e:
+            self.log("error", error=str(e))
+
+    def _on_nothing(self, signum, frame):
+        pass
+
+    def _on_alarm(self, signum, frame):
+        run = self.runner._inline
+        if run is None:
+            return
+        now = _mono()
+        if now >= self._next_beat:
+            self._heartbeat()
+        if now >= run.deadline:
+            self.runner._inline = None
+            run.timed_out = True
+            raise _Timeout()
+        if self.stopping and now >= self.stop_deadline:
+            self.runner._inline = None
+            raise _Shutdown()
+
+    def _loop(self, once, drain):
+        """fill, housekeep, wait: until stopped, or --once/--drain done."""
+        now = _mono()
+        self._next_beat = now + self.lease / 3
+        self._next_stats = now + self.stats_interval if self.stats_interval > 0 \
+            else float("inf")
+        self._next_reap = now + self.reap_interval
+        self._next_prune = self._next_full_prune = now + min(self.prune_interval,
+                                                             5.0)
+        self._next_poll = now + self.poll
+        self._settle()
+        self._started = 0
+        self.sched._no_wait = once or drain       # --once, --drain: no batch_wait
+        while True:
+            busy = False
+            if self.stopping:
+                if self.finish._splits:
+                    self.finish._release_splits()
+                if not self.runs:
+                    break
+                self._enforce_grace()
+            else:
+                busy = self._fill(once, drain)
+            if not self.runs and not self.finish._stuck and not self.finish._splits and (
+                    once or self.stopping or (drain and not self.sched._ready_now())):
+                break
+            self._housekeep()
+            self._wait(busy)
+
+    def _enforce_grace(self):
+        """Stopping: past the grace (or at a second signal), the runs are
+        killed and their jobs released (_collect puts them back)."""
+        if self.hard_stop or _mono() >= self.stop_deadline:
+            for run in self.runs:
+                if not run.released:
+                    run.released = True
+                    self.runner._kill(run, 9)
+
+    def _fill(self, once, drain):
+        """Claim and start jobs while a slot is free.  True when the loop
+        must come straight back after its housekeeping (more to claim)."""
+        now = _mono()
+        finish = self.finish
+        if (once and self._started) or now < finish._io_pause_until:
+            return False
+        while finish._splits and len(self.runs) < self.concurrency \
+                and not self.stopping and self.runner._start_split():
+            pass                    # (halves of a split batch go first)
+        # (the parts' methods bound once: this loop runs once a job)
+        next_claim, start = self.sched._next_claim, self.runner._start
+        while len(self.runs) < self.concurrency and not self.stopping \
+                and now >= finish._io_pause_until:
+            # Below a guard the worker goes on: delivering the backlog is
+            # how a store-and-forward spool gets its room back (myq(1) guards).
+            # Producers are refused, retention frees done/ first
+            # (_housekeep), and a step that cannot be made waits (_stuck).
+            low = self.spool.low_on_space(now)
+            if low and not self._low_logged:
+                self.log("disk_low", problem=low)
+                self._next_prune = 0.0          # free done/ at once
+            self._low_logged = bool(low)
+            try:
+                c = next_claim(force=(once or drain) and not self.runs)
+            except OSError as e:
+                finish._io_error("claim", e)
+                if getattr(e, "give_back", None):   # (_SqlClaims.claim)
+                    finish._give_back(e.give_back)
+                return False
+            if c is None:
+                return False
+            self._started += 1
+            start(c)
+            if once:
+                return False
+            pending = finish._pending
+            due = min(self._next_beat, self._next_reap, self._next_stats,
+                      finish._pending_since + 1.0 if pending else self._next_stats)
+            now = _mono()       # (the job ran meanwhile: read again)
+            if pending >= 64 or now >= due:
+                return True         # housekeeping first, then go on
+        return False
+
+    def _housekeep(self):
+        """Heartbeat, reap, status line, prune, stuck finishes, group
+        commit: each on its own timer, all on the monotonic clock."""
+        now = _mono()
+        if now >= self._next_beat:
+            self._heartbeat()
+        if now >= self._next_reap:
+            self._reap()
+            self._next_reap = now + self.reap_interval
+        if now >= self._next_stats and self.stats_interval > 0:
+            try:
+                line = self.spool.status_line()
+                if hasattr(self.log, "write"):
+                    self.log.write(line)
+                else:           # a plain function given as log=
+                    self.log("status", line=line)
+            except OSError:
+                pass
+            _write_textfile(self)
+            self._next_stats = now + self.stats_interval
+        if now >= self._next_prune and self.prune_interval:
+            full = now >= self._next_full_prune
+            try:
+                self.spool.prune(full=full)
+                if self.spool.low_on_space(now):
+                    self.spool.make_space()
+                else:
+                    self.spool.keep_room()
+            except (OSError, MyqError) as e:
+                self.log("error", during="prune", error=str(e))
+            self._next_prune = now + (self.prune_interval if not
+                                      self._low_logged else
+                                      min(self.prune_interval, 5.0))
+            if full:
+                self._next_full_prune = now + 15 * self.prune_interval
+
+        self.spool.upkeep_budget(now)       # (its own timers)
+        if self._next_settle is not None and now >= self._next_settle:
+            self._settle()
+        if self.finish._stuck:
+            self.finish._retry_stuck()
+        if not self.runs or self.finish._pending >= 64 or (
+                self.finish._pending and now - self.finish._pending_since > 1.0
+        ) or self.spool.claims.owed:
+            self.finish._commit()
+
+    def _settle(self, final=False):
+        """The store's own turn (Store.settle: a RAM tier's moves)."""
+        try:
+            self._next_settle = self.spool.claims.settle(final)
+        except (OSError, MyqError) as e:
+            self.log("error", during="settle", error=str(e))
+            self._next_settle = _mono() + 1.0
+
+    def _wait(self, busy):
+        """Sleep in select() until the next timer, a wake-up (a producer's
+        poke, a signal, a thread's end) or a handler's pipe; then feed the
+        handlers' stdin, read their stderr and collect the runs that ended."""
+        now = _mono()
+        deadlines = [self._next_beat, self._next_reap, self._next_poll,
+                     self._next_stats]
+        if self._next_settle is not None:
+            deadlines.append(self._next_settle)
+        if self.finish._stuck or self.finish._io_pause_until > now:
+            deadlines.append(max(self.finish._io_pause_until, now + 0.5))
+        if self.stopping:
+            deadlines.append(self.stop_deadline)
+        if self.sched.next_due is not None and len(self.runs) < self.concurrency:
+            # (all slots busy: a due claim waits for a run's end, which
+            # wakes this select; a due time past would make it spin)
+            deadlines.append(now + max(0.0, self.sched.next_due - _now()))
+        for run in self.runs:
+            if run.handler.spawned or not run.timed_out:
+                deadlines.append(run.kill_at or run.deadline)
+        if self.finish._pending:
+            deadlines.append(self.finish._pending_since + 1.0)
+        if self.runs and not self._main:
+            deadlines.append(now + 0.02)
+        wait = 0.0 if busy else max(0.0, min(deadlines) - now)
+        if self.runner._timer and wait > 0:
+            self._signal.setitimer(self._signal.ITIMER_REAL, 0)
+            self.runner._timer = 0.0
+        rl = [self._pipe[0]] + self.sched._wake_fds[0::2]
+        wl = []
+        for run in self.runs:
+            if run.err_fd is not None:
+                rl.append(run.err_fd)
+            if run.stdin_fd is not None:
+                wl.append(run.stdin_fd)
+        try:
+            r, w, _ = self._select.select(rl, wl, [], wait)
+        except InterruptedError:
+            r, w = [], []
+        if self._pipe[0] in r:
+            _drain(self._pipe[0])
+        woken = [fd for fd in self.sched._wake_fds[0::2] if fd in r]
+        if woken:
+            for fd in woken:
+                _drain(fd)
+            self.sched._woken()
+        if _mono() >= self._next_poll:
+            self._next_poll = _mono() + self.poll
+            self.sched._check_incoming()
+            self.holds._check_holds()
+            if self._parent and os.getppid() != self._parent \
+                    and not self.stopping:
+                # the supervisor is gone (kill -9): stop as on SIGTERM
+                self.log("supervisor_gone", pid=self._parent)
+                self._on_stop(0, None)
+        for run in list(self.runs):
+            if run.stdin_fd is not None and run.stdin_fd in w:
+                self.runner._feed(run)
+            if run.err_fd is not None and run.err_fd in r:
+                self.runner._read_err(run)
+        self.runner._collect()
+
+    def _tick(self):
+        """Inside long loops (a flood of bad files): the heartbeat keeps its
+        schedule, so that no reaper takes this live worker's jobs."""
+        if _mono() >= self._next_beat:
+            self._heartbeat()
+
+    def _heartbeat(self):
+        self._next_beat = _mono() + self.lease / 3
+        until = _now() + self.lease
+        try:
+            self.me.beat()
+            claims = [c for part, _ in self.finish._splits for c in part]
+            for run in self.runs + ([self.runner._inline] if self.runner._inline else []):
+                claims.extend(run.batch or [run.claim])
+            self.spool.claims.extend(claims, until)
+        except OSError as e:
+            self.log("error", during="heartbeat", error=e.strerror)
+
+    def _reap(self):
+        try:
+            self.spool.reap(self.me, self.max_attempts)
+        except (OSError, MyqError) as e:
+            self.log("error", during="reap", error=str(e))
+
+
+# Supervision #################################################################
+
+
+def _clean_env(pass_env=(), user=None):
+    """What a process myq starts gets of our environment (myq(1) HANDLERS): PATH,
+    HOME, LANG, LC_*, TZ and the names given with --pass-env; for another
+    user, its own HOME, USER and LOGNAME."""
+    env = dict((k, v) for k, v in os.environ.items()
+               if k in ("PATH", "HOME", "LANG", "TZ") or k.startswith("LC_")
+               or k in pass_env)
+    env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+    if user is not None:
+        env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+    return env
+
+
+class _NotStarted(MyqError):
+    """What the supervisor of `supervise --daemon` said instead of ready."""
+
+    def __init__(self, message, code=1):
+        MyqError.__init__(self, message)
+        self.code = code
+
+
+def _error_report(e):
+    """(exit status, one line) of an exception, as main() would say it."""
+    if isinstance(e, MyqError):
+        return e.code, str(e)
+    if isinstance(e, OSError):
+        return EX_TEMPFAIL, "%s%s" % (e.strerror or e, " (%s)" % e.filename
+                                      if getattr(e, "filename", None) else "")
+    return 1, "%s: %s" % (e.__class__.__name__, e)
+
+
+def _open_fds():
+    try:
+        return [int(n) for n in os.listdir("/proc/self/fd")]
+    except (OSError, ValueError):
+        return range(3, 1024)
+
+
+def fork_daemon(keep=()):
+    """`supervise --daemon`: fork, as os.fork() does: (pid, fd) in the
+    caller, the child's pid and the pipe on which the child says whether
+    it started; (0, that pipe's write end) in the child.  The child leads
+    a session of its own (its pid is its process group, the one that
+    `supervise --stop` waits for), reads and writes /dev/null on 0, 1 and
+    2, and holds no other descriptor of the caller's but `keep`: a shell
+    leaks its saved ones (BusyBox ash), and one that is the init script's
+    $(...) pipe would hold the script up as long as the daemon runs."""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        os.close(w)
+        return pid, r
+    os.close(r)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    keep = set(keep) | {w}
+    for fd in _open_fds():
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    return 0, w
+
+
+def await_daemon(pid, fd, log_name, timeout=30.0):
+    """The caller's half of `supervise --daemon`: 0 once the child said it
+    is ready (the pidfile written, the first worker started); else raise
+    what it said instead, with its exit status."""
+    import select
+    data = b""
+    end = _mono() + timeout
+    try:
+        while not data.endswith(b"\n"):
+            if not select.select([fd], [], [], max(0.0, end - _mono()))[0]:
+                raise _NotStarted("the supervisor (pid %d) did not say it started "
+                                  "within %ds; see %s" % (pid, timeout, log_name))
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    code, _, message = data.decode("utf-8", "replace").strip().partition(" ")
+    if code == "0":
+        return 0
+    if code.isascii() and code.isdigit() and message:
+        raise _NotStarted(message, int(code))
+    _, status = os.waitpid(pid, 0)      # it died without a word
+    raise _NotStarted("the supervisor exited at once; see %s" % log_name,
+                      os.WEXITSTATUS(status) if os.WIFEXITED(status)
+                      and os.WEXITSTATUS(status) else 1)
+
+
+class Supervisor(object):
+    """`myq supervise`: keeps N worker processes running (for the init
+    script and procd).  It owns process management, so that the init
+    script stays thin:
+
+    - it leads its own session; writes the pidfile (when asked) and
+      removes it at exit;
+    - as root with --user, it creates the log's directory and opens the
+      log file safely (open_log_file), writes the pidfile, then becomes
+      that user for good; it reads and writes nothing in the spool itself;
+      the workers get a clean environment, and in it (not on their command
+      line, which any user can read) the options that may be credentials
+      (_SECRET_OPTIONS);
+    - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
+      reset after 60 s up); workers stop by themselves when the supervisor
+      is gone (they watch their parent);
+    - with `intake` (the options of `myq intake`), it keeps one intake
+      process running beside the workers, started, restarted and stopped
+      as they are (the same _spawn);
+    - with `ready` (the pipe of fork_daemon), it says there "0" once the
+      pidfile is written and its first worker started, or the exit status
+      and the error that stopped it;
+    - SIGTERM/SIGINT: TERM to the workers, KILL after --stop-timeout (a
+      second signal: at once), then `myq reap` as the spool's owner, which
+      takes back the claims of killed workers and ends their handlers; then
+      it exits 0.  SIGHUP reopens the log and is passed on."""
+
+    def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
+                 pidfile=None, stop_timeout=10.0, env=None, python=None,
+                 ready=None, intake=None, entry=None, keep=()):
+        self.spool, self.n, self.log = spool, workers, log
+        self.keep = tuple(keep)     # descriptors the intake gets (its port)
+        self.ready = ready
+        self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
+        self.pidfile, self.stop_timeout = pidfile, stop_timeout
+        # the words of each child's command (after the program)
+        self.argv = ["--spool", spool.path, "worker", "--parent-pid",
+                     str(os.getpid())] + list(worker_argv)
+        self.reap_argv = ["--spool", spool.path, "reap"]
+        self.intake_argv = None if intake is None else [
+            "--spool", spool.path, "intake", "--parent-pid", str(os.getpid())] \
+            + list(intake)
+        self.env = dict(env or {})
+        self.python = python
+        # _child_entry: a child forked from this process runs what
+        # entry(words) returns; with none (or another interpreter), every
+        # child is a new one (exec)
+        self.entry = None if python else entry
+        self.area = _IMAGE["area"]() if self.entry else None
+        self.stop = 0
+        self.hup = False
+
+    def _spawn(self, words, out=None, quiet=False):
+        """Start a child (a worker, the intake, the final reap) that runs
+        `myq WORDS`.  Forked from this process, where it can be retitled
+        (_retitle: the command line an exec'd child would have, as much of
+        it as fits in ours, and its clean environment over ours), so that
+        it shares our pages: no second interpreter that loads and compiles
+        myq again.  Else (no /proc, our command line too short for the
+        child's first words, its environment longer than ours, another
+        interpreter) exec'd, as a new Python; a child whose retitle fails
+        execs too."""
+        title = None
+        if self.area is not None:
+            title = _IMAGE["title"](self.area, [sys.executable or "python3",
+                                                _IMAGE["prog"]()] + words,
+                                    2 + words.index("--spool") + 3)
+        env = None if title is None else _IMAGE["env_block"](self.area, self.env)
+        if env is None:
+            return self._exec(words, out, quiet)
+        run = self.entry(words)
+        if run is None:
+            return self._exec(words, out, quiet)
+        import gc
+        import signal
+        gc.collect()            # our garbage (the parser) goes first; then
+        # what is there now stays out of every collection, in the children
+        # too: their collector never writes to (so never copies) our pages
+        gc.freeze()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _child_run(self, run, words, (title, env), out, quiet, signal, sigs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+        return _Child(pid)
+
+    def _exec(self, words, out, quiet):
+        import subprocess
+        return subprocess.Popen(
+            _IMAGE["start"](self.python) + words, close_fds=True, env=self.env,
+            cwd="/", stdin=subprocess.DEVNULL, stderr=out,
+            stdout=subprocess.DEVNULL if quiet else out,
+            pass_fds=self.keep if words[2:3] == ["intake"] else ())
+
+    def _write_pidfile(self):
+        fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
+                     | os.O_NONBLOCK | O_CLOEXEC, 0o644)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError("pidfile %s is not a plain file" % self.pidfile)
+            # a hard link to another file (/etc/shadow, put in a directory
+            # another user may write to) or another user's file: never
+            # truncated, never written
+            if st.st_nlink != 1:
+                raise ConfigError("pidfile %s has %d hard links (another file's "
+                                  "name?); remove it" % (self.pidfile, st.st_nlink))
+            if st.st_uid != os.geteuid():
+                raise ConfigError("pidfile %s belongs to uid %d; remove it"
+                                  % (self.pidfile, st.st_uid))
+            # held while this supervisor lives: a second start (two init
+            # scripts at once) ran a second supervisor, which stop then
+            # left running (review)
+            import fcntl
+            # the lock is on a read-only descriptor of its own, the one kept
+            # while the supervisor lives: as the user, dumpable again
+            # (_dumpable), it holds no descriptor that writes a file of root's
+            lock = os.open(self.pidfile, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK
+                           | O_CLOEXEC)
+            try:
+                same = os.fstat(lock)
+                if (same.st_dev, same.st_ino) != (st.st_dev, st.st_ino):
+                    raise ConfigError("pidfile %s was replaced while it was "
+                                      "opened; try again" % self.pidfile)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    raise ConfigError(
+                        "another myq supervise runs with pidfile %s (pid %s); "
+                        "stop it first" % (self.pidfile, (
+                            _read_small(self.pidfile, 64) or b"?")
+                            .decode("ascii", "replace").strip()))
+            except BaseException:
+                os.close(lock)
+                raise
+            os.ftruncate(fd, 0)
+            os.write(fd, b"%d\n" % os.getpid())
+            self._pid_fd = lock
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _tell(self, code=0, message=""):
+        """--daemon: tell the caller that we are ready (0), or why not;
+        once (a caller that is gone is not an error)."""
+        fd, self.ready = self.ready, None
+        if fd is None:
+            return
+        try:
+            os.write(fd, ("%d %s\n" % (code, message.replace("\n", " ")))
+                     .encode("utf-8", "replace"))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def _remove_pidfile(self):
+        data = _read_small(self.pidfile, 64)
+        if data and data.strip() == str(os.getpid()).encode():
+            _quiet_unlink(self.pidfile)
+
+    def run(self):
+        import select
+        import signal
+        try:
+            os.setsid()         # its own session: stop can find what is left
+        except OSError:
+            pass                # a session leader already (start-stop-daemon)
+        pipe = os.pipe()
+        for fd in pipe:
+            os.set_blocking(fd, False)
+
+        def on_stop(signum, frame):
+            self.stop += 1
+
+        def on_hup(signum, frame):
+            self.hup = True
+
+        for sig, fn in ((signal.SIGTERM, on_stop), (signal.SIGINT, on_stop),
+                        (signal.SIGHUP, on_hup),
+                        (signal.SIGCHLD, lambda s, f: None)):
+            signal.signal(sig, fn)
+        signal.set_wakeup_fd(pipe[1])
+        try:
+            if self.pidfile:
+                self._write_pidfile()
+            try:
+                if self.ids is not None:
+                    # Root's part is done (the pidfile, the log file): from
+                    # here on the supervisor, its workers and the final reap
+                    # run as the user.  The pidfile stays root's: the init
+                    # script removes it.
+                    become(self.ids[0], self.ids[1])
+                    _readable_library(self.ids[0])
+                    _IMAGE["dumpable"]()         # (its children forked, not exec'd)
+                    self.pidfile = None
+                self._loop(select, signal, pipe[0])
+            finally:
+                if self.pidfile:
+                    self._remove_pidfile()
+        except BaseException as e:
+            self._tell(*_error_report(e))
+            raise
+        finally:
+            self._tell(1, "the supervisor stopped before its first worker started")
+        return 0
+
+    def _loop(self, select, signal, wake):
+        log = self.log
+        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
+                  "argv": self.argv, "slot": i} for i in range(self.n)]
+        if self.intake_argv:
+            slots.append({"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
+                          "argv": self.intake_argv, "slot": "intake"})
+        log("supervise", workers=self.n, pid=os.getpid(), spool=self.spool.path,
+            user=self.user.pw_name if self.user else None,
+            intake=1 if self.intake_argv else None)
+        sent = 0
+        kill_at = None
+        while True:
+            now = _mono()
+            if self.hup:
+                self.hup = False
+                try:
+                    log.reopen()
+                except MyqError as e:
+                    log("error", during="reopen log", error=str(e))
+                for s in slots:
+                    if s["proc"] is not None:
+                        s["proc"].send_signal(signal.SIGHUP)
+            for s in slots:
+                p = s["proc"]
+                if p is not None and p.poll() is not None:
+                    up = now - s["since"]
+                    if up >= 60:
+                        s["backoff"] = 1.0
+                    s["at"] = now + s["backoff"]
+                    log("worker_exit", slot=s["slot"], pid=p.pid,
+                        status=p.returncode,
+                        uptime=round(up, 1),
+                        restart_in=None if self.stop else s["backoff"])
+                    s["backoff"] = min(30.0, s["backoff"] * 2)
+                    s["proc"] = None
+            alive = [s["proc"] for s in slots if s["proc"] is not None]
+            if self.stop:
+                if not alive:
+                    break
+                if self.stop > sent:
+                    if sent == 0:
+                        kill_at = now + self.stop_timeout
+                    sig = signal.SIGTERM if self.stop == 1 else signal.SIGKILL
+                    for p in alive:
+                        p.send_signal(sig)
+                    sent = self.stop
+                elif kill_at is not None and now >= kill_at:
+                    for p in alive:
+                        p.send_signal(signal.SIGKILL)
+                    kill_at = None
+            else:
+                error = self._start_workers(slots, now)
+                if error and self.ready is not None:    # --daemon: not started
+                    self.stop = 1
+                    self._tell(1, "cannot start a worker: %s" % error)
+                self._tell()        # the first round: --daemon's word, once
+            waits = [s["at"] - now for s in slots if s["proc"] is None]
+            if self.stop:
+                wait = max(0.05, kill_at - now) if kill_at is not None else 1.0
+            else:
+                wait = max(0.05, min(waits)) if waits else 5.0
+            try:
+                select.select([wake], [], [], wait)
+            except InterruptedError:
+                pass
+            _drain(wake)
+        self._reap_after_stop()
+        log("supervise_stop", pid=os.getpid())
+
+    def _start_workers(self, slots, now):
+        """Start the workers that are due; the last error, or None."""
+        error = None
+        for s in slots:
+            if s["proc"] is None and now >= s["at"]:
+                try:
+                    s["proc"] = self._spawn(s["argv"], self.log.fileno())
+                    s["since"] = now
+                    self.log("worker_start", slot=s["slot"], pid=s["proc"].pid)
+                except (OSError, ValueError) as e:
+                    error = getattr(e, "strerror", None) or str(e)
+                    self.log("error", during="start worker", error=error)
+                    s["at"] = now + s["backoff"]
+                    s["backoff"] = min(30.0, s["backoff"] * 2)
+        return error
+
+    def _reap_after_stop(self):
+        """Workers that were killed leave claims and maybe handlers: `myq
+        reap`, as the spool's owner, takes the claims back and ends the
+        handlers they recorded (kill_run)."""
+        try:
+            p = self._spawn(self.reap_argv, self.log.fileno(), quiet=True)
+        except (OSError, ValueError) as e:
+            self.log("error", during="reap", error=getattr(e, "strerror", None)
+                     or str(e))
+            return
+        end = _mono() + max(5.0, self.stop_timeout)
+        while p.poll() is None:
+            if _mono() >= end:
+                p.kill()
+                while p.poll() is None:
+                    time.sleep(0.01)
+                self.log("error", during="reap", error="timed out")
+                return
+            time.sleep(0.02)
+
+
+class _Child(object):
+    """A child the supervisor forked: what it uses of subprocess.Popen
+    (pid, returncode, poll, send_signal, kill)."""
+
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 255 << 8     # reaped elsewhere
+            if pid:
+                self.returncode = -os.WTERMSIG(status) \
+                    if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:         # (never a pid reused meanwhile)
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(9)
+
+
+def _child_run(sup, run, words, image, out, quiet, signal, sigs):
+    """The child of Supervisor._spawn, until its end (os._exit: never back
+    into the supervisor's frames, its finally clauses, its objects'
+    descriptors).  It gets what an exec'd child gets: 0 on /dev/null, 1
+    and 2 on `out` (the log; 1 on /dev/null when `quiet`), no other
+    descriptor of ours, the default signals (SIGHUP blocked until the
+    worker's or intake's own handler unblocks it: a logrotate in that
+    window is neither a death nor lost), no wakeup fd, /
+    as its directory, the supervisor's clean environment (and shown as
+    its own: _retitle), its title; then run() (main() with the words the supervisor parsed) in this
+    process; else an exec of the same words."""
+    status = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig, fn in ((signal.SIGTERM, signal.SIG_DFL),
+                        (signal.SIGINT, signal.default_int_handler),
+                        (signal.SIGHUP, signal.SIG_DFL),   # (blocked: kept)
+                        (signal.SIGCHLD, signal.SIG_DFL)):
+            signal.signal(sig, fn)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd, to in ((0, null), (1, null if quiet else out), (2, out)):
+            if to is not None and to != fd:
+                os.dup2(to, fd)
+        keep = sup.keep if words[2:3] == ["intake"] else ()
+        for fd in _open_fds():
+            if fd > 2 and fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        os.chdir("/")
+        os.environ.clear()
+        os.environ.update(sup.env)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [
+            s for s in sigs if s != signal.SIGHUP])
+        if not _IMAGE["retitle"](sup.area, image[0], image[1]):
+            argv = _IMAGE["start"](sup.python) + words
+            os.execve(argv[0], argv, sup.env)
+        sys.argv[:] = [_IMAGE["prog"]()] + words
+        del _COMPILED_AT_START[:]       # the heap is the supervisor's, shared
+        status = run()
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (e.code is not None)
+    except BaseException as e:
+        try:
+            import traceback
+            traceback.print_exc()
+        except BaseException:       # (no traceback module to be had: its
+            try:                    # words at least)
+                os.write(2, ("myq: %s: %s\n" % (type(e).__name__, e)).encode(
+                    "utf-8", "replace"))
+            except BaseException:
+                pass
+        status = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(status if isinstance(status, int) else 1)
+
+
+# Options and parsers #########################################################
+
+# (flag, kind, default, help); the kind is a Kind (Small helpers: the same
+# parser as a policy file's value of that kind), str, "append" (repeatable)
+# or None (a switch; its MYQ_* variable is a BOOL).
+GUARD_OPTIONS = [
+    ("--min-free", SIZE, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
+    ("--min-free-inodes", NATURAL, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
+    ("--max-job-bytes", SIZE, DEFAULTS["max_job_bytes"], "largest job file"),
+    ("--dedupe-window", SECONDS, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
+    ("--keep-done", SECONDS, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
+    ("--keep-done-max", NATURAL, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
+    ("--keep-dead", SECONDS, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
+    ("--keep-dead-max", NATURAL, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
+    ("--keep-failed", SECONDS, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
+    ("--keep-ok-max", NATURAL, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
+]
+# (their defaults are WorkerOptions', written once)
+_WORKER_DEFAULTS = dict(WorkerOptions.KEYS)
+WORKER_OPTIONS = [
+    ("--handlers", str, None, "directory of executable handlers, one per type"),
+    ("--module", str, None, "Python file of handler functions"),
+    ("--concurrency", COUNT, _WORKER_DEFAULTS["concurrency"], "handlers run at once by this worker"),
+    ("--lease", SECONDS, _WORKER_DEFAULTS["lease"], "claim lease, renewed by heartbeats"),
+    ("--timeout", SECONDS, _WORKER_DEFAULTS["timeout"], "handler time limit, unless the job has a timeout"),
+    ("--max-attempts", COUNT, _WORKER_DEFAULTS["max_attempts"], "runs a job gets when it does not say"),
+    ("--backoff-base", SECONDS, _WORKER_DEFAULTS["backoff_base"], "delay of the first retry, doubling after each failure"),
+    ("--backoff-max", SECONDS, _WORKER_DEFAULTS["backoff_max"], "longest retry delay"),
+    ("--probe-max", SECONDS, _WORKER_DEFAULTS["probe_max"], "longest wait between two probes of a held destination (a link that is back is used within it)"),
+    ("--jitter", FRACTION, _WORKER_DEFAULTS["jitter"], "random spread of retry delays, a fraction"),
+    ("--poll", SECONDS, _WORKER_DEFAULTS["poll"], "how often to look for files dropped without a wake-up"),
+    ("--stats-interval", SECONDS, _WORKER_DEFAULTS["stats_interval"], "time between status lines in the log, 0 for none"),
+    ("--grace", SECONDS, _WORKER_DEFAULTS["grace"], "time running handlers get after SIGTERM"),
+    ("--scan-cache", COUNT, _WORKER_DEFAULTS["scan_cache"], "ready jobs remembered per directory scan"),
+    ("--once", None, False, "run at most one job, then exit"),
+    ("--drain", None, False, "run until nothing is ready or running, then exit"),
+    ("--pass-env", "append", [], "pass this variable to exec handlers"),
+    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP), not stderr"),
+    ("--syslog", None, False, "log to syslog, not stderr"),
+    ("--syslog-facility", str, "daemon", "syslog facility"),
+    ("--syslog-tag", str, "myq", "syslog tag"),
+    ("--http-header", "append", [], "'Name: value' added to every http job"),
+    ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
+    ("--http-ca", str, None, "PEM file of CA certificates that https trusts besides the system's"),
+    ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
+    ("--uplink-rate", UPLINK, None, "at most SIZE/s (e.g. 16K/s) of http bodies and mqtt payloads over any 10 s, to all destinations"),
+    ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
+    ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
+    ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
+    ("--mqtt-ca", str, None, "CA certificate(s) to trust for an mqtts broker, besides the system's"),
+    ("--mqtt-cert", str, None, "client certificate for an mqtts broker that wants one"),
+    ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
+]
+
+# The commands that take the guard options, and those each one's --help
+# shows (None: all); the others are accepted and ignored, as they always were.
+_RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
+                    "--keep-dead", "--keep-dead-max", "--keep-failed",
+                    "--keep-ok-max")
+_GUARDS_SHOWN = {
+    "init": ("--min-free", "--min-free-inodes"),
+    "enqueue": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+                "--dedupe-window"),
+    "prune": _RETENTION_FLAGS,
+    "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
+    "worker": None,
+    "supervise": None,
+    "intake": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+               "--dedupe-window"),
+    "import": ("--min-free", "--min-free-inodes", "--max-job-bytes",
+               "--dedupe-window"),
+}
+
+
+_METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
+             "http_ca": "FILE",
+             "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
+             "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
+             "mqtt_key": "FILE", "listen": "unix:PATH|[ADDR]:PORT",
+             "subscribe": "FILTER=TYPE"}
+
+
+def _option_help(flag, typ, default, help):
+    """A table option's help: what it does, its default, its variable."""
+    var = "MYQ_" + flag[2:].replace("-", "_").upper()
+    if isinstance(typ, Kind):
+        return "%s (default %s; %s)" % (help, typ.show(default), var)
+    if typ is None:
+        return "%s (%s=1)" % (help, var)
+    if typ == "append":
+        return "%s; repeatable (%s)" % (help, var)
+    if default is None:
+        return "%s (%s)" % (help, var)
+    return "%s (default %s; %s)" % (help, default, var)
+
+
+def _arg_error(message):
+    import argparse
+    return argparse.ArgumentTypeError(message)
+
+
+def _arg(kind):
+    """An argparse type of a Kind: its error names the value."""
+    def value(text):
+        try:
+            return kind(text)
+        except ValueError as e:
+            raise _arg_error("%r: %s" % (text, e))
+    value.__name__ = kind.metavar
+    return value
+
+
+def _metavar(typ, dest):
+    return typ.metavar if isinstance(typ, Kind) else \
+        _METAVARS.get(dest) or dest.split("_")[-1].upper()
+
+
+def _add_options(p, table, shown=None):
+    """The options of a table (WORKER_OPTIONS, GUARD_OPTIONS); those not
+    in `shown` are accepted but left out of --help."""
+    import argparse
+    for flag, typ, default, help in table:
+        dest = flag[2:].replace("-", "_")
+        if shown is not None and flag not in shown:
+            help = argparse.SUPPRESS     # accepted, but not its concern
+        else:
+            help = _option_help(flag, typ, default, help)
+        if typ is None:
+            p.add_argument(flag, dest=dest, action="store_const", const=True,
+                           default=None, help=help)
+        elif typ == "append":
+            p.add_argument(flag, dest=dest, action="append", default=None,
+                           metavar=_METAVARS.get(dest) or
+                           dest.upper().rsplit("_", 1)[-1], help=help)
+        else:
+            p.add_argument(flag, dest=dest, default=None, help=help,
+                           metavar=_metavar(typ, dest))
+
+
+# One parser builder per command: its own arguments, after the worker and
+# guard options that _add_command gives it.
+
+def _budget_arg(text):
+    """--budget SIZE, or "" (none)."""
+    return _arg(Policy.SPOOL_KEYS["budget"])(text) if text != "" else ""
+
+
+def _args_init(p):
+    p.add_argument("--owner", help="chown the layout to USER[:GROUP] (a "
+                   "GROUP: the producers', tmp/ and incoming/ g+ws,+t)")
+    p.add_argument("--name", help="the queue's name (default: the "
+                   "directory's), for the status line and metrics")
+    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
+                   help="cap everything the spool keeps on its filesystem "
+                   "(myq(1) budget; default none, an empty value removes it)")
+    p.add_argument("--store", choices=("files", "sqlite"), default=None,
+                   help="where a new spool keeps its jobs: a file each "
+                   "(default) or one SQLite database, queue.db")
+
+
+def _args_enqueue(p):
+    p.add_argument("type", help="the job's type: selects its handler")
+    p.add_argument("payload", nargs="?", default="null",
+                   help="JSON text, or - for standard input (default null)")
+    p.add_argument("--id", help="the job's id (default: generated, in "
+                   "creation order); exit 73 when that id is queued, running, "
+                   "dead or done within the --dedupe-window")
+    p.add_argument("--delay", type=_arg(DURATION), default=0, metavar="S",
+                   help="run it no sooner than this from now (default 0)")
+    p.add_argument("--max-attempts", type=int, metavar="N",
+                   help="runs the job gets (default: the worker's "
+                   "--max-attempts)")
+    p.add_argument("--timeout", type=_arg(DURATION), metavar="S",
+                   help="the handler's time limit for this job (default: "
+                   "the worker's --timeout)")
+    p.add_argument("--priority", type=_arg(PRIORITY), metavar="P",
+                   help="-9 to 9, higher first (default: the type's policy, "
+                   "else 0)")
+    p.add_argument("--ttl", type=_arg(POSITIVE_SECONDS), metavar="S",
+                   help="never start it later than this from now: it goes to "
+                   "dlq/ as expired (default: the type's policy ttl)")
+
+
+def _args_worker(p):
+    import argparse
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+
+
+def _args_supervise(p):
+    p.add_argument("--workers", default=None, metavar="N",
+                   help="worker processes to keep running (default 1; MYQ_WORKERS)")
+    p.add_argument("--user", help="run the workers as USER[:GROUP] (root only); "
+                   "the log file is created for that user")
+    p.add_argument("--pidfile", help="write the supervisor's pid to FILE")
+    p.add_argument("--stop-timeout", metavar="S", help="time the workers get "
+                   "after SIGTERM before SIGKILL (default 10s)")
+    p.add_argument("--dry-run", action="store_true", help="check the options "
+                   "and the spool, start nothing (exit 0 when all is well)")
+    p.add_argument("--daemon", action="store_true", help="run in the "
+                   "background: exit 0 once the pidfile is written and the "
+                   "first worker started, else with the error that stopped it "
+                   "(the init script's start)")
+    p.add_argument("--stop", action="store_true", help="stop the supervisor of "
+                   "--pidfile: SIGTERM, wait for its workers (SIGKILL after "
+                   "--stop-timeout + 5 s), then reap (the init script's stop)")
+
+
+def _args_stats(p):
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object instead of the status line")
+    p.add_argument("--prometheus", action="store_true",
+                   help="the Prometheus text format (node_exporter's "
+                   "textfile collector) instead of the status line")
+
+
+def _args_list(p):
+    p.add_argument("state", nargs="?", choices=STATES + ("held",),
+                   help="only jobs in this state: %s (held: waiting for a "
+                   "held destination)" % ", ".join(STATES + ("held",)))
+    p.add_argument("--type", help="only jobs of this type")
+    p.add_argument("--limit", type=_arg(COUNT), metavar="N",
+                   help="at most N jobs (default: all)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per line instead of text")
+
+
+def _args_show(p):
+    p.add_argument("id", help="a job id, or the name of a file in failed/")
+
+
+def _args_retry(p):
+    p.add_argument("ids", nargs="*", metavar="ID",
+                   help="dead job ids, or names of repaired files in failed/")
+    p.add_argument("--all", action="store_true",
+                   help="every job in dlq/")
+    p.add_argument("--now", action="store_true",
+                   help="also make these scheduled jobs ready now")
+    p.add_argument("--json", action="store_true", help='print {"retried": N}')
+
+
+def _args_delete(p):
+    p.add_argument("ids", nargs="*", metavar="ID",
+                   help="job ids, or names of files in failed/")
+    p.add_argument("--state", choices=STATES,
+                   help="in bulk: every job in this state (%s)" % ", ".join(STATES))
+    p.add_argument("--type", help="with --state: only jobs of this type")
+    p.add_argument("--older-than", type=_arg(DURATION), metavar="S",
+                   help="with --state: only jobs older than this (waiting "
+                   "and running: since created, done and dead: since the "
+                   "finish, failed: since quarantined)")
+    p.add_argument("--force", action="store_true",
+                   help="delete running jobs too (their handlers are killed)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"deleted": N} instead of deleted=N')
+
+
+def _args_reap(p):
+    p.add_argument("--json", action="store_true", help='print {"requeued": N}')
+
+
+def _args_prune(p):
+    p.add_argument("--json", action="store_true",
+                   help="print the counts of what was removed as one JSON object")
+
+
+def _args_check(p):
+    p.add_argument("--json", action="store_true",
+                   help='one JSON object: {"ok", "spool", "problems"}')
+    p.add_argument("--warn-capacity", type=_arg(DURATION), default=3600.0,
+                   metavar="DURATION", help="report an outage capacity "
+                   "(stats outage_capacity_s) below it (default 1h)")
+
+
+def _args_policy(p):
+    p.add_argument("type", nargs="?", help="a job type")
+    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
+                   help="keys: " + " ".join(sorted(Policy.KEYS)))
+    p.add_argument("--default", action="store_true",
+                   help="the default rules, for every type without its own "
+                   "value (shown as *)")
+    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
+                   help="the spool's budget: everything it keeps on its "
+                   "filesystem (shown as %s budget=; an empty value removes "
+                   "it)" % SPOOL_POLICY)
+    p.add_argument("--json", action="store_true",
+                   help="the policy as one JSON object")
+
+
+def _args_pause(p):
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true",
+                   help="every type, new ones too (the default rules)")
+
+
+def _args_resume(p):
+    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
+    p.add_argument("--all", action="store_true", help="every paused type")
+    p.add_argument("--dest", action="append", default=[], metavar="DEST",
+                   help="release this held destination now (as myq stats "
+                   "--json shows it under held)")
+
+
+def _args_export(p):
+    p.add_argument("states", nargs="*", metavar="STATE",
+                   help="only jobs in these states: %s (default: all but "
+                   "failed, which holds files, not jobs)" % ", ".join(STATES))
+    p.add_argument("--type", help="only jobs of this type")
+
+
+def _args_import(p):
+    p.add_argument("file", nargs="?", default="-", metavar="FILE",
+                   help="JSON lines, as export writes them (default -: "
+                   "standard input)")
+    p.add_argument("--no-policy", action="store_true", help="leave this "
+                   "spool's policy as it is (default: the export's applies)")
+
+
+def _args_version(p):
+    pass
+
+
+# What the extensions add to the command line (each registers itself):
+# the option tables a command's parser takes besides its own (name ->
+# [tables]), and the children a supervisor keeps beside its workers (name
+# -> (argv(args, spool, o, guards, env): the child's options, checked, or
+# None when none is asked for; hold(argv): what it takes as root before
+# root is dropped, an object with fileno() and close(), or None)).
+_COMMAND_OPTIONS = {}
+_CHILDREN = {}
+
+
+def _add_command(sub, name, help):
+    """A command's parser: the hidden --spool after the command word, the
+    worker options (worker, supervise), the guard options, then its own
+    (its builder in _COMMAND_TABLE)."""
+    import argparse
+    p = sub.add_parser(name, help=help, description=help)
+    p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
+    if name in ("worker", "supervise"):
+        _add_options(p, WORKER_OPTIONS)
+    for table in _COMMAND_OPTIONS.get(name, ()):
+        _add_options(p, table)      # (an extension's: intake's)
+    if name in _GUARDS_SHOWN:
+        _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
+    return p
+
+
+# Command line ################################################################
+#
+# The parser made of _COMMAND_TABLE, the start of a command (its options
+# resolved, a worker or supervisor made of them), the commands, each a
+# _cmd_ function in _COMMAND_TABLE, and main.
+
+
+def _parser(only=None):
+    """The command line's parser; with `only`, that command's alone
+    (building all of them costs a `myq enqueue` 15-30 ms of its ~70)."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise UsageError("%s (see: myq %s--help)" % (
+                message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
+
+    top = Parser(prog="myq", description="A job queue worker for small Linux "
+                 "devices: one spool directory, one file per job.")
+    top.add_argument("--spool", help="the spool directory (default $MYQ_SPOOL "
+                     "or %s)" % DEFAULT_SPOOL)
+    top.add_argument("--version", action="version", version="myq " + __version__)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (_, build, help) in _COMMAND_TABLE.items():
+        if only is None or name == only:
+            build(_add_command(sub, name, help))
+    return top
+
+
+# `myq enqueue`'s own options, each with what argparse's `type` makes of
+# its value (the guard options stay text, as there: _resolve reads them).
+_ENQUEUE_TYPES = {"--id": str, "--delay": DURATION, "--max-attempts": int,
+                  "--timeout": DURATION, "--priority": PRIORITY,
+                  "--ttl": POSITIVE_SECONDS, "--spool": str}
+_GUARD_FLAGS = frozenset(t[0] for t in GUARD_OPTIONS)
+
+
+class _Args(object):
+    """What parse_args returns, made by _fast_args."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _fast_args(argv):
+    """parse_args(argv) for the usual forms of `myq enqueue`, without
+    argparse (importing it and building the parser cost a producer more
+    than the rest of its run): [--spool DIR] enqueue [OPTION]... TYPE
+    [PAYLOAD] [OPTION]..., each OPTION one of enqueue's, spelt out in full,
+    as --name VALUE or --name=VALUE.  Anything else (another command,
+    --help, an abbreviation, an option between TYPE and PAYLOAD, a word
+    starting with '-' where a value or the payload goes, a value its option
+    refuses) returns None: argparse parses that, with its own errors."""
+    got = dict((t[0][2:].replace("-", "_"), None) for t in GUARD_OPTIONS)
+    got.update(spool=None, spool_sub=None, command="enqueue", payload="null",
+               id=None, delay=0, max_attempts=None, timeout=None,
+               priority=None, ttl=None)
+    words, i, n = [], 0, len(argv)
+    where = 0           # 0: before the command, 1: before TYPE, 2: in the
+    while i < n:        # positionals, 3: after them
+        a = argv[i]
+        i += 1
+        if a[:1] != "-" or a == "-":
+            if where == 0 and a != "enqueue" or where == 3:
+                return None
+            if where:
+                words.append(a)
+            where = 2 if where else 1
+            continue
+        name, eq, value = a.partition("=")
+        if not eq:
+            if i == n or argv[i][:1] == "-":
+                return None
+            value = argv[i]
+            i += 1
+        kind = _ENQUEUE_TYPES.get(name) if where else None
+        if name == "--spool":
+            got["spool_sub" if where else "spool"] = value
+        elif kind is not None:
+            try:
+                got[name[2:].replace("-", "_")] = kind(value)
+            except ValueError:
+                return None
+        elif where and name in _GUARD_FLAGS:
+            got[name[2:].replace("-", "_")] = value
+        else:
+            return None
+        if where == 2:
+            where = 3
+    if not 1 <= len(words) <= 2:
+        return None
+    got["type"] = words[0]
+    if len(words) == 2:
+        got["payload"] = words[1]
+    return _Args(**got)
+
+
+def _resolve(args, table, env):
+    """Option values: the flag, else MYQ_<OPTION>, else the default."""
+    out = {}
+    for flag, typ, default, _ in table:
+        dest = flag[2:].replace("-", "_")
+        value = getattr(args, dest, None)
+        name = "MYQ_" + dest.upper()
+        if value is None and env.get(name, "") != "":
+            raw = env[name]
+            if typ == "append":
+                # one header a line ('Authorization: Bearer x' is one);
+                # names split on blanks
+                value = raw.splitlines() if dest == "http_header" else raw.split()
+            elif typ is None:
+                try:
+                    value = BOOL(raw)
+                except ValueError as e:
+                    raise UsageError("%s=%s: %s" % (name, raw, e))
+            else:
+                value = raw
+            source = "%s=%s" % (name, raw)
+        else:
+            source = "%s %s" % (flag, value)
+        if value is None:
+            value = default
+        elif typ not in (None, "append", str):     # a Kind
+            try:
+                value = typ(value)
+            except (ValueError, TypeError) as e:
+                raise UsageError("bad value %s: %s" % (source, e))
+        out[dest] = value
+    return out
+
+
+def _header_lines(lines, source):
+    headers = {}
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip() or " " in name.strip():
+            # the line number and the name, never the line: its value is
+            # a credential (and stderr may be a log file)
+            raise UsageError("bad http header in %s, line %d%s: use 'Name: value'"
+                             % (source, n, " (name %r)" % name.strip()[:64]
+                                if sep and name.strip() else " (no ':')"))
+        headers[name.strip()] = value.strip()
+    return headers
+
+
+def _make_log(o):
+    return Log(path=o.get("log"), syslog=o.get("syslog"),
+               facility=o.get("syslog_facility"), tag=o.get("syslog_tag"))
+
+
+# Worker options whose values may be credentials (a header's token, the
+# user of a broker): supervise gives them to its workers in their
+# environment, which only their user and root can read, never on their
+# command line, which every user can (ps, /proc/PID/cmdline).
+_SECRET_OPTIONS = ("http_header", "mqtt")
+
+
+def _secret_env(o):
+    """The MYQ_* variables that give a worker the _SECRET_OPTIONS of `o`."""
+    env = {}
+    for dest in _SECRET_OPTIONS:
+        v = o.get(dest)
+        if v:
+            env["MYQ_" + dest.upper()] = "\n".join(v) if isinstance(v, list) else v
+    return env
+
+
+def _option_argv(o, table, skip=()):
+    """The command line that gives a worker the options `o` (resolved
+    from flags and MYQ_* variables): what supervise starts its workers
+    with, but the options named in `skip`."""
+    argv = []
+    for flag, typ, default, _ in table:
+        dest = flag[2:].replace("-", "_")
+        if dest in skip:
+            continue
+        v = o.get(dest)
+        if typ is None:
+            if v:
+                argv.append(flag)
+        elif typ == "append":
+            for x in v or ():
+                argv += [flag, x]
+        elif v is not None and v != default:
+            argv += [flag, repr(v) if isinstance(v, float) else str(v)]
+    return argv
+
+
+def _check_worker_options(o):
+    """Everything _worker_from() refuses, without starting a worker (nor
+    loading a --module: supervise may run as root)."""
+    _http_headers(o)
+    _check_http_ca(o.get("http_ca"))
+    if o["handlers"] and not os.path.isdir(o["handlers"]):
+        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
+    if o["module"] and not os.path.isfile(o["module"]):
+        raise ConfigError("--module %s: no such Python file" % o["module"])
+    if o.get("textfile") and not os.path.isdir(o["textfile"]):
+        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
+    _mqtt_options(o)
+
+
+def _mqtt_options(o):
+    """Worker(...) keyword arguments of the --mqtt options, checked (a bad
+    URL: UsageError, an unreadable file: ConfigError)."""
+    kw = dict((k, o.get(k)) for k in ("mqtt", "mqtt_password_file",
+                                       "mqtt_client_id", "mqtt_ca",
+                                       "mqtt_cert", "mqtt_key"))
+    if not kw["mqtt"]:
+        extra = sorted("--" + k.replace("_", "-") for k, v in kw.items() if v)
+        if extra:
+            raise UsageError("%s without --mqtt (give the broker: --mqtt "
+                             "mqtt://HOST)" % ", ".join(extra))
+        return kw
+    for name in sorted(_BUILTIN_TYPES):
+        check = _BUILTIN_TYPES[name][2]
+        if check is not None:
+            check(kw)
+    return kw
+
+
+def _http_headers(o):
+    headers = {}
+    if o["http_headers_file"]:
+        try:
+            with open(o["http_headers_file"], encoding="utf-8") as f:
+                headers.update(_header_lines(f, o["http_headers_file"]))
+        except OSError as e:
+            raise ConfigError("cannot read --http-headers-file %s: %s"
+                              % (o["http_headers_file"], e.strerror))
+    headers.update(_header_lines(o["http_header"], "--http-header"))
+    return headers
+
+
+def _check_http_ca(path):
+    """--http-ca: a file that the ssl module (where there is one) loads."""
+    if not path:
+        return
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise ConfigError("cannot read --http-ca %s: %s" % (path, e.strerror))
+    try:
+        import ssl
+    except ImportError:
+        return          # https jobs say what is missing
+    try:
+        ssl.create_default_context().load_verify_locations(cafile=path)
+    except (ssl.SSLError, ValueError) as e:
+        raise ConfigError("--http-ca %s is not a PEM file of CA certificates "
+                          "(%s)" % (path, e))
+
+
+def _worker_from(spool, o, parent=None):
+    headers = _http_headers(o)
+    _check_http_ca(o.get("http_ca"))
+    if o["handlers"] and not os.path.isdir(o["handlers"]):
+        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
+    kw = dict((k, o[k]) for k in (
+        "concurrency", "lease", "timeout", "max_attempts", "backoff_base",
+        "backoff_max", "probe_max", "jitter", "poll", "stats_interval",
+        "grace", "pass_env", "scan_cache", "uplink_rate"))
+    kw.update(_mqtt_options(o))
+    options = WorkerOptions(
+        handlers_dir=o["handlers"], module=o["module"], http_headers=headers,
+        http_ca=o.get("http_ca"), textfile=o.get("textfile"), parent=parent,
+        **kw)
+    return Worker(spool, options=options, log=_make_log(o))
+
+
+def _supervise(args, spool, guards, env):
+    o = _resolve(args, WORKER_OPTIONS, env)
+    n = args.workers or env.get("MYQ_WORKERS") or "1"
+    try:
+        n = COUNT(n)
+    except ValueError:
+        raise UsageError("bad --workers %r: a number >= 1" % n)
+    try:
+        stop_timeout = SECONDS(args.stop_timeout or "10")
+    except ValueError as e:
+        raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
+    if args.stop:
+        return stop_supervisor(spool, args.pidfile, stop_timeout)
+    user = ids = None
+    if args.user:
+        import pwd
+        ids = _user_ids(args.user)
+        if ids[0] != os.geteuid():
+            if os.geteuid() != 0:
+                raise ConfigError("only root can run the workers as %s" % args.user)
+            user = pwd.getpwuid(ids[0])
+        else:
+            ids = None
+    spool.require()
+    _check_worker_options(o)
+    child = _CHILDREN.get("intake")     # (the intake's extension: its argv)
+    intake = child[0](args, spool, o, guards, env) if child else None
+    if o["mqtt_client_id"] and n > 1 and not intake:
+        raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
+                         "its own client id (the broker drops a connection when "
+                         "another takes its id); leave it out for unique ids" % n)
+    if args.dry_run:
+        port = child[1](intake) if child else None    # (taken: said)
+        if port is not None:
+            port.close()
+        return 0
+    # before the log is open and the caller's stderr replaced: the image
+    # started again does both (and a daemon forks from it)
+    _IMAGE["give_back_heap"](reexec=True)
+    # the intake's port, taken as root now (a port another program took is
+    # said at start, not in a restart loop of the intake) and held
+    port = child[1](intake) if child else None
+    if port is not None:
+        intake = intake + ["--listen-fd", str(port.fileno())]
+    if o.get("log"):
+        _make_log_dir(o["log"], ids)
+    log = Log(path=o.get("log"), syslog=o.get("syslog"),
+              facility=o.get("syslog_facility"), tag=o.get("syslog_tag"),
+              owner=ids)
+    ready = None
+    if args.daemon:
+        pid, ready = fork_daemon(keep=[log.fileno()] + (
+            [port.fileno()] if port is not None else []))
+        if pid:
+            return await_daemon(pid, ready, o.get("log") or "syslog")
+    if log.fileno() is not None:        # a traceback lands in the log too
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    if not o["handlers"] and not o["module"]:
+        log("warning", problem="no --handlers and no --module: only http%s jobs "
+            "have a handler; give MYQ_ARGS=\"--handlers DIR\""
+            % (" and mqtt" if o["mqtt"] else ""))
+    # with subscriptions, --mqtt-client-id is the intake's (its session)
+    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS + (
+        ("mqtt_client_id",) if intake and o.get("mqtt_client_id") else ())) \
+        + _option_argv(guards, GUARD_OPTIONS)
+    wenv = _clean_env(o["pass_env"], user)
+    wenv.update(_secret_env(o))
+    return Supervisor(spool, n, wargv, log, user=user, ids=ids,
+                      pidfile=args.pidfile, stop_timeout=stop_timeout,
+                      env=wenv, ready=ready, intake=intake, entry=_child_entry,
+                      keep=[port.fileno()] if port is not None else ()).run()
+
+
+def _make_log_dir(path, ids):
+    """Create the log file's directory when it is missing; for the service
+    user (`ids`), handed over through its own descriptor."""
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(d):
+        return
+    try:
+        os.makedirs(d, 0o750)
+        if ids is not None:
+            fd = _open_dir(d)
+            try:
+                os.fchown(fd, ids[0], ids[1])
+            finally:
+                os.close(fd)
+    except OSError as e:
+        raise ConfigError("cannot create the log directory %s: %s" % (d, e.strerror))
+
+
+def _proc_uids(pid):
+    """The real, effective, saved and filesystem uids of a process (the
+    Uid: line of /proc/PID/status), or () when it is gone."""
+    for line in (_read_small("/proc/%d/status" % pid, 1 << 14) or b"").splitlines():
+        if line.startswith(b"Uid:"):
+            try:
+                return tuple(int(u) for u in line.split()[1:])
+            except ValueError:
+                return ()
+    return ()
+
+
+def _is_supervisor(pid, uids):
+    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path) as
+    one of `uids` (every one of its uids)?  A command line is anyone's to
+    choose; the user a process runs as is not."""
+    argv = (_read_small("/proc/%d/cmdline" % pid, 1 << 16) or b"").split(b"\0")
+    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv \
+        and _ours(pid, uids)
+
+
+def _ours(pid, uids):
+    got = _proc_uids(pid)
+    return bool(got) and set(got) <= set(uids)
+
+
+def stop_supervisor(spool, pidfile, timeout=10.0):
+    """`myq supervise --stop` (the init script's stop): SIGTERM the
+    supervisor named by the pidfile (it stops its workers, SIGKILLs them
+    after its own --stop-timeout and reaps), wait for its process group
+    (workers left by a supervisor that died stop by themselves when they
+    see it gone), SIGKILL what is still there after `timeout` + 5 s, then
+    `myq reap` as the spool's owner: claims of killed workers go back and
+    their handlers are ended.  A pidfile whose pid now belongs to another
+    program: nothing is signalled.  What is signalled or waited for runs
+    as root, the caller or the spool's owner (the service user): a
+    process of another user is none of the supervisor's, whatever its
+    command line.  Exit 0, or 1 when something survived."""
+    if not pidfile:
+        raise UsageError("supervise --stop needs --pidfile FILE")
+    data = _read_small(pidfile, 64)
+    pid = int(data.split()[0]) if data and data.split() and data.split()[0].isdigit() \
+        else 0
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(os.stat(spool.path).st_uid)
+    except OSError:
+        pass
+    if pid > 1:
+        alive = _is_supervisor(pid, uids)
+        if alive:
+            try:
+                os.kill(pid, 15)
+            except OSError:
+                pass
+        elif pid in _proc_table():      # alive, not a zombie
+            return 0            # the pid was handed to another program
+        # Its process group; of a supervisor that died, only the workers it
+        # started (--parent-pid PID): a group of that number may be another
+        # program's now, whose leader left (review: an unrelated root
+        # daemon was SIGKILLed by a stop on a stale pidfile).
+        mark = b"\0--parent-pid\0%d\0" % pid
+        end = _mono() + timeout + 5.0
+        killed_at = None
+        while True:
+            group = [p for p, (_, pgrp, _) in _proc_table().items()
+                     if pgrp == pid and _ours(p, uids) and (alive or mark in (
+                         _read_small("/proc/%d/cmdline" % p, 1 << 16) or b""))]
+            if not group:
+                break
+            if killed_at is None and _mono() >= end:
+                for p in group:
+                    try:
+                        os.kill(p, 9)
+                    except OSError:
+                        pass
+                killed_at = _mono()
+            elif killed_at is not None and _mono() - killed_at > 5.0:
+                return 1
+            time.sleep(0.1)
+    import subprocess
+    try:
+        subprocess.run(_IMAGE["start"]() + ["--spool", spool.path, "reap"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=max(30.0, timeout))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return 0
+
+
+def _drop_root(path, command):
+    """Root acting in a spool that belongs to another user does it as that
+    user: then nothing the owner puts in the spool (a symlink to
+    /etc/shadow, a FIFO) can make root read, write, chown or signal
+    anything the owner could not.  `init` (which chowns through
+    descriptors) and `supervise` (which switches its workers) excepted."""
+    if command in ("init", "supervise", "version", "install") or os.geteuid() != 0:
+        return
+    try:
+        st = os.stat(path)
+    except OSError:
+        return                  # no spool: the command says so
+    if st.st_uid != 0:
+        become(st.st_uid, st.st_gid)
+        if command in ("worker", "intake"):
+            _readable_library(st.st_uid)
+
+
+def _command_index(argv):
+    """Where the command word is: after the global options (--spool DIR)."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--spool":
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            return i
+    return len(argv)
+
+
+def _print(line):
+    """One line on stdout; names that are not UTF-8 go out as their bytes."""
+    data = (line + "\n").encode("utf-8", "surrogateescape")
+    out = getattr(sys.stdout, "buffer", None)
+    if out is None:
+        sys.stdout.write(data.decode("utf-8", "replace"))
+        return
+    sys.stdout.flush()
+    out.write(data)
+    out.flush()
+
+
+def _cmd_version(a):
+    _print("myq " + __version__)
+
+
+def _cmd_init(a):
+    sp = a.spool.init(owner=a.args.owner, store=a.args.store)
+    for extend in _ON_INIT:
+        extend(sp, a.args)
+    if a.args.name is not None:
+        sp.set_name(a.args.name)
+    if a.args.budget is not None:
+        sp.set_policy(SPOOL_POLICY, {"budget": a.args.budget or None})
+    low = a.spool.free_problem()
+    if low:                 # the spool is there; workers will wait
+        sys.stderr.write("myq: warning: %s\n" % low)
+
+
+def _cmd_enqueue(a):
+    args = a.args
+    text = sys.stdin.read() if args.payload == "-" else args.payload
+    try:
+        payload = _decode(text.strip())
+    except RecursionError:
+        raise InvalidJob("payload nested too deep")
+    except ValueError as e:
+        raise InvalidJob("payload is not JSON (%s); quote a string as "
+                         "'\"text\"'" % e)
+    _print(a.spool.enqueue(args.type, payload, id=args.id, delay=args.delay,
+                           max_attempts=args.max_attempts, timeout=args.timeout,
+                           priority=args.priority, ttl=args.ttl))
+
+
+def _cmd_policy(a):
+    args, sp = a.args, a.spool
+    sp.require()
+    pairs = list(args.pairs)
+    name = args.type
+    if args.default:
+        if name is not None:
+            pairs.insert(0, name)
+        name = "*"
+    elif name is not None and "=" in name:
+        raise UsageError("give the TYPE before KEY=VALUE (or --default for "
+                         "every type)")
+    if pairs:
+        changes = {}
+        for pair in pairs:
+            k, eq, v = pair.partition("=")
+            if not eq:
+                raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
+                                 "the key)" % pair)
+            if k not in Policy.KEYS:
+                Policy.value(k, v)          # the error that names the keys
+            changes[k] = v if v != "" else None
+        sp.set_policy(name, changes)
+    if args.budget is not None:
+        sp.set_policy(SPOOL_POLICY, {"budget": args.budget or None})
+    sp.policies._pol_next = 0.0
+    pol = sp.policy()
+    if sp.policy_error and not pairs:
+        sys.stderr.write("myq: %s\n" % sp.policy_error)
+    if name is not None:
+        pol = {name: pol.get(name, {})} if name in pol or pairs else {}
+    if args.json:
+        _print(json.dumps(pol, sort_keys=True))
+        return
+    for t in sorted(pol, key=lambda t: (t != "*", t)):
+        _print(" ".join([t] + ["%s=%s" % (k, Policy.show(k, v))
+                               for k, v in sorted(pol[t].items())]))
+
+
+def _cmd_pause(a):
+    args, sp = a.args, a.spool
+    if not args.types and not args.all:
+        raise UsageError("give the types to pause, or --all")
+    for t in (["*"] if args.all else []) + args.types:
+        sp.set_policy(t, {"paused": True})
+
+
+def _cmd_resume(a):
+    args, sp = a.args, a.spool
+    if not (args.types or args.all or args.dest):
+        raise UsageError("give the types to resume, --all, or --dest DEST")
+    sp.require()
+    if args.all:
+        for t in list(sp.policy()):
+            if "paused" in sp.policy()[t]:
+                sp.set_policy(t, {"paused": None})
+    for t in args.types:
+        sp.set_policy(t, {"paused": None})
+        if sp.rules(t).get("paused"):       # the default pauses every type
+            sp.set_policy(t, {"paused": False})
+    missing = []
+    for dest in args.dest:
+        if sp.breaker.record(dest) is None:
+            missing.append(dest)
+            continue
+        sp.breaker.release(dest)
+    if missing:
+        raise NoSuchJob("no held destination %s (see: myq --spool %s stats "
+                        "--json, under held)" % (", ".join(missing), sp.path))
+
+
+def _cmd_worker(a):
+    o = _resolve(a.args, WORKER_OPTIONS, a.env)
+    a.spool.require()
+    if o["textfile"] and not os.path.isdir(o["textfile"]):
+        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
+    w = _worker_from(a.spool, o, a.args.parent_pid)
+    _IMAGE["give_back_heap"](reexec=not (o["once"] or o["drain"]))
+    return w.run(once=o["once"], drain=o["drain"])
+
+
+def _cmd_supervise(a):
+    return _supervise(a.args, a.spool, a.guards, a.env)
+
+
+def _cmd_stats(a):
+    if a.args.json and a.args.prometheus:
+        raise UsageError("give --json or --prometheus, not both")
+    a.spool.require()
+    a.spool._check_readable()
+    if a.args.json:
+        _print(json.dumps(a.spool.stats(), sort_keys=False))
+    elif a.args.prometheus:
+        _print(prometheus_text(a.spool.stats(by_type=True)).rstrip("\n"))
+    else:
+        _print(a.spool.status_line())
+
+
+def _cmd_list(a):
+    a.spool.require()
+    a.spool._check_readable()
+    n = 0
+    for job in a.spool.list(a.args.state):
+        if a.args.type is not None and job.get("type") != a.args.type:
+            continue
+        if a.args.limit is not None and n >= a.args.limit:
+            break
+        n += 1
+        if a.args.json:
+            _print(json.dumps(job))
+            continue
+        line = "%s %s %s attempts=%s" % (
+            _kv(job["id"]), job["state"], job.get("type") or "-",
+            job.get("attempts") if job.get("attempts") is not None else "-")
+        held = job.get("held")
+        if held:
+            line += " held_until=%s dest=%s" % (
+                iso(held.get("until") or 0, False), _kv(_plain(held["dest"])))
+        elif job.get("available_at"):
+            line += " available_at=" + iso(job["available_at"], False)
+        if job.get("last_error"):
+
+            line += " last_error=" + _kv(job["last_error"])
+        _print(line)
+
+
+_TIMES = ("created_at", "updated_at", "available_at", "failed_at", "expires_at")
+
+
+def _cmd_show(a):
+    a.spool.require()
+    job = a.spool.show(a.args.id)
+    # the stored epoch seconds, and beside them the same in ISO 8601 UTC
+    # (as `list` prints them)
+    iso_times = dict((k, iso(job[k])) for k in _TIMES if _is_num(job.get(k)))
+    if iso_times:
+        job["iso"] = iso_times
+    _print(json.dumps(job, ensure_ascii=False, indent=1))
+
+
+def _cmd_retry(a):
+    if not a.args.ids and not a.args.all:
+        raise UsageError("retry needs job ids or --all")
+    n = a.spool.retry(a.args.ids, all=a.args.all, now=a.args.now)
+    _print(json.dumps({"retried": n}) if a.args.json else "retried=%d" % n)
+
+
+def _cmd_delete(a):
+    args = a.args
+    if args.state is None:
+        if args.type is not None or args.older_than is not None:
+            raise UsageError("--type and --older-than go with --state STATE")
+        if not args.ids:
+            raise UsageError("delete needs job ids, or --state STATE")
+        n = a.spool.delete(args.ids, force=args.force)
+    elif args.ids:
+        raise UsageError("give job ids or --state STATE, not both")
+    else:
+        if args.older_than is not None and not args.older_than >= 0:
+            raise UsageError("--older-than must be a duration >= 0")
+        n = a.spool.delete_where(args.state, type=args.type,
+                                 older_than=args.older_than, force=args.force)
+    _print(json.dumps({"deleted": n}) if args.json else "deleted=%d" % n)
+
+
+def _cmd_reap(a):
+    n = a.spool.reap()
+    _print(json.dumps({"requeued": n}) if a.args.json else "requeued=%d" % n)
+
+
+def _cmd_prune(a):
+    out = a.spool.prune()
+    _print(json.dumps(out) if a.args.json else
+           " ".join("%s=%d" % kv for kv in out.items()))
+
+
+def _cmd_check(a):
+    problems = a.spool.check()
+    try:
+        short = a.spool.budget.capacity_problem(a.args.warn_capacity)
+    except (OSError, MyqError):
+        short = None
+    problems += [short] if short else []
+    if a.args.json:
+        _print(json.dumps({"ok": not problems, "spool": a.spool.path,
+                           "problems": problems}))
+        return 1 if problems else 0
+    for p in problems:
+        _print(_plain(p))
+    if problems:
+        return 1
+
+    _print("ok spool=%s" % a.spool.path)
+
+
+def _cmd_export(a):
+    skipped = []
+
+    def skip(path, why):
+        skipped.append(path)
+        sys.stderr.write("myq: skipped %s: %s\n" % (
+            _plain(path), _plain(why)))
+    out = getattr(sys.stdout, "buffer", None)
+    sys.stdout.flush()
+    line = a.spool.backlog.spool_line(a.args.type)
+    chunk = [dumps(line)] if line else []
+    if a.spool.policy_error:
+        sys.stderr.write("myq: warning: %s; the export carries no policy\n"
+                         % a.spool.policy_error)
+    for job in a.spool.export(a.args.states, a.args.type, skip):
+        chunk.append(dumps(job))
+        if len(chunk) >= 256:
+            _write_out(out, chunk)
+    _write_out(out, chunk)
+    if skipped:
+        sys.stderr.write("myq: %d file(s) skipped: not jobs (a worker "
+                         "quarantines them; see: myq list failed)\n"
+                         % len(skipped))
+        return EX_DATAERR
+
+
+def _write_out(out, chunk):
+    data = b"".join(chunk)
+    del chunk[:]
+    if out is None:
+        sys.stdout.write(data.decode("utf-8", "replace"))
+        sys.stdout.flush()
+    else:
+        out.write(data)
+        out.flush()
+
+
+def _cmd_import(a):
+    name = a.args.file
+    try:
+        f = sys.stdin.buffer if name == "-" else open(name, "rb")
+    except OSError as e:
+        raise NoSuchJob("cannot read %s: %s" % (name, e.strerror))
+
+    def refuse(n, why):
+        sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
+    try:
+        counts = a.spool.backlog.import_jobs(_bounded_lines(
+            f, a.spool.opt["max_job_bytes"] + 65536), refuse,
+            policy=not a.args.no_policy)
+    except SpoolFull as e:
+        c = getattr(e, "counts", None)
+        if c is None:
+            raise
+        sys.stderr.write("myq: %s; not imported from line %d on (free space, "
+                         "then run the same import again: what was imported "
+                         "is refused as duplicate)\n" % (e, e.line))
+        _import_counts(c)
+        return EX_TEMPFAIL
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
+    _import_counts(counts)
+    return EX_TEMPFAIL if counts["refused"] else EX_DATAERR if counts["bad"] \
+        else EX_CANTCREAT if counts["duplicate"] else 0
+
+
+def _bounded_lines(f, limit):
+    """The lines of binary file `f`, none held longer than `limit` bytes:
+    a longer one is read past (in pieces) and given as the InvalidJob
+    that import counts bad (a 64 MB line was a MemoryError)."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 16)
+            if not line:
+                break
+            size += len(line)
+        yield InvalidJob("a line of %d bytes, longer than a job may be "
+                         "(--max-job-bytes + 64 KiB: %d); skipped" % (size, limit))
+
+
+def _import_counts(c):
+    sys.stderr.write("myq: imported %d, duplicate %d, bad %d%s\n" % (
+        c["imported"], c["duplicate"], c["bad"],
+        ", refused %d" % c["refused"] if c["refused"] else ""))
+    if c.get("policy"):
+        sys.stderr.write("myq: policy applied: %s\n" % " ".join(c["policy"]))
+    if c.get("queue"):
+        sys.stderr.write("myq: queue name kept: %s\n" % c["queue"])
+
+
+# The commands: name -> (its function, its parser builder, its help), in
+# the order --help lists them.
+_COMMAND_TABLE = {
+    "init": (_cmd_init, _args_init,
+             "create the spool and its layout (idempotent)"),
+    "enqueue": (_cmd_enqueue, _args_enqueue, "add a job; prints its id"),
+    "worker": (_cmd_worker, _args_worker, "run jobs"),
+    "supervise": (_cmd_supervise, _args_supervise,
+                  "run and restart N workers (for the init script)"),
+    "stats": (_cmd_stats, _args_stats, "print the status line"),
+    "list": (_cmd_list, _args_list, "list jobs"),
+    "show": (_cmd_show, _args_show, "print one job as JSON"),
+    "retry": (_cmd_retry, _args_retry,
+              "bring dead (or repaired failed) jobs back"),
+    "delete": (_cmd_delete, _args_delete, "remove jobs"),
+    "reap": (_cmd_reap, _args_reap,
+             "requeue claims of dead workers and expired leases"),
+    "prune": (_cmd_prune, _args_prune, "apply retention now"),
+    "check": (_cmd_check, _args_check,
+              "health: layout, permissions, free space, stale claims, and "
+              "what needs an operator (exit 1, one line per problem)"),
+    "policy": (_cmd_policy, _args_policy,
+               "show or set the per-type rules (TYPE KEY=VALUE ...; an empty "
+               "VALUE removes the key)"),
+    "pause": (_cmd_pause, _args_pause,
+              "no new job of these types starts (running ones finish)"),
+    "resume": (_cmd_resume, _args_resume,
+               "undo pause; or release a held destination now"),
+    "export": (_cmd_export, _args_export,
+               "write jobs as JSON lines, each with its state"),
+    "import": (_cmd_import, _args_import,
+               "add the jobs of export's lines, keeping their states; "
+               "ids the spool has are refused"),
+    "version": (_cmd_version, _args_version, "print the version"),
+}
+# (and the extensions' commands, each registered by its section: intake,
+# install)
+
+
+class _Call(object):
+    """What a command function gets: the parsed args, the spool, the
+    resolved guard options and the environment."""
+
+    def __init__(self, args, spool, guards, env):
+        self.args, self.spool, self.guards, self.env = args, spool, guards, env
+
+
+def _child_entry(words):
+    """The supervisor's children (Supervisor._spawn): `words` parsed now,
+    in the supervisor, and a function that runs them, in the child: its
+    parser is not built again in every child (~1.4 MiB of pages each
+    child would copy).  None when they do not parse."""
+    i = _command_index(words)
+    try:
+        args = _parser(words[i] if i < len(words) else None).parse_args(words)
+    except SystemExit:
+        return None
+    return lambda: main(words, args)
+
+
+def main(argv=None, parsed=None):
+    """The command line; returns the exit status (never calls sys.exit).
+    `parsed`: argv already parsed (_child_entry)."""
+    if argv is None:
+        # This process's own command line: myq is the program.  What the
+        # import made (~1,000 functions, their classes and dicts) lives
+        # until the exit; frozen (out of every collection), the collector
+        # stops walking it at each full collection, and at the exit's 3-4
+        # (8.6 M instructions of a 62.7 M `myq enqueue`, issue 42).  Not
+        # for a caller's main(argv): its garbage is not ours to keep.
+        gc.freeze()
+    own = argv is None
+    argv = sys.argv[1:] if own else list(argv)
+    env = os.environ
+    try:
+        args = parsed if parsed is not None else _fast_args(argv)
+        if args is None:
+            i = _command_index(argv)
+            only = argv[i] if i < len(argv) and argv[i] in _COMMAND_TABLE else None
+            try:
+                args = _parser(only).parse_args(argv)
+            except SystemExit as e:         # --help, --version
+                return e.code if isinstance(e.code, int) else 0
+        path = getattr(args, "spool_sub", None) or args.spool \
+            or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
+        guards = {}
+        if args.command in _GUARDS_SHOWN:
+            guards = _resolve(args, GUARD_OPTIONS, env)
+        _drop_root(path, args.command)
+        spool = open_store(path, **guards)
+        fn = _COMMAND_TABLE[args.command][0]
+        try:
+            return fn(_Call(args, spool, guards, env)) or 0
+        finally:
+            if not own:
+                # a caller's main(argv) goes on after it: what the command
+                # opened (the SQLite store's connection: a cycle that only
+                # a full collection would close) is closed now; a process
+                # of its own leaves that to its exit
+                spool.close()
+    except MyqError as e:
+        msg = str(e).replace("\n", " ")
+        sys.stderr.write("myq: %s\n" % msg)
+        return e.code
+    except BrokenPipeError:
+        # `myq list | head -1`: the reader has what it wanted.  Python
+        # would complain again when it flushes stdout at exit.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        except OSError:
+            pass
+        return 0
+    except OSError as e:
+        where = (" (%s)" % e.filename) if getattr(e, "filename", None) else ""
+        sys.stderr.write("myq: %s%s; nothing was changed by the failing step, "
+                         "try again\n" % (e.strerror or e, where))
+        return EX_TEMPFAIL
+    except KeyboardInterrupt:
+        return 130
+
+
+# =============================================================================
+# PART II: THE EXTENSIONS
+#
+# Each uses Part I and registers itself in its tables; remove one (and
+# its registration) and the core still runs.
+# =============================================================================
+
 # The SQLite store: its database and claims ###################################
 #
 # A spool made by `myq init --store sqlite` keeps its jobs in one database
@@ -10580,6 +15515,22 @@ def _with_ram(store):
 
 
 _ON_OPEN.append(_with_ram)
+# myq init --ram DIR
+_COMMAND_OPTIONS.setdefault("init", []).append([
+    ("--ram", str, None, "a RAM tier in DIR, on a tmpfs (/tmp, /var/run), "
+     "for the types of durable=outage (myq(1) RAM FIRST; an empty value "
+     "removes it)")])
+_METAVARS["ram"] = "DIR"
+
+
+def _init_ram(store, args):
+    """myq init's --ram (or MYQ_RAM: the init script's settings)."""
+    ram = args.ram if args.ram is not None else os.environ.get("MYQ_RAM")
+    if ram is not None:
+        init_ram(store, ram, args.owner)
+
+
+_ON_INIT.append(_init_ram)
 
 
 def init_ram(store, path, owner=None):
@@ -10594,348 +15545,6 @@ def init_ram(store, path, owner=None):
     RamStore(path, store, store.log).make(owner)
     _replace(store.d(RAM_FILE), (path + "\n").encode("utf-8"), sync=True,
              mode=0o644)
-
-
-# Logging #####################################################################
-
-def open_log_file(path, ids=None):
-    """Open (create) a log file for appending, safely as root in a
-    directory another user may write to: never through a symlink, never a
-    FIFO or a device, never a file with another name (a hard link);
-    created 0640 and, with `ids` (uid, gid), handed to that user through
-    its descriptor.  Returns the descriptor.  The checks apply where they
-    matter: to root, in a directory that someone else may write to (a
-    /dev/null or a /dev/stderr given by root stays usable)."""
-    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | O_CLOEXEC
-             | getattr(os, "O_NOCTTY", 0))
-    strict = os.geteuid() == 0
-    if strict:
-        try:
-            st = os.stat(os.path.dirname(os.path.abspath(path)))
-            strict = st.st_uid != 0 or bool(st.st_mode & 0o022)
-        except OSError:
-            pass
-    try:
-        fd = os.open(path, flags | (O_NOFOLLOW if strict else 0), 0o640)
-    except OSError as e:
-        raise ConfigError("cannot open log file %s: %s%s" % (
-            path, e.strerror, " (a symlink is not followed)"
-            if e.errno == errno.ELOOP else ""))
-    try:
-        st = os.fstat(fd)
-        if strict and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
-            raise ConfigError("log file %s is not a plain file (%s); remove it"
-                              % (path, _file_kind(st.st_mode) or "a hard link"))
-        if ids is not None and stat.S_ISREG(st.st_mode) \
-                and (st.st_uid, st.st_gid) != tuple(ids):
-            # handed over: a file just created (empty), or the user's own;
-            # never an existing file of root's (MYQ_LOG=/var/log/messages)
-            if st.st_uid != ids[0] and (st.st_uid != 0 or st.st_size):
-                raise ConfigError("log file %s belongs to uid %d%s; not handed "
-                                  "to the service user: give another path, or "
-                                  "chown it to the service user" % (
-                                      path, st.st_uid,
-                                      " and is not empty" if st.st_uid == 0 else ""))
-            os.fchown(fd, ids[0], ids[1])
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-_DEV_LOG = "/dev/log"        # syslog(3)'s socket
-
-
-class Log(object):
-    """`TIMESTAMP event=NAME key=value …` lines to stderr, a file (reopened
-    on SIGHUP, for logrotate) or syslog.  No `logging`: python3-light lacks it."""
-
-    def __init__(self, path=None, syslog=False, facility="daemon", tag="myq",
-                 stream=None, owner=None):
-        self.path, self.use_syslog = path, syslog
-        self.dest = "syslog" if syslog else path    # (a worker's record says)
-        self.stream = stream
-        self.owner = owner          # (uid, gid) a new log file is given to
-        self._file = None
-        self._syslog = None
-        self.problem = None         # why the lines go nowhere (syslog)
-        if syslog:
-            import syslog as _syslog
-            fac = getattr(_syslog, "LOG_" + str(facility).upper(), None)
-            if fac is None:
-                raise UsageError("unknown syslog facility %r (daemon, user, "
-                                 "local0 … local7)" % facility)
-            _syslog.openlog(tag, _syslog.LOG_PID, fac)
-            self._syslog = _syslog
-            self.problem = _syslog_problem(_DEV_LOG)
-            if self.problem:
-                out = stream or sys.stderr
-                out.write("myq: warning: %s\n" % self.problem)
-                out.flush()
-        elif path:
-            self.reopen()
-
-    def reopen(self):
-        if self.path:
-            f = os.fdopen(open_log_file(self.path, self.owner), "a", buffering=1,
-                          encoding="utf-8", errors="replace")
-            old, self._file = self._file, f
-            if old:
-                old.close()
-
-    def fileno(self):
-        """The log file's descriptor (for a child's stdout and stderr), or
-        None (syslog, stderr: the child inherits ours)."""
-        return self._file.fileno() if self._file is not None else None
-
-    def write(self, line, warning=False):
-        if self._syslog:
-            self._syslog.syslog(self._syslog.LOG_WARNING if warning
-                                else self._syslog.LOG_INFO, line)
-            return
-        out = self._file
-        try:
-            if out is not None:     # line-buffered: the write flushes it
-                out.write(line + "\n")
-                return
-            out = self.stream or sys.stderr
-            out.write(line + "\n")
-            out.flush()
-        except (OSError, ValueError):
-            pass
-
-    def __call__(self, event, **kv):
-        warn = event in _WARN_EVENTS
-        line = iso() + " event=" + event
-        for k, v in kv.items():     # _kv(v), its usual cases inline
-            if v.__class__ is str and _BARE.match(v):
-                line += " " + k + "=" + v
-            elif v.__class__ is int:
-                line += " " + k + "=" + v.__repr__()
-            else:
-                line += " " + k + "=" + _kv(v)
-        self.write(line, warn)
-
-    def done(self, jid, type, attempt, ms):
-        """self("done", id=jid, type=type, attempt=attempt, ms=ms) of a
-        claimed job, whose id and type are names (never quoted) and attempt
-        and ms ints: the line of every job, formatted at once (its general
-        loop over the fields was 5% of a drained job's instructions)."""
-        self.write("%s event=done id=%s type=%s attempt=%d ms=%d" % (
-            iso(), jid, type, attempt, ms))
-
-
-_WARN_EVENTS = frozenset(("error", "dead", "timeout", "quarantined", "disk_low",
-                          "lost", "retry", "warning"))
-
-
-# Handlers ####################################################################
-
-def load_module(path):
-    """Load a --module FILE.py; its functions become handlers."""
-    import importlib.util
-    name = "myq_handlers_" + re.sub(r"\W", "_",
-                                    os.path.splitext(os.path.basename(path))[0])
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or not os.path.isfile(path):
-        raise ConfigError("--module %s: no such Python file" % path)
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except Exception as e:
-        raise ConfigError("--module %s failed to load: %s: %s"
-                          % (path, type(e).__name__, e))
-    return mod
-
-
-def _module_types(mod):
-    """The job types of a --module file (myq(1) HANDLERS): exactly its HANDLERS dict
-    when it has one, else the functions the file itself defines -- never
-    what it imports (`from subprocess import run` must not make a type
-    `run`), never a name starting with '_'."""
-    table = getattr(mod, "HANDLERS", None)
-    if isinstance(table, dict):
-        items = table.items()
-    else:
-        items = [(k, v) for k, v in vars(mod).items()
-                 if isinstance(v, _FUNCTION)
-                 and getattr(v, "__module__", None) == mod.__name__]
-    return dict((k, v) for k, v in items
-                if isinstance(k, str) and not k.startswith("_") and callable(v))
-
-
-_FUNCTION = type(_module_types)
-
-
-class Handler(object):
-    """How the jobs of a type run, as _Resolver.resolve() found it: what it
-    is (`kind`, the word of the log and of the policy's `handler`), its
-    time limit, its destination (the circuit breaker's, myq(1) holds), which
-    jobs may share one batch, and how it runs.  This base is a call in
-    this process; the worker asks its handler, never its kind."""
-    __slots__ = ("target",)
-    kind = None
-    spawned = False     # a process the worker feeds and reaps (exec)
-    remote = False      # a built-in sender: its time-out is its destination's
-
-    def __init__(self, target=None):
-        self.target = target
-
-    def time_limit(self, job, default):
-        """Seconds a run of `job` may take: its own timeout, else the
-        worker's --timeout."""
-        return job.get("timeout") or default
-
-    def dest(self, job, runner, run=None):
-        """The circuit breaker's destination of `job`: its type.  (`run`:
-        the run it starts, whose probe a failover may take.)"""
-        return job["type"]
-
-    def batch_key(self, job, runner):
-        """Jobs with the same key may share a batch; None: any of the type."""
-        return None
-
-    def start(self, runner, run):
-        """A function in this thread (concurrency 1) or a thread of its own."""
-        if runner.concurrency == 1 and runner._main:
-            runner._run_inline(run)
-        else:
-            runner._run_thread(run)
-
-    def call(self, runner, run, job):
-        self.target(job)
-
-    def call_batch(self, runner, run, jobs):
-        """A batch's outcome: ("done",), or ("each", [None or the
-        exception, one a job]); a failure raises, as call() does."""
-        self.target(jobs)
-        return ("done",)
-
-    def resolve(self, type):
-        """(this handler, None) for a job of `type`, or (None, why not):
-        a built-in type's, once it knows what it needs."""
-        return self, None
-
-    def close(self):
-        """What it keeps open closed (the end of Worker.run)."""
-
-
-class ExecHandler(Handler):
-    """An executable of --handlers: a process of its own, the payload on
-    its stdin (Running a job: _spawn, _collect)."""
-    __slots__ = ()
-    kind = "exec"
-    spawned = True
-
-    def start(self, runner, run):
-        runner._spawn(run, self.target)
-
-
-class PyHandler(Handler):
-    """A function of --module or of Worker(handlers=...)."""
-    __slots__ = ()
-    kind = "py"
-
-
-def _dests_of(urls, type):
-    """The breaker's destinations of a type's `url` list, in order."""
-    return [url_origin(u) or type for u in urls.split()]
-
-
-def _url_dests(pol):
-    """The destinations that a policy's `url` keys name, as a set."""
-    return set(d for t, keys in pol.items() if keys.get("url")
-               for d in _dests_of(keys["url"], t))
-
-
-def _enveloped(job, rules, now):
-    """An mqtt job whose message goes in its envelope (myq(1) policy
-    `envelope`): {"id", "type", "created_at", "message"}, and
-    "backlog": true for a job of the backlog (policy `order`), so that a
-    consumer drops what a crash made the worker publish twice and tells
-    old readings from live ones.  A payload that is not an object is
-    left to fail as it would."""
-    p = job.get("payload")
-    if not isinstance(p, dict):
-        return job
-    env = {"id": job.get("id"), "type": job.get("type"),
-           "created_at": job.get("created_at"), "message": p.get("message")}
-    if backlog_job(job, rules, now):
-        env["backlog"] = True
-    return dict(job, payload=dict(p, message=env))
-
-
-class Uplink(object):
-    """The worker's uplink budget (--uplink-rate): the bytes of request
-    bodies and MQTT payloads sent by all its runs, to every destination,
-    stay within rate x 10 s over any 10 s; a send larger than that goes
-    alone, once nothing else was sent in the window.  Thread-safe; wait()
-    sleeps the calling run (its time limit is moved on by the wait)."""
-
-    def __init__(self, rate, window=None):
-        import threading
-        self.rate = float(rate)
-        self.window = float(window or UPLINK_WINDOW)
-        self.budget = self.rate * self.window
-        self._cond = threading.Condition(threading.Lock())
-        self._sent = []         # [(monotonic time, bytes)], oldest first
-        self._turns, self._seq = [], 0      # the runs that wait, in order
-        self.waited = 0.0       # seconds runs waited, in all (tests, bench)
-        self.on_sent = None     # f(run, bytes) at each booking (the forecast)
-
-    def _delay(self, n, now):
-        """0 when n bytes may go now (then booked), else how long until."""
-        sent = self._sent
-        while sent and sent[0][0] <= now - self.window:
-            sent.pop(0)
-        used = sum(b for _, b in sent)
-        if not sent or used + n <= self.budget:
-            sent.append((now, n))
-            return 0.0
-        for t, b in sent:       # the first moment enough has left the window
-            used -= b
-            if used + n <= self.budget or used <= 0:
-                return max(0.001, t + self.window - now)
-        return max(0.001, sent[-1][0] + self.window - now)
-
-    def wait(self, n, run=None):
-        """Wait until n bytes may go, book them; the seconds waited.  The
-        runs wait their turns in order (a larger send is not passed for
-        ever by smaller ones that fit in what it leaves).  The run's time
-        limit moves on by each wait before it is waited (the worker's
-        clock of the run must not end it meanwhile): pacing is not the
-        job's time.  A run stopped meanwhile (released at the end of a
-        shutdown's grace, timed out) sends nothing: RetryLater."""
-        cond, start = self._cond, _mono()
-        with cond:
-            self._seq += 1
-            me = self._seq
-            self._turns.append(me)
-            try:
-                while True:
-                    d = 0.5 if self._turns[0] != me else \
-                        self._delay(n, _mono())
-                    if not d:
-                        break
-                    if run is not None and (run.timed_out or run.released):
-                        raise RetryLater(None, "stopped before its turn on "
-                                         "the uplink (--uplink-rate): not sent")
-                    d, t0 = min(d, 0.5), _mono()
-                    if run is not None and run.deadline is not None:
-                        run.deadline += d
-                    cond.wait(d)
-                    if run is not None and run.deadline is not None:
-                        run.deadline -= max(0.0, t0 + d - _mono())
-            finally:
-                self._turns.remove(me)
-                cond.notify_all()
-            if run is not None and self.on_sent is not None:
-                self.on_sent(run, n)
-            waited = _mono() - start
-            if waited > 0.001:
-                self.waited += waited
-        return waited
 
 
 # HTTP forwarding #############################################################
@@ -12404,4877 +17013,6 @@ def _mqtt_check(kw):
 
 
 _BUILTIN_TYPES["mqtt"] = ("topic", _mqtt_type, _mqtt_check)
-
-
-# A run's pieces ##############################################################
-
-class _Run(object):
-    """One job in flight in this worker, run by its Handler."""
-    __slots__ = ("claim", "handler", "proc", "started", "deadline", "kill_at",
-                 "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
-                 "thread", "result", "conn", "slot", "probe", "dest",
-                 "dest_fail", "batch", "split", "unsent",
-                 "retry_after", "failovers")
-
-    def __init__(self, claim, handler):
-        self.claim, self.handler = claim, handler
-        self.proc = self.started = self.deadline = self.kill_at = None
-        self.stdin = self.stdin_fd = self.err_fd = self.thread = None
-        self.result = self.conn = None
-        self.slot = self.probe = self.dest = None
-        self.batch = None           # the claims of a batch
-        self.dest_fail = self.split = self.unsent = False
-        self.retry_after = None     # a destination failure's own delay
-        self.failovers = []         # [(dest, its failure)] passed over
-        self.err = bytearray()
-        self.timed_out = self.released = False
-
-
-class Backoff(object):
-    """Every wait a worker gives a job before it goes again, in one place:
-    a retry's (--backoff-base doubling per attempt, to --backoff-max), a
-    held destination's probes (doubling per failure of its streak, to
-    --probe-max), a held type's, and how long parked jobs wait; each
-    jittered by --jitter where it is a backoff."""
-    __slots__ = ("base", "most", "probe_max", "jitter")
-
-    def __init__(self, base, most, probe_max, jitter):
-        self.base, self.most = float(base), float(most)
-        self.probe_max, self.jitter = float(probe_max), float(jitter)
-
-    def _jittered(self, d):
-        return max(0.0, d * (1 + self.jitter * (2 * _uniform() - 1)))
-
-    def retry(self, attempt, asked=None):
-        """The wait after a job's `attempt`-th run failed: what the handler
-        `asked` (RetryLater, a server's Retry-After) capped at
-        --backoff-max, else the backoff of that attempt."""
-        if asked is not None:
-            return min(asked, self.most)
-        return self._jittered(min(self.base * 2 ** min(attempt - 1, 60),
-                                  self.most))
-
-    def at_least(self, asked, attempt):
-        """A server's Retry-After is a lower bound, not leave to hammer it
-        ("Retry-After: 0" a thousand times): the backoff holds too."""
-        return max(asked or 0.0, self.retry(attempt))
-
-    def probe(self, n):
-        """A held destination's n-th wait: --backoff-base doubling to
-        --probe-max (and never past --backoff-max), jittered: a link that
-        comes back is used within --probe-max, whatever a job's backoff."""
-        return self._jittered(min(self.base * 2 ** min(n - 1, 60),
-                                  self.probe_max, self.most))
-
-    def dest(self, asked, streak):
-        """A failing destination's wait: grows with its streak, not with
-        the attempts its jobs spent, to --probe-max; a server's Retry-After
-        (or a handler's RetryLater) sets it, capped at --backoff-max."""
-        return min(asked, self.most) if asked else self.probe(streak)
-
-    def held_type(self, last):
-        """A type held for its missing handler: its wait doubles from
-        --backoff-base (at least 1 s), to --backoff-max and 5 minutes."""
-        return min(max(last * 2 if last else self.base, 1.0), self.most, 300.0)
-
-    def parked(self):
-        """How long a held destination's jobs wait past the hold's next
-        probe: the probes take them in turn and the release makes them
-        ready; this is only for a release that never comes."""
-        return min(max(10 * self.most, 60.0), 3600.0)
-
-
-class _Resolver(object):
-    """The handlers of a worker, by type (myq(1) HANDLERS): --handlers'
-    executables, the functions of --module and of Worker(handlers=...)
-    (`handlers`, the worker's dict), and the built-in types of
-    _BUILTIN_TYPES (`kinds`), each one object holding its connections
-    (`http`: HttpHandler and its HttpPool; `mqtt`: MqttHandler and its
-    brokers), sharing one uplink (--uplink-rate)."""
-
-    def __init__(self, spool, options, handlers, module):
-        o = options
-        self.spool, self.handlers, self.module = spool, handlers, module
-        self.handlers_dir = o.handlers_dir
-        self._py = {}               # type -> its PyHandler (resolve)
-        self.uplink = Uplink(o.uplink_rate) if o.uplink_rate else None
-        if self.uplink is not None:     # its bytes by type: the forecast
-            self.uplink.on_sent = self._sent
-        self.kinds = dict((name, make(o, self.uplink)) for name, (_, make, _)
-                          in sorted(_BUILTIN_TYPES.items()))
-        self._keys = [(key, name) for name, (key, _, _)
-                      in sorted(_BUILTIN_TYPES.items())]
-        self.http, self.mqtt = self.kinds.get("http"), self.kinds.get("mqtt")
-
-    def _sent(self, run, n):
-        """A run's n bytes booked on the uplink, by its type (locks/rates)."""
-        job = getattr(getattr(run, "claim", None), "job", None)
-        t = job.get("type") if isinstance(job, dict) else None
-        if isinstance(t, str) and _is_name(t):
-            self.spool.budget.sent(t, n)
-
-    def close(self):
-        """The kept connections closed (the end of Worker.run)."""
-        for h in self.kinds.values():
-            h.close()
-
-    def resolve(self, type, rules=None):
-        """(handler, None): its Handler, or (None, why not).  `rules`: the
-        type's, when the caller has them."""
-        rules = self.spool.rules(type) if rules is None else rules
-        builtin = rules.get("handler")
-        if builtin is None:
-            for key, name in self._keys:
-                if rules.get(key):
-                    builtin = name
-                    break
-        h = self.kinds.get(builtin) if builtin is not None else None
-        if h is not None:
-            return h.resolve(type)
-        if self.handlers_dir:
-            path = os.path.join(self.handlers_dir, type)
-            if os.path.isfile(path):
-                if os.access(path, os.X_OK):
-                    return ExecHandler(path), None
-                return None, ("handler %s is not executable (chmod +x %s)"
-                              % (path, path))
-        fn = self.handlers.get(type)
-        if callable(fn) and not type.startswith("_"):
-            h = self._py.get(type)
-            if h is None or h.target is not fn:     # (one a type, not a job)
-                h = self._py[type] = PyHandler(fn)
-            return h, None
-        h = self.kinds.get(type)
-        if h is not None:
-            return h.resolve(type)
-        return None, ("no handler for type %s (looked in %s, %s, the built-ins)"
-                      % (type, "--handlers " + self.handlers_dir
-                         if self.handlers_dir else "no --handlers",
-                         "--module" if self.module else "no --module"))
-
-
-
-def _abort(run):
-    """Cut the http request of a run from the worker's thread: its blocked
-    read returns at once and the run ends."""
-    conn = run.conn
-    sock = getattr(conn, "sock", None)
-    if sock is not None:
-        import socket
-        try:
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-def _cannot_run(path, e):
-    """Why an executable handler did not start, in words that name the
-    culprit: "No such file or directory" for a file that exists means its
-    #! interpreter is missing."""
-    why = getattr(e, "strerror", None) or str(e)
-    errno_ = getattr(e, "errno", None)
-    if errno_ in (errno.ENOENT, errno.ENOEXEC, errno.EACCES) and os.path.isfile(path):
-        head = _read_small(path, 256) or b""
-        line = head.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
-        if errno_ == errno.ENOEXEC or not line.startswith("#!"):
-            return ("cannot run %s: not a program (no #! line; start a script "
-                    "with e.g. #!/bin/sh)" % path)
-        if errno_ == errno.ENOENT:
-            return ("cannot run %s: its interpreter is missing (%s); install "
-                    "it or fix the #! line" % (path, line))
-    return "cannot run %s: %s" % (path, why)
-
-
-def _tb_tail(e, lines=6):
-    """The last lines of an exception's traceback (where it was raised)."""
-    try:
-        import traceback
-        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    except Exception:       # a broken __str__, no traceback module
-        return None
-    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
-
-
-def _exc_text(e):
-    msg = str(e)
-    return "%s: %s" % (type(e).__name__, msg) if msg else type(e).__name__
-
-
-def _drain(fd):
-    """Read what a pipe holds; True when there was something."""
-    got = False
-    try:
-        while os.read(fd, 4096):
-            got = True
-    except OSError:
-        pass
-    return got
-
-
-# The scheduler ###############################################################
-#
-# Which job a worker starts next: the lanes (incoming/ and its typed and
-# prioritised lanes), each with a bounded scan cache refilled by passes over
-# its directory; the gates (pause, a held destination, concurrency slots,
-# rates, batch_wait); a held destination's probes.  An object the worker
-# holds (Worker.sched), with the state it keeps.
-
-class LiveFirst(object):
-    """The choice of a lane whose type has order=live-first (myq(1) policy
-    `order`), kept apart from the scan and the gates: among the due
-    entries of the lane's scan cache, (mtime, name, scheduled), the live
-    ones (made within `live` of now) start first, oldest first; the
-    backlog (made before) in created_at order, then id, and while live
-    jobs wait it takes `backlog_share` percent of the starts (a credit
-    that grows by the share at each choice of a live one, spent by a
-    backlog job: 50 alternates, 0 starts the backlog only when no live
-    job waits).  Live jobs never wait for the backlog's turn when none of
-    it is due, nor the backlog for live jobs that are gone.
-
-    The store's scan puts the lane's live jobs in its cache beside its
-    earliest (Claims.scan: `live_cut`; created, by name, where the store
-    keeps created_at: SQLite); files estimate a job's created_at by its
-    id, where myq made it (ids sort by creation), else by its mtime
-    (available_at).  `head` moves its choice to the cache's end, where
-    the scheduler takes a lane's next job (_head, _next_claim); asked
-    again before that one is taken, it gives it again (no share spent);
-    `more` (a batch filling up): only of the kind of the last choice, so
-    that a batch is all live or all backlog."""
-    __slots__ = ("seen", "n", "live", "back", "credit", "created", "last",
-                 "until", "live_s", "look")
-
-    def __init__(self):
-        self.seen, self.n, self.until, self.look = None, -1, 0.0, 0.0
-        self.live, self.back = [], []
-        self.credit, self.created, self.last = 0.0, {}, None
-        self.live_s = LIVE_DEFAULT
-
-    def live_cut(self, now):
-        """Jobs made before it are the backlog."""
-        return now - self.live_s
-
-    def looked(self, took):
-        """A scan read the lane again for its arrivals (a dirty lane) in
-        `took` seconds: the next such read not before 20 times that has
-        passed (at most 1 s: an arrival waits no longer to be seen), so
-        that a deep lane's reads take at most 5 % of the worker's time."""
-        self.look = _mono() + min(1.0, 20.0 * took)
-
-    def created_of(self, name, m):
-        t = self.created.get(name)
-        if t is None:
-            stem = name[:-5]
-            t = int(stem[:13]) / 1000.0 if _is_generated_id(stem) else m
-        return t
-
-    def _split(self, cache, now):
-        """The due entries of `cache` as the two lines, each in reverse
-        (the next at its end); until when that holds."""
-        cut = self.live_cut(now)
-        live, back, until = [], [], float("inf")
-        for e in cache:
-            if not e[1]:
-                continue
-            if e[0] > now:
-                until = min(until, e[0])        # it comes due then
-                continue
-            t = self.created_of(e[1], e[0])
-            if t >= cut:
-                live.append(e)
-                until = min(until, t + self.live_s)     # it ages then
-            else:
-                back.append((t, e[1], e))
-        live.sort(reverse=True)
-        back.sort(reverse=True)
-        self.live, self.back, self.until = live, [b[2] for b in back], until
-        self.seen, self.n = cache, len(cache)
-
-    def head(self, L, now, rules, more=False, no_wait=False):
-        """Lane L's next job under live-first, moved to L.cache's end (the
-        scheduler's head), or None when none of the kind `more` wants is
-        due (L.next_due: when live jobs' batch_wait ends, if that is why).
-        The cache's last entry is due and named when asked."""
-        self.live_s = rules.get("live", LIVE_DEFAULT)
-        share = rules.get("backlog_share", BACKLOG_SHARE_DEFAULT) / 100.0
-        cache = L.cache
-        if not more and self.last is not None and cache is self.seen and \
-                len(cache) == self.n + 1 and cache[-1] is self.last[1]:
-            return cache[-1]        # the choice not taken yet: the same
-        if cache is not self.seen or len(cache) != self.n or now >= self.until:
-            self._split(cache, now)
-        n, wait = rules.get("batch"), rules.get("batch_wait")
-        while True:
-            if not more and self.live and n and wait and not no_wait and \
-                    len(self.live) < n and self.live[-1][0] + wait > now:
-                # a live batch waits its batch_wait (myq(1) batches) as it
-                # would without a backlog: the backlog's batches go meanwhile
-                if not self.back:
-                    L.next_due = self.live[-1][0] + wait
-                    return None
-                kind = "back"
-            elif more:
-                kind = self.last[0] if self.last else "live"
-            elif not self.live:
-                kind = "back"
-            elif not self.back or share <= 0:
-                kind = "live"
-            else:
-                self.credit = min(self.credit + share, 1.0 + share)
-                kind = "live"
-                if self.credit >= 1.0:
-                    self.credit -= 1.0
-                    kind = "back"
-            e = self._take(cache, kind)
-            if e is not False:
-                return e
-
-    def _take(self, cache, kind):
-        """The next of line `kind` moved to the cache's end; None when the
-        line is empty, False when its next was taken meanwhile."""
-        line = self.live if kind == "live" else self.back
-        if not line:
-            return None
-        e = line.pop()
-        try:
-            i = cache.index(e)
-        except ValueError:
-            return False                # taken meanwhile
-        if i != len(cache) - 1:
-            cache.append(cache.pop(i))
-        self.n = len(cache) - 1         # (once the scheduler takes it)
-        self.last = (kind, e)
-        return e
-
-
-class _HoldTimes(dict):
-    """A worker's held destinations, DEST -> until (wall clock): a dict
-    that also knows which of them its loop may have a probe of due
-    (_Scheduling._next_claim): those that are not its own types held for
-    a missing handler (probed through their lanes and parked jobs).  It
-    keeps a time no later than the soonest of theirs (every until set
-    lowers it), and only once that is due looks through that list, made
-    again when a destination came or went: an idle poll with 8,000 types
-    held compares one number, not a pass over them (issue 36)."""
-    __slots__ = ("_gen", "_key", "_others", "_soonest")
-
-    def __init__(self, *args):
-        dict.__init__(self, *args)
-        self._gen, self._key, self._others = 0, None, ()
-        self._soonest = -float("inf")
-
-    def __setitem__(self, dest, until):
-        if dest not in self:
-            self._gen += 1
-        if until < self._soonest:
-            self._soonest = until
-        dict.__setitem__(self, dest, until)
-
-    def __delitem__(self, dest):
-        self._gen += 1
-        dict.__delitem__(self, dest)
-
-    def pop(self, dest, *default):
-        if dest in self:
-            self._gen += 1
-        return dict.pop(self, dest, *default)
-
-    def clear(self):
-        self._gen += 1
-        dict.clear(self)
-
-    def update(self, *args, **kv):
-        self._gen += 1
-        self._soonest = -float("inf")
-        dict.update(self, *args, **kv)
-
-    def setdefault(self, *args):
-        self._gen += 1
-        self._soonest = -float("inf")
-        return dict.setdefault(self, *args)
-
-    def popitem(self):
-        self._gen += 1
-        return dict.popitem(self)
-
-    def due(self, now, own):
-        """The destinations whose probe is due at `now`, in order, but
-        those in `own` (the types this worker holds itself)."""
-        if now < self._soonest:
-            return ()
-        key = (self._gen, len(own))
-        if key != self._key:
-            self._key = key
-            self._others = [d for d in self if d not in own]
-        out, soonest = [], float("inf")
-        for d in self._others:
-            until = dict.get(self, d)
-            if until is None or d in own:
-                continue
-            if until <= now:
-                out.append(d)
-            soonest = min(soonest, until)   # (a due one not probed: again)
-        self._soonest = soonest
-        return out
-
-
-class _Lane(object):
-    """A directory of waiting jobs as one worker sees it: incoming/ itself,
-    or incoming/lanes/TYPE@PRIORITY, with its scan cache (`order`: its
-    LiveFirst, when its type's order is live-first)."""
-    __slots__ = ("sub", "type", "prio", "cache", "cache_full", "dirty", "sweep",
-                 "soonest", "next_due", "blocked", "slot", "probe", "rated",
-                 "dest", "key", "path", "order", "quiet")
-
-    def __init__(self, sub, type=None, prio=0, path=None):
-        self.sub, self.type, self.prio, self.path = sub, type, prio, path
-        self.cache, self.cache_full, self.dirty = [], False, True
-        self.sweep = self.soonest = self.next_due = None
-        self.blocked = 0.0          # wall time before which it is not tried
-        self.slot = self.probe = self.dest = self.key = self.order = None
-        self.quiet = None
-        self.rated = False
-
-    def end_sweep(self):
-        if self.sweep is not None:
-            self.sweep.close()
-            self.sweep = None
-
-
-class _Scheduler(object):
-    """The worker's choice of its next job: its lanes and their scan
-    caches, the gates of a start, the probes of held destinations.  What
-    it reads of the others it is given: `holds` (what is held, until
-    when), `runs` (the worker's runs: a type's concurrency) and `tick`
-    (the worker's heartbeat, kept on time inside long passes)."""
-
-    def __init__(self, spool, log, options, delays, holds, runs, tick):
-        self.spool, self.log, self.delays = spool, log, delays
-        self.holds, self.runs, self._tick = holds, runs, tick
-        self.poll, self.scan_cache = options.poll, options.scan_cache
-        self.max_attempts = options.max_attempts
-        self.me = None              # the worker's Identity (start)
-        self._top = _Lane("incoming", path=spool.d("incoming"))
-        self._lanes, self._lanes_key = [self._top], None
-        self._lanes_look = 0.0      # no lanes yet: when to look again
-        self._taken = (None, None, None)    # the last claim's slot, probe, lane
-        self._no_wait = False       # --once, --drain: no batch_wait
-        self.next_due = None        # when a job comes due (wall clock)
-        self._dir_key = None        # incoming/'s change key, last seen
-        self._own_since = None      # incoming/ changed by this worker alone since
-        self._poked = False         # a poke _wait drained, for _sync_lanes
-        self._pol_said = None       # the policy's problem last logged
-        self._clock_offset = _now() - _mono()
-        self._wake_fds, self._wake_poll = [], None  # locks/wake (start)
-        self._noted = {}            # the last stop's note: sub -> (key, soonest)
-
-    def start(self, me, select):
-        """At the start of Worker.run(): its identity, the wake-up FIFO
-        opened (with a poll object: a look without an exception), the last
-        stop's note of the lanes taken (_use_note)."""
-        self.me = me
-        self._noted = self._take_note()
-        self._wake_fds = self._open_wake()
-        self._wake_poll = None
-        if self._wake_fds and hasattr(select, "poll"):
-            self._wake_poll = select.poll()
-            for fd in self._wake_fds[0::2]:     # (a RAM tier's FIFO too)
-                self._wake_poll.register(fd, select.POLLIN)
-
-    def close(self):
-        """At the end of run(): the FIFO closed, the passes ended, the
-        lanes' slots given back; a later run starts afresh."""
-        for fd in self._wake_fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_fds, self._wake_poll = [], None
-        self._write_note()
-        self._end_sweep()
-        for L in self._lanes:
-            L.cache, L.dirty = [], True
-            if L.slot is not None:
-                os.close(L.slot)
-                L.slot = None
-
-    def _check_incoming(self):
-        """On each poll tick: rescan only when incoming/ changed (a shell
-        producer's mv does not poke the FIFO) or the wall clock jumped; the
-        policy, when its file changed."""
-        # The door's descriptors are opened (and checked) again from here
-        # on: a directory replaced meanwhile is not used through its old one.
-        self.spool.fs.close()
-        self.spool.policy()
-        if self.spool.policy_error != self._pol_said:
-            self._pol_said = self.spool.policy_error      # (said once)
-            if self._pol_said:
-                self.log("warning", problem=self._pol_said)
-        key, racy = self.spool.claims.change_key()
-        own = self._own_since
-        if own is not None:         # (only this worker's changes: _dirty_home)
-            racy = _mono() - own > 5.0
-        if key != self._dir_key or racy:
-            self._dir_key, self._own_since = key, None  # (a pass sees all)
-            self.dirty = True
-        for L in self._lanes:
-            if L is not self._top:
-                # (a lane's jobs came without a poke: _hush; a stat each)
-                k, racy = self.spool.claims.lane_key(L)
-                if k != L.key or racy:
-                    L.key, L.dirty = k, True
-        offset = _now() - _mono()
-        if abs(offset - self._clock_offset) > 2.0:
-            self.log("clock_jump", seconds=offset - self._clock_offset)
-            self._clock_offset = offset
-            self.dirty = True
-            self.next_due = None
-
-    def _rescan(self, L=None):
-        """Refill lane L's scan cache (default: incoming/ itself) with its N
-        earliest jobs: the store's scan (Claims.scan), or the last stop's
-        note of it.  A pass starts with the lane's key read (not racy): what
-        changes during it changes the key (_check_incoming), what did not
-        needs no pass at the next look (_current)."""
-        L = L or self._top
-        if L.sweep is None:
-            k, racy = self._lane_key(L)
-            k = None if racy else k
-            if L is self._top:
-                self._dir_key, self._own_since = k, None
-            else:
-                L.key = k
-            if self._noted and self._use_note(L, k):
-                return
-        self.spool.claims.scan(L, self.scan_cache, self._tick)
-
-    def _lane_key(self, L):
-        claims = self.spool.claims
-        return claims.change_key() if L is self._top else claims.lane_key(L)
-
-    def _current(self, L):
-        """Does lane L's cache hold what waits there (no change since its
-        last pass: its key the same, not racy), so that a fresh look
-        (--once, --drain) need not read it again?"""
-        if L.dirty or L.sweep is not None or L.order is not None or \
-                L is self._top and self._own_since is not None:
-            return False
-        k, racy = self._lane_key(L)
-        return not racy and k is not None and \
-            k == (self._dir_key if L is self._top else L.key)
-
-    # The note of a stop (locks/scanned): a deep lane's pass (100,000 jobs
-    # not due: 1.3 G instructions on files, a stat each) is not made again
-    # at the next start when nothing changed in between (Claims.lasting_key).
-
-    def _take_note(self):
-        """The last stop's note, removed (a worker killed leaves none)."""
-        if not self.spool.claims.lasting_key:
-            return {}
-        path = self.spool.d("locks", SCAN_NOTE)
-        raw = _read_small(path, 65536)
-        if raw is None:
-            return {}
-        _quiet_unlink(path)
-        try:
-            note = json.loads(raw.decode("utf-8"))
-            if _now() < note["at"]:
-                return {}           # the clock went back since: a pass
-            return dict((sub, (tuple(k), float(t)))
-                        for sub, (k, t) in note["lanes"].items())
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return {}
-
-    def _use_note(self, L, key):
-        """Lane L's cache from the note, when its key is still the one
-        noted: a marker at its soonest job, as a pass would end."""
-        k, t = self._noted.pop(L.sub, (None, None))
-        if key is None or k != key or t <= _now():
-            return False
-        L.cache, L.cache_full, L.dirty, L.next_due = [(t, "", False)], False, \
-            False, None
-        return True
-
-    def _write_note(self):
-        """At a stop: the soonest job of each lane whose cache holds what
-        waits there, none of it due (a deep lane's: its pass ended with a
-        marker); nothing when no lane is such."""
-        if not self.spool.claims.lasting_key or not self.me:
-            return
-        now, lanes = _now(), {}
-        for L in self._lanes:
-            if L.cache and L.cache[-1][0] > now and self._current(L):
-                key = self._dir_key if L is self._top else L.key
-                lanes[L.sub] = [list(key), L.cache[-1][0]]
-        if lanes:
-            try:
-                _replace(self.spool.d("locks", SCAN_NOTE), json.dumps(
-                    {"at": now, "lanes": lanes}).encode("utf-8"))
-            except (OSError, ValueError):
-                pass            # (no note: the next start makes a pass)
-
-    # The top lane (incoming/ itself) under the names the scan had before
-    # there were lanes.
-    @property
-    def dirty(self):
-        return self._top.dirty
-
-    @dirty.setter
-    def dirty(self, value):
-        if value:
-            self._lanes_look = 0.0      # a producer's lane may be new
-        for L in self._lanes:
-            L.dirty = L.dirty or value
-
-    @property
-    def _sweep(self):
-        return self._top.sweep
-
-    @_sweep.setter
-    def _sweep(self, value):
-        self._top.sweep = value
-
-    def _end_sweep(self):
-        for L in self._lanes:
-            L.end_sweep()
-            if L.quiet is not None:         # (the worker stops)
-                self._hush(L, None)
-
-    def _woken(self):
-        """A poke (a producer's enqueue, a worker's retry or release, this
-        worker's own): incoming/ is read again when its key changed, the
-        lanes when theirs did (_sync_lanes, told of the poke)."""
-        self._poked = True
-        self._lanes_look = 0.0
-        self._look_top()
-
-    def _look_top(self):
-        """incoming/ read again at its next look when its key changed."""
-        key, racy = self.spool.claims.change_key()
-        if key != self._dir_key or racy and self._own_since is None:
-            self._dir_key, self._own_since = key, None
-            self._top.dirty = True
-
-    def _dirty_home(self, job, until=None, pre=None):
-        """A job put back waiting (until: its time, when later than now;
-        `pre`: incoming/'s key before the move, which tells another's
-        change since the last look from this one's):
-        its lane's cache is stale, no other's; not even its own when the
-        lane's last pass ended with a marker (a deep directory of jobs not
-        due: 8,000 parked) no later than `until`: the pass that marker
-        starts sees it (review: each job parked again made a pass over all
-        of incoming/, 3-6 % of a core)."""
-        sub = self.spool.home(job)
-        for L in self._lanes:
-            if L.sub == sub:
-                if not L.dirty and until is not None and L.sweep is None \
-                        and L.cache and self._seen_later(L, until) \
-                        and (L is not self._top or pre == self._dir_key):
-                    if L is self._top:
-                        # (this change of incoming/ is known: not another's;
-                        # one made in the same jiffy, which leaves the key
-                        # as it is, is seen within 5 s, _check_incoming)
-                        self._dir_key = self.spool.claims.change_key()[0]
-                        self._own_since = self._own_since or _mono()
-                    return
-                L.dirty = True
-                return
-        self._lanes_look = 0.0          # a lane new since: learnt there
-
-    @staticmethod
-    def _seen_later(L, until):
-        """Will lane L's next pass come by `until` anyway?  Its last pass
-        ended with a marker no later (a deep directory), or its cache
-        holds the N earliest of more, all no later (the pass that follows
-        them sees it)."""
-        marks = [e[0] for e in L.cache if not e[1]]
-        if marks:
-            return min(marks) <= until
-        return L.cache_full and L.cache[0][0] <= until
-
-    def _sync_lanes(self, fresh=False):
-        """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
-        producer poked the wake FIFO since (read here at each claim: while
-        jobs run back to back the loop's select comes only now and then),
-        which changed: a stat each."""
-        # (the FIFO asked once a claim: poll() is cheap, not free)
-        fifo = self._wake_poll
-        was, self._poked = self._poked, False       # (drained by _wait: _woken)
-        waiting = was or fifo is not None and bool(fifo.poll(0))
-        # What a producer's poke can have changed: the lanes that got jobs,
-        # where the store can say (Claims.arrived); else incoming/ by its
-        # key (_woken, when _wait drained the poke) and the lanes below by
-        # theirs (below).
-        arrived = self.spool.claims.arrived() if waiting else None
-        if arrived is not None:
-            for L in self._lanes:
-                if L.sub in arrived:
-                    L.dirty = True
-            self._lanes_look = 0.0
-        if self._lanes_key is None:
-            # No lanes yet: look for incoming/lanes/ when a poke waits in
-            # the FIFO (the job may have made the first lane), after a
-            # change of incoming/ (the dirty setter), at a fresh look (the
-            # scan may have moved producers' files to new lanes), else
-            # every 50 ms: not at each claim, where the path lookup was 5%
-            # of a drained job.
-            now = _mono()
-            if now < self._lanes_look and not fresh and not waiting:
-                return
-            self._lanes_look = now + 0.05
-            if not self.spool.claims.maybe_lanes():
-                return  # no lanes, as before
-        key = self.spool.claims.lanes_key(waiting)
-        if key is None and key == self._lanes_key:
-            return                      # no lanes: nothing to learn
-        wake = self._wake_fds
-        if not wake:
-            poked = True
-        elif fifo is not None and not waiting:
-            poked = False
-        else:
-            poked = any([_drain(fd) for fd in wake[0::2]]) or waiting
-        for L in self._lanes if poked and arrived is None else ():
-            if L is self._top:
-                # (a poke drained here, not by _wait: incoming/ too, so
-                # that a job there keeps its place by its time)
-                self._look_top()
-            else:
-                # (a time that recent proves nothing: see change_key)
-                k, racy = self.spool.claims.lane_key(L)
-                if k != L.key or racy:
-                    L.key, L.dirty = k, True
-        if key == self._lanes_key:
-            return
-        self._lanes_key = key
-        have = dict((L.sub, L) for L in self._lanes)
-        lanes = [self._top]
-        for p, t, sub in self.spool.claims.worker_lanes():
-            lanes.append(have.pop(sub, None) or _Lane(sub, t, p,
-                                                      self.spool.d(sub)))
-        have.pop(self._top.sub, None)
-        for L in have.values():
-            L.end_sweep()
-        lanes.sort(key=lambda L: -L.prio)       # stable: incoming/ first of 0
-        self._lanes = lanes
-
-    def _head(self, L, force=False, more=False):
-        """Lane L's next job that is due now, (mtime, name, scheduled), or
-        None (L.next_due: when one will be).  A lane of a live-first type
-        chooses through its LiveFirst (`more`: a batch filling up)."""
-        forced = restarted = False
-        if L.type is not None:
-            rules = self.spool.rules(L.type)
-            live = rules.get("order") == "live-first"
-            if live != (L.order is not None):
-                L.order, L.dirty = LiveFirst() if live else None, True
-        if force and self._current(L):
-            force = False       # (nothing changed since its pass: not again)
-        while True:
-            self._tick()            # (the worker's heartbeat, on time)
-            if not L.cache:
-                if not (L.dirty or L.cache_full or (force and not forced)):
-                    return None
-                forced = True
-                self._rescan(L)
-                if not L.cache:
-                    if L.sweep is None:
-                        return None
-                    continue            # an open pass goes on
-            m, name, scheduled = L.cache[-1]
-            if m > _now():
-                if L.dirty or (force and not forced):
-                    forced = True
-                    self._rescan(L)
-                    continue
-                L.next_due = m
-                return None
-            if not name:                # a pass's marker: time for the next
-                L.cache.pop()
-                L.dirty = True
-                if restarted:           # nothing claimable: not again now,
-                    L.next_due = _now() + min(self.poll, 0.25)  # soon
-                    return None
-                restarted = True
-                continue
-            if L.order is not None:
-                if L.dirty and L.sweep is None and not forced and \
-                        _mono() >= L.order.look:
-                    forced = True       # live jobs come at the end: read
-                    took = _mono()      # what came since (the earliest
-                    self._rescan(L)     # alone do not need it), in at
-                    L.order.looked(_mono() - took)  # most 5 % of the time
-                    continue
-                return L.order.head(L, _now(), rules, more, self._no_wait)
-            return L.cache[-1]
-
-    def _next_claim(self, force=False):
-        """The next job to start: among the lanes whose type may start one
-        now, the highest priority, then the earliest, then the id."""
-        budget = 256        # files that could not be claimed, before a break
-        inf = float("inf")
-        fresh = False       # force: a fresh look at every lane, once, when
-        while True:         # the caches gave nothing
-            self._sync_lanes(fresh)
-            # the time for the holds and the gates of typed lanes (none:
-            # not read)
-            now = _now() if self.holds.until or len(self._lanes) > 1 else None
-            best, due = None, inf
-            for dest in self.holds.until.due(now, self.holds.missing) \
-                    if self.holds.until else ():
-                c = self._probe_claim(dest)
-                if c is not None:
-                    return c
-            if self.spool.intake:
-                # Producers' files are being moved to their lanes: go on
-                # with incoming/ first, so that their bounds see them all
-                # before any of them starts (myq(1) policy: "at the next scan").
-                head = self._head(self._top, fresh)
-                if head is not None:
-                    best = (self._top, head)
-                self.spool.intake = False
-            for L in self._lanes if best is None else ():
-                if best is not None and L.prio < best[0].prio:
-                    break
-                if L.type is not None:
-                    wait = self._gate(L, now)
-                    if wait is not None:
-                        due = min(due, wait)
-                        continue
-                head = self._head(L, fresh)
-                if head is None:
-                    if L.next_due is not None:
-                        due = min(due, L.next_due)
-                    continue
-                if L.type is not None:
-                    wait = self._batch_wait(L, now)
-                    if wait is not None:
-                        due = min(due, wait)
-                        self._hush(L, wait)
-                        continue
-
-                if best is None or head[:2] < best[1][:2]:
-                    best = (L, head)
-            if best is None and force and not fresh:
-                fresh = True
-                continue
-            if best is None:
-                self.next_due = None if due == inf else due
-                return None
-            L, (m, name, scheduled) = best
-            if L.type is not None:
-                wait = self._reserve(L, L.sub + "/" + name)
-                if wait is not None:
-                    continue            # another worker was faster
-            L.cache.pop()
-            c = self._lane_claim(L, name, scheduled)
-            if c is not None:
-                return c
-            self._unreserve(L)
-            budget -= 1
-            if budget <= 0 and not force:
-                # A flood of bad files: the loop's housekeeping (reaping,
-                # the status line, commits) goes first, then on at once.
-                self.next_due = _now()
-                return None
-
-    def _lane_claim(self, L, name, scheduled, anytime=False):
-        """Claim NAME of lane L, what _reserve took for it handed to the
-        run (_start), or None (L keeps it: the caller gives it back)."""
-        claims = self.spool.claims
-        # (a claim from incoming/ changes it, where the store's claims say
-        # so: known, unless another's change came first; see _dirty_home)
-        pre = L is self._top and claims.claim_changes_key \
-            and claims.change_key()[0]
-        try:
-            c = claims.claim(name, self.me, self.max_attempts, scheduled,
-                             L.sub, anytime=anytime)
-        except BaseException:
-            self._unreserve(L)
-            raise
-        if pre and pre == self._dir_key:
-            self._dir_key = claims.change_key()[0]
-            self._own_since = self._own_since or _mono()
-        if c is not None:
-            self._taken = (L.slot, L.probe, L)
-            L.slot = L.probe = None
-            L.rated = False
-            if L.quiet is not None:
-                self._hush(L, None)
-        return c
-
-    def _hush(self, L, until):
-        """Lane L's batch waits out its batch_wait until `until` (wall
-        clock): producers need not poke for it meanwhile (locks/quiet/LANE,
-        its mtime that time on the monotonic clock: Producer.hushed), as
-        this worker looks at the lane then; None: poke again (its batch
-        starts, the worker stops).  Either way the lane is scanned at its
-        next claim: what came without a poke is found there."""
-        if until == L.quiet:
-            return
-        L.quiet, L.dirty = until, True
-        try:
-            path = self.spool.claims.quiet_mark(L, until is not None)
-            if until is None:
-                _quiet_unlink(path)
-                return
-            if not _lexists(path):
-                os.close(_open(path, os.O_WRONLY | os.O_CREAT))
-            _utime(path, _mono() + max(0.0, until - _now()))
-        except OSError:
-            L.quiet = None                  # (pokes come: only wasted)
-
-    def _ready_now(self):
-        """For --drain: is any job ready now (after a fresh scan)?  Jobs of
-        a paused type or a held destination are not, unless a probe is
-        due."""
-        self._sync_lanes(True)
-        now = _now()
-        for L in self._lanes:
-            if L.type is not None and (self.spool.rules(L.type).get("paused") or
-                                       self.holds.until.get(L.dest or L.type, 0) > now):
-                continue        # (a rate or a slot only makes ready jobs wait)
-            if L.cache and L.cache[-1][0] <= now and L.cache[-1][1]:
-                return True
-            if L.cache and L.cache[-1][0] > now and self._current(L):
-                continue        # its pass, or the note, still holds: none due
-            self._rescan(L)
-            while not L.cache and L.sweep is not None:
-                self._rescan(L)
-            if L.cache and L.cache[-1][0] <= _now():
-                return True
-        return False
-
-    def _gate(self, L, now):
-        """None when a job of lane L may start now, else the wall time when
-        it may (inf: not by time: a pause, all slots busy here)."""
-        rules = self.spool.rules(L.type)
-        if rules.get("paused"):
-            return float("inf")
-        until = self.holds.until.get(L.dest or L.type)
-        if until is not None and until > now:
-            return until
-        n = rules.get("concurrency")
-        if n is not None and sum(1 for r in self.runs
-                                 if r.claim.job["type"] == L.type) >= n:
-            return float("inf")
-        if L.blocked > now:
-            return L.blocked
-        return None
-
-    def _batch_wait(self, L, now):
-        """None when lane L's batch may start now, else the wall time when
-        it may: up to batch_wait after its first ready job, unless a whole
-        batch is ready (myq(1) batches: for every claim, so asked after the scan
-        that found the jobs; --drain and --once do not wait)."""
-        if self._no_wait:
-            return None
-        rules = self.spool.rules(L.type)
-        wait, n = rules.get("batch_wait"), rules.get("batch")
-        if not wait or not n:
-            return None
-        ready = [e[0] for e in L.cache if e[1] and e[0] <= now]
-        if not ready or len(ready) >= n:
-            return None
-        first = min(ready) + wait
-        return first if first > now else None
-
-    def _reserve(self, L, job=None):
-        """Take what a start of lane L's type needs: the probe of a held
-        destination (`job`: the one it will be, Breaker.take_probe), a
-        concurrency slot (locks/slots/TYPE.K, flock'd: a kill -9 frees
-        it), a place in the rate's window.  None when taken, else the lane
-        waits (L.blocked) and it returns the time."""
-        sp = self.spool
-        rules = sp.rules(L.type)
-        now = _now()
-        dest = L.dest or L.type
-        if dest in self.holds.until:
-            until = sp.breaker.take_probe(dest, self.delays.probe, job)
-            if until is None:
-                L.blocked = now + min(self.poll, 1.0)
-                return L.blocked
-            if until:
-                self.holds.until[dest] = until
-                L.probe = dest
-            else:
-                self.holds.until.pop(dest, None)     # released meanwhile
-        n = rules.get("concurrency")
-        if n is not None and L.slot is None:
-            L.slot = self._slot(L.type, n)
-            if L.slot is None:
-                L.probe = None
-                L.blocked = now + min(self.poll, 0.25)
-                return L.blocked
-        rate = rules.get("rate")
-        if rate:
-            wait = self._rate_take(L.type, rate)
-            if wait:
-                L.probe = None
-                L.blocked = now + wait
-                return L.blocked
-            L.rated = True
-        return None
-
-    def _unreserve(self, L):
-        """The lane gave no job: give back its slot and its place in the
-        rate's window."""
-        L.probe = None
-        if L.slot is not None:
-            os.close(L.slot)
-            L.slot = None
-        if L.rated:
-            L.rated = False
-            self._rate_take(L.type, self.spool.rules(L.type).get("rate"),
-                            give_back=True)
-
-    def _slot(self, type, n):
-        """One of the type's n slots, or None: a locked descriptor."""
-        d = self.spool.d("locks", "slots")
-        try:
-            self.spool.fs.mkdir("locks/slots")
-        except OSError:
-            return None
-        for k in range(n):
-            try:
-                fd = _lock("%s/%s.%d" % (d, type, k), block=False)
-            except OSError:
-                continue
-            if fd is not None:
-                return fd
-        return None
-
-    def _rate_take(self, type, rate, give_back=False):
-        """Take a start in the type's window (locks/rate/TYPE: this boot's
-        monotonic start times, under flock): 0 when taken, else how long
-        until one is free.  With give_back, return the last one taken."""
-        n, per = rate_of(rate)
-        d = self.spool.d("locks", "rate")
-        try:
-            self.spool.fs.mkdir("locks/rate")
-            fd = _lock(d + "/" + type)
-        except OSError:
-            return 0            # no window to keep: never hold a job for it
-        try:
-            lines = os.pread(fd, 1 << 20, 0).decode("utf-8", "replace").split("\n")
-            now = _mono()
-            times = []
-            if lines[0] == boot_id():
-                for t in lines[1:]:
-                    try:
-                        t = float(t)
-                    except ValueError:
-                        continue
-                    if now - per < t <= now:
-                        times.append(t)
-            if give_back:
-                if times:
-                    times.pop()
-                wait = 0
-            elif len(times) >= n:
-                wait = max(0.001, times[-n] + per - now)
-            else:
-                times.append(now)
-                wait = 0
-            data = "\n".join([boot_id()] + ["%.6f" % t for t in times[-n:]])
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data.encode("utf-8"), 0)
-            return wait
-        except OSError:
-            return 0
-        finally:
-            os.close(fd)
-
-    def _probe_claim(self, dest):
-        """A held destination's probe is due: claim the next of the jobs it
-        put back (locks/held/DEST.jobs), in turn, so that each probe is
-        another job.  None when none is there (a lane's head is then the
-        probe, see _reserve)."""
-        sp = self.spool
-        names = sp.breaker.jobs(dest)
-        if not names:
-            return None
-        # the one after the last probe's job (which a job that came due by
-        # itself may have been, see _start)
-        last = (sp.breaker.record(dest) or {}).get("last")
-        # (a last probe not among them was a lane's head: the recorded jobs
-        # had their turn, the lane's next head is the probe)
-        k = names.index(last) + 1 if last in names else len(names) if last else 0
-        wrapped = k == len(names)
-        names = names[k:] + names[:k]
-        sub = names[0].rpartition("/")[0]
-        L = next((L for L in self._lanes if L.sub == sub), None)
-        if L is not None and L.type is not None:
-            # A start of its type like any other: paused, its slots and its
-            # rate hold for a probe too, taken the lane's own way
-            # (_reserve); and once the recorded jobs had their turn, the
-            # lane's head is the next probe (what the hold kept from
-            # starting is never recorded: the same job was probed forever).
-            L.dest = dest
-            head = self._head(L) if wrapped else None
-            if self._gate(L, _now()) is not None or head is not None and \
-                    sub + "/" + head[1] not in names:
-                return None
-            if self._reserve(L, names[0]) is not None or L.probe != dest:
-                self._unreserve(L)
-                return None
-            for rel in names:
-                if rel.startswith(sub + "/") and sp.claims.waits(rel):
-                    c = self._lane_claim(L, rel.rpartition("/")[2], True,
-                                         anytime=True)
-                    if c is not None:
-                        return c
-            self._unreserve(L)
-            return None
-        until = sp.breaker.take_probe(dest, self.delays.probe, names[0])
-        if not until:
-            if until == 0.0:
-                self.holds.until.pop(dest, None)     # released meanwhile
-                self.dirty = True
-            return None
-        self.holds.until[dest] = until
-        for rel in names:
-            sub, _, name = rel.rpartition("/")
-            if not sp.claims.waits(rel):
-                continue
-            c = sp.claims.claim(name, self.me, self.max_attempts, True, sub,
-                                anytime=True)
-            if c is not None:
-                # (its lane: where the rest of a batch it went in waits)
-                self._taken = (None, dest, _Lane(sub))
-                return c
-        return None
-
-    def _failover_lanes(self):
-        """The holds changed: each lane of a type with destinations to fail
-        over to is gated by where its next start would go (the first not
-        held, else the one due first), not by where its last one went."""
-        now = _now()
-        for L in self._lanes:
-            dests = L.type is not None and L.dest is not None and \
-                self.holds._dests_of_type(L.type)
-            if dests:
-                L.dest = next((d for d in dests if self.holds.until.get(d, 0) <= now),
-                              min(dests, key=lambda d: self.holds.until.get(d, 0)))
-
-    def _open_wake(self):
-        """[read end, write end] of each FIFO the store's producers poke
-        (Claims.wake_paths: the spool's, a RAM tier's)."""
-        fds = []
-        for path in self.spool.claims.wake_paths():
-            fds += self._open_fifo(path)
-        return fds
-
-    @staticmethod
-    def _open_fifo(path):
-        try:
-            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
-        except OSError:
-            return []
-        st = os.fstat(r)
-        if not stat.S_ISFIFO(st.st_mode):
-            os.close(r)
-            return []
-        # Our own write end keeps the FIFO from reporting EOF forever after
-        # the first producer closed it.
-        try:
-            w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
-        except OSError:
-            os.close(r)
-            return []
-        if os.fstat(w).st_ino != st.st_ino:     # swapped meanwhile
-            os.close(r)
-            os.close(w)
-            return []
-        return [r, w]
-
-
-# Running a job ###############################################################
-#
-# A claimed job (or batch) started through its handler: an exec handler as a
-# process fed on stdin, a Python function inline or in a thread, http and
-# mqtt through their clients; its outcome collected.  An object the worker
-# holds (Worker.runner).
-
-class _Runner(object):
-    """Starting handlers and collecting what they did.  It takes the
-    scheduler's last claim (its slot, probe and lane; a batch's further
-    jobs from its lane), finds the handler (`resolver`), asks the holds
-    where a job goes, and hands every outcome to `finish`.  `runs` is the
-    worker's list of what runs (processes and threads)."""
-
-    def __init__(self, spool, log, options, delays, resolver, sched, holds,
-                 finish, runs):
-        self.spool, self.log, self.delays = spool, log, delays
-        self.resolver, self.sched, self.holds = resolver, sched, holds
-        self.finish, self.runs = finish, runs
-        self.concurrency, self.timeout = options.concurrency, options.timeout
-        self.lease, self.poll = options.lease, options.poll
-        self.max_attempts, self.pass_env = options.max_attempts, options.pass_env
-        self.me = None              # the worker's Identity (start)
-        self._signal = self._pipe = None    # (start)
-        self._main = False          # in the main thread: inline runs (start)
-        self._inline = None         # the run called in this thread now
-        self._timer = 0.0           # the SIGALRM tick armed now (0: none)
-        self._null = None           # /dev/null, for exec handlers' stdout
-
-    def start(self, me, signal, pipe, main):
-        """At the start of Worker.run(): its identity, its signal module,
-        the wake-up pipe a thread's end writes to, and whether this is
-        the main thread (where SIGALRM times an inline run)."""
-        self.me, self._signal, self._pipe, self._main = me, signal, pipe, main
-
-    def stop_all(self):
-        """The end of Worker.run(): what still runs killed (a thread is
-        left to the process's exit), its descriptors closed, its jobs
-        given back."""
-        for run in list(self.runs):
-            self._kill(run, 9)
-            if run.proc is not None:
-                for c in run.batch or [run.claim]:
-                    self.spool.claims.end_handler(c.token)
-            for fd in (run.stdin_fd, run.err_fd):
-                if fd is not None:
-                    os.close(fd)
-            run.stdin_fd = run.err_fd = None
-            self.finish._release(run)
-
-    def close(self):
-        if self._null is not None:
-            os.close(self._null)
-            self._null = None
-
-    def _job_for_handler(self, c):
-        job = dict(c.job)
-        job["attempts"] = c.attempt
-        if job.get("max_attempts") is None:
-            job["max_attempts"] = c.max_attempts
-        return job
-
-    def _start(self, c):
-        (slot, probe, lane), self.sched._taken = self.sched._taken, (None, None, None)
-        rules = self.spool.rules(c.job["type"])
-        handler, why = self.resolver.resolve(c.job["type"], rules)
-        run = _Run(c, handler)
-        run.slot, run.probe = slot, probe      # (_launch times the run)
-        if handler is None:
-            self.finish._hold(run, why)
-            return
-        if c.job["type"] in self.holds.missing:
-            self.holds._unhold(c.job["type"])
-        run.dest = handler.dest(c.job, self, run)
-        if lane is not None and lane.type is not None and run.dest != lane.type:
-            lane.dest = run.dest    # where this lane's jobs go, for its gate
-        until = self.holds.until.get(run.dest)
-        if until is not None and run.probe != run.dest \
-                and self.spool.breaker.record(run.dest) is None:
-            self.holds.until.pop(run.dest, None)     # released by another worker
-            self.sched.dirty = True
-            until = None
-        if until is not None and run.probe != run.dest:
-            new = None if until > _now() else self.spool.breaker.take_probe(
-                run.dest, self.delays.probe, self.spool.waits_at(c.job, c.jid))
-            if new is None:
-                self.finish._park(run, max(until, _now() + self.poll), "destination %s "
-                           "is held" % run.dest, lane=lane)
-                return
-            if new:
-                self.holds.until[run.dest] = new
-                run.probe = run.dest
-            else:
-                self.holds.until.pop(run.dest, None)
-        if run.probe:
-            self.log("probe", dest=run.dest, id=c.jid)
-        n = rules.get("batch")
-        if n and (run.probe or (lane is not None and lane.type == c.job["type"])):
-            # A job of a batched type always goes in a batch's form, and
-            # every batch is recorded, one job alone too: what went out
-            # under one Idempotency-Key goes again under it (a probe sent
-            # alone, then batched with others after a kill, was stored
-            # twice by a receiver that de-duplicates).
-            if run.probe:
-                # A probe is ONE job, whatever the batch (SPEC 9): what a
-                # failed batch's jobs share waits in their files, untouched.
-                run.batch = [c]
-            elif c.job.get("batch_of") and lane is not None:
-                run.batch = self._claim_batch(lane.sub, c)
-            elif c.job.get("batch_of"):
-                run.batch = [c]
-            else:
-                run.batch = [c] + self._claim_more(
-                    lane, c, n - 1, rules.get("batch_bytes"), handler)
-            if not run.probe:
-                self.spool.claims.batches.note(run.batch)
-        self._launch(run)
-
-    def _claim_batch(self, sub, first):
-        """A batch that a dead worker had in flight, formed again (myq(1) batches):
-        the same ids in the same order, so the same Idempotency-Key, of
-        those that still wait in lane `sub`."""
-        sp = self.spool
-        ids = sp.claims.batches.ids(first.job["batch_of"])
-        out = {first.jid: first}
-        for jid in ids:
-            if jid in out or not sp.claims.waits(sub + "/" + jid + ".json"):
-                continue
-            c = sp.claims.claim(jid + ".json", self.me, self.max_attempts, False, sub)
-            if c is not None and c.job.get("batch_of") == first.job["batch_of"]:
-                out[jid] = c
-            elif c is not None:
-                self.finish._release_one(c)
-        order = dict((jid, i) for i, jid in enumerate(ids))
-        return sorted(out.values(), key=lambda c: order.get(c.jid, -1))
-
-    def _launch(self, run):
-        """Run the handler, timed by its limit: it starts as it does
-        (Handler.start: a process, a call here or in a thread)."""
-        run.started = _mono()
-        run.deadline = run.started + run.handler.time_limit(run.claim.job,
-                                                            self.timeout)
-        run.handler.start(self, run)
-
-    def _claim_more(self, L, first, n, limit, handler):
-        """A batch (myq(1) batches): up to n more ready jobs of lane L, within
-        `limit` bytes, of the first's batch key (http: the same request)."""
-        out = []
-        size = len(dumps(first.job))
-        key = handler.batch_key(first.job, self)
-        sp = self.spool
-        while len(out) < n:
-            head = self.sched._head(L, more=True)
-            if head is None:
-                break
-            m, name, scheduled = head
-            try:
-                sz = sp.claims.size(L.sub, name)
-            except OSError:
-                L.cache.pop()
-                continue
-            if limit and size + sz > limit:
-                break
-            L.cache.pop()
-            c = sp.claims.claim(name, self.me, self.max_attempts, scheduled, L.sub)
-            if c is None:
-                continue
-            if (key is not None and handler.batch_key(c.job, self) != key) \
-                    or c.job.get("batch_of"):
-                job = dict(c.job)           # not for this request: back, as
-                job["available_at"] = _now()    # it was, for the next batch
-                self.finish._move(c, job, "incoming", None, {})
-                break
-            size += sz
-            out.append(c)
-        return out
-
-    def _env(self, c):
-        env = {}
-        for k, v in os.environ.items():
-            if k in ("PATH", "HOME", "LANG", "TZ") or k.startswith("LC_") \
-                    or k in self.pass_env:
-                env[k] = v
-        env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        env.update(MYQ_JOB_ID=c.jid, MYQ_JOB_TYPE=c.job["type"],
-                   MYQ_ATTEMPT=str(c.attempt), MYQ_MAX_ATTEMPTS=str(c.max_attempts),
-                   MYQ_SPOOL=self.spool.path,
-                   # marks every process of this run, even one that left
-                   # the handler's session: see kill_run()
-                   MYQ_CLAIM=c.token)
-        return env
-
-    def _spawn(self, run, path):
-        """Start an exec handler in its own session: the payload on a pipe
-        to its stdin, its stderr on a pipe (for last_error), stdout to
-        /dev/null.  The pipes are made here, not by Popen: it would wrap
-        each in a file object (three syscalls apiece) used for nothing."""
-        c = run.claim
-        fds = []
-        try:
-            import subprocess           # here: it can fail with EMFILE too
-            if self._null is None:
-                self._null = os.open(os.devnull, os.O_WRONLY | O_CLOEXEC)
-            fds.extend(os.pipe())       # close-on-exec; Popen dup2s them
-            fds.extend(os.pipe())
-            in_r, in_w, err_r, err_w = fds
-            env = self._env(c)
-            if run.batch:
-                env["MYQ_BATCH"] = str(len(run.batch))
-            proc = subprocess.Popen(
-                [path], stdin=in_r, stdout=self._null, stderr=err_w,
-                env=env, close_fds=True, start_new_session=True)
-        except (OSError, ValueError, ImportError) as e:   # EMFILE: retry
-            for fd in fds:
-                os.close(fd)
-            if getattr(e, "errno", None) in (errno.ENOENT, errno.ENOEXEC,
-                                             errno.EACCES):
-                self.finish._hold(run, _cannot_run(path, e))   # a deployment matter
-            else:
-                self.finish._finish(run, "retry", _cannot_run(path, e))
-            return
-        run.proc = proc
-        # First of all: the handler's pid, for a reaper should we die now.
-        start = proc_start(proc.pid)
-        for one in run.batch or [c]:
-            self.spool.claims.note_handler(one, proc.pid, start)
-        os.close(in_r)
-        os.close(err_w)
-        run.stdin_fd, run.err_fd = in_w, err_r
-        os.set_blocking(in_w, False)
-        os.set_blocking(err_r, False)
-        if run.batch:       # one JSON object a line (myq(1) batches)
-            run.stdin = memoryview(b"".join(json.dumps(
-                {"id": one.jid, "type": one.job["type"], "payload":
-                 one.job["payload"], "attempt": one.attempt}).encode("utf-8")
-                + b"\n" for one in run.batch))
-        else:
-            run.stdin = memoryview(json.dumps(c.job["payload"]).encode("utf-8")
-                                   + b"\n")
-        self.runs.append(run)
-        self._feed(run)
-
-    def _feed(self, run):
-        try:
-            while run.stdin:
-                n = os.write(run.stdin_fd, run.stdin)
-                run.stdin = run.stdin[n:]
-        except BlockingIOError:
-            return
-        except OSError:         # EPIPE: the handler did not read it all
-            pass
-        os.close(run.stdin_fd)
-        run.stdin_fd = None
-
-    def _read_err(self, run, final=False):
-        try:
-            while True:
-                b = os.read(run.err_fd, 65536)
-                if not b:
-                    break
-                run.err += b
-                del run.err[:-STDERR_TAIL]
-        except (BlockingIOError, InterruptedError):
-            if not final:
-                return
-        except OSError:
-            pass
-        os.close(run.err_fd)
-        run.err_fd = None
-
-    def _kill(self, run, sig):
-        """Signal everything the run's handler started (kill_run)."""
-        if run.proc is not None:
-            kill_run(run.proc.pid, sig, run.claim.token)
-
-    def _collect(self):
-        """Finish the runs that ended; enforce time limits."""
-        now = _mono()
-        for run in list(self.runs):
-            if run.handler.spawned:
-                rc = run.proc.poll()
-                if rc is None:
-                    if run.kill_at is not None and now >= run.kill_at:
-                        self._kill(run, 9)
-                        run.kill_at = now + 1.0
-                    elif run.kill_at is None and now >= run.deadline:
-                        run.timed_out = True
-                        self._kill(run, 15)
-                        run.kill_at = now + 2.0
-                        self.log("timeout", id=run.claim.jid, pid=run.proc.pid)
-                    continue
-                if run.timed_out or run.released:
-                    self._kill(run, 9)          # no descendant survives
-                for c in run.batch or [run.claim]:
-                    self.spool.claims.end_handler(c.token)
-                if run.stdin_fd is not None:
-                    os.close(run.stdin_fd)
-                    run.stdin_fd = None
-                if run.err_fd is not None:
-                    self._read_err(run, final=True)
-                self.runs.remove(run)
-                self._exec_outcome(run, rc)
-            else:
-                if run.result is not None:
-                    self.runs.remove(run)
-                    if run.released:
-                        self.finish._release(run)
-                    elif run.timed_out and run.result[0] != "done":
-                        # a built-in handler's time-out is its destination's
-                        run.dest_fail = run.handler.remote
-                        self.finish._finish(run, "retry", "timed out after %gs (%s)" % (
-                            run.deadline - run.started, run.result[1]),
-                            None, run.result[3] if len(run.result) > 3 else None)
-                    else:
-                        self.finish._finish(run, *run.result)
-                elif run.released:
-                    # A thread cannot be killed: the process exits next.
-                    self.runs.remove(run)
-                    _abort(run)
-                    self.finish._release(run)
-                elif now >= run.deadline and not run.timed_out:
-                    # The job stays this run's until the thread returns (it
-                    # is never in flight twice); an http request is cut now.
-                    run.timed_out = True
-                    self.log("timeout", id=run.claim.jid)
-                    _abort(run)
-
-    def _exec_outcome(self, run, rc):
-        if run.released:
-            self.finish._release(run)
-            return
-        tail = bytes(run.err).decode("utf-8", "replace").strip()
-        if run.timed_out:
-            why = "timed out after %gs (process group killed)" % (
-                run.deadline - run.started)
-            self.finish._finish(run, "retry", why + (": " + tail if tail else ""))
-        elif rc == 0:
-            self.finish._finish(run, "done")
-        else:
-            why = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
-            if tail:
-                why += ": " + tail
-            run.dest_fail = rc in (EX_TEMPFAIL, EX_OSERR)
-            if run.dest_fail or not 64 <= rc <= 78:
-                self.finish._finish(run, "retry", why)
-            else:
-                self.finish._finish(run, "dead", why)
-
-    def _call(self, run):
-        """Run an in-process handler; returns (outcome[, error, delay,
-        traceback]).  A batch's function gets the list of its jobs; the
-        built-in handlers send it their way (mqtt: one outcome a job)."""
-        try:
-            if run.batch:
-                return run.handler.call_batch(self, run, [
-                    self._job_for_handler(c) for c in run.batch])
-            run.handler.call(self, run, self._job_for_handler(run.claim))
-            return ("done",)
-        except PermanentError as e:
-            run.unsent = isinstance(e, _Unsent)
-            return ("dead", _exc_text(e), None, _tb_tail(e))
-        except RetryLater as e:
-            run.dest_fail = True    # the destination's failure (myq(1) holds)
-            run.retry_after = getattr(e, "retry_after", e.seconds)
-            return ("retry", _exc_text(e), e.seconds)
-        except Exception as e:
-            return ("retry", _exc_text(e), None, _tb_tail(e))
-
-    def _run_inline(self, run):
-        """concurrency 1 in the main thread: call the handler right here;
-        SIGALRM ticks heartbeat it and enforce the time limit (raising
-        _Timeout into the handler) and the shutdown grace."""
-        signal = self._signal
-        tick = min(0.5, self.lease / 3, max(0.01, run.deadline - run.started))
-        self._inline = run
-        result = None
-        try:
-            if tick != self._timer:     # armed once for a run of jobs
-                signal.setitimer(signal.ITIMER_REAL, tick, tick)
-                self._timer = tick
-            result = self._call(run)
-            self._inline = None
-        except _Timeout:
-            # a built-in handler's time-out is its destination's (_collect)
-            run.dest_fail = getattr(run.handler, "remote", False)
-            result = ("retry", "timed out after %gs (interrupted)"
-                      % (run.deadline - run.started))
-        except _Shutdown:
-            run.released = True
-        finally:
-            self._inline = None
-        if run.released:
-            self.finish._release(run)
-        else:
-            if run.timed_out:
-                self.log("timeout", id=run.claim.jid)
-            self.finish._finish(run, *result)
-
-    def _run_thread(self, run):
-        import threading
-
-        def main():
-            run.result = self._call(run)
-            try:
-                os.write(self._pipe[1], b"t")
-            except OSError:
-                pass
-
-        run.thread = threading.Thread(target=main, name="myq-" + run.claim.jid)
-        run.thread.daemon = True
-        self.runs.append(run)
-        run.thread.start()
-
-    def _start_split(self):
-        """Start the first half of a split batch waiting (_finish) when a
-        slot of the worker and of its type is free; False when none may."""
-        part, handler = self.finish._splits[0]
-        t = part[0].job["type"]
-        n = self.spool.rules(t).get("concurrency")
-        slot = None
-        if n is not None:
-            if sum(1 for r in self.runs if r.claim.job["type"] == t) >= n:
-                return False
-            slot = self.sched._slot(t, n)
-            if slot is None:
-                return False
-        del self.finish._splits[0]
-        new = _Run(part[0], handler)
-        new.batch, new.split, new.slot = part, True, slot
-        new.dest = handler.dest(part[0].job, self)  # (its failure: _dest_failed)
-        self._launch(new)
-        return True
-
-
-# Holds, the worker's side ####################################################
-#
-# The records are the spool's (Breaker); this is what a worker does with
-# them: a missing handler holds its type for this worker, a failing
-# destination is held for all, probes take the held jobs in turn, and a
-# release makes them ready.  An object the worker holds (Worker.holds).
-
-class _Holds(object):
-    """What is held for this worker: `until`, every held destination (a
-    type held for its missing handler is its own) -> the wall time of its
-    next probe, this worker's and the spool's records; `missing`, the
-    types held here for want of a handler -> (why, delay, until,
-    recorded).  It asks `resolver` which handlers there are, and tells
-    `sched` (the Worker sets it: the scheduler reads these holds) when a
-    release makes held jobs ready."""
-
-    LANED = 64      # held types that get a lane of their own (_hold)
-
-    def __init__(self, spool, log, delays, resolver):
-        self.spool, self.log, self.delays = spool, log, delays
-        self.resolver = resolver
-        self.sched = None           # (Worker.__init__, once both are made)
-        self.until = _HoldTimes()   # held destination -> until (wall clock)
-        self.missing = {}           # held type -> (why, delay, until, recorded)
-        self.missing_changed = False
-        self._holds_from = None     # the spool.breaker.records() `until` came from
-        self._lack = {}             # type -> no handler here (_lacks)
-        self._handlers_seen, self._handlers_next = None, 0.0
-        self._streaky = set()       # destinations with failures in a row
-        self._safe_names = {}       # destination -> its name as a file
-        self._pol_seen = None       # the policy _check_holds last saw
-        self._holds_sig = None      # what _load_holds last made `until` of
-
-    def _write_hold(self, dest, why, until, **extra):
-        rec = {"dest": dest, "why": why, "since": round(_now(), 3),
-               "until": round(until, 3), "probes": 0, "boot": boot_id()}
-        rec.update(extra)
-        try:
-            self.spool.breaker.write(rec)
-        except OSError as e:    # the local hold stands; say why it is not on disk
-            self.log("error", during="breaker", dest=dest,
-                     error=e.strerror or str(e))
-
-    def _unhold(self, t):
-        """The handler of a held type is there: release the hold; the jobs
-        it put back are ready now."""
-        self.missing.pop(t, None)
-        self.until.pop(t, None)
-        self._lack.pop(t, None)
-        self.missing_changed = True
-        self.spool.breaker.release(t)
-        self.sched.dirty = True
-        self.sched.next_due = None
-        self.log("release", dest=t)
-
-    def _load_holds(self):
-        """The holds of every worker of the spool (locks/held/); a hold
-        from another boot has its probe due at once.  A missing handler's
-        hold holds only the workers that lack the handler (myq(1) holds): this
-        one's own (`missing`), and another's when this one lacks it too."""
-        held = self.spool.breaker.records()
-        if held is self._holds_from and not self.missing_changed:
-            return                  # (the same records: nothing to learn)
-        now, boot = _now(), boot_id()
-        sig = self._holds_sig_of(held, boot)
-        if sig == self._holds_sig and not self.missing_changed:
-            # (records that changed only where this worker's own holds
-            # win: a held type's probe; not a pass over all of them)
-            self._holds_from = held
-            self._streaky = self.spool.breaker.streaky()
-            return
-        self._holds_from, self.missing_changed = held, False
-        self._holds_sig = sig
-        holds = {}
-        for h in held:
-            dest = h["dest"]
-            if h.get("missing") and dest not in self.missing \
-                    and not self._lacks(dest):
-                continue
-            holds[dest] = h["until"] if h.get("boot") == boot \
-                else min(h["until"], now)
-        for t, v in self.missing.items():
-            holds[t] = v[2]
-        self.until = _HoldTimes(holds)
-        self.spool.set_lane_types(sorted(set(
-            [h["dest"] for h in held if h.get("missing")]
-            + [t for t, v in self.missing.items() if v[3]]))[:self.LANED])
-        self._streaky = self.spool.breaker.streaky()
-
-    def _holds_sig_of(self, records, boot):
-        """What _load_holds makes of the records besides this worker's own
-        holds (whose times are its own): equal, the same holds."""
-        own = self.missing
-        return [(h["dest"], h.get("missing")) if h["dest"] in own else
-                (h["dest"], h.get("missing"), h["until"], h.get("boot") == boot,
-                 bool(h.get("missing")) and self._lacks(h["dest"]))
-                for h in records]
-
-    def _lacks(self, type):
-        """Has this worker no handler for `type`?  (Asked again when the
-        handlers changed: _check_holds.)"""
-        lack = self._lack.get(type)
-        if lack is None:
-            if len(self._lack) > 4096:
-                self._lack.clear()
-            lack = self._lack[type] = self.resolver.resolve(type)[0] is None
-        return lack
-
-    def _handlers_key(self):
-        if not self.resolver.handlers_dir:
-            return None
-        try:
-            st = os.stat(self.resolver.handlers_dir)
-            return (st.st_mtime_ns, st.st_ino)
-        except OSError:
-            return None
-
-    def _check_holds(self):
-        """At each poll tick: the holds on disk (other workers' too), and
-        has the handler of a held type appeared?  (Looked for when the
-        handlers directory changed, or once a minute: many held types cost
-        a poll no more than one.)"""
-        before = self.until
-        self._load_holds()
-        if before is not self.until and set(before) - set(self.until):
-            self.sched.dirty = True       # released by another worker
-        pol = self.spool.policy()
-        if pol is not self._pol_seen:
-            # a type's `url` changed: a held destination no type names
-            # any more ends, its jobs ready to go where their type goes now
-            if self._pol_seen is not None:
-                for d in _url_dests(self._pol_seen) - _url_dests(pol):
-                    if d in self.until:
-                        self._unname(d)
-            self._pol_seen = pol
-            self.sched._failover_lanes()
-        elif before is not self.until:
-            self.sched._failover_lanes()
-        key, now = self._handlers_key(), _mono()
-        if self.missing and (key != self._handlers_seen or now >= self._handlers_next):
-            self._handlers_seen, self._handlers_next = key, now + 60.0
-            self._lack.clear()
-            for t in list(self.missing):
-                if self.resolver.resolve(t)[0] is not None:
-                    self._unhold(t)
-
-    def _pick_dest(self, dests, job, run=None):
-        """Where a start of `job` goes: the first of `dests` not held; a
-        held one whose probe is due takes this start as its probe (run.
-        probe), so that a destination that is back gets new starts again;
-        all held: the one due first (the start then waits for it).  A
-        probe of one that is no longer the type's (`myq policy` changed
-        its `url`) is no probe (_stale_probe)."""
-        now = _now()
-        if run is not None and run.probe and run.probe not in dests:
-            self._stale_probe(run.probe)
-            run.probe = None
-        if run is not None and run.probe in dests:
-            # a lane's probe: unless one before it is free now (released
-            # meanwhile), then that one, and no probe
-            free = [d for d in dests[:dests.index(run.probe)]
-                    if d not in self.until]
-            if not free:
-                return run.probe
-            run.probe = None
-            return free[0]
-        for d in dests:
-            until = self.until.get(d)
-            if until is None:
-                return d
-            if until > now or run is None or run.probe:
-                continue
-            new = self.spool.breaker.take_probe(
-                d, self.delays.probe, self.spool.waits_at(job, run.claim.jid))
-            if new == 0.0:
-                self.until.pop(d, None)        # released meanwhile
-                self.sched.dirty = True
-                return d
-            if new:
-                self.until[d] = new
-                run.probe = d
-                return d
-        return min(dests, key=lambda d: self.until.get(d, 0))
-
-    def _stale_probe(self, dest):
-        """A probe of held `dest` took a job whose type no longer goes
-        there: unless a type's `url` or --mqtt still names it, the hold
-        ends (its jobs go where their type goes now, at once), rather
-        than be probed with jobs that never go there, held for ever."""
-        if dest not in _url_dests(self.spool.policy()):
-            self._unname(dest)
-
-    def _unname(self, dest):
-        """Held `dest` is no type's `url` any more (myq(1) failover): the
-        hold ends, unless it is not an http server (an --mqtt broker).
-        (Jobs that name it in their own payload find out again: `breaker`
-        failures.)"""
-        if not dest.startswith(("http://", "https://")):
-            return      # (a broker: another worker's --mqtt may name it)
-        self.spool.breaker.release(dest)
-        self.until.pop(dest, None)
-        self.sched.dirty = True
-        self.log("release", dest=dest, why="no type goes there")
-
-    def _dests_of_type(self, type):
-        """A type's destinations in order when it has more than one: its
-        policy's `url`, or --mqtt's brokers for an mqtt type; else None."""
-        rules = self.spool.rules(type)
-        if rules.get("url"):
-            return _dests_of(rules["url"], type)
-        mqtt = self.resolver.mqtt       # (None: no mqtt type registered)
-        if mqtt is not None and len(mqtt.clients) > 1 \
-                and self.resolver.resolve(type, rules)[0] is mqtt:
-            return [c.dest for c in mqtt.clients]
-        return None
-
-    def _safe(self, dest):
-        safe = self._safe_names.get(dest)
-        if safe is None:
-            if len(self._safe_names) > 1000:
-                self._safe_names.clear()
-            safe = self._safe_names[dest] = _safe_dest(dest)
-        return safe
-
-    def _take_holds(self):
-        """At the start: the missing-handler holds on disk.  This worker's
-        own where it lacks the handler too; released where it has it,
-        unless the worker that wrote it lives (and lacks it)."""
-        sp = self.spool
-        for h in sp.breaker.records():
-            if not h.get("missing"):
-                continue
-            if self._lacks(h["dest"]):
-                self.missing[h["dest"]] = (h.get("why"), self.delays.base,
-                                         h["until"], True)
-            elif not (_is_num(h.get("pid")) and proc_start(
-                    int(h["pid"]), living=True) == h.get("start")):
-                sp.breaker.release(h["dest"])
-                self.log("release", dest=h["dest"])
-        self._load_holds()
-
-    def _dest_failed(self, run, delay, error):
-        """The circuit breaker (myq(1) holds) after a destination failure (of a
-        batch: one failure): (does it count an attempt, the delay before
-        the job may run again)."""
-        sp, c = self.spool, run.claim
-        started, distinct, total = sp.breaker.streak(run.dest, c.jid)
-        self._streaky.add(self._safe(run.dest))
-        delay = self.delays.dest(run.retry_after, total)
-        until = self.until.get(run.dest)
-        if until is not None:
-            rec = sp.breaker.record(run.dest)      # (released by another worker?)
-            if rec is None:
-                self.until.pop(run.dest, None)
-                until = None
-            else:
-                until = rec["until"]
-        if until is not None:
-            # held: it waits with the others; the probes take them in turn
-            return False, max(0.0, until - _now()) + self.delays.parked()
-        n = sp.rules(c.job["type"]).get("breaker", 3)
-        if n and distinct >= n:
-            d = delay
-            until = _now() + d
-            self.until[run.dest] = until
-            self._write_hold(run.dest, "%d jobs failed in a row: %s" % (
-                distinct, _clip(error or "failed", 200)), until)
-            self.log("hold", dest=run.dest, until=iso(until), failures=distinct)
-            return started and not run.probe, d
-        return started and not run.probe, delay
-
-
-# The worker ##################################################################
-
-class WorkerOptions(object):
-    """What a worker is told, checked and in its types once: the options of
-    `myq worker` (myq(1) PYTHON API: the keywords of Worker()), the command line's
-    from its flags and MYQ_* variables (_worker_from), the Python API's
-    from Worker(spool, **keywords).  A Worker copies them to attributes
-    of the same names (self.lease, ...: no lookup through here on the hot
-    paths); `module` is the --module file's path, `parent` the
-    supervisor's pid (stop when it is gone), `textfile` the directory of
-    --textfile."""
-
-    KEYS = (("handlers_dir", None), ("module", None), ("concurrency", 1),
-            ("lease", 60.0), ("timeout", 300.0), ("max_attempts", 5),
-            ("backoff_base", 5.0), ("backoff_max", 3600.0), ("jitter", 0.1),
-            ("poll", 1.0), ("probe_max", 30.0), ("stats_interval", 60.0),
-            ("grace", 5.0), ("pass_env", ()), ("http_headers", None),
-            ("http_ca", None), ("scan_cache", 2048), ("reap_interval", None),
-            ("prune_interval", 60.0), ("parent", None), ("textfile", None),
-            ("mqtt", None), ("mqtt_password_file", None),
-            ("mqtt_client_id", None), ("mqtt_ca", None), ("mqtt_cert", None),
-            ("mqtt_key", None), ("uplink_rate", None))
-    __slots__ = tuple(k for k, _ in KEYS)
-
-    def __init__(self, **keywords):
-        for k, default in self.KEYS:
-            setattr(self, k, keywords.pop(k, default))
-        if keywords:
-            raise TypeError("unknown worker option(s): %s"
-                            % ", ".join(sorted(keywords)))
-        if self.concurrency < 1:
-            raise UsageError("--concurrency must be at least 1")
-        self.concurrency = int(self.concurrency)
-        self.lease, self.timeout = float(self.lease), float(self.timeout)
-        self.max_attempts = int(self.max_attempts)
-        self.backoff_base = float(self.backoff_base)
-        self.backoff_max = float(self.backoff_max)
-        self.probe_max = float(self.probe_max)
-        self.jitter, self.poll = float(self.jitter), max(0.01, float(self.poll))
-        self.stats_interval = float(self.stats_interval)
-        self.grace = float(self.grace)
-        self.pass_env = list(self.pass_env or ())
-        self.http_headers = dict(self.http_headers or {})
-        self.scan_cache = max(1, int(self.scan_cache))
-        self.reap_interval = self.reap_interval or max(
-            0.5, min(self.lease / 2, 10.0))
-
-
-class _Finishing(object):
-    """A claim's end, as its run's outcome says: done/ (group-committed),
-    a retry, a dead letter, a release; a job of a held type or destination
-    put back, no attempt counted; a failed batch split in halves
-    (`_splits`, which the runner starts); a step that failed on I/O tried
-    again after a pause (`_stuck`).  It books a destination's failure
-    with `holds` and tells `sched` which lane a job went back to.  An
-    object the worker holds (Worker.finish)."""
-
-    def __init__(self, spool, log, delays, sched, holds):
-        self.spool, self.log, self.delays = spool, log, delays
-        self.sched, self.holds = sched, holds
-        self.me = None              # the worker's Identity (Worker.run)
-        self._splits = []   # halves of failed batches, to start: (claims, handler)
-        self._stuck = []            # finishes that failed on I/O: callables
-        self._pending = 0           # done/ renames not yet committed
-        self._pending_since = 0.0
-        self._io_pause_until = 0.0
-        self._io_backoff = 0.5
-
-    def _finish(self, run, outcome, error=None, delay=None, tb=None):
-        """The run's outcome: "done", "retry" (or "dead" once the attempts
-        are spent) or "dead", with the error, a delay (RetryLater) and a
-        Python handler's traceback.  A batch's outcome is every job's; a
-        batch that fails for good is split in halves, run at once
-        (myq(1) batches); "each" carries one outcome per job (mqtt)."""
-        self._free(run)
-        if run.failovers:
-            self._failed_over(run)      # (myq(1) policy `url`)
-        if outcome == "each":
-            # (one outcome a job, mqtt's: nothing of the batch is kept, so
-            # what goes again is batched afresh, not one at a time)
-            self.spool.claims.batches.end(run.batch[0].batch)
-            for c, res in zip(run.batch, error):
-                c.batch = None
-                one = _Run(c, run.handler)
-                one.started, one.dest, one.probe = run.started, run.dest, run.probe
-                if res is None:
-                    self._finish(one, "done")
-                else:
-                    one.dest_fail = isinstance(res, RetryLater)
-                    one.retry_after = getattr(res, "retry_after", None)
-                    one.unsent = isinstance(res, _Unsent)
-                    self._finish(one, "dead" if isinstance(res, PermanentError)
-                                 else "retry", _exc_text(res),
-                                 getattr(res, "seconds", None))
-            return
-        counts = True
-        if outcome == "retry" and run.dest_fail:
-            counts, delay = self.holds._dest_failed(run, delay, error)
-        elif run.unsent:
-            pass    # the job's own request never left: no answer came
-        elif (outcome == "done" or outcome == "dead") and run.dest and (
-                run.dest in self.holds.until or self.holds._streaky and
-                self.holds._safe(run.dest) in self.holds._streaky):
-            # an answer that is not the destination's failure (myq(1) holds)
-            self.holds._streaky.discard(self.holds._safe(run.dest))
-            if self.spool.breaker.dest_ok(run.dest) or run.dest in self.holds.until:
-                self.holds.until.pop(run.dest, None)
-                self.sched.dirty = True
-                self.log("release", dest=run.dest, id=run.claim.jid)
-        claims = run.batch or [run.claim]
-        if len(claims) > 1 and (outcome == "dead" or (
-                outcome == "retry" and not run.dest_fail and
-                any(c.attempt >= c.max_attempts for c in claims))):
-            half = len(claims) // 2
-            self.log("split", type=run.claim.job["type"], jobs=len(claims),
-                     error=_clip(error or "failed", 200))
-            # Each half is first in line, as its own group, and starts as a
-            # slot frees (_start_split): a split never runs more at once
-            # than --concurrency and the type's concurrency allow.
-            self.spool.claims.batches.end(claims[0].batch)
-            for c in claims:            # (its halves are groups of their own)
-                c.batch = None
-                c.job.pop("batch_of", None)
-            self._splits[:0] = [(part, run.handler)
-                                for part in (claims[:half], claims[half:])]
-            return
-        if len(claims) > 1 and outcome == "retry" and delay is None:
-            # one wait for the batch, not a jittered one a job: it comes
-            # due as one, and goes again as that batch (myq(1) batches)
-            delay = self.delays.retry(max(c.attempt for c in claims))
-        for c in claims:
-            self._finish_one(run, c, outcome, error, delay, tb, counts)
-        if run.batch:
-            if outcome == "retry" and (counts or claims[0].batch ==
-                                       claims[0].job.get("batch_of")):
-                self.spool.claims.batches.keep(claims[0].batch)
-            else:
-                self.spool.claims.batches.end(claims[0].batch)
-
-    def _finish_one(self, run, c, outcome, error, delay, tb, counts):
-        ms = int((_mono() - run.started) * 1000)
-        kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
-        if run.batch:
-            kv["batch"] = len(run.batch)
-        if outcome == "done":
-            self._complete(c, kv)
-            return
-        job = dict(c.job)
-        job["attempts"] = c.attempt if counts else c.attempt - 1
-        note_failure(job, c.attempt, error, tb)
-        error = job["last_error"]
-        if c.batch and outcome == "retry":
-            job["batch_of"] = c.batch       # it goes again as that batch
-        else:
-            job.pop("batch_of", None)
-        if not counts:
-            # The destination's failure inside a streak: no attempt spent.
-            self._wait_again(run, c, delay, error, kv)
-            return
-        if outcome == "retry" and c.attempt >= c.max_attempts:
-            outcome = "dead"
-        if outcome == "dead":
-            job["failed_at"] = _now()
-            kv["error"] = error
-            self._move(c, job, "dlq", "dead", kv)
-            return
-        d = self.delays.retry(c.attempt, delay)
-        now = _now()
-        job["available_at"] = now + d
-        kv["retry_in"] = round(d, 3)
-        kv["error"] = error
-        until = None
-        if run.dest_fail:       # the release makes it ready at once
-            self.spool.breaker.note_job(run.dest, self.spool.waits_at(job, c.jid))
-            job["available_at"], until = now, now + d   # see Spool._move_on
-        self._move(c, job, "incoming", "retry", kv, until)
-
-    def _release(self, run):
-        """Shutdown: back to incoming/, ready now, the attempt not counted."""
-        self._free(run)
-        for c in run.batch or [run.claim]:
-            self._release_one(c)
-        if run.batch:
-            self.spool.claims.batches.keep(run.batch[0].batch)
-
-    def _release_splits(self):
-        """Stopping: the halves not started go back, ready now."""
-        splits, self._splits = self._splits, []
-        for part, _ in splits:
-            for c in part:
-                self._release_one(c)
-
-    def _release_one(self, c):
-        job = dict(c.job)
-        job["available_at"] = _now()
-        if c.batch:
-            job["batch_of"] = c.batch       # it goes again as that batch
-        self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
-
-    def _complete(self, c, kv):
-        """Success: done/ (fsync'd by the next group commit).  An I/O error
-        leaves it to _retry_stuck."""
-        try:
-            ok = self.spool.complete(c)     # (counted: locks/rates)
-        except OSError as e:
-            self._io_error("finish", e, id=c.jid)
-            self._stuck.append(lambda: self._complete(c, kv))
-            return
-        if ok:
-            if not self._pending:
-                self._pending_since = _mono()
-            self._pending += 1
-            if self.log.__class__ is Log and len(kv) == 4 \
-                    and kv["attempt"].__class__ is int:
-                self.log.done(kv["id"], kv["type"], kv["attempt"], kv["ms"])
-            else:
-                self.log("done", **kv)  # (_logged's way when ok)
-            return
-        self._logged(ok, c, "done", kv)
-
-    def _move(self, c, job, dest, event, kv, until=None):
-        """A retry or a release (dest incoming) or a dead letter (dlq)."""
-        pre = until and self.spool.claims.change_key()[0]   # (_dirty_home)
-        try:
-            ok = self.spool.claims.move_on(c, job, dest, self.me, until=until)
-        except OSError as e:
-            self._io_error("finish", e, id=c.jid)
-            self._stuck.append(lambda: self._move(c, job, dest, event, kv,
-                                                  until))
-            return
-        if ok and dest == "incoming":
-            self.sched._dirty_home(job, until, pre)
-            if event == "retry":
-                self.spool._note_retry()
-        self._logged(ok, c, event, kv)
-
-    def _logged(self, ok, c, event, kv):
-        if ok:
-            if event:
-                self.log(event, **kv)
-            return
-        try:
-            self.spool.locate(c.jid)
-            why = ("the claim was taken back (this worker was considered "
-                   "dead or hung)")
-        except MyqError:
-            why = "the job was deleted meanwhile (myq delete --force)"
-        self.log("lost", id=c.jid, why=why)
-
-    def _retry_stuck(self, final=False):
-        """Finishes that failed on I/O, tried again after the pause."""
-        if not final and _mono() < self._io_pause_until:
-            return
-        stuck, self._stuck = self._stuck, []
-        for again in stuck:
-            again()
-
-    def _io_error(self, during, e, **kv):
-        self.log("error", during=during, error=e.strerror or str(e), **kv)
-        self._io_pause_until = _mono() + self._io_backoff
-        self._io_backoff = min(30.0, self._io_backoff * 2)
-
-    def _commit(self, final=False):
-        """Group commit: one fsync of done/ for many jobs (a done file is
-        also the job's idempotency record; a lost rename runs it again, as
-        at-least-once allows)."""
-        if not self._pending and not self.spool.claims.owed:
-            return
-        try:
-            self.spool.claims.commit()
-            self._pending = 0
-            self._io_backoff = 0.5
-        except OSError as e:
-            self._io_error("commit", e)
-
-    def _give_back(self, back):
-        """A claim whose admission failed on I/O: ready again at a try
-        after the pause (_retry_stuck), until one succeeds."""
-        def again():
-            try:
-                back()
-            except OSError as e:
-                self._io_error("claim", e)
-                self._stuck.append(again)
-        self._stuck.append(again)
-
-    def _hold(self, run, why):
-        """A missing or unstartable handler: its type is held at once (a
-        deployment not finished); the job waits, no attempt counted."""
-        c = run.claim
-        t = run.dest = c.job["type"]
-        old = self.holds.missing.get(t)
-        delay = self.delays.held_type(old[1] if old else None)
-        until = _now() + delay
-        recorded = old[3] if old else len(self.holds.missing) < 1024
-        self.holds.missing[t] = (why, delay, until, recorded)
-        self.holds.until[t] = until
-        # (held again: what _load_holds makes of the holds is the same; a
-        # pass over all of them at each probe was an idle worker's work)
-        self.holds.missing_changed = self.holds.missing_changed or old is None
-        if old is None:
-            self.log("hold", dest=t, why=why, until=iso(until))
-        # The record (for stats, check and a restart) is written once a
-        # hold, not at each job put back, and for the first 1,024 held
-        # types only: a flood of unknown types neither writes the flash
-        # full nor makes every poll read thousands of records.  Other
-        # workers are not held by it unless they lack the handler too; one
-        # that has it releases it (_load_holds), and this worker's next
-        # probe, a job it found still without a handler, writes it again:
-        # the jobs it put back are never left to wait out their time.
-        if recorded and (old is None or self.spool.breaker.record(t) is None):
-            self.holds._write_hold(t, why, until, missing=True, pid=self.me.pid,
-                             start=self.me.start)
-        # Back into its type's lane, ready: this worker does not look there
-        # until its probe; a worker that has the handler takes it now.  (A
-        # lane is a directory and a descriptor: for the first LANED types
-        # held; the others wait their time in incoming/, see _park.)
-        lanes = self.spool.lane_types
-        if t not in lanes and len(lanes) >= self.holds.LANED:
-            self._park(run, until, why, noted=recorded)
-            return
-        self.spool.set_lane_types(lanes | {t})
-        c = run.claim
-        if old is not None and c.trailers is not None \
-                and c.job.get("last_error") == "held: " + why:
-            self._held_again(run)
-            return
-        job = dict(c.job)
-        job["available_at"] = _now()
-        job["last_error"] = "held: " + why
-        self._free(run)
-        self._move(c, job, "incoming", None, {})
-
-    def _held_again(self, run):
-        """A probe of a held type found its handler still missing: its job
-        waits again in its lane as it was, not written again (SPEC 9: a
-        hold writes nothing per waiting job; a new version, fsync'd, at
-        each probe of 64 lanes, 5 s, 10 s, ... apart, was most of an idle
-        worker's work); only its lane is read again (_dirty_home)."""
-        c = run.claim
-        self._free(run)
-        try:
-            ok = self.spool.claims.put_back(c, _now())
-        except OSError as e:
-            self._io_error("finish", e, id=c.jid)
-            self._stuck.append(lambda: self._put_back(c, None, None, {}))
-            return
-        if ok:
-            self.sched._dirty_home(c.job)
-        self._logged(ok, c, None, {})
-
-    def _park(self, run, until, why, noted=True, lane=None):
-        """Put a job of a held destination back, no attempt counted, until
-        the hold's next probe; the release makes it ready at once.  (Not
-        `noted`: a held type past the cap of records waits its own time.)
-        Of a type's own lane (`lane`, whose gate the hold now closes: its
-        dest is known), it goes back unchanged, in its place."""
-        c = run.claim
-        self._free(run)
-        if lane is not None and lane.type == c.job["type"] and \
-                (lane.dest or lane.type) == run.dest and \
-                self.spool.home(c.job) == lane.sub:
-            self._put_back(c, c.mtime, None, {})
-            return
-        if not noted:
-            job = dict(c.job)
-            job["available_at"] = _now()        # see Spool._move_on
-            job["last_error"] = "held: " + why
-            self._move(c, job, "incoming", None, {}, until + self.delays.parked())
-            return
-        self.spool.breaker.note_job(run.dest or c.job["type"],
-                                    self.spool.waits_at(c.job, c.jid))
-        self._put_back(c, until + self.delays.parked(), None, {})
-
-    def _wait_again(self, run, c, delay, error, kv):
-        """A destination's failure inside a streak (no attempt spent): the
-        job waits again as it was, its file or row not written (SPEC 9: a
-        hold writes nothing per waiting job).  Held, in its type's lane,
-        whose gate the hold keeps shut: ready at once, behind the others,
-        so that the next probe is another job and the release touches
-        nothing.  Else due after `delay`, or at the release, which the next
-        probe may make (it waits longer only for a release that never
-        comes)."""
-        d = delay if delay is not None else self.delays.retry(max(1, c.attempt))
-        now = _now()
-        until = self.holds.until.get(run.dest)
-        shown = min(d, max(0.0, until - now)) if until else d
-        kv.update(retry_in=round(shown, 3), error=error, counted=False)
-        if until is not None and self.spool.home(c.job) != "incoming":
-            self._put_back(c, now, "retry", kv)
-            return
-        self.spool.breaker.note_job(run.dest, self.spool.waits_at(c.job, c.jid))
-        self._put_back(c, now + d, "retry", kv)
-
-    def _put_back(self, c, mtime, event, kv):
-        """A claim of a held (or failing) destination waits again as it
-        was, due at `mtime`: its file or row is not written again (SPEC 9:
-        a hold writes nothing per waiting job; myq-spool(5) STATES)."""
-        if c.trailers is None:      # a lease line follows it: a new version
-            self._move(c, dict(c.job), "incoming", event, kv, mtime or _now())
-            return
-        try:
-            ok = self.spool.claims.put_back(c, mtime if mtime is not None
-                                            else _now())
-        except OSError as e:
-            self._io_error("finish", e, id=c.jid)
-            self._stuck.append(lambda: self._put_back(c, mtime, event, kv))
-            return
-        if ok:
-            self.sched.dirty = True
-        self._logged(ok, c, event, kv)
-
-    def _free(self, run):
-        if run.slot is not None:
-            os.close(run.slot)
-            run.slot = None
-
-    def _failed_over(self, run):
-        """The destinations a run passed over after their failure: each
-        one the breaker's failure (its streak, its hold), the job's
-        attempts untouched; its type's lanes go where the run went."""
-        for dest, e in run.failovers:
-            one = _Run(run.claim, run.handler)
-            one.dest, one.dest_fail = dest, True
-            one.probe = run.probe if run.probe == dest else None
-            one.retry_after = getattr(e, "retry_after", e.seconds)
-            self.holds._dest_failed(one, None, _exc_text(e))
-            self.log("failover", id=run.claim.jid, dest=dest, to=run.dest,
-                     error=_clip(_exc_text(e), 200))
-        run.failovers = []
-        for L in self.sched._lanes:
-            if L.type == run.claim.job["type"]:
-                L.dest = run.dest
-
-
-class Worker(object):
-    """Claims ready jobs and runs them through their handlers: the loop,
-    its signals and timers, the heartbeat.  It holds its parts, each with
-    its own state: `resolver` (the handlers by type, the http pool, the
-    brokers), `holds` (what is held), `sched` (which job next), `finish`
-    (a claim's end) and `runner` (a handler started, its outcome)."""
-
-    def __init__(self, spool, handlers=None, handlers_dir=None, module=None,
-                 options=None, log=None, **keywords):
-        """`options`: a WorkerOptions; else they are made of the keywords
-        that are WorkerOptions' (myq(1) PYTHON API), the others are the Spool's."""
-        mine = dict((k, keywords.pop(k)) for k, _ in WorkerOptions.KEYS
-                    if k in keywords)
-        if options is None:
-            options = WorkerOptions(handlers_dir=handlers_dir, module=module,
-                                    **mine)
-        elif mine or handlers_dir or module:
-            raise TypeError("Worker(): give options=WorkerOptions(...) or "
-                            "its keywords, not both")
-        self.options = o = options
-        for k, _ in WorkerOptions.KEYS:
-            setattr(self, k, getattr(o, k))
-        self.log = log = log or Log()
-        if isinstance(spool, Spool):
-            self.spool = sp = spool.store
-        elif isinstance(spool, Store):
-            self.spool = sp = spool
-        else:
-            self.spool = sp = open_store(spool, **keywords)
-        sp.log = log
-        self.handlers = dict(handlers or {})
-        self.module = load_module(o.module) if o.module else None
-        if self.module is not None:
-            for k, v in _module_types(self.module).items():
-                self.handlers.setdefault(k, v)
-        self.delays = Backoff(o.backoff_base, o.backoff_max, o.probe_max,
-                              o.jitter)
-        self.runs = []              # what runs now: processes, threads
-        # The parts, each given what it works with (holds and scheduler
-        # each need the other: the scheduler reads the holds, a release
-        # makes its lanes ready).
-        self.resolver = _Resolver(sp, o, self.handlers, self.module)
-        self.holds = _Holds(sp, log, self.delays, self.resolver)
-        self.sched = _Scheduler(sp, log, o, self.delays, self.holds,
-                                self.runs, self._tick)
-        self.holds.sched = self.sched
-        self.finish = _Finishing(sp, log, self.delays, self.sched, self.holds)
-        self.runner = _Runner(sp, log, o, self.delays, self.resolver,
-                              self.sched, self.holds, self.finish, self.runs)
-        self.stopping = self.hard_stop = False
-        self.stop_deadline = None
-        self.me = None
-        self._low_logged = False
-        self._next_beat = float("inf")     # set when run() starts
-        # set when run() starts: its modules, pipe, thread, supervisor
-        self._select = self._signal = self._pipe = self._parent = None
-        self._main = False
-        # the loop's timers (_loop sets them, on the monotonic clock)
-        self._next_stats = self._next_reap = self._next_poll = float("inf")
-        self._next_prune = self._next_full_prune = float("inf")
-        self._next_settle = None    # the store's next own turn (settle)
-        self._started = 0           # jobs started by this run()
-
-    @property
-    def http_pool(self):
-        """The kept http connections (HttpHandler's)."""
-        return self.resolver.http.pool
-
-    def mqtt_batch(self, jobs, run=None, client=None, share=None):
-        """MqttHandler.batch: `mqtt` jobs published through the worker's
-        broker, one outcome per job."""
-        return self.resolver.mqtt.batch(jobs, run, client, share)
-
-    # The loop ----------------------------------------------------------------
-
-    def run(self, once=False, drain=False):
-        """Work until stopped (or, with once/drain, until that is done)."""
-        import select
-        import signal
-        import threading
-        self._select, self._signal = select, signal
-        sp = self.spool
-        sp.require()
-        try:
-            sp.check_filesystem()
-        except OSError as e:
-            # (a full disk: the SQLite store's log index is made at the
-            # first open after the last close; the reserve is for that)
-            if not _space_error(e) or not sp.make_space():
-                raise
-            sp.check_filesystem()
-        sp.policies._pol_next = 0.0
-        sp.require_policy()         # (never the types' rules dropped unsaid)
-        sp.claims.start()
-        sp.policies.pol_polled = True   # re-read at each poll tick, not per job
-        self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
-        self._pipe = os.pipe()
-        for fd in self._pipe:
-            os.set_blocking(fd, False)
-        self._main = threading.current_thread() is threading.main_thread()
-        saved = self._install_signals() if self._main else None
-        try:
-            try:
-                self.me.register()
-            except OSError as e:
-                # A worker starts on a full disk (myq(1) guards): room for its
-                # record from done/ (or old idempotency records) first.
-                if not _space_error(e) or not sp.make_space():
-                    raise
-                self.me.register()
-            sp.keep_room()
-        except BaseException:
-            if saved:
-                self._restore_signals(saved)
-            raise
-        me = self.me
-        self.sched.start(me, select)
-        self.runner.start(me, signal, self._pipe, self._main)
-        self.finish.me = me
-        # Started by `myq supervise` (--parent-pid): stop when it is gone,
-        # also when that happened before we got here.
-        self._parent = self.parent
-        self.log("start", worker=self.me.wid, pid=self.me.pid, spool=sp.path,
-                 concurrency=self.concurrency, version=__version__,
-                 supervisor=self._parent)
-        sp.budget.note_uplink(self.options.uplink_rate)     # (the forecast)
-        sp.fs.kept += 1             # its descriptors stay (closed at polls)
-        self.holds._take_holds()
-        try:
-            self._reap()
-            self._loop(once, drain)
-        finally:
-            self._shut_down(saved)
-        return 0
-
-    def _shut_down(self, saved):
-        """The end of run(): what still runs killed and given back, what
-        is pending committed, every descriptor closed, the record gone."""
-        sp = self.spool
-        self.runner.stop_all()
-        self.finish._release_splits()
-        self.finish._retry_stuck(final=True)
-        self.finish._commit(final=True)
-        self._settle(final=True)
-        self.resolver.close()
-        if saved:
-            self._restore_signals(saved)
-        for fd in self._pipe:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.sched.close()
-        self.runner.close()
-        self.me.unregister()
-        sp.policies.pol_polled = False
-        sp.fs.kept -= 1
-        sp.fs.release()
-        sp.close()
-        self.log("stop", worker=self.me.wid)
-
-    def _install_signals(self):
-        signal = self._signal
-        saved = {}
-        for sig, fn in ((signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
-                        (signal.SIGHUP, self._on_hup), (signal.SIGCHLD, self._on_nothing),
-                        (signal.SIGALRM, self._on_alarm)):
-            saved[sig] = signal.signal(sig, fn)
-        saved["wakeup"] = signal.set_wakeup_fd(self._pipe[1])
-        # A supervisor's child starts with SIGHUP blocked (_child_run): one
-        # sent before this handler was here is delivered to it now.
-        saved["mask"] = signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP,))
-        return saved
-
-    def _restore_signals(self, saved):
-        signal = self._signal
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.set_wakeup_fd(saved.pop("wakeup"))
-        if signal.SIGHUP in saved.pop("mask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGHUP,))
-        for sig, fn in saved.items():
-            signal.signal(sig, fn)
-
-    def _on_stop(self, signum, frame):
-        if self.stopping:
-            self.hard_stop = True
-            if self.runner._inline is not None:
-                self.runner._inline = None
-                raise _Shutdown()
-            return
-        self.stopping = True
-        self.stop_deadline = _mono() + self.grace
-        self.log("stopping", signal=signum, grace=self.grace,
-                 running=len(self.runs) + (self.runner._inline is not None))
-
-    def _on_hup(self, signum, frame):
-        try:
-            self.log.reopen()
-        except MyqError as e:
-            self.log("error", error=str(e))
-
-    def _on_nothing(self, signum, frame):
-        pass
-
-    def _on_alarm(self, signum, frame):
-        run = self.runner._inline
-        if run is None:
-            return
-        now = _mono()
-        if now >= self._next_beat:
-            self._heartbeat()
-        if now >= run.deadline:
-            self.runner._inline = None
-            run.timed_out = True
-            raise _Timeout()
-        if self.stopping and now >= self.stop_deadline:
-            self.runner._inline = None
-            raise _Shutdown()
-
-    def _loop(self, once, drain):
-        """fill, housekeep, wait: until stopped, or --once/--drain done."""
-        now = _mono()
-        self._next_beat = now + self.lease / 3
-        self._next_stats = now + self.stats_interval if self.stats_interval > 0 \
-            else float("inf")
-        self._next_reap = now + self.reap_interval
-        self._next_prune = self._next_full_prune = now + min(self.prune_interval,
-                                                             5.0)
-        self._next_poll = now + self.poll
-        self._settle()
-        self._started = 0
-        self.sched._no_wait = once or drain       # --once, --drain: no batch_wait
-        while True:
-            busy = False
-            if self.stopping:
-                if self.finish._splits:
-                    self.finish._release_splits()
-                if not self.runs:
-                    break
-                self._enforce_grace()
-            else:
-                busy = self._fill(once, drain)
-            if not self.runs and not self.finish._stuck and not self.finish._splits and (
-                    once or self.stopping or (drain and not self.sched._ready_now())):
-                break
-            self._housekeep()
-            self._wait(busy)
-
-    def _enforce_grace(self):
-        """Stopping: past the grace (or at a second signal), the runs are
-        killed and their jobs released (_collect puts them back)."""
-        if self.hard_stop or _mono() >= self.stop_deadline:
-            for run in self.runs:
-                if not run.released:
-                    run.released = True
-                    self.runner._kill(run, 9)
-
-    def _fill(self, once, drain):
-        """Claim and start jobs while a slot is free.  True when the loop
-        must come straight back after its housekeeping (more to claim)."""
-        now = _mono()
-        finish = self.finish
-        if (once and self._started) or now < finish._io_pause_until:
-            return False
-        while finish._splits and len(self.runs) < self.concurrency \
-                and not self.stopping and self.runner._start_split():
-            pass                    # (halves of a split batch go first)
-        # (the parts' methods bound once: this loop runs once a job)
-        next_claim, start = self.sched._next_claim, self.runner._start
-        while len(self.runs) < self.concurrency and not self.stopping \
-                and now >= finish._io_pause_until:
-            # Below a guard the worker goes on: delivering the backlog is
-            # how a store-and-forward spool gets its room back (myq(1) guards).
-            # Producers are refused, retention frees done/ first
-            # (_housekeep), and a step that cannot be made waits (_stuck).
-            low = self.spool.low_on_space(now)
-            if low and not self._low_logged:
-                self.log("disk_low", problem=low)
-                self._next_prune = 0.0          # free done/ at once
-            self._low_logged = bool(low)
-            try:
-                c = next_claim(force=(once or drain) and not self.runs)
-            except OSError as e:
-                finish._io_error("claim", e)
-                if getattr(e, "give_back", None):   # (_SqlClaims.claim)
-                    finish._give_back(e.give_back)
-                return False
-            if c is None:
-                return False
-            self._started += 1
-            start(c)
-            if once:
-                return False
-            pending = finish._pending
-            due = min(self._next_beat, self._next_reap, self._next_stats,
-                      finish._pending_since + 1.0 if pending else self._next_stats)
-            now = _mono()       # (the job ran meanwhile: read again)
-            if pending >= 64 or now >= due:
-                return True         # housekeeping first, then go on
-        return False
-
-    def _housekeep(self):
-        """Heartbeat, reap, status line, prune, stuck finishes, group
-        commit: each on its own timer, all on the monotonic clock."""
-        now = _mono()
-        if now >= self._next_beat:
-            self._heartbeat()
-        if now >= self._next_reap:
-            self._reap()
-            self._next_reap = now + self.reap_interval
-        if now >= self._next_stats and self.stats_interval > 0:
-            try:
-                line = self.spool.status_line()
-                if hasattr(self.log, "write"):
-                    self.log.write(line)
-                else:           # a plain function given as log=
-                    self.log("status", line=line)
-            except OSError:
-                pass
-            _write_textfile(self)
-            self._next_stats = now + self.stats_interval
-        if now >= self._next_prune and self.prune_interval:
-            full = now >= self._next_full_prune
-            try:
-                self.spool.prune(full=full)
-                if self.spool.low_on_space(now):
-                    self.spool.make_space()
-                else:
-                    self.spool.keep_room()
-            except (OSError, MyqError) as e:
-                self.log("error", during="prune", error=str(e))
-            self._next_prune = now + (self.prune_interval if not
-                                      self._low_logged else
-                                      min(self.prune_interval, 5.0))
-            if full:
-                self._next_full_prune = now + 15 * self.prune_interval
-
-        self.spool.upkeep_budget(now)       # (its own timers)
-        if self._next_settle is not None and now >= self._next_settle:
-            self._settle()
-        if self.finish._stuck:
-            self.finish._retry_stuck()
-        if not self.runs or self.finish._pending >= 64 or (
-                self.finish._pending and now - self.finish._pending_since > 1.0
-        ) or self.spool.claims.owed:
-            self.finish._commit()
-
-    def _settle(self, final=False):
-        """The store's own turn (Store.settle: a RAM tier's moves)."""
-        try:
-            self._next_settle = self.spool.claims.settle(final)
-        except (OSError, MyqError) as e:
-            self.log("error", during="settle", error=str(e))
-            self._next_settle = _mono() + 1.0
-
-    def _wait(self, busy):
-        """Sleep in select() until the next timer, a wake-up (a producer's
-        poke, a signal, a thread's end) or a handler's pipe; then feed the
-        handlers' stdin, read their stderr and collect the runs that ended."""
-        now = _mono()
-        deadlines = [self._next_beat, self._next_reap, self._next_poll,
-                     self._next_stats]
-        if self._next_settle is not None:
-            deadlines.append(self._next_settle)
-        if self.finish._stuck or self.finish._io_pause_until > now:
-            deadlines.append(max(self.finish._io_pause_until, now + 0.5))
-        if self.stopping:
-            deadlines.append(self.stop_deadline)
-        if self.sched.next_due is not None and len(self.runs) < self.concurrency:
-            # (all slots busy: a due claim waits for a run's end, which
-            # wakes this select; a due time past would make it spin)
-            deadlines.append(now + max(0.0, self.sched.next_due - _now()))
-        for run in self.runs:
-            if run.handler.spawned or not run.timed_out:
-                deadlines.append(run.kill_at or run.deadline)
-        if self.finish._pending:
-            deadlines.append(self.finish._pending_since + 1.0)
-        if self.runs and not self._main:
-            deadlines.append(now + 0.02)
-        wait = 0.0 if busy else max(0.0, min(deadlines) - now)
-        if self.runner._timer and wait > 0:
-            self._signal.setitimer(self._signal.ITIMER_REAL, 0)
-            self.runner._timer = 0.0
-        rl = [self._pipe[0]] + self.sched._wake_fds[0::2]
-        wl = []
-        for run in self.runs:
-            if run.err_fd is not None:
-                rl.append(run.err_fd)
-            if run.stdin_fd is not None:
-                wl.append(run.stdin_fd)
-        try:
-            r, w, _ = self._select.select(rl, wl, [], wait)
-        except InterruptedError:
-            r, w = [], []
-        if self._pipe[0] in r:
-            _drain(self._pipe[0])
-        woken = [fd for fd in self.sched._wake_fds[0::2] if fd in r]
-        if woken:
-            for fd in woken:
-                _drain(fd)
-            self.sched._woken()
-        if _mono() >= self._next_poll:
-            self._next_poll = _mono() + self.poll
-            self.sched._check_incoming()
-            self.holds._check_holds()
-            if self._parent and os.getppid() != self._parent \
-                    and not self.stopping:
-                # the supervisor is gone (kill -9): stop as on SIGTERM
-                self.log("supervisor_gone", pid=self._parent)
-                self._on_stop(0, None)
-        for run in list(self.runs):
-            if run.stdin_fd is not None and run.stdin_fd in w:
-                self.runner._feed(run)
-            if run.err_fd is not None and run.err_fd in r:
-                self.runner._read_err(run)
-        self.runner._collect()
-
-    def _tick(self):
-        """Inside long loops (a flood of bad files): the heartbeat keeps its
-        schedule, so that no reaper takes this live worker's jobs."""
-        if _mono() >= self._next_beat:
-            self._heartbeat()
-
-    def _heartbeat(self):
-        self._next_beat = _mono() + self.lease / 3
-        until = _now() + self.lease
-        try:
-            self.me.beat()
-            claims = [c for part, _ in self.finish._splits for c in part]
-            for run in self.runs + ([self.runner._inline] if self.runner._inline else []):
-                claims.extend(run.batch or [run.claim])
-            self.spool.claims.extend(claims, until)
-        except OSError as e:
-            self.log("error", during="heartbeat", error=e.strerror)
-
-    def _reap(self):
-        try:
-            self.spool.reap(self.me, self.max_attempts)
-        except (OSError, MyqError) as e:
-            self.log("error", during="reap", error=str(e))
-
-
-# The process image ###########################################################
-
-
-
-def _worker_start(python=None, cached=False):
-    """argv that starts this very file as a worker process (`cached`: for
-    _run_from_cache, whose .pyc is fresh, written before the exec)."""
-    me = os.path.abspath(__file__)
-    if not me.endswith(".py"):          # /usr/bin/myq is myq.py itself
-        return [python or sys.executable, me]
-    # Loaded as a module, by its path, so that the workers use its cached
-    # .pyc (a script is compiled at every start, and the compiler's memory
-    # stays in the worker's heap); its directory takes the place of the
-    # current one on sys.path, as for a script.  The .pyc only where
-    # _trusted_cache says so, checked by the new process itself (its own
-    # user, at its start): else myq.py is compiled from its source, as a
-    # script would be, and the heap given back as after a script's compile.
-    return [python or sys.executable, "-c", "import sys\n"
-            "if sys.path[:1] == ['']:\n    del sys.path[0]\n"
-            "sys.path.insert(0, %r)\n"
-            "import importlib.util as u\n"
-            "%s"
-            "s = u.spec_from_file_location('myq', %r)\n"
-            "m = sys.modules['myq'] = u.module_from_spec(s)\n"
-            "%s"
-            "if not s.cached or _trusted_cache(s.origin, s.cached):\n"
-            "    s.loader.exec_module(m)\n"
-            "else:\n"
-            "    m.__cached__ = None\n"
-            "    with open(s.origin, 'rb') as f:\n"
-            "        exec(compile(f.read(), s.origin, 'exec'), m.__dict__)\n"
-            "    m._COMPILED_AT_START.append(True)\n"
-            "m._retitle_self()\n"
-            "sys.exit(m.main())\n" % (os.path.dirname(me), _TRUSTED_CACHE, me,
-                                       "m._FROM_CACHE = 1\n" if cached else "")]
-
-
-def _compiled_here():
-    """Did this process compile myq.py?  Run as a script; or imported with
-    no current .pyc (none, older than the source, or written since this
-    process started)."""
-    if _COMPILED_AT_START:
-        return True
-    if globals().get("_FROM_CACHE"):
-        return False            # _run_from_cache wrote it, then exec'd
-    pyc = globals().get("__cached__")
-    if not pyc:
-        return False            # runpy, exec: not ours to guess
-    try:
-        made = os.stat(pyc).st_mtime
-    except OSError:
-        return True
-    try:
-        if made < os.stat(__file__).st_mtime:
-            return True
-        up = time.clock_gettime(time.CLOCK_BOOTTIME)
-        ticks = proc_start(os.getpid())
-        return ticks is not None and \
-            made >= time.time() - up + ticks / float(os.sysconf("SC_CLK_TCK"))
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
-# Byte code is code: a .pyc is used only where no one but us (or root) can
-# have put it or can put it: the source's directory, __pycache__/ and the
-# .pyc each ours or root's, no symlink, none writable by group or others (a
-# copy in /tmp, sticky and world-writable, must not run what another user
-# left in /tmp/__pycache__/).  What is not there yet is made by us.  Source
-# text, run here and at the start of every worker (_worker_start), before
-# myq is imported there: one check for both ways in.
-_TRUSTED_CACHE = """def _trusted_cache(me, pyc):
-    import os
-    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return False
-        if st.st_mode & 0o170000 == 0o120000 or st.st_mode & 0o022 \\
-                or st.st_uid not in (0, os.geteuid()):
-            return False
-    return True
-"""
-
-
-def _trusted_cache(me, pyc):
-    """_TRUSTED_CACHE's check, its text compiled when it is needed (at
-    every import it cost 0.6 M instructions, 1 % of a `myq enqueue`)."""
-    space = {}
-    exec(_TRUSTED_CACHE, space)
-    return space["_trusted_cache"](me, pyc)
-
-
-def _run_from_cache():
-    """A long-running command of myq.py run as a script: start it again in
-    this process (execv: the same pid, descriptors and words of the command
-    line) with myq.py imported, by its path, from the byte code Python
-    caches beside it (__pycache__/), written here first when missing.  The
-    new image never compiles myq.py, so it keeps none of the ~4 MiB that
-    the compile leaves fragmented in pymalloc (3.10+): its RSS is the
-    installed layout's.  Nothing happens where that cache cannot be (byte
-    code writing off and no fresh .pyc, a read-only directory, no
-    py_compile), where another user could write it (its directory, or
-    __pycache__/, or the .pyc is not ours or root's alone), or where the
-    file is not NAME.py (an installed /usr/bin/myq that is myq.py itself:
-    Python caches no byte code for it)."""
-    me = os.path.abspath(__file__)
-    if not _COMPILED_AT_START or not me.endswith(".py") or not sys.executable:
-        return
-    try:
-        import importlib.util
-        pyc = importlib.util.cache_from_source(me)
-    except (ImportError, NotImplementedError, ValueError):
-        return
-    if not _trusted_cache(me, pyc):
-        return
-    try:
-        fresh = os.stat(pyc).st_mtime >= os.stat(me).st_mtime
-    except OSError:
-        fresh = False
-    try:
-        if not fresh:
-            if sys.flags.dont_write_bytecode:
-                return
-            import py_compile
-            try:
-                os.mkdir(os.path.dirname(pyc), 0o755)   # not the umask's 775
-            except FileExistsError:
-                pass
-            py_compile.compile(me, cfile=pyc, doraise=True)
-        import subprocess
-        flags = subprocess._args_from_interpreter_flags()
-    except Exception:   # no py_compile, a read-only directory, ...
-        return
-    argv = _worker_start(cached=True)
-    argv = argv[:1] + flags + (_code_from_pipe(argv[2], flags) or argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(argv[0], argv + sys.argv[1:])
-
-
-def _code_from_pipe(code, flags):
-    """[PATH] for _run_from_cache's new image: it reads its -c `code` as a
-    script from a pipe (PATH: /dev/fd/N), so that its command line is as
-    long as what _retitle_self then writes over it (python3 PROG WORDS),
-    none of it left over (the kilobyte of -c text stayed as NULs after the
-    words, in ps and /proc/PID/cmdline, its own and its forked workers').
-    PATH is padded with slashes to PROG's length less the `flags`'.  None
-    (the -c text, then) where no pipe can be made."""
-    try:
-        fd, w = os.pipe()
-    except OSError:
-        return None
-    try:
-        text = ("import os, sys\nos.close(%d)\nif not (sys.flags.isolated"
-                " or getattr(sys.flags, 'safe_path', 0)):\n    del sys.path[0]"
-                "\nsys.argv[0] = '-c'\n%s" % (fd, code)).encode("utf-8")
-        if os.write(w, text) != len(text):      # (a pipe holds 4 KiB at least)
-            raise OSError("short write")
-        os.set_inheritable(fd, True)
-    except (OSError, ValueError):
-        os.close(fd)
-        return None
-    finally:
-        os.close(w)
-    path = "/dev/fd/" if os.path.isdir("/dev/fd") else "/proc/self/fd/"
-    room = len(_title_prog()) - sum(len(f) + 1 for f in flags)
-    return [path + "/" * max(0, room - len(path) - len(str(fd))) + str(fd)]
-
-
-def _give_back_heap(reexec=False):
-    """A long-running command (worker, supervise) in a process that
-    compiled myq.py: with `reexec` (a worker that runs until stopped, a
-    supervisor) first _run_from_cache, which does not return where it
-    works; else give the C heap's free pages back to the system.  The
-    compiler's memory, once freed, stays in glibc's heap, pinned by what
-    was allocated after it (~13 MiB of RSS on Python 3.9+), until
-    malloc_trim(0).  Without ctypes (python3-light) or without malloc_trim
-    (musl) this does nothing, and the C library's free() alone decides.
-    What stays either way is pymalloc's arenas that the compile left
-    fragmented (~1 MiB on 3.7-3.9, ~3-4 MiB on 3.10+)."""
-    if not _compiled_here():
-        return
-    if reexec:
-        _run_from_cache()
-    try:
-        import ctypes
-        ctypes.CDLL(None).malloc_trim(0)
-    except Exception:
-        pass
-
-
-def _arg_area():
-    """(start, end, env_start, env_end): where this process's command line
-    and its first environment are in its own memory, the fields arg_start
-    to env_end of /proc/self/stat (Linux 3.5+), which /proc/PID/cmdline and
-    /proc/PID/environ read; None where they cannot be read or this process
-    cannot write its memory (/proc/self/mem)."""
-    data = _read_small("/proc/self/stat", 4096) or b""
-    fields = data.rpartition(b")")[2].split()
-    try:
-        area = tuple(int(f) for f in fields[45:49])
-        os.close(os.open("/proc/self/mem", os.O_WRONLY | O_CLOEXEC))
-    except (ValueError, OSError):
-        return None
-    return area if len(area) == 4 and 0 < area[0] < area[1] <= area[2] \
-        <= area[3] else None
-
-
-def _env_block(area, env):
-    """The environment `env` as /proc/PID/environ will read it, padded to
-    the length of the environment in `area`; None when it does not fit."""
-    out = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0"
-                   for k, v in env.items())
-    room = area[3] - area[2]
-    return out.ljust(room, b"\0") if len(out) <= room else None
-
-
-def _title(area, words, need):
-    """The command line `words` as /proc/PID/cmdline will read it, padded
-    to the length of `area` (the parent's _arg_area()): all of it, or the
-    first `need` words and as many more as fit, then "..."; None when
-    the `need` words do not fit."""
-    room = area[1] - area[0]
-    parts = [os.fsencode(w) + b"\0" for w in words]
-    out = b"".join(parts)
-    if len(out) > room:
-        out = b"".join(parts[:need])
-        if len(out) + 4 > room:
-            return None
-        for part in parts[need:]:
-            if len(out) + len(part) + 4 > room:
-                break
-            out += part
-        out += b"...\0"
-    return out.ljust(room, b"\0")
-
-
-def _retitle(area, title, env):
-    """Write `title` (of _title) over this process's command line, as ps
-    and /proc/PID/cmdline show it: a child forked by the supervisor says
-    it is a worker, not a second supervisor (the init scripts find the
-    supervisor by its command line); and `env` (of _env_block) over the
-    environment it started with, which /proc/PID/environ shows: the
-    child's own (clean) one, not the supervisor's.  Only once the C
-    library's environ points elsewhere (os.environ set anew: putenv and
-    unsetenv copy).  True when both were written."""
-    try:
-        fd = os.open("/proc/self/mem", os.O_WRONLY | O_CLOEXEC)
-        try:
-            return os.pwrite(fd, title, area[0]) == len(title) and \
-                os.pwrite(fd, env, area[2]) == len(env)
-        finally:
-            os.close(fd)
-    except (OSError, OverflowError):
-        return False
-
-
-def _retitle_self():
-    """A worker or intake started as a new interpreter (_worker_start's -c
-    text, ~1 KiB of code) shows the command line a forked one shows:
-    python3 PROG WORDS..., written over that text (the environment left
-    as it is)."""
-    area = _arg_area()
-    words = sys.argv[1:]
-    if area is None or sys.argv[:1] != ["-c"]:
-        return
-    title = _title(area, [sys.executable or "python3", _title_prog()] + words,
-                   len(words) + 2)
-    if title is not None:
-        _retitle(area, title, b"")
-
-
-def _dumpable():
-    """After root became the service user, the kernel makes this process
-    undumpable: its /proc/self/mem is root's, so a child forked from it
-    cannot _retitle and would exec a new interpreter (a kilobyte of -c
-    text in ps, none of the supervisor's pages shared).  Dumpable again
-    (prctl PR_SET_DUMPABLE) where ctypes is (not python3-light): this
-    process holds nothing of root's that the user's workers are not
-    given (the log's descriptor, the secrets in their environment)."""
-    try:
-        import _ctypes          # (ctypes itself would cost 0.8 MB, this 0.3)
-        prctl = _ctypes.dlsym(_ctypes.dlopen(None), "prctl")
-        return _ctypes.call_function(prctl, (4, 1, 0, 0, 0)) == 0
-    except Exception:           # PR_SET_DUMPABLE ^
-        return False
-
-
-def _title_prog():
-    """The program a child's title names: the file Python ran (myq.py,
-    the installed launcher), else this module's file."""
-    prog = sys.argv[0] if sys.argv else ""
-    if not prog or prog == "-c" or not os.path.isfile(prog):
-        prog = __file__
-    return os.path.abspath(prog)
-
-
-_IMAGE.update(start=_worker_start, area=_arg_area, title=_title,
-              env_block=_env_block, retitle=_retitle, dumpable=_dumpable,
-              prog=_title_prog, give_back_heap=_give_back_heap)
-
-
-# Supervision #################################################################
-
-
-def _clean_env(pass_env=(), user=None):
-    """What a process myq starts gets of our environment (myq(1) HANDLERS): PATH,
-    HOME, LANG, LC_*, TZ and the names given with --pass-env; for another
-    user, its own HOME, USER and LOGNAME."""
-    env = dict((k, v) for k, v in os.environ.items()
-               if k in ("PATH", "HOME", "LANG", "TZ") or k.startswith("LC_")
-               or k in pass_env)
-    env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-    if user is not None:
-        env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
-    return env
-
-
-class _NotStarted(MyqError):
-    """What the supervisor of `supervise --daemon` said instead of ready."""
-
-    def __init__(self, message, code=1):
-        MyqError.__init__(self, message)
-        self.code = code
-
-
-def _error_report(e):
-    """(exit status, one line) of an exception, as main() would say it."""
-    if isinstance(e, MyqError):
-        return e.code, str(e)
-    if isinstance(e, OSError):
-        return EX_TEMPFAIL, "%s%s" % (e.strerror or e, " (%s)" % e.filename
-                                      if getattr(e, "filename", None) else "")
-    return 1, "%s: %s" % (e.__class__.__name__, e)
-
-
-def _open_fds():
-    try:
-        return [int(n) for n in os.listdir("/proc/self/fd")]
-    except (OSError, ValueError):
-        return range(3, 1024)
-
-
-def fork_daemon(keep=()):
-    """`supervise --daemon`: fork, as os.fork() does: (pid, fd) in the
-    caller, the child's pid and the pipe on which the child says whether
-    it started; (0, that pipe's write end) in the child.  The child leads
-    a session of its own (its pid is its process group, the one that
-    `supervise --stop` waits for), reads and writes /dev/null on 0, 1 and
-    2, and holds no other descriptor of the caller's but `keep`: a shell
-    leaks its saved ones (BusyBox ash), and one that is the init script's
-    $(...) pipe would hold the script up as long as the daemon runs."""
-    r, w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        os.close(w)
-        return pid, r
-    os.close(r)
-    os.setsid()
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    keep = set(keep) | {w}
-    for fd in _open_fds():
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-    return 0, w
-
-
-def await_daemon(pid, fd, log_name, timeout=30.0):
-    """The caller's half of `supervise --daemon`: 0 once the child said it
-    is ready (the pidfile written, the first worker started); else raise
-    what it said instead, with its exit status."""
-    import select
-    data = b""
-    end = _mono() + timeout
-    try:
-        while not data.endswith(b"\n"):
-            if not select.select([fd], [], [], max(0.0, end - _mono()))[0]:
-                raise _NotStarted("the supervisor (pid %d) did not say it started "
-                                  "within %ds; see %s" % (pid, timeout, log_name))
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
-    code, _, message = data.decode("utf-8", "replace").strip().partition(" ")
-    if code == "0":
-        return 0
-    if code.isascii() and code.isdigit() and message:
-        raise _NotStarted(message, int(code))
-    _, status = os.waitpid(pid, 0)      # it died without a word
-    raise _NotStarted("the supervisor exited at once; see %s" % log_name,
-                      os.WEXITSTATUS(status) if os.WIFEXITED(status)
-                      and os.WEXITSTATUS(status) else 1)
-
-
-class Supervisor(object):
-    """`myq supervise`: keeps N worker processes running (for the init
-    script and procd).  It owns process management, so that the init
-    script stays thin:
-
-    - it leads its own session; writes the pidfile (when asked) and
-      removes it at exit;
-    - as root with --user, it creates the log's directory and opens the
-      log file safely (open_log_file), writes the pidfile, then becomes
-      that user for good; it reads and writes nothing in the spool itself;
-      the workers get a clean environment, and in it (not on their command
-      line, which any user can read) the options that may be credentials
-      (_SECRET_OPTIONS);
-    - a worker that dies is restarted with a backoff (1 s doubling to 30 s,
-      reset after 60 s up); workers stop by themselves when the supervisor
-      is gone (they watch their parent);
-    - with `intake` (the options of `myq intake`), it keeps one intake
-      process running beside the workers, started, restarted and stopped
-      as they are (the same _spawn);
-    - with `ready` (the pipe of fork_daemon), it says there "0" once the
-      pidfile is written and its first worker started, or the exit status
-      and the error that stopped it;
-    - SIGTERM/SIGINT: TERM to the workers, KILL after --stop-timeout (a
-      second signal: at once), then `myq reap` as the spool's owner, which
-      takes back the claims of killed workers and ends their handlers; then
-      it exits 0.  SIGHUP reopens the log and is passed on."""
-
-    def __init__(self, spool, workers, worker_argv, log, user=None, ids=None,
-                 pidfile=None, stop_timeout=10.0, env=None, python=None,
-                 ready=None, intake=None, entry=None, keep=()):
-        self.spool, self.n, self.log = spool, workers, log
-        self.keep = tuple(keep)     # descriptors the intake gets (its port)
-        self.ready = ready
-        self.user, self.ids = user, ids     # a pwd entry and (uid, gid), or None
-        self.pidfile, self.stop_timeout = pidfile, stop_timeout
-        # the words of each child's command (after the program)
-        self.argv = ["--spool", spool.path, "worker", "--parent-pid",
-                     str(os.getpid())] + list(worker_argv)
-        self.reap_argv = ["--spool", spool.path, "reap"]
-        self.intake_argv = None if intake is None else [
-            "--spool", spool.path, "intake", "--parent-pid", str(os.getpid())] \
-            + list(intake)
-        self.env = dict(env or {})
-        self.python = python
-        # _child_entry: a child forked from this process runs what
-        # entry(words) returns; with none (or another interpreter), every
-        # child is a new one (exec)
-        self.entry = None if python else entry
-        self.area = _IMAGE["area"]() if self.entry else None
-        self.stop = 0
-        self.hup = False
-
-    def _spawn(self, words, out=None, quiet=False):
-        """Start a child (a worker, the intake, the final reap) that runs
-        `myq WORDS`.  Forked from this process, where it can be retitled
-        (_retitle: the command line an exec'd child would have, as much of
-        it as fits in ours, and its clean environment over ours), so that
-        it shares our pages: no second interpreter that loads and compiles
-        myq again.  Else (no /proc, our command line too short for the
-        child's first words, its environment longer than ours, another
-        interpreter) exec'd, as a new Python; a child whose retitle fails
-        execs too."""
-        title = None
-        if self.area is not None:
-            title = _IMAGE["title"](self.area, [sys.executable or "python3",
-                                                _IMAGE["prog"]()] + words,
-                                    2 + words.index("--spool") + 3)
-        env = None if title is None else _IMAGE["env_block"](self.area, self.env)
-        if env is None:
-            return self._exec(words, out, quiet)
-        run = self.entry(words)
-        if run is None:
-            return self._exec(words, out, quiet)
-        import gc
-        import signal
-        gc.collect()            # our garbage (the parser) goes first; then
-        # what is there now stays out of every collection, in the children
-        # too: their collector never writes to (so never copies) our pages
-        gc.freeze()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
-        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-        try:
-            pid = os.fork()
-            if pid == 0:
-                _child_run(self, run, words, (title, env), out, quiet, signal, sigs)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
-        return _Child(pid)
-
-    def _exec(self, words, out, quiet):
-        import subprocess
-        return subprocess.Popen(
-            _IMAGE["start"](self.python) + words, close_fds=True, env=self.env,
-            cwd="/", stdin=subprocess.DEVNULL, stderr=out,
-            stdout=subprocess.DEVNULL if quiet else out,
-            pass_fds=self.keep if words[2:3] == ["intake"] else ())
-
-    def _write_pidfile(self):
-        fd = os.open(self.pidfile, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW
-                     | os.O_NONBLOCK | O_CLOEXEC, 0o644)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError("pidfile %s is not a plain file" % self.pidfile)
-            # a hard link to another file (/etc/shadow, put in a directory
-            # another user may write to) or another user's file: never
-            # truncated, never written
-            if st.st_nlink != 1:
-                raise ConfigError("pidfile %s has %d hard links (another file's "
-                                  "name?); remove it" % (self.pidfile, st.st_nlink))
-            if st.st_uid != os.geteuid():
-                raise ConfigError("pidfile %s belongs to uid %d; remove it"
-                                  % (self.pidfile, st.st_uid))
-            # held while this supervisor lives: a second start (two init
-            # scripts at once) ran a second supervisor, which stop then
-            # left running (review)
-            import fcntl
-            # the lock is on a read-only descriptor of its own, the one kept
-            # while the supervisor lives: as the user, dumpable again
-            # (_dumpable), it holds no descriptor that writes a file of root's
-            lock = os.open(self.pidfile, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK
-                           | O_CLOEXEC)
-            try:
-                same = os.fstat(lock)
-                if (same.st_dev, same.st_ino) != (st.st_dev, st.st_ino):
-                    raise ConfigError("pidfile %s was replaced while it was "
-                                      "opened; try again" % self.pidfile)
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    raise ConfigError(
-                        "another myq supervise runs with pidfile %s (pid %s); "
-                        "stop it first" % (self.pidfile, (
-                            _read_small(self.pidfile, 64) or b"?")
-                            .decode("ascii", "replace").strip()))
-            except BaseException:
-                os.close(lock)
-                raise
-            os.ftruncate(fd, 0)
-            os.write(fd, b"%d\n" % os.getpid())
-            self._pid_fd = lock
-        finally:
-            if fd is not None:
-                os.close(fd)
-
-    def _tell(self, code=0, message=""):
-        """--daemon: tell the caller that we are ready (0), or why not;
-        once (a caller that is gone is not an error)."""
-        fd, self.ready = self.ready, None
-        if fd is None:
-            return
-        try:
-            os.write(fd, ("%d %s\n" % (code, message.replace("\n", " ")))
-                     .encode("utf-8", "replace"))
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    def _remove_pidfile(self):
-        data = _read_small(self.pidfile, 64)
-        if data and data.strip() == str(os.getpid()).encode():
-            _quiet_unlink(self.pidfile)
-
-    def run(self):
-        import select
-        import signal
-        try:
-            os.setsid()         # its own session: stop can find what is left
-        except OSError:
-            pass                # a session leader already (start-stop-daemon)
-        pipe = os.pipe()
-        for fd in pipe:
-            os.set_blocking(fd, False)
-
-        def on_stop(signum, frame):
-            self.stop += 1
-
-        def on_hup(signum, frame):
-            self.hup = True
-
-        for sig, fn in ((signal.SIGTERM, on_stop), (signal.SIGINT, on_stop),
-                        (signal.SIGHUP, on_hup),
-                        (signal.SIGCHLD, lambda s, f: None)):
-            signal.signal(sig, fn)
-        signal.set_wakeup_fd(pipe[1])
-        try:
-            if self.pidfile:
-                self._write_pidfile()
-            try:
-                if self.ids is not None:
-                    # Root's part is done (the pidfile, the log file): from
-                    # here on the supervisor, its workers and the final reap
-                    # run as the user.  The pidfile stays root's: the init
-                    # script removes it.
-                    become(self.ids[0], self.ids[1])
-                    _readable_library(self.ids[0])
-                    _IMAGE["dumpable"]()         # (its children forked, not exec'd)
-                    self.pidfile = None
-                self._loop(select, signal, pipe[0])
-            finally:
-                if self.pidfile:
-                    self._remove_pidfile()
-        except BaseException as e:
-            self._tell(*_error_report(e))
-            raise
-        finally:
-            self._tell(1, "the supervisor stopped before its first worker started")
-        return 0
-
-    def _loop(self, select, signal, wake):
-        log = self.log
-        slots = [{"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
-                  "argv": self.argv, "slot": i} for i in range(self.n)]
-        if self.intake_argv:
-            slots.append({"proc": None, "since": 0.0, "backoff": 1.0, "at": 0.0,
-                          "argv": self.intake_argv, "slot": "intake"})
-        log("supervise", workers=self.n, pid=os.getpid(), spool=self.spool.path,
-            user=self.user.pw_name if self.user else None,
-            intake=1 if self.intake_argv else None)
-        sent = 0
-        kill_at = None
-        while True:
-            now = _mono()
-            if self.hup:
-                self.hup = False
-                try:
-                    log.reopen()
-                except MyqError as e:
-                    log("error", during="reopen log", error=str(e))
-                for s in slots:
-                    if s["proc"] is not None:
-                        s["proc"].send_signal(signal.SIGHUP)
-            for s in slots:
-                p = s["proc"]
-                if p is not None and p.poll() is not None:
-                    up = now - s["since"]
-                    if up >= 60:
-                        s["backoff"] = 1.0
-                    s["at"] = now + s["backoff"]
-                    log("worker_exit", slot=s["slot"], pid=p.pid,
-                        status=p.returncode,
-                        uptime=round(up, 1),
-                        restart_in=None if self.stop else s["backoff"])
-                    s["backoff"] = min(30.0, s["backoff"] * 2)
-                    s["proc"] = None
-            alive = [s["proc"] for s in slots if s["proc"] is not None]
-            if self.stop:
-                if not alive:
-                    break
-                if self.stop > sent:
-                    if sent == 0:
-                        kill_at = now + self.stop_timeout
-                    sig = signal.SIGTERM if self.stop == 1 else signal.SIGKILL
-                    for p in alive:
-                        p.send_signal(sig)
-                    sent = self.stop
-                elif kill_at is not None and now >= kill_at:
-                    for p in alive:
-                        p.send_signal(signal.SIGKILL)
-                    kill_at = None
-            else:
-                error = self._start_workers(slots, now)
-                if error and self.ready is not None:    # --daemon: not started
-                    self.stop = 1
-                    self._tell(1, "cannot start a worker: %s" % error)
-                self._tell()        # the first round: --daemon's word, once
-            waits = [s["at"] - now for s in slots if s["proc"] is None]
-            if self.stop:
-                wait = max(0.05, kill_at - now) if kill_at is not None else 1.0
-            else:
-                wait = max(0.05, min(waits)) if waits else 5.0
-            try:
-                select.select([wake], [], [], wait)
-            except InterruptedError:
-                pass
-            _drain(wake)
-        self._reap_after_stop()
-        log("supervise_stop", pid=os.getpid())
-
-    def _start_workers(self, slots, now):
-        """Start the workers that are due; the last error, or None."""
-        error = None
-        for s in slots:
-            if s["proc"] is None and now >= s["at"]:
-                try:
-                    s["proc"] = self._spawn(s["argv"], self.log.fileno())
-                    s["since"] = now
-                    self.log("worker_start", slot=s["slot"], pid=s["proc"].pid)
-                except (OSError, ValueError) as e:
-                    error = getattr(e, "strerror", None) or str(e)
-                    self.log("error", during="start worker", error=error)
-                    s["at"] = now + s["backoff"]
-                    s["backoff"] = min(30.0, s["backoff"] * 2)
-        return error
-
-    def _reap_after_stop(self):
-        """Workers that were killed leave claims and maybe handlers: `myq
-        reap`, as the spool's owner, takes the claims back and ends the
-        handlers they recorded (kill_run)."""
-        try:
-            p = self._spawn(self.reap_argv, self.log.fileno(), quiet=True)
-        except (OSError, ValueError) as e:
-            self.log("error", during="reap", error=getattr(e, "strerror", None)
-                     or str(e))
-            return
-        end = _mono() + max(5.0, self.stop_timeout)
-        while p.poll() is None:
-            if _mono() >= end:
-                p.kill()
-                while p.poll() is None:
-                    time.sleep(0.01)
-                self.log("error", during="reap", error="timed out")
-                return
-            time.sleep(0.02)
-
-
-class _Child(object):
-    """A child the supervisor forked: what it uses of subprocess.Popen
-    (pid, returncode, poll, send_signal, kill)."""
-
-    def __init__(self, pid):
-        self.pid, self.returncode = pid, None
-
-    def poll(self):
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                pid, status = self.pid, 255 << 8     # reaped elsewhere
-            if pid:
-                self.returncode = -os.WTERMSIG(status) \
-                    if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        return self.returncode
-
-    def send_signal(self, sig):
-        if self.poll() is None:         # (never a pid reused meanwhile)
-            os.kill(self.pid, sig)
-
-    def kill(self):
-        self.send_signal(9)
-
-
-def _child_run(sup, run, words, image, out, quiet, signal, sigs):
-    """The child of Supervisor._spawn, until its end (os._exit: never back
-    into the supervisor's frames, its finally clauses, its objects'
-    descriptors).  It gets what an exec'd child gets: 0 on /dev/null, 1
-    and 2 on `out` (the log; 1 on /dev/null when `quiet`), no other
-    descriptor of ours, the default signals (SIGHUP blocked until the
-    worker's or intake's own handler unblocks it: a logrotate in that
-    window is neither a death nor lost), no wakeup fd, /
-    as its directory, the supervisor's clean environment (and shown as
-    its own: _retitle), its title; then run() (main() with the words the supervisor parsed) in this
-    process; else an exec of the same words."""
-    status = 1
-    try:
-        signal.set_wakeup_fd(-1)
-        for sig, fn in ((signal.SIGTERM, signal.SIG_DFL),
-                        (signal.SIGINT, signal.default_int_handler),
-                        (signal.SIGHUP, signal.SIG_DFL),   # (blocked: kept)
-                        (signal.SIGCHLD, signal.SIG_DFL)):
-            signal.signal(sig, fn)
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd, to in ((0, null), (1, null if quiet else out), (2, out)):
-            if to is not None and to != fd:
-                os.dup2(to, fd)
-        keep = sup.keep if words[2:3] == ["intake"] else ()
-        for fd in _open_fds():
-            if fd > 2 and fd not in keep:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        os.chdir("/")
-        os.environ.clear()
-        os.environ.update(sup.env)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [
-            s for s in sigs if s != signal.SIGHUP])
-        if not _IMAGE["retitle"](sup.area, image[0], image[1]):
-            argv = _IMAGE["start"](sup.python) + words
-            os.execve(argv[0], argv, sup.env)
-        sys.argv[:] = [_IMAGE["prog"]()] + words
-        del _COMPILED_AT_START[:]       # the heap is the supervisor's, shared
-        status = run()
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (e.code is not None)
-    except BaseException as e:
-        try:
-            import traceback
-            traceback.print_exc()
-        except BaseException:       # (no traceback module to be had: its
-            try:                    # words at least)
-                os.write(2, ("myq: %s: %s\n" % (type(e).__name__, e)).encode(
-                    "utf-8", "replace"))
-            except BaseException:
-                pass
-        status = 1
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(status if isinstance(status, int) else 1)
-
-
-# Options and parsers #########################################################
-
-# (flag, kind, default, help); the kind is a Kind (Small helpers: the same
-# parser as a policy file's value of that kind), str, "append" (repeatable)
-# or None (a switch; its MYQ_* variable is a BOOL).
-GUARD_OPTIONS = [
-    ("--min-free", SIZE, DEFAULTS["min_free"], "refuse new work below this free space on the spool's filesystem"),
-    ("--min-free-inodes", NATURAL, DEFAULTS["min_free_inodes"], "refuse new work below these free inodes"),
-    ("--max-job-bytes", SIZE, DEFAULTS["max_job_bytes"], "largest job file"),
-    ("--dedupe-window", SECONDS, DEFAULTS["dedupe_window"], "how long a finished id stays refused"),
-    ("--keep-done", SECONDS, DEFAULTS["keep_done"], "how long done/ keeps finished jobs"),
-    ("--keep-done-max", NATURAL, DEFAULTS["keep_done_max"], "at most this many jobs in done/"),
-    ("--keep-dead", SECONDS, DEFAULTS["keep_dead"], "how long dlq/ keeps dead jobs"),
-    ("--keep-dead-max", NATURAL, DEFAULTS["keep_dead_max"], "at most this many jobs in dlq/"),
-    ("--keep-failed", SECONDS, DEFAULTS["keep_failed"], "how long failed/ keeps quarantined files"),
-    ("--keep-ok-max", NATURAL, DEFAULTS["keep_ok_max"], "at most this many idempotency records in locks/ok/"),
-]
-# (their defaults are WorkerOptions', written once)
-_WORKER_DEFAULTS = dict(WorkerOptions.KEYS)
-WORKER_OPTIONS = [
-    ("--handlers", str, None, "directory of executable handlers, one per type"),
-    ("--module", str, None, "Python file of handler functions"),
-    ("--concurrency", COUNT, _WORKER_DEFAULTS["concurrency"], "handlers run at once by this worker"),
-    ("--lease", SECONDS, _WORKER_DEFAULTS["lease"], "claim lease, renewed by heartbeats"),
-    ("--timeout", SECONDS, _WORKER_DEFAULTS["timeout"], "handler time limit, unless the job has a timeout"),
-    ("--max-attempts", COUNT, _WORKER_DEFAULTS["max_attempts"], "runs a job gets when it does not say"),
-    ("--backoff-base", SECONDS, _WORKER_DEFAULTS["backoff_base"], "delay of the first retry, doubling after each failure"),
-    ("--backoff-max", SECONDS, _WORKER_DEFAULTS["backoff_max"], "longest retry delay"),
-    ("--probe-max", SECONDS, _WORKER_DEFAULTS["probe_max"], "longest wait between two probes of a held destination (a link that is back is used within it)"),
-    ("--jitter", FRACTION, _WORKER_DEFAULTS["jitter"], "random spread of retry delays, a fraction"),
-    ("--poll", SECONDS, _WORKER_DEFAULTS["poll"], "how often to look for files dropped without a wake-up"),
-    ("--stats-interval", SECONDS, _WORKER_DEFAULTS["stats_interval"], "time between status lines in the log, 0 for none"),
-    ("--grace", SECONDS, _WORKER_DEFAULTS["grace"], "time running handlers get after SIGTERM"),
-    ("--scan-cache", COUNT, _WORKER_DEFAULTS["scan_cache"], "ready jobs remembered per directory scan"),
-    ("--once", None, False, "run at most one job, then exit"),
-    ("--drain", None, False, "run until nothing is ready or running, then exit"),
-    ("--pass-env", "append", [], "pass this variable to exec handlers"),
-    ("--log", str, None, "append log lines to FILE (reopened on SIGHUP), not stderr"),
-    ("--syslog", None, False, "log to syslog, not stderr"),
-    ("--syslog-facility", str, "daemon", "syslog facility"),
-    ("--syslog-tag", str, "myq", "syslog tag"),
-    ("--http-header", "append", [], "'Name: value' added to every http job"),
-    ("--http-headers-file", str, None, "file of 'Name: value' lines for http jobs"),
-    ("--http-ca", str, None, "PEM file of CA certificates that https trusts besides the system's"),
-    ("--textfile", str, None, "write DIR/myq_QUEUE.prom (Prometheus) every --stats-interval"),
-    ("--uplink-rate", UPLINK, None, "at most SIZE/s (e.g. 16K/s) of http bodies and mqtt payloads over any 10 s, to all destinations"),
-    ("--mqtt", str, None, "the broker of mqtt jobs: mqtt://[USER@]HOST[:PORT] or mqtts://..."),
-    ("--mqtt-password-file", str, None, "file holding the password of the --mqtt user"),
-    ("--mqtt-client-id", str, None, "MQTT client id (default: unique per worker process)"),
-    ("--mqtt-ca", str, None, "CA certificate(s) to trust for an mqtts broker, besides the system's"),
-    ("--mqtt-cert", str, None, "client certificate for an mqtts broker that wants one"),
-    ("--mqtt-key", str, None, "private key of --mqtt-cert, when not in that file"),
-]
-
-# The commands that take the guard options, and those each one's --help
-# shows (None: all); the others are accepted and ignored, as they always were.
-_RETENTION_FLAGS = ("--dedupe-window", "--keep-done", "--keep-done-max",
-                    "--keep-dead", "--keep-dead-max", "--keep-failed",
-                    "--keep-ok-max")
-_GUARDS_SHOWN = {
-    "init": ("--min-free", "--min-free-inodes"),
-    "enqueue": ("--min-free", "--min-free-inodes", "--max-job-bytes",
-                "--dedupe-window"),
-    "prune": _RETENTION_FLAGS,
-    "check": ("--min-free", "--min-free-inodes") + _RETENTION_FLAGS,
-    "worker": None,
-    "supervise": None,
-    "intake": ("--min-free", "--min-free-inodes", "--max-job-bytes",
-               "--dedupe-window"),
-    "import": ("--min-free", "--min-free-inodes", "--max-job-bytes",
-               "--dedupe-window"),
-}
-
-
-_METAVARS = {"handlers": "DIR", "module": "FILE.py", "log": "FILE", "textfile": "DIR",
-             "http_ca": "FILE",
-             "pass_env": "NAME", "mqtt": "URL", "mqtt_password_file": "FILE",
-             "mqtt_client_id": "ID", "mqtt_ca": "FILE", "mqtt_cert": "FILE",
-             "mqtt_key": "FILE", "listen": "unix:PATH|[ADDR]:PORT",
-             "subscribe": "FILTER=TYPE"}
-
-
-def _option_help(flag, typ, default, help):
-    """A table option's help: what it does, its default, its variable."""
-    var = "MYQ_" + flag[2:].replace("-", "_").upper()
-    if isinstance(typ, Kind):
-        return "%s (default %s; %s)" % (help, typ.show(default), var)
-    if typ is None:
-        return "%s (%s=1)" % (help, var)
-    if typ == "append":
-        return "%s; repeatable (%s)" % (help, var)
-    if default is None:
-        return "%s (%s)" % (help, var)
-    return "%s (default %s; %s)" % (help, default, var)
-
-
-def _arg_error(message):
-    import argparse
-    return argparse.ArgumentTypeError(message)
-
-
-def _arg(kind):
-    """An argparse type of a Kind: its error names the value."""
-    def value(text):
-        try:
-            return kind(text)
-        except ValueError as e:
-            raise _arg_error("%r: %s" % (text, e))
-    value.__name__ = kind.metavar
-    return value
-
-
-def _metavar(typ, dest):
-    return typ.metavar if isinstance(typ, Kind) else \
-        _METAVARS.get(dest) or dest.split("_")[-1].upper()
-
-
-def _add_options(p, table, shown=None):
-    """The options of a table (WORKER_OPTIONS, GUARD_OPTIONS); those not
-    in `shown` are accepted but left out of --help."""
-    import argparse
-    for flag, typ, default, help in table:
-        dest = flag[2:].replace("-", "_")
-        if shown is not None and flag not in shown:
-            help = argparse.SUPPRESS     # accepted, but not its concern
-        else:
-            help = _option_help(flag, typ, default, help)
-        if typ is None:
-            p.add_argument(flag, dest=dest, action="store_const", const=True,
-                           default=None, help=help)
-        elif typ == "append":
-            p.add_argument(flag, dest=dest, action="append", default=None,
-                           metavar=_METAVARS.get(dest) or
-                           dest.upper().rsplit("_", 1)[-1], help=help)
-        else:
-            p.add_argument(flag, dest=dest, default=None, help=help,
-                           metavar=_metavar(typ, dest))
-
-
-# One parser builder per command: its own arguments, after the worker and
-# guard options that _add_command gives it.
-
-def _budget_arg(text):
-    """--budget SIZE, or "" (none)."""
-    return _arg(Policy.SPOOL_KEYS["budget"])(text) if text != "" else ""
-
-
-def _args_init(p):
-    p.add_argument("--owner", help="chown the layout to USER[:GROUP] (a "
-                   "GROUP: the producers', tmp/ and incoming/ g+ws,+t)")
-    p.add_argument("--name", help="the queue's name (default: the "
-                   "directory's), for the status line and metrics")
-    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
-                   help="cap everything the spool keeps on its filesystem "
-                   "(myq(1) budget; default none, an empty value removes it)")
-    p.add_argument("--store", choices=("files", "sqlite"), default=None,
-                   help="where a new spool keeps its jobs: a file each "
-                   "(default) or one SQLite database, queue.db")
-
-
-def _args_enqueue(p):
-    p.add_argument("type", help="the job's type: selects its handler")
-    p.add_argument("payload", nargs="?", default="null",
-                   help="JSON text, or - for standard input (default null)")
-    p.add_argument("--id", help="the job's id (default: generated, in "
-                   "creation order); exit 73 when that id is queued, running, "
-                   "dead or done within the --dedupe-window")
-    p.add_argument("--delay", type=_arg(DURATION), default=0, metavar="S",
-                   help="run it no sooner than this from now (default 0)")
-    p.add_argument("--max-attempts", type=int, metavar="N",
-                   help="runs the job gets (default: the worker's "
-                   "--max-attempts)")
-    p.add_argument("--timeout", type=_arg(DURATION), metavar="S",
-                   help="the handler's time limit for this job (default: "
-                   "the worker's --timeout)")
-    p.add_argument("--priority", type=_arg(PRIORITY), metavar="P",
-                   help="-9 to 9, higher first (default: the type's policy, "
-                   "else 0)")
-    p.add_argument("--ttl", type=_arg(POSITIVE_SECONDS), metavar="S",
-                   help="never start it later than this from now: it goes to "
-                   "dlq/ as expired (default: the type's policy ttl)")
-
-
-def _args_worker(p):
-    import argparse
-    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
-
-
-def _args_supervise(p):
-    p.add_argument("--workers", default=None, metavar="N",
-                   help="worker processes to keep running (default 1; MYQ_WORKERS)")
-    p.add_argument("--user", help="run the workers as USER[:GROUP] (root only); "
-                   "the log file is created for that user")
-    p.add_argument("--pidfile", help="write the supervisor's pid to FILE")
-    p.add_argument("--stop-timeout", metavar="S", help="time the workers get "
-                   "after SIGTERM before SIGKILL (default 10s)")
-    p.add_argument("--dry-run", action="store_true", help="check the options "
-                   "and the spool, start nothing (exit 0 when all is well)")
-    p.add_argument("--daemon", action="store_true", help="run in the "
-                   "background: exit 0 once the pidfile is written and the "
-                   "first worker started, else with the error that stopped it "
-                   "(the init script's start)")
-    p.add_argument("--stop", action="store_true", help="stop the supervisor of "
-                   "--pidfile: SIGTERM, wait for its workers (SIGKILL after "
-                   "--stop-timeout + 5 s), then reap (the init script's stop)")
-
-
-def _args_stats(p):
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object instead of the status line")
-    p.add_argument("--prometheus", action="store_true",
-                   help="the Prometheus text format (node_exporter's "
-                   "textfile collector) instead of the status line")
-
-
-def _args_list(p):
-    p.add_argument("state", nargs="?", choices=STATES + ("held",),
-                   help="only jobs in this state: %s (held: waiting for a "
-                   "held destination)" % ", ".join(STATES + ("held",)))
-    p.add_argument("--type", help="only jobs of this type")
-    p.add_argument("--limit", type=_arg(COUNT), metavar="N",
-                   help="at most N jobs (default: all)")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per line instead of text")
-
-
-def _args_show(p):
-    p.add_argument("id", help="a job id, or the name of a file in failed/")
-
-
-def _args_retry(p):
-    p.add_argument("ids", nargs="*", metavar="ID",
-                   help="dead job ids, or names of repaired files in failed/")
-    p.add_argument("--all", action="store_true",
-                   help="every job in dlq/")
-    p.add_argument("--now", action="store_true",
-                   help="also make these scheduled jobs ready now")
-    p.add_argument("--json", action="store_true", help='print {"retried": N}')
-
-
-def _args_delete(p):
-    p.add_argument("ids", nargs="*", metavar="ID",
-                   help="job ids, or names of files in failed/")
-    p.add_argument("--state", choices=STATES,
-                   help="in bulk: every job in this state (%s)" % ", ".join(STATES))
-    p.add_argument("--type", help="with --state: only jobs of this type")
-    p.add_argument("--older-than", type=_arg(DURATION), metavar="S",
-                   help="with --state: only jobs older than this (waiting "
-                   "and running: since created, done and dead: since the "
-                   "finish, failed: since quarantined)")
-    p.add_argument("--force", action="store_true",
-                   help="delete running jobs too (their handlers are killed)")
-    p.add_argument("--json", action="store_true",
-                   help='print {"deleted": N} instead of deleted=N')
-
-
-def _args_reap(p):
-    p.add_argument("--json", action="store_true", help='print {"requeued": N}')
-
-
-def _args_prune(p):
-    p.add_argument("--json", action="store_true",
-                   help="print the counts of what was removed as one JSON object")
-
-
-def _args_check(p):
-    p.add_argument("--json", action="store_true",
-                   help='one JSON object: {"ok", "spool", "problems"}')
-    p.add_argument("--warn-capacity", type=_arg(DURATION), default=3600.0,
-                   metavar="DURATION", help="report an outage capacity "
-                   "(stats outage_capacity_s) below it (default 1h)")
-
-
-def _args_policy(p):
-    p.add_argument("type", nargs="?", help="a job type")
-    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE",
-                   help="keys: " + " ".join(sorted(Policy.KEYS)))
-    p.add_argument("--default", action="store_true",
-                   help="the default rules, for every type without its own "
-                   "value (shown as *)")
-    p.add_argument("--budget", type=_budget_arg, metavar="SIZE",
-                   help="the spool's budget: everything it keeps on its "
-                   "filesystem (shown as %s budget=; an empty value removes "
-                   "it)" % SPOOL_POLICY)
-    p.add_argument("--json", action="store_true",
-                   help="the policy as one JSON object")
-
-
-def _args_pause(p):
-    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
-    p.add_argument("--all", action="store_true",
-                   help="every type, new ones too (the default rules)")
-
-
-def _args_resume(p):
-    p.add_argument("types", nargs="*", metavar="TYPE", help="job types")
-    p.add_argument("--all", action="store_true", help="every paused type")
-    p.add_argument("--dest", action="append", default=[], metavar="DEST",
-                   help="release this held destination now (as myq stats "
-                   "--json shows it under held)")
-
-
-def _args_export(p):
-    p.add_argument("states", nargs="*", metavar="STATE",
-                   help="only jobs in these states: %s (default: all but "
-                   "failed, which holds files, not jobs)" % ", ".join(STATES))
-    p.add_argument("--type", help="only jobs of this type")
-
-
-def _args_import(p):
-    p.add_argument("file", nargs="?", default="-", metavar="FILE",
-                   help="JSON lines, as export writes them (default -: "
-                   "standard input)")
-    p.add_argument("--no-policy", action="store_true", help="leave this "
-                   "spool's policy as it is (default: the export's applies)")
-
-
-def _args_version(p):
-    pass
-
-
-# What the extensions add to the command line (each registers itself):
-# the option tables a command's parser takes besides its own (name ->
-# [tables]), and the children a supervisor keeps beside its workers (name
-# -> (argv(args, spool, o, guards, env): the child's options, checked, or
-# None when none is asked for; hold(argv): what it takes as root before
-# root is dropped, an object with fileno() and close(), or None)).
-_COMMAND_OPTIONS = {}
-_CHILDREN = {}
-
-
-def _add_command(sub, name, help):
-    """A command's parser: the hidden --spool after the command word, the
-    worker options (worker, supervise), the guard options, then its own
-    (its builder in _COMMAND_TABLE)."""
-    import argparse
-    p = sub.add_parser(name, help=help, description=help)
-    p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
-    if name in ("worker", "supervise"):
-        _add_options(p, WORKER_OPTIONS)
-    for table in _COMMAND_OPTIONS.get(name, ()):
-        _add_options(p, table)      # (an extension's: intake's)
-    if name in _GUARDS_SHOWN:
-        _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
-    return p
-
-
-# Command line ################################################################
-#
-# The parser made of _COMMAND_TABLE, the start of a command (its options
-# resolved, a worker or supervisor made of them), the commands, each a
-# _cmd_ function in _COMMAND_TABLE, and main.
-
-
-def _parser(only=None):
-    """The command line's parser; with `only`, that command's alone
-    (building all of them costs a `myq enqueue` 15-30 ms of its ~70)."""
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise UsageError("%s (see: myq %s--help)" % (
-                message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
-
-    top = Parser(prog="myq", description="A job queue worker for small Linux "
-                 "devices: one spool directory, one file per job.")
-    top.add_argument("--spool", help="the spool directory (default $MYQ_SPOOL "
-                     "or %s)" % DEFAULT_SPOOL)
-    top.add_argument("--version", action="version", version="myq " + __version__)
-    sub = top.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    for name, (_, build, help) in _COMMAND_TABLE.items():
-        if only is None or name == only:
-            build(_add_command(sub, name, help))
-    return top
-
-
-# `myq enqueue`'s own options, each with what argparse's `type` makes of
-# its value (the guard options stay text, as there: _resolve reads them).
-_ENQUEUE_TYPES = {"--id": str, "--delay": DURATION, "--max-attempts": int,
-                  "--timeout": DURATION, "--priority": PRIORITY,
-                  "--ttl": POSITIVE_SECONDS, "--spool": str}
-_GUARD_FLAGS = frozenset(t[0] for t in GUARD_OPTIONS)
-
-
-class _Args(object):
-    """What parse_args returns, made by _fast_args."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-def _fast_args(argv):
-    """parse_args(argv) for the usual forms of `myq enqueue`, without
-    argparse (importing it and building the parser cost a producer more
-    than the rest of its run): [--spool DIR] enqueue [OPTION]... TYPE
-    [PAYLOAD] [OPTION]..., each OPTION one of enqueue's, spelt out in full,
-    as --name VALUE or --name=VALUE.  Anything else (another command,
-    --help, an abbreviation, an option between TYPE and PAYLOAD, a word
-    starting with '-' where a value or the payload goes, a value its option
-    refuses) returns None: argparse parses that, with its own errors."""
-    got = dict((t[0][2:].replace("-", "_"), None) for t in GUARD_OPTIONS)
-    got.update(spool=None, spool_sub=None, command="enqueue", payload="null",
-               id=None, delay=0, max_attempts=None, timeout=None,
-               priority=None, ttl=None)
-    words, i, n = [], 0, len(argv)
-    where = 0           # 0: before the command, 1: before TYPE, 2: in the
-    while i < n:        # positionals, 3: after them
-        a = argv[i]
-        i += 1
-        if a[:1] != "-" or a == "-":
-            if where == 0 and a != "enqueue" or where == 3:
-                return None
-            if where:
-                words.append(a)
-            where = 2 if where else 1
-            continue
-        name, eq, value = a.partition("=")
-        if not eq:
-            if i == n or argv[i][:1] == "-":
-                return None
-            value = argv[i]
-            i += 1
-        kind = _ENQUEUE_TYPES.get(name) if where else None
-        if name == "--spool":
-            got["spool_sub" if where else "spool"] = value
-        elif kind is not None:
-            try:
-                got[name[2:].replace("-", "_")] = kind(value)
-            except ValueError:
-                return None
-        elif where and name in _GUARD_FLAGS:
-            got[name[2:].replace("-", "_")] = value
-        else:
-            return None
-        if where == 2:
-            where = 3
-    if not 1 <= len(words) <= 2:
-        return None
-    got["type"] = words[0]
-    if len(words) == 2:
-        got["payload"] = words[1]
-    return _Args(**got)
-
-
-def _resolve(args, table, env):
-    """Option values: the flag, else MYQ_<OPTION>, else the default."""
-    out = {}
-    for flag, typ, default, _ in table:
-        dest = flag[2:].replace("-", "_")
-        value = getattr(args, dest, None)
-        name = "MYQ_" + dest.upper()
-        if value is None and env.get(name, "") != "":
-            raw = env[name]
-            if typ == "append":
-                # one header a line ('Authorization: Bearer x' is one);
-                # names split on blanks
-                value = raw.splitlines() if dest == "http_header" else raw.split()
-            elif typ is None:
-                try:
-                    value = BOOL(raw)
-                except ValueError as e:
-                    raise UsageError("%s=%s: %s" % (name, raw, e))
-            else:
-                value = raw
-            source = "%s=%s" % (name, raw)
-        else:
-            source = "%s %s" % (flag, value)
-        if value is None:
-            value = default
-        elif typ not in (None, "append", str):     # a Kind
-            try:
-                value = typ(value)
-            except (ValueError, TypeError) as e:
-                raise UsageError("bad value %s: %s" % (source, e))
-        out[dest] = value
-    return out
-
-
-def _header_lines(lines, source):
-    headers = {}
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or not name.strip() or " " in name.strip():
-            # the line number and the name, never the line: its value is
-            # a credential (and stderr may be a log file)
-            raise UsageError("bad http header in %s, line %d%s: use 'Name: value'"
-                             % (source, n, " (name %r)" % name.strip()[:64]
-                                if sep and name.strip() else " (no ':')"))
-        headers[name.strip()] = value.strip()
-    return headers
-
-
-def _make_log(o):
-    return Log(path=o.get("log"), syslog=o.get("syslog"),
-               facility=o.get("syslog_facility"), tag=o.get("syslog_tag"))
-
-
-# Worker options whose values may be credentials (a header's token, the
-# user of a broker): supervise gives them to its workers in their
-# environment, which only their user and root can read, never on their
-# command line, which every user can (ps, /proc/PID/cmdline).
-_SECRET_OPTIONS = ("http_header", "mqtt")
-
-
-def _secret_env(o):
-    """The MYQ_* variables that give a worker the _SECRET_OPTIONS of `o`."""
-    env = {}
-    for dest in _SECRET_OPTIONS:
-        v = o.get(dest)
-        if v:
-            env["MYQ_" + dest.upper()] = "\n".join(v) if isinstance(v, list) else v
-    return env
-
-
-def _option_argv(o, table, skip=()):
-    """The command line that gives a worker the options `o` (resolved
-    from flags and MYQ_* variables): what supervise starts its workers
-    with, but the options named in `skip`."""
-    argv = []
-    for flag, typ, default, _ in table:
-        dest = flag[2:].replace("-", "_")
-        if dest in skip:
-            continue
-        v = o.get(dest)
-        if typ is None:
-            if v:
-                argv.append(flag)
-        elif typ == "append":
-            for x in v or ():
-                argv += [flag, x]
-        elif v is not None and v != default:
-            argv += [flag, repr(v) if isinstance(v, float) else str(v)]
-    return argv
-
-
-def _check_worker_options(o):
-    """Everything _worker_from() refuses, without starting a worker (nor
-    loading a --module: supervise may run as root)."""
-    _http_headers(o)
-    _check_http_ca(o.get("http_ca"))
-    if o["handlers"] and not os.path.isdir(o["handlers"]):
-        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
-    if o["module"] and not os.path.isfile(o["module"]):
-        raise ConfigError("--module %s: no such Python file" % o["module"])
-    if o.get("textfile") and not os.path.isdir(o["textfile"]):
-        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
-    _mqtt_options(o)
-
-
-def _mqtt_options(o):
-    """Worker(...) keyword arguments of the --mqtt options, checked (a bad
-    URL: UsageError, an unreadable file: ConfigError)."""
-    kw = dict((k, o.get(k)) for k in ("mqtt", "mqtt_password_file",
-                                       "mqtt_client_id", "mqtt_ca",
-                                       "mqtt_cert", "mqtt_key"))
-    if not kw["mqtt"]:
-        extra = sorted("--" + k.replace("_", "-") for k, v in kw.items() if v)
-        if extra:
-            raise UsageError("%s without --mqtt (give the broker: --mqtt "
-                             "mqtt://HOST)" % ", ".join(extra))
-        return kw
-    for name in sorted(_BUILTIN_TYPES):
-        check = _BUILTIN_TYPES[name][2]
-        if check is not None:
-            check(kw)
-    return kw
-
-
-def _http_headers(o):
-    headers = {}
-    if o["http_headers_file"]:
-        try:
-            with open(o["http_headers_file"], encoding="utf-8") as f:
-                headers.update(_header_lines(f, o["http_headers_file"]))
-        except OSError as e:
-            raise ConfigError("cannot read --http-headers-file %s: %s"
-                              % (o["http_headers_file"], e.strerror))
-    headers.update(_header_lines(o["http_header"], "--http-header"))
-    return headers
-
-
-def _check_http_ca(path):
-    """--http-ca: a file that the ssl module (where there is one) loads."""
-    if not path:
-        return
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as e:
-        raise ConfigError("cannot read --http-ca %s: %s" % (path, e.strerror))
-    try:
-        import ssl
-    except ImportError:
-        return          # https jobs say what is missing
-    try:
-        ssl.create_default_context().load_verify_locations(cafile=path)
-    except (ssl.SSLError, ValueError) as e:
-        raise ConfigError("--http-ca %s is not a PEM file of CA certificates "
-                          "(%s)" % (path, e))
-
-
-def _worker_from(spool, o, parent=None):
-    headers = _http_headers(o)
-    _check_http_ca(o.get("http_ca"))
-    if o["handlers"] and not os.path.isdir(o["handlers"]):
-        raise ConfigError("--handlers %s is not a directory" % o["handlers"])
-    kw = dict((k, o[k]) for k in (
-        "concurrency", "lease", "timeout", "max_attempts", "backoff_base",
-        "backoff_max", "probe_max", "jitter", "poll", "stats_interval",
-        "grace", "pass_env", "scan_cache", "uplink_rate"))
-    kw.update(_mqtt_options(o))
-    options = WorkerOptions(
-        handlers_dir=o["handlers"], module=o["module"], http_headers=headers,
-        http_ca=o.get("http_ca"), textfile=o.get("textfile"), parent=parent,
-        **kw)
-    return Worker(spool, options=options, log=_make_log(o))
-
-
-def _supervise(args, spool, guards, env):
-    o = _resolve(args, WORKER_OPTIONS, env)
-    n = args.workers or env.get("MYQ_WORKERS") or "1"
-    try:
-        n = COUNT(n)
-    except ValueError:
-        raise UsageError("bad --workers %r: a number >= 1" % n)
-    try:
-        stop_timeout = SECONDS(args.stop_timeout or "10")
-    except ValueError as e:
-        raise UsageError("bad value --stop-timeout %s: %s" % (args.stop_timeout, e))
-    if args.stop:
-        return stop_supervisor(spool, args.pidfile, stop_timeout)
-    user = ids = None
-    if args.user:
-        import pwd
-        ids = _user_ids(args.user)
-        if ids[0] != os.geteuid():
-            if os.geteuid() != 0:
-                raise ConfigError("only root can run the workers as %s" % args.user)
-            user = pwd.getpwuid(ids[0])
-        else:
-            ids = None
-    spool.require()
-    _check_worker_options(o)
-    child = _CHILDREN.get("intake")     # (the intake's extension: its argv)
-    intake = child[0](args, spool, o, guards, env) if child else None
-    if o["mqtt_client_id"] and n > 1 and not intake:
-        raise UsageError("--mqtt-client-id with --workers %d: each worker needs "
-                         "its own client id (the broker drops a connection when "
-                         "another takes its id); leave it out for unique ids" % n)
-    if args.dry_run:
-        port = child[1](intake) if child else None    # (taken: said)
-        if port is not None:
-            port.close()
-        return 0
-    # before the log is open and the caller's stderr replaced: the image
-    # started again does both (and a daemon forks from it)
-    _IMAGE["give_back_heap"](reexec=True)
-    # the intake's port, taken as root now (a port another program took is
-    # said at start, not in a restart loop of the intake) and held
-    port = child[1](intake) if child else None
-    if port is not None:
-        intake = intake + ["--listen-fd", str(port.fileno())]
-    if o.get("log"):
-        _make_log_dir(o["log"], ids)
-    log = Log(path=o.get("log"), syslog=o.get("syslog"),
-              facility=o.get("syslog_facility"), tag=o.get("syslog_tag"),
-              owner=ids)
-    ready = None
-    if args.daemon:
-        pid, ready = fork_daemon(keep=[log.fileno()] + (
-            [port.fileno()] if port is not None else []))
-        if pid:
-            return await_daemon(pid, ready, o.get("log") or "syslog")
-    if log.fileno() is not None:        # a traceback lands in the log too
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    if not o["handlers"] and not o["module"]:
-        log("warning", problem="no --handlers and no --module: only http%s jobs "
-            "have a handler; give MYQ_ARGS=\"--handlers DIR\""
-            % (" and mqtt" if o["mqtt"] else ""))
-    # with subscriptions, --mqtt-client-id is the intake's (its session)
-    wargv = _option_argv(o, WORKER_OPTIONS, skip=_SECRET_OPTIONS + (
-        ("mqtt_client_id",) if intake and o.get("mqtt_client_id") else ())) \
-        + _option_argv(guards, GUARD_OPTIONS)
-    wenv = _clean_env(o["pass_env"], user)
-    wenv.update(_secret_env(o))
-    return Supervisor(spool, n, wargv, log, user=user, ids=ids,
-                      pidfile=args.pidfile, stop_timeout=stop_timeout,
-                      env=wenv, ready=ready, intake=intake, entry=_child_entry,
-                      keep=[port.fileno()] if port is not None else ()).run()
-
-
-def _make_log_dir(path, ids):
-    """Create the log file's directory when it is missing; for the service
-    user (`ids`), handed over through its own descriptor."""
-    d = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(d):
-        return
-    try:
-        os.makedirs(d, 0o750)
-        if ids is not None:
-            fd = _open_dir(d)
-            try:
-                os.fchown(fd, ids[0], ids[1])
-            finally:
-                os.close(fd)
-    except OSError as e:
-        raise ConfigError("cannot create the log directory %s: %s" % (d, e.strerror))
-
-
-def _proc_uids(pid):
-    """The real, effective, saved and filesystem uids of a process (the
-    Uid: line of /proc/PID/status), or () when it is gone."""
-    for line in (_read_small("/proc/%d/status" % pid, 1 << 14) or b"").splitlines():
-        if line.startswith(b"Uid:"):
-            try:
-                return tuple(int(u) for u in line.split()[1:])
-            except ValueError:
-                return ()
-    return ()
-
-
-def _is_supervisor(pid, uids):
-    """Does `pid` run "myq … --spool DIR supervise" (any DIR, any path) as
-    one of `uids` (every one of its uids)?  A command line is anyone's to
-    choose; the user a process runs as is not."""
-    argv = (_read_small("/proc/%d/cmdline" % pid, 1 << 16) or b"").split(b"\0")
-    return b"supervise" in argv and b"--spool" in argv and b"--stop" not in argv \
-        and _ours(pid, uids)
-
-
-def _ours(pid, uids):
-    got = _proc_uids(pid)
-    return bool(got) and set(got) <= set(uids)
-
-
-def stop_supervisor(spool, pidfile, timeout=10.0):
-    """`myq supervise --stop` (the init script's stop): SIGTERM the
-    supervisor named by the pidfile (it stops its workers, SIGKILLs them
-    after its own --stop-timeout and reaps), wait for its process group
-    (workers left by a supervisor that died stop by themselves when they
-    see it gone), SIGKILL what is still there after `timeout` + 5 s, then
-    `myq reap` as the spool's owner: claims of killed workers go back and
-    their handlers are ended.  A pidfile whose pid now belongs to another
-    program: nothing is signalled.  What is signalled or waited for runs
-    as root, the caller or the spool's owner (the service user): a
-    process of another user is none of the supervisor's, whatever its
-    command line.  Exit 0, or 1 when something survived."""
-    if not pidfile:
-        raise UsageError("supervise --stop needs --pidfile FILE")
-    data = _read_small(pidfile, 64)
-    pid = int(data.split()[0]) if data and data.split() and data.split()[0].isdigit() \
-        else 0
-    uids = {0, os.geteuid()}
-    try:
-        uids.add(os.stat(spool.path).st_uid)
-    except OSError:
-        pass
-    if pid > 1:
-        alive = _is_supervisor(pid, uids)
-        if alive:
-            try:
-                os.kill(pid, 15)
-            except OSError:
-                pass
-        elif pid in _proc_table():      # alive, not a zombie
-            return 0            # the pid was handed to another program
-        # Its process group; of a supervisor that died, only the workers it
-        # started (--parent-pid PID): a group of that number may be another
-        # program's now, whose leader left (review: an unrelated root
-        # daemon was SIGKILLed by a stop on a stale pidfile).
-        mark = b"\0--parent-pid\0%d\0" % pid
-        end = _mono() + timeout + 5.0
-        killed_at = None
-        while True:
-            group = [p for p, (_, pgrp, _) in _proc_table().items()
-                     if pgrp == pid and _ours(p, uids) and (alive or mark in (
-                         _read_small("/proc/%d/cmdline" % p, 1 << 16) or b""))]
-            if not group:
-                break
-            if killed_at is None and _mono() >= end:
-                for p in group:
-                    try:
-                        os.kill(p, 9)
-                    except OSError:
-                        pass
-                killed_at = _mono()
-            elif killed_at is not None and _mono() - killed_at > 5.0:
-                return 1
-            time.sleep(0.1)
-    import subprocess
-    try:
-        subprocess.run(_IMAGE["start"]() + ["--spool", spool.path, "reap"],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=max(30.0, timeout))
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return 0
-
-
-def _drop_root(path, command):
-    """Root acting in a spool that belongs to another user does it as that
-    user: then nothing the owner puts in the spool (a symlink to
-    /etc/shadow, a FIFO) can make root read, write, chown or signal
-    anything the owner could not.  `init` (which chowns through
-    descriptors) and `supervise` (which switches its workers) excepted."""
-    if command in ("init", "supervise", "version", "install") or os.geteuid() != 0:
-        return
-    try:
-        st = os.stat(path)
-    except OSError:
-        return                  # no spool: the command says so
-    if st.st_uid != 0:
-        become(st.st_uid, st.st_gid)
-        if command in ("worker", "intake"):
-            _readable_library(st.st_uid)
-
-
-def _command_index(argv):
-    """Where the command word is: after the global options (--spool DIR)."""
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--spool":
-            i += 2
-        elif a.startswith("-"):
-            i += 1
-        else:
-            return i
-    return len(argv)
-
-
-def _print(line):
-    """One line on stdout; names that are not UTF-8 go out as their bytes."""
-    data = (line + "\n").encode("utf-8", "surrogateescape")
-    out = getattr(sys.stdout, "buffer", None)
-    if out is None:
-        sys.stdout.write(data.decode("utf-8", "replace"))
-        return
-    sys.stdout.flush()
-    out.write(data)
-    out.flush()
-
-
-def _cmd_version(a):
-    _print("myq " + __version__)
-
-
-def _cmd_init(a):
-    sp = a.spool.init(owner=a.args.owner, store=a.args.store)
-    for extend in _ON_INIT:
-        extend(sp, a.args)
-    if a.args.name is not None:
-        sp.set_name(a.args.name)
-    if a.args.budget is not None:
-        sp.set_policy(SPOOL_POLICY, {"budget": a.args.budget or None})
-    low = a.spool.free_problem()
-    if low:                 # the spool is there; workers will wait
-        sys.stderr.write("myq: warning: %s\n" % low)
-
-
-def _cmd_enqueue(a):
-    args = a.args
-    text = sys.stdin.read() if args.payload == "-" else args.payload
-    try:
-        payload = _decode(text.strip())
-    except RecursionError:
-        raise InvalidJob("payload nested too deep")
-    except ValueError as e:
-        raise InvalidJob("payload is not JSON (%s); quote a string as "
-                         "'\"text\"'" % e)
-    _print(a.spool.enqueue(args.type, payload, id=args.id, delay=args.delay,
-                           max_attempts=args.max_attempts, timeout=args.timeout,
-                           priority=args.priority, ttl=args.ttl))
-
-
-def _cmd_policy(a):
-    args, sp = a.args, a.spool
-    sp.require()
-    pairs = list(args.pairs)
-    name = args.type
-    if args.default:
-        if name is not None:
-            pairs.insert(0, name)
-        name = "*"
-    elif name is not None and "=" in name:
-        raise UsageError("give the TYPE before KEY=VALUE (or --default for "
-                         "every type)")
-    if pairs:
-        changes = {}
-        for pair in pairs:
-            k, eq, v = pair.partition("=")
-            if not eq:
-                raise UsageError("%r is not KEY=VALUE (an empty VALUE removes "
-                                 "the key)" % pair)
-            if k not in Policy.KEYS:
-                Policy.value(k, v)          # the error that names the keys
-            changes[k] = v if v != "" else None
-        sp.set_policy(name, changes)
-    if args.budget is not None:
-        sp.set_policy(SPOOL_POLICY, {"budget": args.budget or None})
-    sp.policies._pol_next = 0.0
-    pol = sp.policy()
-    if sp.policy_error and not pairs:
-        sys.stderr.write("myq: %s\n" % sp.policy_error)
-    if name is not None:
-        pol = {name: pol.get(name, {})} if name in pol or pairs else {}
-    if args.json:
-        _print(json.dumps(pol, sort_keys=True))
-        return
-    for t in sorted(pol, key=lambda t: (t != "*", t)):
-        _print(" ".join([t] + ["%s=%s" % (k, Policy.show(k, v))
-                               for k, v in sorted(pol[t].items())]))
-
-
-def _cmd_pause(a):
-    args, sp = a.args, a.spool
-    if not args.types and not args.all:
-        raise UsageError("give the types to pause, or --all")
-    for t in (["*"] if args.all else []) + args.types:
-        sp.set_policy(t, {"paused": True})
-
-
-def _cmd_resume(a):
-    args, sp = a.args, a.spool
-    if not (args.types or args.all or args.dest):
-        raise UsageError("give the types to resume, --all, or --dest DEST")
-    sp.require()
-    if args.all:
-        for t in list(sp.policy()):
-            if "paused" in sp.policy()[t]:
-                sp.set_policy(t, {"paused": None})
-    for t in args.types:
-        sp.set_policy(t, {"paused": None})
-        if sp.rules(t).get("paused"):       # the default pauses every type
-            sp.set_policy(t, {"paused": False})
-    missing = []
-    for dest in args.dest:
-        if sp.breaker.record(dest) is None:
-            missing.append(dest)
-            continue
-        sp.breaker.release(dest)
-    if missing:
-        raise NoSuchJob("no held destination %s (see: myq --spool %s stats "
-                        "--json, under held)" % (", ".join(missing), sp.path))
-
-
-def _cmd_worker(a):
-    o = _resolve(a.args, WORKER_OPTIONS, a.env)
-    a.spool.require()
-    if o["textfile"] and not os.path.isdir(o["textfile"]):
-        raise ConfigError("--textfile %s is not a directory" % o["textfile"])
-    w = _worker_from(a.spool, o, a.args.parent_pid)
-    _IMAGE["give_back_heap"](reexec=not (o["once"] or o["drain"]))
-    return w.run(once=o["once"], drain=o["drain"])
-
-
-def _cmd_supervise(a):
-    return _supervise(a.args, a.spool, a.guards, a.env)
-
-
-def _cmd_stats(a):
-    if a.args.json and a.args.prometheus:
-        raise UsageError("give --json or --prometheus, not both")
-    a.spool.require()
-    a.spool._check_readable()
-    if a.args.json:
-        _print(json.dumps(a.spool.stats(), sort_keys=False))
-    elif a.args.prometheus:
-        _print(prometheus_text(a.spool.stats(by_type=True)).rstrip("\n"))
-    else:
-        _print(a.spool.status_line())
-
-
-def _cmd_list(a):
-    a.spool.require()
-    a.spool._check_readable()
-    n = 0
-    for job in a.spool.list(a.args.state):
-        if a.args.type is not None and job.get("type") != a.args.type:
-            continue
-        if a.args.limit is not None and n >= a.args.limit:
-            break
-        n += 1
-        if a.args.json:
-            _print(json.dumps(job))
-            continue
-        line = "%s %s %s attempts=%s" % (
-            _kv(job["id"]), job["state"], job.get("type") or "-",
-            job.get("attempts") if job.get("attempts") is not None else "-")
-        held = job.get("held")
-        if held:
-            line += " held_until=%s dest=%s" % (
-                iso(held.get("until") or 0, False), _kv(_plain(held["dest"])))
-        elif job.get("available_at"):
-            line += " available_at=" + iso(job["available_at"], False)
-        if job.get("last_error"):
-
-            line += " last_error=" + _kv(job["last_error"])
-        _print(line)
-
-
-_TIMES = ("created_at", "updated_at", "available_at", "failed_at", "expires_at")
-
-
-def _cmd_show(a):
-    a.spool.require()
-    job = a.spool.show(a.args.id)
-    # the stored epoch seconds, and beside them the same in ISO 8601 UTC
-    # (as `list` prints them)
-    iso_times = dict((k, iso(job[k])) for k in _TIMES if _is_num(job.get(k)))
-    if iso_times:
-        job["iso"] = iso_times
-    _print(json.dumps(job, ensure_ascii=False, indent=1))
-
-
-def _cmd_retry(a):
-    if not a.args.ids and not a.args.all:
-        raise UsageError("retry needs job ids or --all")
-    n = a.spool.retry(a.args.ids, all=a.args.all, now=a.args.now)
-    _print(json.dumps({"retried": n}) if a.args.json else "retried=%d" % n)
-
-
-def _cmd_delete(a):
-    args = a.args
-    if args.state is None:
-        if args.type is not None or args.older_than is not None:
-            raise UsageError("--type and --older-than go with --state STATE")
-        if not args.ids:
-            raise UsageError("delete needs job ids, or --state STATE")
-        n = a.spool.delete(args.ids, force=args.force)
-    elif args.ids:
-        raise UsageError("give job ids or --state STATE, not both")
-    else:
-        if args.older_than is not None and not args.older_than >= 0:
-            raise UsageError("--older-than must be a duration >= 0")
-        n = a.spool.delete_where(args.state, type=args.type,
-                                 older_than=args.older_than, force=args.force)
-    _print(json.dumps({"deleted": n}) if args.json else "deleted=%d" % n)
-
-
-def _cmd_reap(a):
-    n = a.spool.reap()
-    _print(json.dumps({"requeued": n}) if a.args.json else "requeued=%d" % n)
-
-
-def _cmd_prune(a):
-    out = a.spool.prune()
-    _print(json.dumps(out) if a.args.json else
-           " ".join("%s=%d" % kv for kv in out.items()))
-
-
-def _cmd_check(a):
-    problems = a.spool.check()
-    try:
-        short = a.spool.budget.capacity_problem(a.args.warn_capacity)
-    except (OSError, MyqError):
-        short = None
-    problems += [short] if short else []
-    if a.args.json:
-        _print(json.dumps({"ok": not problems, "spool": a.spool.path,
-                           "problems": problems}))
-        return 1 if problems else 0
-    for p in problems:
-        _print(_plain(p))
-    if problems:
-        return 1
-
-    _print("ok spool=%s" % a.spool.path)
-
-
-def _cmd_export(a):
-    skipped = []
-
-    def skip(path, why):
-        skipped.append(path)
-        sys.stderr.write("myq: skipped %s: %s\n" % (
-            _plain(path), _plain(why)))
-    out = getattr(sys.stdout, "buffer", None)
-    sys.stdout.flush()
-    line = a.spool.backlog.spool_line(a.args.type)
-    chunk = [dumps(line)] if line else []
-    if a.spool.policy_error:
-        sys.stderr.write("myq: warning: %s; the export carries no policy\n"
-                         % a.spool.policy_error)
-    for job in a.spool.export(a.args.states, a.args.type, skip):
-        chunk.append(dumps(job))
-        if len(chunk) >= 256:
-            _write_out(out, chunk)
-    _write_out(out, chunk)
-    if skipped:
-        sys.stderr.write("myq: %d file(s) skipped: not jobs (a worker "
-                         "quarantines them; see: myq list failed)\n"
-                         % len(skipped))
-        return EX_DATAERR
-
-
-def _write_out(out, chunk):
-    data = b"".join(chunk)
-    del chunk[:]
-    if out is None:
-        sys.stdout.write(data.decode("utf-8", "replace"))
-        sys.stdout.flush()
-    else:
-        out.write(data)
-        out.flush()
-
-
-def _cmd_import(a):
-    name = a.args.file
-    try:
-        f = sys.stdin.buffer if name == "-" else open(name, "rb")
-    except OSError as e:
-        raise NoSuchJob("cannot read %s: %s" % (name, e.strerror))
-
-    def refuse(n, why):
-        sys.stderr.write("myq: line %d: %s; not imported\n" % (n, _plain(why)))
-    try:
-        counts = a.spool.backlog.import_jobs(_bounded_lines(
-            f, a.spool.opt["max_job_bytes"] + 65536), refuse,
-            policy=not a.args.no_policy)
-    except SpoolFull as e:
-        c = getattr(e, "counts", None)
-        if c is None:
-            raise
-        sys.stderr.write("myq: %s; not imported from line %d on (free space, "
-                         "then run the same import again: what was imported "
-                         "is refused as duplicate)\n" % (e, e.line))
-        _import_counts(c)
-        return EX_TEMPFAIL
-    finally:
-        if f is not sys.stdin.buffer:
-            f.close()
-    _import_counts(counts)
-    return EX_TEMPFAIL if counts["refused"] else EX_DATAERR if counts["bad"] \
-        else EX_CANTCREAT if counts["duplicate"] else 0
-
-
-def _bounded_lines(f, limit):
-    """The lines of binary file `f`, none held longer than `limit` bytes:
-    a longer one is read past (in pieces) and given as the InvalidJob
-    that import counts bad (a 64 MB line was a MemoryError)."""
-    while True:
-        line = f.readline(limit + 1)
-        if not line:
-            return
-        if len(line) <= limit or line.endswith(b"\n"):
-            yield line
-            continue
-        size = len(line)
-        while not line.endswith(b"\n"):
-            line = f.readline(1 << 16)
-            if not line:
-                break
-            size += len(line)
-        yield InvalidJob("a line of %d bytes, longer than a job may be "
-                         "(--max-job-bytes + 64 KiB: %d); skipped" % (size, limit))
-
-
-def _import_counts(c):
-    sys.stderr.write("myq: imported %d, duplicate %d, bad %d%s\n" % (
-        c["imported"], c["duplicate"], c["bad"],
-        ", refused %d" % c["refused"] if c["refused"] else ""))
-    if c.get("policy"):
-        sys.stderr.write("myq: policy applied: %s\n" % " ".join(c["policy"]))
-    if c.get("queue"):
-        sys.stderr.write("myq: queue name kept: %s\n" % c["queue"])
-
-
-# The commands: name -> (its function, its parser builder, its help), in
-# the order --help lists them.
-_COMMAND_TABLE = {
-    "init": (_cmd_init, _args_init,
-             "create the spool and its layout (idempotent)"),
-    "enqueue": (_cmd_enqueue, _args_enqueue, "add a job; prints its id"),
-    "worker": (_cmd_worker, _args_worker, "run jobs"),
-    "supervise": (_cmd_supervise, _args_supervise,
-                  "run and restart N workers (for the init script)"),
-    "stats": (_cmd_stats, _args_stats, "print the status line"),
-    "list": (_cmd_list, _args_list, "list jobs"),
-    "show": (_cmd_show, _args_show, "print one job as JSON"),
-    "retry": (_cmd_retry, _args_retry,
-              "bring dead (or repaired failed) jobs back"),
-    "delete": (_cmd_delete, _args_delete, "remove jobs"),
-    "reap": (_cmd_reap, _args_reap,
-             "requeue claims of dead workers and expired leases"),
-    "prune": (_cmd_prune, _args_prune, "apply retention now"),
-    "check": (_cmd_check, _args_check,
-              "health: layout, permissions, free space, stale claims, and "
-              "what needs an operator (exit 1, one line per problem)"),
-    "policy": (_cmd_policy, _args_policy,
-               "show or set the per-type rules (TYPE KEY=VALUE ...; an empty "
-               "VALUE removes the key)"),
-    "pause": (_cmd_pause, _args_pause,
-              "no new job of these types starts (running ones finish)"),
-    "resume": (_cmd_resume, _args_resume,
-               "undo pause; or release a held destination now"),
-    "export": (_cmd_export, _args_export,
-               "write jobs as JSON lines, each with its state"),
-    "import": (_cmd_import, _args_import,
-               "add the jobs of export's lines, keeping their states; "
-               "ids the spool has are refused"),
-    "version": (_cmd_version, _args_version, "print the version"),
-}
-# (and the extensions' commands, each registered by its section: intake,
-# install)
-
-
-class _Call(object):
-    """What a command function gets: the parsed args, the spool, the
-    resolved guard options and the environment."""
-
-    def __init__(self, args, spool, guards, env):
-        self.args, self.spool, self.guards, self.env = args, spool, guards, env
-
-
-def _child_entry(words):
-    """The supervisor's children (Supervisor._spawn): `words` parsed now,
-    in the supervisor, and a function that runs them, in the child: its
-    parser is not built again in every child (~1.4 MiB of pages each
-    child would copy).  None when they do not parse."""
-    i = _command_index(words)
-    try:
-        args = _parser(words[i] if i < len(words) else None).parse_args(words)
-    except SystemExit:
-        return None
-    return lambda: main(words, args)
-
-
-def main(argv=None, parsed=None):
-    """The command line; returns the exit status (never calls sys.exit).
-    `parsed`: argv already parsed (_child_entry)."""
-    if argv is None:
-        # This process's own command line: myq is the program.  What the
-        # import made (~1,000 functions, their classes and dicts) lives
-        # until the exit; frozen (out of every collection), the collector
-        # stops walking it at each full collection, and at the exit's 3-4
-        # (8.6 M instructions of a 62.7 M `myq enqueue`, issue 42).  Not
-        # for a caller's main(argv): its garbage is not ours to keep.
-        gc.freeze()
-    own = argv is None
-    argv = sys.argv[1:] if own else list(argv)
-    env = os.environ
-    try:
-        args = parsed if parsed is not None else _fast_args(argv)
-        if args is None:
-            i = _command_index(argv)
-            only = argv[i] if i < len(argv) and argv[i] in _COMMAND_TABLE else None
-            try:
-                args = _parser(only).parse_args(argv)
-            except SystemExit as e:         # --help, --version
-                return e.code if isinstance(e.code, int) else 0
-        path = getattr(args, "spool_sub", None) or args.spool \
-            or env.get("MYQ_SPOOL") or DEFAULT_SPOOL
-        guards = {}
-        if args.command in _GUARDS_SHOWN:
-            guards = _resolve(args, GUARD_OPTIONS, env)
-        _drop_root(path, args.command)
-        spool = open_store(path, **guards)
-        fn = _COMMAND_TABLE[args.command][0]
-        try:
-            return fn(_Call(args, spool, guards, env)) or 0
-        finally:
-            if not own:
-                # a caller's main(argv) goes on after it: what the command
-                # opened (the SQLite store's connection: a cycle that only
-                # a full collection would close) is closed now; a process
-                # of its own leaves that to its exit
-                spool.close()
-    except MyqError as e:
-        msg = str(e).replace("\n", " ")
-        sys.stderr.write("myq: %s\n" % msg)
-        return e.code
-    except BrokenPipeError:
-        # `myq list | head -1`: the reader has what it wanted.  Python
-        # would complain again when it flushes stdout at exit.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        except OSError:
-            pass
-        return 0
-    except OSError as e:
-        where = (" (%s)" % e.filename) if getattr(e, "filename", None) else ""
-        sys.stderr.write("myq: %s%s; nothing was changed by the failing step, "
-                         "try again\n" % (e.strerror or e, where))
-        return EX_TEMPFAIL
-    except KeyboardInterrupt:
-        return 130
 
 
 # Intake: HTTP ################################################################
@@ -19405,6 +19143,310 @@ _COMMAND_TABLE["install"] = (
     _cmd_install, _args_install,
     "lay out this file as an installed myq: the module and its bytecode, the "
     "launcher, the init script and its settings")
+
+
+# The process image ###########################################################
+
+
+
+def _worker_start(python=None, cached=False):
+    """argv that starts this very file as a worker process (`cached`: for
+    _run_from_cache, whose .pyc is fresh, written before the exec)."""
+    me = os.path.abspath(__file__)
+    if not me.endswith(".py"):          # /usr/bin/myq is myq.py itself
+        return [python or sys.executable, me]
+    # Loaded as a module, by its path, so that the workers use its cached
+    # .pyc (a script is compiled at every start, and the compiler's memory
+    # stays in the worker's heap); its directory takes the place of the
+    # current one on sys.path, as for a script.  The .pyc only where
+    # _trusted_cache says so, checked by the new process itself (its own
+    # user, at its start): else myq.py is compiled from its source, as a
+    # script would be, and the heap given back as after a script's compile.
+    return [python or sys.executable, "-c", "import sys\n"
+            "if sys.path[:1] == ['']:\n    del sys.path[0]\n"
+            "sys.path.insert(0, %r)\n"
+            "import importlib.util as u\n"
+            "%s"
+            "s = u.spec_from_file_location('myq', %r)\n"
+            "m = sys.modules['myq'] = u.module_from_spec(s)\n"
+            "%s"
+            "if not s.cached or _trusted_cache(s.origin, s.cached):\n"
+            "    s.loader.exec_module(m)\n"
+            "else:\n"
+            "    m.__cached__ = None\n"
+            "    with open(s.origin, 'rb') as f:\n"
+            "        exec(compile(f.read(), s.origin, 'exec'), m.__dict__)\n"
+            "    m._COMPILED_AT_START.append(True)\n"
+            "m._retitle_self()\n"
+            "sys.exit(m.main())\n" % (os.path.dirname(me), _TRUSTED_CACHE, me,
+                                       "m._FROM_CACHE = 1\n" if cached else "")]
+
+
+def _compiled_here():
+    """Did this process compile myq.py?  Run as a script; or imported with
+    no current .pyc (none, older than the source, or written since this
+    process started)."""
+    if _COMPILED_AT_START:
+        return True
+    if globals().get("_FROM_CACHE"):
+        return False            # _run_from_cache wrote it, then exec'd
+    pyc = globals().get("__cached__")
+    if not pyc:
+        return False            # runpy, exec: not ours to guess
+    try:
+        made = os.stat(pyc).st_mtime
+    except OSError:
+        return True
+    try:
+        if made < os.stat(__file__).st_mtime:
+            return True
+        up = time.clock_gettime(time.CLOCK_BOOTTIME)
+        ticks = proc_start(os.getpid())
+        return ticks is not None and \
+            made >= time.time() - up + ticks / float(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+# Byte code is code: a .pyc is used only where no one but us (or root) can
+# have put it or can put it: the source's directory, __pycache__/ and the
+# .pyc each ours or root's, no symlink, none writable by group or others (a
+# copy in /tmp, sticky and world-writable, must not run what another user
+# left in /tmp/__pycache__/).  What is not there yet is made by us.  Source
+# text, run here and at the start of every worker (_worker_start), before
+# myq is imported there: one check for both ways in.
+_TRUSTED_CACHE = """def _trusted_cache(me, pyc):
+    import os
+    for p in (os.path.dirname(me), os.path.dirname(pyc), pyc):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        if st.st_mode & 0o170000 == 0o120000 or st.st_mode & 0o022 \\
+                or st.st_uid not in (0, os.geteuid()):
+            return False
+    return True
+"""
+
+
+def _trusted_cache(me, pyc):
+    """_TRUSTED_CACHE's check, its text compiled when it is needed (at
+    every import it cost 0.6 M instructions, 1 % of a `myq enqueue`)."""
+    space = {}
+    exec(_TRUSTED_CACHE, space)
+    return space["_trusted_cache"](me, pyc)
+
+
+def _run_from_cache():
+    """A long-running command of myq.py run as a script: start it again in
+    this process (execv: the same pid, descriptors and words of the command
+    line) with myq.py imported, by its path, from the byte code Python
+    caches beside it (__pycache__/), written here first when missing.  The
+    new image never compiles myq.py, so it keeps none of the ~4 MiB that
+    the compile leaves fragmented in pymalloc (3.10+): its RSS is the
+    installed layout's.  Nothing happens where that cache cannot be (byte
+    code writing off and no fresh .pyc, a read-only directory, no
+    py_compile), where another user could write it (its directory, or
+    __pycache__/, or the .pyc is not ours or root's alone), or where the
+    file is not NAME.py (an installed /usr/bin/myq that is myq.py itself:
+    Python caches no byte code for it)."""
+    me = os.path.abspath(__file__)
+    if not _COMPILED_AT_START or not me.endswith(".py") or not sys.executable:
+        return
+    try:
+        import importlib.util
+        pyc = importlib.util.cache_from_source(me)
+    except (ImportError, NotImplementedError, ValueError):
+        return
+    if not _trusted_cache(me, pyc):
+        return
+    try:
+        fresh = os.stat(pyc).st_mtime >= os.stat(me).st_mtime
+    except OSError:
+        fresh = False
+    try:
+        if not fresh:
+            if sys.flags.dont_write_bytecode:
+                return
+            import py_compile
+            try:
+                os.mkdir(os.path.dirname(pyc), 0o755)   # not the umask's 775
+            except FileExistsError:
+                pass
+            py_compile.compile(me, cfile=pyc, doraise=True)
+        import subprocess
+        flags = subprocess._args_from_interpreter_flags()
+    except Exception:   # no py_compile, a read-only directory, ...
+        return
+    argv = _worker_start(cached=True)
+    argv = argv[:1] + flags + (_code_from_pipe(argv[2], flags) or argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv + sys.argv[1:])
+
+
+def _code_from_pipe(code, flags):
+    """[PATH] for _run_from_cache's new image: it reads its -c `code` as a
+    script from a pipe (PATH: /dev/fd/N), so that its command line is as
+    long as what _retitle_self then writes over it (python3 PROG WORDS),
+    none of it left over (the kilobyte of -c text stayed as NULs after the
+    words, in ps and /proc/PID/cmdline, its own and its forked workers').
+    PATH is padded with slashes to PROG's length less the `flags`'.  None
+    (the -c text, then) where no pipe can be made."""
+    try:
+        fd, w = os.pipe()
+    except OSError:
+        return None
+    try:
+        text = ("import os, sys\nos.close(%d)\nif not (sys.flags.isolated"
+                " or getattr(sys.flags, 'safe_path', 0)):\n    del sys.path[0]"
+                "\nsys.argv[0] = '-c'\n%s" % (fd, code)).encode("utf-8")
+        if os.write(w, text) != len(text):      # (a pipe holds 4 KiB at least)
+            raise OSError("short write")
+        os.set_inheritable(fd, True)
+    except (OSError, ValueError):
+        os.close(fd)
+        return None
+    finally:
+        os.close(w)
+    path = "/dev/fd/" if os.path.isdir("/dev/fd") else "/proc/self/fd/"
+    room = len(_title_prog()) - sum(len(f) + 1 for f in flags)
+    return [path + "/" * max(0, room - len(path) - len(str(fd))) + str(fd)]
+
+
+def _give_back_heap(reexec=False):
+    """A long-running command (worker, supervise) in a process that
+    compiled myq.py: with `reexec` (a worker that runs until stopped, a
+    supervisor) first _run_from_cache, which does not return where it
+    works; else give the C heap's free pages back to the system.  The
+    compiler's memory, once freed, stays in glibc's heap, pinned by what
+    was allocated after it (~13 MiB of RSS on Python 3.9+), until
+    malloc_trim(0).  Without ctypes (python3-light) or without malloc_trim
+    (musl) this does nothing, and the C library's free() alone decides.
+    What stays either way is pymalloc's arenas that the compile left
+    fragmented (~1 MiB on 3.7-3.9, ~3-4 MiB on 3.10+)."""
+    if not _compiled_here():
+        return
+    if reexec:
+        _run_from_cache()
+    try:
+        import ctypes
+        ctypes.CDLL(None).malloc_trim(0)
+    except Exception:
+        pass
+
+
+def _arg_area():
+    """(start, end, env_start, env_end): where this process's command line
+    and its first environment are in its own memory, the fields arg_start
+    to env_end of /proc/self/stat (Linux 3.5+), which /proc/PID/cmdline and
+    /proc/PID/environ read; None where they cannot be read or this process
+    cannot write its memory (/proc/self/mem)."""
+    data = _read_small("/proc/self/stat", 4096) or b""
+    fields = data.rpartition(b")")[2].split()
+    try:
+        area = tuple(int(f) for f in fields[45:49])
+        os.close(os.open("/proc/self/mem", os.O_WRONLY | O_CLOEXEC))
+    except (ValueError, OSError):
+        return None
+    return area if len(area) == 4 and 0 < area[0] < area[1] <= area[2] \
+        <= area[3] else None
+
+
+def _env_block(area, env):
+    """The environment `env` as /proc/PID/environ will read it, padded to
+    the length of the environment in `area`; None when it does not fit."""
+    out = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0"
+                   for k, v in env.items())
+    room = area[3] - area[2]
+    return out.ljust(room, b"\0") if len(out) <= room else None
+
+
+def _title(area, words, need):
+    """The command line `words` as /proc/PID/cmdline will read it, padded
+    to the length of `area` (the parent's _arg_area()): all of it, or the
+    first `need` words and as many more as fit, then "..."; None when
+    the `need` words do not fit."""
+    room = area[1] - area[0]
+    parts = [os.fsencode(w) + b"\0" for w in words]
+    out = b"".join(parts)
+    if len(out) > room:
+        out = b"".join(parts[:need])
+        if len(out) + 4 > room:
+            return None
+        for part in parts[need:]:
+            if len(out) + len(part) + 4 > room:
+                break
+            out += part
+        out += b"...\0"
+    return out.ljust(room, b"\0")
+
+
+def _retitle(area, title, env):
+    """Write `title` (of _title) over this process's command line, as ps
+    and /proc/PID/cmdline show it: a child forked by the supervisor says
+    it is a worker, not a second supervisor (the init scripts find the
+    supervisor by its command line); and `env` (of _env_block) over the
+    environment it started with, which /proc/PID/environ shows: the
+    child's own (clean) one, not the supervisor's.  Only once the C
+    library's environ points elsewhere (os.environ set anew: putenv and
+    unsetenv copy).  True when both were written."""
+    try:
+        fd = os.open("/proc/self/mem", os.O_WRONLY | O_CLOEXEC)
+        try:
+            return os.pwrite(fd, title, area[0]) == len(title) and \
+                os.pwrite(fd, env, area[2]) == len(env)
+        finally:
+            os.close(fd)
+    except (OSError, OverflowError):
+        return False
+
+
+def _retitle_self():
+    """A worker or intake started as a new interpreter (_worker_start's -c
+    text, ~1 KiB of code) shows the command line a forked one shows:
+    python3 PROG WORDS..., written over that text (the environment left
+    as it is)."""
+    area = _arg_area()
+    words = sys.argv[1:]
+    if area is None or sys.argv[:1] != ["-c"]:
+        return
+    title = _title(area, [sys.executable or "python3", _title_prog()] + words,
+                   len(words) + 2)
+    if title is not None:
+        _retitle(area, title, b"")
+
+
+def _dumpable():
+    """After root became the service user, the kernel makes this process
+    undumpable: its /proc/self/mem is root's, so a child forked from it
+    cannot _retitle and would exec a new interpreter (a kilobyte of -c
+    text in ps, none of the supervisor's pages shared).  Dumpable again
+    (prctl PR_SET_DUMPABLE) where ctypes is (not python3-light): this
+    process holds nothing of root's that the user's workers are not
+    given (the log's descriptor, the secrets in their environment)."""
+    try:
+        import _ctypes          # (ctypes itself would cost 0.8 MB, this 0.3)
+        prctl = _ctypes.dlsym(_ctypes.dlopen(None), "prctl")
+        return _ctypes.call_function(prctl, (4, 1, 0, 0, 0)) == 0
+    except Exception:           # PR_SET_DUMPABLE ^
+        return False
+
+
+def _title_prog():
+    """The program a child's title names: the file Python ran (myq.py,
+    the installed launcher), else this module's file."""
+    prog = sys.argv[0] if sys.argv else ""
+    if not prog or prog == "-c" or not os.path.isfile(prog):
+        prog = __file__
+    return os.path.abspath(prog)
+
+
+_IMAGE.update(start=_worker_start, area=_arg_area, title=_title,
+              env_block=_env_block, retitle=_retitle, dumpable=_dumpable,
+              prog=_title_prog, give_back_heap=_give_back_heap)
 
 
 # Run as a script #############################################################

@@ -97,8 +97,8 @@ class Tier(object):
     def in_spool(self, state=None):
         """The ids of the spool's own jobs (not the tier's), by list."""
         rows = []
-        for st in ([state] if state else ["ready", "scheduled", "processing",
-                                          "done", "dead"]):
+        for st in ([state] if state else ["ready", "scheduled", "held",
+                                          "processing", "done", "dead"]):
             rows += [r for r in listed(self.spool, st) if r.get("tier") != "ram"]
         return sorted(r["id"] for r in rows)
 
@@ -484,10 +484,10 @@ def test_a_held_destination_s_jobs_move_together(spool, ram, tmp_path):
                 "    raise myq.DestinationDown(None, 'the link is down')\n")
     t.start()
     try:
-        for i in range(3):                  # (the breaker's streak)
-            t.enqueue({"n": i})
-        wait_for(lambda: json.loads(ok(cli(spool, "stats", "--json")).stdout)
-                 ["held"], what="the destination held")
+        first = [t.enqueue({"n": i}) for i in range(3)]   # (the streak)
+        wait_for(lambda: "event=hold " in open(t.log).read() and
+                 t.in_spool() == sorted(first) and not t.in_ram(),
+                 what="the destination held, its streak's jobs moved")
         moved = len([l for l in open(t.log) if "event=moved" in l])
         ids = [t.enqueue({"n": i}) for i in range(10, 15)]
         assert sorted(ids) == t.in_ram()
