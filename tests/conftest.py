@@ -40,43 +40,42 @@ sys.dont_write_bytecode = _writes
 
 # The files that take longest, longest first (`make test` hands the files
 # out in this order: tests/README.md, "How `make test` is spread"): the
-# seconds of their tests in one `make test` (wall, on 2 cores loaded ~5
-# by other runs, the tests' files on the disk; only the order holds), and
+# seconds of their tests in one `make test` (wall, the tests' files on a
+# tmpfs, on 2 cores loaded ~10 by other runs: only the order holds), and
 # their CPU seconds (self and children, the file alone).  A file not
 # listed runs after these, in name order.
 LONG_FIRST = [
-    "test_initd.py",             #  82 s, 19.9 s: init script life cycles
-    "test_security_swaps.py",    #  68 s, 15.9 s: symlinks and FIFOs
-    "test_intake.py",            #  59 s, 14.5 s: HTTP and MQTT intake
-    "test_clock.py",             #  58 s,  5.9 s: clock jumps, each waits its delays
-    "test_security.py",          #  56 s, 20.8 s: root's and the owner's commands
-    "test_crashpoints.py",       #  51 s,  6.9 s: a kill at every step
-    "test_outage.py",            #  40 s,  3.4 s: a 20 s outage, then 20 s at the rate
-    "test_fast_cli.py",          #  35 s,  7.5 s: hypothesis, both parsers
-    "test_operator_setup.py",    #  34 s, 11.0 s: installs, a change of owner
-    "test_mqtt.py",              #  34 s,  7.3 s
-    "test_procd.py",             #  31 s,  8.2 s
-    "test_budget.py",            #  29 s,  5.8 s
-    "test_dist.py",              #  29 s, 10.0 s
-    "test_security_producer.py",  # 46 s (33 s of it one test, now ~8 s)
-    "test_scheduler.py",         #  27 s,  4.8 s
-    "test_intake_access.py",     #  24 s,  5.6 s
-    "test_matrix.py",            #  21 s, 13.0 s: every interpreter
-    "test_export.py",            #  20 s,  8.1 s
-    "test_breaker.py",           #  20 s,  2.5 s
-    "test_idle.py",              #  20 s,  3.0 s
-    "test_destinations.py",      #  18 s,  1.3 s
-    "test_destinations_held.py",  # 17 s,  1.7 s
-    "test_storage_faults.py",    #  17 s,  4.4 s
-    "test_flow.py",              #  16 s,  0.2 s: a batch_wait of 8 s, twice
-    "test_liveness.py",          #  16 s,  5.0 s
-    "test_sqlite.py",            #  16 s, 10.7 s
-    "test_chaos.py",             #  16 s, 14.5 s: the chaos soak
-    "test_policy.py",            #  15 s,  3.5 s
-    "test_field.py",             #  14 s,  3.7 s
-    "test_operator.py",          #  14 s,  7.5 s
-    "test_light.py",             #  14 s, 10.2 s: every interpreter, python3-light
-    "test_hostile.py",           #  13 s,  4.5 s: hypothesis
+    "test_initd.py",             # 100 s, 20.4 s: init script life cycles
+    "test_sqlite.py",            #  82 s,  9.4 s: kills at every commit
+    "test_intake.py",            #  74 s, 16.1 s: HTTP and MQTT intake
+    "test_security_swaps.py",    #  73 s, 16.5 s: symlinks and FIFOs
+    "test_operator.py",          #  61 s,  6.1 s
+    "test_clock.py",             #  60 s,  9.1 s: clock jumps, each waits its delays
+    "test_security.py",          #  56 s, 17.0 s: root's and the owner's commands
+    "test_dist.py",              #  55 s,  9.4 s
+    "test_procd.py",             #  55 s,  8.2 s
+    "test_operator_setup.py",    #  43 s, 10.4 s: installs, a change of owner
+    "test_outage.py",            #  42 s,  2.2 s: a 20 s outage, then 20 s at the rate
+    "test_fast_cli.py",          #  41 s,  6.1 s: hypothesis, both parsers
+    "test_crashpoints.py",       #  40 s,  4.8 s: a kill at every step
+    "test_light.py",             #  39 s,  9.6 s: every interpreter, python3-light
+    "test_hostile.py",           #  36 s,  2.8 s: hypothesis
+    "test_onefile.py",           #  35 s
+    "test_field.py",             #  34 s,  3.5 s
+    "test_budget.py",            #  31 s,  3.5 s
+    "test_script_start.py",      #  30 s
+    "test_policy.py",            #  29 s,  2.9 s
+    "test_scheduler.py",         #  29 s,  3.0 s
+    "test_mqtt.py",              #  28 s,  5.9 s
+    "test_operator_cli.py",      #  28 s
+    "test_export.py",            #  27 s,  5.7 s
+    "test_intake_access.py",     #  27 s,  5.3 s
+    "test_security_producer.py",  # 26 s
+    "test_chaos.py",             #  23 s, 10.9 s: the chaos soak
+    "test_breaker.py",           #  23 s,  2.1 s
+    "test_retry_dlq.py",         #  22 s
+    "test_matrix.py",            #  21 s, 12.0 s: every interpreter
+    "test_destinations.py",      #  20 s,  1.0 s
 ]
 
 

@@ -466,6 +466,10 @@ def test_messages_become_jobs_of_their_type_with_their_own_ids(spool, intake, pb
     i = intake(*subscribe_args(pbroker, "sensors/+/temp=temp", "alarms/#=alarm"))
     i.started(listen=False)
     subscribed(pbroker, i)
+    # (a session a type: the second's SUBSCRIBE may come after the first's,
+    # and a message before it is not that session's)
+    wait_for(lambda: pbroker.count("sensors/+/temp (QoS 1)") and
+             pbroker.count("alarms/# (QoS 1)"), what="both subscriptions")
     publish(pbroker.port, [("sensors/k1/temp", b'{"id": "m-1", "c": 4}'),
                            ("sensors/k1/temp", b"21.5"),
                            ("alarms/door", b"open"),
