@@ -193,7 +193,8 @@ def test_past_ram_max_the_oldest_move(spool, ram, tmp_path):
     t.start()
     try:
         ids = [t.enqueue({"n": i}) for i in range(5)]
-        wait_for(lambda: len(t.in_spool()) == 3, what="3 moved")
+        wait_for(lambda: len(t.in_spool()) == 3 and len(t.in_ram()) == 2,
+                 what="3 moved")
         assert t.in_spool() == sorted(ids[:3])      # the oldest
         assert t.in_ram() == sorted(ids[3:])
     finally:
@@ -337,18 +338,31 @@ def ext4(tmp_path):
         subprocess.call(["umount", mnt])
 
 
-def test_delivered_ram_jobs_write_nothing_to_the_flash(store, ram, tmp_path, ext4):
+@pytest.mark.parametrize("handler", ["python", "exec"])
+def test_delivered_ram_jobs_write_nothing_to_the_flash(store, ram, tmp_path,
+                                                       ext4, handler):
     """The device's sectors, counted while 40 jobs are made and delivered:
     durable=always writes for each, durable=outage nothing (the worker's
-    heartbeat aside: a lease of 10 minutes keeps it out of the window)."""
+    heartbeat aside: a lease of 10 minutes keeps it out of the window),
+    with a Python function and with an executable (its run record is the
+    RAM tier's)."""
     mnt, sectors = ext4
     written = {}
     for mode in ("always", "outage"):
         spool = os.path.join(mnt, mode)
         ok(cli(spool, "init", "--store", store))
         t = Tier(spool, ram + "-" + mode, tmp_path, durable=mode)
-        t.start("--lease", "600", "--stats-interval", "0", "--log",
+        opts = ("--lease", "600", "--stats-interval", "0", "--log",
                 str(tmp_path / (mode + ".log")))
+        if handler == "exec":
+            d = tmp_path / "handlers"
+            d.mkdir(exist_ok=True)
+            (d / "tele").write_text("#!/bin/sh\n(cat; echo) >> %s\n" % t.out)
+            (d / "tele").chmod(0o755)
+            t.proc = start_worker(spool, "--handlers", str(d), *(FAST + opts))
+            wait_for(lambda: _listening(spool), what="the worker listening")
+        else:
+            t.start(*opts)
         try:
             before = _settled(sectors)
             for i in range(40):
@@ -361,3 +375,88 @@ def test_delivered_ram_jobs_write_nothing_to_the_flash(store, ram, tmp_path, ext
             os.unlink(t.out)
     assert written["always"] > 40 * 8, written      # (the control: a block a job)
     assert written["outage"] <= 16, written
+
+
+def test_a_run_longer_than_the_bound_leaves_a_copy_in_the_spool(spool, ram,
+                                                                tmp_path):
+    """A job still running from RAM at its spill_after gets a copy in the
+    spool (a power cut then takes nothing older than the bound); its
+    success removes the copy."""
+    t = Tier(spool, ram, tmp_path, spill_after="2s")
+    block, runs = tmp_path / "block", tmp_path / "runs"
+    block.touch()
+    # (a process: the worker's loop goes on while it runs; a Python
+    # handler runs inline)
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / "tele").write_text("#!/bin/sh\necho run >> %s\nwhile [ -e %s ]; "
+                                   "do sleep 0.05; done\n" % (runs, block))
+    (handlers / "tele").chmod(0o755)
+    t.module = None
+    t.proc = start_worker(spool, "--handlers", str(handlers), *FAST)
+    wait_for(lambda: _listening(spool), what="the worker listening")
+    try:
+        jid = t.enqueue({"n": 1})
+        wait_for(runs.exists, what="the run started")
+        wait_for(lambda: jid in t.in_spool(), timeout=10, what="the copy")
+        job = [r for r in listed(spool, "scheduled") if r.get("tier") != "ram"]
+        assert [r["id"] for r in job] == [jid]       # (due at the lease's end)
+        block.unlink()
+        wait_for(lambda: jid not in t.in_spool() and not t.in_ram(),
+                 what="the copy gone with the success")
+        assert runs.read_text() == "run\n"
+    finally:
+        t.stop()
+
+
+def test_intake_answers_once_the_job_is_in_ram(spool, ram, tmp_path):
+    """The HTTP intake's 202 for a durable=outage type: the job in the RAM
+    tier (the manual says so beside the intake), not the spool."""
+    from test_intake import Intake, post, auth
+    t = Tier(spool, ram, tmp_path)
+    ok(cli(spool, "pause", "tele"))
+    t.start()
+    i = Intake(spool, tmp_path, "--listen", "127.0.0.1:0").started()
+    try:
+        status, _, answer = post(i.port, "tele", b'{"n": 1}', auth(spool))
+        assert status == 202, answer
+        assert t.in_ram() == answer["ids"] and t.in_spool() == []
+    finally:
+        i.stop()
+        t.stop()
+
+
+def test_priority_then_creation_order_across_both_tiers(spool, ram, tmp_path):
+    """One worker, both tiers waiting: the higher priority first, then
+    the earlier made, whichever tier holds it."""
+    t = Tier(spool, ram, tmp_path)
+    with open(t.module, "a") as f:
+        f.write("alarm = tele\n")
+    open(t.out + ".block", "w").close()
+    t.start()
+    try:
+        t.enqueue({"n": 0}, "alarm", "--priority", "9")     # runs, blocks
+        wait_for(lambda: t.delivered(), what="the first run")
+        t.enqueue({"n": 1}, "alarm")                        # spool, 0
+        t.enqueue({"n": 2}, "tele")                         # RAM, 0
+        t.enqueue({"n": 3}, "tele", "--priority", "5")      # RAM, 5
+        t.enqueue({"n": 4}, "alarm", "--priority", "5")     # spool, 5
+        t.enqueue({"n": 5}, "alarm")                        # spool, 0
+        assert len(t.in_ram()) == 2
+        os.unlink(t.out + ".block")
+        wait_for(lambda: len(t.delivered()) == 6, what="all delivered")
+        assert [d["n"] for d in t.delivered()] == [0, 3, 4, 1, 2, 5]
+    finally:
+        t.stop()
+
+
+def test_check_says_when_the_tier_is_not_on_a_ram_filesystem(spool, ram,
+                                                             tmp_path):
+    """After a boot where the directory is on flash (no tmpfs mounted
+    there): check names it; a worker keeps every job in the spool."""
+    Tier(spool, ram, tmp_path)
+    assert ok(cli(spool, "check")).returncode == 0
+    with open(os.path.join(spool, "ram"), "w") as f:
+        f.write(str(tmp_path / "on-flash") + "\n")
+    cp = cli(spool, "check")
+    assert cp.returncode == 1 and "not a RAM filesystem" in cp.stdout
