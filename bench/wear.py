@@ -59,7 +59,6 @@ import gzip
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
