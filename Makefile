@@ -83,8 +83,11 @@ bench-peers:
 bench-parts:
 	$(BENCH_PYTHON) bench/parts.py $(PARTS_ARGS)
 
-# bytes to disk per job and per hour of outage (root, ~40 min)
+# bytes to disk per job, RAM first against durable (bench/wear.py, ~8 min;
+# WEAR_ARGS=--ubifs: also UBIFS in a QEMU guest), per job and per hour of
+# outage (root, ~40 min)
 bench-wear:
+	$(BENCH_PYTHON) bench/wear.py $(WEAR_ARGS)
 	$(BENCH_PYTHON) bench/peers.py --skip rates,cpu $(PEERS_ARGS)
 	$(BENCH_PYTHON) bench/outage.py $(OUTAGE_ARGS)
 
