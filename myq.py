@@ -13813,16 +13813,18 @@ class _Runner(object):
         """A batch (myq(1) batches): up to n more ready jobs of lane L, within
         `limit` bytes, of the first's batch key (http: the same request)."""
         out = []
-        size = len(dumps(first.job))
+        # (sizes only under a limit: a job's size is a stat or a query)
+        size = len(dumps(first.job)) if limit else 0
         key = handler.batch_key(first.job, self)
         sp = self.spool
+        sz = 0
         while len(out) < n:
             head = self.sched._head(L, more=True)
             if head is None:
                 break
             m, name, scheduled = head
             try:
-                sz = sp.claims.size(L.sub, name)
+                sz = sp.claims.size(L.sub, name) if limit else 0
             except OSError:
                 L.cache.pop()
                 continue
