@@ -13817,7 +13817,6 @@ class _Runner(object):
         size = len(dumps(first.job)) if limit else 0
         key = handler.batch_key(first.job, self)
         sp = self.spool
-        sz = 0
         while len(out) < n:
             head = self.sched._head(L, more=True)
             if head is None:
