@@ -9503,7 +9503,8 @@ class _Runner(object):
         """A batch (myq(1) batches): up to n more ready jobs of lane L, within
         `limit` bytes, of the first's batch key (http: the same request)."""
         out = []
-        size = len(dumps(first.job))
+        # (sizes only under a limit: a job's size is a stat or a query)
+        size = len(dumps(first.job)) if limit else 0
         key = handler.batch_key(first.job, self)
         sp = self.spool
         while len(out) < n:
@@ -9512,7 +9513,7 @@ class _Runner(object):
                 break
             m, name, scheduled = head
             try:
-                sz = sp.claims.size(L.sub, name)
+                sz = sp.claims.size(L.sub, name) if limit else 0
             except OSError:
                 L.cache.pop()
                 continue

@@ -271,3 +271,35 @@ def test_no_holds_is_the_same_answer_at_each_poll_tick(myq, spool):
         assert list(first) == [] and sp.breaker.records() is first
     finally:
         sp.close()
+
+
+def test_a_batch_without_a_byte_limit_reads_no_sizes(myq, spool):
+    """batch_bytes unset: a batch's jobs are claimed without asking each
+    one's size first (a stat, or a query on SQLite: the slow flow's
+    batches paid one a job for a limit they did not have); with it, the
+    limit holds."""
+    sp = myq.open_store(spool)
+    sp.set_policy("b", {"batch": 10})
+    sp.enqueue_many([{"type": "b", "payload": i} for i in range(10)])
+    got = []
+    w = myq.Worker(spool, handlers={"b": lambda jobs: got.append(len(jobs))},
+                   log=quiet_log(), poll=0.05, jitter=0)
+    sizes = []
+    real = w.spool.claims.size
+
+    def size(sub, name):
+        sizes.append(name)
+        return real(sub, name)
+    w.spool.claims.size = size
+    assert w.run(drain=True) == 0
+    w.spool.close()
+    assert got == [10] and sizes == []
+    sp.set_policy("b", {"batch": 10, "batch_bytes": 300})
+    sp.enqueue_many([{"type": "b", "payload": "x" * 100} for i in range(4)])
+    sp.close()
+    got[:] = []
+    w = myq.Worker(spool, handlers={"b": lambda jobs: got.append(len(jobs))},
+                   log=quiet_log(), poll=0.05, jitter=0)
+    assert w.run(drain=True) == 0
+    w.spool.close()
+    assert sum(got) == 4 and max(got) < 4, got
