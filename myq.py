@@ -9839,11 +9839,11 @@ class Uplink(object):
         runs wait their turns in order (a larger send is not passed for
         ever by smaller ones that fit in what it leaves), `later` ones (a
         backlog's, myq(1) policy `order`) behind every other: live data
-        waits for no backlog send queued before it, only for its bytes.  The run's time
-        limit moves on by each wait before it is waited (the worker's
-        clock of the run must not end it meanwhile): pacing is not the
-        job's time.  A run stopped meanwhile (released at the end of a
-        shutdown's grace, timed out) sends nothing: RetryLater."""
+        waits for no backlog send queued before it, only for its bytes.
+        The run's time limit moves on by each wait before it is waited
+        (the worker's clock of the run must not end it meanwhile): pacing
+        is not the job's time.  A run stopped meanwhile (released at the
+        end of a shutdown's grace, timed out) sends nothing: RetryLater."""
         cond, start = self._cond, _mono()
         with cond:
             self._seq += 1
