@@ -3,7 +3,7 @@
 lag and the backlog's drain under the uplink's cap, time-compressed.
 
     python3 tests/soak/outage3h.py [--store files|sqlite] [--hours 3]
-        [--rate 10] [--cap 16K/s] [--live-s 90] [--speed 400] [--dir DIR]
+        [--rate 10] [--cap 32K/s] [--live-s 90] [--speed 300] [--dir DIR]
     make soak-3h
 
 The goal: live p99 lag <= 2 x batch_wait while the backlog drains at
@@ -493,7 +493,8 @@ def main(argv=None):
     p.add_argument("--hours", type=float, default=3.0)
     p.add_argument("--rate", type=float, default=10.0,
                    help="readings a second, through the outage and after")
-    p.add_argument("--cap", default="16K/s", help="the worker's --uplink-rate")
+    p.add_argument("--cap", default="32K/s",
+                   help="the worker's --uplink-rate (the soak's)")
     p.add_argument("--live-s", type=float, default=90.0,
                    help="seconds of live readings after the link is back")
     p.add_argument("--speed", type=float, default=300.0,
