@@ -5,7 +5,7 @@ SPOOL  ?= $(CURDIR)/demo
 PREFIX ?= /usr
 DESTDIR ?=
 
-.PHONY: demo test test-fast test-sqlite lint bench bench-peers bench-parts bench-wear bench-cpu bench-cpu-startup bench-flow bench-device bench-idle dist docs install uninstall embed clean soak soak-bridge
+.PHONY: demo test test-fast test-sqlite lint bench bench-peers bench-parts bench-wear bench-cpu bench-cpu-startup bench-flow bench-device bench-idle dist docs install uninstall embed clean soak soak-bridge soak-3h
 
 # A real run: a demo spool, three jobs (one fails into the DLQ), one worker.
 demo:
@@ -163,3 +163,8 @@ soak:
 soak-bridge:
 	@if [ "$$(id -u)" != 0 ]; then echo "soak-bridge: cannot run here: needs root (network namespaces, a loop mount)"; exit 0; fi; \
 	$(SOAK_PYTHON) tests/soak/bridge.py $(BRIDGE_ARGS)
+
+# After a 3-hour outage, time-compressed (~2.5 minutes, no root; tests/soak/README.md
+# "The 3-hour outage"): live lag and the backlog's drain under the cap.
+soak-3h:
+	$(SOAK_PYTHON) tests/soak/outage3h.py $(SOAK_3H_ARGS)

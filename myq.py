@@ -3230,6 +3230,10 @@ class Claims(object):
         """Lane `L`'s cache of its `n` earliest waiting jobs."""
         self._abstract()
 
+    def look_live(self, L, n):
+        """A live-first lane's arrivals while a pass over it is open (only
+        a store whose scan makes passes has any to read)."""
+
     def lanes_key(self, poked=False):
         """(key, racy): what changes when the set of lanes does."""
         self._abstract()
@@ -4025,6 +4029,31 @@ class FileClaims(Claims):
         L.cache_full = len(best) >= n or L.sweep is not None
         L.dirty = False
         L.next_due = None
+
+    def look_live(self, L, n):
+        """A live-first lane's live jobs put in its cache while a pass over
+        it is open (a deep backlog, read N at a time): the pass reaches
+        arrivals only at its end, minutes on after an outage of hours, and
+        live jobs waited for it.  The whole directory is read by name: a
+        name that myq made says when its job was made (no stat), another
+        name is stat'ed for its mtime; the n earliest live ones join the
+        cache, and the pass goes on."""
+        import heapq
+        now = _now()
+        cut = L.order.live_cut(now)
+        ms = "%013d" % int(cut * 1000)
+
+        def young(it):
+            for e in it:
+                stem = e.name[:-5]
+                if not _is_generated_id(stem) or stem[:13] >= ms:
+                    yield e
+        inc = self.spool.d(L.sub)
+        bad, nread = [], [0]
+        live = heapq.nsmallest(n, (e for e in _job_entries(
+            young(_scandir(inc)), inc, now, bad, nread) if cut <= e[0] <= now))
+        if live:
+            L.cache = sorted(set(L.cache).union(live), reverse=True)
 
     def queued(self, jid):
         return any(_lexists(self.spool.d(sub, jid + ".json"))
@@ -8115,38 +8144,55 @@ class Uplink(object):
         self.budget = self.rate * self.window
         self._cond = threading.Condition(threading.Lock())
         self._sent = []         # [(monotonic time, bytes)], oldest first
+        self._next = 0.0        # the next send not before (monotonic): paced
         self._turns, self._seq = [], 0      # the runs that wait, in order
+        self._later = set()     # of them, a backlog's (they wait behind live)
         self.waited = 0.0       # seconds runs waited, in all (tests, bench)
         self.on_sent = None     # f(run, bytes) at each booking (the forecast)
 
     def _delay(self, n, now):
-        """0 when n bytes may go now (then booked), else how long until."""
+        """0 when n bytes may go now (then booked), else how long until.
+        Sends are paced at the rate (the next after n bytes not before n /
+        rate), not sent in a burst each time the window empties: a run
+        waits one send's time, not the window's (live data behind a
+        backlog, myq(1) policy `order`)."""
         sent = self._sent
         while sent and sent[0][0] <= now - self.window:
             sent.pop(0)
         used = sum(b for _, b in sent)
-        if not sent or used + n <= self.budget:
+        if not sent or (used + n <= self.budget and now >= self._next):
             sent.append((now, n))
+            self._next = now + n / self.rate
             return 0.0
+        if used + n <= self.budget:
+            return max(0.001, self._next - now)
         for t, b in sent:       # the first moment enough has left the window
             used -= b
             if used + n <= self.budget or used <= 0:
                 return max(0.001, t + self.window - now)
         return max(0.001, sent[-1][0] + self.window - now)
 
-    def wait(self, n, run=None):
+    def wait(self, n, run=None, later=False):
         """Wait until n bytes may go, book them; the seconds waited.  The
         runs wait their turns in order (a larger send is not passed for
-        ever by smaller ones that fit in what it leaves).  The run's time
-        limit moves on by each wait before it is waited (the worker's
-        clock of the run must not end it meanwhile): pacing is not the
-        job's time.  A run stopped meanwhile (released at the end of a
-        shutdown's grace, timed out) sends nothing: RetryLater."""
+        ever by smaller ones that fit in what it leaves), `later` ones (a
+        backlog's, myq(1) policy `order`) behind every other: live data
+        waits for no backlog send queued before it, only for its bytes.
+        The run's time limit moves on by each wait before it is waited
+        (the worker's clock of the run must not end it meanwhile): pacing
+        is not the job's time.  A run stopped meanwhile (released at the
+        end of a shutdown's grace, timed out) sends nothing: RetryLater."""
         cond, start = self._cond, _mono()
         with cond:
             self._seq += 1
             me = self._seq
-            self._turns.append(me)
+            turns = self._turns
+            if later:
+                self._later.add(me)
+                turns.append(me)
+            else:
+                turns.insert(next((i for i, t in enumerate(turns)
+                                   if t in self._later), len(turns)), me)
             try:
                 while True:
                     d = 0.5 if self._turns[0] != me else \
@@ -8164,6 +8210,7 @@ class Uplink(object):
                         run.deadline -= max(0.0, t0 + d - _mono())
             finally:
                 self._turns.remove(me)
+                self._later.discard(me)
                 cond.notify_all()
             if run is not None and self.on_sent is not None:
                 self.on_sent(run, n)
@@ -8964,12 +9011,14 @@ class _Scheduler(object):
                 restarted = True
                 continue
             if L.order is not None:
-                if L.dirty and L.sweep is None and not forced and \
-                        _mono() >= L.order.look:
+                if L.dirty and not forced and _mono() >= L.order.look:
                     forced = True       # live jobs come at the end: read
                     took = _mono()      # what came since (the earliest
-                    self._rescan(L)     # alone do not need it), in at
-                    L.order.looked(_mono() - took)  # most 5 % of the time
+                    if L.sweep is None:     # alone do not need it), in at
+                        self._rescan(L)     # most 5 % of the time; a pass
+                    else:                   # open: beside it
+                        self.spool.claims.look_live(L, self.scan_cache)
+                    L.order.looked(_mono() - took)
                     continue
                 return L.order.head(L, _now(), rules, more, self._no_wait)
             return L.cache[-1]
@@ -15423,6 +15472,9 @@ class _TieredClaims(object):
     def scan(self, L, n, tick):
         return (self.ram if L.sub[:4] == "ram:" else self.own).scan(L, n, tick)
 
+    def look_live(self, L, n):
+        return (self.ram if L.sub[:4] == "ram:" else self.own).look_live(L, n)
+
     def lane_key(self, L):
         return (self.ram if L.sub[:4] == "ram:" else self.own).lane_key(L)
 
@@ -15985,7 +16037,7 @@ def _http_send(method, url, data, hdrs, headers, t, backoff_max, run, pool,
         data = _gzip(data)
         hdrs = dict(hdrs, **{"Content-Encoding": "gzip"})
     if pool.uplink is not None:     # --uplink-rate: the bytes that go
-        pool.uplink.wait(len(data or b""), run)
+        pool.uplink.wait(len(data or b""), run, later="X-Myq-Backlog" in hdrs)
     deadline = _mono() + t
     if run is not None:
         deadline = min(deadline, run.deadline)

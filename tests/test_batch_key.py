@@ -15,10 +15,8 @@ import signal
 import subprocess
 import sys
 
-from _core import (FAST, ROOT, call_myq, clean_env, ls, run_myq, start_worker,
-                   wait_for)
+from _core import FAST, ROOT, call_myq, clean_env, ls, run_myq, start_worker
 from _http import answer, http_servers  # noqa: F401  (a fixture)
-from _procs import wait_gone
 
 import myq
 
