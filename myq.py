@@ -10757,6 +10757,12 @@ class Worker(object):
         now = _mono()
         if now >= self._next_beat:
             self._heartbeat()
+        if self._next_settle is not None and now >= self._next_settle:
+            # the store's turn goes on while a run takes its time (a RAM
+            # tier's bound: jobs behind a stalled request move all the
+            # same); a second not to come in again, if cut short
+            self._next_settle = now + 1.0
+            self._settle()
         if now >= run.deadline:
             self.runner._inline = None
             run.timed_out = True

@@ -498,3 +498,24 @@ def test_a_held_destination_s_jobs_move_together(spool, ram, tmp_path):
                  what="one move of the five (its log line)")
     finally:
         t.stop()
+
+
+def test_jobs_behind_a_stalled_run_move_at_their_bound(spool, ram, tmp_path):
+    """A run that takes its time in the worker's own thread (a Python
+    function, an http request: inline) does not keep the jobs behind it
+    in RAM past their spill_after: they move, and the running one gets its
+    copy (the power cuts' stalled link found it)."""
+    t = Tier(spool, ram, tmp_path, spill_after="2s")
+    open(t.out + ".block", "w").close()
+    t.start()
+    try:
+        a = t.enqueue({"n": 1})
+        wait_for(lambda: t.delivered(), what="the run started")
+        b, c = t.enqueue({"n": 2}), t.enqueue({"n": 3})
+        wait_for(lambda: {a, b, c} <= set(t.in_spool()), timeout=10,
+                 what="the two behind it moved, the running one copied")
+        assert os.path.exists(t.out + ".block")     # (still running)
+    finally:
+        if os.path.exists(t.out + ".block"):
+            os.unlink(t.out + ".block")
+        t.stop()
