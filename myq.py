@@ -1411,6 +1411,19 @@ def boot_id():
     return _BOOT_ID
 
 
+def boot_time():
+    """When this boot began, on the wall clock (/proc/stat's btime), or
+    None."""
+    data = _read_small("/proc/stat", 1 << 16) or b""
+    for line in data.split(b"\n"):
+        if line.startswith(b"btime "):
+            try:
+                return float(line.split()[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
 def proc_start(pid, living=False):
     """The process's start time in clock ticks since boot (field 22 of
     /proc/PID/stat), or None when there is no such process (or no /proc);
@@ -3426,8 +3439,16 @@ class Claims(object):
         enqueue that a crash or power cut ended before it returned: its
         rename came before its fsync).  It holds no job, so nothing is lost
         and nothing is quarantined: it waits a minute (its mtime then, on
-        purpose), and at its next look, still empty, it is removed."""
-        if scheduled:
+        purpose), and at its next look, still empty, it is removed; at
+        once when it was made before this boot (no producer can still be
+        writing it: a batch a power cut ended, a RAM tier's move among
+        them, whose waiting minute a cut can take again and again)."""
+        try:
+            made = _lstat(path).st_mtime
+        except OSError:
+            made = None
+        boot = boot_time()
+        if scheduled or made is not None and boot and made < boot - 5:
             _unlink(path)
             self.spool.log("removed", file=name, why="empty: nothing was written in "
                      "it (an enqueue that a crash or power cut ended before it "
@@ -13519,8 +13540,10 @@ class _SqlClaims(Claims):
 
     def _empty(self, path, name, st):
         """An empty file in the drop box (Claims._unwritten): put back for a
-        minute (its mtime, on purpose), then removed, never quarantined."""
-        if st.st_mtime <= st.st_ctime:
+        minute (its mtime, on purpose), then removed, never quarantined;
+        at once when made before this boot (no producer writes it now)."""
+        boot = boot_time()
+        if st.st_mtime <= st.st_ctime and not (boot and st.st_mtime < boot - 5):
             until = _now() + 60
             _utime(path, until)
             self.spool.log("deferred", file=name, until=iso(until),

@@ -156,6 +156,26 @@ def test_an_empty_file_waits_then_goes_never_quarantined(myq, spool, monkeypatch
     assert "empty" in text
 
 
+def test_an_empty_file_made_before_this_boot_goes_at_once(myq, spool):
+    """No producer can still be writing a file older than the boot: a
+    batch (a RAM tier's move) that a power cut ended.  Its waiting minute
+    is a change a later cut can take again, so it goes at once (the power
+    cuts found such files left for good)."""
+    boot = myq.boot_time()
+    if not boot:
+        pytest.skip("no btime in /proc/stat")
+    path = write_incoming(spool, "cut.json", None, raw=b"\0" * 300)
+    os.utime(path, (boot - 100, boot - 100))
+    log = os.path.join(spool, "..", "w.log")
+    w = myq.Worker(spool, handlers={"t": lambda job: None},
+                   log=myq.Log(path=log))
+    assert w.run(drain=True) == 0
+    assert ls(spool, "incoming") == [] and ls(spool, "failed") == []
+    with open(log) as f:
+        text = f.read()
+    assert "event=removed" in text and "event=deferred" not in text, text
+
+
 def test_an_empty_file_written_within_the_minute_runs(myq, spool, monkeypatch):
     write_incoming(spool, "late.json", None, raw=b"")
     ran = []
