@@ -2035,7 +2035,7 @@ def _lane_of(name):
     stem, at, p = name.partition("@")
     return (stem, p) if at and p in _LANE_PRIORITIES and _is_name(stem) else None
 _LANE_KEYS = ("max_queued", "max_bytes", "paused", "concurrency", "rate",
-              "batch", "order")
+              "batch", "order", "durable")
 _RATE_RE = _Pattern(r"\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(ms|s|m|h|d)\s*\Z")
 SANE_TIME = 1577836800.0    # 2020-01-01: a clock before it was never set
 SPOOL_POLICY = "@spool"     # the policy file's entry of the spool's own rules
@@ -2209,6 +2209,15 @@ UPLINK = Kind(parse_uplink, "SIZE/s such as 16K/s (or /m, /h)", "SIZE/s",
               lambda v: "%s/s" % _format_size(int(v)) if v else "none")
 
 
+def _parse_ram_max(v):
+    """ram_max: a number of jobs (1000), or a size with its unit (1M)."""
+    if v.__class__ is int or isinstance(v, str) and v.strip().isdigit():
+        return parse_int(v, 1, 10 ** 6)
+    if not isinstance(v, str) or not v.strip()[-1:].isalpha():
+        raise ValueError(v)
+    return _format_size(parse_size(v))
+
+
 class Policy(object):
     """The per-type rules (myq(1) policy): its keys, each one Kind of value (the
     kinds the command line's options are, where they are the same), and
@@ -2257,6 +2266,14 @@ class Policy(object):
                               "such as 50 or 50% (default 50)",
                               show=lambda v: "%d%%" % v),
         "envelope": BOOL,
+        "durable": Kind(_choice("always", "outage"), "always (the default: "
+                        "on the spool's filesystem first) or outage (RAM "
+                        "first: myq --spool DIR init --ram RAMDIR)"),
+        "spill_after": Kind(lambda v: _whole(parse_seconds(v, True, 1e10)),
+                            "a duration > 0 such as 10s (default 10s)",
+                            show=_format_duration),
+        "ram_max": Kind(_parse_ram_max, "a number of jobs such as 1000, or a "
+                        "size with its unit such as 1M (defaults 1000 and 1M)"),
     }
 
     # The spool's own rules, kept in the same file under SPOOL_POLICY (a
@@ -2589,6 +2606,22 @@ class Store(object):
 
     def upkeep_budget(self, now):
         """A worker's turn of the budget's upkeep (store.budget's)."""
+        self._abstract()
+
+    # A RAM tier (myq(1) RAM FIRST) -----------------------------------------
+
+    def worker_lanes(self):
+        """The lanes a worker looks into: lanes(), and its RAM tier's."""
+        self._abstract()
+
+    def make_tiers(self):
+        """At a worker's start: its RAM tier made (after a boot: empty)."""
+        self._abstract()
+
+    def settle(self, final=False):
+        """A worker's turn of what the store does on its own (a RAM tier's
+        moves to the spool; `final`: the worker stops): the monotonic
+        time of the next, or None."""
         self._abstract()
 
 
@@ -3062,6 +3095,8 @@ class Claims(object):
     # changes the directory's time)?  The scheduler then knows its own
     # claim's change from a producer's (_Scheduler._lane_claim).
     claim_changes_key = False
+    # Do finished claims wait for commit() to move (a RAM tier's)?
+    owed = False
 
     def __init__(self, spool):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
@@ -3928,8 +3963,15 @@ class _Producing(object):
 
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
                 timeout=None, sync=True, priority=None, ttl=None):
-        """Add one job; returns its id.  Durable when it returns (sync)."""
+        """Add one job; returns its id.  Durable when it returns (sync),
+        unless its type is durable=outage and the RAM tier takes it."""
         self.require()
+        if self.ram is not None and self._to_ram(type, id):
+            try:
+                return self.ram.enqueue(type, payload, id, delay, max_attempts,
+                                        timeout, False, priority, ttl)
+            except (SpoolFull, SpoolBusy, ConfigError):
+                pass                # (RAM full, or gone: the spool takes it)
         job = new_job(type, payload, id, delay, max_attempts, timeout, _now(),
                       priority, ttl)
         todo = self._prepared(job, id is not None, delay or 0)
@@ -3942,6 +3984,11 @@ class _Producing(object):
         journal commit (_enqueue).  All are validated before any is
         written; jobs placed before an error stay queued."""
         self.require()
+        if self.ram is not None:
+            return self._many_via_ram(specs, sync)
+        return self._enqueue_many(specs, sync)
+
+    def _enqueue_many(self, specs, sync):
         now = _now()
         todo = []
         for spec in specs:
@@ -3950,6 +3997,39 @@ class _Producing(object):
             job = new_job(spec.pop("type", None), now=now, **spec)
             todo.append(self._prepared(job, explicit, spec.get("delay") or 0))
         return self._enqueue(todo, sync)
+
+    def _to_ram(self, type, jid=None):
+        """Does a new job of `type` (id `jid`, when given) go to the RAM
+        tier?  Its type is durable=outage, a worker listens, and its id
+        is not the spool's already."""
+        try:
+            rules = self.rules(type)
+        except (MyqError, TypeError):
+            return False            # (said where the job is refused)
+        return rules.get("durable") == "outage" and self.ram.usable() and \
+            not (jid is not None and self.find_id(jid))
+
+    def _many_via_ram(self, specs, sync):
+        """enqueue_many on a spool with a RAM tier: the jobs of
+        durable=outage types to RAM, the rest (and those RAM refuses) to
+        the spool; their ids in the order of `specs`."""
+        specs = list(specs)
+        ids = [None] * len(specs)
+        ram = [i for i, s in enumerate(specs)
+               if isinstance(s, dict) and self._to_ram(s.get("type"), s.get("id"))]
+        if ram:
+            try:
+                for i, jid in zip(ram, self.ram.enqueue_many(
+                        [specs[i] for i in ram], False)):
+                    ids[i] = jid
+            except (SpoolFull, SpoolBusy, ConfigError):
+                pass                # (the spool takes them)
+        rest = [i for i in range(len(specs)) if ids[i] is None]
+        if rest:
+            for i, jid in zip(rest, self._enqueue_many(
+                    [specs[i] for i in rest], sync)):
+                ids[i] = jid
+        return ids
 
     def _prepared(self, job, explicit, delay):
         """(job, its bytes, explicit id, delay, its directory) for _enqueue;
@@ -4487,6 +4567,14 @@ class _Upkeep(object):
                 missing.append(jid)
                 continue
             n += r
+        if missing and self.ram is not None:     # (the RAM tier's)
+            still = []
+            for jid in missing:
+                try:
+                    n += self.ram.delete([jid], force)
+                except NoSuchJob:
+                    still.append(jid)
+            missing = still
         if missing:
             raise NoSuchJob("no job %s in %s" % (", ".join(missing), self.path))
         return n
@@ -5487,6 +5575,21 @@ class _Reading(object):
                         % (jid, self.path, self.path))
 
     def show(self, jid):
+        try:
+            return self._show(jid)
+        except NoSuchJob:
+            if self.ram is None:
+                raise
+            try:
+                job = self.ram.show(jid)
+            except NoSuchJob:
+                raise NoSuchJob("no job %s in %s or its RAM tier %s; see: myq "
+                                "--spool %s list" % (jid, self.path,
+                                                     self.ram.path, self.path))
+            job["tier"] = "ram"
+            return job
+
+    def _show(self, jid):
         for _ in range(5):
             state, path = self.locate(jid)
             try:
@@ -5570,7 +5673,26 @@ class _Reading(object):
         if state is not None and state not in STATES + ("held",):
             raise UsageError("unknown state %r; one of: %s" % (
                 state, " ".join(STATES + ("held",))))
+        if self.ram is not None:
+            return _chain(self._rows(state), self._ram_rows(state))
         return self._rows(state)
+
+    def _ram_rows(self, state):
+        """list's rows of the RAM tier's waiting and running jobs."""
+        if state in (None, "ready", "scheduled", "processing"):
+            for row in self.ram._rows(state):
+                if row["state"] in ("ready", "scheduled", "processing"):
+                    row["tier"] = "ram"
+                    yield row
+
+    def export(self, states=(), type=None, skip=None):
+        """myq export's jobs: the store's (backlog.export), then its RAM
+        tier's waiting and running ones."""
+        jobs = self.backlog.export(states, type, skip)
+        if self.ram is None:
+            return jobs
+        return _chain(jobs, (j for j in self.ram.backlog.export(
+            states, type, skip) if j["state"] not in ("done", "dead")))
 
     def _rows(self, state):
         now = _now()
@@ -5654,6 +5776,35 @@ class _Reading(object):
                 "destinations": self.dest_states(now)}
         out["dropped_by"] = self.budget.dropped_by(tot)
         out.update(self.budget.capacity(now, types))
+        if self.ram is not None:
+            self._ram_stats(out, now)
+        return out
+
+    def _ram_stats(self, out, now):
+        """stats of a spool with a RAM tier: its waiting and running jobs
+        counted with the spool's, `ram` (how many it holds: what a power
+        cut would take now at most) and `ram_bound_s` (the loss bound: the
+        longest spill_after of a durable=outage type)."""
+        ready, scheduled, oldest, processing = self.ram._counts(now)[:4]
+        out["ready"] += ready
+        out["scheduled"] += scheduled
+        out["processing"] += processing
+        if oldest and ready:
+            out["oldest_ready_s"] = max(out["oldest_ready_s"],
+                                        int(max(0, now - oldest)))
+        out["ram"] = ready + scheduled + processing
+        out["ram_bound_s"] = -int(-self.ram_bound() // 1)
+
+    def ram_bound(self):
+        """The longest spill_after of the durable=outage types (0: none)."""
+        pol = self.policy()
+        out = 0.0
+        for t in pol:
+            if t == SPOOL_POLICY:
+                continue
+            rules = pol[t] if t == "*" else self.rules(t)
+            if rules.get("durable") == "outage":
+                out = max(out, ram_rules(rules)[0])
         return out
 
     def dest_states(self, now=None):
@@ -6633,6 +6784,7 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
         self.policy_error = None
         self.intake = False     # _claim moved a producer's file to its lane
         self.lane_problems = {}     # lane -> why the door refused it
+        self.ram = None         # its RAM tier (RamStore), when it has one
         self.breaker = Breaker(self)
         self.claims = self.CLAIMS(self)
         self.budget = self.BUDGET(self)
@@ -6658,12 +6810,50 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
     def upkeep_budget(self, now):
         return self.budget.upkeep_budget(now)
 
+    def worker_lanes(self):
+        lanes = self.lanes()
+        if self.ram is None:
+            return lanes
+        lanes = lanes + [(0, None, "ram:incoming")] + [
+            (p, t, "ram:" + sub) for p, t, sub in self.ram.lanes()]
+        lanes.sort(key=lambda l: -l[0])
+        return lanes
+
+    def set_ram(self, path, owner=None):
+        """myq init --ram DIR: the spool's RAM tier in DIR, which must be
+        on a RAM filesystem (ConfigError); "": none."""
+        if not path:
+            _quiet_unlink(self.d(RAM_FILE))
+            return
+        path = os.path.abspath(path)
+        if "\n" in path:
+            raise UsageError("--ram takes a directory's path (no newline)")
+        RamStore(path, self, self.log).make(owner)
+        _replace(self.d(RAM_FILE), (path + "\n").encode("utf-8"), sync=True,
+                 mode=0o644)
+
+    def make_tiers(self):
+        if self.ram is None:
+            return
+        try:
+            self.ram.make()
+        except ConfigError as e:
+            # (/tmp not a tmpfs on this boot: the spool takes every job)
+            self.log("error", during="ram", error="%s; the RAM tier is not "
+                     "used" % e)
+            self.claims, self.ram = self.claims.own, None
+
+    def settle(self, final=False):
+        return None if self.ram is None else self.ram.spill(final)
+
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
         it for the relative parts every caller passes (it runs per job)."""
         for p in parts:
             if p[:1] == "/":
                 return os.path.join(self.path, *parts)
+        if parts and parts[0][:4] == "ram:" and self.ram is not None:
+            return self.ram.d(*parts)           # (a lane of the RAM tier)
         return self._pre + "/".join(parts) if parts else self.path
 
 
@@ -7077,7 +7267,9 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
                 "expired", "rejected", "removed", "refused")) + " paused=%s held=%s" % (
             _few(s["paused"]), _few([_plain(h["dest"], _FIELD) for h in s["held"]])) + \
             " capacity_s=%s" % (s["outage_capacity_s"] if s["outage_capacity_s"]
-                                is not None else "-")
+                                is not None else "-") + (
+            " ram=%d ram_bound_s=%d" % (s["ram"], s["ram_bound_s"])
+            if "ram" in s else "")
 
     def retries_1m(self, now=None):
         now = _now() if now is None else now
@@ -7362,6 +7554,456 @@ class FileStore(_DirStore):
 _STORES["files"] = FileStore
 
 
+# The RAM tier ################################################################
+#
+# myq(1) RAM FIRST: a type of `durable=outage` stays in RAM until it must
+# wait.  `myq init --ram DIR` gives the spool a second file store in DIR, a
+# directory on a RAM filesystem (SPOOL/ram names it): the same layout, the
+# same claims, no fsync.  The spool's store holds it as `store.ram`, and its
+# claims as the RAM side of `store.claims` (_TieredClaims): a worker's lanes
+# are the spool's and the RAM tier's ("ram:" before the lane's name), and it
+# does not know which holds a job.  A job leaves RAM for the spool, id,
+# attempts, priority and created_at kept, one durable commit for many
+# (RamStore.move): when a run of it fails or its destination is held (the
+# claims' move_on and put_back), when it waited its type's `spill_after`,
+# past `ram_max`, and when its worker stops (RamStore.spill, each turn of a
+# worker: Store.settle).  A power cut loses what RAM held: jobs made within
+# the last `spill_after` (never more than `ram_max`); a killed worker
+# nothing (the files outlive it, and the next worker takes its claims back).
+
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+RAM_FILE = "ram"                # SPOOL/ram: the RAM tier's directory
+SPILL_AFTER, RAM_MAX_JOBS, RAM_MAX_BYTES = 10.0, 1000, 1 << 20
+
+
+def fs_type(path):
+    """The type of the filesystem that holds `path` ("tmpfs", "ext4", ...):
+    the deepest mount point above it in /proc/self/mountinfo; None when
+    that cannot be read."""
+    real = os.path.realpath(path)
+    best, kind = None, None
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if "-" not in parts[6:] or len(parts) < 9:
+            continue
+        mp = parts[4]
+        while "\\0" in mp:        # (\040: a space, as mountinfo escapes it)
+            i = mp.index("\\0")
+            mp = mp[:i] + chr(int(mp[i + 1:i + 4], 8)) + mp[i + 4:]
+        under = real == mp or real.startswith(mp.rstrip("/") + "/")
+        if under and (best is None or len(mp) >= len(best)):
+            best, kind = mp, parts[parts.index("-", 6) + 1]
+    return kind
+
+
+def ram_rules(rules):
+    """(spill_after, jobs, bytes) of a type's rules (myq(1) RAM FIRST)."""
+    most = rules.get("ram_max")
+    jobs = most if most.__class__ is int else RAM_MAX_JOBS
+    size = parse_size(most) if isinstance(most, str) else RAM_MAX_BYTES
+    return rules.get("spill_after", SPILL_AFTER), jobs, size
+
+
+class RamClaims(FileClaims):
+    """The RAM tier's claims: FileClaims in its directory, but what would
+    wait again (a retry, a put-back) or go to the dead letters moves to
+    the spool instead (RamStore.move, at the next commit: one durable
+    commit for all)."""
+
+    def __init__(self, spool):
+        FileClaims.__init__(self, spool)
+        self.moving = []            # (claim, job, dest) to move at commit
+
+    def claim(self, name, me, default_max_attempts=5, scheduled=False,
+              sub="incoming", anytime=False):
+        return FileClaims.claim(self, name, me, default_max_attempts,
+                                scheduled, _unram(sub), anytime)
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        job = dict(job)
+        if until is not None:
+            job["available_at"] = max(job["available_at"], until)
+        self.close(c)
+        self.moving.append((c, job, dest))
+        return True
+
+    def put_back(self, c, mtime):
+        job = dict(c.job)
+        job["available_at"] = mtime
+        self.close(c)
+        self.moving.append((c, job, "incoming"))
+        return True
+
+    @property
+    def owed(self):
+        return bool(self.moving)
+
+    def commit(self):
+        """The moves of the claims finished since, in one durable commit
+        (nothing of RAM's own is made durable: it cannot be)."""
+        moving, self.moving = self.moving, []
+        if moving:
+            self.spool.move([(c.path, j, d) for c, j, d in moving])
+
+    def lane_key(self, L):
+        return FileClaims.lane_key(self, L)
+
+
+class _RamBudget(FileBudget):
+    """The RAM tier's budget: nothing charged, counted or written (its
+    files cost the flash nothing; the spool's budget counts a job when it
+    moves there, the spool's rates its delivery: _DirStore.complete)."""
+
+    def charge(self, items, subs=()):
+        pass
+
+    def note_arrivals(self, counts):
+        pass
+
+    def flush_arrivals(self):
+        pass
+
+    def delivered(self, type):
+        pass
+
+    def sent(self, type, n):
+        pass
+
+    def note_delivered(self):
+        pass
+
+    def upkeep_budget(self, now):
+        pass
+
+    def budget_bytes(self):
+        return None
+
+
+def _chain(*iterables):
+    for it in iterables:
+        for x in it:
+            yield x
+
+
+def _unram(sub):
+    return sub[4:] if sub[:4] == "ram:" else sub
+
+
+class RamStore(FileStore):
+    """The RAM tier of a spool (`spool`: the spool's store): a file store
+    in a directory of a RAM filesystem, whose policy, breaker, workers'
+    records and wake-up are the spool's.  Nothing in it is fsync'd: a
+    power cut takes it whatever is done."""
+
+    store = "ram"
+    CLAIMS = RamClaims
+    BUDGET = _RamBudget
+    # (the spool's log: a worker sets it after the store is made)
+    log = property(lambda self: self.spool.log, lambda self, value: None)
+
+    def __init__(self, path, spool, log=None, **options):
+        self.spool = spool
+        FileStore.__init__(self, path, log, **options)
+        self.breaker = spool.breaker
+        self._wake = spool._wake            # (the spool's workers listen)
+        self._next_spill = 0.0              # (monotonic) when to look again
+
+    def d(self, *parts):
+        """A path in the tier; "ram:LANE" is the tier's LANE, and locks/
+        the spool's (the workers' records, the quiet lanes' marks)."""
+        if parts:
+            p = parts[0]
+            if p[:4] == "ram:":
+                parts = (p[4:],) + parts[1:]
+            elif p == "locks" and parts[1:2] != ("ok",):
+                return self.spool.d(*parts)
+        return FileStore.d(self, *parts)
+
+    def policy(self, *args, **kw):
+        return self.spool.policy(*args, **kw)
+
+    def rules(self, type):
+        return self.spool.rules(type)
+
+    def home(self, job, rules=None):
+        return self.spool.home(job, rules)
+
+    @property
+    def lane_types(self):
+        return self.spool.lane_types
+
+    @lane_types.setter
+    def lane_types(self, value):
+        pass                                # (the spool's)
+
+    def usable(self):
+        """Whether producers may put jobs here: the layout is made (a
+        worker makes it at its start: after a boot the directory is empty)
+        and a worker listens (with none, a job waits in the spool)."""
+        if not os.path.isdir(self._incoming):
+            return False
+        fd = self.spool._open_wake(None)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
+
+    def make(self, owner=None):
+        """The tier's layout (at init, and at each worker's start)."""
+        if fs_type(self.path) not in RAM_FILESYSTEMS:
+            raise ConfigError(_not_ram(self.path))
+        _Layout(self).make(owner, "files")
+
+    # Moves to the spool ---------------------------------------------------
+
+    def move(self, items):
+        """Move jobs to the spool: `items` (path in this tier, job, dest
+        "incoming" or "dlq"), in one durable commit; then their files here
+        go.  A job the spool refuses (its bound, a full disk) stays here
+        and is said; one it has already (an earlier move cut short) goes."""
+        todo, paths = [], {}
+        for path, job, dest in items:
+            job = dict(job)
+            job.pop("lease", None)
+            job.pop("state", None)
+            job["updated_at"] = _now()
+            data = dumps(job)
+            sub = self.spool.home(job) if dest == "incoming" else dest
+            delay = max(0.0, job["available_at"] - _now())
+            todo.append((job, data, True, delay, sub))
+            paths[job["id"]] = path
+        refused, placed = [], []
+        try:
+            self.spool._enqueue(todo, True, refused, placed)
+        except (SpoolFull, SpoolBusy, ConfigError, OSError) as e:
+            self.log("error", during="ram", error="%s; %d jobs stay in RAM"
+                     % (e, len(todo) - len(placed)))
+        gone = set(jid for jid, _ in placed)
+        for jid, e in refused:
+            if isinstance(e, DuplicateJob):
+                gone.add(jid)
+            else:
+                self.log("error", during="ram", job=jid, error=str(e))
+        for jid in gone:
+            _quiet_unlink(paths[jid])
+        if placed:
+            self.log("moved", jobs=len(placed), to="spool")
+        for jid, path in paths.items():
+            if jid not in gone and path.startswith(self._pre + "spill/"):
+                self._unspill(path)
+        return len(gone)
+
+    def spill(self, final=False):
+        """A worker's turn: move to the spool the waiting jobs that must
+        not wait here any longer (their spill_after, a type's ram_max, a
+        type no longer durable=outage, `final`: all), and what an earlier
+        spill left in spill/.  Returns when to look again (monotonic)."""
+        now, mono = _now(), _mono()
+        if not final and mono < self._next_spill:
+            return self._next_spill
+        soonest = mono + 1.0
+        take = []
+        holds = dict((h["dest"], h) for h in self.breaker.records())
+        for sub in self.waiting_dirs():
+            t = _lane_of(sub.rpartition("/")[2])[0] if sub != "incoming" else None
+            rules = self.rules(t) if t else {}
+            after, most, size = ram_rules(rules)
+            # (early by `lead`, and those due within `lead` with them: the
+            # bound stays whole, and a move takes several)
+            lead = min(1.0, after / 4.0)
+            keep = t is None or rules.get("durable") == "outage" and not (
+                holds and _held(t, rules, holds))
+            files = []
+            for e in _scandir(self.d(sub)):
+                if e.name.endswith(".json"):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    files.append((st.st_ctime, e.name, st.st_size))
+            files.sort()
+            total = sum(f[2] for f in files)
+            for n, (made, name, nbytes) in enumerate(files):
+                due = made + after - 2 * lead
+                over = len(files) - n > most or total > size
+                if final or not keep or over or due <= now:
+                    take.append((sub, name))
+                    total -= nbytes
+                else:
+                    soonest = min(soonest, mono + due - now)
+        for name in _listdir(self.d("spill")) if not take else ():
+            take.append(("spill", name))
+        if take:
+            self._spill(take)
+        self._next_spill = soonest
+        return soonest
+
+    def _spill(self, take):
+        """Move the files `take` ((sub, name)) to the spool: each renamed
+        into spill/ first (a claim of another worker then finds it gone),
+        read, moved in one commit."""
+        self.fs.mkdir("spill")
+        items = []
+        for sub, name in take:
+            path = self.d("spill", name)
+            if sub != "spill" and not _take(self.d(sub, name), path):
+                continue
+            try:
+                job, trailers, st = self.load(path, name[:-5])
+            except (OSError, InvalidJob) as e:
+                if not isinstance(e, OSError):
+                    self.quarantine(path, name, str(e))
+                continue
+            items.append((path, job, "incoming"))
+        if items:
+            self.move(items)
+
+    def _unspill(self, path):
+        """A job the spool refused goes back to wait here."""
+        try:
+            job = self.load(path)[0]
+            _rename(path, self.d(self.home(job), os.path.basename(path)))
+        except (OSError, InvalidJob):
+            pass
+
+
+def _held(type, rules, holds):
+    """Is every destination of `type` held (`holds`: the breaker's
+    records by destination)?"""
+    if type in holds:
+        return True
+    urls = (rules.get("url") or "").split()
+    return bool(urls) and all((url_origin(u) or type) in holds for u in urls)
+
+
+def _not_ram(path):
+    return ("%s is on %s, not a RAM filesystem (%s): the RAM tier must not "
+            "write to flash; give a directory under a tmpfs such as /tmp or "
+            "/var/run" % (path, fs_type(path) or "an unknown filesystem",
+                          " or ".join(RAM_FILESYSTEMS)))
+
+
+class _TieredClaims(object):
+    """The claims of a spool with a RAM tier: each call handed to the
+    spool's claims or the tier's, by the lane ("ram:" first) or the claim
+    (its path), what is not one or the other the spool's."""
+
+    def __init__(self, own, ram):
+        self.own, self.ram = own, ram
+        self._ram_pre = ram.spool._pre
+        self.claim_changes_key = own.claim_changes_key
+        self.batches = _TieredBatches(own.batches, ram.batches, self._ram_pre)
+
+    @property
+    def owed(self):
+        return bool(self.ram.moving)
+
+    def __getattr__(self, name):
+        return getattr(self.own, name)
+
+    def _of(self, c):
+        return self.ram if c.path.startswith(self._ram_pre) else self.own
+
+    def claim(self, name, me, default_max_attempts=5, scheduled=False,
+              sub="incoming", anytime=False):
+        return (self.ram if sub[:4] == "ram:" else self.own).claim(
+            name, me, default_max_attempts, scheduled, sub, anytime)
+
+    def complete(self, c):
+        return self._of(c).complete(c)
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        return self._of(c).move_on(c, job, dest, me, fin, until)
+
+    def put_back(self, c, mtime):
+        return self._of(c).put_back(c, mtime)
+
+    def close(self, c):
+        return self._of(c).close(c)
+
+    def extend(self, claims, until):
+        for side in (self.own, self.ram):
+            mine = [c for c in claims if self._of(c) is side]
+            if mine:
+                side.extend(mine, until)
+
+    def commit(self):
+        self.own.commit()
+        self.ram.commit()
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        return self.own.reap(me, max_attempts, dry_run) + \
+            self.ram.reap(me, max_attempts, dry_run)
+
+    def scan(self, L, n, tick):
+        return (self.ram if L.sub[:4] == "ram:" else self.own).scan(L, n, tick)
+
+    def lane_key(self, L):
+        return (self.ram if L.sub[:4] == "ram:" else self.own).lane_key(L)
+
+    def lanes_key(self, poked=False):
+        return (self.own.lanes_key(poked), self.ram.lanes_key(poked))
+
+    def maybe_lanes(self):
+        return True                 # (the tier's incoming/ is one)
+
+    def arrived(self):
+        self.own.arrived()          # (its count goes on)
+        return None                 # (the tier's lanes: by their keys)
+
+    def waits(self, rel):
+        return (self.ram if rel[:4] == "ram:" else self.own).waits(rel)
+
+    def size(self, sub, name):
+        return (self.ram if sub[:4] == "ram:" else self.own).size(sub, name)
+
+    def due(self, rel, now):
+        return (self.ram if rel[:4] == "ram:" else self.own).due(rel, now)
+
+    def queued(self, jid):
+        return self.own.queued(jid) or self.ram.queued(jid)
+
+
+class _TieredBatches(object):
+    """The batches' records of a spool with a RAM tier: a batch of RAM
+    jobs is recorded in RAM (_Batches)."""
+
+    def __init__(self, own, ram, ram_pre):
+        self.own, self.ram, self._ram_pre = own, ram, ram_pre
+
+    def note(self, claims):
+        side = self.ram if claims[0].path.startswith(self._ram_pre) else self.own
+        return side.note(claims)
+
+    def ids(self, name):
+        return self.own.ids(name) or self.ram.ids(name)
+
+    def keep(self, name):
+        self.own.keep(name)
+        self.ram.keep(name)
+
+    def end(self, name):
+        self.own.end(name)
+        self.ram.end(name)
+
+
+def _with_ram(store):
+    """The store, given its RAM tier when SPOOL/ram names one."""
+    data = _read_small(store.d(RAM_FILE), 4096)
+    path = data.decode("utf-8", "replace").strip() if data else ""
+    if path:
+        store.ram = RamStore(path, store, store.log, **dict(
+            (k, v) for k, v in store.opt.items() if k != "keep_done_max"))
+        store.ram.opt["keep_done_max"] = 100
+        store.claims = _TieredClaims(store.claims, store.ram.claims)
+    return store
+
+
 def open_store(path=None, log=None, **options):
     """The store of the spool at `path` (MYQ_SPOOL, else /var/spool/myq):
     the class _STORES names for its SPOOL/store ("files" where there is
@@ -7373,7 +8015,7 @@ def open_store(path=None, log=None, **options):
         raise ConfigError("spool %s records the store %r, which this "
                           "myq does not know (one of: %s)"
                           % (path, name, " ".join(sorted(_STORES))))
-    return _STORES[name](path, log, **options)
+    return _with_ram(_STORES[name](path, log, **options))
 
 
 class Spool(object):
@@ -12965,7 +13607,7 @@ class _Scheduler(object):
             self._dir_key, self._own_since = key, None  # (a pass sees all)
             self.dirty = True
         for L in self._lanes:
-            if L.type is not None:
+            if L is not self._top:
                 # (a lane's jobs came without a poke: _hush; a stat each)
                 k, racy = self.spool.claims.lane_key(L)
                 if k != L.key or racy:
@@ -13100,7 +13742,7 @@ class _Scheduler(object):
         else:
             poked = _drain(wake[0]) or waiting
         for L in self._lanes if poked and arrived is None else ():
-            if L.type is not None:
+            if L is not self._top:
                 # (a time that recent proves nothing: see change_key)
                 k, racy = self.spool.claims.lane_key(L)
                 if k != L.key or racy:
@@ -13110,7 +13752,7 @@ class _Scheduler(object):
         self._lanes_key = key
         have = dict((L.sub, L) for L in self._lanes)
         lanes = [self._top]
-        for p, t, sub in self.spool.lanes():
+        for p, t, sub in self.spool.worker_lanes():
             lanes.append(have.pop(sub, None) or _Lane(sub, t, p,
                                                       self.spool.d(sub)))
         have.pop(self._top.sub, None)
@@ -14510,7 +15152,7 @@ class _Finishing(object):
         """Group commit: one fsync of done/ for many jobs (a done file is
         also the job's idempotency record; a lost rename runs it again, as
         at-least-once allows)."""
-        if not self._pending:
+        if not self._pending and not self.spool.claims.owed:
             return
         try:
             self.spool.claims.commit()
@@ -14739,6 +15381,7 @@ class Worker(object):
         # the loop's timers (_loop sets them, on the monotonic clock)
         self._next_stats = self._next_reap = self._next_poll = float("inf")
         self._next_prune = self._next_full_prune = float("inf")
+        self._next_settle = None    # the store's next own turn (settle)
         self._started = 0           # jobs started by this run()
 
     @property
@@ -14771,6 +15414,7 @@ class Worker(object):
             sp.check_filesystem()
         sp._pol_next = 0.0
         sp.require_policy()         # (never the types' rules dropped unsaid)
+        sp.make_tiers()
         sp.pol_polled = True        # re-read at each poll tick, not per job
         self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
         self._pipe = os.pipe()
@@ -14820,6 +15464,7 @@ class Worker(object):
         self.finish._release_splits()
         self.finish._retry_stuck(final=True)
         self.finish._commit(final=True)
+        self._settle(final=True)
         self.resolver.close()
         if saved:
             self._restore_signals(saved)
@@ -14905,6 +15550,7 @@ class Worker(object):
         self._next_prune = self._next_full_prune = now + min(self.prune_interval,
                                                              5.0)
         self._next_poll = now + self.poll
+        self._settle()
         self._started = 0
         self.sched._no_wait = once or drain       # --once, --drain: no batch_wait
         while True:
@@ -15013,11 +15659,22 @@ class Worker(object):
                 self._next_full_prune = now + 15 * self.prune_interval
 
         self.spool.upkeep_budget(now)       # (its own timers)
+        if self._next_settle is not None and now >= self._next_settle:
+            self._settle()
         if self.finish._stuck:
             self.finish._retry_stuck()
         if not self.runs or self.finish._pending >= 64 or (
-                self.finish._pending and now - self.finish._pending_since > 1.0):
+                self.finish._pending and now - self.finish._pending_since > 1.0
+        ) or self.spool.claims.owed:
             self.finish._commit()
+
+    def _settle(self, final=False):
+        """The store's own turn (Store.settle: a RAM tier's moves)."""
+        try:
+            self._next_settle = self.spool.settle(final)
+        except (OSError, MyqError) as e:
+            self.log("error", during="settle", error=str(e))
+            self._next_settle = _mono() + 1.0
 
     def _wait(self, busy):
         """Sleep in select() until the next timer, a wake-up (a producer's
@@ -15026,6 +15683,8 @@ class Worker(object):
         now = _mono()
         deadlines = [self._next_beat, self._next_reap, self._next_poll,
                      self._next_stats]
+        if self._next_settle is not None:
+            deadlines.append(self._next_settle)
         if self.finish._stuck or self.finish._io_pause_until > now:
             deadlines.append(max(self.finish._io_pause_until, now + 0.5))
         if self.stopping:
@@ -16802,6 +17461,9 @@ def _args_init(p):
     p.add_argument("--store", choices=("files", "sqlite"), default=None,
                    help="where a new spool keeps its jobs: a file each "
                    "(default) or one SQLite database, queue.db")
+    p.add_argument("--ram", metavar="DIR", help="a RAM tier in DIR, on a "
+                   "tmpfs (/tmp, /var/run), for the types of durable=outage "
+                   "(myq(1) RAM FIRST; an empty value removes it)")
 
 
 def _args_enqueue(p):
@@ -17520,6 +18182,8 @@ def _cmd_install(a):
 
 def _cmd_init(a):
     sp = a.spool.init(owner=a.args.owner, store=a.args.store)
+    if a.args.ram is not None:
+        sp.set_ram(a.args.ram, a.args.owner)
     if a.args.name is not None:
         sp.set_name(a.args.name)
     if a.args.budget is not None:
@@ -17811,7 +18475,7 @@ def _cmd_export(a):
     if a.spool.policy_error:
         sys.stderr.write("myq: warning: %s; the export carries no policy\n"
                          % a.spool.policy_error)
-    for job in a.spool.backlog.export(a.args.states, a.args.type, skip):
+    for job in a.spool.export(a.args.states, a.args.type, skip):
         chunk.append(dumps(job))
         if len(chunk) >= 256:
             _write_out(out, chunk)
