@@ -259,11 +259,15 @@ class RamRun(object):
             time.sleep(0.05)
 
     def _worker_up(self):
+        """Does a producer see a worker listening (then a durable=outage
+        job goes to RAM: myq's own test)?"""
+        sp = self.myq.open_store(self.spool)
         try:
-            return any(n.startswith(("worker", "w-")) or n.endswith(".pid")
-                       for n in os.listdir(os.path.join(self.spool, "locks")))
-        except OSError:
+            return sp.ram.usable()
+        except (AttributeError, OSError):
             return False
+        finally:
+            ug.close_db(sp)
 
     def promise(self, ids_sums, durable="outage", producer=True):
         """The jobs whose enqueue returned just now.  producer: made by
@@ -460,6 +464,8 @@ class RamRun(object):
         for k in ("stuck", "in_failed", "recover"):
             self.totals[k] += res[k]
         self.totals["recovery_runs"] += res["rerun"]
+        for k, v in res.get("spent", {}).items():
+            self.timing["r_" + k] = self.timing.get("r_" + k, 0) + v
         again = [j for j, eps in led.delivered.items() if self.epoch in eps]
         lost = ramcheck.lost_after(led, E, cut, res["ids"]["lost"], again)
         cls = ramcheck.classify(lost, led.promised, cut, self.a.spill_after,

@@ -90,6 +90,12 @@ class Server(ThreadingMixIn, HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def handle_error(self, request, client_address):
+        """A client killed mid-request (every power cut kills the worker):
+        nothing to say."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, socket.timeout)):
+            HTTPServer.handle_error(self, request, client_address)
+
 
 def make_handler(control, log):
     lock = threading.Lock()

@@ -266,3 +266,27 @@ def test_a_tampered_body_is_bad():
     p["blob"] += "0"
     assert receiver.verdict(json.dumps(p).encode())[1] == "bad"
     assert receiver.verdict(b"{not json")[1] == "bad"
+
+
+def test_a_job_waiting_in_its_lane_is_in_the_spool(tmp_path):
+    """A type with a policy waits in incoming/lanes/TYPE@P/ (where a spill
+    puts a durable=outage job): the checker finds it there, not lost."""
+    import check
+    spool = str(tmp_path / "spool")
+    assert _myq(spool, "init").returncode == 0
+    # nothing listens there: the recovery's drain leaves the job waiting
+    assert _myq(spool, "policy", "tel", "url=http://127.0.0.1:%d/"
+                % _free_port()).returncode == 0
+    p = _payload(9)
+    jid = _myq(spool, "enqueue", "tel", json.dumps(p)).stdout.decode().split()[-1]
+    # where the RAM tier's spill puts it (seen: incoming/lanes/tel@0/ID.json)
+    lane = os.path.join(spool, "incoming", "lanes", "tel@0")
+    os.makedirs(lane, exist_ok=True)
+    os.rename(os.path.join(spool, "incoming", jid + ".json"),
+              os.path.join(lane, jid + ".json"))
+    where = check.scan(spool, check._myq(MYQ))[0]
+    assert [(s, n) for s, n, _ in where[jid]] == [
+        ("incoming", "lanes/tel@0/%s.json" % jid)]
+    res = check.recover_and_check(spool, {jid: p["sum"]}, MYQ, str(tmp_path),
+                                  fork=True)
+    assert (res["lost"], res["corrupt"], res["doubled"]) == (0, 0, 0), res["notes"]
