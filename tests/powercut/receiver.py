@@ -102,6 +102,9 @@ def make_handler(control, log):
 
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # the answer's head and body are two writes: with Nagle the body
+        # waits for the client's delayed ACK (40 ms a job)
+        disable_nagle_algorithm = True
 
         def log_message(self, *a):
             pass
@@ -109,6 +112,9 @@ def make_handler(control, log):
         def do_POST(self):
             n = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(n)
+            if len(body) != n:      # the sender died mid-request: not delivered
+                self.close_connection = True
+                return
             ctl = control.get()
             m = mode_at(ctl, time.monotonic())
             if m == "unreachable":
