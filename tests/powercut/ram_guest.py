@@ -482,12 +482,29 @@ class RamRun(object):
             del led.promised[j]
         bad = [k for k in ("lost_beyond_bound", "doubled", "corrupt", "stuck",
                            "in_failed", "recover") if (cls.get(k) or res.get(k))]
+        if res["corrupt"] and len(self.found) < 20:
+            self.keep_evidence(i, res["notes"])
         if bad or d or c:
             self.found.append({"round": i, "mode": mode, "kind": kind, "bad": bad,
                                "beyond": [(j, cls["ages"][j]) for j in cls["beyond"]][:20],
                                "notes": res["notes"][:8]})
             print("ram: round %d (%s, %s): %s %s" % (i, mode, kind, bad,
                                                      res["notes"][:4]), flush=True)
+
+    def keep_evidence(self, i, notes):
+        """The files the checker found bad, copied out of the spool (the
+        VM's disk is gone after the run)."""
+        import shutil
+        for n in notes:
+            if n.startswith("bad content: "):
+                rel = n[len("bad content: "):].strip()
+                src = os.path.join(self.spool, rel)
+                dst = os.path.join(self.a.out, "ram-evidence-%d-%s" % (
+                    i, rel.replace("/", "_")))
+                try:
+                    shutil.copy(src, dst)
+                except OSError:
+                    pass
 
     def save(self, stage):
         t = self.totals
