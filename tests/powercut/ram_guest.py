@@ -309,7 +309,7 @@ class RamRun(object):
             self.counts["shell"] += 1
         else:
             always = r > 0.86
-            k = 1 if always else rng.randint(1, 4)
+            k = 1 if always else rng.randint(1, 3)
             specs = []
             for i in range(k):
                 spec = {"type": "ok" if always else TYPE,
@@ -358,7 +358,7 @@ class RamRun(object):
     def round(self, i, work):
         a, rng = self.a, self.rng
         t0 = time.monotonic()
-        mode = rng.choice(("up", "down", "unreachable", "flap", "flap"))
+        mode = ("up", "down", "flap", "unreachable", "flap")[i % 5]
         period = rng.choice((0.3, 0.7, 1.5))
         self.modes[mode] = self.modes.get(mode, 0) + 1
         self.totals["down_rounds"] += mode != "up"
@@ -372,7 +372,9 @@ class RamRun(object):
             ug.dbg("tst_emulate_power_cut_min", lo)
             ug.dbg("tst_emulate_power_cut_max", lo + rng.randint(0, 2))
             ug.dbg("tst_emulate_power_cut", 3)
+        t = time.monotonic()
         self.start_worker()
+        self.tick("t_start", t)
         self.link(mode, period)
         until = time.monotonic() + rng.uniform(a.min_work, a.max_work)
         made = len(self.ledger.promised)
@@ -388,8 +390,8 @@ class RamRun(object):
             if style == "armed" and self.klog.count("emulating a power cut"):
                 seen_cut = True
                 break
-            if rng.random() < 0.3:
-                time.sleep(rng.choice((0.02, 0.1)))
+            if rng.random() < 0.5:
+                time.sleep(rng.choice((0.02, 0.1, 0.2)))
         if style == "armed" and not seen_cut:
             seen_cut = self.klog.count("emulating a power cut") > 0
         made = len(self.ledger.promised) - made
@@ -532,7 +534,7 @@ def main(argv=None):
     ap.add_argument("--spill-after", type=float, default=2.0)
     ap.add_argument("--margin", type=float, default=1.0)
     ap.add_argument("--min-work", type=float, default=0.3)
-    ap.add_argument("--max-work", type=float, default=5.0)
+    ap.add_argument("--max-work", type=float, default=4.0)
     a = ap.parse_args(argv)
     if a.fs == "ext4":
         for m in ("virtio_blk", "ext4", "dm_mod", "dm_flakey"):
