@@ -363,7 +363,9 @@ def part_ram(a, out, k=0, fs="ext4"):
                               seed=a.seed + 4000 + 100 * k + (fs == "ubifs"),
                               spill=a.spill_after, margin=a.bound_margin)
     t0 = time.monotonic()
-    r = vm.boot(script, work=share, disks=disks, timeout=a.vm_timeout * 2,
+    # a round is ~5 s under TCG (up to 4 s of work, the reboot, the
+    # recovery): 10 s a cut on a busy machine
+    r = vm.boot(script, work=share, disks=disks, timeout=a.vm_timeout + 10 * cuts,
                 append="log_buf_len=16M loglevel=3")
     t_vm = time.monotonic() - t0
     say("powercut: %s VM %d: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs cuts=%d" % (
