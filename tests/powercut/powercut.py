@@ -449,11 +449,11 @@ def _on(store, fn):
 
 
 # name: (task, report); the order is the start order (longest first)
-PARTS = {"ext4": (part_ext4, report_ext4), "ubifs": (part_ubifs, report_ubifs),
-         "ubifs-ram": (lambda *x: part_ram(*x, fs="ubifs"),
+PARTS = {"ubifs-ram": (lambda *x: part_ram(*x, fs="ubifs"),
                        lambda *x: report_ram(*x, fs="ubifs")),
          "ext4-ram": (lambda *x: part_ram(*x, fs="ext4"),
                       lambda *x: report_ram(*x, fs="ext4")),
+         "ext4": (part_ext4, report_ext4), "ubifs": (part_ubifs, report_ubifs),
          "ubifs-sqlite": (_on("sqlite", part_ubifs), _on("sqlite", report_ubifs)),
          "ext4-sqlite": (_on("sqlite", part_ext4), _on("sqlite", report_ext4)),
          "boot": (part_boot, report_boot)}
