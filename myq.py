@@ -90,6 +90,10 @@ The map: the sections, in file order, each using only those above it
                     interface over queue.db (myq init --store sqlite), the
                     drop box taken in (test_sqlite, and the
                     store-parametrised tests)
+  The RAM tier      RamStore (a file store on a tmpfs, whose jobs move to
+                    the spool when they must wait), RamClaims,
+                    _TieredClaims (a worker's claims over both tiers),
+                    init_ram (myq init --ram) (test_ram)
   Logging           Log and its file (test_initd)
   Handlers          --module files; http: requests, answers, http_dest,
                     Uplink (--uplink-rate), HttpPool, batches, Kafka's body
@@ -662,6 +666,12 @@ def _syslog_problem(path="/dev/log"):
             "syslogd (BusyBox: syslogd; OpenWrt: logd), or log to a file "
             "(MYQ_LOG=/var/log/myq/myq.log, or --log FILE) and restart"
             % why)
+
+
+def _chain(*iterables):
+    for it in iterables:
+        for x in it:
+            yield x
 
 
 # Filesystem steps: the one door to the disk #################################
@@ -2612,6 +2622,11 @@ class Store(object):
 
     def worker_lanes(self):
         """The lanes a worker looks into: lanes(), and its RAM tier's."""
+        self._abstract()
+
+    def wake_paths(self):
+        """The FIFOs a worker listens on: locks/wake, and its RAM tier's
+        (a poke writes the FIFO's times: on flash, a journal commit)."""
         self._abstract()
 
     def make_tiers(self):
@@ -5777,34 +5792,7 @@ class _Reading(object):
         out["dropped_by"] = self.budget.dropped_by(tot)
         out.update(self.budget.capacity(now, types))
         if self.ram is not None:
-            self._ram_stats(out, now)
-        return out
-
-    def _ram_stats(self, out, now):
-        """stats of a spool with a RAM tier: its waiting and running jobs
-        counted with the spool's, `ram` (how many it holds: what a power
-        cut would take now at most) and `ram_bound_s` (the loss bound: the
-        longest spill_after of a durable=outage type)."""
-        ready, scheduled, oldest, processing = self.ram._counts(now)[:4]
-        out["ready"] += ready
-        out["scheduled"] += scheduled
-        out["processing"] += processing
-        if oldest and ready:
-            out["oldest_ready_s"] = max(out["oldest_ready_s"],
-                                        int(max(0, now - oldest)))
-        out["ram"] = ready + scheduled + processing
-        out["ram_bound_s"] = -int(-self.ram_bound() // 1)
-
-    def ram_bound(self):
-        """The longest spill_after of the durable=outage types (0: none)."""
-        pol = self.policy()
-        out = 0.0
-        for t in pol:
-            if t == SPOOL_POLICY:
-                continue
-            rules = pol[t] if t == "*" else self.rules(t)
-            if rules.get("durable") == "outage":
-                out = max(out, ram_rules(rules)[0])
+            self.ram.count_into(out, now)
         return out
 
     def dest_states(self, now=None):
@@ -6803,8 +6791,8 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
     def complete(self, c):
         """A worker's success (claims.complete), counted for locks/rates."""
         ok = self.claims.complete(c)
-        if ok:
-            self.budget.delivered(c.job["type"])
+        if ok and (self.ram is None or not c.path.startswith(self.ram._pre)):
+            self.budget.delivered(c.job["type"])    # (not RAM's: no write)
         return ok
 
     def upkeep_budget(self, now):
@@ -6819,24 +6807,21 @@ class _DirStore(_Producing, _Upkeep, _Reading, Store):
         lanes.sort(key=lambda l: -l[0])
         return lanes
 
-    def set_ram(self, path, owner=None):
-        """myq init --ram DIR: the spool's RAM tier in DIR, which must be
-        on a RAM filesystem (ConfigError); "": none."""
-        if not path:
-            _quiet_unlink(self.d(RAM_FILE))
-            return
-        path = os.path.abspath(path)
-        if "\n" in path:
-            raise UsageError("--ram takes a directory's path (no newline)")
-        RamStore(path, self, self.log).make(owner)
-        _replace(self.d(RAM_FILE), (path + "\n").encode("utf-8"), sync=True,
-                 mode=0o644)
+    def wake_paths(self):
+        return [self._wake] + ([self.ram._wake] if self.ram is not None else [])
+
+    def close_tiers(self):
+        """What the RAM tier keeps open, closed (a tmpfs to unmount)."""
+        if self.ram is not None:
+            self.ram.fs.kept = 0
+            self.ram.fs.release()
 
     def make_tiers(self):
         if self.ram is None:
             return
         try:
             self.ram.make()
+            self.ram.fs.kept += 1   # (the worker's: closed by close())
         except ConfigError as e:
             # (/tmp not a tmpfs on this boot: the spool takes every job)
             self.log("error", during="ram", error="%s; the RAM tier is not "
@@ -7475,6 +7460,7 @@ class FileStore(_DirStore):
         ends with it); the spool of files keeps nothing between calls."""
         self.budget.note_delivered()
         self.fs.release()
+        self.close_tiers()
 
     def lanes(self):
         """[(priority, type, sub)] of the lanes, highest priority first.
@@ -7552,456 +7538,7 @@ class FileStore(_DirStore):
 
 
 _STORES["files"] = FileStore
-
-
-# The RAM tier ################################################################
-#
-# myq(1) RAM FIRST: a type of `durable=outage` stays in RAM until it must
-# wait.  `myq init --ram DIR` gives the spool a second file store in DIR, a
-# directory on a RAM filesystem (SPOOL/ram names it): the same layout, the
-# same claims, no fsync.  The spool's store holds it as `store.ram`, and its
-# claims as the RAM side of `store.claims` (_TieredClaims): a worker's lanes
-# are the spool's and the RAM tier's ("ram:" before the lane's name), and it
-# does not know which holds a job.  A job leaves RAM for the spool, id,
-# attempts, priority and created_at kept, one durable commit for many
-# (RamStore.move): when a run of it fails or its destination is held (the
-# claims' move_on and put_back), when it waited its type's `spill_after`,
-# past `ram_max`, and when its worker stops (RamStore.spill, each turn of a
-# worker: Store.settle).  A power cut loses what RAM held: jobs made within
-# the last `spill_after` (never more than `ram_max`); a killed worker
-# nothing (the files outlive it, and the next worker takes its claims back).
-
-RAM_FILESYSTEMS = ("tmpfs", "ramfs")
-RAM_FILE = "ram"                # SPOOL/ram: the RAM tier's directory
-SPILL_AFTER, RAM_MAX_JOBS, RAM_MAX_BYTES = 10.0, 1000, 1 << 20
-
-
-def fs_type(path):
-    """The type of the filesystem that holds `path` ("tmpfs", "ext4", ...):
-    the deepest mount point above it in /proc/self/mountinfo; None when
-    that cannot be read."""
-    real = os.path.realpath(path)
-    best, kind = None, None
-    try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if "-" not in parts[6:] or len(parts) < 9:
-            continue
-        mp = parts[4]
-        while "\\0" in mp:        # (\040: a space, as mountinfo escapes it)
-            i = mp.index("\\0")
-            mp = mp[:i] + chr(int(mp[i + 1:i + 4], 8)) + mp[i + 4:]
-        under = real == mp or real.startswith(mp.rstrip("/") + "/")
-        if under and (best is None or len(mp) >= len(best)):
-            best, kind = mp, parts[parts.index("-", 6) + 1]
-    return kind
-
-
-def ram_rules(rules):
-    """(spill_after, jobs, bytes) of a type's rules (myq(1) RAM FIRST)."""
-    most = rules.get("ram_max")
-    jobs = most if most.__class__ is int else RAM_MAX_JOBS
-    size = parse_size(most) if isinstance(most, str) else RAM_MAX_BYTES
-    return rules.get("spill_after", SPILL_AFTER), jobs, size
-
-
-class RamClaims(FileClaims):
-    """The RAM tier's claims: FileClaims in its directory, but what would
-    wait again (a retry, a put-back) or go to the dead letters moves to
-    the spool instead (RamStore.move, at the next commit: one durable
-    commit for all)."""
-
-    def __init__(self, spool):
-        FileClaims.__init__(self, spool)
-        self.moving = []            # (claim, job, dest) to move at commit
-
-    def claim(self, name, me, default_max_attempts=5, scheduled=False,
-              sub="incoming", anytime=False):
-        return FileClaims.claim(self, name, me, default_max_attempts,
-                                scheduled, _unram(sub), anytime)
-
-    def move_on(self, c, job, dest, me, fin=None, until=None):
-        job = dict(job)
-        if until is not None:
-            job["available_at"] = max(job["available_at"], until)
-        self.close(c)
-        self.moving.append((c, job, dest))
-        return True
-
-    def put_back(self, c, mtime):
-        job = dict(c.job)
-        job["available_at"] = mtime
-        self.close(c)
-        self.moving.append((c, job, "incoming"))
-        return True
-
-    @property
-    def owed(self):
-        return bool(self.moving)
-
-    def commit(self):
-        """The moves of the claims finished since, in one durable commit
-        (nothing of RAM's own is made durable: it cannot be)."""
-        moving, self.moving = self.moving, []
-        if moving:
-            self.spool.move([(c.path, j, d) for c, j, d in moving])
-
-    def lane_key(self, L):
-        return FileClaims.lane_key(self, L)
-
-
-class _RamBudget(FileBudget):
-    """The RAM tier's budget: nothing charged, counted or written (its
-    files cost the flash nothing; the spool's budget counts a job when it
-    moves there, the spool's rates its delivery: _DirStore.complete)."""
-
-    def charge(self, items, subs=()):
-        pass
-
-    def note_arrivals(self, counts):
-        pass
-
-    def flush_arrivals(self):
-        pass
-
-    def delivered(self, type):
-        pass
-
-    def sent(self, type, n):
-        pass
-
-    def note_delivered(self):
-        pass
-
-    def upkeep_budget(self, now):
-        pass
-
-    def budget_bytes(self):
-        return None
-
-
-def _chain(*iterables):
-    for it in iterables:
-        for x in it:
-            yield x
-
-
-def _unram(sub):
-    return sub[4:] if sub[:4] == "ram:" else sub
-
-
-class RamStore(FileStore):
-    """The RAM tier of a spool (`spool`: the spool's store): a file store
-    in a directory of a RAM filesystem, whose policy, breaker, workers'
-    records and wake-up are the spool's.  Nothing in it is fsync'd: a
-    power cut takes it whatever is done."""
-
-    store = "ram"
-    CLAIMS = RamClaims
-    BUDGET = _RamBudget
-    # (the spool's log: a worker sets it after the store is made)
-    log = property(lambda self: self.spool.log, lambda self, value: None)
-
-    def __init__(self, path, spool, log=None, **options):
-        self.spool = spool
-        FileStore.__init__(self, path, log, **options)
-        self.breaker = spool.breaker
-        self._wake = spool._wake            # (the spool's workers listen)
-        self._next_spill = 0.0              # (monotonic) when to look again
-
-    def d(self, *parts):
-        """A path in the tier; "ram:LANE" is the tier's LANE, and locks/
-        the spool's (the workers' records, the quiet lanes' marks)."""
-        if parts:
-            p = parts[0]
-            if p[:4] == "ram:":
-                parts = (p[4:],) + parts[1:]
-            elif p == "locks" and parts[1:2] != ("ok",):
-                return self.spool.d(*parts)
-        return FileStore.d(self, *parts)
-
-    def policy(self, *args, **kw):
-        return self.spool.policy(*args, **kw)
-
-    def rules(self, type):
-        return self.spool.rules(type)
-
-    def home(self, job, rules=None):
-        return self.spool.home(job, rules)
-
-    @property
-    def lane_types(self):
-        return self.spool.lane_types
-
-    @lane_types.setter
-    def lane_types(self, value):
-        pass                                # (the spool's)
-
-    def usable(self):
-        """Whether producers may put jobs here: the layout is made (a
-        worker makes it at its start: after a boot the directory is empty)
-        and a worker listens (with none, a job waits in the spool)."""
-        if not os.path.isdir(self._incoming):
-            return False
-        fd = self.spool._open_wake(None)
-        if fd is None:
-            return False
-        os.close(fd)
-        return True
-
-    def make(self, owner=None):
-        """The tier's layout (at init, and at each worker's start)."""
-        if fs_type(self.path) not in RAM_FILESYSTEMS:
-            raise ConfigError(_not_ram(self.path))
-        _Layout(self).make(owner, "files")
-
-    # Moves to the spool ---------------------------------------------------
-
-    def move(self, items):
-        """Move jobs to the spool: `items` (path in this tier, job, dest
-        "incoming" or "dlq"), in one durable commit; then their files here
-        go.  A job the spool refuses (its bound, a full disk) stays here
-        and is said; one it has already (an earlier move cut short) goes."""
-        todo, paths = [], {}
-        for path, job, dest in items:
-            job = dict(job)
-            job.pop("lease", None)
-            job.pop("state", None)
-            job["updated_at"] = _now()
-            data = dumps(job)
-            sub = self.spool.home(job) if dest == "incoming" else dest
-            delay = max(0.0, job["available_at"] - _now())
-            todo.append((job, data, True, delay, sub))
-            paths[job["id"]] = path
-        refused, placed = [], []
-        try:
-            self.spool._enqueue(todo, True, refused, placed)
-        except (SpoolFull, SpoolBusy, ConfigError, OSError) as e:
-            self.log("error", during="ram", error="%s; %d jobs stay in RAM"
-                     % (e, len(todo) - len(placed)))
-        gone = set(jid for jid, _ in placed)
-        for jid, e in refused:
-            if isinstance(e, DuplicateJob):
-                gone.add(jid)
-            else:
-                self.log("error", during="ram", job=jid, error=str(e))
-        for jid in gone:
-            _quiet_unlink(paths[jid])
-        if placed:
-            self.log("moved", jobs=len(placed), to="spool")
-        for jid, path in paths.items():
-            if jid not in gone and path.startswith(self._pre + "spill/"):
-                self._unspill(path)
-        return len(gone)
-
-    def spill(self, final=False):
-        """A worker's turn: move to the spool the waiting jobs that must
-        not wait here any longer (their spill_after, a type's ram_max, a
-        type no longer durable=outage, `final`: all), and what an earlier
-        spill left in spill/.  Returns when to look again (monotonic)."""
-        now, mono = _now(), _mono()
-        if not final and mono < self._next_spill:
-            return self._next_spill
-        soonest = mono + 1.0
-        take = []
-        holds = dict((h["dest"], h) for h in self.breaker.records())
-        for sub in self.waiting_dirs():
-            t = _lane_of(sub.rpartition("/")[2])[0] if sub != "incoming" else None
-            rules = self.rules(t) if t else {}
-            after, most, size = ram_rules(rules)
-            # (early by `lead`, and those due within `lead` with them: the
-            # bound stays whole, and a move takes several)
-            lead = min(1.0, after / 4.0)
-            keep = t is None or rules.get("durable") == "outage" and not (
-                holds and _held(t, rules, holds))
-            files = []
-            for e in _scandir(self.d(sub)):
-                if e.name.endswith(".json"):
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    files.append((st.st_ctime, e.name, st.st_size))
-            files.sort()
-            total = sum(f[2] for f in files)
-            for n, (made, name, nbytes) in enumerate(files):
-                due = made + after - 2 * lead
-                over = len(files) - n > most or total > size
-                if final or not keep or over or due <= now:
-                    take.append((sub, name))
-                    total -= nbytes
-                else:
-                    soonest = min(soonest, mono + due - now)
-        for name in _listdir(self.d("spill")) if not take else ():
-            take.append(("spill", name))
-        if take:
-            self._spill(take)
-        self._next_spill = soonest
-        return soonest
-
-    def _spill(self, take):
-        """Move the files `take` ((sub, name)) to the spool: each renamed
-        into spill/ first (a claim of another worker then finds it gone),
-        read, moved in one commit."""
-        self.fs.mkdir("spill")
-        items = []
-        for sub, name in take:
-            path = self.d("spill", name)
-            if sub != "spill" and not _take(self.d(sub, name), path):
-                continue
-            try:
-                job, trailers, st = self.load(path, name[:-5])
-            except (OSError, InvalidJob) as e:
-                if not isinstance(e, OSError):
-                    self.quarantine(path, name, str(e))
-                continue
-            items.append((path, job, "incoming"))
-        if items:
-            self.move(items)
-
-    def _unspill(self, path):
-        """A job the spool refused goes back to wait here."""
-        try:
-            job = self.load(path)[0]
-            _rename(path, self.d(self.home(job), os.path.basename(path)))
-        except (OSError, InvalidJob):
-            pass
-
-
-def _held(type, rules, holds):
-    """Is every destination of `type` held (`holds`: the breaker's
-    records by destination)?"""
-    if type in holds:
-        return True
-    urls = (rules.get("url") or "").split()
-    return bool(urls) and all((url_origin(u) or type) in holds for u in urls)
-
-
-def _not_ram(path):
-    return ("%s is on %s, not a RAM filesystem (%s): the RAM tier must not "
-            "write to flash; give a directory under a tmpfs such as /tmp or "
-            "/var/run" % (path, fs_type(path) or "an unknown filesystem",
-                          " or ".join(RAM_FILESYSTEMS)))
-
-
-class _TieredClaims(object):
-    """The claims of a spool with a RAM tier: each call handed to the
-    spool's claims or the tier's, by the lane ("ram:" first) or the claim
-    (its path), what is not one or the other the spool's."""
-
-    def __init__(self, own, ram):
-        self.own, self.ram = own, ram
-        self._ram_pre = ram.spool._pre
-        self.claim_changes_key = own.claim_changes_key
-        self.batches = _TieredBatches(own.batches, ram.batches, self._ram_pre)
-
-    @property
-    def owed(self):
-        return bool(self.ram.moving)
-
-    def __getattr__(self, name):
-        return getattr(self.own, name)
-
-    def _of(self, c):
-        return self.ram if c.path.startswith(self._ram_pre) else self.own
-
-    def claim(self, name, me, default_max_attempts=5, scheduled=False,
-              sub="incoming", anytime=False):
-        return (self.ram if sub[:4] == "ram:" else self.own).claim(
-            name, me, default_max_attempts, scheduled, sub, anytime)
-
-    def complete(self, c):
-        return self._of(c).complete(c)
-
-    def move_on(self, c, job, dest, me, fin=None, until=None):
-        return self._of(c).move_on(c, job, dest, me, fin, until)
-
-    def put_back(self, c, mtime):
-        return self._of(c).put_back(c, mtime)
-
-    def close(self, c):
-        return self._of(c).close(c)
-
-    def extend(self, claims, until):
-        for side in (self.own, self.ram):
-            mine = [c for c in claims if self._of(c) is side]
-            if mine:
-                side.extend(mine, until)
-
-    def commit(self):
-        self.own.commit()
-        self.ram.commit()
-
-    def reap(self, me=None, max_attempts=5, dry_run=False):
-        return self.own.reap(me, max_attempts, dry_run) + \
-            self.ram.reap(me, max_attempts, dry_run)
-
-    def scan(self, L, n, tick):
-        return (self.ram if L.sub[:4] == "ram:" else self.own).scan(L, n, tick)
-
-    def lane_key(self, L):
-        return (self.ram if L.sub[:4] == "ram:" else self.own).lane_key(L)
-
-    def lanes_key(self, poked=False):
-        return (self.own.lanes_key(poked), self.ram.lanes_key(poked))
-
-    def maybe_lanes(self):
-        return True                 # (the tier's incoming/ is one)
-
-    def arrived(self):
-        self.own.arrived()          # (its count goes on)
-        return None                 # (the tier's lanes: by their keys)
-
-    def waits(self, rel):
-        return (self.ram if rel[:4] == "ram:" else self.own).waits(rel)
-
-    def size(self, sub, name):
-        return (self.ram if sub[:4] == "ram:" else self.own).size(sub, name)
-
-    def due(self, rel, now):
-        return (self.ram if rel[:4] == "ram:" else self.own).due(rel, now)
-
-    def queued(self, jid):
-        return self.own.queued(jid) or self.ram.queued(jid)
-
-
-class _TieredBatches(object):
-    """The batches' records of a spool with a RAM tier: a batch of RAM
-    jobs is recorded in RAM (_Batches)."""
-
-    def __init__(self, own, ram, ram_pre):
-        self.own, self.ram, self._ram_pre = own, ram, ram_pre
-
-    def note(self, claims):
-        side = self.ram if claims[0].path.startswith(self._ram_pre) else self.own
-        return side.note(claims)
-
-    def ids(self, name):
-        return self.own.ids(name) or self.ram.ids(name)
-
-    def keep(self, name):
-        self.own.keep(name)
-        self.ram.keep(name)
-
-    def end(self, name):
-        self.own.end(name)
-        self.ram.end(name)
-
-
-def _with_ram(store):
-    """The store, given its RAM tier when SPOOL/ram names one."""
-    data = _read_small(store.d(RAM_FILE), 4096)
-    path = data.decode("utf-8", "replace").strip() if data else ""
-    if path:
-        store.ram = RamStore(path, store, store.log, **dict(
-            (k, v) for k, v in store.opt.items() if k != "keep_done_max"))
-        store.ram.opt["keep_done_max"] = 100
-        store.claims = _TieredClaims(store.claims, store.ram.claims)
-    return store
+_ON_OPEN = []       # what extends a store at its opening (a RAM tier's)
 
 
 def open_store(path=None, log=None, **options):
@@ -8015,7 +7552,10 @@ def open_store(path=None, log=None, **options):
         raise ConfigError("spool %s records the store %r, which this "
                           "myq does not know (one of: %s)"
                           % (path, name, " ".join(sorted(_STORES))))
-    return _with_ram(_STORES[name](path, log, **options))
+    store = _STORES[name](path, log, **options)
+    for extend in _ON_OPEN:
+        store = extend(store)
+    return store
 
 
 class Spool(object):
@@ -9610,6 +9150,7 @@ class SqlStore(_SqlUpkeep, _DirStore):
     def close(self):
         self.budget.note_delivered()
         self.fs.release()
+        self.close_tiers()
         with self._mutex:
             db, self._conn = self._conn, None
             if db is not None and self._conn_pid == _PID[0]:
@@ -10082,6 +9623,586 @@ class SqlStore(_SqlUpkeep, _DirStore):
 
 
 _STORES["sqlite"] = SqlStore
+
+
+# The RAM tier ################################################################
+#
+# myq(1) RAM FIRST: a type of `durable=outage` stays in RAM until it must
+# wait.  `myq init --ram DIR` gives the spool a second file store in DIR, a
+# directory on a RAM filesystem (SPOOL/ram names it): the same layout, the
+# same claims, no fsync.  The spool's store holds it as `store.ram`, and its
+# claims as the RAM side of `store.claims` (_TieredClaims): a worker's lanes
+# are the spool's and the RAM tier's ("ram:" before the lane's name), and it
+# does not know which holds a job.  A job leaves RAM for the spool, id,
+# attempts, priority and created_at kept, one durable commit for many
+# (RamStore.move): when a run of it fails or its destination is held (the
+# claims' move_on and put_back), when it waited its type's `spill_after`,
+# past `ram_max`, and when its worker stops (RamStore.spill, each turn of a
+# worker: Store.settle).  A power cut loses what RAM held: jobs made within
+# the last `spill_after` (never more than `ram_max`); a killed worker
+# nothing (the files outlive it, and the next worker takes its claims back).
+
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+RAM_FILE = "ram"                # SPOOL/ram: the RAM tier's directory
+SPILL_AFTER, RAM_MAX_JOBS, RAM_MAX_BYTES = 10.0, 1000, 1 << 20
+
+
+def fs_type(path):
+    """The type of the filesystem that holds `path` ("tmpfs", "ext4", ...):
+    the deepest mount point above it in /proc/self/mountinfo; None when
+    that cannot be read."""
+    real = os.path.realpath(path)
+    best, kind = None, None
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if "-" not in parts[6:] or len(parts) < 9:
+            continue
+        mp = parts[4]
+        while "\\0" in mp:        # (\040: a space, as mountinfo escapes it)
+            i = mp.index("\\0")
+            mp = mp[:i] + chr(int(mp[i + 1:i + 4], 8)) + mp[i + 4:]
+        under = real == mp or real.startswith(mp.rstrip("/") + "/")
+        if under and (best is None or len(mp) >= len(best)):
+            best, kind = mp, parts[parts.index("-", 6) + 1]
+    return kind
+
+
+def ram_rules(rules):
+    """(spill_after, jobs, bytes) of a type's rules (myq(1) RAM FIRST)."""
+    most = rules.get("ram_max")
+    jobs = most if most.__class__ is int else RAM_MAX_JOBS
+    size = parse_size(most) if isinstance(most, str) else RAM_MAX_BYTES
+    return rules.get("spill_after", SPILL_AFTER), jobs, size
+
+
+class RamClaims(FileClaims):
+    """The RAM tier's claims: FileClaims in its directory, but what would
+    wait again (a retry, a put-back) or go to the dead letters moves to
+    the spool instead (RamStore.move, at the next commit: one durable
+    commit for all)."""
+
+    def __init__(self, spool):
+        FileClaims.__init__(self, spool)
+        self.moving = []            # (claim, job, dest) to move at commit
+
+    def claim(self, name, me, default_max_attempts=5, scheduled=False,
+              sub="incoming", anytime=False):
+        return FileClaims.claim(self, name, me, default_max_attempts,
+                                scheduled, _unram(sub), anytime)
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        job = dict(job)
+        if until is not None:
+            job["available_at"] = max(job["available_at"], until)
+        self.close(c)
+        self.moving.append((c, job, dest))
+        return True
+
+    def put_back(self, c, mtime):
+        job = dict(c.job)
+        job["available_at"] = mtime
+        self.close(c)
+        self.moving.append((c, job, "incoming"))
+        return True
+
+    @property
+    def owed(self):
+        return bool(self.moving)
+
+    def complete(self, c):
+        """Done here; a copy the spool got (RamStore._copy_running) goes."""
+        ok = FileClaims.complete(self, c)
+        mark = self.spool.d("copied", c.jid)
+        if _lexists(mark):
+            try:
+                self.spool.spool.delete([c.jid])
+            except (NoSuchJob, SpoolBusy):
+                pass                # (run again, or running: at least once)
+            _quiet_unlink(mark)
+        return ok
+
+    def commit(self):
+        """The moves of the claims finished since, in one durable commit
+        (nothing of RAM's own is made durable: it cannot be)."""
+        moving, self.moving = self.moving, []
+        if moving:
+            self.spool.move([(c.path, j, d) for c, j, d in moving])
+
+    def lane_key(self, L):
+        return FileClaims.lane_key(self, L)
+
+
+class _RamBudget(FileBudget):
+    """The RAM tier's budget: nothing charged, counted or written (its
+    files cost the flash nothing; the spool's budget counts a job when it
+    moves there, the spool's rates its delivery: _DirStore.complete)."""
+
+    def charge(self, items, subs=()):
+        pass
+
+    def note_arrivals(self, counts):
+        pass
+
+    def flush_arrivals(self):
+        pass
+
+    def delivered(self, type):
+        pass
+
+    def sent(self, type, n):
+        pass
+
+    def note_delivered(self):
+        pass
+
+    def upkeep_budget(self, now):
+        pass
+
+    def budget_bytes(self):
+        return None
+
+
+def _unram(sub):
+    return sub[4:] if sub[:4] == "ram:" else sub
+
+
+class RamStore(FileStore):
+    """The RAM tier of a spool (`spool`: the spool's store): a file store
+    in a directory of a RAM filesystem, whose policy, breaker, workers'
+    records and wake-up are the spool's.  Nothing in it is fsync'd: a
+    power cut takes it whatever is done."""
+
+    store = "ram"
+    CLAIMS = RamClaims
+    BUDGET = _RamBudget
+    # (the spool's log: a worker sets it after the store is made)
+    log = property(lambda self: self.spool.log, lambda self, value: None)
+
+    def __init__(self, path, spool, log=None, **options):
+        self.spool = spool
+        FileStore.__init__(self, path, log, **options)
+        self.breaker = spool.breaker
+        self._next_spill = 0.0              # (monotonic) when to look again
+
+    def d(self, *parts):
+        """A path in the tier; "ram:LANE" is the tier's LANE.  The workers'
+        records, the holds and the quiet lanes' marks are the spool's
+        (locks/workers/WID.json, locks/held/, locks/quiet/); a handler's
+        run record (locks/workers/TOKEN.run) the tier's own."""
+        if parts:
+            p = parts[0]
+            if p[:4] == "ram:":
+                parts = (p[4:],) + parts[1:]
+            elif p == "locks" and len(parts) > 1 and (
+                    parts[1] in ("held", "quiet") or parts[1] == "workers"
+                    and parts[-1].endswith(".json")):
+                return self.spool.d(*parts)
+        return FileStore.d(self, *parts)
+
+    def policy(self, *args, **kw):
+        return self.spool.policy(*args, **kw)
+
+    def rules(self, type):
+        return self.spool.rules(type)
+
+    def home(self, job, rules=None):
+        return self.spool.home(job, rules)
+
+    @property
+    def lane_types(self):
+        return self.spool.lane_types
+
+    @lane_types.setter
+    def lane_types(self, value):
+        pass                                # (the spool's)
+
+    def usable(self):
+        """Whether producers may put jobs here: the layout is made (a
+        worker makes it at its start: after a boot the directory is empty)
+        and a worker listens (with none, a job waits in the spool)."""
+        if not os.path.isdir(self._incoming):
+            return False
+        fd = self.spool._open_wake(None)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
+
+    def make(self, owner=None):
+        """The tier's layout (at init, and at each worker's start)."""
+        if fs_type(self.path) not in RAM_FILESYSTEMS:
+            raise ConfigError(_not_ram(self.path))
+        _Layout(self).make(owner, "files")
+
+    def count_into(self, out, now):
+        """The spool's stats `out` with this tier's: its waiting and running
+        jobs counted with the spool's, `ram` (how many it holds: what a
+        power cut would take now at most) and `ram_bound_s` (the loss
+        bound: the longest spill_after of a durable=outage type)."""
+        ready, scheduled, oldest, processing = self._counts(now)[:4]
+        out["ready"] += ready
+        out["scheduled"] += scheduled
+        out["processing"] += processing
+        if oldest and ready:
+            out["oldest_ready_s"] = max(out["oldest_ready_s"],
+                                        int(max(0, now - oldest)))
+        out["ram"] = ready + scheduled + processing
+        out["ram_bound_s"] = -int(-self.bound() // 1)
+
+    def bound(self):
+        """The longest spill_after of the durable=outage types (0: none)."""
+        pol = self.policy()
+        out = 0.0
+        for t in pol:
+            if t == SPOOL_POLICY:
+                continue
+            rules = pol[t] if t == "*" else self.rules(t)
+            if rules.get("durable") == "outage":
+                out = max(out, ram_rules(rules)[0])
+        return out
+
+    # Moves to the spool ---------------------------------------------------
+
+    def move(self, items):
+        """Move jobs to the spool: `items` (path in this tier, job, dest
+        "incoming" or "dlq"), in one durable commit; then their files here
+        go.  A job the spool refuses (its bound, a full disk) stays here
+        and is said; one it has already (an earlier move cut short) goes."""
+        todo, paths = [], {}
+        for path, job, dest in items:
+            job = dict(job)
+            job.pop("lease", None)
+            job.pop("state", None)
+            job["updated_at"] = _now()
+            data = dumps(job)
+            sub = self.spool.home(job) if dest == "incoming" else dest
+            delay = max(0.0, job["available_at"] - _now())
+            todo.append((job, data, True, delay, sub))
+            paths[job["id"]] = path
+        refused, placed = [], []
+        try:
+            self.spool._enqueue(todo, True, refused, placed)
+        except (SpoolFull, SpoolBusy, ConfigError, OSError) as e:
+            self.log("error", during="ram", error="%s; %d jobs stay in RAM"
+                     % (e, len(todo) - len(placed)))
+        gone = set(jid for jid, _ in placed)
+        for jid, e in refused:
+            if isinstance(e, DuplicateJob):
+                gone.add(jid)
+            else:
+                self.log("error", during="ram", job=jid, error=str(e))
+        for jid in gone:
+            _quiet_unlink(paths[jid])
+            _quiet_unlink(self.d("copied", jid))
+        if placed:
+            self.log("moved", jobs=len(placed), to="spool")
+        for jid, path in paths.items():
+            if jid not in gone and path.startswith(self._pre + "spill/"):
+                self._unspill(path)
+        return len(gone)
+
+    def spill(self, final=False):
+        """A worker's turn: move to the spool the waiting jobs that must
+        not wait here any longer (their spill_after, a type's ram_max, a
+        held destination, a type not durable=outage, `final`: all), and
+        what an earlier spill left in spill/; copy there the running ones
+        past their bound.  Returns when to look again (monotonic)."""
+        now, mono = _now(), _mono()
+        if not final and mono < self._next_spill:
+            return self._next_spill
+        holds = dict((h["dest"], h) for h in self.breaker.records())
+        take, soonest = [], now + 1.0
+        for sub in self.waiting_dirs():
+            soonest = min(soonest, self._due(sub, now, final, holds, take))
+        if not take:
+            take = [("spill", name) for name in _listdir(self.d("spill"))]
+        if take:
+            self._spill(take)
+        soonest = min(soonest, self._copy_running(now))
+        self._next_spill = mono + max(0.0, soonest - now)
+        return self._next_spill
+
+    def _due(self, sub, now, final, holds, take):
+        """The jobs of lane `sub` to move now, appended to `take` as (sub,
+        name), oldest first; the wall time when the next comes due."""
+        t = _lane_of(sub.rpartition("/")[2])[0] if sub != "incoming" else None
+        files = []
+        for e in _scandir(self.d(sub)):
+            if e.name.endswith(".json"):
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                files.append((_made(e.name[:-5], st.st_ctime), e.name,
+                              st.st_size))
+        files.sort()
+        total = sum(f[2] for f in files)
+        soonest = now + 1.0
+        for n, (made, name, nbytes) in enumerate(files):
+            # (incoming/ itself: a shell producer's, of any type)
+            kind = t or self._type_of(sub, name)
+            rules = self.rules(kind) if kind else {"durable": "outage"}
+            after, most, size = ram_rules(rules)
+            keep = rules.get("durable") == "outage" and not (
+                holds and kind and _held(kind, rules, holds))
+            due = made + after - 2 * _lead(after)
+            if final or not keep or len(files) - n > most or total > size \
+                    or due <= now:
+                take.append((sub, name))
+                total -= nbytes
+            else:
+                soonest = min(soonest, due)
+        return soonest
+
+    def _type_of(self, sub, name):
+        try:
+            return self.load(self.d(sub, name), name[:-5])[0]["type"]
+        except (OSError, InvalidJob):
+            return None             # (its claim quarantines it)
+
+    def _copy_running(self, now):
+        """The jobs running from here past their bound: a copy of each in
+        the spool, due when its run's lease ends (a power cut then takes
+        none of them; a success removes the copy: RamClaims.complete).
+        Returns the wall time when the next comes due."""
+        soonest = now + 1.0
+        todo = []
+        for name in _listdir(self.d("processing")):
+            parts = _split_claim(name)
+            if not parts or parts[2] != "json" or \
+                    _lexists(self.d("copied", parts[0])):
+                continue
+            path = self.d("processing", name)
+            try:
+                job, _, st = self.load(path, parts[0])
+            except (OSError, InvalidJob):
+                continue
+            after = ram_rules(self.rules(job["type"]))[0]
+            due = min(_made(parts[0], st.st_ctime), job["created_at"]) + \
+                after - 2 * _lead(after)
+            if due > now:
+                soonest = min(soonest, due)
+                continue
+            job.pop("lease", None)
+            job["available_at"] = max(now, st.st_mtime)
+            todo.append((job, dumps(job), True, job["available_at"] - now,
+                         self.spool.home(job)))
+        if todo:
+            refused, placed = [], []
+            try:
+                self.spool._enqueue(todo, True, refused, placed)
+            except (SpoolFull, SpoolBusy, ConfigError, OSError) as e:
+                self.log("error", during="ram", error="%s; running jobs not "
+                         "copied to the spool" % e)
+            self.fs.mkdir("copied")
+            for jid, _ in placed:
+                _create(self.d("copied", jid), b"", sync=False)
+            if placed:
+                self.log("copied", jobs=len(placed), to="spool")
+        return soonest
+
+    def _spill(self, take):
+        """Move the files `take` ((sub, name)) to the spool: each renamed
+        into spill/ first (a claim of another worker then finds it gone),
+        read, moved in one commit."""
+        self.fs.mkdir("spill")
+        items = []
+        for sub, name in take:
+            path = self.d("spill", name)
+            if sub != "spill" and not _take(self.d(sub, name), path):
+                continue
+            try:
+                job, trailers, st = self.load(path, name[:-5])
+            except (OSError, InvalidJob) as e:
+                if not isinstance(e, OSError):
+                    self.quarantine(path, name, str(e))
+                continue
+            items.append((path, job, "incoming"))
+        if items:
+            self.move(items)
+
+    def _unspill(self, path):
+        """A job the spool refused goes back to wait here."""
+        try:
+            job = self.load(path)[0]
+            _rename(path, self.d(self.home(job), os.path.basename(path)))
+        except (OSError, InvalidJob):
+            pass
+
+
+def _made(jid, ctime):
+    """When a job in RAM was made: its generated id's time, or its file's
+    ctime (when it came to RAM), whichever is earlier."""
+    if jid[13:14] == "-" and jid[:13].isdigit():
+        return min(ctime, int(jid[:13]) / 1000.0)
+    return ctime
+
+
+def _lead(after):
+    """How early a RAM job moves before its spill_after (its bound whole
+    despite the worker's turns)."""
+    return min(1.0, after / 4.0)
+
+
+def _held(type, rules, holds):
+    """Is every destination of `type` held (`holds`: the breaker's
+    records by destination)?"""
+    if type in holds:
+        return True
+    urls = (rules.get("url") or "").split()
+    return bool(urls) and all((url_origin(u) or type) in holds for u in urls)
+
+
+def _not_ram(path):
+    return ("%s is on %s, not a RAM filesystem (%s): the RAM tier must not "
+            "write to flash; give a directory under a tmpfs such as /tmp or "
+            "/var/run" % (path, fs_type(path) or "an unknown filesystem",
+                          " or ".join(RAM_FILESYSTEMS)))
+
+
+class _TieredClaims(object):
+    """The claims of a spool with a RAM tier: each call handed to the
+    spool's claims or the tier's, by the lane ("ram:" first) or the claim
+    (its path), what is not one or the other the spool's."""
+
+    def __init__(self, own, ram):
+        self.own, self.ram = own, ram
+        self._ram_pre = ram.spool._pre
+        self.claim_changes_key = own.claim_changes_key
+        self.batches = _TieredBatches(own.batches, ram.batches, self._ram_pre)
+
+    @property
+    def owed(self):
+        return bool(self.ram.moving)
+
+    def __getattr__(self, name):
+        return getattr(self.own, name)
+
+    def _of(self, c):
+        return self.ram if c.path.startswith(self._ram_pre) else self.own
+
+    def claim(self, name, me, default_max_attempts=5, scheduled=False,
+              sub="incoming", anytime=False):
+        return (self.ram if sub[:4] == "ram:" else self.own).claim(
+            name, me, default_max_attempts, scheduled, sub, anytime)
+
+    def complete(self, c):
+        return self._of(c).complete(c)
+
+    def move_on(self, c, job, dest, me, fin=None, until=None):
+        return self._of(c).move_on(c, job, dest, me, fin, until)
+
+    def put_back(self, c, mtime):
+        return self._of(c).put_back(c, mtime)
+
+    def close(self, c):
+        return self._of(c).close(c)
+
+    def note_handler(self, c, pid, start):
+        return self._of(c).note_handler(c, pid, start)
+
+    def end_handler(self, token):
+        self.own.end_handler(token)
+        self.ram.end_handler(token)
+
+    def extend(self, claims, until):
+        for side in (self.own, self.ram):
+            mine = [c for c in claims if self._of(c) is side]
+            if mine:
+                side.extend(mine, until)
+
+    def commit(self):
+        self.own.commit()
+        self.ram.commit()
+
+    def reap(self, me=None, max_attempts=5, dry_run=False):
+        return self.own.reap(me, max_attempts, dry_run) + \
+            self.ram.reap(me, max_attempts, dry_run)
+
+    def scan(self, L, n, tick):
+        return (self.ram if L.sub[:4] == "ram:" else self.own).scan(L, n, tick)
+
+    def lane_key(self, L):
+        return (self.ram if L.sub[:4] == "ram:" else self.own).lane_key(L)
+
+    def lanes_key(self, poked=False):
+        return (self.own.lanes_key(poked), self.ram.lanes_key(poked))
+
+    def maybe_lanes(self):
+        return True                 # (the tier's incoming/ is one)
+
+    def arrived(self):
+        self.own.arrived()          # (its count goes on)
+        return None                 # (the tier's lanes: by their keys)
+
+    def waits(self, rel):
+        return (self.ram if rel[:4] == "ram:" else self.own).waits(rel)
+
+    def size(self, sub, name):
+        return (self.ram if sub[:4] == "ram:" else self.own).size(sub, name)
+
+    def due(self, rel, now):
+        return (self.ram if rel[:4] == "ram:" else self.own).due(rel, now)
+
+    def queued(self, jid):
+        return self.own.queued(jid) or self.ram.queued(jid)
+
+
+class _TieredBatches(object):
+    """The batches' records of a spool with a RAM tier: a batch of RAM
+    jobs is recorded in RAM (_Batches)."""
+
+    def __init__(self, own, ram, ram_pre):
+        self.own, self.ram, self._ram_pre = own, ram, ram_pre
+
+    def note(self, claims):
+        side = self.ram if claims[0].path.startswith(self._ram_pre) else self.own
+        return side.note(claims)
+
+    def ids(self, name):
+        return self.own.ids(name) or self.ram.ids(name)
+
+    def keep(self, name):
+        self.own.keep(name)
+        self.ram.keep(name)
+
+    def end(self, name):
+        self.own.end(name)
+        self.ram.end(name)
+
+
+def _with_ram(store):
+    """The store, given its RAM tier when SPOOL/ram names one."""
+    data = _read_small(store.d(RAM_FILE), 4096)
+    path = data.decode("utf-8", "replace").strip() if data else ""
+    if path:
+        store.ram = RamStore(path, store, store.log, **dict(
+            (k, v) for k, v in store.opt.items() if k != "keep_done_max"))
+        store.ram.opt["keep_done_max"] = 100
+        store.claims = _TieredClaims(store.claims, store.ram.claims)
+    return store
+
+
+_ON_OPEN.append(_with_ram)
+
+
+def init_ram(store, path, owner=None):
+    """myq init --ram DIR: the spool's RAM tier in DIR, which must be on a
+    RAM filesystem (ConfigError); "": none."""
+    if not path:
+        _quiet_unlink(store.d(RAM_FILE))
+        return
+    path = os.path.abspath(path)
+    if "\n" in path:
+        raise UsageError("--ram takes a directory's path (no newline)")
+    RamStore(path, store, store.log).make(owner)
+    _replace(store.d(RAM_FILE), (path + "\n").encode("utf-8"), sync=True,
+             mode=0o644)
 
 
 # Logging #####################################################################
@@ -18183,7 +18304,7 @@ def _cmd_install(a):
 def _cmd_init(a):
     sp = a.spool.init(owner=a.args.owner, store=a.args.store)
     if a.args.ram is not None:
-        sp.set_ram(a.args.ram, a.args.owner)
+        init_ram(sp, a.args.ram, a.args.owner)
     if a.args.name is not None:
         sp.set_name(a.args.name)
     if a.args.budget is not None:
