@@ -290,3 +290,39 @@ def test_a_job_waiting_in_its_lane_is_in_the_spool(tmp_path):
     res = check.recover_and_check(spool, {jid: p["sum"]}, MYQ, str(tmp_path),
                                   fork=True)
     assert (res["lost"], res["corrupt"], res["doubled"]) == (0, 0, 0), res["notes"]
+
+
+def test_a_round_check_counts_an_old_lost_job_beyond_the_bound(tmp_path):
+    """ram_guest's check after a cut, on a spool made by hand (no VM, no
+    RAM tier: a fake of what a cut leaves): a job in the spool is not
+    lost, a delivered one is not, one promised 10 s before the cut and
+    found nowhere is beyond the bound, one promised 0.5 s before is
+    within, and a lost job is counted once."""
+    import argparse
+    import ram_guest
+    a = argparse.Namespace(fs="ext4", myq=MYQ, out=str(tmp_path), seed=1,
+                           spill_after=S, margin=MARGIN)
+    run = ram_guest.RamRun(a)
+    run.spool = str(tmp_path / "spool")
+    run.deliveries = str(tmp_path / "deliveries")
+    assert _myq(run.spool, "init").returncode == 0
+    import myq
+    cut = time.monotonic()
+    p = _payload(1)
+    kept = myq.open_store(run.spool).enqueue("ok", p)
+    led = run.ledger
+    led.promise(kept, p["sum"], cut - 30, "outage")     # in the spool
+    led.promise("sent", _payload(2)["sum"], cut - 30, "outage")
+    led.promise("old", _payload(3)["sum"], cut - 10, "outage")
+    led.promise("new", _payload(4)["sum"], cut - 0.5, "outage")
+    with open(run.deliveries, "w") as f:
+        f.write("0 %.6f sent %s ok\n" % (cut - 20, _payload(2)["sum"]))
+    run.epoch = 1                   # (the reboot that ended epoch 0)
+    run.check(0, cut, "down", "timed", 0, str(tmp_path))
+    t = run.totals
+    assert (t["lost_beyond_bound"], t["lost_within_bound"]) == (1, 1), run.found
+    assert run.found[0]["beyond"] == [("old", 10.0)]
+    assert (t["doubled"], t["corrupt"], t["recover"]) == (0, 0, 0)
+    run.epoch = 2
+    run.check(1, cut + 5, "up", "timed", 0, str(tmp_path))
+    assert (t["lost_beyond_bound"], t["lost_within_bound"]) == (1, 1)
