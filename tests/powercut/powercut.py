@@ -417,7 +417,8 @@ def report_ram(a, results, fs="ext4"):
     for res in results:
         _add(kinds, res.get("kinds", {}))
         _add(modes, res.get("modes", {}))
-    say("powercut: %s cuts by kind: %s; links: %s; latest sight of a cut: %ss"
+    say("powercut: %s cuts by kind: %s; links: %s; slowest cut: %ss from T to "
+        "the cut in place (the worker stopped at T)"
         % (name, kinds, modes, max(res.get("max_cut_lag_s", 0) for res in results)))
     say(ramcheck.summary(name, t) + " vms=%d vm_seconds=%s" % (
         len(results), "+".join("%.0f" % res["vm_seconds"] for res in results)))

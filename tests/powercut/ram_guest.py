@@ -481,7 +481,7 @@ class RamRun(object):
                 self.totals["oldest_lost_s"],
                 max(cls["ages"][j] for j in cls["within"]))
         for j in lost:          # gone: not counted again at the next cut
-            del led.promised[j]
+            led.forget(j)
         bad = [k for k in ("lost_beyond_bound", "doubled", "corrupt", "stuck",
                            "in_failed", "recover") if (cls.get(k) or res.get(k))]
         if res["corrupt"] and len(self.found) < 20:
@@ -512,11 +512,13 @@ class RamRun(object):
         t = self.totals
         t["promised"] = len(self.ledger.promised)
         t["delivered"] = len(self.ledger.delivered)
+        t["reused_ids"] = len(self.ledger.reused)
         out = {"stage": stage, "totals": t, "found": self.found[:50],
                "kinds": self.kinds, "modes": self.modes, "timing": self.timing,
                "counts": self.counts, "max_cut_lag_s": round(self.max_cut_lag, 3),
                "unpromised_deliveries": self.ledger.unpromised,
                "doubled_ids": self.ledger.doubled_ids[:20],
+               "reused_ids": self.ledger.reused[:20],
                "corrupt_ids": self.ledger.corrupt_ids[:20]}
         p = os.path.join(self.a.out, "ram-result.json")
         with open(p + ".tmp", "w") as f:

@@ -61,9 +61,21 @@ class Ledger(object):
         self.doubled_ids = []
         self.corrupt_ids = []
         self.unpromised = 0
+        self.reused = []        # ids promised twice
+        self.gone = set()       # lost ids, forgotten
 
     def promise(self, jid, sum_, ret, durable="outage"):
+        """A job whose enqueue returned at `ret`.  An id promised before
+        is another job given the same id (the ledger would lose one):
+        counted in `reused`, which fails the run."""
+        if jid in self.promised or jid in self.delivered or jid in self.gone:
+            self.reused.append(jid)
         self.promised[jid] = (sum_, ret, durable)
+
+    def forget(self, jid):
+        """A lost job, counted once: not checked again."""
+        del self.promised[jid]
+        self.gone.add(jid)
 
     def add(self, deliveries):
         """Book the receiver's new lines; returns (doubled, corrupt) among them."""
@@ -150,6 +162,8 @@ def problems(t, want_cuts):
                    "cut (the spill was never exercised)")
     if t.get("cuts", 0) and not t.get("down_rounds"):
         out.append("the link was never down or flapping in a round")
+    if t.get("reused_ids"):
+        out.append("%d ids were given to two jobs" % t["reused_ids"])
     if t.get("producer_errors"):
         out.append("%d enqueues failed with no cut to explain them"
                    % t["producer_errors"])

@@ -108,6 +108,15 @@ def test_a_bad_payload_or_another_sum_is_corrupt():
     assert sorted(led.corrupt_ids) == ["j", "k"]
 
 
+def test_an_id_promised_twice_is_counted():
+    led = _ledger({"j": (1.0, "outage")})
+    led.promise("j", "x", 2.0)
+    led.promise("k", "y", 2.0)
+    led.forget("k")
+    led.promise("k", "z", 3.0)
+    assert led.reused == ["j", "k"]
+
+
 def test_the_receivers_log_is_read_whole_lines_only(tmp_path):
     p = tmp_path / "log"
     p.write_text("0 1.5 a s ok\n1 2.5 b s bad\n2 3.")
@@ -143,6 +152,7 @@ def test_a_clean_run_passes():
     ({"down_rounds": 0}, "never down"),
     ({"bound_wrong": "ram_bound_s=10"}, "did not state the bound"),
     ({"producer_errors": 2}, "enqueues failed"),
+    ({"reused_ids": 1}, "given to two jobs"),
 ])
 def test_a_run_that_broke_the_bound_or_checked_nothing_fails(change, says):
     wrong = ramcheck.problems(dict(GOOD, **change), 200)
