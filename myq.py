@@ -4890,7 +4890,7 @@ class _Upkeep(object):
         files, files in incoming/ no worker takes)."""
         if not os.path.isdir(self.path):
             self.require()              # exit 78: there is no spool at all
-        problems = []
+        problems = [] if self.ram is None else self.ram.problems()
         for sub in SUBDIRS:
             if not os.path.isdir(self.d(sub)):
                 try:
@@ -9832,6 +9832,16 @@ class RamStore(FileStore):
             return False
         os.close(fd)
         return True
+
+    def problems(self):
+        """check's lines about the tier: where it is not on a RAM
+        filesystem (after a boot where /tmp is not a tmpfs: the workers
+        keep every job in the spool then)."""
+        if fs_type(self.path) not in RAM_FILESYSTEMS:
+            return [_not_ram(self.path) + "; the workers keep every job in "
+                    "the spool meanwhile (myq init --ram DIR, or --ram '' "
+                    "for none)"]
+        return []
 
     def make(self, owner=None):
         """The tier's layout (at init, and at each worker's start)."""

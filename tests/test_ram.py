@@ -448,3 +448,15 @@ def test_priority_then_creation_order_across_both_tiers(spool, ram, tmp_path):
         assert [d["n"] for d in t.delivered()] == [0, 3, 4, 1, 2, 5]
     finally:
         t.stop()
+
+
+def test_check_says_when_the_tier_is_not_on_a_ram_filesystem(spool, ram,
+                                                             tmp_path):
+    """After a boot where the directory is on flash (no tmpfs mounted
+    there): check names it; a worker keeps every job in the spool."""
+    Tier(spool, ram, tmp_path)
+    assert ok(cli(spool, "check")).returncode == 0
+    with open(os.path.join(spool, "ram"), "w") as f:
+        f.write(str(tmp_path / "on-flash") + "\n")
+    cp = cli(spool, "check")
+    assert cp.returncode == 1 and "not a RAM filesystem" in cp.stdout
