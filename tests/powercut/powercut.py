@@ -341,7 +341,8 @@ def report_ubifs(a, results, store="files"):
 RAM_GUEST = r"""exec > /run/pc/guest.log 2>&1
 ip link set lo up || ifconfig lo up
 python3 {here}/ram_guest.py --fs {fs} --myq {myq} --out /run/pc \
-    --cuts {cuts} --seed {seed} --spill-after {spill} --margin {margin}
+    --cuts {cuts} --seed {seed} --spill-after {spill} --margin {margin} \
+    --policy-spill-after {policy}
 """
 
 
@@ -361,7 +362,8 @@ def part_ram(a, out, k=0, fs="ext4"):
         disks = [disk]
     script = RAM_GUEST.format(here=HERE, myq=MYQ, fs=fs, cuts=cuts,
                               seed=a.seed + 4000 + 100 * k + (fs == "ubifs"),
-                              spill=a.spill_after, margin=a.bound_margin)
+                              spill=a.spill_after, margin=a.bound_margin,
+                              policy=a.ram_policy_spill_after)
     t0 = time.monotonic()
     # a round is ~5 s under TCG (up to 4 s of work, the reboot, the
     # recovery): 10 s a cut on a busy machine
@@ -617,6 +619,10 @@ def main(argv=None):
     ap.add_argument("--bound-margin", type=float, default=1.0,
                     help="the RAM parts: a job lost that was promised more "
                     "than spill_after + this before the cut is beyond the bound")
+    ap.add_argument("--ram-policy-spill-after", type=float, default=0,
+                    help="the RAM parts' type gets this spill_after while the "
+                    "bound checked stays --spill-after (a test of the "
+                    "harness: a longer one must fail the part)")
     ap.add_argument("--parallel", type=int, default=int(os.environ.get(
         "POWERCUT_PARALLEL", min(2, os.cpu_count() or 1))),
         help="VMs (tasks) at once; each keeps one CPU busy")

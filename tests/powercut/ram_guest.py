@@ -12,8 +12,8 @@ handler) and a type `ok` (durable=always, handlers.py).  receiver.py, in a
 process of its own, is the far end of the link.
 
 Each round: the link is set up, down (503), unreachable (the port
-closed) or flapping between them; a worker (myq worker, forked) runs
-while this process produces jobs (API batches, `myq enqueue`, the shell
+closed), stalled (200 after 1.5-5 s) or flapping between them; a worker
+(myq worker, forked) runs while this process produces jobs (API batches, `myq enqueue`, the shell
 recipe into the RAM tier's drop box; ~1 in 7 of type ok), for a random
 time; then the power is cut:
 
@@ -186,11 +186,11 @@ class RamRun(object):
 
     # the link ---------------------------------------------------------------
 
-    def link(self, mode, period=0.5):
+    def link(self, mode, period=0.5, stall=3.0):
         tmp = self.control + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"epoch": self.epoch, "mode": mode, "period": period,
-                       "t0": time.monotonic()}, f)
+                       "stall": stall, "t0": time.monotonic()}, f)
         os.rename(tmp, self.control)
 
     def start_receiver(self):
@@ -226,10 +226,12 @@ class RamRun(object):
         self.myq_cli("init")
         self.myq_cli("init", "--ram", RAM)
         self.myq_cli("policy", TYPE, "durable=outage",
-                     "spill_after=%gs" % self.a.spill_after,
+                     "spill_after=%gs" % (self.a.policy_spill_after
+                                          or self.a.spill_after),
                      "url=http://127.0.0.1:%d/" % PORT)
         st = json.loads(self.myq_cli("stats", "--json"))
-        if float(st.get("ram_bound_s", -1)) != float(self.a.spill_after):
+        if float(st.get("ram_bound_s", -1)) != float(self.a.policy_spill_after
+                                                     or self.a.spill_after):
             self.totals["bound_wrong"] = "ram_bound_s=%s, spill_after=%s" % (
                 st.get("ram_bound_s"), self.a.spill_after)
 
@@ -358,8 +360,9 @@ class RamRun(object):
     def round(self, i, work):
         a, rng = self.a, self.rng
         t0 = time.monotonic()
-        mode = ("up", "down", "flap", "unreachable", "flap")[i % 5]
+        mode = ("up", "down", "flap", "unreachable", "stall", "flap")[i % 6]
         period = rng.choice((0.3, 0.7, 1.5))
+        stall = rng.uniform(1.5, 5)
         self.modes[mode] = self.modes.get(mode, 0) + 1
         self.totals["down_rounds"] += mode != "up"
         if fstype(RAM) != "tmpfs":
@@ -375,7 +378,7 @@ class RamRun(object):
         t = time.monotonic()
         self.start_worker()
         self.tick("t_start", t)
-        self.link(mode, period)
+        self.link(mode, period, stall)
         until = time.monotonic() + rng.uniform(a.min_work, a.max_work)
         made = len(self.ledger.promised)
         err = None
@@ -535,6 +538,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=40)
     ap.add_argument("--spill-after", type=float, default=2.0)
     ap.add_argument("--margin", type=float, default=1.0)
+    ap.add_argument("--policy-spill-after", type=float, default=0,
+                    help="the type's spill_after when not the bound checked "
+                    "(a test of the harness: longer must fail it)")
     ap.add_argument("--min-work", type=float, default=0.3)
     ap.add_argument("--max-work", type=float, default=4.0)
     a = ap.parse_args(argv)

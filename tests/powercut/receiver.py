@@ -9,12 +9,15 @@ stands for the link), in a process of its own that the harness's power
 cuts do not touch: what it has, it has, as a server on the far side of a
 real link would.  FILE (JSON, replaced whole by the harness) says
 
-    {"epoch": E, "mode": M, "period": SECONDS, "t0": MONOTONIC}
+    {"epoch": E, "mode": M, "period": SECONDS, "stall": SECONDS,
+     "t0": MONOTONIC}
 
 M: "up" (200 for every job), "down" (503: the destination answers that it
 cannot take the job), "unreachable" (the port closed: connection refused,
-and a kept connection closed without an answer), "flap" (up, down, up,
-unreachable, ..., each `period` seconds from t0).  E: the harness's count
+and a kept connection closed without an answer), "stall" (200, but only
+`stall` seconds after the request: a slow link, which fails nothing, so
+that only spill_after moves the jobs waiting behind it), "flap" (up, down,
+up, unreachable, up, stall, ..., each `period` seconds from t0).  E: the harness's count
 of power cuts so far; two deliveries of a job in one epoch have no cut
 between them to explain them.
 
@@ -38,7 +41,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from socketserver import ThreadingMixIn
 
-FLAP = ("up", "down", "up", "unreachable")
+FLAP = ("up", "down", "up", "unreachable", "up", "stall")
 
 
 def mode_at(ctl, now):
@@ -131,6 +134,8 @@ def make_handler(control, log):
                 self.end_headers()
                 self.wfile.write(msg)
                 return
+            if m == "stall":
+                time.sleep(float(ctl.get("stall") or 3))
             jid = self.headers.get("Idempotency-Key") or "-"
             s, v = verdict(body)
             with lock:      # recorded before the answer: 200 means "have it"

@@ -264,10 +264,10 @@ def test_the_receiver_takes_jobs_only_while_the_link_is_up(link, tmp_path):
         (2, got["up"][0], got["up"][1], "ok")]
 
 
-def test_flapping_goes_through_up_down_up_unreachable():
+def test_flapping_goes_through_up_down_up_unreachable_up_stall():
     ctl = {"mode": "flap", "period": 1.0, "t0": 100.0}
-    assert [receiver.mode_at(ctl, 100.0 + k + 0.5) for k in range(5)] == [
-        "up", "down", "up", "unreachable", "up"]
+    assert [receiver.mode_at(ctl, 100.0 + k + 0.5) for k in range(7)] == [
+        "up", "down", "up", "unreachable", "up", "stall", "up"]
 
 
 def test_a_tampered_body_is_bad():
