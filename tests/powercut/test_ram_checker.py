@@ -212,10 +212,10 @@ def link(tmp_path):
     ctl, log = str(tmp_path / "ctl.json"), str(tmp_path / "deliveries")
     port = _free_port()
 
-    def set_(mode, epoch=0, period=0.5):
+    def set_(mode, epoch=0, period=0.5, stall=3.0):
         with open(ctl + ".tmp", "w") as f:
             json.dump({"epoch": epoch, "mode": mode, "period": period,
-                       "t0": time.monotonic()}, f)
+                       "stall": stall, "t0": time.monotonic()}, f)
         os.rename(ctl + ".tmp", ctl)
     set_("up")
     stop = threading.Event()
@@ -262,6 +262,25 @@ def test_the_receiver_takes_jobs_only_while_the_link_is_up(link, tmp_path):
     delivered = ramcheck.read_deliveries(log)[0]
     assert [(d.epoch, d.id, d.sum, d.verdict) for d in delivered] == [
         (2, got["up"][0], got["up"][1], "ok")]
+
+
+def test_a_stalled_link_answers_late_and_has_the_job(link):
+    """stall: 200, but late (nothing fails: only spill_after moves what
+    waits behind it); the delivery is booked in the epoch it came in."""
+    import urllib.request
+    set_, port, log = link
+    set_("stall", epoch=4, stall=0.6)
+    time.sleep(0.2)
+    p = _payload(5)
+    req = urllib.request.Request("http://127.0.0.1:%d/" % port,
+                                 data=json.dumps(p).encode(),
+                                 headers={"Idempotency-Key": "j5"})
+    t = time.monotonic()
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+    assert time.monotonic() - t >= 0.6
+    got = ramcheck.read_deliveries(log)[0]
+    assert [(d.epoch, d.id, d.verdict) for d in got] == [(4, "j5", "ok")]
 
 
 def test_flapping_goes_through_up_down_up_unreachable_up_stall():
