@@ -183,6 +183,7 @@ class RamRun(object):
         self.klog = ug.KLog(os.path.join(a.out, "ram-kmsg.log")) \
             if a.fs == "ubifs" else None
         self.max_cut_lag = 0.0
+        self.corrupt_ids = set()    # the distinct ids behind `corrupt`
 
     # the link ---------------------------------------------------------------
 
@@ -471,6 +472,7 @@ class RamRun(object):
         d, c = led.add(self.read_deliveries())
         self.totals["doubled"] += d + res["doubled"]
         self.totals["corrupt"] += c + res["corrupt"]
+        self.corrupt_ids.update(res["ids"]["corrupt"])
         for k in ("stuck", "in_failed", "recover"):
             self.totals[k] += res[k]
         self.totals["recovery_runs"] += res["rerun"]
@@ -521,6 +523,7 @@ class RamRun(object):
         t["promised"] = len(self.ledger.promised)
         t["delivered"] = len(self.ledger.delivered)
         t["reused_ids"] = len(self.ledger.reused)
+        t["corrupt_ids"] = len(self.corrupt_ids | set(self.ledger.corrupt_ids))
         out = {"stage": stage, "totals": t, "found": self.found[:50],
                "kinds": self.kinds, "modes": self.modes, "timing": self.timing,
                "counts": self.counts, "max_cut_lag_s": round(self.max_cut_lag, 3),

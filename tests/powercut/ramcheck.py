@@ -181,7 +181,7 @@ def summary(fs, t):
                                        t.get("doubled", 0), t.get("corrupt", 0)))
     for k in ("stuck", "in_failed", "recover", "fsck", "rounds", "down_rounds",
               "promised", "delivered", "spooled", "ram_seen",
-              "max_lost_in_a_cut", "recovery_runs"):
+              "max_lost_in_a_cut", "recovery_runs", "corrupt_ids"):
         if k in t:
             line += " %s=%s" % ("recover_errors" if k == "recover" else
                                 "fs_errors" if k == "fsck" else k, t[k])

@@ -352,6 +352,17 @@ def test_a_round_check_counts_an_old_lost_job_beyond_the_bound(tmp_path):
     assert (t["lost_beyond_bound"], t["lost_within_bound"]) == (1, 1), run.found
     assert run.found[0]["beyond"] == [("old", 10.0)]
     assert (t["doubled"], t["corrupt"], t["recover"]) == (0, 0, 0)
+    # a file of a promised job, all NUL (a spill cut short): corrupt, by id
+    with open(os.path.join(run.spool, "incoming", "spilled.json"), "wb") as f:
+        f.write(b"\0" * 64)
+    led.promise("spilled", _payload(5)["sum"], cut - 1, "outage")
     run.epoch = 2
-    run.check(1, cut + 5, "up", "timed", 0, str(tmp_path))
+    run.check(1, cut + 1, "up", "timed", 0, str(tmp_path))
+    run.save("cuts")
+    assert (t["corrupt"], t["corrupt_ids"]) == (1, 1)
+    assert " corrupt_ids=1" in ramcheck.summary("ext4-ram", t)
+    os.unlink(os.path.join(run.spool, "incoming", "spilled.json"))
+    led.forget("spilled")
+    run.epoch = 3
+    run.check(2, cut + 5, "up", "timed", 0, str(tmp_path))
     assert (t["lost_beyond_bound"], t["lost_within_bound"]) == (1, 1)
