@@ -189,10 +189,16 @@ def scan(spool, myq, read=STATE_DIRS + ("failed",), store="files", errors=None):
     said to `errors` (a list)."""
     where, tails = {}, []
     for sub in STATE_DIRS:
-        for name in _listdir(os.path.join(spool, sub)):
+        names = _listdir(os.path.join(spool, sub))
+        if sub == "incoming":
+            # a type with a policy waits in its lane: incoming/lanes/LANE/
+            lanes = os.path.join(spool, sub, "lanes")
+            names += ["lanes/%s/%s" % (lane, n) for lane in _listdir(lanes)
+                      for n in _listdir(os.path.join(lanes, lane))]
+        for name in names:
             if not name.endswith((".json", ".fin")):
                 continue
-            jid = name[:-5]
+            jid = os.path.basename(name)[:-5]
             if sub == "processing":
                 jid = jid.split("+", 1)[0]
             job, tail = None, False

@@ -15,6 +15,15 @@ Parts:
          the workload runs there; replay.py replays the block log on the
          host at every flush point (plus random subsets of the unflushed
          writes), recovers and checks each image.
+  ext4-ram, ubifs-ram
+         the RAM tier's loss bound (SPEC 13; ram_guest.py): a spool with
+         `init --ram` on a tmpfs, a durable=outage type forwarded over
+         http to receiver.py (the link up, down, unreachable, flapping),
+         --ram-cuts power cuts at random moments shared by --ram-vms VMs
+         (ext4: dm-flakey drops every write from the cut on; UBIFS: UBI's
+         emulation); every promised job delivered, in the spool, or lost
+         within spill_after + --bound-margin of the cut, or the part fails
+         (lost_beyond_bound).
   ext4-sqlite, ubifs-sqlite
          the same on a spool of the SQLite store (myq init --store sqlite:
          the jobs in queue.db, the shell recipe's files in its drop box);
@@ -46,6 +55,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 MYQ = os.path.join(REPO, "myq.py")
 sys.path.insert(0, HERE)
 import vm  # noqa: E402
+import ramcheck  # noqa: E402
 import replay  # noqa: E402
 
 RESULTS = os.environ.get("POWERCUT_RESULTS", os.path.join(vm.CACHE, "results"))
@@ -328,6 +338,101 @@ def report_ubifs(a, results, store="files"):
     return merged
 
 
+RAM_GUEST = r"""exec > /run/pc/guest.log 2>&1
+ip link set lo up || ifconfig lo up
+python3 {here}/ram_guest.py --fs {fs} --myq {myq} --out /run/pc \
+    --cuts {cuts} --seed {seed} --spill-after {spill} --margin {margin} \
+    --policy-spill-after {policy}
+"""
+
+
+def part_ram(a, out, k=0, fs="ext4"):
+    """One VM of a RAM part (of --ram-vms): its share of the cuts."""
+    name = fs + "-ram"
+    n = max(1, a.ram_vms)
+    cuts = _share(n, k, a.ram_cuts)
+    share = tempfile.mkdtemp(prefix="pc-%s-" % name, dir=a.tmp)
+    disks = []
+    if fs == "ext4":
+        disk = os.path.join(a.tmp, "ram-%d.img" % k)
+        with open(disk, "wb") as f:
+            f.truncate(a.ext4_mb << 20)
+        sh(["mkfs.ext4", "-q", "-F", "-E",
+            "lazy_itable_init=0,lazy_journal_init=0", disk])
+        disks = [disk]
+    script = RAM_GUEST.format(here=HERE, myq=MYQ, fs=fs, cuts=cuts,
+                              seed=a.seed + 4000 + 100 * k + (fs == "ubifs"),
+                              spill=a.spill_after, margin=a.bound_margin,
+                              policy=a.ram_policy_spill_after)
+    t0 = time.monotonic()
+    # a round is ~5 s under TCG (up to 4 s of work, the reboot, the
+    # recovery): 10 s a cut on a busy machine
+    r = vm.boot(script, work=share, disks=disks, timeout=a.vm_timeout + 10 * cuts,
+                append="log_buf_len=16M loglevel=3")
+    t_vm = time.monotonic() - t0
+    say("powercut: %s VM %d: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs cuts=%d" % (
+        name, k, r["rc"], r["boot_seconds"] or -1, t_vm, r["cpu_seconds"], cuts))
+    dest = os.path.join(out, "%s-vm%d" % (name, k))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    for f in os.listdir(share):
+        if f.startswith(("ram-", "guest.log", "console.log")):
+            shutil.copy(os.path.join(share, f), os.path.join(dest, f))
+    try:
+        with open(os.path.join(share, "ram-result.json")) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        say(r["console"][-3000:])
+        try:
+            say(open(os.path.join(share, "guest.log")).read()[-3000:])
+        except OSError:
+            pass
+        return None
+    for f in res.get("found", [])[:10]:
+        say("  found:", json.dumps(f)[:1500])
+    if res.get("stage") != "end":
+        say("powercut: %s VM %d stopped during the %s stage (timeout?)"
+            % (name, k, res.get("stage")))
+    res.update(vm_seconds=round(t_vm, 1), cpu_seconds=round(r["cpu_seconds"], 1),
+               want_cuts=cuts)
+    return res
+
+
+def report_ram(a, results, fs="ext4"):
+    """One line for all the VMs of a RAM part; the totals with `recover`
+    raised when the run could not check what it claims."""
+    name = fs + "-ram"
+    if not results or any(r is None for r in results):
+        say("powercut: fs=%s: no result from %d of %d VMs (see above)" % (
+            name, sum(r is None for r in results), len(results)))
+        return None
+    t = {}
+    for res in results:
+        for key, v in res["totals"].items():
+            if key in ("max_lost_in_a_cut", "oldest_lost_s", "bound_s", "margin_s"):
+                t[key] = max(t.get(key, 0), v)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                t[key] = t.get(key, 0) + v
+            elif key == "bound_wrong":
+                t[key] = v
+    kinds, modes = {}, {}
+    for res in results:
+        _add(kinds, res.get("kinds", {}))
+        _add(modes, res.get("modes", {}))
+    say("powercut: %s cuts by kind: %s; links: %s; slowest cut: %ss from T to "
+        "the cut in place (the worker stopped at T)"
+        % (name, kinds, modes, max(res.get("max_cut_lag_s", 0) for res in results)))
+    say(ramcheck.summary(name, t) + " vms=%d vm_seconds=%s" % (
+        len(results), "+".join("%.0f" % res["vm_seconds"] for res in results)))
+    wrong = ramcheck.problems(t, a.ram_cuts)
+    wrong += ["VM %d did not finish" % k for k, res in enumerate(results)
+              if res.get("stage") != "end"]
+    if wrong:
+        say("powercut: %s FAILED: %s" % (name, "; ".join(wrong)))
+        t["recover"] = t.get("recover", 0) + 1
+    return t
+
+
 def part_boot(a, out, k=0):
     import boot_part
     return boot_part.run(a, out, vm, replay)
@@ -347,17 +452,28 @@ def _on(store, fn):
 
 
 # name: (task, report); the order is the start order (longest first)
-PARTS = {"ext4": (part_ext4, report_ext4), "ubifs": (part_ubifs, report_ubifs),
+PARTS = {"ubifs-ram": (lambda *x: part_ram(*x, fs="ubifs"),
+                       lambda *x: report_ram(*x, fs="ubifs")),
+         "ext4-ram": (lambda *x: part_ram(*x, fs="ext4"),
+                      lambda *x: report_ram(*x, fs="ext4")),
+         "ext4": (part_ext4, report_ext4), "ubifs": (part_ubifs, report_ubifs),
          "ubifs-sqlite": (_on("sqlite", part_ubifs), _on("sqlite", report_ubifs)),
          "ext4-sqlite": (_on("sqlite", part_ext4), _on("sqlite", report_ext4)),
          "boot": (part_boot, report_boot)}
+
+
+def vms_of(a, name):
+    """How many VMs (tasks) a part has."""
+    if name.endswith("-ram"):
+        return max(1, a.ram_vms)
+    return max(1, a.ubifs_vms) if name.startswith("ubifs") else 1
 
 
 def tasks_of(a, parts):
     out = []
     for name in PARTS:
         if name in parts:
-            for k in range(max(1, a.ubifs_vms) if name.startswith("ubifs") else 1):
+            for k in range(vms_of(a, name)):
                 out.append((name, k))
     return out
 
@@ -377,7 +493,7 @@ def run_task(a, spec, result_path):
     global PREFIX
     _terminate_on_sigterm()
     name, k = spec.split(":")
-    PREFIX = "[%s] " % (name if not name.startswith("ubifs") else "%s-%s" % (name, k))
+    PREFIX = "[%s] " % (name if vms_of(a, name) == 1 else "%s-%s" % (name, k))
     t0 = time.monotonic()
     # the task's disks and shared directories (the guest sees /var/tmp);
     # gone at the end, also when the task is stopped, unless --keep
@@ -493,6 +609,20 @@ def main(argv=None):
     ap.add_argument("--wear-jobs", type=int, default=1000)
     ap.add_argument("--ubifs-vms", type=int, default=2,
                     help="VMs sharing the UBIFS cuts and fault rounds")
+    ap.add_argument("--ram-cuts", type=int, default=int(
+        os.environ.get("POWERCUT_RAM_CUTS", "200")),
+        help="ext4-ram, ubifs-ram: power cuts each (shared by --ram-vms)")
+    ap.add_argument("--ram-vms", type=int, default=2,
+                    help="VMs sharing a RAM part's cuts")
+    ap.add_argument("--spill-after", type=float, default=2.0,
+                    help="the RAM parts' spill_after (seconds): the bound")
+    ap.add_argument("--bound-margin", type=float, default=1.0,
+                    help="the RAM parts: a job lost that was promised more "
+                    "than spill_after + this before the cut is beyond the bound")
+    ap.add_argument("--ram-policy-spill-after", type=float, default=0,
+                    help="the RAM parts' type gets this spill_after while the "
+                    "bound checked stays --spill-after (a test of the "
+                    "harness: a longer one must fail the part)")
     ap.add_argument("--parallel", type=int, default=int(os.environ.get(
         "POWERCUT_PARALLEL", min(2, os.cpu_count() or 1))),
         help="VMs (tasks) at once; each keeps one CPU busy")

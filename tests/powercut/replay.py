@@ -51,7 +51,7 @@ FLUSH, FUA, DISCARD, MARK, METADATA = 1, 2, 4, 8, 16
 
 
 BAD = ("lost", "doubled", "corrupt", "stuck", "recover", "fsck", "in_failed",
-       "stale")
+       "stale", "lost_beyond_bound")
 
 
 class Entry(object):
