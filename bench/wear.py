@@ -5,7 +5,7 @@ durable, side by side in one run (root: losetup, mkfs.ext4, mount).
     python3 bench/wear.py [--myq PATH] [--stores files,sqlite]
                           [--modes always,outage] [--links up,down]
                           [--rate 1] [--seconds 60] [--idle 30] [--runs 3]
-                          [--parallel 4]
+                          [--parallel 4] [--url job|policy]
                           [--ubifs] [--fs ext4|ubifs] [--json FILE]
 
 `make bench-wear` runs it first.  For every store, durability mode and
@@ -21,7 +21,8 @@ link state, in every run (the cases interleaved, a fresh filesystem each):
 - the spool gets the field trial's policy `tele handler=http batch=100
   batch_wait=5s gzip=true`; `durable=outage` also `myq init --ram DIR`
   and `durable=outage` on the type (DIR on a tmpfs of its own, checked
-  by statfs); `always` is today's default, no key set.
+  by statfs); `always` is today's default, no key set.  The url is each
+  job's (`{"url", "body"}`), or with --url policy the type's `url=`.
 - link up: the jobs' url is a local HTTP receiver answering 200 (it counts
   the ids of X-Myq-Ids: every job must arrive).  Link down: a closed port
   (connection refused); a producer of 2 readings a second runs until the
@@ -253,10 +254,11 @@ sys.path.insert(0, sys.argv[1])
 import myq
 sp = getattr(myq, 'open_store', myq.Spool)(sys.argv[2])
 url, rate, n = sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+own = sys.argv[6:] != ["policy"]        # (else the type's policy has the url)
 t = time.monotonic()
 for i in range(n):
-    sp.enqueue("tele", {"url": url, "body": {"sensor": "t%d" % (i % 8), "n": i,
-                                            "v": 21.5 + i % 7}})
+    body = {"sensor": "t%d" % (i % 8), "n": i, "v": 21.5 + i % 7}
+    sp.enqueue("tele", {"url": url, "body": body} if own else body)
     t += 1.0 / rate
     time.sleep(max(0.0, t - time.monotonic()))
 """
@@ -284,10 +286,10 @@ def wait_for(what, pred, timeout, w, logf):
         time.sleep(0.2)
 
 
-def produce(myq, spool, url, rate, n):
+def produce(myq, spool, url, rate, n, where="job"):
     subprocess.check_call([sys.executable, "-c", PRODUCE,
                            os.path.dirname(os.path.abspath(myq)), spool, url,
-                           str(rate), str(n)])
+                           str(rate), str(n), where])
 
 
 def waiting(myq, spool):
@@ -321,13 +323,15 @@ def case(myq, fs, store, mode, link, o, work):
             subprocess.check_call(myq_cmd(myq, spool, "init", "--ram", ram),
                                   stdout=subprocess.DEVNULL)
             pol.append("durable=outage")
-        subprocess.check_call(myq_cmd(myq, spool, "policy", "tele", *pol),
-                              stdout=subprocess.DEVNULL)
         if link == "up":
             rx = Receiver()
             url = rx.url
         else:
             url = "http://127.0.0.1:%d/ingest" % closed_port()
+        if o.url == "policy":
+            pol.append("url=" + url)
+        subprocess.check_call(myq_cmd(myq, spool, "policy", "tele", *pol),
+                              stdout=subprocess.DEVNULL)
         canary(dev, spool)
         w = subprocess.Popen(myq_cmd(myq, spool, "worker", "--log", logf),
                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -337,14 +341,14 @@ def case(myq, fs, store, mode, link, o, work):
         # destination held and what came before it spilled (down)
         if link == "up":
             warm = 3
-            produce(myq, spool, url, 10.0, warm)
+            produce(myq, spool, url, 10.0, warm, o.url)
             wait_for("delivery", lambda: rx.count() >= warm, 60, w, logf)
         else:
             # readings until the breaker holds the destination (3 batches
             # failed in a row), then every one of them in the spool
             p = subprocess.Popen([sys.executable, "-c", PRODUCE,
                                   os.path.dirname(os.path.abspath(myq)), spool,
-                                  url, "2", "1000"])
+                                  url, "2", "1000", o.url])
             try:
                 wait_for("hold", lambda: "event=hold" in open(logf).read(),
                          120, w, logf)
@@ -368,7 +372,7 @@ def case(myq, fs, store, mode, link, o, work):
         n = int(round(o.rate * o.seconds))
 
         def load():
-            produce(myq, spool, url, o.rate, n)
+            produce(myq, spool, url, o.rate, n, o.url)
             if link == "up":
                 wait_for("delivery", lambda: rx.count() >= warm + n, 120, w, logf)
             else:
@@ -463,7 +467,7 @@ def ubifs_on_host(o):
             ["modprobe", "-n", "nandsim"], stderr=subprocess.DEVNULL) == 0:
         log("note: this host has nandsim; the guest is used all the same")
     args = ["--fs", "ubifs", "--myq", o.myq, "--stores", o.stores, "--modes",
-            o.modes, "--links", o.links, "--rate", str(o.rate), "--seconds",
+            o.modes, "--links", o.links, "--url", o.url, "--rate", str(o.rate), "--seconds",
             str(o.seconds), "--idle", str(o.idle), "--runs", str(o.ubifs_runs), "--parallel", "1",
             "--tmpfs", "/run", "--json", "/run/pc/wear.json"]
     script = ("ip link set lo up 2>/dev/null || ifconfig lo up\n"
@@ -497,6 +501,9 @@ def main():
     ap.add_argument("--parallel", type=int, default=4, help="cases at once")
     ap.add_argument("--idle", type=float, default=30.0)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--url", default="job", choices=("job", "policy"),
+                    help="where the url is: each job's payload, or the "
+                    "type's policy (url=)")
     ap.add_argument("--fs", default="ext4", choices=("ext4", "ubifs"))
     ap.add_argument("--ubifs", action="store_true", help="also UBIFS, in a QEMU guest")
     ap.add_argument("--ubifs-runs", type=int, default=1)
