@@ -15283,10 +15283,9 @@ class _Mover(object):
         now, mono = _now(), _mono()
         if not final and mono < self._next_spill:
             return self._next_spill
-        holds = dict((h["dest"], h) for h in self.tier.breaker.records())
         take, soonest = [], now + 1.0
         for sub in self.tier.waiting_dirs():
-            soonest = min(soonest, self._due(sub, now, final, holds, take))
+            soonest = min(soonest, self._due(sub, now, final, take))
         if not take:
             take = [("spill", name) for name in _listdir(self.tier.d("spill"))]
         if take:
@@ -15295,7 +15294,7 @@ class _Mover(object):
         self._next_spill = mono + max(0.0, soonest - now)
         return self._next_spill
 
-    def _due(self, sub, now, final, holds, take):
+    def _due(self, sub, now, final, take):
         """The jobs of lane `sub` to move now, appended to `take` as (sub,
         name), oldest first; the wall time when the next comes due."""
         t = _lane_of(sub.rpartition("/")[2])[0] if sub != "incoming" else None
@@ -15318,12 +15317,13 @@ class _Mover(object):
             rules = self.tier.rules(kind) if kind else {"durable": "outage"}
             after, most, size = ram_rules(rules)
             due = made + after - 2 * _lead(after)
-            # A held destination's jobs gather here and move together when
-            # the oldest is due (the bound whole): one commit for what came
-            # within spill_after, not one each (with the link down, that
-            # made as many commits as durable=always)
-            gather = gather or due <= now and bool(
-                holds and kind and _held(kind, rules, holds))
+            # When a lane's oldest is due, all of the lane moves with it (the
+            # bound whole): jobs that wait behind a due one wait for a held,
+            # failing or stalled destination (its own url's too, which the
+            # policy does not name): one commit for what came within
+            # spill_after, not one each (with the link down, that made as
+            # many commits as durable=always)
+            gather = gather or due <= now
             if final or rules.get("durable") != "outage" or gather or \
                     len(files) - n > most or total > size or due <= now:
                 take.append((sub, name))
@@ -15421,15 +15421,6 @@ def _lead(after):
     """How early a RAM job moves before its spill_after (its bound whole
     despite the worker's turns)."""
     return min(1.0, after / 4.0)
-
-
-def _held(type, rules, holds):
-    """Is every destination of `type` held (`holds`: the breaker's
-    records by destination)?"""
-    if type in holds:
-        return True
-    urls = (rules.get("url") or "").split()
-    return bool(urls) and all((url_origin(u) or type) in holds for u in urls)
 
 
 def _not_ram(path):

@@ -476,7 +476,8 @@ def test_check_says_when_the_tier_is_not_on_a_ram_filesystem(spool, ram,
 def test_a_held_destination_s_jobs_move_together(spool, ram, tmp_path):
     """With the destination held, the arrivals gather in RAM and move to
     the spool in one commit when the oldest is due (event=moved jobs=5),
-    not one commit each (as many as durable=always makes)."""
+    not one commit each (as many as durable=always makes): when a lane's
+    oldest is due, the jobs behind it go with it."""
     t = Tier(spool, ram, tmp_path, spill_after="3s")
     with open(t.module, "a") as f:
         f.write("import myq\n"
