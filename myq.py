@@ -1424,6 +1424,17 @@ def boot_time():
     return None
 
 
+def _before_boot(path, st=None):
+    """Was the file at `path` last written before this boot (5 s of the
+    clock's slack), so that no process can be writing it now?"""
+    boot = boot_time()
+    try:
+        st = st or _lstat(path)
+    except OSError:
+        return False
+    return bool(boot) and st.st_mtime < boot - 5
+
+
 def proc_start(pid, living=False):
     """The process's start time in clock ticks since boot (field 22 of
     /proc/PID/stat), or None when there is no such process (or no /proc);
@@ -3443,12 +3454,7 @@ class Claims(object):
         once when it was made before this boot (no producer can still be
         writing it: a batch a power cut ended, a RAM tier's move among
         them, whose waiting minute a cut can take again and again)."""
-        try:
-            made = _lstat(path).st_mtime
-        except OSError:
-            made = None
-        boot = boot_time()
-        if scheduled or made is not None and boot and made < boot - 5:
+        if scheduled or _before_boot(path):
             _unlink(path)
             self.spool.log("removed", file=name, why="empty: nothing was written in "
                      "it (an enqueue that a crash or power cut ended before it "
@@ -13542,8 +13548,7 @@ class _SqlClaims(Claims):
         """An empty file in the drop box (Claims._unwritten): put back for a
         minute (its mtime, on purpose), then removed, never quarantined;
         at once when made before this boot (no producer writes it now)."""
-        boot = boot_time()
-        if st.st_mtime <= st.st_ctime and not (boot and st.st_mtime < boot - 5):
+        if st.st_mtime <= st.st_ctime and not _before_boot(path, st):
             until = _now() + 60
             _utime(path, until)
             self.spool.log("deferred", file=name, until=iso(until),
