@@ -7,6 +7,7 @@ process proves nothing more), or the files of the spool. Waiting is always
 "poll a condition until a deadline".
 """
 import errno
+import contextlib
 import io
 import json
 import locale
@@ -581,3 +582,36 @@ def listed(spool, state):
     """`myq list STATE --json`, read: one dict a job."""
     cp = ok(cli(spool, "list", state, "--json"))
     return [json.loads(line) for line in cp.stdout.splitlines()]
+
+
+@contextlib.contextmanager
+def ext4_image(tmp_path, size=64 << 20, block=4096):
+    """A fresh ext4 filesystem in an image on a loop device (`block`: its
+    block size, None: mkfs.ext4's for the size), mounted: (mount point,
+    its device), unmounted at the end.  Root only: the test is skipped,
+    saying why, where it cannot be had."""
+    import shutil
+    import pytest
+    if os.geteuid() != 0:
+        pytest.skip("mounting an ext4 image on a loop device needs root")
+    if not shutil.which("mkfs.ext4"):
+        pytest.skip("mkfs.ext4 is missing (apt-get install e2fsprogs)")
+    img, mnt = str(tmp_path / "img"), str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    with open(img, "wb") as f:
+        f.truncate(size)
+    subprocess.check_call(["mkfs.ext4", "-q", "-F"] + (
+        ["-b", str(block)] if block else []) + [
+        "-E", "lazy_itable_init=0,lazy_journal_init=0", img])
+    cp = subprocess.run(["mount", "-o", "loop", img, mnt],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        universal_newlines=True)
+    if cp.returncode:
+        pytest.skip("cannot mount a loop device here: %s" % cp.stdout.strip())
+    try:
+        dev = subprocess.check_output(["findmnt", "-n", "-o", "SOURCE", mnt],
+                                      universal_newlines=True).strip()
+        assert dev.startswith("/dev/loop"), dev     # (not a stale mount)
+        yield mnt, dev
+    finally:
+        subprocess.call(["umount", mnt])

@@ -465,26 +465,8 @@ def test_the_disk_free_guard_asks_once_a_second_while_its_room_lasts(
 def ext4(tmp_path):
     """A fresh ext4 filesystem on a loop device: (mount point, a function
     that reads its journal's commit count).  Root only."""
-    import shutil
-    import subprocess
-    if os.geteuid() != 0:
-        pytest.skip("mounting an ext4 image on a loop device needs root")
-    if not shutil.which("mkfs.ext4"):
-        pytest.skip("mkfs.ext4 is missing (apt-get install e2fsprogs)")
-    img, mnt = str(tmp_path / "img"), str(tmp_path / "mnt")
-    os.mkdir(mnt)
-    with open(img, "wb") as f:
-        f.truncate(64 << 20)
-    subprocess.check_call(["mkfs.ext4", "-q", "-F", "-E",
-                           "lazy_itable_init=0,lazy_journal_init=0", img])
-    cp = subprocess.run(["mount", "-o", "loop", img, mnt],
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        universal_newlines=True)
-    if cp.returncode:
-        pytest.skip("cannot mount a loop device here: %s" % cp.stdout.strip())
-    try:
-        dev = subprocess.check_output(["findmnt", "-n", "-o", "SOURCE", mnt],
-                                      universal_newlines=True).strip()
+    from _core import ext4_image
+    with ext4_image(tmp_path, block=None) as (mnt, dev):
         info = "/proc/fs/jbd2/%s-8/info" % os.path.basename(dev)
         if not os.path.exists(info):
             pytest.skip("no %s: cannot count journal commits" % info)
@@ -493,8 +475,6 @@ def ext4(tmp_path):
             with open(info) as f:
                 return int(f.readline().split()[0])
         yield mnt, commits
-    finally:
-        subprocess.call(["umount", mnt])
 
 
 def test_a_batch_is_one_journal_commit_not_one_a_job(myq, ext4):

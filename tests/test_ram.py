@@ -8,7 +8,6 @@ both tiers.  Both stores (the `spool` fixture)."""
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -323,30 +322,10 @@ def _sectors(dev):
 @pytest.fixture
 def ext4(tmp_path):
     """An ext4 image of 4 KiB blocks on a loop device: (mount point, the
-    device's sectors written so far). Root only."""
-    import shutil
-    if os.geteuid() != 0:
-        pytest.skip("mounting an ext4 image on a loop device needs root")
-    if not shutil.which("mkfs.ext4"):
-        pytest.skip("mkfs.ext4 is missing (apt-get install e2fsprogs)")
-    img, mnt = str(tmp_path / "img"), str(tmp_path / "mnt")
-    os.mkdir(mnt)
-    with open(img, "wb") as f:
-        f.truncate(64 << 20)
-    subprocess.check_call(["mkfs.ext4", "-q", "-F", "-b", "4096", "-E",
-                           "lazy_itable_init=0,lazy_journal_init=0", img])
-    cp = subprocess.run(["mount", "-o", "loop", img, mnt],
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        universal_newlines=True)
-    if cp.returncode:
-        pytest.skip("cannot mount a loop device here: %s" % cp.stdout.strip())
-    try:
-        dev = subprocess.check_output(["findmnt", "-n", "-o", "SOURCE", mnt],
-                                      universal_newlines=True).strip()
-        assert dev.startswith("/dev/loop"), dev     # (not a stale mount)
+    device's sectors written so far).  Root only."""
+    from _core import ext4_image
+    with ext4_image(tmp_path) as (mnt, dev):
         yield mnt, lambda: _sectors(dev)
-    finally:
-        subprocess.call(["umount", mnt])
 
 
 @pytest.mark.parametrize("handler", ["python", "exec"])
