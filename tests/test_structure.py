@@ -29,7 +29,7 @@ MAX_OBJECT = 1060
 # symbol of Part II (an extension registers itself in one of the core's
 # tables: _STORES, _BUILTIN_TYPES, _COMMAND_TABLE, _COMMAND_OPTIONS,
 # _CHILDREN, _IMAGE).  The sections are put in that order by a script that
-# reads this list (/work/helpers/reorder.py: sections moved whole, the
+# reads this list (build/reorder.py: sections moved whole, the
 # parts' banners, the map).
 PART_II = (
     "The SQLite store: its database and claims",
