@@ -4251,14 +4251,19 @@ class Producer(object):
                 self.poke(dirs, often=True, subs=set(d[1] for d in done))
                 self.arrived(todo, done)
         except OSError as e:        # opening the directories
-            if isinstance(e, _Refused):
-                raise ConfigError("spool %s refuses the job: %s; nothing was "
-                                  "enqueued" % (self.path, e))
-            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
-                            % (self.path, e.strerror))
+            raise self._unwritable(e)
         finally:
             dirs.release()
         return [jid for jid, sub in done]
+
+    def _unwritable(self, e):
+        """What a producer raises when the spool's directories could not be
+        opened (`e`): the door refused them (78), or the system (75)."""
+        if isinstance(e, _Refused):
+            return ConfigError("spool %s refuses the job: %s; nothing was "
+                               "enqueued" % (self.path, e))
+        return SpoolBusy("cannot write to %s: %s; nothing was enqueued"
+                         % (self.path, e.strerror))
 
     def enqueue_one(self, todo, sync):
         """place() of one job into incoming/, without the batch's lists."""
@@ -4276,11 +4281,7 @@ class Producer(object):
             self.poke(dirs, often=True)
             self.arrived([todo], ((jid, sub),))
         except OSError as e:        # opening the directories
-            if isinstance(e, _Refused):
-                raise ConfigError("spool %s refuses the job: %s; nothing was "
-                                  "enqueued" % (self.path, e))
-            raise SpoolBusy("cannot write to %s: %s; nothing was enqueued"
-                            % (self.path, e.strerror))
+            raise self._unwritable(e)
         finally:
             dirs.release()
         return jid
@@ -8975,11 +8976,7 @@ class _Scheduler(object):
         else:
             poked = any([_drain(fd) for fd in wake[0::2]]) or waiting
         for L in self._lanes if poked and arrived is None else ():
-            if L is self._top:
-                # (a poke drained here, not by _wait: incoming/ too, so
-                # that a job there keeps its place by its time)
-                self._look_top()
-            else:
+            if L is not self._top:
                 # (a time that recent proves nothing: see change_key)
                 k, racy = self.spool.claims.lane_key(L)
                 if k != L.key or racy:

@@ -247,15 +247,8 @@ def part_ubifs(a, out, k=0, store="files"):
     say("powercut: %s VM %d: rc=%s boot=%.1fs vm=%.0fs cpu=%.0fs cuts=%d "
         "faults=%d" % (fs, k, r["rc"], r["boot_seconds"] or -1, t_vm,
                        r["cpu_seconds"], cuts, faults))
-    try:
-        with open(os.path.join(share, "ubifs-result.json")) as f:
-            res = json.load(f)
-    except (OSError, ValueError):
-        say(r["console"][-3000:])
-        try:
-            say(open(os.path.join(share, "guest.log")).read()[-3000:])
-        except OSError:
-            pass
+    res = _guest_result(share, "ubifs-result.json", r)
+    if res is None:
         return None
     dest = os.path.join(out, "%s-vm%d" % (fs, k))
     shutil.rmtree(dest, ignore_errors=True)
@@ -378,15 +371,8 @@ def part_ram(a, out, k=0, fs="ext4"):
     for f in os.listdir(share):
         if f.startswith(("ram-", "guest.log", "console.log")):
             shutil.copy(os.path.join(share, f), os.path.join(dest, f))
-    try:
-        with open(os.path.join(share, "ram-result.json")) as f:
-            res = json.load(f)
-    except (OSError, ValueError):
-        say(r["console"][-3000:])
-        try:
-            say(open(os.path.join(share, "guest.log")).read()[-3000:])
-        except OSError:
-            pass
+    res = _guest_result(share, "ram-result.json", r)
+    if res is None:
         return None
     for f in res.get("found", [])[:10]:
         say("  found:", json.dumps(f)[:1500])
@@ -461,6 +447,21 @@ PARTS = {"ubifs-ram": (lambda *x: part_ram(*x, fs="ubifs"),
          "ext4-sqlite": (_on("sqlite", part_ext4), _on("sqlite", report_ext4)),
          "boot": (part_boot, report_boot)}
 
+
+
+def _guest_result(share, name, r):
+    """The guest's result file `name` in `share`, read; None (the console's
+    and the guest log's ends said) when there is none to read."""
+    try:
+        with open(os.path.join(share, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        say(r["console"][-3000:])
+        try:
+            say(open(os.path.join(share, "guest.log")).read()[-3000:])
+        except OSError:
+            pass
+        return None
 
 def vms_of(a, name):
     """How many VMs (tasks) a part has."""
