@@ -130,13 +130,14 @@ Part I, the core:
 
 Part II, the extensions:
   The SQLite store: its database and claims   _SqlDb (the connection to
-                    queue.db and its statements), _SqlClaims (test_sqlite,
-                    and the store-parametrised tests)
+                    queue.db and its statements), _SqlDropBox (the drop
+                    box taken in), _SqlClaims (test_sqlite, and the
+                    store-parametrised tests)
   The SQLite store  SqlStore and its other parts: _SqlUpkeep, _SqlReader,
                     SqlBudget, SqlBacklog, _SqlProducer (its jobs INSERTed,
                     the drop box's files else): the same contract over queue.db
-                    (myq init --store sqlite), the drop box taken in
-                    (test_sqlite, and the store-parametrised tests)
+                    (myq init --store sqlite) (test_sqlite, and the
+                    store-parametrised tests)
   The RAM tier      RamStore (a file store on a tmpfs, whose jobs move to
                     the spool when they must wait), RamClaims,
                     _TieredClaims (a worker's claims over both tiers),
@@ -13287,179 +13288,21 @@ class _SqlDb(object):
                     pass
 
 
-class _SqlClaims(Claims):
-    """The claim protocol over queue.db: a claim is one short transaction
-    (BEGIN IMMEDIATE; the row, still ready in its lane; UPDATE to
-    processing with the claimer's token and lease; COMMIT), every finish
-    an UPDATE of the row that still holds the claimer's token (a claim
-    taken back is the new owner's: its finish changes nothing)."""
+class _SqlDropBox(object):
+    """A SQLite store's drop box taken in: the job files shell producers
+    drop into incoming/ (a mv; myq enqueue by a producer who may not write
+    queue.db, _SqlProducer.drop_box; a file a retry brought back from
+    failed/), each checked as a worker checks a file it claims, INSERTed
+    under its type's bound, then removed; what is not a job quarantined.
+    A part of the store's claims (their `dropbox`), whose scan of
+    incoming/ takes them in first.  `spool`: its SqlStore."""
 
-    # The scheduler's view -----------------------------------------------------
+    def __init__(self, spool):
+        self.spool = _weakref.proxy(spool)  # (no cycle, as Claims)
 
-    def change_key(self):
-        inc, racy = Claims.change_key(self)
-        self._clock()
-        return (inc, self.spool.db.version()), racy
-
-    def _ahead(self, rows):
-        """Rows at a lane's head written by a clock ahead of this one (a
-        producer's, or this worker's before its clock went back): each
-        waits the delay it was given from now, not until its date (as a
-        file whose ctime lies in the future, Claims._entries).  True when
-        one was moved."""
-        now = _now()
-        moved = False
-        for t, jid, upd in rows:
-            if t > now and upd is not None and upd > now + 5:
-                self.spool._write(
-                    "UPDATE jobs SET available_at=?, updated_at=? WHERE id=? AND "
-                    "status='ready' AND updated_at=?",
-                    (now + max(0.0, t - upd), now, jid, upd), fresh=True)
-                moved = True
-        return moved
-
-    def _clock(self):
-        """The clock went back (a row written "later" than now): each job
-        waiting for a time keeps the delay it had left, not the old date
-        (as a file whose ctime lies in the future, Claims._entries)."""
-        offset = _now() - _mono()
-        last = getattr(self, "_offset", None)
-        self._offset = offset
-        if last is not None and offset < last - 2.0:
-            now = _now()
-            n = self.spool._write(
-                "UPDATE jobs SET available_at=?+max(0, available_at-updated_at), "
-                "updated_at=? WHERE status='ready' AND updated_at>? AND "
-                "available_at>?", (now, now, now + 5, now), fresh=True)
-            if n:
-                self.spool.log("rescheduled", n=n, why="the clock went back")
-
-    def arrived(self):
-        """The lanes that got rows since the last call (rowids past the
-        last one seen: one step down the table's b-tree, then only the new
-        rows), and incoming/ when the drop box changed.  A rowid used
-        again (the newest row deleted, then one inserted) is not seen
-        here: the poll tick's change_key finds it."""
-        sp = self.spool
-        top = sp._one("SELECT max(rowid) FROM jobs")[0] or 0
-        seen, self._rowid = self.__dict__.get("_rowid"), top
-        if seen is None:
-            return None
-        subs = set(r[0] for r in sp._all(
-            "SELECT DISTINCT lane FROM jobs WHERE rowid>?", (seen,))) \
-            if top > seen else set()
-        key, racy = Claims.change_key(self)
-        if key != self.__dict__.get("_drop_key") or racy:
-            self._drop_key = key
-            subs.add("incoming")
-        return subs
-
-    def lanes_key(self, poked=False):
-        """Another process's commits are looked for at most every 50 ms
-        here, or at once after a producer's poke (as the lanes of files
-        are, at a claim); this one's at once."""
-        now = _mono()
-        seen = self.__dict__.get("_seen")
-        if seen is None or now >= seen[0] or poked:
-            seen = self._seen = (now + 0.05, self.spool.db.version()[0])
-        return seen[1], self.spool.db.fresh
-
-    def maybe_lanes(self):
-        return True
-
-    def lane_key(self, L):
-        return self.lanes_key(), False
-
-    def waits(self, rel):
-        sub, _, name = rel.rpartition("/")
-        return self.spool._one("SELECT 1 FROM jobs WHERE id=? AND status='ready' "
-                               "AND lane=?", (name[:-5], sub)) is not None
-
-    def size(self, sub, name):
-        row = self.spool._one("SELECT size FROM jobs WHERE id=? AND "
-                              "status='ready' AND lane=?", (name[:-5], sub))
-        if row is None:
-            raise OSError(errno.ENOENT, "gone")
-        return row[0] or 0
-
-    def due(self, rel, now):
-        sub, _, name = rel.rpartition("/")
-        self.spool._write("UPDATE jobs SET available_at=? WHERE id=? AND "
-                          "status='ready' AND lane=? AND available_at>?",
-                          (now, name[:-5], sub, now), fresh=True)
-
-    def extend(self, claims, until):
-        tokens = [c.token for c in claims]
-        for i in range(0, len(tokens), 500):
-            part = tokens[i:i + 500]
-            self.spool._write(
-                "UPDATE jobs SET leased_until=? WHERE status='processing' AND "
-                "token IN (%s)" % ",".join("?" * len(part)), [until] + part,
-                sync=False)
-
-    def commit(self):
-        """Finishes commit without waiting for the disk (synchronous=NORMAL
-        in WAL): one fsync of the log here makes them all durable."""
-        try:
-            fd = os.open(self.spool.d(DB_NAME + "-wal"), os.O_RDONLY | O_CLOEXEC)
-        except OSError:
-            return                  # no log: checkpointed, on the disk
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def scan(self, L, n, tick):
-        """Lane L's cache: its N earliest waiting jobs (after the drop box's
-        files are taken in, for incoming/ itself)."""
-        sp = self.spool
-        failed = None
-        if L.sub == "incoming":
-            try:
-                self.take_in(tick)
-            except OSError as e:    # (raised below, once the lane is read)
-                failed = e
-        sql = ("SELECT available_at, id, updated_at FROM jobs WHERE queue=? AND "
-               "status='ready' AND lane=? ORDER BY available_at, id LIMIT ?")
-        rows = sp._all(sql, (sp.name, L.sub, n))
-        if self._ahead(rows):
-            rows = sp._all(sql, (sp.name, L.sub, n))
-        best = [(t, jid + ".json", True) for t, jid, _ in rows]
-        full = len(best) >= n
-        order = getattr(L, "order", None)
-        if order is not None:
-            best, more = self._live_first(L, order, n, best)
-            full = full or more
-        best.reverse()
-        L.cache = best
-        L.cache_full = full
-        L.dirty = False
-        L.next_due = None
-        L.sweep = None
-        if failed is not None:
-            raise failed
-
-    def _live_first(self, L, order, n, best):
-        """A live-first lane's cache (Scheduling: LiveFirst): its n earliest
-        (`best`), its n earliest ready live jobs and the n first ready of
-        its backlog by created_at, each job's created_at told to `order`;
-        and whether either was full."""
-        sp = self.spool
-        now = _now()
-        cut = order.live_cut(now)
-        sql = ("SELECT available_at, id, created_at FROM jobs WHERE queue=? "
-               "AND status='ready' AND lane=? AND available_at<=? AND ")
-        live = sp._all(sql + "created_at>=? ORDER BY available_at, id LIMIT ?",
-                       (sp.name, L.sub, now, cut, n))
-        back = sp._all(sql + "(created_at<? OR created_at IS NULL) ORDER BY "
-                       "created_at, id LIMIT ?", (sp.name, L.sub, now, cut, n))
-        order.created = dict((jid + ".json", c) for _, jid, c in live + back
-                             if c is not None)
-        got = set(best).union((t, jid + ".json", True) for t, jid, _ in
-                              live + back)
-        return sorted(got), len(live) >= n or len(back) >= n
-
-    # The drop box ---------------------------------------------------------------
+    def quarantine(self, path, name, reason):
+        """A file that is not a job to failed/ (Claims.quarantine)."""
+        self.spool.claims.quarantine(path, name, reason)
 
     def take_in(self, tick=None):
         """Move each job file of incoming/ (a shell producer's mv, a file a
@@ -13632,6 +13475,184 @@ class _SqlClaims(Claims):
         row = self.spool._one("SELECT type, payload FROM jobs WHERE id=?",
                               (v["id"],))
         return row is not None and row == (v["type"], v["payload"])
+
+
+class _SqlClaims(Claims):
+    """The claim protocol over queue.db: a claim is one short transaction
+    (BEGIN IMMEDIATE; the row, still ready in its lane; UPDATE to
+    processing with the claimer's token and lease; COMMIT), every finish
+    an UPDATE of the row that still holds the claimer's token (a claim
+    taken back is the new owner's: its finish changes nothing).  Its part:
+    `dropbox` (_SqlDropBox: the files of incoming/ taken in)."""
+
+    def __init__(self, spool):
+        Claims.__init__(self, spool)
+        self.dropbox = _SqlDropBox(spool)
+
+    # The scheduler's view -----------------------------------------------------
+
+    def change_key(self):
+        inc, racy = Claims.change_key(self)
+        self._clock()
+        return (inc, self.spool.db.version()), racy
+
+    def _ahead(self, rows):
+        """Rows at a lane's head written by a clock ahead of this one (a
+        producer's, or this worker's before its clock went back): each
+        waits the delay it was given from now, not until its date (as a
+        file whose ctime lies in the future, Claims._entries).  True when
+        one was moved."""
+        now = _now()
+        moved = False
+        for t, jid, upd in rows:
+            if t > now and upd is not None and upd > now + 5:
+                self.spool._write(
+                    "UPDATE jobs SET available_at=?, updated_at=? WHERE id=? AND "
+                    "status='ready' AND updated_at=?",
+                    (now + max(0.0, t - upd), now, jid, upd), fresh=True)
+                moved = True
+        return moved
+
+    def _clock(self):
+        """The clock went back (a row written "later" than now): each job
+        waiting for a time keeps the delay it had left, not the old date
+        (as a file whose ctime lies in the future, Claims._entries)."""
+        offset = _now() - _mono()
+        last = getattr(self, "_offset", None)
+        self._offset = offset
+        if last is not None and offset < last - 2.0:
+            now = _now()
+            n = self.spool._write(
+                "UPDATE jobs SET available_at=?+max(0, available_at-updated_at), "
+                "updated_at=? WHERE status='ready' AND updated_at>? AND "
+                "available_at>?", (now, now, now + 5, now), fresh=True)
+            if n:
+                self.spool.log("rescheduled", n=n, why="the clock went back")
+
+    def arrived(self):
+        """The lanes that got rows since the last call (rowids past the
+        last one seen: one step down the table's b-tree, then only the new
+        rows), and incoming/ when the drop box changed.  A rowid used
+        again (the newest row deleted, then one inserted) is not seen
+        here: the poll tick's change_key finds it."""
+        sp = self.spool
+        top = sp._one("SELECT max(rowid) FROM jobs")[0] or 0
+        seen, self._rowid = self.__dict__.get("_rowid"), top
+        if seen is None:
+            return None
+        subs = set(r[0] for r in sp._all(
+            "SELECT DISTINCT lane FROM jobs WHERE rowid>?", (seen,))) \
+            if top > seen else set()
+        key, racy = Claims.change_key(self)
+        if key != self.__dict__.get("_drop_key") or racy:
+            self._drop_key = key
+            subs.add("incoming")
+        return subs
+
+    def lanes_key(self, poked=False):
+        """Another process's commits are looked for at most every 50 ms
+        here, or at once after a producer's poke (as the lanes of files
+        are, at a claim); this one's at once."""
+        now = _mono()
+        seen = self.__dict__.get("_seen")
+        if seen is None or now >= seen[0] or poked:
+            seen = self._seen = (now + 0.05, self.spool.db.version()[0])
+        return seen[1], self.spool.db.fresh
+
+    def maybe_lanes(self):
+        return True
+
+    def lane_key(self, L):
+        return self.lanes_key(), False
+
+    def waits(self, rel):
+        sub, _, name = rel.rpartition("/")
+        return self.spool._one("SELECT 1 FROM jobs WHERE id=? AND status='ready' "
+                               "AND lane=?", (name[:-5], sub)) is not None
+
+    def size(self, sub, name):
+        row = self.spool._one("SELECT size FROM jobs WHERE id=? AND "
+                              "status='ready' AND lane=?", (name[:-5], sub))
+        if row is None:
+            raise OSError(errno.ENOENT, "gone")
+        return row[0] or 0
+
+    def due(self, rel, now):
+        sub, _, name = rel.rpartition("/")
+        self.spool._write("UPDATE jobs SET available_at=? WHERE id=? AND "
+                          "status='ready' AND lane=? AND available_at>?",
+                          (now, name[:-5], sub, now), fresh=True)
+
+    def extend(self, claims, until):
+        tokens = [c.token for c in claims]
+        for i in range(0, len(tokens), 500):
+            part = tokens[i:i + 500]
+            self.spool._write(
+                "UPDATE jobs SET leased_until=? WHERE status='processing' AND "
+                "token IN (%s)" % ",".join("?" * len(part)), [until] + part,
+                sync=False)
+
+    def commit(self):
+        """Finishes commit without waiting for the disk (synchronous=NORMAL
+        in WAL): one fsync of the log here makes them all durable."""
+        try:
+            fd = os.open(self.spool.d(DB_NAME + "-wal"), os.O_RDONLY | O_CLOEXEC)
+        except OSError:
+            return                  # no log: checkpointed, on the disk
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def scan(self, L, n, tick):
+        """Lane L's cache: its N earliest waiting jobs (after the drop box's
+        files are taken in, for incoming/ itself)."""
+        sp = self.spool
+        failed = None
+        if L.sub == "incoming":
+            try:
+                self.dropbox.take_in(tick)
+            except OSError as e:    # (raised below, once the lane is read)
+                failed = e
+        sql = ("SELECT available_at, id, updated_at FROM jobs WHERE queue=? AND "
+               "status='ready' AND lane=? ORDER BY available_at, id LIMIT ?")
+        rows = sp._all(sql, (sp.name, L.sub, n))
+        if self._ahead(rows):
+            rows = sp._all(sql, (sp.name, L.sub, n))
+        best = [(t, jid + ".json", True) for t, jid, _ in rows]
+        full = len(best) >= n
+        order = getattr(L, "order", None)
+        if order is not None:
+            best, more = self._live_first(L, order, n, best)
+            full = full or more
+        best.reverse()
+        L.cache = best
+        L.cache_full = full
+        L.dirty = False
+        L.next_due = None
+        L.sweep = None
+        if failed is not None:
+            raise failed
+
+    def _live_first(self, L, order, n, best):
+        """A live-first lane's cache (Scheduling: LiveFirst): its n earliest
+        (`best`), its n earliest ready live jobs and the n first ready of
+        its backlog by created_at, each job's created_at told to `order`;
+        and whether either was full."""
+        sp = self.spool
+        now = _now()
+        cut = order.live_cut(now)
+        sql = ("SELECT available_at, id, created_at FROM jobs WHERE queue=? "
+               "AND status='ready' AND lane=? AND available_at<=? AND ")
+        live = sp._all(sql + "created_at>=? ORDER BY available_at, id LIMIT ?",
+                       (sp.name, L.sub, now, cut, n))
+        back = sp._all(sql + "(created_at<? OR created_at IS NULL) ORDER BY "
+                       "created_at, id LIMIT ?", (sp.name, L.sub, now, cut, n))
+        order.created = dict((jid + ".json", c) for _, jid, c in live + back
+                             if c is not None)
+        got = set(best).union((t, jid + ".json", True) for t, jid, _ in
+                              live + back)
+        return sorted(got), len(live) >= n or len(back) >= n
 
     # Claim and finish -------------------------------------------------------------
 

@@ -220,7 +220,7 @@ def test_a_file_taken_in_and_left_by_a_crash_is_one_job(tmp_path):
     keep = str(tmp_path / "copy")
     shutil.copy(path, keep)
     s = myq.open_store(sp)
-    s.claims.take_in()
+    s.claims.dropbox.take_in()
     assert dict(rows(sp)) == {"once": "ready"} and not os.path.exists(path)
     shutil.copy(keep, path)             # as if the unlink never happened
     del RAN[:]
@@ -233,7 +233,7 @@ def test_a_file_taken_in_and_left_by_a_crash_is_one_job(tmp_path):
     # another job under the same id, while the first waits: a duplicate
     myq.enqueue(sp, "ok", 1, id="twice", delay=3600)
     write_incoming(sp, "twice.json", {"type": "ok", "payload": "other"})
-    s.claims.take_in()
+    s.claims.dropbox.take_in()
     assert sorted(os.listdir(os.path.join(sp, "failed"))) == [
         "twice.json", "twice.json.reason"]     # (a tmpfs lists the newest first)
     shutil.copy(keep, path)             # sent again while its row stays
