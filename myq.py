@@ -80,9 +80,9 @@ Part I, the core:
   The claim protocol   Claims (claim, finish, retry, dead letter, put
                     back, take back, recovery), FileClaims (over job
                     files) (test_store, test_retry_dlq, test_crashpoints)
-  Producing and upkeep   Producer (a store's producer: job files written,
-                    the guard, idempotency records), Upkeep (retry,
-                    delete, prune, check) (test_enqueue, test_operator)
+  Producing         Producer (a store's producer: job files written,
+                    the guard, idempotency records) (test_enqueue)
+  Upkeep            Upkeep (retry, delete, prune, check) (test_operator)
   Reading and export   Backlog, FileBacklog (export, import: JSON lines),
                     metrics' text, Reader (locate, show, list, stats)
                     (test_export, test_api, test_operator)
@@ -3110,6 +3110,14 @@ def _few(names, most=5):
     return ",".join(names) or "-"
 
 
+# A batch of more than one job is recorded while it runs in
+# processing/LEAD+TOKEN.batch (its ids in order; the owner's directory).
+# When its jobs go back unfinished (a retry, a shutdown, a dead worker
+# taken back), the record moves to locks/batches/ and each job's next
+# version says "batch_of": the first of them claimed again takes the
+# others that still wait, in the same order: the same ids, so the same
+# Idempotency-Key, and a receiver that de-duplicates stores nothing
+# twice.  A batch that ended (done, dead, split) drops its record.
 class _Batches(object):
     """A batch's identity kept across a crash (myq(1) batches): the ids of
     the jobs that went together, in order, in processing/LEAD+TOKEN.batch
@@ -3190,6 +3198,56 @@ class _Batches(object):
             _quiet_unlink(self.spool.d("locks", "batches", name))
 
 
+class _RunRecords(object):
+    """The records of the handlers' processes (locks/workers/TOKEN.run,
+    where only the spool's owner writes): made at a run's start, removed
+    at its end, read to signal what a run left behind (a reaper taking a
+    claim back, a delete of a running job).  The spool's claims' (their
+    `runs`, whose note_handler, end_handler, kill_handler are these)."""
+
+    def __init__(self, spool):
+        self.spool = spool
+
+    def _run_record(self, token):
+
+        return self.spool.d("locks", "workers", token + ".run")
+
+    def note_handler(self, c, pid, start):
+        """Record the handler's process in locks/workers/TOKEN.run, where
+        only the spool's owner writes: a reaper kills what it names, so a
+        producer must not be able to forge it (a line in the job file
+        could be).  The record is a symlink that is never followed, its
+        target "PID:START:BOOT_ID": one syscall, no data block."""
+        path = self._run_record(c.token)
+        try:
+            _step("create", path, "before")
+            fd, name = _at(path)
+            os.symlink("%d:%s:%s" % (pid, start, boot_id()), name, dir_fd=fd)
+            _step("create", path, "after")
+        except OSError:
+            pass
+
+    def end_handler(self, token):
+        _quiet_unlink(self._run_record(token))
+
+    def kill_handler(self, token, sig):
+        """Signal what a run recorded by another process started (see
+        kill_run): only when the record is of this boot and its pid is
+        still the very process it names."""
+        try:
+            fd, name = _at(self._run_record(token))
+            pid, start, boot = os.readlink(name, dir_fd=fd).split(":", 2)
+            pid, start = int(pid), int(start)
+        except (OSError, ValueError):
+            return 0
+
+        if boot != boot_id():
+            return 0
+        if not _pid_alive(pid, start):
+            return kill_run(0, sig, token, start=-1)   # by its MYQ_CLAIM alone
+        return kill_run(pid, sig, token, start=start)
+
+
 # The claim protocol ##########################################################
 #
 # Claims: a job's claim, finish, retry, dead letter, put back, take back
@@ -3224,6 +3282,11 @@ class Claims(object):
     def __init__(self, spool):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self.batches = _Batches(self.spool)
+        # its handlers' records, as the claims' own: whoever asks the
+        # claims (a runner, a reaper, a delete) finds them here
+        self.runs = r = _RunRecords(self.spool)
+        self.note_handler, self.end_handler, self.kill_handler = \
+            r.note_handler, r.end_handler, r.kill_handler
 
     # The contract: what each store's claims do (FileClaims, _SqlClaims) --
 
@@ -3477,56 +3540,6 @@ class Claims(object):
         self.move_on(c, job, "dlq", me)
         self.spool.log(what, id=c.jid, type=job["type"], why=why)
         self.spool.count(what, job["type"])
-
-    # Batches keep their identity (myq(1) batches) ----------------------------
-    #
-    # A batch of more than one job is recorded while it runs in
-    # processing/LEAD+TOKEN.batch (its ids in order; the owner's directory).
-    # When its jobs go back unfinished (a retry, a shutdown, a dead worker
-    # taken back), the record moves to locks/batches/ and each job's next
-    # version says "batch_of": the first of them claimed again takes the
-    # others that still wait, in the same order: the same ids, so the same
-    # Idempotency-Key, and a receiver that de-duplicates stores nothing
-    # twice.  A batch that ended (done, dead, split) drops its record.
-
-    def _run_record(self, token):
-
-        return self.spool.d("locks", "workers", token + ".run")
-
-    def note_handler(self, c, pid, start):
-        """Record the handler's process in locks/workers/TOKEN.run, where
-        only the spool's owner writes: a reaper kills what it names, so a
-        producer must not be able to forge it (a line in the job file
-        could be).  The record is a symlink that is never followed, its
-        target "PID:START:BOOT_ID": one syscall, no data block."""
-        path = self._run_record(c.token)
-        try:
-            _step("create", path, "before")
-            fd, name = _at(path)
-            os.symlink("%d:%s:%s" % (pid, start, boot_id()), name, dir_fd=fd)
-            _step("create", path, "after")
-        except OSError:
-            pass
-
-    def end_handler(self, token):
-        _quiet_unlink(self._run_record(token))
-
-    def kill_handler(self, token, sig):
-        """Signal what a run recorded by another process started (see
-        kill_run): only when the record is of this boot and its pid is
-        still the very process it names."""
-        try:
-            fd, name = _at(self._run_record(token))
-            pid, start, boot = os.readlink(name, dir_fd=fd).split(":", 2)
-            pid, start = int(pid), int(start)
-        except (OSError, ValueError):
-            return 0
-
-        if boot != boot_id():
-            return 0
-        if not _pid_alive(pid, start):
-            return kill_run(0, sig, token, start=-1)   # by its MYQ_CLAIM alone
-        return kill_run(pid, sig, token, start=start)
 
     def quarantine(self, path, name, reason):
         """Move a file that is not a valid job to failed/, reason beside it."""
@@ -3785,7 +3798,7 @@ class FileClaims(Claims):
 
     def _done_already(self, jid, now):
         """Was the job just claimed done within the de-duplication window?"""
-        return self.spool.ok_fresh(jid, now)
+        return self.spool.producer.ok_fresh(jid, now)
 
     def close(self, c):
         if c.fd is not None:
@@ -4088,17 +4101,18 @@ class FileClaims(Claims):
                    for sub in self.spool.waiting_dirs())
 
 
-# Producing and upkeep ########################################################
+# Producing ###################################################################
 #
-# A store's producer (job files written, the guard, the idempotency
-# records) and its upkeep (the operator's moves, retention, check).
+# A store's producer: job files written, the guard, the idempotency
+# records.
 
 
 class Producer(object):
     """A spool's producer of job files (a store's `producer`): a job
     written into incoming/ or its lane (O_TMPFILE, else through tmp/),
     fsync'd, a worker woken (locks/wake); the disk-free guard; the
-    idempotency records of locks/ok/.  The file store's jobs, the SQLite
+    idempotency records (done/ and locks/ok/: where an id is, whether it
+    was done within the window).  The file store's jobs, the SQLite
     store's drop box.  `store`: the spool it writes into (its layout, its
     policy's lanes and bounds, its budget, what an explicit id finds)."""
 
@@ -4610,6 +4624,48 @@ class Producer(object):
             except OSError:
                 pass        # what retention removes is not worth failing for
 
+    def find_id(self, jid, now=None, dirs=None):
+        """Where an id lives for de-duplication: a state name or None (the
+        file store's find_id; the SQLite store's rows have their own)."""
+        dirs = dirs or self.store.fs
+        for sub in self.store.waiting_dirs():
+            if _exists(jid + ".json", dirs(sub)):
+                return "queued"
+        if _exists(jid + ".json", dirs("dlq")):
+            return "dead"
+        prefix = jid + "+"
+        for name in _listdir(self.store.d("processing")):
+            if name.startswith(prefix):
+                return "processing"
+        if self.ok_fresh(jid, now):
+            return "done within the de-duplication window"
+        return None
+
+    def ok_fresh(self, jid, now=None, dirs=None):
+        """Was `jid` done within the de-duplication window?  Its done/ file
+        is the record while it stays (its ctime: the rename that finished
+        it); a record in locks/ok/ (mtime: when it was done) outlives it."""
+        now = _now() if now is None else now
+        window = self.opt["dedupe_window"]
+        records = (("done", jid + ".json", "st_ctime"),)
+        if not _is_generated_id(jid):
+            # (an id myq generated never gets a locks/ok/ record: _outlive)
+            records += (("locks/ok", jid, "st_mtime"),)
+        for sub, name, when in records:
+            try:
+                # (every claim asks: access(2) says no without the cost of
+                # an exception; it looks with the real uid, as good)
+                fd = self.store.fs(sub)
+                if not os.access(name, os.F_OK, dir_fd=fd,
+                                 follow_symlinks=False):
+                    continue
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if dedupe_fresh(getattr(st, when), window, now):
+                return True
+        return False
+
     def _placed(self, jid, ino, dfd):
         """What went into incoming/ must be the file written (the spool's
         owner may swap tmp/'s entry for a link between the write and the
@@ -4626,6 +4682,11 @@ class Producer(object):
             raise SpoolBusy("job %s was replaced in %s/tmp while it was written "
                             "(by the spool's owner?); nothing was enqueued"
                             % (jid, self.path))
+
+
+# Upkeep ######################################################################
+#
+# A store's upkeep: the operator's moves, retention, check.
 
 
 class Upkeep(object):
@@ -5651,8 +5712,10 @@ def _write_textfile(w):
 
 class Reader(object):
     """What the commands read of a spool of files (a store's `reader`): a
-    job file, where an id is, show, list, stats.  `store`: the spool it
-    reads (its layout, lanes, policy, holds' records, budget, totals)."""
+    job file, where an id is, show, list, stats and the status line, the
+    totals since init (locks/totals.json, written by the store's count)
+    and the retries of the last minute (locks/retries).  `store`: the
+    spool it reads (its layout, lanes, policy, holds' records, budget)."""
 
     def __init__(self, store):
         self.store = store
@@ -5890,7 +5953,7 @@ class Reader(object):
         now = _now() if now is None else now
         ready, scheduled, oldest, processing, done, dead, failed = \
             self.counts(now)
-        tot = self.store.totals()
+        tot = self.totals()
         try:
             st = os.statvfs(self.store.path)
             free_kb = st.f_bavail * st.f_frsize // 1024
@@ -5899,7 +5962,7 @@ class Reader(object):
         out = {"queue": self.store.name, "ready": ready, "processing": processing,
                 "done": done, "dead": dead,
                 "oldest_ready_s": int(max(0, now - oldest)) if oldest else 0,
-                "retries_1m": self.store.retries_1m(now), "scheduled": scheduled,
+                "retries_1m": self.retries_1m(now), "scheduled": scheduled,
                 "failed": failed, "free_kb": int(free_kb),
                 "dropped": tot["dropped"] if by_type else sum(tot["dropped"].values()),
                 "expired": tot["expired"] if by_type else sum(tot["expired"].values()),
@@ -5918,6 +5981,56 @@ class Reader(object):
         if self.store.ram is not None:
             self.store.ram.count_into(out, now)
         return out
+
+    def totals(self):
+        """{"dropped"|"expired"|"rejected"|"removed"|"refused": {TYPE: N}}
+        (refused: what intake refused at arrival, myq(1) INTAKE)."""
+        out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {},
+               "refused": {}, "dropped_budget": {}, "dropped_overflow": {}}
+
+        data = _read_small(self.store.d("locks", "totals.json"), 1 << 20)
+        try:
+            tot = json.loads(data.decode("utf-8")) if data else {}
+        except ValueError:
+            tot = {}
+        if isinstance(tot, dict):
+            for k in out:
+                v = tot.get(k)
+                if isinstance(v, dict):
+                    out[k] = dict((t, n) for t, n in v.items()
+                                  if n.__class__ is int and n >= 0)
+        return out
+
+    def status_line(self, now=None):
+        now = _now() if now is None else now
+        s = self.stats(now, types=False)
+        return iso(now, frac=False) + " queue=" + _plain(s["queue"], _FIELD) + "".join(
+            " %s=%d" % (k, s[k]) for k in (
+                "ready", "processing", "done", "dead", "oldest_ready_s",
+                "retries_1m", "scheduled", "failed", "free_kb", "dropped",
+                "expired", "rejected", "removed", "refused")) + " paused=%s held=%s" % (
+            _few(s["paused"]), _few([_plain(h["dest"], _FIELD) for h in s["held"]])) + \
+            " capacity_s=%s" % (s["outage_capacity_s"] if s["outage_capacity_s"]
+                                is not None else "-") + (
+            " ram=%d ram_bound_s=%d" % (s["ram"], s["ram_bound_s"])
+            if "ram" in s else "")
+
+    def retries_1m(self, now=None):
+        now = _now() if now is None else now
+        data = _read_small(self.store.d("locks", "retries"), 65536, tail=True)
+        if data is None:
+            return 0
+        n = 0
+        for line in data.split(b"\n")[::-1]:
+            try:
+                t = float(line)
+            except ValueError:
+                continue
+            if now - 60 < t <= now + 1:
+                n += 1
+            elif t <= now - 60:
+                break
+        return n
 
     def dest_states(self, now=None):
         """Each destination of the types whose policy gives `url`, in order,
@@ -6617,7 +6730,7 @@ class Budget(object):
 
     def dropped_by(self, tot=None):
         """{TYPE: {REASON: N}}: budget, overflow (a type's bound), ttl."""
-        tot = self.store.totals() if tot is None else tot
+        tot = self.store.reader.totals() if tot is None else tot
         out = {}
         for key, reason in (("dropped_budget", "budget"),
                             ("dropped_overflow", "overflow"), ("expired", "ttl")):
@@ -7478,7 +7591,7 @@ class _DirStore(Store):
         except OSError:
             return
         try:
-            tot = self.totals()
+            tot = self.reader.totals()
             for w in what if isinstance(what, tuple) else (what,):
                 d = tot.setdefault(w, {})
                 k = type if type in d or len(d) < 1000 else "-"
@@ -7491,55 +7604,8 @@ class _DirStore(Store):
         finally:
             os.close(fd)
 
-    def totals(self):
-        """{"dropped"|"expired"|"rejected"|"removed"|"refused": {TYPE: N}}
-        (refused: what intake refused at arrival, myq(1) INTAKE)."""
-        out = {"dropped": {}, "expired": {}, "rejected": {}, "removed": {},
-               "refused": {}, "dropped_budget": {}, "dropped_overflow": {}}
-
-        data = _read_small(self.d("locks", "totals.json"), 1 << 20)
-        try:
-            tot = json.loads(data.decode("utf-8")) if data else {}
-        except ValueError:
-            tot = {}
-        if isinstance(tot, dict):
-            for k in out:
-                v = tot.get(k)
-                if isinstance(v, dict):
-                    out[k] = dict((t, n) for t, n in v.items()
-                                  if n.__class__ is int and n >= 0)
-        return out
-
     def status_line(self, now=None):
-        now = _now() if now is None else now
-        s = self.stats(now, types=False)
-        return iso(now, frac=False) + " queue=" + _plain(s["queue"], _FIELD) + "".join(
-            " %s=%d" % (k, s[k]) for k in (
-                "ready", "processing", "done", "dead", "oldest_ready_s",
-                "retries_1m", "scheduled", "failed", "free_kb", "dropped",
-                "expired", "rejected", "removed", "refused")) + " paused=%s held=%s" % (
-            _few(s["paused"]), _few([_plain(h["dest"], _FIELD) for h in s["held"]])) + \
-            " capacity_s=%s" % (s["outage_capacity_s"] if s["outage_capacity_s"]
-                                is not None else "-") + (
-            " ram=%d ram_bound_s=%d" % (s["ram"], s["ram_bound_s"])
-            if "ram" in s else "")
-
-    def retries_1m(self, now=None):
-        now = _now() if now is None else now
-        data = _read_small(self.d("locks", "retries"), 65536, tail=True)
-        if data is None:
-            return 0
-        n = 0
-        for line in data.split(b"\n")[::-1]:
-            try:
-                t = float(line)
-            except ValueError:
-                continue
-            if now - 60 < t <= now + 1:
-                n += 1
-            elif t <= now - 60:
-                break
-        return n
+        return self.reader.status_line(now)
 
     def _note_retry(self, now=None):
         try:
@@ -7661,45 +7727,10 @@ class FileStore(_DirStore):
         return self.producer.enqueue_one(todo, sync)
 
     def find_id(self, jid, now=None, dirs=None):
-        """Where an id lives for de-duplication: a state name or None."""
-        dirs = dirs or self.fs
-        for sub in self.waiting_dirs():
-            if _exists(jid + ".json", dirs(sub)):
-                return "queued"
-        if _exists(jid + ".json", dirs("dlq")):
-            return "dead"
-        prefix = jid + "+"
-        for name in _listdir(self.d("processing")):
-            if name.startswith(prefix):
-                return "processing"
-        if self.ok_fresh(jid, now):
-            return "done within the de-duplication window"
-        return None
+        return self.producer.find_id(jid, now, dirs)
 
     def ok_fresh(self, jid, now=None, dirs=None):
-        """Was `jid` done within the de-duplication window?  Its done/ file
-        is the record while it stays (its ctime: the rename that finished
-        it); a record in locks/ok/ (mtime: when it was done) outlives it."""
-        now = _now() if now is None else now
-        window = self.opt["dedupe_window"]
-        records = (("done", jid + ".json", "st_ctime"),)
-        if not _is_generated_id(jid):
-            # (an id myq generated never gets a locks/ok/ record: _outlive)
-            records += (("locks/ok", jid, "st_mtime"),)
-        for sub, name, when in records:
-            try:
-                # (every claim asks: access(2) says no without the cost of
-                # an exception; it looks with the real uid, as good)
-                fd = self.fs(sub)
-                if not os.access(name, os.F_OK, dir_fd=fd,
-                                 follow_symlinks=False):
-                    continue
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
-            if dedupe_fresh(getattr(st, when), window, now):
-                return True
-        return False
+        return self.producer.ok_fresh(jid, now, dirs)
 
     def close(self):
         """What this object keeps open of the spool, closed (a worker's run

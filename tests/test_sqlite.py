@@ -257,7 +257,7 @@ def test_a_dropped_file_of_a_dead_job_is_said_and_counted_not_lost(tmp_path):
     assert os.listdir(os.path.join(sp, "incoming")) == []
     assert ("skipped", {"id": "X", "why": "the same job is dead already (its "
             "row): myq retry X runs it again"}) in events, events
-    assert myq.open_store(sp).totals()["removed"] == {"bad": 1}
+    assert myq.open_store(sp).reader.totals()["removed"] == {"bad": 1}
 
 
 def test_a_producer_that_cannot_write_the_database_drops_a_file(tmp_path,
