@@ -18,9 +18,9 @@ import time
 import pytest
 
 import myq
-from _core import (MYQ, ROOT, STATUS_RE, call_myq, clean_env, fill_disk,
-                   run_myq, show, sql, start_worker, stop, wait_for,
-                   write_incoming, drain_here)
+from _core import (BOOT, MYQ, ROOT, STATUS_RE, call_myq, clean_env,
+                   fill_disk, run_myq, show, sql, start_worker, stop,
+                   wait_for, write_incoming, drain_here)
 
 
 def sql_spool(path):
@@ -147,11 +147,9 @@ def test_the_usual_enqueue_stores_the_row_the_general_way_would(
 
 def _blocked(args, sp_env=None):
     """myq with `import sqlite3` failing, as on OpenWrt without
-    python3-sqlite3."""
-    code = ("import sys, runpy; sys.modules['sqlite3'] = None; "
-            "sys.argv = ['myq.py'] + sys.argv[1:]; "
-            "runpy.run_path(%r, run_name='__main__')" % MYQ)
-    return subprocess.run([sys.executable, "-c", code] + list(args),
+    python3-sqlite3 (started from its cached code, as myq_argv's are)."""
+    code = "import sys; sys.modules['sqlite3'] = None\n" + BOOT
+    return subprocess.run([sys.executable, "-c", code, MYQ] + list(args),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           universal_newlines=True, env=clean_env(sp_env),
                           timeout=60)
