@@ -3513,12 +3513,17 @@ class Claims(object):
     def kill_handler(self, token, sig):
         """Signal what a run recorded by another process started (see
         kill_run): only when the record is of this boot and its pid is
-        still the very process it names."""
+        still the very process it names.  A run with no record (its worker
+        died between starting it and recording it) is found by its
+        MYQ_CLAIM alone: it would go on beside the job's next run."""
         try:
             fd, name = _at(self._run_record(token))
             pid, start, boot = os.readlink(name, dir_fd=fd).split(":", 2)
             pid, start = int(pid), int(start)
-        except (OSError, ValueError):
+        except OSError as e:
+            return kill_run(0, sig, token, start=-1) \
+                if e.errno == errno.ENOENT else 0
+        except ValueError:
             return 0
 
         if boot != boot_id():
