@@ -5895,6 +5895,11 @@ class Reader(object):
         ready, scheduled, oldest, processing, done, dead, failed = \
             self.counts(now)
         tot = self.store.totals()
+        if self.store.ram is not None:      # (what its tier dropped, expired)
+            for k, d in self.store.ram.totals().items():
+                mine = tot.setdefault(k, {})
+                for t, n in d.items():
+                    mine[t] = mine.get(t, 0) + n
         try:
             st = os.statvfs(self.store.path)
             free_kb = st.f_bavail * st.f_frsize // 1024

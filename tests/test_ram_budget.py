@@ -49,3 +49,18 @@ def test_the_ram_tier_takes_jobs_only_within_the_budget(spool, ram, tmp_path):
         t.stop()
     # every job the tier held found its room in the spool at the stop
     assert t.in_ram() == [] and sorted(t.in_spool()) == sorted(took)
+
+
+def test_what_the_tier_drops_is_counted_with_the_spool(spool, ram, tmp_path):
+    t = Tier(spool, ram, tmp_path, overflow="drop-oldest", max_queued="2")
+    ok(cli(spool, "pause", "tele"))
+    t.start()
+    try:
+        ids = [ok(cli(spool, "enqueue", "tele", json.dumps({"n": i}))
+                  ).stdout.strip() for i in range(5)]
+        assert t.in_ram() == sorted(ids[3:]) and t.in_spool() == []
+        s = stats(spool)
+        assert s["dropped"] == 3
+        assert s["dropped_by"] == {"tele": {"overflow": 3}}
+    finally:
+        t.stop()
