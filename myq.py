@@ -3233,12 +3233,17 @@ class _RunRecords(object):
     def kill_handler(self, token, sig):
         """Signal what a run recorded by another process started (see
         kill_run): only when the record is of this boot and its pid is
-        still the very process it names."""
+        still the very process it names.  A run with no record (its worker
+        died between starting it and recording it) is found by its
+        MYQ_CLAIM alone: it would go on beside the job's next run."""
         try:
             fd, name = _at(self._run_record(token))
             pid, start, boot = os.readlink(name, dir_fd=fd).split(":", 2)
             pid, start = int(pid), int(start)
-        except (OSError, ValueError):
+        except OSError as e:
+            return kill_run(0, sig, token, start=-1) \
+                if e.errno == errno.ENOENT else 0
+        except ValueError:
             return 0
 
         if boot != boot_id():
@@ -5954,6 +5959,11 @@ class Reader(object):
         ready, scheduled, oldest, processing, done, dead, failed = \
             self.counts(now)
         tot = self.totals()
+        if self.store.ram is not None:      # (what its tier dropped, expired)
+            for k, d in self.store.ram.reader.totals().items():
+                mine = tot.setdefault(k, {})
+                for t, n in d.items():
+                    mine[t] = mine.get(t, 0) + n
         try:
             st = os.statvfs(self.store.path)
             free_kb = st.f_bavail * st.f_frsize // 1024
@@ -6205,6 +6215,13 @@ class Budget(object):
         own = self.store.policy().get(SPOOL_POLICY)
         return own.get("budget") if own else None
 
+    def beside(self):
+        """The bytes the budget counts beside the spool's own files: what
+        its RAM tier holds, each job of which must find room here when it
+        moves (0 without a tier)."""
+        ram = self.store.ram
+        return 0 if ram is None else ram.budget.held()
+
     def _block(self):
         b = self.store.producer.room[3] or self._blk   # (room_for's)
         if b is None:
@@ -6303,7 +6320,7 @@ class Budget(object):
             need = sum(self.cost(n) for t, n in items) + self._block() * sum(
                 1 for sub in set(subs) | set(LANES for s in subs if s != "incoming")
                 if not os.path.isdir(self.store.d(sub)))
-            budget -= _SPARE * self._block()
+            budget -= _SPARE * self._block() + self.beside()
             rec = self._used_read(fd)
             now = _now()
             age = now - rec[2] if rec is not None else -1
@@ -6337,7 +6354,7 @@ class Budget(object):
         try:
             rec = self._used_read(fd)
             if rec is None or rec[0] + rec[1] + size > budget - _SPARE * \
-                    self._block():
+                    self._block() - self.beside():
                 return False
             self._used_write(fd, rec[0], rec[1] + size, rec[2])
             return True
@@ -6370,7 +6387,7 @@ class Budget(object):
         try:
             m = self.measure()
             if budget is not None:
-                budget -= _SPARE * self._block()
+                budget -= _SPARE * self._block() + self.beside()
             for _ in range(8):
                 if budget is None or m <= budget:
                     break
@@ -6663,7 +6680,8 @@ class Budget(object):
         now = _now() if now is None else now
         rates = self.rates(now)
         budget = self.budget_bytes()
-        used = self.used_bytes(0)       # (walked: the figure set right)
+        # (walked: the figure set right; the RAM tier's jobs counted)
+        used = self.used_bytes(0) + self.beside()
         room = max(0, budget - used) if budget is not None else self.store.producer.free()[1]
         per_s = sum(r[1] for r in rates.values()) / RATE_WINDOW
         out = {"budget_bytes": budget, "used_bytes": used,
@@ -15085,12 +15103,57 @@ class RamClaims(FileClaims):
 
 
 class _RamBudget(FileBudget):
-    """The RAM tier's budget: nothing charged, counted or written (its
-    files cost the flash nothing; the spool's budget counts a job when it
-    moves there, the spool's rates its delivery: _DirStore.complete)."""
+    """The RAM tier's budget.  Its jobs cost the flash nothing, but each
+    must find room in the spool when it moves: the spool's budget counts
+    what the tier holds (Budget.beside), and the tier takes a job only
+    within what the spool's budget leaves it (budget_bytes), its figure
+    kept in its own locks/used, on the tmpfs.  A job it refuses goes to
+    the spool, whose budget sheds or refuses it.  Its arrivals and
+    deliveries are the spool's (_DirStore.complete)."""
 
-    def charge(self, items, subs=()):
-        pass
+    def held(self):
+        """The bytes the tier's jobs would take in the spool, by its figure
+        (walked again when older than BUDGET_FRESH)."""
+        return self.used_bytes(BUDGET_FRESH)
+
+    def measure(self):
+        """What the jobs the tier holds would cost the spool (its budget's
+        cost of each file), waiting or running: not its done/ (never
+        moved; kept_done_max bounds it), records or tmp/."""
+        total, stack = 0, [self.store.path]
+        cost = self.store.spool.budget.cost
+        while stack:
+            d = stack.pop()
+            for e in _scandir(d):
+                if d == self.store.path and e.name in ("done", "locks", "tmp"):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(d + "/" + e.name)
+                elif stat.S_ISREG(st.st_mode):
+                    total += cost(st.st_size)
+        return total
+
+    def cost(self, size):
+        return self.store.spool.budget.cost(size)
+
+    def freed(self, size):
+        return self.store.spool.budget.freed(size)
+
+    def _shed_done(self, need):
+        return 0            # (the tier's done/ is not counted)
+
+    def _shed_records(self, need):
+        return 0
+
+    def budget_bytes(self):
+        """What the spool's budget leaves the tier, or None (no budget)."""
+        spool = self.store.spool.budget
+        budget = spool.budget_bytes()
+        return None if budget is None else budget - spool.used_bytes()
 
     def note_arrivals(self, counts):
         pass
@@ -15109,9 +15172,6 @@ class _RamBudget(FileBudget):
 
     def upkeep_budget(self, now):
         pass
-
-    def budget_bytes(self):
-        return None
 
 
 def _unram(sub):

@@ -569,9 +569,9 @@ def _hidden_in_guest(path):
 def _run_from_copy(argv):
     """Run from a copy of what the guest needs (myq.py, init.d/,
     tests/powercut/) under the cache directory, which the guest sees."""
-    import shutil
-    src = os.path.join(vm.CACHE, "src")
-    shutil.rmtree(src, ignore_errors=True)
+    os.makedirs(vm.CACHE, exist_ok=True)
+    # a directory of this run's own: CI runs two at once
+    src = tempfile.mkdtemp(prefix="src-", dir=vm.CACHE)
     os.makedirs(os.path.join(src, "tests"))
     shutil.copy2(MYQ, os.path.join(src, "myq.py"))
     shutil.copytree(os.path.join(REPO, "init.d"), os.path.join(src, "init.d"))
@@ -580,9 +580,12 @@ def _run_from_copy(argv):
     say("powercut: %s is out of the guest's sight: running from a copy in %s"
         % (REPO, src))
     env = dict(os.environ, POWERCUT_COPY="1")
-    return subprocess.call([sys.executable, os.path.join(
-        src, "tests", "powercut", "powercut.py")] + list(
-        sys.argv[1:] if argv is None else argv), env=env)
+    try:
+        return subprocess.call([sys.executable, os.path.join(
+            src, "tests", "powercut", "powercut.py")] + list(
+            sys.argv[1:] if argv is None else argv), env=env)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
 
 
 def main(argv=None):
