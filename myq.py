@@ -3254,10 +3254,6 @@ class Claims(object):
         """Lane `L`'s cache of its `n` earliest waiting jobs."""
         self._abstract()
 
-    def look_live(self, L, n):
-        """A live-first lane's arrivals while a pass over it is open (only
-        a store whose scan makes passes has any to read)."""
-
     def lanes_key(self, poked=False):
         """(key, racy): what changes when the set of lanes does."""
         self._abstract()
@@ -3991,23 +3987,20 @@ class FileClaims(Claims):
         for the ready ones of the first 4N beyond N).  A pass that saw jobs
         not yet due, or left ready ones, ends with a marker in the cache (at
         the soonest of them) that starts the next pass when it comes due.
-        A live-first lane's (L.order) gets the live jobs it read too."""
+        A live-first lane's (L.order) is read by age instead (_scan_by_age)."""
         import heapq
         import itertools
+        if getattr(L, "order", None) is not None:
+            return self._scan_by_age(L, n, tick)
         sp = self.spool
         now = _now()
         inc = sp.d(L.sub)
         bad = []
         nread = [0]                             # jobs entries() gave
         sweeping = L.sweep is not None          # new arrivals: next pass
-        order = getattr(L, "order", None)       # live-first: its live jobs
-        live, cut = (None, 0) if order is None else ([], order.live_cut(now))
 
         def entries(it):
-            for e in _job_entries(it, inc, now, bad, nread):
-                if live is not None and cut <= e[0] <= now:
-                    live.append(e)      # (made within `live`, if at all)
-                yield e
+            return _job_entries(it, inc, now, bad, nread)
 
         if not sweeping:
             it = _scandir(inc)
@@ -4042,8 +4035,12 @@ class FileClaims(Claims):
                     best.append((soonest, "", False))
             L.soonest = soonest
             best.sort()
-        if live:            # live-first: its live ones beyond the n earliest
-            best = sorted(set(best).union(heapq.nsmallest(n, live)))
+        self._set_cache(L, best, len(best) >= n or L.sweep is not None,
+                        inc, bad, tick)
+
+    def _set_cache(self, L, best, full, inc, bad, tick):
+        """A scan's end: what is not a job file quarantined, lane L's cache
+        `best` (in order: reversed, the next at its end)."""
         for name, kind in bad:
             tick()
             try:
@@ -4053,34 +4050,66 @@ class FileClaims(Claims):
                 pass
         best.reverse()
         L.cache = best
-        L.cache_full = len(best) >= n or L.sweep is not None
+        L.cache_full = full
         L.dirty = False
         L.next_due = None
 
-    def look_live(self, L, n):
-        """A live-first lane's live jobs put in its cache while a pass over
-        it is open (a deep backlog, read N at a time): the pass reaches
-        arrivals only at its end, minutes on after an outage of hours, and
-        live jobs waited for it.  The whole directory is read by name: a
-        name that myq made says when its job was made (no stat), another
-        name is stat'ed for its mtime; the n earliest live ones join the
-        cache, and the pass goes on."""
-        import heapq
+    def _scan_by_age(self, L, n, tick):
+        """A live-first lane's cache (Scheduling: LiveFirst): the n oldest
+        of its due backlog by the age LiveFirst gives a job (created_of:
+        the millisecond at the head of an id that myq made, else the mtime),
+        its n earliest due live jobs, and its n soonest not due, so that a
+        backlog of any depth drains in created_at order (a pass in the
+        directory's order drained 100,000 in the order of its slices).
+        One read of the lane's names a refill, no pass: a name that myq
+        made and dated after the n oldest found so far (and before the
+        live ones) is passed over unstat'ed, so only the names that could
+        be among them, the live ones and the others are stat'ed; the
+        buffers are cut back to n at 2n (memory stays bounded)."""
+        L.end_sweep()
         now = _now()
-        cut = L.order.live_cut(now)
-        ms = "%013d" % int(cut * 1000)
-
-        def young(it):
-            for e in it:
-                stem = e.name[:-5]
-                if not _is_generated_id(stem) or stem[:13] >= ms:
-                    yield e
         inc = self.spool.d(L.sub)
-        bad, nread = [], [0]
-        live = heapq.nsmallest(n, (e for e in _job_entries(
-            young(_scandir(inc)), inc, now, bad, nread) if cut <= e[0] <= now))
-        if live:
-            L.cache = sorted(set(L.cache).union(live), reverse=True)
+        order = L.order
+        cut = order.live_cut(now)
+        young = "%013d" % int(cut * 1000)  # a made name below it: backlog
+        back, live, later, bad = [], [], [], []
+        # the n-th oldest so far, (age, name), once 2n were found, and the
+        # name's head of a made job surely later than it
+        past = [None, None]
+
+        def names(it):
+            for e in it:
+                name = e.name
+                if past[0] is not None and past[0] < name[:13] < young \
+                        and _is_generated_id(name[:-5]):
+                    continue
+                yield e
+        full = False
+        for e in _job_entries(names(_scandir(inc)), inc, now, bad, [0]):
+            t = order.created_of(e[1], e[0]) if e[0] <= now else None
+            if t is None:
+                line = later
+            elif t >= cut:
+                line = live
+            elif past[0] is None or (t, e[1]) < past[1]:
+                line, e = back, (t, e[1], e)
+            else:
+                continue
+            line.append(e)
+            if len(line) >= 2 * n:          # the n first of it kept
+                line.sort()
+                del line[n:]
+                full = True
+                if line is back:
+                    past[1] = back[-1][:2]
+                    past[0] = "%013d" % (int(past[1][0] * 1000) + 1)
+        full = full or len(later) > n or len(live) > n or len(back) > n
+        later.sort()
+        live.sort()
+        back.sort()
+        best = later[:n] + live[:n] + [b[2] for b in back[:n]]
+        best.sort()
+        self._set_cache(L, best, full, inc, bad, tick)
 
     def queued(self, jid):
         return any(_lexists(self.spool.d(sub, jid + ".json"))
@@ -8473,11 +8502,12 @@ class LiveFirst(object):
     job waits).  Live jobs never wait for the backlog's turn when none of
     it is due, nor the backlog for live jobs that are gone.
 
-    The store's scan puts the lane's live jobs in its cache beside its
-    earliest (Claims.scan: `live_cut`; created, by name, where the store
-    keeps created_at: SQLite); files estimate a job's created_at by its
-    id, where myq made it (ids sort by creation), else by its mtime
-    (available_at).  `head` moves its choice to the cache's end, where
+    The store's scan fills the lane's cache with its n oldest due backlog
+    jobs, its n earliest due live ones and its n soonest not due
+    (Claims.scan: `live_cut`, `created_of`; `created`, by name, where the
+    store keeps created_at: SQLite); files estimate a job's created_at by
+    its id, where myq made it (ids sort by creation), else by its mtime
+    (available_at): FileClaims._scan_by_age.  `head` moves its choice to the cache's end, where
     the scheduler takes a lane's next job (_head, _next_claim); asked
     again before that one is taken, it gives it again (no share spent);
     `more` (a batch filling up): only of the kind of the last choice, so
@@ -8904,11 +8934,13 @@ class _Scheduler(object):
         lane's last pass ended with a marker (a deep directory of jobs not
         due: 8,000 parked) no later than `until`: the pass that marker
         starts sees it (review: each job parked again made a pass over all
-        of incoming/, 3-6 % of a core)."""
+        of incoming/, 3-6 % of a core).  A live-first lane's is: it goes by
+        its age, maybe before the jobs its cache holds (a retry's)."""
         sub = self.spool.home(job)
         for L in self._lanes:
             if L.sub == sub:
                 if not L.dirty and until is not None and L.sweep is None \
+                        and L.order is None \
                         and L.cache and self._seen_later(L, until) \
                         and (L is not self._top or pre == self._dir_key):
                     if L is self._top:
@@ -9005,6 +9037,7 @@ class _Scheduler(object):
             live = rules.get("order") == "live-first"
             if live != (L.order is not None):
                 L.order, L.dirty = LiveFirst() if live else None, True
+                L.end_sweep()           # (a live-first lane has no pass)
         if force and self._current(L):
             force = False       # (nothing changed since its pass: not again)
         while True:
@@ -9038,11 +9071,8 @@ class _Scheduler(object):
                 if L.dirty and not forced and _mono() >= L.order.look:
                     forced = True       # live jobs come at the end: read
                     took = _mono()      # what came since (the earliest
-                    if L.sweep is None:     # alone do not need it), in at
-                        self._rescan(L)     # most 5 % of the time; a pass
-                    else:                   # open: beside it
-                        self.spool.claims.look_live(L, self.scan_cache)
-                    L.order.looked(_mono() - took)
+                    self._rescan(L)     # alone do not need it), in at
+                    L.order.looked(_mono() - took)  # most 5 % of the time
                     continue
                 return L.order.head(L, _now(), rules, more, self._no_wait)
             return L.cache[-1]
@@ -13441,23 +13471,28 @@ class _SqlClaims(Claims):
 
     def _live_first(self, L, order, n, best):
         """A live-first lane's cache (Scheduling: LiveFirst): its n earliest
-        (`best`), its n earliest ready live jobs and the n first ready of
-        its backlog by created_at, each job's created_at told to `order`;
-        and whether either was full."""
+        (`best`), its n earliest ready live jobs, the n first ready of its
+        backlog by created_at and its n soonest not yet due (a retry of
+        the backlog's goes by its age when it comes due, not after the
+        cache's), each job's created_at told to `order`; and whether one
+        of them was full."""
         sp = self.spool
         now = _now()
         cut = order.live_cut(now)
         sql = ("SELECT available_at, id, created_at FROM jobs WHERE queue=? "
-               "AND status='ready' AND lane=? AND available_at<=? AND ")
-        live = sp._all(sql + "created_at>=? ORDER BY available_at, id LIMIT ?",
+               "AND status='ready' AND lane=? AND available_at")
+        live = sp._all(sql + "<=? AND created_at>=? ORDER BY available_at, id "
+                       "LIMIT ?", (sp.name, L.sub, now, cut, n))
+        back = sp._all(sql + "<=? AND (created_at<? OR created_at IS NULL) "
+                       "ORDER BY created_at, id LIMIT ?",
                        (sp.name, L.sub, now, cut, n))
-        back = sp._all(sql + "(created_at<? OR created_at IS NULL) ORDER BY "
-                       "created_at, id LIMIT ?", (sp.name, L.sub, now, cut, n))
-        order.created = dict((jid + ".json", c) for _, jid, c in live + back
+        later = sp._all(sql + ">? ORDER BY available_at, id LIMIT ?",
+                        (sp.name, L.sub, now, n))
+        rows = live + back + later
+        order.created = dict((jid + ".json", c) for _, jid, c in rows
                              if c is not None)
-        got = set(best).union((t, jid + ".json", True) for t, jid, _ in
-                              live + back)
-        return sorted(got), len(live) >= n or len(back) >= n
+        got = set(best).union((t, jid + ".json", True) for t, jid, _ in rows)
+        return sorted(got), max(len(live), len(back), len(later)) >= n
 
     # The drop box ---------------------------------------------------------------
 
@@ -15493,9 +15528,6 @@ class _TieredClaims(object):
 
     def scan(self, L, n, tick):
         return (self.ram if L.sub[:4] == "ram:" else self.own).scan(L, n, tick)
-
-    def look_live(self, L, n):
-        return (self.ram if L.sub[:4] == "ram:" else self.own).look_live(L, n)
 
     def lane_key(self, L):
         return (self.ram if L.sub[:4] == "ram:" else self.own).lane_key(L)
