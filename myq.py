@@ -2727,6 +2727,7 @@ class Identity:
         self.seq = 0
         self.registered = False
         self.log = log          # where it logs ("syslog", a path), for check
+        self.mqtt = None        # a worker's --mqtt brokers in order, for stats
 
     def token(self):
         self.seq += 1
@@ -2753,10 +2754,13 @@ class Identity:
         return head
 
     def record(self):
-        return {"worker": self.wid, "pid": self.pid, "start": self.start,
-                "boot_id": boot_id(), "pidns": pid_namespace(),
-                "host": os.uname()[1], "lease": self.lease,
-                "started_at": _now(), "log": self.log}
+        rec = {"worker": self.wid, "pid": self.pid, "start": self.start,
+               "boot_id": boot_id(), "pidns": pid_namespace(),
+               "host": os.uname()[1], "lease": self.lease,
+               "started_at": _now(), "log": self.log}
+        if self.mqtt:
+            rec["mqtt"] = self.mqtt
+        return rec
 
     def register(self):
         # Through tmp/, fsync'd: a record is never seen half-written, not
@@ -5950,17 +5954,27 @@ class Reader(object):
     def dest_states(self, now=None):
         """Each destination of the types whose policy gives `url`, in order,
         and its state (myq(1) failover): {TYPE: [{"url", "dest", "state":
-        "ok" or "held", "until"}]}; the first "ok" one gets the new starts."""
+        "ok" or "held", "until"}]}; the first "ok" one gets the new starts.
+        A type whose policy gives `topic`: the brokers of a living worker's
+        --mqtt (its record, locks/workers/), when one has them."""
         holds = dict((h["dest"], h) for h in self.store.breaker.records())
         now = _now() if now is None else now
-        out = {}
+        out, brokers = {}, None
         for t, keys in sorted(self.store.policy().items()):
             urls = keys.get("url") if t != "*" else None
+            if not urls and keys.get("topic") and t != "*":
+                if brokers is None:
+                    brokers = next((" ".join(w["mqtt"]) for w in
+                                    self.store.upkeep._live_workers()
+                                    if isinstance(w.get("mqtt"), list) and
+                                    all(isinstance(b, str) for b in w["mqtt"])
+                                    ), "")
+                urls = brokers
             if not urls:
                 continue
             out[t] = []
             for u in urls.split():
-                d = url_origin(u) or t
+                d = u if u[:4] == "mqtt" else (url_origin(u) or t)
                 h = holds.get(d)
                 out[t].append({"url": u, "dest": d, "state":
                                "held" if h else "ok",
@@ -10696,6 +10710,8 @@ class Worker(object):
         sp.claims.start()
         sp.policies.pol_polled = True   # re-read at each poll tick, not per job
         self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
+        mqtt = self.resolver.mqtt       # its brokers: a topic's destinations
+        self.me.mqtt = mqtt and [c.dest for c in mqtt.clients if c is not None]
         self._pipe = os.pipe()
         for fd in self._pipe:
             os.set_blocking(fd, False)
