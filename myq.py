@@ -17034,10 +17034,14 @@ class MqttHandler(Handler):
                 job = _enveloped(job, rules, now)
             sent.append(job)
             where.append(i)
-        self._failover(runner, run, self.clients or [None], sent, where, out)
+        # a backlog's payloads wait behind live ones for the uplink, as an
+        # http request marked X-Myq-Backlog does (myq(1) policy `order`)
+        later = bool(jobs) and all(backlog_job(j, rules, now) for j in jobs)
+        self._failover(runner, run, self.clients or [None], sent, where, out,
+                       later)
         return ("each", out)
 
-    def _failover(self, runner, run, clients, sent, where, out):
+    def _failover(self, runner, run, clients, sent, where, out, later=False):
         """Publish through the broker picked at the start (run.dest), then
         the jobs that its failure left (DestinationDown) through the next
         brokers not held, in order, as HttpHandler._failover does."""
@@ -17056,7 +17060,7 @@ class MqttHandler(Handler):
                 run.failovers.append((run.dest, failed))
             if len(clients) > 1:
                 run.dest = dests[i]
-            res = self.batch(sent, run, clients[i], share)
+            res = self.batch(sent, run, clients[i], share, later)
             for k, e in zip(where, res):
                 out[k] = e
             left = [k for k, e in enumerate(res)
@@ -17066,19 +17070,20 @@ class MqttHandler(Handler):
             failed = res[left[0]]
             sent, where = [sent[k] for k in left], [where[k] for k in left]
 
-    def batch(self, jobs, run=None, client=None, share=None):
+    def batch(self, jobs, run=None, client=None, share=None, later=False):
         """Publish `mqtt` jobs through the first broker's connection (`client`:
         to that broker), all in flight at once: one outcome per job, in
         order (None: done, else the exception: PermanentError,
         DestinationDown).  With `run`, the connection is cut when the run's
-        time is up (_abort); `share`: at most that many seconds of it."""
+        time is up (_abort); `share`: at most that many seconds of it;
+        `later`: a backlog's (Uplink.wait)."""
         client = client or self.client
         up = self.uplink
         if up is not None:
             # --uplink-rate: the payloads' turn is waited for before the
             # connection's (other runs and the keep-alive ping are not
             # kept from it by a wait that is only this run's)
-            up.wait(_mqtt_bytes(jobs), run)
+            up.wait(_mqtt_bytes(jobs), run, later)
         limit = min(self.time_limit(j, self.timeout) for j in jobs)
         if share is not None:
             limit = min(limit, share)

@@ -12,7 +12,8 @@ rule is proven (tests/README.md lists the files):
 - Live data first: test_live.py, test_live3h.py, test_backlog_order.py;
   here the default `live` (60 s).
 - The uplink's budget: test_destinations.py, test_destinations_held.py,
-  test_live3h.py; here any 10 s window, a probe's bytes, gzip's bytes.
+  test_live3h.py; here any 10 s window, a probe's bytes, gzip's bytes,
+  and an mqtt backlog's payloads behind live ones (as http's).
 - Kafka: test_destinations.py.
 - The README's forwarding example: here (its policy line is taken).
 """
@@ -217,6 +218,40 @@ def test_a_probe_and_a_gzip_body_count_as_what_is_sent(
     assert len(bodies) >= 4             # 3 failures (held), a probe, ...
     assert all(json.loads(_gzip.decompress(b))["pad"] for b in bodies)
     assert booked == [len(b) for b in bodies], (booked, bodies)
+
+
+@needs_mosquitto
+def test_a_backlogs_mqtt_payloads_wait_behind_live_ones_for_the_uplink(
+        myq, spool, tmp_path, monkeypatch):
+    """As an http request marked X-Myq-Backlog does (test_live3h.py), a
+    live-first mqtt type's backlog publishes wait for the uplink behind
+    every live send (Uplink.wait's `later`); its live ones do not."""
+    from test_live import backlog
+    b = Broker(tmp_path / "b").start()
+    w = None
+    try:
+        policy(spool, "temp", "topic=site/7/temp", "order=live-first",
+               "backlog_share=0")
+        backlog(spool, 2, "temp")
+        for k in range(2):
+            _enq(spool, "temp", '{"l": %d}' % k)
+        flags = []
+        wait = myq.Uplink.wait
+
+        def counted(self, n, run=None, later=False):
+            flags.append(later)
+            return wait(self, n, run, later)
+        monkeypatch.setattr(myq.Uplink, "wait", counted)
+        w = myq.Worker(spool, mqtt=b.url(), uplink_rate=1e6, concurrency=1,
+                       poll=0.05, jitter=0,
+                       log=myq.Log(stream=open(os.devnull, "w")))
+        w.run(drain=True)
+        assert flags == [False, False, True, True], flags
+        assert len(listed(spool, "done")) == 4
+    finally:
+        if w is not None and w.resolver.mqtt.client is not None:
+            w.resolver.mqtt.client.close()
+        b.stop()
 
 
 # --------------------------------------------------------------------------
