@@ -8521,11 +8521,11 @@ class LiveFirst(object):
     (Claims.scan: `live_cut`, `created_of`; `created`, by name, where the
     store keeps created_at: SQLite); files estimate a job's created_at by
     its id, where myq made it (ids sort by creation), else by its mtime
-    (available_at): FileClaims._scan_by_age.  `head` moves its choice to the cache's end, where
-    the scheduler takes a lane's next job (_head, _next_claim); asked
-    again before that one is taken, it gives it again (no share spent);
-    `more` (a batch filling up): only of the kind of the last choice, so
-    that a batch is all live or all backlog."""
+    (available_at): FileClaims._scan_by_age.  `head` moves its choice to
+    the cache's end, where the scheduler takes a lane's next job (_head,
+    _next_claim); asked again before that one is taken, it gives it
+    again (no share spent); `more` (a batch filling up): only of the kind
+    of the last choice, so that a batch is all live or all backlog."""
     __slots__ = ("seen", "n", "live", "back", "credit", "created", "last",
                  "until", "live_s", "look")
 

@@ -1,6 +1,6 @@
 """SPEC 10 "Destinations, failover, live data first, the uplink's budget"
 (issue 41), rule by rule: the rules no other test file proves.  Where each
-rule is proven (tests/README.md lists the files):
+rule is proven:
 
 - Where a type goes (`url=`, `topic=`; a job naming its own refused, 65,
   or quarantined): test_destinations.py (policy, CLI, a shell's file),
@@ -9,8 +9,9 @@ rule is proven (tests/README.md lists the files):
   at A after its probe; ids and keys kept; stats and check):
   test_destinations.py, test_destinations_held.py for HTTP; here MQTT's
   (the envelope's id on both brokers, stats and check, back to A).
-- Live data first: test_live.py, test_live3h.py, test_backlog_order.py;
-  here the default `live` (60 s).
+- Live data first: test_live.py, test_live3h.py, test_backlog_order.py
+  (created_at order at any depth, a retry's place); here the default
+  `live` (60 s).
 - The uplink's budget: test_destinations.py, test_destinations_held.py,
   test_live3h.py; here any 10 s window, a probe's bytes, gzip's bytes,
   and an mqtt backlog's payloads behind live ones (as http's).
