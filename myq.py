@@ -3087,6 +3087,19 @@ def _job_entries(it, inc, now, bad, nread):
         yield (m, name, scheduled)
 
 
+class _Named(object):
+    """A name of the directory open as `fd`, as _job_entries reads a
+    DirEntry (its name, its stat), once the scan that found it is done."""
+    __slots__ = ("name", "fd")
+
+    def __init__(self, name, fd):
+        self.name, self.fd = name, fd
+
+    def stat(self, follow_symlinks=False):
+        return os.stat(self.name, dir_fd=self.fd,
+                       follow_symlinks=follow_symlinks)
+
+
 def _elsewhere(sp, jid, mine):
     """Where else than the claim at `mine` job `jid` of spool `sp` (of
     files) waits (a lane), runs or lies dead: a state, or None.  (A claim
@@ -4065,55 +4078,90 @@ class FileClaims(Claims):
         its n earliest due live jobs, and its n soonest not due, so that a
         backlog of any depth drains in created_at order (a pass in the
         directory's order drained 100,000 in the order of its slices).
-        One read of the lane's names a refill, no pass: a name that myq
-        made and dated after the n oldest found so far (and before the
-        live ones) is passed over unstat'ed, so only the names that could
-        be among them, the live ones and the others are stat'ed; the
-        buffers are cut back to n at 2n (memory stays bounded)."""
+        One read of the lane's names a refill, no pass: the names that myq
+        made for the backlog are kept by name alone (the n first, 2n at
+        most while it reads), and only the n first are stat'ed, at the
+        end; another name, or a live one, is stat'ed as it is read (each
+        line cut back to n at 2n: memory stays bounded).  A directory that
+        lists the newest first (tmpfs) costs no more than another.  When
+        some of those n wait (a retry's backoff), the made names after
+        them are read again, stat'ed, for the due ones."""
         L.end_sweep()
         now = _now()
         inc = self.spool.d(L.sub)
         order = L.order
         cut = order.live_cut(now)
         young = "%013d" % int(cut * 1000)  # a made name below it: backlog
-        back, live, later, bad = [], [], [], []
-        # the n-th oldest so far, (age, name), once 2n were found, and the
-        # name's head of a made job surely later than it
-        past = [None, None]
+        back, live, later, bad, kept = [], [], [], [], []
+        top = [None]        # the n-th first of `kept`, once cut back
 
-        def names(it):
+        def others(it):     # the backlog's made names kept, the rest given
             for e in it:
                 name = e.name
-                if past[0] is not None and past[0] < name[:13] < young \
-                        and _is_generated_id(name[:-5]):
+                if name[:13] < young and name[-5:] == ".json" and \
+                        _is_generated_id(name[:-5]):
+                    if top[0] is None or name < top[0]:
+                        kept.append(name)
+                        if len(kept) >= 2 * n:
+                            kept.sort()
+                            del kept[n:]
+                            top[0] = kept[-1]
                     continue
                 yield e
+        def more():         # some of the n first wait: the due ones after
+            if (top[0] is not None or len(kept) > n) and len(back) < n:
+                for e in self._made_after(inc, kept[n - 1], young, now, bad):
+                    yield e
         full = False
-        for e in _job_entries(names(_scandir(inc)), inc, now, bad, [0]):
+        for e in _chain(_job_entries(others(_scandir(inc)), inc, now, bad, [0]),
+                        self._stat_names(inc, kept, now, bad, n), more()):
             t = order.created_of(e[1], e[0]) if e[0] <= now else None
             if t is None:
                 line = later
             elif t >= cut:
                 line = live
-            elif past[0] is None or (t, e[1]) < past[1]:
-                line, e = back, (t, e[1], e)
             else:
-                continue
+                line, e = back, (t, e[1], e)
             line.append(e)
             if len(line) >= 2 * n:          # the n first of it kept
                 line.sort()
                 del line[n:]
                 full = True
-                if line is back:
-                    past[1] = back[-1][:2]
-                    past[0] = "%013d" % (int(past[1][0] * 1000) + 1)
-        full = full or len(later) > n or len(live) > n or len(back) > n
+        full = full or top[0] is not None or len(kept) > n or \
+            len(later) > n or len(live) > n or len(back) > n
         later.sort()
         live.sort()
         back.sort()
         best = later[:n] + live[:n] + [b[2] for b in back[:n]]
         best.sort()
         self._set_cache(L, best, full, inc, bad, tick)
+
+    def _stat_names(self, inc, names, now, bad, n):
+        """_job_entries of the n first `names` of directory `inc` (a scan
+        that kept them by name alone: stat'ed now, through a descriptor of
+        its own, once the scan is done)."""
+        names.sort()
+        try:
+            fd = _fresh_dir(inc)
+        except OSError:
+            return
+        try:
+            for e in _job_entries((_Named(name, fd) for name in names[:n]),
+                                  inc, now, bad, [0]):
+                yield e
+        finally:
+            os.close(fd)
+
+    def _made_after(self, inc, after, young, now, bad):
+        """_job_entries of the backlog's names that myq made after `after`
+        in directory `inc` (each stat'ed)."""
+        def made(it):
+            for e in it:
+                name = e.name
+                if after < name and name[:13] < young and \
+                        name[-5:] == ".json" and _is_generated_id(name[:-5]):
+                    yield e
+        return _job_entries(made(_scandir(inc)), inc, now, bad, [0])
 
     def queued(self, jid):
         return any(_lexists(self.spool.d(sub, jid + ".json"))

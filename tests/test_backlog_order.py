@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from _core import drain_here, policy
+from _core import drain_here, listed, policy
 
 
 def _made_then(myq, spool, monkeypatch, n, seed=41, age=3600.0):
@@ -114,3 +114,28 @@ def test_a_retried_backlog_job_keeps_its_place(myq, spool, monkeypatch):
                backoff_base=0.4)
     assert ran[:3] == [old[0], old[1], old[0]], ran[:4]
     assert ran[3:] == old[2:]
+
+
+def test_the_oldest_waiting_keep_no_due_backlog_back(myq, spool, monkeypatch):
+    """The 6 oldest of the backlog are not due (a delay: as a retry's
+    backoff), more than a scan cache of 4: the file store keeps its
+    backlog's 4 oldest names and stats those alone; none due, the due
+    ones after them are read too.  Every due job runs, oldest first; the
+    6 still wait."""
+    policy(spool, "tele", "order=live-first")
+    sp = myq.Spool(spool)
+    base = time.time() - 3600
+    clock = [0.0]
+    last = list(myq._LAST_ID)
+    monkeypatch.setattr(myq, "_now", lambda: clock[0])
+    try:
+        ids = []
+        for i in range(20):
+            clock[0] = base + i
+            ids.append(sp.enqueue("tele", {"b": i}, delay=7200 if i < 6 else 0))
+    finally:
+        monkeypatch.undo()
+        myq._LAST_ID[:] = last
+    ran = _worker_order(myq, spool, scan_cache=4)
+    assert ran == ids[6:]
+    assert sorted(j["id"] for j in listed(spool, "scheduled")) == ids[:6]
