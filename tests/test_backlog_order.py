@@ -17,12 +17,14 @@ a shuffled order, one enqueue a job, as from many producers), so that
 the files' mtimes (the kernel's clock) and the directory's order are not
 created_at's.
 """
+import os
 import random
 import time
 
 import pytest
 
 from _core import drain_here, listed, policy
+from _http import http_servers  # noqa: F401 (a fixture)
 
 
 def _made_then(myq, spool, monkeypatch, n, seed=41, age=3600.0):
@@ -139,3 +141,39 @@ def test_the_oldest_waiting_keep_no_due_backlog_back(myq, spool, monkeypatch):
     ran = _worker_order(myq, spool, scan_cache=4)
     assert ran == ids[6:]
     assert sorted(j["id"] for j in listed(spool, "scheduled")) == ids[:6]
+
+
+def test_a_hold_keeps_the_backlogs_order(myq, spool, monkeypatch,
+                                          http_servers):
+    """The destination answers 503: its breaker holds it (the jobs it
+    failed wait again, their created_at kept: by name on the file store),
+    its probes fail, then it answers: every job of the backlog is
+    delivered once, oldest first (scan cache 4: a deep lane)."""
+    import signal
+    import threading
+    from _core import wait_for
+    from _http import answer
+    state = {"up": False}
+
+    def flaky(h):
+        answer(h, 200 if state["up"] else 503)
+    srv = http_servers(default=flaky)
+    policy(spool, "tele", "url=" + srv.url("/in"), "order=live-first")
+    old = _made_then(myq, spool, monkeypatch, 30, seed=5)
+    w = myq.Worker(spool, poll=0.05, jitter=0, backoff_base=0.2,
+                   probe_max=0.3, concurrency=1, scan_cache=4,
+                   log=myq.Log(stream=open(os.devnull, "w")))
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(srv.requests) >= 5, what="held, probes failing")
+        state["up"] = True
+        wait_for(lambda: len(listed(spool, "done")) == 30, timeout=30,
+                 what="the backlog delivered")
+    finally:
+        w._on_stop(signal.SIGTERM, None)
+        myq.open_store(spool).poke()
+        t.join(15)
+    ok = [r["headers"]["Idempotency-Key"] for r in srv.requests
+          if r["status"] == 200]
+    assert ok == old, (ok, old)

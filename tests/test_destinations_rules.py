@@ -25,7 +25,6 @@ import random
 import re
 import signal
 import threading
-import time
 
 import pytest
 
