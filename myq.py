@@ -8587,6 +8587,22 @@ class LiveFirst(object):
         """Jobs made before it are the backlog."""
         return now - self.live_s
 
+    @staticmethod
+    def sooner(L, head, best):
+        """Does lane L's `head` start before `best` (lane, head): the
+        earlier, then the id (_Scheduler._next_claim); but between two
+        lanes of one live-first type (a RAM tier's and the spool's) whose
+        choices are of one kind (both live, both backlog), the older."""
+        B, h = best
+        if L.order is None or B.order is None or L.type != B.type:
+            return head[:2] < h[:2]
+        mine, theirs = L.order.last, B.order.last
+        if mine is None or theirs is None or mine[1] is not head or \
+                theirs[1] is not h or mine[0] != theirs[0]:
+            return head[:2] < h[:2]
+        return (L.order.created_of(head[1], head[0]), head[1]) < \
+            (B.order.created_of(h[1], h[0]), h[1])
+
     def looked(self, took):
         """A scan read the lane again for its arrivals (a dirty lane) in
         `took` seconds: the next such read not before 20 times that has
@@ -9184,7 +9200,7 @@ class _Scheduler(object):
                         self._hush(L, wait)
                         continue
 
-                if best is None or head[:2] < best[1][:2]:
+                if best is None or LiveFirst.sooner(L, head, best):
                     best = (L, head)
             if best is None and force and not fresh:
                 fresh = True

@@ -24,6 +24,7 @@ import time
 import pytest
 
 from _core import drain_here, listed, policy
+from test_ram import ram  # noqa: F401 (a fixture)
 from _http import http_servers  # noqa: F401 (a fixture)
 
 
@@ -177,3 +178,49 @@ def test_a_hold_keeps_the_backlogs_order(myq, spool, monkeypatch,
     ok = [r["headers"]["Idempotency-Key"] for r in srv.requests
           if r["status"] == 200]
     assert ok == old, (ok, old)
+
+
+def _made_at(myq, spool, monkeypatch, idx, base):
+    """Jobs `tele` {"b": i} for i in idx, each made at base + i / 2 s as
+    by a producer of its own; {i: id}."""
+    sp = myq.Spool(spool)
+    made, clock, last = {}, [0.0], list(myq._LAST_ID)
+    monkeypatch.setattr(myq, "_now", lambda: clock[0])
+    try:
+        for i in idx:
+            clock[0] = base + i * 0.5
+            myq._LAST_ID[:] = [0, 0]
+            made[i] = sp.enqueue("tele", {"b": i})
+    finally:
+        monkeypatch.undo()
+        myq._LAST_ID[:] = last
+    return made
+
+
+def test_a_backlog_across_the_ram_tier_and_the_spool_drains_by_age(
+        myq, spool, monkeypatch, tmp_path, ram):
+    """durable=outage: half the backlog waits in the spool (made before
+    the RAM tier was), half in the tier (made while the type was paused),
+    their ages interleaved: once resumed, one created_at order over both
+    tiers (scan cache 16: deep lanes)."""
+    from _core import cli, ok, wait_for
+    from test_ram import Tier
+    policy(spool, "tele", "order=live-first")
+    base = time.time() - 3600
+    order = list(range(200))
+    random.Random(2).shuffle(order)
+    made = _made_at(myq, spool, monkeypatch, [i for i in order if i % 2 == 0],
+                    base)
+    t = Tier(spool, ram, tmp_path, spill_after="10h")
+    ok(cli(spool, "pause", "tele"))
+    t.start("--scan-cache", "16")
+    try:
+        made.update(_made_at(myq, spool, monkeypatch,
+                             [i for i in order if i % 2 == 1], base))
+        assert len([i for i in made.values() if i in t.in_ram()]) == 100
+        ok(cli(spool, "resume", "tele"))
+        wait_for(lambda: len(t.delivered()) == 200, timeout=60,
+                 what="the backlog delivered")
+    finally:
+        t.stop()
+    assert [p["b"] for p in t.delivered()] == list(range(200))
