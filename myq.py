@@ -2728,6 +2728,7 @@ class Identity:
         self.seq = 0
         self.registered = False
         self.log = log          # where it logs ("syslog", a path), for check
+        self.mqtt = None        # a worker's --mqtt brokers in order, for stats
 
     def token(self):
         self.seq += 1
@@ -2754,10 +2755,13 @@ class Identity:
         return head
 
     def record(self):
-        return {"worker": self.wid, "pid": self.pid, "start": self.start,
-                "boot_id": boot_id(), "pidns": pid_namespace(),
-                "host": os.uname()[1], "lease": self.lease,
-                "started_at": _now(), "log": self.log}
+        rec = {"worker": self.wid, "pid": self.pid, "start": self.start,
+               "boot_id": boot_id(), "pidns": pid_namespace(),
+               "host": os.uname()[1], "lease": self.lease,
+               "started_at": _now(), "log": self.log}
+        if self.mqtt:
+            rec["mqtt"] = self.mqtt
+        return rec
 
     def register(self):
         # Through tmp/, fsync'd: a record is never seen half-written, not
@@ -3084,6 +3088,19 @@ def _job_entries(it, inc, now, bad, nread):
         yield (m, name, scheduled)
 
 
+class _Named(object):
+    """A name of the directory open as `fd`, as _job_entries reads a
+    DirEntry (its name, its stat), once the scan that found it is done."""
+    __slots__ = ("name", "fd")
+
+    def __init__(self, name, fd):
+        self.name, self.fd = name, fd
+
+    def stat(self, follow_symlinks=False):
+        return os.stat(self.name, dir_fd=self.fd,
+                       follow_symlinks=follow_symlinks)
+
+
 def _elsewhere(sp, jid, mine):
     """Where else than the claim at `mine` job `jid` of spool `sp` (of
     files) waits (a lane), runs or lies dead: a state, or None.  (A claim
@@ -3322,10 +3339,6 @@ class Claims(object):
     def scan(self, L, n, tick):
         """Lane `L`'s cache of its `n` earliest waiting jobs."""
         self._abstract()
-
-    def look_live(self, L, n):
-        """A live-first lane's arrivals while a pass over it is open (only
-        a store whose scan makes passes has any to read)."""
 
     def lanes_key(self, poked=False):
         """(key, racy): what changes when the set of lanes does."""
@@ -4010,23 +4023,20 @@ class FileClaims(Claims):
         for the ready ones of the first 4N beyond N).  A pass that saw jobs
         not yet due, or left ready ones, ends with a marker in the cache (at
         the soonest of them) that starts the next pass when it comes due.
-        A live-first lane's (L.order) gets the live jobs it read too."""
+        A live-first lane's (L.order) is read by age instead (_scan_by_age)."""
         import heapq
         import itertools
+        if getattr(L, "order", None) is not None:
+            return self._scan_by_age(L, n, tick)
         sp = self.spool
         now = _now()
         inc = sp.d(L.sub)
         bad = []
         nread = [0]                             # jobs entries() gave
         sweeping = L.sweep is not None          # new arrivals: next pass
-        order = getattr(L, "order", None)       # live-first: its live jobs
-        live, cut = (None, 0) if order is None else ([], order.live_cut(now))
 
         def entries(it):
-            for e in _job_entries(it, inc, now, bad, nread):
-                if live is not None and cut <= e[0] <= now:
-                    live.append(e)      # (made within `live`, if at all)
-                yield e
+            return _job_entries(it, inc, now, bad, nread)
 
         if not sweeping:
             it = _scandir(inc)
@@ -4061,8 +4071,12 @@ class FileClaims(Claims):
                     best.append((soonest, "", False))
             L.soonest = soonest
             best.sort()
-        if live:            # live-first: its live ones beyond the n earliest
-            best = sorted(set(best).union(heapq.nsmallest(n, live)))
+        self._set_cache(L, best, len(best) >= n or L.sweep is not None,
+                        inc, bad, tick)
+
+    def _set_cache(self, L, best, full, inc, bad, tick):
+        """A scan's end: what is not a job file quarantined, lane L's cache
+        `best` (in order: reversed, the next at its end)."""
         for name, kind in bad:
             tick()
             try:
@@ -4072,34 +4086,101 @@ class FileClaims(Claims):
                 pass
         best.reverse()
         L.cache = best
-        L.cache_full = len(best) >= n or L.sweep is not None
+        L.cache_full = full
         L.dirty = False
         L.next_due = None
 
-    def look_live(self, L, n):
-        """A live-first lane's live jobs put in its cache while a pass over
-        it is open (a deep backlog, read N at a time): the pass reaches
-        arrivals only at its end, minutes on after an outage of hours, and
-        live jobs waited for it.  The whole directory is read by name: a
-        name that myq made says when its job was made (no stat), another
-        name is stat'ed for its mtime; the n earliest live ones join the
-        cache, and the pass goes on."""
-        import heapq
+    def _scan_by_age(self, L, n, tick):
+        """A live-first lane's cache (Scheduling: LiveFirst): the n oldest
+        of its due backlog by the age LiveFirst gives a job (created_of:
+        the millisecond at the head of an id that myq made, else the mtime),
+        its n earliest due live jobs, and its n soonest not due, so that a
+        backlog of any depth drains in created_at order (a pass in the
+        directory's order drained 100,000 in the order of its slices).
+        One read of the lane's names a refill, no pass: the names that myq
+        made for the backlog are kept by name alone (the n first, 2n at
+        most while it reads), and only the n first are stat'ed, at the
+        end; another name, or a live one, is stat'ed as it is read (each
+        line cut back to n at 2n: memory stays bounded).  A directory that
+        lists the newest first (tmpfs) costs no more than another.  When
+        some of those n wait (a retry's backoff), the made names after
+        them are read again, stat'ed, for the due ones."""
+        L.end_sweep()
         now = _now()
-        cut = L.order.live_cut(now)
-        ms = "%013d" % int(cut * 1000)
-
-        def young(it):
-            for e in it:
-                stem = e.name[:-5]
-                if not _is_generated_id(stem) or stem[:13] >= ms:
-                    yield e
         inc = self.spool.d(L.sub)
-        bad, nread = [], [0]
-        live = heapq.nsmallest(n, (e for e in _job_entries(
-            young(_scandir(inc)), inc, now, bad, nread) if cut <= e[0] <= now))
-        if live:
-            L.cache = sorted(set(L.cache).union(live), reverse=True)
+        order = L.order
+        cut = order.live_cut(now)
+        young = "%013d" % int(cut * 1000)  # a made name below it: backlog
+        back, live, later, bad, kept = [], [], [], [], []
+        top = [None]        # the n-th first of `kept`, once cut back
+
+        def others(it):     # the backlog's made names kept, the rest given
+            for e in it:
+                name = e.name
+                if name[:13] < young and name[-5:] == ".json" and \
+                        _is_generated_id(name[:-5]):
+                    if top[0] is None or name < top[0]:
+                        kept.append(name)
+                        if len(kept) >= 2 * n:
+                            kept.sort()
+                            del kept[n:]
+                            top[0] = kept[-1]
+                    continue
+                yield e
+        def more():         # some of the n first wait: the due ones after
+            if (top[0] is not None or len(kept) > n) and len(back) < n:
+                for e in self._made_after(inc, kept[n - 1], young, now, bad):
+                    yield e
+        full = False
+        for e in _chain(_job_entries(others(_scandir(inc)), inc, now, bad, [0]),
+                        self._stat_names(inc, kept, now, bad, n), more()):
+            t = order.created_of(e[1], e[0]) if e[0] <= now else None
+            if t is None:
+                line = later
+            elif t >= cut:
+                line = live
+            else:
+                line, e = back, (t, e[1], e)
+            line.append(e)
+            if len(line) >= 2 * n:          # the n first of it kept
+                line.sort()
+                del line[n:]
+                full = True
+        full = full or top[0] is not None or len(kept) > n or \
+            len(later) > n or len(live) > n or len(back) > n
+        later.sort()
+        live.sort()
+        back.sort()
+        best = later[:n] + live[:n] + [b[2] for b in back[:n]]
+        best.sort()
+        self._set_cache(L, best, full, inc, bad, tick)
+
+    def _stat_names(self, inc, names, now, bad, n):
+        """_job_entries of the n first `names` of directory `inc` (a scan
+        that kept them by name alone: stat'ed now, through a descriptor of
+        its own, once the scan is done)."""
+        names.sort()
+        try:
+            fd = _fresh_dir(inc)
+        except OSError:
+            return
+        try:
+            for e in _job_entries((_Named(name, fd) for name in names[:n]),
+                                  inc, now, bad, [0]):
+                yield e
+        finally:
+            os.close(fd)
+
+    def _made_after(self, inc, after, young, now, bad):
+        """_job_entries of the backlog's names that myq made after `after`
+        in directory `inc` (each stat'ed)."""
+        def made(it):
+            for e in it:
+                name = e.name
+                if after < name and name[:13] < young and \
+                        name[-5:] == ".json" and _is_generated_id(name[:-5]):
+                    yield e
+        return _job_entries(made(_scandir(inc)), inc, now, bad, [0])
 
     def queued(self, jid):
         return any(_lexists(self.spool.d(sub, jid + ".json"))
@@ -6045,17 +6126,27 @@ class Reader(object):
     def dest_states(self, now=None):
         """Each destination of the types whose policy gives `url`, in order,
         and its state (myq(1) failover): {TYPE: [{"url", "dest", "state":
-        "ok" or "held", "until"}]}; the first "ok" one gets the new starts."""
+        "ok" or "held", "until"}]}; the first "ok" one gets the new starts.
+        A type whose policy gives `topic`: the brokers of a living worker's
+        --mqtt (its record, locks/workers/), when one has them."""
         holds = dict((h["dest"], h) for h in self.store.breaker.records())
         now = _now() if now is None else now
-        out = {}
+        out, brokers = {}, None
         for t, keys in sorted(self.store.policy().items()):
             urls = keys.get("url") if t != "*" else None
+            if not urls and keys.get("topic") and t != "*":
+                if brokers is None:
+                    brokers = next((" ".join(w["mqtt"]) for w in
+                                    self.store.upkeep._live_workers()
+                                    if isinstance(w.get("mqtt"), list) and
+                                    all(isinstance(b, str) for b in w["mqtt"])
+                                    ), "")
+                urls = brokers
             if not urls:
                 continue
             out[t] = []
             for u in urls.split():
-                d = url_origin(u) or t
+                d = u if u[:4] == "mqtt" else (url_origin(u) or t)
                 h = holds.get(d)
                 out[t].append({"url": u, "dest": d, "state":
                                "held" if h else "ok",
@@ -8523,15 +8614,16 @@ class LiveFirst(object):
     job waits).  Live jobs never wait for the backlog's turn when none of
     it is due, nor the backlog for live jobs that are gone.
 
-    The store's scan puts the lane's live jobs in its cache beside its
-    earliest (Claims.scan: `live_cut`; created, by name, where the store
-    keeps created_at: SQLite); files estimate a job's created_at by its
-    id, where myq made it (ids sort by creation), else by its mtime
-    (available_at).  `head` moves its choice to the cache's end, where
-    the scheduler takes a lane's next job (_head, _next_claim); asked
-    again before that one is taken, it gives it again (no share spent);
-    `more` (a batch filling up): only of the kind of the last choice, so
-    that a batch is all live or all backlog."""
+    The store's scan fills the lane's cache with its n oldest due backlog
+    jobs, its n earliest due live ones and its n soonest not due
+    (Claims.scan: `live_cut`, `created_of`; `created`, by name, where the
+    store keeps created_at: SQLite); files estimate a job's created_at by
+    its id, where myq made it (ids sort by creation), else by its mtime
+    (available_at): FileClaims._scan_by_age.  `head` moves its choice to
+    the cache's end, where the scheduler takes a lane's next job (_head,
+    _next_claim); asked again before that one is taken, it gives it
+    again (no share spent); `more` (a batch filling up): only of the kind
+    of the last choice, so that a batch is all live or all backlog."""
     __slots__ = ("seen", "n", "live", "back", "credit", "created", "last",
                  "until", "live_s", "look")
 
@@ -8544,6 +8636,22 @@ class LiveFirst(object):
     def live_cut(self, now):
         """Jobs made before it are the backlog."""
         return now - self.live_s
+
+    @staticmethod
+    def sooner(L, head, best):
+        """Does lane L's `head` start before `best` (lane, head): the
+        earlier, then the id (_Scheduler._next_claim); but between two
+        lanes of one live-first type (a RAM tier's and the spool's) whose
+        choices are of one kind (both live, both backlog), the older."""
+        B, h = best
+        if L.order is None or B.order is None or L.type != B.type:
+            return head[:2] < h[:2]
+        mine, theirs = L.order.last, B.order.last
+        if mine is None or theirs is None or mine[1] is not head or \
+                theirs[1] is not h or mine[0] != theirs[0]:
+            return head[:2] < h[:2]
+        return (L.order.created_of(head[1], head[0]), head[1]) < \
+            (B.order.created_of(h[1], h[0]), h[1])
 
     def looked(self, took):
         """A scan read the lane again for its arrivals (a dirty lane) in
@@ -8954,11 +9062,13 @@ class _Scheduler(object):
         lane's last pass ended with a marker (a deep directory of jobs not
         due: 8,000 parked) no later than `until`: the pass that marker
         starts sees it (review: each job parked again made a pass over all
-        of incoming/, 3-6 % of a core)."""
+        of incoming/, 3-6 % of a core).  A live-first lane's is: it goes by
+        its age, maybe before the jobs its cache holds (a retry's)."""
         sub = self.spool.home(job)
         for L in self._lanes:
             if L.sub == sub:
                 if not L.dirty and until is not None and L.sweep is None \
+                        and L.order is None \
                         and L.cache and self._seen_later(L, until) \
                         and (L is not self._top or pre == self._dir_key):
                     if L is self._top:
@@ -9055,6 +9165,7 @@ class _Scheduler(object):
             live = rules.get("order") == "live-first"
             if live != (L.order is not None):
                 L.order, L.dirty = LiveFirst() if live else None, True
+                L.end_sweep()           # (a live-first lane has no pass)
         if force and self._current(L):
             force = False       # (nothing changed since its pass: not again)
         while True:
@@ -9088,11 +9199,8 @@ class _Scheduler(object):
                 if L.dirty and not forced and _mono() >= L.order.look:
                     forced = True       # live jobs come at the end: read
                     took = _mono()      # what came since (the earliest
-                    if L.sweep is None:     # alone do not need it), in at
-                        self._rescan(L)     # most 5 % of the time; a pass
-                    else:                   # open: beside it
-                        self.spool.claims.look_live(L, self.scan_cache)
-                    L.order.looked(_mono() - took)
+                    self._rescan(L)     # alone do not need it), in at
+                    L.order.looked(_mono() - took)  # most 5 % of the time
                     continue
                 return L.order.head(L, _now(), rules, more, self._no_wait)
             return L.cache[-1]
@@ -9142,7 +9250,7 @@ class _Scheduler(object):
                         self._hush(L, wait)
                         continue
 
-                if best is None or head[:2] < best[1][:2]:
+                if best is None or LiveFirst.sooner(L, head, best):
                     best = (L, head)
             if best is None and force and not fresh:
                 fresh = True
@@ -10716,6 +10824,8 @@ class Worker(object):
         sp.claims.start()
         sp.policies.pol_polled = True   # re-read at each poll tick, not per job
         self.me = Identity(sp, self.lease, log=getattr(self.log, "dest", None))
+        mqtt = self.resolver.mqtt       # its brokers: a topic's destinations
+        self.me.mqtt = mqtt and [c.dest for c in mqtt.clients if c is not None]
         self._pipe = os.pipe()
         for fd in self._pipe:
             os.set_blocking(fd, False)
@@ -13685,23 +13795,28 @@ class _SqlClaims(Claims):
 
     def _live_first(self, L, order, n, best):
         """A live-first lane's cache (Scheduling: LiveFirst): its n earliest
-        (`best`), its n earliest ready live jobs and the n first ready of
-        its backlog by created_at, each job's created_at told to `order`;
-        and whether either was full."""
+        (`best`), its n earliest ready live jobs, the n first ready of its
+        backlog by created_at and its n soonest not yet due (a retry of
+        the backlog's goes by its age when it comes due, not after the
+        cache's), each job's created_at told to `order`; and whether one
+        of them was full."""
         sp = self.spool
         now = _now()
         cut = order.live_cut(now)
         sql = ("SELECT available_at, id, created_at FROM jobs WHERE queue=? "
-               "AND status='ready' AND lane=? AND available_at<=? AND ")
-        live = sp._all(sql + "created_at>=? ORDER BY available_at, id LIMIT ?",
+               "AND status='ready' AND lane=? AND available_at")
+        live = sp._all(sql + "<=? AND created_at>=? ORDER BY available_at, id "
+                       "LIMIT ?", (sp.name, L.sub, now, cut, n))
+        back = sp._all(sql + "<=? AND (created_at<? OR created_at IS NULL) "
+                       "ORDER BY created_at, id LIMIT ?",
                        (sp.name, L.sub, now, cut, n))
-        back = sp._all(sql + "(created_at<? OR created_at IS NULL) ORDER BY "
-                       "created_at, id LIMIT ?", (sp.name, L.sub, now, cut, n))
-        order.created = dict((jid + ".json", c) for _, jid, c in live + back
+        later = sp._all(sql + ">? ORDER BY available_at, id LIMIT ?",
+                        (sp.name, L.sub, now, n))
+        rows = live + back + later
+        order.created = dict((jid + ".json", c) for _, jid, c in rows
                              if c is not None)
-        got = set(best).union((t, jid + ".json", True) for t, jid, _ in
-                              live + back)
-        return sorted(got), len(live) >= n or len(back) >= n
+        got = set(best).union((t, jid + ".json", True) for t, jid, _ in rows)
+        return sorted(got), max(len(live), len(back), len(later)) >= n
 
     # Claim and finish -------------------------------------------------------------
 
@@ -15606,9 +15721,6 @@ class _TieredClaims(object):
     def scan(self, L, n, tick):
         return (self.ram if L.sub[:4] == "ram:" else self.own).scan(L, n, tick)
 
-    def look_live(self, L, n):
-        return (self.ram if L.sub[:4] == "ram:" else self.own).look_live(L, n)
-
     def lane_key(self, L):
         return (self.ram if L.sub[:4] == "ram:" else self.own).lane_key(L)
 
@@ -17098,10 +17210,14 @@ class MqttHandler(Handler):
                 job = _enveloped(job, rules, now)
             sent.append(job)
             where.append(i)
-        self._failover(runner, run, self.clients or [None], sent, where, out)
+        # a backlog's payloads wait behind live ones for the uplink, as an
+        # http request marked X-Myq-Backlog does (myq(1) policy `order`)
+        later = bool(jobs) and all(backlog_job(j, rules, now) for j in jobs)
+        self._failover(runner, run, self.clients or [None], sent, where, out,
+                       later)
         return ("each", out)
 
-    def _failover(self, runner, run, clients, sent, where, out):
+    def _failover(self, runner, run, clients, sent, where, out, later=False):
         """Publish through the broker picked at the start (run.dest), then
         the jobs that its failure left (DestinationDown) through the next
         brokers not held, in order, as HttpHandler._failover does."""
@@ -17120,7 +17236,7 @@ class MqttHandler(Handler):
                 run.failovers.append((run.dest, failed))
             if len(clients) > 1:
                 run.dest = dests[i]
-            res = self.batch(sent, run, clients[i], share)
+            res = self.batch(sent, run, clients[i], share, later)
             for k, e in zip(where, res):
                 out[k] = e
             left = [k for k, e in enumerate(res)
@@ -17130,19 +17246,20 @@ class MqttHandler(Handler):
             failed = res[left[0]]
             sent, where = [sent[k] for k in left], [where[k] for k in left]
 
-    def batch(self, jobs, run=None, client=None, share=None):
+    def batch(self, jobs, run=None, client=None, share=None, later=False):
         """Publish `mqtt` jobs through the first broker's connection (`client`:
         to that broker), all in flight at once: one outcome per job, in
         order (None: done, else the exception: PermanentError,
         DestinationDown).  With `run`, the connection is cut when the run's
-        time is up (_abort); `share`: at most that many seconds of it."""
+        time is up (_abort); `share`: at most that many seconds of it;
+        `later`: a backlog's (Uplink.wait)."""
         client = client or self.client
         up = self.uplink
         if up is not None:
             # --uplink-rate: the payloads' turn is waited for before the
             # connection's (other runs and the keep-alive ping are not
             # kept from it by a wait that is only this run's)
-            up.wait(_mqtt_bytes(jobs), run)
+            up.wait(_mqtt_bytes(jobs), run, later)
         limit = min(self.time_limit(j, self.timeout) for j in jobs)
         if share is not None:
             limit = min(limit, share)

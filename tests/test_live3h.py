@@ -5,8 +5,9 @@ first", "the uplink's budget"): what the 3-hour outage's proof
 1. A deep backlog on the file store is read a slice at a time (a pass of
    the scan); a live job that arrived meanwhile waited for the pass to
    reach it or end: minutes after 3 hours of readings (live p50 57 s, p99
-   73 s after half an hour's).  The lane's live jobs are now looked for
-   beside the pass.
+   73 s after half an hour's).  The lane's live jobs were then looked
+   for beside the pass; a live-first lane is now read by age, no pass
+   (its oldest and its live jobs at each read: tests/test_backlog_order.py).
 2. Under --uplink-rate, sends went in bursts each time the 10 s window
    emptied, and live runs queued behind backlog runs for the uplink: a
    live batch waited up to a window.  Sends are now paced at the rate, and

@@ -408,6 +408,16 @@ class Run(object):
         back_delivered = len(set(rid for r in ok for rid in r.get("rids") or ()
                                  if str(rid).startswith("b-")))
         left = self.backlog_made - back_delivered
+        # created_at order: the most readings a backlog reading came behind
+        # one made after it (b-N: the N-th made); two slots, batches of
+        # 100: about 200 when the backlog drains oldest first
+        behind, most = 0, -1
+        for r in sorted(ok, key=lambda r: r["t1"]):
+            nums = [int(str(x)[2:]) for x in r.get("rids") or ()
+                    if str(x).startswith("b-") and str(x)[2:].isdigit()]
+            for k in nums:
+                behind = max(behind, most - k)
+            most = max([most] + nums)
         p50, p99 = pct(lags, 50), pct(lags, 99)
         goal_lag = 2 * BATCH_WAIT
         goal_share = (100 - SHARE) / 100.0
@@ -441,10 +451,10 @@ class Run(object):
                  "live_judged=%d live_late=%d live_lost=%d live_lag_p50_s=%.2f "
                  "live_lag_p99_s=%.2f goal_lag_s=%g backlog_Bps=%.0f live_Bps=%.0f "
                  "cap_Bps=%.0f backlog_of_cap=%.2f goal_of_cap=%.2f "
-                 "result=%s" % (
+                 "backlog_behind=%d result=%s" % (
                      a.store, self.backlog_made, a.hours, len(accepted),
                      len(judged), len(late), len(lost), p50, p99, goal_lag,
-                     back_bps, live_bps, cap, share, goal_share,
+                     back_bps, live_bps, cap, share, goal_share, behind,
                      "lost" if lost or errors else "ok" if lag_ok and drain_ok
                      else "missed"))
         return 1 if lost or errors else 0 if lag_ok and drain_ok else 4
