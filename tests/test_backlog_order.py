@@ -167,7 +167,10 @@ def test_a_hold_keeps_the_backlogs_order(myq, spool, monkeypatch,
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     try:
-        wait_for(lambda: len(srv.requests) >= 5, what="held, probes failing")
+        # (up only once held: a job failed before the hold waits out its
+        # backoff, and one made after it may go first meanwhile)
+        wait_for(lambda: len(srv.requests) >= 5 and myq.open_store(
+            spool).breaker.records(), what="held, probes failing")
         state["up"] = True
         wait_for(lambda: len(listed(spool, "done")) == 30, timeout=30,
                  what="the backlog delivered")
