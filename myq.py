@@ -3747,6 +3747,97 @@ class Claims(object):
             self.spool.fs.mkdir("locks/quiet")
         return self.spool.d("locks", "quiet", L.sub.rpartition("/")[2])
 
+def _by_age(inc, order, n, now, bad):
+    """A live-first lane's cache (Scheduling: LiveFirst), of directory
+    `inc`, `order` its LiveFirst: (its entries, whether one line was
+    full).  The n oldest of its due backlog by the age LiveFirst gives a
+    job (created_of: the millisecond at the head of an id that myq made,
+    else the mtime), its n earliest due live jobs, and its n soonest not
+    due, so that a
+    backlog of any depth drains in created_at order (a pass in the
+    directory's order drained 100,000 in the order of its slices).
+    One read of the lane's names a refill, no pass: the names that myq
+    made for the backlog are kept by name alone (the n first, 2n at
+    most while it reads), and only the n first are stat'ed, at the
+    end; another name, or a live one, is stat'ed as it is read (each
+    line cut back to n at 2n: memory stays bounded).  A directory that
+    lists the newest first (tmpfs) costs no more than another.  When
+    some of those n wait (a retry's backoff), the made names after
+    them are read again, stat'ed, for the due ones."""
+    cut = order.live_cut(now)
+    young = "%013d" % int(cut * 1000)  # a made name below it: backlog
+    back, live, later, kept = [], [], [], []
+    top = [None]        # the n-th first of `kept`, once cut back
+
+    def others(it):     # the backlog's made names kept, the rest given
+        for e in it:
+            name = e.name
+            if name[:13] < young and name[-5:] == ".json" and \
+                    _is_generated_id(name[:-5]):
+                if top[0] is None or name < top[0]:
+                    kept.append(name)
+                    if len(kept) >= 2 * n:
+                        kept.sort()
+                        del kept[n:]
+                        top[0] = kept[-1]
+                continue
+            yield e
+    def more():         # some of the n first wait: the due ones after
+        if (top[0] is not None or len(kept) > n) and len(back) < n:
+            for e in _made_after(inc, kept[n - 1], young, now, bad):
+                yield e
+    full = False
+    for e in _chain(_job_entries(others(_scandir(inc)), inc, now, bad, [0]),
+                    _stat_names(inc, kept, now, bad, n), more()):
+        t = order.created_of(e[1], e[0]) if e[0] <= now else None
+        if t is None:
+            line = later
+        elif t >= cut:
+            line = live
+        else:
+            line, e = back, (t, e[1], e)
+        line.append(e)
+        if len(line) >= 2 * n:          # the n first of it kept
+            line.sort()
+            del line[n:]
+            full = True
+    full = full or top[0] is not None or len(kept) > n or \
+        len(later) > n or len(live) > n or len(back) > n
+    later.sort()
+    live.sort()
+    back.sort()
+    best = later[:n] + live[:n] + [b[2] for b in back[:n]]
+    best.sort()
+    return best, full
+
+def _stat_names(inc, names, now, bad, n):
+    """_job_entries of the n first `names` of directory `inc` (a scan
+    that kept them by name alone: stat'ed now, through a descriptor of
+    its own, once the scan is done)."""
+    names.sort()
+    try:
+        fd = _fresh_dir(inc)
+    except OSError:
+        return
+    try:
+        for e in _job_entries((_Named(name, fd) for name in names[:n]),
+                              inc, now, bad, [0]):
+            yield e
+    finally:
+        os.close(fd)
+
+def _made_after(inc, after, young, now, bad):
+    """_job_entries of the backlog's names that myq made after `after`
+    in directory `inc` (each stat'ed)."""
+    def made(it):
+        for e in it:
+            name = e.name
+            if after < name and name[:13] < young and \
+                    name[-5:] == ".json" and _is_generated_id(name[:-5]):
+                yield e
+    return _job_entries(made(_scandir(inc)), inc, now, bad, [0])
+
+
 class FileClaims(Claims):
     """The file store's claims: a claim is a rename into processing/, a
     lane a directory, a scan a walk of the lanes' entries."""
@@ -4023,11 +4114,14 @@ class FileClaims(Claims):
         for the ready ones of the first 4N beyond N).  A pass that saw jobs
         not yet due, or left ready ones, ends with a marker in the cache (at
         the soonest of them) that starts the next pass when it comes due.
-        A live-first lane's (L.order) is read by age instead (_scan_by_age)."""
+        A live-first lane's (L.order) is read by age instead (_by_age)."""
         import heapq
         import itertools
         if getattr(L, "order", None) is not None:
-            return self._scan_by_age(L, n, tick)
+            L.end_sweep()
+            bad, inc = [], self.spool.d(L.sub)
+            best, full = _by_age(inc, L.order, n, _now(), bad)
+            return self._set_cache(L, best, full, inc, bad, tick)
         sp = self.spool
         now = _now()
         inc = sp.d(L.sub)
@@ -4089,98 +4183,6 @@ class FileClaims(Claims):
         L.cache_full = full
         L.dirty = False
         L.next_due = None
-
-    def _scan_by_age(self, L, n, tick):
-        """A live-first lane's cache (Scheduling: LiveFirst): the n oldest
-        of its due backlog by the age LiveFirst gives a job (created_of:
-        the millisecond at the head of an id that myq made, else the mtime),
-        its n earliest due live jobs, and its n soonest not due, so that a
-        backlog of any depth drains in created_at order (a pass in the
-        directory's order drained 100,000 in the order of its slices).
-        One read of the lane's names a refill, no pass: the names that myq
-        made for the backlog are kept by name alone (the n first, 2n at
-        most while it reads), and only the n first are stat'ed, at the
-        end; another name, or a live one, is stat'ed as it is read (each
-        line cut back to n at 2n: memory stays bounded).  A directory that
-        lists the newest first (tmpfs) costs no more than another.  When
-        some of those n wait (a retry's backoff), the made names after
-        them are read again, stat'ed, for the due ones."""
-        L.end_sweep()
-        now = _now()
-        inc = self.spool.d(L.sub)
-        order = L.order
-        cut = order.live_cut(now)
-        young = "%013d" % int(cut * 1000)  # a made name below it: backlog
-        back, live, later, bad, kept = [], [], [], [], []
-        top = [None]        # the n-th first of `kept`, once cut back
-
-        def others(it):     # the backlog's made names kept, the rest given
-            for e in it:
-                name = e.name
-                if name[:13] < young and name[-5:] == ".json" and \
-                        _is_generated_id(name[:-5]):
-                    if top[0] is None or name < top[0]:
-                        kept.append(name)
-                        if len(kept) >= 2 * n:
-                            kept.sort()
-                            del kept[n:]
-                            top[0] = kept[-1]
-                    continue
-                yield e
-        def more():         # some of the n first wait: the due ones after
-            if (top[0] is not None or len(kept) > n) and len(back) < n:
-                for e in self._made_after(inc, kept[n - 1], young, now, bad):
-                    yield e
-        full = False
-        for e in _chain(_job_entries(others(_scandir(inc)), inc, now, bad, [0]),
-                        self._stat_names(inc, kept, now, bad, n), more()):
-            t = order.created_of(e[1], e[0]) if e[0] <= now else None
-            if t is None:
-                line = later
-            elif t >= cut:
-                line = live
-            else:
-                line, e = back, (t, e[1], e)
-            line.append(e)
-            if len(line) >= 2 * n:          # the n first of it kept
-                line.sort()
-                del line[n:]
-                full = True
-        full = full or top[0] is not None or len(kept) > n or \
-            len(later) > n or len(live) > n or len(back) > n
-        later.sort()
-        live.sort()
-        back.sort()
-        best = later[:n] + live[:n] + [b[2] for b in back[:n]]
-        best.sort()
-        self._set_cache(L, best, full, inc, bad, tick)
-
-    def _stat_names(self, inc, names, now, bad, n):
-        """_job_entries of the n first `names` of directory `inc` (a scan
-        that kept them by name alone: stat'ed now, through a descriptor of
-        its own, once the scan is done)."""
-        names.sort()
-        try:
-            fd = _fresh_dir(inc)
-        except OSError:
-            return
-        try:
-            for e in _job_entries((_Named(name, fd) for name in names[:n]),
-                                  inc, now, bad, [0]):
-                yield e
-        finally:
-            os.close(fd)
-
-    def _made_after(self, inc, after, young, now, bad):
-        """_job_entries of the backlog's names that myq made after `after`
-        in directory `inc` (each stat'ed)."""
-        def made(it):
-            for e in it:
-                name = e.name
-                if after < name and name[:13] < young and \
-                        name[-5:] == ".json" and _is_generated_id(name[:-5]):
-                    yield e
-        return _job_entries(made(_scandir(inc)), inc, now, bad, [0])
 
     def queued(self, jid):
         return any(_lexists(self.spool.d(sub, jid + ".json"))
@@ -8619,7 +8621,7 @@ class LiveFirst(object):
     (Claims.scan: `live_cut`, `created_of`; `created`, by name, where the
     store keeps created_at: SQLite); files estimate a job's created_at by
     its id, where myq made it (ids sort by creation), else by its mtime
-    (available_at): FileClaims._scan_by_age.  `head` moves its choice to
+    (available_at): _by_age.  `head` moves its choice to
     the cache's end, where the scheduler takes a lane's next job (_head,
     _next_claim); asked again before that one is taken, it gives it
     again (no share spent); `more` (a batch filling up): only of the kind
