@@ -41,8 +41,10 @@ in exactly one place):
   unlink the .fin.
 - liveness: a claim whose worker is gone (no record, pid dead, pid reused,
   other boot) is taken back at once; a live owner on this host is never
-  robbed unless its heartbeat (the record's mtime, on the monotonic clock)
-  stopped for longer than its lease; the wall-clock lease decides only where
+  robbed unless its heartbeat (the record's mtime, on the monotonic clock;
+  with a RAM tier, the later of it and the tier's locks/workers/WID.beat:
+  an idle worker's time writes nothing to the flash) stopped for longer
+  than its lease; the wall-clock lease decides only where
   liveness cannot be checked (another host or pid namespace, no /proc).
 - recovery: a .fin or claim left by a dead worker is requeued (counting the
   attempt it began) or removed when its job already sits elsewhere.
@@ -2666,6 +2668,11 @@ class Store(object):
         """Take back the claims of workers that are gone."""
         self._abstract()
 
+    def beat_path(self, wid):
+        """Where worker `wid` beats when not in its record (Identity.beat):
+        None, its record alone (a store with a RAM tier: the tier's)."""
+        return None
+
     def prune(self, now=None, full=True):
         """Apply retention (done, dlq, failed, records, strays)."""
         self._abstract()
@@ -2770,14 +2777,48 @@ class Identity:
         if mark is not None:
             mark(False)
         _replace(self.path, dumps(self.record()), sync=True)
+        _utime(self.path, _mono())
         self.registered = True
         self.beat()
 
     def beat(self):
-        _utime(self.path, _mono())
+        """The heartbeat: the mtime of the spool's RAM tier's
+        locks/workers/WID.beat where there is one (a tmpfs: an idle
+        worker's time costs the flash nothing), else of the record (also
+        when the tier's is out of reach).  The later of the two is the
+        beat (Claims._owner_gone), on the monotonic clock."""
+        now = _mono()
+        beat = self.spool.beat_path(self.wid)
+        if beat is not None:
+            try:
+                try:
+                    _utime(beat, now)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise
+                    _create(beat, b"", sync=False, mtime=now)
+                return
+            except OSError:
+                pass
+        _utime(self.path, now)
+
+    @staticmethod
+    def last_beat(store, wid, mtime):
+        """Worker wid's last heartbeat: the later of its record's `mtime`
+        and its beat's in the RAM tier (beat())."""
+        beat = store.beat_path(wid)
+        if beat is not None:
+            try:
+                return max(mtime, _lstat(beat).st_mtime)
+            except OSError:
+                pass
+        return mtime
 
     def unregister(self):
         if self.registered:
+            beat = self.spool.beat_path(self.wid)
+            if beat is not None:
+                _quiet_unlink(beat)
             _quiet_unlink(self.path)
             self.registered = False
             mark = getattr(self.spool, "mark_clean", None)
@@ -3560,7 +3601,7 @@ class Claims(object):
                     rec = False
                 else:
                     rec = json.loads(data.decode("utf-8"))
-                    rec["_beat"] = st.st_mtime
+                    rec["_beat"] = Identity.last_beat(self.spool, wid, st.st_mtime)
             except (OSError, ValueError, InvalidJob):
                 rec = None
             cache[wid] = rec
@@ -5005,6 +5046,14 @@ class Upkeep(object):
                 why = self.store.claims._owner_gone(name[:-5], path, cache, now, mono)
                 if why and "lease" not in why and "hung" not in why:
                     n += self.remove("locks/workers", path)
+        ram = self.store.ram
+        if ram is not None:
+            # the tier's beats (Identity.beat) of workers whose record is
+            # gone (a record is made before its beat, removed after it)
+            for name in _listdir(ram.d("locks", "workers")):
+                if name.endswith(".beat") and not _lexists(self.store.d(
+                        "locks", "workers", name[:-5] + ".json")):
+                    _quiet_unlink(ram.d("locks", "workers", name))
         return n
 
     def _holders(self):
@@ -7160,6 +7209,11 @@ class _DirStore(Store):
 
     def upkeep_budget(self, now):
         return self.budget.upkeep_budget(now)
+
+    def beat_path(self, wid):
+        """The RAM tier's locks/workers/WID.beat (Store.beat_path)."""
+        ram = self.ram
+        return None if ram is None else ram.beat_path(wid)
 
     def close_tiers(self):
         """What the RAM tier keeps open, closed (a tmpfs to unmount)."""
@@ -15102,6 +15156,11 @@ class RamStore(FileStore):
                     and parts[-1].endswith(".json")):
                 return self.spool.d(*parts)
         return FileStore.d(self, *parts)
+
+    def beat_path(self, wid):
+        """Worker wid's heartbeat here, locks/workers/WID.beat (the record
+        beside it is the spool's: d())."""
+        return self.d("locks", "workers", wid + ".beat")
 
     def usable(self):
         """Whether producers may put jobs here: the layout is made (a
