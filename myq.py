@@ -42,9 +42,11 @@ in exactly one place):
 - liveness: a claim whose worker is gone (no record, pid dead, pid reused,
   other boot) is taken back at once; a live owner on this host is never
   robbed unless its heartbeat (the record's mtime, on the monotonic clock;
-  with a RAM tier, the later of it and the tier's locks/workers/WID.beat:
-  an idle worker's time writes nothing to the flash) stopped for longer
-  than its lease; the wall-clock lease decides only where
+  with a RAM tier, the later of it and the tier's locks/workers/WID.beat)
+  stopped for longer than its lease.  A worker beats only while it holds
+  or makes claims (its beat vouches for them alone), and a claim beats
+  first when the last beat is older than lease/3: an idle worker writes
+  nothing; the wall-clock lease decides only where
   liveness cannot be checked (another host or pid namespace, no /proc).
 - recovery: a .fin or claim left by a dead worker is requeued (counting the
   attempt it began) or removed when its job already sits elsewhere.
@@ -2722,7 +2724,9 @@ class Identity:
     """Who holds a claim: locks/workers/WID.json (pid, process start time,
     boot id, pid namespace, host, lease).  The file's mtime is the last
     heartbeat on the monotonic clock, comparable across processes of one
-    boot and immune to wall-clock jumps."""
+    boot and immune to wall-clock jumps (with a RAM tier, the later of it
+    and the tier's beat: beat()).  A beat vouches for the claims alone: a
+    worker beats while it holds or makes them (Worker._heartbeat)."""
 
     def __init__(self, spool, lease=60.0, kind="w", log=None):
         self.spool = spool
@@ -2734,9 +2738,15 @@ class Identity:
         self.seq = 0
         self.registered = False
         self.log = log          # where it logs ("syslog", a path), for check
+        self.beaten = None      # when it last beat (monotonic)
 
     def token(self):
+        """A new claim's token; a beat first when the last is older than
+        lease/3 (a worker that held nothing skipped its beats: its claims
+        are what its beat vouches for, Worker._heartbeat)."""
         self.seq += 1
+        if self.beaten is not None and _mono() - self.beaten > self.lease / 3:
+            self.beat()
         return "%s.%d" % (self.wid, self.seq)
 
     def lease_line(self, token, attempt, until):
@@ -2797,10 +2807,12 @@ class Identity:
                     if e.errno != errno.ENOENT:
                         raise
                     _create(beat, b"", sync=False, mtime=now)
+                self.beaten = now
                 return
             except OSError:
                 pass
         _utime(self.path, now)
+        self.beaten = now
 
     @staticmethod
     def last_beat(store, wid, mtime):
@@ -10678,6 +10690,7 @@ class Worker(object):
         self.me = None
         self._low_logged = False
         self._next_beat = float("inf")     # set when run() starts
+        self._beat_seq = -1         # the claims made at the last beat (me.seq)
         # set when run() starts: its modules, pipe, thread, supervisor
         self._select = self._signal = self._pipe = self._parent = None
         self._main = False
@@ -11054,13 +11067,21 @@ class Worker(object):
             self._heartbeat()
 
     def _heartbeat(self):
+        """The worker's beat and its claims' leases extended; no beat
+        while it holds no claim and made none since the last (its beat
+        vouches for its claims alone: an idle worker writes nothing; its
+        next claim beats first, Identity.token)."""
         self._next_beat = _mono() + self.lease / 3
         until = _now() + self.lease
         try:
-            self.me.beat()
             claims = [c for part, _ in self.finish._splits for c in part]
             for run in self.runs + ([self.runner._inline] if self.runner._inline else []):
                 claims.extend(run.batch or [run.claim])
+            fin = self.finish
+            if claims or fin._stuck or fin._pending or self.spool.claims.owed \
+                    or self.me.seq != self._beat_seq:
+                self._beat_seq = self.me.seq
+                self.me.beat()
             self.spool.claims.extend(claims, until)
         except OSError as e:
             self.log("error", during="heartbeat", error=e.strerror)

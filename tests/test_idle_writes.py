@@ -3,6 +3,11 @@ bytes a delivered job with durable=outage <= 1/20 of always, on UBIFS too;
 time alone kept it above: the heartbeat, a utime of the worker's record
 every lease/3, ~9 KB a beat on UBIFS).
 
+A worker beats only while it holds a claim or made one since its last
+beat (the beat vouches for its claims alone), and its next claim beats
+first when the last beat is older than lease/3: a worker idle for longer
+than its lease that claims a job is not taken for hung.
+
 With a RAM tier the heartbeat is the tier's locks/workers/WID.beat (a
 tmpfs), so a worker with nothing to do changes nothing in the spool: no
 file's or directory's mtime, ctime or size.  Liveness is judged as before,
@@ -45,10 +50,11 @@ def ram(tmp_path, small_tmpfs):
 
 
 def _tier(spool, ram, tmp_path, *opts):
-    """A RAM tier, `slow` (durable) and `tele` (durable=outage) delivered
-    by SLOW, a worker started: its Popen."""
-    ok(cli(spool, "init", "--ram", ram))
-    ok(cli(spool, "policy", "tele", "durable=outage", "spill_after=1h"))
+    """A RAM tier (none where `ram` is None), `slow` (durable) and `tele`
+    (durable=outage) delivered by SLOW, a worker started: its Popen."""
+    if ram is not None:
+        ok(cli(spool, "init", "--ram", ram))
+        ok(cli(spool, "policy", "tele", "durable=outage", "spill_after=1h"))
     mod = tmp_path / "slow.py"
     mod.write_text(SLOW)
     w = start_worker(spool, "--module", str(mod), *(FAST + opts + (
@@ -185,3 +191,56 @@ def test_a_hung_worker_beating_in_ram_is_robbed_after_its_lease(
     ok(cli(spool, "prune"))
     assert not os.path.exists(beat) and not os.path.exists(
         os.path.join(spool, "locks", "workers", name + ".json"))
+
+
+def test_an_idle_worker_without_a_ram_tier_writes_nothing_to_the_spool(
+        spool, tmp_path):
+    """The same without a RAM tier: a worker that holds no claim skips its
+    beats (before: a utime of its record every lease/3)."""
+    release = tmp_path / "release"
+    release.touch()
+    w = _tier(spool, None, tmp_path, "--lease", "0.6", "--stats-interval", "0")
+    try:
+        jid = ok(cli(spool, "enqueue", "slow", _payload(tmp_path, release))
+                 ).stdout.strip()
+        wait_for(lambda: show(call_myq, spool, jid)["state"] == "done",
+                 what="the job done")
+        wait_for(lambda: b" d slow 1 " in open(os.path.join(
+            spool, "locks", "rates"), "rb").read(), what="the delivery counted")
+        before, t0 = _snapshot(spool), mono()
+        wait_for(lambda: mono() - t0 >= 6.0, timeout=30, what="10 leases")
+        assert w.poll() is None
+        changed = _changed(before, _snapshot(spool))
+        assert changed == [], "an idle worker wrote to the spool: %s" % changed
+    finally:
+        assert stop(w) == 0
+
+
+@pytest.mark.parametrize("tier", ["ram", "none"])
+def test_a_worker_idle_past_its_lease_then_claiming_is_never_robbed(
+        spool, ram, tmp_path, run_myq, tier):
+    """Lease 1 s, idle for 3 leases (no beat: its last is 3 s old), then a
+    job: the claim beats first, and the run goes on over 3 more leases and
+    3 reaps without being taken back or its worker killed."""
+    release = tmp_path / "release"
+    w = _tier(spool, ram if tier == "ram" else None, tmp_path, "--lease", "1")
+    try:
+        t0 = mono()
+        wait_for(lambda: mono() - t0 >= 3.0, what="3 leases idle")
+        jid = ok(cli(spool, "enqueue", "slow", _payload(tmp_path, release))
+                 ).stdout.strip()
+        wait_for(lambda: lines(tmp_path / "runs"), what="the run's start")
+        t0, reaps = mono(), 0
+        while reaps < 3 or mono() - t0 < 3.0:
+            assert reap(run_myq, spool) == 0, "a live owner was robbed"
+            reaps += 1
+            assert w.poll() is None, "the worker was killed"
+            assert show(call_myq, spool, jid)["state"] == "processing"
+        release.touch()
+        wait_for(lambda: show(call_myq, spool, jid)["state"] == "done",
+                 what="the job done")
+        assert lines(tmp_path / "runs") == [jid]
+    finally:
+        release.touch()
+        assert stop(w) == 0
+    assert "event=requeued" not in _log(tmp_path)
