@@ -15520,6 +15520,7 @@ class _TieredClaims(object):
     def __init__(self, own, ram):
         self.own, self.ram = own, ram
         self._ram_pre = ram.spool._pre
+        self._own_owed = False      # the spool's own finishes to commit
         self.claim_changes_key = own.claim_changes_key
         self.batches = _TieredBatches(own.batches, ram.batches, self._ram_pre)
 
@@ -15538,14 +15539,21 @@ class _TieredClaims(object):
         return (self.ram if sub[:4] == "ram:" else self.own).claim(
             name, me, default_max_attempts, scheduled, sub, anytime)
 
+    def _side(self, c):
+        """_of(c), noting a finish of the spool's own to commit."""
+        if c.path.startswith(self._ram_pre):
+            return self.ram
+        self._own_owed = True
+        return self.own
+
     def complete(self, c):
-        return self._of(c).complete(c)
+        return self._side(c).complete(c)
 
     def move_on(self, c, job, dest, me, fin=None, until=None):
-        return self._of(c).move_on(c, job, dest, me, fin, until)
+        return self._side(c).move_on(c, job, dest, me, fin, until)
 
     def put_back(self, c, mtime):
-        return self._of(c).put_back(c, mtime)
+        return self._side(c).put_back(c, mtime)
 
     def close(self, c):
         return self._of(c).close(c)
@@ -15564,7 +15572,12 @@ class _TieredClaims(object):
                 side.extend(mine, until)
 
     def commit(self):
-        self.own.commit()
+        # (the spool's group commit when it finished jobs of its own: a
+        # RAM job's success costs the flash no fsync of done/ or the log,
+        # which UBIFS pays with a page even where nothing changed)
+        if self._own_owed:
+            self.own.commit()
+            self._own_owed = False
         self.ram.commit()
 
     def reap(self, me=None, max_attempts=5, dry_run=False):

@@ -244,3 +244,59 @@ def test_a_worker_idle_past_its_lease_then_claiming_is_never_robbed(
         release.touch()
         assert stop(w) == 0
     assert "event=requeued" not in _log(tmp_path)
+
+
+def test_ram_jobs_delivered_fsync_nothing_of_the_spool(myq, spool, ram,
+                                                       monkeypatch):
+    """A worker (in a thread) delivers 5 RAM jobs one by one: no fsync of
+    anything in the spool meanwhile.  Before, each group commit fsync'd
+    the spool's done/ (files) or its log (queue.db-wal) though no job of
+    the spool's had finished: a page written each time on UBIFS.  A
+    durable job's success is still committed (the control)."""
+    import threading
+    ok(cli(spool, "init", "--ram", ram))
+    ok(cli(spool, "policy", "tele", "durable=outage", "spill_after=1h"))
+    done = []
+    w = myq.Worker(myq.open_store(spool), handlers={
+        "tele": done.append, "alarm": done.append},
+                   log=lambda ev, **kv: None, poll=0.05, stats_interval=0)
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink("/proc/self/fd/%d" % fd))
+        return real(fd)
+    try:
+        wait_for(lambda: os.path.isdir(os.path.join(ram, "incoming")) and
+                 _listening(spool), what="the worker listening")
+        monkeypatch.setattr(os, "fsync", fsync)
+        producer = myq.open_store(spool)
+        for i in range(5):
+            producer.enqueue("tele", {"n": i})
+            wait_for(lambda: len(done) == i + 1, what="job %d delivered" % i)
+        wait_for(lambda: not w.finish._pending, what="the group commit")
+        root = os.path.realpath(spool) + "/"
+        mine = [p for p in synced if (p + "/").startswith(root)]
+        assert mine == [], "RAM jobs' deliveries fsync'd the spool: %s" % mine
+        producer.enqueue("alarm", {"n": 5})
+        wait_for(lambda: len(done) == 6 and not w.finish._pending and [
+            p for p in synced if p.startswith(root + ("done" if producer.store
+                                                      == "files" else "queue.db"))],
+            what="the durable job's success committed")
+        producer.close()
+    finally:
+        monkeypatch.setattr(os, "fsync", real)
+        w._on_stop(signal.SIGTERM, None)
+        t.join(30)
+    assert not t.is_alive()
+
+
+def _listening(spool):
+    try:
+        fd = os.open(os.path.join(spool, "locks", "wake"),
+                     os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
