@@ -41,8 +41,12 @@ in exactly one place):
   unlink the .fin.
 - liveness: a claim whose worker is gone (no record, pid dead, pid reused,
   other boot) is taken back at once; a live owner on this host is never
-  robbed unless its heartbeat (the record's mtime, on the monotonic clock)
-  stopped for longer than its lease; the wall-clock lease decides only where
+  robbed unless its heartbeat (the record's mtime, on the monotonic clock;
+  with a RAM tier, the later of it and the tier's locks/workers/WID.beat)
+  stopped for longer than its lease.  A worker beats only while it holds
+  or makes claims (its beat vouches for them alone), and a claim beats
+  first when the last beat is older than lease/3: an idle worker writes
+  nothing; the wall-clock lease decides only where
   liveness cannot be checked (another host or pid namespace, no /proc).
 - recovery: a .fin or claim left by a dead worker is requeued (counting the
   attempt it began) or removed when its job already sits elsewhere.
@@ -2667,6 +2671,11 @@ class Store(object):
         """Take back the claims of workers that are gone."""
         self._abstract()
 
+    def beat_path(self, wid):
+        """Where worker `wid` beats when not in its record (Identity.beat):
+        None, its record alone (a store with a RAM tier: the tier's)."""
+        return None
+
     def prune(self, now=None, full=True):
         """Apply retention (done, dlq, failed, records, strays)."""
         self._abstract()
@@ -2716,7 +2725,9 @@ class Identity:
     """Who holds a claim: locks/workers/WID.json (pid, process start time,
     boot id, pid namespace, host, lease).  The file's mtime is the last
     heartbeat on the monotonic clock, comparable across processes of one
-    boot and immune to wall-clock jumps."""
+    boot and immune to wall-clock jumps (with a RAM tier, the later of it
+    and the tier's beat: beat()).  A beat vouches for the claims alone: a
+    worker beats while it holds or makes them (Worker._heartbeat)."""
 
     def __init__(self, spool, lease=60.0, kind="w", log=None):
         self.spool = spool
@@ -2729,9 +2740,15 @@ class Identity:
         self.registered = False
         self.log = log          # where it logs ("syslog", a path), for check
         self.mqtt = None        # a worker's --mqtt brokers in order, for stats
+        self.beaten = None      # when it last beat (monotonic)
 
     def token(self):
+        """A new claim's token; a beat first when the last is older than
+        lease/3 (a worker that held nothing skipped its beats: its claims
+        are what its beat vouches for, Worker._heartbeat)."""
         self.seq += 1
+        if self.beaten is not None and _mono() - self.beaten > self.lease / 3:
+            self.beat()
         return "%s.%d" % (self.wid, self.seq)
 
     def lease_line(self, token, attempt, until):
@@ -2775,14 +2792,50 @@ class Identity:
         if mark is not None:
             mark(False)
         _replace(self.path, dumps(self.record()), sync=True)
+        _utime(self.path, _mono())
         self.registered = True
         self.beat()
 
     def beat(self):
-        _utime(self.path, _mono())
+        """The heartbeat: the mtime of the spool's RAM tier's
+        locks/workers/WID.beat where there is one (a tmpfs: an idle
+        worker's time costs the flash nothing), else of the record (also
+        when the tier's is out of reach).  The later of the two is the
+        beat (Claims._owner_gone), on the monotonic clock."""
+        now = _mono()
+        beat = self.spool.beat_path(self.wid)
+        if beat is not None:
+            try:
+                try:
+                    _utime(beat, now)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:
+                        raise
+                    _create(beat, b"", sync=False, mtime=now)
+                self.beaten = now
+                return
+            except OSError:
+                pass
+        _utime(self.path, now)
+        self.beaten = now
+
+    @staticmethod
+    def last_beat(store, wid, mtime):
+        """Worker wid's last heartbeat: the later of its record's `mtime`
+        and its beat's in the RAM tier (beat())."""
+        beat = store.beat_path(wid)
+        if beat is not None:
+            try:
+                return max(mtime, _lstat(beat).st_mtime)
+            except OSError:
+                pass
+        return mtime
 
     def unregister(self):
         if self.registered:
+            beat = self.spool.beat_path(self.wid)
+            if beat is not None:
+                _quiet_unlink(beat)
             _quiet_unlink(self.path)
             self.registered = False
             mark = getattr(self.spool, "mark_clean", None)
@@ -3592,7 +3645,7 @@ class Claims(object):
                     rec = False
                 else:
                     rec = json.loads(data.decode("utf-8"))
-                    rec["_beat"] = st.st_mtime
+                    rec["_beat"] = Identity.last_beat(self.spool, wid, st.st_mtime)
             except (OSError, ValueError, InvalidJob):
                 rec = None
             cache[wid] = rec
@@ -5155,6 +5208,14 @@ class Upkeep(object):
                 why = self.store.claims._owner_gone(name[:-5], path, cache, now, mono)
                 if why and "lease" not in why and "hung" not in why:
                     n += self.remove("locks/workers", path)
+        ram = self.store.ram
+        if ram is not None:
+            # the tier's beats (Identity.beat) of workers whose record is
+            # gone (a record is made before its beat, removed after it)
+            for name in _listdir(ram.d("locks", "workers")):
+                if name.endswith(".beat") and not _lexists(self.store.d(
+                        "locks", "workers", name[:-5] + ".json")):
+                    _quiet_unlink(ram.d("locks", "workers", name))
         return n
 
     def _holders(self):
@@ -7385,6 +7446,11 @@ class _DirStore(Store):
 
     def upkeep_budget(self, now):
         return self.budget.upkeep_budget(now)
+
+    def beat_path(self, wid):
+        """The RAM tier's locks/workers/WID.beat (Store.beat_path)."""
+        ram = self.ram
+        return None if ram is None else ram.beat_path(wid)
 
     def close_tiers(self):
         """What the RAM tier keeps open, closed (a tmpfs to unmount)."""
@@ -10784,6 +10850,7 @@ class Worker(object):
         self.me = None
         self._low_logged = False
         self._next_beat = float("inf")     # set when run() starts
+        self._beat_seq = -1         # the claims made at the last beat (me.seq)
         # set when run() starts: its modules, pipe, thread, supervisor
         self._select = self._signal = self._pipe = self._parent = None
         self._main = False
@@ -11162,13 +11229,21 @@ class Worker(object):
             self._heartbeat()
 
     def _heartbeat(self):
+        """The worker's beat and its claims' leases extended; no beat
+        while it holds no claim and made none since the last (its beat
+        vouches for its claims alone: an idle worker writes nothing; its
+        next claim beats first, Identity.token)."""
         self._next_beat = _mono() + self.lease / 3
         until = _now() + self.lease
         try:
-            self.me.beat()
             claims = [c for part, _ in self.finish._splits for c in part]
             for run in self.runs + ([self.runner._inline] if self.runner._inline else []):
                 claims.extend(run.batch or [run.claim])
+            fin = self.finish
+            if claims or fin._stuck or fin._pending or self.spool.claims.owed \
+                    or self.me.seq != self._beat_seq:
+                self._beat_seq = self.me.seq
+                self.me.beat()
             self.spool.claims.extend(claims, until)
         except OSError as e:
             self.log("error", during="heartbeat", error=e.strerror)
@@ -15332,6 +15407,11 @@ class RamStore(FileStore):
                 return self.spool.d(*parts)
         return FileStore.d(self, *parts)
 
+    def beat_path(self, wid):
+        """Worker wid's heartbeat here, locks/workers/WID.beat (the record
+        beside it is the spool's: d())."""
+        return self.d("locks", "workers", wid + ".beat")
+
     def usable(self):
         """Whether producers may put jobs here: the layout is made (a
         worker makes it at its start: after a boot the directory is empty)
@@ -15669,6 +15749,7 @@ class _TieredClaims(object):
     def __init__(self, own, ram):
         self.own, self.ram = own, ram
         self._ram_pre = ram.spool._pre
+        self._own_owed = False      # the spool's own finishes to commit
         self.claim_changes_key = own.claim_changes_key
         self.batches = _TieredBatches(own.batches, ram.batches, self._ram_pre)
 
@@ -15687,14 +15768,21 @@ class _TieredClaims(object):
         return (self.ram if sub[:4] == "ram:" else self.own).claim(
             name, me, default_max_attempts, scheduled, sub, anytime)
 
+    def _side(self, c):
+        """_of(c), noting a finish of the spool's own to commit."""
+        if c.path.startswith(self._ram_pre):
+            return self.ram
+        self._own_owed = True
+        return self.own
+
     def complete(self, c):
-        return self._of(c).complete(c)
+        return self._side(c).complete(c)
 
     def move_on(self, c, job, dest, me, fin=None, until=None):
-        return self._of(c).move_on(c, job, dest, me, fin, until)
+        return self._side(c).move_on(c, job, dest, me, fin, until)
 
     def put_back(self, c, mtime):
-        return self._of(c).put_back(c, mtime)
+        return self._side(c).put_back(c, mtime)
 
     def close(self, c):
         return self._of(c).close(c)
@@ -15713,7 +15801,12 @@ class _TieredClaims(object):
                 side.extend(mine, until)
 
     def commit(self):
-        self.own.commit()
+        # (the spool's group commit when it finished jobs of its own: a
+        # RAM job's success costs the flash no fsync of done/ or the log,
+        # which UBIFS pays with a page even where nothing changed)
+        if self._own_owed:
+            self.own.commit()
+            self._own_owed = False
         self.ram.commit()
 
     def reap(self, me=None, max_attempts=5, dry_run=False):
