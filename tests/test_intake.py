@@ -25,7 +25,7 @@ import time
 import pytest
 
 from _core import MYQ, ROOT, call_myq, clean_env, ls, one_line_error, run_myq, \
-    cmdline, free_port, stop, wait_for
+    cmdline, free_port, myq_argv, stop, wait_for
 from _mosquitto import MOSQUITTO, Broker, _enc_len, _s
 
 # The enqueue's durable step: incoming/'s fsync (files), or the commit of
@@ -55,7 +55,7 @@ class Intake(object):
             args.append("--listen-open")
         argv = ["--spool", spool, "intake", "--log", self.log] + args
         head = [sys.executable, "-c", CRASH_AFTER_COMMIT] if crash \
-            else [sys.executable, MYQ]
+            else myq_argv()     # (its cached code: no compile at each start)
         self.proc = subprocess.Popen(head + argv, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE,
                                      env=clean_env(env), start_new_session=True)
@@ -540,6 +540,10 @@ def test_a_broker_restart_is_reconnected(spool, intake, pbroker):
     subscribed(pbroker, i)
     publish(pbroker.port, [("s/1", b"1")])
     wait_jobs(spool, 1)
+    # its PUBACK at the broker before the restart (else the broker sends
+    # it again, at least once: a second job of message 1)
+    wait_for(lambda: pbroker.count("Received PUBACK from myq-intake-test") >= 1,
+             what="the PUBACK")
     pbroker.stop()
     pbroker.start()
     wait_for(lambda: i.text().count("event=intake_connected") >= 2, timeout=60,

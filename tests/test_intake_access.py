@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from _core import MYQ, ROOT, call_myq, clean_env, run_myq, stop, wait_for, \
-    world_python
+from _core import MYQ, ROOT, call_myq, clean_env, myq_argv, run_myq, stop, \
+    wait_for, world_python
 from _mosquitto import MOSQUITTO, Broker
 from _sec import become, is_root, make_user
 from test_intake import Intake, auth, get, jobs, payload_of, post, publish, \
@@ -155,7 +155,7 @@ def test_a_port_takes_nothing_from_an_account_without_the_token(other, open_dir)
     spool = os.path.join(open_dir, "spool")
     assert run_myq("--spool", spool, "init").returncode == 0
     log = os.path.join(open_dir, "intake.log")
-    p = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "intake",
+    p = subprocess.Popen(myq_argv() + ["--spool", spool, "intake",
                           "--listen", "127.0.0.1:0", "--log", log],
                          env=clean_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
@@ -178,7 +178,7 @@ def test_listen_open_lets_every_local_account_post(other, open_dir):
     spool = os.path.join(open_dir, "spool")
     assert run_myq("--spool", spool, "init").returncode == 0
     log = os.path.join(open_dir, "intake.log")
-    p = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "intake",
+    p = subprocess.Popen(myq_argv() + ["--spool", spool, "intake",
                           "--listen", "127.0.0.1:0", "--listen-open", "--log",
                           log], env=clean_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
@@ -200,7 +200,7 @@ def test_a_unix_socket_lets_the_spools_group_post_and_no_other_account(
                    "root:%d" % other.pw_gid).returncode == 0
     sock = os.path.join(open_dir, "intake.sock")
     log = os.path.join(open_dir, "intake.log")
-    p = subprocess.Popen([sys.executable, MYQ, "--spool", spool, "intake",
+    p = subprocess.Popen(myq_argv() + ["--spool", spool, "intake",
                           "--listen", "unix:" + sock, "--log", log],
                          env=clean_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, start_new_session=True)

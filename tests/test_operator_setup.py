@@ -202,6 +202,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from _core import clean_env, cmdline, start_worker, wait_for, kill_quiet, world_python, sql  # noqa: E402
+from _core import myq_argv  # noqa: E402
 from _sec import make_user, is_root  # noqa: E402
 
 sys.path.insert(0, ROOT)
@@ -384,12 +385,15 @@ def base():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _as(pw, python, me, *args, **kw):
+def _as(pw, python, me, *args, cached=False, **kw):
+    """`python me ARGS` as `pw` (None: root); `cached`: from its cached
+    code (_core.BOOT: no compile at each start), not as the script."""
     def drop():
         os.setgroups([])
         os.setgid(pw.pw_gid)
         os.setuid(pw.pw_uid)
-    return subprocess.run([python, me] + [str(a) for a in args], env=clean_env(),
+    argv = myq_argv(python, me) if cached else [python, me]
+    return subprocess.run(argv + [str(a) for a in args], env=clean_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           universal_newlines=True, timeout=60, cwd="/",
                           preexec_fn=drop if pw else None, **kw)
@@ -424,7 +428,8 @@ def test_a_spool_of_roots_given_to_myq_user(user, base, store):
     with open(os.path.join(hdir, "t"), "w") as f:
         f.write("#!/bin/sh\nexit 0\n")
     os.chmod(os.path.join(hdir, "t"), 0o755)
-    root = lambda *a: _as(None, sys.executable, me, "--spool", spool, *a)  # noqa: E731
+    root = lambda *a: _as(None, sys.executable, me, "--spool", spool, *a,  # noqa: E731
+                          cached=True)
     for args in (["init", "--store", store], ["policy", "t", "max_queued=2"],
                  ["enqueue", "t", "1"], ["enqueue", "u", "2", "--priority", "3"],
                  ["worker", "--handlers", hdir, "--drain"]):
@@ -433,7 +438,8 @@ def test_a_spool_of_roots_given_to_myq_user(user, base, store):
     # what init --owner did before: the directories alone
     for d in myq.SUBDIRS + ("locks/ok", "locks/workers", ""):
         os.chown(os.path.join(spool, d), user.pw_uid, user.pw_gid)
-    as_user = lambda *a: _as(user, python, me, "--spool", spool, *a)  # noqa: E731
+    as_user = lambda *a: _as(user, python, me, "--spool", spool, *a,  # noqa: E731
+                             cached=True)
     r = as_user("worker", "--handlers", hdir, "--drain")
     assert r.returncode == 78, r.stderr
     unreadable = "policy.json cannot be read" if store == "files" else \

@@ -35,7 +35,7 @@ import sys
 
 import pytest
 
-from _core import ROOT, wait_for
+from _core import ROOT, myq_argv, wait_for
 from _procs import alive
 
 SCRIPT = os.path.join(ROOT, "init.d", "myq.procd")
@@ -282,7 +282,7 @@ class OpenWrt(object):
         return out
 
     def myq(self, *args):
-        r = subprocess.run([sys.executable, MYQ, "--spool", self.spool] + list(args),
+        r = subprocess.run(myq_argv() + ["--spool", self.spool] + list(args),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            universal_newlines=True, timeout=60,
                            env={"PATH": os.environ.get("PATH", "")})
