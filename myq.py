@@ -2625,6 +2625,11 @@ class Store(object):
         """Place one job of a generated id (the producer's usual call)."""
         self._abstract()
 
+    def eager_types(self):
+        """The types whose handlers a worker resolves before it listens
+        (a RAM tier's: their bound counts from the first job)."""
+        return ()
+
     def _move_in(self, todo, refused=None, done=None):
         """_enqueue of jobs promised already elsewhere (a RAM tier's moves):
         durable when it returns, and none seen before its bytes are durable
@@ -7253,6 +7258,9 @@ class _DirStore(Store):
         if self.ram is not None:
             self.ram.stop()
 
+    def eager_types(self):
+        return self.ram.outage_types() if self.ram is not None else ()
+
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
         it for the relative parts every caller passes (it runs per job)."""
@@ -10776,6 +10784,11 @@ class Worker(object):
                 self._restore_signals(saved)
             raise
         me = self.me
+        for t in sp.eager_types():
+            # (before it listens: a first job's handler, an http type's
+            # modules imported, took a slow device's worker from its store's
+            # turns for seconds, a RAM tier's bound with them)
+            self.resolver.resolve(t)
         self.sched.start(me, select)
         self.runner.start(me, signal, self._pipe, self._main)
         self.finish.me = me
@@ -10961,7 +10974,8 @@ class Worker(object):
                 return False
             pending = finish._pending
             due = min(self._next_beat, self._next_reap, self._next_stats,
-                      finish._pending_since + 1.0 if pending else self._next_stats)
+                      finish._pending_since + 1.0 if pending else self._next_stats,
+                      self._next_settle or self._next_stats)
             now = _mono()       # (the job ran meanwhile: read again)
             if pending >= 64 or now >= due:
                 return True         # housekeeping first, then go on
@@ -15238,15 +15252,21 @@ class RamStore(FileStore):
 
     def bound(self):
         """The longest spill_after of the durable=outage types (0: none)."""
+        return max([after for _, after in self._outage()] or [0.0])
+
+    def outage_types(self):
+        """The types the policy names durable=outage ("*" aside)."""
+        return [t for t, _ in self._outage() if t != "*"]
+
+    def _outage(self):
+        """(type or "*", its spill_after) of the policy's durable=outage."""
         pol = self.policy()
-        out = 0.0
         for t in pol:
             if t == SPOOL_POLICY:
                 continue
             rules = pol[t] if t == "*" else self.rules(t)
             if rules.get("durable") == "outage":
-                out = max(out, ram_rules(rules)[0])
-        return out
+                yield t, ram_rules(rules)[0]
 
     # What the spool asks of its tier -----------------------------------
 
