@@ -2630,6 +2630,18 @@ class Store(object):
         """Place one job of a generated id (the producer's usual call)."""
         self._abstract()
 
+    def eager_types(self):
+        """The types whose handlers a worker resolves before it listens
+        (a RAM tier's: their bound counts from the first job)."""
+        return ()
+
+    def _move_in(self, todo, refused=None, done=None):
+        """_enqueue of jobs promised already elsewhere (a RAM tier's moves):
+        durable when it returns, and none seen before its bytes are durable
+        (a power cut leaves each whole or absent: its other copy may go
+        with the same cut).  A transaction is that already."""
+        return self._enqueue(todo, True, refused, done)
+
     # The claim protocol's side of the store (self.claims) ------------------
 
     def lanes(self):
@@ -4340,12 +4352,13 @@ class Producer(object):
                              % (job["id"], len(data), self.opt["max_job_bytes"]))
         return job, data, explicit, delay, self.store.home(job, rules)
 
-    def place(self, todo, sync, refused=None, done=None):
+    def place(self, todo, sync, refused=None, done=None, whole=False):
         """Place the jobs of `todo` (prepared's); their ids.  With
         `refused` (a list: import), a duplicate id or a type's bound
         refuses that job alone, (id, error) appended, and the rest go on;
         `done` (a list) gets (id, directory) of each placed, kept when an
-        error ends the call."""
+        error ends the call.  `whole` (jobs promised already: a RAM tier's
+        moves): durable, and no job named before its bytes are (_name_whole)."""
         problem = self.room_for([len(t[1]) for t in todo])
         if problem:
             raise SpoolFull("spool %s refuses the job: %s" % (self.path, problem))
@@ -4362,7 +4375,7 @@ class Producer(object):
         # them all, and the other fsyncs find nothing to commit (ext4, 100
         # jobs: 1 commit, not 100).  The cost: their pages leave the page
         # cache, and the worker reads them from the disk.
-        later = [] if sync and len(todo) > 1 and _FADVISE else None
+        later = [] if whole or sync and len(todo) > 1 and _FADVISE else None
         try:
             try:
                 for job, data, explicit, delay, sub in todo:
@@ -4381,17 +4394,25 @@ class Producer(object):
                             sub = "incoming"
                     try:
                         self.place_new(job, data, explicit, delay, sync, dirs,
-                                        sub, later)
+                                        sub, later, whole)
                     except DuplicateJob as e:
                         if refused is None:
                             raise
                         refused.append((job["id"], e))
                         continue
+                    if whole:
+                        if len(later) >= 256:           # descriptors
+                            self._name_whole(later, done, refused)
+                        continue
                     done.append((job["id"], sub))
                     if later and len(later) >= 256:     # descriptors
                         self._fsync_later(later, done)
+                if whole and later:
+                    self._name_whole(later, done, refused)
             except BaseException:
-                if later:
+                if later and whole:     # (unnamed: nothing placed)
+                    self._drop_whole(later)
+                elif later:
                     try:                # the jobs placed before the error
                         self._fsync_later(later, done)
                     except MyqError:
@@ -4482,6 +4503,54 @@ class Producer(object):
                 os.close(x[3])
             del later[:]
 
+    def _name_whole(self, later, done, refused):
+        """The files of place()'s `whole`, written but not yet named
+        (unnamed, or in tmp/): each fsync'd (the last first, as
+        _fsync_later), then each named, (id, directory) into `done`: no
+        name is ever made for bytes not yet durable.  Else a cut could
+        leave a moved job's file with its length and not its bytes (UBIFS
+        writes a file's data and its size to different journal heads; ext4
+        an unwritten extent), the job's RAM copy gone with the same cut.
+        It costs one commit more a batch (the names'), not one a job: the
+        first fsync's commit holds every file's data (ext4; UBIFS: the
+        data head's write buffer), the other fsyncs find nothing to write,
+        an unnamed file's inode is not written (UBIFS) or is in it (ext4)."""
+        try:
+            for i in ([-1] if len(later) > 1 else []) + list(range(len(later))):
+                jid, _, _, fd, dst = later[i][:5]
+                try:
+                    _step("fsync", dst, "before")
+                    os.fsync(fd)
+                    _step("fsync", dst, "after")
+                except OSError as e:
+                    self._write_error(jid, e)
+            for jid, ino, dfd, fd, dst, sub, explicit, tmp, tfd in later:
+                try:
+                    if tmp is None:
+                        if not self._link_unnamed(jid, fd, dfd, dst):
+                            raise OSError(errno.ENOENT, "no /proc/self/fd")
+                    else:
+                        self._name_tmp(jid, explicit, tmp, tfd, dfd, dst, ino)
+                except DuplicateJob as e:
+                    if refused is None:
+                        raise
+                    refused.append((jid, e))
+                    continue
+                except OSError as e:
+                    self._write_error(jid, e)
+                done.append((jid, sub))
+        finally:
+            self._drop_whole(later)
+
+    def _drop_whole(self, later):
+        """_name_whole's files let go: descriptors closed, tmp/ names gone
+        (a named job has its own; an unnamed file goes with its descriptor)."""
+        for x in later:
+            os.close(x[3])
+            if x[7] is not None:
+                _quiet_unlink(x[7], x[8])
+        del later[:]
+
     def fsync_or_withdraw(self, placed, dirs):
         """Commit incoming/ (and the lanes used); when that fails the jobs
         are not durable, so take them back (an error must mean: nothing
@@ -4502,7 +4571,7 @@ class Producer(object):
         return "%s%s.%d.%d.new" % (self._tmp, jid, _PID[0], self._seq)
 
     def place_new(self, job, data, explicit, delay, sync, dirs, sub="incoming",
-                   later=None):
+                   later=None, whole=False):
         jid = job["id"]
         if explicit:
             where = self.store.find_id(jid, dirs=dirs)
@@ -4513,21 +4582,26 @@ class Producer(object):
         tmp = tfd = fd = None
         try:
             dfd = dirs(sub)
-            got = _TMPFILE and self._unnamed(job, data, delay, dirs, dfd, dst)
+            got = _TMPFILE and self._unnamed(job, data, delay, dirs, dfd, dst,
+                                             not whole)
             if got:
                 ino, fd = got
             else:
                 tmp = self._tmpname(jid)
                 tfd = dirs("tmp")
                 ino, fd = self._through_tmp(job, data, explicit, delay, dirs,
-                                            tmp, tfd, dfd, dst)
+                                            tmp, tfd, dfd, dst, not whole)
             if later is not None:       # (_enqueue: many jobs)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                except OSError:
-                    pass                # (its fsync will write it then)
-                later.append((jid, ino, dfd, fd, dst))
+                if _FADVISE:
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    except OSError:
+                        pass            # (its fsync will write it then)
+                later.append((jid, ino, dfd, fd, dst) + (
+                    (sub, explicit, tmp, tfd) if whole else ()))
                 fd = None
+                if whole:
+                    tfd = None          # (its tmp/ name: _drop_whole's)
             elif sync:
                 # The file's fsync comes after its rename into place: one
                 # journal commit then holds its data, its inode and its new
@@ -4557,13 +4631,17 @@ class Producer(object):
             if fd is not None:
                 os.close(fd)
 
-    def _unnamed(self, job, data, delay, dirs, dfd, dst):
+    def _unnamed(self, job, data, delay, dirs, dfd, dst, link=True):
         """The job written as an unnamed file in its directory (O_TMPFILE),
-        then linked at `dst` once whole: nothing can be swapped for it, and
-        a crash before the link leaves nothing behind.  (None, descriptor)
-        for place_new (the inode asked only if it must be withdrawn), or
-        None where the system refuses O_TMPFILE (never asked again)."""
+        then linked at `dst` once whole (`link` False: later, by
+        _name_whole): nothing can be swapped for it, and a crash before the
+        link leaves nothing behind.  (None, descriptor) for place_new (the
+        inode asked only if it must be withdrawn), or None where the system
+        refuses O_TMPFILE (never asked again)."""
         global _TMPFILE
+        if not link and not os.path.isdir("/proc/self/fd"):
+            _TMPFILE = 0            # (no /proc: no link of it later)
+            return None
         _step("create", dst, "before")
         try:
             fd = os.open(".", os.O_WRONLY | _TMPFILE | O_CLOEXEC,
@@ -4590,57 +4668,71 @@ class Producer(object):
                 _step("utime", dst, "before")
                 os.utime(fd, (t, t))
                 _step("utime", dst, "after")
-            _step("link", dst, "before")
-            try:
-                os.link("/proc/self/fd/%d" % fd, dst.rpartition("/")[2],
-                        dst_dir_fd=dfd)
-            except OSError as e:
-                if e.errno == errno.EEXIST:
-                    raise DuplicateJob("job id %s is already queued; pick "
-                                       "another id" % job["id"])
-                if e.errno != errno.ENOENT or os.path.isdir("/proc/self/fd"):
-                    raise
+            if link and not self._link_unnamed(job["id"], fd, dfd, dst):
                 _TMPFILE = 0        # no /proc: through tmp/ from now on
                 os.close(fd)
                 return None
-            _step("link", dst, "after")
         except BaseException:
             os.close(fd)
             raise
         return None, fd
 
-    def _through_tmp(self, job, data, explicit, delay, dirs, tmp, tfd, dfd, dst):
+    def _link_unnamed(self, jid, fd, dfd, dst):
+        """Link the unnamed file `fd` at `dst`: True, or False where there
+        is no /proc to link it through (DuplicateJob: the name is taken)."""
+        _step("link", dst, "before")
+        try:
+            os.link("/proc/self/fd/%d" % fd, dst.rpartition("/")[2],
+                    dst_dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.EEXIST:
+                raise DuplicateJob("job id %s is already queued; pick "
+                                   "another id" % jid)
+            if e.errno != errno.ENOENT or os.path.isdir("/proc/self/fd"):
+                raise
+            return False
+        _step("link", dst, "after")
+        return True
+
+    def _through_tmp(self, job, data, explicit, delay, dirs, tmp, tfd, dfd, dst,
+                     name=True):
         """The classic way, where O_TMPFILE is refused: written in tmp/,
-        renamed (an explicit id: linked) into place, checked to be the file
-        written.  (inode, descriptor)."""
-        jid = job["id"]
+        renamed (an explicit id: linked) into place (`name` False: later,
+        by _name_whole), checked to be the file written.  (inode,
+        descriptor)."""
         # Root enqueues into a spool that belongs to the worker's user:
         # the file is handed over through its own descriptor, before it
         # has a name anyone else could swap.
         ino, fd = _create(tmp, data, sync=False, dir_fd=tfd, keep=True,
                           owner=dirs.owner(), mode=dirs.file_mode(),
                           mtime=job["available_at"] if delay else None)
-        try:
-            if not explicit:
-                _rename(tmp, dst, tfd, dfd)
-            else:
-                try:
-                    _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued now
-                except OSError as e:
-                    if e.errno == errno.EEXIST:
-                        raise DuplicateJob("job id %s is already queued; pick "
-                                           "another id" % jid)
-                    if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
-                                       errno.EMLINK, errno.EXDEV):
-                        raise
-                    if _exists(jid + ".json", dfd):  # no hard links (vfat)
-                        raise DuplicateJob("job id %s is already queued" % jid)
-                    _rename(tmp, dst, tfd, dfd)
-            self._placed(jid, ino, dfd)
-        except BaseException:
-            os.close(fd)
-            raise
+        if name:
+            try:
+                self._name_tmp(job["id"], explicit, tmp, tfd, dfd, dst, ino)
+            except BaseException:
+                os.close(fd)
+                raise
         return ino, fd
+
+    def _name_tmp(self, jid, explicit, tmp, tfd, dfd, dst, ino):
+        """tmp/'s file of job `jid` renamed (an explicit id: linked) to
+        `dst`, and checked to be the file written (`ino`)."""
+        if not explicit:
+            _rename(tmp, dst, tfd, dfd)
+        else:
+            try:
+                _link(tmp, dst, tfd, dfd)   # EEXIST: the id is queued now
+            except OSError as e:
+                if e.errno == errno.EEXIST:
+                    raise DuplicateJob("job id %s is already queued; pick "
+                                       "another id" % jid)
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS,
+                                   errno.EMLINK, errno.EXDEV):
+                    raise
+                if _exists(jid + ".json", dfd):  # no hard links (vfat)
+                    raise DuplicateJob("job id %s is already queued" % jid)
+                _rename(tmp, dst, tfd, dfd)
+        self._placed(jid, ino, dfd)
 
     def _write_error(self, jid, e):
         """Raise the MyqError for OSError `e` while job `jid` was written."""
@@ -7457,6 +7549,9 @@ class _DirStore(Store):
         if self.ram is not None:
             self.ram.stop()
 
+    def eager_types(self):
+        return self.ram.outage_types() if self.ram is not None else ()
+
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
         it for the relative parts every caller passes (it runs per job)."""
@@ -7899,6 +7994,9 @@ class FileStore(_DirStore):
 
     def _enqueue(self, todo, sync, refused=None, done=None):
         return self.producer.place(todo, sync, refused, done)
+
+    def _move_in(self, todo, refused=None, done=None):
+        return self.producer.place(todo, True, refused, done, whole=True)
 
     def _enqueue_one(self, todo, sync):
         return self.producer.enqueue_one(todo, sync)
@@ -10915,6 +11013,11 @@ class Worker(object):
                 self._restore_signals(saved)
             raise
         me = self.me
+        for t in sp.eager_types():
+            # (before it listens: a first job's handler, an http type's
+            # modules imported, took a slow device's worker from its store's
+            # turns for seconds, a RAM tier's bound with them)
+            self.resolver.resolve(t)
         self.sched.start(me, select)
         self.runner.start(me, signal, self._pipe, self._main)
         self.finish.me = me
@@ -11100,7 +11203,8 @@ class Worker(object):
                 return False
             pending = finish._pending
             due = min(self._next_beat, self._next_reap, self._next_stats,
-                      finish._pending_since + 1.0 if pending else self._next_stats)
+                      finish._pending_since + 1.0 if pending else self._next_stats,
+                      self._next_settle or self._next_stats)
             now = _mono()       # (the job ran meanwhile: read again)
             if pending >= 64 or now >= due:
                 return True         # housekeeping first, then go on
@@ -15191,8 +15295,8 @@ _STORES["sqlite"] = SqlStore
 # claims as the RAM side of `store.claims` (_TieredClaims): a worker's lanes
 # are the spool's and the RAM tier's ("ram:" before the lane's name), and it
 # does not know which holds a job.  A job leaves RAM for the spool, id,
-# attempts, priority and created_at kept, one durable commit for many
-# (RamStore.move): when a run of it fails or its destination is held (the
+# attempts, priority and created_at kept, durable together with many and
+# named there only then (_Mover.move, Store._move_in): when a run of it fails or its destination is held (the
 # claims' move_on and put_back), when it waited its type's `spill_after`,
 # past `ram_max`, and when its worker stops (RamStore.spill, each turn of a
 # worker: Store.settle).  A power cut loses what RAM held: jobs made within
@@ -15240,7 +15344,7 @@ def ram_rules(rules):
 class RamClaims(FileClaims):
     """The RAM tier's claims: FileClaims in its directory, but what would
     wait again (a retry, a put-back) or go to the dead letters moves to
-    the spool instead (RamStore.move, at the next commit: one durable
+    the spool instead (_Mover.move, at the next commit: one durable
     commit for all)."""
 
     def __init__(self, spool):
@@ -15457,15 +15561,21 @@ class RamStore(FileStore):
 
     def bound(self):
         """The longest spill_after of the durable=outage types (0: none)."""
+        return max([after for _, after in self._outage()] or [0.0])
+
+    def outage_types(self):
+        """The types the policy names durable=outage ("*" aside)."""
+        return [t for t, _ in self._outage() if t != "*"]
+
+    def _outage(self):
+        """(type or "*", its spill_after) of the policy's durable=outage."""
         pol = self.policy()
-        out = 0.0
         for t in pol:
             if t == SPOOL_POLICY:
                 continue
             rules = pol[t] if t == "*" else self.rules(t)
             if rules.get("durable") == "outage":
-                out = max(out, ram_rules(rules)[0])
-        return out
+                yield t, ram_rules(rules)[0]
 
     # What the spool asks of its tier -----------------------------------
 
@@ -15565,7 +15675,7 @@ class _Mover(object):
             paths[job["id"]] = path
         refused, placed = [], []
         try:
-            self.spool._enqueue(todo, True, refused, placed)
+            self.spool._move_in(todo, refused, placed)
         except (SpoolFull, SpoolBusy, ConfigError, OSError) as e:
             self.tier.log("error", during="ram", error="%s; %d jobs stay in RAM"
                      % (e, len(todo) - len(placed)))
@@ -15679,7 +15789,7 @@ class _Mover(object):
         if todo:
             refused, placed = [], []
             try:
-                self.spool._enqueue(todo, True, refused, placed)
+                self.spool._move_in(todo, refused, placed)
             except (SpoolFull, SpoolBusy, ConfigError, OSError) as e:
                 self.tier.log("error", during="ram", error="%s; running jobs not "
                          "copied to the spool" % e)

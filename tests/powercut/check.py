@@ -179,10 +179,12 @@ def _row_job(jid, status, payload, typ):
     return {"id": jid, "type": typ, "status": status, "payload": p}
 
 
-def scan(spool, myq, read=STATE_DIRS + ("failed",), store="files", errors=None):
+def scan(spool, myq, read=STATE_DIRS + ("failed",), store="files", errors=None,
+         ids=None):
     """{id: [(state, name, job or None)]}, ok ids, failed valid jobs, the
     files that end in NUL bytes.  Files are read (and parsed) only in the
-    directories named in `read`; elsewhere job is None.  store "sqlite":
+    directories named in `read` (and with `ids`, a set, only those of
+    these ids: the others are listed); elsewhere job is None.  store "sqlite":
     the rows of queue.db too (state "db:STATUS", name "queue.db:ID"; the
     payload parsed when the directory the status stands for is in `read`),
     its ok ids, and the failed rows whose payload is intact; what sqlite3
@@ -202,7 +204,7 @@ def scan(spool, myq, read=STATE_DIRS + ("failed",), store="files", errors=None):
             if sub == "processing":
                 jid = jid.split("+", 1)[0]
             job, tail = None, False
-            if sub in read:
+            if sub in read and (ids is None or jid in ids):
                 try:
                     job, tail = load(os.path.join(spool, sub, name), myq)
                 except OSError:
@@ -293,9 +295,12 @@ CLAIMED = ("processing", "db:processing")
 
 
 def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
-                      python=None, fork=False, pruned=(), store=None):
+                      python=None, fork=False, pruned=(), store=None,
+                      only_promised=False):
     """store: the store the spool must have ("files", "sqlite"); None: the
-    one SPOOL/store records."""
+    one SPOOL/store records.  only_promised: the job files read are the
+    promised ones' (the others are listed: where a job is, how many
+    places; the RAM parts, whose ledger settles what it saw finished)."""
     myq = _myq(myq_path)
     found_store = store_of(spool)
     store = store or found_store
@@ -325,8 +330,9 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
     # Before recovery only what recovery works on is read: done/ and dlq/
     # files are read (all of them) after it, and recovery does not touch
     # those that were there before.
+    want = set(promised) if only_promised else None
     pre, pre_ok, _, pre_tails = scan(spool, myq, read=("incoming", "processing"),
-                                     store=store, errors=db_errors)
+                                     store=store, errors=db_errors, ids=want)
     lap("scan_pre")
     if found_store != store:
         res["recover"] += 1
@@ -373,7 +379,7 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
         notes.append("myq check: %s" % "; ".join(problems)[-600:])
     del db_errors[:]
     post, post_ok, failed_valid, post_tails = scan(spool, myq, store=store,
-                                                   errors=db_errors)
+                                                   errors=db_errors, ids=want)
     lap("scan_post")
     if db_errors:
         res["recover"] += 1
@@ -418,6 +424,11 @@ def recover_and_check(spool, promised, myq_path, workdir, timeout=300,
                     res["corrupt"] += 1
                     ids["corrupt"].append(jid)
                     notes.append("bad content: %s/%s" % (s, n))
+    # promised jobs finished (done, dead) and whole, in one place
+    res["finished"] = sorted(
+        jid for jid, locs in post.items() if jid in promised and len(locs) == 1
+        and locs[0][0] in FINISHED and locs[0][2] is not None
+        and _intact(locs[0][2], promised[jid]))
     quarantined = {}
     for name, job in failed_valid:
         res["in_failed"] += 1

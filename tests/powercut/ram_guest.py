@@ -157,6 +157,15 @@ class RamRun(object):
         sys.path.insert(0, os.path.dirname(os.path.abspath(a.myq)))
         import myq
         self.myq = myq
+        # What a worker imports at its first http job (myq's http handler:
+        # http.client, its email parser, urllib, ssl), imported once here:
+        # every worker of a round and of a recovery is a fork of this
+        # process, and each imported them anew (0.3-1.3 s a round each
+        # under TCG), where a device's worker imports them once in its life
+        import http.client  # noqa: F401
+        import select  # noqa: F401
+        import threading  # noqa: F401
+        import urllib.parse  # noqa: F401
         self.rng = random.Random(a.seed)
         self.spool = os.path.join(MNT, "spool")
         self.ledger = ramcheck.Ledger()
@@ -376,7 +385,7 @@ class RamRun(object):
             ug.dbg("tst_emulate_power_cut_min", lo)
             ug.dbg("tst_emulate_power_cut_max", lo + rng.randint(0, 2))
             ug.dbg("tst_emulate_power_cut", 3)
-        t = time.monotonic()
+        t, idle = time.monotonic(), check._idle()
         self.start_worker()
         self.tick("t_start", t)
         self.link(mode, period, stall)
@@ -422,6 +431,7 @@ class RamRun(object):
         kind = style if (a.fs == "ext4" or seen_cut) else "none"
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
         t1 = self.tick("t_work", t0)
+        self.timing["w_idle"] = self.timing.get("w_idle", 0) + check._idle() - idle
         # the reboot
         self.epoch += 1
         self.link("up")
@@ -468,7 +478,9 @@ class RamRun(object):
         self.totals["spooled"] += sum(1 for j in where if j in outstanding
                                       and led.promised[j][2] == "outage")
         res = check.recover_and_check(self.spool, outstanding, self.a.myq, work,
-                                      fork=True)
+                                      fork=True, only_promised=True)
+        for jid in res["finished"]:
+            led.settle(jid)
         d, c = led.add(self.read_deliveries())
         self.totals["doubled"] += d + res["doubled"]
         self.totals["corrupt"] += c + res["corrupt"]

@@ -63,6 +63,7 @@ class Ledger(object):
         self.unpromised = 0
         self.reused = []        # ids promised twice
         self.gone = set()       # lost ids, forgotten
+        self.settled = set()    # ids a recovery found finished (done, dead)
 
     def promise(self, jid, sum_, ret, durable="outage"):
         """A job whose enqueue returned at `ret`.  An id promised before
@@ -76,6 +77,13 @@ class Ledger(object):
         """A lost job, counted once: not checked again."""
         del self.promised[jid]
         self.gone.add(jid)
+
+    def settle(self, jid):
+        """A promised job a recovery found finished in the spool (done or
+        dead: nothing moves it again): no longer looked for after a cut
+        (a durable=always job never reaches the receiver; a delivered one
+        is settled by its delivery)."""
+        self.settled.add(jid)
 
     def add(self, deliveries):
         """Book the receiver's new lines; returns (doubled, corrupt) among them."""
@@ -105,7 +113,7 @@ class Ledger(object):
         must be in the spool after the cut."""
         got = self.delivered_by(epoch)
         return dict((i, v[0]) for i, v in self.promised.items()
-                    if v[1] < cut and i not in got)
+                    if v[1] < cut and i not in got and i not in self.settled)
 
 
 def classify(lost, promised, cut, bound, margin):

@@ -366,3 +366,39 @@ def test_a_round_check_counts_an_old_lost_job_beyond_the_bound(tmp_path):
     run.epoch = 3
     run.check(2, cut + 5, "up", "timed", 0, str(tmp_path))
     assert (t["lost_beyond_bound"], t["lost_within_bound"]) == (1, 1)
+
+
+def test_a_job_found_finished_is_settled_one_waiting_is_not(tmp_path):
+    """A promised job the recovery finished (done) is settled: not looked
+    for after the next cut; one still waiting in the spool is.  Reading
+    only the promised ones' files, the checker still finds a promised
+    job's bad file (corrupt) and a promised job in two places (doubled)."""
+    import check
+    spool = str(tmp_path / "spool")
+    assert _myq(spool, "init").returncode == 0
+    assert _myq(spool, "policy", "tel", "url=http://127.0.0.1:%d/"
+                % _free_port()).returncode == 0
+    p, q, r = _payload(1), _payload(2), _payload(3)
+    done = _myq(spool, "enqueue", "ok", json.dumps(p)).stdout.decode().split()[-1]
+    wait = _myq(spool, "enqueue", "tel", json.dumps(q)).stdout.decode().split()[-1]
+    promised = {done: p["sum"], wait: q["sum"]}
+    res = check.recover_and_check(spool, promised, MYQ, str(tmp_path),
+                                  fork=True, only_promised=True)
+    assert res["finished"] == [done], res["notes"]
+    assert (res["lost"], res["corrupt"], res["doubled"]) == (0, 0, 0), res["notes"]
+    led = ramcheck.Ledger()
+    led.promise(done, p["sum"], 1.0, "always")
+    led.promise(wait, q["sum"], 1.0, "outage")
+    for jid in res["finished"]:
+        led.settle(jid)
+    assert set(led.outstanding(0, 2.0)) == {wait}
+    # a promised job's bad file, and one in two places: still seen
+    bad = _myq(spool, "enqueue", "tel", json.dumps(r)).stdout.decode().split()[-1]
+    with open(os.path.join(spool, "incoming", bad + ".json"), "wb") as f:
+        f.write(b'{"id": "%s", "type": "tel", "payload": {"n": 3}}' % bad.encode())
+    with open(os.path.join(spool, "done", wait + ".json"), "w") as f:
+        json.dump({"id": wait, "type": "tel", "payload": q}, f)
+    res = check.recover_and_check(spool, {wait: q["sum"], bad: r["sum"]}, MYQ,
+                                  str(tmp_path), fork=True, only_promised=True)
+    assert res["ids"]["corrupt"] == [bad], res["notes"]
+    assert res["ids"]["doubled"] == [wait], res["notes"]
