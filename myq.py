@@ -7434,6 +7434,18 @@ class SpoolPolicy(object):
                                 else rules).get("ttl"))
 
 
+def _over_bound(rules, n, b, size):
+    """The bound of a type's `rules` that one more job of `size` bytes
+    passes, with n jobs of b bytes waiting ("max_queued=N" or
+    "max_bytes=SIZE"), or None."""
+    mq, mb = rules.get("max_queued"), rules.get("max_bytes")
+    if mq is not None and n + 1 > mq:
+        return "max_queued=%d" % mq
+    if mb is not None and b + size > mb:
+        return "max_bytes=%s" % _format_size(mb)
+    return None
+
+
 class _DirStore(Store):
     """What every store of a spool directory shares (the file store's and
     the SQLite store's): the layout, name, policy and lanes, the drop
@@ -7821,38 +7833,27 @@ class _DirStore(Store):
         None when it fits (drop-oldest: after the oldest waiting jobs were
         removed), else why it does not."""
         rules = self.rules(type)
-        mq, mb = rules.get("max_queued"), rules.get("max_bytes")
-        if mq is None and mb is None:
+        if rules.get("max_queued") is None and rules.get("max_bytes") is None:
             return None
         waiting = [w for w in self._waiting_of(type) if w[2] != exclude]
-        dirs = dirs or self.fs
         n, b = len(waiting), sum(w[3] for w in waiting)
-
-        def over(n, b):
-            if mq is not None and n + 1 > mq:
-                return "max_queued=%d" % mq
-            if mb is not None and b + size > mb:
-                return "max_bytes=%s" % _format_size(mb)
-            return None
-        bound = over(n, b)
+        bound = _over_bound(rules, n, b, size)
         if bound is None:
             return None
-        if rules.get("overflow") != "drop-oldest" or over(0, 0):
+        if rules.get("overflow") != "drop-oldest" or _over_bound(rules, 0, 0, size):
             return ("type %s is at its bound %s (overflow=reject): %d jobs "
                     "(%d bytes) waiting; the job was refused; try again later, "
                     "or raise the bound with myq policy" % (type, bound, n, b))
         now = _now()        # lowest priority, then the earliest made, then id
         waiting.sort(key=lambda w: (w[0], self._made(w, now), w[2]))
         for p, m, name, sz, sub in waiting:
-            if not over(n, b):
+            if not _over_bound(rules, n, b, size):
                 break
-            if not self._drop_waiting(sub, name, dirs):
-                continue        # claimed meanwhile: it is not waiting
-
-            n, b = n - 1, b - sz
-            self.log("dropped", id=name[:-5], type=type, reason="overflow",
-                     why=bound)
-            self.count(("dropped", "dropped_overflow"), type)
+            if self._drop_waiting(sub, name, dirs or self.fs):  # (else claimed)
+                n, b = n - 1, b - sz
+                self.log("dropped", id=name[:-5], type=type, reason="overflow",
+                         why=bound)
+                self.count(("dropped", "dropped_overflow"), type)
         return None
 
     def count(self, what, type, n=1):
