@@ -3234,6 +3234,10 @@ class Claims(object):
         """Claim the waiting job `name` for `me`: a Claim, or None."""
         self._abstract()
 
+    # Are a batch's jobs claimed in one statement (claim_many) and finished
+    # in one transaction (complete_many)?  (_Runner._claim_more, _Finishing)
+    bulk_claims = False
+
     def complete(self, c):
         """Finish claim `c` as done (its idempotency record kept)."""
         self._abstract()
@@ -7158,6 +7162,17 @@ class _DirStore(Store):
             self.budget.delivered(c.job["type"])    # (not RAM's: no write)
         return ok
 
+    def complete_many(self, cs):
+        """complete() of each of a batch's claims at once (claims.complete_many),
+        or None: one at a time."""
+        if not self.claims.bulk_claims:
+            return None
+        oks = self.claims.complete_many(cs)
+        for c, ok in zip(cs, oks or ()):
+            if ok and (self.ram is None or not c.path.startswith(self.ram._pre)):
+                self.budget.delivered(c.job["type"])
+        return oks
+
     def upkeep_budget(self, now):
         return self.budget.upkeep_budget(now)
 
@@ -9574,37 +9589,76 @@ class _Runner(object):
 
     def _claim_more(self, L, first, n, limit, handler):
         """A batch (myq(1) batches): up to n more ready jobs of lane L, within
-        `limit` bytes, of the first's batch key (http: the same request)."""
+        `limit` bytes, of the first's batch key (http: the same request);
+        claimed together where the store can (Claims.bulk_claims: one
+        statement), else one at a time."""
         out = []
         # (sizes only under a limit: a job's size is a stat or a query)
         size = len(dumps(first.job)) if limit else 0
         key = handler.batch_key(first.job, self)
         sp = self.spool
-        while len(out) < n:
+        bulk = sp.claims.bulk_claims
+        stop = False
+        while len(out) < n and not stop:
+            heads, stop = self._batch_heads(L, n - len(out), limit, size, bulk)
+            if not heads:
+                break
+            try:
+                cs = sp.claims.claim_many([h[1] for h, _ in heads], self.me,
+                                          self.max_attempts,
+                                          [h[2] for h, _ in heads], L.sub) \
+                    if bulk else [sp.claims.claim(heads[0][0][1], self.me,
+                                                  self.max_attempts,
+                                                  heads[0][0][2], L.sub)]
+            except OSError as e:
+                if not bulk:
+                    raise
+                self.finish._io_error("claim", e)
+                if getattr(e, "give_back", None):
+                    self.finish._give_back(e.give_back)
+                cs, stop = getattr(e, "claims", None) or [], True
+            back = False
+            for (_, sz), c in zip(heads, cs):
+                if c is None:
+                    continue
+                if back or (key is not None and handler.batch_key(
+                        c.job, self) != key) or c.job.get("batch_of"):
+                    job = dict(c.job)       # not for this request: back, as
+                    if not back:            # it was, for the next batch
+                        job["available_at"] = _now()
+                    self.finish._move(c, job, "incoming", None, {})
+                    back = stop = True      # (and those claimed after it)
+                    continue
+                size += sz
+                out.append(c)
+        return out
+
+    def _batch_heads(self, L, n, limit, size, bulk):
+        """The next jobs in lane L's line for a batch (one, or up to n with
+        `bulk`), taken off its cache, within `limit` bytes past `size`:
+        ([(head, its size)], whether the limit ended them)."""
+        heads, names, sp = [], set(), self.spool
+        while len(heads) < n and (bulk or not heads):
+            if heads and not L.cache:
+                break           # (no new pass while some wait to be claimed)
             head = self.sched._head(L, more=True)
             if head is None:
                 break
-            m, name, scheduled = head
+            if head[1] in names:
+                L.cache.pop()
+                continue
             try:
-                sz = sp.claims.size(L.sub, name) if limit else 0
+                sz = sp.claims.size(L.sub, head[1]) if limit else 0
             except OSError:
                 L.cache.pop()
                 continue
             if limit and size + sz > limit:
-                break
+                return heads, True
             L.cache.pop()
-            c = sp.claims.claim(name, self.me, self.max_attempts, scheduled, L.sub)
-            if c is None:
-                continue
-            if (key is not None and handler.batch_key(c.job, self) != key) \
-                    or c.job.get("batch_of"):
-                job = dict(c.job)           # not for this request: back, as
-                job["available_at"] = _now()    # it was, for the next batch
-                self.finish._move(c, job, "incoming", None, {})
-                break
             size += sz
-            out.append(c)
-        return out
+            heads.append((head, sz))
+            names.add(head[1])
+        return heads, False
 
     def _env(self, c):
         env = {}
@@ -10265,8 +10319,11 @@ class _Finishing(object):
             # one wait for the batch, not a jittered one a job: it comes
             # due as one, and goes again as that batch (myq(1) batches)
             delay = self.delays.retry(max(c.attempt for c in claims))
+        oks = self._complete_many(claims) if outcome == "done" and \
+            len(claims) > 1 else None
         for c in claims:
-            self._finish_one(run, c, outcome, error, delay, tb, counts)
+            self._finish_one(run, c, outcome, error, delay, tb, counts,
+                             oks and oks.get(c.token))
         if run.batch:
             if outcome == "retry" and (counts or claims[0].batch ==
                                        claims[0].job.get("batch_of")):
@@ -10274,13 +10331,13 @@ class _Finishing(object):
             else:
                 self.spool.claims.batches.end(claims[0].batch)
 
-    def _finish_one(self, run, c, outcome, error, delay, tb, counts):
+    def _finish_one(self, run, c, outcome, error, delay, tb, counts, ok=None):
         ms = int((_mono() - run.started) * 1000)
         kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
         if run.batch:
             kv["batch"] = len(run.batch)
         if outcome == "done":
-            self._complete(c, kv)
+            self._complete(c, kv, ok)
             return
         job = dict(c.job)
         job["attempts"] = c.attempt if counts else c.attempt - 1
@@ -10334,11 +10391,23 @@ class _Finishing(object):
             job["batch_of"] = c.batch       # it goes again as that batch
         self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
 
-    def _complete(self, c, kv):
-        """Success: done/ (fsync'd by the next group commit).  An I/O error
-        leaves it to _retry_stuck."""
+    def _complete_many(self, claims):
+        """A batch's successes at once, where the store can (one
+        transaction): {token: done or not}, or None: one at a time (also
+        when it failed: each is tried on its own, and says so)."""
         try:
-            ok = self.spool.complete(c)     # (counted: locks/rates)
+            oks = self.spool.complete_many(claims)  # (counted: locks/rates)
+        except OSError:
+            return None
+        return oks and dict(zip([c.token for c in claims], oks))
+
+    def _complete(self, c, kv, ok=None):
+        """Success: done/ (fsync'd by the next group commit), or what
+        _complete_many said of it (`ok`).  An I/O error leaves it to
+        _retry_stuck."""
+        try:
+            if ok is None:
+                ok = self.spool.complete(c)     # (counted: locks/rates)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
             self._stuck.append(lambda: self._complete(c, kv))
@@ -12897,6 +12966,15 @@ _SUCCESS = ("UPDATE jobs SET status='done', attempts=?, finished_at=?, "
 # (what _job_of_row reads, no more: the lease the claim just wrote, its
 # token and its status are known; each column returned is a Python object)
 _CLAIM_RETURNING = _CLAIM + " RETURNING " + ", ".join(_JOB_COLS + ("extra",))
+# Several claims in one statement (a batch's: _SqlClaims.claim_many): each
+# row's token, lease head and due bound from a table of VALUES (id, tok,
+# pre, due), joined by id (UPDATE ... FROM: SQLite 3.33; RETURNING: 3.35)
+_CLAIM_MANY = ("UPDATE jobs SET status='processing', worker_id=?, token=v.tok, "
+               "lease=v.pre||(jobs.attempts+1)||?, leased_until=? FROM (SELECT "
+               "column1 AS id, column2 AS tok, column3 AS pre, column4 AS due "
+               "FROM (VALUES %s)) AS v WHERE jobs.id=v.id AND jobs.status="
+               "'ready' AND jobs.lane=? AND jobs.available_at<=v.due RETURNING "
+               + ", ".join(_JOB_COLS + ("extra", "token")))
 
 
 def _sqlite3():
@@ -13662,37 +13740,17 @@ class _SqlClaims(Claims):
                 sync=False)
         if row is None:
             return None
-        try:
-            try:
-                job = _job_of_row(row)
-            except InvalidJob as e:
-                sp._write("UPDATE jobs SET status='failed', last_error=?, "
-                          "token=NULL WHERE id=? AND token=?",
-                          ("unreadable: %s" % e, jid, token))
-                sp.log("quarantined", id=jid, reason=str(e))
-                return None
-            c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
-                      max_attempts=job.get("max_attempts") or default_max_attempts)
-            c.mtime = job["available_at"]
-            if not self._admit(c, job, me, None, sub, len(row[2] or ""),
-                               scheduled, now):
-                return None
-        except OSError as e:
-            # Its next write failed (busy, full): the claim goes back
-            # untouched, now, or at the worker's next try (Worker._fill);
-            # else it stayed this live worker's until it stopped.
-            def back():
-                sp._write("UPDATE jobs SET status='ready', token=NULL, "
-                          "worker_id=NULL, lease=NULL, leased_until=NULL "
-                          "WHERE id=? AND token=?", (jid, token), sync=False,
-                          fresh=True)
-            try:
-                back()
-            except OSError:
-                e.give_back = back
-            raise
-        c.attempt = job["attempts"] + 1
-        return c
+        return _sql_claimed(self, row, jid, token, me, default_max_attempts,
+                            sub, scheduled, now)
+
+    bulk_claims = True
+
+    def claim_many(self, names, me, default_max_attempts=5, scheduled=(),
+                   sub="incoming"):
+        """The jobs `names` of lane `sub` claimed in one statement: as claim()
+        each, in their order (_sql_claim_many)."""
+        return _sql_claim_many(self, names, me, default_max_attempts,
+                               scheduled, sub)
 
     def _done_already(self, jid, now):
         """(The claimed row is not done: only an `ok` record can say so.)"""
@@ -13709,6 +13767,13 @@ class _SqlClaims(Claims):
             c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token),
             sync=False)
         return n == 1
+
+    def complete_many(self, cs):
+        """complete() of each claim in one transaction (a batch's)."""
+        now = _now()
+        return self.spool._tx(lambda db: [db.execute(_SUCCESS, (
+            c.attempt or c.job["attempts"] + 1, now, now, c.jid,
+            c.token)).rowcount == 1 for c in cs], sync=False)
 
     def move_on(self, c, job, dest, me, fin=None, until=None):
         """The job's next version: waiting again (dest incoming: its lane;
@@ -13827,6 +13892,116 @@ class _SqlClaims(Claims):
             return False                # another reaper was faster
         sp.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
         return True
+
+
+def _sql_claimed(claims, row, jid, token, me, default_max_attempts, sub,
+                 scheduled, now):
+    """The Claim of the row just claimed for `claims` (_CLAIM_RETURNING's
+    columns first), or None: unreadable, or it went elsewhere (_admit).
+    An I/O error gives it back untouched (or leaves that to the worker:
+    the error's give_back)."""
+    sp = claims.spool
+    try:
+        try:
+            job = _job_of_row(row)
+        except InvalidJob as e:
+            sp._write("UPDATE jobs SET status='failed', last_error=?, "
+                      "token=NULL WHERE id=? AND token=?",
+                      ("unreadable: %s" % e, jid, token))
+            sp.log("quarantined", id=jid, reason=str(e))
+            return None
+        c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
+                  max_attempts=job.get("max_attempts") or default_max_attempts)
+        c.mtime = job["available_at"]
+        if not claims._admit(c, job, me, None, sub, len(row[2] or ""),
+                             scheduled, now):
+            return None
+    except OSError as e:
+        # Its next write failed (busy, full): the claim goes back
+        # untouched, now, or at the worker's next try (Worker._fill);
+        # else it stayed this live worker's until it stopped.
+        _sql_give_back(sp, e, [token])
+        raise
+    c.attempt = job["attempts"] + 1
+    return c
+
+
+def _sql_give_back(sp, e, tokens):
+    """The claims of `tokens` ready again untouched, now, or else at the
+    worker's next try (the error e's give_back, after any it had)."""
+    prev = getattr(e, "give_back", None)
+
+    def back():
+        if prev is not None:
+            prev()
+        for i in range(0, len(tokens), 500):
+            part = tokens[i:i + 500]
+            sp._write("UPDATE jobs SET status='ready', token=NULL, "
+                      "worker_id=NULL, lease=NULL, leased_until=NULL WHERE "
+                      "status='processing' AND token IN (%s)" % ",".join(
+                          "?" * len(part)), part, sync=False, fresh=True)
+    try:
+        back()
+        e.give_back = None
+    except OSError:
+        e.give_back = back
+
+
+def _claim_each(claims, names, me, default_max_attempts, scheduled, sub):
+    """claim_many as claims.claim() of each name: [Claim or None]; an
+    OSError's `claims`: those claimed before it (the caller's)."""
+    out = []
+    for name, sched in zip(names, scheduled):
+        try:
+            out.append(claims.claim(name, me, default_max_attempts, sched, sub))
+        except OSError as e:
+            e.claims = out + [None] * (len(names) - len(out))
+            raise
+    return out
+
+
+def _sql_claim_many(claims, names, me, default_max_attempts, scheduled, sub):
+    """_SqlClaims.claim_many: the rows claimed in one statement
+    (_CLAIM_MANY, 200 a statement), each then admitted as claim() does;
+    [Claim or None] in the order of `names` (a name again: None).  An
+    OSError's `claims`: those admitted before it, the caller's (the rest
+    given back)."""
+    sp = claims.spool
+    sp.db.returning()       # (a crash point sees its commit: _SqlDb.write)
+    if not sp.db.ret:
+        return _claim_each(claims, names, me, default_max_attempts, scheduled,
+                           sub)
+    now = _now()
+    until = now + me.lease
+    want, args, post = {}, [], None
+    for name, sched in zip(names, scheduled):
+        if not name.endswith(".json") or name[:-5] in want:
+            continue
+        token = me.token()
+        pre, post = me.lease_parts(token, until)
+        want[name[:-5]] = (token, sched)
+        args += [name[:-5], token, pre, now + 0.5 if sched else MAX_TIME]
+    got = {}
+    for i in range(0, len(args), 800):
+        part = args[i:i + 800]
+        for row in sp._write(_CLAIM_MANY % ",".join(
+                ["(?,?,?,?)"] * (len(part) // 4)),
+                [me.wid, post, until] + part + [sub], sync=False, rows=True):
+            got[row[0]] = row
+    out = {}
+    order = [jid for jid in want if jid in got]
+    for k, jid in enumerate(order):
+        token, sched = want[jid]
+        try:
+            out[jid] = _sql_claimed(claims, got[jid], jid, token, me,
+                                    default_max_attempts, sub, sched, now)
+        except OSError as e:
+            # (this one given back, or left to the worker: so are those
+            # not admitted yet)
+            _sql_give_back(sp, e, [want[j][0] for j in order[k + 1:]])
+            e.claims = [out.pop(n[:-5], None) for n in names]
+            raise
+    return [out.pop(n[:-5], None) for n in names]
 
 
 # The SQLite store ############################################################
@@ -15458,8 +15633,22 @@ class _TieredClaims(object):
         return (self.ram if sub[:4] == "ram:" else self.own).claim(
             name, me, default_max_attempts, scheduled, sub, anytime)
 
+    def claim_many(self, names, me, default_max_attempts=5, scheduled=(),
+                   sub="incoming"):
+        side = self.ram if sub[:4] == "ram:" else self.own
+        if side.bulk_claims:
+            return side.claim_many(names, me, default_max_attempts, scheduled,
+                                   sub)
+        return _claim_each(side, names, me, default_max_attempts, scheduled, sub)
+
     def complete(self, c):
         return self._of(c).complete(c)
+
+    def complete_many(self, cs):
+        side = self._of(cs[0])
+        if not side.bulk_claims or any(self._of(c) is not side for c in cs):
+            return None                 # (one at a time)
+        return side.complete_many(cs)
 
     def move_on(self, c, job, dest, me, fin=None, until=None):
         return self._of(c).move_on(c, job, dest, me, fin, until)
