@@ -13129,6 +13129,7 @@ class _SqlDb(object):
         self.cap_set = 0        # the log's limit set on this connection
         self.small = False      # the log kept small (below a guard)
         self.ret = None         # UPDATE ... RETURNING known (SQLite 3.35)
+        self._g = None          # the last look at others' commits (look)
 
     def connection(self):
         """This process's connection (a forked child makes its own; its
@@ -13295,6 +13296,36 @@ class _SqlDb(object):
         data_version, which its own commits leave alone) or this one."""
         return self.one("PRAGMA data_version")[0], self.fresh
 
+    def look(self, poked=False):
+        """What other processes committed since the last look, at most every
+        50 ms here (or at once after a producer's poke), as (when to look
+        again, PRAGMA data_version, max(rowid), the generation of every
+        lane, {lane: generation of its own}, when a change next makes a new
+        generation of every lane).  Rows added alone (the rowids past the
+        last look's: a producer's) move on the lanes they went to; anything
+        else (a commit that added no row, a rowid used again) all of them,
+        and so does any change 10 s after the last time it did: another
+        process's commit that both added rows and changed others unpoked
+        (a worker's own put back) is seen within that."""
+        now, g = _mono(), self._g
+        if g is not None and now < g[0] and not poked:
+            return g
+        v = self.one("PRAGMA data_version")[0]
+        if g is not None and v == g[1]:
+            g = self._g = (now + 0.05,) + g[1:]
+            return g
+        top = self.one("SELECT max(rowid) FROM jobs")[0] or 0
+        if g is None or top <= g[2] or now >= g[5]:
+            g = (now + 0.05, v, top, g[3] + 1 if g else 0, {}, now + 10.0)
+        else:
+            per = dict(g[4])
+            for (lane,) in self.all("SELECT DISTINCT lane FROM jobs WHERE "
+                                    "rowid>?", (g[2],)):
+                per[lane] = per.get(lane, 0) + 1
+            g = (now + 0.05, v, top, g[3], per, g[5])
+        self._g = g
+        return g
+
     def log_limits(self, db):
         """With a budget, the log is checkpointed at a 32nd of it (16 to
         1,000 pages; SQLite's 1,000 without one) and cut back to that
@@ -13377,7 +13408,7 @@ class _SqlClaims(Claims):
     def change_key(self):
         inc, racy = Claims.change_key(self)
         self._clock()
-        return (inc, self.spool.db.version()), racy
+        return (inc, self._lane_gen("incoming", True)), racy
 
     def _ahead(self, rows):
         """Rows at a lane's head written by a clock ahead of this one (a
@@ -13432,21 +13463,24 @@ class _SqlClaims(Claims):
             subs.add("incoming")
         return subs
 
+    def _lane_gen(self, sub, poked=False):
+        """What changes when lane `sub`'s waiting rows may have: another
+        process's commits there (_look), this one's that added ready rows."""
+        g = self.spool.db.look(poked)
+        return g[3], g[4].get(sub, 0), self.spool.db.fresh
+
     def lanes_key(self, poked=False):
-        """Another process's commits are looked for at most every 50 ms
-        here, or at once after a producer's poke (as the lanes of files
-        are, at a claim); this one's at once."""
-        now = _mono()
-        seen = self.__dict__.get("_seen")
-        if seen is None or now >= seen[0] or poked:
-            seen = self._seen = (now + 0.05, self.spool.db.version()[0])
-        return seen[1], self.spool.db.fresh
+        """What changes when the lanes may have: as _look says, or a lane
+        got rows that had none from another process since (a new name among
+        those rows added), or this process's commits added ready rows."""
+        g = self.spool.db.look(poked)
+        return g[3], frozenset(g[4]), self.spool.db.fresh
 
     def maybe_lanes(self):
         return True
 
     def lane_key(self, L):
-        return self.lanes_key(), False
+        return self._lane_gen(L.sub), False
 
     def waits(self, rel):
         sub, _, name = rel.rpartition("/")

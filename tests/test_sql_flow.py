@@ -192,3 +192,45 @@ def test_a_kill_at_the_batch_s_claim(tmp_path, http_servers, when):
     assert _states(sp, ids) == ["done"] * 6
     assert sorted(i for _, got in _sent(srv) for i in got) == ids
     assert ls(sp, "processing") == []
+
+
+def _lane_keys(claims, sub):
+    """(the lanes' key, incoming/'s, lane `sub`'s), looked at now."""
+    L = myq._Lane(sub)
+    return (claims.lanes_key(True), claims.change_key()[0],
+            claims.lane_key(L)[0])
+
+
+def test_a_producer_s_rows_change_their_lane_s_key_alone(tmp_path):
+    """A producer's commit (rows added to a lane that has some) changes
+    that lane's key, not the lanes' (learnt again: two queries and the
+    policy's lanes) nor incoming/'s (its drop box read again and its rows
+    scanned) at the worker's next tick (before: PRAGMA data_version was
+    every key, so every arrival changed them all); a commit that changes
+    rows without adding one changes them all, as a rowid used again
+    does."""
+    sp = str(tmp_path / "s")
+    assert call_myq("--spool", sp, "init", "--store", "sqlite").returncode == 0
+    assert call_myq("--spool", sp, "policy", "fwd", "batch=100",
+                    "batch_wait=1h").returncode == 0
+    producer = myq.Spool(sp)
+    producer.enqueue("fwd", {"n": 0})
+    worker = myq.Spool(sp).store
+    (sub,) = [s for _, t, s in worker.lanes() if t == "fwd"]
+    _lane_keys(worker.claims, sub)
+    producer.enqueue("fwd", {"n": 0.5})     # (a name new since the first look)
+    before = _lane_keys(worker.claims, sub)
+    producer.enqueue("fwd", {"n": 1})
+    after = _lane_keys(worker.claims, sub)
+    assert after[0] == before[0] and after[1] == before[1], (before, after)
+    assert after[2] != before[2]
+    producer.enqueue("other", {"n": 2})     # (a lane of its own: incoming)
+    third = _lane_keys(worker.claims, sub)
+    assert third[0] != after[0] and third[1] != after[1]
+    assert third[2] == after[2]
+    # another process's change that adds no row: every key
+    jid = producer.enqueue("fwd", {"n": 3}, delay=3600)
+    fourth = _lane_keys(worker.claims, sub)
+    assert call_myq("--spool", sp, "delete", jid).returncode == 0
+    fifth = _lane_keys(worker.claims, sub)
+    assert all(a != b for a, b in zip(fourth, fifth)), (fourth, fifth)
