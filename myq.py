@@ -130,8 +130,9 @@ Part I, the core:
 
 Part II, the extensions:
   The SQLite store: its database and claims   _SqlDb (the connection to
-                    queue.db and its statements), _SqlClaims (test_sqlite,
-                    and the store-parametrised tests)
+                    queue.db and its statements), _SqlClaims, a batch's
+                    claims in one statement (_sql_claim_many) (test_sqlite,
+                    test_sql_flow, and the store-parametrised tests)
   The SQLite store  SqlStore and its other parts: _SqlUpkeep, _SqlReader,
                     SqlBudget, SqlBacklog, _SqlProducer (its jobs INSERTed,
                     the drop box's files else): the same contract over queue.db
