@@ -135,8 +135,9 @@ Part I, the core:
 Part II, the extensions:
   The SQLite store: its database and claims   _SqlDb (the connection to
                     queue.db and its statements), _SqlDropBox (the drop
-                    box taken in), _SqlClaims (test_sqlite, and the
-                    store-parametrised tests)
+                    box taken in), _SqlClaims, a batch's claims in one
+                    statement (_sql_claim_many) (test_sqlite, test_sql_flow,
+                    and the store-parametrised tests)
   The SQLite store  SqlStore and its other parts: _SqlUpkeep, _SqlReader,
                     SqlBudget, SqlBacklog, _SqlProducer (its jobs INSERTed,
                     the drop box's files else): the same contract over queue.db
@@ -3384,6 +3385,10 @@ class Claims(object):
               sub="incoming", anytime=False):
         """Claim the waiting job `name` for `me`: a Claim, or None."""
         self._abstract()
+
+    # Are a batch's jobs claimed in one statement (claim_many) and finished
+    # in one transaction (complete_many)?  (_Runner._claim_more, _Finishing)
+    bulk_claims = False
 
     def complete(self, c):
         """Finish claim `c` as done (its idempotency record kept)."""
@@ -7250,6 +7255,18 @@ class _Layout(object):
             _own_mode(name, dfd, mine, 0o600)
 
 
+def _over_bound(rules, n, b, size):
+    """The bound of a type's `rules` that one more job of `size` bytes
+    passes, with n jobs of b bytes waiting ("max_queued=N" or
+    "max_bytes=SIZE"), or None."""
+    mq, mb = rules.get("max_queued"), rules.get("max_bytes")
+    if mq is not None and n + 1 > mq:
+        return "max_queued=%d" % mq
+    if mb is not None and b + size > mb:
+        return "max_bytes=%s" % _format_size(mb)
+    return None
+
+
 class SpoolPolicy(object):
     """A spool's policy (myq(1) policy; a store's `policies`): policy.json
     read again when it changed (looked at once a second at most, or at a
@@ -7434,18 +7451,6 @@ class SpoolPolicy(object):
                                 else rules).get("ttl"))
 
 
-def _over_bound(rules, n, b, size):
-    """The bound of a type's `rules` that one more job of `size` bytes
-    passes, with n jobs of b bytes waiting ("max_queued=N" or
-    "max_bytes=SIZE"), or None."""
-    mq, mb = rules.get("max_queued"), rules.get("max_bytes")
-    if mq is not None and n + 1 > mq:
-        return "max_queued=%d" % mq
-    if mb is not None and b + size > mb:
-        return "max_bytes=%s" % _format_size(mb)
-    return None
-
-
 class _DirStore(Store):
     """What every store of a spool directory shares (the file store's and
     the SQLite store's): the layout, name, policy and lanes, the drop
@@ -7548,21 +7553,24 @@ class _DirStore(Store):
             self.budget.delivered(c.job["type"])    # (not RAM's: no write)
         return ok
 
+    def complete_many(self, cs):
+        """complete() of each of a batch's claims at once (claims.complete_many),
+        or None: one at a time."""
+        if not self.claims.bulk_claims:
+            return None
+        oks = self.claims.complete_many(cs)
+        for c, ok in zip(cs, oks or ()):
+            if ok and (self.ram is None or not c.path.startswith(self.ram._pre)):
+                self.budget.delivered(c.job["type"])
+        return oks
+
     def upkeep_budget(self, now):
         return self.budget.upkeep_budget(now)
-
-    def beat_path(self, wid):
-        """The RAM tier's locks/workers/WID.beat (Store.beat_path)."""
-        ram = self.ram
-        return None if ram is None else ram.beat_path(wid)
 
     def close_tiers(self):
         """What the RAM tier keeps open, closed (a tmpfs to unmount)."""
         if self.ram is not None:
             self.ram.stop()
-
-    def eager_types(self):
-        return self.ram.outage_types() if self.ram is not None else ()
 
     def d(self, *parts):
         """A path in the spool: os.path.join(path, *parts), built without
@@ -7852,7 +7860,7 @@ class _DirStore(Store):
             if self._drop_waiting(sub, name, dirs or self.fs):  # (else claimed)
                 n, b = n - 1, b - sz
                 self.log("dropped", id=name[:-5], type=type, reason="overflow",
-                         why=bound)
+                       why=bound)
                 self.count(("dropped", "dropped_overflow"), type)
         return None
 
@@ -9899,37 +9907,76 @@ class _Runner(object):
 
     def _claim_more(self, L, first, n, limit, handler):
         """A batch (myq(1) batches): up to n more ready jobs of lane L, within
-        `limit` bytes, of the first's batch key (http: the same request)."""
+        `limit` bytes, of the first's batch key (http: the same request);
+        claimed together where the store can (Claims.bulk_claims: one
+        statement), else one at a time."""
         out = []
         # (sizes only under a limit: a job's size is a stat or a query)
         size = len(dumps(first.job)) if limit else 0
         key = handler.batch_key(first.job, self)
         sp = self.spool
-        while len(out) < n:
+        bulk = sp.claims.bulk_claims
+        stop = False
+        while len(out) < n and not stop:
+            heads, stop = self._batch_heads(L, n - len(out), limit, size, bulk)
+            if not heads:
+                break
+            try:
+                cs = sp.claims.claim_many([h[1] for h, _ in heads], self.me,
+                                          self.max_attempts,
+                                          [h[2] for h, _ in heads], L.sub) \
+                    if bulk else [sp.claims.claim(heads[0][0][1], self.me,
+                                                  self.max_attempts,
+                                                  heads[0][0][2], L.sub)]
+            except OSError as e:
+                if not bulk:
+                    raise
+                self.finish._io_error("claim", e)
+                if getattr(e, "give_back", None):
+                    self.finish._give_back(e.give_back)
+                cs, stop = getattr(e, "claims", None) or [], True
+            back = False
+            for (_, sz), c in zip(heads, cs):
+                if c is None:
+                    continue
+                if back or (key is not None and handler.batch_key(
+                        c.job, self) != key) or c.job.get("batch_of"):
+                    job = dict(c.job)       # not for this request: back, as
+                    if not back:            # it was, for the next batch
+                        job["available_at"] = _now()
+                    self.finish._move(c, job, "incoming", None, {})
+                    back = stop = True      # (and those claimed after it)
+                    continue
+                size += sz
+                out.append(c)
+        return out
+
+    def _batch_heads(self, L, n, limit, size, bulk):
+        """The next jobs in lane L's line for a batch (one, or up to n with
+        `bulk`), taken off its cache, within `limit` bytes past `size`:
+        ([(head, its size)], whether the limit ended them)."""
+        heads, names, sp = [], set(), self.spool
+        while len(heads) < n and (bulk or not heads):
+            if heads and not L.cache:
+                break           # (no new pass while some wait to be claimed)
             head = self.sched._head(L, more=True)
             if head is None:
                 break
-            m, name, scheduled = head
+            if head[1] in names:
+                L.cache.pop()
+                continue
             try:
-                sz = sp.claims.size(L.sub, name) if limit else 0
+                sz = sp.claims.size(L.sub, head[1]) if limit else 0
             except OSError:
                 L.cache.pop()
                 continue
             if limit and size + sz > limit:
-                break
+                return heads, True
             L.cache.pop()
-            c = sp.claims.claim(name, self.me, self.max_attempts, scheduled, L.sub)
-            if c is None:
-                continue
-            if (key is not None and handler.batch_key(c.job, self) != key) \
-                    or c.job.get("batch_of"):
-                job = dict(c.job)           # not for this request: back, as
-                job["available_at"] = _now()    # it was, for the next batch
-                self.finish._move(c, job, "incoming", None, {})
-                break
             size += sz
-            out.append(c)
-        return out
+            heads.append((head, sz))
+            names.add(head[1])
+        return heads, False
 
     def _env(self, c):
         env = {}
@@ -10590,8 +10637,11 @@ class _Finishing(object):
             # one wait for the batch, not a jittered one a job: it comes
             # due as one, and goes again as that batch (myq(1) batches)
             delay = self.delays.retry(max(c.attempt for c in claims))
+        oks = self._complete_many(claims) if outcome == "done" and \
+            len(claims) > 1 else None
         for c in claims:
-            self._finish_one(run, c, outcome, error, delay, tb, counts)
+            self._finish_one(run, c, outcome, error, delay, tb, counts,
+                             oks and oks.get(c.token))
         if run.batch:
             if outcome == "retry" and (counts or claims[0].batch ==
                                        claims[0].job.get("batch_of")):
@@ -10599,13 +10649,13 @@ class _Finishing(object):
             else:
                 self.spool.claims.batches.end(claims[0].batch)
 
-    def _finish_one(self, run, c, outcome, error, delay, tb, counts):
+    def _finish_one(self, run, c, outcome, error, delay, tb, counts, ok=None):
         ms = int((_mono() - run.started) * 1000)
         kv = {"id": c.jid, "type": c.job["type"], "attempt": c.attempt, "ms": ms}
         if run.batch:
             kv["batch"] = len(run.batch)
         if outcome == "done":
-            self._complete(c, kv)
+            self._complete(c, kv, ok)
             return
         job = dict(c.job)
         job["attempts"] = c.attempt if counts else c.attempt - 1
@@ -10659,11 +10709,23 @@ class _Finishing(object):
             job["batch_of"] = c.batch       # it goes again as that batch
         self._move(c, job, "incoming", "released", {"id": c.jid, "type": job["type"]})
 
-    def _complete(self, c, kv):
-        """Success: done/ (fsync'd by the next group commit).  An I/O error
-        leaves it to _retry_stuck."""
+    def _complete_many(self, claims):
+        """A batch's successes at once, where the store can (one
+        transaction): {token: done or not}, or None: one at a time (also
+        when it failed: each is tried on its own, and says so)."""
         try:
-            ok = self.spool.complete(c)     # (counted: locks/rates)
+            oks = self.spool.complete_many(claims)  # (counted: locks/rates)
+        except OSError:
+            return None
+        return oks and dict(zip([c.token for c in claims], oks))
+
+    def _complete(self, c, kv, ok=None):
+        """Success: done/ (fsync'd by the next group commit), or what
+        _complete_many said of it (`ok`).  An I/O error leaves it to
+        _retry_stuck."""
+        try:
+            if ok is None:
+                ok = self.spool.complete(c)     # (counted: locks/rates)
         except OSError as e:
             self._io_error("finish", e, id=c.jid)
             self._stuck.append(lambda: self._complete(c, kv))
@@ -13239,6 +13301,15 @@ _SUCCESS = ("UPDATE jobs SET status='done', attempts=?, finished_at=?, "
 # (what _job_of_row reads, no more: the lease the claim just wrote, its
 # token and its status are known; each column returned is a Python object)
 _CLAIM_RETURNING = _CLAIM + " RETURNING " + ", ".join(_JOB_COLS + ("extra",))
+# Several claims in one statement (a batch's: _SqlClaims.claim_many): each
+# row's token, lease head and due bound from a table of VALUES (id, tok,
+# pre, due), joined by id (UPDATE ... FROM: SQLite 3.33; RETURNING: 3.35)
+_CLAIM_MANY = ("UPDATE jobs SET status='processing', worker_id=?, token=v.tok, "
+               "lease=v.pre||(jobs.attempts+1)||?, leased_until=? FROM (SELECT "
+               "column1 AS id, column2 AS tok, column3 AS pre, column4 AS due "
+               "FROM (VALUES %s)) AS v WHERE jobs.id=v.id AND jobs.status="
+               "'ready' AND jobs.lane=? AND jobs.available_at<=v.due RETURNING "
+               + ", ".join(_JOB_COLS + ("extra", "token")))
 
 
 def _sqlite3():
@@ -13393,6 +13464,7 @@ class _SqlDb(object):
         self.cap_set = 0        # the log's limit set on this connection
         self.small = False      # the log kept small (below a guard)
         self.ret = None         # UPDATE ... RETURNING known (SQLite 3.35)
+        self._g = None          # the last look at others' commits (look)
 
     def connection(self):
         """This process's connection (a forked child makes its own; its
@@ -13558,6 +13630,36 @@ class _SqlDb(object):
         """Changes when anything commits: another connection (PRAGMA
         data_version, which its own commits leave alone) or this one."""
         return self.one("PRAGMA data_version")[0], self.fresh
+
+    def look(self, poked=False):
+        """What other processes committed since the last look, at most every
+        50 ms here (or at once after a producer's poke), as (when to look
+        again, PRAGMA data_version, max(rowid), the generation of every
+        lane, {lane: generation of its own}, when a change next makes a new
+        generation of every lane).  Rows added alone (the rowids past the
+        last look's: a producer's) move on the lanes they went to; anything
+        else (a commit that added no row, a rowid used again) all of them,
+        and so does any change 10 s after the last time it did: another
+        process's commit that both added rows and changed others unpoked
+        (a worker's own put back) is seen within that."""
+        now, g = _mono(), self._g
+        if g is not None and now < g[0] and not poked:
+            return g
+        v = self.one("PRAGMA data_version")[0]
+        if g is not None and v == g[1]:
+            g = self._g = (now + 0.05,) + g[1:]
+            return g
+        top = self.one("SELECT max(rowid) FROM jobs")[0] or 0
+        if g is None or top <= g[2] or now >= g[5]:
+            g = (now + 0.05, v, top, g[3] + 1 if g else 0, {}, now + 10.0)
+        else:
+            per = dict(g[4])
+            for (lane,) in self.all("SELECT DISTINCT lane FROM jobs WHERE "
+                                    "rowid>?", (g[2],)):
+                per[lane] = per.get(lane, 0) + 1
+            g = (now + 0.05, v, top, g[3], per, g[5])
+        self._g = g
+        return g
 
     def log_limits(self, db):
         """With a budget, the log is checkpointed at a 32nd of it (16 to
@@ -13835,7 +13937,7 @@ class _SqlClaims(Claims):
     def change_key(self):
         inc, racy = Claims.change_key(self)
         self._clock()
-        return (inc, self.spool.db.version()), racy
+        return (inc, self._lane_gen("incoming", True)), racy
 
     def _ahead(self, rows):
         """Rows at a lane's head written by a clock ahead of this one (a
@@ -13890,21 +13992,24 @@ class _SqlClaims(Claims):
             subs.add("incoming")
         return subs
 
+    def _lane_gen(self, sub, poked=False):
+        """What changes when lane `sub`'s waiting rows may have: another
+        process's commits there (_look), this one's that added ready rows."""
+        g = self.spool.db.look(poked)
+        return g[3], g[4].get(sub, 0), self.spool.db.fresh
+
     def lanes_key(self, poked=False):
-        """Another process's commits are looked for at most every 50 ms
-        here, or at once after a producer's poke (as the lanes of files
-        are, at a claim); this one's at once."""
-        now = _mono()
-        seen = self.__dict__.get("_seen")
-        if seen is None or now >= seen[0] or poked:
-            seen = self._seen = (now + 0.05, self.spool.db.version()[0])
-        return seen[1], self.spool.db.fresh
+        """What changes when the lanes may have: as _look says, or a lane
+        got rows that had none from another process since (a new name among
+        those rows added), or this process's commits added ready rows."""
+        g = self.spool.db.look(poked)
+        return g[3], frozenset(g[4]), self.spool.db.fresh
 
     def maybe_lanes(self):
         return True
 
     def lane_key(self, L):
-        return self.lanes_key(), False
+        return self._lane_gen(L.sub), False
 
     def waits(self, rel):
         sub, _, name = rel.rpartition("/")
@@ -14029,37 +14134,17 @@ class _SqlClaims(Claims):
                 sync=False)
         if row is None:
             return None
-        try:
-            try:
-                job = _job_of_row(row)
-            except InvalidJob as e:
-                sp._write("UPDATE jobs SET status='failed', last_error=?, "
-                          "token=NULL WHERE id=? AND token=?",
-                          ("unreadable: %s" % e, jid, token))
-                sp.log("quarantined", id=jid, reason=str(e))
-                return None
-            c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
-                      max_attempts=job.get("max_attempts") or default_max_attempts)
-            c.mtime = job["available_at"]
-            if not self._admit(c, job, me, None, sub, len(row[2] or ""),
-                               scheduled, now):
-                return None
-        except OSError as e:
-            # Its next write failed (busy, full): the claim goes back
-            # untouched, now, or at the worker's next try (Worker._fill);
-            # else it stayed this live worker's until it stopped.
-            def back():
-                sp._write("UPDATE jobs SET status='ready', token=NULL, "
-                          "worker_id=NULL, lease=NULL, leased_until=NULL "
-                          "WHERE id=? AND token=?", (jid, token), sync=False,
-                          fresh=True)
-            try:
-                back()
-            except OSError:
-                e.give_back = back
-            raise
-        c.attempt = job["attempts"] + 1
-        return c
+        return _sql_claimed(self, row, jid, token, me, default_max_attempts,
+                            sub, scheduled, now)
+
+    bulk_claims = True
+
+    def claim_many(self, names, me, default_max_attempts=5, scheduled=(),
+                   sub="incoming"):
+        """The jobs `names` of lane `sub` claimed in one statement: as claim()
+        each, in their order (_sql_claim_many)."""
+        return _sql_claim_many(self, names, me, default_max_attempts,
+                               scheduled, sub)
 
     def _done_already(self, jid, now):
         """(The claimed row is not done: only an `ok` record can say so.)"""
@@ -14076,6 +14161,13 @@ class _SqlClaims(Claims):
             c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token),
             sync=False)
         return n == 1
+
+    def complete_many(self, cs):
+        """complete() of each claim in one transaction (a batch's)."""
+        now = _now()
+        return self.spool._tx(lambda db: [db.execute(_SUCCESS, (
+            c.attempt or c.job["attempts"] + 1, now, now, c.jid,
+            c.token)).rowcount == 1 for c in cs], sync=False)
 
     def move_on(self, c, job, dest, me, fin=None, until=None):
         """The job's next version: waiting again (dest incoming: its lane;
@@ -14194,6 +14286,116 @@ class _SqlClaims(Claims):
             return False                # another reaper was faster
         sp.log("requeued" if dest == "incoming" else "dead", id=jid, why=why)
         return True
+
+
+def _sql_claimed(claims, row, jid, token, me, default_max_attempts, sub,
+                 scheduled, now):
+    """The Claim of the row just claimed for `claims` (_CLAIM_RETURNING's
+    columns first), or None: unreadable, or it went elsewhere (_admit).
+    An I/O error gives it back untouched (or leaves that to the worker:
+    the error's give_back)."""
+    sp = claims.spool
+    try:
+        try:
+            job = _job_of_row(row)
+        except InvalidJob as e:
+            sp._write("UPDATE jobs SET status='failed', last_error=?, "
+                      "token=NULL WHERE id=? AND token=?",
+                      ("unreadable: %s" % e, jid, token))
+            sp.log("quarantined", id=jid, reason=str(e))
+            return None
+        c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
+                  max_attempts=job.get("max_attempts") or default_max_attempts)
+        c.mtime = job["available_at"]
+        if not claims._admit(c, job, me, None, sub, len(row[2] or ""),
+                             scheduled, now):
+            return None
+    except OSError as e:
+        # Its next write failed (busy, full): the claim goes back
+        # untouched, now, or at the worker's next try (Worker._fill);
+        # else it stayed this live worker's until it stopped.
+        _sql_give_back(sp, e, [token])
+        raise
+    c.attempt = job["attempts"] + 1
+    return c
+
+
+def _sql_give_back(sp, e, tokens):
+    """The claims of `tokens` ready again untouched, now, or else at the
+    worker's next try (the error e's give_back, after any it had)."""
+    prev = getattr(e, "give_back", None)
+
+    def back():
+        if prev is not None:
+            prev()
+        for i in range(0, len(tokens), 500):
+            part = tokens[i:i + 500]
+            sp._write("UPDATE jobs SET status='ready', token=NULL, "
+                      "worker_id=NULL, lease=NULL, leased_until=NULL WHERE "
+                      "status='processing' AND token IN (%s)" % ",".join(
+                          "?" * len(part)), part, sync=False, fresh=True)
+    try:
+        back()
+        e.give_back = None
+    except OSError:
+        e.give_back = back
+
+
+def _claim_each(claims, names, me, default_max_attempts, scheduled, sub):
+    """claim_many as claims.claim() of each name: [Claim or None]; an
+    OSError's `claims`: those claimed before it (the caller's)."""
+    out = []
+    for name, sched in zip(names, scheduled):
+        try:
+            out.append(claims.claim(name, me, default_max_attempts, sched, sub))
+        except OSError as e:
+            e.claims = out + [None] * (len(names) - len(out))
+            raise
+    return out
+
+
+def _sql_claim_many(claims, names, me, default_max_attempts, scheduled, sub):
+    """_SqlClaims.claim_many: the rows claimed in one statement
+    (_CLAIM_MANY, 200 a statement), each then admitted as claim() does;
+    [Claim or None] in the order of `names` (a name again: None).  An
+    OSError's `claims`: those admitted before it, the caller's (the rest
+    given back)."""
+    sp = claims.spool
+    sp.db.returning()       # (a crash point sees its commit: _SqlDb.write)
+    if not sp.db.ret:
+        return _claim_each(claims, names, me, default_max_attempts, scheduled,
+                           sub)
+    now = _now()
+    until = now + me.lease
+    want, args, post = {}, [], None
+    for name, sched in zip(names, scheduled):
+        if not name.endswith(".json") or name[:-5] in want:
+            continue
+        token = me.token()
+        pre, post = me.lease_parts(token, until)
+        want[name[:-5]] = (token, sched)
+        args += [name[:-5], token, pre, now + 0.5 if sched else MAX_TIME]
+    got = {}
+    for i in range(0, len(args), 800):
+        part = args[i:i + 800]
+        for row in sp._write(_CLAIM_MANY % ",".join(
+                ["(?,?,?,?)"] * (len(part) // 4)),
+                [me.wid, post, until] + part + [sub], sync=False, rows=True):
+            got[row[0]] = row
+    out = {}
+    order = [jid for jid in want if jid in got]
+    for k, jid in enumerate(order):
+        token, sched = want[jid]
+        try:
+            out[jid] = _sql_claimed(claims, got[jid], jid, token, me,
+                                    default_max_attempts, sub, sched, now)
+        except OSError as e:
+            # (this one given back, or left to the worker: so are those
+            # not admitted yet)
+            _sql_give_back(sp, e, [want[j][0] for j in order[k + 1:]])
+            e.claims = [out.pop(n[:-5], None) for n in names]
+            raise
+    return [out.pop(n[:-5], None) for n in names]
 
 
 # The SQLite store ############################################################
@@ -15886,8 +16088,22 @@ class _TieredClaims(object):
         self._own_owed = True
         return self.own
 
+    def claim_many(self, names, me, default_max_attempts=5, scheduled=(),
+                   sub="incoming"):
+        side = self.ram if sub[:4] == "ram:" else self.own
+        if side.bulk_claims:
+            return side.claim_many(names, me, default_max_attempts, scheduled,
+                                   sub)
+        return _claim_each(side, names, me, default_max_attempts, scheduled, sub)
+
     def complete(self, c):
         return self._side(c).complete(c)
+
+    def complete_many(self, cs):
+        side = self._of(cs[0])
+        if not side.bulk_claims or any(self._of(c) is not side for c in cs):
+            return None                 # (one at a time)
+        return self._side(cs[0]).complete_many(cs)     # (the spool's: owed)
 
     def move_on(self, c, job, dest, me, fin=None, until=None):
         return self._side(c).move_on(c, job, dest, me, fin, until)
@@ -15954,6 +16170,7 @@ class _TieredClaims(object):
             store.log("error", during="ram", error="%s; the RAM tier is not "
                       "used" % e)
             store.claims, store.ram = self.own, None
+            del store.beat_path, store.eager_types      # (_with_ram's)
 
     def settle(self, final=False):
         return self.ram.spool.spill(final)
@@ -16016,6 +16233,10 @@ def _with_ram(store):
             (k, v) for k, v in store.opt.items() if k != "keep_done_max"))
         store.ram.opt["keep_done_max"] = 100
         store.claims = _TieredClaims(store.claims, store.ram.claims)
+        # the worker's beat in the tier; its types' handlers resolved
+        # before it listens (Store.beat_path, Store.eager_types)
+        store.beat_path = store.ram.beat_path
+        store.eager_types = store.ram.outage_types
     return store
 
 

@@ -434,7 +434,7 @@ def floor_drain(d, limit=None):
     inc, proc, done = (os.path.join(d, s) for s in ("incoming", "processing", "done"))
     dfd = os.open(done, os.O_RDONLY | os.O_DIRECTORY)
     t = clock()
-    names = os.listdir(inc)[:limit]
+    names = [n for n in os.listdir(inc) if n.endswith(".json")][:limit]
     for i, name in enumerate(names):
         p = os.path.join(proc, name)
         os.rename(os.path.join(inc, name), p)
