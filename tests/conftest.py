@@ -40,42 +40,47 @@ sys.dont_write_bytecode = _writes
 
 # The files that take longest, longest first (`make test` hands the files
 # out in this order: tests/README.md, "How `make test` is spread"): the
-# seconds of their tests in one `make test` (wall, the tests' files on a
-# tmpfs, on 2 cores loaded ~10 by other runs: only the order holds), and
-# their CPU seconds (self and children, the file alone).  A file not
+# seconds of their tests in one `make test` on 2 idle cores (the tests'
+# files on a tmpfs; many of them wait rather than compute).  A file not
 # listed runs after these, in name order.
 LONG_FIRST = [
-    "test_initd.py",             # 100 s, 20.4 s: init script life cycles
-    "test_sqlite.py",            #  82 s,  9.4 s: kills at every commit
-    "test_intake.py",            #  74 s, 16.1 s: HTTP and MQTT intake
-    "test_security_swaps.py",    #  73 s, 16.5 s: symlinks and FIFOs
-    "test_operator.py",          #  61 s,  6.1 s
-    "test_clock.py",             #  60 s,  9.1 s: clock jumps, each waits its delays
-    "test_security.py",          #  56 s, 17.0 s: root's and the owner's commands
-    "test_dist.py",              #  55 s,  9.4 s
-    "test_procd.py",             #  55 s,  8.2 s
-    "test_operator_setup.py",    #  43 s, 10.4 s: installs, a change of owner
-    "test_outage.py",            #  42 s,  2.2 s: a 20 s outage, then 20 s at the rate
-    "test_fast_cli.py",          #  41 s,  6.1 s: hypothesis, both parsers
-    "test_crashpoints.py",       #  40 s,  4.8 s: a kill at every step
-    "test_light.py",             #  39 s,  9.6 s: every interpreter, python3-light
-    "test_hostile.py",           #  36 s,  2.8 s: hypothesis
-    "test_onefile.py",           #  35 s
-    "test_field.py",             #  34 s,  3.5 s
-    "test_budget.py",            #  31 s,  3.5 s
-    "test_script_start.py",      #  30 s
-    "test_policy.py",            #  29 s,  2.9 s
-    "test_scheduler.py",         #  29 s,  3.0 s
-    "test_mqtt.py",              #  28 s,  5.9 s
-    "test_operator_cli.py",      #  28 s
-    "test_export.py",            #  27 s,  5.7 s
-    "test_intake_access.py",     #  27 s,  5.3 s
-    "test_security_producer.py",  # 26 s
-    "test_chaos.py",             #  23 s, 10.9 s: the chaos soak
-    "test_breaker.py",           #  23 s,  2.1 s
-    "test_retry_dlq.py",         #  22 s
-    "test_matrix.py",            #  21 s, 12.0 s: every interpreter
-    "test_destinations.py",      #  20 s,  1.0 s
+    "test_clock.py",             #  60 s: clock jumps, each waits its delays
+    "test_intake.py",            #  48 s: HTTP and MQTT intake
+    "test_outage.py",            #  41 s: a 20 s outage, then 20 s at the rate
+    "test_idle_writes.py",       #  35 s
+    "test_initd.py",             #  34 s: init script life cycles
+    "test_security.py",          #  32 s: root's and the owner's commands
+    "test_security_swaps.py",    #  25 s: symlinks and FIFOs
+    "test_destinations.py",      #  21 s
+    "test_mqtt.py",              #  21 s
+    "test_breaker.py",           #  21 s
+    "test_scheduler.py",         #  21 s
+    "test_destinations_held.py",  #  20 s
+    "test_intake_access.py",     #  17 s
+    "test_idle.py",              #  17 s
+    "test_flow.py",              #  16 s
+    "test_dist.py",              #  16 s
+    "test_chaos.py",             #  14 s: the chaos soak
+    "test_field.py",             #  14 s
+    "test_operator_setup.py",    #  13 s: installs, a change of owner
+    "test_sqlite.py",            #  13 s: kills at every commit
+    "test_security_producer.py",  #  13 s
+    "test_storage_faults.py",    #  13 s
+    "test_crashpoints.py",       #  12 s: a kill at every step
+    "test_policy.py",            #  12 s
+    "test_procd.py",             #  12 s
+    "test_matrix.py",            #  11 s: every interpreter
+    "test_ram.py",               #  11 s
+    "test_liveness.py",          #  11 s
+    "test_export.py",            #  10 s
+    "test_http_forward.py",      #   9 s
+    "test_operator.py",          #   9 s
+    "test_holdwear.py",          #   9 s
+    "test_operator_cli.py",      #   8 s
+    "test_light.py",             #   8 s: every interpreter, python3-light
+    "test_call_myq.py",          #   7 s
+    "test_fast_cli.py",          #   7 s: hypothesis, both parsers
+    "test_timeouts_shutdown.py",  #   7 s
 ]
 
 

@@ -665,9 +665,12 @@ def test_the_supervisor_never_opens_the_database_its_workers_fork_from(
         jid = myq.enqueue(sp, "ok", 1)
         wait_for(lambda: dict(rows(sp)).get(jid) == "done", timeout=30,
                  what="the job done")
-        kids = [int(p) for p in open("/proc/%d/task/%d/children" % (
-            sup.pid, sup.pid)).read().split()]
-        assert len(kids) == 2 and all(opened(k) for k in kids), kids
+        def kids():
+            return [int(p) for p in open("/proc/%d/task/%d/children" % (
+                sup.pid, sup.pid)).read().split()]
+        # (the other worker may still be starting: it opens it then)
+        wait_for(lambda: len(kids()) == 2 and all(opened(k) for k in kids()),
+                 what="both workers with the database open")
         assert opened(sup.pid) == []
     finally:
         sup.send_signal(signal.SIGTERM)
