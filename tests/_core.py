@@ -626,3 +626,14 @@ def ext4_image(tmp_path, size=64 << 20, block=4096):
         yield mnt, dev
     finally:
         subprocess.call(["umount", mnt])
+
+
+def listening(spool):
+    """Whether a worker listens on the spool's wake FIFO (locks/wake)."""
+    try:
+        fd = os.open(os.path.join(spool, "locks", "wake"),
+                     os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    os.close(fd)
+    return True

@@ -234,6 +234,19 @@ def small_tmpfs(tmp_path):
 
 
 @pytest.fixture
+def ram(tmp_path, small_tmpfs):
+    """A RAM filesystem for a spool's RAM tier (init --ram): a tmpfs of
+    our own (root), else /dev/shm's."""
+    try:
+        return os.path.join(small_tmpfs("16m"), "ram")
+    except pytest.skip.Exception:
+        if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+            raise
+        import tempfile
+        return os.path.join(tempfile.mkdtemp(dir="/dev/shm"), "ram")
+
+
+@pytest.fixture
 def small_fs(request, small_tmpfs):
     """A small tmpfs to fill: the test module's SMALL_FS bytes ("1m" where it
     names none)."""

@@ -21,7 +21,8 @@ import signal
 
 import pytest
 
-from _core import FAST, cli, ok, show, start_worker, stop, wait_for, call_myq
+from _core import (FAST, cli, ok, show, start_worker, stop, wait_for, call_myq,
+                   listening)
 from _procs import lines, mono, reap
 
 SLOW = r'''
@@ -35,18 +36,6 @@ def slow(job):
 tele = slow
 '''
 
-
-@pytest.fixture
-def ram(tmp_path, small_tmpfs):
-    """A RAM filesystem for the tier: a tmpfs of our own (root), else
-    /dev/shm's."""
-    try:
-        return os.path.join(small_tmpfs("16m"), "ram")
-    except pytest.skip.Exception:
-        if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-            raise
-        import tempfile
-        return os.path.join(tempfile.mkdtemp(dir="/dev/shm"), "ram")
 
 
 def _tier(spool, ram, tmp_path, *opts):
@@ -269,7 +258,7 @@ def test_ram_jobs_delivered_fsync_nothing_of_the_spool(myq, spool, ram,
         return real(fd)
     try:
         wait_for(lambda: os.path.isdir(os.path.join(ram, "incoming")) and
-                 _listening(spool), what="the worker listening")
+                 listening(spool), what="the worker listening")
         monkeypatch.setattr(os, "fsync", fsync)
         producer = myq.open_store(spool)
         for i in range(5):
@@ -290,13 +279,3 @@ def test_ram_jobs_delivered_fsync_nothing_of_the_spool(myq, spool, ram,
         w._on_stop(signal.SIGTERM, None)
         t.join(30)
     assert not t.is_alive()
-
-
-def _listening(spool):
-    try:
-        fd = os.open(os.path.join(spool, "locks", "wake"),
-                     os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:
-        return False
-    os.close(fd)
-    return True

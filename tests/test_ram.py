@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from _core import (FAST, cli, ok, start_worker, stop, wait_for, listed)
+from _core import (FAST, cli, ok, start_worker, stop, wait_for, listed,
+                   listening)
 
 HANDLER = r'''
 import json, os
@@ -27,18 +28,6 @@ def tele(job):
             time.sleep(0.02)
 '''
 
-
-@pytest.fixture
-def ram(tmp_path, small_tmpfs):
-    """A RAM filesystem for the tier: a tmpfs of our own (root), else
-    /dev/shm's."""
-    try:
-        return os.path.join(small_tmpfs("16m"), "ram")
-    except pytest.skip.Exception:
-        if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-            raise
-        import tempfile
-        return os.path.join(tempfile.mkdtemp(dir="/dev/shm"), "ram")
 
 
 class Tier(object):
@@ -66,7 +55,7 @@ class Tier(object):
             env={"RAM_TEST_OUT": self.out},
             stderr=open(str(self.tmp / "worker.err"), "ab"))
         wait_for(lambda: os.path.isdir(os.path.join(self.ram, "incoming"))
-                 and _listening(self.spool), what="the worker listening")
+                 and listening(self.spool), what="the worker listening")
         return self.proc
 
     def stop(self, sig=signal.SIGTERM):
@@ -100,16 +89,6 @@ class Tier(object):
                                           "processing", "done", "dead"]):
             rows += [r for r in listed(self.spool, st) if r.get("tier") != "ram"]
         return sorted(r["id"] for r in rows)
-
-
-def _listening(spool):
-    try:
-        fd = os.open(os.path.join(spool, "locks", "wake"),
-                     os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
 
 
 def _not_ram(tmp_path):
@@ -350,7 +329,7 @@ def test_delivered_ram_jobs_write_nothing_to_the_flash(store, ram, tmp_path,
             (d / "tele").write_text("#!/bin/sh\n(cat; echo) >> %s\n" % t.out)
             (d / "tele").chmod(0o755)
             t.proc = start_worker(spool, "--handlers", str(d), *(FAST + opts))
-            wait_for(lambda: _listening(spool), what="the worker listening")
+            wait_for(lambda: listening(spool), what="the worker listening")
         else:
             t.start(*opts)
         try:
@@ -384,7 +363,7 @@ def test_a_run_longer_than_the_bound_leaves_a_copy_in_the_spool(spool, ram,
     (handlers / "tele").chmod(0o755)
     t.module = None
     t.proc = start_worker(spool, "--handlers", str(handlers), *FAST)
-    wait_for(lambda: _listening(spool), what="the worker listening")
+    wait_for(lambda: listening(spool), what="the worker listening")
     try:
         jid = t.enqueue({"n": 1})
         wait_for(runs.exists, what="the run started")

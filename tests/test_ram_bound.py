@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from _core import FAST, ROOT, clean_env, cli, ok, stop, wait_for, listed
+from _core import (FAST, ROOT, clean_env, cli, ok, stop, wait_for, listed,
+                   listening)
 
 HANDLER = r'''
 import os
@@ -52,26 +53,6 @@ sys.exit(myq.main(sys.argv[2:]))
 ''' % ROOT
 
 
-@pytest.fixture
-def ram(tmp_path, small_tmpfs):
-    try:
-        return os.path.join(small_tmpfs("16m"), "ram")
-    except pytest.skip.Exception:
-        if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-            raise
-        import tempfile
-        return os.path.join(tempfile.mkdtemp(dir="/dev/shm"), "ram")
-
-
-def _listening(spool):
-    try:
-        fd = os.open(os.path.join(spool, "locks", "wake"),
-                     os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
-
 
 def _slow_worker(spool, ram, tmp_path, how):
     """Types tele (durable=outage, spill_after 1h: its jobs run) and idle
@@ -93,7 +74,7 @@ def _slow_worker(spool, ram, tmp_path, how):
         stdout=subprocess.DEVNULL, stderr=open(str(tmp_path / "err"), "ab"),
         start_new_session=True)
     wait_for(lambda: os.path.isdir(os.path.join(ram, "incoming"))
-             and _listening(spool), what="the worker listening")
+             and listening(spool), what="the worker listening")
     return proc, log
 
 

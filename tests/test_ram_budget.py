@@ -7,7 +7,7 @@ import json
 
 import myq
 from _core import cli, ok, stats
-from test_ram import Tier, ram  # noqa: F401  (ram: the fixture)
+from test_ram import Tier
 
 PAYLOAD = {"x": "y" * 3000}         # a block a job, where it is counted
 
