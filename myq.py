@@ -20195,8 +20195,8 @@ class _BodyDone(BaseException):
 # And a script is compiled at every start, all of it, before its first
 # line runs (Python never caches a script's byte code; a stub at the top
 # would run after the compile): one `myq enqueue` from the one-file copy
-# peaks at ~45 MB of RAM and ~14x the instructions of the installed
-# layout, whose launcher imports myq.py from byte code (12 MB; bench/
+# peaks at ~60 MB of RAM and ~17x the instructions of the installed
+# layout, whose launcher imports myq.py from byte code (13 MB; bench/
 # device.py).  No interpreter compiles 600 KB in less, so the copy says,
 # once, what makes it cheap: on a terminal (a script's or cron's standard
 # error is not read by the one to tell), at the first run of a user that
@@ -20204,7 +20204,7 @@ class _BodyDone(BaseException):
 # keeps it quiet for good; nothing where that file cannot be made, or
 # where its directories are not this user's alone (no symlink; sudo that
 # kept another user's HOME).
-_HINT = ("myq: this copy is compiled at every command (~45 MB of RAM, 5x "
+_HINT = ("myq: this copy is compiled at every command (~60 MB of RAM, 10x "
          "the time); `python3 %s install` lays myq out to start from byte "
          "code (README: Install). Said once.\n")
 

@@ -1,6 +1,6 @@
 """The one-file copy (`cp myq.py /usr/bin/myq`) is
 compiled at every command, all of it, before its first line runs (a
-script's byte code is never cached; bench/device.py: ~45 MB and ~10x the
+script's byte code is never cached; bench/device.py: ~60 MB and ~17x the
 instructions of the installed layout, on every CPython 3.7-3.13), so it
 says once what makes it cheap: `myq install` (README: Install).
 
