@@ -24,7 +24,6 @@ import time
 import pytest
 
 from _core import drain_here, listed, policy
-from test_ram import ram  # noqa: F401 (a fixture)
 from _http import http_servers  # noqa: F401 (a fixture)
 
 
