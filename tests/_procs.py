@@ -224,3 +224,21 @@ def run_sentinel(spool, tmp_path, timeout=15):
     wait_for(lambda: state(call_myq, spool, jid) == "done", timeout=timeout,
              what="the sentinel job to run")
     return jid
+
+
+def worker_killed_by_its_hook(code, spool, *opts):
+    """A worker started as `python -c code --spool SPOOL worker OPTS` (the
+    code sets myq._hook to SIGKILL itself at a step): waited for, killed
+    for good after 60 s, and it must have died by that SIGKILL."""
+    import sys
+    w = subprocess.Popen(
+        [sys.executable, "-c", code, "--spool", spool, "worker"] + list(opts),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=clean_env(),
+        start_new_session=True)
+    try:
+        w.wait(60)
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait(10)
+    assert w.returncode == -signal.SIGKILL, w.stderr.read()

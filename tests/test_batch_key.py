@@ -12,11 +12,10 @@ their own, and the receiver stored them twice).
 import json
 import os
 import signal
-import subprocess
-import sys
 
-from _core import FAST, ROOT, call_myq, clean_env, ls, run_myq, start_worker
+from _core import FAST, ROOT, call_myq, ls, run_myq, start_worker
 from _http import answer, http_servers  # noqa: F401  (a fixture)
+from _procs import worker_killed_by_its_hook
 
 import myq
 
@@ -100,18 +99,8 @@ def _cut_while_it_finished(spool, url, ids, at):
     _policy(spool, url, len(ids))
     for i in ids:
         myq.enqueue(spool, "t", {"n": i}, id=i)
-    w = subprocess.Popen(
-        [sys.executable, "-c", KILL_AT_DONE % {"root": ROOT, "at": at},
-         "--spool", spool, "worker"] + list(FAST),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=clean_env(),
-        start_new_session=True)
-    try:
-        w.wait(60)
-    finally:
-        if w.poll() is None:
-            os.killpg(w.pid, signal.SIGKILL)
-            w.wait(10)
-    assert w.returncode == -signal.SIGKILL, w.stderr.read()
+    worker_killed_by_its_hook(KILL_AT_DONE % {"root": ROOT, "at": at},
+                              spool, *FAST)
     assert _states(spool, ids).count("done") == at, _states(spool, ids)
 
 

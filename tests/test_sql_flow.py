@@ -12,15 +12,13 @@ goes again under its key).
 """
 import json
 import os
-import signal
 import sqlite3
-import subprocess
-import sys
 
 import pytest
 
-from _core import FAST, ROOT, call_myq, clean_env, ls, run_myq
+from _core import FAST, ROOT, call_myq, ls, run_myq
 from _http import http_servers  # noqa: F401  (a fixture)
+from _procs import worker_killed_by_its_hook
 
 import myq
 
@@ -134,19 +132,8 @@ sys.exit(myq.main(sys.argv[1:]))
 
 
 def _cut(spool, step, when):
-    w = subprocess.Popen(
-        [sys.executable, "-c", KILL_AT % {"root": ROOT, "step": step,
-                                          "when": when},
-         "--spool", spool, "worker"] + list(FAST),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=clean_env(),
-        start_new_session=True)
-    try:
-        w.wait(60)
-    finally:
-        if w.poll() is None:
-            os.killpg(w.pid, signal.SIGKILL)
-            w.wait(10)
-    assert w.returncode == -signal.SIGKILL, w.stderr.read()
+    worker_killed_by_its_hook(KILL_AT % {"root": ROOT, "step": step,
+                                         "when": when}, spool, *FAST)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
