@@ -1,6 +1,6 @@
 """The backlog of a live-first type drains in created_at order, however
-deep (issue 41 item 3, SPEC 10 "Live data first": the backlog "drains in
-created_at order with what the live jobs leave").
+deep (myq(1) "Live data first": the backlog "drains in created_at order
+with what the live jobs leave").
 
 The SQLite store reads its backlog by created_at (its index).  The file
 store read a lane of more than --scan-cache jobs by mtime (the N earliest

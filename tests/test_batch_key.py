@@ -1,5 +1,5 @@
-"""A batch keeps its Idempotency-Key across a kill -9 of its worker (SPEC 10
-batches; issue 41): what goes again of a batch that a dead worker had in
+"""A batch keeps its Idempotency-Key across a kill -9 of its worker (myq(1)
+"Batches"): what goes again of a batch that a dead worker had in
 flight goes under the key it first went under, so that a receiver that
 de-duplicates on the key stores nothing twice.
 

@@ -1,5 +1,5 @@
-"""SPEC 10 "Destinations, failover, live data first, the uplink's budget"
-(issue 41), rule by rule: the rules no other test file proves.  Where each
+"""Destinations, failover, live data first, the uplink's budget (myq(1)
+"Destinations and failover"), rule by rule: the rules no other test file proves.  Where each
 rule is proven:
 
 - Where a type goes (`url=`, `topic=`; a job naming its own refused, 65,

@@ -1,4 +1,4 @@
-"""The slow flow costs what it sends (issue 42, items 2 and 4): what a
+"""The slow flow costs what it sends (bench/flow.py): what a
 worker does at a producer's poke while a batch waits out its batch_wait,
 and what its start costs on a deep spool.  Mechanisms, never timings:
 scans counted through the worker's _rescan, checks through the SQLite
@@ -56,7 +56,7 @@ def test_pokes_while_a_batch_waits_are_not_sent_nor_scanned(flow_spool):
     """A steady producer while the type's batch waits out batch_wait: the
     worker hushes the lane (locks/quiet/LANE), its producers send no poke
     and it makes no scan until the batch starts; the old worker woke and
-    scanned incoming/ at each arrival (issue 42: 9.6 scans a delivered
+    scanned incoming/ at each arrival (9.6 scans a delivered
     reading).  Another type's job (priority 9) is still poked for and
     starts at once; the batch, when it starts, has every job that came
     without a poke; a stopped worker leaves no mark."""

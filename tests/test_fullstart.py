@@ -1,5 +1,5 @@
-"""A SQLite worker's start on a full disk after a clean stop (issue 42's
-start-up work met the reserve, locks/room): the start skips quick_check
+"""A SQLite worker's start on a full disk after a clean stop (the
+start's own work met the reserve, locks/room): the start skips quick_check
 after a clean stop (locks/db-clean), and so its first open of the
 database -- the log's index, -shm, made again at the first open after the
 last close -- moved to the worker record's registration, which swallowed

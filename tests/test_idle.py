@@ -1,6 +1,6 @@
 """An idle worker's work with thousands of waiting jobs of types it has no
-handler for (issue 36: "idle CPU with 8,000 jobs of types without a handler
-is back at 3-6 % of a core"; bench/idle.py measures the CPU itself).
+handler for (8,000 such jobs once cost an idle worker 3-6 % of a core;
+bench/idle.py measures the CPU itself).
 
 Not a timing: the work of an idle poll is counted between two of the
 worker's waits, in its thread, once every job was taken in and its type
@@ -156,7 +156,7 @@ def test_the_holds_due_a_probe_are_the_others_and_none_is_missed(myq):
 @pytest.mark.parametrize("store", STORES, indirect=True)
 def test_a_held_types_probe_puts_its_job_back_unwritten(myq, spool, store):
     """A probe of a type held for its missing handler that finds it still
-    missing puts the job back as it was (SPEC 9: a hold writes nothing per
+    missing puts the job back as it was (a hold writes nothing per
     waiting job): before, each probe wrote and fsync'd a new version of
     it, 64 lanes' worth every 5 s, 10 s, ... (most of an idle worker's
     work once its pass over the holds was gone)."""

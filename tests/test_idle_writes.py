@@ -1,6 +1,6 @@
-"""What an idle worker writes to the spool's filesystem (issue 40: flash
-bytes a delivered job with durable=outage <= 1/20 of always, on UBIFS too;
-time alone kept it above: the heartbeat, a utime of the worker's record
+"""What an idle worker writes to the spool's filesystem (flash
+bytes a delivered job with durable=outage at most 1/20 of always, on
+UBIFS too; time alone kept it above: the heartbeat, a utime of the worker's record
 every lease/3, ~9 KB a beat on UBIFS).
 
 A worker beats only while it holds a claim or made one since its last

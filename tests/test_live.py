@@ -1,5 +1,5 @@
-"""Live data first (issue 41 item 3, SPEC §10 "Destinations, failover, live
-data first, the uplink's budget"): policy `order=live-first`, `live=`,
+"""Live data first (myq(1) "Live
+data first"): policy `order=live-first`, `live=`,
 `backlog_share=`.  After an outage, jobs made within `live` of now start
 before the backlog, which drains completely, in created_at order, in what
 the live jobs leave, with at most `backlog_share` percent of the starts

@@ -1,5 +1,5 @@
-"""Live data first after an outage of hours (issue 41; SPEC 10 "live data
-first", "the uplink's budget"): what the 3-hour outage's proof
+"""Live data first after an outage of hours (myq(1) "Live
+data first", the uplink's budget): what the 3-hour outage's proof
 (tests/soak/outage3h.py) found, each case made small.
 
 1. A deep backlog on the file store is read a slice at a time (a pass of

@@ -1,4 +1,4 @@
-"""The SQLite store's slow flow (issue 42, item 2): a batch's jobs are
+"""The SQLite store's slow flow (a batch under batch_wait): a batch's jobs are
 claimed in one statement and finished in one transaction, not two
 transactions a job (each a commit: its locks and the log's frames, ~25
 syscalls a job); the poll tick learns the lanes again only when a lane

@@ -229,3 +229,27 @@ def test_the_part_check_sees_a_crossing():
     heads, where, uses = _names_by_section(probe)
     assert where["g"] == 1 and (0, "f", set(["g"])) in uses
 
+
+
+# What a test file proves, in its own words: not which issue, contract
+# section or review round it came from (history: git log and the notes).
+HISTORY = re.compile(r"\b(issue \d+|SPEC ?§? ?\d+|round \d+)", re.I)
+
+
+def test_the_tests_say_what_they_prove_not_where_they_came_from():
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = []
+    for name in sorted(os.listdir(here)):
+        if not (name.startswith("test_") and name.endswith(".py")):
+            continue
+        if re.search(r"\d\d\.py$", name):
+            found.append("%s: a name after an issue, not a room" % name)
+        with open(os.path.join(here, name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)):
+                doc = ast.get_docstring(node) or ""
+                for m in HISTORY.finditer(doc):
+                    found.append("%s (%s): %r" % (
+                        name, getattr(node, "name", "module"), m.group(0)))
+    assert not found, "\n".join(found)

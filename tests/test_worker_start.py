@@ -1,4 +1,4 @@
-"""A worker's start on a deep spool (issue 42, item 2): what it reads of the
+"""A worker's start on a deep spool (bench/flow.py --start-n): what it reads of the
 waiting jobs is per start, not three times over, and after a stop that
 left nothing changed, nothing.
 
