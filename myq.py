@@ -20230,8 +20230,8 @@ class _BodyDone(BaseException):
 # And a script is compiled at every start, all of it, before its first
 # line runs (Python never caches a script's byte code; a stub at the top
 # would run after the compile): one `myq enqueue` from the one-file copy
-# peaks at ~60 MB of RAM and ~17x the instructions of the installed
-# layout, whose launcher imports myq.py from byte code (13 MB; bench/
+# peaks at ~60 MB of RAM and ~19x the instructions of the installed
+# layout, whose launcher imports myq.py from byte code (12 MB; bench/
 # device.py).  No interpreter compiles 600 KB in less, so the copy says,
 # once, what makes it cheap: on a terminal (a script's or cron's standard
 # error is not read by the one to tell), at the first run of a user that
