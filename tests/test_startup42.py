@@ -132,3 +132,58 @@ def test_installed_command_leaves_its_store_closed(tmp_path):
     assert r.returncode == 0 and '"state": "ready"' in r.stdout, r
     r = myq_("enqueue", "bad name!", "1")
     assert r.returncode == 65 and r.stderr.startswith("myq: "), r
+
+
+def test_extension_classes_are_made_at_their_first_use(tmp_path):
+    """A `myq enqueue` on a spool of files makes none of the extensions'
+    classes (the SQLite store's, the RAM tier's, HTTP's, intake's): each
+    is made at its first use, then named in myq's globals."""
+    code = ("import sys\nsys.path.insert(0, %r)\nimport myq\n"
+            "names = ('SqlStore', '_SqlClaims', 'RamStore', 'HttpHandler', "
+            "'HttpPool', 'HttpIntake', '_TieredClaims')\n"
+            "assert myq.main(['--spool', sys.argv[1], 'init']) == 0\n"
+            "assert myq.main(['--spool', sys.argv[1], 'enqueue', 't', "
+            "'1']) == 0\n"
+            "print(' '.join(type(vars(myq)[n]).__name__ for n in names))\n"
+            % ROOT)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       universal_newlines=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-7:] == ["_StandIn"] * 7, r.stdout
+
+
+def test_a_class_made_later_is_the_class_it_stands_for(monkeypatch):
+    import myq
+    made = []
+
+    class Base(object):
+        def hello(self):
+            return "base"
+
+    class Later(Base, myq._MadeLater):
+        """Made at its first use."""
+        kind = "later"
+
+        def __init__(self, x):
+            made.append(x)
+
+        def hello(self):
+            return "later " + super().hello()
+    assert type(Later) is myq._StandIn
+    assert not isinstance(Base(), Later) and not issubclass(Base, Later)
+    obj = Later(1)
+    assert made == [1] and obj.hello() == "later base"
+    assert isinstance(obj, Later) and isinstance(obj, Base)
+    assert issubclass(type(obj), Later) and type(obj).__mro__[1:] == \
+        (Base, object)
+    assert Later.__doc__ == "Made at its first use." and Later.__name__ == \
+        "Later" and Later.kind == "later"
+
+    class Sub(Later):               # a subclass of the class itself
+        pass
+    assert Sub.__mro__[1] is type(obj) and Sub(2).hello() == "later base"
+    monkeypatch.setattr(Later, "kind", "patched")
+    assert type(obj).kind == "patched"
+    monkeypatch.undo()
+    assert type(obj).kind == "later"
