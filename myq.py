@@ -291,14 +291,16 @@ class _StandIn(object):
         return repr(_class_of(self))
 
 
-_MAKING = _thread.RLock()       # (a stand-in is made once, in one thread)
+# (a stand-in's class is made once, by one thread; a fork's child gets a
+# lock of its own: _forked)
+_MAKING = [_thread.RLock()]
 
 
 def _class_of(stand_in):
     """The class of `stand_in`, made now if it was not yet."""
     cls = object.__getattribute__(stand_in, "_cls")
     if cls is None:
-        with _MAKING:
+        with _MAKING[0]:
             cls = object.__getattribute__(stand_in, "_cls")
             if cls is None:
                 name, bases, ns = object.__getattribute__(stand_in, "_args")
@@ -476,7 +478,8 @@ def _forked():
     the descriptors; the parent keeps its own) and opened again, and
     checked, at the child's first step; the caches of spools and wakes
     go; the id counter starts over, so that two children of one parent
-    never count up from the same random number in one millisecond.
+    never count up from the same random number in one millisecond; a
+    class made at its first use is made with a lock of the child's.
     _TOPS stays: its entries are paths, still spools in the child, whose
     steps must go on through the door."""
     doors, _HERE.doors, _HERE.heads, _HERE.tops = _HERE.doors, {}, {}, 0
@@ -487,6 +490,7 @@ def _forked():
     _LAST_ID[:] = [0, 0]
     _PID[0] = os.getpid()
     del _RANDOM[:]
+    _MAKING[0] = _thread.RLock()
 
 
 if hasattr(os, "register_at_fork"):
