@@ -160,8 +160,9 @@ Part II, the extensions:
                     (test_intake)
   Install           `myq install`: the module layout, the init files
                     embedded, its command (test_dist)
-  The process image   byte-code cache, heap, a worker's command
-                    (test_script_start)
+  The process image   byte-code cache, heap, a worker's command, the
+                    launcher's exit (end) (test_script_start,
+                    test_installed_start)
 
 The start:
   Run as a script   the script's start, its one hint (test_script_start,
