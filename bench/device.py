@@ -24,8 +24,8 @@ REV:myq.py`, REV=main unless --base), so that every ratio is within one run.
   site-packages may run .pth files, ~100 M instructions a start, that
   hide the difference): the one-file copy (bin/myq, a copy of myq.py run
   as a script: compiled at every start) and the installed layout (`myq.py
-  install --destdir`: its launcher imports myq.py from the hash-checked
-  byte code install wrote), against a bare `python3 -c pass` (the same
+  install --destdir`: its launcher imports myq.py from the byte code
+  install wrote, hash-based and unchecked), against a bare `python3 -c pass` (the same
   site start-up as the launcher's): wall time (median of 7), peak RSS
   (/usr/bin/time's %M, median of 5: a child's own ru_maxrss counts the
   forking parent's pages) and whole-process instructions (callgrind,

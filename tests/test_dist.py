@@ -134,7 +134,7 @@ def unpacked_env(root):
 
 def check_launcher(data, lib):
     """usr/bin/myq is the small launcher: a #! line for python3, lib first
-    on sys.path, `import myq`, exit with myq.main(); no import but sys and
+    on sys.path, `import myq`, exit with myq.end(myq.main()); no import but sys and
     gc (builtins: the collector is off while myq loads)."""
     text = data.decode("utf-8")
     assert text.startswith("#!/usr/bin/env python3\n")
@@ -148,7 +148,7 @@ def check_launcher(data, lib):
             imported.add(node.module)
     assert imported == {"gc", "sys", "myq"}
     assert "sys.path.insert(0, %r)" % lib in text
-    assert text.rstrip().endswith("sys.exit(myq.main())")
+    assert text.rstrip().endswith("myq.end(myq.main())")
 
 
 def loaded_from(stderr, pyc):

@@ -180,6 +180,10 @@ AT_IMPORT = gc.isenabled()
 def main():
     sys.stdout.write("import=%s main=%s" % (AT_IMPORT, gc.isenabled()))
     return 0
+
+
+def end(status):
+    sys.exit(status)
 """
 
 
