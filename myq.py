@@ -292,16 +292,14 @@ class _StandIn(object):
         return repr(_class_of(self))
 
 
-# (a stand-in's class is made once, by one thread; a fork's child gets a
-# lock of its own: _forked)
-_MAKING = [_thread.RLock()]
+_MAKING = _thread.RLock()       # (a stand-in is made once, in one thread)
 
 
 def _class_of(stand_in):
     """The class of `stand_in`, made now if it was not yet."""
     cls = object.__getattribute__(stand_in, "_cls")
     if cls is None:
-        with _MAKING[0]:
+        with _MAKING:
             cls = object.__getattribute__(stand_in, "_cls")
             if cls is None:
                 name, bases, ns = object.__getattribute__(stand_in, "_args")
@@ -479,8 +477,7 @@ def _forked():
     the descriptors; the parent keeps its own) and opened again, and
     checked, at the child's first step; the caches of spools and wakes
     go; the id counter starts over, so that two children of one parent
-    never count up from the same random number in one millisecond; a
-    class made at its first use is made with a lock of the child's.
+    never count up from the same random number in one millisecond.
     _TOPS stays: its entries are paths, still spools in the child, whose
     steps must go on through the door."""
     doors, _HERE.doors, _HERE.heads, _HERE.tops = _HERE.doors, {}, {}, 0
@@ -491,7 +488,6 @@ def _forked():
     _LAST_ID[:] = [0, 0]
     _PID[0] = os.getpid()
     del _RANDOM[:]
-    _MAKING[0] = _thread.RLock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -193,27 +193,3 @@ def test_a_class_made_later_is_the_class_it_stands_for(monkeypatch):
     assert type(obj).kind == "patched"
     monkeypatch.undo()
     assert type(obj).kind == "later"
-
-
-def test_a_forked_child_makes_a_class_another_thread_was_making():
-    """A fork while another thread holds the lock that makes a class at
-    its first use: the child has a lock of its own, and makes it."""
-    code = ("import os, sys, threading\nsys.path.insert(0, %r)\nimport myq\n"
-            "held, done = threading.Event(), threading.Event()\n"
-            "def hold():\n"
-            "    with myq._MAKING[0]:\n"
-            "        held.set()\n"
-            "        done.wait()\n"
-            "threading.Thread(target=hold, daemon=True).start()\n"
-            "held.wait()\n"
-            "pid = os.fork()\n"
-            "if pid == 0:\n"
-            "    import signal\n"
-            "    signal.alarm(20)\n"      # (a child that waits forever: killed)
-            "    os._exit(0 if myq.HttpPool.__name__ == 'HttpPool' else 3)\n"
-            "done.set()\n"
-            "print(os.waitpid(pid, 0)[1])\n" % ROOT)
-    r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, universal_newlines=True,
-                       timeout=60)
-    assert r.stdout.strip() == "0", r.stderr
