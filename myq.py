@@ -241,88 +241,6 @@ def _Pattern(pattern, flags=0):
     """re.compile(pattern, flags), at its first use."""
     return _Later(lambda: re.compile(pattern, flags))
 
-
-# A class is made at its first use where its statement names _MadeLater
-# among its bases: `class SqlStore(_DirStore, _MadeLater)`.  Making a class
-# costs CPython ~60,000 instructions (each of its ~95 slots looked up
-# through its MRO), as much as unmarshalling seven functions; the
-# extensions' classes (the SQLite store, the RAM tier, HTTP, MQTT,
-# intake) are made only in the processes that use them, not by every
-# `myq enqueue` on a spool of files.  The statement's body runs at
-# import as any other's (its functions made); what it makes is a
-# _StandIn, which makes the class (type(), the same name, bases and
-# namespace, _MadeLater left out) at its first use of any kind (a call,
-# an attribute, a subclass statement) and names it in this module's
-# globals from then on.  Until then isinstance and issubclass say False
-# (no instance can exist yet).
-
-class _StandIn(object):
-    """A class statement's class until its first use (above)."""
-
-    def __init__(self, name, bases, ns):
-        object.__setattr__(self, "_args", (name, bases, ns))
-        object.__setattr__(self, "_cls", None)
-
-    def __getattribute__(self, name):
-        if name == "__mro_entries__":   # (a subclass statement's: below)
-            return object.__getattribute__(self, name)
-        return getattr(_class_of(self), name)
-
-    def __setattr__(self, name, value):
-        setattr(_class_of(self), name, value)
-
-    def __delattr__(self, name):
-        delattr(_class_of(self), name)
-
-    def __call__(self, *args, **kwargs):
-        return _class_of(self)(*args, **kwargs)
-
-    def __mro_entries__(self, bases):
-        return (_class_of(self),)
-
-    def __instancecheck__(self, obj):
-        cls = object.__getattribute__(self, "_cls")
-        return cls is not None and isinstance(obj, cls)
-
-    def __subclasscheck__(self, sub):
-        cls = object.__getattribute__(self, "_cls")
-        return cls is not None and issubclass(sub, cls)
-
-    def __repr__(self):
-        return repr(_class_of(self))
-
-
-_MAKING = _thread.RLock()       # (a stand-in is made once, in one thread)
-
-
-def _class_of(stand_in):
-    """The class of `stand_in`, made now if it was not yet."""
-    cls = object.__getattribute__(stand_in, "_cls")
-    if cls is None:
-        with _MAKING:
-            cls = object.__getattribute__(stand_in, "_cls")
-            if cls is None:
-                name, bases, ns = object.__getattribute__(stand_in, "_args")
-                cls = type(name, tuple(_class_of(b) if type(b) is _StandIn else b
-                                       for b in bases), ns)
-                object.__setattr__(stand_in, "_cls", cls)
-                g = globals()
-                if g.get(name) is stand_in:
-                    g[name] = cls
-    return cls
-
-
-class _MakesStandIns(type):
-    """The class of _MadeLater: a statement that names it makes a
-    _StandIn."""
-
-    def __new__(mcls, name, bases, ns):
-        return _StandIn(name, tuple(b for b in bases if b is not _MadeLater)
-                        or (object,), ns)
-
-
-_MadeLater = type.__new__(_MakesStandIns, "_MadeLater", (object,), {})
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -8557,7 +8475,7 @@ def _enveloped(job, rules, now):
     return dict(job, payload=dict(p, message=env))
 
 
-class Uplink(_MadeLater):
+class Uplink(object):
     """The worker's uplink budget (--uplink-rate): the bytes of request
     bodies and MQTT payloads sent by all its runs, to every destination,
     stay within rate x 10 s over any 10 s; a send larger than that goes
@@ -8649,7 +8567,7 @@ class Uplink(_MadeLater):
 
 # A run's pieces ##############################################################
 
-class _Run(_MadeLater):
+class _Run(object):
     """One job in flight in this worker, run by its Handler."""
     __slots__ = ("claim", "handler", "proc", "started", "deadline", "kill_at",
                  "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
@@ -8671,7 +8589,7 @@ class _Run(_MadeLater):
         self.timed_out = self.released = False
 
 
-class Backoff(_MadeLater):
+class Backoff(object):
     """Every wait a worker gives a job before it goes again, in one place:
     a retry's (--backoff-base doubling per attempt, to --backoff-max), a
     held destination's probes (doubling per failure of its streak, to
@@ -8725,7 +8643,7 @@ class Backoff(_MadeLater):
         return min(max(10 * self.most, 60.0), 3600.0)
 
 
-class _Resolver(_MadeLater):
+class _Resolver(object):
     """The handlers of a worker, by type (myq(1) HANDLERS): --handlers'
     executables, the functions of --module and of Worker(handlers=...)
     (`handlers`, the worker's dict), and the built-in types of
@@ -8860,7 +8778,7 @@ def _drain(fd):
 # rates, batch_wait); a held destination's probes.  An object the worker
 # holds (Worker.sched), with the state it keeps.
 
-class LiveFirst(_MadeLater):
+class LiveFirst(object):
     """The choice of a lane whose type has order=live-first (myq(1) policy
     `order`), kept apart from the scan and the gates: among the due
     entries of the lane's scan cache, (mtime, name, scheduled), the live
@@ -9004,7 +8922,7 @@ class LiveFirst(_MadeLater):
         return e
 
 
-class _HoldTimes(dict, _MadeLater):
+class _HoldTimes(dict):
     """A worker's held destinations, DEST -> until (wall clock): a dict
     that also knows which of them its loop may have a probe of due
     (_Scheduling._next_claim): those that are not its own types held for
@@ -9075,7 +8993,7 @@ class _HoldTimes(dict, _MadeLater):
         return out
 
 
-class _Lane(_MadeLater):
+class _Lane(object):
     """A directory of waiting jobs as one worker sees it: incoming/ itself,
     or incoming/lanes/TYPE@PRIORITY, with its scan cache (`order`: its
     LiveFirst, when its type's order is live-first)."""
@@ -9098,7 +9016,7 @@ class _Lane(_MadeLater):
             self.sweep = None
 
 
-class _Scheduler(_MadeLater):
+class _Scheduler(object):
     """The worker's choice of its next job: its lanes and their scan
     caches, the gates of a start, the probes of held destinations.  What
     it reads of the others it is given: `holds` (what is held, until
@@ -9851,7 +9769,7 @@ class _Scheduler(_MadeLater):
 # mqtt through their clients; its outcome collected.  An object the worker
 # holds (Worker.runner).
 
-class _Runner(_MadeLater):
+class _Runner(object):
     """Starting handlers and collecting what they did.  It takes the
     scheduler's last claim (its slot, probe and lane; a batch's further
     jobs from its lane), finds the handler (`resolver`), asks the holds
@@ -10325,7 +10243,7 @@ class _Runner(_MadeLater):
 # destination is held for all, probes take the held jobs in turn, and a
 # release makes them ready.  An object the worker holds (Worker.holds).
 
-class _Holds(_MadeLater):
+class _Holds(object):
     """What is held for this worker: `until`, every held destination (a
     type held for its missing handler is its own) -> the wall time of its
     next probe, this worker's and the spool's records; `missing`, the
@@ -10638,7 +10556,7 @@ class WorkerOptions(object):
             0.5, min(self.lease / 2, 10.0))
 
 
-class _Finishing(_MadeLater):
+class _Finishing(object):
     """A claim's end, as its run's outcome says: done/ (group-committed),
     a retry, a dead letter, a release; a job of a held type or destination
     put back, no attempt counted; a failed batch split in halves
@@ -11606,7 +11524,7 @@ def await_daemon(pid, fd, log_name, timeout=30.0):
                       and os.WEXITSTATUS(status) else 1)
 
 
-class Supervisor(_MadeLater):
+class Supervisor(object):
     """`myq supervise`: keeps N worker processes running (for the init
     script and procd).  It owns process management, so that the init
     script stays thin:
@@ -11925,7 +11843,7 @@ class Supervisor(_MadeLater):
             time.sleep(0.02)
 
 
-class _Child(_MadeLater):
+class _Child(object):
     """A child the supervisor forked: what it uses of subprocess.Popen
     (pid, returncode, poll, send_signal, kill)."""
 
@@ -13530,7 +13448,7 @@ def _job_of_row(row):
     return normalize(job)
 
 
-class _SqlDb(_MadeLater):
+class _SqlDb(object):
     """A SQLite store's database: this process's connection to queue.db
     and its statements, one at a time (`mutex`), each a transaction of its
     own (write) or several in one (tx), durable at their commit or at the
@@ -13821,7 +13739,7 @@ class _SqlDb(_MadeLater):
                     pass
 
 
-class _SqlDropBox(_MadeLater):
+class _SqlDropBox(object):
     """A SQLite store's drop box taken in: the job files shell producers
     drop into incoming/ (a mv; myq enqueue by a producer who may not write
     queue.db, _SqlProducer.drop_box; a file a retry brought back from
@@ -14010,7 +13928,7 @@ class _SqlDropBox(_MadeLater):
         return row is not None and row == (v["type"], v["payload"])
 
 
-class _SqlClaims(Claims, _MadeLater):
+class _SqlClaims(Claims):
     """The claim protocol over queue.db: a claim is one short transaction
     (BEGIN IMMEDIATE; the row, still ready in its lane; UPDATE to
     processing with the claimer's token and lease; COMMIT), every finish
@@ -14494,7 +14412,7 @@ def _sql_claim_many(claims, names, me, default_max_attempts, scheduled, sub):
 # store itself, registered in _STORES.
 
 
-class _SqlUpkeep(Upkeep, _MadeLater):
+class _SqlUpkeep(Upkeep):
     """The operator's moves and retention over queue.db (a part of
     SqlStore): retry, delete, prune, make_space, check, export."""
 
@@ -14733,7 +14651,7 @@ class _SqlUpkeep(Upkeep, _MadeLater):
         return problems + [p for p in (self.store.free_problem(),) if p]
 
 
-class _SqlReader(Reader, _MadeLater):
+class _SqlReader(Reader):
     """What the commands read of a SQLite store: its rows, then the drop
     box's and failed/'s files as Reader reads them."""
 
@@ -14914,7 +14832,7 @@ def _row_attempt(row, job):
     return a if isinstance(a, int) else job["attempts"] + 1
 
 
-class SqlBudget(Budget, _MadeLater):
+class SqlBudget(Budget):
     """The budget of the SQLite store (myq-spool(5) BUDGET): what a row
     costs and frees in pages, the walk that checkpoints and vacuums
     first (the log's checkpoint kept within what is counted for it:
@@ -15002,7 +14920,7 @@ class SqlBudget(Budget, _MadeLater):
             self._add_waiting(out, t, size, created)
 
 
-class SqlBacklog(Backlog, _MadeLater):
+class SqlBacklog(Backlog):
     """The SQLite store's export: the drop box's files, the rows, what a
     damaged database still gives (its salvage), failed/'s files."""
 
@@ -15095,7 +15013,7 @@ class SqlBacklog(Backlog, _MadeLater):
                     yield job
 
 
-class _SqlProducer(_MadeLater):
+class _SqlProducer(object):
     """A SQLite store's producer (its `rows`): a job is a row INSERTed,
     the usual one as one prepared statement, many in one transaction,
     under the same guard and budget as files; a producer who may not write
@@ -15312,7 +15230,7 @@ class _SqlProducer(_MadeLater):
         return row is not None and dedupe_fresh(row[0] or 0, window, now)
 
 
-class SqlStore(_DirStore, _MadeLater):
+class SqlStore(_DirStore):
     """A spool of the SQLite store (myq-spool(5) SQLITE STORE): the jobs in
     queue.db, the rest as for files.  Its own parts besides _DirStore's:
     `db` (_SqlDb: the connection and its statements) and `rows`
@@ -15630,7 +15548,7 @@ def ram_rules(rules):
     return rules.get("spill_after", SPILL_AFTER), jobs, size
 
 
-class RamClaims(FileClaims, _MadeLater):
+class RamClaims(FileClaims):
     """The RAM tier's claims: FileClaims in its directory, but what would
     wait again (a retry, a put-back) or go to the dead letters moves to
     the spool instead (_Mover.move, at the next commit: one durable
@@ -15687,7 +15605,7 @@ class RamClaims(FileClaims, _MadeLater):
         return FileClaims.lane_key(self, L)
 
 
-class _RamBudget(FileBudget, _MadeLater):
+class _RamBudget(FileBudget):
     """The RAM tier's budget.  Its jobs cost the flash nothing, but each
     must find room in the spool when it moves: the spool's budget counts
     what the tier holds (Budget.beside), and the tier takes a job only
@@ -15763,7 +15681,7 @@ def _unram(sub):
     return sub[4:] if sub[:4] == "ram:" else sub
 
 
-class RamStore(FileStore, _MadeLater):
+class RamStore(FileStore):
     """The RAM tier of a spool (`spool`: the spool's store): a file store
     in a directory of a RAM filesystem, whose policy, breaker, workers'
     records and wake-up are the spool's.  Nothing in it is fsync'd: a
@@ -15936,7 +15854,7 @@ class RamStore(FileStore, _MadeLater):
     def spill(self, final=False):
         return self.mover.spill(final)
 
-class _Mover(_MadeLater):
+class _Mover(object):
     """A RAM tier's moves to its spool (`tier`: the RamStore): what must
     not wait in RAM, in one durable commit for many jobs; the copies of
     jobs running at their bound.  Its state: when it looks again."""
@@ -16140,7 +16058,7 @@ def _not_ram(path):
                           " or ".join(RAM_FILESYSTEMS)))
 
 
-class _TieredClaims(_MadeLater):
+class _TieredClaims(object):
     """The claims of a spool with a RAM tier: each call handed to the
     spool's claims or the tier's, by the lane ("ram:" first) or the claim
     (its path), what is not one or the other the spool's."""
@@ -16283,7 +16201,7 @@ class _TieredClaims(_MadeLater):
         return self.own.queued(jid) or self.ram.queued(jid)
 
 
-class _TieredBatches(_MadeLater):
+class _TieredBatches(object):
     """The batches' records of a spool with a RAM tier: a batch of RAM
     jobs is recorded in RAM (_Batches)."""
 
@@ -16498,7 +16416,7 @@ def _tls_connection():
 
 
 
-class HttpPool(_MadeLater):
+class HttpPool(object):
     """A worker's kept http connections (myq(1) the http type).
 
     Each connection is taken by one request at a time (never two requests
@@ -16947,7 +16865,7 @@ def http_batch(jobs, headers=None, backoff_max=3600.0, timeout=None, run=None,
                       pool, gzip)
 
 
-class HttpHandler(Handler, _MadeLater):
+class HttpHandler(Handler):
     """The built-in `http` type (myq(1) the http type): its destination is the
     URL's origin, scheme://host:port (the one HttpPool keeps connections
     to); jobs share a request when http_group_key() says so.  The run's
@@ -17674,7 +17592,7 @@ def _mqtt_bytes(jobs):
     return n
 
 
-class MqttHandler(Handler, _MadeLater):
+class MqttHandler(Handler):
     """The built-in `mqtt` type (myq(1) the mqtt type): its destination is the broker
     of --mqtt; a batch is published all in flight, one outcome a job.  It
     holds the clients of --mqtt's brokers (`clients`, connected at the
@@ -18219,7 +18137,7 @@ def _equal_secret(a, b):
         return n == 0
 
 
-class _HttpConn(_MadeLater):
+class _HttpConn(object):
     """One client connection: what it sent, what is still to go out."""
     __slots__ = ("sock", "buf", "out", "deadline", "head", "need", "close",
                  "started", "continued")
@@ -18233,7 +18151,7 @@ class _HttpConn(_MadeLater):
         self.close = self.continued = False
 
 
-class HttpIntake(_MadeLater):
+class HttpIntake(object):
     """The local HTTP endpoint (myq(1) INTAKE): POST /jobs/TYPE, GET /health,
     GET /metrics, on non-blocking sockets served by `serve()` (one poll).
     `token`: the bearer token every request must carry (bytes), or None."""
