@@ -1710,6 +1710,14 @@ def _encode_value(v):
                                    None, ":", ",", False, False, False)(v, 0))
 
 
+# The same encoder made once, without a record of the containers it is in
+# (a cycle ends in RecursionError where it said "Circular reference"): the
+# SQLite store's usual enqueue, whose caller goes the general way on any
+# error, which words it (3,600 instructions a job less than _encode_value).
+_ENCODE_ONCE = _c_make_encoder and _c_make_encoder(
+    None, _not_json, _encode_basestring, None, ":", ",", False, False, False)
+
+
 class _ScanRules(object):
     """What _json.make_scanner reads of a JSONDecoder: _DECODER's rules."""
     strict, object_hook, object_pairs_hook = True, None, None
@@ -6718,6 +6726,16 @@ class Budget(object):
             held[k] = (c[0] + n, c[1] + b)
         if mono - self._arrived_at >= 1.0:
             self.flush_arrivals()
+
+    def note_arrival(self, type, size, mono):
+        """note_arrivals of one job of `size` bytes (`mono`: the producer's
+        clock, just read), without a dict a job."""
+        held = self._arrivals
+        if held is None or mono - self._arrived_at >= 1.0:
+            return self.note_arrivals({type: (1, self.cost(size))})
+        c = held.get(type)
+        held[type] = (1, self.cost(size)) if c is None else (
+            c[0] + 1, c[1] + self.cost(size))
 
     def flush_arrivals(self):
         held = self._arrivals
@@ -15016,6 +15034,7 @@ class _SqlProducer(object):
     def __init__(self, store):
         self.store, self.files = store, store.producer
         self._writer = None     # may this user write queue.db (drop_box)
+        self._usual = None      # (SpoolPolicy._homes, {type: usual(type)})
 
     def drop_box(self):
         """True when this user cannot write queue.db (a producer of the
@@ -15029,28 +15048,26 @@ class _SqlProducer(object):
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
                 timeout=None, sync=True, priority=None, ttl=None):
         """_DirStore.enqueue.  The usual call (a generated id, no options, a type
-        whose jobs wait in incoming/ unbounded) is one INSERT of a prepared
-        statement: no job file's bytes, no dict of columns (bench/README.md:
-        its Python costs less than the INSERT).  Anything else, and any
-        error, goes the general way, which words it."""
+        whose jobs wait in incoming/ unbounded, no budget) is one INSERT of
+        a prepared statement: no job file's bytes, no dict of columns
+        (bench/README.md: its Python costs less than the INSERT); what the
+        type's rules say of it is asked once per type and policy (usual).
+        Anything else, and any error, goes the general way, which words it."""
         if id is not None or delay or max_attempts is not None \
                 or timeout is not None or priority is not None \
-                or ttl is not None or self.store.require() and self.drop_box():
+                or ttl is not None or not self.usual(type):
             return _DirStore.enqueue(self.store, type, payload, id, delay,
                                      max_attempts, timeout, sync, priority, ttl)
-        # new_job's checks, in its order, without its dict
         now = _now()
-        _check_name(type, "type")
-        if isinstance(payload, (dict, list, tuple)):
-            _check_depth(payload, 2)     # the job object is level 1
-        rules = self.store.rules(type)
         try:
-            if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10 \
-                    or rules.get("priority") or "url" in rules \
-                    or "topic" in rules \
-                    or self.store.home({"type": type}, rules) != "incoming":
+            if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10:
                 raise ValueError
-            pj = "null" if payload is None else _encode_value(payload)
+            pj = "null" if payload is None else "".join(_ENCODE_ONCE(payload, 0)) \
+                if _ENCODE_ONCE else _encode_value(payload)
+            # new_job's depth check, where the text could be that deep (the
+            # job object is level 1: each level a bracket at least)
+            if pj.count("[") + pj.count("{") > MAX_DEPTH - 2:
+                _check_depth(payload, 2)
             jid = _new_id(now)
             # len(_dumps_new(job)): what its file would hold (test_sqlite)
             size = _NEW_SIZE + len(jid) + len(type) + 3 * len(repr(now)) \
@@ -15059,9 +15076,65 @@ class _SqlProducer(object):
                 raise ValueError            # (its refusal is worded there)
         except (ValueError, TypeError, RecursionError, UnicodeError):
             return _DirStore.enqueue(self.store, type, payload, None, 0, None, None, sync)
-        self.insert_one(_INSERT_NEW, (jid, self.store.name, type, pj, now, now, now,
-                                       size), size, sync, type)
+        self.insert_usual((jid, self.store.name, type, pj, now, now, now, size),
+                          size, sync, type)
         return jid
+
+    def usual(self, type):
+        """May a job of `type` be the usual enqueue (SqlStore.enqueue)?  A
+        name, the spool ready, this user a writer of queue.db, the type's
+        rules none that set where or how its jobs wait or go (its home
+        incoming/), no budget: asked once per type while the policy and
+        the types held for a missing handler stay (SpoolPolicy._homes, made
+        anew when either changes; the policy file looked at once a second,
+        as rules() does).  False, or 1; 2 where the spool has a budget."""
+        pols = self.store.policies
+        pols.policy()
+        known = self._usual
+        if known is None or known[0] is not pols._homes:
+            known = self._usual = (pols._homes, {})
+        ok = known[1].get(type) if type.__class__ is str else False
+        if ok is None:
+            rules = self.store.rules(type)
+            ok = _is_name(type) and not (
+                self.store.require() and self.drop_box()) \
+                and not (rules.get("priority") or "url" in rules
+                         or "topic" in rules) \
+                and self.store.home({"type": type}, rules) == "incoming" \
+                and (1 if self.store.budget.budget_bytes() is None else 2)
+            if len(known[1]) < 4096:
+                known[1][type] = ok
+        return ok
+
+    def insert_usual(self, args, size, sync, type):
+        """insert_one of the usual enqueue (_INSERT_NEW's `args`), each step
+        spelt out for one job and asked only where it can say something:
+        the disk guard's figure (room_for's, within its second and its
+        room: no statvfs), the budget where there is one (usual), a poke
+        where a worker may listen (_UNHEARD, as poke has it), the arrival
+        added to those held (Budget.note_arrival), the door released where
+        a step opened it."""
+        store, files = self.store, self.files
+        mono = _mono()
+        t, room, left, block = files.room
+        if mono - t < 1.0 and size + block <= room and left > 0:
+            files.room = (t, room - size - block, left - 1, block)
+        else:
+            problem = files.room_for((size,))
+            if problem:
+                raise SpoolFull("spool %s refuses the job: %s" % (store.path, problem))
+        try:
+            if self._usual[1].get(type) == 2:
+                store.budget.charge(((type, size),))
+            store._write(_INSERT_NEW, args, sync, fresh=True)
+            t = _UNHEARD.get(store.path)
+            if t is None or mono >= t:
+                store.poke(often=True)
+            store.budget.note_arrival(type, size, mono)
+        finally:
+            door = _HERE.doors.get(store.path)
+            if door is not None and door.fds:
+                door.release()
 
     def insert_one(self, sql, args, size, sync, type):
         """One new row waiting in incoming/ (`size`: its file's bytes),
@@ -15651,6 +15724,9 @@ class _RamBudget(FileBudget):
         return None if budget is None else budget - spool.used_bytes()
 
     def note_arrivals(self, counts):
+        pass
+
+    def note_arrival(self, type, size, mono):
         pass
 
     def flush_arrivals(self):
