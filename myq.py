@@ -6431,6 +6431,7 @@ class Budget(object):
         self._blk = None            # the filesystem's block (_block)
         self._arrivals = None       # a producer's, held a second (atexit)
         self._arrived_at = -1e9
+        self._cost_of = (None, 0)   # (size, its cost): note_arrival's last
         self._delivered = {}        # a worker's, noted each second
         self._sent = {}             # its bytes on the uplink, the same
         self._upkept = (-1e9, -1e9)     # (last turn, next walk): upkeep_budget
@@ -6730,12 +6731,15 @@ class Budget(object):
     def note_arrival(self, type, size, mono):
         """note_arrivals of one job of `size` bytes (`mono`: the producer's
         clock, just read), without a dict a job."""
-        held = self._arrivals
+        held, last = self._arrivals, self._cost_of
+        cost = last[1] if last[0] == size else None
+        if cost is None:
+            cost = self.cost(size)
+            self._cost_of = (size, cost)
         if held is None or mono - self._arrived_at >= 1.0:
-            return self.note_arrivals({type: (1, self.cost(size))})
+            return self.note_arrivals({type: (1, cost)})
         c = held.get(type)
-        held[type] = (1, self.cost(size)) if c is None else (
-            c[0] + 1, c[1] + self.cost(size))
+        held[type] = (1, cost) if c is None else (c[0] + 1, c[1] + cost)
 
     def flush_arrivals(self):
         held = self._arrivals
@@ -7301,11 +7305,12 @@ class SpoolPolicy(object):
         self.pol_polled = False
         self.policy_error = None
 
-    def policy(self):
+    def policy(self, now=None):
         """{TYPE or "*": {KEY: VALUE}}: the last good policy, re-read when
-        its file changed (looked at once a second at most).  A file that
-        does not parse is ignored: policy_error says why."""
-        now = _mono()
+        its file changed (looked at once a second at most; `now`: the
+        caller's _mono(), just read).  A file that does not parse is
+        ignored: policy_error says why."""
+        now = _mono() if now is None else now
         if now < self._pol_next:
             return self._pol
         self._pol_next = now + 1.0
@@ -15053,9 +15058,10 @@ class _SqlProducer(object):
         (bench/README.md: its Python costs less than the INSERT); what the
         type's rules say of it is asked once per type and policy (usual).
         Anything else, and any error, goes the general way, which words it."""
+        mono = _mono()
         if id is not None or delay or max_attempts is not None \
                 or timeout is not None or priority is not None \
-                or ttl is not None or not self.usual(type):
+                or ttl is not None or not self.usual(type, mono):
             return _DirStore.enqueue(self.store, type, payload, id, delay,
                                      max_attempts, timeout, sync, priority, ttl)
         now = _now()
@@ -15077,19 +15083,20 @@ class _SqlProducer(object):
         except (ValueError, TypeError, RecursionError, UnicodeError):
             return _DirStore.enqueue(self.store, type, payload, None, 0, None, None, sync)
         self.insert_usual((jid, self.store.name, type, pj, now, now, now, size),
-                          size, sync, type)
+                          size, sync, type, mono)
         return jid
 
-    def usual(self, type):
+    def usual(self, type, mono=None):
         """May a job of `type` be the usual enqueue (SqlStore.enqueue)?  A
         name, the spool ready, this user a writer of queue.db, the type's
         rules none that set where or how its jobs wait or go (its home
         incoming/), no budget: asked once per type while the policy and
         the types held for a missing handler stay (SpoolPolicy._homes, made
         anew when either changes; the policy file looked at once a second,
-        as rules() does).  False, or 1; 2 where the spool has a budget."""
+        as rules() does; `mono`: the caller's _mono()).  False, or 1; 2
+        where the spool has a budget."""
         pols = self.store.policies
-        pols.policy()
+        pols.policy(mono)
         known = self._usual
         if known is None or known[0] is not pols._homes:
             known = self._usual = (pols._homes, {})
@@ -15106,16 +15113,15 @@ class _SqlProducer(object):
                 known[1][type] = ok
         return ok
 
-    def insert_usual(self, args, size, sync, type):
+    def insert_usual(self, args, size, sync, type, mono):
         """insert_one of the usual enqueue (_INSERT_NEW's `args`), each step
         spelt out for one job and asked only where it can say something:
         the disk guard's figure (room_for's, within its second and its
         room: no statvfs), the budget where there is one (usual), a poke
         where a worker may listen (_UNHEARD, as poke has it), the arrival
         added to those held (Budget.note_arrival), the door released where
-        a step opened it."""
+        a step opened it.  `mono`: the caller's _mono(), read before."""
         store, files = self.store, self.files
-        mono = _mono()
         t, room, left, block = files.room
         if mono - t < 1.0 and size + block <= room and left > 0:
             files.room = (t, room - size - block, left - 1, block)
