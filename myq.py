@@ -501,6 +501,31 @@ def _ms_repr(t):
     return repr(round(t, 3))
 
 
+# 10**k for k = 6 .. 1, and a float's step between 2**30 and 2**31 in halves
+_TENS = (1000000, 100000, 10000, 1000, 100, 10)
+_HALF_STEPS = 1 << 23
+
+
+def _time_repr_len(t):
+    """len(repr(t)) for a time of these years (2**30 <= t < 2**31: 2004 to
+    2038) without repr, whose shortest digits cost 7,000 instructions:
+    there t's fraction is F / 2**22 (F an integer), a float there
+    stands for every number within 2**-23 of it, and its repr has the
+    fewest decimals k (at least 1, at most 7) that some number of k
+    decimals within that reach has (never at its edge: that would need
+    k >= 23).  Else repr's own."""
+    if not 1073741824.0 <= t < 2147483648.0:
+        return len(repr(t))
+    p = int(t % 1.0 * 8388608.0)            # the fraction, in 2**-23 s
+    k = 7
+    for ten in _TENS:
+        r = p * ten % _HALF_STEPS
+        if ten < r < _HALF_STEPS - ten:
+            break                           # none of k - 1 decimals
+        k -= 1
+    return 11 + k
+
+
 def iso(t=None, frac=True):
     """ISO 8601 UTC ending in Z, with milliseconds unless frac is false."""
     t = _now() if t is None else t
@@ -13488,6 +13513,7 @@ class _SqlDb(object):
         self.small = False      # the log kept small (below a guard)
         self.ret = None         # UPDATE ... RETURNING known (SQLite 3.35)
         self._g = None          # the last look at others' commits (look)
+        self._ins = None        # the usual enqueue's cursor (insert_new)
 
     def connection(self):
         """This process's connection (a forked child makes its own; its
@@ -13628,6 +13654,27 @@ class _SqlDb(object):
                 raise _db_error(self.store, e)
             self._after_commit(fresh)
             return out
+
+    def insert_new(self, args, sync):
+        """write() of the usual enqueue's INSERT (_INSERT_NEW's `args`), by
+        a cursor kept for it (one made a statement: 2,500 instructions of
+        a job's 95,000)."""
+        if _hook is not None:
+            return self.write(_INSERT_NEW, args, sync, fresh=True)
+        with self.mutex:
+            db = self.conn
+            if db is None or self.conn_pid != _PID[0]:
+                db = self.connection()
+            cur = self._ins
+            if cur is None or cur.connection is not db:
+                cur = self._ins = db.cursor()
+            try:
+                if self.sync != sync:
+                    self._synced(db, sync)
+                cur.execute(_INSERT_NEW, args)
+            except _sqlite3().Error as e:       # (looked up on an error alone)
+                raise _db_error(self.store, e)
+            self._after_commit(True)
 
     def all(self, sql, args=()):
         sqlite3 = _sqlite3()
@@ -15076,7 +15123,7 @@ class _SqlProducer(object):
                 _check_depth(payload, 2)
             jid = _new_id(now)
             # len(_dumps_new(job)): what its file would hold (test_sqlite)
-            size = _NEW_SIZE + len(jid) + len(type) + 3 * len(repr(now)) \
+            size = _NEW_SIZE + len(jid) + len(type) + 3 * _time_repr_len(now) \
                 + len(pj if pj.isascii() else pj.encode("utf-8"))
             if size > self.store.opt["max_job_bytes"]:
                 raise ValueError            # (its refusal is worded there)
@@ -15096,7 +15143,8 @@ class _SqlProducer(object):
         as rules() does; `mono`: the caller's _mono()).  False, or 1; 2
         where the spool has a budget."""
         pols = self.store.policies
-        pols.policy(mono)
+        if mono is None or mono >= pols._pol_next:
+            pols.policy(mono)
         known = self._usual
         if known is None or known[0] is not pols._homes:
             known = self._usual = (pols._homes, {})
@@ -15132,7 +15180,7 @@ class _SqlProducer(object):
         try:
             if self._usual[1].get(type) == 2:
                 store.budget.charge(((type, size),))
-            store._write(_INSERT_NEW, args, sync, fresh=True)
+            store.db.insert_new(args, sync)
             t = _UNHEARD.get(store.path)
             if t is None or mono >= t:
                 store.poke(often=True)

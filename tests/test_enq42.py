@@ -129,3 +129,17 @@ def test_a_policy_set_after_the_first_job_holds_for_the_next(
             n += 1
     assert 0 < n < 300
     sp.close()
+
+
+def test_the_length_of_a_times_repr_without_repr(myq):
+    """_time_repr_len (the usual enqueue's size of its job's file) is
+    len(repr(t)) for every time: random ones of these years, ones of few
+    decimals (whole seconds, ms, us), the ends of its range and beyond."""
+    import random
+    rnd = random.Random(42)
+    times = [rnd.uniform(2.0 ** 30, 2.0 ** 31) for _ in range(20000)]
+    for d in (1, 10, 1000, 10 ** 6, 10 ** 7, 2 ** 22):
+        times += [rnd.randrange(2 ** 30 * d, 2 ** 31 * d) / d for _ in range(3000)]
+    times += [2.0 ** 30, 2.0 ** 31 - 2.0 ** -22, 2.0 ** 31, 2.0 ** 30 - 1e-7,
+              1765090000.9999999, 0.0, -1.5, 1e-9, 123.456, 1e10 + 0.1, 9.5e10]
+    assert [t for t in times if myq._time_repr_len(t) != len(repr(t))] == []
