@@ -501,9 +501,8 @@ def _ms_repr(t):
     return repr(round(t, 3))
 
 
-# 10**k for k = 6 .. 1, and a float's step between 2**30 and 2**31 in halves
-_TENS = (1000000, 100000, 10000, 1000, 100, 10)
-_HALF_STEPS = 1 << 23
+# 10**k for k = 6 .. 1 (floats: the products stay below 2**53, exact)
+_TENS = (1e6, 1e5, 1e4, 1e3, 1e2, 1e1)
 
 
 def _time_repr_len(t):
@@ -516,11 +515,11 @@ def _time_repr_len(t):
     k >= 23).  Else repr's own."""
     if not 1073741824.0 <= t < 2147483648.0:
         return len(repr(t))
-    p = int(t % 1.0 * 8388608.0)            # the fraction, in 2**-23 s
+    p = t % 1.0 * 8388608.0                 # the fraction, in 2**-23 s
     k = 7
     for ten in _TENS:
-        r = p * ten % _HALF_STEPS
-        if ten < r < _HALF_STEPS - ten:
+        r = p * ten % 8388608.0
+        if ten < r < 8388608.0 - ten:
             break                           # none of k - 1 decimals
         k -= 1
     return 11 + k
@@ -2015,7 +2014,8 @@ def _new_id(now):
                           for i in range(0, 64, 4)]
         n = _RANDOM.pop()
     _LAST_ID[:] = [ms, n]
-    return "%013d-%08x" % (ms, n)
+    # (13 digits since 2001 without the padding's cost: 500 instructions)
+    return ("%d-%08x" if ms >= 1000000000000 else "%013d-%08x") % (ms, n)
 
 
 def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
@@ -13674,7 +13674,10 @@ class _SqlDb(object):
                 cur.execute(_INSERT_NEW, args)
             except _sqlite3().Error as e:       # (looked up on an error alone)
                 raise _db_error(self.store, e)
-            self._after_commit(True)
+            self.commits += 1                   # (_after_commit's)
+            self.fresh += 1
+            if self.commits == 1:
+                _cloexec_files(self.store.d(DB_NAME))
 
     def all(self, sql, args=()):
         sqlite3 = _sqlite3()
