@@ -4494,7 +4494,7 @@ class Producer(object):
             if sync:
                 self.fsync_or_withdraw(((jid, sub),), dirs)
             self.poke(dirs, often=True)
-            self.arrived([todo], ((jid, sub),))
+            self.store.budget.note_arrival(job["type"], len(data), _mono())
         except OSError as e:        # opening the directories
             raise self._unwritable(e)
         finally:
