@@ -502,6 +502,30 @@ def _ms_repr(t):
     return repr(round(t, 3))
 
 
+# 10**k for k = 6 .. 1 (floats: the products stay below 2**53, exact)
+_TENS = (1e6, 1e5, 1e4, 1e3, 1e2, 1e1)
+
+
+def _time_repr_len(t):
+    """len(repr(t)) for a time of these years (2**30 <= t < 2**31: 2004 to
+    2038) without repr, whose shortest digits cost 7,000 instructions:
+    there t's fraction is F / 2**22 (F an integer), a float there
+    stands for every number within 2**-23 of it, and its repr has the
+    fewest decimals k (at least 1, at most 7) that some number of k
+    decimals within that reach has (never at its edge: that would need
+    k >= 23).  Else repr's own."""
+    if not 1073741824.0 <= t < 2147483648.0:
+        return len(repr(t))
+    p = t % 1.0 * 8388608.0                 # the fraction, in 2**-23 s
+    k = 7
+    for ten in _TENS:
+        r = p * ten % 8388608.0
+        if ten < r < 8388608.0 - ten:
+            break                           # none of k - 1 decimals
+        k -= 1
+    return 11 + k
+
+
 def iso(t=None, frac=True):
     """ISO 8601 UTC ending in Z, with milliseconds unless frac is false."""
     t = _now() if t is None else t
@@ -1711,6 +1735,14 @@ def _encode_value(v):
                                    None, ":", ",", False, False, False)(v, 0))
 
 
+# The same encoder made once, without a record of the containers it is in
+# (a cycle ends in RecursionError where it said "Circular reference"): the
+# SQLite store's usual enqueue, whose caller goes the general way on any
+# error, which words it (3,600 instructions a job less than _encode_value).
+_ENCODE_ONCE = _c_make_encoder and _c_make_encoder(
+    None, _not_json, _encode_basestring, None, ":", ",", False, False, False)
+
+
 class _ScanRules(object):
     """What _json.make_scanner reads of a JSONDecoder: _DECODER's rules."""
     strict, object_hook, object_pairs_hook = True, None, None
@@ -1983,7 +2015,8 @@ def _new_id(now):
                           for i in range(0, 64, 4)]
         n = _RANDOM.pop()
     _LAST_ID[:] = [ms, n]
-    return "%013d-%08x" % (ms, n)
+    # (13 digits since 2001 without the padding's cost: 500 instructions)
+    return ("%d-%08x" if ms >= 1000000000000 else "%013d-%08x") % (ms, n)
 
 
 def new_job(type, payload=None, id=None, delay=0, max_attempts=None,
@@ -4462,7 +4495,7 @@ class Producer(object):
             if sync:
                 self.fsync_or_withdraw(((jid, sub),), dirs)
             self.poke(dirs, often=True)
-            self.arrived([todo], ((jid, sub),))
+            self.store.budget.note_arrival(job["type"], len(data), _mono())
         except OSError as e:        # opening the directories
             raise self._unwritable(e)
         finally:
@@ -6424,6 +6457,7 @@ class Budget(object):
         self._blk = None            # the filesystem's block (_block)
         self._arrivals = None       # a producer's, held a second (atexit)
         self._arrived_at = -1e9
+        self._cost_of = (None, 0)   # (size, its cost): note_arrival's last
         self._delivered = {}        # a worker's, noted each second
         self._sent = {}             # its bytes on the uplink, the same
         self._upkept = (-1e9, -1e9)     # (last turn, next walk): upkeep_budget
@@ -6719,6 +6753,19 @@ class Budget(object):
             held[k] = (c[0] + n, c[1] + b)
         if mono - self._arrived_at >= 1.0:
             self.flush_arrivals()
+
+    def note_arrival(self, type, size, mono):
+        """note_arrivals of one job of `size` bytes (`mono`: the producer's
+        clock, just read), without a dict a job."""
+        held, last = self._arrivals, self._cost_of
+        cost = last[1] if last[0] == size else None
+        if cost is None:
+            cost = self.cost(size)
+            self._cost_of = (size, cost)
+        if held is None or mono - self._arrived_at >= 1.0:
+            return self.note_arrivals({type: (1, cost)})
+        c = held.get(type)
+        held[type] = (1, cost) if c is None else (c[0] + 1, c[1] + cost)
 
     def flush_arrivals(self):
         held = self._arrivals
@@ -7284,11 +7331,12 @@ class SpoolPolicy(object):
         self.pol_polled = False
         self.policy_error = None
 
-    def policy(self):
+    def policy(self, now=None):
         """{TYPE or "*": {KEY: VALUE}}: the last good policy, re-read when
-        its file changed (looked at once a second at most).  A file that
-        does not parse is ignored: policy_error says why."""
-        now = _mono()
+        its file changed (looked at once a second at most; `now`: the
+        caller's _mono(), just read).  A file that does not parse is
+        ignored: policy_error says why."""
+        now = _mono() if now is None else now
         if now < self._pol_next:
             return self._pol
         self._pol_next = now + 1.0
@@ -13465,6 +13513,7 @@ class _SqlDb(object):
         self.small = False      # the log kept small (below a guard)
         self.ret = None         # UPDATE ... RETURNING known (SQLite 3.35)
         self._g = None          # the last look at others' commits (look)
+        self._ins = None        # the usual enqueue's cursor (insert_new)
 
     def connection(self):
         """This process's connection (a forked child makes its own; its
@@ -13605,6 +13654,30 @@ class _SqlDb(object):
                 raise _db_error(self.store, e)
             self._after_commit(fresh)
             return out
+
+    def insert_new(self, args, sync):
+        """write() of the usual enqueue's INSERT (_INSERT_NEW's `args`), by
+        a cursor kept for it (one made a statement: 2,500 instructions of
+        a job's 95,000)."""
+        if _hook is not None:
+            return self.write(_INSERT_NEW, args, sync, fresh=True)
+        with self.mutex:
+            db = self.conn
+            if db is None or self.conn_pid != _PID[0]:
+                db = self.connection()
+            cur = self._ins
+            if cur is None or cur.connection is not db:
+                cur = self._ins = db.cursor()
+            try:
+                if self.sync != sync:
+                    self._synced(db, sync)
+                cur.execute(_INSERT_NEW, args)
+            except _sqlite3().Error as e:       # (looked up on an error alone)
+                raise _db_error(self.store, e)
+            self.commits += 1                   # (_after_commit's)
+            self.fresh += 1
+            if self.commits == 1:
+                _cloexec_files(self.store.d(DB_NAME))
 
     def all(self, sql, args=()):
         sqlite3 = _sqlite3()
@@ -15024,6 +15097,7 @@ class _SqlProducer(object):
     def __init__(self, store):
         self.store, self.files = store, store.producer
         self._writer = None     # may this user write queue.db (drop_box)
+        self._usual = None      # (SpoolPolicy._homes, {type: usual(type)})
 
     def drop_box(self):
         """True when this user cannot write queue.db (a producer of the
@@ -15037,39 +15111,95 @@ class _SqlProducer(object):
     def enqueue(self, type, payload=None, id=None, delay=0, max_attempts=None,
                 timeout=None, sync=True, priority=None, ttl=None):
         """_DirStore.enqueue.  The usual call (a generated id, no options, a type
-        whose jobs wait in incoming/ unbounded) is one INSERT of a prepared
-        statement: no job file's bytes, no dict of columns (bench/README.md:
-        its Python costs less than the INSERT).  Anything else, and any
-        error, goes the general way, which words it."""
+        whose jobs wait in incoming/ unbounded, no budget) is one INSERT of
+        a prepared statement: no job file's bytes, no dict of columns
+        (bench/README.md: its Python costs less than the INSERT); what the
+        type's rules say of it is asked once per type and policy (usual).
+        Anything else, and any error, goes the general way, which words it."""
+        mono = _mono()
         if id is not None or delay or max_attempts is not None \
                 or timeout is not None or priority is not None \
-                or ttl is not None or self.store.require() and self.drop_box():
+                or ttl is not None or not self.usual(type, mono):
             return _DirStore.enqueue(self.store, type, payload, id, delay,
                                      max_attempts, timeout, sync, priority, ttl)
-        # new_job's checks, in its order, without its dict
         now = _now()
-        _check_name(type, "type")
-        if isinstance(payload, (dict, list, tuple)):
-            _check_depth(payload, 2)     # the job object is level 1
-        rules = self.store.rules(type)
         try:
-            if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10 \
-                    or rules.get("priority") or "url" in rules \
-                    or "topic" in rules \
-                    or self.store.home({"type": type}, rules) != "incoming":
+            if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10:
                 raise ValueError
-            pj = "null" if payload is None else _encode_value(payload)
+            pj = "null" if payload is None else "".join(_ENCODE_ONCE(payload, 0)) \
+                if _ENCODE_ONCE else _encode_value(payload)
+            # new_job's depth check, where the text could be that deep (the
+            # job object is level 1: each level a bracket at least)
+            if pj.count("[") + pj.count("{") > MAX_DEPTH - 2:
+                _check_depth(payload, 2)
             jid = _new_id(now)
             # len(_dumps_new(job)): what its file would hold (test_sqlite)
-            size = _NEW_SIZE + len(jid) + len(type) + 3 * len(repr(now)) \
+            size = _NEW_SIZE + len(jid) + len(type) + 3 * _time_repr_len(now) \
                 + len(pj if pj.isascii() else pj.encode("utf-8"))
             if size > self.store.opt["max_job_bytes"]:
                 raise ValueError            # (its refusal is worded there)
         except (ValueError, TypeError, RecursionError, UnicodeError):
             return _DirStore.enqueue(self.store, type, payload, None, 0, None, None, sync)
-        self.insert_one(_INSERT_NEW, (jid, self.store.name, type, pj, now, now, now,
-                                       size), size, sync, type)
+        self.insert_usual((jid, self.store.name, type, pj, now, now, now, size),
+                          size, sync, type, mono)
         return jid
+
+    def usual(self, type, mono=None):
+        """May a job of `type` be the usual enqueue (SqlStore.enqueue)?  A
+        name, the spool ready, this user a writer of queue.db, the type's
+        rules none that set where or how its jobs wait or go (its home
+        incoming/), no budget: asked once per type while the policy and
+        the types held for a missing handler stay (SpoolPolicy._homes, made
+        anew when either changes; the policy file looked at once a second,
+        as rules() does; `mono`: the caller's _mono()).  False, or 1; 2
+        where the spool has a budget."""
+        pols = self.store.policies
+        if mono is None or mono >= pols._pol_next:
+            pols.policy(mono)
+        known = self._usual
+        if known is None or known[0] is not pols._homes:
+            known = self._usual = (pols._homes, {})
+        ok = known[1].get(type) if type.__class__ is str else False
+        if ok is None:
+            rules = self.store.rules(type)
+            ok = _is_name(type) and not (
+                self.store.require() and self.drop_box()) \
+                and not (rules.get("priority") or "url" in rules
+                         or "topic" in rules) \
+                and self.store.home({"type": type}, rules) == "incoming" \
+                and (1 if self.store.budget.budget_bytes() is None else 2)
+            if len(known[1]) < 4096:
+                known[1][type] = ok
+        return ok
+
+    def insert_usual(self, args, size, sync, type, mono):
+        """insert_one of the usual enqueue (_INSERT_NEW's `args`), each step
+        spelt out for one job and asked only where it can say something:
+        the disk guard's figure (room_for's, within its second and its
+        room: no statvfs), the budget where there is one (usual), a poke
+        where a worker may listen (_UNHEARD, as poke has it), the arrival
+        added to those held (Budget.note_arrival), the door released where
+        a step opened it.  `mono`: the caller's _mono(), read before."""
+        store, files = self.store, self.files
+        t, room, left, block = files.room
+        if mono - t < 1.0 and size + block <= room and left > 0:
+            files.room = (t, room - size - block, left - 1, block)
+        else:
+            problem = files.room_for((size,))
+            if problem:
+                raise SpoolFull("spool %s refuses the job: %s" % (store.path, problem))
+        try:
+            if self._usual[1].get(type) == 2:
+                store.budget.charge(((type, size),))
+            store.db.insert_new(args, sync)
+            t = _UNHEARD.get(store.path)
+            if t is None or mono >= t:
+                store.poke(often=True)
+            store.budget.note_arrival(type, size, mono)
+        finally:
+            door = _HERE.doors.get(store.path)
+            if door is not None and door.fds:
+                door.release()
 
     def insert_one(self, sql, args, size, sync, type):
         """One new row waiting in incoming/ (`size`: its file's bytes),
@@ -15659,6 +15789,9 @@ class _RamBudget(FileBudget):
         return None if budget is None else budget - spool.used_bytes()
 
     def note_arrivals(self, counts):
+        pass
+
+    def note_arrival(self, type, size, mono):
         pass
 
     def flush_arrivals(self):

@@ -6,7 +6,8 @@ and myq's own SQLite store (issue 26, "myq-sqlite") beside all of them.
 
     python3 bench/peers.py [--quick] [--runs N] [--dir PATH] [--shm PATH]
                            [--n-mem N] [--n-disk N] [--n-depth N]
-                           [--baseline DIR] [--skip rates,wear,cpu]
+                           [--baseline DIR] [--queues Q,Q]
+                           [--skip rates,wear,cpu]
                            [--json FILE]
 
 `make bench` runs it after bench/run.py (`make bench-peers` alone).  myq's
@@ -63,7 +64,9 @@ handler, the payload {"n": i}:
   myq, myq-sqlite and the baseline only.
 - --baseline DIR: another myq.py (e.g. `git show main:myq.py >
   DIR/myq.py`) measured as the queue "base" (myq@base) in every step, in
-  the same runs: before and after a change, side by side.
+  the same runs: before and after a change, side by side; and as
+  "base-sqlite" (sqlite@base), its SQLite store, beside myq-sqlite.
+  --queues Q,Q: those queues alone (e.g. myq-sqlite,base-sqlite,pq).
 - wear: bytes the block device is asked to write per durable job (enqueue +
   drain, N=2,000), on 1 KiB blocks (a 256 MiB image, as mkfs.ext4 formats
   one that small) and on 4 KiB blocks (512 MiB: every eMMC or SD card
@@ -113,7 +116,7 @@ ROOT = os.path.dirname(HERE)
 VENV = os.path.join(HERE, ".venv-peers")
 PKGS = ["huey>=3.5,<3.6", "persist-queue>=1.1,<1.2"]
 QUEUES = ("floor", "myq", "myq-sqlite", "sql-floor", "huey", "pq")
-MYQS = ("myq", "myq-sqlite", "base")        # the queues that are myq
+MYQS = ("myq", "myq-sqlite", "base", "base-sqlite")    # the queues that are myq
 LABEL = {"floor": "bare syscall floor", "myq": "myq", "huey": "huey (SqliteHuey)",
          "pq": "persist-queue (SQLiteAckQueue)",
          "myq-sqlite": "myq (SQLite store)",
@@ -207,11 +210,11 @@ def open_queue(q, d, fake_clock=False, base=None):
         done[0] += 1
 
     if q in MYQS:
-        sys.path.insert(0, base if q == "base" else ROOT)
+        sys.path.insert(0, base if q.startswith("base") else ROOT)
         import myq
         sp = getattr(myq, 'open_store', myq.Spool)(d)
         sp.require()
-        if q == "myq-sqlite":
+        if q in ("myq-sqlite", "base-sqlite"):
             assert sp.store == "sqlite", sp.store
         if fake_clock:
             # For the instruction count: the worker's timers (group commit
@@ -376,7 +379,7 @@ def prepare(q, d):
     """A fresh, empty queue directory (myq's layout for myq and the floor;
     myq-sqlite: `myq init --store sqlite`)."""
     os.makedirs(d)
-    if q in ("myq-sqlite", "sql-floor"):
+    if q in ("myq-sqlite", "sql-floor", "base-sqlite"):
         # In a child: init(store="sqlite") leaves a descriptor of the spool
         # open in its process, which would keep the wear step's loop
         # device busy at its umount.
@@ -394,7 +397,7 @@ BASE = []      # [the directory of the baseline's myq.py] with --baseline
 
 
 def run_child(py, a, wrap=(), timeout=900):
-    if a["q"] == "base":
+    if a["q"].startswith("base"):
         a = dict(a, base=BASE[0])
     p = subprocess.run(list(wrap) + [py, os.path.abspath(__file__), "_child",
                                      json.dumps(a)],
@@ -646,7 +649,8 @@ def peers_of(o, me="myq"):
     """Whom `me` is compared with: myq (files) with the peers and the
     baseline; myq-sqlite with the peers and myq (files)."""
     if me == "myq-sqlite":
-        return tuple(q for q in ("huey", "pq", "myq") if q in o.queues)
+        return tuple(q for q in ("huey", "pq", "myq", "base-sqlite")
+                     if q in o.queues)
     return ("huey", "pq") + (("base",) if "base" in o.queues else ())
 
 
@@ -695,6 +699,7 @@ def report(res, o, info, notes):
         rows.append(("instructions/job, %s (callgrind)" % op, ("cpu", op)))
     names = {"floor": "floor", "myq": "myq", "huey": "huey", "pq": "persist-queue",
              "base": "myq@base", "myq-sqlite": "myq-sqlite",
+             "base-sqlite": "sqlite@base",
              "sql-floor": "sql-floor"}
     head = ["metric"] + [names[q] for q in o.queues] + [
         "myq/" + names[p] for p in peers_of(o)]
@@ -903,6 +908,9 @@ def main(argv=None):
                     "versions do: bench/README.md has them; counting them "
                     "adds ~1 min)")
     ap.add_argument("--skip", default="", help="any of: rates,wear,cpu")
+    ap.add_argument("--queues", dest="queues_only", metavar="Q,Q",
+                    help="measure these queues alone (of floor,myq,myq-sqlite,"
+                    "sql-floor,huey,pq and with --baseline base,base-sqlite)")
     ap.add_argument("--json", help="also write the raw figures here")
     ap.add_argument("--cprofile", metavar="DIR",
                     help="instead of the bench: cProfile of one child each, "
@@ -920,7 +928,10 @@ def main(argv=None):
         BASE.append(os.path.abspath(o.baseline))
         if not os.path.isfile(os.path.join(BASE[0], "myq.py")):
             raise SystemExit("--baseline %s: no myq.py there" % o.baseline)
-        o.queues = QUEUES + ("base",)
+        o.queues = QUEUES + ("base", "base-sqlite")
+    if o.queues_only:
+        keep = o.queues_only.split(",")
+        o.queues = tuple(q for q in o.queues if q in keep)
     skip = set(x for x in o.skip.split(",") if x)
     o.dir = o.dir or next((c for c in ("/var/tmp", "/tmp", ROOT)
                            if os.path.isdir(c) and fstype(c) not in
