@@ -1,4 +1,4 @@
-"""Issue 42, the enqueue: the SQLite store's usual enqueue asks its type's
+"""The usual enqueue: the SQLite store's usual enqueue asks its type's
 rules once per type and policy and spells out the disk guard, the budget,
 the wake-up and the arrival for one job (_SqlProducer.usual, insert_usual).
 What it must still do as the general way does: refuse on a real full disk
