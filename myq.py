@@ -330,6 +330,10 @@ _SEQ = [0]
 # _new_id(): [the last millisecond, its count], so that ids sort in order.
 _LAST_ID = [0, 0]
 
+# normalize(): the type names it found good (at most 1,024), each checked
+# once, not at every claim.
+_TYPES_OK = set()
+
 # [this process's pid], and random numbers for _new_id taken from the
 # kernel 16 at a time: both renewed in a forked child (_forked), which
 # must neither name its files with its parent's pid nor repeat its ids.
@@ -1881,12 +1885,14 @@ def _check_priority(p):
         raise InvalidJob("priority must be an integer from -9 to 9")
 
 
-def normalize(obj, stem=None, mtime=None):
+def normalize(obj, stem=None, mtime=None, named=False):
     """Validate a job object and fill in the defaults of myq-spool(5) JOB FILES.
 
-    `stem` is the file name without .json (the id when the job has none);
-    `mtime` stands in for a missing created_at (a shell producer's file).
-    Runs for every claim: kept to plain comparisons."""
+    `stem` is the file name without .json (the id when the job has none;
+    `named`: a name checked already, the claim's); `mtime` stands in for
+    a missing created_at (a shell producer's file).  Runs for every
+    claim: kept to plain comparisons, a name checked once (the id's
+    stem by the claim, a type at its first job: _TYPES_OK)."""
     if not isinstance(obj, dict):
         raise InvalidJob("a job is a JSON object, not %s" % type(obj).__name__)
     job = dict(obj)
@@ -1895,13 +1901,18 @@ def normalize(obj, stem=None, mtime=None):
         if stem is None:
             raise InvalidJob("job has no id")
         job["id"] = jid = stem
-    _check_name(jid, "id")
+    if not named or jid != stem:
+        _check_name(jid, "id")
     if stem is not None and jid != stem:
         raise InvalidJob("id %s does not match the file name %s.json"
                          % (jid, stem))
     if "type" not in job:
         raise InvalidJob("job has no type")
-    _check_name(job["type"], "type")
+    t = job["type"]
+    if t.__class__ is not str or t not in _TYPES_OK:
+        _check_name(t, "type")
+        if len(_TYPES_OK) < 1024:
+            _TYPES_OK.add(t)
     job.setdefault("payload", None)
     a = job.setdefault("attempts", 0)
     if a.__class__ is not int or not 0 <= a < 10 ** 9:
@@ -3507,7 +3518,7 @@ class Claims(object):
                     and len(data) <= limit + SLACK):
                 raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
                                  % (len(data), limit))
-            job = _untrusted(normalize(obj, stem, st.st_mtime), st.st_uid,
+            job = _untrusted(normalize(obj, stem, st.st_mtime, True), st.st_uid,
                              self.spool.fs.uid)
         except (InvalidJob, OSError) as e:
             if fd is not None:
@@ -3780,7 +3791,8 @@ class Claims(object):
         so a time that recent proves nothing (git's "racily clean"
         entries)."""
         try:
-            st = _dir_stat(self.spool.d("incoming"))
+            # (the door's descriptor: asked twice a claim, _lane_claim)
+            st = os.fstat(self.spool.fs("incoming"))
         except OSError:
             return None, False
         return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
@@ -13432,8 +13444,24 @@ def _row_of(values):
     return tuple(values.get(k) for k in _SELECT_COLS)
 
 
+_USUAL = ((str, int, float, str, float, float),
+          (str, int, float, type(None), float, float))
+
+
 def _job_of_row(row):
-    """The job (a dict, normalised) of a row of _SELECT."""
+    """The job (a dict, normalised) of a row of _SELECT; a row is checked
+    when written (queue.db is the owner's alone), so one of the usual
+    shape (myq's types, no `extra`) is taken as it is."""
+    if row[10] is None and row[4] is None and row[9] is None and (
+            row[1].__class__, row[3].__class__, row[5].__class__,
+            row[6].__class__, row[7].__class__, row[8].__class__) in _USUAL:
+        try:
+            payload = _decode(row[2]) if row[2] is not None else None
+        except (ValueError, RecursionError) as e:
+            raise InvalidJob("its row holds bad JSON: %s" % e)
+        return {"id": row[0], "type": row[1], "payload": payload,
+                "attempts": row[3], "available_at": row[5], "last_error":
+                row[6], "created_at": row[7], "updated_at": row[8]}
     try:
         job = _decode(row[10]) if row[10] else {}
         payload = _decode(row[2]) if row[2] is not None else None
@@ -14040,7 +14068,10 @@ class _SqlClaims(Claims):
 
     def commit(self):
         """Finishes commit without waiting for the disk (synchronous=NORMAL
-        in WAL): one fsync of the log here makes them all durable."""
+        in WAL): one fsync of the log here makes them all durable, after
+        the successes since the last (complete) in one transaction."""
+        if self.__dict__.get("_done"):
+            self._write_done(self._done)
         try:
             fd = os.open(self.spool.d(DB_NAME + "-wal"), os.O_RDONLY | O_CLOEXEC)
         except OSError:
@@ -14154,13 +14185,27 @@ class _SqlClaims(Claims):
         return row is not None and row[0] + self.spool.opt["dedupe_window"] > now
 
     def complete(self, c):
-        """Success: the row is done (the id's idempotency record while it
-        stays); committed without waiting for the disk: see commit()."""
+        """Success: the row done (the id's idempotency record while it
+        stays) by the group commit's one transaction (commit): a drained job
+        is one transaction, its claim.  Until then the row is this live
+        worker's claim: a kill takes it back and runs it again, as
+        at-least-once allows (and as a power cut does before the fsync)."""
         now = _now()
-        n = self.spool._write(_SUCCESS, (
-            c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token),
-            sync=False)
-        return n == 1
+        self.__dict__.setdefault("_done", []).append((
+            c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token))
+        return True
+
+    def _write_done(self, done):
+        """complete()'s successes in one transaction; one whose claim
+        was taken back meanwhile is lost."""
+        rows = list(done)
+        counts = self.spool._tx(lambda db: [
+            db.execute(_SUCCESS, a).rowcount for a in rows], sync=False)
+        del done[:len(rows)]
+        for a, n in zip(rows, counts):
+            if n != 1:
+                self.spool.log("lost", id=a[3], why="the claim was taken "
+                               "back before its success was written")
 
     def complete_many(self, cs):
         """complete() of each claim in one transaction (a batch's)."""
