@@ -1845,7 +1845,10 @@ def _is_name(value):
 
 
 def _is_generated_id(jid):
-    """GENERATED_ID_RE.match(jid) for a str, without re."""
+    """GENERATED_ID_RE.match(jid) for a str: without re until it is
+    imported (a producer), then by it (a worker asks twice a claim)."""
+    if re.__class__ is not _OnFirstUse:
+        return GENERATED_ID_RE.match(jid) is not None
     return len(jid) == 22 and jid[13] == "-" and jid.isascii() \
         and jid[:13].isdigit() and not jid[14:].strip("0123456789abcdef")
 
@@ -1893,6 +1896,18 @@ def normalize(obj, stem=None, mtime=None, named=False):
     a missing created_at (a shell producer's file).  Runs for every
     claim: kept to plain comparisons, a name checked once (the id's
     stem by the claim, a type at its first job: _TYPES_OK)."""
+    if obj.__class__ is dict and named and tuple(obj) == _NEW_KEYS:
+        # new_job()'s shape, claimed: its fields' types and ranges alone
+        t, c, a, u = obj["type"], obj["created_at"], obj["available_at"], \
+            obj["updated_at"]
+        n, e = obj["attempts"], obj["last_error"]
+        if obj["id"] == stem and t.__class__ is str and t in _TYPES_OK and \
+                n.__class__ is int and 0 <= n < 10 ** 9 and \
+                c.__class__ is float and a.__class__ is float and \
+                u.__class__ is float and -MAX_TIME < c < MAX_TIME and \
+                -MAX_TIME < a < MAX_TIME and -MAX_TIME < u < MAX_TIME and \
+                (e is None or e.__class__ is str):
+            return dict(obj)
     if not isinstance(obj, dict):
         raise InvalidJob("a job is a JSON object, not %s" % type(obj).__name__)
     job = dict(obj)
@@ -9467,9 +9482,11 @@ class _Scheduler(object):
         run (_start), or None (L keeps it: the caller gives it back)."""
         claims = self.spool.claims
         # (a claim from incoming/ changes it, where the store's claims say
-        # so: known, unless another's change came first; see _dirty_home)
+        # so: known, unless another's change came first; see _dirty_home.
+        # Not asked of a cache that holds the earliest of more: its next
+        # pass comes when it runs out, whatever the key says)
         pre = L is self._top and claims.claim_changes_key \
-            and claims.change_key()[0]
+            and not L.cache_full and claims.change_key()[0]
         try:
             c = claims.claim(name, self.me, self.max_attempts, scheduled,
                              L.sub, anytime=anytime)
