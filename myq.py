@@ -9042,6 +9042,63 @@ class _Lane(object):
             self.sweep = None
 
 
+class _Ahead(object):
+    """Claims made ahead: where the store claims many in one statement
+    (Claims.bulk_claims), the due jobs of a lane without gates after the
+    one the scheduler asks for are claimed with it, AHEAD in all, each
+    kept here until the scheduler asks for it in turn (its cache still
+    lists it), or given back untouched (release): one statement for
+    AHEAD drained jobs, not one each.  A kill takes them back as any
+    claim.  The scheduler's (its `ahead`)."""
+
+    AHEAD = 8
+
+    def __init__(self):
+        self.held = {}      # name -> (its Claim, when claimed: monotonic)
+        self.off = False    # (--once: one job, no more)
+
+    def claim(self, claims, name, me, max_attempts, scheduled, L):
+        """claims.claim() of NAME in lane L, with the due jobs after it in
+        L's cache where the store claims many at once: a Claim, or None."""
+        held = self.held
+        got = held.pop(name, None)
+        if got is not None:
+            return got[0]
+        names, sched, now = [name], [scheduled], _now()
+        for m, n, s in () if self.off else reversed(L.cache):
+            if len(names) >= self.AHEAD or not n or m > now:
+                break
+            if n not in held:
+                names.append(n)
+                sched.append(s)
+        if len(names) == 1:
+            return claims.claim(name, me, max_attempts, scheduled, L.sub)
+        try:
+            got = claims.claim_many(names, me, max_attempts, sched, L.sub)
+        except OSError as e:
+            # (what it admitted before the error: kept, given back later)
+            self._keep(names, getattr(e, "claims", None) or ())
+            raise
+        self._keep(names[1:], got[1:])
+        return got[0]
+
+    def _keep(self, names, cs):
+        t = _mono()
+        for n, c in zip(names, cs):
+            if c is not None:
+                self.held[n] = (c, t)
+
+    def release(self, claims, age=0.0):
+        """The claims not asked for in `age` seconds given back untouched
+        (put_back: due as they were, no attempt spent); one that fails on
+        I/O stays, for the next call (the error raised)."""
+        cut = _mono() - age
+        for n, (c, t) in list(self.held.items()):
+            if t <= cut:
+                claims.put_back(c, c.mtime)
+                del self.held[n]
+
+
 class _Scheduler(object):
     """The worker's choice of its next job: its lanes and their scan
     caches, the gates of a start, the probes of held destinations.  What
@@ -9062,6 +9119,7 @@ class _Scheduler(object):
         self._no_wait = False       # --once, --drain: no batch_wait
         self.next_due = None        # when a job comes due (wall clock)
         self._dir_key = None        # incoming/'s change key, last seen
+        self.ahead = _Ahead()       # (off for --once: Worker._loop)
         self._own_since = None      # incoming/ changed by this worker alone since
         self._poked = False         # a poke _wait drained, for _sync_lanes
         self._pol_said = None       # the policy's problem last logged
@@ -9481,15 +9539,16 @@ class _Scheduler(object):
         """Claim NAME of lane L, what _reserve took for it handed to the
         run (_start), or None (L keeps it: the caller gives it back)."""
         claims = self.spool.claims
-        # (a claim from incoming/ changes it, where the store's claims say
-        # so: known, unless another's change came first; see _dirty_home.
-        # Not asked of a cache that holds the earliest of more: its next
-        # pass comes when it runs out, whatever the key says)
+        # (a claim from incoming/ changes it, where claims say so: known,
+        # unless another's change came first (_dirty_home) or the cache is
+        # full: its next pass comes anyway)
         pre = L is self._top and claims.claim_changes_key \
             and not L.cache_full and claims.change_key()[0]
-        try:
-            c = claims.claim(name, self.me, self.max_attempts, scheduled,
-                             L.sub, anytime=anytime)
+        try:        # (a lane without gates: its next jobs claimed ahead)
+            c = claims.claim(name, self.me, self.max_attempts, scheduled, L.sub,
+                             anytime=anytime) if anytime or L.type or L.order \
+                or not claims.bulk_claims else self.ahead.claim(
+                    claims, name, self.me, self.max_attempts, scheduled, L)
         except BaseException:
             self._unreserve(L)
             raise
@@ -11134,6 +11193,7 @@ class Worker(object):
         is pending committed, every descriptor closed, the record gone."""
         sp = self.spool
         self.runner.stop_all()
+        self._let_go()
         self.finish._release_splits()
         self.finish._retry_stuck(final=True)
         self.finish._commit(final=True)
@@ -11232,9 +11292,11 @@ class Worker(object):
         self._settle()
         self._started = 0
         self.sched._no_wait = once or drain       # --once, --drain: no batch_wait
+        self.sched.ahead.off = once
         while True:
             busy = False
             if self.stopping:
+                self._let_go()
                 if self.finish._splits:
                     self.finish._release_splits()
                 if not self.runs:
@@ -11288,6 +11350,7 @@ class Worker(object):
                     finish._give_back(e.give_back)
                 return False
             if c is None:
+                self._let_go()      # (claims ahead it did not ask for)
                 return False
             self._started += 1
             start(c)
@@ -11306,6 +11369,7 @@ class Worker(object):
         """Heartbeat, reap, status line, prune, stuck finishes, group
         commit: each on its own timer, all on the monotonic clock."""
         now = _mono()
+        self._let_go(1.0)
         if now >= self._next_beat:
             self._heartbeat()
         if now >= self._next_reap:
@@ -11347,6 +11411,16 @@ class Worker(object):
                 self.finish._pending and now - self.finish._pending_since > 1.0
         ) or self.spool.claims.owed:
             self.finish._commit()
+
+    def _let_go(self, age=0.0):
+        """The claims made ahead and not asked for in `age` seconds given
+        back (_Ahead.release): the lanes are read again."""
+        if self.sched.ahead.held:
+            try:
+                self.sched.ahead.release(self.spool.claims, age)
+            except (OSError, MyqError) as e:
+                self.log("error", during="release", error=str(e))
+            self.sched.dirty = True
 
     def _settle(self, final=False):
         """The store's own turn (Store.settle: a RAM tier's moves)."""
@@ -11431,6 +11505,7 @@ class Worker(object):
         next claim beats first, Identity.token)."""
         self._next_beat = _mono() + self.lease / 3
         until = _now() + self.lease
+        self._let_go(1.0)       # (a long run's: not kept for its time)
         try:
             claims = [c for part, _ in self.finish._splits for c in part]
             for run in self.runs + ([self.runner._inline] if self.runner._inline else []):

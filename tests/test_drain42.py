@@ -86,16 +86,17 @@ def _write_transactions(statements, what):
 @sql_only
 def test_a_drain_s_successes_are_written_by_the_group_commit(
         tmp_path, monkeypatch):
-    """30 jobs drained one by one: 30 claims, and the 30 successes in one
-    transaction, the group commit's (before: 30 transactions of their
-    own, a drained job two); every job done once."""
+    """30 jobs drained one by one: claimed 8 a statement (Claims.AHEAD),
+    and the 30 successes in one transaction, the group commit's (before:
+    30 claims and 30 successes, each a transaction of its own); every job
+    done once."""
     sp, ids, mod = _spool(tmp_path, 30)
     seen = _traced(monkeypatch)
     myq.Worker(sp, module=mod, poll=0.05, jitter=0, log=myq.Log(
         stream=open(os.devnull, "w"))).run(drain=True)
     assert _states(sp, ids) == ["done"] * 30
     assert sorted(_ran(tmp_path)) == ids
-    assert _write_transactions(seen, "SET status='processing'") == 30
+    assert _write_transactions(seen, "SET status='processing'") == 4
     assert _write_transactions(seen, "SET status='done'") == 1, [
         s for s in seen if "status='done'" in s or s.startswith(
             ("BEGIN", "COMMIT"))]
@@ -138,4 +139,101 @@ def test_a_kill_at_the_successes_write(tmp_path, when):
     assert _states(sp, ids) == ["done"] * 6
     assert sorted(_ran(tmp_path)) == sorted(ids * (2 if when == "before"
                                                    else 1))
+    assert ls(sp, "processing") == []
+
+
+# A worker that kills itself (-9) at the statement that claims a plain
+# lane's next jobs with the one asked for (Claims.claim_ahead): before it
+# (none claimed) or after it (all six its claims, none run yet).
+KILL_AHEAD = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import myq
+when = %(when)r
+real = myq._sql_claim_many
+def cut(*a, **kw):
+    if when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = real(*a, **kw)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return out
+myq._sql_claim_many = cut
+sys.exit(myq.main(sys.argv[1:]))
+"""
+
+
+@sql_only
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_kill_at_the_claims_made_ahead(tmp_path, when):
+    """Killed at the one statement that claims six jobs of a plain drain:
+    before it none is claimed; after it all six are the dead worker's,
+    none run.  The next worker takes them back and runs each once."""
+    sp, ids, mod = _spool(tmp_path, 6)
+    worker_killed_by_its_hook(KILL_AHEAD % {"root": ROOT, "when": when}, sp,
+                              "--module", mod, *FAST)
+    assert _ran(tmp_path) == []
+    assert _states(sp, ids) == ["ready" if when == "before" else
+                                "processing"] * 6
+    cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _states(sp, ids) == ["done"] * 6
+    assert sorted(_ran(tmp_path)) == ids
+    assert ls(sp, "processing") == []
+
+
+STOP_AT_FIRST = """import os, signal
+def t(job):
+    fd = os.open(%r, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, (job["id"] + "\\n").encode())
+    os.close(fd)
+    if job["id"] == "j00":
+        os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+@sql_only
+def test_a_stop_gives_the_claims_made_ahead_back_untouched(tmp_path):
+    """SIGTERM while the first of six runs, the five others claimed with
+    it: it finishes, and the five wait again as they were: ready, no
+    attempt spent, no error noted."""
+    sp, ids, mod = _spool(tmp_path, 6)
+    with open(mod, "w") as f:
+        f.write(STOP_AT_FIRST % str(tmp_path / "ran"))
+    cp = run_myq("--spool", sp, "worker", "--module", mod, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _ran(tmp_path) == ["j00"]
+    assert _states(sp, ids) == ["done"] + ["ready"] * 5
+    for i in ids[1:]:
+        job = json.loads(call_myq("--spool", sp, "show", i).stdout)
+        assert job["attempts"] == 0 and job.get("last_error") is None, job
+
+
+KILL_IN_THIRD = """import os, signal
+def t(job):
+    if job["id"] == "j02":
+        os.kill(os.getpid(), signal.SIGKILL)
+    fd = os.open(%r, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, (job["id"] + "\\n").encode())
+    os.close(fd)
+"""
+
+
+@sql_only
+def test_a_kill_with_claims_made_ahead_loses_none(tmp_path):
+    """kill -9 in the third of six jobs claimed together (the first two'
+    successes not written yet): every job is taken back by the next
+    worker and done, at least once."""
+    sp, ids, mod = _spool(tmp_path, 6)
+    with open(mod, "w") as f:
+        f.write(KILL_IN_THIRD % str(tmp_path / "ran"))
+    worker_killed_by_its_hook("import sys; sys.path.insert(0, %r); import myq;"
+                              " sys.exit(myq.main(sys.argv[1:]))" % ROOT, sp,
+                              "--module", mod, *FAST)
+    assert _ran(tmp_path) == ["j00", "j01"]
+    with open(mod, "w") as f:
+        f.write(HANDLER % str(tmp_path / "ran"))
+    cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _states(sp, ids) == ["done"] * 6
+    assert sorted(set(_ran(tmp_path))) == ids
     assert ls(sp, "processing") == []
