@@ -9051,7 +9051,7 @@ class _Ahead(object):
     AHEAD drained jobs, not one each.  A kill takes them back as any
     claim.  The scheduler's (its `ahead`)."""
 
-    AHEAD = 8
+    AHEAD = 16
 
     def __init__(self):
         self.held = {}      # name -> (its Claim, when claimed: monotonic)
@@ -9539,11 +9539,10 @@ class _Scheduler(object):
         """Claim NAME of lane L, what _reserve took for it handed to the
         run (_start), or None (L keeps it: the caller gives it back)."""
         claims = self.spool.claims
-        # (a claim from incoming/ changes it, where claims say so: known,
-        # unless another's change came first (_dirty_home) or the cache is
-        # full: its next pass comes anyway)
+        # (a claim from incoming/ changes it, where the store's claims say
+        # so: known, unless another's change came first; see _dirty_home)
         pre = L is self._top and claims.claim_changes_key \
-            and not L.cache_full and claims.change_key()[0]
+            and claims.change_key()[0]
         try:        # (a lane without gates: its next jobs claimed ahead)
             c = claims.claim(name, self.me, self.max_attempts, scheduled, L.sub,
                              anytime=anytime) if anytime or L.type or L.order \
