@@ -1721,14 +1721,18 @@ class _ScanRules(object):
     parse_constant = staticmethod(_reject_constant)
 
 
+def _scanner():
+    """_json's C scanner of _DECODER's rules, made once; None without it."""
+    if not _SCANNER and _c_make_scanner is not None:
+        _SCANNER.append(_c_make_scanner(_ScanRules()))
+    return _SCANNER[0] if _SCANNER else None
+
+
 def _decode(text):
     """_DECODER.decode(text), the same value, by _json's C scanner alone
     (json's Python layer is not imported); anything but a whole value,
     ended by blanks only: _DECODER.decode's own error (or value)."""
-    scan = _SCANNER[0] if _SCANNER else None
-    if scan is None and _c_make_scanner is not None:
-        scan = _c_make_scanner(_ScanRules())
-        _SCANNER.append(scan)
+    scan = _SCANNER[0] if _SCANNER else _scanner()
     if scan is not None:
         start = len(text) - len(text.lstrip(" \t\n\r"))
         try:
@@ -1782,12 +1786,16 @@ def parse(data):
         text = data.decode("utf-8")
     except UnicodeError as e:
         raise InvalidJob("not UTF-8: %s" % e)
+    scan = _SCANNER[0] if _SCANNER else _scanner()
     try:
-        obj, end = _DECODER.raw_decode(text, _WS.match(text).end())
-    except RecursionError:
-        raise InvalidJob("JSON nested too deep")
-    except ValueError as e:
-        raise InvalidJob("not JSON: %s" % e)
+        obj, end = scan(text, len(text) - len(text.lstrip(" \t\n\r")))
+    except Exception:       # (not JSON, or no scanner: json's own words)
+        try:
+            obj, end = _DECODER.raw_decode(text, _WS.match(text).end())
+        except RecursionError:
+            raise InvalidJob("JSON nested too deep")
+        except ValueError as e:
+            raise InvalidJob("not JSON: %s" % e)
     _check_value(obj, text)
     # A power cut can keep an append's new length but not its bytes (ext4's
     # delayed allocation): the file then ends in NULs, maybe after half a
@@ -8356,9 +8364,18 @@ class Log(object):
         """self("done", id=jid, type=type, attempt=attempt, ms=ms) of a
         claimed job, whose id and type are names (never quoted) and attempt
         and ms ints: the line of every job, formatted at once (its general
-        loop over the fields was 5% of a drained job's instructions)."""
-        self.write("%s event=done id=%s type=%s attempt=%d ms=%d" % (
-            iso(), jid, type, attempt, ms))
+        loop over the fields was 5% of a drained job's instructions), to
+        a file by one write(2) (its wrapper flushes every line anyway)."""
+        line = "%s event=done id=%s type=%s attempt=%d ms=%d" % (
+            iso(), jid, type, attempt, ms)
+        if self._file is None or self._syslog:
+            self.write(line)
+            return
+        try:
+            os.write(self._file.fileno(), (line + "\n").encode("utf-8",
+                                                                "replace"))
+        except (OSError, ValueError):
+            pass
 
 
 _WARN_EVENTS = frozenset(("error", "dead", "timeout", "quarantined", "disk_low",
@@ -10669,6 +10686,11 @@ class _Finishing(object):
         batch that fails for good is split in halves, run at once
         (myq(1) batches); "each" carries one outcome per job (mqtt)."""
         self._free(run)
+        if outcome == "done" and run.batch is None and not run.failovers \
+                and not self.holds.until and not self.holds._streaky:
+            # (the usual success: one job, no hold to release)
+            self._finish_one(run, run.claim, outcome, error, delay, tb, True)
+            return
         if run.failovers:
             self._failed_over(run)      # (myq(1) policy `url`)
         if outcome == "each":
