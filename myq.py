@@ -3592,8 +3592,9 @@ class Claims(object):
             self.complete(c)
             return False
         rules = self.spool.rules(job["type"])
-        own = sub == "incoming" and src is not None and \
-            own_destination(job, rules)
+        own = sub == "incoming" and src is not None and ("url" in rules or
+                                                         "topic" in rules) \
+            and own_destination(job, rules)
         if own:     # a shell producer's file (myq(1) policy `url`)
             self.close(c)
             self.quarantine(c.path, name, own)
@@ -8699,6 +8700,7 @@ class _Resolver(object):
         self.spool, self.handlers, self.module = spool, handlers, module
         self.handlers_dir = o.handlers_dir
         self._py = {}               # type -> its PyHandler (resolve)
+        self._last = (None,)        # (rules, type, function, PyHandler)
         self.uplink = Uplink(o.uplink_rate) if o.uplink_rate else None
         if self.uplink is not None:     # its bytes by type: the forecast
             self.uplink.on_sent = self._sent
@@ -8724,6 +8726,10 @@ class _Resolver(object):
         """(handler, None): its Handler, or (None, why not).  `rules`: the
         type's, when the caller has them."""
         rules = self.spool.rules(type) if rules is None else rules
+        last = self._last           # (the last job's, again: no lookups)
+        if last[0] is rules and last[1] == type and \
+                last[2] is self.handlers.get(type):
+            return last[3], None
         builtin = rules.get("handler")
         if builtin is None:
             for key, name in self._keys:
@@ -8745,6 +8751,8 @@ class _Resolver(object):
             h = self._py.get(type)
             if h is None or h.target is not fn:     # (one a type, not a job)
                 h = self._py[type] = PyHandler(fn)
+            if not self.handlers_dir:   # (else an executable may come)
+                self._last = (rules, type, fn, h)
             return h, None
         h = self.kinds.get(type)
         if h is not None:
