@@ -9565,8 +9565,10 @@ class _Scheduler(object):
         run (_start), or None (L keeps it: the caller gives it back)."""
         claims = self.spool.claims
         # (a claim from incoming/ changes it, where the store's claims say
-        # so: known, unless another's change came first; see _dirty_home)
-        pre = L is self._top and claims.claim_changes_key \
+        # so: known, unless another's change came first (_dirty_home); not
+        # asked while the next job is due too: a stale key costs one pass)
+        pre = L is self._top and claims.claim_changes_key and not (
+            L.cache and L.cache[-1][1] and L.cache[-1][0] <= _now()) \
             and claims.change_key()[0]
         try:        # (a lane without gates: its next jobs claimed ahead)
             c = claims.claim(name, self.me, self.max_attempts, scheduled, L.sub,

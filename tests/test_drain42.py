@@ -237,3 +237,38 @@ def test_a_kill_with_claims_made_ahead_loses_none(tmp_path):
     assert _states(sp, ids) == ["done"] * 6
     assert sorted(set(_ran(tmp_path))) == ids
     assert ls(sp, "processing") == []
+
+
+MV_ONE_IN = """import json, os
+def t(job):
+    fd = os.open(%(ran)r, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, (job["id"] + "\\n").encode())
+    os.close(fd)
+    if job["id"] == "j00":      # a shell producer's mv, no poke
+        tmp = os.path.join(%(spool)r, "tmp", "x.json")
+        with open(tmp, "w") as f:
+            json.dump({"type": "t", "payload": 1}, f)
+        os.rename(tmp, os.path.join(%(spool)r, "incoming", "late.json"))
+"""
+
+
+def test_a_drain_asks_incoming_s_key_when_it_runs_dry_not_at_every_claim(
+        tmp_path, monkeypatch):
+    """Files: 30 jobs due in incoming/, drained: incoming/'s change key
+    (an fstat) is not asked before and after every claim (60 times) but
+    when the lane's next job is not due; a file a shell producer moved in
+    meanwhile, unpoked, still runs."""
+    sp, ids, mod = _spool(tmp_path, 30, store="files")
+    with open(mod, "w") as f:
+        f.write(MV_ONE_IN % {"ran": str(tmp_path / "ran"), "spool": sp})
+    asked = []
+    real = myq.FileClaims.change_key
+
+    def change_key(self):
+        asked.append(1)
+        return real(self)
+    monkeypatch.setattr(myq.FileClaims, "change_key", change_key)
+    myq.Worker(sp, module=mod, poll=0.05, jitter=0, log=myq.Log(
+        stream=open(os.devnull, "w"))).run(drain=True)
+    assert sorted(_ran(tmp_path)) == sorted(ids + ["late"])
+    assert len(asked) < 15, len(asked)
