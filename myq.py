@@ -331,6 +331,10 @@ _SEQ = [0]
 # _new_id(): [the last millisecond, its count], so that ids sort in order.
 _LAST_ID = [0, 0]
 
+# normalize(): the type names it found good (at most 1,024), each checked
+# once, not at every claim.
+_TYPES_OK = set()
+
 # [this process's pid], and random numbers for _new_id taken from the
 # kernel 16 at a time: both renewed in a forked child (_forked), which
 # must neither name its files with its parent's pid nor repeat its ids.
@@ -1750,14 +1754,18 @@ class _ScanRules(object):
     parse_constant = staticmethod(_reject_constant)
 
 
+def _scanner():
+    """_json's C scanner of _DECODER's rules, made once; None without it."""
+    if not _SCANNER and _c_make_scanner is not None:
+        _SCANNER.append(_c_make_scanner(_ScanRules()))
+    return _SCANNER[0] if _SCANNER else None
+
+
 def _decode(text):
     """_DECODER.decode(text), the same value, by _json's C scanner alone
     (json's Python layer is not imported); anything but a whole value,
     ended by blanks only: _DECODER.decode's own error (or value)."""
-    scan = _SCANNER[0] if _SCANNER else None
-    if scan is None and _c_make_scanner is not None:
-        scan = _c_make_scanner(_ScanRules())
-        _SCANNER.append(scan)
+    scan = _SCANNER[0] if _SCANNER else _scanner()
     if scan is not None:
         start = len(text) - len(text.lstrip(" \t\n\r"))
         try:
@@ -1811,12 +1819,16 @@ def parse(data):
         text = data.decode("utf-8")
     except UnicodeError as e:
         raise InvalidJob("not UTF-8: %s" % e)
+    scan = _SCANNER[0] if _SCANNER else _scanner()
     try:
-        obj, end = _DECODER.raw_decode(text, _WS.match(text).end())
-    except RecursionError:
-        raise InvalidJob("JSON nested too deep")
-    except ValueError as e:
-        raise InvalidJob("not JSON: %s" % e)
+        obj, end = scan(text, len(text) - len(text.lstrip(" \t\n\r")))
+    except Exception:       # (not JSON, or no scanner: json's own words)
+        try:
+            obj, end = _DECODER.raw_decode(text, _WS.match(text).end())
+        except RecursionError:
+            raise InvalidJob("JSON nested too deep")
+        except ValueError as e:
+            raise InvalidJob("not JSON: %s" % e)
     _check_value(obj, text)
     # A power cut can keep an append's new length but not its bytes (ext4's
     # delayed allocation): the file then ends in NULs, maybe after half a
@@ -1874,7 +1886,10 @@ def _is_name(value):
 
 
 def _is_generated_id(jid):
-    """GENERATED_ID_RE.match(jid) for a str, without re."""
+    """GENERATED_ID_RE.match(jid) for a str: without re until it is
+    imported (a producer), then by it (a worker asks twice a claim)."""
+    if re.__class__ is not _OnFirstUse:
+        return GENERATED_ID_RE.match(jid) is not None
     return len(jid) == 22 and jid[13] == "-" and jid.isascii() \
         and jid[:13].isdigit() and not jid[14:].strip("0123456789abcdef")
 
@@ -1914,12 +1929,26 @@ def _check_priority(p):
         raise InvalidJob("priority must be an integer from -9 to 9")
 
 
-def normalize(obj, stem=None, mtime=None):
+def normalize(obj, stem=None, mtime=None, named=False):
     """Validate a job object and fill in the defaults of myq-spool(5) JOB FILES.
 
-    `stem` is the file name without .json (the id when the job has none);
-    `mtime` stands in for a missing created_at (a shell producer's file).
-    Runs for every claim: kept to plain comparisons."""
+    `stem` is the file name without .json (the id when the job has none;
+    `named`: a name checked already, the claim's); `mtime` stands in for
+    a missing created_at (a shell producer's file).  Runs for every
+    claim: kept to plain comparisons, a name checked once (the id's
+    stem by the claim, a type at its first job: _TYPES_OK)."""
+    if obj.__class__ is dict and named and tuple(obj) == _NEW_KEYS:
+        # new_job()'s shape, claimed: its fields' types and ranges alone
+        t, c, a, u = obj["type"], obj["created_at"], obj["available_at"], \
+            obj["updated_at"]
+        n, e = obj["attempts"], obj["last_error"]
+        if obj["id"] == stem and t.__class__ is str and t in _TYPES_OK and \
+                n.__class__ is int and 0 <= n < 10 ** 9 and \
+                c.__class__ is float and a.__class__ is float and \
+                u.__class__ is float and -MAX_TIME < c < MAX_TIME and \
+                -MAX_TIME < a < MAX_TIME and -MAX_TIME < u < MAX_TIME and \
+                (e is None or e.__class__ is str):
+            return dict(obj)
     if not isinstance(obj, dict):
         raise InvalidJob("a job is a JSON object, not %s" % type(obj).__name__)
     job = dict(obj)
@@ -1928,13 +1957,18 @@ def normalize(obj, stem=None, mtime=None):
         if stem is None:
             raise InvalidJob("job has no id")
         job["id"] = jid = stem
-    _check_name(jid, "id")
+    if not named or jid != stem:
+        _check_name(jid, "id")
     if stem is not None and jid != stem:
         raise InvalidJob("id %s does not match the file name %s.json"
                          % (jid, stem))
     if "type" not in job:
         raise InvalidJob("job has no type")
-    _check_name(job["type"], "type")
+    t = job["type"]
+    if t.__class__ is not str or t not in _TYPES_OK:
+        _check_name(t, "type")
+        if len(_TYPES_OK) < 1024:
+            _TYPES_OK.add(t)
     job.setdefault("payload", None)
     a = job.setdefault("attempts", 0)
     if a.__class__ is not int or not 0 <= a < 10 ** 9:
@@ -3541,7 +3575,7 @@ class Claims(object):
                     and len(data) <= limit + SLACK):
                 raise InvalidJob("too large: %d bytes (--max-job-bytes is %d)"
                                  % (len(data), limit))
-            job = _untrusted(normalize(obj, stem, st.st_mtime), st.st_uid,
+            job = _untrusted(normalize(obj, stem, st.st_mtime, True), st.st_uid,
                              self.spool.fs.uid)
         except (InvalidJob, OSError) as e:
             if fd is not None:
@@ -3592,8 +3626,9 @@ class Claims(object):
             self.complete(c)
             return False
         rules = self.spool.rules(job["type"])
-        own = sub == "incoming" and src is not None and \
-            own_destination(job, rules)
+        own = sub == "incoming" and src is not None and ("url" in rules or
+                                                         "topic" in rules) \
+            and own_destination(job, rules)
         if own:     # a shell producer's file (myq(1) policy `url`)
             self.close(c)
             self.quarantine(c.path, name, own)
@@ -3814,7 +3849,8 @@ class Claims(object):
         so a time that recent proves nothing (git's "racily clean"
         entries)."""
         try:
-            st = _dir_stat(self.spool.d("incoming"))
+            # (the door's descriptor: asked twice a claim, _lane_claim)
+            st = os.fstat(self.spool.fs("incoming"))
         except OSError:
             return None, False
         return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
@@ -8378,9 +8414,18 @@ class Log(object):
         """self("done", id=jid, type=type, attempt=attempt, ms=ms) of a
         claimed job, whose id and type are names (never quoted) and attempt
         and ms ints: the line of every job, formatted at once (its general
-        loop over the fields was 5% of a drained job's instructions)."""
-        self.write("%s event=done id=%s type=%s attempt=%d ms=%d" % (
-            iso(), jid, type, attempt, ms))
+        loop over the fields was 5% of a drained job's instructions), to
+        a file by one write(2) (its wrapper flushes every line anyway)."""
+        line = "%s event=done id=%s type=%s attempt=%d ms=%d" % (
+            iso(), jid, type, attempt, ms)
+        if self._file is None or self._syslog:
+            self.write(line)
+            return
+        try:
+            os.write(self._file.fileno(), (line + "\n").encode("utf-8",
+                                                                "replace"))
+        except (OSError, ValueError):
+            pass
 
 
 _WARN_EVENTS = frozenset(("error", "dead", "timeout", "quarantined", "disk_low",
@@ -8704,6 +8749,7 @@ class _Resolver(object):
         self.spool, self.handlers, self.module = spool, handlers, module
         self.handlers_dir = o.handlers_dir
         self._py = {}               # type -> its PyHandler (resolve)
+        self._last = (None,)        # (rules, type, function, PyHandler)
         self.uplink = Uplink(o.uplink_rate) if o.uplink_rate else None
         if self.uplink is not None:     # its bytes by type: the forecast
             self.uplink.on_sent = self._sent
@@ -8729,6 +8775,10 @@ class _Resolver(object):
         """(handler, None): its Handler, or (None, why not).  `rules`: the
         type's, when the caller has them."""
         rules = self.spool.rules(type) if rules is None else rules
+        last = self._last           # (the last job's, again: no lookups)
+        if last[0] is rules and last[1] == type and \
+                last[2] is self.handlers.get(type):
+            return last[3], None
         builtin = rules.get("handler")
         if builtin is None:
             for key, name in self._keys:
@@ -8750,6 +8800,8 @@ class _Resolver(object):
             h = self._py.get(type)
             if h is None or h.target is not fn:     # (one a type, not a job)
                 h = self._py[type] = PyHandler(fn)
+            if not self.handlers_dir:   # (else an executable may come)
+                self._last = (rules, type, fn, h)
             return h, None
         h = self.kinds.get(type)
         if h is not None:
@@ -9064,6 +9116,63 @@ class _Lane(object):
             self.sweep = None
 
 
+class _Ahead(object):
+    """Claims made ahead: where the store claims many in one statement
+    (Claims.bulk_claims), the due jobs of a lane without gates after the
+    one the scheduler asks for are claimed with it, AHEAD in all, each
+    kept here until the scheduler asks for it in turn (its cache still
+    lists it), or given back untouched (release): one statement for
+    AHEAD drained jobs, not one each.  A kill takes them back as any
+    claim.  The scheduler's (its `ahead`)."""
+
+    AHEAD = 16
+
+    def __init__(self):
+        self.held = {}      # name -> (its Claim, when claimed: monotonic)
+        self.off = False    # (--once: one job, no more)
+
+    def claim(self, claims, name, me, max_attempts, scheduled, L):
+        """claims.claim() of NAME in lane L, with the due jobs after it in
+        L's cache where the store claims many at once: a Claim, or None."""
+        held = self.held
+        got = held.pop(name, None)
+        if got is not None:
+            return got[0]
+        names, sched, now = [name], [scheduled], _now()
+        for m, n, s in () if self.off else reversed(L.cache):
+            if len(names) >= self.AHEAD or not n or m > now:
+                break
+            if n not in held:
+                names.append(n)
+                sched.append(s)
+        if len(names) == 1:
+            return claims.claim(name, me, max_attempts, scheduled, L.sub)
+        try:
+            got = claims.claim_many(names, me, max_attempts, sched, L.sub)
+        except OSError as e:
+            # (what it admitted before the error: kept, given back later)
+            self._keep(names, getattr(e, "claims", None) or ())
+            raise
+        self._keep(names[1:], got[1:])
+        return got[0]
+
+    def _keep(self, names, cs):
+        t = _mono()
+        for n, c in zip(names, cs):
+            if c is not None:
+                self.held[n] = (c, t)
+
+    def release(self, claims, age=0.0):
+        """The claims not asked for in `age` seconds given back untouched
+        (put_back: due as they were, no attempt spent); one that fails on
+        I/O stays, for the next call (the error raised)."""
+        cut = _mono() - age
+        for n, (c, t) in list(self.held.items()):
+            if t <= cut:
+                claims.put_back(c, c.mtime)
+                del self.held[n]
+
+
 class _Scheduler(object):
     """The worker's choice of its next job: its lanes and their scan
     caches, the gates of a start, the probes of held destinations.  What
@@ -9084,6 +9193,7 @@ class _Scheduler(object):
         self._no_wait = False       # --once, --drain: no batch_wait
         self.next_due = None        # when a job comes due (wall clock)
         self._dir_key = None        # incoming/'s change key, last seen
+        self.ahead = _Ahead()       # (off for --once: Worker._loop)
         self._own_since = None      # incoming/ changed by this worker alone since
         self._poked = False         # a poke _wait drained, for _sync_lanes
         self._pol_said = None       # the policy's problem last logged
@@ -9504,12 +9614,16 @@ class _Scheduler(object):
         run (_start), or None (L keeps it: the caller gives it back)."""
         claims = self.spool.claims
         # (a claim from incoming/ changes it, where the store's claims say
-        # so: known, unless another's change came first; see _dirty_home)
-        pre = L is self._top and claims.claim_changes_key \
+        # so: known, unless another's change came first (_dirty_home); not
+        # asked while the next job is due too: a stale key costs one pass)
+        pre = L is self._top and claims.claim_changes_key and not (
+            L.cache and L.cache[-1][1] and L.cache[-1][0] <= _now()) \
             and claims.change_key()[0]
-        try:
-            c = claims.claim(name, self.me, self.max_attempts, scheduled,
-                             L.sub, anytime=anytime)
+        try:        # (a lane without gates: its next jobs claimed ahead)
+            c = claims.claim(name, self.me, self.max_attempts, scheduled, L.sub,
+                             anytime=anytime) if anytime or L.type or L.order \
+                or not claims.bulk_claims else self.ahead.claim(
+                    claims, name, self.me, self.max_attempts, scheduled, L)
         except BaseException:
             self._unreserve(L)
             raise
@@ -10631,6 +10745,11 @@ class _Finishing(object):
         batch that fails for good is split in halves, run at once
         (myq(1) batches); "each" carries one outcome per job (mqtt)."""
         self._free(run)
+        if outcome == "done" and run.batch is None and not run.failovers \
+                and not self.holds.until and not self.holds._streaky:
+            # (the usual success: one job, no hold to release)
+            self._finish_one(run, run.claim, outcome, error, delay, tb, True)
+            return
         if run.failovers:
             self._failed_over(run)      # (myq(1) policy `url`)
         if outcome == "each":
@@ -11154,6 +11273,7 @@ class Worker(object):
         is pending committed, every descriptor closed, the record gone."""
         sp = self.spool
         self.runner.stop_all()
+        self._let_go()
         self.finish._release_splits()
         self.finish._retry_stuck(final=True)
         self.finish._commit(final=True)
@@ -11252,9 +11372,11 @@ class Worker(object):
         self._settle()
         self._started = 0
         self.sched._no_wait = once or drain       # --once, --drain: no batch_wait
+        self.sched.ahead.off = once
         while True:
             busy = False
             if self.stopping:
+                self._let_go()
                 if self.finish._splits:
                     self.finish._release_splits()
                 if not self.runs:
@@ -11308,6 +11430,7 @@ class Worker(object):
                     finish._give_back(e.give_back)
                 return False
             if c is None:
+                self._let_go()      # (claims ahead it did not ask for)
                 return False
             self._started += 1
             start(c)
@@ -11326,6 +11449,7 @@ class Worker(object):
         """Heartbeat, reap, status line, prune, stuck finishes, group
         commit: each on its own timer, all on the monotonic clock."""
         now = _mono()
+        self._let_go(1.0)
         if now >= self._next_beat:
             self._heartbeat()
         if now >= self._next_reap:
@@ -11367,6 +11491,16 @@ class Worker(object):
                 self.finish._pending and now - self.finish._pending_since > 1.0
         ) or self.spool.claims.owed:
             self.finish._commit()
+
+    def _let_go(self, age=0.0):
+        """The claims made ahead and not asked for in `age` seconds given
+        back (_Ahead.release): the lanes are read again."""
+        if self.sched.ahead.held:
+            try:
+                self.sched.ahead.release(self.spool.claims, age)
+            except (OSError, MyqError) as e:
+                self.log("error", during="release", error=str(e))
+            self.sched.dirty = True
 
     def _settle(self, final=False):
         """The store's own turn (Store.settle: a RAM tier's moves)."""
@@ -11451,6 +11585,7 @@ class Worker(object):
         next claim beats first, Identity.token)."""
         self._next_beat = _mono() + self.lease / 3
         until = _now() + self.lease
+        self._let_go(1.0)       # (a long run's: not kept for its time)
         try:
             claims = [c for part, _ in self.finish._splits for c in part]
             for run in self.runs + ([self.runner._inline] if self.runner._inline else []):
@@ -13480,8 +13615,24 @@ def _row_of(values):
     return tuple(values.get(k) for k in _SELECT_COLS)
 
 
+_USUAL = ((str, int, float, str, float, float),
+          (str, int, float, type(None), float, float))
+
+
 def _job_of_row(row):
-    """The job (a dict, normalised) of a row of _SELECT."""
+    """The job (a dict, normalised) of a row of _SELECT; a row is checked
+    when written (queue.db is the owner's alone), so one of the usual
+    shape (myq's types, no `extra`) is taken as it is."""
+    if row[10] is None and row[4] is None and row[9] is None and (
+            row[1].__class__, row[3].__class__, row[5].__class__,
+            row[6].__class__, row[7].__class__, row[8].__class__) in _USUAL:
+        try:
+            payload = _decode(row[2]) if row[2] is not None else None
+        except (ValueError, RecursionError) as e:
+            raise InvalidJob("its row holds bad JSON: %s" % e)
+        return {"id": row[0], "type": row[1], "payload": payload,
+                "attempts": row[3], "available_at": row[5], "last_error":
+                row[6], "created_at": row[7], "updated_at": row[8]}
     try:
         job = _decode(row[10]) if row[10] else {}
         payload = _decode(row[2]) if row[2] is not None else None
@@ -14121,7 +14272,10 @@ class _SqlClaims(Claims):
 
     def commit(self):
         """Finishes commit without waiting for the disk (synchronous=NORMAL
-        in WAL): one fsync of the log here makes them all durable."""
+        in WAL): one fsync of the log here makes them all durable, after
+        the successes since the last (complete) in one transaction."""
+        if self.__dict__.get("_done"):
+            self._write_done(self._done)
         try:
             fd = os.open(self.spool.d(DB_NAME + "-wal"), os.O_RDONLY | O_CLOEXEC)
         except OSError:
@@ -14235,13 +14389,27 @@ class _SqlClaims(Claims):
         return row is not None and row[0] + self.spool.opt["dedupe_window"] > now
 
     def complete(self, c):
-        """Success: the row is done (the id's idempotency record while it
-        stays); committed without waiting for the disk: see commit()."""
+        """Success: the row done (the id's idempotency record while it
+        stays) by the group commit's one transaction (commit): a drained job
+        is one transaction, its claim.  Until then the row is this live
+        worker's claim: a kill takes it back and runs it again, as
+        at-least-once allows (and as a power cut does before the fsync)."""
         now = _now()
-        n = self.spool._write(_SUCCESS, (
-            c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token),
-            sync=False)
-        return n == 1
+        self.__dict__.setdefault("_done", []).append((
+            c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token))
+        return True
+
+    def _write_done(self, done):
+        """complete()'s successes in one transaction; one whose claim
+        was taken back meanwhile is lost."""
+        rows = list(done)
+        counts = self.spool._tx(lambda db: [
+            db.execute(_SUCCESS, a).rowcount for a in rows], sync=False)
+        del done[:len(rows)]
+        for a, n in zip(rows, counts):
+            if n != 1:
+                self.spool.log("lost", id=a[3], why="the claim was taken "
+                               "back before its success was written")
 
     def complete_many(self, cs):
         """complete() of each claim in one transaction (a batch's)."""

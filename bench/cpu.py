@@ -4,6 +4,7 @@ valgrind's callgrind: deterministic, unlike a rate (issue "Ahead of the
 SQLite peers").
 
     python3 bench/cpu.py [--n N] [--python PY] [--dir PATH]
+                         [--store files|sqlite] [--base REV]
                          [--profile DIR] [--cprofile DIR] [--json FILE]
 
 - enqueue: `myq.Spool(dir).enqueue("noop", {"n": i})` N times, one by one,
@@ -27,6 +28,10 @@ SQLite peers").
 Reruns agree to within ~0.5%: the job ids and timestamps differ from run to
 run (their digits, a few branches).  Four valgrind processes, two at a time:
 ~30 s on 2 shared cores with N=500.
+
+--store sqlite: the spools made by `init(store="sqlite")` (the SQLite
+store); --base REV: the same runs, in the same pool, for myq.py of git REV
+too (`git show REV:myq.py`), printed beside this tree's.
 
 --profile DIR keeps the runs' callgrind files (--dump-instr=no) as
 DIR/OP-N.cg and prints the C functions whose own cost grew most per job
@@ -66,8 +71,10 @@ def default_python():
     return sys.executable
 
 
-def child_env():
+def child_env(root=None):
     env = dict((k, v) for k, v in os.environ.items() if not k.startswith("MYQ_"))
+    if root:
+        env["MYQ_CPU_ROOT"] = root      # where the child imports myq from
     for k in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONSTARTUP"):
         env.pop(k, None)
     env["PYTHONPYCACHEPREFIX"] = PYCACHE
@@ -78,7 +85,7 @@ def child_env():
 # The child: python bench/cpu.py _child OP DIR N [CPROFILE_OUT] ###############
 
 def child(op, d, n, prof_out=None):
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.environ.get("MYQ_CPU_ROOT") or ROOT)
     import myq
     sp = getattr(myq, 'open_store', myq.Spool)(d)
     sp.require()
@@ -110,9 +117,8 @@ def child(op, d, n, prof_out=None):
     else:
         work()
     if op == "drain":
-        left = len([x for x in os.listdir(os.path.join(d, "incoming"))
-                    if x.endswith(".json")])
-        done = len(os.listdir(os.path.join(d, "done")))
+        st = sp.stats()
+        left, done = st["ready"] + st["scheduled"], st["done"]
         if left or done != n:
             raise SystemExit("drain: %d done, %d left of %d" % (done, left, n))
 
@@ -205,27 +211,32 @@ def startup(py, base, runs=3):
 
 # The parent ##################################################################
 
-def prepare(py, d, op, n):
+def prepare(py, d, op, n, store="files", root=ROOT):
     """A fresh spool at d (for a drain: holding n jobs, and the handler);
     also compiles myq.py's byte code for the counted runs."""
     os.makedirs(d)
     code = ("import sys; sys.path.insert(0, %r); import myq\n"
-            "sp = getattr(myq, 'open_store', myq.Spool)(%r).init()\n" % (ROOT, d))
+            "sp = getattr(myq, 'open_store', myq.Spool)(%r).init(%s)\n"
+            % (root, d, "" if store == "files" else "store=%r" % store))
     if op == "drain":
         code += ("for i in range(%d):\n    sp.enqueue('noop', {'n': i}, "
                  "sync=False)\n" % n)
         with open(os.path.join(d, "handler.py"), "w") as f:
             f.write(HANDLER)
     subprocess.check_call([py, "-c", code], env=child_env(), cwd=ROOT)
+    if store != "files":        # the store's own spool, opened afresh
+        code = ("import sys; sys.path.insert(0, %r); import myq\n"
+                "assert myq.open_store(%r).store == %r\n" % (root, d, store))
+        subprocess.check_call([py, "-c", code], env=child_env(), cwd=ROOT)
 
 
-def counted(py, d, op, n, keep=None):
+def counted(py, d, op, n, keep=None, root=None):
     out = keep or (d + ".cg")
     cmd = ["valgrind", "--tool=callgrind", "-q", "--callgrind-out-file=" + out]
     if keep:
         cmd.append("--dump-instr=no")
     subprocess.check_call(cmd + [py, os.path.abspath(__file__), "_child", op, d,
-                                 str(n)], env=child_env(), cwd=ROOT)
+                                 str(n)], env=child_env(root), cwd=ROOT)
     total = None
     with open(out) as f:
         for line in f:
@@ -275,6 +286,10 @@ def main():
     ap.add_argument("--cprofile", metavar="DIR",
                     help="cProfile the N runs (no valgrind) into DIR/OP.txt")
     ap.add_argument("--only", choices=("enqueue", "drain"))
+    ap.add_argument("--store", choices=("files", "sqlite", "both"),
+                    default="files")
+    ap.add_argument("--base", metavar="REV",
+                    help="also myq.py of this git revision, in the same run")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--startup", action="store_true",
                     help="instead: one `myq enqueue` process, installed and "
@@ -292,14 +307,23 @@ def main():
                 json.dump(res, f, indent=1)
         return
     ops = [o.only] if o.only else ["enqueue", "drain"]
+    stores = ["files", "sqlite"] if o.store == "both" else [o.store]
     base = tempfile.mkdtemp(prefix="myq-cpu-", dir=o.dir)
+    trees = [("this tree", ROOT)]
+    if o.base:
+        src = subprocess.check_output(["git", "show", o.base + ":myq.py"],
+                                      cwd=ROOT)
+        os.makedirs(os.path.join(base, "base"))
+        with open(os.path.join(base, "base", "myq.py"), "wb") as f:
+            f.write(src)
+        trees.insert(0, ("base " + o.base, os.path.join(base, "base")))
     t0 = time.monotonic()
     try:
         if o.cprofile:
             os.makedirs(o.cprofile, exist_ok=True)
             for op in ops:
                 d = os.path.join(base, op + "-prof")
-                prepare(py, d, op, o.n)
+                prepare(py, d, op, o.n, stores[0])
                 subprocess.check_call(
                     [py, os.path.abspath(__file__), "_child", op, d, str(o.n),
                      os.path.join(os.path.abspath(o.cprofile), op + ".txt")],
@@ -310,34 +334,42 @@ def main():
         if not shutil.which("valgrind"):
             raise SystemExit("bench/cpu.py: valgrind not found "
                              "(apt-get install valgrind)")
-        for op in ops:      # byte code cached (stdlib too) before any count
-            d = os.path.join(base, "warm-" + op)
-            prepare(py, d, op, 1)
-            subprocess.check_call([py, os.path.abspath(__file__), "_child", op,
-                                   d, "1"], env=child_env(), cwd=ROOT)
         runs = []
-        for op in ops:
-            for n in (0, o.n):
-                d = os.path.join(base, "%s-%d" % (op, n))
-                prepare(py, d, op, n)
-                keep = None
-                if o.profile:
-                    os.makedirs(o.profile, exist_ok=True)
-                    keep = os.path.join(os.path.abspath(o.profile),
-                                        "%s-%d.cg" % (op, n))
-                runs.append((op, n, d, keep))
+        for t, (label, root) in enumerate(trees):
+            for store in stores:
+                for op in ops:  # byte code cached (stdlib too) before any count
+                    d = os.path.join(base, "warm-%d-%s-%s" % (t, store, op))
+                    prepare(py, d, op, 1, store, root)
+                    subprocess.check_call(
+                        [py, os.path.abspath(__file__), "_child", op, d, "1"],
+                        env=child_env(root), cwd=ROOT)
+                    for n in (0, o.n):
+                        d = os.path.join(base, "%d-%s-%s-%d" % (t, store, op, n))
+                        prepare(py, d, op, n, store, root)
+                        keep = None
+                        if o.profile and t == len(trees) - 1:
+                            os.makedirs(o.profile, exist_ok=True)
+                            keep = os.path.join(os.path.abspath(o.profile),
+                                                "%s-%d.cg" % (op, n))
+                        runs.append(((label, store, op, n), d, keep, root))
         with ThreadPoolExecutor(max_workers=2) as ex:
-            futs = [(op, n, ex.submit(counted, py, d, op, n, keep))
-                    for op, n, d, keep in runs]
-            got = dict(((op, n), f.result()) for op, n, f in futs)
+            futs = [(k, ex.submit(counted, py, d, k[2], k[3], keep, root))
+                    for k, d, keep, root in runs]
+            got = dict((k, f.result()) for k, f in futs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     res = {"python": py, "n": o.n}
-    for op in ops:
-        res[op] = (got[(op, o.n)] - got[(op, 0)]) / float(o.n)
-        print("instructions per %-8s %9.0f   (N=%d: %d, N=0: %d)"
-              % (op if op == "drain" else "enqueue", res[op], o.n,
-                 got[(op, o.n)], got[(op, 0)]))
+    for label, _ in trees:
+        for store in stores:
+            for op in ops:
+                k = (label, store, op)
+                v = (got[k + (o.n,)] - got[k + (0,)]) / float(o.n)
+                if label == trees[-1][0] and store == stores[0]:
+                    res[op] = v
+                res["%s %s %s" % k] = v
+                print("instructions per %-8s %9.0f   (N=%d: %d, N=0: %d)  %s, %s"
+                      % (op if op == "drain" else "enqueue", v, o.n,
+                         got[k + (o.n,)], got[k + (0,)], store, label))
     sys.stderr.write("bench/cpu.py: %.0f s, %s, %s\n"
                      % (time.monotonic() - t0, py, o.dir))
     if o.profile:
@@ -348,7 +380,6 @@ def main():
     if o.json:
         with open(o.json, "w") as f:
             json.dump(res, f, indent=1)
-
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_child"]:

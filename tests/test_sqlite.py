@@ -502,7 +502,8 @@ def test_a_kill_at_every_commit_loses_nothing_and_doubles_nothing(tmp_path):
         assert cp.returncode == 0, cp.stderr
         counts.append(int(cp.stderr.rpartition("commits=")[2]))
     assert dict(rows(probe)) == FINAL
-    assert counts[0] >= 6 and counts[1] >= 10, counts
+    # (the work: claims ahead, successes by the group commit: 8 commits)
+    assert counts[0] >= 6 and counts[1] >= 8, counts
     cases = [("produce", k) for k in range(1, counts[0] + 1)] + \
             [("work", k) for k in range(1, counts[1] + 1)]
     for n, (what, k) in enumerate(cases):

@@ -1,0 +1,274 @@
+"""The drained job at its floor (issue 42, item 1): what a plain drain
+writes per job, counted (statements and transactions through sqlite3's
+trace callback), never timed; each deferred write cut by a kill -9 of a
+real worker before and after its new step, and every job delivered after
+it (at least once; one done is not run again).
+"""
+import json
+import os
+import sqlite3
+
+import pytest
+
+from _core import FAST, ROOT, call_myq, ls, run_myq
+from _procs import worker_killed_by_its_hook
+
+import myq
+
+sql_only = pytest.mark.skipif(
+    sqlite3.sqlite_version_info < (3, 35, 0),
+    reason="a claim is one statement with UPDATE ... RETURNING (SQLite "
+    "3.35); this one is %s" % sqlite3.sqlite_version)
+
+HANDLER = """import os
+def t(job):
+    fd = os.open(%r, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, (job["id"] + "\\n").encode())
+    os.close(fd)
+"""
+
+
+def _spool(tmp_path, n, store="sqlite"):
+    """A spool of `store` holding jobs j00.. (n), and a --module file whose
+    handler of type t notes each run's id in tmp_path/ran."""
+    sp = str(tmp_path / "s")
+    assert call_myq("--spool", sp, "init", "--store", store).returncode == 0
+    ids = ["j%02d" % i for i in range(n)]
+    for i in ids:
+        myq.enqueue(sp, "t", {"n": i}, id=i)
+    mod = tmp_path / "h.py"
+    mod.write_text(HANDLER % str(tmp_path / "ran"))
+    return sp, ids, str(mod)
+
+
+def _ran(tmp_path):
+    p = tmp_path / "ran"
+    return p.read_text().split() if p.exists() else []
+
+
+def _states(spool, ids):
+    return [json.loads(call_myq("--spool", spool, "show", i).stdout)["state"]
+            for i in ids]
+
+
+def _traced(monkeypatch):
+    """The statements of every connection this process opens to a
+    queue.db from now on, in order (test_sql_flow's)."""
+    seen = []
+    real = myq._SqlDb._connect
+
+    def connect(self, *a, **kw):
+        db = real(self, *a, **kw)
+        db.set_trace_callback(lambda s: seen.append(" ".join(s.split())))
+        return db
+    monkeypatch.setattr(myq._SqlDb, "_connect", connect)
+    return seen
+
+
+def _write_transactions(statements, what):
+    """The write transactions among `statements` holding one with `what`."""
+    n, open_, hit = 0, False, False
+    for s in statements:
+        word = s.split(" ", 1)[0].upper()
+        if word == "BEGIN":
+            open_, hit = True, False
+        elif word in ("COMMIT", "END"):
+            n += hit
+            open_ = False
+        elif word in ("UPDATE", "INSERT", "DELETE") and what in s:
+            if open_:
+                hit = True
+            else:
+                n += 1
+    return n
+
+
+@sql_only
+def test_a_drain_s_successes_are_written_by_the_group_commit(
+        tmp_path, monkeypatch):
+    """30 jobs drained one by one: claimed 16 a statement (_Ahead.AHEAD),
+    and the 30 successes in one transaction, the group commit's (before:
+    30 claims and 30 successes, each a transaction of its own); every job
+    done once."""
+    sp, ids, mod = _spool(tmp_path, 30)
+    seen = _traced(monkeypatch)
+    myq.Worker(sp, module=mod, poll=0.05, jitter=0, log=myq.Log(
+        stream=open(os.devnull, "w"))).run(drain=True)
+    assert _states(sp, ids) == ["done"] * 30
+    assert sorted(_ran(tmp_path)) == ids
+    assert _write_transactions(seen, "SET status='processing'") == 2
+    assert _write_transactions(seen, "SET status='done'") == 1, [
+        s for s in seen if "status='done'" in s or s.startswith(
+            ("BEGIN", "COMMIT"))]
+
+
+# A worker that kills itself (-9) at the deferred successes' write: before
+# its transaction (every job ran, none is done yet) or after it (all done).
+KILL_AT = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import myq
+when = %(when)r
+real = myq._SqlClaims._write_done
+def cut(*a, **kw):
+    if when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = real(*a, **kw)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return out
+myq._SqlClaims._write_done = cut
+sys.exit(myq.main(sys.argv[1:]))
+"""
+
+
+@sql_only
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_kill_at_the_successes_write(tmp_path, when):
+    """Killed before the successes' transaction: the jobs that ran are
+    still the dead worker's claims, taken back and run again (at least
+    once), every one done then; killed after it: all done, none runs
+    again."""
+    sp, ids, mod = _spool(tmp_path, 6)
+    worker_killed_by_its_hook(KILL_AT % {"root": ROOT, "when": when}, sp,
+                              "--module", mod, *FAST)
+    assert sorted(_ran(tmp_path)) == ids
+    assert _states(sp, ids) == (["processing"] * 6 if when == "before"
+                                else ["done"] * 6)
+    cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _states(sp, ids) == ["done"] * 6
+    assert sorted(_ran(tmp_path)) == sorted(ids * (2 if when == "before"
+                                                   else 1))
+    assert ls(sp, "processing") == []
+
+
+# A worker that kills itself (-9) at the statement that claims a plain
+# lane's next jobs with the one asked for (Claims.claim_ahead): before it
+# (none claimed) or after it (all six its claims, none run yet).
+KILL_AHEAD = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import myq
+when = %(when)r
+real = myq._sql_claim_many
+def cut(*a, **kw):
+    if when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = real(*a, **kw)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return out
+myq._sql_claim_many = cut
+sys.exit(myq.main(sys.argv[1:]))
+"""
+
+
+@sql_only
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_kill_at_the_claims_made_ahead(tmp_path, when):
+    """Killed at the one statement that claims six jobs of a plain drain:
+    before it none is claimed; after it all six are the dead worker's,
+    none run.  The next worker takes them back and runs each once."""
+    sp, ids, mod = _spool(tmp_path, 6)
+    worker_killed_by_its_hook(KILL_AHEAD % {"root": ROOT, "when": when}, sp,
+                              "--module", mod, *FAST)
+    assert _ran(tmp_path) == []
+    assert _states(sp, ids) == ["ready" if when == "before" else
+                                "processing"] * 6
+    cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _states(sp, ids) == ["done"] * 6
+    assert sorted(_ran(tmp_path)) == ids
+    assert ls(sp, "processing") == []
+
+
+STOP_AT_FIRST = """import os, signal
+def t(job):
+    fd = os.open(%r, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, (job["id"] + "\\n").encode())
+    os.close(fd)
+    if job["id"] == "j00":
+        os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+@sql_only
+def test_a_stop_gives_the_claims_made_ahead_back_untouched(tmp_path):
+    """SIGTERM while the first of six runs, the five others claimed with
+    it: it finishes, and the five wait again as they were: ready, no
+    attempt spent, no error noted."""
+    sp, ids, mod = _spool(tmp_path, 6)
+    with open(mod, "w") as f:
+        f.write(STOP_AT_FIRST % str(tmp_path / "ran"))
+    cp = run_myq("--spool", sp, "worker", "--module", mod, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _ran(tmp_path) == ["j00"]
+    assert _states(sp, ids) == ["done"] + ["ready"] * 5
+    for i in ids[1:]:
+        job = json.loads(call_myq("--spool", sp, "show", i).stdout)
+        assert job["attempts"] == 0 and job.get("last_error") is None, job
+
+
+KILL_IN_THIRD = """import os, signal
+def t(job):
+    if job["id"] == "j02":
+        os.kill(os.getpid(), signal.SIGKILL)
+    fd = os.open(%r, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, (job["id"] + "\\n").encode())
+    os.close(fd)
+"""
+
+
+@sql_only
+def test_a_kill_with_claims_made_ahead_loses_none(tmp_path):
+    """kill -9 in the third of six jobs claimed together (the first two'
+    successes not written yet): every job is taken back by the next
+    worker and done, at least once."""
+    sp, ids, mod = _spool(tmp_path, 6)
+    with open(mod, "w") as f:
+        f.write(KILL_IN_THIRD % str(tmp_path / "ran"))
+    worker_killed_by_its_hook("import sys; sys.path.insert(0, %r); import myq;"
+                              " sys.exit(myq.main(sys.argv[1:]))" % ROOT, sp,
+                              "--module", mod, *FAST)
+    assert _ran(tmp_path) == ["j00", "j01"]
+    with open(mod, "w") as f:
+        f.write(HANDLER % str(tmp_path / "ran"))
+    cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
+    assert cp.returncode == 0, cp.stderr
+    assert _states(sp, ids) == ["done"] * 6
+    assert sorted(set(_ran(tmp_path))) == ids
+    assert ls(sp, "processing") == []
+
+
+MV_ONE_IN = """import json, os
+def t(job):
+    fd = os.open(%(ran)r, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, (job["id"] + "\\n").encode())
+    os.close(fd)
+    if job["id"] == "j00":      # a shell producer's mv, no poke
+        tmp = os.path.join(%(spool)r, "tmp", "x.json")
+        with open(tmp, "w") as f:
+            json.dump({"type": "t", "payload": 1}, f)
+        os.rename(tmp, os.path.join(%(spool)r, "incoming", "late.json"))
+"""
+
+
+def test_a_drain_asks_incoming_s_key_when_it_runs_dry_not_at_every_claim(
+        tmp_path, monkeypatch):
+    """Files: 30 jobs due in incoming/, drained: incoming/'s change key
+    (an fstat) is not asked before and after every claim (60 times) but
+    when the lane's next job is not due; a file a shell producer moved in
+    meanwhile, unpoked, still runs."""
+    sp, ids, mod = _spool(tmp_path, 30, store="files")
+    with open(mod, "w") as f:
+        f.write(MV_ONE_IN % {"ran": str(tmp_path / "ran"), "spool": sp})
+    asked = []
+    real = myq.FileClaims.change_key
+
+    def change_key(self):
+        asked.append(1)
+        return real(self)
+    monkeypatch.setattr(myq.FileClaims, "change_key", change_key)
+    myq.Worker(sp, module=mod, poll=0.05, jitter=0, log=myq.Log(
+        stream=open(os.devnull, "w"))).run(drain=True)
+    assert sorted(_ran(tmp_path)) == sorted(ids + ["late"])
+    assert len(asked) < 15, len(asked)
