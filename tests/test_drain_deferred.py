@@ -1,4 +1,4 @@
-"""The drained job at its floor (issue 42, item 1): what a plain drain
+"""A plain drain's deferred writes and claims made ahead: what it
 writes per job, counted (statements and transactions through sqlite3's
 trace callback), never timed; each deferred write cut by a kill -9 of a
 real worker before and after its new step, and every job delivered after
