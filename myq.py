@@ -133,11 +133,13 @@ Part I, the core:
                     main (test_operator_cli)
 
 Part II, the extensions:
-  The SQLite store: its database and claims   _SqlDb (the connection to
-                    queue.db and its statements), _SqlDropBox (the drop
-                    box taken in), _SqlClaims, a batch's claims in one
-                    statement (_sql_claim_many) (test_sqlite, test_sql_flow,
-                    and the store-parametrised tests)
+  The SQLite store: its database   the schema and statements, _SqlDb
+                    (the connection to queue.db, its transactions, the
+                    log's walk) (test_sqlite, test_sql_flow)
+  The SQLite store: its drop box and claims   _SqlDropBox (the drop box
+                    taken in), _SqlClaims, claims of many jobs in one
+                    statement (_sql_claim_many) (test_sqlite,
+                    test_drain_deferred, and the store-parametrised tests)
   The SQLite store  SqlStore and its other parts: _SqlUpkeep, _SqlReader,
                     SqlBudget, SqlBacklog, _SqlProducer (its jobs INSERTed,
                     the drop box's files else): the same contract over queue.db
@@ -13414,7 +13416,7 @@ def main(argv=None, parsed=None):
 # its registration) and the core still runs.
 # =============================================================================
 
-# The SQLite store: its database and claims ###################################
+# The SQLite store: its database ##############################################
 #
 # A spool made by `myq init --store sqlite` keeps its jobs in one database
 # file, SPOOL/queue.db (WAL), the rest as for files: locks/ (workers,
@@ -13961,6 +13963,13 @@ class _SqlDb(object):
                     db.close()
                 except _sqlite3().Error:
                     pass
+
+
+# The SQLite store: its drop box and claims ##################################
+#
+# How jobs come into queue.db and go out of it: the drop box's files taken
+# in (_SqlDropBox), and the claims, one row or many in one statement, and
+# their finishes (_SqlClaims), over the database above.
 
 
 class _SqlDropBox(object):

@@ -41,7 +41,8 @@ HEADER = re.compile(r"^# (.+?) #{5,}$")
 # list of tests/test_structure.py beside MYQ_PY (PART_II there) when it
 # has one, else this one.
 PART_II = [
-    "The SQLite store: its database and claims",
+    "The SQLite store: its database",
+    "The SQLite store: its drop box and claims",
     "The SQLite store",
     "HTTP forwarding",
     "MQTT",

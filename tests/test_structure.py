@@ -28,7 +28,8 @@ MAX_OBJECT, MAX_SECTION = 900, 1200
 # reads this list (build/reorder.py: sections moved whole, the
 # parts' banners, the map).
 PART_II = (
-    "The SQLite store: its database and claims",
+    "The SQLite store: its database",
+    "The SQLite store: its drop box and claims",
     "The SQLite store",
     "The RAM tier",
     "HTTP forwarding",
