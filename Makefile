@@ -31,8 +31,8 @@ $(STAMP):
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check $(TEST_PKGS)
 	@touch $@
 
-# The whole suite (CI runs exactly this) over TEST_JOBS processes, twice
-# the cores (TEST_JOBS=0: in this process), a file to a process, the
+# The whole suite (CI runs exactly this) over TEST_JOBS processes, three
+# a core (TEST_JOBS=0: in this process), a file to a process, the
 # longest first (tests/README.md: why these options).  `make test-fast`
 # leaves out the tests marked slow.
 # pytest itself writes byte code (its processes load the tests'
@@ -47,7 +47,7 @@ TEST_TMPDIR := $(shell f=$$(mktemp /dev/shm/myq-tmpdir-XXXXXX 2>/dev/null) && \
 	printf '\043!/bin/sh\n' > "$$f" && chmod 700 "$$f" && "$$f" && \
 	echo /dev/shm; rm -f "$$f")
 endif
-TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 2 )))
+TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 3 )))
 PYTEST = env -u PYTHONDONTWRITEBYTECODE \
 	TESTS_DONTWRITEBYTECODE="$$PYTHONDONTWRITEBYTECODE" \
 	$(if $(TEST_TMPDIR),TMPDIR="$(TEST_TMPDIR)") \
