@@ -14281,10 +14281,7 @@ class _SqlClaims(Claims):
 
     def commit(self):
         """Finishes commit without waiting for the disk (synchronous=NORMAL
-        in WAL): one fsync of the log here makes them all durable, after
-        the successes since the last (complete) in one transaction."""
-        if self.__dict__.get("_done"):
-            self._write_done(self._done)
+        in WAL): one fsync of the log here makes them all durable."""
         try:
             fd = os.open(self.spool.d(DB_NAME + "-wal"), os.O_RDONLY | O_CLOEXEC)
         except OSError:
@@ -14398,27 +14395,14 @@ class _SqlClaims(Claims):
         return row is not None and row[0] + self.spool.opt["dedupe_window"] > now
 
     def complete(self, c):
-        """Success: the row done (the id's idempotency record while it
-        stays) by the group commit's one transaction (commit): a drained job
-        is one transaction, its claim.  Until then the row is this live
-        worker's claim: a kill takes it back and runs it again, as
-        at-least-once allows (and as a power cut does before the fsync)."""
+        """Success: the row is done (the id's idempotency record while it
+        stays); committed at once, without waiting for the disk (see
+        commit()): a kill after it does not run the job again."""
         now = _now()
-        self.__dict__.setdefault("_done", []).append((
-            c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token))
-        return True
-
-    def _write_done(self, done):
-        """complete()'s successes in one transaction; one whose claim
-        was taken back meanwhile is lost."""
-        rows = list(done)
-        counts = self.spool._tx(lambda db: [
-            db.execute(_SUCCESS, a).rowcount for a in rows], sync=False)
-        del done[:len(rows)]
-        for a, n in zip(rows, counts):
-            if n != 1:
-                self.spool.log("lost", id=a[3], why="the claim was taken "
-                               "back before its success was written")
+        n = self.spool._write(_SUCCESS, (
+            c.attempt or c.job["attempts"] + 1, now, now, c.jid, c.token),
+            sync=False)
+        return n == 1
 
     def complete_many(self, cs):
         """complete() of each claim in one transaction (a batch's)."""

@@ -1,8 +1,8 @@
-"""A plain drain's deferred writes and claims made ahead: what it
-writes per job, counted (statements and transactions through sqlite3's
-trace callback), never timed; each deferred write cut by a kill -9 of a
-real worker before and after its new step, and every job delivered after
-it (at least once; one done is not run again).
+"""A plain drain's claims made ahead and what it writes per job,
+counted (statements and transactions through sqlite3's trace callback),
+never timed; each new step cut by a kill -9 of a real worker before and
+after it, and every job delivered after it (at least once; one done is
+not run again).
 """
 import json
 import os
@@ -84,12 +84,11 @@ def _write_transactions(statements, what):
 
 
 @sql_only
-def test_a_drain_s_successes_are_written_by_the_group_commit(
+def test_a_drain_claims_sixteen_a_statement_and_commits_each_success(
         tmp_path, monkeypatch):
-    """30 jobs drained one by one: claimed 16 a statement (_Ahead.AHEAD),
-    and the 30 successes in one transaction, the group commit's (before:
-    30 claims and 30 successes, each a transaction of its own); every job
-    done once."""
+    """30 jobs drained one by one: claimed 16 a statement (_Ahead.AHEAD:
+    2 claim transactions, not 30), each success a transaction of its own
+    (a kill after it must not run the job again); every job done once."""
     sp, ids, mod = _spool(tmp_path, 30)
     seen = _traced(monkeypatch)
     myq.Worker(sp, module=mod, poll=0.05, jitter=0, log=myq.Log(
@@ -97,48 +96,41 @@ def test_a_drain_s_successes_are_written_by_the_group_commit(
     assert _states(sp, ids) == ["done"] * 30
     assert sorted(_ran(tmp_path)) == ids
     assert _write_transactions(seen, "SET status='processing'") == 2
-    assert _write_transactions(seen, "SET status='done'") == 1, [
-        s for s in seen if "status='done'" in s or s.startswith(
-            ("BEGIN", "COMMIT"))]
+    assert _write_transactions(seen, "SET status='done'") == 30
 
 
-# A worker that kills itself (-9) at the deferred successes' write: before
-# its transaction (every job ran, none is done yet) or after it (all done).
-KILL_AT = r"""
+# A worker that kills itself (-9) right after its first success is
+# written: the other jobs, claimed with it, not run yet.
+KILL_AFTER_SUCCESS = r"""
 import os, signal, sys
 sys.path.insert(0, %(root)r)
 import myq
-when = %(when)r
-real = myq._SqlClaims._write_done
+real = myq._SqlClaims.complete
 def cut(*a, **kw):
-    if when == "before":
-        os.kill(os.getpid(), signal.SIGKILL)
     out = real(*a, **kw)
     os.kill(os.getpid(), signal.SIGKILL)
     return out
-myq._SqlClaims._write_done = cut
+myq._SqlClaims.complete = cut
 sys.exit(myq.main(sys.argv[1:]))
 """
 
 
 @sql_only
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_a_kill_at_the_successes_write(tmp_path, when):
-    """Killed before the successes' transaction: the jobs that ran are
-    still the dead worker's claims, taken back and run again (at least
-    once), every one done then; killed after it: all done, none runs
-    again."""
+def test_a_kill_after_a_success_does_not_run_its_job_again(tmp_path):
+    """Killed right after the first job's success: it is done, the five
+    claimed with it are the dead worker's claims; the next worker takes
+    them back and runs each, the first not again (a success is never
+    left to a later commit that a kill would lose)."""
     sp, ids, mod = _spool(tmp_path, 6)
-    worker_killed_by_its_hook(KILL_AT % {"root": ROOT, "when": when}, sp,
+    worker_killed_by_its_hook(KILL_AFTER_SUCCESS % {"root": ROOT}, sp,
                               "--module", mod, *FAST)
-    assert sorted(_ran(tmp_path)) == ids
-    assert _states(sp, ids) == (["processing"] * 6 if when == "before"
-                                else ["done"] * 6)
+    assert len(_ran(tmp_path)) == 1
+    states = _states(sp, ids)
+    assert states.count("done") == 1 and states.count("processing") == 5
     cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
     assert cp.returncode == 0, cp.stderr
     assert _states(sp, ids) == ["done"] * 6
-    assert sorted(_ran(tmp_path)) == sorted(ids * (2 if when == "before"
-                                                   else 1))
+    assert sorted(_ran(tmp_path)) == ids
     assert ls(sp, "processing") == []
 
 
