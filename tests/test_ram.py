@@ -411,17 +411,38 @@ def test_priority_then_creation_order_across_both_tiers(spool, ram, tmp_path):
     try:
         t.enqueue({"n": 0}, "alarm", "--priority", "9")     # runs, blocks
         wait_for(lambda: t.delivered(), what="the first run")
-        t.enqueue({"n": 1}, "alarm")                        # spool, 0
-        t.enqueue({"n": 2}, "tele")                         # RAM, 0
-        t.enqueue({"n": 3}, "tele", "--priority", "5")      # RAM, 5
-        t.enqueue({"n": 4}, "alarm", "--priority", "5")     # spool, 5
-        t.enqueue({"n": 5}, "alarm")                        # spool, 0
+        # (each made once files are stamped after the one before: see
+        # _file_clock_past)
+        for n, type_, opts in [(1, "alarm", ()),              # spool, 0
+                               (2, "tele", ()),               # RAM, 0
+                               (3, "tele", ("--priority", "5")),   # RAM, 5
+                               (4, "alarm", ("--priority", "5")),  # spool, 5
+                               (5, "alarm", ())]:             # spool, 0
+            _file_clock_past(os.path.dirname(ram), time.time())
+            t.enqueue({"n": n}, type_, *opts)
         assert len(t.in_ram()) == 2
         os.unlink(t.out + ".block")
         wait_for(lambda: len(t.delivered()) == 6, what="all delivered")
         assert [d["n"] for d in t.delivered()] == [0, 3, 4, 1, 2, 5]
     finally:
         t.stop()
+
+
+def _file_clock_past(d, t):
+    """Wait until a file written in directory `d` is stamped later than
+    `t` (time.time()).  A job in the RAM tier is due at its file's mtime,
+    which the kernel stamps from its tick clock, up to a tick (4 ms at
+    HZ=250) behind time.time(); one in an SQLite spool at the time its
+    producer read: two jobs made within a tick, one in each tier, start
+    in either order (myq(1) RAM FIRST)."""
+    probe = os.path.join(d, "clock-probe")
+
+    def later():
+        with open(probe, "w") as f:
+            f.write("x")
+        return os.stat(probe).st_mtime > t
+    wait_for(later, interval=0.001, what="the file clock past %f" % t)
+    os.unlink(probe)
 
 
 def test_check_says_when_the_tier_is_not_on_a_ram_filesystem(spool, ram,
