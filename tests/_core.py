@@ -220,6 +220,50 @@ def sql(spool, statement, args=()):
         con.close()
 
 
+
+def sql_traced(monkeypatch):
+    """The statements of every connection this process opens to a
+    queue.db from now on, in order (sqlite3's trace callback)."""
+    import myq
+    seen = []
+    real = myq._SqlDb._connect
+
+    def connect(self, *a, **kw):
+        db = real(self, *a, **kw)
+        db.set_trace_callback(lambda s: seen.append(" ".join(s.split())))
+        return db
+    monkeypatch.setattr(myq._SqlDb, "_connect", connect)
+    return seen
+
+
+def sql_transactions(statements, what):
+    """The write transactions among `statements` (sql_traced's) that hold
+    a statement with `what` (a write alone is one; BEGIN ... COMMIT is
+    one)."""
+    n, open_, hit = 0, False, False
+    for s in statements:
+        word = s.split(" ", 1)[0].upper()
+        if word == "BEGIN":
+            open_, hit = True, False
+        elif word in ("COMMIT", "END"):
+            n += hit
+            open_ = False
+        elif word == "ROLLBACK":
+            open_ = False
+        elif word in ("UPDATE", "INSERT", "DELETE", "REPLACE") and what in s:
+            if open_:
+                hit = True
+            else:
+                n += 1
+    return n
+
+
+def states(spool, ids):
+    """`myq show`'s state of each id."""
+    return [json.loads(call_myq("--spool", spool, "show", i).stdout)["state"]
+            for i in ids]
+
+
 # A state's directory -> the status of its rows on an SQLite spool
 STATUS_OF_DIR = {"incoming": "ready", "processing": "processing",
                  "done": "done", "dlq": "dead", "failed": "failed"}

@@ -10,7 +10,8 @@ import sqlite3
 
 import pytest
 
-from _core import FAST, ROOT, call_myq, ls, run_myq
+from _core import (FAST, ROOT, call_myq, ls, run_myq, sql_traced,
+                   sql_transactions, states)
 from _procs import worker_killed_by_its_hook
 
 import myq
@@ -46,41 +47,7 @@ def _ran(tmp_path):
     return p.read_text().split() if p.exists() else []
 
 
-def _states(spool, ids):
-    return [json.loads(call_myq("--spool", spool, "show", i).stdout)["state"]
-            for i in ids]
 
-
-def _traced(monkeypatch):
-    """The statements of every connection this process opens to a
-    queue.db from now on, in order (test_sql_flow's)."""
-    seen = []
-    real = myq._SqlDb._connect
-
-    def connect(self, *a, **kw):
-        db = real(self, *a, **kw)
-        db.set_trace_callback(lambda s: seen.append(" ".join(s.split())))
-        return db
-    monkeypatch.setattr(myq._SqlDb, "_connect", connect)
-    return seen
-
-
-def _write_transactions(statements, what):
-    """The write transactions among `statements` holding one with `what`."""
-    n, open_, hit = 0, False, False
-    for s in statements:
-        word = s.split(" ", 1)[0].upper()
-        if word == "BEGIN":
-            open_, hit = True, False
-        elif word in ("COMMIT", "END"):
-            n += hit
-            open_ = False
-        elif word in ("UPDATE", "INSERT", "DELETE") and what in s:
-            if open_:
-                hit = True
-            else:
-                n += 1
-    return n
 
 
 @sql_only
@@ -90,13 +57,13 @@ def test_a_drain_claims_sixteen_a_statement_and_commits_each_success(
     2 claim transactions, not 30), each success a transaction of its own
     (a kill after it must not run the job again); every job done once."""
     sp, ids, mod = _spool(tmp_path, 30)
-    seen = _traced(monkeypatch)
+    seen = sql_traced(monkeypatch)
     myq.Worker(sp, module=mod, poll=0.05, jitter=0, log=myq.Log(
         stream=open(os.devnull, "w"))).run(drain=True)
-    assert _states(sp, ids) == ["done"] * 30
+    assert states(sp, ids) == ["done"] * 30
     assert sorted(_ran(tmp_path)) == ids
-    assert _write_transactions(seen, "SET status='processing'") == 2
-    assert _write_transactions(seen, "SET status='done'") == 30
+    assert sql_transactions(seen, "SET status='processing'") == 2
+    assert sql_transactions(seen, "SET status='done'") == 30
 
 
 # A worker that kills itself (-9) right after its first success is
@@ -125,11 +92,11 @@ def test_a_kill_after_a_success_does_not_run_its_job_again(tmp_path):
     worker_killed_by_its_hook(KILL_AFTER_SUCCESS % {"root": ROOT}, sp,
                               "--module", mod, *FAST)
     assert len(_ran(tmp_path)) == 1
-    states = _states(sp, ids)
-    assert states.count("done") == 1 and states.count("processing") == 5
+    now = states(sp, ids)
+    assert now.count("done") == 1 and now.count("processing") == 5
     cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
     assert cp.returncode == 0, cp.stderr
-    assert _states(sp, ids) == ["done"] * 6
+    assert states(sp, ids) == ["done"] * 6
     assert sorted(_ran(tmp_path)) == ids
     assert ls(sp, "processing") == []
 
@@ -164,11 +131,11 @@ def test_a_kill_at_the_claims_made_ahead(tmp_path, when):
     worker_killed_by_its_hook(KILL_AHEAD % {"root": ROOT, "when": when}, sp,
                               "--module", mod, *FAST)
     assert _ran(tmp_path) == []
-    assert _states(sp, ids) == ["ready" if when == "before" else
+    assert states(sp, ids) == ["ready" if when == "before" else
                                 "processing"] * 6
     cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
     assert cp.returncode == 0, cp.stderr
-    assert _states(sp, ids) == ["done"] * 6
+    assert states(sp, ids) == ["done"] * 6
     assert sorted(_ran(tmp_path)) == ids
     assert ls(sp, "processing") == []
 
@@ -194,7 +161,7 @@ def test_a_stop_gives_the_claims_made_ahead_back_untouched(tmp_path):
     cp = run_myq("--spool", sp, "worker", "--module", mod, *FAST)
     assert cp.returncode == 0, cp.stderr
     assert _ran(tmp_path) == ["j00"]
-    assert _states(sp, ids) == ["done"] + ["ready"] * 5
+    assert states(sp, ids) == ["done"] + ["ready"] * 5
     for i in ids[1:]:
         job = json.loads(call_myq("--spool", sp, "show", i).stdout)
         assert job["attempts"] == 0 and job.get("last_error") is None, job
@@ -226,7 +193,7 @@ def test_a_kill_with_claims_made_ahead_loses_none(tmp_path):
         f.write(HANDLER % str(tmp_path / "ran"))
     cp = run_myq("--spool", sp, "worker", "--drain", "--module", mod, *FAST)
     assert cp.returncode == 0, cp.stderr
-    assert _states(sp, ids) == ["done"] * 6
+    assert states(sp, ids) == ["done"] * 6
     assert sorted(set(_ran(tmp_path))) == ids
     assert ls(sp, "processing") == []
 

@@ -28,6 +28,18 @@ def _queued(myq, spool):
         sp.close()
 
 
+def _guarded(myq, small_tmpfs, store, monkeypatch):
+    """(mnt, spool, clock, store): a spool of `store` on a 4 MiB tmpfs
+    of its own, open with --min-free 1 MiB, on a monotonic clock that
+    moves only when the test moves clock[0]."""
+    mnt = small_tmpfs("4m")
+    spool = os.path.join(mnt, "spool")
+    myq.main(["--spool", spool, "init", "--store", store])
+    clock = [1000.0]
+    monkeypatch.setattr(myq, "_mono", lambda: clock[0])
+    return mnt, spool, clock, myq.open_store(spool, min_free=1 << 20)
+
+
 @STORES
 def test_the_guard_refuses_where_its_figure_runs_out_on_a_real_tmpfs(
         myq, small_tmpfs, store, monkeypatch):
@@ -36,12 +48,7 @@ def test_the_guard_refuses_where_its_figure_runs_out_on_a_real_tmpfs(
     used what it saw free): jobs are taken until the guard refuses, and
     it refuses where the disk really has no room for one more beyond the
     reserve -- not before, and not in a SQLite error."""
-    mnt = small_tmpfs("4m")
-    spool = os.path.join(mnt, "spool")
-    myq.main(["--spool", spool, "init", "--store", store])
-    clock = [1000.0]
-    monkeypatch.setattr(myq, "_mono", lambda: clock[0])
-    sp = myq.open_store(spool, min_free=1 << 20)
+    mnt, spool, clock, sp = _guarded(myq, small_tmpfs, store, monkeypatch)
     payload = "x" * 300
     first = sp.enqueue("t", payload)            # (the database's files made)
     free, block = _free(spool)
@@ -74,12 +81,7 @@ def test_another_writer_filling_the_disk_is_seen_within_a_second(
     (the reserve holds it), within the second; once a second has passed,
     the guard reads the disk again and refuses; the filler gone, it
     takes jobs again at once (a refusal keeps no figure)."""
-    mnt = small_tmpfs("4m")
-    spool = os.path.join(mnt, "spool")
-    myq.main(["--spool", spool, "init", "--store", store])
-    clock = [1000.0]
-    monkeypatch.setattr(myq, "_mono", lambda: clock[0])
-    sp = myq.open_store(spool, min_free=1 << 20)
+    mnt, spool, clock, sp = _guarded(myq, small_tmpfs, store, monkeypatch)
     ids = [sp.enqueue("t", i) for i in range(3)]        # figure: ~2 MiB room
     free, block = _free(spool)
     filler = os.path.join(mnt, "filler")

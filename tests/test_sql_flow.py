@@ -10,13 +10,13 @@ kill -9 of a real worker before and after its commit, and every job is
 delivered after it (at least once; a batch finished in part or not at all
 goes again under its key).
 """
-import json
 import os
 import sqlite3
 
 import pytest
 
-from _core import FAST, ROOT, call_myq, ls, run_myq
+from _core import (FAST, ROOT, call_myq, ls, run_myq, sql_traced,
+                   sql_transactions, states)
 from _http import http_servers  # noqa: F401  (a fixture)
 from _procs import worker_killed_by_its_hook
 
@@ -37,10 +37,6 @@ def _spool(tmp_path, url, n):
     return sp
 
 
-def _states(spool, ids):
-    return [json.loads(call_myq("--spool", spool, "show", i).stdout)["state"]
-            for i in ids]
-
 
 def _sent(srv):
     """(Idempotency-Key, X-Myq-Ids as a list) of each request."""
@@ -50,39 +46,6 @@ def _sent(srv):
                 for r in srv.requests]
 
 
-def _traced(monkeypatch):
-    """The statements of every connection this process opens to a queue.db
-    from now on, in order."""
-    seen = []
-    real = myq._SqlDb._connect
-
-    def connect(self, *a, **kw):
-        db = real(self, *a, **kw)
-        db.set_trace_callback(lambda s: seen.append(" ".join(s.split())))
-        return db
-    monkeypatch.setattr(myq._SqlDb, "_connect", connect)
-    return seen
-
-
-def _transactions(statements, what):
-    """The write transactions among `statements` that hold a statement
-    with `what` (a write alone is one; BEGIN ... COMMIT is one)."""
-    n, open_, hit = 0, False, False
-    for s in statements:
-        word = s.split(" ", 1)[0].upper()
-        if word == "BEGIN":
-            open_, hit = True, False
-        elif word in ("COMMIT", "END"):
-            n += hit
-            open_ = False
-        elif word == "ROLLBACK":
-            open_ = False
-        elif word in ("UPDATE", "INSERT", "DELETE", "REPLACE") and what in s:
-            if open_:
-                hit = True
-            else:
-                n += 1
-    return n
 
 
 def test_a_batch_is_claimed_in_one_statement_and_done_in_one_transaction(
@@ -95,15 +58,15 @@ def test_a_batch_is_claimed_in_one_statement_and_done_in_one_transaction(
     ids = ["j%02d" % i for i in range(20)]
     for i in ids:
         myq.enqueue(sp, "t", {"n": i}, id=i)
-    seen = _traced(monkeypatch)
+    seen = sql_traced(monkeypatch)
     myq.Worker(sp, poll=0.05, jitter=0, log=myq.Log(
         stream=open(os.devnull, "w"))).run(drain=True)
-    assert _states(sp, ids) == ["done"] * 20
+    assert states(sp, ids) == ["done"] * 20
     assert [s[1] for s in _sent(srv)] == [ids]
     claims = [s for s in seen if s.startswith("UPDATE jobs SET status="
                                               "'processing'")]
     assert len(claims) == 2, claims
-    assert _transactions(seen, "SET status='done'") == 1, [
+    assert sql_transactions(seen, "SET status='done'") == 1, [
         s for s in seen if "status='done'" in s or s in ("BEGIN IMMEDIATE",
                                                          "COMMIT")]
 
@@ -149,10 +112,10 @@ def test_a_kill_at_the_batch_s_done_commit(tmp_path, http_servers, when):
     for i in ids:
         myq.enqueue(sp, "t", {"n": i}, id=i)
     _cut(sp, "done", when)
-    assert _states(sp, ids).count("done") == (0 if when == "before" else 6)
+    assert states(sp, ids).count("done") == (0 if when == "before" else 6)
     cp = run_myq("--spool", sp, "worker", "--drain", *FAST)
     assert cp.returncode == 0, cp.stderr
-    assert _states(sp, ids) == ["done"] * 6
+    assert states(sp, ids) == ["done"] * 6
     sent = _sent(srv)
     assert sent[0] == (myq._ids_key(ids), ids), sent
     assert sent[1:] == ([sent[0]] if when == "before" else []), sent
@@ -171,12 +134,12 @@ def test_a_kill_at_the_batch_s_claim(tmp_path, http_servers, when):
     for i in ids:
         myq.enqueue(sp, "t", {"n": i}, id=i)
     _cut(sp, "claim", when)
-    assert _states(sp, ids).count("processing") == (1 if when == "before" else 6), \
-        _states(sp, ids)
+    assert states(sp, ids).count("processing") == (1 if when == "before" else 6), \
+        states(sp, ids)
     assert _sent(srv) == []
     cp = run_myq("--spool", sp, "worker", "--drain", *FAST)
     assert cp.returncode == 0, cp.stderr
-    assert _states(sp, ids) == ["done"] * 6
+    assert states(sp, ids) == ["done"] * 6
     assert sorted(i for _, got in _sent(srv) for i in got) == ids
     assert ls(sp, "processing") == []
 
