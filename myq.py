@@ -9167,12 +9167,16 @@ class _Ahead(object):
     def release(self, claims, age=0.0):
         """The claims not asked for in `age` seconds given back untouched
         (put_back: due as they were, no attempt spent); one that fails on
-        I/O stays, for the next call (the error raised)."""
+        I/O stays, for the next call (the error raised).  True if any
+        went back (or the error came): the lanes are to be read again."""
         cut = _mono() - age
+        back = False
         for n, (c, t) in list(self.held.items()):
             if t <= cut:
+                back = True
                 claims.put_back(c, c.mtime)
                 del self.held[n]
+        return back
 
 
 class _Scheduler(object):
@@ -11496,13 +11500,15 @@ class Worker(object):
 
     def _let_go(self, age=0.0):
         """The claims made ahead and not asked for in `age` seconds given
-        back (_Ahead.release): the lanes are read again."""
+        back (_Ahead.release): the lanes are read again if any went."""
         if self.sched.ahead.held:
             try:
-                self.sched.ahead.release(self.spool.claims, age)
+                back = self.sched.ahead.release(self.spool.claims, age)
             except (OSError, MyqError) as e:
                 self.log("error", during="release", error=str(e))
-            self.sched.dirty = True
+                back = True
+            if back:
+                self.sched.dirty = True
 
     def _settle(self, final=False):
         """The store's own turn (Store.settle: a RAM tier's moves)."""
