@@ -11,7 +11,8 @@ import signal
 import subprocess
 import time
 
-from _core import call_myq, clean_env, enqueue, kill_quiet, myq_argv, state, wait_for
+from _core import (ROOT, call_myq, clean_env, enqueue, kill_quiet, myq_argv,
+                   state, wait_for)
 
 
 def proc_stat(pid):
@@ -242,3 +243,31 @@ def worker_killed_by_its_hook(code, spool, *opts):
             os.killpg(w.pid, signal.SIGKILL)
             w.wait(10)
     assert w.returncode == -signal.SIGKILL, w.stderr.read()
+
+
+# A worker whose myq.NAME, or myq.CLASS.NAME, kills it (-9) before its
+# call or after it returns (worker_killed_around).
+_KILL_AROUND = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import myq
+owner = getattr(myq, %(cls)r) if %(cls)r else myq
+real = getattr(owner, %(name)r)
+def cut(*a, **kw):
+    if %(when)r == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = real(*a, **kw)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return out
+setattr(owner, %(name)r, cut)
+sys.exit(myq.main(sys.argv[1:]))
+"""
+
+
+def worker_killed_around(what, when, spool, *opts):
+    """worker_killed_by_its_hook of a worker that kills itself at myq's
+    `what` ("_sql_claim_many", "_SqlClaims.complete"): "before" its call
+    or "after" it returns."""
+    cls, _, name = what.rpartition(".")
+    worker_killed_by_its_hook(_KILL_AROUND % {
+        "root": ROOT, "cls": cls, "name": name, "when": when}, spool, *opts)

@@ -12,7 +12,7 @@ import pytest
 
 from _core import (FAST, ROOT, call_myq, ls, run_myq, sql_traced,
                    sql_transactions, states)
-from _procs import worker_killed_by_its_hook
+from _procs import worker_killed_around, worker_killed_by_its_hook
 
 import myq
 
@@ -66,22 +66,6 @@ def test_a_drain_claims_sixteen_a_statement_and_commits_each_success(
     assert sql_transactions(seen, "SET status='done'") == 30
 
 
-# A worker that kills itself (-9) right after its first success is
-# written: the other jobs, claimed with it, not run yet.
-KILL_AFTER_SUCCESS = r"""
-import os, signal, sys
-sys.path.insert(0, %(root)r)
-import myq
-real = myq._SqlClaims.complete
-def cut(*a, **kw):
-    out = real(*a, **kw)
-    os.kill(os.getpid(), signal.SIGKILL)
-    return out
-myq._SqlClaims.complete = cut
-sys.exit(myq.main(sys.argv[1:]))
-"""
-
-
 @sql_only
 def test_a_kill_after_a_success_does_not_run_its_job_again(tmp_path):
     """Killed right after the first job's success: it is done, the five
@@ -89,8 +73,8 @@ def test_a_kill_after_a_success_does_not_run_its_job_again(tmp_path):
     them back and runs each, the first not again (a success is never
     left to a later commit that a kill would lose)."""
     sp, ids, mod = _spool(tmp_path, 6)
-    worker_killed_by_its_hook(KILL_AFTER_SUCCESS % {"root": ROOT}, sp,
-                              "--module", mod, *FAST)
+    worker_killed_around("_SqlClaims.complete", "after", sp, "--module", mod,
+                         *FAST)
     assert len(_ran(tmp_path)) == 1
     now = states(sp, ids)
     assert now.count("done") == 1 and now.count("processing") == 5
@@ -101,26 +85,6 @@ def test_a_kill_after_a_success_does_not_run_its_job_again(tmp_path):
     assert ls(sp, "processing") == []
 
 
-# A worker that kills itself (-9) at the statement that claims a plain
-# lane's next jobs with the one asked for (Claims.claim_ahead): before it
-# (none claimed) or after it (all six its claims, none run yet).
-KILL_AHEAD = r"""
-import os, signal, sys
-sys.path.insert(0, %(root)r)
-import myq
-when = %(when)r
-real = myq._sql_claim_many
-def cut(*a, **kw):
-    if when == "before":
-        os.kill(os.getpid(), signal.SIGKILL)
-    out = real(*a, **kw)
-    os.kill(os.getpid(), signal.SIGKILL)
-    return out
-myq._sql_claim_many = cut
-sys.exit(myq.main(sys.argv[1:]))
-"""
-
-
 @sql_only
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_kill_at_the_claims_made_ahead(tmp_path, when):
@@ -128,8 +92,7 @@ def test_a_kill_at_the_claims_made_ahead(tmp_path, when):
     before it none is claimed; after it all six are the dead worker's,
     none run.  The next worker takes them back and runs each once."""
     sp, ids, mod = _spool(tmp_path, 6)
-    worker_killed_by_its_hook(KILL_AHEAD % {"root": ROOT, "when": when}, sp,
-                              "--module", mod, *FAST)
+    worker_killed_around("_sql_claim_many", when, sp, "--module", mod, *FAST)
     assert _ran(tmp_path) == []
     assert states(sp, ids) == ["ready" if when == "before" else
                                 "processing"] * 6

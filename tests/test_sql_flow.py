@@ -15,10 +15,10 @@ import sqlite3
 
 import pytest
 
-from _core import (FAST, ROOT, call_myq, ls, run_myq, sql_traced,
+from _core import (FAST, call_myq, ls, run_myq, sql_traced,
                    sql_transactions, states)
 from _http import http_servers  # noqa: F401  (a fixture)
-from _procs import worker_killed_by_its_hook
+from _procs import worker_killed_around
 
 import myq
 
@@ -71,32 +71,12 @@ def test_a_batch_is_claimed_in_one_statement_and_done_in_one_transaction(
                                                          "COMMIT")]
 
 
-# A worker that kills itself (-9) at a batch's new step: its claims of the
-# jobs after the first (one statement), or their successes (one
-# transaction), before or after its commit.
-KILL_AT = r"""
-import os, signal, sys
-sys.path.insert(0, %(root)r)
-import myq
-step, when = %(step)r, %(when)r
-name = {"claim": "_sql_claim_many"}.get(step)
-owner = myq if name else myq._SqlClaims
-name = name or "complete_many"
-real = getattr(owner, name)
-def cut(*a, **kw):
-    if when == "before":
-        os.kill(os.getpid(), signal.SIGKILL)
-    out = real(*a, **kw)
-    os.kill(os.getpid(), signal.SIGKILL)
-    return out
-setattr(owner, name, cut)
-sys.exit(myq.main(sys.argv[1:]))
-"""
-
-
 def _cut(spool, step, when):
-    worker_killed_by_its_hook(KILL_AT % {"root": ROOT, "step": step,
-                                         "when": when}, spool, *FAST)
+    """A worker killed at a batch's new step: its claims of the jobs after
+    the first (step "claim": one statement), or their successes ("done":
+    one transaction), before or after its commit."""
+    worker_killed_around("_sql_claim_many" if step == "claim" else
+                         "_SqlClaims.complete_many", when, spool, *FAST)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
