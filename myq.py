@@ -15379,7 +15379,7 @@ class _SqlProducer(object):
             self.store.budget.charge(((type, size),))
             self.store._write(sql, args, sync, fresh=True)
             self.store.poke(often=True)
-            self.store.budget.note_arrivals({type: (1, self.store.budget.cost(size))})
+            self.store.budget.note_arrival(type, size, _mono())
         finally:
             self.store.fs.release()
 
