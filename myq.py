@@ -126,8 +126,10 @@ Part I, the core:
                     each with its own state (test_worker_modes,
                     test_timeouts_shutdown, test_chaos, test_worker_parts)
   Supervision       Supervisor, supervise --daemon (test_initd, test_procd)
-  Options and parsers   the options' tables, each command's parser
-                    (test_operator_cli)
+  Options and parsers   the options' tables, each command's arguments
+                    declared once: argparse's parser, or a _Spec that
+                    parses the usual forms without it (test_operator_cli,
+                    test_fast_cli)
   Command line      the parser, a command's start (a worker or supervisor
                     made of its options), the commands, _COMMAND_TABLE,
                     main (test_operator_cli)
@@ -12239,15 +12241,140 @@ def _metavar(typ, dest):
         _METAVARS.get(dest) or dest.split("_")[-1].upper()
 
 
+# What argparse.SUPPRESS is (its value, without importing argparse): a
+# help left out of --help.
+_SUPPRESS = "==SUPPRESS=="
+
+
+class _Spec(object):
+    """A command's arguments as its builders declare them to argparse
+    (add_argument, the same calls), recorded instead of built: what
+    _quick_args parses the usual command lines by, without argparse.
+    What it does not know (another action, a positional after an
+    optional one) makes it `plain` no more: argparse then parses."""
+
+    def __init__(self):
+        self.flags = {}         # --flag: (dest, action, type, const, choices)
+        self.places = []        # positionals: (dest, nargs, type, default,
+        self.defaults = {}      # choices); dest: its default, as argparse's
+        self.plain = True
+
+    def add_argument(self, *flags, **kw):
+        action, typ = kw.get("action", "store"), kw.get("type")
+        default, choices = kw.get("default"), kw.get("choices")
+        if action not in ("store", "store_true", "store_const", "append") \
+                or kw.get("required") or kw.get("nargs") not in (None, "?", "*"):
+            self.plain = False
+        if flags[0][:1] != "-":
+            nargs = kw.get("nargs")
+            if self.places and (self.places[-1][1] == "*" or
+                                nargs is None and self.places[-1][1] == "?"):
+                self.plain = False      # (argparse's regex would backtrack)
+            self.places.append((flags[0], nargs, typ, default, choices))
+            self.defaults[flags[0]] = default
+            return
+        if kw.get("nargs") is not None or not all(f[:2] == "--" for f in flags):
+            self.plain = False
+        dest = kw.get("dest") or flags[0][2:].replace("-", "_")
+        for f in flags:
+            self.flags[f] = (dest, action, typ, kw.get("const"), choices)
+        self.defaults[dest] = False if action == "store_true" else default
+
+    def parse(self, words):
+        """argparse's answer for `words` (after the command word) as a
+        dict, where the form is one of the usual ones: each option spelt
+        out in full, as --name VALUE or --name=VALUE (a VALUE not starting
+        with '-', unless it is "-" or after '='), the positionals in one
+        run, every value one its type and choices take.  Else None (an
+        abbreviation, --help, --, an error: argparse says what it says)."""
+        if not self.plain:
+            return None
+        got, seen, run, over = dict(self.defaults), set(), [], False
+        i, n = 0, len(words)
+        while i < n:
+            a = words[i]
+            i += 1
+            if a[:1] != "-" or a == "-":
+                if over:
+                    return None         # a second run of positionals
+                run.append(a)
+                continue
+            over = bool(run)            # (a run of positionals ends here)
+            name, eq, value = a.partition("=")
+            flag = self.flags.get(name)
+            if flag is None:
+                return None
+            dest, action, typ, const, choices = flag
+            if action in ("store_true", "store_const"):
+                if eq:
+                    return None
+                got[dest] = True if action == "store_true" else const
+            else:
+                if not eq:
+                    if i == n or words[i][:1] == "-" and words[i] != "-":
+                        return None
+                    value = words[i]
+                    i += 1
+                value = _Spec._value(typ, choices, value)
+                if value is _Spec:
+                    return None
+                got[dest] = list(got[dest] or ()) + [value] \
+                    if action == "append" else value
+            seen.add(dest)
+        for dest, _, typ, _, _ in self.flags.values():
+            # (argparse gives a text default, not given, to its type)
+            if typ is not None and dest not in seen and \
+                    got[dest].__class__ is str:
+                got[dest] = _Spec._value(typ, None, got[dest])
+                if got[dest] is _Spec:
+                    return None
+        return self._place(got, run)
+
+    def _place(self, got, run):
+        """The positionals of `run` given to their places, as argparse
+        matches them (left to right: none is optional before a required
+        one, `plain`)."""
+        for dest, nargs, typ, default, choices in self.places:
+            if nargs is None:
+                if not run:
+                    return None
+                v = _Spec._value(typ, choices, run.pop(0))
+            elif nargs == "?":
+                v = run.pop(0) if run else default
+                if v.__class__ is str:
+                    v = _Spec._value(typ, choices, v)
+            else:
+                if not run and choices is not None:
+                    return None     # (argparse's answer varies by version)
+                v = [_Spec._value(typ, choices, w) for w in run] if run else (
+                    default if default is not None else [])
+                if run and any(w is _Spec for w in v):
+                    return None
+                run = []
+            if v is _Spec:
+                return None
+            got[dest] = v
+        return None if run else got
+
+    @staticmethod
+    def _value(typ, choices, text):
+        """What argparse makes of `text` (_Spec itself: an error)."""
+        try:
+            v = typ(text) if typ is not None else text
+        except Exception:
+            return _Spec
+        return _Spec if choices is not None and v not in choices else v
+
+
 def _add_options(p, table, shown=None):
     """The options of a table (WORKER_OPTIONS, GUARD_OPTIONS); those not
     in `shown` are accepted but left out of --help."""
-    import argparse
+    quick = p.__class__ is _Spec        # (no help to write)
     for flag, typ, default, help in table:
         dest = flag[2:].replace("-", "_")
         if shown is not None and flag not in shown:
-            help = argparse.SUPPRESS     # accepted, but not its concern
-        else:
+            help = _SUPPRESS            # accepted, but not its concern
+        elif not quick:
             help = _option_help(flag, typ, default, help)
         if typ is None:
             p.add_argument(flag, dest=dest, action="store_const", const=True,
@@ -12306,8 +12433,7 @@ def _args_enqueue(p):
 
 
 def _args_worker(p):
-    import argparse
-    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--parent-pid", type=int, help=_SUPPRESS)
 
 
 def _args_supervise(p):
@@ -12453,19 +12579,19 @@ _COMMAND_OPTIONS = {}
 _CHILDREN = {}
 
 
-def _add_command(sub, name, help):
-    """A command's parser: the hidden --spool after the command word, the
-    worker options (worker, supervise), the guard options, then its own
-    (its builder in _COMMAND_TABLE)."""
-    import argparse
-    p = sub.add_parser(name, help=help, description=help)
-    p.add_argument("--spool", dest="spool_sub", help=argparse.SUPPRESS)
+def _declare(p, name, build):
+    """Command `name`'s arguments declared to `p` (argparse's parser, or a
+    _Spec): the hidden --spool after the command word, the worker options
+    (worker, supervise), the guard options, then its own (`build`, its
+    builder in _COMMAND_TABLE)."""
+    p.add_argument("--spool", dest="spool_sub", help=_SUPPRESS)
     if name in ("worker", "supervise"):
         _add_options(p, WORKER_OPTIONS)
     for table in _COMMAND_OPTIONS.get(name, ()):
         _add_options(p, table)      # (an extension's: intake's)
     if name in _GUARDS_SHOWN:
         _add_options(p, GUARD_OPTIONS, _GUARDS_SHOWN[name])
+    build(p)
     return p
 
 
@@ -12482,6 +12608,11 @@ def _parser(only=None):
     import argparse
 
     class Parser(argparse.ArgumentParser):
+        def add_argument(self, *flags, **kw):
+            if kw.get("help") == _SUPPRESS:     # (argparse asks `is`)
+                kw["help"] = argparse.SUPPRESS
+            return argparse.ArgumentParser.add_argument(self, *flags, **kw)
+
         def error(self, message):
             raise UsageError("%s (see: myq %s--help)" % (
                 message, self.prog.partition(" ")[2] + " " if " " in self.prog else ""))
@@ -12495,75 +12626,51 @@ def _parser(only=None):
     sub.required = True
     for name, (_, build, help) in _COMMAND_TABLE.items():
         if only is None or name == only:
-            build(_add_command(sub, name, help))
+            _declare(sub.add_parser(name, help=help, description=help), name,
+                     build)
     return top
 
 
-# `myq enqueue`'s own options, each with what argparse's `type` makes of
-# its value (the guard options stay text, as there: _resolve reads them).
-_ENQUEUE_TYPES = {"--id": str, "--delay": DURATION, "--max-attempts": int,
-                  "--timeout": DURATION, "--priority": PRIORITY,
-                  "--ttl": POSITIVE_SECONDS, "--spool": str}
-_GUARD_FLAGS = frozenset(t[0] for t in GUARD_OPTIONS)
-
-
 class _Args(object):
-    """What parse_args returns, made by _fast_args."""
+    """What parse_args returns, made by _quick_args."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
 
-def _fast_args(argv):
-    """parse_args(argv) for the usual forms of `myq enqueue`, without
-    argparse (importing it and building the parser cost a producer more
-    than the rest of its run): [--spool DIR] enqueue [OPTION]... TYPE
-    [PAYLOAD] [OPTION]..., each OPTION one of enqueue's, spelt out in full,
-    as --name VALUE or --name=VALUE.  Anything else (another command,
-    --help, an abbreviation, an option between TYPE and PAYLOAD, a word
-    starting with '-' where a value or the payload goes, a value its option
-    refuses) returns None: argparse parses that, with its own errors."""
-    got = dict((t[0][2:].replace("-", "_"), None) for t in GUARD_OPTIONS)
-    got.update(spool=None, spool_sub=None, command="enqueue", payload="null",
-               id=None, delay=0, max_attempts=None, timeout=None,
-               priority=None, ttl=None)
-    words, i, n = [], 0, len(argv)
-    where = 0           # 0: before the command, 1: before TYPE, 2: in the
-    while i < n:        # positionals, 3: after them
-        a = argv[i]
-        i += 1
-        if a[:1] != "-" or a == "-":
-            if where == 0 and a != "enqueue" or where == 3:
-                return None
-            if where:
-                words.append(a)
-            where = 2 if where else 1
-            continue
-        name, eq, value = a.partition("=")
-        if not eq:
-            if i == n or argv[i][:1] == "-":
-                return None
-            value = argv[i]
-            i += 1
-        kind = _ENQUEUE_TYPES.get(name) if where else None
-        if name == "--spool":
-            got["spool_sub" if where else "spool"] = value
-        elif kind is not None:
-            try:
-                got[name[2:].replace("-", "_")] = kind(value)
-            except ValueError:
-                return None
-        elif where and name in _GUARD_FLAGS:
-            got[name[2:].replace("-", "_")] = value
-        else:
+_SPECS = {}     # command -> its _Spec, recorded once a process
+
+
+def _quick_args(argv):
+    """parse_args(argv) for the usual forms of a command line, without
+    argparse (importing it and building a command's parser cost a `myq
+    enqueue` more than the rest of its run, and a worker's start 55 M
+    instructions of its 150): [--spool DIR] COMMAND [ARGUMENT]..., as its
+    _Spec parses them.  Anything else (--help, --version, an abbreviation,
+    a value its option refuses) returns None: argparse parses that, with
+    its own errors."""
+    spool, i, n = None, 0, len(argv)
+    while i < n and argv[i][:1] == "-":
+        name, eq, value = argv[i].partition("=")
+        if name != "--spool":
             return None
-        if where == 2:
-            where = 3
-    if not 1 <= len(words) <= 2:
+        if not eq:
+            if i + 1 == n or argv[i + 1][:1] == "-" and argv[i + 1] != "-":
+                return None
+            i += 1
+            value = argv[i]
+        spool = value
+        i += 1
+    if i == n or argv[i] not in _COMMAND_TABLE:
         return None
-    got["type"] = words[0]
-    if len(words) == 2:
-        got["payload"] = words[1]
+    name = argv[i]
+    spec = _SPECS.get(name)
+    if spec is None:
+        spec = _SPECS[name] = _declare(_Spec(), name, _COMMAND_TABLE[name][1])
+    got = spec.parse(argv[i + 1:])
+    if got is None:
+        return None
+    got.update(spool=spool, command=name)
     return _Args(**got)
 
 
@@ -13347,11 +13454,13 @@ def _child_entry(words):
     in the supervisor, and a function that runs them, in the child: its
     parser is not built again in every child (~1.4 MiB of pages each
     child would copy).  None when they do not parse."""
-    i = _command_index(words)
-    try:
-        args = _parser(words[i] if i < len(words) else None).parse_args(words)
-    except SystemExit:
-        return None
+    args = _quick_args(words)
+    if args is None:
+        i = _command_index(words)
+        try:
+            args = _parser(words[i] if i < len(words) else None).parse_args(words)
+        except SystemExit:
+            return None
     return lambda: main(words, args)
 
 
@@ -13370,7 +13479,7 @@ def main(argv=None, parsed=None):
     argv = sys.argv[1:] if own else list(argv)
     env = os.environ
     try:
-        args = parsed if parsed is not None else _fast_args(argv)
+        args = parsed if parsed is not None else _quick_args(argv)
         if args is None:
             i = _command_index(argv)
             only = argv[i] if i < len(argv) and argv[i] in _COMMAND_TABLE else None
@@ -19347,10 +19456,9 @@ _INTAKE_SHARED = ("--log", "--syslog", "--syslog-facility", "--syslog-tag",
 
 
 def _args_intake(p):
-    import argparse
-    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--parent-pid", type=int, help=_SUPPRESS)
     # the port supervise took as root, before it dropped root (_hold_port)
-    p.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--listen-fd", type=int, help=_SUPPRESS)
 
 
 def _intake_argv(args, spool, o, guards, env):

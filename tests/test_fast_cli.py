@@ -1,5 +1,6 @@
-"""Producers that start fast: `myq enqueue` parses its usual
-forms without argparse (myq._fast_args), decodes its payload with _json's C
+"""Commands that start fast: every command parses its usual forms
+without argparse (myq._quick_args, by what its builders declare: a
+_Spec), `myq enqueue` decodes its payload with _json's C
 scanner alone (myq._decode) and checks names without re (myq._is_name);
 json and re are imported at their first use, regular expressions compiled
 at theirs.  Each shortcut is held to the long way: the same Namespace as
@@ -57,9 +58,10 @@ def _argparse(argv):
 
 @settings(max_examples=600, deadline=None)
 @given(argvs)
-def test_fast_args_are_argparse_args(argv):
-    """Whatever _fast_args answers, argparse answers the same Namespace."""
-    fast = myq._fast_args(argv)
+def test_quick_args_are_argparse_args(argv):
+    """Whatever _quick_args answers for an enqueue, argparse answers the
+    same Namespace."""
+    fast = myq._quick_args(argv)
     if fast is None:
         return
     # (compared by repr: both parsers take `--timeout NaN` as nan, which
@@ -71,8 +73,8 @@ def _same(answer):
     return repr(sorted(answer.items())) if isinstance(answer, dict) else answer
 
 
-def test_fast_args_take_the_usual_forms():
-    """(The test above would pass with a _fast_args that never answers.)"""
+def test_quick_args_take_the_usual_forms():
+    """(The test above would pass with a _quick_args that never answers.)"""
     usual = [
         ["--spool", "S", "enqueue", "t"],
         ["--spool", "S", "enqueue", "t", '{"a": 1}'],
@@ -83,14 +85,104 @@ def test_fast_args_take_the_usual_forms():
          "--timeout", "30", "--min-free", "1M", "--max-job-bytes=100K"],
     ]
     for argv in usual:
-        fast = myq._fast_args(argv)
+        fast = myq._quick_args(argv)
         assert fast is not None, argv
         assert vars(fast) == _argparse(argv), argv
     for argv in (["enqueue", "--help"], ["--spool", "S", "enqueue"],
                  ["enqueue", "t", "--id", "x", "{}"], ["enqueue", "--pri", "3", "t"],
                  ["enqueue", "t", "-1"], ["enqueue", "--delay", "soon", "t"],
-                 ["stats"], ["enqueue", "t", "{}", "extra"], ["--version"]):
-        assert myq._fast_args(argv) is None, argv
+                 ["stats", "-h"], ["enqueue", "t", "{}", "extra"], ["--version"],
+                 ["init", "--store", "nosuch"], ["stats", "--", "x"],
+                 ["delete", "a", "--force", "b"], ["worker", "--conc", "2"]):
+        assert myq._quick_args(argv) is None, argv
+
+
+# A value for an option or a positional, the first of these its type and
+# choices take (argparse is asked: the test knows no option's kind).
+SAMPLES = ["3", "5s", "1M", "0.5", "true", "t", "a=b", "fwd", "unix:/x",
+           "127.0.0.1:1", "t=fwd", "mqtt://h", "dead", "files", "sqlite",
+           "1h", "x.json"]
+
+
+def _options(name):
+    """(flags of value options, flags without a value, positionals) of
+    command `name`, as its argparse parser has them."""
+    p = myq._parser(name)._subparsers._group_actions[0].choices[name]
+    values, bare, places = [], [], []
+    for a in p._actions:
+        if not a.option_strings:
+            places.append(a)
+        elif a.nargs == 0:
+            if a.dest != "help":
+                bare.append(a.option_strings[0])
+        else:
+            values.append(a.option_strings[0])
+    return values, bare, places
+
+
+def _sample(argv):
+    """The first SAMPLES word that argparse takes at the end of `argv`."""
+    for v in SAMPLES:
+        if isinstance(_argparse(argv + [v]), dict):
+            return v
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(myq._COMMAND_TABLE))
+def test_every_command_quick_where_usual(name):
+    """Each command's options, one at a time and all together, and its
+    positionals: _quick_args answers, and answers argparse's Namespace."""
+    values, bare, places = _options(name)
+    head = []
+    for a in places:
+        if a.nargs in (None, "+"):
+            v = _sample(["--spool", "S", name] + head)
+            assert v is not None, (name, a.dest)
+            head.append(v)
+    forms, every = [[]], []
+    for flag in values:
+        v = _sample(["--spool", "S", name] + head + [flag])
+        if v is None:
+            continue            # (none of SAMPLES: argparse alone)
+        forms += [[flag, v], [flag + "=" + v]]
+        every += [flag, v]
+    forms += [[flag] for flag in bare] + [every + bare]
+    asked = 0
+    for form in forms:
+        for argv in (["--spool", "S", name] + head + form,
+                     [name] + form + head + ["--spool", "S"]):
+            want = _argparse(argv)
+            if not isinstance(want, dict):
+                continue        # (two options that exclude each other)
+            got = myq._quick_args(argv)
+            assert got is not None, argv
+            assert _same(vars(got)) == _same(want), argv
+            asked += 1
+    assert asked >= len(forms), name
+
+
+def _command_words():
+    words = ["--spool", "S", "--help", "--", "-", "-1", "x", "a=b", "3", "5s",
+             "--json", "--all", "--force", "--state", "dead", "--type", "t"]
+    for name in sorted(myq._COMMAND_TABLE):
+        values, bare, _ = _options(name)
+        words += [name] + values + bare + [f + "=" + "3" for f in values[:3]]
+    return sorted(set(words))
+
+
+COMMAND_WORDS = _command_words()
+
+
+@settings(max_examples=800, deadline=None)
+@given(st.sampled_from(sorted(myq._COMMAND_TABLE)),
+       st.lists(st.sampled_from(COMMAND_WORDS), max_size=7))
+def test_quick_args_of_any_command_are_argparse_args(name, words):
+    """Whatever _quick_args answers for any command line, argparse
+    answers the same."""
+    argv = [name] + words
+    got = myq._quick_args(argv)
+    if got is not None:
+        assert _same(vars(got)) == _same(_argparse(argv)), argv
 
 
 def _normal(job):
@@ -106,7 +198,7 @@ def _run(argv, spool, fast, monkey):
     shutil.rmtree(spool, ignore_errors=True)
     myq.open_store(spool).init()
     if not fast:
-        monkey.setattr(myq, "_fast_args", lambda argv: None)
+        monkey.setattr(myq, "_quick_args", lambda argv: None)
     try:
         cp = call_myq(*[spool if a == "SPOOL" else a.replace("=SPOOL", "=" + spool)
                         for a in argv])
@@ -128,7 +220,7 @@ def _run(argv, spool, fast, monkey):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(argv=st.lists(st.sampled_from(WORDS), max_size=7))
 def test_fast_path_and_argparse_path_agree(argv, monkeypatch):
-    """The same command line, with and without _fast_args: the same exit
+    """The same command line, with and without _quick_args: the same exit
     status, output, error and job file (less its id and times)."""
     argv = ["--spool", "SPOOL", "enqueue"] + argv
     d = tempfile.mkdtemp(prefix="myq-fast-")
@@ -246,3 +338,31 @@ def test_an_enqueue_imports_no_argparse_json_re(tmp_path, py):
     job = myq.open_store(spool).show("j1")
     assert job["payload"] == {"a": [1, 2.5, "\u00e9"]} and job["priority"] == 3
     assert MYQ.endswith("myq.py")
+
+
+COMMAND_IMPORTS = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import myq
+rc = myq.main(["--spool", sys.argv[2]] + sys.argv[3:])
+print(rc, " ".join(sorted(m for m in ("argparse", "gettext") if m in sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("argv", [["stats"], ["list", "ready"],
+                                  ["worker", "--drain", "--concurrency", "2"],
+                                  ["check", "--json"]])
+def test_a_command_in_its_usual_form_imports_no_argparse(tmp_path, argv):
+    """A worker's start and an operator's command parse without argparse
+    (its import and the parser were a fifth of a `myq stats`); --help
+    still has it."""
+    spool = str(tmp_path / "spool")
+    myq.open_store(spool).init()
+    py = [p[1] for p in PYTHONS][0]
+    for words, want in ((argv, ""), (argv + ["--help"], "argparse gettext")):
+        cp = subprocess.run([py, "-I", "-S", "-c", COMMAND_IMPORTS, ROOT, spool]
+                            + words, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, universal_newlines=True,
+                            env=clean_env(), timeout=120)
+        rc, _, got = cp.stdout.strip().splitlines()[-1].partition(" ")
+        assert got == want, (words, cp.stdout, cp.stderr)
