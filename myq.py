@@ -12280,6 +12280,15 @@ class _Spec(object):
             self.flags[f] = (dest, action, typ, kw.get("const"), choices)
         self.defaults[dest] = False if action == "store_true" else default
 
+    def option(self, flag, typ):
+        """A table's option (_add_options): a flag (typ None), repeatable
+        ("append") or text, each default None, as argparse's."""
+        action = "store_const" if typ is None else \
+            "append" if typ == "append" else "store"
+        dest = flag[2:].replace("-", "_")
+        self.flags[flag] = (dest, action, None, True, None)
+        self.defaults[dest] = None
+
     def parse(self, words):
         """argparse's answer for `words` (after the command word) as a
         dict, where the form is one of the usual ones: each option spelt
@@ -12369,12 +12378,15 @@ class _Spec(object):
 def _add_options(p, table, shown=None):
     """The options of a table (WORKER_OPTIONS, GUARD_OPTIONS); those not
     in `shown` are accepted but left out of --help."""
-    quick = p.__class__ is _Spec        # (no help to write)
+    if p.__class__ is _Spec:            # (no help to write)
+        for flag, typ, _, _ in table:
+            p.option(flag, typ)
+        return
     for flag, typ, default, help in table:
         dest = flag[2:].replace("-", "_")
         if shown is not None and flag not in shown:
             help = _SUPPRESS            # accepted, but not its concern
-        elif not quick:
+        else:
             help = _option_help(flag, typ, default, help)
         if typ is None:
             p.add_argument(flag, dest=dest, action="store_const", const=True,

@@ -183,6 +183,11 @@ def startup(py, base, runs=3):
     rows = [
         ("myq enqueue, installed by `python3 myq.py install`",
          [vpy, os.path.join(prefix, "bin", "myq")] + enq, env, False),
+        ("myq stats, installed", [vpy, os.path.join(prefix, "bin", "myq"),
+                                  "--spool", spool, "stats"], env, False),
+        ("myq worker --drain, installed (an empty spool: a worker's start "
+         "and stop)", [vpy, os.path.join(prefix, "bin", "myq"), "--spool",
+                       spool, "worker", "--drain"], env, False),
         ("python3 myq.py enqueue (the one file, compiled at every start)",
          [vpy, one] + enq, env, False),
         ("python3 -c pass", [vpy, "-c", "pass"], env, False),
@@ -199,13 +204,14 @@ def startup(py, base, runs=3):
         os.makedirs(work, exist_ok=True)
         got[name] = statistics.median(_instructions(cmd, e, work, kids)
                                       for _ in range(runs))
-    inst, bare = got[rows[0][0]], float(got[rows[2][0]])
+    bare = float(got["python3 -c pass"])
+    inst, json_ = got[rows[0][0]], got["python3 -I -c 'import json'"]
     print("instructions per process (callgrind, medians of %d; x: of "
           "python3 -c pass), a venv of %s" % (runs, py))
     for name, _, _, _ in rows:
         print("%8.1f M %6.2fx  %s" % (got[name] / 1e6, got[name] / bare, name))
     print("installed enqueue / python3 -c pass: %.2fx; / python3 -I -c "
-          "'import json': %.2fx" % (inst / got[rows[2][0]], inst / got[rows[3][0]]))
+          "'import json': %.2fx" % (inst / bare, inst / json_))
     return dict((name, got[name]) for name, _, _, _ in rows)
 
 
