@@ -665,6 +665,11 @@ def _plain(text, more=None):
     line (status line, check, Prometheus labels; list and show escape
     theirs with JSON)."""
     text = str(text)
+    if text.isprintable() and (more is not _FIELD or not (
+            " " in text or "," in text or "=" in text)):
+        # (no control character, nor one of _FIELD's: a printable text
+        # has no whitespace but the space; `myq stats` imports no re)
+        return text
     sub = lambda m: "\\x%02x" % ord(m.group())     # noqa: E731
     text = _CONTROL.sub(sub, text)
     return more.sub(sub, text) if more is not None else text
