@@ -638,7 +638,12 @@ def _uniform():
     return int.from_bytes(os.urandom(7), "big") / float(1 << 56)
 
 
-_BARE = _Pattern(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z")
+def _bare(s):
+    """Can `s` stand bare in a log line (a value, `myq list`'s id)?  One
+    or more of printable ASCII but the space, '"', '=' and '\\' (what
+    [\\x21\\x23-\\x3c\\x3e-\\x5b\\x5d-\\x7e]+ matches), told without re."""
+    return s.isascii() and s.isprintable() and s != "" and not (
+        " " in s or '"' in s or "=" in s or "\\" in s)
 
 
 def _kv(value):
@@ -650,7 +655,7 @@ def _kv(value):
     if isinstance(value, float):
         value = "%.3f" % value
     s = str(value)
-    if _BARE.match(s):
+    if _bare(s):
         return s
     return json.dumps(s, ensure_ascii=False)
 
@@ -1696,7 +1701,7 @@ def _check_value(obj, text):
     from: with few brackets, or no \\uD8xx escape, there is nothing to walk."""
     if text.count("{") + text.count("[") > MAX_DEPTH:
         _check_depth(obj)
-    if _SURROGATE.search(text):
+    if "\\u" in text and _SURROGATE.search(text):   # (no escape: no re)
         dumps(obj)
 
 
@@ -6080,7 +6085,7 @@ class Reader(object):
         an id (myq-spool(5) JOB FILES) is looked up in failed/ only, where quarantined files
         keep the names they came with; InvalidJob when it could not be a
         name there either."""
-        if not NAME_RE.match(_check_ref(jid)):
+        if not _is_name(_check_ref(jid)):
             for name in (jid, jid + ".json"):
                 p = self.store.d("failed", name)
                 if not name.endswith(".reason") and _lexists(p):
@@ -8411,7 +8416,7 @@ class Log(object):
         warn = event in _WARN_EVENTS
         line = iso() + " event=" + event
         for k, v in kv.items():     # _kv(v), its usual cases inline
-            if v.__class__ is str and _BARE.match(v):
+            if v.__class__ is str and _bare(v):
                 line += " " + k + "=" + v
             elif v.__class__ is int:
                 line += " " + k + "=" + v.__repr__()

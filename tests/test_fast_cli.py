@@ -396,3 +396,11 @@ def test_myq_stats_imports_no_re(tmp_path):
                          ROOT, spool], stdout=subprocess.PIPE,
                         universal_newlines=True, env=clean_env(), timeout=120)
     assert cp.stdout.strip().splitlines()[-1] == "0 False", cp.stdout
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.text(alphabet=u"ab09=\"\\ \t\x00\x7f!~é\xa0", max_size=6))
+def test_bare_is_its_expression(value):
+    """A log value stands bare where the expression it replaced said so."""
+    assert myq._bare(value) == bool(
+        re.match(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z", value))
