@@ -3532,8 +3532,9 @@ class Claims(object):
         """Let go of claim `c`'s open file, if any."""
         self._abstract()
 
-    def _done_already(self, jid, now):
-        """Whether job `jid` finished already (a claim is dropped)."""
+    def _done_already(self, jid, now, generated):
+        """Whether job `jid` finished already (a claim is dropped);
+        `generated`: an id myq made (_is_generated_id)."""
         self._abstract()
 
     def _until_of(self, path):
@@ -3614,7 +3615,8 @@ class Claims(object):
         """May the job just read run now?  False when it went elsewhere:
         put back for later, done already, expired, or into its lane."""
         stem, name = c.jid, c.jid + ".json"
-        if sub == "incoming" and not scheduled and not _is_generated_id(stem):
+        generated = _is_generated_id(stem)
+        if sub == "incoming" and not scheduled and not generated:
             # A producer's file of an id that waits, runs or lies dead
             # elsewhere: a duplicate (it ran twice at once, or replaced the
             # one in its lane: review), as the SQLite store's take-in says.
@@ -3635,7 +3637,7 @@ class Claims(object):
             self.move_on(c, job, "incoming", me)
             self.spool.log("deferred", id=stem, until=iso(due))
             return False
-        if self._done_already(stem, now):
+        if self._done_already(stem, now, generated):
             self.spool.log("skipped", id=stem, why="already done (idempotency record)")
             self.complete(c)
             return False
@@ -4059,8 +4061,17 @@ class FileClaims(Claims):
             raise
         return c
 
-    def _done_already(self, jid, now):
-        """Was the job just claimed done within the de-duplication window?"""
+    def _done_already(self, jid, now, generated):
+        """Was the job just claimed done within the de-duplication window?
+        An id myq generated has no locks/ok/ record (_outlive): without a
+        done/ file (access(2): no exception's cost) it was not."""
+        if generated:
+            try:
+                if not os.access(jid + ".json", os.F_OK, follow_symlinks=False,
+                                 dir_fd=self.spool.fs("done")):
+                    return False
+            except OSError:
+                pass                    # (ok_fresh says, as before)
         return self.spool.producer.ok_fresh(jid, now)
 
     def close(self, c):
@@ -7640,11 +7651,9 @@ class _DirStore(Store):
     @property
     def fs(self):
         """Every step on the spool's files goes through its door (the
-        filesystem steps above), this thread's: its descriptors are closed
-        at the end of each public call unless a worker of this thread keeps
-        them."""
-        # (asked four times a drained job: _Door.of's call only for a door
-        # this thread has not made yet)
+        filesystem steps above), this thread's (asked four times a drained
+        job; _Door.of makes it): its descriptors are closed at the end of
+        each public call unless a worker of this thread keeps them."""
         door = _HERE.doors.get(self.path)
         return door if door is not None else _Door.of(self.path)
 
@@ -14527,9 +14536,9 @@ class _SqlClaims(Claims):
         return _sql_claim_many(self, names, me, default_max_attempts,
                                scheduled, sub)
 
-    def _done_already(self, jid, now):
+    def _done_already(self, jid, now, generated):
         """(The claimed row is not done: only an `ok` record can say so.)"""
-        if _is_generated_id(jid):
+        if generated:
             return False
         row = self.spool._one("SELECT at FROM ok WHERE id=?", (jid,))
         return row is not None and row[0] + self.spool.opt["dedupe_window"] > now

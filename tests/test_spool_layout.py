@@ -166,6 +166,33 @@ def test_success_needs_no_record_until_done_goes_early(myq, spool, monkeypatch,
     assert sp.find_id("mine-0", now=done_at + 0.5) is not None
 
 
+@pytest.mark.files_only("a copy of a done job's file dropped into incoming/")
+def test_a_done_job_dropped_again_is_skipped_not_run(myq, spool):
+    """A done job's file copied back into incoming/ (an operator's cp, a
+    producer's retry of its own file), by an id myq generated or one a
+    producer chose: within the de-duplication window its done/ file says
+    it ran, and the worker skips it (logged), without running it again."""
+    import shutil
+    sp = myq.open_store(spool)
+    ids = [sp.enqueue("noop", {"n": 1}), sp.enqueue("noop", {"n": 2}, id="mine-1")]
+    ran, events = [], []
+    w = myq.Worker(spool, handlers={"noop": lambda job: ran.append(job["id"])},
+                   log=lambda event, **kv: events.append((event, kv.get("id"))))
+    assert w.run(drain=True) == 0 and sorted(ran) == sorted(ids)
+    for jid in ids:
+        shutil.copy(os.path.join(spool, "done", jid + ".json"),
+                    os.path.join(spool, "tmp", jid + ".json"))
+        os.rename(os.path.join(spool, "tmp", jid + ".json"),
+                  os.path.join(spool, "incoming", jid + ".json"))
+    del ran[:]
+    w = myq.Worker(spool, handlers={"noop": lambda job: ran.append(job["id"])},
+                   log=lambda event, **kv: events.append((event, kv.get("id"))))
+    assert w.run(drain=True) == 0
+    assert ran == []
+    assert sorted(j for e, j in events if e == "skipped") == sorted(ids)
+    assert ls(spool, "incoming") == [] and ls(spool, "processing") == []
+
+
 def test_a_chosen_id_stays_refused_for_the_window_when_done_goes_early(
         myq, spool):
     """What the test above proves of the files, on either store: retention
