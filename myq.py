@@ -8689,25 +8689,22 @@ class Uplink(object):
 # A run's pieces ##############################################################
 
 class _Run(object):
-    """One job in flight in this worker, run by its Handler."""
-    __slots__ = ("claim", "handler", "proc", "started", "deadline", "kill_at",
-                 "stdin", "stdin_fd", "err_fd", "err", "timed_out", "released",
-                 "thread", "result", "conn", "slot", "probe", "dest",
-                 "dest_fail", "batch", "split", "unsent",
-                 "retry_after", "failovers")
+    """One job in flight in this worker, run by its Handler.  What a run
+    of one inline call leaves as it was is the class's (made once a job:
+    each attribute set was a store a job)."""
+    proc = started = deadline = kill_at = None
+    stdin = stdin_fd = err_fd = thread = None
+    result = conn = None
+    slot = probe = dest = None
+    batch = None                # the claims of a batch
+    dest_fail = split = unsent = False
+    retry_after = None          # a destination failure's own delay
+    failovers = ()              # ((dest, its failure),) passed over
+    err = b""                   # a process's stderr's tail (_spawn's own)
+    timed_out = released = False
 
     def __init__(self, claim, handler):
         self.claim, self.handler = claim, handler
-        self.proc = self.started = self.deadline = self.kill_at = None
-        self.stdin = self.stdin_fd = self.err_fd = self.thread = None
-        self.result = self.conn = None
-        self.slot = self.probe = self.dest = None
-        self.batch = None           # the claims of a batch
-        self.dest_fail = self.split = self.unsent = False
-        self.retry_after = None     # a destination failure's own delay
-        self.failovers = []         # [(dest, its failure)] passed over
-        self.err = bytearray()
-        self.timed_out = self.released = False
 
 
 class Backoff(object):
@@ -10225,6 +10222,7 @@ class _Runner(object):
         os.close(in_r)
         os.close(err_w)
         run.stdin_fd, run.err_fd = in_w, err_r
+        run.err = bytearray()
         os.set_blocking(in_w, False)
         os.set_blocking(err_r, False)
         if run.batch:       # one JSON object a line (myq(1) batches)
@@ -17410,7 +17408,7 @@ class HttpHandler(Handler):
             sent = [dict(j, payload={"url": urls[i], "body": j["payload"],
                                      "timeout": share}) for j in jobs]
             if i != first:
-                run.failovers.append((run.dest, failed))
+                run.failovers = run.failovers + ((run.dest, failed),)
             run.dest = dests[i]
             try:
                 return self._send(runner, run, sent, rules, batched, share)
@@ -18109,7 +18107,7 @@ class MqttHandler(Handler):
             if todo and run.deadline is not None:
                 share = max(0.05, (run.deadline - _mono()) / (1 + len(todo)))
             if failed is not None:
-                run.failovers.append((run.dest, failed))
+                run.failovers = run.failovers + ((run.dest, failed),)
             if len(clients) > 1:
                 run.dest = dests[i]
             res = self.batch(sent, run, clients[i], share, later)
