@@ -11209,6 +11209,7 @@ class Worker(object):
         self.stop_deadline = None
         self.me = None
         self._low_logged = False
+        self._low_next = 0.0    # (_fill: when the guard is asked again)
         self._next_beat = float("inf")     # set when run() starts
         self._beat_seq = -1         # the claims made at the last beat (me.seq)
         # set when run() starts: its modules, pipe, thread, supervisor
@@ -11448,11 +11449,13 @@ class Worker(object):
             # how a store-and-forward spool gets its room back (myq(1) guards).
             # Producers are refused, retention frees done/ first
             # (_housekeep), and a step that cannot be made waits (_stuck).
-            low = self.spool.low_on_space(now)
-            if low and not self._low_logged:
-                self.log("disk_low", problem=low)
-                self._next_prune = 0.0          # free done/ at once
-            self._low_logged = bool(low)
+            if now >= self._low_next:   # (the guard's figure: a second's)
+                self._low_next = now + 1.0
+                low = self.spool.low_on_space(now)
+                if low and not self._low_logged:
+                    self.log("disk_low", problem=low)
+                    self._next_prune = 0.0      # free done/ at once
+                self._low_logged = bool(low)
             try:
                 c = next_claim(force=(once or drain) and not self.runs)
             except OSError as e:
