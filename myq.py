@@ -13476,10 +13476,12 @@ _JOB_COLS = ("id", "type", "payload", "attempts", "max_attempts",
 _SELECT_COLS = _JOB_COLS + ("extra", "status", "lane", "lease", "finished_at",
                             "token")
 _SELECT = "SELECT %s FROM jobs" % ", ".join(_SELECT_COLS)
-# A new job of the usual shape (new_job's keys, no options: SqlStore.enqueue)
+# A new job of the usual shape (new_job's keys, no options: SqlStore.enqueue):
+# (id, queue, type, payload, its time, size), the time bound once for its
+# three columns (a value bound costs more than a column that repeats one)
 _INSERT_NEW = ("INSERT INTO jobs(id, queue, type, payload, status, attempts, "
                "available_at, created_at, updated_at, lane, size) "
-               "VALUES(?, ?, ?, ?, 'ready', 0, ?, ?, ?, 'incoming', ?)")
+               "VALUES(?1, ?2, ?3, ?4, 'ready', 0, ?5, ?5, ?5, 'incoming', ?6)")
 _NEW_SIZE = len(_NEW_FORMAT) - 2 * _NEW_FORMAT.count("%s")
 # A claim: the row still ready in its lane, the claimer's token and lease
 _CLAIM = ("UPDATE jobs SET status='processing', worker_id=?, token=?, "
@@ -15335,7 +15337,7 @@ class _SqlProducer(object):
         try:
             if ok != 1 and self._usual[1].get(type) == 2:
                 store.budget.charge(((type, size),))
-            store.db.insert_new((jid, store.name, type, pj, now, now, now, size), sync)
+            store.db.insert_new((jid, store.name, type, pj, now, size), sync)
             t = _UNHEARD.get(store.path)
             if t is None or mono >= t:
                 store.poke(often=True)
