@@ -13623,10 +13623,12 @@ _JOB_COLS = ("id", "type", "payload", "attempts", "max_attempts",
 _SELECT_COLS = _JOB_COLS + ("extra", "status", "lane", "lease", "finished_at",
                             "token")
 _SELECT = "SELECT %s FROM jobs" % ", ".join(_SELECT_COLS)
-# A new job of the usual shape (new_job's keys, no options: SqlStore.enqueue)
+# A new job of the usual shape (new_job's keys, no options: SqlStore.enqueue):
+# (id, queue, type, payload, its time, size), the time bound once for its
+# three columns (a value bound costs more than a column that repeats one)
 _INSERT_NEW = ("INSERT INTO jobs(id, queue, type, payload, status, attempts, "
                "available_at, created_at, updated_at, lane, size) "
-               "VALUES(?, ?, ?, ?, 'ready', 0, ?, ?, ?, 'incoming', ?)")
+               "VALUES(?1, ?2, ?3, ?4, 'ready', 0, ?5, ?5, ?5, 'incoming', ?6)")
 _NEW_SIZE = len(_NEW_FORMAT) - 2 * _NEW_FORMAT.count("%s")
 # A claim: the row still ready in its lane, the claimer's token and lease
 _CLAIM = ("UPDATE jobs SET status='processing', worker_id=?, token=?, "
@@ -13967,7 +13969,9 @@ class _SqlDb(object):
         a job's 95,000)."""
         if _hook is not None:
             return self.write(_INSERT_NEW, args, sync, fresh=True)
-        with self.mutex:
+        mutex = self.mutex
+        mutex.acquire()         # (not `with`: its two bound methods a job)
+        try:
             db = self.conn
             if db is None or self.conn_pid != _PID[0]:
                 db = self.connection()
@@ -13984,6 +13988,8 @@ class _SqlDb(object):
             self.fresh += 1
             if self.commits == 1:
                 _cloexec_files(self.store.d(DB_NAME))
+        finally:
+            mutex.release()
 
     def all(self, sql, args=()):
         sqlite3 = _sqlite3()
@@ -15428,14 +15434,25 @@ class _SqlProducer(object):
         whose jobs wait in incoming/ unbounded, no budget) is one INSERT of
         a prepared statement: no job file's bytes, no dict of columns
         (bench/README.md: its Python costs less than the INSERT); what the
-        type's rules say of it is asked once per type and policy (usual).
-        Anything else, and any error, goes the general way, which words it."""
+        type's rules say of it is asked once per type and policy (usual),
+        and each step of insert_one spelt out for one job, asked only where
+        it can say something: the disk guard's figure (room_for's, within
+        its second and its room: no statvfs), the budget where there is
+        one, a poke where a worker may listen (_UNHEARD, as poke has it),
+        the arrival added to those held (Budget.note_arrival), the door
+        released where a step opened it.  Anything else, and any error,
+        goes the general way, which words it."""
         mono = _mono()
+        known, pols = self._usual, self.store.policies
+        ok = known[1].get(type) if known is not None and known[0] is \
+            pols._homes and mono < pols._pol_next and type.__class__ is str \
+            else None
         if id is not None or delay or max_attempts is not None \
                 or timeout is not None or priority is not None \
-                or ttl is not None or not self.usual(type, mono):
+                or ttl is not None or not (ok or ok is None and self.usual(type, mono)):
             return _DirStore.enqueue(self.store, type, payload, id, delay,
                                      max_attempts, timeout, sync, priority, ttl)
+        store = self.store
         now = _now()
         try:
             if now.__class__ is not float or not -MAX_TIME < now < MAX_TIME - 1e10:
@@ -15443,19 +15460,39 @@ class _SqlProducer(object):
             pj = "null" if payload is None else "".join(_ENCODE_ONCE(payload, 0)) \
                 if _ENCODE_ONCE else _encode_value(payload)
             # new_job's depth check, where the text could be that deep (the
-            # job object is level 1: each level a bracket at least)
-            if pj.count("[") + pj.count("{") > MAX_DEPTH - 2:
+            # job object is level 1: each level a bracket at least, and a
+            # bracket that closes it)
+            if len(pj) > 2 * MAX_DEPTH - 4 and \
+                    pj.count("[") + pj.count("{") > MAX_DEPTH - 2:
                 _check_depth(payload, 2)
             jid = _new_id(now)
             # len(_dumps_new(job)): what its file would hold (test_sqlite)
             size = _NEW_SIZE + len(jid) + len(type) + 3 * _time_repr_len(now) \
                 + len(pj if pj.isascii() else pj.encode("utf-8"))
-            if size > self.store.opt["max_job_bytes"]:
+            if size > store.opt["max_job_bytes"]:
                 raise ValueError            # (its refusal is worded there)
         except (ValueError, TypeError, RecursionError, UnicodeError):
-            return _DirStore.enqueue(self.store, type, payload, None, 0, None, None, sync)
-        self.insert_usual((jid, self.store.name, type, pj, now, now, now, size),
-                          size, sync, type, mono)
+            return _DirStore.enqueue(store, type, payload, None, 0, None, None, sync)
+        files = self.files
+        t, room, left, block = files.room
+        if mono - t < 1.0 and size + block <= room and left > 0:
+            files.room = (t, room - size - block, left - 1, block)
+        else:
+            problem = files.room_for((size,))
+            if problem:
+                raise SpoolFull("spool %s refuses the job: %s" % (store.path, problem))
+        try:
+            if ok != 1 and self._usual[1].get(type) == 2:
+                store.budget.charge(((type, size),))
+            store.db.insert_new((jid, store.name, type, pj, now, size), sync)
+            t = _UNHEARD.get(store.path)
+            if t is None or mono >= t:
+                store.poke(often=True)
+            store.budget.note_arrival(type, size, mono)
+        finally:
+            door = _HERE.doors.get(store.path)
+            if door is not None and door.fds:
+                door.release()
         return jid
 
     def usual(self, type, mono=None):
@@ -15485,35 +15522,6 @@ class _SqlProducer(object):
             if len(known[1]) < 4096:
                 known[1][type] = ok
         return ok
-
-    def insert_usual(self, args, size, sync, type, mono):
-        """insert_one of the usual enqueue (_INSERT_NEW's `args`), each step
-        spelt out for one job and asked only where it can say something:
-        the disk guard's figure (room_for's, within its second and its
-        room: no statvfs), the budget where there is one (usual), a poke
-        where a worker may listen (_UNHEARD, as poke has it), the arrival
-        added to those held (Budget.note_arrival), the door released where
-        a step opened it.  `mono`: the caller's _mono(), read before."""
-        store, files = self.store, self.files
-        t, room, left, block = files.room
-        if mono - t < 1.0 and size + block <= room and left > 0:
-            files.room = (t, room - size - block, left - 1, block)
-        else:
-            problem = files.room_for((size,))
-            if problem:
-                raise SpoolFull("spool %s refuses the job: %s" % (store.path, problem))
-        try:
-            if self._usual[1].get(type) == 2:
-                store.budget.charge(((type, size),))
-            store.db.insert_new(args, sync)
-            t = _UNHEARD.get(store.path)
-            if t is None or mono >= t:
-                store.poke(often=True)
-            store.budget.note_arrival(type, size, mono)
-        finally:
-            door = _HERE.doors.get(store.path)
-            if door is not None and door.fds:
-                door.release()
 
     def insert_one(self, sql, args, size, sync, type):
         """One new row waiting in incoming/ (`size`: its file's bytes),
@@ -15696,6 +15704,7 @@ class SqlStore(_DirStore):
         self._db, self._tx, self._write = db.connection, db.tx, db.write
         self._all, self._one = db.all, db.one
         self.rows = _SqlProducer(self)      # its jobs INSERTed
+        self.enqueue = self.rows.enqueue    # (enqueue's, one call less a job)
 
     @staticmethod
     def usable():

@@ -130,7 +130,7 @@ def child_enqueue(a):
                 else:
                     pj = '{"n":%d}' % i
                 db.execute(myq._INSERT_NEW, (new_id(now), name, "noop", pj,
-                                             now, now, now, 150 + len(pj)))
+                                             now, 150 + len(pj)))
     c, t = time.process_time(), time.perf_counter()
     for i in range(n):
         enq(i)

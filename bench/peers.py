@@ -296,7 +296,7 @@ def open_queue(q, d, fake_clock=False, base=None):
             now = time.time()
             pj = '{"n":%d}' % i
             db.execute(myq._INSERT_NEW, (myq._new_id(now), name, "noop", pj,
-                                         now, now, now, 150 + len(pj)))
+                                         now, 150 + len(pj)))
 
         def drain():
             db.execute("PRAGMA synchronous=NORMAL")
