@@ -4046,9 +4046,9 @@ class FileClaims(Claims):
             os.close(fd)
             _rename(path, src, pfd, fs(sub))
             return None
-        c = Claim(jid=stem, path=path, job=job, token=token, fd=fd,
-                  trailers=trailers, mtime=st.st_mtime,
-                  max_attempts=job.get("max_attempts") or default_max_attempts)
+        c = Claim(stem, path, job, token, fd, trailers,
+                  job.get("max_attempts") or default_max_attempts, None,
+                  st.st_mtime)      # (by position: keywords cost 3.5 k a job)
         if not self._admit(c, job, me, src, sub, st.st_size, scheduled, now):
             return None
         c.attempt = job["attempts"] + 1
@@ -14705,9 +14705,9 @@ def _sql_claimed(claims, row, jid, token, me, default_max_attempts, sub,
                       ("unreadable: %s" % e, jid, token))
             sp.log("quarantined", id=jid, reason=str(e))
             return None
-        c = Claim(jid=jid, path="", job=job, token=token, trailers=[],
-                  max_attempts=job.get("max_attempts") or default_max_attempts)
-        c.mtime = job["available_at"]
+        c = Claim(jid, "", job, token, None, [],
+                  job.get("max_attempts") or default_max_attempts, None,
+                  job["available_at"])      # (by position, as a file's)
         if not claims._admit(c, job, me, None, sub, len(row[2] or ""),
                              scheduled, now):
             return None
