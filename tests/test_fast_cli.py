@@ -404,3 +404,45 @@ def test_bare_is_its_expression(value):
     """A log value stands bare where the expression it replaced said so."""
     assert myq._bare(value) == bool(
         re.match(r"[\x21\x23-\x3c\x3e-\x5b\x5d-\x7e]+\Z", value))
+
+
+QUICK_EVERYWHERE = r"""
+import random, sys
+sys.path.insert(0, sys.argv[1])
+import myq
+
+def argparse_says(argv):
+    try:
+        return repr(sorted(vars(myq._parser().parse_args(argv)).items()))
+    except BaseException as e:
+        return type(e).__name__
+
+random.seed(7)
+samples = ["3", "5s", "1M", "true", "t", "a=b", "dead", "sqlite", "x.json",
+           "--spool", "S", "-", "--", "--help", "-1"]
+asked = quick = 0
+for name in sorted(myq._COMMAND_TABLE):
+    p = myq._parser(name)._subparsers._group_actions[0].choices[name]
+    words = [a.option_strings[0] for a in p._actions
+             if a.option_strings and a.dest != "help"] + samples
+    for _ in range(40):
+        argv = [name] + [random.choice(words) for _ in range(random.randint(0, 6))]
+        got = myq._quick_args(argv)
+        asked += 1
+        if got is not None:
+            quick += 1
+            assert repr(sorted(vars(got).items())) == argparse_says(argv), argv
+print(asked, quick)
+"""
+
+
+@pytest.mark.parametrize("py", [p[1] for p in PYTHONS], ids=IDS)
+def test_quick_args_are_each_pythons_argparse(py):
+    """argparse differs between Pythons (its matching of positionals, its
+    defaults): on each, the quick parse answers as its own argparse."""
+    cp = subprocess.run([py, "-c", QUICK_EVERYWHERE, ROOT],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        universal_newlines=True, env=clean_env(), timeout=300)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    asked, quick = map(int, cp.stdout.split())
+    assert quick > asked // 5, cp.stdout
