@@ -9299,7 +9299,6 @@ class _Scheduler(object):
         changes during it changes the key (_check_incoming), what did not
         needs no pass at the next look (_current)."""
         L = L or self._top
-        self._tick()                # (the worker's heartbeat, on time)
         if L.sweep is None:
             k, racy = self._lane_key(L)
             k = None if racy else k
@@ -9533,6 +9532,7 @@ class _Scheduler(object):
         if force and self._current(L):
             force = False       # (nothing changed since its pass: not again)
         while True:
+            self._tick()            # (the worker's heartbeat, on time)
             if not L.cache:
                 if not (L.dirty or L.cache_full or (force and not forced)):
                     return None
@@ -9631,7 +9631,6 @@ class _Scheduler(object):
             if c is not None:
                 return c
             self._unreserve(L)
-            self._tick()            # (a flood of files it could not claim)
             budget -= 1
             if budget <= 0 and not force:
                 # A flood of bad files: the loop's housekeeping (reaping,
