@@ -825,15 +825,16 @@ class _Door(object):
     parent's without following a link and checked once: `door("incoming")`
     is incoming/'s, `door.at(path)` (descriptor, name) for a step on a path
     in the spool.  The descriptors are kept until close(): a worker keeps
-    them (`kept`) and closes them at its poll ticks, so that a directory
-    replaced meanwhile is opened (and checked) again; a producer's call or
-    a command closes them at its end (a process that enqueued keeps nothing
-    of the spool's filesystem busy)."""
+    them (`kept`) and looks at them again at its poll ticks (recheck), so
+    that a directory replaced meanwhile is opened (and checked) again; a
+    producer's call or a command closes them at its end (a process that
+    enqueued keeps nothing of the spool's filesystem busy)."""
 
     def __init__(self, top):
         self.top = top
         self._pre = top + "/"
         self.fds = {}
+        self._seen = {}             # sub -> what _check saw (recheck)
         self.kept = 0
         self.uid = self.dev = None
         self._owner = False
@@ -870,7 +871,7 @@ class _Door(object):
         else:
             fd = self._open_top()
         try:
-            self._check(sub, fd)
+            self._seen[sub] = self._check(sub, fd)
         except BaseException:
             os.close(fd)
             raise
@@ -893,16 +894,18 @@ class _Door(object):
             return os.open(self.top, _DIR_FLAGS & ~O_NOFOLLOW)
 
     def _check(self, sub, fd):
+        """Refused unless the directory may be used; what it is (_seen)."""
         st = os.fstat(fd)
+        seen = (st.st_dev, st.st_ino, st.st_uid, st.st_gid, st.st_mode)
         if not sub:
             self.uid, self.dev = st.st_uid, st.st_dev
-            return
+            return seen
         if st.st_dev != self.dev:
             raise _Refused(_other_fs(self._pre + sub, self.top))
         if sub in _SHARED:
             if sub == "incoming":   # (owner() and file_mode() ask it)
                 self._incoming = (st.st_uid, st.st_gid)
-            return
+            return seen
         # The owner's alone: a directory a producer made, or one others may
         # write, is never used (its entries could be a producer's links).
         if st.st_uid not in (self.uid, 0):
@@ -919,6 +922,8 @@ class _Door(object):
                         self._pre, sub, stat.S_IMODE(st.st_mode), self._pre, sub))
             # (a lane made before they were the owner's took incoming/'s mode)
             os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+            seen = seen[:4] + (st.st_mode & ~0o022,)
+        return seen
 
     def fresh(self, sub=""):
         """A new descriptor of `sub`, checked; the caller closes it."""
@@ -993,8 +998,35 @@ class _Door(object):
             return 0o640
         return 0o660
 
+    def recheck(self):
+        """A worker's poll tick: is each kept descriptor still the directory
+        its path names, as it was checked (device, inode, owner, group,
+        mode)?  One stat each, through its parent's descriptor (checked
+        just before); the spool's own path as given.  At the first that is
+        not, all are closed: opened (and checked) again when next used.
+        (Closed and opened again at every tick, they cost an idle worker
+        three times the system calls.)"""
+        fds, seen = self.fds, self._seen
+        for sub in sorted(fds):         # (a parent before its children)
+            try:
+                if sub:
+                    parent, _, name = sub.rpartition("/")
+                    st = os.stat(name, dir_fd=fds[parent],
+                                 follow_symlinks=False)
+                else:
+                    st = os.stat(self.top)
+                same = (st.st_dev, st.st_ino, st.st_uid, st.st_gid,
+                        st.st_mode) == seen.get(sub)
+            except (OSError, KeyError):
+                same = False
+            if not same:
+                self.close()
+                return False
+        return True
+
     def close(self):
         fds, self.fds = self.fds, {}
+        self._seen = {}
         self._owner = False
         for fd in fds.values():
             try:
@@ -9241,9 +9273,10 @@ class _Scheduler(object):
         """On each poll tick: rescan only when incoming/ changed (a shell
         producer's mv does not poke the FIFO) or the wall clock jumped; the
         policy, when its file changed."""
-        # The door's descriptors are opened (and checked) again from here
-        # on: a directory replaced meanwhile is not used through its old one.
-        self.spool.fs.close()
+        # The door's descriptors looked at again: a directory replaced
+        # meanwhile is not used through its old one (opened and checked
+        # again from here on).
+        self.spool.fs.recheck()
         self.spool.policy()
         if self.spool.policy_error != self._pol_said:
             self._pol_said = self.spool.policy_error      # (said once)
@@ -11265,7 +11298,7 @@ class Worker(object):
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
         sp.budget.note_uplink(self.options.uplink_rate)     # (the forecast)
-        sp.fs.kept += 1             # its descriptors stay (closed at polls)
+        sp.fs.kept += 1             # its descriptors stay (rechecked at polls)
         self.holds._take_holds()
         try:
             self._reap()

@@ -1,0 +1,114 @@
+"""The idle worker's poll tick: it does the cheap looks alone (an idle
+worker is to cost at most 0.05 % of a core), and keeps every promise of
+a tick.
+
+- The door's descriptors are not closed and opened again at each tick
+  (three closes, three opens, four fstats): each is looked at by one
+  stat of its name (_Door.recheck), and a directory replaced, or whose
+  owner or mode changed, is opened and checked again as before.
+"""
+import os
+import shutil
+import signal
+import threading
+
+from _core import quiet_log, wait_for, write_incoming
+
+
+def _door(myq, spool):
+    sp = myq.open_store(spool)
+    sp.fs.kept += 1         # (a worker's: kept between calls)
+    return sp, sp.fs
+
+
+def test_a_tick_keeps_the_descriptors_of_directories_unchanged(myq, spool):
+    sp, door = _door(myq, spool)
+    fds = dict((sub, door(sub)) for sub in ("", "incoming", "locks"))
+    assert door.recheck() and door.recheck()
+    assert door.fds == fds
+    door.kept -= 1
+    sp.close()
+
+
+def test_a_directory_replaced_is_opened_again_at_the_next_tick(myq, spool):
+    sp, door = _door(myq, spool)
+    old = os.fstat(door("locks")).st_ino
+    inc = os.path.join(spool, "locks")
+    os.rename(inc, inc + ".old")
+    shutil.copytree(inc + ".old", inc, symlinks=True, ignore=lambda d, n: [
+        x for x in n if x == "wake"])
+    assert not door.recheck()
+    assert door.fds == {}
+    assert os.fstat(door("locks")).st_ino == os.stat(inc).st_ino != old
+    door.kept -= 1
+    sp.close()
+
+
+def test_the_spool_replaced_is_opened_again_at_the_next_tick(myq, spool):
+    sp, door = _door(myq, spool)
+    door("incoming")
+    os.rename(spool, spool + ".old")
+    os.mkdir(spool, 0o750)
+    assert not door.recheck()
+    assert door.fds == {}
+    door.kept -= 1
+    sp.close()
+
+
+def test_a_mode_made_writable_by_others_is_checked_again(myq, spool):
+    """locks/ made writable by others under a kept descriptor: the tick
+    sees the change, the next use checks it again (and, the owner's,
+    takes the others' write bit away)."""
+    sp, door = _door(myq, spool)
+    locks = os.path.join(spool, "locks")
+    door("locks")
+    os.chmod(locks, 0o777)
+    assert not door.recheck()
+    door("locks")
+    assert os.stat(locks).st_mode & 0o022 == 0
+    assert door.recheck()
+    door.kept -= 1
+    sp.close()
+
+
+def _idle_worker(myq, spool, seen):
+    def t(job):
+        seen.append(job["id"])
+    w = myq.Worker(spool, handlers={"t": t}, poll=0.05, jitter=0,
+                   stats_interval=0, log=quiet_log())
+    ticks = []
+    real = w.sched._check_incoming
+
+    def tick():
+        ticks.append(1)
+        return real()
+    w.sched._check_incoming = tick
+    th = threading.Thread(target=w.run, daemon=True)
+    th.start()
+    return w, th, ticks
+
+
+def _stop(w, th):
+    w._on_stop(signal.SIGTERM, None)
+    th.join(15)
+    assert not th.is_alive()
+    w.spool.close()
+
+
+def test_incoming_replaced_under_an_idle_worker_is_looked_into(myq, spool):
+    """incoming/ moved away and made again while the worker idles, then a
+    shell producer's file dropped there (no poke): the worker's tick
+    finds the new directory and runs the job (through the old
+    descriptor it would never see it)."""
+    seen = []
+    w, th, ticks = _idle_worker(myq, spool, seen)
+    try:
+        wait_for(lambda: len(ticks) >= 3, what="three poll ticks")
+        inc = os.path.join(spool, "incoming")
+        os.rename(inc, inc + ".old")
+        os.mkdir(inc, 0o750)
+        os.mkdir(os.path.join(inc, "lanes"), 0o750)
+        write_incoming(spool, "j1.json", {"type": "t", "payload": 1})
+        wait_for(lambda: seen == ["j1"], what="the job dropped in the new incoming/")
+    finally:
+        _stop(w, th)
