@@ -871,11 +871,13 @@ class _Door(object):
         else:
             fd = self._open_top()
         try:
-            self._seen[sub] = self._check(sub, fd)
+            seen = self._check(sub, fd)
         except BaseException:
             os.close(fd)
             raise
         self.fds[sub] = fd
+        parent, _, name = sub.rpartition("/")
+        self._seen[sub] = (parent, name, seen)
         return fd
 
     def _open_top(self):
@@ -1006,23 +1008,21 @@ class _Door(object):
         not, all are closed: opened (and checked) again when next used.
         (Closed and opened again at every tick, they cost an idle worker
         three times the system calls.)"""
-        fds, seen = self.fds, self._seen
-        for sub in sorted(fds):         # (a parent before its children)
-            try:
-                if sub:
-                    parent, _, name = sub.rpartition("/")
-                    st = os.stat(name, dir_fd=fds[parent],
-                                 follow_symlinks=False)
-                else:
-                    st = os.stat(self.top)
-                same = (st.st_dev, st.st_ino, st.st_uid, st.st_gid,
-                        st.st_mode) == seen.get(sub)
-            except (OSError, KeyError):
-                same = False
-            if not same:
-                self.close()
-                return False
-        return True
+        fds, stat_ = self.fds, os.stat
+        try:
+            # (sorted: a parent before its children)
+            for sub, (parent, name, seen) in sorted(self._seen.items()):
+                st = stat_(name, dir_fd=fds[parent], follow_symlinks=False) \
+                    if sub else stat_(self.top)
+                if (st.st_dev, st.st_ino, st.st_uid, st.st_gid,
+                        st.st_mode) != seen:
+                    break
+            else:
+                return True
+        except (OSError, KeyError):
+            pass
+        self.close()
+        return False
 
     def close(self):
         fds, self.fds = self.fds, {}
@@ -3002,6 +3002,8 @@ class Breaker(object):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self._noted = {}            # dest -> the names note_job wrote
         self._held_cache = None     # records()' last look
+        # no held/ at records()' last look: (), or locks/'s key before it
+        self._none_held = ()
 
     def _path(self, dest, ext=".json"):
         return self.spool.d("locks", "held", _safe_dest(dest) + ext)
@@ -3010,15 +3012,29 @@ class Breaker(object):
         """[{"dest", "why", "since", "until", "probes"}] of the held
         destinations, from locks/held/ (written by workers; cat-able).
         Read again only when the directory changed, and then only the
-        records that changed: thousands of holds cost a poll one stat."""
+        records that changed: thousands of holds cost a poll one stat.
+        No held/ yet: locks/'s key, the same as when it had none, says so
+        (a stat, not an open that fails: an exception each poll tick)."""
         d = self.spool.d("locks", "held")
+        lk = None
+        if self._none_held is not None:
+            try:
+                lk = _dir_stat(self.spool.d("locks"))
+                lk = (lk.st_mtime_ns, lk.st_ino, lk.st_mtime)
+                if lk[:2] == self._none_held:
+                    return ()
+            except OSError:
+                lk = None
         try:
             st = _dir_stat(d)
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             # (no holds ever: the same empty tuple each time, which a poll
-            # tick's _load_holds knows as "nothing new", not a new list)
+            # tick's _load_holds knows as "nothing new", not a new list;
+            # locks/'s key before kept, unless so recent it proves nothing)
+            self._none_held = lk[:2] if lk and _now() - lk[2] >= 0.05 else ()
             return ()
+        self._none_held = None
         cache = self._held_cache
         if cache is not None and cache[0] == key and cache[1] > st.st_mtime + 1:
             return cache[2]
@@ -9466,15 +9482,15 @@ class _Scheduler(object):
             return min(marks) <= until
         return L.cache_full and L.cache[0][0] <= until
 
-    def _sync_lanes(self, fresh=False):
+    def _sync_lanes(self, fresh=False, fifo_seen=False):
         """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
         producer poked the wake FIFO since (read here at each claim: while
         jobs run back to back the loop's select comes only now and then),
         which changed: a stat each."""
-        # (the FIFO asked once a claim: poll() is cheap, not free)
+        # (the FIFO asked once a claim, not after a select: `fifo_seen`)
         fifo = self._wake_poll
         was, self._poked = self._poked, False       # (drained by _wait: _woken)
-        waiting = was or fifo is not None and bool(fifo.poll(0))
+        waiting = was or not fifo_seen and fifo is not None and bool(fifo.poll(0))
         # What a producer's poke can have changed: the lanes that got jobs,
         # where the store can say (Claims.arrived); else incoming/ by its
         # key (_woken, when _wait drained the poke) and the lanes below by
@@ -11217,6 +11233,8 @@ class Worker(object):
         self.stop_deadline = None
         self.me = None
         self._low_logged = False
+        self._next_guard = 0.0      # the disk guard's next look at rest
+        self._rest = False          # at rest: no claim to look for (_at_rest)
         self._next_beat = float("inf")     # set when run() starts
         self._beat_seq = -1         # the claims made at the last beat (me.seq)
         # set when run() starts: its modules, pipe, thread, supervisor
@@ -11421,7 +11439,7 @@ class Worker(object):
                 if not self.runs:
                     break
                 self._enforce_grace()
-            else:
+            elif not self._rest:
                 busy = self._fill(once, drain)
             if not self.runs and not self.finish._stuck and not self.finish._splits and (
                     once or self.stopping or (drain and not self.sched._ready_now())):
@@ -11456,11 +11474,7 @@ class Worker(object):
             # how a store-and-forward spool gets its room back (myq(1) guards).
             # Producers are refused, retention frees done/ first
             # (_housekeep), and a step that cannot be made waits (_stuck).
-            low = self.spool.low_on_space(now)
-            if low and not self._low_logged:
-                self.log("disk_low", problem=low)
-                self._next_prune = 0.0          # free done/ at once
-            self._low_logged = bool(low)
+            self._guard(now)
             try:
                 c = next_claim(force=(once or drain) and not self.runs)
             except OSError as e:
@@ -11470,6 +11484,7 @@ class Worker(object):
                 return False
             if c is None:
                 self._let_go()      # (claims ahead it did not ask for)
+                self._rest = not (once or drain) and self._at_rest()
                 return False
             self._started += 1
             start(c)
@@ -11483,6 +11498,40 @@ class Worker(object):
             if pending >= 64 or now >= due:
                 return True         # housekeeping first, then go on
         return False
+
+    def _guard(self, now):
+        """The disk-free guard (at most once a second: low_on_space): below
+        it, said once (disk_low) and done/ freed at once (_housekeep)."""
+        self._next_guard = now + 5.0
+        low = self.spool.low_on_space(now)
+        if low and not self._low_logged:
+            self.log("disk_low", problem=low)
+            self._next_prune = 0.0          # free done/ at once
+        self._low_logged = bool(low)
+
+    def _at_rest(self):
+        """Can only a change that a wake-up or a poll tick sees give the
+        next claim (_fill then skipped: an idle worker's tick does its
+        looks alone)?  Nothing runs, is claimed ahead, pending, stuck or
+        split; no job comes due, no hold waits for its probe, no store's
+        turn; every lane empty, clean and without a pass or a wait."""
+        f, sched = self.finish, self.sched
+        return not (
+            self.runs or f._splits or f._pending or f._stuck or sched._poked
+            or sched.ahead.held or sched.next_due is not None or self.stopping
+            or self.holds.until or self._next_settle is not None or [
+                L for L in sched._lanes if L.dirty or L.cache or L.cache_full
+                or L.sweep is not None or L.quiet is not None or L.order is not None])
+
+    def _rest_tick(self, now):
+        """A poll tick at rest, after the scheduler's and the holds' looks:
+        the lanes looked at as a claim would (_sync_lanes; the wake FIFO
+        not asked again: the select just did), the disk guard every 5 s;
+        still at rest unless something changed."""
+        self.sched._sync_lanes(fifo_seen=True)
+        if now >= self._next_guard:
+            self._guard(now)
+        return self._at_rest()
 
     def _housekeep(self):
         """Heartbeat, reap, status line, prune, stuck finishes, group
@@ -11590,6 +11639,9 @@ class Worker(object):
             r, w, _ = self._select.select(rl, wl, [], wait)
         except InterruptedError:
             r, w = [], []
+        # (at rest still only when nothing woke it, a signal, a poke, a
+        # run's pipe, and its poll tick found nothing new)
+        rest, self._rest = self._rest and not (r or w), False
         if self._pipe[0] in r:
             _drain(self._pipe[0])
         woken = [fd for fd in self.sched._wake_fds[0::2] if fd in r]
@@ -11597,8 +11649,9 @@ class Worker(object):
             for fd in woken:
                 _drain(fd)
             self.sched._woken()
-        if _mono() >= self._next_poll:
-            self._next_poll = _mono() + self.poll
+        now = _mono()
+        if now >= self._next_poll:
+            self._next_poll = now + self.poll
             self.sched._check_incoming()
             self.holds._check_holds()
             if self._parent and os.getppid() != self._parent \
@@ -11606,6 +11659,8 @@ class Worker(object):
                 # the supervisor is gone (kill -9): stop as on SIGTERM
                 self.log("supervisor_gone", pid=self._parent)
                 self._on_stop(0, None)
+            if rest:
+                self._rest = self._rest_tick(now)
         for run in list(self.runs):
             if run.stdin_fd is not None and run.stdin_fd in w:
                 self.runner._feed(run)

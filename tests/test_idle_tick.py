@@ -112,3 +112,38 @@ def test_incoming_replaced_under_an_idle_worker_is_looked_into(myq, spool):
         wait_for(lambda: seen == ["j1"], what="the job dropped in the new incoming/")
     finally:
         _stop(w, th)
+
+
+# No held/ yet: locks/'s key says so (a stat, not a failed open) ##############
+
+def _hold(myq, dest):
+    now = myq._now()
+    return {"dest": dest, "why": "test", "since": round(now, 3),
+            "until": round(now + 3600, 3), "probes": 0, "boot": myq.boot_id()}
+
+
+def test_a_hold_written_after_looks_that_found_none_is_read(myq, spool):
+    """records() found no locks/held/ (twice: the second by locks/'s key
+    alone); another process's first hold then is read at the next look."""
+    sp = myq.open_store(spool)
+    other = myq.open_store(spool)
+    os.utime(os.path.join(spool, "locks"), (1e9, 1e9))   # (not racy)
+    assert sp.breaker.records() == () and sp.breaker.records() == ()
+    other.breaker.write(_hold(myq, "http://down:80"))
+    assert [h["dest"] for h in sp.breaker.records()] == ["http://down:80"]
+    other.close()
+    sp.close()
+
+
+def test_another_workers_hold_is_seen_by_an_idle_worker_within_a_tick(myq, spool):
+    seen = []
+    w, th, ticks = _idle_worker(myq, spool, seen)
+    try:
+        wait_for(lambda: len(ticks) >= 3, what="three poll ticks")
+        other = myq.open_store(spool)
+        other.breaker.write(_hold(myq, "http://down:80"))
+        other.close()
+        wait_for(lambda: "http://down:80" in w.holds.until,
+                 what="the other worker's hold")
+    finally:
+        _stop(w, th)
