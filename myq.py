@@ -835,6 +835,7 @@ class _Door(object):
         self._pre = top + "/"
         self.fds = {}
         self._seen = {}             # sub -> what _check saw (recheck)
+        self.looked = {}            # sub -> its stat at the last recheck
         self.kept = 0
         self.uid = self.dev = None
         self._owner = False
@@ -1000,24 +1001,37 @@ class _Door(object):
             return 0o640
         return 0o660
 
+    # What a poll tick itself looks into (and the lanes, incoming/...):
+    # kept and rechecked; the others closed at each tick, as before.
+    TICKED = frozenset(("", "incoming", "locks", "locks/held"))
+
     def recheck(self):
-        """A worker's poll tick: is each kept descriptor still the directory
-        its path names, as it was checked (device, inode, owner, group,
-        mode)?  One stat each, through its parent's descriptor (checked
-        just before); the spool's own path as given.  At the first that is
-        not, all are closed: opened (and checked) again when next used.
-        (Closed and opened again at every tick, they cost an idle worker
-        three times the system calls.)"""
-        fds, stat_ = self.fds, os.stat
+        """A worker's poll tick: is each kept descriptor the tick uses
+        (TICKED) still the directory its path names, as it was checked
+        (device, inode, owner, group, mode)?  One stat each, through its
+        parent's descriptor (checked just before); the spool's own path as
+        given.  At the first that is not, all are closed, opened (and
+        checked) again when next used; the others are closed at each tick.
+        (All closed and opened again at every tick, they cost an idle
+        worker three times the system calls.)  The stats are kept
+        (`looked`): the tick's keys of incoming/ and locks/ need none."""
+        fds, stat_, self.looked = self.fds, os.stat, {}
+        looked = {}
         try:
             # (sorted: a parent before its children)
             for sub, (parent, name, seen) in sorted(self._seen.items()):
-                st = stat_(name, dir_fd=fds[parent], follow_symlinks=False) \
+                if sub not in self.TICKED and sub[:9] != "incoming/":
+                    del self._seen[sub]
+                    os.close(fds.pop(sub))
+                    continue
+                st = looked[sub] = stat_(name, dir_fd=fds[parent],
+                                         follow_symlinks=False) \
                     if sub else stat_(self.top)
                 if (st.st_dev, st.st_ino, st.st_uid, st.st_gid,
                         st.st_mode) != seen:
                     break
             else:
+                self.looked = looked
                 return True
         except (OSError, KeyError):
             pass
@@ -1026,7 +1040,7 @@ class _Door(object):
 
     def close(self):
         fds, self.fds = self.fds, {}
-        self._seen = {}
+        self._seen, self.looked = {}, {}
         self._owner = False
         for fd in fds.values():
             try:
@@ -3008,23 +3022,24 @@ class Breaker(object):
     def _path(self, dest, ext=".json"):
         return self.spool.d("locks", "held", _safe_dest(dest) + ext)
 
-    def records(self):
+    def records(self, locks=None):
         """[{"dest", "why", "since", "until", "probes"}] of the held
         destinations, from locks/held/ (written by workers; cat-able).
         Read again only when the directory changed, and then only the
         records that changed: thousands of holds cost a poll one stat.
         No held/ yet: locks/'s key, the same as when it had none, says so
-        (a stat, not an open that fails: an exception each poll tick)."""
-        d = self.spool.d("locks", "held")
+        (a stat, not an open that fails: an exception each poll tick;
+        `locks`: its stat, taken just before by the caller)."""
         lk = None
         if self._none_held is not None:
             try:
-                lk = _dir_stat(self.spool.d("locks"))
+                lk = locks or _dir_stat(self.spool.d("locks"))
                 lk = (lk.st_mtime_ns, lk.st_ino, lk.st_mtime)
                 if lk[:2] == self._none_held:
                     return ()
             except OSError:
                 lk = None
+        d = self.spool.d("locks", "held")
         try:
             st = _dir_stat(d)
             key = (st.st_mtime_ns, st.st_ino)
@@ -3891,18 +3906,20 @@ class Claims(object):
     # the waiting jobs only through these, so that another store (the
     # SQLite one) plugs in under it unchanged.
 
-    def change_key(self):
+    def change_key(self, st=None):
         """(key, racy): a key that changes when the waiting jobs of
-        incoming/ may have; racy when it cannot prove they did not.  A
+        incoming/ may have; racy when it cannot prove they did not (`st`:
+        incoming/'s stat, taken just before by the caller).  A
         directory's time has the kernel's coarse granularity (a jiffy): a
         change in the same jiffy as the one this key saw leaves it equal,
         so a time that recent proves nothing (git's "racily clean"
         entries)."""
-        try:
-            # (the door's descriptor: asked twice a claim, _lane_claim)
-            st = os.fstat(self.spool.fs("incoming"))
-        except OSError:
-            return None, False
+        if st is None:
+            try:
+                # (the door's descriptor: asked twice a claim, _lane_claim)
+                st = os.fstat(self.spool.fs("incoming"))
+            except OSError:
+                return None, False
         return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
 
     def arrived(self):
@@ -9289,16 +9306,16 @@ class _Scheduler(object):
         """On each poll tick: rescan only when incoming/ changed (a shell
         producer's mv does not poke the FIFO) or the wall clock jumped; the
         policy, when its file changed."""
-        # The door's descriptors looked at again: a directory replaced
-        # meanwhile is not used through its old one (opened and checked
-        # again from here on).
+        # The door's descriptors looked at again: one replaced is opened
+        # (and checked) again; their stats, taken now, serve this tick.
         self.spool.fs.recheck()
+        looked = self.spool.fs.looked
         self.spool.policy()
         if self.spool.policy_error != self._pol_said:
             self._pol_said = self.spool.policy_error      # (said once)
             if self._pol_said:
                 self.log("warning", problem=self._pol_said)
-        key, racy = self.spool.claims.change_key()
+        key, racy = self.spool.claims.change_key(looked.get("incoming"))
         own = self._own_since
         if own is not None:         # (only this worker's changes: _dirty_home)
             racy = _mono() - own > 5.0
@@ -10508,12 +10525,13 @@ class _Holds(object):
         self.sched.next_due = None
         self.log("release", dest=t)
 
-    def _load_holds(self):
+    def _load_holds(self, locks=None):
         """The holds of every worker of the spool (locks/held/); a hold
         from another boot has its probe due at once.  A missing handler's
         hold holds only the workers that lack the handler (myq(1) holds): this
-        one's own (`missing`), and another's when this one lacks it too."""
-        held = self.spool.breaker.records()
+        one's own (`missing`), and another's when this one lacks it too.
+        (`locks`: locks/'s stat, just taken: Breaker.records.)"""
+        held = self.spool.breaker.records(locks)
         if held is self._holds_from and not self.missing_changed:
             return                  # (the same records: nothing to learn)
         now, boot = _now(), boot_id()
@@ -10570,13 +10588,13 @@ class _Holds(object):
         except OSError:
             return None
 
-    def _check_holds(self):
+    def _check_holds(self, looked=None):
         """At each poll tick: the holds on disk (other workers' too), and
         has the handler of a held type appeared?  (Looked for when the
         handlers directory changed, or once a minute: many held types cost
-        a poll no more than one.)"""
+        a poll no more than one.  `looked`: the tick's stats, _Door.recheck.)"""
         before = self.until
-        self._load_holds()
+        self._load_holds((looked or {}).get("locks"))
         if before is not self.until and set(before) - set(self.until):
             self.sched.dirty = True       # released by another worker
         pol = self.spool.policy()
@@ -11653,7 +11671,7 @@ class Worker(object):
         if now >= self._next_poll:
             self._next_poll = now + self.poll
             self.sched._check_incoming()
-            self.holds._check_holds()
+            self.holds._check_holds(self.spool.fs.looked)
             if self._parent and os.getppid() != self._parent \
                     and not self.stopping:
                 # the supervisor is gone (kill -9): stop as on SIGTERM
@@ -14269,8 +14287,8 @@ class _SqlClaims(Claims):
 
     # The scheduler's view -----------------------------------------------------
 
-    def change_key(self):
-        inc, racy = Claims.change_key(self)
+    def change_key(self, st=None):
+        inc, racy = Claims.change_key(self, st)
         self._clock()
         return (inc, self._lane_gen("incoming", True)), racy
 

@@ -30,6 +30,22 @@ def test_a_tick_keeps_the_descriptors_of_directories_unchanged(myq, spool):
     sp.close()
 
 
+def test_a_directory_no_tick_uses_is_opened_again_after_a_tick(myq, spool):
+    """done/ (a tick does not look into it: not rechecked) replaced while
+    its descriptor was kept: after the tick, the new one is used."""
+    sp, door = _door(myq, spool)
+    door("incoming")
+    old = os.fstat(door("done")).st_ino
+    done = os.path.join(spool, "done")
+    os.rename(done, done + ".old")
+    os.mkdir(done, 0o750)
+    assert door.recheck()
+    assert "done" not in door.fds and "incoming" in door.fds
+    assert os.fstat(door("done")).st_ino == os.stat(done).st_ino != old
+    door.kept -= 1
+    sp.close()
+
+
 def test_a_directory_replaced_is_opened_again_at_the_next_tick(myq, spool):
     sp, door = _door(myq, spool)
     old = os.fstat(door("locks")).st_ino
