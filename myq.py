@@ -353,7 +353,7 @@ _TOPS = {}
 
 class _Here(_thread._local):
     """A thread's own doors: a descriptor one thread holds is never closed
-    by another (a worker closes its doors at each poll tick while a --module
+    by another (a worker closes some at each poll tick while a --module
     handler's thread enqueues; shared, that thread's next step went through
     a closed or reused number).  Dropped, and closed, when the thread ends."""
 
