@@ -11445,7 +11445,7 @@ class Worker(object):
                                                              5.0)
         self._next_poll = now + self.poll
         self._settle()
-        self._started = 0
+        self._started, self._rest = 0, False
         self.sched._no_wait = once or drain       # --once, --drain: no batch_wait
         self.sched.ahead.off = once
         while True:

@@ -163,3 +163,19 @@ def test_another_workers_hold_is_seen_by_an_idle_worker_within_a_tick(myq, spool
                  what="the other worker's hold")
     finally:
         _stop(w, th)
+
+
+def test_a_run_after_one_that_ended_at_rest_claims_at_once(myq, spool):
+    """The same Worker run again (--once) after a run that ended idle, at
+    rest: its first look claims, as a fresh worker's would."""
+    seen = []
+    w, th, ticks = _idle_worker(myq, spool, seen)
+    wait_for(lambda: len(ticks) >= 3 and w._rest, what="a worker at rest")
+    w._on_stop(signal.SIGTERM, None)
+    th.join(15)
+    assert not th.is_alive()
+    w.stopping = False
+    w.spool.enqueue("t", 1, id="j1")
+    assert w.run(once=True) == 0
+    assert seen == ["j1"]
+    w.spool.close()
