@@ -17,8 +17,10 @@ gzip=true`, as bench/flow.py's), nothing queued, nothing running:
   with a 1 s timeout costs ~400);
 - syscalls: the same spans under `strace -f -c`, per second, by call;
 - cpu: its CPU time (schedstat: user + kernel, every thread) over
-  --seconds after 3 s, as a share of one core; the median of --runs,
-  old and new interleaved (noisy where other processes share the cores).
+  --seconds from 8 s after its start, as a share of one core; the old
+  and the new worker run at once, the median of --runs (an idle
+  worker's CPU is mostly its caches gone cold while it slept: on this
+  VM 0.1 % or 1 % of a core by the hour, the same code).
 
 Old: `git show REV:myq.py` (default main); new: this tree's myq.py.
 """
@@ -128,25 +130,34 @@ def syscalls(py, myq, store, env):
     return dict((k, v) for k, v in sorted(diff.items()) if v)
 
 
-def cpu(py, myq, store, env, seconds, warm=3.0):
-    """The worker's share of a core over `seconds` after `warm` (warm=None:
-    a start alone, which fills the byte-code cache that the runs measured
-    then find, whichever comes first)."""
-    d, argv = spool(py, myq, store, env)
-    w = subprocess.Popen(argv, env=env)
+def cpu(py, trees, store, env, seconds, warm=8.0):
+    """{name: the worker's share of a core over `seconds`}, a worker of
+    each tree at once (the same load on the machine: an idle worker's CPU
+    here is mostly its caches and TLB gone cold in the second it slept,
+    which other processes decide), `warm` seconds after their start (past
+    the first prune).  warm=None: a start alone, which fills the
+    byte-code cache the measured runs then find."""
+    ws = {}
     try:
-        started(d)
+        for name, myq in trees:
+            d, argv = spool(py, myq, store, env)
+            ws[name] = (d, subprocess.Popen(argv, env=env))
+        for d, w in ws.values():
+            started(d)
         if warm is None:
             return None
         time.sleep(warm)
-        c0, t0 = cpu_ns(w.pid), time.monotonic()
+        c0 = dict((n, cpu_ns(w.pid)) for n, (d, w) in ws.items())
+        t0 = time.monotonic()
         time.sleep(seconds)
-        c1, t1 = cpu_ns(w.pid), time.monotonic()
-        return (c1 - c0) / 1e9 / (t1 - t0) * 100
+        c1 = dict((n, cpu_ns(w.pid)) for n, (d, w) in ws.items())
+        t1 = time.monotonic()
+        return dict((n, (c1[n] - c0[n]) / 1e9 / (t1 - t0) * 100) for n in ws)
     finally:
-        w.terminate()
-        w.wait()
-        shutil.rmtree(d, ignore_errors=True)
+        for d, w in ws.values():
+            w.terminate()
+            w.wait()
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def main():
@@ -170,8 +181,7 @@ def main():
         trees = [("old", old), ("new", os.path.join(ROOT, "myq.py"))]
         what = a.what.split(",")
         for store in a.stores.split(","):
-            for name, myq in trees:
-                cpu(py, myq, store, env, 0, warm=None)
+            cpu(py, trees, store, env, 0, warm=None)
             for name, myq in trees:
                 if "ir" in what:
                     print("%s %-6s instructions per idle second: %d"
@@ -183,8 +193,9 @@ def main():
             if "cpu" in what:
                 got = dict((name, []) for name, _ in trees)
                 for _ in range(a.runs):
-                    for name, myq in trees:
-                        got[name].append(cpu(py, myq, store, env, a.seconds))
+                    for name, share in cpu(py, trees, store, env,
+                                           a.seconds).items():
+                        got[name].append(share)
                 for name, _ in trees:
                     print("%s %-6s CPU of an idle worker: %.3f %% of a core "
                           "(median of %s)" % (store, name, statistics.median(got[name]),
