@@ -355,7 +355,7 @@ _TOPS = {}
 
 class _Here(_thread._local):
     """A thread's own doors: a descriptor one thread holds is never closed
-    by another (a worker closes its doors at each poll tick while a --module
+    by another (a worker closes some at each poll tick while a --module
     handler's thread enqueues; shared, that thread's next step went through
     a closed or reused number).  Dropped, and closed, when the thread ends."""
 
@@ -837,15 +837,17 @@ class _Door(object):
     parent's without following a link and checked once: `door("incoming")`
     is incoming/'s, `door.at(path)` (descriptor, name) for a step on a path
     in the spool.  The descriptors are kept until close(): a worker keeps
-    them (`kept`) and closes them at its poll ticks, so that a directory
-    replaced meanwhile is opened (and checked) again; a producer's call or
-    a command closes them at its end (a process that enqueued keeps nothing
-    of the spool's filesystem busy)."""
+    them (`kept`) and looks at them again at its poll ticks (recheck), so
+    that a directory replaced meanwhile is opened (and checked) again; a
+    producer's call or a command closes them at its end (a process that
+    enqueued keeps nothing of the spool's filesystem busy)."""
 
     def __init__(self, top):
         self.top = top
         self._pre = top + "/"
         self.fds = {}
+        self._seen = {}             # sub -> what _check saw (recheck)
+        self.looked = {}            # sub -> its stat at the last recheck
         self.kept = 0
         self.uid = self.dev = None
         self._owner = False
@@ -882,11 +884,13 @@ class _Door(object):
         else:
             fd = self._open_top()
         try:
-            self._check(sub, fd)
+            seen = self._check(sub, fd)
         except BaseException:
             os.close(fd)
             raise
         self.fds[sub] = fd
+        parent, _, name = sub.rpartition("/")
+        self._seen[sub] = (parent, name, seen)
         return fd
 
     def _open_top(self):
@@ -905,16 +909,18 @@ class _Door(object):
             return os.open(self.top, _DIR_FLAGS & ~O_NOFOLLOW)
 
     def _check(self, sub, fd):
+        """Refused unless the directory may be used; what it is (_seen)."""
         st = os.fstat(fd)
+        seen = (st.st_dev, st.st_ino, st.st_uid, st.st_gid, st.st_mode)
         if not sub:
             self.uid, self.dev = st.st_uid, st.st_dev
-            return
+            return seen
         if st.st_dev != self.dev:
             raise _Refused(_other_fs(self._pre + sub, self.top))
         if sub in _SHARED:
             if sub == "incoming":   # (owner() and file_mode() ask it)
                 self._incoming = (st.st_uid, st.st_gid)
-            return
+            return seen
         # The owner's alone: a directory a producer made, or one others may
         # write, is never used (its entries could be a producer's links).
         if st.st_uid not in (self.uid, 0):
@@ -931,6 +937,8 @@ class _Door(object):
                         self._pre, sub, stat.S_IMODE(st.st_mode), self._pre, sub))
             # (a lane made before they were the owner's took incoming/'s mode)
             os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+            seen = seen[:4] + (st.st_mode & ~0o022,)
+        return seen
 
     def fresh(self, sub=""):
         """A new descriptor of `sub`, checked; the caller closes it."""
@@ -1005,8 +1013,46 @@ class _Door(object):
             return 0o640
         return 0o660
 
+    # What a poll tick itself looks into (and the lanes, incoming/...):
+    # kept and rechecked; the others closed at each tick, as before.
+    TICKED = frozenset(("", "incoming", "locks", "locks/held"))
+
+    def recheck(self):
+        """A worker's poll tick: is each kept descriptor the tick uses
+        (TICKED) still the directory its path names, as it was checked
+        (device, inode, owner, group, mode)?  One stat each, through its
+        parent's descriptor (checked just before); the spool's own path as
+        given.  At the first that is not, all are closed, opened (and
+        checked) again when next used; the others are closed at each tick.
+        (All closed and opened again at every tick, they cost an idle
+        worker three times the system calls.)  The stats are kept
+        (`looked`): the tick's keys of incoming/ and locks/ need none."""
+        fds, stat_, self.looked = self.fds, os.stat, {}
+        looked = {}
+        try:
+            # (sorted: a parent before its children)
+            for sub, (parent, name, seen) in sorted(self._seen.items()):
+                if sub not in self.TICKED and sub[:9] != "incoming/":
+                    del self._seen[sub]
+                    os.close(fds.pop(sub))
+                    continue
+                st = looked[sub] = stat_(name, dir_fd=fds[parent],
+                                         follow_symlinks=False) \
+                    if sub else stat_(self.top)
+                if (st.st_dev, st.st_ino, st.st_uid, st.st_gid,
+                        st.st_mode) != seen:
+                    break
+            else:
+                self.looked = looked
+                return True
+        except (OSError, KeyError):
+            pass
+        self.close()
+        return False
+
     def close(self):
         fds, self.fds = self.fds, {}
+        self._seen, self.looked = {}, {}
         self._owner = False
         for fd in fds.values():
             try:
@@ -2984,23 +3030,40 @@ class Breaker(object):
         self.spool = _weakref.proxy(spool)  # (no cycle: a Spool goes with its last user)
         self._noted = {}            # dest -> the names note_job wrote
         self._held_cache = None     # records()' last look
+        # no held/ at records()' last look: (), or locks/'s key before it
+        self._none_held = ()
 
     def _path(self, dest, ext=".json"):
         return self.spool.d("locks", "held", _safe_dest(dest) + ext)
 
-    def records(self):
+    def records(self, locks=None):
         """[{"dest", "why", "since", "until", "probes"}] of the held
         destinations, from locks/held/ (written by workers; cat-able).
         Read again only when the directory changed, and then only the
-        records that changed: thousands of holds cost a poll one stat."""
+        records that changed: thousands of holds cost a poll one stat.
+        No held/ yet: locks/'s key, the same as when it had none, says so
+        (a stat, not an open that fails: an exception each poll tick;
+        `locks`: its stat, taken just before by the caller)."""
+        lk = None
+        if self._none_held is not None:
+            try:
+                lk = locks or _dir_stat(self.spool.d("locks"))
+                lk = (lk.st_mtime_ns, lk.st_ino, lk.st_mtime)
+                if lk[:2] == self._none_held:
+                    return ()
+            except OSError:
+                lk = None
         d = self.spool.d("locks", "held")
         try:
             st = _dir_stat(d)
             key = (st.st_mtime_ns, st.st_ino)
         except OSError:
             # (no holds ever: the same empty tuple each time, which a poll
-            # tick's _load_holds knows as "nothing new", not a new list)
+            # tick's _load_holds knows as "nothing new", not a new list;
+            # locks/'s key before kept, unless so recent it proves nothing)
+            self._none_held = lk[:2] if lk and _now() - lk[2] >= 0.05 else ()
             return ()
+        self._none_held = None
         cache = self._held_cache
         if cache is not None and cache[0] == key and cache[1] > st.st_mtime + 1:
             return cache[2]
@@ -3859,18 +3922,20 @@ class Claims(object):
     # the waiting jobs only through these, so that another store (the
     # SQLite one) plugs in under it unchanged.
 
-    def change_key(self):
+    def change_key(self, st=None):
         """(key, racy): a key that changes when the waiting jobs of
-        incoming/ may have; racy when it cannot prove they did not.  A
+        incoming/ may have; racy when it cannot prove they did not (`st`:
+        incoming/'s stat, taken just before by the caller).  A
         directory's time has the kernel's coarse granularity (a jiffy): a
         change in the same jiffy as the one this key saw leaves it equal,
         so a time that recent proves nothing (git's "racily clean"
         entries)."""
-        try:
-            # (the door's descriptor: asked twice a claim, _lane_claim)
-            st = os.fstat(self.spool.fs("incoming"))
-        except OSError:
-            return None, False
+        if st is None:
+            try:
+                # (the door's descriptor: asked twice a claim, _lane_claim)
+                st = os.fstat(self.spool.fs("incoming"))
+            except OSError:
+                return None, False
         return (st.st_mtime_ns, st.st_ino), abs(_now() - st.st_mtime) < 0.05
 
     def arrived(self):
@@ -9264,15 +9329,16 @@ class _Scheduler(object):
         """On each poll tick: rescan only when incoming/ changed (a shell
         producer's mv does not poke the FIFO) or the wall clock jumped; the
         policy, when its file changed."""
-        # The door's descriptors are opened (and checked) again from here
-        # on: a directory replaced meanwhile is not used through its old one.
-        self.spool.fs.close()
+        # The door's descriptors looked at again: one replaced is opened
+        # (and checked) again; their stats, taken now, serve this tick.
+        self.spool.fs.recheck()
+        looked = self.spool.fs.looked
         self.spool.policy()
         if self.spool.policy_error != self._pol_said:
             self._pol_said = self.spool.policy_error      # (said once)
             if self._pol_said:
                 self.log("warning", problem=self._pol_said)
-        key, racy = self.spool.claims.change_key()
+        key, racy = self.spool.claims.change_key(looked.get("incoming"))
         own = self._own_since
         if own is not None:         # (only this worker's changes: _dirty_home)
             racy = _mono() - own > 5.0
@@ -9456,15 +9522,15 @@ class _Scheduler(object):
             return min(marks) <= until
         return L.cache_full and L.cache[0][0] <= until
 
-    def _sync_lanes(self, fresh=False):
+    def _sync_lanes(self, fresh=False, fifo_seen=False):
         """Learn the lanes (incoming/lanes/ changed: one stat), and, when a
         producer poked the wake FIFO since (read here at each claim: while
         jobs run back to back the loop's select comes only now and then),
         which changed: a stat each."""
-        # (the FIFO asked once a claim: poll() is cheap, not free)
+        # (the FIFO asked once a claim, not after a select: `fifo_seen`)
         fifo = self._wake_poll
         was, self._poked = self._poked, False       # (drained by _wait: _woken)
-        waiting = was or fifo is not None and bool(fifo.poll(0))
+        waiting = was or not fifo_seen and fifo is not None and bool(fifo.poll(0))
         # What a producer's poke can have changed: the lanes that got jobs,
         # where the store can say (Claims.arrived); else incoming/ by its
         # key (_woken, when _wait drained the poke) and the lanes below by
@@ -10483,12 +10549,13 @@ class _Holds(object):
         self.sched.next_due = None
         self.log("release", dest=t)
 
-    def _load_holds(self):
+    def _load_holds(self, locks=None):
         """The holds of every worker of the spool (locks/held/); a hold
         from another boot has its probe due at once.  A missing handler's
         hold holds only the workers that lack the handler (myq(1) holds): this
-        one's own (`missing`), and another's when this one lacks it too."""
-        held = self.spool.breaker.records()
+        one's own (`missing`), and another's when this one lacks it too.
+        (`locks`: locks/'s stat, just taken: Breaker.records.)"""
+        held = self.spool.breaker.records(locks)
         if held is self._holds_from and not self.missing_changed:
             return                  # (the same records: nothing to learn)
         now, boot = _now(), boot_id()
@@ -10545,13 +10612,13 @@ class _Holds(object):
         except OSError:
             return None
 
-    def _check_holds(self):
+    def _check_holds(self, looked=None):
         """At each poll tick: the holds on disk (other workers' too), and
         has the handler of a held type appeared?  (Looked for when the
         handlers directory changed, or once a minute: many held types cost
-        a poll no more than one.)"""
+        a poll no more than one.  `looked`: the tick's stats, _Door.recheck.)"""
         before = self.until
-        self._load_holds()
+        self._load_holds((looked or {}).get("locks"))
         if before is not self.until and set(before) - set(self.until):
             self.sched.dirty = True       # released by another worker
         pol = self.spool.policy()
@@ -11208,7 +11275,8 @@ class Worker(object):
         self.stop_deadline = None
         self.me = None
         self._low_logged = False
-        self._low_next = 0.0    # (_fill: when the guard is asked again)
+        self._next_guard = 0.0      # the disk guard's next look (_guard)
+        self._rest = False          # at rest: no claim to look for (_at_rest)
         self._next_beat = float("inf")     # set when run() starts
         self._beat_seq = -1         # the claims made at the last beat (me.seq)
         # set when run() starts: its modules, pipe, thread, supervisor
@@ -11290,7 +11358,7 @@ class Worker(object):
                  concurrency=self.concurrency, version=__version__,
                  supervisor=self._parent)
         sp.budget.note_uplink(self.options.uplink_rate)     # (the forecast)
-        sp.fs.kept += 1             # its descriptors stay (closed at polls)
+        sp.fs.kept += 1             # its descriptors stay (rechecked at polls)
         self.holds._take_holds()
         try:
             self._reap()
@@ -11401,7 +11469,7 @@ class Worker(object):
                                                              5.0)
         self._next_poll = now + self.poll
         self._settle()
-        self._started = 0
+        self._started, self._rest = 0, False
         self.sched._no_wait = once or drain       # --once, --drain: no batch_wait
         self.sched.ahead.off = once
         while True:
@@ -11413,7 +11481,7 @@ class Worker(object):
                 if not self.runs:
                     break
                 self._enforce_grace()
-            else:
+            elif not self._rest:
                 busy = self._fill(once, drain)
             if not self.runs and not self.finish._stuck and not self.finish._splits and (
                     once or self.stopping or (drain and not self.sched._ready_now())):
@@ -11448,13 +11516,8 @@ class Worker(object):
             # how a store-and-forward spool gets its room back (myq(1) guards).
             # Producers are refused, retention frees done/ first
             # (_housekeep), and a step that cannot be made waits (_stuck).
-            if now >= self._low_next:   # (the guard's figure: a second's)
-                self._low_next = now + 1.0
-                low = self.spool.low_on_space(now)
-                if low and not self._low_logged:
-                    self.log("disk_low", problem=low)
-                    self._next_prune = 0.0      # free done/ at once
-                self._low_logged = bool(low)
+            if now >= self._next_guard:     # (its figure is a second's)
+                self._guard(now, 1.0)
             try:
                 c = next_claim(force=(once or drain) and not self.runs)
             except OSError as e:
@@ -11464,6 +11527,7 @@ class Worker(object):
                 return False
             if c is None:
                 self._let_go()      # (claims ahead it did not ask for)
+                self._rest = not (once or drain) and self._at_rest()
                 return False
             self._started += 1
             start(c)
@@ -11477,6 +11541,41 @@ class Worker(object):
             if pending >= 64 or now >= due:
                 return True         # housekeeping first, then go on
         return False
+
+    def _guard(self, now, every):
+        """The disk-free guard (its figure a second's: low_on_space), asked
+        again in `every` seconds: below it, said once (disk_low) and done/
+        freed at once (_housekeep)."""
+        self._next_guard = now + every
+        low = self.spool.low_on_space(now)
+        if low and not self._low_logged:
+            self.log("disk_low", problem=low)
+            self._next_prune = 0.0          # free done/ at once
+        self._low_logged = bool(low)
+
+    def _at_rest(self):
+        """Can only a change that a wake-up or a poll tick sees give the
+        next claim (_fill then skipped: an idle worker's tick does its
+        looks alone)?  Nothing runs, is claimed ahead, pending, stuck or
+        split; no job comes due, no hold waits for its probe, no store's
+        turn; every lane empty, clean and without a pass or a wait."""
+        f, sched = self.finish, self.sched
+        return not (
+            self.runs or f._splits or f._pending or f._stuck or sched._poked
+            or sched.ahead.held or sched.next_due is not None or self.stopping
+            or self.holds.until or self._next_settle is not None or [
+                L for L in sched._lanes if L.dirty or L.cache or L.cache_full
+                or L.sweep is not None or L.quiet is not None or L.order is not None])
+
+    def _rest_tick(self, now):
+        """A poll tick at rest, after the scheduler's and the holds' looks:
+        the lanes looked at as a claim would (_sync_lanes; the wake FIFO
+        not asked again: the select just did), the disk guard every 5 s;
+        still at rest unless something changed."""
+        self.sched._sync_lanes(fifo_seen=True)
+        if now >= self._next_guard:
+            self._guard(now, 5.0)
+        return self._at_rest()
 
     def _housekeep(self):
         """Heartbeat, reap, status line, prune, stuck finishes, group
@@ -11584,6 +11683,9 @@ class Worker(object):
             r, w, _ = self._select.select(rl, wl, [], wait)
         except InterruptedError:
             r, w = [], []
+        # (at rest still only when nothing woke it, a signal, a poke, a
+        # run's pipe, and its poll tick found nothing new)
+        rest, self._rest = self._rest and not (r or w), False
         if self._pipe[0] in r:
             _drain(self._pipe[0])
         woken = [fd for fd in self.sched._wake_fds[0::2] if fd in r]
@@ -11591,15 +11693,18 @@ class Worker(object):
             for fd in woken:
                 _drain(fd)
             self.sched._woken()
-        if _mono() >= self._next_poll:
-            self._next_poll = _mono() + self.poll
+        now = _mono()
+        if now >= self._next_poll:
+            self._next_poll = now + self.poll
             self.sched._check_incoming()
-            self.holds._check_holds()
+            self.holds._check_holds(self.spool.fs.looked)
             if self._parent and os.getppid() != self._parent \
                     and not self.stopping:
                 # the supervisor is gone (kill -9): stop as on SIGTERM
                 self.log("supervisor_gone", pid=self._parent)
                 self._on_stop(0, None)
+            if rest:
+                self._rest = self._rest_tick(now)
         for run in list(self.runs):
             if run.stdin_fd is not None and run.stdin_fd in w:
                 self.runner._feed(run)
@@ -14333,8 +14438,8 @@ class _SqlClaims(Claims):
 
     # The scheduler's view -----------------------------------------------------
 
-    def change_key(self):
-        inc, racy = Claims.change_key(self)
+    def change_key(self, st=None):
+        inc, racy = Claims.change_key(self, st)
         self._clock()
         return (inc, self._lane_gen("incoming", True)), racy
 
