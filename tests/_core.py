@@ -204,6 +204,19 @@ def wait_for(pred, timeout=15.0, interval=0.02, what="condition"):
         time.sleep(interval if now - start < 1.0 else max(interval, SLOW_POLL))
 
 
+def count_ticks(w):
+    """A Worker's poll ticks, counted: the list grows by one at each
+    (_Scheduler._check_incoming, wrapped)."""
+    ticks = []
+    real = w.sched._check_incoming
+
+    def tick():
+        ticks.append(1)
+        return real()
+    w.sched._check_incoming = tick
+    return ticks
+
+
 def sql(spool, statement, args=()):
     """On a spool of the SQLite store: what `statement` returns (its rows;
     a write: committed, the rows it changed); on a spool of files: None."""

@@ -12,7 +12,7 @@ import shutil
 import signal
 import threading
 
-from _core import quiet_log, wait_for, write_incoming
+from _core import count_ticks, quiet_log, wait_for, write_incoming
 
 
 def _door(myq, spool):
@@ -92,13 +92,7 @@ def _idle_worker(myq, spool, seen):
         seen.append(job["id"])
     w = myq.Worker(spool, handlers={"t": t}, poll=0.05, jitter=0,
                    stats_interval=0, log=quiet_log())
-    ticks = []
-    real = w.sched._check_incoming
-
-    def tick():
-        ticks.append(1)
-        return real()
-    w.sched._check_incoming = tick
+    ticks = count_ticks(w)
     th = threading.Thread(target=w.run, daemon=True)
     th.start()
     return w, th, ticks

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from _core import quiet_log, sql, wait_for
+from _core import count_ticks, quiet_log, sql, wait_for
 
 DAY = 86400.0
 
@@ -102,13 +102,7 @@ def test_the_first_poll_tick_makes_no_second_pass(myq, spool):
     _deep(myq, spool)
     w = _worker(myq, spool, [])
     n = _passes(w)
-    ticks = []
-    real = w.sched._check_incoming
-
-    def tick():
-        ticks.append(1)
-        return real()
-    w.sched._check_incoming = tick
+    ticks = count_ticks(w)
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
     try:
