@@ -158,10 +158,15 @@ def test_a_job_waits_in_ram_at_most_spill_after(spool, ram, tmp_path):
     ok(cli(spool, "pause", "tele"))
     t.start()
     try:
+        t0 = time.monotonic()
         jid = t.enqueue({"n": 1})
-        assert t.in_ram() == [jid] and t.in_spool() == []
+        where = t.in_ram(), t.in_spool()
         job = json.loads(ok(cli(spool, "show", jid)).stdout)
-        assert job["tier"] == "ram" and job["state"] == "ready"
+        if time.monotonic() - t0 < 1.5:
+            # (looked at within its spill_after, which a loaded machine's
+            # enqueue and show may outlast: the checks below still hold)
+            assert where == ([jid], [])
+            assert job["tier"] == "ram" and job["state"] == "ready"
         wait_for(lambda: jid in t.in_spool() and not t.in_ram(), timeout=10,
                  what="the spill")
         # moved within its spill_after of its making, by the worker's clock
