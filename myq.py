@@ -6169,21 +6169,26 @@ class Reader(object):
                 if not name.endswith(".reason") and _lexists(p):
                     return "failed", p
         else:
-            for sub in self.store.waiting_dirs():
-                p = self.store.d(sub, jid + ".json")
-                try:
-                    st = _lstat(p)
-                    return ("scheduled" if st.st_mtime > _now() else "ready"), p
-                except OSError:
-                    pass
-            prefix = jid + "+"
-            for name in _listdir(self.store.d("processing")):
-                if name.startswith(prefix) and _split_claim(name):
-                    return "processing", self.store.d("processing", name)
-            for state, sub in (("dead", "dlq"), ("done", "done")):
-                p = self.store.d(sub, jid + ".json")
-                if _lexists(p):
-                    return state, p
+            # (a job moves between these: a retry from processing/ back to
+            # incoming/ between the two looks is missed by both; one that
+            # moved while it was looked for is looked for again)
+            for _ in range(3):
+                for sub in self.store.waiting_dirs():
+                    p = self.store.d(sub, jid + ".json")
+                    try:
+                        st = _lstat(p)
+                        return ("scheduled" if st.st_mtime > _now() else
+                                "ready"), p
+                    except OSError:
+                        pass
+                prefix = jid + "+"
+                for name in _listdir(self.store.d("processing")):
+                    if name.startswith(prefix) and _split_claim(name):
+                        return "processing", self.store.d("processing", name)
+                for state, sub in (("dead", "dlq"), ("done", "done")):
+                    p = self.store.d(sub, jid + ".json")
+                    if _lexists(p):
+                        return state, p
             for name in (jid, jid + ".json"):
                 p = self.store.d("failed", name)
                 if not name.endswith(".reason") and _lexists(p):

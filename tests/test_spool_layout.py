@@ -193,6 +193,27 @@ def test_a_done_job_dropped_again_is_skipped_not_run(myq, spool):
     assert ls(spool, "incoming") == [] and ls(spool, "processing") == []
 
 
+@pytest.mark.files_only("a claim's file, moved back to incoming/ by a retry")
+def test_show_finds_a_job_that_moved_back_while_it_was_looked_for(
+        myq, spool, monkeypatch):
+    """`myq show` looks in incoming/ before processing/: a retry that puts
+    the job back in between was missed by both looks (a flake of a test
+    that waits for a retry's state); the job is looked for again."""
+    sp = myq.open_store(spool)
+    sp.enqueue("t", {"n": 1}, id="a")
+    inc = os.path.join(spool, "incoming", "a.json")
+    claimed = os.path.join(spool, "processing", myq._claim_name("a", "w-1-abcdef.1"))
+    os.rename(inc, claimed)
+    real = myq._listdir
+
+    def listdir(path):
+        if path.rstrip("/").endswith("processing") and os.path.exists(claimed):
+            os.rename(claimed, inc)         # the retry, between the looks
+        return real(path)
+    monkeypatch.setattr(myq, "_listdir", listdir)
+    assert sp.show("a")["state"] == "ready"
+
+
 def test_a_chosen_id_stays_refused_for_the_window_when_done_goes_early(
         myq, spool):
     """What the test above proves of the files, on either store: retention
