@@ -1027,8 +1027,7 @@ class _Door(object):
         (All closed and opened again at every tick, they cost an idle
         worker three times the system calls.)  The stats are kept
         (`looked`): the tick's keys of incoming/ and locks/ need none."""
-        fds, stat_, self.looked = self.fds, os.stat, {}
-        looked = {}
+        fds, stat_, self.looked, looked = self.fds, os.stat, {}, {}
         try:
             # (sorted: a parent before its children)
             for sub, (parent, name, seen) in sorted(self._seen.items()):
@@ -11568,9 +11567,10 @@ class Worker(object):
         return not (
             self.runs or f._splits or f._pending or f._stuck or sched._poked
             or sched.ahead.held or sched.next_due is not None or self.stopping
-            or self.holds.until or self._next_settle is not None or [
-                L for L in sched._lanes if L.dirty or L.cache or L.cache_full
-                or L.sweep is not None or L.quiet is not None or L.order is not None])
+            or self.holds.until or self._next_settle is not None or any(
+                L.dirty or L.cache or L.cache_full or L.sweep is not None
+                or L.quiet is not None or L.order is not None
+                for L in sched._lanes))
 
     def _rest_tick(self, now):
         """A poll tick at rest, after the scheduler's and the holds' looks:
